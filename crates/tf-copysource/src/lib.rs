@@ -1,0 +1,1 @@
+//! tf-copysource (skeleton)

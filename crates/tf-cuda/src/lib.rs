@@ -1,0 +1,1 @@
+//! tf-cuda (skeleton)

@@ -1,0 +1,10 @@
+//! `tf forward`.
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> ExitCode {
+    eprintln!("tf forward: not available in this build");
+    ExitCode::FAILURE
+}

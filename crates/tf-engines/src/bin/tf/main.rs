@@ -1,0 +1,35 @@
+//! `tf`: the command-line front end (doctor, tokenize, forward, image, bench, worker).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod doctor;
+mod forward;
+mod tokenize;
+
+#[derive(Parser)]
+#[command(name = "tf", version, about = "TensorFold CUDA runtime and engines")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Open the CUDA driver and report the GPU, its capabilities and memory.
+    Doctor(doctor::Args),
+    /// Tokenize TEXT with a tokenizer.json and print the ids as a JSON array.
+    Tokenize(tokenize::Args),
+    /// Run one DiT forward from an input bundle and write `sample`.
+    Forward(forward::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Doctor(a) => doctor::run(a),
+        Command::Tokenize(a) => tokenize::run(a),
+        Command::Forward(a) => forward::run(a),
+    }
+}
