@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod doctor;
 mod forward;
 mod tokenize;
@@ -23,6 +24,9 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Run one DiT forward from an input bundle and write `sample`.
     Forward(forward::Args),
+    /// Benchmarks on the GPU, side by side with the reference.
+    #[command(subcommand)]
+    Bench(bench::Bench),
 }
 
 fn main() -> ExitCode {
@@ -31,5 +35,6 @@ fn main() -> ExitCode {
         Command::Doctor(a) => doctor::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Forward(a) => forward::run(a),
+        Command::Bench(b) => bench::run(b),
     }
 }

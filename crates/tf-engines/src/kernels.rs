@@ -1,0 +1,1 @@
+//! Embedded kernel images (skeleton).

@@ -1,0 +1,1 @@
+//! Host reference ops (skeleton).

@@ -1,0 +1,1 @@
+//! DiT config (skeleton).

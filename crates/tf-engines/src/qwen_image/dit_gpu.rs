@@ -1,0 +1,1 @@
+//! DiT GPU backend (skeleton).

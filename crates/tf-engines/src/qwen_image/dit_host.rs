@@ -1,0 +1,1 @@
+//! DiT host reference (skeleton).

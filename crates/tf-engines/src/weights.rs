@@ -1,0 +1,1 @@
+//! Safetensors model folders (skeleton).
