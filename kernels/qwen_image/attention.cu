@@ -1,0 +1,380 @@
+// Flash attention forward for the Qwen-Image DiT: bf16 q/k/v/o, head dim 128, f32 online softmax.
+//
+// Layout: token-major rows, heads side by side: q[b][row][head * 128 + d] with element strides between
+// rows and batches (the layout the fused-qkv kernel writes, and the one the output projection reads). Keys
+// are `prefix_len` cached rows (k_prefix/v_prefix) followed by `num_keys - prefix_len` current rows (k/v):
+// the cached prefix is read in place, never copied. Grouped-query attention: query head h reads kv head
+// h / (num_heads / num_kv_heads).
+//
+// Masks, both optional:
+//   key_limit[b * key_limit_batch_stride + q] (int32): query q sees keys k < key_limit (causal: q+1 with
+//     q counted in keys; block-causal: the end of q's image block; null: all keys).
+//   key_pad[2 * b], key_pad[2 * b + 1] (int32): keys in [begin, end) are padding and never seen.
+// A query that sees no key gets a zero output row.
+//
+// Scheme (FlashAttention-2 style): one CTA per (128 or 64 query rows, head, batch), 16 query rows per warp
+// kept in registers, keys in tiles of 64 through a cp.async ring of STAGES tiles in XOR-swizzled shared
+// memory, mma.sync m16n8k16 bf16 with ldmatrix, exp2 with the scale folded into log2 units. Tiles entirely
+// inside every row's window skip per-score masking; tiles past every row's limit are not visited. The
+// reduction order is fixed (keys ascending, quad butterflies), so results are bit-identical run to run.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kHeadDim = 128;
+constexpr int kKeysPerTile = 64;
+constexpr int kRowBytes = kHeadDim * 2;                       // 256 bytes = 16 chunks of 16 bytes
+constexpr int kTileBytes = kKeysPerTile * kRowBytes;          // one K or V tile: 16 KiB
+#define kNegInf (-__int_as_float(0x7f800000))
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][128] bf16 tile: the chunk index
+// is XORed with the row's low 3 bits so that 8 rows read at one logical chunk hit 8 different bank groups.
+__device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+    return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;  // 0: the 16 destination bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// d += a * b for one m16n8k16 tile (bf16 inputs, f32 accumulators).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x with the hardware unit (relative error ~2^-22, far below the bf16 rounding of P); exp2(-inf) = 0.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <int WARPS, int STAGES>
+__device__ __forceinline__ void attention_tile(
+    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
+    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
+    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
+    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
+    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
+    const int* __restrict__ key_pad, float scale_log2) {
+    constexpr int kThreads = WARPS * 32;
+    constexpr int kRows = WARPS * 16;
+    extern __shared__ __align__(128) uint8_t smem[];
+    __shared__ int window[2];  // [min, max] of the key limits of this CTA's rows
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int group = lane >> 2;  // row within an 8-row half of the warp's 16 rows
+    const int quad = lane & 3;
+    const int q0 = blockIdx.x * kRows;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (num_heads / num_kv_heads);
+
+    const bf16* q_base = q + batch * q_batch_stride + head * kHeadDim;
+    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    const bf16* k_base = k + batch * kv_batch_stride + kv_head * kHeadDim;
+    const bf16* v_base = v + batch * kv_batch_stride + kv_head * kHeadDim;
+    bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
+
+    const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t smem_kv = smem_q + kRows * kRowBytes;
+
+    // This thread's two rows and their key windows.
+    const int row_a = q0 + warp * 16 + group;
+    const int row_b = row_a + 8;
+    int limit_a = num_keys;
+    int limit_b = num_keys;
+    if (key_limit != nullptr) {
+        const int* lim = key_limit + batch * key_limit_batch_stride;
+        if (row_a < num_queries) limit_a = min(max(lim[row_a], 0), num_keys);
+        if (row_b < num_queries) limit_b = min(max(lim[row_b], 0), num_keys);
+    }
+    int window_min = num_keys;
+    int window_max = num_keys;
+    if (key_limit != nullptr) {
+        if (tid == 0) {
+            window[0] = num_keys;
+            window[1] = 0;
+        }
+        __syncthreads();
+        if (row_a < num_queries) {
+            atomicMin(&window[0], limit_a);
+            atomicMax(&window[1], limit_a);
+        }
+        if (row_b < num_queries) {
+            atomicMin(&window[0], limit_b);
+            atomicMax(&window[1], limit_b);
+        }
+        __syncthreads();
+        window_min = window[0];
+        window_max = window[1];
+        // Rows past the end are not stored; give them a window that can never produce NaN work.
+        if (row_a >= num_queries) limit_a = window_max;
+        if (row_b >= num_queries) limit_b = window_max;
+    }
+    int pad_begin = 0;
+    int pad_end = 0;
+    if (key_pad != nullptr) {
+        pad_begin = max(key_pad[2 * batch], 0);
+        pad_end = min(key_pad[2 * batch + 1], num_keys);
+        if (pad_end <= pad_begin) pad_begin = pad_end = 0;
+    }
+    const int num_tiles = (window_max + kKeysPerTile - 1) / kKeysPerTile;
+
+    // Q: kRows x 16 chunks; K and V: 64 x 16 chunks each per tile.
+    auto load_q = [&]() {
+#pragma unroll
+        for (int i = 0; i < kRows * 16 / kThreads; ++i) {
+            const int idx = tid + i * kThreads;
+            const int r = idx >> 4;
+            const int c = idx & 15;
+            const int row = q0 + r;
+            const bool valid = row < num_queries;
+            const bf16* src = q_base + (valid ? static_cast<int64_t>(row) * q_row_stride + c * 8 : 0);
+            cp_async_16(smem_q + swizzle(r, c), src, valid);
+        }
+    };
+    auto load_kv = [&](int tile, int stage) {
+        const uint32_t k_dst = smem_kv + stage * 2 * kTileBytes;
+        const uint32_t v_dst = k_dst + kTileBytes;
+#pragma unroll
+        for (int i = 0; i < kKeysPerTile * 16 / kThreads; ++i) {
+            const int idx = tid + i * kThreads;
+            const int r = idx >> 4;
+            const int c = idx & 15;
+            const int key = tile * kKeysPerTile + r;
+            const bf16* k_src = k_base;
+            const bf16* v_src = v_base;
+            bool valid = true;
+            if (key < prefix_len) {
+                const int64_t off = static_cast<int64_t>(key) * prefix_row_stride + c * 8;
+                k_src = kp_base + off;
+                v_src = vp_base + off;
+            } else if (key < num_keys) {
+                const int64_t off = static_cast<int64_t>(key - prefix_len) * kv_row_stride + c * 8;
+                k_src = k_base + off;
+                v_src = v_base + off;
+            } else {
+                valid = false;  // zero-filled: masked scores times zero values stay finite
+            }
+            cp_async_16(k_dst + swizzle(r, c), k_src, valid);
+            cp_async_16(v_dst + swizzle(r, c), v_src, valid);
+        }
+    };
+
+    load_q();
+    if (num_tiles > 0) load_kv(0, 0);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 1; s < STAGES - 1; ++s) {
+        if (s < num_tiles) load_kv(s, s);
+        cp_async_commit();
+    }
+
+    uint32_t q_frag[8][4];
+    float acc[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float max_a = kNegInf, max_b = kNegInf;  // running row maxima (raw scores)
+    float sum_a = 0.0f, sum_b = 0.0f;        // this thread's partial row sums of P
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (tile == 0) {
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4(q_frag[kk], smem_q + swizzle(r, 2 * kk + (lane >> 4)));
+            }
+        }
+        {
+            const int next = tile + STAGES - 1;
+            if (next < num_tiles) load_kv(next, next % STAGES);
+            cp_async_commit();
+        }
+        const uint32_t k_tile = smem_kv + (tile % STAGES) * 2 * kTileBytes;
+        const uint32_t v_tile = k_tile + kTileBytes;
+
+        // S = Q K^T for 16 rows x 64 keys.
+        float s[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+            for (int jp = 0; jp < 4; ++jp) {
+                uint32_t b[4];
+                const int r = jp * 16 + (lane & 7) + ((lane >> 4) << 3);
+                ldmatrix_x4(b, k_tile + swizzle(r, 2 * kk + ((lane >> 3) & 1)));
+                mma_bf16(s[2 * jp], q_frag[kk], b[0], b[1]);
+                mma_bf16(s[2 * jp + 1], q_frag[kk], b[2], b[3]);
+            }
+        }
+
+        const int key0 = tile * kKeysPerTile;
+        const bool full = key0 + kKeysPerTile <= window_min &&
+                          (key0 + kKeysPerTile <= pad_begin || key0 >= pad_end);
+        if (!full) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + j * 8 + quad * 2 + (e & 1);
+                    const int limit = e < 2 ? limit_a : limit_b;
+                    const bool seen = key < limit && (key < pad_begin || key >= pad_end);
+                    if (!seen) s[j][e] = kNegInf;
+                }
+            }
+        }
+
+        // Online softmax in log2 units.
+        float tile_max_a = kNegInf, tile_max_b = kNegInf;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            tile_max_a = fmaxf(tile_max_a, fmaxf(s[j][0], s[j][1]));
+            tile_max_b = fmaxf(tile_max_b, fmaxf(s[j][2], s[j][3]));
+        }
+        const float new_max_a = fmaxf(max_a, quad_max(tile_max_a));
+        const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
+        const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a * scale_log2;
+        const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b * scale_log2;
+        const float corr_a = exp2_approx(max_a * scale_log2 - base_a);
+        const float corr_b = exp2_approx(max_b * scale_log2 - base_b);
+        max_a = new_max_a;
+        max_b = new_max_b;
+        float tile_sum_a = 0.0f, tile_sum_b = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            s[j][0] = exp2_approx(fmaf(s[j][0], scale_log2, -base_a));
+            s[j][1] = exp2_approx(fmaf(s[j][1], scale_log2, -base_a));
+            s[j][2] = exp2_approx(fmaf(s[j][2], scale_log2, -base_b));
+            s[j][3] = exp2_approx(fmaf(s[j][3], scale_log2, -base_b));
+            tile_sum_a += s[j][0] + s[j][1];
+            tile_sum_b += s[j][2] + s[j][3];
+        }
+        sum_a = fmaf(sum_a, corr_a, tile_sum_a);
+        sum_b = fmaf(sum_b, corr_b, tile_sum_b);
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            acc[n][0] *= corr_a;
+            acc[n][1] *= corr_a;
+            acc[n][2] *= corr_b;
+            acc[n][3] *= corr_b;
+        }
+
+        // O += P V: the score accumulators of key tiles 2kk and 2kk+1 are the A fragment of keys 16kk..+16.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            uint32_t p[4];
+            p[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            p[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            p[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            p[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int mp = 0; mp < 8; ++mp) {
+                uint32_t b[4];
+                const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4_trans(b, v_tile + swizzle(r, 2 * mp + (lane >> 4)));
+                mma_bf16(acc[2 * mp], p, b[0], b[1]);
+                mma_bf16(acc[2 * mp + 1], p, b[2], b[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Normalise, stage this warp's 16 rows in its own slice of the Q buffer, then store 16-byte chunks.
+    const float total_a = quad_sum(sum_a);
+    const float total_b = quad_sum(sum_b);
+    const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
+    const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
+    const int local_a = warp * 16 + group;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const uint32_t lo = pack_bf16(acc[n][0] * inv_a, acc[n][1] * inv_a);
+        const uint32_t hi = pack_bf16(acc[n][2] * inv_b, acc[n][3] * inv_b);
+        const uint32_t in_chunk = quad * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swizzle(local_a, n) + in_chunk), "r"(lo));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swizzle(local_a + 8, n) + in_chunk), "r"(hi));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int idx = lane + i * 32;
+        const int r = warp * 16 + (idx >> 4);
+        const int c = idx & 15;
+        const int row = q0 + r;
+        if (row < num_queries) {
+            uint4 v4;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
+                         : "r"(smem_q + swizzle(r, c)));
+            *reinterpret_cast<uint4*>(o_base + static_cast<int64_t>(row) * o_row_stride + c * 8) = v4;
+        }
+    }
+}
+
+}  // namespace
+
+// Dynamic shared memory: (16 * WARPS + 2 * 64 * STAGES) * 256 bytes; grid (ceil(num_queries / (16 *
+// WARPS)), num_heads, batch); block 32 * WARPS threads. See attention_tile for the arguments.
+#define QI_ATTENTION_KERNEL(NAME, WARPS, STAGES, MIN_BLOCKS)                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) NAME(                                \
+        const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
+        const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
+        const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,   \
+        bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
+        int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
+        const int* __restrict__ key_pad, float scale_log2) {                                                  \
+        attention_tile<WARPS, STAGES>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, \
+                                      prefix_row_stride, prefix_len, k, v, kv_batch_stride, kv_row_stride, o,   \
+                                      o_batch_stride, o_row_stride, num_queries, num_keys, num_heads,          \
+                                      num_kv_heads, key_limit, key_limit_batch_stride, key_pad, scale_log2);   \
+    }
+
+QI_ATTENTION_KERNEL(qi_attention_d128_w8s2, 8, 2, 1)
+QI_ATTENTION_KERNEL(qi_attention_d128_w8s3, 8, 3, 1)
+QI_ATTENTION_KERNEL(qi_attention_d128_w4s2, 4, 2, 2)
+QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)

@@ -1,0 +1,75 @@
+// Device helpers shared by the qwen_image kernels: bf16 vector loads, fixed-order reductions, and the
+// modulation-row rule of the DiT.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace qi {
+
+using bf16 = __nv_bfloat16;
+
+// Eight bf16 values moved as one 16-byte access.
+struct alignas(16) Bf16x8 {
+    __nv_bfloat162 pairs[4];
+};
+
+__device__ __forceinline__ void load8(const bf16* p, float (&out)[8]) {
+    Bf16x8 v = *reinterpret_cast<const Bf16x8*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(v.pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void store8(bf16* p, const float (&in)[8]) {
+    Bf16x8 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v.pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    }
+    *reinterpret_cast<Bf16x8*>(p) = v;
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Butterfly sum over the 32 lanes of a warp; every lane gets the same value, in the same order on every run.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024), returned to every thread. Fixed
+// order: warp butterflies, then the warp totals in ascending warp order. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) {
+        total += scratch[w];
+    }
+    return total;
+}
+
+// The DiT's modulation-row rule: rows are `seq_len` tokens per sample; a token at position >= target_begin
+// within its sample uses its sample's modulation row, every other token (text, condition image) the t = 0
+// row `prefix_row`.
+__device__ __forceinline__ int modulation_row(int row, int seq_len, int target_begin, int prefix_row) {
+    const int sample = row / seq_len;
+    const int position = row - sample * seq_len;
+    return position >= target_begin ? sample : prefix_row;
+}
+
+}  // namespace qi
