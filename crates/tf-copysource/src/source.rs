@@ -1,0 +1,1169 @@
+//! The copy source: staging pool, per-stream pending lists, capture scopes, context table.
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use crate::backend::{Backend, DeviceAddress, MarkerState};
+use crate::classes::{self, CLASS_COUNT, MAX_CLASS_BYTES, SYNC_CHUNK_BYTES};
+use crate::error::Error;
+
+/// How many contexts a process can register at once.
+pub const MAX_CONTEXTS: usize = 64;
+
+/// The result type of this crate for backend `B`.
+pub type Result<T, B> = std::result::Result<T, Error<<B as Backend>::Error>>;
+
+/// Tuning of a [`CopySource`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Spare (finished, pooled) staging bytes a context keeps for reuse; blocks beyond it are freed.
+    pub max_spare_bytes_per_context: usize,
+    /// Optional cap on all staging bytes held (pending, captured, spare). `None`: only the backend limits it.
+    pub staging_limit_bytes: Option<usize>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_spare_bytes_per_context: 256 << 20,
+            staging_limit_bytes: None,
+        }
+    }
+}
+
+/// A registered context: a slot in the fixed table and the generation that slot had when registered.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ContextId {
+    slot: usize,
+    generation: u64,
+}
+
+impl ContextId {
+    /// The slot in the context table (`0..MAX_CONTEXTS`).
+    pub fn slot(self) -> usize {
+        self.slot
+    }
+}
+
+/// A counter snapshot, for tests, benchmarks and diagnostics.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Registered contexts.
+    pub contexts: usize,
+    /// Pending entries (uploads and graph launches not yet proven done), retired streams included.
+    pub pending_entries: usize,
+    /// Staging blocks owned by pending upload entries.
+    pub pending_blocks: usize,
+    /// Pooled spare blocks.
+    pub spare_blocks: usize,
+    /// Open capture scopes.
+    pub open_captures: usize,
+    /// Staging bytes held: pending, captured and spare.
+    pub staging_bytes: usize,
+    /// Blocks deliberately leaked because they could not be proven unread (e.g. after a fault).
+    pub leaked_blocks: usize,
+}
+
+/// What [`CopySource::unregister_context`] did.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct TeardownReport {
+    /// Pending blocks released after their stream was proven past them.
+    pub released_blocks: usize,
+    /// Spare blocks freed.
+    pub spares_freed: usize,
+    /// Blocks leaked because the backend could not prove the GPU was done with them.
+    pub leaked_blocks: usize,
+}
+
+/// A range of host memory kept alive by a capture (see [`CaptureScope::adopt`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HostRange {
+    /// Address of the first byte.
+    pub address: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// Host bytes that can be moved into a capture and read by its copy nodes for as long as it lives.
+/// The bytes must not move when the value moves (heap-backed), which holds for every implementation here.
+pub trait HostSource: Send + Sync + 'static {
+    /// The bytes a copy node reads.
+    fn host_bytes(&self) -> &[u8];
+}
+
+impl HostSource for Vec<u8> {
+    fn host_bytes(&self) -> &[u8] {
+        self
+    }
+}
+impl HostSource for Box<[u8]> {
+    fn host_bytes(&self) -> &[u8] {
+        self
+    }
+}
+impl HostSource for Arc<[u8]> {
+    fn host_bytes(&self) -> &[u8] {
+        self
+    }
+}
+impl HostSource for Arc<Vec<u8>> {
+    fn host_bytes(&self) -> &[u8] {
+        self
+    }
+}
+impl HostSource for &'static [u8] {
+    fn host_bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+struct Block<B: Backend> {
+    staging: B::Staging,
+    class: usize,
+    bytes: usize,
+}
+
+enum Payload<B: Backend> {
+    Blocks(Vec<Block<B>>),
+    Captured(Arc<CapturedInner<B>>),
+}
+
+struct PendingEntry<B: Backend> {
+    seq: u64,
+    context: ContextId,
+    stream: B::Stream,
+    marker: Option<B::Marker>,
+    payload: Payload<B>,
+}
+
+struct ContextSlot<B: Backend> {
+    handle: B::Context,
+    generation: u64,
+    spares: Vec<Vec<B::Staging>>,
+    spare_bytes: usize,
+}
+
+struct OpenCapture<B: Backend> {
+    scope_id: u64,
+    context: ContextId,
+    blocks: Vec<Block<B>>,
+    adopted: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+struct State<B: Backend> {
+    contexts: Vec<Option<ContextSlot<B>>>,
+    next_generation: u64,
+    streams: HashMap<B::Stream, VecDeque<PendingEntry<B>>>,
+    /// Entries of retired (destroyed) streams: released once their marker says done.
+    orphans: Vec<PendingEntry<B>>,
+    captures: HashMap<B::Stream, OpenCapture<B>>,
+    next_seq: u64,
+    next_scope_id: u64,
+    staging_bytes: usize,
+    leaked_blocks: usize,
+}
+
+impl<B: Backend> State<B> {
+    fn context(&self, id: ContextId) -> Result<&ContextSlot<B>, B> {
+        match self.contexts.get(id.slot).and_then(Option::as_ref) {
+            Some(slot) if slot.generation == id.generation => Ok(slot),
+            _ => Err(Error::UnknownContext {
+                slot: id.slot,
+                generation: id.generation,
+            }),
+        }
+    }
+
+    fn context_mut(&mut self, id: ContextId) -> Option<&mut ContextSlot<B>> {
+        match self.contexts.get_mut(id.slot).and_then(Option::as_mut) {
+            Some(slot) if slot.generation == id.generation => Some(slot),
+            _ => None,
+        }
+    }
+
+    fn any_open_capture(&self) -> Option<B::Stream> {
+        self.captures.keys().next().copied()
+    }
+
+    fn leak(&mut self, blocks: Vec<Block<B>>) {
+        for block in blocks {
+            self.staging_bytes = self.staging_bytes.saturating_sub(block.bytes);
+            self.leaked_blocks += 1;
+            // The GPU may still read it and nothing can prove otherwise: never free it.
+            std::mem::forget(block.staging);
+        }
+    }
+}
+
+struct Shared<B: Backend> {
+    backend: B,
+    config: Config,
+    state: Mutex<State<B>>,
+}
+
+/// Owns the host bytes of host-to-device copies until the GPU has read them. Cheap to clone (shared).
+///
+/// See the crate documentation for the invariants and the lock order.
+pub struct CopySource<B: Backend> {
+    shared: Arc<Shared<B>>,
+}
+
+impl<B: Backend> Clone for CopySource<B> {
+    fn clone(&self) -> Self {
+        CopySource {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for CopySource<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopySource")
+            .field("config", &self.shared.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// Entries and blocks taken out under the lock, released after it is dropped.
+struct Released<B: Backend> {
+    entries: Vec<PendingEntry<B>>,
+}
+
+impl<B: Backend> Default for Released<B> {
+    fn default() -> Self {
+        Released {
+            entries: Vec::new(),
+        }
+    }
+}
+
+impl<B: Backend> CopySource<B> {
+    /// A copy source over `backend` with the default [`Config`].
+    pub fn new(backend: B) -> Self {
+        Self::with_config(backend, Config::default())
+    }
+
+    /// A copy source over `backend` with `config`.
+    pub fn with_config(backend: B, config: Config) -> Self {
+        let state = State {
+            contexts: (0..MAX_CONTEXTS).map(|_| None).collect(),
+            next_generation: 1,
+            streams: HashMap::new(),
+            orphans: Vec::new(),
+            captures: HashMap::new(),
+            next_seq: 0,
+            next_scope_id: 1,
+            staging_bytes: 0,
+            leaked_blocks: 0,
+        };
+        CopySource {
+            shared: Arc::new(Shared {
+                backend,
+                config,
+                state: Mutex::new(state),
+            }),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.shared.backend
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> Config {
+        self.shared.config
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Stats {
+        let state = self.shared.state.lock();
+        let pending = state
+            .streams
+            .values()
+            .flat_map(|list| list.iter())
+            .chain(state.orphans.iter());
+        let (mut pending_entries, mut pending_blocks) = (0, 0);
+        for entry in pending {
+            pending_entries += 1;
+            if let Payload::Blocks(blocks) = &entry.payload {
+                pending_blocks += blocks.len();
+            }
+        }
+        Stats {
+            contexts: state.contexts.iter().filter(|slot| slot.is_some()).count(),
+            pending_entries,
+            pending_blocks,
+            spare_blocks: state
+                .contexts
+                .iter()
+                .flatten()
+                .map(|c| c.spares.iter().map(Vec::len).sum::<usize>())
+                .sum(),
+            open_captures: state.captures.len(),
+            staging_bytes: state.staging_bytes,
+            leaked_blocks: state.leaked_blocks,
+        }
+    }
+
+    // ----- contexts -----
+
+    /// Registers a context (at context init). Fails with `ContextTableFull` when 64 are registered.
+    pub fn register_context(&self, handle: B::Context) -> Result<ContextId, B> {
+        let mut state = self.shared.state.lock();
+        let generation = state.next_generation;
+        let Some(slot) = state.contexts.iter().position(Option::is_none) else {
+            return Err(Error::ContextTableFull {
+                capacity: MAX_CONTEXTS,
+            });
+        };
+        state.next_generation += 1;
+        if let Some(entry) = state.contexts.get_mut(slot) {
+            *entry = Some(ContextSlot {
+                handle,
+                generation,
+                spares: (0..CLASS_COUNT).map(|_| Vec::new()).collect(),
+                spare_bytes: 0,
+            });
+        }
+        Ok(ContextId { slot, generation })
+    }
+
+    /// The backend handle of a registered context.
+    pub fn context_handle(&self, id: ContextId) -> Result<B::Context, B> {
+        Ok(self.shared.state.lock().context(id)?.handle)
+    }
+
+    /// Unregisters a context (at context teardown, before the context is destroyed): frees its spares and
+    /// waits for its pending copies (by marker, or by synchronizing their live stream) before freeing their
+    /// blocks. Blocks that cannot be proven read are leaked, never freed. Capture scopes still open for this
+    /// context and captured sources still alive leak their blocks when they end (destroy graph executables
+    /// before the context).
+    pub fn unregister_context(&self, id: ContextId) -> Result<TeardownReport, B> {
+        let (handle, spares, entries) = {
+            let mut state = self.shared.state.lock();
+            state.context(id)?;
+            let slot = state.contexts.get_mut(id.slot).and_then(Option::take);
+            let Some(slot) = slot else {
+                return Err(Error::UnknownContext {
+                    slot: id.slot,
+                    generation: id.generation,
+                });
+            };
+            // (entry, whether its stream is still live and may be synchronized)
+            let mut entries = Vec::new();
+            for list in state.streams.values_mut() {
+                let (mine, rest): (VecDeque<_>, VecDeque<_>) =
+                    list.drain(..).partition(|e| e.context == id);
+                *list = rest;
+                entries.extend(mine.into_iter().map(|e| (e, true)));
+            }
+            state.streams.retain(|_, list| !list.is_empty());
+            let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut state.orphans)
+                .into_iter()
+                .partition(|e| e.context == id);
+            state.orphans = rest;
+            entries.extend(mine.into_iter().map(|e| (e, false)));
+            let spares: Vec<B::Staging> = slot.spares.into_iter().flatten().collect();
+            state.staging_bytes = state.staging_bytes.saturating_sub(slot.spare_bytes);
+            (slot.handle, spares, entries)
+        };
+        let backend = &self.shared.backend;
+        let mut report = TeardownReport::default();
+        let mut first_error = None;
+        for block in spares {
+            report.spares_freed += 1;
+            if let Err(e) = backend.free_staging(handle, block) {
+                first_error.get_or_insert(Error::Backend {
+                    call: "free_staging",
+                    source: e,
+                });
+            }
+        }
+        // Streams already synchronized in this teardown (entries without a marker).
+        let mut synchronized: Vec<B::Stream> = Vec::new();
+        for (mut entry, live) in entries {
+            let proven = match &entry.marker {
+                Some(marker) => backend.wait_marker(marker).map_err(|e| {
+                    Some(Error::Backend {
+                        call: "wait_marker",
+                        source: e,
+                    })
+                }),
+                None if synchronized.contains(&entry.stream) => Ok(()),
+                None if live => {
+                    let result = backend.synchronize_stream(entry.stream).map_err(|e| {
+                        Some(Error::Backend {
+                            call: "synchronize_stream",
+                            source: e,
+                        })
+                    });
+                    if result.is_ok() {
+                        synchronized.push(entry.stream);
+                    }
+                    result
+                }
+                // A destroyed stream without a marker: nothing can prove the copy finished.
+                None => Err(None),
+            };
+            if let Some(marker) = entry.marker.take() {
+                backend.destroy_marker(marker);
+            }
+            match (proven, entry.payload) {
+                (Ok(()), Payload::Blocks(blocks)) => {
+                    let bytes: usize = blocks.iter().map(|b| b.bytes).sum();
+                    for block in blocks {
+                        report.released_blocks += 1;
+                        if let Err(e) = backend.free_staging(handle, block.staging) {
+                            first_error.get_or_insert(Error::Backend {
+                                call: "free_staging",
+                                source: e,
+                            });
+                        }
+                    }
+                    let mut state = self.shared.state.lock();
+                    state.staging_bytes = state.staging_bytes.saturating_sub(bytes);
+                }
+                (Err(error), Payload::Blocks(blocks)) => {
+                    report.leaked_blocks += blocks.len();
+                    self.shared.state.lock().leak(blocks);
+                    if let Some(e) = error {
+                        first_error.get_or_insert(e);
+                    }
+                }
+                (result, Payload::Captured(captured)) => {
+                    if let Err(Some(e)) = result {
+                        first_error.get_or_insert(e);
+                    }
+                    drop(captured);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    // ----- uploads -----
+
+    /// Asynchronous upload: copies `bytes` into private pinned staging and enqueues the copy to `destination`
+    /// on `stream`. When this returns the caller may overwrite or drop `bytes`. The staging is released only
+    /// once the stream is proven past the copy. On a stream with an open capture scope the staging is moved
+    /// into the capture instead and lives as long as the graph built from it.
+    pub fn upload_async(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        destination: DeviceAddress,
+        bytes: &[u8],
+    ) -> Result<(), B> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        check_range(destination, bytes.len())?;
+        let capture_scope = {
+            let state = self.shared.state.lock();
+            state.context(context)?;
+            state.captures.get(&stream).map(|open| open.scope_id)
+        };
+        if capture_scope.is_none() {
+            self.reap_stream_front(stream);
+        }
+        let backend = &self.shared.backend;
+        let mut blocks: Vec<Block<B>> = Vec::new();
+        let mut failure = None;
+        for (offset, len) in classes::chunks(bytes.len(), MAX_CLASS_BYTES) {
+            let mut block = match self.acquire_block(context, len) {
+                Ok(block) => block,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            let chunk = bytes.get(offset..offset + len).unwrap_or_default();
+            backend.write_staging(&mut block.staging, chunk);
+            let target = DeviceAddress(destination.0.wrapping_add(offset as u64));
+            // SAFETY: the block is kept until the stream is proven past this copy: it goes into this stream's
+            // pending list with a marker recorded after it (or into the open capture, which lives as long as
+            // the graph executables built from it); it is never written while there.
+            let enqueued = unsafe { backend.enqueue_copy(stream, target, &block.staging, len) };
+            if let Err(e) = enqueued {
+                self.release_blocks(context, vec![block]);
+                failure = Some(Error::Backend {
+                    call: "enqueue_copy",
+                    source: e,
+                });
+                break;
+            }
+            blocks.push(block);
+        }
+        if blocks.is_empty() {
+            return failure.map_or(Ok(()), Err);
+        }
+        if let Some(scope_id) = capture_scope {
+            let mut state = self.shared.state.lock();
+            match state.captures.get_mut(&stream) {
+                Some(open) if open.scope_id == scope_id => open.blocks.extend(blocks),
+                // The scope ended while we enqueued (a capture must not be begun or ended concurrently with
+                // copies on its stream): whether the graph reads these blocks cannot be known, so keep them.
+                _ => state.leak(blocks),
+            }
+            return failure.map_or(Ok(()), Err);
+        }
+        let marker = backend.record_marker(stream);
+        let (marker, marker_error) = match marker {
+            Ok(marker) => (Some(marker), None),
+            Err(e) => (
+                None,
+                Some(Error::Backend {
+                    call: "record_marker",
+                    source: e,
+                }),
+            ),
+        };
+        self.push_pending(context, stream, marker, Payload::Blocks(blocks));
+        match failure.or(marker_error) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Synchronous upload: copies `bytes` through a private host copy in 64 MiB chunks with the backend's
+    /// synchronous copy, then synchronizes `stream`; returns with the bytes landed. Refused with
+    /// `UnownedCaptureSource` while any capture scope is open.
+    pub fn upload_sync(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        destination: DeviceAddress,
+        bytes: &[u8],
+    ) -> Result<(), B> {
+        let handle = {
+            let state = self.shared.state.lock();
+            if let Some(open) = state.any_open_capture() {
+                return Err(Error::UnownedCaptureSource {
+                    operation: "synchronous upload",
+                    stream: format!("{open:?}"),
+                });
+            }
+            state.context(context)?.handle
+        };
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        check_range(destination, bytes.len())?;
+        let mut private = vec![0u8; bytes.len().min(SYNC_CHUNK_BYTES)];
+        for (offset, len) in classes::chunks(bytes.len(), SYNC_CHUNK_BYTES) {
+            let (Some(copy), Some(chunk)) =
+                (private.get_mut(..len), bytes.get(offset..offset + len))
+            else {
+                continue;
+            };
+            copy.copy_from_slice(chunk);
+            let target = DeviceAddress(destination.0.wrapping_add(offset as u64));
+            self.shared
+                .backend
+                .copy_sync(handle, target, copy)
+                .map_err(Error::backend("copy_sync"))?;
+        }
+        self.synchronize(stream)
+    }
+
+    /// Refuses a copy from host memory the runtime does not own (e.g. a caller's pinned buffer) while any
+    /// capture scope is open: a captured copy would read it at every replay. Call before such a copy.
+    pub fn check_unowned_copy(&self, operation: &'static str) -> Result<(), B> {
+        match self.shared.state.lock().any_open_capture() {
+            Some(open) => Err(Error::UnownedCaptureSource {
+                operation,
+                stream: format!("{open:?}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    // ----- streams -----
+
+    /// Synchronizes `stream` through the backend, then releases everything pending on it before the call.
+    pub fn synchronize(&self, stream: B::Stream) -> Result<(), B> {
+        let snapshot = self.shared.state.lock().next_seq;
+        self.shared
+            .backend
+            .synchronize_stream(stream)
+            .map_err(Error::backend("synchronize_stream"))?;
+        self.release_stream_before(stream, snapshot);
+        Ok(())
+    }
+
+    /// Queries `stream` through the backend; when idle, releases everything pending on it before the call.
+    pub fn query(&self, stream: B::Stream) -> Result<MarkerState, B> {
+        let snapshot = self.shared.state.lock().next_seq;
+        let state = self
+            .shared
+            .backend
+            .query_stream(stream)
+            .map_err(Error::backend("query_stream"))?;
+        if state == MarkerState::Done {
+            self.release_stream_before(stream, snapshot);
+        }
+        Ok(state)
+    }
+
+    /// Call before destroying `stream`: its pending entries are kept (with their markers, which outlive the
+    /// stream) and released by [`CopySource::reap`] once proven done. Already finished ones are released now.
+    pub fn retire_stream(&self, stream: B::Stream) {
+        {
+            let mut state = self.shared.state.lock();
+            if let Some(list) = state.streams.remove(&stream) {
+                state.orphans.extend(list);
+            }
+        }
+        // Best effort: an error leaves the entries for a later reap.
+        let _ = self.reap();
+    }
+
+    /// Releases (pools or frees) every pending block whose marker says the GPU is done with it. Returns the
+    /// number of entries released. A marker that reports an execution fault leaks its blocks (nothing can prove
+    /// the GPU is done with them) and the first such error is returned after the rest are processed.
+    pub fn reap(&self) -> Result<usize, B> {
+        let backend = &self.shared.backend;
+        let mut released = Released::default();
+        let mut faulted = Vec::new();
+        let mut first_error = None;
+        {
+            let mut state = self.shared.state.lock();
+            let state = &mut *state;
+            let mut classify =
+                |entry: PendingEntry<B>, keep: &mut dyn FnMut(PendingEntry<B>)| match &entry.marker
+                {
+                    Some(marker) => match backend.query_marker(marker) {
+                        Ok(MarkerState::Done) => released.entries.push(entry),
+                        Ok(MarkerState::Pending) => keep(entry),
+                        Err(e) => {
+                            first_error.get_or_insert(Error::Backend {
+                                call: "query_marker",
+                                source: e,
+                            });
+                            faulted.push(entry);
+                        }
+                    },
+                    None => keep(entry),
+                };
+            for list in state.streams.values_mut() {
+                let mut kept = VecDeque::with_capacity(list.len());
+                for entry in list.drain(..) {
+                    classify(entry, &mut |e| kept.push_back(e));
+                }
+                *list = kept;
+            }
+            let mut kept = Vec::new();
+            for entry in std::mem::take(&mut state.orphans) {
+                classify(entry, &mut |e| kept.push(e));
+            }
+            state.orphans = kept;
+            state.streams.retain(|_, list| !list.is_empty());
+        }
+        let count = released.entries.len();
+        self.finish_release(released);
+        for mut entry in faulted {
+            if let Some(marker) = entry.marker.take() {
+                backend.destroy_marker(marker);
+            }
+            match entry.payload {
+                Payload::Blocks(blocks) => self.shared.state.lock().leak(blocks),
+                Payload::Captured(captured) => drop(captured),
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(count),
+        }
+    }
+
+    /// Releases finished entries at the front of one stream's list (cheap; run before each upload).
+    fn reap_stream_front(&self, stream: B::Stream) {
+        let backend = &self.shared.backend;
+        let mut released = Released::default();
+        {
+            let mut state = self.shared.state.lock();
+            if let Some(list) = state.streams.get_mut(&stream) {
+                while let Some(front) = list.front() {
+                    let done = match &front.marker {
+                        Some(marker) => {
+                            matches!(backend.query_marker(marker), Ok(MarkerState::Done))
+                        }
+                        None => false,
+                    };
+                    if !done {
+                        break;
+                    }
+                    if let Some(entry) = list.pop_front() {
+                        released.entries.push(entry);
+                    }
+                }
+            }
+        }
+        self.finish_release(released);
+    }
+
+    fn release_stream_before(&self, stream: B::Stream, snapshot: u64) {
+        let mut released = Released::default();
+        {
+            let mut state = self.shared.state.lock();
+            if let Some(list) = state.streams.get_mut(&stream) {
+                let (done, rest): (VecDeque<_>, VecDeque<_>) =
+                    list.drain(..).partition(|e| e.seq < snapshot);
+                *list = rest;
+                released.entries.extend(done);
+                if list.is_empty() {
+                    state.streams.remove(&stream);
+                }
+            }
+        }
+        self.finish_release(released);
+    }
+
+    fn push_pending(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        marker: Option<B::Marker>,
+        payload: Payload<B>,
+    ) {
+        let mut state = self.shared.state.lock();
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        state
+            .streams
+            .entry(stream)
+            .or_default()
+            .push_back(PendingEntry {
+                seq,
+                context,
+                stream,
+                marker,
+                payload,
+            });
+    }
+
+    /// Runs outside the state lock: destroys markers, pools or frees blocks, drops captured references.
+    fn finish_release(&self, released: Released<B>) {
+        for mut entry in released.entries {
+            if let Some(marker) = entry.marker.take() {
+                self.shared.backend.destroy_marker(marker);
+            }
+            match entry.payload {
+                Payload::Blocks(blocks) => self.release_blocks(entry.context, blocks),
+                Payload::Captured(captured) => drop(captured),
+            }
+        }
+    }
+
+    // ----- staging pool -----
+
+    fn acquire_block(&self, context: ContextId, len: usize) -> Result<Block<B>, B> {
+        let Some((class, bytes)) = classes::class_for(len) else {
+            return Err(Error::OutOfStaging {
+                requested: len,
+                in_use: 0,
+                limit: MAX_CLASS_BYTES,
+            });
+        };
+        let mut tried_to_make_room = false;
+        let handle = loop {
+            let mut state = self.shared.state.lock();
+            let slot = state.context_mut(context).ok_or(Error::UnknownContext {
+                slot: context.slot,
+                generation: context.generation,
+            })?;
+            if let Some(staging) = slot.spares.get_mut(class).and_then(Vec::pop) {
+                slot.spare_bytes = slot.spare_bytes.saturating_sub(bytes);
+                return Ok(Block {
+                    staging,
+                    class,
+                    bytes,
+                });
+            }
+            let handle = slot.handle;
+            match self.shared.config.staging_limit_bytes {
+                Some(limit) if state.staging_bytes + bytes > limit => {
+                    if tried_to_make_room {
+                        return Err(Error::OutOfStaging {
+                            requested: bytes,
+                            in_use: state.staging_bytes,
+                            limit,
+                        });
+                    }
+                    drop(state);
+                    tried_to_make_room = true;
+                    let _ = self.reap();
+                    self.drop_all_spares();
+                }
+                _ => {
+                    state.staging_bytes += bytes;
+                    break handle;
+                }
+            }
+        };
+        let backend = &self.shared.backend;
+        let staging = match backend.alloc_staging(handle, bytes) {
+            Ok(staging) => Ok(staging),
+            Err(_) => {
+                // Give the memory of every spare back and try once more.
+                self.drop_all_spares();
+                backend.alloc_staging(handle, bytes)
+            }
+        };
+        match staging {
+            Ok(staging) => Ok(Block {
+                staging,
+                class,
+                bytes,
+            }),
+            Err(e) => {
+                let mut state = self.shared.state.lock();
+                state.staging_bytes = state.staging_bytes.saturating_sub(bytes);
+                Err(Error::Backend {
+                    call: "alloc_staging",
+                    source: e,
+                })
+            }
+        }
+    }
+
+    /// Returns finished blocks to their context's pool, freeing what does not fit. Never under the lock.
+    fn release_blocks(&self, context: ContextId, blocks: Vec<Block<B>>) {
+        let mut to_free = Vec::new();
+        let handle = {
+            let mut state = self.shared.state.lock();
+            let cap = self.shared.config.max_spare_bytes_per_context;
+            let Some(slot) = state.context_mut(context) else {
+                // The context is gone (torn down); its memory went with it.
+                state.leak(blocks);
+                return;
+            };
+            let handle = slot.handle;
+            for block in blocks {
+                match slot.spares.get_mut(block.class) {
+                    Some(list) if slot.spare_bytes + block.bytes <= cap => {
+                        slot.spare_bytes += block.bytes;
+                        list.push(block.staging);
+                    }
+                    _ => to_free.push(block),
+                }
+            }
+            let freed: usize = to_free.iter().map(|b| b.bytes).sum();
+            state.staging_bytes = state.staging_bytes.saturating_sub(freed);
+            handle
+        };
+        for block in to_free {
+            // A failed free leaves the memory allocated; nothing reads it any more.
+            let _ = self.shared.backend.free_staging(handle, block.staging);
+        }
+    }
+
+    /// Frees every context's spare blocks (e.g. before retrying a failed allocation).
+    pub fn drop_all_spares(&self) {
+        let mut to_free = Vec::new();
+        {
+            let mut state = self.shared.state.lock();
+            let mut freed = 0;
+            for slot in state.contexts.iter_mut().flatten() {
+                for list in slot.spares.iter_mut() {
+                    to_free.extend(list.drain(..).map(|s| (slot.handle, s)));
+                }
+                freed += slot.spare_bytes;
+                slot.spare_bytes = 0;
+            }
+            state.staging_bytes = state.staging_bytes.saturating_sub(freed);
+        }
+        for (handle, staging) in to_free {
+            let _ = self.shared.backend.free_staging(handle, staging);
+        }
+    }
+
+    // ----- capture -----
+
+    /// Opens a capture scope on `stream` (call right before the driver's begin-capture). While any scope is
+    /// open, synchronous uploads and copies from unowned host memory are refused. The returned guard closes
+    /// the scope when dropped unless [`CaptureScope::end`] was called after a successful end-capture.
+    pub fn begin_capture(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+    ) -> Result<CaptureScope<B>, B> {
+        let mut state = self.shared.state.lock();
+        state.context(context)?;
+        if state.captures.contains_key(&stream) {
+            return Err(Error::CaptureAlreadyOpen {
+                stream: format!("{stream:?}"),
+            });
+        }
+        let scope_id = state.next_scope_id;
+        state.next_scope_id += 1;
+        state.captures.insert(
+            stream,
+            OpenCapture {
+                scope_id,
+                context,
+                blocks: Vec::new(),
+                adopted: Vec::new(),
+            },
+        );
+        Ok(CaptureScope {
+            shared: Arc::clone(&self.shared),
+            stream,
+            scope_id,
+            open: true,
+        })
+    }
+
+    /// Call after each launch of a graph executable built with `sources` on `stream`: the sources stay alive
+    /// at least until the stream is proven past this launch, even if the executable is dropped sooner.
+    pub fn graph_launched(&self, sources: &CapturedSources<B>, stream: B::Stream) -> Result<(), B> {
+        if sources.inner.blocks.is_empty() && sources.inner.adopted.is_empty() {
+            return Ok(());
+        }
+        let marker = self.shared.backend.record_marker(stream);
+        let (marker, error) = match marker {
+            Ok(m) => (Some(m), None),
+            Err(e) => (
+                None,
+                Some(Error::Backend {
+                    call: "record_marker",
+                    source: e,
+                }),
+            ),
+        };
+        self.push_pending(
+            sources.inner.context,
+            stream,
+            marker,
+            Payload::Captured(Arc::clone(&sources.inner)),
+        );
+        error.map_or(Ok(()), Err)
+    }
+}
+
+fn check_range<E: std::error::Error + 'static>(
+    destination: DeviceAddress,
+    len: usize,
+) -> std::result::Result<(), Error<E>> {
+    match destination.offset(len) {
+        Some(_) => Ok(()),
+        None => Err(Error::AddressOverflow {
+            destination: destination.0,
+            len,
+        }),
+    }
+}
+
+/// An open capture scope on one stream. Dropping it without [`CaptureScope::end`] closes (discards) the scope
+/// and releases what it owned: drop it only after the driver capture was ended or abandoned and any graph
+/// made from it destroyed.
+pub struct CaptureScope<B: Backend> {
+    shared: Arc<Shared<B>>,
+    stream: B::Stream,
+    scope_id: u64,
+    open: bool,
+}
+
+impl<B: Backend> fmt::Debug for CaptureScope<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CaptureScope")
+            .field("stream", &self.stream)
+            .field("scope_id", &self.scope_id)
+            .finish()
+    }
+}
+
+impl<B: Backend> CaptureScope<B> {
+    /// The captured stream.
+    pub fn stream(&self) -> B::Stream {
+        self.stream
+    }
+
+    /// Moves `source` into the capture; its bytes stay valid (at the returned range) for as long as the
+    /// graph executables built from this capture live. Use it for copy nodes reading caller-provided bytes.
+    pub fn adopt<S: HostSource>(&self, source: S) -> HostRange {
+        let bytes = source.host_bytes();
+        let range = HostRange {
+            address: bytes.as_ptr() as usize,
+            len: bytes.len(),
+        };
+        let boxed: Box<dyn Any + Send + Sync> = Box::new(source);
+        let mut state = self.shared.state.lock();
+        match state.captures.get_mut(&self.stream) {
+            Some(open) if open.scope_id == self.scope_id => open.adopted.push(boxed),
+            _ => {
+                drop(state);
+                // Not open any more (cannot happen through this guard): keep the bytes alive for good.
+                std::mem::forget(boxed);
+            }
+        }
+        range
+    }
+
+    /// Closes the scope after the driver's end-capture succeeded, handing its sources to the caller, who keeps
+    /// them with the graph and every executable instantiated from it.
+    pub fn end(mut self) -> CapturedSources<B> {
+        self.open = false;
+        let open = {
+            let mut state = self.shared.state.lock();
+            match state.captures.get(&self.stream) {
+                Some(open) if open.scope_id == self.scope_id => state.captures.remove(&self.stream),
+                _ => None,
+            }
+        };
+        let (context, blocks, adopted) = match open {
+            Some(open) => (Some(open.context), open.blocks, open.adopted),
+            None => (None, Vec::new(), Vec::new()),
+        };
+        let context = context.unwrap_or(ContextId {
+            slot: usize::MAX,
+            generation: 0,
+        });
+        CapturedSources {
+            inner: Arc::new(CapturedInner {
+                shared: Arc::downgrade(&self.shared),
+                context,
+                blocks,
+                adopted,
+            }),
+        }
+    }
+}
+
+impl<B: Backend> Drop for CaptureScope<B> {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        let open = {
+            let mut state = self.shared.state.lock();
+            match state.captures.get(&self.stream) {
+                Some(open) if open.scope_id == self.scope_id => state.captures.remove(&self.stream),
+                _ => None,
+            }
+        };
+        if let Some(open) = open {
+            // The capture was discarded: no graph replays these copies.
+            let source = CopySource {
+                shared: Arc::clone(&self.shared),
+            };
+            source.release_blocks(open.context, open.blocks);
+            drop(open.adopted);
+        }
+    }
+}
+
+struct CapturedInner<B: Backend> {
+    shared: Weak<Shared<B>>,
+    context: ContextId,
+    blocks: Vec<Block<B>>,
+    adopted: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+impl<B: Backend> Drop for CapturedInner<B> {
+    fn drop(&mut self) {
+        let blocks = std::mem::take(&mut self.blocks);
+        match self.shared.upgrade() {
+            Some(shared) => CopySource { shared }.release_blocks(self.context, blocks),
+            None => {
+                // The copy source is gone; leaking is the only safe choice.
+                for block in blocks {
+                    std::mem::forget(block.staging);
+                }
+            }
+        }
+    }
+}
+
+/// The host memory a captured graph reads: staging blocks of uploads made during the capture and adopted
+/// sources. Keep it with the graph and every executable built from it; report each launch with
+/// [`CopySource::graph_launched`]. Cheap to clone.
+pub struct CapturedSources<B: Backend> {
+    inner: Arc<CapturedInner<B>>,
+}
+
+impl<B: Backend> Clone for CapturedSources<B> {
+    fn clone(&self) -> Self {
+        CapturedSources {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for CapturedSources<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CapturedSources")
+            .field("blocks", &self.inner.blocks.len())
+            .field("adopted", &self.inner.adopted.len())
+            .finish()
+    }
+}
+
+impl<B: Backend> CapturedSources<B> {
+    /// Staging blocks owned (one per captured upload chunk).
+    pub fn block_count(&self) -> usize {
+        self.inner.blocks.len()
+    }
+
+    /// Adopted host sources owned.
+    pub fn adopted_count(&self) -> usize {
+        self.inner.adopted.len()
+    }
+}
+
+impl<B: Backend> Drop for Shared<B> {
+    fn drop(&mut self) {
+        // Last handle gone: wait for what is pending, then free; leak what cannot be proven done.
+        let state = self.state.get_mut();
+        let entries: Vec<PendingEntry<B>> = state
+            .streams
+            .drain()
+            .flat_map(|(_, list)| list)
+            .chain(state.orphans.drain(..))
+            .collect();
+        let handles: Vec<Option<B::Context>> = state
+            .contexts
+            .iter()
+            .map(|slot| slot.as_ref().map(|s| s.handle))
+            .collect();
+        for mut entry in entries {
+            let proven = entry
+                .marker
+                .as_ref()
+                .is_some_and(|m| self.backend.wait_marker(m).is_ok());
+            if let Some(marker) = entry.marker.take() {
+                self.backend.destroy_marker(marker);
+            }
+            let handle = handles.get(entry.context.slot).copied().flatten();
+            if let Payload::Blocks(blocks) = entry.payload {
+                for block in blocks {
+                    match handle {
+                        Some(handle) if proven => {
+                            let _ = self.backend.free_staging(handle, block.staging);
+                        }
+                        _ => std::mem::forget(block.staging),
+                    }
+                }
+            }
+        }
+        for slot in state.contexts.iter_mut().flatten() {
+            for staging in slot.spares.drain(..).flatten() {
+                let _ = self.backend.free_staging(slot.handle, staging);
+            }
+        }
+        for (_, open) in state.captures.drain() {
+            for block in open.blocks {
+                std::mem::forget(block.staging);
+            }
+        }
+    }
+}
