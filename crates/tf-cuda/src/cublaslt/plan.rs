@@ -1,0 +1,648 @@
+//! The GEMM description engines write, its validation, and its mapping onto cuBLASLt's
+//! column-major call. Pure data: nothing here touches the library or the device.
+//!
+//! Row-major `Y[M,N] = X[M,K] · W[N,K]^T` is computed as the column-major product
+//! `Yᵀ[N,M] = op(A) · op(B)` with `A = W` read as a K×N column-major matrix (ld K, op T), and
+//! `B = X` read as a K×M column-major matrix (ld K, op N); `D = C = Y` is N×M column-major (ld N).
+//! This is cuBLASLt's "TN" form, the one its FP8 kernels require. A per-output-column bias of
+//! row-major `Y` is a per-row bias of the column-major `D`, which is what the bias epilogue adds.
+
+use std::ffi::c_int;
+
+use super::ffi::{data_type, epilogue, operation};
+use super::CublasLtError;
+
+/// A device address range: `bytes` readable (or writable) bytes at `addr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSpan {
+    pub addr: u64,
+    pub bytes: usize,
+}
+
+impl DeviceSpan {
+    pub const fn new(addr: u64, bytes: usize) -> DeviceSpan {
+        DeviceSpan { addr, bytes }
+    }
+}
+
+/// Element type of `X` and `W`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InputType {
+    Bf16,
+    /// FP8 e4m3 with one f32 scale per tensor (sm_89 and newer).
+    Fp8E4m3,
+}
+
+impl InputType {
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            InputType::Bf16 => 2,
+            InputType::Fp8E4m3 => 1,
+        }
+    }
+    pub(crate) const fn cuda_type(self) -> c_int {
+        match self {
+            InputType::Bf16 => data_type::R_16BF,
+            InputType::Fp8E4m3 => data_type::R_8F_E4M3,
+        }
+    }
+}
+
+/// Element type of `Y` (and of the bias, which always matches `Y`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OutputType {
+    Bf16,
+    F32,
+}
+
+impl OutputType {
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            OutputType::Bf16 => 2,
+            OutputType::F32 => 4,
+        }
+    }
+    pub(crate) const fn cuda_type(self) -> c_int {
+        match self {
+            OutputType::Bf16 => data_type::R_16BF,
+            OutputType::F32 => data_type::R_32F,
+        }
+    }
+}
+
+/// Activation applied after the bias, fused into the GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    None,
+    /// GELU, tanh approximation (cuBLASLt's GELU epilogue).
+    GeluTanh,
+}
+
+/// Per-tensor FP8 scales: `Y = alpha · (x_scale · X) · (w_scale · W)ᵀ (+ bias) + beta · Y`.
+/// Each is one f32 in device memory, read when the GEMM runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Scales {
+    pub x_scale: DeviceSpan,
+    pub w_scale: DeviceSpan,
+}
+
+/// One GEMM as engines describe it: row-major `Y[M,N] = alpha · X[M,K] · W[N,K]ᵀ (+ bias[N])`,
+/// then the activation, then `+ beta · Y` (the old `Y`); accumulation in f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub input: InputType,
+    pub output: OutputType,
+    pub x: DeviceSpan,
+    pub w: DeviceSpan,
+    pub y: DeviceSpan,
+    pub bias: Option<DeviceSpan>,
+    pub activation: Activation,
+    pub scales: Option<Fp8Scales>,
+    pub alpha: f32,
+    pub beta: f32,
+    /// FP8 only: cuBLASLt's faster, less precise accumulation (off by default).
+    pub fp8_fast_accum: bool,
+}
+
+impl Gemm {
+    /// `Y = X · Wᵀ` in bf16 with bf16 output.
+    pub fn bf16(m: usize, n: usize, k: usize, x: DeviceSpan, w: DeviceSpan, y: DeviceSpan) -> Gemm {
+        Gemm {
+            m,
+            n,
+            k,
+            input: InputType::Bf16,
+            output: OutputType::Bf16,
+            x,
+            w,
+            y,
+            bias: None,
+            activation: Activation::None,
+            scales: None,
+            alpha: 1.0,
+            beta: 0.0,
+            fp8_fast_accum: false,
+        }
+    }
+
+    /// `Y = (sx·X) · (sw·W)ᵀ` with e4m3 inputs and bf16 output.
+    pub fn fp8_e4m3(
+        m: usize,
+        n: usize,
+        k: usize,
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        scales: Fp8Scales,
+    ) -> Gemm {
+        Gemm {
+            input: InputType::Fp8E4m3,
+            scales: Some(scales),
+            ..Gemm::bf16(m, n, k, x, w, y)
+        }
+    }
+
+    /// Adds `bias[N]` (element type of the output) to every row.
+    pub fn with_bias(self, bias: DeviceSpan) -> Gemm {
+        Gemm {
+            bias: Some(bias),
+            ..self
+        }
+    }
+
+    /// Applies GELU (tanh approximation) after the bias.
+    pub fn with_gelu_tanh(self) -> Gemm {
+        Gemm {
+            activation: Activation::GeluTanh,
+            ..self
+        }
+    }
+
+    /// f32 output (and f32 bias) instead of bf16.
+    pub fn with_f32_output(self) -> Gemm {
+        Gemm {
+            output: OutputType::F32,
+            ..self
+        }
+    }
+
+    /// `Y = alpha · (...) + beta · Y`.
+    pub fn with_scaling(self, alpha: f32, beta: f32) -> Gemm {
+        Gemm {
+            alpha,
+            beta,
+            ..self
+        }
+    }
+
+    /// The cuBLASLt epilogue this description asks for.
+    pub fn epilogue(&self) -> u32 {
+        match (self.bias.is_some(), self.activation) {
+            (false, Activation::None) => epilogue::DEFAULT,
+            (true, Activation::None) => epilogue::BIAS,
+            (false, Activation::GeluTanh) => epilogue::GELU,
+            (true, Activation::GeluTanh) => epilogue::GELU_BIAS,
+        }
+    }
+
+    /// Checks everything that can be checked before a call and maps the GEMM to cuBLASLt's
+    /// column-major form.
+    pub fn plan(&self) -> Result<ColumnMajorCall, CublasLtError> {
+        let invalid = |what: String| CublasLtError::Invalid { what };
+        let shape = format!("M={} N={} K={}", self.m, self.n, self.k);
+        for (name, dim) in [("M", self.m), ("N", self.n), ("K", self.k)] {
+            if dim == 0 || dim > i32::MAX as usize {
+                return Err(invalid(format!(
+                    "{name} = {dim} in {shape}: every dimension must be in 1..={}",
+                    i32::MAX
+                )));
+            }
+        }
+        if !self.alpha.is_finite() || !self.beta.is_finite() {
+            return Err(invalid(format!(
+                "alpha = {} and beta = {} must be finite",
+                self.alpha, self.beta
+            )));
+        }
+        let in_size = self.input.size_bytes();
+        let out_size = self.output.size_bytes();
+        let bytes_of = |rows: usize, cols: usize, elem: usize, what: &str| {
+            rows.checked_mul(cols)
+                .and_then(|n| n.checked_mul(elem))
+                .ok_or_else(|| invalid(format!("{what} of {rows}x{cols} does not fit in memory")))
+        };
+        let x_need = bytes_of(self.m, self.k, in_size, "X")?;
+        let w_need = bytes_of(self.n, self.k, in_size, "W")?;
+        let y_need = bytes_of(self.m, self.n, out_size, "Y")?;
+        let input_align = match self.input {
+            InputType::Bf16 => in_size as u64,
+            // cuBLASLt's FP8 kernels need 16-byte aligned operands.
+            InputType::Fp8E4m3 => 16,
+        };
+        let output_align = match self.input {
+            InputType::Bf16 => out_size as u64,
+            InputType::Fp8E4m3 => 16,
+        };
+        check_span("X", self.x, x_need, input_align, &shape)?;
+        check_span("W", self.w, w_need, input_align, &shape)?;
+        check_span("Y", self.y, y_need, output_align, &shape)?;
+        for (name, input, need) in [("X", self.x, x_need), ("W", self.w, w_need)] {
+            if overlaps(self.y.addr, y_need, input.addr, need) {
+                return Err(invalid(format!(
+                    "Y [{:#x}, +{y_need}) overlaps {name} [{:#x}, +{need}): the output must not alias an input",
+                    self.y.addr, input.addr
+                )));
+            }
+        }
+        let bias_addr = match self.bias {
+            Some(bias) => {
+                let need = bytes_of(1, self.n, out_size, "bias")?;
+                check_span("bias", bias, need, out_size as u64, &shape)?;
+                bias.addr
+            }
+            None => 0,
+        };
+        let (a_scale_addr, b_scale_addr) = match (self.input, self.scales) {
+            (InputType::Bf16, None) => (0, 0),
+            (InputType::Bf16, Some(_)) => {
+                return Err(invalid(
+                    "FP8 scales were given for a bf16 GEMM: scales apply to FP8 inputs only".into(),
+                ))
+            }
+            (InputType::Fp8E4m3, None) => {
+                return Err(invalid(
+                    "an FP8 GEMM needs per-tensor scales (one f32 each for X and W)".into(),
+                ))
+            }
+            (InputType::Fp8E4m3, Some(scales)) => {
+                if self.k % 16 != 0 || self.n % 16 != 0 {
+                    return Err(invalid(format!(
+                        "FP8 GEMMs need K and N to be multiples of 16 ({shape}); pad the weights"
+                    )));
+                }
+                check_span("X scale", scales.x_scale, 4, 4, &shape)?;
+                check_span("W scale", scales.w_scale, 4, 4, &shape)?;
+                // A is W and B is X in the column-major call.
+                (scales.w_scale.addr, scales.x_scale.addr)
+            }
+        };
+        if self.fp8_fast_accum && self.input != InputType::Fp8E4m3 {
+            return Err(invalid("fast accumulation applies to FP8 GEMMs only".into()));
+        }
+
+        let (m, n, k) = (self.m as u64, self.n as u64, self.k as u64);
+        let a = LayoutSpec {
+            dtype: self.input.cuda_type(),
+            rows: k,
+            cols: n,
+            ld: k as i64,
+        };
+        let b = LayoutSpec {
+            dtype: self.input.cuda_type(),
+            rows: k,
+            cols: m,
+            ld: k as i64,
+        };
+        let d = LayoutSpec {
+            dtype: self.output.cuda_type(),
+            rows: n,
+            cols: m,
+            ld: n as i64,
+        };
+        let key = PlanKey {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            input: self.input,
+            output: self.output,
+            epilogue: self.epilogue(),
+            align_a: alignment_of(self.w.addr),
+            align_b: alignment_of(self.x.addr),
+            align_cd: alignment_of(self.y.addr),
+            fast_accum: self.fp8_fast_accum,
+        };
+        Ok(ColumnMajorCall {
+            lt_m: n,
+            lt_n: m,
+            lt_k: k,
+            transa: operation::T,
+            transb: operation::N,
+            a,
+            b,
+            c: d,
+            d,
+            a_addr: self.w.addr,
+            b_addr: self.x.addr,
+            c_addr: self.y.addr,
+            d_addr: self.y.addr,
+            bias_addr,
+            a_scale_addr,
+            b_scale_addr,
+            alpha: self.alpha,
+            beta: self.beta,
+            key,
+        })
+    }
+}
+
+fn check_span(
+    name: &str,
+    span: DeviceSpan,
+    need: usize,
+    align: u64,
+    shape: &str,
+) -> Result<(), CublasLtError> {
+    let invalid = |what: String| Err(CublasLtError::Invalid { what });
+    if span.addr == 0 {
+        return invalid(format!("{name} is a null device address ({shape})"));
+    }
+    if span.bytes < need {
+        return invalid(format!(
+            "{name} holds {} bytes but {shape} needs {need}",
+            span.bytes
+        ));
+    }
+    if span.addr.checked_add(need as u64).is_none() {
+        return invalid(format!("{name} at {:#x} + {need} bytes wraps the address space", span.addr));
+    }
+    if span.addr % align != 0 {
+        return invalid(format!(
+            "{name} at {:#x} is not {align}-byte aligned (its element type needs it)",
+            span.addr
+        ));
+    }
+    Ok(())
+}
+
+fn overlaps(a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
+    let a_end = a.saturating_add(a_len as u64);
+    let b_end = b.saturating_add(b_len as u64);
+    a < b_end && b < a_end
+}
+
+/// The largest power of two dividing `addr`, capped at 256 (cuBLASLt's default assumption).
+pub fn alignment_of(addr: u64) -> u32 {
+    if addr == 0 {
+        return 256;
+    }
+    let tz = addr.trailing_zeros().min(8);
+    1u32 << tz
+}
+
+/// A column-major matrix layout as `cublasLtMatrixLayoutCreate` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayoutSpec {
+    pub dtype: c_int,
+    pub rows: u64,
+    pub cols: u64,
+    pub ld: i64,
+}
+
+/// What selects a cached plan (descriptors + algorithm): everything the heuristic sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PlanKey {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub input: InputType,
+    pub output: OutputType,
+    pub epilogue: u32,
+    /// Alignment (bytes, power of two up to 256) of `A = W`, `B = X`, `C = D = Y`.
+    pub align_a: u32,
+    pub align_b: u32,
+    pub align_cd: u32,
+    pub fast_accum: bool,
+}
+
+/// The `cublasLtMatmul` call a [`Gemm`] becomes (column-major names: `lt_m` rows of `D`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ColumnMajorCall {
+    pub lt_m: u64,
+    pub lt_n: u64,
+    pub lt_k: u64,
+    pub transa: c_int,
+    pub transb: c_int,
+    pub a: LayoutSpec,
+    pub b: LayoutSpec,
+    pub c: LayoutSpec,
+    pub d: LayoutSpec,
+    pub a_addr: u64,
+    pub b_addr: u64,
+    pub c_addr: u64,
+    pub d_addr: u64,
+    /// 0 when the epilogue has no bias.
+    pub bias_addr: u64,
+    /// 0 unless FP8.
+    pub a_scale_addr: u64,
+    pub b_scale_addr: u64,
+    pub alpha: f32,
+    pub beta: f32,
+    pub key: PlanKey,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    const MIB: usize = 1 << 20;
+
+    fn spans() -> (DeviceSpan, DeviceSpan, DeviceSpan) {
+        (
+            DeviceSpan::new(0x1000_0000, 64 * MIB),
+            DeviceSpan::new(0x2000_0000, 64 * MIB),
+            DeviceSpan::new(0x3000_0000, 64 * MIB),
+        )
+    }
+
+    fn invalid_text(g: &Gemm) -> String {
+        match g.plan() {
+            Err(CublasLtError::Invalid { what }) => what,
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn row_major_maps_to_transposed_tn_call() {
+        let (x, w, y) = spans();
+        let call = Gemm::bf16(5, 7, 3, x, w, y).plan().expect("valid");
+        assert_eq!((call.lt_m, call.lt_n, call.lt_k), (7, 5, 3));
+        assert_eq!((call.transa, call.transb), (operation::T, operation::N));
+        assert_eq!((call.a.rows, call.a.cols, call.a.ld), (3, 7, 3));
+        assert_eq!((call.b.rows, call.b.cols, call.b.ld), (3, 5, 3));
+        assert_eq!((call.d.rows, call.d.cols, call.d.ld), (7, 5, 7));
+        assert_eq!(call.c, call.d);
+        assert_eq!((call.a_addr, call.b_addr), (w.addr, x.addr));
+        assert_eq!((call.c_addr, call.d_addr), (y.addr, y.addr));
+        assert_eq!(call.a.dtype, data_type::R_16BF);
+        assert_eq!(call.d.dtype, data_type::R_16BF);
+        assert_eq!(call.bias_addr, 0);
+        assert_eq!(call.key.epilogue, epilogue::DEFAULT);
+    }
+
+    #[test]
+    fn f32_output_changes_only_c_and_d_types() {
+        let (x, w, y) = spans();
+        let call = Gemm::bf16(4, 4, 4, x, w, y).with_f32_output().plan().expect("valid");
+        assert_eq!(call.a.dtype, data_type::R_16BF);
+        assert_eq!(call.b.dtype, data_type::R_16BF);
+        assert_eq!(call.c.dtype, data_type::R_32F);
+        assert_eq!(call.d.dtype, data_type::R_32F);
+    }
+
+    #[test]
+    fn epilogues_follow_bias_and_activation() {
+        let (x, w, y) = spans();
+        let b = DeviceSpan::new(0x4000_0000, 4096);
+        let g = Gemm::bf16(2, 8, 8, x, w, y);
+        assert_eq!(g.epilogue(), epilogue::DEFAULT);
+        assert_eq!(g.with_bias(b).epilogue(), epilogue::BIAS);
+        assert_eq!(g.with_gelu_tanh().epilogue(), epilogue::GELU);
+        assert_eq!(g.with_gelu_tanh().with_bias(b).epilogue(), epilogue::GELU_BIAS);
+        assert_eq!(g.with_bias(b).plan().expect("valid").bias_addr, b.addr);
+    }
+
+    #[test]
+    fn fp8_scales_map_w_to_a_and_x_to_b() {
+        let (x, w, y) = spans();
+        let scales = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0000, 4),
+            w_scale: DeviceSpan::new(0x5000_0100, 4),
+        };
+        let call = Gemm::fp8_e4m3(32, 32, 64, x, w, y, scales).plan().expect("valid");
+        assert_eq!(call.a_scale_addr, scales.w_scale.addr);
+        assert_eq!(call.b_scale_addr, scales.x_scale.addr);
+        assert_eq!(call.a.dtype, data_type::R_8F_E4M3);
+        assert_eq!(call.d.dtype, data_type::R_16BF);
+    }
+
+    #[test]
+    fn validation_names_what_is_wrong() {
+        let (x, w, y) = spans();
+        let g = Gemm::bf16(4, 4, 4, x, w, y);
+        assert!(invalid_text(&Gemm { m: 0, ..g }).contains("M = 0"));
+        assert!(invalid_text(&Gemm { k: 1 << 40, ..g }).contains("K ="));
+        let short = DeviceSpan::new(x.addr, 31);
+        assert!(invalid_text(&Gemm { x: short, ..g }).contains("X holds 31 bytes but M=4 N=4 K=4 needs 32"));
+        assert!(invalid_text(&Gemm { w: DeviceSpan::new(0, 4096), ..g }).contains("W is a null"));
+        assert!(invalid_text(&Gemm { y: DeviceSpan::new(y.addr + 1, 4096), ..g }).contains("not 2-byte aligned"));
+        assert!(invalid_text(&g.with_scaling(f32::NAN, 0.0)).contains("finite"));
+        let bias = DeviceSpan::new(0x4000_0000, 7);
+        assert!(invalid_text(&g.with_bias(bias)).contains("bias holds 7 bytes"));
+        let alias = DeviceSpan::new(x.addr + 8, 4096);
+        assert!(invalid_text(&Gemm { y: alias, ..g }).contains("overlaps X"));
+        let scales = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0000, 4),
+            w_scale: DeviceSpan::new(0x5000_0100, 4),
+        };
+        assert!(invalid_text(&Gemm { scales: Some(scales), ..g }).contains("bf16 GEMM"));
+        let fp8 = Gemm::fp8_e4m3(16, 24, 32, x, w, y, scales);
+        assert!(invalid_text(&fp8).contains("multiples of 16"));
+        let fp8 = Gemm::fp8_e4m3(16, 32, 32, DeviceSpan::new(x.addr + 8, 4096), w, y, scales);
+        assert!(invalid_text(&fp8).contains("16-byte aligned"));
+        assert!(invalid_text(&Gemm { fp8_fast_accum: true, ..g }).contains("FP8 GEMMs only"));
+    }
+
+    #[test]
+    fn cache_key_separates_what_the_heuristic_sees() {
+        let (x, w, y) = spans();
+        let base = Gemm::bf16(64, 64, 64, x, w, y);
+        let key = |g: Gemm| g.plan().expect("valid").key;
+        // Same shape at other 256-aligned addresses: same plan.
+        let moved = Gemm {
+            x: DeviceSpan::new(x.addr + 4096, x.bytes),
+            ..base
+        };
+        assert_eq!(key(base), key(moved));
+        // Alpha/beta and bias address are per call, not per plan.
+        let b1 = DeviceSpan::new(0x4000_0000, 4096);
+        let b2 = DeviceSpan::new(0x4100_0000, 4096);
+        assert_eq!(key(base.with_bias(b1)), key(base.with_bias(b2)));
+        assert_eq!(key(base), key(base.with_scaling(0.5, 1.0)));
+        let distinct = [
+            key(base),
+            key(Gemm { m: 65, ..base }),
+            key(Gemm { n: 65, ..base }),
+            key(Gemm { k: 65, ..base }),
+            key(base.with_f32_output()),
+            key(base.with_bias(b1)),
+            key(base.with_gelu_tanh()),
+            key(Gemm { y: DeviceSpan::new(y.addr + 2, y.bytes), ..base }),
+            key(Gemm { x: DeviceSpan::new(x.addr + 16, x.bytes), ..base }),
+        ];
+        for (i, a) in distinct.iter().enumerate() {
+            for b in &distinct[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn alignment_is_capped_power_of_two() {
+        assert_eq!(alignment_of(0x1000), 256);
+        assert_eq!(alignment_of(0x1002), 2);
+        assert_eq!(alignment_of(0x1010), 16);
+        assert_eq!(alignment_of(0x1080), 128);
+        assert_eq!(alignment_of(3), 1);
+    }
+
+    /// cuBLASLt's semantics, executed on the host: `D = alpha·op(A)·op(B) + beta·C`, with
+    /// column-major layouts. Memory is a map from base address to f32 elements.
+    fn run_column_major(call: &ColumnMajorCall, mem: &mut HashMap<u64, Vec<f32>>) {
+        let at = |layout: &LayoutSpec, data: &[f32], r: u64, c: u64| {
+            data[(r + c * layout.ld as u64) as usize]
+        };
+        let a = mem[&call.a_addr].clone();
+        let b = mem[&call.b_addr].clone();
+        let c = mem[&call.c_addr].clone();
+        let mut d = vec![0.0f32; (call.d.ld as u64 * call.d.cols) as usize];
+        for i in 0..call.lt_m {
+            for j in 0..call.lt_n {
+                let mut acc = 0.0f32;
+                for l in 0..call.lt_k {
+                    let av = if call.transa == operation::T {
+                        at(&call.a, &a, l, i)
+                    } else {
+                        at(&call.a, &a, i, l)
+                    };
+                    let bv = if call.transb == operation::T {
+                        at(&call.b, &b, j, l)
+                    } else {
+                        at(&call.b, &b, l, j)
+                    };
+                    acc += av * bv;
+                }
+                let mut v = call.alpha * acc;
+                if call.bias_addr != 0 {
+                    v += mem[&call.bias_addr][i as usize];
+                }
+                v += call.beta * at(&call.c, &c, i, j);
+                d[(i + j * call.d.ld as u64) as usize] = v;
+            }
+        }
+        mem.insert(call.d_addr, d);
+    }
+
+    proptest! {
+        #[test]
+        fn column_major_call_computes_the_row_major_product(
+            m in 1usize..6, n in 1usize..6, k in 1usize..6,
+            seed in any::<u64>(), with_bias in any::<bool>(), beta in prop_oneof![Just(0.0f32), Just(0.5f32)],
+        ) {
+            // Small integers keep every sum exact in f32.
+            let mut state = seed | 1;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state % 7) as f32) - 3.0
+            };
+            let xs: Vec<f32> = (0..m * k).map(|_| next()).collect();
+            let ws: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let y0: Vec<f32> = (0..m * n).map(|_| next()).collect();
+            let bias: Vec<f32> = (0..n).map(|_| next()).collect();
+            let (xa, wa, ya, ba) = (0x1000u64, 0x2000u64, 0x3000u64, 0x4000u64);
+            let mut g = Gemm::bf16(m, n, k,
+                DeviceSpan::new(xa, 4096), DeviceSpan::new(wa, 4096), DeviceSpan::new(ya, 4096))
+                .with_scaling(2.0, beta);
+            if with_bias {
+                g = g.with_bias(DeviceSpan::new(ba, 4096));
+            }
+            let call = g.plan().expect("valid");
+            let mut mem = HashMap::from([(xa, xs.clone()), (wa, ws.clone()), (ya, y0.clone()), (ba, bias.clone())]);
+            run_column_major(&call, &mut mem);
+            let got = &mem[&ya];
+            for r in 0..m {
+                for c in 0..n {
+                    let dot: f32 = (0..k).map(|l| xs[r * k + l] * ws[c * k + l]).sum();
+                    let want = 2.0 * dot + if with_bias { bias[c] } else { 0.0 } + beta * y0[r * n + c];
+                    prop_assert_eq!(got[r * n + c], want, "Y[{}][{}]", r, c);
+                }
+            }
+        }
+    }
+}
