@@ -81,6 +81,15 @@ macro_rules! entry_resolve {
     }};
 }
 
+macro_rules! entry_address {
+    (required, $f:expr) => {
+        Some($f as usize)
+    };
+    (optional, $f:expr) => {
+        $f.map(|f| f as usize)
+    };
+}
+
 macro_rules! driver_entries {
     ($( $req:ident $alloc:ident $name:ident ( $($ty:ty),* $(,)? ); )*) => {
         /// The driver's entry points, one field per exported symbol under its exact name.
@@ -102,6 +111,15 @@ macro_rules! driver_entries {
         ];
 
         impl Api {
+            /// The address an entry points to now (`None` for an unknown name or an absent
+            /// optional entry). Lets tests prove which entries a patch replaced.
+            pub fn address_of(&self, name: &str) -> Option<usize> {
+                match name {
+                    $( stringify!($name) => entry_address!($req, self.$name), )*
+                    _ => None,
+                }
+            }
+
             /// Resolves every entry from `lib`. On failure returns the names of every missing
             /// required entry (all of them, not only the first).
             pub(crate) fn resolve(lib: &libloading::Library) -> Result<Api, Vec<&'static str>> {
