@@ -1,0 +1,545 @@
+//! Bookkeeping unit tests over the mock backend. Small buffers and no proptest, so they run under Miri.
+
+use crate::mock::{MockBackend, MockContext, MockError, MockStream};
+use crate::{Config, CopySource, DeviceAddress, Error, MarkerState, MAX_CONTEXTS};
+
+type Source = CopySource<MockBackend>;
+
+fn setup() -> (MockBackend, Source, crate::ContextId) {
+    let gpu = MockBackend::new();
+    let source = CopySource::new(gpu.clone());
+    let context = source.register_context(MockContext(0)).unwrap();
+    (gpu, source, context)
+}
+
+fn assert_clean(gpu: &MockBackend) {
+    assert_eq!(gpu.violations(), Vec::<String>::new());
+    assert!(gpu.copies().iter().all(|c| c.source_intact));
+}
+
+const S1: MockStream = MockStream(1);
+const S2: MockStream = MockStream(2);
+
+#[test]
+fn types_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Source>();
+    check::<crate::CaptureScope<MockBackend>>();
+    check::<crate::CapturedSources<MockBackend>>();
+    check::<Error<MockError>>();
+}
+
+#[test]
+fn async_upload_keeps_source_until_marker_done() {
+    let (gpu, source, context) = setup();
+    let mut bytes = vec![3u8; 100];
+    source
+        .upload_async(context, S1, DeviceAddress(0x100), &bytes)
+        .unwrap();
+    bytes.fill(0xEE);
+    assert_eq!(source.stats().pending_blocks, 1);
+    assert_eq!(gpu.queued(S1), 2, "one copy and one marker");
+
+    // The GPU has not run: reaping releases nothing.
+    assert_eq!(source.reap().unwrap(), 0);
+    assert_eq!(source.stats().pending_blocks, 1);
+
+    // Copy executed but marker not yet: still pending.
+    gpu.advance(S1, 1);
+    assert_eq!(source.reap().unwrap(), 0);
+    gpu.advance(S1, 1);
+    assert_eq!(source.reap().unwrap(), 1);
+    let stats = source.stats();
+    assert_eq!((stats.pending_blocks, stats.spare_blocks), (0, 1));
+    assert_eq!(gpu.device_bytes(DeviceAddress(0x100)), Some(vec![3u8; 100]));
+    assert_eq!(gpu.live_markers(), 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn spares_are_reused() {
+    let (gpu, source, context) = setup();
+    for round in 0..5u8 {
+        source
+            .upload_async(context, S1, DeviceAddress(0x1000), &[round; 64])
+            .unwrap();
+        source.synchronize(S1).unwrap();
+    }
+    assert_eq!(gpu.allocations(), 1, "one 4 KiB block serves every round");
+    assert_eq!(gpu.device_bytes(DeviceAddress(0x1000)), Some(vec![4u8; 64]));
+    assert_clean(&gpu);
+}
+
+#[test]
+fn upload_reaps_finished_front_of_its_stream() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    gpu.run_all();
+    source
+        .upload_async(context, S1, DeviceAddress(8), &[2; 10])
+        .unwrap();
+    assert_eq!(
+        gpu.allocations(),
+        1,
+        "the finished block was reaped and reused"
+    );
+    assert_eq!(source.stats().pending_blocks, 1);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn synchronize_and_query_release_only_their_stream() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    source
+        .upload_async(context, S2, DeviceAddress(64), &[2; 10])
+        .unwrap();
+    source.synchronize(S1).unwrap();
+    assert_eq!(source.stats().pending_blocks, 1);
+    assert_eq!(source.query(S2).unwrap(), MarkerState::Pending);
+    assert_eq!(source.stats().pending_blocks, 1);
+    gpu.advance(S2, 2);
+    assert_eq!(source.query(S2).unwrap(), MarkerState::Done);
+    assert_eq!(source.stats().pending_blocks, 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn retired_stream_releases_only_when_marker_done() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[9; 10])
+        .unwrap();
+    source.retire_stream(S1);
+    assert_eq!(source.stats().pending_blocks, 1);
+    assert_eq!(source.reap().unwrap(), 0);
+    gpu.run_all();
+    assert_eq!(source.reap().unwrap(), 1);
+    assert_eq!(source.stats().pending_entries, 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn synchronous_upload_lands_and_is_refused_while_a_scope_is_open() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_sync(context, S1, DeviceAddress(0x40), &[5; 33])
+        .unwrap();
+    assert_eq!(gpu.device_bytes(DeviceAddress(0x40)), Some(vec![5; 33]));
+
+    let scope = source.begin_capture(context, S2).unwrap();
+    let refused = source.upload_sync(context, S1, DeviceAddress(0x40), &[6; 33]);
+    match refused {
+        Err(Error::UnownedCaptureSource { operation, stream }) => {
+            assert_eq!(operation, "synchronous upload");
+            assert!(stream.contains('2'), "names the capturing stream: {stream}");
+        }
+        other => panic!("expected UnownedCaptureSource, got {other:?}"),
+    }
+    let message = source
+        .check_unowned_copy("pinned copy")
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("pinned copy refused"), "{message}");
+    assert_eq!(gpu.device_bytes(DeviceAddress(0x40)), Some(vec![5; 33]));
+
+    drop(scope);
+    source
+        .upload_sync(context, S1, DeviceAddress(0x40), &[6; 33])
+        .unwrap();
+    assert!(source.check_unowned_copy("pinned copy").is_ok());
+    assert_eq!(gpu.device_bytes(DeviceAddress(0x40)), Some(vec![6; 33]));
+    assert_clean(&gpu);
+}
+
+#[test]
+fn ended_scope_no_longer_refuses() {
+    let (_gpu, source, context) = setup();
+    let scope = source.begin_capture(context, S1).unwrap();
+    assert!(matches!(
+        source.begin_capture(context, S1),
+        Err(Error::CaptureAlreadyOpen { .. })
+    ));
+    let sources = scope.end();
+    assert_eq!(sources.block_count(), 0);
+    source
+        .upload_sync(context, S1, DeviceAddress(0), &[1])
+        .unwrap();
+    assert_eq!(source.stats().open_captures, 0);
+}
+
+#[test]
+fn captured_upload_lives_with_the_graph_and_its_launches() {
+    let (gpu, source, context) = setup();
+    let scope = source.begin_capture(context, S1).unwrap();
+    gpu.begin_capture(S1);
+    let mut bytes = vec![0x42u8; 200];
+    source
+        .upload_async(context, S1, DeviceAddress(0x900), &bytes)
+        .unwrap();
+    bytes.fill(0);
+    let adopted = scope.adopt(vec![1u8, 2, 3]);
+    assert_eq!(adopted.len, 3);
+    let graph = gpu.end_capture(S1).unwrap();
+    let sources = scope.end();
+    assert_eq!((sources.block_count(), sources.adopted_count()), (1, 1));
+    assert_eq!(
+        source.stats().pending_blocks,
+        0,
+        "captured staging is not pending on a stream"
+    );
+
+    gpu.launch(&graph, S2);
+    source.graph_launched(&sources, S2).unwrap();
+    // The executable and graph go away while the launch is still queued.
+    drop(sources);
+    drop(graph);
+    assert_eq!(gpu.live_blocks(), 1);
+    assert_eq!(source.reap().unwrap(), 0);
+    gpu.run_all();
+    assert_eq!(source.reap().unwrap(), 1);
+    assert_eq!(
+        gpu.device_bytes(DeviceAddress(0x900)),
+        Some(vec![0x42; 200])
+    );
+    assert_eq!(
+        source.stats().spare_blocks,
+        1,
+        "the block went back to the pool"
+    );
+    source.unregister_context(context).unwrap();
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn dropped_scope_releases_its_staging() {
+    let (gpu, source, context) = setup();
+    let scope = source.begin_capture(context, S1).unwrap();
+    gpu.begin_capture(S1);
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    // The driver's end-capture failed: the capture is abandoned, then the guard drops.
+    gpu.abort_capture(S1);
+    drop(scope);
+    let stats = source.stats();
+    assert_eq!((stats.open_captures, stats.spare_blocks), (0, 1));
+    assert_clean(&gpu);
+}
+
+#[test]
+fn context_table_holds_64() {
+    let gpu = MockBackend::new();
+    let source = CopySource::new(gpu);
+    let ids: Vec<_> = (0..MAX_CONTEXTS as u32)
+        .map(|i| source.register_context(MockContext(i)).unwrap())
+        .collect();
+    assert!(matches!(
+        source.register_context(MockContext(99)),
+        Err(Error::ContextTableFull { capacity: 64 })
+    ));
+    source.unregister_context(ids[7]).unwrap();
+    let again = source.register_context(MockContext(100)).unwrap();
+    assert_eq!(again.slot(), 7);
+    assert_ne!(again, ids[7], "a reused slot gets a new generation");
+    assert!(matches!(
+        source.unregister_context(ids[7]),
+        Err(Error::UnknownContext { slot: 7, .. })
+    ));
+    assert!(matches!(
+        source.upload_async(ids[7], S1, DeviceAddress(0), &[1]),
+        Err(Error::UnknownContext { .. })
+    ));
+    assert_eq!(source.context_handle(again).unwrap(), MockContext(100));
+}
+
+#[test]
+fn teardown_waits_for_pending_and_frees_spares() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    source
+        .upload_async(context, S1, DeviceAddress(16), &[2; 5000])
+        .unwrap();
+    source
+        .upload_async(context, S2, DeviceAddress(9000), &[3; 10])
+        .unwrap();
+    source.synchronize(S2).unwrap();
+    source.retire_stream(S2);
+    let report = source.unregister_context(context).unwrap();
+    assert_eq!(report.released_blocks, 2);
+    assert_eq!(report.spares_freed, 1);
+    assert_eq!(report.leaked_blocks, 0);
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_eq!(gpu.live_markers(), 0);
+    assert_eq!(gpu.device_bytes(DeviceAddress(16)), Some(vec![2; 5000]));
+    assert_eq!(source.stats(), crate::Stats::default());
+    assert_clean(&gpu);
+}
+
+#[test]
+fn execution_fault_leaks_instead_of_freeing() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    gpu.set_faulted(true);
+    assert!(matches!(
+        source.reap(),
+        Err(Error::Backend {
+            call: "query_marker",
+            ..
+        })
+    ));
+    let stats = source.stats();
+    assert_eq!((stats.pending_blocks, stats.leaked_blocks), (0, 1));
+    assert_eq!(
+        gpu.live_blocks(),
+        1,
+        "never freed: the GPU may still read it"
+    );
+    assert_clean(&gpu);
+}
+
+#[test]
+fn teardown_after_fault_leaks_and_reports() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    gpu.set_faulted(true);
+    assert!(matches!(
+        source.unregister_context(context),
+        Err(Error::Backend {
+            call: "wait_marker",
+            ..
+        })
+    ));
+    assert_eq!(source.stats().leaked_blocks, 1);
+    assert_eq!(gpu.live_blocks(), 1);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn failed_allocation_retries_after_dropping_spares() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    source.synchronize(S1).unwrap();
+    assert_eq!(source.stats().spare_blocks, 1);
+    gpu.fail_next("alloc_staging", 1);
+    // A different size class misses the pool, the first alloc fails, spares go, the retry succeeds.
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[2; 10_000])
+        .unwrap();
+    assert_eq!(source.stats().spare_blocks, 0);
+    gpu.fail_next("alloc_staging", 2);
+    let error = source
+        .upload_async(context, S1, DeviceAddress(0), &[2; 100_000])
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::Backend {
+                call: "alloc_staging",
+                ..
+            }
+        ),
+        "{error}"
+    );
+    source.synchronize(S1).unwrap();
+    source.unregister_context(context).unwrap();
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn failed_enqueue_returns_the_block() {
+    let (gpu, source, context) = setup();
+    gpu.fail_next("enqueue_copy", 1);
+    let error = source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap_err();
+    assert!(error.to_string().contains("enqueue_copy failed"), "{error}");
+    let stats = source.stats();
+    assert_eq!((stats.pending_entries, stats.spare_blocks), (0, 1));
+    assert_eq!(gpu.queued(S1), 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn failed_marker_keeps_block_until_synchronize() {
+    let (gpu, source, context) = setup();
+    gpu.fail_next("record_marker", 1);
+    assert!(source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .is_err());
+    assert_eq!(
+        source.stats().pending_blocks,
+        1,
+        "the copy was enqueued: its block stays pending"
+    );
+    gpu.run_all();
+    assert_eq!(
+        source.reap().unwrap(),
+        0,
+        "no marker: only a synchronize proves it"
+    );
+    source.synchronize(S1).unwrap();
+    assert_eq!(source.stats().pending_blocks, 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn staging_limit_reports_out_of_staging() {
+    let gpu = MockBackend::new();
+    let config = Config {
+        max_spare_bytes_per_context: 1 << 20,
+        staging_limit_bytes: Some(8192),
+    };
+    let source = CopySource::with_config(gpu.clone(), config);
+    let context = source.register_context(MockContext(0)).unwrap();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 4096])
+        .unwrap();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 4096])
+        .unwrap();
+    let error = source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 4096])
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::OutOfStaging {
+                requested: 4096,
+                in_use: 8192,
+                limit: 8192
+            }
+        ),
+        "{error}"
+    );
+    // Once the GPU is done, a reap inside the next upload makes room.
+    gpu.run_all();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 4096])
+        .unwrap();
+    assert!(source.stats().staging_bytes <= 8192);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn zero_spare_cap_frees_at_once() {
+    let gpu = MockBackend::new();
+    let config = Config {
+        max_spare_bytes_per_context: 0,
+        staging_limit_bytes: None,
+    };
+    let source = CopySource::with_config(gpu.clone(), config);
+    let context = source.register_context(MockContext(0)).unwrap();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    assert_eq!(gpu.live_blocks(), 1);
+    source.synchronize(S1).unwrap();
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_eq!(source.stats().staging_bytes, 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn empty_and_overflowing_uploads() {
+    let (gpu, source, context) = setup();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[])
+        .unwrap();
+    source
+        .upload_sync(context, S1, DeviceAddress(0), &[])
+        .unwrap();
+    assert_eq!(gpu.queued(S1), 0);
+    let error = source
+        .upload_async(context, S1, DeviceAddress(u64::MAX - 1), &[1; 4])
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::AddressOverflow { len: 4, .. }),
+        "{error}"
+    );
+    assert!(source
+        .upload_sync(context, S1, DeviceAddress(u64::MAX), &[1])
+        .is_err());
+}
+
+#[cfg(not(miri))]
+#[test]
+fn large_upload_is_chunked_at_64_mib() {
+    let (gpu, source, context) = setup();
+    let len = (64 << 20) + 4097;
+    let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &bytes)
+        .unwrap();
+    assert_eq!(source.stats().pending_blocks, 2);
+    source.synchronize(S1).unwrap();
+    let first = gpu.device_bytes(DeviceAddress(0)).unwrap();
+    let second = gpu.device_bytes(DeviceAddress(64 << 20)).unwrap();
+    assert_eq!(first.len() + second.len(), len);
+    assert_eq!([first, second].concat(), bytes);
+    source
+        .upload_sync(context, S1, DeviceAddress(1 << 30), &bytes)
+        .unwrap();
+    let copies = gpu.copies();
+    let sync: Vec<_> = copies.iter().filter(|c| c.stream.is_none()).collect();
+    assert_eq!(sync.len(), 2, "two synchronous chunks");
+    assert_eq!(sync[0].bytes.len(), 64 << 20);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn concurrent_uploads_from_threads() {
+    let (gpu, source, context) = setup();
+    let threads = if cfg!(miri) { 2 } else { 4 };
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let source = source.clone();
+            scope.spawn(move || {
+                let stream = MockStream(10 + t);
+                for i in 0..8u64 {
+                    let bytes = vec![(t as u8) ^ (i as u8); 50];
+                    source
+                        .upload_async(
+                            context,
+                            stream,
+                            DeviceAddress(u64::from(t) << 32 | i << 8),
+                            &bytes,
+                        )
+                        .unwrap();
+                    if i % 3 == 0 {
+                        source.synchronize(stream).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    gpu.run_all();
+    source.reap().unwrap();
+    assert_eq!(source.stats().pending_entries, 0);
+    for t in 0..threads {
+        for i in 0..8u64 {
+            let expected = vec![(t as u8) ^ (i as u8); 50];
+            assert_eq!(
+                gpu.device_bytes(DeviceAddress(u64::from(t) << 32 | i << 8)),
+                Some(expected)
+            );
+        }
+    }
+    source.unregister_context(context).unwrap();
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_clean(&gpu);
+}
