@@ -508,7 +508,7 @@ fn memset(st: &mut State, dst: u64, value: u32, width: u8, count: usize, stream:
     let len = (count as u64)
         .checked_mul(width as u64)
         .ok_or(code::INVALID_VALUE)?;
-    if (width == 4 && dst % 4 != 0) || (len > 0 && !st.accessible(dst, len)) {
+    if (width == 4 && !dst.is_multiple_of(4)) || (len > 0 && !st.accessible(dst, len)) {
         return Err(code::INVALID_VALUE);
     }
     let op = Op::Memset {
