@@ -123,6 +123,8 @@ impl HostSource for &'static [u8] {
 
 struct Block<B: Backend> {
     staging: B::Staging,
+    /// The context whose pool it returns to.
+    context: ContextId,
     class: usize,
     bytes: usize,
 }
@@ -494,7 +496,7 @@ impl<B: Backend> CopySource<B> {
             // the graph executables built from it); it is never written while there.
             let enqueued = unsafe { backend.enqueue_copy(stream, target, &block.staging, len) };
             if let Err(e) = enqueued {
-                self.release_blocks(context, vec![block]);
+                self.release_blocks(vec![block]);
                 failure = Some(Error::Backend {
                     call: "enqueue_copy",
                     source: e,
@@ -758,7 +760,7 @@ impl<B: Backend> CopySource<B> {
                 self.shared.backend.destroy_marker(marker);
             }
             match entry.payload {
-                Payload::Blocks(blocks) => self.release_blocks(entry.context, blocks),
+                Payload::Blocks(blocks) => self.release_blocks(blocks),
                 Payload::Captured(captured) => drop(captured),
             }
         }
@@ -785,6 +787,7 @@ impl<B: Backend> CopySource<B> {
                 slot.spare_bytes = slot.spare_bytes.saturating_sub(bytes);
                 return Ok(Block {
                     staging,
+                    context,
                     class,
                     bytes,
                 });
@@ -822,6 +825,7 @@ impl<B: Backend> CopySource<B> {
         match staging {
             Ok(staging) => Ok(Block {
                 staging,
+                context,
                 class,
                 bytes,
             }),
@@ -836,32 +840,33 @@ impl<B: Backend> CopySource<B> {
         }
     }
 
-    /// Returns finished blocks to their context's pool, freeing what does not fit. Never under the lock.
-    fn release_blocks(&self, context: ContextId, blocks: Vec<Block<B>>) {
+    /// Returns finished blocks to their contexts' pools, freeing what does not fit. Never under the lock.
+    fn release_blocks(&self, blocks: Vec<Block<B>>) {
         let mut to_free = Vec::new();
-        let handle = {
+        {
             let mut state = self.shared.state.lock();
             let cap = self.shared.config.max_spare_bytes_per_context;
-            let Some(slot) = state.context_mut(context) else {
-                // The context is gone (torn down); its memory went with it.
-                state.leak(blocks);
-                return;
-            };
-            let handle = slot.handle;
+            let mut gone = Vec::new();
             for block in blocks {
+                let Some(slot) = state.context_mut(block.context) else {
+                    // The context was torn down while a capture still held this block: its memory went
+                    // with the context, and nothing proves the GPU is done with it.
+                    gone.push(block);
+                    continue;
+                };
                 match slot.spares.get_mut(block.class) {
                     Some(list) if slot.spare_bytes + block.bytes <= cap => {
                         slot.spare_bytes += block.bytes;
                         list.push(block.staging);
                     }
-                    _ => to_free.push(block),
+                    _ => to_free.push((slot.handle, block)),
                 }
             }
-            let freed: usize = to_free.iter().map(|b| b.bytes).sum();
+            state.leak(gone);
+            let freed: usize = to_free.iter().map(|(_, b)| b.bytes).sum();
             state.staging_bytes = state.staging_bytes.saturating_sub(freed);
-            handle
-        };
-        for block in to_free {
+        }
+        for (handle, block) in to_free {
             // A failed free leaves the memory allocated; nothing reads it any more.
             let _ = self.shared.backend.free_staging(handle, block.staging);
         }
@@ -1056,7 +1061,7 @@ impl<B: Backend> Drop for CaptureScope<B> {
             let source = CopySource {
                 shared: Arc::clone(&self.shared),
             };
-            source.release_blocks(open.context, open.blocks);
+            source.release_blocks(open.blocks);
             drop(open.adopted);
         }
     }
@@ -1073,7 +1078,7 @@ impl<B: Backend> Drop for CapturedInner<B> {
     fn drop(&mut self) {
         let blocks = std::mem::take(&mut self.blocks);
         match self.shared.upgrade() {
-            Some(shared) => CopySource { shared }.release_blocks(self.context, blocks),
+            Some(shared) => CopySource { shared }.release_blocks(blocks),
             None => {
                 // The copy source is gone; leaking is the only safe choice.
                 for block in blocks {
@@ -1086,7 +1091,9 @@ impl<B: Backend> Drop for CapturedInner<B> {
 
 /// The host memory a captured graph reads: staging blocks of uploads made during the capture and adopted
 /// sources. Keep it with the graph and every executable built from it; report each launch with
-/// [`CopySource::graph_launched`]. Cheap to clone.
+/// [`CopySource::graph_launched`]. Drop it only after the driver graph and executables that read it are
+/// destroyed (declare it after them in the owning struct); launches still in flight then keep it alive.
+/// Cheap to clone.
 pub struct CapturedSources<B: Backend> {
     inner: Arc<CapturedInner<B>>,
 }
@@ -1143,10 +1150,9 @@ impl<B: Backend> Drop for Shared<B> {
             if let Some(marker) = entry.marker.take() {
                 self.backend.destroy_marker(marker);
             }
-            let handle = handles.get(entry.context.slot).copied().flatten();
             if let Payload::Blocks(blocks) = entry.payload {
                 for block in blocks {
-                    match handle {
+                    match handles.get(block.context.slot).copied().flatten() {
                         Some(handle) if proven => {
                             let _ = self.backend.free_staging(handle, block.staging);
                         }

@@ -543,3 +543,104 @@ fn concurrent_uploads_from_threads() {
     assert_eq!(gpu.live_blocks(), 0);
     assert_clean(&gpu);
 }
+
+/// Delegates to the mock, but runs a hook right after a stream synchronize returns: another thread's upload
+/// landing between the driver's synchronize and the bookkeeping that follows it.
+struct RacingBackend {
+    inner: MockBackend,
+    after_synchronize: parking_lot::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl crate::Backend for RacingBackend {
+    type Context = MockContext;
+    type Stream = MockStream;
+    type Marker = crate::mock::MockMarker;
+    type Staging = crate::mock::MockStaging;
+    type Error = MockError;
+
+    fn alloc_staging(&self, c: MockContext, len: usize) -> Result<Self::Staging, MockError> {
+        self.inner.alloc_staging(c, len)
+    }
+    fn staging_len(&self, block: &Self::Staging) -> usize {
+        self.inner.staging_len(block)
+    }
+    fn write_staging(&self, block: &mut Self::Staging, bytes: &[u8]) {
+        self.inner.write_staging(block, bytes)
+    }
+    fn free_staging(&self, c: MockContext, block: Self::Staging) -> Result<(), MockError> {
+        self.inner.free_staging(c, block)
+    }
+    unsafe fn enqueue_copy(
+        &self,
+        s: MockStream,
+        d: DeviceAddress,
+        src: &Self::Staging,
+        len: usize,
+    ) -> Result<(), MockError> {
+        // SAFETY: forwarded under the caller's guarantee.
+        unsafe { self.inner.enqueue_copy(s, d, src, len) }
+    }
+    fn record_marker(&self, s: MockStream) -> Result<Self::Marker, MockError> {
+        self.inner.record_marker(s)
+    }
+    fn query_marker(&self, m: &Self::Marker) -> Result<MarkerState, MockError> {
+        self.inner.query_marker(m)
+    }
+    fn wait_marker(&self, m: &Self::Marker) -> Result<(), MockError> {
+        self.inner.wait_marker(m)
+    }
+    fn destroy_marker(&self, m: Self::Marker) {
+        self.inner.destroy_marker(m)
+    }
+    fn synchronize_stream(&self, s: MockStream) -> Result<(), MockError> {
+        let result = self.inner.synchronize_stream(s);
+        let hook = self.after_synchronize.lock().take();
+        if let Some(hook) = hook {
+            hook();
+        }
+        result
+    }
+    fn query_stream(&self, s: MockStream) -> Result<MarkerState, MockError> {
+        self.inner.query_stream(s)
+    }
+    fn copy_sync(&self, c: MockContext, d: DeviceAddress, src: &[u8]) -> Result<(), MockError> {
+        self.inner.copy_sync(c, d, src)
+    }
+}
+
+#[test]
+fn synchronize_releases_only_what_was_pending_before_it() {
+    use crate::Backend as _;
+    let gpu = MockBackend::new();
+    let backend = RacingBackend {
+        inner: gpu.clone(),
+        after_synchronize: parking_lot::Mutex::new(None),
+    };
+    let config = Config {
+        max_spare_bytes_per_context: 0,
+        staging_limit_bytes: None,
+    };
+    let source = CopySource::with_config(backend, config);
+    let context = source.register_context(MockContext(0)).unwrap();
+    source
+        .upload_async(context, S1, DeviceAddress(0), &[1; 10])
+        .unwrap();
+    let late = source.clone();
+    *source.backend().after_synchronize.lock() = Some(Box::new(move || {
+        late.upload_async(context, S1, DeviceAddress(64), &[2; 10])
+            .unwrap();
+    }));
+    source.synchronize(S1).unwrap();
+    assert_eq!(
+        source.stats().pending_blocks,
+        1,
+        "the late upload stays pending"
+    );
+    assert_eq!(gpu.live_blocks(), 1);
+    assert_eq!(gpu.queued(S1), 2);
+    source.backend().synchronize_stream(S1).unwrap();
+    source.reap().unwrap();
+    assert_eq!(gpu.device_bytes(DeviceAddress(64)), Some(vec![2; 10]));
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_clean(&gpu);
+}
