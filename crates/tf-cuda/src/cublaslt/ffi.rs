@@ -232,7 +232,10 @@ mod tests {
             (3, 4, 7)
         );
         assert_eq!(desc_attr::BIAS_POINTER, 8);
-        assert_eq!((desc_attr::A_SCALE_POINTER, desc_attr::B_SCALE_POINTER), (17, 18));
+        assert_eq!(
+            (desc_attr::A_SCALE_POINTER, desc_attr::B_SCALE_POINTER),
+            (17, 18)
+        );
         assert_eq!((desc_attr::FAST_ACCUM, desc_attr::BIAS_DATA_TYPE), (25, 26));
         assert_eq!(
             (data_type::R_32F, data_type::R_16F, data_type::R_16BF),
@@ -277,7 +280,10 @@ mod tests {
 
     #[test]
     fn status_names() {
-        assert_eq!(status::name(status::NOT_SUPPORTED), "CUBLAS_STATUS_NOT_SUPPORTED");
+        assert_eq!(
+            status::name(status::NOT_SUPPORTED),
+            "CUBLAS_STATUS_NOT_SUPPORTED"
+        );
         assert_eq!(status::name(12345), "CUBLAS_STATUS_(unknown)");
     }
 }

@@ -196,7 +196,10 @@ mod tests {
 
     #[test]
     fn explicit_path_is_the_only_candidate() {
-        let c = candidates(env_of(&[(ENV_PATH, "/opt/x/libcublasLt.so.13"), (ENV_CUDA_HOME, "/c")]));
+        let c = candidates(env_of(&[
+            (ENV_PATH, "/opt/x/libcublasLt.so.13"),
+            (ENV_CUDA_HOME, "/c"),
+        ]));
         assert_eq!(c, vec![PathBuf::from("/opt/x/libcublasLt.so.13")]);
     }
 
@@ -208,8 +211,14 @@ mod tests {
         let arch = target_dir_name();
         assert_eq!(shown[0], "/cuda/lib64/libcublasLt.so.13");
         assert_eq!(shown[1], "/cuda/lib64/libcublasLt.so.12");
-        assert_eq!(shown[2], format!("/cuda/targets/{arch}/lib/libcublasLt.so.13"));
-        assert_eq!(shown[3], format!("/cuda/targets/{arch}/lib/libcublasLt.so.12"));
+        assert_eq!(
+            shown[2],
+            format!("/cuda/targets/{arch}/lib/libcublasLt.so.13")
+        );
+        assert_eq!(
+            shown[3],
+            format!("/cuda/targets/{arch}/lib/libcublasLt.so.12")
+        );
         assert_eq!(shown[4], "libcublasLt.so.13");
         assert_eq!(shown[5], "libcublasLt.so.12");
         assert!(shown.contains(&format!(
@@ -226,7 +235,10 @@ mod tests {
     #[test]
     fn no_library_found_lists_every_path_tried() {
         let dir = std::env::temp_dir().join("tf-cuda-cublaslt-missing");
-        let tried: Vec<PathBuf> = ["a.so", "b.so", "c.so"].iter().map(|n| dir.join(n)).collect();
+        let tried: Vec<PathBuf> = ["a.so", "b.so", "c.so"]
+            .iter()
+            .map(|n| dir.join(n))
+            .collect();
         let err = LtLibrary::open_first(&tried).expect_err("nothing there to open");
         let text = err.to_string();
         for path in &tried {
@@ -239,7 +251,10 @@ mod tests {
             }
             other => panic!("unexpected error {other:?}"),
         }
-        assert!(text.contains(ENV_PATH), "the error says how to fix it: {text}");
+        assert!(
+            text.contains(ENV_PATH),
+            "the error says how to fix it: {text}"
+        );
     }
 
     #[cfg(target_os = "linux")]

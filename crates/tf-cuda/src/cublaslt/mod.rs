@@ -34,7 +34,7 @@
 //! - The workspace outlives every plan and the library handle; drop a handle only after the work
 //!   enqueued through it has finished (or been synchronized).
 
-mod ffi;
+pub mod ffi;
 pub mod loader;
 pub mod plan;
 
@@ -44,9 +44,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use loader::{Attempt, LtLibrary};
-pub use plan::{Activation, ColumnMajorCall, DeviceSpan, Fp8Scales, Gemm, InputType, OutputType, PlanKey};
+pub use plan::{
+    Activation, ColumnMajorCall, DeviceSpan, Fp8Scales, Gemm, InputType, OutputType, PlanKey,
+};
 
-use ffi::{compute_type, desc_attr, layout_attr, order, pref_attr, status, HeuristicResult, LtApi, MatmulAlgo};
+use ffi::{
+    compute_type, desc_attr, layout_attr, order, pref_attr, status, HeuristicResult, LtApi,
+    MatmulAlgo,
+};
 
 /// Default workspace size: enough for every algorithm the heuristic picks on Hopper.
 pub const DEFAULT_WORKSPACE_BYTES: usize = 32 << 20;
@@ -80,7 +85,10 @@ pub enum CublasLtError {
         "cuBLASLt has no algorithm for {what} (workspace {workspace_bytes} bytes); \
          check the GPU supports these types (FP8 needs sm_89+) or align the operands to 16 bytes"
     )]
-    NoAlgorithm { what: String, workspace_bytes: usize },
+    NoAlgorithm {
+        what: String,
+        workspace_bytes: usize,
+    },
     #[error("invalid GEMM: {what}")]
     Invalid { what: String },
 }
@@ -176,7 +184,10 @@ impl std::fmt::Debug for CublasLt {
 impl CublasLt {
     /// Creates a handle that uses `workspace` for every call. The CUDA context the GEMMs run in
     /// must be current on the calling thread.
-    pub fn new(lib: Arc<LtLibrary>, workspace: Box<dyn Workspace>) -> Result<CublasLt, CublasLtError> {
+    pub fn new(
+        lib: Arc<LtLibrary>,
+        workspace: Box<dyn Workspace>,
+    ) -> Result<CublasLt, CublasLtError> {
         if workspace.device_addr() % 256 != 0 {
             return Err(CublasLtError::Invalid {
                 what: format!(
@@ -225,7 +236,11 @@ impl CublasLt {
     /// Every address in `gemm` must be a live device allocation in the current context with at
     /// least the bytes its span states, not freed before the GEMM has run; `stream` must be a
     /// valid stream of that context (or null for the legacy default stream).
-    pub unsafe fn matmul(&self, gemm: &Gemm, stream: tf_sys::CUstream) -> Result<(), CublasLtError> {
+    pub unsafe fn matmul(
+        &self,
+        gemm: &Gemm,
+        stream: tf_sys::CUstream,
+    ) -> Result<(), CublasLtError> {
         let call = gemm.plan()?;
         let api = self.lib.api();
         let mut plans = self.plans.lock().map_err(|_| CublasLtError::Invalid {
@@ -298,15 +313,30 @@ impl CublasLt {
                 set_desc(lib, partial.desc, desc_attr::BIAS_POINTER, &call.bias_addr)?;
             }
             if call.key.input == InputType::Fp8E4m3 {
-                set_desc(lib, partial.desc, desc_attr::A_SCALE_POINTER, &call.a_scale_addr)?;
-                set_desc(lib, partial.desc, desc_attr::B_SCALE_POINTER, &call.b_scale_addr)?;
+                set_desc(
+                    lib,
+                    partial.desc,
+                    desc_attr::A_SCALE_POINTER,
+                    &call.a_scale_addr,
+                )?;
+                set_desc(
+                    lib,
+                    partial.desc,
+                    desc_attr::B_SCALE_POINTER,
+                    &call.b_scale_addr,
+                )?;
                 let fast: i8 = i8::from(call.key.fast_accum);
                 set_desc(lib, partial.desc, desc_attr::FAST_ACCUM, &fast)?;
             }
             for spec in [call.a, call.b, call.d] {
                 let mut layout: ffi::MatrixLayout = std::ptr::null_mut();
-                let code =
-                    (api.cublasLtMatrixLayoutCreate)(&mut layout, spec.dtype, spec.rows, spec.cols, spec.ld);
+                let code = (api.cublasLtMatrixLayoutCreate)(
+                    &mut layout,
+                    spec.dtype,
+                    spec.rows,
+                    spec.cols,
+                    spec.ld,
+                );
                 check(lib, "cublasLtMatrixLayoutCreate", code)?;
                 partial.layouts.push(layout);
                 let col = order::COL;
@@ -322,10 +352,30 @@ impl CublasLt {
             check(lib, "cublasLtMatmulPreferenceCreate", code)?;
             let max_ws = self.workspace.len_bytes() as u64;
             set_pref(lib, partial.pref, pref_attr::MAX_WORKSPACE_BYTES, &max_ws)?;
-            set_pref(lib, partial.pref, pref_attr::MIN_ALIGNMENT_A_BYTES, &call.key.align_a)?;
-            set_pref(lib, partial.pref, pref_attr::MIN_ALIGNMENT_B_BYTES, &call.key.align_b)?;
-            set_pref(lib, partial.pref, pref_attr::MIN_ALIGNMENT_C_BYTES, &call.key.align_cd)?;
-            set_pref(lib, partial.pref, pref_attr::MIN_ALIGNMENT_D_BYTES, &call.key.align_cd)?;
+            set_pref(
+                lib,
+                partial.pref,
+                pref_attr::MIN_ALIGNMENT_A_BYTES,
+                &call.key.align_a,
+            )?;
+            set_pref(
+                lib,
+                partial.pref,
+                pref_attr::MIN_ALIGNMENT_B_BYTES,
+                &call.key.align_b,
+            )?;
+            set_pref(
+                lib,
+                partial.pref,
+                pref_attr::MIN_ALIGNMENT_C_BYTES,
+                &call.key.align_cd,
+            )?;
+            set_pref(
+                lib,
+                partial.pref,
+                pref_attr::MIN_ALIGNMENT_D_BYTES,
+                &call.key.align_cd,
+            )?;
 
             let (a, b, d) = match partial.layouts[..] {
                 [a, b, d] => (a, b, d),
@@ -363,10 +413,18 @@ impl CublasLt {
                 });
             }
             check(lib, "cublasLtMatmulAlgoGetHeuristic", code)?;
-            check(lib, "cublasLtMatmulAlgoGetHeuristic (result state)", result.state)?;
+            check(
+                lib,
+                "cublasLtMatmulAlgoGetHeuristic (result state)",
+                result.state,
+            )?;
             if result.workspace_size > self.workspace.len_bytes() {
                 return Err(CublasLtError::NoAlgorithm {
-                    what: format!("{} (the algorithm wants {} bytes)", what(), result.workspace_size),
+                    what: format!(
+                        "{} (the algorithm wants {} bytes)",
+                        what(),
+                        result.workspace_size
+                    ),
                     workspace_bytes: self.workspace.len_bytes(),
                 });
             }
@@ -406,7 +464,11 @@ impl Drop for CublasLt {
 }
 
 /// Writes the per-call pointer attributes that differ from what the plan last used.
-fn set_pointers(lib: &LtLibrary, plan: &mut Plan, call: &ColumnMajorCall) -> Result<(), CublasLtError> {
+fn set_pointers(
+    lib: &LtLibrary,
+    plan: &mut Plan,
+    call: &ColumnMajorCall,
+) -> Result<(), CublasLtError> {
     if call.bias_addr != plan.bias_addr {
         // SAFETY: the descriptor is live; the value is a u64 device address.
         unsafe { set_desc(lib, plan.desc, desc_attr::BIAS_POINTER, &call.bias_addr)? };
@@ -414,12 +476,26 @@ fn set_pointers(lib: &LtLibrary, plan: &mut Plan, call: &ColumnMajorCall) -> Res
     }
     if call.a_scale_addr != plan.a_scale_addr {
         // SAFETY: as above.
-        unsafe { set_desc(lib, plan.desc, desc_attr::A_SCALE_POINTER, &call.a_scale_addr)? };
+        unsafe {
+            set_desc(
+                lib,
+                plan.desc,
+                desc_attr::A_SCALE_POINTER,
+                &call.a_scale_addr,
+            )?
+        };
         plan.a_scale_addr = call.a_scale_addr;
     }
     if call.b_scale_addr != plan.b_scale_addr {
         // SAFETY: as above.
-        unsafe { set_desc(lib, plan.desc, desc_attr::B_SCALE_POINTER, &call.b_scale_addr)? };
+        unsafe {
+            set_desc(
+                lib,
+                plan.desc,
+                desc_attr::B_SCALE_POINTER,
+                &call.b_scale_addr,
+            )?
+        };
         plan.b_scale_addr = call.b_scale_addr;
     }
     Ok(())
@@ -427,7 +503,12 @@ fn set_pointers(lib: &LtLibrary, plan: &mut Plan, call: &ColumnMajorCall) -> Res
 
 /// # Safety
 /// `desc` must be live and `T` the attribute's documented C type.
-unsafe fn set_desc<T>(lib: &LtLibrary, desc: ffi::MatmulDesc, attr: i32, value: &T) -> Result<(), CublasLtError> {
+unsafe fn set_desc<T>(
+    lib: &LtLibrary,
+    desc: ffi::MatmulDesc,
+    attr: i32,
+    value: &T,
+) -> Result<(), CublasLtError> {
     // SAFETY: the caller's contract; `value` is live for the call and its size is exact.
     let code = unsafe {
         (lib.api().cublasLtMatmulDescSetAttribute)(

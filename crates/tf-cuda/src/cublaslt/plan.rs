@@ -270,7 +270,9 @@ impl Gemm {
             }
         };
         if self.fp8_fast_accum && self.input != InputType::Fp8E4m3 {
-            return Err(invalid("fast accumulation applies to FP8 GEMMs only".into()));
+            return Err(invalid(
+                "fast accumulation applies to FP8 GEMMs only".into(),
+            ));
         }
 
         let (m, n, k) = (self.m as u64, self.n as u64, self.k as u64);
@@ -346,7 +348,10 @@ fn check_span(
         ));
     }
     if span.addr.checked_add(need as u64).is_none() {
-        return invalid(format!("{name} at {:#x} + {need} bytes wraps the address space", span.addr));
+        return invalid(format!(
+            "{name} at {:#x} + {need} bytes wraps the address space",
+            span.addr
+        ));
     }
     if span.addr % align != 0 {
         return invalid(format!(
@@ -467,7 +472,10 @@ mod tests {
     #[test]
     fn f32_output_changes_only_c_and_d_types() {
         let (x, w, y) = spans();
-        let call = Gemm::bf16(4, 4, 4, x, w, y).with_f32_output().plan().expect("valid");
+        let call = Gemm::bf16(4, 4, 4, x, w, y)
+            .with_f32_output()
+            .plan()
+            .expect("valid");
         assert_eq!(call.a.dtype, data_type::R_16BF);
         assert_eq!(call.b.dtype, data_type::R_16BF);
         assert_eq!(call.c.dtype, data_type::R_32F);
@@ -482,7 +490,10 @@ mod tests {
         assert_eq!(g.epilogue(), epilogue::DEFAULT);
         assert_eq!(g.with_bias(b).epilogue(), epilogue::BIAS);
         assert_eq!(g.with_gelu_tanh().epilogue(), epilogue::GELU);
-        assert_eq!(g.with_gelu_tanh().with_bias(b).epilogue(), epilogue::GELU_BIAS);
+        assert_eq!(
+            g.with_gelu_tanh().with_bias(b).epilogue(),
+            epilogue::GELU_BIAS
+        );
         assert_eq!(g.with_bias(b).plan().expect("valid").bias_addr, b.addr);
     }
 
@@ -493,7 +504,9 @@ mod tests {
             x_scale: DeviceSpan::new(0x5000_0000, 4),
             w_scale: DeviceSpan::new(0x5000_0100, 4),
         };
-        let call = Gemm::fp8_e4m3(32, 32, 64, x, w, y, scales).plan().expect("valid");
+        let call = Gemm::fp8_e4m3(32, 32, 64, x, w, y, scales)
+            .plan()
+            .expect("valid");
         assert_eq!(call.a_scale_addr, scales.w_scale.addr);
         assert_eq!(call.b_scale_addr, scales.x_scale.addr);
         assert_eq!(call.a.dtype, data_type::R_8F_E4M3);
@@ -507,9 +520,18 @@ mod tests {
         assert!(invalid_text(&Gemm { m: 0, ..g }).contains("M = 0"));
         assert!(invalid_text(&Gemm { k: 1 << 40, ..g }).contains("K ="));
         let short = DeviceSpan::new(x.addr, 31);
-        assert!(invalid_text(&Gemm { x: short, ..g }).contains("X holds 31 bytes but M=4 N=4 K=4 needs 32"));
-        assert!(invalid_text(&Gemm { w: DeviceSpan::new(0, 4096), ..g }).contains("W is a null"));
-        assert!(invalid_text(&Gemm { y: DeviceSpan::new(y.addr + 1, 4096), ..g }).contains("not 2-byte aligned"));
+        assert!(invalid_text(&Gemm { x: short, ..g })
+            .contains("X holds 31 bytes but M=4 N=4 K=4 needs 32"));
+        assert!(invalid_text(&Gemm {
+            w: DeviceSpan::new(0, 4096),
+            ..g
+        })
+        .contains("W is a null"));
+        assert!(invalid_text(&Gemm {
+            y: DeviceSpan::new(y.addr + 1, 4096),
+            ..g
+        })
+        .contains("not 2-byte aligned"));
         assert!(invalid_text(&g.with_scaling(f32::NAN, 0.0)).contains("finite"));
         let bias = DeviceSpan::new(0x4000_0000, 7);
         assert!(invalid_text(&g.with_bias(bias)).contains("bias holds 7 bytes"));
@@ -519,12 +541,20 @@ mod tests {
             x_scale: DeviceSpan::new(0x5000_0000, 4),
             w_scale: DeviceSpan::new(0x5000_0100, 4),
         };
-        assert!(invalid_text(&Gemm { scales: Some(scales), ..g }).contains("bf16 GEMM"));
+        assert!(invalid_text(&Gemm {
+            scales: Some(scales),
+            ..g
+        })
+        .contains("bf16 GEMM"));
         let fp8 = Gemm::fp8_e4m3(16, 24, 32, x, w, y, scales);
         assert!(invalid_text(&fp8).contains("multiples of 16"));
         let fp8 = Gemm::fp8_e4m3(16, 32, 32, DeviceSpan::new(x.addr + 8, 4096), w, y, scales);
         assert!(invalid_text(&fp8).contains("16-byte aligned"));
-        assert!(invalid_text(&Gemm { fp8_fast_accum: true, ..g }).contains("FP8 GEMMs only"));
+        assert!(invalid_text(&Gemm {
+            fp8_fast_accum: true,
+            ..g
+        })
+        .contains("FP8 GEMMs only"));
     }
 
     #[test]
@@ -551,8 +581,14 @@ mod tests {
             key(base.with_f32_output()),
             key(base.with_bias(b1)),
             key(base.with_gelu_tanh()),
-            key(Gemm { y: DeviceSpan::new(y.addr + 2, y.bytes), ..base }),
-            key(Gemm { x: DeviceSpan::new(x.addr + 16, x.bytes), ..base }),
+            key(Gemm {
+                y: DeviceSpan::new(y.addr + 2, y.bytes),
+                ..base
+            }),
+            key(Gemm {
+                x: DeviceSpan::new(x.addr + 16, x.bytes),
+                ..base
+            }),
         ];
         for (i, a) in distinct.iter().enumerate() {
             for b in &distinct[i + 1..] {
