@@ -480,8 +480,15 @@ pub unsafe extern "C" fn cuMemcpy2DAsync_v2(p: *const Memcpy2D, s: CUstream) -> 
         if height > 1 && (width > d.src_pitch as u64 || width > d.dst_pitch as u64) {
             return Err(code::INVALID_VALUE);
         }
-        let src = src_base + d.src_y as u64 * d.src_pitch as u64 + d.src_x_in_bytes as u64;
-        let dst = dst_base + d.dst_y as u64 * d.dst_pitch as u64 + d.dst_x_in_bytes as u64;
+        let origin = |base: u64, y: usize, pitch: usize, x: usize| {
+            (y as u64)
+                .checked_mul(pitch as u64)
+                .and_then(|o| o.checked_add(x as u64))
+                .and_then(|o| base.checked_add(o))
+                .ok_or(code::INVALID_VALUE)
+        };
+        let src = origin(src_base, d.src_y, d.src_pitch, d.src_x_in_bytes)?;
+        let dst = origin(dst_base, d.dst_y, d.dst_pitch, d.dst_x_in_bytes)?;
         let c = Copy2D {
             src,
             src_pitch: d.src_pitch as u64,
@@ -495,7 +502,11 @@ pub unsafe extern "C" fn cuMemcpy2DAsync_v2(p: *const Memcpy2D, s: CUstream) -> 
         for row in 0..height {
             for (base, pitch, dev) in [(c.src, c.src_pitch, src_dev), (c.dst, c.dst_pitch, dst_dev)]
             {
-                if dev && width > 0 && !st.accessible(base + row * pitch, width) {
+                let start = row
+                    .checked_mul(pitch)
+                    .and_then(|o| base.checked_add(o))
+                    .ok_or(code::INVALID_VALUE)?;
+                if dev && width > 0 && !st.accessible(start, width) {
                     return Err(code::INVALID_VALUE);
                 }
             }

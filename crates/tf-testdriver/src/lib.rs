@@ -16,8 +16,9 @@
 //! # Semantics (deterministic, single process-wide state)
 //!
 //! - Device memory is host heap memory: device pointers are host addresses, allocations are
-//!   256-byte aligned and filled with `0xA5` ([`FRESH_DEVICE_BYTE`]) so reads of unwritten memory
-//!   stand out. `cuMemGetInfo_v2` reports the capacity ([`DEFAULT_DEVICE_CAPACITY`], settable);
+//!   256-byte aligned and filled with `0xA5` ([`FRESH_DEVICE_BYTE`]; blocks over [`FILL_LIMIT`] are
+//!   zeroed instead, so large allocations cost no RAM until touched) so reads of unwritten memory
+//!   stand out. Pinned host allocations are zeroed. `cuMemGetInfo_v2` reports the capacity ([`DEFAULT_DEVICE_CAPACITY`], settable);
 //!   allocations past it fail with `CUDA_ERROR_OUT_OF_MEMORY`. Device-side ranges of copies and
 //!   memsets must lie inside live allocations, pinned host memory or registered ranges.
 //! - Calls need `cuInit` (else 3) and, for context-bound calls, a current context (else 201). The
@@ -92,7 +93,7 @@ use std::sync::{Mutex, MutexGuard};
 
 pub use kernels::{kernel_names, module_image, module_image_with, MODULE_MAGIC};
 pub use state::{
-    COUNTER_NAMES, DEFAULT_DEVICE_CAPACITY, DEFAULT_DRIVER_VERSION, FRESH_DEVICE_BYTE,
+    COUNTER_NAMES, DEFAULT_DEVICE_CAPACITY, DEFAULT_DRIVER_VERSION, FILL_LIMIT, FRESH_DEVICE_BYTE,
 };
 use tf_sys::types::{CUresult, CUstream};
 

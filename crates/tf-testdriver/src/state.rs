@@ -17,8 +17,11 @@ pub(crate) type R = Result<(), CUresult>;
 pub const DEFAULT_DEVICE_CAPACITY: u64 = 16 << 30;
 /// Driver version reported by default (CUDA 13.0).
 pub const DEFAULT_DRIVER_VERSION: c_int = 13000;
-/// Byte written into fresh device allocations, so reads of never-written memory stand out.
+/// Byte written into fresh device allocations (up to [`FILL_LIMIT`] bytes; larger ones are zeroed),
+/// so reads of never-written memory stand out.
 pub const FRESH_DEVICE_BYTE: u8 = 0xA5;
+/// Largest allocation filled with [`FRESH_DEVICE_BYTE`]: 64 MiB.
+pub const FILL_LIMIT: usize = 64 << 20;
 /// Device allocations are aligned like the real driver's.
 const DEVICE_ALIGN: usize = 256;
 const HOST_ALIGN: usize = 4096;
@@ -408,7 +411,7 @@ impl State {
     /// Fails calls `nth ..= nth + times - 1` (counted from now, 1-based) of `entry` with `code`;
     /// `times == 0` fails every call from the nth on.
     pub fn add_fault(&mut self, entry: &'static str, nth: u64, code: CUresult, times: u64) {
-        let first = self.calls_of(entry) + nth.max(1);
+        let first = self.calls_of(entry).saturating_add(nth.max(1));
         self.faults.push(Fault {
             entry,
             first,
@@ -684,8 +687,12 @@ impl State {
             }
             Op::Copy2D(c) => {
                 for row in 0..c.height {
-                    let src = c.src + row * c.src_pitch;
-                    let dst = c.dst + row * c.dst_pitch;
+                    let at = |base: u64, pitch: u64| {
+                        row.checked_mul(pitch)
+                            .and_then(|o| base.checked_add(o))
+                            .ok_or(code::ILLEGAL_ADDRESS)
+                    };
+                    let (src, dst) = (at(c.src, c.src_pitch)?, at(c.dst, c.dst_pitch)?);
                     self.check_device(src, c.width, c.src_dev)?;
                     self.check_device(dst, c.width, c.dst_dev)?;
                     // SAFETY: as for `Op::Copy`, one row at a time.

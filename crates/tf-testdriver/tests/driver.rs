@@ -743,3 +743,24 @@ fn device_queries() {
         "released context"
     );
 }
+
+#[test]
+fn a_free_waits_for_all_queued_work_but_a_synchronous_copy_does_not_wait_for_non_blocking_streams()
+{
+    let f = Fixture::new();
+    let s = f.stream(flags::STREAM_NON_BLOCKING);
+    let (p, q) = (f.alloc(4), f.alloc(4));
+    let src = 5u32;
+    f.ok(unsafe { (f.api().cuMemcpyHtoDAsync_v2)(p, (&src as *const u32).cast(), 4, s) });
+    let mut out = 0u32;
+    f.ok(unsafe { (f.api().cuMemcpyDtoH_v2)((&mut out as *mut u32).cast(), p, 4) });
+    assert_eq!(
+        out,
+        u32::from_ne_bytes([FRESH_DEVICE_BYTE; 4]),
+        "the non-blocking stream's copy has not run"
+    );
+    assert_eq!(f.control.counter("pending_work"), Some(1));
+    f.ok(unsafe { (f.api().cuMemFree_v2)(q) });
+    assert_eq!(f.control.counter("pending_work"), Some(0));
+    assert_eq!(f.read_u32(p, 1), vec![5]);
+}
