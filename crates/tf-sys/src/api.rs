@@ -1,6 +1,6 @@
 //! The driver entry-point table: one declarative list, the single source of truth.
 //!
-//! Each line of [`driver_entries!`] names an exported symbol exactly (versioned names such as
+//! Each line of `driver_entries!` names an exported symbol exactly (versioned names such as
 //! `cuMemAlloc_v2`), whether the table requires it, and whether it allocates memory. From that list
 //! the macro generates:
 //! - [`Api`], a struct of `unsafe extern "C"` function pointers, one field per symbol

@@ -154,13 +154,23 @@ impl Driver {
         let name = unsafe { library.get::<ErrorTextFn>(b"cuGetErrorName\0") }.map(|s| *s);
         // SAFETY: as above.
         let text = unsafe { library.get::<ErrorTextFn>(b"cuGetErrorString\0") }.map(|s| *s);
-        let (Ok(init), Ok(name), Ok(text)) = (init, name, text) else {
-            // Without these the library is unusable; list everything it lacks in one report.
-            let names = match Api::resolve(&library) {
-                Err(missing) => missing,
-                Ok(_) => vec!["cuInit"],
-            };
-            return Err(LoadError::MissingSymbols { path, names });
+        let (init, name, text) = match (init, name, text) {
+            (Ok(init), Ok(name), Ok(text)) => (init, name, text),
+            (init, name, text) => {
+                // Without these the library is unusable; list everything it lacks in one report.
+                let names = match Api::resolve(&library) {
+                    Err(missing) => missing,
+                    Ok(_) => [
+                        ("cuInit", init.is_err()),
+                        ("cuGetErrorName", name.is_err()),
+                        ("cuGetErrorString", text.is_err()),
+                    ]
+                    .into_iter()
+                    .filter_map(|(n, absent)| absent.then_some(n))
+                    .collect(),
+                };
+                return Err(LoadError::MissingSymbols { path, names });
+            }
         };
         // SAFETY: cuInit takes flags (must be 0) and has no other preconditions.
         let result = unsafe { init(0) };

@@ -306,25 +306,33 @@ pub fn patched_copy(hide: &[&str]) -> Result<PathBuf, TestDriverError> {
         reason: e.to_string(),
     })?;
     for name in hide {
-        let needle: Vec<u8> = [&[0u8][..], name.as_bytes(), &[0u8][..]].concat();
-        let mut replacement = needle.clone();
-        let last = replacement.len() - 2;
-        replacement[last] = if replacement[last] == b'X' {
-            b'Y'
-        } else {
-            b'X'
+        let target = name.as_bytes();
+        let Some((&last, stem)) = target.split_last() else {
+            return Err(TestDriverError::SymbolNotFound {
+                name: name.to_string(),
+                path: source,
+            });
         };
-        let mut found = false;
-        let mut i = 0;
-        while i + needle.len() <= bytes.len() {
-            if bytes[i..i + needle.len()] == needle[..] {
-                bytes[i..i + needle.len()].copy_from_slice(&replacement);
-                found = true;
-                i += needle.len() - 1;
-            } else {
-                i += 1;
+        let renamed_last = if last == b'X' { b'Y' } else { b'X' };
+        // One pass over the NUL-separated segments: a segment equal to the name is an exact,
+        // NUL-delimited occurrence (string tables hold names that way).
+        let mut offsets = Vec::new();
+        let mut offset = 0usize;
+        for segment in bytes.split(|b| *b == 0) {
+            if segment.len() == target.len()
+                && segment.starts_with(stem)
+                && segment.last() == Some(&last)
+            {
+                offsets.push(offset + segment.len() - 1);
+            }
+            offset += segment.len() + 1;
+        }
+        for at in &offsets {
+            if let Some(byte) = bytes.get_mut(*at) {
+                *byte = renamed_last;
             }
         }
+        let found = !offsets.is_empty();
         if !found {
             return Err(TestDriverError::SymbolNotFound {
                 name: name.to_string(),
