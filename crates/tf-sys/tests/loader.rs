@@ -138,10 +138,10 @@ fn tf_cuda_driver_is_honoured() {
 fn missing_required_symbols_are_all_named() {
     let _serial = test_lock();
     let copy = patched_copy(&["cuStreamQuery", "cuGraphUpload"]).expect("patch a copy");
-    let err = Driver::open_path(&copy).unwrap_err();
+    let err = Driver::open_path(copy.path()).unwrap_err();
     match &err {
         LoadError::MissingSymbols { path, names } => {
-            assert_eq!(path, &copy);
+            assert_eq!(path, copy.path());
             assert_eq!(
                 names,
                 &vec!["cuStreamQuery", "cuGraphUpload"],
@@ -163,7 +163,7 @@ fn missing_required_symbols_are_all_named() {
 fn missing_cuinit_is_reported_with_everything_else_missing() {
     let _serial = test_lock();
     let copy = patched_copy(&["cuInit", "cuMemAlloc_v2"]).expect("patch a copy");
-    match Driver::open_path(&copy) {
+    match Driver::open_path(copy.path()) {
         Err(LoadError::MissingSymbols { names, .. }) => {
             assert_eq!(names, vec!["cuInit", "cuMemAlloc_v2"])
         }
@@ -178,7 +178,7 @@ fn missing_cuinit_is_reported_with_everything_else_missing() {
 fn missing_optional_symbol_still_opens() {
     let _serial = test_lock();
     let copy = patched_copy(&["cuFuncGetName"]).expect("patch a copy");
-    let driver = Driver::open_path(&copy).expect("a driver without an optional entry opens");
+    let driver = Driver::open_path(copy.path()).expect("a driver without an optional entry opens");
     assert!(driver.api().cuFuncGetName.is_none());
     assert!(driver.api().cuFuncGetParamInfo.is_some());
     // The original library still has it.

@@ -298,8 +298,9 @@ impl Control {
 /// in `hide` (every exact occurrence of the NUL-delimited name in the file, in particular in the
 /// dynamic string table, replaced by a same-length name with its last letter changed), so
 /// `dlsym` no longer finds it. The copy has its own state (a different file is a different
-/// library to the loader). Used by the "missing symbol" loader tests.
-pub fn patched_copy(hide: &[&str]) -> Result<PathBuf, TestDriverError> {
+/// library to the loader). Used by the "missing symbol" loader tests. The directory is removed
+/// when the returned [`PatchedCopy`] drops (a loaded library stays mapped).
+pub fn patched_copy(hide: &[&str]) -> Result<PatchedCopy, TestDriverError> {
     let source = library_path()?;
     let mut bytes = std::fs::read(&source).map_err(|e| TestDriverError::Copy {
         path: source.clone(),
@@ -352,5 +353,26 @@ pub fn patched_copy(hide: &[&str]) -> Result<PathBuf, TestDriverError> {
         path: path.clone(),
         reason: e.to_string(),
     })?;
-    Ok(path)
+    Ok(PatchedCopy { path, dir })
+}
+
+/// A patched copy of the test driver in its own temporary directory (removed on drop).
+#[derive(Debug)]
+pub struct PatchedCopy {
+    path: PathBuf,
+    dir: PathBuf,
+}
+
+impl PatchedCopy {
+    /// The copy's path, for `tf_sys::Driver::open_path`.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for PatchedCopy {
+    fn drop(&mut self) {
+        // Best effort: a leftover temp directory is harmless.
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
