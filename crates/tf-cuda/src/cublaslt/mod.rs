@@ -4,20 +4,18 @@
 //! (or FP8 e4m3 with per-tensor scales) with f32 accumulation and bf16 or f32 output:
 //!
 //! ```no_run
-//! # fn demo(x: u64, w: u64, y: u64, stream: tf_sys::CUstream,
-//! #         workspace: Box<dyn tf_cuda::cublaslt::Workspace>) -> Result<(), tf_cuda::cublaslt::CublasLtError> {
-//! use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
-//! let lib = LtLibrary::open()?; // TF_CUBLASLT, CUDA_HOME, then the system
-//! let lt = CublasLt::new(lib, workspace)?; // the context must be current on this thread
+//! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream) -> Result<(), Box<dyn std::error::Error>> {
+//! use tf_cuda::cublaslt::{CublasLt, Gemm, LtLibrary};
+//! use tf_cuda::DeviceBuffer;
+//! let lt = CublasLt::with_default_workspace(ctx, LtLibrary::open()?)?;
 //! let (m, n, k) = (4096, 3072, 3072);
-//! let gemm = Gemm::bf16(
-//!     m, n, k,
-//!     DeviceSpan::new(x, m * k * 2),
-//!     DeviceSpan::new(w, n * k * 2),
-//!     DeviceSpan::new(y, m * n * 2),
-//! );
-//! // SAFETY: x, w, y are live device allocations of those sizes; the stream is valid.
+//! let x = DeviceBuffer::alloc(ctx, m * k * 2)?; // bf16 [M, K]
+//! let w = DeviceBuffer::alloc(ctx, n * k * 2)?; // bf16 [N, K]
+//! let y = DeviceBuffer::alloc(ctx, m * n * 2)?; // bf16 [M, N]
+//! let gemm = Gemm::bf16(m, n, k, (&x).into(), (&w).into(), (&y).into());
+//! // SAFETY: the spans are the live buffers above, kept until the stream is synchronized.
 //! unsafe { lt.matmul(&gemm, stream)? };
+//! stream.synchronize()?;
 //! # Ok(()) }
 //! ```
 //!
@@ -38,6 +36,7 @@ pub mod ffi;
 pub mod loader;
 pub mod plan;
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,6 +47,9 @@ pub use plan::{
     Activation, ColumnMajorCall, DeviceSpan, Fp8Scales, Gemm, InputType, OutputType, PlanKey,
 };
 
+use crate::context::Context;
+use crate::memory::{DeviceBuffer, DeviceView, DeviceViewMut};
+use crate::stream::Stream;
 use ffi::{
     compute_type, desc_attr, layout_attr, order, pref_attr, status, HeuristicResult, LtApi,
     MatmulAlgo,
@@ -91,6 +93,9 @@ pub enum CublasLtError {
     },
     #[error("invalid GEMM: {what}")]
     Invalid { what: String },
+    /// The context or the workspace allocation failed (a lost context fails fast here).
+    #[error(transparent)]
+    Runtime(#[from] crate::Error),
 }
 
 /// Cache counters (monotonic since the handle was made).
@@ -163,6 +168,7 @@ pub struct CublasLt {
     handle: ffi::LtHandle,
     workspace: Box<dyn Workspace>,
     lib: Arc<LtLibrary>,
+    ctx: Context,
 }
 
 // SAFETY: the raw handles are only used under `plans`' mutex (descriptors) or through calls
@@ -182,23 +188,26 @@ impl std::fmt::Debug for CublasLt {
 }
 
 impl CublasLt {
-    /// Creates a handle that uses `workspace` for every call. The CUDA context the GEMMs run in
-    /// must be current on the calling thread.
+    /// Creates a handle in `ctx` that uses `workspace` (device memory of `ctx`) for every call.
     pub fn new(
+        ctx: &Context,
         lib: Arc<LtLibrary>,
         workspace: Box<dyn Workspace>,
     ) -> Result<CublasLt, CublasLtError> {
-        if workspace.device_addr() % 256 != 0 {
+        if !workspace.device_addr().is_multiple_of(256) || workspace.len_bytes() == 0 {
             return Err(CublasLtError::Invalid {
                 what: format!(
-                    "workspace at {:#x} is not 256-byte aligned",
-                    workspace.device_addr()
+                    "workspace at {:#x} ({} bytes) must be non-empty and 256-byte aligned",
+                    workspace.device_addr(),
+                    workspace.len_bytes()
                 ),
             });
         }
         let mut handle: ffi::LtHandle = std::ptr::null_mut();
-        // SAFETY: `handle` is a valid out-pointer.
-        let code = unsafe { (lib.api().cublasLtCreate)(&mut handle) };
+        let code = in_context(ctx, "cublasLtCreate", || {
+            // SAFETY: `handle` is a valid out-pointer; the context is current.
+            unsafe { (lib.api().cublasLtCreate)(&mut handle) }
+        })?;
         check(&lib, "cublasLtCreate", code)?;
         Ok(CublasLt {
             plans: Mutex::new(HashMap::new()),
@@ -207,7 +216,17 @@ impl CublasLt {
             handle,
             workspace,
             lib,
+            ctx: ctx.clone(),
         })
+    }
+
+    /// Creates a handle with a [`DEFAULT_WORKSPACE_BYTES`] workspace allocated in `ctx`.
+    pub fn with_default_workspace(
+        ctx: &Context,
+        lib: Arc<LtLibrary>,
+    ) -> Result<CublasLt, CublasLtError> {
+        let workspace = DeviceBuffer::alloc(ctx, DEFAULT_WORKSPACE_BYTES)?;
+        CublasLt::new(ctx, lib, Box::new(workspace))
     }
 
     /// The library this handle calls.
@@ -235,55 +254,58 @@ impl CublasLt {
     /// # Safety
     /// Every address in `gemm` must be a live device allocation in the current context with at
     /// least the bytes its span states, not freed before the GEMM has run; `stream` must be a
-    /// valid stream of that context (or null for the legacy default stream).
-    pub unsafe fn matmul(
-        &self,
-        gemm: &Gemm,
-        stream: tf_sys::CUstream,
-    ) -> Result<(), CublasLtError> {
+    /// stream of the handle's context.
+    pub unsafe fn matmul(&self, gemm: &Gemm, stream: &Stream) -> Result<(), CublasLtError> {
+        let raw_stream = stream.raw();
         let call = gemm.plan()?;
         let api = self.lib.api();
         let mut plans = self.plans.lock().map_err(|_| CublasLtError::Invalid {
             what: "the plan cache was poisoned by a panic in another thread".into(),
         })?;
-        if !plans.contains_key(&call.key) {
-            let plan = self.build_plan(&call)?;
-            plans.insert(call.key, plan);
-            self.misses.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-        }
-        let Some(plan) = plans.get_mut(&call.key) else {
-            return Err(CublasLtError::Invalid {
-                what: "plan vanished from the cache".into(),
-            });
+        let plan = match plans.entry(call.key) {
+            Entry::Occupied(hit) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                hit.into_mut()
+            }
+            Entry::Vacant(slot) => {
+                let plan = in_context(&self.ctx, "cuBLASLt plan", || self.build_plan(&call))??;
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                slot.insert(plan)
+            }
         };
         set_pointers(&self.lib, plan, &call)?;
         let alpha = call.alpha;
         let beta = call.beta;
-        // SAFETY: descriptors are live (owned by the cache, under the lock); the addresses are
-        // the caller's promise; alpha/beta are host f32 (the default pointer mode); the
-        // workspace holds at least what the algorithm asked for (checked when the plan was built).
-        let code = unsafe {
-            (api.cublasLtMatmul)(
-                self.handle,
-                plan.desc,
-                (&alpha as *const f32).cast::<c_void>(),
-                call.a_addr as *const c_void,
-                plan.a,
-                call.b_addr as *const c_void,
-                plan.b,
-                (&beta as *const f32).cast::<c_void>(),
-                call.c_addr as *const c_void,
-                plan.d,
-                call.d_addr as *mut c_void,
-                plan.d,
-                &plan.algo,
-                self.workspace.device_addr() as *mut c_void,
-                self.workspace.len_bytes(),
-                stream,
-            )
-        };
+        let (handle, ws_addr, ws_len) = (
+            self.handle,
+            self.workspace.device_addr(),
+            self.workspace.len_bytes(),
+        );
+        let code = in_context(&self.ctx, "cublasLtMatmul", || {
+            // SAFETY: descriptors are live (owned by the cache, under the lock); the addresses
+            // are the caller's promise; alpha/beta are host f32 (the default pointer mode); the
+            // workspace holds what the algorithm asked for (checked when the plan was built).
+            unsafe {
+                (api.cublasLtMatmul)(
+                    handle,
+                    plan.desc,
+                    (&alpha as *const f32).cast::<c_void>(),
+                    call.a_addr as *const c_void,
+                    plan.a,
+                    call.b_addr as *const c_void,
+                    plan.b,
+                    (&beta as *const f32).cast::<c_void>(),
+                    call.c_addr as *const c_void,
+                    plan.d,
+                    call.d_addr as *mut c_void,
+                    plan.d,
+                    &plan.algo,
+                    ws_addr as *mut c_void,
+                    ws_len,
+                    raw_stream,
+                )
+            }
+        })?;
         check(&self.lib, "cublasLtMatmul", code)
     }
 
@@ -453,13 +475,19 @@ impl Drop for CublasLt {
             Ok(plans) => std::mem::take(plans),
             Err(poisoned) => std::mem::take(poisoned.into_inner()),
         };
-        for (_, plan) in plans {
-            plan.destroy(api);
+        if self.ctx.is_lost() {
+            // The context cannot be used after a sticky fault: leak the descriptors.
+            std::mem::forget(plans);
+            return;
         }
-        // SAFETY: created in `new`, destroyed once; errors cannot be acted on in Drop.
-        unsafe {
-            (api.cublasLtDestroy)(self.handle);
-        }
+        let handle = self.handle;
+        let _ = in_context(&self.ctx, "cublasLtDestroy", || {
+            for (_, plan) in plans {
+                plan.destroy(api);
+            }
+            // SAFETY: created in `new`, destroyed once; errors cannot be acted on in Drop.
+            unsafe { (api.cublasLtDestroy)(handle) }
+        });
     }
 }
 
@@ -539,6 +567,51 @@ unsafe fn set_pref<T>(
         )
     };
     check(lib, "cublasLtMatmulPreferenceSetAttribute", code)
+}
+
+/// Runs `f` with `ctx` current on this thread; fails fast (without running it) on a lost context.
+fn in_context<T>(
+    ctx: &Context,
+    call: &'static str,
+    f: impl FnOnce() -> T,
+) -> Result<T, CublasLtError> {
+    let mut out = None;
+    ctx.inner
+        .call_raw(call, |_| {
+            out = Some(f());
+            tf_sys::code::SUCCESS
+        })
+        .map_err(crate::Error::from)?;
+    out.ok_or_else(|| CublasLtError::Invalid {
+        what: format!("internal: {call} did not run"),
+    })
+}
+
+impl Workspace for DeviceBuffer {
+    fn device_addr(&self) -> u64 {
+        self.addr()
+    }
+    fn len_bytes(&self) -> usize {
+        self.len()
+    }
+}
+
+impl From<&DeviceBuffer> for DeviceSpan {
+    fn from(buffer: &DeviceBuffer) -> DeviceSpan {
+        DeviceSpan::new(buffer.addr(), buffer.len())
+    }
+}
+
+impl From<DeviceView<'_>> for DeviceSpan {
+    fn from(view: DeviceView<'_>) -> DeviceSpan {
+        DeviceSpan::new(view.addr(), view.len())
+    }
+}
+
+impl From<&DeviceViewMut<'_>> for DeviceSpan {
+    fn from(view: &DeviceViewMut<'_>) -> DeviceSpan {
+        DeviceSpan::new(view.addr(), view.len())
+    }
 }
 
 fn check(lib: &LtLibrary, call: &'static str, code: ffi::Status) -> Result<(), CublasLtError> {

@@ -258,7 +258,7 @@ impl Gemm {
                 ))
             }
             (InputType::Fp8E4m3, Some(scales)) => {
-                if self.k % 16 != 0 || self.n % 16 != 0 {
+                if !self.k.is_multiple_of(16) || !self.n.is_multiple_of(16) {
                     return Err(invalid(format!(
                         "FP8 GEMMs need K and N to be multiples of 16 ({shape}); pad the weights"
                     )));
@@ -353,7 +353,7 @@ fn check_span(
             span.addr
         ));
     }
-    if span.addr % align != 0 {
+    if !span.addr.is_multiple_of(align) {
         return invalid(format!(
             "{name} at {:#x} is not {align}-byte aligned (its element type needs it)",
             span.addr
