@@ -76,6 +76,7 @@ pub trait Backend: Send + Sync + 'static {
     /// `stream` is proven past this copy (a marker recorded after it reports [`MarkerState::Done`], or the
     /// stream was synchronized or queried idle), or, for a captured copy, until every graph executable built
     /// from the capture is destroyed and its launches are proven done. `len <= staging_len(source)`.
+    /// On `Err` nothing was enqueued.
     unsafe fn enqueue_copy(
         &self,
         stream: Self::Stream,

@@ -30,6 +30,18 @@
 //!   `ContextTableFull`. Unregistering frees the context's spares and waits for its pending copies first.
 //!
 //! A process keeps one `CopySource` (tf-cuda holds it); the capture rule covers the scopes of that instance.
+//! As with the driver's own capture rules, beginning or ending a capture on a stream must not race with
+//! uploads to that same stream from another thread.
+//!
+//! # Wiring into a runtime
+//!
+//! Context init: [`CopySource::register_context`]; teardown: [`CopySource::unregister_context`] before the
+//! driver context goes. Stream synchronize / query go through [`CopySource::synchronize`] /
+//! [`CopySource::query`]; call [`CopySource::retire_stream`] before destroying a stream. Capture:
+//! [`CopySource::begin_capture`] then the driver's begin-capture; after a successful end-capture,
+//! [`CaptureScope::end`] and keep the [`CapturedSources`] with the graph executable (declared after the
+//! driver handles so it drops last); after each launch, [`CopySource::graph_launched`]. Before any copy from
+//! host memory the runtime does not own, [`CopySource::check_unowned_copy`].
 //!
 //! # Lock order
 //!

@@ -418,19 +418,18 @@ impl<B: Backend> CopySource<B> {
             }
             match (proven, entry.payload) {
                 (Ok(()), Payload::Blocks(blocks)) => {
-                    let bytes: usize = blocks.iter().map(|b| b.bytes).sum();
-                    for block in blocks {
-                        report.released_blocks += 1;
-                        if let Err(e) = backend.free_staging(handle, block.staging) {
-                            first_error.get_or_insert(Error::Backend {
-                                call: "free_staging",
-                                source: e,
-                            });
-                        }
-                    }
-                    let mut state = self.shared.state.lock();
-                    state.staging_bytes = state.staging_bytes.saturating_sub(bytes);
+                    self.free_torn_down(id, handle, blocks, &mut report, &mut first_error);
                 }
+                (Ok(()), Payload::Captured(captured)) => match Arc::try_unwrap(captured) {
+                    // The executable is gone and this was its last launch: free its blocks while the
+                    // context still exists (its slot is already closed, so a plain release would leak).
+                    Ok(mut inner) => {
+                        let blocks = std::mem::take(&mut inner.blocks);
+                        self.free_torn_down(id, handle, blocks, &mut report, &mut first_error);
+                        drop(inner);
+                    }
+                    Err(captured) => drop(captured),
+                },
                 (Err(error), Payload::Blocks(blocks)) => {
                     report.leaked_blocks += blocks.len();
                     self.shared.state.lock().leak(blocks);
@@ -438,8 +437,8 @@ impl<B: Backend> CopySource<B> {
                         first_error.get_or_insert(e);
                     }
                 }
-                (result, Payload::Captured(captured)) => {
-                    if let Err(Some(e)) = result {
+                (Err(error), Payload::Captured(captured)) => {
+                    if let Some(e) = error {
                         first_error.get_or_insert(e);
                     }
                     drop(captured);
@@ -450,6 +449,31 @@ impl<B: Backend> CopySource<B> {
             Some(e) => Err(e),
             None => Ok(report),
         }
+    }
+
+    /// Frees blocks of a context being torn down (proven unread); blocks of other contexts go to their pools.
+    fn free_torn_down(
+        &self,
+        id: ContextId,
+        handle: B::Context,
+        blocks: Vec<Block<B>>,
+        report: &mut TeardownReport,
+        first_error: &mut Option<Error<B::Error>>,
+    ) {
+        let (mine, others): (Vec<_>, Vec<_>) = blocks.into_iter().partition(|b| b.context == id);
+        self.release_blocks(others);
+        let bytes: usize = mine.iter().map(|b| b.bytes).sum();
+        for block in mine {
+            report.released_blocks += 1;
+            if let Err(e) = self.shared.backend.free_staging(handle, block.staging) {
+                first_error.get_or_insert(Error::Backend {
+                    call: "free_staging",
+                    source: e,
+                });
+            }
+        }
+        let mut state = self.shared.state.lock();
+        state.staging_bytes = state.staging_bytes.saturating_sub(bytes);
     }
 
     // ----- uploads -----

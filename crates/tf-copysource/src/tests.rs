@@ -217,6 +217,27 @@ fn captured_upload_lives_with_the_graph_and_its_launches() {
 }
 
 #[test]
+fn teardown_frees_sources_of_a_dropped_executable_after_its_last_launch() {
+    let (gpu, source, context) = setup();
+    let scope = source.begin_capture(context, S1).unwrap();
+    gpu.begin_capture(S1);
+    source
+        .upload_async(context, S1, DeviceAddress(0x40), &[8; 300])
+        .unwrap();
+    let graph = gpu.end_capture(S1).unwrap();
+    let sources = scope.end();
+    gpu.launch(&graph, S2);
+    source.graph_launched(&sources, S2).unwrap();
+    drop(graph);
+    drop(sources);
+    let report = source.unregister_context(context).unwrap();
+    assert_eq!((report.released_blocks, report.leaked_blocks), (1, 0));
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_eq!(gpu.device_bytes(DeviceAddress(0x40)), Some(vec![8; 300]));
+    assert_clean(&gpu);
+}
+
+#[test]
 fn dropped_scope_releases_its_staging() {
     let (gpu, source, context) = setup();
     let scope = source.begin_capture(context, S1).unwrap();
