@@ -1,1 +1,570 @@
-//! Host reference ops (skeleton).
+//! Host reference ops: plain f32 on row-major slices with explicit shapes.
+//!
+//! Every GPU kernel is checked against these functions, so their signatures stay simple and stable. Each
+//! function checks the slice lengths against the shapes first and returns a [`ShapeError`] on mismatch; reductions
+//! (norms, dot products, softmax sums) accumulate in f64 so the reference is at least as accurate as what it
+//! checks.
+//!
+//! Modulated ops take a table of modulation rows (`[n_mod, cols]`) and a row index per token (`row_mod`), which
+//! is how a joint sequence mixes per-sample rows (target tokens) and the `t = 0` row (prefix tokens).
+
+use crate::tensor::ShapeError;
+
+fn check_len(what: &str, slice_len: usize, expected: usize) -> Result<(), ShapeError> {
+    if slice_len == expected {
+        Ok(())
+    } else {
+        Err(ShapeError::new(what, format!("{expected} elements"), format!("{slice_len}")))
+    }
+}
+
+fn checked_product(what: &str, dims: &[usize]) -> Result<usize, ShapeError> {
+    dims.iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| ShapeError::new(what, "a size that fits in memory", format!("{dims:?}")))
+}
+
+fn check_row_mod(row_mod: &[usize], rows: usize, n_mod: usize) -> Result<(), ShapeError> {
+    check_len("row_mod", row_mod.len(), rows)?;
+    if let Some(bad) = row_mod.iter().find(|&&r| r >= n_mod) {
+        return Err(ShapeError::new("row_mod", format!("indices < {n_mod}"), format!("{bad}")));
+    }
+    Ok(())
+}
+
+/// `out[r, o] = sum_i x[r, i] * weight[o, i]` (Y = X W^T, W in the PyTorch `[out, in]` layout, no bias).
+/// Splits rows over the available cores when the product is large.
+pub fn linear(
+    x: &[f32],
+    rows: usize,
+    in_features: usize,
+    weight: &[f32],
+    out_features: usize,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    check_len("linear x", x.len(), checked_product("linear x", &[rows, in_features])?)?;
+    check_len("linear weight", weight.len(), checked_product("linear weight", &[out_features, in_features])?)?;
+    check_len("linear out", out.len(), checked_product("linear out", &[rows, out_features])?)?;
+    if rows == 0 || out_features == 0 {
+        return Ok(());
+    }
+    let work = rows.saturating_mul(in_features).saturating_mul(out_features);
+    let threads = if work < 1 << 20 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(rows)
+    };
+    let rows_per = rows.div_ceil(threads);
+    let kernel = |x_rows: &[f32], out_rows: &mut [f32]| {
+        for (x_row, out_row) in x_rows.chunks_exact(in_features.max(1)).zip(out_rows.chunks_exact_mut(out_features)) {
+            for (o, w_row) in out_row.iter_mut().zip(weight.chunks_exact(in_features.max(1))) {
+                let mut acc = 0f64;
+                for (&a, &b) in x_row.iter().zip(w_row) {
+                    acc += f64::from(a) * f64::from(b);
+                }
+                *o = acc as f32;
+            }
+        }
+    };
+    if in_features == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    if threads <= 1 {
+        kernel(x, out);
+    } else {
+        std::thread::scope(|scope| {
+            for (x_part, out_part) in x.chunks(rows_per * in_features).zip(out.chunks_mut(rows_per * out_features)) {
+                scope.spawn(move || kernel(x_part, out_part));
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Mean and reciprocal standard deviation of a row (biased variance), in f64.
+fn mean_rstd(row: &[f32], eps: f32) -> (f64, f64) {
+    let n = row.len().max(1) as f64;
+    let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+    (mean, 1.0 / (var + f64::from(eps)).sqrt())
+}
+
+/// LayerNorm without affine parameters followed by `(1 + scale)` modulation:
+/// `out[r] = (x[r] - mean) / sqrt(var + eps) * (1 + scale[row_mod[r]])`. `scale` is `[n_mod, cols]`.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_modulate(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    scale: &[f32],
+    n_mod: usize,
+    row_mod: &[usize],
+    eps: f32,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let n = checked_product("layer_norm x", &[rows, cols])?;
+    check_len("layer_norm x", x.len(), n)?;
+    check_len("layer_norm out", out.len(), n)?;
+    check_len("layer_norm scale", scale.len(), checked_product("scale", &[n_mod, cols])?)?;
+    check_row_mod(row_mod, rows, n_mod)?;
+    if cols == 0 {
+        return Ok(());
+    }
+    for ((x_row, out_row), &m) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)).zip(row_mod) {
+        let (mean, rstd) = mean_rstd(x_row, eps);
+        let s_row = &scale[m * cols..(m + 1) * cols];
+        for ((o, &v), &s) in out_row.iter_mut().zip(x_row).zip(s_row) {
+            *o = ((f64::from(v) - mean) * rstd * (1.0 + f64::from(s))) as f32;
+        }
+    }
+    Ok(())
+}
+
+fn rms_norm_impl(
+    what: &str,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    weight: &[f32],
+    weight_offset: f64,
+    eps: f32,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let n = checked_product(what, &[rows, cols])?;
+    check_len(what, x.len(), n)?;
+    check_len(what, out.len(), n)?;
+    check_len(what, weight.len(), cols)?;
+    if cols == 0 {
+        return Ok(());
+    }
+    for (x_row, out_row) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        let ms = x_row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / cols as f64;
+        let rrms = 1.0 / (ms + f64::from(eps)).sqrt();
+        for ((o, &v), &w) in out_row.iter_mut().zip(x_row).zip(weight) {
+            *o = (f64::from(v) * rrms * (f64::from(w) + weight_offset)) as f32;
+        }
+    }
+    Ok(())
+}
+
+/// RMSNorm with a learnable weight (the QK norm): `out = x / sqrt(mean(x^2) + eps) * weight`, per row of `cols`.
+/// For per-head norms pass `rows = tokens * heads`, `cols = head_dim`.
+pub fn rms_norm(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    weight: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    rms_norm_impl("rms_norm", x, rows, cols, weight, 0.0, eps, out)
+}
+
+/// Zero-centred RMSNorm: the stored weight is `scale - 1`, so `out = x / sqrt(mean(x^2) + eps) * (weight + 1)`.
+pub fn rms_norm_zero_centred(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    weight: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    rms_norm_impl("rms_norm_zero_centred", x, rows, cols, weight, 1.0, eps, out)
+}
+
+/// Inverse frequencies of one RoPE axis of `dim` channels (`dim / 2` pairs), as the reference computes them in
+/// f32: `1 / theta^(2i / dim)`.
+pub fn rope_inverse_frequencies(dim: usize, theta: f32) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|i| 1.0f32 / theta.powf((2 * i) as f32 / dim as f32))
+        .collect()
+}
+
+/// Cos/sin tables `[tokens, sum(axes_dims) / 2]` for 3-axis RoPE: pair `j` of axis `a` rotates by
+/// `positions[token][a] * inv_freq_a[j]` (angle rounded to f32 as the reference does). Axes are concatenated in
+/// order (frame, height, width).
+pub fn rope_tables(positions: &[[i64; 3]], axes_dims: [usize; 3], theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let inv: Vec<Vec<f32>> = axes_dims.iter().map(|&d| rope_inverse_frequencies(d, theta)).collect();
+    let pairs: usize = inv.iter().map(Vec::len).sum();
+    let mut cos = Vec::with_capacity(positions.len() * pairs);
+    let mut sin = Vec::with_capacity(positions.len() * pairs);
+    for pos in positions {
+        for (axis, freqs) in inv.iter().enumerate() {
+            for &f in freqs {
+                let angle = (pos[axis] as f32) * f;
+                let angle = f64::from(angle);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// Interleaved complex RoPE in place: for each token, head and pair `j`, `(x[2j], x[2j+1])` is multiplied as a
+/// complex number by `cos[t, j] + i sin[t, j]`. `x` is `[tokens, heads, head_dim]`, tables `[tokens, head_dim/2]`.
+pub fn rope_interleaved(
+    x: &mut [f32],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(), ShapeError> {
+    if head_dim % 2 != 0 {
+        return Err(ShapeError::new("rope head_dim", "an even number", head_dim.to_string()));
+    }
+    check_len("rope x", x.len(), checked_product("rope x", &[tokens, heads, head_dim])?)?;
+    let half = head_dim / 2;
+    check_len("rope cos", cos.len(), tokens * half)?;
+    check_len("rope sin", sin.len(), tokens * half)?;
+    if head_dim == 0 || heads == 0 {
+        return Ok(());
+    }
+    for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        let (c_row, s_row) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        for head in token.chunks_exact_mut(head_dim) {
+            for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(c_row).zip(s_row) {
+                let (re, im) = (pair[0], pair[1]);
+                pair[0] = re * c - im * s;
+                pair[1] = re * s + im * c;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Which keys a query may see, for a joint sequence of text and image blocks.
+///
+/// Query `i` sits at sequence position `q_offset + i`; key `k` at position `k`. A key is visible when
+/// `key_valid[k]` and either `k <= q_pos` (causal) or both positions belong to the same image block
+/// (`block_ids[q_pos] == block_ids[k] >= 0`; text is `-1`). Full attention over valid keys is the special case of
+/// one block covering everything.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionMask<'a> {
+    /// Position of the first query in the key sequence (the cached prefix length in cached mode).
+    pub q_offset: usize,
+    /// Block id per key position (`-1` for text), length = number of keys.
+    pub block_ids: &'a [i32],
+    /// Key padding mask (`false` = never attended), length = number of keys.
+    pub key_valid: &'a [bool],
+}
+
+/// Multi-head attention with the block-causal + key-padding mask, scale `1/sqrt(head_dim)`.
+/// `q` is `[sq, heads, head_dim]`, `k`/`v` `[skv, heads, head_dim]` (the cached prefix first, if any), `out`
+/// `[sq, heads, head_dim]`. A query that sees no key gets zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    sq: usize,
+    skv: usize,
+    heads: usize,
+    head_dim: usize,
+    mask: AttentionMask<'_>,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let row = checked_product("attention row", &[heads, head_dim])?;
+    check_len("attention q", q.len(), checked_product("q", &[sq, row])?)?;
+    check_len("attention k", k.len(), checked_product("k", &[skv, row])?)?;
+    check_len("attention v", v.len(), checked_product("v", &[skv, row])?)?;
+    check_len("attention out", out.len(), sq * row)?;
+    check_len("attention block_ids", mask.block_ids.len(), skv)?;
+    check_len("attention key_valid", mask.key_valid.len(), skv)?;
+    if mask.q_offset + sq > skv {
+        return Err(ShapeError::new(
+            "attention q_offset",
+            format!("q_offset + queries <= {skv} keys"),
+            format!("{} + {sq}", mask.q_offset),
+        ));
+    }
+    let scale = 1.0 / (head_dim.max(1) as f64).sqrt();
+    let mut scores = vec![0f64; skv];
+    let mut visible = vec![false; skv];
+    for i in 0..sq {
+        let q_pos = mask.q_offset + i;
+        let q_block = mask.block_ids[q_pos];
+        for (kpos, vis) in visible.iter_mut().enumerate() {
+            let same_block = q_block >= 0 && mask.block_ids[kpos] == q_block;
+            *vis = mask.key_valid[kpos] && (kpos <= q_pos || same_block);
+        }
+        for h in 0..heads {
+            let q_vec = &q[(i * heads + h) * head_dim..(i * heads + h + 1) * head_dim];
+            let mut max = f64::NEG_INFINITY;
+            for (kpos, score) in scores.iter_mut().enumerate() {
+                if !visible[kpos] {
+                    continue;
+                }
+                let k_vec = &k[(kpos * heads + h) * head_dim..(kpos * heads + h + 1) * head_dim];
+                let dot: f64 = q_vec.iter().zip(k_vec).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                *score = dot * scale;
+                max = max.max(*score);
+            }
+            let o = &mut out[(i * heads + h) * head_dim..(i * heads + h + 1) * head_dim];
+            if max == f64::NEG_INFINITY {
+                o.fill(0.0);
+                continue;
+            }
+            let mut acc = vec![0f64; head_dim];
+            let mut denom = 0f64;
+            for (kpos, &score) in scores.iter().enumerate() {
+                if !visible[kpos] {
+                    continue;
+                }
+                let p = (score - max).exp();
+                denom += p;
+                let v_vec = &v[(kpos * heads + h) * head_dim..(kpos * heads + h + 1) * head_dim];
+                for (a, &vv) in acc.iter_mut().zip(v_vec) {
+                    *a += p * f64::from(vv);
+                }
+            }
+            for (dst, a) in o.iter_mut().zip(acc) {
+                *dst = (a / denom) as f32;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// SiLU: `x * sigmoid(x)`.
+pub fn silu(x: f32) -> f32 {
+    let x = f64::from(x);
+    (x / (1.0 + (-x).exp())) as f32
+}
+
+/// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let x = f64::from(x);
+    let inner = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+    (0.5 * x * (1.0 + inner.tanh())) as f32
+}
+
+/// Applies SiLU in place.
+pub fn silu_inplace(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = silu(*v));
+}
+
+/// Applies GELU (tanh) in place.
+pub fn gelu_tanh_inplace(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = gelu_tanh(*v));
+}
+
+/// SwiGLU combine: `out = silu(gate) * up`, element-wise.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), ShapeError> {
+    check_len("swiglu up", up.len(), gate.len())?;
+    check_len("swiglu out", out.len(), gate.len())?;
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = (f64::from(silu(g)) * f64::from(u)) as f32;
+    }
+    Ok(())
+}
+
+/// Tanh-gated residual in place: `x[r] += tanh(gate[row_mod[r]]) * y[r]`. `gate` is `[n_mod, cols]`.
+pub fn gated_residual(
+    x: &mut [f32],
+    rows: usize,
+    cols: usize,
+    y: &[f32],
+    gate: &[f32],
+    n_mod: usize,
+    row_mod: &[usize],
+) -> Result<(), ShapeError> {
+    let n = checked_product("gated_residual x", &[rows, cols])?;
+    check_len("gated_residual x", x.len(), n)?;
+    check_len("gated_residual y", y.len(), n)?;
+    check_len("gated_residual gate", gate.len(), checked_product("gate", &[n_mod, cols])?)?;
+    check_row_mod(row_mod, rows, n_mod)?;
+    if cols == 0 {
+        return Ok(());
+    }
+    for ((x_row, y_row), &m) in x.chunks_exact_mut(cols).zip(y.chunks_exact(cols)).zip(row_mod) {
+        let g_row = &gate[m * cols..(m + 1) * cols];
+        for ((xv, &yv), &g) in x_row.iter_mut().zip(y_row).zip(g_row) {
+            *xv = (f64::from(*xv) + f64::from(g).tanh() * f64::from(yv)) as f32;
+        }
+    }
+    Ok(())
+}
+
+/// Sinusoidal timestep embedding, cos first: for `t` in `timesteps` (in [0, 1]),
+/// `args_i = (1000 t) * exp(-ln(10000) i / half)`, `out = [cos(args) | sin(args)]`, `half = dim / 2`
+/// (an odd `dim` gets a trailing zero). Frequencies and arguments are rounded to f32 as the reference does.
+pub fn timestep_embedding(timesteps: &[f32], dim: usize, out: &mut [f32]) -> Result<(), ShapeError> {
+    check_len("timestep_embedding out", out.len(), checked_product("out", &[timesteps.len(), dim])?)?;
+    let half = dim / 2;
+    let neg_log = -(10000f64.ln()) as f32;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| {
+            let exponent = (neg_log * i as f32) / half as f32;
+            f64::from(exponent).exp() as f32
+        })
+        .collect();
+    if dim == 0 {
+        return Ok(());
+    }
+    for (&t, row) in timesteps.iter().zip(out.chunks_exact_mut(dim)) {
+        let t = 1000.0f32 * t;
+        for (i, &f) in freqs.iter().enumerate() {
+            let arg = f64::from(t * f);
+            row[i] = arg.cos() as f32;
+            row[half + i] = arg.sin() as f32;
+        }
+        if dim % 2 == 1 {
+            row[dim - 1] = 0.0;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol)
+    }
+
+    #[test]
+    fn linear_is_x_times_w_transposed() {
+        // x [2,3], w [2,3] -> out [2,2]
+        let x = [1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
+        let w = [1.0, 0.0, 0.0, 0.5, 0.5, 0.5];
+        let mut out = [0.0; 4];
+        linear(&x, 2, 3, &w, 2, &mut out).unwrap();
+        assert_eq!(out, [1.0, 3.0, -1.0, 0.0]);
+        assert!(linear(&x, 2, 3, &w, 3, &mut out).is_err());
+    }
+
+    #[test]
+    fn linear_threaded_matches_single_thread() {
+        let (rows, inf, outf) = (67, 129, 130);
+        let x: Vec<f32> = (0..rows * inf).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let w: Vec<f32> = (0..outf * inf).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
+        let mut big = vec![0.0; rows * outf];
+        linear(&x, rows, inf, &w, outf, &mut big).unwrap();
+        for r in [0, 33, 66] {
+            let mut one = vec![0.0; outf];
+            linear(&x[r * inf..(r + 1) * inf], 1, inf, &w, outf, &mut one).unwrap();
+            assert_eq!(&big[r * outf..(r + 1) * outf], one.as_slice());
+        }
+    }
+
+    #[test]
+    fn layer_norm_modulate_by_hand() {
+        // Row [1, 3]: mean 2, var 1 -> normalized [-1, 1] (eps 0); scales pick row 1 = [1, -0.5].
+        let mut out = [0.0; 2];
+        let scale = [0.0, 0.0, 1.0, -0.5];
+        layer_norm_modulate(&[1.0, 3.0], 1, 2, &scale, 2, &[1], 0.0, &mut out).unwrap();
+        assert!(close(&out, &[-2.0, 0.5], 1e-6), "{out:?}");
+        assert!(layer_norm_modulate(&[1.0, 3.0], 1, 2, &scale, 2, &[2], 0.0, &mut out).is_err());
+    }
+
+    #[test]
+    fn rms_norms_by_hand() {
+        // [3, 4]: mean square 12.5, rms = 3.5355.
+        let mut out = [0.0; 2];
+        rms_norm(&[3.0, 4.0], 1, 2, &[1.0, 2.0], 0.0, &mut out).unwrap();
+        let r = 12.5f32.sqrt();
+        assert!(close(&out, &[3.0 / r, 8.0 / r], 1e-6));
+        rms_norm_zero_centred(&[3.0, 4.0], 1, 2, &[0.0, 1.0], 0.0, &mut out).unwrap();
+        assert!(close(&out, &[3.0 / r, 8.0 / r], 1e-6));
+    }
+
+    #[test]
+    fn rope_rotates_pairs() {
+        // One token, one head, 4 channels = 2 pairs; rotate pair 0 by 90 degrees, pair 1 by 0.
+        let mut x = [1.0, 0.0, 2.0, 3.0];
+        rope_interleaved(&mut x, 1, 1, 4, &[0.0, 1.0], &[1.0, 0.0]).unwrap();
+        assert!(close(&x, &[0.0, 1.0, 2.0, 3.0], 1e-7));
+    }
+
+    #[test]
+    fn rope_tables_follow_positions_per_axis() {
+        // Axes dims (2, 2, 4): inverse frequencies [1], [1], [1, 1/100].
+        let (cos, sin) = rope_tables(&[[0, 1, -2]], [2, 2, 4], 10000.0);
+        assert_eq!(cos.len(), 4);
+        assert!(close(&cos, &[1.0, 1f32.cos(), (-2f32).cos(), (-0.02f32).cos()], 1e-6));
+        assert!(close(&sin, &[0.0, 1f32.sin(), (-2f32).sin(), (-0.02f32).sin()], 1e-6));
+    }
+
+    #[test]
+    fn attention_block_causal_and_padding() {
+        // 3 positions, 1 head, dim 1; keys [0, 1, 2] with values [1, 2, 4]; equal scores (q = 0).
+        let q = [0.0, 0.0, 0.0];
+        let k = [1.0, 1.0, 1.0];
+        let v = [1.0, 2.0, 4.0];
+        let mut out = [0.0; 3];
+        // Text, then an image block of 2: position 1 sees 0..=2 (same block), position 0 only itself.
+        let mask = AttentionMask {
+            q_offset: 0,
+            block_ids: &[-1, 0, 0],
+            key_valid: &[true, true, true],
+        };
+        attention(&q, &k, &v, 3, 3, 1, 1, mask, &mut out).unwrap();
+        assert!(close(&out, &[1.0, 7.0 / 3.0, 7.0 / 3.0], 1e-6), "{out:?}");
+        // All text: strictly causal; key 1 padded.
+        let mask = AttentionMask {
+            q_offset: 0,
+            block_ids: &[-1, -1, -1],
+            key_valid: &[true, false, true],
+        };
+        attention(&q, &k, &v, 3, 3, 1, 1, mask, &mut out).unwrap();
+        assert!(close(&out, &[1.0, 1.0, 2.5], 1e-6), "{out:?}");
+        // Cached mode: one query at position 2 over all keys.
+        let mask = AttentionMask {
+            q_offset: 2,
+            block_ids: &[-1, -1, 0],
+            key_valid: &[true, true, true],
+        };
+        let mut one = [0.0];
+        attention(&[0.0], &k, &v, 1, 3, 1, 1, mask, &mut one).unwrap();
+        assert!(close(&one, &[7.0 / 3.0], 1e-6));
+    }
+
+    #[test]
+    fn attention_softmax_weights_scores() {
+        // dim 4 -> scale 1/2. q.k = [0, 2] -> scores [0, 1] -> weights [1, e] / (1 + e).
+        let q = [1.0, 1.0, 0.0, 0.0];
+        let k = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0];
+        let v = [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0];
+        let mut out = [0.0; 4];
+        let mask = AttentionMask {
+            q_offset: 1,
+            block_ids: &[-1, -1],
+            key_valid: &[true, true],
+        };
+        attention(&q, &k, &v, 1, 2, 1, 4, mask, &mut out).unwrap();
+        let e = std::f32::consts::E;
+        assert!(close(&out, &[e / (1.0 + e), 0.0, 0.0, 0.0], 1e-6));
+    }
+
+    #[test]
+    fn activations_by_hand() {
+        assert_eq!(silu(0.0), 0.0);
+        assert!((silu(1.0) - 1.0 / (1.0 + (-1f32).exp())).abs() < 1e-7);
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        let mut out = [0.0; 2];
+        swiglu(&[1.0, 0.0], &[2.0, 5.0], &mut out).unwrap();
+        assert!(close(&out, &[2.0 * silu(1.0), 0.0], 1e-7));
+    }
+
+    #[test]
+    fn gated_residual_by_hand() {
+        let mut x = [1.0, 1.0];
+        gated_residual(&mut x, 1, 2, &[2.0, 2.0], &[0.0, 100.0], 1, &[0]).unwrap();
+        assert!(close(&x, &[1.0, 3.0], 1e-6));
+    }
+
+    #[test]
+    fn timestep_embedding_cos_first() {
+        let mut out = [0.0; 4];
+        timestep_embedding(&[0.0], 4, &mut out).unwrap();
+        assert_eq!(out, [1.0, 1.0, 0.0, 0.0]);
+        // half = 2: freqs [1, 1/100]; t = 0.001 -> 1000 t = 1.
+        timestep_embedding(&[0.001], 4, &mut out).unwrap();
+        assert!(close(&out, &[1f32.cos(), 0.01f32.cos(), 1f32.sin(), 0.01f32.sin()], 1e-6), "{out:?}");
+    }
+}

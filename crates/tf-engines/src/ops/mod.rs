@@ -1,3 +1,3 @@
-//! Ops: host reference and GPU launchers (skeleton).
+//! Ops: the host reference ([`host`], plain f32) and the GPU launchers ([`gpu`]), checked against it.
 pub mod gpu;
 pub mod host;

@@ -1,10 +1,110 @@
-//! `tf forward`.
+//! `tf forward`: one Qwen-Image 2.1 DiT forward from an input bundle.
+//!
+//! The bundle holds the diffusers forward arguments by name (`hidden_states`, `encoder_hidden_states`,
+//! `timestep`, `img_mask`, optional `encoder_hidden_states_mask`, `img_shapes`); the output file gets `sample`.
+//! The prefix KV cache crosses invocations through `--kv-file`: `--kv-cache extract` writes it (safetensors,
+//! `kv.{layer}.k` / `kv.{layer}.v`, f32 `[B, prefix, heads, head_dim]`), `--kv-cache cached` reads it.
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Instant;
+
+use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit_host::HostDit;
+use tf_engines::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The f32 host reference.
+    Host,
+    /// The GPU engine.
+    Gpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCacheArg {
+    /// No cache: the whole joint sequence.
+    None,
+    /// Run the whole sequence and write the prefix K/V to --kv-file.
+    Extract,
+    /// Run only the target rows against the prefix K/V read from --kv-file.
+    Cached,
+}
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Diffusers transformer folder (config.json + safetensors, single or sharded).
+    #[arg(long)]
+    model: PathBuf,
+    /// Input bundle (safetensors) with the forward arguments.
+    #[arg(long)]
+    inputs: PathBuf,
+    /// Output safetensors file; receives `sample`.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, value_enum, default_value = "host")]
+    backend: Backend,
+    #[arg(long = "kv-cache", value_enum, default_value = "none")]
+    kv_cache: KvCacheArg,
+    /// KV cache file: written by --kv-cache extract, read by --kv-cache cached.
+    #[arg(long = "kv-file")]
+    kv_file: Option<PathBuf>,
+}
 
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("tf forward: not available in this build");
-    ExitCode::FAILURE
+pub fn run(args: Args) -> ExitCode {
+    match forward(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tf forward: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn kv_file(args: &Args) -> Result<&Path, DitError> {
+    args.kv_file.as_deref().ok_or_else(|| {
+        DitError::KvCache("--kv-cache extract/cached needs --kv-file FILE (written by extract, read by cached)".into())
+    })
+}
+
+fn forward(args: &Args) -> Result<(), DitError> {
+    if args.backend == Backend::Gpu {
+        return Err(DitError::Backend(
+            "the gpu backend is not available in this build yet; use --backend host".into(),
+        ));
+    }
+    let started = Instant::now();
+    let model = ModelDir::open(&args.model)?;
+    let mut dit = HostDit::load(&model)?;
+    eprintln!("tf forward: loaded {} ({})", args.model.display(), dit.load_stats());
+    let inputs = DitInputs::from_bundle(&SafetensorsFile::open(&args.inputs)?)?;
+    let forward_start = Instant::now();
+    let output = match args.kv_cache {
+        KvCacheArg::None => dit.forward(&inputs, KvStep::None)?,
+        KvCacheArg::Extract => {
+            let path = kv_file(args)?;
+            let output = dit.forward(&inputs, KvStep::Extract)?;
+            let cache = output
+                .kv_cache
+                .as_ref()
+                .ok_or_else(|| DitError::Backend("extract returned no cache".into()))?;
+            dit.kv_to_host(cache)?.save(path)?;
+            eprintln!("tf forward: wrote the prefix KV cache to {}", path.display());
+            output
+        }
+        KvCacheArg::Cached => {
+            let host = HostKvCache::load(kv_file(args)?)?;
+            let cache = dit.kv_from_host(host)?;
+            dit.forward(&inputs, KvStep::Cached(&cache))?
+        }
+    };
+    let forward_seconds = forward_start.elapsed().as_secs_f64();
+    write_safetensors(&args.out, &[("sample", AnyTensor::F32(&output.sample))])?;
+    eprintln!(
+        "tf forward: sample {:?} -> {} (forward {:.3} s, total {:.3} s)",
+        output.sample.shape(),
+        args.out.display(),
+        forward_seconds,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
