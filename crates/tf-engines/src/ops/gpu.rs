@@ -1,1 +1,1650 @@
-//! GPU launchers (skeleton).
+//! GPU launchers for the Qwen-Image DiT kernels (`kernels/qwen_image/*.cu`).
+//!
+//! One safe function per kernel. Each takes device views, the shapes that describe them, and a stream;
+//! it checks every shape, stride, size and alignment against the views *before* anything reaches the
+//! driver, then launches asynchronously on the stream. Failures are [`tf_cuda::Error`]s: validation
+//! problems are [`tf_cuda::Error::Invalid`] naming the operand and the fix.
+//!
+//! Conventions shared by all launchers:
+//! - Activations are bf16 matrices in row-major order described by a [`Matrix`] (rows, cols, and the
+//!   element stride between rows, so a launcher can read a column slice of a wider buffer such as the fused
+//!   qkv GEMM output).
+//! - Row kernels move 16 bytes at a time: device addresses must be 16-byte aligned and column counts and
+//!   strides multiples of 8 elements.
+//! - Attention uses the token-major layout `[batch][token][head * 128 + d]` for q, k, v and o.
+//!
+//! Building a launch ([`Launch`]) is separate from submitting it, so the validation and the argument
+//! packing are unit-tested without a GPU; [`QwenImageKernels`] holds the loaded kernels and submits.
+//!
+//! ```no_run
+//! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::DeviceView<'_>,
+//! #         y: &mut tf_cuda::DeviceViewMut<'_>) -> Result<(), Box<dyn std::error::Error>> {
+//! use tf_engines::ops::gpu::{Matrix, QwenImageKernels};
+//! let kernels = QwenImageKernels::load(ctx)?;
+//! let shape = Matrix::dense(16, 4096);
+//! kernels.silu(stream, &x, y, shape.rows * shape.cols)?;
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::{Context, DeviceView, DeviceViewMut, Function, Module, Stream};
+
+/// Name of the kernel set holding the elementwise and normalisation kernels.
+pub const OPS_SET: &str = "qwen_image_ops";
+/// Name of the kernel set holding the attention kernels.
+pub const ATTENTION_SET: &str = "qwen_image_attention";
+
+/// Threads per block of the row kernels (QI_ROW_THREADS in ops.cu).
+const ROW_THREADS: u32 = 256;
+/// Most columns a row-normalising kernel holds in registers (QI_ROW_THREADS * 8 * QI_ROW_CHUNKS).
+pub const MAX_NORM_COLS: usize = 8192;
+/// Head dimension the attention and QK-norm kernels are built for.
+pub const HEAD_DIM: usize = 128;
+/// bf16 size in bytes.
+const BF16: usize = 2;
+
+/// The kernels of both sets, by name.
+const OPS_KERNELS: &[&str] = &[
+    "qi_adaln_modulate",
+    "qi_rms_norm_zc",
+    "qi_gated_residual",
+    "qi_swiglu",
+    "qi_gelu_tanh",
+    "qi_silu",
+    "qi_timestep_embedding",
+    "qi_qk_norm_rope",
+    "qi_copy_rows",
+    "qi_transpose",
+];
+
+/// Tile shape of the attention kernel: warps per CTA (16 query rows each) and cp.async stages of 64 keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionTile {
+    /// 128 query rows, 8 warps, 2 stages (96 KiB shared memory).
+    W8S2,
+    /// 128 query rows, 8 warps, 3 stages (128 KiB).
+    W8S3,
+    /// 64 query rows, 4 warps, 2 stages (80 KiB).
+    W4S2,
+    /// 64 query rows, 4 warps, 3 stages (112 KiB).
+    W4S3,
+}
+
+impl AttentionTile {
+    /// Every tile shape, for benchmarks.
+    pub const ALL: [AttentionTile; 4] = [
+        AttentionTile::W8S2,
+        AttentionTile::W8S3,
+        AttentionTile::W4S2,
+        AttentionTile::W4S3,
+    ];
+
+    /// The kernel's symbol.
+    pub fn kernel(self) -> &'static str {
+        match self {
+            AttentionTile::W8S2 => "qi_attention_d128_w8s2",
+            AttentionTile::W8S3 => "qi_attention_d128_w8s3",
+            AttentionTile::W4S2 => "qi_attention_d128_w4s2",
+            AttentionTile::W4S3 => "qi_attention_d128_w4s3",
+        }
+    }
+
+    /// Warps per CTA.
+    pub fn warps(self) -> u32 {
+        match self {
+            AttentionTile::W8S2 | AttentionTile::W8S3 => 8,
+            AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
+        }
+    }
+
+    /// cp.async stages.
+    pub fn stages(self) -> u32 {
+        match self {
+            AttentionTile::W8S2 | AttentionTile::W4S2 => 2,
+            AttentionTile::W8S3 | AttentionTile::W4S3 => 3,
+        }
+    }
+
+    /// Query rows per CTA.
+    pub fn rows(self) -> u32 {
+        self.warps() * 16
+    }
+
+    /// Dynamic shared memory: the Q tile plus `stages` K and V tiles of 64 keys, 256 bytes per row.
+    pub fn shared_bytes(self) -> u32 {
+        (self.rows() + 2 * 64 * self.stages()) * (HEAD_DIM * BF16) as u32
+    }
+}
+
+impl Default for AttentionTile {
+    fn default() -> Self {
+        AttentionTile::W8S2
+    }
+}
+
+/// A bf16 matrix inside a device buffer: `rows` x `cols` elements, `stride` elements from one row to the next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+impl Matrix {
+    /// A dense matrix (stride = cols).
+    pub fn dense(rows: usize, cols: usize) -> Matrix {
+        Matrix {
+            rows,
+            cols,
+            stride: cols,
+        }
+    }
+
+    /// Bytes from the first element to one past the last one (0 for an empty matrix).
+    fn span_bytes(&self) -> Option<usize> {
+        if self.rows == 0 || self.cols == 0 {
+            return Some(0);
+        }
+        (self.rows - 1)
+            .checked_mul(self.stride)?
+            .checked_add(self.cols)?
+            .checked_mul(BF16)
+    }
+}
+
+/// Which modulation row each token uses (the DiT's rule): tokens come in samples of `seq_len`; a token at
+/// position >= `target_begin` in its sample uses row `sample`, every other token (text, condition images)
+/// the t = 0 row `prefix_row`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModulationRows {
+    pub seq_len: usize,
+    pub target_begin: usize,
+    pub prefix_row: usize,
+}
+
+impl ModulationRows {
+    /// Every token is a target token of its sample (the cached-prefix step).
+    pub fn targets_only(seq_len: usize) -> ModulationRows {
+        ModulationRows {
+            seq_len,
+            target_begin: 0,
+            prefix_row: 0,
+        }
+    }
+
+    /// The modulation row of token `row` (the same rule as the kernels).
+    pub fn row_of(&self, row: usize) -> usize {
+        let seq = self.seq_len.max(1);
+        if row % seq >= self.target_begin {
+            row / seq
+        } else {
+            self.prefix_row
+        }
+    }
+}
+
+/// A column block of the modulation tensor: `rows` modulation rows of `stride` bf16 elements; the block starts
+/// at column `offset` (e.g. scale1 = 0, gate1 = D, scale2 = 2D, gate2 = 3D in the shared `[s1|g1|s2|g2]` layout).
+#[derive(Clone, Copy, Debug)]
+pub struct Modulation<'v, 'a> {
+    pub data: &'v DeviceView<'a>,
+    pub rows: usize,
+    pub stride: usize,
+    pub offset: usize,
+}
+
+/// Inputs of the fused QK-norm + RoPE kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvInputs<'v, 'a> {
+    /// The fused qkv GEMM output: `rows` x (3 * heads * 128) (q | k | v), any row stride.
+    pub qkv: &'v DeviceView<'a>,
+    pub qkv_layout: Matrix,
+    pub heads: usize,
+    /// RMSNorm weights (bf16, 128 each).
+    pub q_weight: &'v DeviceView<'a>,
+    pub k_weight: &'v DeviceView<'a>,
+    pub eps: f32,
+    /// Rotation tables, f32 `[rows, rope_stride]` with 64 used columns: the angle of pair p of token r.
+    pub rope_cos: &'v DeviceView<'a>,
+    pub rope_sin: &'v DeviceView<'a>,
+    pub rope_stride: usize,
+}
+
+/// Output rows of the QK-norm + RoPE kernel (row strides in elements; each holds `rows` x heads * 128).
+#[derive(Debug)]
+pub struct QkvOutputs<'v, 'a> {
+    pub q: &'v mut DeviceViewMut<'a>,
+    pub q_stride: usize,
+    pub k: &'v mut DeviceViewMut<'a>,
+    pub k_stride: usize,
+    pub v: &'v mut DeviceViewMut<'a>,
+    pub v_stride: usize,
+}
+
+/// Element strides of one attention operand: between batches and between tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strides {
+    pub batch: usize,
+    pub row: usize,
+}
+
+/// Sizes of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub batch: usize,
+    pub num_queries: usize,
+    /// All keys: `prefix_len` cached rows followed by `num_keys - prefix_len` current rows.
+    pub num_keys: usize,
+    pub prefix_len: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+}
+
+/// The operands of one attention call (see `kernels/qwen_image/attention.cu`).
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionInputs<'v, 'a> {
+    pub q: &'v DeviceView<'a>,
+    pub q_strides: Strides,
+    /// Cached prefix K and V (`prefix_len` rows per batch); required when `prefix_len > 0`.
+    pub prefix: Option<(&'v DeviceView<'a>, &'v DeviceView<'a>, Strides)>,
+    /// Current K and V (`num_keys - prefix_len` rows per batch).
+    pub k: &'v DeviceView<'a>,
+    pub v: &'v DeviceView<'a>,
+    pub kv_strides: Strides,
+    /// Per-query key limits (i32, query q sees keys < limit): `[batch][num_queries]` with the given batch
+    /// stride in elements (0 shares one row of limits across the batch).
+    pub key_limit: Option<(&'v DeviceView<'a>, usize)>,
+    /// Key padding (i32 pairs `[batch][2]`: keys in [begin, end) are never seen).
+    pub key_pad: Option<&'v DeviceView<'a>>,
+    /// Softmax scale (1/sqrt(128) for the DiT).
+    pub scale: f32,
+}
+
+/// A device operand as the validation sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Operand {
+    addr: u64,
+    bytes: usize,
+}
+
+impl Operand {
+    fn of(view: &DeviceView<'_>) -> Operand {
+        Operand {
+            addr: view.addr(),
+            bytes: view.len(),
+        }
+    }
+    fn of_mut(view: &DeviceViewMut<'_>) -> Operand {
+        Operand {
+            addr: view.addr(),
+            bytes: view.len(),
+        }
+    }
+}
+
+/// One kernel launch, validated and packed, not yet submitted.
+#[derive(Debug)]
+pub struct Launch {
+    pub kernel: &'static str,
+    pub config: LaunchConfig,
+    pub args: Args,
+}
+
+fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error {
+    tf_cuda::Error::Invalid {
+        what: format!("{op}: {what}"),
+    }
+}
+
+fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
+    i32::try_from(value).map_err(|_| {
+        invalid(
+            op,
+            format!("{name} = {value} does not fit the kernel's 32-bit int"),
+        )
+    })
+}
+
+fn to_i64(op: &str, name: &str, value: usize) -> Result<i64, tf_cuda::Error> {
+    i64::try_from(value)
+        .map_err(|_| invalid(op, format!("{name} = {value} does not fit a 64-bit int")))
+}
+
+fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda::Error> {
+    u32::try_from(value).map_err(|_| {
+        invalid(
+            op,
+            format!("{name} = {value} exceeds the launch grid limits"),
+        )
+    })
+}
+
+/// Checks a bf16 matrix operand: fits the view, 16-byte aligned address, cols and stride multiples of 8,
+/// stride >= cols.
+fn check_matrix(op: &str, name: &str, operand: Operand, m: Matrix) -> Result<(), tf_cuda::Error> {
+    if m.stride < m.cols {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: row stride {} is less than its {} columns",
+                m.stride, m.cols
+            ),
+        ));
+    }
+    if m.cols % 8 != 0 || m.stride % 8 != 0 {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: columns ({}) and row stride ({}) must be multiples of 8 elements (16-byte rows)",
+                m.cols, m.stride
+            ),
+        ));
+    }
+    check_aligned(op, name, operand)?;
+    let span = m
+        .span_bytes()
+        .ok_or_else(|| invalid(op, format!("{name}: {m:?} overflows the address space")))?;
+    if span > operand.bytes {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: {} x {} bf16 with row stride {} needs {span} B but the view holds {} B",
+                m.rows, m.cols, m.stride, operand.bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_aligned(op: &str, name: &str, operand: Operand) -> Result<(), tf_cuda::Error> {
+    if operand.addr % 16 != 0 {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: device address {:#x} is not 16-byte aligned",
+                operand.addr
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_bytes(
+    op: &str,
+    name: &str,
+    operand: Operand,
+    needed: usize,
+) -> Result<(), tf_cuda::Error> {
+    if needed > operand.bytes {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: needs {needed} B but the view holds {} B",
+                operand.bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn row_grid(op: &str, rows: usize, cols: usize) -> Result<LaunchConfig, tf_cuda::Error> {
+    let chunks = cols.div_ceil(8).div_ceil(ROW_THREADS as usize).max(1);
+    Ok(LaunchConfig::new(
+        (
+            to_u32(op, "rows", rows.max(1))?,
+            to_u32(op, "column blocks", chunks)?,
+        ),
+        ROW_THREADS,
+    ))
+}
+
+fn check_modulation(
+    op: &str,
+    modulation: &Modulation<'_, '_>,
+    cols: usize,
+    rows: usize,
+    select: ModulationRows,
+) -> Result<(), tf_cuda::Error> {
+    if select.seq_len == 0 {
+        return Err(invalid(op, "modulation rows: seq_len must be at least 1"));
+    }
+    if rows % select.seq_len != 0 {
+        return Err(invalid(
+            op,
+            format!(
+                "{rows} rows are not a whole number of samples of seq_len {}",
+                select.seq_len
+            ),
+        ));
+    }
+    let samples = rows / select.seq_len;
+    let needs_targets = select.target_begin < select.seq_len;
+    let needs_prefix = select.target_begin > 0;
+    if needs_targets && samples > modulation.rows {
+        return Err(invalid(
+            op,
+            format!(
+                "{samples} samples need as many modulation rows but only {} are given",
+                modulation.rows
+            ),
+        ));
+    }
+    if needs_prefix && select.prefix_row >= modulation.rows {
+        return Err(invalid(
+            op,
+            format!(
+                "the t = 0 modulation row {} is outside the {} modulation rows",
+                select.prefix_row, modulation.rows
+            ),
+        ));
+    }
+    if modulation.offset % 8 != 0 {
+        return Err(invalid(
+            op,
+            format!(
+                "modulation column offset {} must be a multiple of 8",
+                modulation.offset
+            ),
+        ));
+    }
+    let block_end = modulation
+        .offset
+        .checked_add(cols)
+        .ok_or_else(|| invalid(op, "modulation offset overflows"))?;
+    if block_end > modulation.stride {
+        return Err(invalid(
+            op,
+            format!(
+                "modulation columns [{}, {block_end}) run past the row stride {}",
+                modulation.offset, modulation.stride
+            ),
+        ));
+    }
+    check_matrix(
+        op,
+        "modulation",
+        Operand::of(modulation.data),
+        Matrix {
+            rows: modulation.rows,
+            cols: modulation.stride,
+            stride: modulation.stride,
+        },
+    )
+}
+
+fn push_modulation(
+    args: &mut Args,
+    op: &str,
+    modulation: &Modulation<'_, '_>,
+) -> Result<(), tf_cuda::Error> {
+    args.push_addr(modulation.data.addr())
+        .push(to_i32(op, "modulation stride", modulation.stride)?)
+        .push(to_i32(op, "modulation offset", modulation.offset)?);
+    Ok(())
+}
+
+fn push_select(args: &mut Args, op: &str, select: ModulationRows) -> Result<(), tf_cuda::Error> {
+    args.push(to_i32(op, "seq_len", select.seq_len)?)
+        .push(to_i32(op, "target_begin", select.target_begin)?)
+        .push(to_i32(op, "prefix_row", select.prefix_row)?);
+    Ok(())
+}
+
+/// Builds `y = LayerNorm(x) * (1 + scale)` (kernel qi_adaln_modulate).
+pub fn plan_adaln_modulate(
+    x: &DeviceView<'_>,
+    x_layout: Matrix,
+    y: &DeviceViewMut<'_>,
+    y_stride: usize,
+    scale: &Modulation<'_, '_>,
+    select: ModulationRows,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "adaln_modulate";
+    let y_layout = Matrix {
+        stride: y_stride,
+        ..x_layout
+    };
+    check_norm_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of(x), x_layout)?;
+    check_matrix(OP, "y", Operand::of_mut(y), y_layout)?;
+    check_modulation(OP, scale, x_layout.cols, x_layout.rows, select)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?);
+    push_modulation(&mut args, OP, scale)?;
+    args.push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    push_select(&mut args, OP, select)?;
+    args.push(eps);
+    Ok(Launch {
+        kernel: "qi_adaln_modulate",
+        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+        args,
+    })
+}
+
+fn check_norm_cols(op: &str, cols: usize) -> Result<(), tf_cuda::Error> {
+    if cols == 0 || cols > MAX_NORM_COLS {
+        return Err(invalid(
+            op,
+            format!("rows of {cols} columns: the kernel normalises 8..={MAX_NORM_COLS} columns"),
+        ));
+    }
+    Ok(())
+}
+
+/// Builds the zero-centred RMSNorm `y = x * rsqrt(mean(x^2) + eps) * (1 + weight)` (kernel qi_rms_norm_zc).
+pub fn plan_rms_norm_zc(
+    x: &DeviceView<'_>,
+    x_layout: Matrix,
+    y: &DeviceViewMut<'_>,
+    y_stride: usize,
+    weight: &DeviceView<'_>,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "rms_norm_zc";
+    check_norm_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of(x), x_layout)?;
+    check_matrix(
+        OP,
+        "y",
+        Operand::of_mut(y),
+        Matrix {
+            stride: y_stride,
+            ..x_layout
+        },
+    )?;
+    check_matrix(
+        OP,
+        "weight",
+        Operand::of(weight),
+        Matrix::dense(1, x_layout.cols),
+    )?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?)
+        .push_addr(weight.addr())
+        .push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?)
+        .push(eps);
+    Ok(Launch {
+        kernel: "qi_rms_norm_zc",
+        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+        args,
+    })
+}
+
+/// Builds `x += tanh(gate) * y` in place on x (kernel qi_gated_residual).
+pub fn plan_gated_residual(
+    x: &DeviceViewMut<'_>,
+    x_layout: Matrix,
+    y: &DeviceView<'_>,
+    y_stride: usize,
+    gate: &Modulation<'_, '_>,
+    select: ModulationRows,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "gated_residual";
+    check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
+    check_matrix(
+        OP,
+        "y",
+        Operand::of(y),
+        Matrix {
+            stride: y_stride,
+            ..x_layout
+        },
+    )?;
+    check_modulation(OP, gate, x_layout.cols, x_layout.rows, select)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?);
+    push_modulation(&mut args, OP, gate)?;
+    args.push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    push_select(&mut args, OP, select)?;
+    Ok(Launch {
+        kernel: "qi_gated_residual",
+        config: row_grid(OP, x_layout.rows, x_layout.cols)?,
+        args,
+    })
+}
+
+/// Builds `out = silu(gate) * up` from a fused `[gate | up]` matrix of 2 * hidden columns (kernel qi_swiglu).
+pub fn plan_swiglu(
+    gate_up: &DeviceView<'_>,
+    gate_up_layout: Matrix,
+    out: &DeviceViewMut<'_>,
+    out_stride: usize,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "swiglu";
+    if gate_up_layout.cols % 16 != 0 {
+        return Err(invalid(
+            OP,
+            format!(
+                "gate|up has {} columns: it must be 2 * hidden with hidden a multiple of 8",
+                gate_up_layout.cols
+            ),
+        ));
+    }
+    let hidden = gate_up_layout.cols / 2;
+    check_matrix(OP, "gate_up", Operand::of(gate_up), gate_up_layout)?;
+    check_matrix(
+        OP,
+        "out",
+        Operand::of_mut(out),
+        Matrix {
+            rows: gate_up_layout.rows,
+            cols: hidden,
+            stride: out_stride,
+        },
+    )?;
+    let mut args = Args::new();
+    args.push_addr(gate_up.addr())
+        .push(to_i32(OP, "gate_up stride", gate_up_layout.stride)?)
+        .push_addr(out.addr())
+        .push(to_i32(OP, "out stride", out_stride)?)
+        .push(to_i32(OP, "rows", gate_up_layout.rows)?)
+        .push(to_i32(OP, "hidden", hidden)?);
+    Ok(Launch {
+        kernel: "qi_swiglu",
+        config: row_grid(OP, gate_up_layout.rows, hidden)?,
+        args,
+    })
+}
+
+/// Builds an elementwise activation over `n` bf16 values (`kernel` is qi_gelu_tanh or qi_silu); `y` may be
+/// a view of the same memory as `x`.
+fn plan_elementwise(
+    op: &'static str,
+    kernel: &'static str,
+    x: Operand,
+    y: Operand,
+    n: usize,
+) -> Result<Launch, tf_cuda::Error> {
+    check_aligned(op, "x", x)?;
+    check_aligned(op, "y", y)?;
+    let bytes = n
+        .checked_mul(BF16)
+        .ok_or_else(|| invalid(op, "n overflows"))?;
+    check_bytes(op, "x", x, bytes)?;
+    check_bytes(op, "y", y, bytes)?;
+    let chunks = n.div_ceil(8);
+    // Grid-stride kernel: enough blocks to fill the GPU, capped so huge n needs no huge grid.
+    let blocks = chunks.div_ceil(ROW_THREADS as usize).clamp(1, 65_535);
+    let mut args = Args::new();
+    args.push_addr(x.addr)
+        .push_addr(y.addr)
+        .push(to_i64(op, "n", n)?);
+    Ok(Launch {
+        kernel,
+        config: LaunchConfig::new(to_u32(op, "blocks", blocks)?, ROW_THREADS),
+        args,
+    })
+}
+
+/// Builds the sinusoidal timestep embedding `[cos | sin]` of `batch` f32 timesteps into `[batch, dim]` bf16.
+pub fn plan_timestep_embedding(
+    t: &DeviceView<'_>,
+    out: &DeviceViewMut<'_>,
+    batch: usize,
+    dim: usize,
+    t_scale: f32,
+    max_period: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "timestep_embedding";
+    if dim == 0 || dim % 2 != 0 || dim / 2 > 1024 {
+        return Err(invalid(
+            OP,
+            format!("dim {dim} must be even and at most 2048"),
+        ));
+    }
+    check_bytes(OP, "t", Operand::of(t), batch.saturating_mul(4))?;
+    check_bytes(
+        OP,
+        "out",
+        Operand::of_mut(out),
+        batch.saturating_mul(dim).saturating_mul(BF16),
+    )?;
+    let mut args = Args::new();
+    args.push_addr(t.addr())
+        .push_addr(out.addr())
+        .push(to_i32(OP, "batch", batch)?)
+        .push(to_i32(OP, "dim", dim)?)
+        .push(t_scale)
+        .push(max_period);
+    Ok(Launch {
+        kernel: "qi_timestep_embedding",
+        config: LaunchConfig::new(
+            to_u32(OP, "batch", batch.max(1))?,
+            to_u32(OP, "dim / 2", dim / 2)?,
+        ),
+        args,
+    })
+}
+
+/// Builds the fused QK RMSNorm + RoPE + V copy (kernel qi_qk_norm_rope).
+pub fn plan_qk_norm_rope(
+    inputs: &QkvInputs<'_, '_>,
+    outputs: &QkvOutputs<'_, '_>,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "qk_norm_rope";
+    let rows = inputs.qkv_layout.rows;
+    let width = inputs
+        .heads
+        .checked_mul(HEAD_DIM)
+        .ok_or_else(|| invalid(OP, "heads overflow"))?;
+    if inputs.heads == 0 || inputs.qkv_layout.cols != 3 * width {
+        return Err(invalid(
+            OP,
+            format!(
+                "qkv has {} columns; {} heads of {HEAD_DIM} need 3 * {width} (q | k | v)",
+                inputs.qkv_layout.cols, inputs.heads
+            ),
+        ));
+    }
+    check_matrix(OP, "qkv", Operand::of(inputs.qkv), inputs.qkv_layout)?;
+    check_matrix(
+        OP,
+        "q_weight",
+        Operand::of(inputs.q_weight),
+        Matrix::dense(1, HEAD_DIM),
+    )?;
+    check_matrix(
+        OP,
+        "k_weight",
+        Operand::of(inputs.k_weight),
+        Matrix::dense(1, HEAD_DIM),
+    )?;
+    if inputs.rope_stride < HEAD_DIM / 2 || inputs.rope_stride % 2 != 0 {
+        return Err(invalid(
+            OP,
+            format!(
+                "rope stride {} must be even and at least 64",
+                inputs.rope_stride
+            ),
+        ));
+    }
+    let rope_bytes = if rows == 0 {
+        0
+    } else {
+        ((rows - 1) * inputs.rope_stride + HEAD_DIM / 2) * 4
+    };
+    for (name, table) in [("rope_cos", inputs.rope_cos), ("rope_sin", inputs.rope_sin)] {
+        let operand = Operand::of(table);
+        if operand.addr % 8 != 0 {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{name}: device address {:#x} is not 8-byte aligned",
+                    operand.addr
+                ),
+            ));
+        }
+        check_bytes(OP, name, operand, rope_bytes)?;
+    }
+    for (name, view, stride) in [
+        ("q", &*outputs.q, outputs.q_stride),
+        ("k", &*outputs.k, outputs.k_stride),
+        ("v", &*outputs.v, outputs.v_stride),
+    ] {
+        check_matrix(
+            OP,
+            name,
+            Operand::of_mut(view),
+            Matrix {
+                rows,
+                cols: width,
+                stride,
+            },
+        )?;
+    }
+    let items = rows
+        .checked_mul(inputs.heads)
+        .ok_or_else(|| invalid(OP, "rows * heads overflows"))?;
+    let mut args = Args::new();
+    args.push_addr(inputs.qkv.addr())
+        .push(to_i32(OP, "qkv stride", inputs.qkv_layout.stride)?)
+        .push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "heads", inputs.heads)?)
+        .push_addr(inputs.q_weight.addr())
+        .push_addr(inputs.k_weight.addr())
+        .push(inputs.eps)
+        .push_addr(inputs.rope_cos.addr())
+        .push_addr(inputs.rope_sin.addr())
+        .push(to_i32(OP, "rope stride", inputs.rope_stride)?)
+        .push_addr(outputs.q.addr())
+        .push(to_i32(OP, "q stride", outputs.q_stride)?)
+        .push_addr(outputs.k.addr())
+        .push(to_i32(OP, "k stride", outputs.k_stride)?)
+        .push_addr(outputs.v.addr())
+        .push(to_i32(OP, "v stride", outputs.v_stride)?);
+    Ok(Launch {
+        kernel: "qi_qk_norm_rope",
+        config: LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+        args,
+    })
+}
+
+/// Builds a strided row copy of a `[rows, cols]` bf16 block (kernel qi_copy_rows).
+pub fn plan_copy_rows(
+    src: &DeviceView<'_>,
+    src_layout: Matrix,
+    dst: &DeviceViewMut<'_>,
+    dst_stride: usize,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "copy_rows";
+    check_matrix(OP, "src", Operand::of(src), src_layout)?;
+    check_matrix(
+        OP,
+        "dst",
+        Operand::of_mut(dst),
+        Matrix {
+            stride: dst_stride,
+            ..src_layout
+        },
+    )?;
+    let mut args = Args::new();
+    args.push_addr(src.addr())
+        .push(to_i32(OP, "src stride", src_layout.stride)?)
+        .push_addr(dst.addr())
+        .push(to_i32(OP, "dst stride", dst_stride)?)
+        .push(to_i32(OP, "rows", src_layout.rows)?)
+        .push(to_i32(OP, "cols", src_layout.cols)?);
+    Ok(Launch {
+        kernel: "qi_copy_rows",
+        config: row_grid(OP, src_layout.rows, src_layout.cols)?,
+        args,
+    })
+}
+
+/// Builds the transpose of a dense `[rows, cols]` bf16 matrix into `[cols, rows]` (kernel qi_transpose).
+pub fn plan_transpose(
+    src: &DeviceView<'_>,
+    dst: &DeviceViewMut<'_>,
+    rows: usize,
+    cols: usize,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "transpose";
+    let bytes = rows
+        .checked_mul(cols)
+        .and_then(|n| n.checked_mul(BF16))
+        .ok_or_else(|| invalid(OP, "rows * cols overflows"))?;
+    check_bytes(OP, "src", Operand::of(src), bytes)?;
+    check_bytes(OP, "dst", Operand::of_mut(dst), bytes)?;
+    let mut args = Args::new();
+    args.push_addr(src.addr())
+        .push_addr(dst.addr())
+        .push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "cols", cols)?);
+    Ok(Launch {
+        kernel: "qi_transpose",
+        config: LaunchConfig::new(
+            (
+                to_u32(OP, "column tiles", cols.div_ceil(32).max(1))?,
+                to_u32(OP, "row tiles", rows.div_ceil(32).max(1))?,
+            ),
+            (32, 8),
+        ),
+        args,
+    })
+}
+
+/// Bytes an attention operand needs: `batch` blocks of `rows` tokens, `width` elements used per token.
+fn attention_span(batch: usize, rows: usize, strides: Strides, width: usize) -> Option<usize> {
+    if batch == 0 || rows == 0 {
+        return Some(0);
+    }
+    (batch - 1)
+        .checked_mul(strides.batch)?
+        .checked_add((rows - 1).checked_mul(strides.row)?)?
+        .checked_add(width)?
+        .checked_mul(BF16)
+}
+
+fn check_attention_operand(
+    name: &str,
+    operand: Operand,
+    batch: usize,
+    rows: usize,
+    strides: Strides,
+    width: usize,
+) -> Result<(), tf_cuda::Error> {
+    const OP: &str = "attention";
+    check_aligned(OP, name, operand)?;
+    if strides.row % 8 != 0 || strides.batch % 8 != 0 {
+        return Err(invalid(
+            OP,
+            format!("{name}: strides {strides:?} must be multiples of 8 elements (16-byte rows)"),
+        ));
+    }
+    if rows > 0 && strides.row < width {
+        return Err(invalid(
+            OP,
+            format!(
+                "{name}: row stride {} is less than the {width} elements of a token",
+                strides.row
+            ),
+        ));
+    }
+    let span = attention_span(batch, rows, strides, width)
+        .ok_or_else(|| invalid(OP, format!("{name}: size overflows")))?;
+    check_bytes(OP, name, operand, span)
+}
+
+/// Builds one flash-attention launch (kernels qi_attention_d128_*). `o` gets `[batch][num_queries][num_heads *
+/// 128]` with `o_strides`.
+pub fn plan_attention(
+    tile: AttentionTile,
+    shape: AttentionShape,
+    inputs: &AttentionInputs<'_, '_>,
+    o: &DeviceViewMut<'_>,
+    o_strides: Strides,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "attention";
+    let s = shape;
+    if s.num_heads == 0 || s.num_kv_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
+        return Err(invalid(
+            OP,
+            format!(
+                "{} query heads must be a non-zero multiple of the {} kv heads",
+                s.num_heads, s.num_kv_heads
+            ),
+        ));
+    }
+    if s.prefix_len > s.num_keys {
+        return Err(invalid(
+            OP,
+            format!(
+                "prefix of {} keys is longer than the {} keys",
+                s.prefix_len, s.num_keys
+            ),
+        ));
+    }
+    if s.batch == 0 || s.num_queries == 0 {
+        return Err(invalid(OP, "batch and num_queries must be at least 1"));
+    }
+    if !inputs.scale.is_finite() {
+        return Err(invalid(OP, format!("scale {} is not finite", inputs.scale)));
+    }
+    let q_width = s.num_heads * HEAD_DIM;
+    let kv_width = s.num_kv_heads * HEAD_DIM;
+    let current = s.num_keys - s.prefix_len;
+    check_attention_operand(
+        "q",
+        Operand::of(inputs.q),
+        s.batch,
+        s.num_queries,
+        inputs.q_strides,
+        q_width,
+    )?;
+    check_attention_operand(
+        "o",
+        Operand::of_mut(o),
+        s.batch,
+        s.num_queries,
+        o_strides,
+        q_width,
+    )?;
+    check_attention_operand(
+        "k",
+        Operand::of(inputs.k),
+        s.batch,
+        current,
+        inputs.kv_strides,
+        kv_width,
+    )?;
+    check_attention_operand(
+        "v",
+        Operand::of(inputs.v),
+        s.batch,
+        current,
+        inputs.kv_strides,
+        kv_width,
+    )?;
+    // Without a prefix the kernel never reads the prefix pointers; pass k/v so they are valid addresses.
+    let (kp, vp, prefix_strides) = match inputs.prefix {
+        Some((kp, vp, strides)) => {
+            check_attention_operand(
+                "k_prefix",
+                Operand::of(kp),
+                s.batch,
+                s.prefix_len,
+                strides,
+                kv_width,
+            )?;
+            check_attention_operand(
+                "v_prefix",
+                Operand::of(vp),
+                s.batch,
+                s.prefix_len,
+                strides,
+                kv_width,
+            )?;
+            (kp.addr(), vp.addr(), strides)
+        }
+        None if s.prefix_len > 0 => {
+            return Err(invalid(
+                OP,
+                format!(
+                    "prefix_len is {} but no cached prefix K/V was given",
+                    s.prefix_len
+                ),
+            ));
+        }
+        None => (inputs.k.addr(), inputs.v.addr(), inputs.kv_strides),
+    };
+    let (limit_addr, limit_stride) = match inputs.key_limit {
+        Some((limits, batch_stride)) => {
+            let last = (s.batch - 1)
+                .checked_mul(batch_stride)
+                .and_then(|n| n.checked_add(s.num_queries))
+                .and_then(|n| n.checked_mul(4))
+                .ok_or_else(|| invalid(OP, "key_limit size overflows"))?;
+            check_bytes(OP, "key_limit", Operand::of(limits), last)?;
+            if limits.addr() % 4 != 0 {
+                return Err(invalid(
+                    OP,
+                    "key_limit: device address is not 4-byte aligned",
+                ));
+            }
+            (limits.addr(), batch_stride)
+        }
+        None => (0, 0),
+    };
+    let pad_addr = match inputs.key_pad {
+        Some(pad) => {
+            check_bytes(OP, "key_pad", Operand::of(pad), s.batch * 2 * 4)?;
+            if pad.addr() % 4 != 0 {
+                return Err(invalid(OP, "key_pad: device address is not 4-byte aligned"));
+            }
+            pad.addr()
+        }
+        None => 0,
+    };
+    let mut args = Args::new();
+    args.push_addr(inputs.q.addr())
+        .push(to_i64(OP, "q batch stride", inputs.q_strides.batch)?)
+        .push(to_i32(OP, "q row stride", inputs.q_strides.row)?)
+        .push_addr(kp)
+        .push_addr(vp)
+        .push(to_i64(OP, "prefix batch stride", prefix_strides.batch)?)
+        .push(to_i32(OP, "prefix row stride", prefix_strides.row)?)
+        .push(to_i32(OP, "prefix_len", s.prefix_len)?)
+        .push_addr(inputs.k.addr())
+        .push_addr(inputs.v.addr())
+        .push(to_i64(OP, "kv batch stride", inputs.kv_strides.batch)?)
+        .push(to_i32(OP, "kv row stride", inputs.kv_strides.row)?)
+        .push_addr(o.addr())
+        .push(to_i64(OP, "o batch stride", o_strides.batch)?)
+        .push(to_i32(OP, "o row stride", o_strides.row)?)
+        .push(to_i32(OP, "num_queries", s.num_queries)?)
+        .push(to_i32(OP, "num_keys", s.num_keys)?)
+        .push(to_i32(OP, "num_heads", s.num_heads)?)
+        .push(to_i32(OP, "num_kv_heads", s.num_kv_heads)?)
+        .push_addr(limit_addr)
+        .push(to_i64(OP, "key_limit batch stride", limit_stride)?)
+        .push_addr(pad_addr)
+        .push(inputs.scale * std::f32::consts::LOG2_E);
+    let grid = (
+        to_u32(
+            OP,
+            "query tiles",
+            s.num_queries.div_ceil(tile.rows() as usize),
+        )?,
+        to_u32(OP, "heads", s.num_heads)?,
+        to_u32(OP, "batch", s.batch)?,
+    );
+    Ok(Launch {
+        kernel: tile.kernel(),
+        config: LaunchConfig::new(grid, tile.warps() * 32).with_shared(tile.shared_bytes()),
+        args,
+    })
+}
+
+/// Per-query key limits for the attention kernel from the block-causal rule of the host reference
+/// ([`crate::ops::host::AttentionMask`]): query `i` sits at key position `q_offset + i`; it sees keys `k <= q_pos`
+/// and every key of its own image block (`block_ids[q_pos] >= 0`). Blocks must be contiguous runs of one id; the
+/// result is `limit[i]` = one past the last key query `i` sees (the mask is then exactly `k < limit[i]`).
+pub fn key_limits_from_blocks(
+    block_ids: &[i32],
+    q_offset: usize,
+    num_queries: usize,
+) -> Result<Vec<i32>, tf_cuda::Error> {
+    const OP: &str = "key_limits_from_blocks";
+    let end = q_offset
+        .checked_add(num_queries)
+        .filter(|&e| e <= block_ids.len())
+        .ok_or_else(|| {
+            invalid(
+                OP,
+                format!(
+                    "queries {q_offset}..+{num_queries} run past {} keys",
+                    block_ids.len()
+                ),
+            )
+        })?;
+    // One past the last position of the block that starts at or contains each position.
+    let mut block_end = vec![0usize; block_ids.len()];
+    let mut next = block_ids.len();
+    for pos in (0..block_ids.len()).rev() {
+        if pos + 1 < block_ids.len() && block_ids[pos + 1] != block_ids[pos] {
+            next = pos + 1;
+        }
+        block_end[pos] = next;
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (pos, &id) in block_ids.iter().enumerate() {
+        if id >= 0 && (pos == 0 || block_ids[pos - 1] != id) && !seen.insert(id) {
+            return Err(invalid(
+                OP,
+                format!("image block {id} is not one contiguous run of keys"),
+            ));
+        }
+    }
+    (q_offset..end)
+        .map(|pos| {
+            let limit = if block_ids[pos] >= 0 {
+                block_end[pos]
+            } else {
+                pos + 1
+            };
+            to_i32(OP, "key limit", limit)
+        })
+        .collect()
+}
+
+/// The key-padding range `[begin, end)` of a validity mask, for the attention kernel: `None` when every key is
+/// valid; an error when the invalid keys are not one contiguous range.
+pub fn key_pad_from_valid(key_valid: &[bool]) -> Result<Option<(i32, i32)>, tf_cuda::Error> {
+    const OP: &str = "key_pad_from_valid";
+    let Some(begin) = key_valid.iter().position(|&v| !v) else {
+        return Ok(None);
+    };
+    let end = key_valid.iter().rposition(|&v| !v).map_or(begin, |p| p + 1);
+    if key_valid[begin..end].iter().any(|&v| v) {
+        return Err(invalid(
+            OP,
+            "the padded keys are not one contiguous range; the kernel takes one [begin, end) range per sample",
+        ));
+    }
+    Ok(Some((
+        to_i32(OP, "pad begin", begin)?,
+        to_i32(OP, "pad end", end)?,
+    )))
+}
+
+/// FLOPs of one attention call (the 4 * q * k * d * heads * batch convention; masked work included).
+pub fn attention_flops(shape: AttentionShape) -> f64 {
+    4.0 * shape.batch as f64
+        * shape.num_heads as f64
+        * shape.num_queries as f64
+        * shape.num_keys as f64
+        * HEAD_DIM as f64
+}
+
+/// Why the kernels could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadKernelsError {
+    /// The fatbin was not built into this binary.
+    #[error("kernel set {set} is not available: {reason}")]
+    Missing { set: &'static str, reason: String },
+    /// The driver refused the image or a kernel is absent from it.
+    #[error("loading kernel set {set}: {source}")]
+    Cuda {
+        set: &'static str,
+        #[source]
+        source: tf_cuda::Error,
+    },
+}
+
+/// The loaded qwen_image kernel sets of one context, and the launchers.
+pub struct QwenImageKernels {
+    // The modules own the code the functions point into: kept alive with them.
+    _ops: Module,
+    _attention: Module,
+    functions: HashMap<&'static str, Function>,
+}
+
+impl std::fmt::Debug for QwenImageKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QwenImageKernels")
+            .field("kernels", &self.functions.len())
+            .finish()
+    }
+}
+
+impl QwenImageKernels {
+    /// Loads both kernel sets into `ctx`, looks every kernel up, and opts the attention kernels in to the
+    /// shared memory they use. A tile shape that does not fit this GPU's shared memory is left out (its
+    /// launches then fail with a message naming it).
+    pub fn load(ctx: &Context) -> Result<QwenImageKernels, LoadKernelsError> {
+        let image = |set: &'static str| {
+            crate::kernels::image(set).map_err(|e| LoadKernelsError::Missing {
+                set,
+                reason: e.to_string(),
+            })
+        };
+        let cuda = |set: &'static str| move |source| LoadKernelsError::Cuda { set, source };
+        let ops = Module::load(ctx, image(OPS_SET)?).map_err(cuda(OPS_SET))?;
+        let attention = Module::load(ctx, image(ATTENTION_SET)?).map_err(cuda(ATTENTION_SET))?;
+        let mut functions = HashMap::new();
+        for &name in OPS_KERNELS {
+            functions.insert(name, ops.function(name).map_err(cuda(OPS_SET))?);
+        }
+        for tile in AttentionTile::ALL {
+            let function = attention
+                .function(tile.kernel())
+                .map_err(cuda(ATTENTION_SET))?;
+            if function.set_max_dynamic_shared(tile.shared_bytes()).is_ok() {
+                functions.insert(tile.kernel(), function);
+            }
+        }
+        Ok(QwenImageKernels {
+            _ops: ops,
+            _attention: attention,
+            functions,
+        })
+    }
+
+    /// True when the attention kernel of `tile` fits this GPU.
+    pub fn has_tile(&self, tile: AttentionTile) -> bool {
+        self.functions.contains_key(tile.kernel())
+    }
+
+    /// Submits a launch built by one of the `plan_*` functions.
+    pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
+        let function = self.functions.get(launch.kernel).ok_or_else(|| {
+            invalid(
+                launch.kernel,
+                "kernel not loaded (its shared memory does not fit this GPU, or the kernel set is stale: \
+                 run `cargo xtask kernels`)",
+            )
+        })?;
+        stream.launch(function, &launch.config, &launch.args)
+    }
+
+    /// `y = LayerNorm(x) * (1 + scale)` with per-row modulation rows; see [`plan_adaln_modulate`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn adaln_modulate(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        x_layout: Matrix,
+        y: &mut DeviceViewMut<'_>,
+        y_stride: usize,
+        scale: &Modulation<'_, '_>,
+        select: ModulationRows,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_adaln_modulate(x, x_layout, y, y_stride, scale, select, eps)?,
+        )
+    }
+
+    /// Zero-centred RMSNorm; see [`plan_rms_norm_zc`].
+    pub fn rms_norm_zc(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        x_layout: Matrix,
+        y: &mut DeviceViewMut<'_>,
+        y_stride: usize,
+        weight: &DeviceView<'_>,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_rms_norm_zc(x, x_layout, y, y_stride, weight, eps)?,
+        )
+    }
+
+    /// `x += tanh(gate) * y`; see [`plan_gated_residual`].
+    pub fn gated_residual(
+        &self,
+        stream: &Stream,
+        x: &mut DeviceViewMut<'_>,
+        x_layout: Matrix,
+        y: &DeviceView<'_>,
+        y_stride: usize,
+        gate: &Modulation<'_, '_>,
+        select: ModulationRows,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_gated_residual(x, x_layout, y, y_stride, gate, select)?,
+        )
+    }
+
+    /// SwiGLU of a fused gate|up matrix; see [`plan_swiglu`].
+    pub fn swiglu(
+        &self,
+        stream: &Stream,
+        gate_up: &DeviceView<'_>,
+        gate_up_layout: Matrix,
+        out: &mut DeviceViewMut<'_>,
+        out_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_swiglu(gate_up, gate_up_layout, out, out_stride)?,
+        )
+    }
+
+    /// `y = gelu_tanh(x)` over `n` values.
+    pub fn gelu_tanh(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        y: &mut DeviceViewMut<'_>,
+        n: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_elementwise(
+            "gelu_tanh",
+            "qi_gelu_tanh",
+            Operand::of(x),
+            Operand::of_mut(y),
+            n,
+        )?;
+        self.submit(stream, &launch)
+    }
+
+    /// `x = gelu_tanh(x)` in place over `n` values.
+    pub fn gelu_tanh_inplace(
+        &self,
+        stream: &Stream,
+        x: &mut DeviceViewMut<'_>,
+        n: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let operand = Operand::of_mut(x);
+        self.submit(
+            stream,
+            &plan_elementwise("gelu_tanh", "qi_gelu_tanh", operand, operand, n)?,
+        )
+    }
+
+    /// `y = silu(x)` over `n` values.
+    pub fn silu(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        y: &mut DeviceViewMut<'_>,
+        n: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_elementwise("silu", "qi_silu", Operand::of(x), Operand::of_mut(y), n)?;
+        self.submit(stream, &launch)
+    }
+
+    /// `x = silu(x)` in place over `n` values.
+    pub fn silu_inplace(
+        &self,
+        stream: &Stream,
+        x: &mut DeviceViewMut<'_>,
+        n: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let operand = Operand::of_mut(x);
+        self.submit(
+            stream,
+            &plan_elementwise("silu", "qi_silu", operand, operand, n)?,
+        )
+    }
+
+    /// Timestep embedding; see [`plan_timestep_embedding`].
+    pub fn timestep_embedding(
+        &self,
+        stream: &Stream,
+        t: &DeviceView<'_>,
+        out: &mut DeviceViewMut<'_>,
+        batch: usize,
+        dim: usize,
+        t_scale: f32,
+        max_period: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_timestep_embedding(t, out, batch, dim, t_scale, max_period)?,
+        )
+    }
+
+    /// QK RMSNorm + RoPE + V copy; see [`plan_qk_norm_rope`].
+    pub fn qk_norm_rope(
+        &self,
+        stream: &Stream,
+        inputs: &QkvInputs<'_, '_>,
+        outputs: &mut QkvOutputs<'_, '_>,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan_qk_norm_rope(inputs, outputs)?)
+    }
+
+    /// Strided row copy; see [`plan_copy_rows`].
+    pub fn copy_rows(
+        &self,
+        stream: &Stream,
+        src: &DeviceView<'_>,
+        src_layout: Matrix,
+        dst: &mut DeviceViewMut<'_>,
+        dst_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan_copy_rows(src, src_layout, dst, dst_stride)?)
+    }
+
+    /// Transpose `[rows, cols]` -> `[cols, rows]`; see [`plan_transpose`].
+    pub fn transpose(
+        &self,
+        stream: &Stream,
+        src: &DeviceView<'_>,
+        dst: &mut DeviceViewMut<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan_transpose(src, dst, rows, cols)?)
+    }
+
+    /// Flash attention with the default tile shape; see [`plan_attention`].
+    pub fn attention(
+        &self,
+        stream: &Stream,
+        shape: AttentionShape,
+        inputs: &AttentionInputs<'_, '_>,
+        o: &mut DeviceViewMut<'_>,
+        o_strides: Strides,
+    ) -> Result<(), tf_cuda::Error> {
+        self.attention_with(
+            stream,
+            AttentionTile::default(),
+            shape,
+            inputs,
+            o,
+            o_strides,
+        )
+    }
+
+    /// Flash attention with an explicit tile shape (benchmarks compare them).
+    pub fn attention_with(
+        &self,
+        stream: &Stream,
+        tile: AttentionTile,
+        shape: AttentionShape,
+        inputs: &AttentionInputs<'_, '_>,
+        o: &mut DeviceViewMut<'_>,
+        o_strides: Strides,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan_attention(tile, shape, inputs, o, o_strides)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn tile_shared_memory_matches_the_kernel_layout() {
+        // Q tile (16 rows per warp) plus K and V tiles of 64 keys per stage, 256 bytes per row.
+        assert_eq!(AttentionTile::W8S2.shared_bytes(), (128 + 256) * 256);
+        assert_eq!(AttentionTile::W8S3.shared_bytes(), 131_072);
+        assert_eq!(AttentionTile::W4S2.shared_bytes(), 81_920);
+        assert_eq!(AttentionTile::W4S3.shared_bytes(), 114_688);
+        for tile in AttentionTile::ALL {
+            assert!(
+                tile.shared_bytes() <= 227 * 1024,
+                "{tile:?} must fit an sm_90 SM"
+            );
+            assert!(tile.kernel().starts_with("qi_attention_d128_"));
+        }
+    }
+
+    #[test]
+    fn modulation_rows_follow_the_dit_rule() {
+        let rule = ModulationRows {
+            seq_len: 5,
+            target_begin: 2,
+            prefix_row: 7,
+        };
+        let rows: Vec<usize> = (0..10).map(|r| rule.row_of(r)).collect();
+        assert_eq!(rows, [7, 7, 0, 0, 0, 7, 7, 1, 1, 1]);
+        let cached = ModulationRows::targets_only(3);
+        assert_eq!(
+            (0..6).map(|r| cached.row_of(r)).collect::<Vec<_>>(),
+            [0, 0, 0, 1, 1, 1]
+        );
+    }
+
+    #[test]
+    fn matrix_checks_refuse_what_the_kernels_cannot_read() {
+        let op = Operand {
+            addr: 0x1000,
+            bytes: 4 * 64 * 2,
+        };
+        assert!(check_matrix("t", "x", op, Matrix::dense(4, 64)).is_ok());
+        let too_small = check_matrix("t", "x", op, Matrix::dense(5, 64))
+            .unwrap_err()
+            .to_string();
+        assert!(too_small.contains("needs 640 B"), "{too_small}");
+        assert!(check_matrix(
+            "t",
+            "x",
+            op,
+            Matrix {
+                rows: 2,
+                cols: 60,
+                stride: 64
+            }
+        )
+        .is_err());
+        assert!(check_matrix(
+            "t",
+            "x",
+            op,
+            Matrix {
+                rows: 2,
+                cols: 64,
+                stride: 32
+            }
+        )
+        .is_err());
+        let unaligned = Operand { addr: 0x1008, ..op };
+        assert!(check_matrix("t", "x", unaligned, Matrix::dense(1, 8)).is_err());
+        // A column slice of a wider buffer: the last row only needs its used columns.
+        assert!(check_matrix(
+            "t",
+            "x",
+            Operand {
+                addr: 0x1000,
+                bytes: (3 * 96 + 32) * 2
+            },
+            Matrix {
+                rows: 4,
+                cols: 32,
+                stride: 96
+            }
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn elementwise_plan_validates_sizes() {
+        let x = Operand {
+            addr: 0x2000,
+            bytes: 2 * 1003,
+        };
+        let launch = plan_elementwise("silu", "qi_silu", x, x, 1003).unwrap();
+        assert_eq!(launch.kernel, "qi_silu");
+        assert_eq!(launch.args.len(), 3);
+        assert_eq!(launch.args.get::<i64>(2), Some(1003));
+        assert_eq!(launch.config.grid.x, 1);
+        assert!(plan_elementwise("silu", "qi_silu", x, x, 1004).is_err());
+    }
+
+    #[test]
+    fn key_pad_is_one_contiguous_range() {
+        assert_eq!(key_pad_from_valid(&[true; 4]).unwrap(), None);
+        assert_eq!(
+            key_pad_from_valid(&[true, false, false, true]).unwrap(),
+            Some((1, 3))
+        );
+        assert_eq!(key_pad_from_valid(&[false, true]).unwrap(), Some((0, 1)));
+        assert!(key_pad_from_valid(&[false, true, false]).is_err());
+    }
+
+    #[test]
+    fn key_limits_refuse_split_blocks() {
+        assert!(key_limits_from_blocks(&[0, 0, -1, 0], 0, 4).is_err());
+        assert!(key_limits_from_blocks(&[-1, -1], 1, 2).is_err());
+        assert_eq!(
+            key_limits_from_blocks(&[-1, -1, 3, 3, -1, 5, 5], 0, 7).unwrap(),
+            [1, 2, 4, 4, 5, 7, 7]
+        );
+    }
+
+    fn blocks() -> impl Strategy<Value = Vec<i32>> {
+        // Runs of text (-1) and image blocks with fresh ids, in any order.
+        proptest::collection::vec((any::<bool>(), 1usize..6), 1..8).prop_map(|runs| {
+            let mut ids = Vec::new();
+            for (i, (image, len)) in runs.into_iter().enumerate() {
+                let id = if image { i as i32 } else { -1 };
+                ids.extend(std::iter::repeat_n(id, len));
+            }
+            ids
+        })
+    }
+
+    proptest! {
+        /// `k < limit[q]` is exactly the host reference's block-causal visibility rule.
+        #[test]
+        fn key_limits_reproduce_the_block_causal_rule(ids in blocks(), offset_frac in 0.0f64..1.0) {
+            let q_offset = ((ids.len() as f64) * offset_frac) as usize;
+            let num_queries = ids.len() - q_offset;
+            let limits = key_limits_from_blocks(&ids, q_offset, num_queries).unwrap();
+            for (i, &limit) in limits.iter().enumerate() {
+                let q_pos = q_offset + i;
+                for (k, &kid) in ids.iter().enumerate() {
+                    let same_block = ids[q_pos] >= 0 && kid == ids[q_pos];
+                    let visible = k <= q_pos || same_block;
+                    prop_assert_eq!((k as i32) < limit, visible, "q {} k {} ids {:?}", q_pos, k, &ids);
+                }
+            }
+        }
+
+        /// The padding range covers exactly the invalid keys.
+        #[test]
+        fn key_pad_covers_exactly_the_invalid_keys(len in 1usize..40, a in 0usize..40, b in 0usize..40) {
+            let (lo, hi) = (a.min(b).min(len), a.max(b).min(len));
+            let valid: Vec<bool> = (0..len).map(|k| !(lo..hi).contains(&k)).collect();
+            let pad = key_pad_from_valid(&valid).unwrap();
+            for (k, &v) in valid.iter().enumerate() {
+                let padded = pad.is_some_and(|(b, e)| (b as usize..e as usize).contains(&k));
+                prop_assert_eq!(padded, !v);
+            }
+        }
+    }
+}
