@@ -1,9 +1,324 @@
-//! `tf bench`.
-use std::process::ExitCode;
+//! `tf bench`: GPU benchmarks, printed side by side with the reference implementation of the same work.
+//!
+//! `tf bench attention` times our flash attention at the DiT shapes (every tile shape the GPU fits) with
+//! events after a warm-up, and, when `python3` can import torch, runs `tests/python/bench_attention.py` in the
+//! same process tree to time torch's SDPA (flash and cuDNN backends) on the same shape, then prints the ratios.
+//! New benchmarks are new variants of [`Bench`] with their own args struct and function.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+
+use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_engines::ops::gpu::{
+    attention_flops, AttentionInputs, AttentionShape, AttentionTile, QwenImageKernels, Strides,
+};
 
 #[derive(clap::Subcommand)]
-pub enum Bench {}
+pub enum Bench {
+    /// Flash attention at the Qwen-Image cached-step shape (4096 x 4176, 32 heads, d 128), optionally the
+    /// MiniMax H3 shape (6026 x 6026, 56 heads), with torch SDPA flash / cuDNN side by side.
+    Attention(AttentionArgs),
+}
+
+#[derive(clap::Args)]
+pub struct AttentionArgs {
+    /// Launches before timing.
+    #[arg(long, default_value_t = 20)]
+    warmup: u32,
+    /// Timed launches (the reported time is their mean).
+    #[arg(long, default_value_t = 100)]
+    iters: u32,
+    /// Also run the H3 shape (6026 x 6026, 56 heads).
+    #[arg(long)]
+    h3: bool,
+    /// Skip the torch comparison.
+    #[arg(long)]
+    no_torch: bool,
+    /// Python interpreter for the torch comparison.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// The torch timing script (default: tests/python/bench_attention.py under the current directory or
+    /// next to the executable).
+    #[arg(long)]
+    torch_script: Option<PathBuf>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
 
 pub fn run(b: Bench) -> ExitCode {
-    match b {}
+    let result = match b {
+        Bench::Attention(args) => bench_attention(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tf bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error>;
+
+/// One benchmark shape.
+struct Shape {
+    name: &'static str,
+    queries: usize,
+    keys: usize,
+    /// Keys read from a separate cached-prefix buffer.
+    prefix: usize,
+    heads: usize,
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        name: "qwen-image cached step",
+        queries: 4096,
+        keys: 4176,
+        prefix: 80,
+        heads: 32,
+    },
+    Shape {
+        name: "h3 step",
+        queries: 6026,
+        keys: 6026,
+        prefix: 0,
+        heads: 56,
+    },
+];
+
+/// xorshift bf16 noise in [-2, 2): inputs only need realistic magnitudes.
+fn noise(n: usize, seed: u64) -> Vec<u16> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let unit = (s >> 40) as f32 / (1u64 << 24) as f32;
+            ((4.0 * unit - 2.0).to_bits() >> 16) as u16
+        })
+        .collect()
+}
+
+fn bench_attention(args: &AttentionArgs) -> Result<(), BoxError> {
+    let driver = Arc::new(Driver::open()?);
+    let ctx = Context::new(driver, 0)?;
+    let stream = Stream::new(&ctx, true)?;
+    let kernels = QwenImageKernels::load(&ctx)?;
+    let info = ctx.device_info()?;
+    println!("device: {info:?}");
+    let mut summary = Vec::new();
+    for shape in SHAPES.iter().filter(|s| args.h3 || s.prefix > 0) {
+        summary.push(bench_shape(args, &ctx, &stream, &kernels, shape)?);
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&summary)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_shape(
+    args: &AttentionArgs,
+    ctx: &Context,
+    stream: &Stream,
+    kernels: &QwenImageKernels,
+    shape: &Shape,
+) -> Result<serde_json::Value, BoxError> {
+    let width = shape.heads * 128;
+    let current = shape.keys - shape.prefix;
+    let q = DeviceBuffer::from_slice(ctx, &noise(shape.queries * width, 1))?;
+    let k = DeviceBuffer::from_slice(ctx, &noise(current * width, 2))?;
+    let v = DeviceBuffer::from_slice(ctx, &noise(current * width, 3))?;
+    let prefix_rows = shape.prefix.max(1);
+    let kp = DeviceBuffer::from_slice(ctx, &noise(prefix_rows * width, 4))?;
+    let vp = DeviceBuffer::from_slice(ctx, &noise(prefix_rows * width, 5))?;
+    let mut o = DeviceBuffer::alloc(ctx, shape.queries * width * 2)?;
+    let dims = AttentionShape {
+        batch: 1,
+        num_queries: shape.queries,
+        num_keys: shape.keys,
+        prefix_len: shape.prefix,
+        num_heads: shape.heads,
+        num_kv_heads: shape.heads,
+    };
+    let (qv, kv, vv, kpv, vpv) = (q.view(), k.view(), v.view(), kp.view(), vp.view());
+    let rows = |n: usize| Strides {
+        batch: n * width,
+        row: width,
+    };
+    let inputs = AttentionInputs {
+        q: &qv,
+        q_strides: rows(shape.queries),
+        prefix: (shape.prefix > 0).then_some((&kpv, &vpv, rows(shape.prefix))),
+        k: &kv,
+        v: &vv,
+        kv_strides: rows(current),
+        key_limit: None,
+        key_pad: None,
+        scale: 1.0 / (128f32).sqrt(),
+    };
+    let flops = attention_flops(dims);
+    println!(
+        "\n== attention, {}: {} queries x {} keys ({} cached), {} heads, d 128, bf16; {} warm-up + {} timed launches",
+        shape.name, shape.queries, shape.keys, shape.prefix, shape.heads, args.warmup, args.iters
+    );
+    let mut ours = Vec::new();
+    for tile in AttentionTile::ALL {
+        if !kernels.has_tile(tile) {
+            println!("  {tile:?}: does not fit this GPU's shared memory, skipped");
+            continue;
+        }
+        let launch = |o: &mut DeviceBuffer| {
+            kernels.attention_with(
+                stream,
+                tile,
+                dims,
+                &inputs,
+                &mut o.view_mut(),
+                rows(shape.queries),
+            )
+        };
+        for _ in 0..args.warmup {
+            launch(&mut o)?;
+        }
+        let start = Event::new(ctx, true)?;
+        let end = Event::new(ctx, true)?;
+        start.record(stream)?;
+        for _ in 0..args.iters.max(1) {
+            launch(&mut o)?;
+        }
+        end.record(stream)?;
+        end.synchronize()?;
+        let ms = f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(args.iters.max(1));
+        let tflops = flops / (ms * 1e-3) / 1e12;
+        println!(
+            "  ours {tile:?} ({}): {ms:.3} ms, {tflops:.1} TFLOP/s",
+            tile.kernel()
+        );
+        ours.push((tile, ms, tflops));
+    }
+    let best = ours
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .copied()
+        .ok_or("no attention tile shape fits this GPU")?;
+    println!(
+        "  ours best: {:?} {:.3} ms, {:.1} TFLOP/s",
+        best.0, best.1, best.2
+    );
+
+    let torch = if args.no_torch {
+        println!("  torch: skipped (--no-torch)");
+        serde_json::Value::Null
+    } else {
+        torch_reference(args, shape)
+    };
+    if let Some(results) = torch.get("results") {
+        for backend in ["flash", "cudnn"] {
+            match results.get(backend).and_then(|r| r.get("ms")).and_then(|m| m.as_f64()) {
+                Some(ms) => println!(
+                    "  torch {backend}: {ms:.3} ms, {:.1} TFLOP/s; ours best / torch {backend} time ratio {:.2} \
+                     (< 1 means ours is faster)",
+                    flops / (ms * 1e-3) / 1e12,
+                    best.1 / ms
+                ),
+                None => println!(
+                    "  torch {backend}: not available ({})",
+                    results.get(backend).map_or_else(|| "absent".to_string(), |r| r.to_string())
+                ),
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "shape": shape.name,
+        "queries": shape.queries,
+        "keys": shape.keys,
+        "prefix": shape.prefix,
+        "heads": shape.heads,
+        "flops": flops,
+        "ours": ours.iter().map(|(t, ms, tf)| serde_json::json!({"tile": format!("{t:?}"), "kernel": t.kernel(), "ms": ms, "tflops": tf})).collect::<Vec<_>>(),
+        "torch": torch,
+    }))
+}
+
+/// Finds the torch timing script: the explicit path, else under the current directory, else next to the
+/// executable (a bundle keeps `tests/python/` beside `tf`).
+fn torch_script(args: &AttentionArgs) -> Option<PathBuf> {
+    if let Some(p) = &args.torch_script {
+        return Some(p.clone());
+    }
+    let rel = Path::new("tests/python/bench_attention.py");
+    if rel.is_file() {
+        return Some(rel.to_path_buf());
+    }
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors()
+        .skip(1)
+        .take(4)
+        .map(|dir| dir.join(rel))
+        .find(|p| p.is_file())
+}
+
+/// Runs torch's SDPA timing in a child Python; returns its JSON (or a JSON object with "error").
+fn torch_reference(args: &AttentionArgs, shape: &Shape) -> serde_json::Value {
+    let skip = |why: String| {
+        println!("  torch: skipped ({why})");
+        serde_json::json!({ "error": why })
+    };
+    let Some(script) = torch_script(args) else {
+        return skip("tests/python/bench_attention.py not found; pass --torch-script".into());
+    };
+    let probe = Command::new(&args.python)
+        .args(["-c", "import torch"])
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            return skip(format!(
+                "`{} -c 'import torch'` failed: {}",
+                args.python,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+        Err(e) => return skip(format!("cannot run {}: {e}", args.python)),
+    }
+    let output = Command::new(&args.python)
+        .arg(&script)
+        .args(["--queries", &shape.queries.to_string()])
+        .args(["--keys", &shape.keys.to_string()])
+        .args(["--heads", &shape.heads.to_string()])
+        .args(["--warmup", &args.warmup.to_string()])
+        .args(["--iters", &args.iters.to_string()])
+        .output();
+    let output = match output {
+        Ok(o) => o,
+        Err(e) => return skip(format!("running {}: {e}", script.display())),
+    };
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    match serde_json::from_str::<serde_json::Value>(last) {
+        Ok(v) if output.status.success() => {
+            println!(
+                "  torch {} on {}",
+                v.get("torch").and_then(|t| t.as_str()).unwrap_or("?"),
+                v.get("device").and_then(|t| t.as_str()).unwrap_or("?")
+            );
+            v
+        }
+        _ => skip(format!(
+            "{} exited with {}: {} {}",
+            script.display(),
+            output.status,
+            last,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )),
+    }
 }
