@@ -599,7 +599,7 @@ fn launchers_refuse_bad_shapes_before_the_driver() {
     let g = gpu();
     let x = upload(&g, &vec![0u16; 64 * 64]);
     let mut y = upload(&g, &vec![0u16; 64 * 64]);
-    let w = upload(&g, &vec![0u16; 64]);
+    let w = upload(&g, &[0u16; 64]);
     // Too many rows for the buffer.
     let err = g
         .kernels

@@ -60,9 +60,10 @@ const OPS_KERNELS: &[&str] = &[
 ];
 
 /// Tile shape of the attention kernel: warps per CTA (16 query rows each) and cp.async stages of 64 keys.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum AttentionTile {
-    /// 128 query rows, 8 warps, 2 stages (96 KiB shared memory).
+    /// 128 query rows, 8 warps, 2 stages (96 KiB shared memory). The default.
+    #[default]
     W8S2,
     /// 128 query rows, 8 warps, 3 stages (128 KiB).
     W8S3,
@@ -115,12 +116,6 @@ impl AttentionTile {
     /// Dynamic shared memory: the Q tile plus `stages` K and V tiles of 64 keys, 256 bytes per row.
     pub fn shared_bytes(self) -> u32 {
         (self.rows() + 2 * 64 * self.stages()) * (HEAD_DIM * BF16) as u32
-    }
-}
-
-impl Default for AttentionTile {
-    fn default() -> Self {
-        AttentionTile::W8S2
     }
 }
 
@@ -333,7 +328,7 @@ fn check_matrix(op: &str, name: &str, operand: Operand, m: Matrix) -> Result<(),
             ),
         ));
     }
-    if m.cols % 8 != 0 || m.stride % 8 != 0 {
+    if !m.cols.is_multiple_of(8) || !m.stride.is_multiple_of(8) {
         return Err(invalid(
             op,
             format!(
@@ -359,7 +354,7 @@ fn check_matrix(op: &str, name: &str, operand: Operand, m: Matrix) -> Result<(),
 }
 
 fn check_aligned(op: &str, name: &str, operand: Operand) -> Result<(), tf_cuda::Error> {
-    if operand.addr % 16 != 0 {
+    if !operand.addr.is_multiple_of(16) {
         return Err(invalid(
             op,
             format!(
@@ -410,7 +405,7 @@ fn check_modulation(
     if select.seq_len == 0 {
         return Err(invalid(op, "modulation rows: seq_len must be at least 1"));
     }
-    if rows % select.seq_len != 0 {
+    if !rows.is_multiple_of(select.seq_len) {
         return Err(invalid(
             op,
             format!(
@@ -440,7 +435,7 @@ fn check_modulation(
             ),
         ));
     }
-    if modulation.offset % 8 != 0 {
+    if !modulation.offset.is_multiple_of(8) {
         return Err(invalid(
             op,
             format!(
@@ -626,7 +621,7 @@ pub fn plan_swiglu(
     out_stride: usize,
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "swiglu";
-    if gate_up_layout.cols % 16 != 0 {
+    if !gate_up_layout.cols.is_multiple_of(16) {
         return Err(invalid(
             OP,
             format!(
@@ -701,7 +696,7 @@ pub fn plan_timestep_embedding(
     max_period: f32,
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "timestep_embedding";
-    if dim == 0 || dim % 2 != 0 || dim / 2 > 1024 {
+    if dim == 0 || !dim.is_multiple_of(2) || dim / 2 > 1024 {
         return Err(invalid(
             OP,
             format!("dim {dim} must be even and at most 2048"),
@@ -764,7 +759,7 @@ pub fn plan_qk_norm_rope(
         Operand::of(inputs.k_weight),
         Matrix::dense(1, HEAD_DIM),
     )?;
-    if inputs.rope_stride < HEAD_DIM / 2 || inputs.rope_stride % 2 != 0 {
+    if inputs.rope_stride < HEAD_DIM / 2 || !inputs.rope_stride.is_multiple_of(2) {
         return Err(invalid(
             OP,
             format!(
@@ -780,7 +775,7 @@ pub fn plan_qk_norm_rope(
     };
     for (name, table) in [("rope_cos", inputs.rope_cos), ("rope_sin", inputs.rope_sin)] {
         let operand = Operand::of(table);
-        if operand.addr % 8 != 0 {
+        if !operand.addr.is_multiple_of(8) {
             return Err(invalid(
                 OP,
                 format!(
@@ -920,7 +915,7 @@ fn check_attention_operand(
 ) -> Result<(), tf_cuda::Error> {
     const OP: &str = "attention";
     check_aligned(OP, name, operand)?;
-    if strides.row % 8 != 0 || strides.batch % 8 != 0 {
+    if !strides.row.is_multiple_of(8) || !strides.batch.is_multiple_of(8) {
         return Err(invalid(
             OP,
             format!("{name}: strides {strides:?} must be multiples of 8 elements (16-byte rows)"),
@@ -951,7 +946,7 @@ pub fn plan_attention(
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "attention";
     let s = shape;
-    if s.num_heads == 0 || s.num_kv_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
+    if s.num_heads == 0 || s.num_kv_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
         return Err(invalid(
             OP,
             format!(
@@ -1050,7 +1045,7 @@ pub fn plan_attention(
                 .and_then(|n| n.checked_mul(4))
                 .ok_or_else(|| invalid(OP, "key_limit size overflows"))?;
             check_bytes(OP, "key_limit", Operand::of(limits), last)?;
-            if limits.addr() % 4 != 0 {
+            if !limits.addr().is_multiple_of(4) {
                 return Err(invalid(
                     OP,
                     "key_limit: device address is not 4-byte aligned",
@@ -1063,7 +1058,7 @@ pub fn plan_attention(
     let pad_addr = match inputs.key_pad {
         Some(pad) => {
             check_bytes(OP, "key_pad", Operand::of(pad), s.batch * 2 * 4)?;
-            if pad.addr() % 4 != 0 {
+            if !pad.addr().is_multiple_of(4) {
                 return Err(invalid(OP, "key_pad: device address is not 4-byte aligned"));
             }
             pad.addr()
@@ -1292,6 +1287,7 @@ impl QwenImageKernels {
     }
 
     /// Zero-centred RMSNorm; see [`plan_rms_norm_zc`].
+    #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_zc(
         &self,
         stream: &Stream,
@@ -1309,6 +1305,7 @@ impl QwenImageKernels {
     }
 
     /// `x += tanh(gate) * y`; see [`plan_gated_residual`].
+    #[allow(clippy::too_many_arguments)]
     pub fn gated_residual(
         &self,
         stream: &Stream,
@@ -1399,6 +1396,7 @@ impl QwenImageKernels {
     }
 
     /// Timestep embedding; see [`plan_timestep_embedding`].
+    #[allow(clippy::too_many_arguments)]
     pub fn timestep_embedding(
         &self,
         stream: &Stream,
