@@ -19,7 +19,11 @@ pub struct ShapeError {
 
 impl ShapeError {
     /// A shape error for `what`.
-    pub fn new(what: impl Into<String>, expected: impl Into<String>, actual: impl Into<String>) -> Self {
+    pub fn new(
+        what: impl Into<String>,
+        expected: impl Into<String>,
+        actual: impl Into<String>,
+    ) -> Self {
         ShapeError {
             what: what.into(),
             expected: expected.into(),
@@ -50,7 +54,11 @@ impl<T> Tensor<T> {
             Some(n) if n == data.len() => Ok(Tensor { shape, data }),
             _ => Err(ShapeError::new(
                 "tensor data",
-                format!("{} elements for shape {:?}", element_count(&shape).unwrap_or(usize::MAX), shape),
+                format!(
+                    "{} elements for shape {:?}",
+                    element_count(&shape).unwrap_or(usize::MAX),
+                    shape
+                ),
                 format!("{} elements", data.len()),
             )),
         }
@@ -78,16 +86,22 @@ impl<T> Tensor<T> {
 
     /// Checks the rank and returns the dimensions; `what` names the tensor in the error.
     pub fn dims<const R: usize>(&self, what: &str) -> Result<[usize; R], ShapeError> {
-        <[usize; R]>::try_from(self.shape.as_slice())
-            .map_err(|_| ShapeError::new(what, format!("rank {R}"), format!("shape {:?}", self.shape)))
+        <[usize; R]>::try_from(self.shape.as_slice()).map_err(|_| {
+            ShapeError::new(what, format!("rank {R}"), format!("shape {:?}", self.shape))
+        })
     }
 }
 
 impl<T: Clone + Default> Tensor<T> {
     /// A tensor of `shape` filled with `T::default()`.
     pub fn zeros(shape: Vec<usize>) -> Result<Self, ShapeError> {
-        let n = element_count(&shape)
-            .ok_or_else(|| ShapeError::new("tensor", "a shape whose size fits in memory", format!("{shape:?}")))?;
+        let n = element_count(&shape).ok_or_else(|| {
+            ShapeError::new(
+                "tensor",
+                "a shape whose size fits in memory",
+                format!("{shape:?}"),
+            )
+        })?;
         Ok(Tensor {
             shape,
             data: vec![T::default(); n],
@@ -107,7 +121,11 @@ pub fn relative_l2(a: &[f32], reference: &[f32]) -> Option<f64> {
         diff += d * d;
         norm += f64::from(r) * f64::from(r);
     }
-    Some(if norm > 0.0 { (diff / norm).sqrt() } else { diff.sqrt() })
+    Some(if norm > 0.0 {
+        (diff / norm).sqrt()
+    } else {
+        diff.sqrt()
+    })
 }
 
 #[cfg(test)]

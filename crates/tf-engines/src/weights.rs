@@ -161,7 +161,11 @@ pub enum HeaderError {
     #[error("tensor {name:?}: unknown dtype {dtype:?}")]
     UnknownDtype { name: String, dtype: String },
     #[error("tensor {name:?}: data_offsets [{begin}, {end}] are reversed")]
-    ReversedOffsets { name: String, begin: usize, end: usize },
+    ReversedOffsets {
+        name: String,
+        begin: usize,
+        end: usize,
+    },
     #[error("tensor {name:?}: shape {shape:?} of {dtype} needs {expected} bytes but data_offsets span {actual}")]
     SizeMismatch {
         name: String,
@@ -171,10 +175,16 @@ pub enum HeaderError {
         actual: usize,
     },
     #[error("tensor {name:?}: data ends at {end} but the data section has {data_len} bytes: truncated file or lying header")]
-    OutOfBounds { name: String, end: usize, data_len: usize },
+    OutOfBounds {
+        name: String,
+        end: usize,
+        data_len: usize,
+    },
     #[error("tensors {first:?} and {second:?} overlap")]
     Overlap { first: String, second: String },
-    #[error("bytes {gap_begin}..{gap_end} of the data section belong to no tensor (before {next:?})")]
+    #[error(
+        "bytes {gap_begin}..{gap_end} of the data section belong to no tensor (before {next:?})"
+    )]
     Hole {
         gap_begin: usize,
         gap_end: usize,
@@ -197,7 +207,10 @@ impl<'de> serde::Deserialize<'de> for EntryList {
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<EntryList, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<EntryList, A::Error> {
                 let mut entries = Vec::new();
                 while let Some((k, v)) = map.next_entry::<String, serde_json::Value>()? {
                     entries.push((k, v));
@@ -217,7 +230,9 @@ fn bad_entry(name: &str, why: &str) -> HeaderError {
 }
 
 fn parse_entry(name: &str, value: &serde_json::Value) -> Result<TensorInfo, HeaderError> {
-    let obj = value.as_object().ok_or_else(|| bad_entry(name, "not an object"))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| bad_entry(name, "not an object"))?;
     let dtype_name = obj
         .get("dtype")
         .and_then(|v| v.as_str())
@@ -243,7 +258,12 @@ fn parse_entry(name: &str, value: &serde_json::Value) -> Result<TensorInfo, Head
         .map(|v| v.as_u64().and_then(|d| usize::try_from(d).ok()));
     let (begin, end) = match (begin, end) {
         (Some(b), Some(e)) => (b, e),
-        _ => return Err(bad_entry(name, "data_offsets must be non-negative integers")),
+        _ => {
+            return Err(bad_entry(
+                name,
+                "data_offsets must be non-negative integers",
+            ))
+        }
     };
     if end < begin {
         return Err(HeaderError::ReversedOffsets {
@@ -258,7 +278,8 @@ fn parse_entry(name: &str, value: &serde_json::Value) -> Result<TensorInfo, Head
             name: name.to_string(),
             shape,
             dtype,
-            expected: expected.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
+            expected: expected
+                .map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
             actual: end - begin,
         });
     }
@@ -285,13 +306,18 @@ pub fn parse_header(file: &[u8]) -> Result<Header, HeaderError> {
     let available = file.len() - 8;
     let json = file
         .get(8..8 + header_len_usize)
-        .ok_or(HeaderError::HeaderTruncated { header_len, available })?;
+        .ok_or(HeaderError::HeaderTruncated {
+            header_len,
+            available,
+        })?;
     let text = std::str::from_utf8(json).map_err(|e| HeaderError::Json { why: e.to_string() })?;
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| HeaderError::Json { why: e.to_string() })?;
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| HeaderError::Json { why: e.to_string() })?;
     if !value.is_object() {
         return Err(HeaderError::NotAnObject);
     }
-    let EntryList(entries) = serde_json::from_str(text).map_err(|e| HeaderError::Json { why: e.to_string() })?;
+    let EntryList(entries) =
+        serde_json::from_str(text).map_err(|e| HeaderError::Json { why: e.to_string() })?;
 
     let data_start = 8 + header_len_usize;
     let data_len = file.len() - data_start;
@@ -306,7 +332,10 @@ pub fn parse_header(file: &[u8]) -> Result<Header, HeaderError> {
             seen_metadata = true;
             let obj = value.as_object().ok_or(HeaderError::BadMetadata)?;
             for (k, v) in obj {
-                metadata.insert(k.clone(), v.as_str().ok_or(HeaderError::BadMetadata)?.to_string());
+                metadata.insert(
+                    k.clone(),
+                    v.as_str().ok_or(HeaderError::BadMetadata)?.to_string(),
+                );
             }
             continue;
         }
@@ -381,7 +410,11 @@ pub enum WeightsError {
     #[error("tensor {name:?} not found in {place}")]
     MissingTensor { name: String, place: String },
     #[error("tensor {name:?} is in both {first} and {second}")]
-    DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    DuplicateTensor {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
     #[error("{path}: tensor {name:?} has shape {actual:?}, the model expects {expected:?} (is this folder for another model size or config?)")]
     ShapeMismatch {
         path: PathBuf,
@@ -475,10 +508,13 @@ impl SafetensorsFile {
 
     /// The header entry of `name`.
     pub fn info(&self, name: &str) -> Result<&TensorInfo, WeightsError> {
-        self.header.tensors.get(name).ok_or_else(|| WeightsError::MissingTensor {
-            name: name.to_string(),
-            place: self.path.display().to_string(),
-        })
+        self.header
+            .tensors
+            .get(name)
+            .ok_or_else(|| WeightsError::MissingTensor {
+                name: name.to_string(),
+                place: self.path.display().to_string(),
+            })
     }
 
     /// The raw little-endian bytes of `name`.
@@ -512,7 +548,8 @@ impl SafetensorsFile {
         let info = self.info(name)?;
         let data = bytes_to_f32(info.dtype, self.bytes(name)?)
             .ok_or_else(|| self.conversion_error(name, info.dtype, "f32"))?;
-        Tensor::new(info.shape.clone(), data).map_err(|_| self.conversion_error(name, info.dtype, "f32"))
+        Tensor::new(info.shape.clone(), data)
+            .map_err(|_| self.conversion_error(name, info.dtype, "f32"))
     }
 
     /// `name` as bytes (from U8 or BOOL; booleans are 0/1).
@@ -540,7 +577,8 @@ impl SafetensorsFile {
                 .collect(),
             other => return Err(self.conversion_error(name, other, "i64")),
         };
-        Tensor::new(info.shape.clone(), data).map_err(|_| self.conversion_error(name, info.dtype, "i64"))
+        Tensor::new(info.shape.clone(), data)
+            .map_err(|_| self.conversion_error(name, info.dtype, "i64"))
     }
 }
 
@@ -675,7 +713,11 @@ impl ModelDir {
         }
     }
 
-    fn open_sharded(dir: &Path, config: serde_json::Value, index_path: &Path) -> Result<ModelDir, WeightsError> {
+    fn open_sharded(
+        dir: &Path,
+        config: serde_json::Value,
+        index_path: &Path,
+    ) -> Result<ModelDir, WeightsError> {
         let index_err = |why: String| WeightsError::Index {
             path: index_path.to_path_buf(),
             why,
@@ -692,7 +734,9 @@ impl ModelDir {
                 .as_str()
                 .ok_or_else(|| index_err(format!("weight_map[{tensor:?}] is not a file name")))?;
             if file.contains('/') || file.contains('\\') || file == ".." {
-                return Err(index_err(format!("shard name {file:?} must be a plain file name in the folder")));
+                return Err(index_err(format!(
+                    "shard name {file:?} must be a plain file name in the folder"
+                )));
             }
             if !shard_names.iter().any(|s| s == file) {
                 shard_names.push(file.to_string());
@@ -825,11 +869,20 @@ impl ModelDir {
                     path: file.path().to_path_buf(),
                     name: spec.name.clone(),
                     dtype: info.dtype,
-                    allowed: spec.dtypes.iter().map(|d| d.header_name()).collect::<Vec<_>>().join(", "),
+                    allowed: spec
+                        .dtypes
+                        .iter()
+                        .map(|d| d.header_name())
+                        .collect::<Vec<_>>()
+                        .join(", "),
                 });
             }
         }
-        let unexpected: Vec<String> = self.names().filter(|n| !known.contains_key(n)).map(str::to_string).collect();
+        let unexpected: Vec<String> = self
+            .names()
+            .filter(|n| !known.contains_key(n))
+            .map(str::to_string)
+            .collect();
         if !unexpected.is_empty() {
             return Err(WeightsError::UnexpectedTensors {
                 path: self.dir.clone(),
@@ -840,7 +893,10 @@ impl ModelDir {
     }
 
     /// Converts every tensor named in `names` to f32, timing the pass (host-reference load).
-    pub fn load_f32(&self, names: &[&str]) -> Result<(BTreeMap<String, TensorF32>, LoadStats), WeightsError> {
+    pub fn load_f32(
+        &self,
+        names: &[&str],
+    ) -> Result<(BTreeMap<String, TensorF32>, LoadStats), WeightsError> {
         let start = Instant::now();
         let mut bytes = 0u64;
         let mut out = BTreeMap::new();
@@ -863,10 +919,13 @@ impl ModelDir {
         let mut items = Vec::with_capacity(names.len());
         let mut offset = 0usize;
         for &name in names {
-            let shard = *self.location.get(name).ok_or_else(|| WeightsError::MissingTensor {
-                name: name.to_string(),
-                place: self.dir.display().to_string(),
-            })?;
+            let shard = *self
+                .location
+                .get(name)
+                .ok_or_else(|| WeightsError::MissingTensor {
+                    name: name.to_string(),
+                    place: self.dir.display().to_string(),
+                })?;
             let info = self.info(name)?;
             offset = offset.div_ceil(align) * align;
             items.push(UploadItem {
@@ -949,7 +1008,10 @@ impl UploadPlan {
 }
 
 /// Serializes f32/u8/i64 host tensors to a safetensors file (for outputs, caches and test files).
-pub fn write_safetensors(path: &Path, tensors: &[(&str, AnyTensor<'_>)]) -> Result<(), WeightsError> {
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(&str, AnyTensor<'_>)],
+) -> Result<(), WeightsError> {
     let mut views = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         let (dtype, shape, bytes): (safetensors::Dtype, Vec<usize>, Vec<u8>) = match t {
@@ -958,7 +1020,11 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, AnyTensor<'_>)]) -> Resu
                 t.shape().to_vec(),
                 t.data().iter().flat_map(|v| v.to_le_bytes()).collect(),
             ),
-            AnyTensor::U8(t) => (safetensors::Dtype::U8, t.shape().to_vec(), t.data().to_vec()),
+            AnyTensor::U8(t) => (
+                safetensors::Dtype::U8,
+                t.shape().to_vec(),
+                t.data().to_vec(),
+            ),
             AnyTensor::I64(t) => (
                 safetensors::Dtype::I64,
                 t.shape().to_vec(),
@@ -969,12 +1035,13 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, AnyTensor<'_>)]) -> Resu
     }
     let mut owned = Vec::with_capacity(views.len());
     for (name, dtype, shape, bytes) in &views {
-        let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map_err(|e| {
-            WeightsError::Config {
-                path: path.to_path_buf(),
-                why: format!("cannot serialize tensor {name:?}: {e}"),
-            }
-        })?;
+        let view =
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map_err(|e| {
+                WeightsError::Config {
+                    path: path.to_path_buf(),
+                    why: format!("cannot serialize tensor {name:?}: {e}"),
+                }
+            })?;
         owned.push((name.clone(), view));
     }
     safetensors::serialize_to_file(owned, None, path).map_err(|e| WeightsError::Config {
@@ -1015,27 +1082,60 @@ mod tests {
     #[test]
     fn refuses_lies_and_truncation() {
         let ok = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
-        assert!(matches!(parse_header(&file_with(ok, 4)), Err(HeaderError::OutOfBounds { .. })));
-        assert!(matches!(parse_header(&file_with(ok, 9)), Err(HeaderError::TrailingBytes { trailing: 1 })));
+        assert!(matches!(
+            parse_header(&file_with(ok, 4)),
+            Err(HeaderError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            parse_header(&file_with(ok, 9)),
+            Err(HeaderError::TrailingBytes { trailing: 1 })
+        ));
         let mut truncated = file_with(ok, 8);
         truncated.truncate(20);
-        assert!(matches!(parse_header(&truncated), Err(HeaderError::HeaderTruncated { .. })));
-        assert!(matches!(parse_header(&[1, 2, 3]), Err(HeaderError::TooShort { len: 3 })));
+        assert!(matches!(
+            parse_header(&truncated),
+            Err(HeaderError::HeaderTruncated { .. })
+        ));
+        assert!(matches!(
+            parse_header(&[1, 2, 3]),
+            Err(HeaderError::TooShort { len: 3 })
+        ));
         let wrong_size = r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
-        assert!(matches!(parse_header(&file_with(wrong_size, 8)), Err(HeaderError::SizeMismatch { .. })));
+        assert!(matches!(
+            parse_header(&file_with(wrong_size, 8)),
+            Err(HeaderError::SizeMismatch { .. })
+        ));
         let dup = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
-        assert!(matches!(parse_header(&file_with(dup, 2)), Err(HeaderError::DuplicateName { .. })));
+        assert!(matches!(
+            parse_header(&file_with(dup, 2)),
+            Err(HeaderError::DuplicateName { .. })
+        ));
         let overlap = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#;
-        assert!(matches!(parse_header(&file_with(overlap, 3)), Err(HeaderError::Overlap { .. })));
+        assert!(matches!(
+            parse_header(&file_with(overlap, 3)),
+            Err(HeaderError::Overlap { .. })
+        ));
         let hole = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
-        assert!(matches!(parse_header(&file_with(hole, 2)), Err(HeaderError::Hole { .. })));
+        assert!(matches!(
+            parse_header(&file_with(hole, 2)),
+            Err(HeaderError::Hole { .. })
+        ));
         let dtype = r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}}"#;
-        assert!(matches!(parse_header(&file_with(dtype, 1)), Err(HeaderError::UnknownDtype { .. })));
+        assert!(matches!(
+            parse_header(&file_with(dtype, 1)),
+            Err(HeaderError::UnknownDtype { .. })
+        ));
         let huge = r#"{"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}}"#;
-        assert!(matches!(parse_header(&file_with(huge, 8)), Err(HeaderError::SizeMismatch { .. })));
+        assert!(matches!(
+            parse_header(&file_with(huge, 8)),
+            Err(HeaderError::SizeMismatch { .. })
+        ));
         let mut big = file_with(ok, 8);
         big[..8].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(parse_header(&big), Err(HeaderError::HeaderTooLarge { .. })));
+        assert!(matches!(
+            parse_header(&big),
+            Err(HeaderError::HeaderTooLarge { .. })
+        ));
     }
 
     #[test]
@@ -1044,7 +1144,10 @@ mod tests {
         let f16 = half::f16::from_f32(-2.25).to_le_bytes();
         assert_eq!(bytes_to_f32(Dtype::BF16, &bf), Some(vec![1.5]));
         assert_eq!(bytes_to_f32(Dtype::F16, &f16), Some(vec![-2.25]));
-        assert_eq!(bytes_to_f32(Dtype::F32, &0.25f32.to_le_bytes()), Some(vec![0.25]));
+        assert_eq!(
+            bytes_to_f32(Dtype::F32, &0.25f32.to_le_bytes()),
+            Some(vec![0.25])
+        );
         assert_eq!(bytes_to_f32(Dtype::I32, &[0; 4]), None);
     }
 }

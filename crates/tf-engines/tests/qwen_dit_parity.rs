@@ -17,14 +17,24 @@ fn fixtures() -> PathBuf {
 
 fn cases() -> Vec<String> {
     let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap()).unwrap();
-    let cases: Vec<String> = manifest["cases"].as_object().unwrap().keys().cloned().collect();
-    assert!(cases.len() >= 4, "expected the four fixture cases, found {cases:?}");
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
+            .unwrap();
+    let cases: Vec<String> = manifest["cases"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert!(
+        cases.len() >= 4,
+        "expected the four fixture cases, found {cases:?}"
+    );
     cases
 }
 
 fn inputs(case: &str, step: &str) -> DitInputs {
-    let file = SafetensorsFile::open(&fixtures().join(case).join(format!("{step}.safetensors"))).unwrap();
+    let file =
+        SafetensorsFile::open(&fixtures().join(case).join(format!("{step}.safetensors"))).unwrap();
     DitInputs::from_bundle(&file).unwrap()
 }
 
@@ -35,8 +45,14 @@ fn expected(case: &str) -> SafetensorsFile {
 fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {
     assert_eq!(actual.shape(), reference.shape(), "{case}/{what}: shape");
     let err = relative_l2(actual.data(), reference.data()).unwrap();
-    println!("{case}/{what}: shape {:?}, relative L2 {err:.3e}", actual.shape());
-    assert!(err <= TOLERANCE, "{case}/{what}: relative L2 {err:.3e} > {TOLERANCE:e}");
+    println!(
+        "{case}/{what}: shape {:?}, relative L2 {err:.3e}",
+        actual.shape()
+    );
+    assert!(
+        err <= TOLERANCE,
+        "{case}/{what}: relative L2 {err:.3e} > {TOLERANCE:e}"
+    );
 }
 
 fn load(case: &str) -> HostDit {
@@ -49,7 +65,12 @@ fn full_forward_matches_diffusers() {
         let mut dit = load(&case);
         let out = dit.forward(&inputs(&case, "step0"), KvStep::None).unwrap();
         assert!(out.kv_cache.is_none());
-        assert_close(&case, "sample_full", &out.sample, &expected(&case).to_f32("sample_full").unwrap());
+        assert_close(
+            &case,
+            "sample_full",
+            &out.sample,
+            &expected(&case).to_f32("sample_full").unwrap(),
+        );
     }
 }
 
@@ -63,37 +84,76 @@ fn extract_then_cached_matches_diffusers() {
         }
         covered += 1;
         let mut dit = load(&case);
-        let extract = dit.forward(&inputs(&case, "step0"), KvStep::Extract).unwrap();
-        assert_close(&case, "sample_extract", &extract.sample, &reference.to_f32("sample_extract").unwrap());
+        let extract = dit
+            .forward(&inputs(&case, "step0"), KvStep::Extract)
+            .unwrap();
+        assert_close(
+            &case,
+            "sample_extract",
+            &extract.sample,
+            &reference.to_f32("sample_extract").unwrap(),
+        );
         let cache = extract.kv_cache.expect("extract returns the cache");
         for (i, (k, v)) in cache.layers.iter().enumerate() {
-            assert_close(&case, &format!("kv.{i}.k"), k, &reference.to_f32(&format!("kv.{i}.k")).unwrap());
-            assert_close(&case, &format!("kv.{i}.v"), v, &reference.to_f32(&format!("kv.{i}.v")).unwrap());
+            assert_close(
+                &case,
+                &format!("kv.{i}.k"),
+                k,
+                &reference.to_f32(&format!("kv.{i}.k")).unwrap(),
+            );
+            assert_close(
+                &case,
+                &format!("kv.{i}.v"),
+                v,
+                &reference.to_f32(&format!("kv.{i}.v")).unwrap(),
+            );
         }
-        let cached = dit.forward(&inputs(&case, "step1"), KvStep::Cached(&cache)).unwrap();
-        assert_close(&case, "sample_cached", &cached.sample, &reference.to_f32("sample_cached").unwrap());
+        let cached = dit
+            .forward(&inputs(&case, "step1"), KvStep::Cached(&cache))
+            .unwrap();
+        assert_close(
+            &case,
+            "sample_cached",
+            &cached.sample,
+            &reference.to_f32("sample_cached").unwrap(),
+        );
     }
-    assert!(covered >= 3, "expected at least three cases with a KV cache");
+    assert!(
+        covered >= 3,
+        "expected at least three cases with a KV cache"
+    );
 }
 
 #[test]
 fn cache_refused_without_causal_condition_and_on_wrong_prefix() {
     let mut dit = load("no_causal");
-    let err = dit.forward(&inputs("no_causal", "step0"), KvStep::Extract).unwrap_err();
+    let err = dit
+        .forward(&inputs("no_causal", "step0"), KvStep::Extract)
+        .unwrap_err();
     assert!(err.to_string().contains("causal_condition"), "{err}");
 
     let mut dit = load("cond_b2");
-    let cache = dit.forward(&inputs("cond_b2", "step0"), KvStep::Extract).unwrap().kv_cache.unwrap();
+    let cache = dit
+        .forward(&inputs("cond_b2", "step0"), KvStep::Extract)
+        .unwrap()
+        .kv_cache
+        .unwrap();
     // t2i has another prefix length and batch.
     let mut t2i = load("t2i");
-    let err = t2i.forward(&inputs("t2i", "step1"), KvStep::Cached(&cache)).unwrap_err();
+    let err = t2i
+        .forward(&inputs("t2i", "step1"), KvStep::Cached(&cache))
+        .unwrap_err();
     assert!(err.to_string().contains("KV cache"), "{err}");
 }
 
 #[test]
 fn kv_cache_file_round_trip() {
     let mut dit = load("two_cond");
-    let cache = dit.forward(&inputs("two_cond", "step0"), KvStep::Extract).unwrap().kv_cache.unwrap();
+    let cache = dit
+        .forward(&inputs("two_cond", "step0"), KvStep::Extract)
+        .unwrap()
+        .kv_cache
+        .unwrap();
     let dir = tempdir("kv_round_trip");
     let path = dir.join("kv.safetensors");
     cache.save(&path).unwrap();
@@ -109,8 +169,16 @@ fn tempdir(name: &str) -> PathBuf {
 }
 
 fn tf(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_tf")).args(args).output().unwrap();
-    println!("tf {}: {}\n{}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_tf"))
+        .args(args)
+        .output()
+        .unwrap();
+    println!(
+        "tf {}: {}\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
@@ -121,43 +189,135 @@ fn tf_forward_binary_reproduces_the_fixtures() {
     let model = case_dir.join("model");
     let (m, s0, s1) = (
         model.to_str().unwrap().to_string(),
-        case_dir.join("step0.safetensors").to_str().unwrap().to_string(),
-        case_dir.join("step1.safetensors").to_str().unwrap().to_string(),
+        case_dir
+            .join("step0.safetensors")
+            .to_str()
+            .unwrap()
+            .to_string(),
+        case_dir
+            .join("step1.safetensors")
+            .to_str()
+            .unwrap()
+            .to_string(),
     );
-    let (full, ext, cached, kv) = (dir.join("full.st"), dir.join("extract.st"), dir.join("cached.st"), dir.join("kv.st"));
+    let (full, ext, cached, kv) = (
+        dir.join("full.st"),
+        dir.join("extract.st"),
+        dir.join("cached.st"),
+        dir.join("kv.st"),
+    );
     let reference = expected("cond_b2");
 
-    let out = tf(&["forward", "--model", &m, "--inputs", &s0, "--out", full.to_str().unwrap(), "--backend", "host"]);
+    let out = tf(&[
+        "forward",
+        "--model",
+        &m,
+        "--inputs",
+        &s0,
+        "--out",
+        full.to_str().unwrap(),
+        "--backend",
+        "host",
+    ]);
     assert!(out.status.success());
-    let sample = SafetensorsFile::open(&full).unwrap().to_f32("sample").unwrap();
-    assert_close("cond_b2", "tf forward (none)", &sample, &reference.to_f32("sample_full").unwrap());
+    let sample = SafetensorsFile::open(&full)
+        .unwrap()
+        .to_f32("sample")
+        .unwrap();
+    assert_close(
+        "cond_b2",
+        "tf forward (none)",
+        &sample,
+        &reference.to_f32("sample_full").unwrap(),
+    );
 
     let out = tf(&[
-        "forward", "--model", &m, "--inputs", &s0, "--out", ext.to_str().unwrap(), "--kv-cache", "extract", "--kv-file",
+        "forward",
+        "--model",
+        &m,
+        "--inputs",
+        &s0,
+        "--out",
+        ext.to_str().unwrap(),
+        "--kv-cache",
+        "extract",
+        "--kv-file",
         kv.to_str().unwrap(),
     ]);
     assert!(out.status.success());
-    let sample = SafetensorsFile::open(&ext).unwrap().to_f32("sample").unwrap();
-    assert_close("cond_b2", "tf forward (extract)", &sample, &reference.to_f32("sample_extract").unwrap());
+    let sample = SafetensorsFile::open(&ext)
+        .unwrap()
+        .to_f32("sample")
+        .unwrap();
+    assert_close(
+        "cond_b2",
+        "tf forward (extract)",
+        &sample,
+        &reference.to_f32("sample_extract").unwrap(),
+    );
 
     let out = tf(&[
-        "forward", "--model", &m, "--inputs", &s1, "--out", cached.to_str().unwrap(), "--kv-cache", "cached", "--kv-file",
+        "forward",
+        "--model",
+        &m,
+        "--inputs",
+        &s1,
+        "--out",
+        cached.to_str().unwrap(),
+        "--kv-cache",
+        "cached",
+        "--kv-file",
         kv.to_str().unwrap(),
     ]);
     assert!(out.status.success());
-    let sample = SafetensorsFile::open(&cached).unwrap().to_f32("sample").unwrap();
-    assert_close("cond_b2", "tf forward (cached)", &sample, &reference.to_f32("sample_cached").unwrap());
+    let sample = SafetensorsFile::open(&cached)
+        .unwrap()
+        .to_f32("sample")
+        .unwrap();
+    assert_close(
+        "cond_b2",
+        "tf forward (cached)",
+        &sample,
+        &reference.to_f32("sample_cached").unwrap(),
+    );
 
     // Clear failures, not panics: the GPU backend before it is wired, a missing cache file, a missing model.
-    let out = tf(&["forward", "--model", &m, "--inputs", &s0, "--out", full.to_str().unwrap(), "--backend", "gpu"]);
+    let out = tf(&[
+        "forward",
+        "--model",
+        &m,
+        "--inputs",
+        &s0,
+        "--out",
+        full.to_str().unwrap(),
+        "--backend",
+        "gpu",
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("gpu"));
     let out = tf(&[
-        "forward", "--model", &m, "--inputs", &s1, "--out", cached.to_str().unwrap(), "--kv-cache", "cached", "--kv-file",
+        "forward",
+        "--model",
+        &m,
+        "--inputs",
+        &s1,
+        "--out",
+        cached.to_str().unwrap(),
+        "--kv-cache",
+        "cached",
+        "--kv-file",
         dir.join("absent.st").to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(1));
-    let out = tf(&["forward", "--model", dir.to_str().unwrap(), "--inputs", &s0, "--out", full.to_str().unwrap()]);
+    let out = tf(&[
+        "forward",
+        "--model",
+        dir.to_str().unwrap(),
+        "--inputs",
+        &s0,
+        "--out",
+        full.to_str().unwrap(),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
     let _ = std::fs::remove_dir_all(&dir);

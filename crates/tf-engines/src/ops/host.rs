@@ -14,7 +14,11 @@ fn check_len(what: &str, slice_len: usize, expected: usize) -> Result<(), ShapeE
     if slice_len == expected {
         Ok(())
     } else {
-        Err(ShapeError::new(what, format!("{expected} elements"), format!("{slice_len}")))
+        Err(ShapeError::new(
+            what,
+            format!("{expected} elements"),
+            format!("{slice_len}"),
+        ))
     }
 }
 
@@ -27,7 +31,11 @@ fn checked_product(what: &str, dims: &[usize]) -> Result<usize, ShapeError> {
 fn check_row_mod(row_mod: &[usize], rows: usize, n_mod: usize) -> Result<(), ShapeError> {
     check_len("row_mod", row_mod.len(), rows)?;
     if let Some(bad) = row_mod.iter().find(|&&r| r >= n_mod) {
-        return Err(ShapeError::new("row_mod", format!("indices < {n_mod}"), format!("{bad}")));
+        return Err(ShapeError::new(
+            "row_mod",
+            format!("indices < {n_mod}"),
+            format!("{bad}"),
+        ));
     }
     Ok(())
 }
@@ -42,22 +50,44 @@ pub fn linear(
     out_features: usize,
     out: &mut [f32],
 ) -> Result<(), ShapeError> {
-    check_len("linear x", x.len(), checked_product("linear x", &[rows, in_features])?)?;
-    check_len("linear weight", weight.len(), checked_product("linear weight", &[out_features, in_features])?)?;
-    check_len("linear out", out.len(), checked_product("linear out", &[rows, out_features])?)?;
+    check_len(
+        "linear x",
+        x.len(),
+        checked_product("linear x", &[rows, in_features])?,
+    )?;
+    check_len(
+        "linear weight",
+        weight.len(),
+        checked_product("linear weight", &[out_features, in_features])?,
+    )?;
+    check_len(
+        "linear out",
+        out.len(),
+        checked_product("linear out", &[rows, out_features])?,
+    )?;
     if rows == 0 || out_features == 0 {
         return Ok(());
     }
-    let work = rows.saturating_mul(in_features).saturating_mul(out_features);
+    let work = rows
+        .saturating_mul(in_features)
+        .saturating_mul(out_features);
     let threads = if work < 1 << 20 {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get()).min(rows)
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(rows)
     };
     let rows_per = rows.div_ceil(threads);
     let kernel = |x_rows: &[f32], out_rows: &mut [f32]| {
-        for (x_row, out_row) in x_rows.chunks_exact(in_features.max(1)).zip(out_rows.chunks_exact_mut(out_features)) {
-            for (o, w_row) in out_row.iter_mut().zip(weight.chunks_exact(in_features.max(1))) {
+        for (x_row, out_row) in x_rows
+            .chunks_exact(in_features.max(1))
+            .zip(out_rows.chunks_exact_mut(out_features))
+        {
+            for (o, w_row) in out_row
+                .iter_mut()
+                .zip(weight.chunks_exact(in_features.max(1)))
+            {
                 let mut acc = 0f64;
                 for (&a, &b) in x_row.iter().zip(w_row) {
                     acc += f64::from(a) * f64::from(b);
@@ -74,7 +104,10 @@ pub fn linear(
         kernel(x, out);
     } else {
         std::thread::scope(|scope| {
-            for (x_part, out_part) in x.chunks(rows_per * in_features).zip(out.chunks_mut(rows_per * out_features)) {
+            for (x_part, out_part) in x
+                .chunks(rows_per * in_features)
+                .zip(out.chunks_mut(rows_per * out_features))
+            {
                 scope.spawn(move || kernel(x_part, out_part));
             }
         });
@@ -86,7 +119,11 @@ pub fn linear(
 fn mean_rstd(row: &[f32], eps: f32) -> (f64, f64) {
     let n = row.len().max(1) as f64;
     let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
-    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+    let var = row
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
     (mean, 1.0 / (var + f64::from(eps)).sqrt())
 }
 
@@ -106,12 +143,20 @@ pub fn layer_norm_modulate(
     let n = checked_product("layer_norm x", &[rows, cols])?;
     check_len("layer_norm x", x.len(), n)?;
     check_len("layer_norm out", out.len(), n)?;
-    check_len("layer_norm scale", scale.len(), checked_product("scale", &[n_mod, cols])?)?;
+    check_len(
+        "layer_norm scale",
+        scale.len(),
+        checked_product("scale", &[n_mod, cols])?,
+    )?;
     check_row_mod(row_mod, rows, n_mod)?;
     if cols == 0 {
         return Ok(());
     }
-    for ((x_row, out_row), &m) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)).zip(row_mod) {
+    for ((x_row, out_row), &m) in x
+        .chunks_exact(cols)
+        .zip(out.chunks_exact_mut(cols))
+        .zip(row_mod)
+    {
         let (mean, rstd) = mean_rstd(x_row, eps);
         let s_row = &scale[m * cols..(m + 1) * cols];
         for ((o, &v), &s) in out_row.iter_mut().zip(x_row).zip(s_row) {
@@ -121,6 +166,7 @@ pub fn layer_norm_modulate(
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rms_norm_impl(
     what: &str,
     x: &[f32],
@@ -139,7 +185,11 @@ fn rms_norm_impl(
         return Ok(());
     }
     for (x_row, out_row) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        let ms = x_row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / cols as f64;
+        let ms = x_row
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            / cols as f64;
         let rrms = 1.0 / (ms + f64::from(eps)).sqrt();
         for ((o, &v), &w) in out_row.iter_mut().zip(x_row).zip(weight) {
             *o = (f64::from(v) * rrms * (f64::from(w) + weight_offset)) as f32;
@@ -170,7 +220,16 @@ pub fn rms_norm_zero_centred(
     eps: f32,
     out: &mut [f32],
 ) -> Result<(), ShapeError> {
-    rms_norm_impl("rms_norm_zero_centred", x, rows, cols, weight, 1.0, eps, out)
+    rms_norm_impl(
+        "rms_norm_zero_centred",
+        x,
+        rows,
+        cols,
+        weight,
+        1.0,
+        eps,
+        out,
+    )
 }
 
 /// Inverse frequencies of one RoPE axis of `dim` channels (`dim / 2` pairs), as the reference computes them in
@@ -184,8 +243,15 @@ pub fn rope_inverse_frequencies(dim: usize, theta: f32) -> Vec<f32> {
 /// Cos/sin tables `[tokens, sum(axes_dims) / 2]` for 3-axis RoPE: pair `j` of axis `a` rotates by
 /// `positions[token][a] * inv_freq_a[j]` (angle rounded to f32 as the reference does). Axes are concatenated in
 /// order (frame, height, width).
-pub fn rope_tables(positions: &[[i64; 3]], axes_dims: [usize; 3], theta: f32) -> (Vec<f32>, Vec<f32>) {
-    let inv: Vec<Vec<f32>> = axes_dims.iter().map(|&d| rope_inverse_frequencies(d, theta)).collect();
+pub fn rope_tables(
+    positions: &[[i64; 3]],
+    axes_dims: [usize; 3],
+    theta: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let inv: Vec<Vec<f32>> = axes_dims
+        .iter()
+        .map(|&d| rope_inverse_frequencies(d, theta))
+        .collect();
     let pairs: usize = inv.iter().map(Vec::len).sum();
     let mut cos = Vec::with_capacity(positions.len() * pairs);
     let mut sin = Vec::with_capacity(positions.len() * pairs);
@@ -212,10 +278,18 @@ pub fn rope_interleaved(
     cos: &[f32],
     sin: &[f32],
 ) -> Result<(), ShapeError> {
-    if head_dim % 2 != 0 {
-        return Err(ShapeError::new("rope head_dim", "an even number", head_dim.to_string()));
+    if !head_dim.is_multiple_of(2) {
+        return Err(ShapeError::new(
+            "rope head_dim",
+            "an even number",
+            head_dim.to_string(),
+        ));
     }
-    check_len("rope x", x.len(), checked_product("rope x", &[tokens, heads, head_dim])?)?;
+    check_len(
+        "rope x",
+        x.len(),
+        checked_product("rope x", &[tokens, heads, head_dim])?,
+    )?;
     let half = head_dim / 2;
     check_len("rope cos", cos.len(), tokens * half)?;
     check_len("rope sin", sin.len(), tokens * half)?;
@@ -223,7 +297,10 @@ pub fn rope_interleaved(
         return Ok(());
     }
     for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
-        let (c_row, s_row) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        let (c_row, s_row) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
         for head in token.chunks_exact_mut(head_dim) {
             for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(c_row).zip(s_row) {
                 let (re, im) = (pair[0], pair[1]);
@@ -298,7 +375,11 @@ pub fn attention(
                     continue;
                 }
                 let k_vec = &k[(kpos * heads + h) * head_dim..(kpos * heads + h + 1) * head_dim];
-                let dot: f64 = q_vec.iter().zip(k_vec).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                let dot: f64 = q_vec
+                    .iter()
+                    .zip(k_vec)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
                 *score = dot * scale;
                 max = max.max(*score);
             }
@@ -374,12 +455,20 @@ pub fn gated_residual(
     let n = checked_product("gated_residual x", &[rows, cols])?;
     check_len("gated_residual x", x.len(), n)?;
     check_len("gated_residual y", y.len(), n)?;
-    check_len("gated_residual gate", gate.len(), checked_product("gate", &[n_mod, cols])?)?;
+    check_len(
+        "gated_residual gate",
+        gate.len(),
+        checked_product("gate", &[n_mod, cols])?,
+    )?;
     check_row_mod(row_mod, rows, n_mod)?;
     if cols == 0 {
         return Ok(());
     }
-    for ((x_row, y_row), &m) in x.chunks_exact_mut(cols).zip(y.chunks_exact(cols)).zip(row_mod) {
+    for ((x_row, y_row), &m) in x
+        .chunks_exact_mut(cols)
+        .zip(y.chunks_exact(cols))
+        .zip(row_mod)
+    {
         let g_row = &gate[m * cols..(m + 1) * cols];
         for ((xv, &yv), &g) in x_row.iter_mut().zip(y_row).zip(g_row) {
             *xv = (f64::from(*xv) + f64::from(g).tanh() * f64::from(yv)) as f32;
@@ -391,8 +480,16 @@ pub fn gated_residual(
 /// Sinusoidal timestep embedding, cos first: for `t` in `timesteps` (in [0, 1]),
 /// `args_i = (1000 t) * exp(-ln(10000) i / half)`, `out = [cos(args) | sin(args)]`, `half = dim / 2`
 /// (an odd `dim` gets a trailing zero). Frequencies and arguments are rounded to f32 as the reference does.
-pub fn timestep_embedding(timesteps: &[f32], dim: usize, out: &mut [f32]) -> Result<(), ShapeError> {
-    check_len("timestep_embedding out", out.len(), checked_product("out", &[timesteps.len(), dim])?)?;
+pub fn timestep_embedding(
+    timesteps: &[f32],
+    dim: usize,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    check_len(
+        "timestep_embedding out",
+        out.len(),
+        checked_product("out", &[timesteps.len(), dim])?,
+    )?;
     let half = dim / 2;
     let neg_log = -(10000f64.ln()) as f32;
     let freqs: Vec<f32> = (0..half)
@@ -440,8 +537,12 @@ mod tests {
     #[test]
     fn linear_threaded_matches_single_thread() {
         let (rows, inf, outf) = (67, 129, 130);
-        let x: Vec<f32> = (0..rows * inf).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-        let w: Vec<f32> = (0..outf * inf).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
+        let x: Vec<f32> = (0..rows * inf)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let w: Vec<f32> = (0..outf * inf)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0)
+            .collect();
         let mut big = vec![0.0; rows * outf];
         linear(&x, rows, inf, &w, outf, &mut big).unwrap();
         for r in [0, 33, 66] {
@@ -485,8 +586,16 @@ mod tests {
         // Axes dims (2, 2, 4): inverse frequencies [1], [1], [1, 1/100].
         let (cos, sin) = rope_tables(&[[0, 1, -2]], [2, 2, 4], 10000.0);
         assert_eq!(cos.len(), 4);
-        assert!(close(&cos, &[1.0, 1f32.cos(), (-2f32).cos(), (-0.02f32).cos()], 1e-6));
-        assert!(close(&sin, &[0.0, 1f32.sin(), (-2f32).sin(), (-0.02f32).sin()], 1e-6));
+        assert!(close(
+            &cos,
+            &[1.0, 1f32.cos(), (-2f32).cos(), (-0.02f32).cos()],
+            1e-6
+        ));
+        assert!(close(
+            &sin,
+            &[0.0, 1f32.sin(), (-2f32).sin(), (-0.02f32).sin()],
+            1e-6
+        ));
     }
 
     #[test]
@@ -565,6 +674,13 @@ mod tests {
         assert_eq!(out, [1.0, 1.0, 0.0, 0.0]);
         // half = 2: freqs [1, 1/100]; t = 0.001 -> 1000 t = 1.
         timestep_embedding(&[0.001], 4, &mut out).unwrap();
-        assert!(close(&out, &[1f32.cos(), 0.01f32.cos(), 1f32.sin(), 0.01f32.sin()], 1e-6), "{out:?}");
+        assert!(
+            close(
+                &out,
+                &[1f32.cos(), 0.01f32.cos(), 1f32.sin(), 0.01f32.sin()],
+                1e-6
+            ),
+            "{out:?}"
+        );
     }
 }

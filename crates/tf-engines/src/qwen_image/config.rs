@@ -102,8 +102,8 @@ impl QwenImageDitConfig {
 
     /// Parses and validates a `config.json` value.
     pub fn from_json(value: &serde_json::Value) -> Result<Self, ConfigError> {
-        let config: QwenImageDitConfig =
-            serde_json::from_value(value.clone()).map_err(|e| ConfigError(format!("malformed: {e}")))?;
+        let config: QwenImageDitConfig = serde_json::from_value(value.clone())
+            .map_err(|e| ConfigError(format!("malformed: {e}")))?;
         config.validate()?;
         Ok(config)
     }
@@ -137,7 +137,10 @@ impl QwenImageDitConfig {
                 return Err(ConfigError(format!("{name} must be positive")));
             }
         }
-        if self.num_attention_heads.checked_mul(self.attention_head_dim).is_none_or(|d| d > 1 << 20)
+        if self
+            .num_attention_heads
+            .checked_mul(self.attention_head_dim)
+            .is_none_or(|d| d > 1 << 20)
             || self.context_in_dim > 1 << 20
             || self.in_channels > 1 << 20
             || self.out_channels() > 1 << 20
@@ -147,7 +150,10 @@ impl QwenImageDitConfig {
             return Err(ConfigError("dimensions are implausibly large".into()));
         }
         if self.axes_dims_rope.iter().any(|d| d % 2 != 0) {
-            return Err(ConfigError(format!("axes_dims_rope {:?} must all be even", self.axes_dims_rope)));
+            return Err(ConfigError(format!(
+                "axes_dims_rope {:?} must all be even",
+                self.axes_dims_rope
+            )));
         }
         if self.axes_dims_rope.iter().sum::<usize>() != self.attention_head_dim {
             return Err(ConfigError(format!(
@@ -156,7 +162,10 @@ impl QwenImageDitConfig {
             )));
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return Err(ConfigError(format!("eps {} must be a positive number", self.eps)));
+            return Err(ConfigError(format!(
+                "eps {} must be a positive number",
+                self.eps
+            )));
         }
         Ok(())
     }
@@ -189,10 +198,19 @@ impl QwenImageDitConfig {
         let mut specs = vec![
             spec("img_in.weight".into(), vec![d, self.in_channels]),
             spec("txt_in.text_norm.weight".into(), vec![self.context_in_dim]),
-            spec("txt_in.in_layer.weight".into(), vec![d, self.context_in_dim]),
+            spec(
+                "txt_in.in_layer.weight".into(),
+                vec![d, self.context_in_dim],
+            ),
             spec("txt_in.out_layer.weight".into(), vec![d, d]),
-            spec("time_text_embed.timestep_embedder.linear_1.weight".into(), vec![d, TIMESTEP_DIM]),
-            spec("time_text_embed.timestep_embedder.linear_2.weight".into(), vec![d, d]),
+            spec(
+                "time_text_embed.timestep_embedder.linear_1.weight".into(),
+                vec![d, TIMESTEP_DIM],
+            ),
+            spec(
+                "time_text_embed.timestep_embedder.linear_2.weight".into(),
+                vec![d, d],
+            ),
             spec("modulation.1.weight".into(), vec![4 * d, d]),
             spec("norm_out.linear.weight".into(), vec![d, d]),
             spec("proj_out.weight".into(), vec![self.out_channels(), d]),
@@ -220,7 +238,14 @@ mod tests {
     #[test]
     fn defaults_fill_absent_keys() {
         let c = QwenImageDitConfig::from_json(&serde_json::json!({})).unwrap();
-        assert_eq!(c, QwenImageDitConfig { class_name: None, out_channels: None, ..QwenImageDitConfig::default_full_size() });
+        assert_eq!(
+            c,
+            QwenImageDitConfig {
+                class_name: None,
+                out_channels: None,
+                ..QwenImageDitConfig::default_full_size()
+            }
+        );
         assert_eq!(c.inner_dim(), 4096);
         assert_eq!(c.out_channels(), 64);
         // 9 global + 9 per block.
@@ -230,7 +255,11 @@ mod tests {
     #[test]
     fn full_size_parameter_count_matches_the_reference() {
         let c = QwenImageDitConfig::default_full_size();
-        let params: usize = c.tensor_specs().iter().map(|s| s.shape.iter().product::<usize>()).sum();
+        let params: usize = c
+            .tensor_specs()
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
         assert_eq!(params, 7_115_124_736);
     }
 

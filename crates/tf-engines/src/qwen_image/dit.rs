@@ -118,7 +118,9 @@ fn shape_eq(what: &str, actual: &[usize], expected: &[usize]) -> Result<(), DitE
     if actual == expected {
         Ok(())
     } else {
-        Err(input_err(format!("{what} has shape {actual:?}, expected {expected:?}")))
+        Err(input_err(format!(
+            "{what} has shape {actual:?}, expected {expected:?}"
+        )))
     }
 }
 
@@ -131,10 +133,19 @@ impl JointLayout {
             return Err(input_err("batch size is 0"));
         }
         if in_ch != config.in_channels {
-            return Err(input_err(format!("hidden_states has {in_ch} channels, the model takes {}", config.in_channels)));
+            return Err(input_err(format!(
+                "hidden_states has {in_ch} channels, the model takes {}",
+                config.in_channels
+            )));
         }
-        let [eb, l_vlm, ctx] = inputs.encoder_hidden_states.dims::<3>("encoder_hidden_states")?;
-        shape_eq("encoder_hidden_states", &[eb, l_vlm, ctx], &[batch, l_vlm, config.context_in_dim])?;
+        let [eb, l_vlm, ctx] = inputs
+            .encoder_hidden_states
+            .dims::<3>("encoder_hidden_states")?;
+        shape_eq(
+            "encoder_hidden_states",
+            &[eb, l_vlm, ctx],
+            &[batch, l_vlm, config.context_in_dim],
+        )?;
         shape_eq("timestep", inputs.timestep.shape(), &[batch])?;
         if inputs.timestep.data().iter().any(|t| !t.is_finite()) {
             return Err(input_err("timestep has a non-finite value"));
@@ -144,15 +155,22 @@ impl JointLayout {
         let [sb, n_images, three] = inputs.img_shapes.dims::<3>("img_shapes")?;
         shape_eq("img_shapes", &[sb, n_images, three], &[batch, n_images, 3])?;
         if n_images == 0 {
-            return Err(input_err("img_shapes lists no image (the target image must be last)"));
+            return Err(input_err(
+                "img_shapes lists no image (the target image must be last)",
+            ));
         }
 
         // Every sample must share one layout (diffusers reads row 0 of img_mask and img_shapes).
-        let mask_row: Vec<bool> = inputs.img_mask.data()[..m_len].iter().map(|&v| v != 0).collect();
+        let mask_row: Vec<bool> = inputs.img_mask.data()[..m_len]
+            .iter()
+            .map(|&v| v != 0)
+            .collect();
         for b in 1..batch {
             let row = &inputs.img_mask.data()[b * m_len..(b + 1) * m_len];
             if row.iter().map(|&v| v != 0).ne(mask_row.iter().copied()) {
-                return Err(input_err(format!("img_mask row {b} differs from row 0: all samples must share a layout")));
+                return Err(input_err(format!(
+                    "img_mask row {b} differs from row 0: all samples must share a layout"
+                )));
             }
         }
         let shapes_row = &inputs.img_shapes.data()[..n_images * 3];
@@ -165,17 +183,24 @@ impl JointLayout {
         for (i, s) in shapes_row.chunks_exact(3).enumerate() {
             let dims = [s[0], s[1], s[2]];
             if dims[0] != 1 {
-                return Err(input_err(format!("img_shapes[{i}] has {} frames: image blocks are single frames", dims[0])));
+                return Err(input_err(format!(
+                    "img_shapes[{i}] has {} frames: image blocks are single frames",
+                    dims[0]
+                )));
             }
             if dims[1] <= 0 || dims[2] <= 0 || dims[1] > 1 << 16 || dims[2] > 1 << 16 {
-                return Err(input_err(format!("img_shapes[{i}] = {dims:?} must have positive height and width")));
+                return Err(input_err(format!(
+                    "img_shapes[{i}] = {dims:?} must have positive height and width"
+                )));
             }
             shapes.push((dims[1] as usize, dims[2] as usize));
         }
         let block_lengths: Vec<usize> = shapes.iter().map(|&(h, w)| h * w).collect();
         let n_target = *block_lengths.last().unwrap_or(&0);
-        if n_target % TOKENS_PER_SLOT != 0 {
-            return Err(input_err(format!("the target has {n_target} latent tokens, not a multiple of {TOKENS_PER_SLOT}")));
+        if !n_target.is_multiple_of(TOKENS_PER_SLOT) {
+            return Err(input_err(format!(
+                "the target has {n_target} latent tokens, not a multiple of {TOKENS_PER_SLOT}"
+            )));
         }
         let target_slots = n_target / TOKENS_PER_SLOT;
         if m_len != l_vlm + target_slots {
@@ -184,7 +209,9 @@ impl JointLayout {
             )));
         }
         if !mask_row[l_vlm..].iter().all(|&v| v) {
-            return Err(input_err("the trailing target slots of img_mask must all be 1"));
+            return Err(input_err(
+                "the trailing target slots of img_mask must all be 1",
+            ));
         }
         let total_image: usize = block_lengths.iter().sum();
         let slots = mask_row.iter().filter(|&&v| v).count();
@@ -236,7 +263,12 @@ impl JointLayout {
                 position += 1;
             }
             let (hh, ww) = (h as i64, w as i64);
-            for (k, pos) in positions.iter_mut().skip(block_start).take(h * w).enumerate() {
+            for (k, pos) in positions
+                .iter_mut()
+                .skip(block_start)
+                .take(h * w)
+                .enumerate()
+            {
                 let (row, col) = ((k / w) as i64, (k % w) as i64);
                 *pos = [position, row - (hh - hh / 2), col - (ww - ww / 2)];
             }
@@ -250,7 +282,10 @@ impl JointLayout {
 
         let prefix_len = seq_len - n_target;
         let (n_mod, row_mod) = if config.causal_condition {
-            (2, (0..seq_len).map(|p| usize::from(p < prefix_len)).collect())
+            (
+                2,
+                (0..seq_len).map(|p| usize::from(p < prefix_len)).collect(),
+            )
         } else {
             (1, vec![0; seq_len])
         };
@@ -359,10 +394,23 @@ pub struct HostKvCache {
 
 impl HostKvCache {
     /// Checks that this cache fits `config` and a forward of `batch` samples with `prefix_len` prefix tokens.
-    pub fn check(&self, config: &QwenImageDitConfig, batch: usize, prefix_len: usize) -> Result<(), DitError> {
-        let err = |why: String| Err(DitError::KvCache(format!("{why}; extract the cache from the same model and prefix")));
+    pub fn check(
+        &self,
+        config: &QwenImageDitConfig,
+        batch: usize,
+        prefix_len: usize,
+    ) -> Result<(), DitError> {
+        let err = |why: String| {
+            Err(DitError::KvCache(format!(
+                "{why}; extract the cache from the same model and prefix"
+            )))
+        };
         if self.layers.len() != config.num_layers {
-            return err(format!("{} layers, the model has {}", self.layers.len(), config.num_layers));
+            return err(format!(
+                "{} layers, the model has {}",
+                self.layers.len(),
+                config.num_layers
+            ));
         }
         if (self.heads, self.head_dim) != (config.num_attention_heads, config.attention_head_dim) {
             return err(format!(
@@ -374,12 +422,19 @@ impl HostKvCache {
             return err(format!("batch {}, the inputs have {batch}", self.batch));
         }
         if self.prefix_len != prefix_len {
-            return err(format!("prefix of {} tokens, the inputs have {prefix_len}", self.prefix_len));
+            return err(format!(
+                "prefix of {} tokens, the inputs have {prefix_len}",
+                self.prefix_len
+            ));
         }
         let shape = [batch, prefix_len, self.heads, self.head_dim];
         for (i, (k, v)) in self.layers.iter().enumerate() {
             if k.shape() != shape || v.shape() != shape {
-                return err(format!("layer {i} K/V shapes {:?}/{:?}, expected {shape:?}", k.shape(), v.shape()));
+                return err(format!(
+                    "layer {i} K/V shapes {:?}/{:?}, expected {shape:?}",
+                    k.shape(),
+                    v.shape()
+                ));
             }
         }
         Ok(())
@@ -387,8 +442,9 @@ impl HostKvCache {
 
     /// Writes the cache as safetensors: `kv.{i}.k` and `kv.{i}.v`, f32 `[B, P, heads, head_dim]`.
     pub fn save(&self, path: &Path) -> Result<(), DitError> {
-        let names: Vec<(String, String)> =
-            (0..self.layers.len()).map(|i| (format!("kv.{i}.k"), format!("kv.{i}.v"))).collect();
+        let names: Vec<(String, String)> = (0..self.layers.len())
+            .map(|i| (format!("kv.{i}.k"), format!("kv.{i}.v")))
+            .collect();
         let mut tensors = Vec::with_capacity(2 * self.layers.len());
         for ((kn, vn), (k, v)) in names.iter().zip(&self.layers) {
             tensors.push((kn.as_str(), AnyTensor::F32(k)));
@@ -404,14 +460,23 @@ impl HostKvCache {
         let mut layers = Vec::new();
         while file.contains(&format!("kv.{}.k", layers.len())) {
             let i = layers.len();
-            layers.push((file.to_f32(&format!("kv.{i}.k"))?, file.to_f32(&format!("kv.{i}.v"))?));
+            layers.push((
+                file.to_f32(&format!("kv.{i}.k"))?,
+                file.to_f32(&format!("kv.{i}.v"))?,
+            ));
         }
         let Some((k0, _)) = layers.first() else {
-            return Err(DitError::KvCache(format!("{}: no kv.0.k tensor: not a KV cache file", path.display())));
+            return Err(DitError::KvCache(format!(
+                "{}: no kv.0.k tensor: not a KV cache file",
+                path.display()
+            )));
         };
         let [batch, prefix_len, heads, head_dim] = k0.dims::<4>("kv.0.k")?;
         if file.names().count() != 2 * layers.len() {
-            return Err(DitError::KvCache(format!("{}: unexpected tensors besides kv.{{i}}.k/v", path.display())));
+            return Err(DitError::KvCache(format!(
+                "{}: unexpected tensors besides kv.{{i}}.k/v",
+                path.display()
+            )));
         }
         Ok(HostKvCache {
             batch,

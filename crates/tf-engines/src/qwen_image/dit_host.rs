@@ -8,7 +8,9 @@
 //! RMSNorm, 3-axis RoPE, block-causal attention, tanh-gated residuals, SwiGLU), and the scale-only output norm.
 
 use super::config::{QwenImageDitConfig, ROPE_THETA, TIMESTEP_DIM};
-use super::dit::{DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvStep, TokenSource};
+use super::dit::{
+    DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvStep, TokenSource,
+};
 use crate::ops::host as ops;
 use crate::tensor::{Tensor, TensorF32};
 use crate::weights::{LoadStats, ModelDir};
@@ -47,7 +49,9 @@ pub struct HostDit {
 
 impl std::fmt::Debug for HostDit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostDit").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("HostDit")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -113,7 +117,14 @@ impl HostDit {
         let mut sinusoid = vec![0f32; n * TIMESTEP_DIM];
         ops::timestep_embedding(timesteps, TIMESTEP_DIM, &mut sinusoid)?;
         let mut hidden = vec![0f32; n * d];
-        ops::linear(&sinusoid, n, TIMESTEP_DIM, &self.weights.time_linear_1, d, &mut hidden)?;
+        ops::linear(
+            &sinusoid,
+            n,
+            TIMESTEP_DIM,
+            &self.weights.time_linear_1,
+            d,
+            &mut hidden,
+        )?;
         ops::silu_inplace(&mut hidden);
         let mut temb = vec![0f32; n * d];
         ops::linear(&hidden, n, d, &self.weights.time_linear_2, d, &mut temb)?;
@@ -122,11 +133,22 @@ impl HostDit {
 
     /// `txt_in` on `rows` text rows.
     fn text_projection(&self, text: &[f32], rows: usize) -> Result<Vec<f32>, DitError> {
-        let (ctx, d, eps) = (self.config.context_in_dim, self.config.inner_dim(), self.config.eps);
+        let (ctx, d, eps) = (
+            self.config.context_in_dim,
+            self.config.inner_dim(),
+            self.config.eps,
+        );
         let mut normed = vec![0f32; rows * ctx];
         ops::rms_norm_zero_centred(text, rows, ctx, &self.weights.txt_norm, eps, &mut normed)?;
         let mut hidden = vec![0f32; rows * d];
-        ops::linear(&normed, rows, ctx, &self.weights.txt_in_layer, d, &mut hidden)?;
+        ops::linear(
+            &normed,
+            rows,
+            ctx,
+            &self.weights.txt_in_layer,
+            d,
+            &mut hidden,
+        )?;
         ops::gelu_tanh_inplace(&mut hidden);
         let mut out = vec![0f32; rows * d];
         ops::linear(&hidden, rows, d, &self.weights.txt_out_layer, d, &mut out)?;
@@ -166,8 +188,13 @@ impl DitBackend for HostDit {
             cache.check(cfg, layout.batch, layout.prefix_len)?;
         }
         let (batch, seq) = (layout.batch, layout.seq_len);
-        let (d, heads, head_dim, ffn, eps) =
-            (cfg.inner_dim(), cfg.num_attention_heads, cfg.attention_head_dim, cfg.mlp_hidden(), cfg.eps);
+        let (d, heads, head_dim, ffn, eps) = (
+            cfg.inner_dim(),
+            cfg.num_attention_heads,
+            cfg.attention_head_dim,
+            cfg.mlp_hidden(),
+            cfg.eps,
+        );
         let (in_ch, ctx, out_ch) = (cfg.in_channels, cfg.context_in_dim, cfg.out_channels());
         let cached = matches!(kv, KvStep::Cached(_));
         let first_row = if cached { layout.prefix_len } else { 0 };
@@ -185,15 +212,37 @@ impl DitBackend for HostDit {
         let mut silu_temb = temb.clone();
         ops::silu_inplace(&mut silu_temb);
         let mut modulation = vec![0f32; n_t * 4 * d];
-        ops::linear(&silu_temb, n_t, d, &self.weights.modulation, 4 * d, &mut modulation)?;
+        ops::linear(
+            &silu_temb,
+            n_t,
+            d,
+            &self.weights.modulation,
+            4 * d,
+            &mut modulation,
+        )?;
         let mut out_scale = vec![0f32; n_t * d];
-        ops::linear(&silu_temb, n_t, d, &self.weights.norm_out, d, &mut out_scale)?;
+        ops::linear(
+            &silu_temb,
+            n_t,
+            d,
+            &self.weights.norm_out,
+            d,
+            &mut out_scale,
+        )?;
         let tables = |b: usize| -> Modulation {
-            let mod_rows: Vec<usize> = if cfg.causal_condition { vec![b, batch] } else { vec![b] };
+            let mod_rows: Vec<usize> = if cfg.causal_condition {
+                vec![b, batch]
+            } else {
+                vec![b]
+            };
             let pick = |chunk: usize| -> Vec<f32> {
                 mod_rows
                     .iter()
-                    .flat_map(|&r| modulation[r * 4 * d + chunk * d..r * 4 * d + (chunk + 1) * d].iter().copied())
+                    .flat_map(|&r| {
+                        modulation[r * 4 * d + chunk * d..r * 4 * d + (chunk + 1) * d]
+                            .iter()
+                            .copied()
+                    })
                     .collect()
             };
             Modulation {
@@ -210,13 +259,20 @@ impl DitBackend for HostDit {
 
         let row_mod = &layout.row_mod[first_row..];
         let n_mod = layout.n_mod;
-        let (cos, sin) = ops::rope_tables(&layout.positions[first_row..], cfg.axes_dims_rope, ROPE_THETA);
+        let (cos, sin) = ops::rope_tables(
+            &layout.positions[first_row..],
+            cfg.axes_dims_rope,
+            ROPE_THETA,
+        );
 
         let mut extracted = if matches!(kv, KvStep::Extract) {
             let shape = vec![batch, layout.prefix_len, heads, head_dim];
             let mut layers = Vec::with_capacity(cfg.num_layers);
             for _ in 0..cfg.num_layers {
-                layers.push((TensorF32::zeros(shape.clone())?, TensorF32::zeros(shape.clone())?));
+                layers.push((
+                    TensorF32::zeros(shape.clone())?,
+                    TensorF32::zeros(shape.clone())?,
+                ));
             }
             Some(HostKvCache {
                 batch,
@@ -241,7 +297,8 @@ impl DitBackend for HostDit {
             let text = if cached {
                 Vec::new()
             } else {
-                let rows_in = &inputs.encoder_hidden_states.data()[b * l_vlm * ctx..(b + 1) * l_vlm * ctx];
+                let rows_in =
+                    &inputs.encoder_hidden_states.data()[b * l_vlm * ctx..(b + 1) * l_vlm * ctx];
                 self.text_projection(rows_in, l_vlm)?
             };
             let mut x = vec![0f32; rows * d];
@@ -281,8 +338,10 @@ impl DitBackend for HostDit {
 
                 if let Some(cache) = extracted.as_mut() {
                     let (ck, cv) = &mut cache.layers[layer];
-                    ck.data_mut()[b * prefix_elems..(b + 1) * prefix_elems].copy_from_slice(&k[..prefix_elems]);
-                    cv.data_mut()[b * prefix_elems..(b + 1) * prefix_elems].copy_from_slice(&v[..prefix_elems]);
+                    ck.data_mut()[b * prefix_elems..(b + 1) * prefix_elems]
+                        .copy_from_slice(&k[..prefix_elems]);
+                    cv.data_mut()[b * prefix_elems..(b + 1) * prefix_elems]
+                        .copy_from_slice(&v[..prefix_elems]);
                 }
                 if let KvStep::Cached(cache) = kv {
                     let (ck, cv) = &cache.layers[layer];
@@ -290,7 +349,9 @@ impl DitBackend for HostDit {
                     keys.extend_from_slice(&k);
                     let mut values = cv.data()[b * prefix_elems..(b + 1) * prefix_elems].to_vec();
                     values.extend_from_slice(&v);
-                    ops::attention(&q, &keys, &values, rows, seq, heads, head_dim, mask, &mut attn)?;
+                    ops::attention(
+                        &q, &keys, &values, rows, seq, heads, head_dim, mask, &mut attn,
+                    )?;
                 } else {
                     ops::attention(&q, &k, &v, rows, seq, heads, head_dim, mask, &mut attn)?;
                 }

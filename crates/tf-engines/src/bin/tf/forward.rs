@@ -62,7 +62,10 @@ pub fn run(args: Args) -> ExitCode {
 
 fn kv_file(args: &Args) -> Result<&Path, DitError> {
     args.kv_file.as_deref().ok_or_else(|| {
-        DitError::KvCache("--kv-cache extract/cached needs --kv-file FILE (written by extract, read by cached)".into())
+        DitError::KvCache(
+            "--kv-cache extract/cached needs --kv-file FILE (written by extract, read by cached)"
+                .into(),
+        )
     })
 }
 
@@ -75,7 +78,11 @@ fn forward(args: &Args) -> Result<(), DitError> {
     let started = Instant::now();
     let model = ModelDir::open(&args.model)?;
     let mut dit = HostDit::load(&model)?;
-    eprintln!("tf forward: loaded {} ({})", args.model.display(), dit.load_stats());
+    eprintln!(
+        "tf forward: loaded {} ({})",
+        args.model.display(),
+        dit.load_stats()
+    );
     let inputs = DitInputs::from_bundle(&SafetensorsFile::open(&args.inputs)?)?;
     let forward_start = Instant::now();
     let output = match args.kv_cache {
@@ -88,7 +95,10 @@ fn forward(args: &Args) -> Result<(), DitError> {
                 .as_ref()
                 .ok_or_else(|| DitError::Backend("extract returned no cache".into()))?;
             dit.kv_to_host(cache)?.save(path)?;
-            eprintln!("tf forward: wrote the prefix KV cache to {}", path.display());
+            eprintln!(
+                "tf forward: wrote the prefix KV cache to {}",
+                path.display()
+            );
             output
         }
         KvCacheArg::Cached => {
