@@ -109,6 +109,35 @@ fn run(args: &[String]) -> Result<(), Error> {
             );
             Ok(())
         }
+        "verify-pin" => {
+            let mut upstream = None;
+            let mut record = false;
+            let mut at = 0;
+            while at < rest.len() {
+                match rest[at].as_str() {
+                    "--upstream" => upstream = Some(path_arg(&value(rest, &mut at, "--upstream")?)),
+                    "--record-kernels" => record = true,
+                    other => return Err(Error::Usage(format!("verify-pin: unknown option {other}"))),
+                }
+                at += 1;
+            }
+            if record {
+                for line in xtask::pin::record_kernels(&root)? {
+                    println!("recorded {line}");
+                }
+            }
+            let report = xtask::pin::verify(&root)?;
+            for line in report.lines {
+                println!("{line}");
+            }
+            if let Some(dir) = upstream {
+                for line in xtask::pin::verify_upstream(&root, &dir)?.lines {
+                    println!("{line}");
+                }
+            }
+            println!("verify-pin: ok");
+            Ok(())
+        }
         "zig-hash" => {
             let [dir] = rest else {
                 return Err(Error::Usage("zig-hash takes one directory".to_string()));

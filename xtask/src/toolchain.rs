@@ -170,3 +170,23 @@ pub fn nvcc_version(nvcc: &Tool) -> Result<String, Error> {
     let output = run_captured(nvcc.command().arg("--version"))?;
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
+
+/// How to run `zig`: `$ZIG`, else the pip package [`ZIG_PACKAGE`] in `.tools/zig` (installed when missing)
+/// through `python3 -m ziglang`. Its global cache is `.tools/zig-cache`, so the fetch tool that Zig
+/// compiles on first use is built once per machine.
+pub fn zig(root: &Path) -> Result<Command, Error> {
+    let cache = tools_dir(root).join("zig-cache");
+    let mut command = if let Some(path) = env_path("ZIG") {
+        Command::new(path)
+    } else {
+        let target = tools_dir(root).join("zig");
+        if !target.join("ziglang").is_dir() {
+            pip_install(&target, &[ZIG_PACKAGE], "zig")?;
+        }
+        let mut command = Command::new(python());
+        command.env("PYTHONPATH", &target).args(["-m", "ziglang"]);
+        command
+    };
+    command.env("ZIG_GLOBAL_CACHE_DIR", cache);
+    Ok(command)
+}

@@ -70,7 +70,7 @@ pub fn package_info(dir: &Path) -> Result<PackageInfo, Error> {
         }
     };
     let paths = match value.field("paths") {
-        None => Vec::new(),
+        None => return Err(Error::config(&path, "no .paths: zig fetch requires the field (use .{\"\"} for everything)")),
         Some(Value::Tuple(items)) => items
             .iter()
             .map(|item| match item {
@@ -223,11 +223,16 @@ pub struct ParsedHash {
 
 /// Splits `name-version-base64url` (the name cannot contain `-`, the version may).
 pub fn parse_hash(text: &str) -> Result<ParsedHash, String> {
-    let (name, rest) = text
+    // The encoded part has a fixed length and may itself contain '-'; the name cannot.
+    let encoded_len = (8 + DIGEST_BYTES_KEPT).div_ceil(3) * 4;
+    let split = text
+        .len()
+        .checked_sub(encoded_len + 1)
+        .filter(|&at| text.is_char_boundary(at) && text.as_bytes()[at] == b'-')
+        .ok_or_else(|| format!("{text:?} is not name-version-hash (hash part of {encoded_len} characters)"))?;
+    let (name_version, encoded) = (&text[..split], &text[split + 1..]);
+    let (name, version) = name_version
         .split_once('-')
-        .ok_or_else(|| format!("{text:?} is not name-version-hash"))?;
-    let (version, encoded) = rest
-        .rsplit_once('-')
         .ok_or_else(|| format!("{text:?} is not name-version-hash"))?;
     if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
         return Err(format!("{text:?}: package name {name:?} is not a Zig identifier"));
