@@ -109,6 +109,18 @@ fn run(args: &[String]) -> Result<(), Error> {
             );
             Ok(())
         }
+        "sass-check" => {
+            let mut only = Vec::new();
+            let mut at = 0;
+            while at < rest.len() {
+                match rest[at].as_str() {
+                    "--set" => only.push(value(rest, &mut at, "--set")?),
+                    other => return Err(Error::Usage(format!("sass-check: unknown option {other}"))),
+                }
+                at += 1;
+            }
+            xtask::sass::run(&root, &kernels_out_dir(&root), &only)
+        }
         "verify-pin" => {
             let mut upstream = None;
             let mut record = false;
