@@ -150,6 +150,19 @@ fn run(args: &[String]) -> Result<(), Error> {
             println!("verify-pin: ok");
             Ok(())
         }
+        "gpu-bundle" => {
+            let mut options = xtask::bundle::BundleOptions::default();
+            let mut at = 0;
+            while at < rest.len() {
+                match rest[at].as_str() {
+                    "--out" => options.out = Some(path_arg(&value(rest, &mut at, "--out")?)),
+                    "--skip-kernels" => options.skip_kernels = true,
+                    other => return Err(Error::Usage(format!("gpu-bundle: unknown option {other}"))),
+                }
+                at += 1;
+            }
+            xtask::bundle::build(&root, &options).map(|_| ())
+        }
         "zig-hash" => {
             let [dir] = rest else {
                 return Err(Error::Usage("zig-hash takes one directory".to_string()));
