@@ -58,7 +58,12 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig { cases: if cfg!(miri) { 4 } else { 256 }, ..Default::default() })]
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: if cfg!(miri) { 4 } else { 256 },
+            // Miri's isolation has no working directory for the regression file.
+            failure_persistence: if cfg!(miri) { None } else { proptest::prelude::ProptestConfig::default().failure_persistence },
+            ..Default::default()
+        })]
         #[test]
         fn class_fits_and_is_tight(len in 1usize..=MAX_CLASS_BYTES) {
             let (index, bytes) = class_for(len).unwrap();
