@@ -192,7 +192,7 @@ impl Gemm {
     /// column-major form.
     pub fn plan(&self) -> Result<ColumnMajorCall, CublasLtError> {
         let invalid = |what: String| CublasLtError::Invalid { what };
-        let shape = format!("M={} N={} K={}", self.m, self.n, self.k);
+        let shape = Shape(self.m, self.n, self.k);
         for (name, dim) in [("M", self.m), ("N", self.n), ("K", self.k)] {
             if dim == 0 || dim > i32::MAX as usize {
                 return Err(invalid(format!(
@@ -226,9 +226,9 @@ impl Gemm {
             InputType::Bf16 => out_size as u64,
             InputType::Fp8E4m3 => 16,
         };
-        check_span("X", self.x, x_need, input_align, &shape)?;
-        check_span("W", self.w, w_need, input_align, &shape)?;
-        check_span("Y", self.y, y_need, output_align, &shape)?;
+        check_span("X", self.x, x_need, input_align, shape)?;
+        check_span("W", self.w, w_need, input_align, shape)?;
+        check_span("Y", self.y, y_need, output_align, shape)?;
         for (name, input, need) in [("X", self.x, x_need), ("W", self.w, w_need)] {
             if overlaps(self.y.addr, y_need, input.addr, need) {
                 return Err(invalid(format!(
@@ -240,7 +240,7 @@ impl Gemm {
         let bias_addr = match self.bias {
             Some(bias) => {
                 let need = bytes_of(1, self.n, out_size, "bias")?;
-                check_span("bias", bias, need, out_size as u64, &shape)?;
+                check_span("bias", bias, need, out_size as u64, shape)?;
                 bias.addr
             }
             None => 0,
@@ -263,8 +263,8 @@ impl Gemm {
                         "FP8 GEMMs need K and N to be multiples of 16 ({shape}); pad the weights"
                     )));
                 }
-                check_span("X scale", scales.x_scale, 4, 4, &shape)?;
-                check_span("W scale", scales.w_scale, 4, 4, &shape)?;
+                check_span("X scale", scales.x_scale, 4, 4, shape)?;
+                check_span("W scale", scales.w_scale, 4, 4, shape)?;
                 // A is W and B is X in the column-major call.
                 (scales.w_scale.addr, scales.x_scale.addr)
             }
@@ -330,12 +330,22 @@ impl Gemm {
     }
 }
 
+/// The GEMM's dimensions, formatted only when an error needs them.
+#[derive(Clone, Copy)]
+struct Shape(usize, usize, usize);
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "M={} N={} K={}", self.0, self.1, self.2)
+    }
+}
+
 fn check_span(
     name: &str,
     span: DeviceSpan,
     need: usize,
     align: u64,
-    shape: &str,
+    shape: Shape,
 ) -> Result<(), CublasLtError> {
     let invalid = |what: String| Err(CublasLtError::Invalid { what });
     if span.addr == 0 {
