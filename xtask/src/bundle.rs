@@ -82,7 +82,11 @@ fn valid_step_name(name: &str) -> bool {
 }
 
 /// Plans the steps: one per GPU test target (sorted), then the command steps in file order.
-pub fn plan_steps(steps_text: &str, steps_path: &Path, test_targets: &[String]) -> Result<(Vec<Step>, Vec<String>), Error> {
+pub fn plan_steps(
+    steps_text: &str,
+    steps_path: &Path,
+    test_targets: &[String],
+) -> Result<(Vec<Step>, Vec<String>), Error> {
     let file: StepsFile =
         toml::from_str(steps_text).map_err(|e| Error::config(steps_path, e.to_string()))?;
     let mut problems = Vec::new();
@@ -124,7 +128,10 @@ pub fn plan_steps(steps_text: &str, steps_path: &Path, test_targets: &[String]) 
     }
     for command in &file.command {
         if command.command.contains('\t') || command.command.contains('\n') {
-            problems.push(format!("[[command]] {}: the command must be one line without tabs", command.name));
+            problems.push(format!(
+                "[[command]] {}: the command must be one line without tabs",
+                command.name
+            ));
         }
         steps.push(Step {
             name: command.name.clone(),
@@ -135,7 +142,10 @@ pub fn plan_steps(steps_text: &str, steps_path: &Path, test_targets: &[String]) 
     let mut names = BTreeSet::new();
     for step in &steps {
         if !valid_step_name(&step.name) {
-            problems.push(format!("step name {:?}: use letters, digits, _ - .", step.name));
+            problems.push(format!(
+                "step name {:?}: use letters, digits, _ - .",
+                step.name
+            ));
         }
         if !names.insert(step.name.clone()) {
             problems.push(format!("step name {:?} is used twice", step.name));
@@ -154,7 +164,11 @@ pub fn plan_steps(steps_text: &str, steps_path: &Path, test_targets: &[String]) 
 
 /// Quotes a word for bash.
 pub fn shell_quote(word: &str) -> String {
-    if !word.is_empty() && word.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-./=:".contains(&b)) {
+    if !word.is_empty()
+        && word
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-./=:".contains(&b))
+    {
         word.to_string()
     } else {
         format!("'{}'", word.replace('\'', "'\\''"))
@@ -175,11 +189,12 @@ fn cargo() -> Command {
 
 /// (package, target) of every integration test target named gpu_* in the workspace.
 pub fn gpu_test_targets(root: &Path) -> Result<Vec<(String, String)>, Error> {
-    let output = run_captured(
-        cargo()
-            .current_dir(root)
-            .args(["metadata", "--no-deps", "--format-version", "1"]),
-    )?;
+    let output = run_captured(cargo().current_dir(root).args([
+        "metadata",
+        "--no-deps",
+        "--format-version",
+        "1",
+    ]))?;
     let metadata: serde_json::Value = serde_json::from_slice(&output.stdout)
         .map_err(|e| Error::config("cargo metadata", e.to_string()))?;
     let mut found = Vec::new();
@@ -200,18 +215,26 @@ pub fn gpu_test_targets(root: &Path) -> Result<Vec<(String, String)>, Error> {
 }
 
 /// Runs a cargo build with JSON messages; returns target name -> executable for matching artifacts.
-fn cargo_executables(root: &Path, args: &[String], want: &dyn Fn(&serde_json::Value) -> bool) -> Result<BTreeMap<String, PathBuf>, Error> {
+fn cargo_executables(
+    root: &Path,
+    args: &[String],
+    want: &dyn Fn(&serde_json::Value) -> bool,
+) -> Result<BTreeMap<String, PathBuf>, Error> {
     let mut command = cargo();
-    command
-        .current_dir(root)
-        .args(args)
-        .args(["--profile", "bundle", "--message-format=json-render-diagnostics"]);
+    command.current_dir(root).args(args).args([
+        "--profile",
+        "bundle",
+        "--message-format=json-render-diagnostics",
+    ]);
     eprintln!("gpu-bundle: {}", crate::util::describe(&command));
-    let output = command.stderr(std::process::Stdio::inherit()).output().map_err(|e| Error::CommandFailed {
-        command: crate::util::describe(&command),
-        status: "could not start".into(),
-        output: e.to_string(),
-    })?;
+    let output = command
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| Error::CommandFailed {
+            command: crate::util::describe(&command),
+            status: "could not start".into(),
+            output: e.to_string(),
+        })?;
     if !output.status.success() {
         return Err(Error::CommandFailed {
             command: crate::util::describe(&command),
@@ -227,7 +250,10 @@ fn cargo_executables(root: &Path, args: &[String], want: &dyn Fn(&serde_json::Va
         if message["reason"] != "compiler-artifact" || !want(&message["target"]) {
             continue;
         }
-        if let (Some(name), Some(executable)) = (message["target"]["name"].as_str(), message["executable"].as_str()) {
+        if let (Some(name), Some(executable)) = (
+            message["target"]["name"].as_str(),
+            message["executable"].as_str(),
+        ) {
             found.insert(name.to_string(), PathBuf::from(executable));
         }
     }
@@ -248,11 +274,17 @@ pub fn sizes(dir: &Path) -> Result<Vec<(String, u64)>, Error> {
         for entry in std::fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
             let entry = entry.map_err(|e| Error::io("listing", dir, e))?;
             let path = entry.path();
-            let meta = entry.metadata().map_err(|e| Error::io("reading", &path, e))?;
+            let meta = entry
+                .metadata()
+                .map_err(|e| Error::io("reading", &path, e))?;
             if meta.is_dir() {
                 walk(base, &path, out)?;
             } else {
-                let relative = path.strip_prefix(base).unwrap_or(&path).display().to_string();
+                let relative = path
+                    .strip_prefix(base)
+                    .unwrap_or(&path)
+                    .display()
+                    .to_string();
                 out.push((relative, meta.len()));
             }
         }
@@ -277,7 +309,11 @@ pub fn check_size(dir: &Path) -> Result<u64, Error> {
         total as f64 / 1048576.0,
         SIZE_LIMIT / 1048576
     )];
-    failures.extend(sizes.iter().map(|(path, size)| format!("{:>10.2} MiB  {path}", *size as f64 / 1048576.0)));
+    failures.extend(
+        sizes
+            .iter()
+            .map(|(path, size)| format!("{:>10.2} MiB  {path}", *size as f64 / 1048576.0)),
+    );
     Err(Error::CheckFailed {
         check: "gpu-bundle size",
         failures,
@@ -316,7 +352,13 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
     }
     let tf = cargo_executables(
         root,
-        &["build".into(), "-p".into(), "tf-engines".into(), "--bin".into(), "tf".into()],
+        &[
+            "build".into(),
+            "-p".into(),
+            "tf-engines".into(),
+            "--bin".into(),
+            "tf".into(),
+        ],
         &|t| t["name"] == "tf",
     )?;
     let tf = tf.get("tf").cloned().ok_or_else(|| Error::CommandFailed {
@@ -328,10 +370,17 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
     if !targets.is_empty() {
         let mut args: Vec<String> = vec!["test".into(), "--no-run".into()];
         for (package, target) in &targets {
-            args.extend(["-p".into(), package.clone(), "--test".into(), target.clone()]);
+            args.extend([
+                "-p".into(),
+                package.clone(),
+                "--test".into(),
+                target.clone(),
+            ]);
         }
         tests = cargo_executables(root, &args, &|t| {
-            t["kind"].as_array().is_some_and(|k| k.iter().any(|v| v == "test"))
+            t["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|v| v == "test"))
                 && t["name"].as_str().is_some_and(|n| n.starts_with("gpu_"))
         })?;
     }
@@ -347,7 +396,9 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
 
     if out.exists() {
         let looks_like_bundle = out.join("run.sh").is_file()
-            || std::fs::read_dir(&out).map(|mut d| d.next().is_none()).unwrap_or(false);
+            || std::fs::read_dir(&out)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
         if !looks_like_bundle {
             return Err(Error::Usage(format!(
                 "{} exists and is not a bundle (no run.sh); choose another --out",
@@ -368,12 +419,18 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
     }
     if let Some(manifest) = kernels::Manifest::load(&kernels_dir)? {
         for set in &manifest.sets {
-            copy(&kernels_dir.join(&set.fatbin), &out.join("kernels").join(&set.fatbin))?;
+            copy(
+                &kernels_dir.join(&set.fatbin),
+                &out.join("kernels").join(&set.fatbin),
+            )?;
         }
     }
     for file in &files {
         if file.contains("..") || file.starts_with('/') {
-            return Err(Error::config(&steps_path, format!("[[file]] {file:?} must be a path inside the repository")));
+            return Err(Error::config(
+                &steps_path,
+                format!("[[file]] {file:?} must be a path inside the repository"),
+            ));
         }
         copy(&root.join(file), &out.join(file))?;
     }
@@ -414,14 +471,21 @@ mod tests {
 
     #[test]
     fn tests_first_then_commands_with_adjustments() {
-        let (steps, files) =
-            plan_steps(STEPS, Path::new("s.toml"), &["gpu_b".to_string(), "gpu_a".to_string()]).unwrap();
+        let (steps, files) = plan_steps(
+            STEPS,
+            Path::new("s.toml"),
+            &["gpu_b".to_string(), "gpu_a".to_string()],
+        )
+        .unwrap();
         assert!(files.is_empty());
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, vec!["gpu_a", "gpu_b", "tf-doctor"]);
         assert_eq!(steps[0].command, format!("bin/gpu_a {TEST_ARGS}"));
         assert_eq!(steps[0].timeout, 600);
-        assert_eq!(steps[1].command, format!("bin/gpu_b {TEST_ARGS} graph --skip 'slow one'"));
+        assert_eq!(
+            steps[1].command,
+            format!("bin/gpu_b {TEST_ARGS} graph --skip 'slow one'")
+        );
         assert_eq!(steps[1].timeout, 30);
         assert_eq!(steps_table(&steps).lines().count(), 3);
     }
@@ -442,10 +506,17 @@ mod tests {
     }
 
     #[test]
-    fn repository_steps_file_parses() {
+    fn repository_steps_file_parses_against_the_workspace_tests() {
         let root = crate::paths::repo_root();
         let text = read_text(&root.join(STEPS_FILE)).unwrap();
-        plan_steps(&text, Path::new(STEPS_FILE), &[]).unwrap();
+        let targets: Vec<String> = gpu_test_targets(&root)
+            .unwrap()
+            .into_iter()
+            .map(|t| t.1)
+            .collect();
+        if let Err(e) = plan_steps(&text, Path::new(STEPS_FILE), &targets) {
+            panic!("{e}");
+        }
     }
 
     #[test]

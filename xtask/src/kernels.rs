@@ -119,7 +119,10 @@ impl Manifest {
         }
         let text = read_text(&path)?;
         let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
-            Error::config(&path, format!("{e}; delete it and run `cargo xtask kernels`"))
+            Error::config(
+                &path,
+                format!("{e}; delete it and run `cargo xtask kernels`"),
+            )
         })?;
         if manifest.schema != MANIFEST_SCHEMA {
             return Err(Error::config(
@@ -155,7 +158,11 @@ fn valid_set_name(name: &str) -> bool {
 }
 
 /// Parses and validates kernels.toml text. `kernels_dir` is used to check that sources exist.
-pub fn parse_config(text: &str, config_path: &Path, kernels_dir: &Path) -> Result<Vec<KernelSet>, Error> {
+pub fn parse_config(
+    text: &str,
+    config_path: &Path,
+    kernels_dir: &Path,
+) -> Result<Vec<KernelSet>, Error> {
     let parsed: KernelsToml =
         toml::from_str(text).map_err(|e| Error::config(config_path, e.to_string()))?;
     let mut problems = Vec::new();
@@ -164,28 +171,39 @@ pub fn parse_config(text: &str, config_path: &Path, kernels_dir: &Path) -> Resul
     for spec in parsed.set {
         let name = spec.name.clone();
         if !valid_set_name(&name) {
-            problems.push(format!("set name {name:?}: use lower-case letters, digits and _"));
+            problems.push(format!(
+                "set name {name:?}: use lower-case letters, digits and _"
+            ));
         }
         if !names.insert(name.clone()) {
             problems.push(format!("set {name:?} is listed twice"));
         }
         let source_ok = !spec.source.contains("..") && !spec.source.starts_with('/');
         if !source_ok {
-            problems.push(format!("set {name}: source {:?} must be a path under kernels/", spec.source));
+            problems.push(format!(
+                "set {name}: source {:?} must be a path under kernels/",
+                spec.source
+            ));
         } else if !kernels_dir.join(&spec.source).is_file() {
             problems.push(format!(
                 "set {name}: source kernels/{} does not exist",
                 spec.source
             ));
         }
-        let targets = spec.targets.unwrap_or_else(|| parsed.defaults.targets.clone());
+        let targets = spec
+            .targets
+            .unwrap_or_else(|| parsed.defaults.targets.clone());
         for target in &targets {
             if !is_sm_target(target) {
-                problems.push(format!("set {name}: target {target:?} is not sm_XX or sm_XXa"));
+                problems.push(format!(
+                    "set {name}: target {target:?} is not sm_XX or sm_XXa"
+                ));
             }
         }
         if !targets.iter().any(|t| t == REQUIRED_TARGET) {
-            problems.push(format!("set {name}: targets must include {REQUIRED_TARGET}"));
+            problems.push(format!(
+                "set {name}: targets must include {REQUIRED_TARGET}"
+            ));
         }
         let ptx_text = spec.ptx.unwrap_or_else(|| parsed.defaults.ptx.clone());
         let ptx = if ptx_text == "none" {
@@ -346,8 +364,15 @@ pub enum Outcome {
     Built { seconds: f64 },
 }
 
+/// A set's record and its build time in seconds, or why it failed.
+type SetResult = Result<(SetRecord, f64), Error>;
+
 /// Builds the kernel sets under `root` into `out_dir`, returning the new manifest and what was done.
-pub fn build(root: &Path, out_dir: &Path, options: &BuildOptions) -> Result<(Manifest, Vec<(String, Outcome)>), Error> {
+pub fn build(
+    root: &Path,
+    out_dir: &Path,
+    options: &BuildOptions,
+) -> Result<(Manifest, Vec<(String, Outcome)>), Error> {
     let sets = load_config(root)?;
     for wanted in &options.only {
         if !sets.iter().any(|s| &s.name == wanted) {
@@ -394,7 +419,7 @@ pub fn build(root: &Path, out_dir: &Path, options: &BuildOptions) -> Result<(Man
     let threads_per_job = (cores / jobs).max(1);
     let mut failures = Vec::new();
     for chunk in pending.chunks(jobs) {
-        let results: Vec<(String, Result<(SetRecord, f64), Error>)> = std::thread::scope(|scope| {
+        let results: Vec<(String, SetResult)> = std::thread::scope(|scope| {
             let handles: Vec<_> = chunk
                 .iter()
                 .map(|set| {
@@ -403,8 +428,9 @@ pub fn build(root: &Path, out_dir: &Path, options: &BuildOptions) -> Result<(Man
                     scope.spawn(move || {
                         eprintln!("kernels: building {} ({})", set.name, set.targets.join(" "));
                         let started = std::time::Instant::now();
-                        let result = build_set(root, out_dir, set, nvcc, nvcc_version, threads_per_job)
-                            .map(|record| (record, started.elapsed().as_secs_f64()));
+                        let result =
+                            build_set(root, out_dir, set, nvcc, nvcc_version, threads_per_job)
+                                .map(|record| (record, started.elapsed().as_secs_f64()));
                         (set.name.clone(), result)
                     })
                 })
@@ -452,7 +478,10 @@ pub fn build(root: &Path, out_dir: &Path, options: &BuildOptions) -> Result<(Man
     };
     let json = serde_json::to_string_pretty(&manifest)
         .map_err(|e| Error::config(out_dir.join("manifest.json"), e.to_string()))?;
-    write_atomic(&out_dir.join(EMBED_TABLE), embed_table(&manifest).as_bytes())?;
+    write_atomic(
+        &out_dir.join(EMBED_TABLE),
+        embed_table(&manifest).as_bytes(),
+    )?;
     write_atomic(&out_dir.join("manifest.json"), json.as_bytes())?;
     if failures.is_empty() {
         Ok((manifest, outcomes))
@@ -470,7 +499,9 @@ pub const EMBED_TABLE: &str = "embed.tsv";
 /// One line per set, tab-separated: name, fatbin file, fatbin sha256, targets, ptx (or `-`), hot kernels,
 /// tensor-core `kernel=FAMILY` pairs; lists are space-separated (kernel symbols contain no spaces).
 pub fn embed_table(manifest: &Manifest) -> String {
-    let mut text = String::from("# name\tfatbin\tsha256\ttargets\tptx\thot\ttensor_core (written by cargo xtask kernels)\n");
+    let mut text = String::from(
+        "# name\tfatbin\tsha256\ttargets\tptx\thot\ttensor_core (written by cargo xtask kernels)\n",
+    );
     for set in &manifest.sets {
         let tensor_core: Vec<String> = set
             .tensor_core
@@ -492,7 +523,13 @@ pub fn embed_table(manifest: &Manifest) -> String {
     text
 }
 
-fn up_to_date(root: &Path, out_dir: &Path, set: &KernelSet, prior: &SetRecord, nvcc_version: &str) -> bool {
+fn up_to_date(
+    root: &Path,
+    out_dir: &Path,
+    set: &KernelSet,
+    prior: &SetRecord,
+    nvcc_version: &str,
+) -> bool {
     let args = key_args(set);
     let paths: Vec<String> = prior.inputs.iter().map(|i| i.path.clone()).collect();
     let Ok(inputs) = digest_inputs(root, &paths) else {
@@ -518,8 +555,9 @@ fn build_set(
 ) -> Result<SetRecord, Error> {
     let kernels_dir = root.join("kernels");
     let fatbin_name = format!("{}.fatbin", set.name);
-    let staging = out_dir.join(format!("{}.building", set.name));
-    let depfile = out_dir.join(format!("{}.d", set.name));
+    // Per-process names: two builds sharing the output folder must not consume each other's files.
+    let staging = out_dir.join(format!("{}.{}.building", set.name, std::process::id()));
+    let depfile = out_dir.join(format!("{}.{}.d", set.name, std::process::id()));
     let args = key_args(set);
     let mut command: Command = nvcc.command();
     command
@@ -545,7 +583,8 @@ fn build_set(
     let inputs = digest_inputs(root, &paths)?;
     let bytes = read(&staging)?;
     let final_path = out_dir.join(&fatbin_name);
-    std::fs::rename(&staging, &final_path).map_err(|e| Error::io("renaming into place", &final_path, e))?;
+    std::fs::rename(&staging, &final_path)
+        .map_err(|e| Error::io("renaming into place", &final_path, e))?;
     Ok(SetRecord {
         name: set.name.clone(),
         fatbin: fatbin_name,
@@ -578,12 +617,15 @@ mod tests {
         (root, kernels)
     }
 
-    const DEFAULTS: &str = "[defaults]\nflags = [\"-O3\"]\ntargets = [\"sm_80\", \"sm_90a\"]\nptx = \"compute_80\"\n";
+    const DEFAULTS: &str =
+        "[defaults]\nflags = [\"-O3\"]\ntargets = [\"sm_80\", \"sm_90a\"]\nptx = \"compute_80\"\n";
 
     #[test]
     fn defaults_apply_and_flags_append() {
         let (root, kernels) = temp_kernels();
-        let text = format!("{DEFAULTS}[[set]]\nname = \"a\"\nsource = \"a/a.cu\"\nflags = [\"-lineinfo\"]\n");
+        let text = format!(
+            "{DEFAULTS}[[set]]\nname = \"a\"\nsource = \"a/a.cu\"\nflags = [\"-lineinfo\"]\n"
+        );
         let sets = parse_config(&text, Path::new("k.toml"), &kernels).unwrap();
         assert_eq!(sets.len(), 1);
         assert_eq!(sets[0].flags, vec!["-O3", "-lineinfo"]);
@@ -605,7 +647,13 @@ mod tests {
         let err = parse_config(&text, Path::new("k.toml"), &kernels)
             .unwrap_err()
             .to_string();
-        for needle in ["set name", "does not exist", "sm_90a", "compute_XX", "WGMMA"] {
+        for needle in [
+            "set name",
+            "does not exist",
+            "sm_90a",
+            "compute_XX",
+            "WGMMA",
+        ] {
             assert!(err.contains(needle), "{needle} missing from: {err}");
         }
         let _ = std::fs::remove_dir_all(root);
@@ -618,7 +666,10 @@ mod tests {
         let text = "/tmp/x.fatbin : /r/kernels/a/a.cu \\\n    /usr/include/stdio.h \\\n    /r/kernels/a/../common/h.cuh \\\n    /r/.tools/cuda/bin/..//include/cuda.h\n";
         assert_eq!(
             parse_depfile(text, root, kernels),
-            vec!["kernels/a/a.cu".to_string(), "kernels/common/h.cuh".to_string()]
+            vec![
+                "kernels/a/a.cu".to_string(),
+                "kernels/common/h.cuh".to_string()
+            ]
         );
     }
 

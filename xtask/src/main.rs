@@ -115,7 +115,9 @@ fn run(args: &[String]) -> Result<(), Error> {
             while at < rest.len() {
                 match rest[at].as_str() {
                     "--set" => only.push(value(rest, &mut at, "--set")?),
-                    other => return Err(Error::Usage(format!("sass-check: unknown option {other}"))),
+                    other => {
+                        return Err(Error::Usage(format!("sass-check: unknown option {other}")))
+                    }
                 }
                 at += 1;
             }
@@ -129,7 +131,9 @@ fn run(args: &[String]) -> Result<(), Error> {
                 match rest[at].as_str() {
                     "--upstream" => upstream = Some(path_arg(&value(rest, &mut at, "--upstream")?)),
                     "--record-kernels" => record = true,
-                    other => return Err(Error::Usage(format!("verify-pin: unknown option {other}"))),
+                    other => {
+                        return Err(Error::Usage(format!("verify-pin: unknown option {other}")))
+                    }
                 }
                 at += 1;
             }
@@ -157,7 +161,9 @@ fn run(args: &[String]) -> Result<(), Error> {
                 match rest[at].as_str() {
                     "--out" => options.out = Some(path_arg(&value(rest, &mut at, "--out")?)),
                     "--skip-kernels" => options.skip_kernels = true,
-                    other => return Err(Error::Usage(format!("gpu-bundle: unknown option {other}"))),
+                    other => {
+                        return Err(Error::Usage(format!("gpu-bundle: unknown option {other}")))
+                    }
                 }
                 at += 1;
             }

@@ -158,7 +158,10 @@ pub struct Drama3Pin {
 }
 
 fn is_hex(text: &str, min: usize, max: usize) -> bool {
-    (min..=max).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    (min..=max).contains(&text.len())
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 fn release_parts(release: &str) -> Option<(u64, u64, u64)> {
@@ -196,8 +199,14 @@ fn compare_lists(what: &str, pinned: &[String], table: &[String], failures: &mut
     if pinned_set.len() != pinned.len() {
         failures.push(format!("abi.{what} in {PIN_FILE} lists an entry twice"));
     }
-    let missing: Vec<&str> = table_set.difference(&pinned_set).map(|s| s.as_str()).collect();
-    let extra: Vec<&str> = pinned_set.difference(&table_set).map(|s| s.as_str()).collect();
+    let missing: Vec<&str> = table_set
+        .difference(&pinned_set)
+        .map(|s| s.as_str())
+        .collect();
+    let extra: Vec<&str> = pinned_set
+        .difference(&table_set)
+        .map(|s| s.as_str())
+        .collect();
     if !missing.is_empty() {
         failures.push(format!(
             "abi.{what}: tf-sys's entry table (crates/tf-sys/src/api.rs) has {} that {PIN_FILE} lacks; \
@@ -274,9 +283,24 @@ pub fn verify(root: &Path) -> Result<Report, Error> {
     check_consumed(&pin, &mut failures);
 
     let table = abi_from_entries();
-    compare_lists("required", &pin.abi.required, &table.required, &mut failures);
-    compare_lists("optional", &pin.abi.optional, &table.optional, &mut failures);
-    compare_lists("allocating", &pin.abi.allocating, &table.allocating, &mut failures);
+    compare_lists(
+        "required",
+        &pin.abi.required,
+        &table.required,
+        &mut failures,
+    );
+    compare_lists(
+        "optional",
+        &pin.abi.optional,
+        &table.optional,
+        &mut failures,
+    );
+    compare_lists(
+        "allocating",
+        &pin.abi.allocating,
+        &table.allocating,
+        &mut failures,
+    );
     report.lines.push(format!(
         "abi: {} required, {} optional, {} allocating entries checked against tf-sys",
         table.required.len(),
@@ -300,7 +324,9 @@ pub fn verify(root: &Path) -> Result<Report, Error> {
                     }
                 }
             }
-            Err(e) => failures.push(format!("{doc}: cannot read it ({e}); it must state the pin")),
+            Err(e) => failures.push(format!(
+                "{doc}: cannot read it ({e}); it must state the pin"
+            )),
         }
     }
 
@@ -338,20 +364,35 @@ pub fn verify(root: &Path) -> Result<Report, Error> {
 
 fn check_main_fields(pin: &Pin, failures: &mut Vec<String>) {
     if pin.schema != 1 {
-        failures.push(format!("schema is {}, this xtask reads schema 1", pin.schema));
+        failures.push(format!(
+            "schema is {}, this xtask reads schema 1",
+            pin.schema
+        ));
     }
     let current = release_parts(&pin.release);
     if current.is_none() {
-        failures.push(format!("release {:?} is not MAJOR.MINOR.PATCH", pin.release));
+        failures.push(format!(
+            "release {:?} is not MAJOR.MINOR.PATCH",
+            pin.release
+        ));
     }
     if pin.tag != format!("v{}", pin.release) {
-        failures.push(format!("tag {:?} does not match release {:?} (expected v{})", pin.tag, pin.release, pin.release));
+        failures.push(format!(
+            "tag {:?} does not match release {:?} (expected v{})",
+            pin.tag, pin.release, pin.release
+        ));
     }
     if !is_hex(&pin.tag_object, 7, 40) {
-        failures.push(format!("tag_object {:?} is not 7 to 40 lower-case hex digits", pin.tag_object));
+        failures.push(format!(
+            "tag_object {:?} is not 7 to 40 lower-case hex digits",
+            pin.tag_object
+        ));
     }
     if !is_hex(&pin.commit, 40, 40) {
-        failures.push(format!("commit {:?} is not 40 lower-case hex digits", pin.commit));
+        failures.push(format!(
+            "commit {:?} is not 40 lower-case hex digits",
+            pin.commit
+        ));
     }
     if pin.tag_object.len() <= pin.commit.len() && pin.commit.starts_with(&pin.tag_object) {
         failures.push("tag_object equals the commit: an annotated tag object differs from the commit it peels to".to_string());
@@ -394,15 +435,21 @@ fn check_main_fields(pin: &Pin, failures: &mut Vec<String>) {
         match (&previous.commit, &previous.commit_prefix) {
             (Some(commit), None) => {
                 if !is_hex(commit, 40, 40) {
-                    failures.push(format!("{label}: commit {commit:?} is not 40 lower-case hex digits"));
+                    failures.push(format!(
+                        "{label}: commit {commit:?} is not 40 lower-case hex digits"
+                    ));
                 }
             }
             (None, Some(prefix)) => {
                 if !is_hex(prefix, 7, 39) {
-                    failures.push(format!("{label}: commit_prefix {prefix:?} is not 7 to 39 hex digits"));
+                    failures.push(format!(
+                        "{label}: commit_prefix {prefix:?} is not 7 to 39 hex digits"
+                    ));
                 }
             }
-            _ => failures.push(format!("{label}: give exactly one of commit and commit_prefix")),
+            _ => failures.push(format!(
+                "{label}: give exactly one of commit and commit_prefix"
+            )),
         }
         let previous_commit = previous.commit.as_ref().or(previous.commit_prefix.as_ref());
         if let Some(c) = previous_commit {
@@ -420,7 +467,10 @@ fn check_main_fields(pin: &Pin, failures: &mut Vec<String>) {
                         ));
                     }
                     if parsed.name != package_name {
-                        failures.push(format!("{label}: zig_package_hash names package {:?}", parsed.name));
+                        failures.push(format!(
+                            "{label}: zig_package_hash names package {:?}",
+                            parsed.name
+                        ));
                     }
                     if main_id.is_some_and(|id| id != parsed.id) {
                         failures.push(format!(
@@ -460,7 +510,10 @@ fn check_consumed(pin: &Pin, failures: &mut Vec<String>) {
     }
     for file in &pin.consumed.files {
         if file.path.starts_with('/') || file.path.contains("..") || file.path.contains('\\') {
-            failures.push(format!("consumed file {:?}: must be a relative path with /", file.path));
+            failures.push(format!(
+                "consumed file {:?}: must be a relative path with /",
+                file.path
+            ));
         }
         if !CHANGE_LABELS.contains(&file.change_from_previous.as_str()) {
             failures.push(format!(
@@ -472,7 +525,10 @@ fn check_consumed(pin: &Pin, failures: &mut Vec<String>) {
         }
         if let Some(digest) = &file.previous_sha256 {
             if !is_hex(digest, 64, 64) {
-                failures.push(format!("consumed file {}: previous_sha256 is not 64 hex digits", file.path));
+                failures.push(format!(
+                    "consumed file {}: previous_sha256 is not 64 hex digits",
+                    file.path
+                ));
             }
             if file.change_from_previous == "new" {
                 failures.push(format!(
@@ -500,7 +556,10 @@ fn check_local_kernels(
         ));
     }
     if !group.pattern.starts_with("kernels/") {
-        failures.push(format!("{label}: pattern {:?} must be under kernels/", group.pattern));
+        failures.push(format!(
+            "{label}: pattern {:?} must be under kernels/",
+            group.pattern
+        ));
         return Ok(());
     }
     let present = local_kernel_files(root, &group.pattern)?;
@@ -524,14 +583,25 @@ fn check_local_kernels(
             failures.push(format!("{label}: digest of {path} is not 64 hex digits"));
         }
         if !present.contains(path) {
-            failures.push(format!("{label}: recorded file {path} is missing (or outside {})", group.pattern));
+            failures.push(format!(
+                "{label}: recorded file {path} is missing (or outside {})",
+                group.pattern
+            ));
         }
     }
-    report.lines.push(if present.is_empty() && group.files.is_empty() {
-        format!("{label}: no local copies ({} matches nothing) and none recorded", group.pattern)
-    } else {
-        format!("{label}: {} file(s) checked against their record", present.len())
-    });
+    report
+        .lines
+        .push(if present.is_empty() && group.files.is_empty() {
+            format!(
+                "{label}: no local copies ({} matches nothing) and none recorded",
+                group.pattern
+            )
+        } else {
+            format!(
+                "{label}: {} file(s) checked against their record",
+                present.len()
+            )
+        });
     Ok(())
 }
 
@@ -541,16 +611,27 @@ fn check_chat(chat: &ChatPin, pin: &Pin, failures: &mut Vec<String>) {
         failures.push(format!("{file}: schema {} (expected 1)", chat.schema));
     }
     if release_parts(&chat.release).is_none() {
-        failures.push(format!("{file}: release {:?} is not MAJOR.MINOR.PATCH", chat.release));
+        failures.push(format!(
+            "{file}: release {:?} is not MAJOR.MINOR.PATCH",
+            chat.release
+        ));
     }
     if chat.tag != format!("v{}", chat.release) {
-        failures.push(format!("{file}: tag {:?} does not match release {:?}", chat.tag, chat.release));
+        failures.push(format!(
+            "{file}: tag {:?} does not match release {:?}",
+            chat.tag, chat.release
+        ));
     }
     if !is_hex(&chat.commit, 40, 40) {
-        failures.push(format!("{file}: commit {:?} is not 40 lower-case hex digits", chat.commit));
+        failures.push(format!(
+            "{file}: commit {:?} is not 40 lower-case hex digits",
+            chat.commit
+        ));
     }
     if chat.upstream_record.is_empty() || chat.source.is_empty() {
-        failures.push(format!("{file}: source and upstream_record must say where the pin comes from"));
+        failures.push(format!(
+            "{file}: source and upstream_record must say where the pin comes from"
+        ));
     }
     if chat.follows_main_pin && (chat.release != pin.release || chat.commit != pin.commit) {
         failures.push(format!(
@@ -571,7 +652,10 @@ fn check_drama(drama: &Drama3Pin, pin: &Pin, failures: &mut Vec<String>) {
         ));
     }
     if !is_hex(&drama.commit_prefix, 7, 40) {
-        failures.push(format!("{file}: commit_prefix {:?} is not 7 to 40 hex digits", drama.commit_prefix));
+        failures.push(format!(
+            "{file}: commit_prefix {:?} is not 7 to 40 hex digits",
+            drama.commit_prefix
+        ));
     }
     if pin.commit.starts_with(&drama.commit_prefix) {
         failures.push(format!(
@@ -580,7 +664,9 @@ fn check_drama(drama: &Drama3Pin, pin: &Pin, failures: &mut Vec<String>) {
         ));
     }
     if drama.branch.is_empty() || drama.repository_owner.is_empty() || drama.reason.is_empty() {
-        failures.push(format!("{file}: branch, repository_owner and reason must be set"));
+        failures.push(format!(
+            "{file}: branch, repository_owner and reason must be set"
+        ));
     }
 }
 
@@ -598,7 +684,8 @@ pub fn record_kernels(root: &Path) -> Result<Vec<String>, Error> {
         }
         group.files = files;
     }
-    let mut text = serde_json::to_string_pretty(&pin).map_err(|e| Error::config(&path, e.to_string()))?;
+    let mut text =
+        serde_json::to_string_pretty(&pin).map_err(|e| Error::config(&path, e.to_string()))?;
     text.push('\n');
     write_atomic(&path, text.as_bytes())?;
     Ok(lines)
@@ -610,7 +697,11 @@ pub fn folder_digest(dir: &Path) -> Result<String, Error> {
     collect_files(dir, &mut files)?;
     let mut lines = Vec::new();
     for file in &files {
-        let relative = file.strip_prefix(dir).unwrap_or(file).to_string_lossy().replace('\\', "/");
+        let relative = file
+            .strip_prefix(dir)
+            .unwrap_or(file)
+            .to_string_lossy()
+            .replace('\\', "/");
         lines.push(format!("{relative} {}\n", sha256_file(file)?));
     }
     lines.sort();
@@ -625,7 +716,11 @@ pub fn verify_upstream(root: &Path, upstream: &Path) -> Result<Report, Error> {
     let mut report = Report::default();
     let hash = zighash::package_hash(upstream)?;
     if hash.text == pin.zig_package_hash {
-        report.lines.push(format!("zig package hash of {}: {} (matches the pin)", upstream.display(), hash.text));
+        report.lines.push(format!(
+            "zig package hash of {}: {} (matches the pin)",
+            upstream.display(),
+            hash.text
+        ));
     } else {
         failures.push(format!(
             "zig package hash of {} is {}, the pin says {}: this is not the pinned source",
@@ -634,7 +729,10 @@ pub fn verify_upstream(root: &Path, upstream: &Path) -> Result<Report, Error> {
             pin.zig_package_hash
         ));
     }
-    report.lines.push(format!("{:<40} {:<16} {:<16} sha256", "consumed file", "expected", "measured"));
+    report.lines.push(format!(
+        "{:<40} {:<16} {:<16} sha256",
+        "consumed file", "expected", "measured"
+    ));
     for file in &pin.consumed.files {
         let path = upstream.join(&file.path);
         let digest = if file.path.ends_with('/') {
@@ -650,7 +748,11 @@ pub fn verify_upstream(root: &Path, upstream: &Path) -> Result<Report, Error> {
             (Some(_), Some(_)) => "changed",
         };
         if digest.is_none() {
-            failures.push(format!("{} is missing from {}", file.path, upstream.display()));
+            failures.push(format!(
+                "{} is missing from {}",
+                file.path,
+                upstream.display()
+            ));
         } else if measured != "unknown" && measured != file.change_from_previous {
             failures.push(format!(
                 "{}: the pin says {}, measured {}",
@@ -695,7 +797,10 @@ mod tests {
     #[test]
     fn abi_contract_from_the_table_has_the_three_allocating_entries() {
         let abi = abi_from_entries();
-        assert_eq!(abi.allocating, vec!["cuMemAlloc_v2", "cuMemHostAlloc", "cuMemHostRegister_v2"]);
+        assert_eq!(
+            abi.allocating,
+            vec!["cuMemAlloc_v2", "cuMemHostAlloc", "cuMemHostRegister_v2"]
+        );
         assert!(abi.optional.contains(&"cuFuncGetName".to_string()));
     }
 }

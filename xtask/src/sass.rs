@@ -70,8 +70,12 @@ pub fn parse_sass(text: &str) -> BTreeMap<String, Vec<String>> {
         }
         // Instruction lines look like `/*0160*/  @!P0 HMMA.16816.F32.BF16 R16, ... ;  /* 0x... */`.
         let Some(name) = &current else { continue };
-        let Some(rest) = trimmed.strip_prefix("/*") else { continue };
-        let Some((_, body)) = rest.split_once("*/") else { continue };
+        let Some(rest) = trimmed.strip_prefix("/*") else {
+            continue;
+        };
+        let Some((_, body)) = rest.split_once("*/") else {
+            continue;
+        };
         let mut words = body.split_whitespace();
         let mut opcode = words.next().unwrap_or("");
         if opcode.starts_with('@') {
@@ -101,10 +105,17 @@ pub fn in_family(opcode: &str, family: &str) -> bool {
 }
 
 /// Checks one set from parsed cuobjdump output; returns failure lines.
-pub fn check_set(set: &SetRecord, usages: &[Usage], sass_90a: &BTreeMap<String, Vec<String>>) -> Vec<String> {
+pub fn check_set(
+    set: &SetRecord,
+    usages: &[Usage],
+    sass_90a: &BTreeMap<String, Vec<String>>,
+) -> Vec<String> {
     let mut failures = Vec::new();
     for pattern in &set.hot {
-        let hits: Vec<&Usage> = usages.iter().filter(|u| matches(pattern, &u.kernel)).collect();
+        let hits: Vec<&Usage> = usages
+            .iter()
+            .filter(|u| matches(pattern, &u.kernel))
+            .collect();
         if hits.is_empty() {
             failures.push(format!(
                 "set {}: hot kernel pattern {pattern:?} matches no kernel in the fatbin (renamed?)",
@@ -124,8 +135,10 @@ pub fn check_set(set: &SetRecord, usages: &[Usage], sass_90a: &BTreeMap<String, 
         failures.push(format!("set {}: the fatbin has no sm_90a code", set.name));
     }
     for (pattern, family) in &set.tensor_core {
-        let hits: Vec<(&String, &Vec<String>)> =
-            sass_90a.iter().filter(|(k, _)| matches(pattern, k)).collect();
+        let hits: Vec<(&String, &Vec<String>)> = sass_90a
+            .iter()
+            .filter(|(k, _)| matches(pattern, k))
+            .collect();
         if hits.is_empty() {
             failures.push(format!(
                 "set {}: tensor-core kernel pattern {pattern:?} matches no sm_90a kernel",
@@ -155,7 +168,11 @@ pub fn table(set: &SetRecord, usages: &[Usage]) -> String {
         if set.hot.iter().any(|p| matches(p, &usage.kernel)) {
             marks.push("hot".to_string());
         }
-        if let Some((_, family)) = set.tensor_core.iter().find(|(p, _)| matches(p, &usage.kernel)) {
+        if let Some((_, family)) = set
+            .tensor_core
+            .iter()
+            .find(|(p, _)| matches(p, &usage.kernel))
+        {
             marks.push(family.clone());
         }
         text.push_str(&format!(
@@ -182,11 +199,18 @@ fn dump(tool: &Tool, args: &[&str], fatbin: &Path) -> Result<String, Error> {
 pub fn run(root: &Path, out_dir: &Path, only: &[String]) -> Result<(), Error> {
     let manifest = Manifest::load(out_dir)?.ok_or_else(|| Error::ToolMissing {
         tool: "kernel fatbins",
-        detail: format!("no manifest.json in {}; run `cargo xtask kernels` first", out_dir.display()),
+        detail: format!(
+            "no manifest.json in {}; run `cargo xtask kernels` first",
+            out_dir.display()
+        ),
     })?;
     let tool = toolchain::cuobjdump(root)?;
     let mut failures = Vec::new();
-    for set in manifest.sets.iter().filter(|s| only.is_empty() || only.contains(&s.name)) {
+    for set in manifest
+        .sets
+        .iter()
+        .filter(|s| only.is_empty() || only.contains(&s.name))
+    {
         let fatbin = out_dir.join(&set.fatbin);
         let usages = parse_res_usage(&dump(&tool, &["-res-usage"], &fatbin)?);
         let sass = if set.tensor_core.is_empty() {
@@ -227,7 +251,10 @@ mod tests {
             targets: vec!["sm_90a".into()],
             ptx: None,
             hot: hot.iter().map(|s| s.to_string()).collect(),
-            tensor_core: tensor_core.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+            tensor_core: tensor_core
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
             inputs: vec![],
             key: String::new(),
         }
@@ -238,8 +265,14 @@ mod tests {
         let usages = parse_res_usage(RES_USAGE);
         assert_eq!(usages.len(), 2);
         assert_eq!(usages[0].kernel, "spiller");
-        assert_eq!((usages[0].registers, usages[0].local, usages[0].stack), (255, 24, 16));
-        assert_eq!((usages[1].arch.as_str(), usages[1].shared), ("sm_90a", 4096));
+        assert_eq!(
+            (usages[0].registers, usages[0].local, usages[0].stack),
+            (255, 24, 16)
+        );
+        assert_eq!(
+            (usages[1].arch.as_str(), usages[1].shared),
+            ("sm_90a", 4096)
+        );
     }
 
     #[test]
@@ -253,11 +286,22 @@ mod tests {
     fn hot_spills_and_missing_tensor_cores_fail() {
         let usages = parse_res_usage(RES_USAGE);
         let sass = parse_sass(SASS);
-        assert!(check_set(&record(&["mma_tile"], &[("mma_tile", "HMMA")]), &usages, &sass).is_empty());
+        assert!(check_set(
+            &record(&["mma_tile"], &[("mma_tile", "HMMA")]),
+            &usages,
+            &sass
+        )
+        .is_empty());
         let spill = check_set(&record(&["spill*"], &[]), &usages, &sass);
-        assert!(spill.len() == 1 && spill[0].contains("local memory"), "{spill:?}");
+        assert!(
+            spill.len() == 1 && spill[0].contains("local memory"),
+            "{spill:?}"
+        );
         let wrong_family = check_set(&record(&[], &[("mma_tile", "HGMMA")]), &usages, &sass);
-        assert!(wrong_family.len() == 1 && wrong_family[0].contains("HGMMA"), "{wrong_family:?}");
+        assert!(
+            wrong_family.len() == 1 && wrong_family[0].contains("HGMMA"),
+            "{wrong_family:?}"
+        );
         let renamed = check_set(&record(&["gone"], &[("gone*", "HMMA")]), &usages, &sass);
         assert_eq!(renamed.len(), 2, "{renamed:?}");
     }

@@ -23,7 +23,10 @@ pub const NVCC_PACKAGES: &[&str] = &[
 
 /// cuobjdump and the nvdisasm it runs for `-sass`. PyPI has no 13.0 build of either; 13.2.51 is the
 /// oldest, and it reads 13.0 fatbins.
-pub const SASS_PACKAGES: &[&str] = &["nvidia-cuda-cuobjdump==13.2.51", "nvidia-cuda-nvdisasm==13.2.51"];
+pub const SASS_PACKAGES: &[&str] = &[
+    "nvidia-cuda-cuobjdump==13.2.51",
+    "nvidia-cuda-nvdisasm==13.2.51",
+];
 
 /// The Zig release whose `zig fetch` is the reference for the package hash.
 pub const ZIG_PACKAGE: &str = "ziglang==0.17.0";
@@ -83,7 +86,14 @@ pub fn pip_install(target: &Path, packages: &[&str], what: &'static str) -> Resu
     );
     let mut command = Command::new(python());
     command
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--target",
+        ])
         .arg(target)
         .args(packages);
     run_inherited(&mut command).map_err(|e| Error::ToolMissing {

@@ -44,7 +44,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
         std::fs::create_dir_all(parent).map_err(|e| Error::io("creating", parent, e))?;
     }
     let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
+    tmp.push(format!(".{}.tmp", std::process::id()));
     let tmp = std::path::PathBuf::from(tmp);
     std::fs::write(&tmp, bytes).map_err(|e| Error::io("writing", &tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io("renaming into place", path, e))

@@ -53,7 +53,12 @@ pub fn package_info(dir: &Path) -> Result<PackageInfo, Error> {
     let value = zon::parse(&text).map_err(|e| Error::config(&path, e))?;
     let name = match value.field("name") {
         Some(Value::EnumLiteral(name)) | Some(Value::String(name)) => name.clone(),
-        _ => return Err(Error::config(&path, "no .name (an enum literal such as .tensorfold)")),
+        _ => {
+            return Err(Error::config(
+                &path,
+                "no .name (an enum literal such as .tensorfold)",
+            ))
+        }
     };
     let version = match value.field("version") {
         Some(Value::String(version)) => version.clone(),
@@ -70,16 +75,29 @@ pub fn package_info(dir: &Path) -> Result<PackageInfo, Error> {
         }
     };
     let paths = match value.field("paths") {
-        None => return Err(Error::config(&path, "no .paths: zig fetch requires the field (use .{\"\"} for everything)")),
+        None => {
+            return Err(Error::config(
+                &path,
+                "no .paths: zig fetch requires the field (use .{\"\"} for everything)",
+            ))
+        }
         Some(Value::Tuple(items)) => items
             .iter()
             .map(|item| match item {
                 Value::String(p) => Ok(p.clone()),
-                other => Err(Error::config(&path, format!(".paths item {other:?} is not a string"))),
+                other => Err(Error::config(
+                    &path,
+                    format!(".paths item {other:?} is not a string"),
+                )),
             })
             .collect::<Result<_, _>>()?,
         Some(Value::Struct(fields)) if fields.is_empty() => Vec::new(),
-        Some(other) => return Err(Error::config(&path, format!(".paths is {other:?}, not a list"))),
+        Some(other) => {
+            return Err(Error::config(
+                &path,
+                format!(".paths is {other:?}, not a list"),
+            ))
+        }
     };
     Ok(PackageInfo {
         name,
@@ -202,7 +220,13 @@ pub fn base64url_decode(text: &str) -> Option<Vec<u8>> {
 }
 
 /// Formats the textual hash from its parts.
-pub fn format_hash(name: &str, version: &str, fingerprint: u64, total_size: u64, digest: &[u8; 32]) -> String {
+pub fn format_hash(
+    name: &str,
+    version: &str,
+    fingerprint: u64,
+    total_size: u64,
+    digest: &[u8; 32],
+) -> String {
     let mut binary = Vec::with_capacity(8 + DIGEST_BYTES_KEPT);
     binary.extend_from_slice(&(fingerprint as u32).to_le_bytes());
     binary.extend_from_slice(&u32::try_from(total_size).unwrap_or(u32::MAX).to_le_bytes());
@@ -229,13 +253,17 @@ pub fn parse_hash(text: &str) -> Result<ParsedHash, String> {
         .len()
         .checked_sub(encoded_len + 1)
         .filter(|&at| text.is_char_boundary(at) && text.as_bytes()[at] == b'-')
-        .ok_or_else(|| format!("{text:?} is not name-version-hash (hash part of {encoded_len} characters)"))?;
+        .ok_or_else(|| {
+            format!("{text:?} is not name-version-hash (hash part of {encoded_len} characters)")
+        })?;
     let (name_version, encoded) = (&text[..split], &text[split + 1..]);
     let (name, version) = name_version
         .split_once('-')
         .ok_or_else(|| format!("{text:?} is not name-version-hash"))?;
     if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-        return Err(format!("{text:?}: package name {name:?} is not a Zig identifier"));
+        return Err(format!(
+            "{text:?}: package name {name:?} is not a Zig identifier"
+        ));
     }
     if version.is_empty() {
         return Err(format!("{text:?}: empty version"));
@@ -249,7 +277,9 @@ pub fn parse_hash(text: &str) -> Result<ParsedHash, String> {
             8 + DIGEST_BYTES_KEPT
         ));
     }
-    let word = |at: usize| u32::from_le_bytes([binary[at], binary[at + 1], binary[at + 2], binary[at + 3]]);
+    let word = |at: usize| {
+        u32::from_le_bytes([binary[at], binary[at + 1], binary[at + 2], binary[at + 3]])
+    };
     Ok(ParsedHash {
         name: name.to_string(),
         version: version.to_string(),
@@ -286,7 +316,8 @@ pub fn hash_tree(dir: &Path, info: &PackageInfo) -> Result<PackageHash, Error> {
                 entries.push((path.clone(), false));
             }
             Kind::Link(full) => {
-                let target = std::fs::read_link(full).map_err(|e| Error::io("reading the link", full, e))?;
+                let target =
+                    std::fs::read_link(full).map_err(|e| Error::io("reading the link", full, e))?;
                 let target = target.to_string_lossy().replace('\\', "/");
                 hasher.update(target.as_bytes());
                 entries.push((path.clone(), true));
@@ -296,7 +327,13 @@ pub fn hash_tree(dir: &Path, info: &PackageInfo) -> Result<PackageHash, Error> {
     }
     let digest: [u8; 32] = combined.finalize().into();
     Ok(PackageHash {
-        text: format_hash(&info.name, &info.version, info.fingerprint, total_size, &digest),
+        text: format_hash(
+            &info.name,
+            &info.version,
+            info.fingerprint,
+            total_size,
+            &digest,
+        ),
         digest,
         total_size,
         entries,
@@ -310,8 +347,10 @@ mod tests {
 
     #[test]
     fn the_spec_hashes_parse_and_share_the_package_id() {
-        let current = parse_hash("tensorfold-1.1.4-CphTLduviwLsoiZR_ltHyW5xZtYz0ZnoMMJIxn1J6X13").unwrap();
-        let previous = parse_hash("tensorfold-1.0.7-CphTLULywQAUe2LxgT29-AserW8gMmK9C-ltOxIaw1pG").unwrap();
+        let current =
+            parse_hash("tensorfold-1.1.4-CphTLduviwLsoiZR_ltHyW5xZtYz0ZnoMMJIxn1J6X13").unwrap();
+        let previous =
+            parse_hash("tensorfold-1.0.7-CphTLULywQAUe2LxgT29-AserW8gMmK9C-ltOxIaw1pG").unwrap();
         assert_eq!(current.name, "tensorfold");
         assert_eq!(current.version, "1.1.4");
         assert_eq!(previous.version, "1.0.7");

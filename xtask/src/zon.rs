@@ -62,7 +62,11 @@ impl Parser<'_> {
             self.at += 1;
             Ok(())
         } else {
-            Err(format!("expected '{}' at byte {}", char::from(byte), self.at))
+            Err(format!(
+                "expected '{}' at byte {}",
+                char::from(byte),
+                self.at
+            ))
         }
     }
 
@@ -142,7 +146,8 @@ impl Parser<'_> {
                 let start = self.at;
                 self.at += 1;
                 while self.at < self.text.len()
-                    && (self.text[self.at].is_ascii_alphanumeric() || b"_.".contains(&self.text[self.at]))
+                    && (self.text[self.at].is_ascii_alphanumeric()
+                        || b"_.".contains(&self.text[self.at]))
                 {
                     self.at += 1;
                 }
@@ -235,13 +240,19 @@ mod tests {
             .@"quoted name" = "a\"b\x41",
         }"#;
         let value = parse(text).unwrap();
-        assert_eq!(value.field("name"), Some(&Value::EnumLiteral("tensorfold".into())));
+        assert_eq!(
+            value.field("name"),
+            Some(&Value::EnumLiteral("tensorfold".into()))
+        );
         assert_eq!(value.field("version"), Some(&Value::String("1.0.4".into())));
         assert_eq!(
             value.field("fingerprint"),
             Some(&Value::Number("0xb6dc5a482d53980a".into()))
         );
-        assert_eq!(value.field("dependencies"), Some(&Value::Struct(BTreeMap::new())));
+        assert_eq!(
+            value.field("dependencies"),
+            Some(&Value::Struct(BTreeMap::new()))
+        );
         assert_eq!(
             value.field("paths"),
             Some(&Value::Tuple(vec![
@@ -250,7 +261,10 @@ mod tests {
                 Value::String("zig".into())
             ]))
         );
-        assert_eq!(value.field("quoted name"), Some(&Value::String("a\"bA".into())));
+        assert_eq!(
+            value.field("quoted name"),
+            Some(&Value::String("a\"bA".into()))
+        );
     }
 
     #[test]

@@ -14,7 +14,10 @@ struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         self.0 >> 33
     }
     fn below(&mut self, n: u64) -> u64 {
@@ -27,7 +30,11 @@ fn crc32(bytes: &[u8]) -> u32 {
     for &byte in bytes {
         crc ^= u32::from(byte);
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     !crc
@@ -50,7 +57,20 @@ fn generate(dir: &Path, index: u64) -> String {
         _ => "2.17.0".to_string(),
     };
     // Sibling names chosen to exercise bytewise sorting: '-' < '.' < '/' < '0' < 'A' < '_' < 'a'.
-    let names = ["a", "a-b", "a.b", "a0", "B", "_x", "src", "lib", "deep", "empty.txt", "run.sh", "tool"];
+    let names = [
+        "a",
+        "a-b",
+        "a.b",
+        "a0",
+        "B",
+        "_x",
+        "src",
+        "lib",
+        "deep",
+        "empty.txt",
+        "run.sh",
+        "tool",
+    ];
     let mut files: Vec<String> = Vec::new();
     let count = 3 + rng.below(25);
     for _ in 0..count {
@@ -58,9 +78,15 @@ fn generate(dir: &Path, index: u64) -> String {
         let mut parts: Vec<String> = (0..depth)
             .map(|_| names[rng.below(names.len() as u64) as usize].to_string())
             .collect();
-        parts.push(format!("{}{}", names[rng.below(names.len() as u64) as usize], rng.below(3)));
+        parts.push(format!(
+            "{}{}",
+            names[rng.below(names.len() as u64) as usize],
+            rng.below(3)
+        ));
         let path = parts.join("/");
-        if files.iter().any(|f| f.starts_with(&format!("{path}/")) || path.starts_with(&format!("{f}/")) || *f == path) {
+        if files.iter().any(|f| {
+            f.starts_with(&format!("{path}/")) || path.starts_with(&format!("{f}/")) || *f == path
+        }) {
             continue;
         }
         let size = match rng.below(5) {
@@ -79,10 +105,8 @@ fn generate(dir: &Path, index: u64) -> String {
         write(&dir.join(&path), &bytes, kind <= 2);
         files.push(path);
     }
-    let mut links = 0;
-    for _ in 0..rng.below(4) {
+    for links in 0..rng.below(4) {
         let link = format!("link{links}");
-        links += 1;
         let target = match rng.below(3) {
             0 => files[rng.below(files.len() as u64) as usize].clone(),
             1 => "src".to_string(),
@@ -94,7 +118,7 @@ fn generate(dir: &Path, index: u64) -> String {
     if rng.below(2) == 0 {
         std::fs::create_dir_all(dir.join("empty_dir/inner")).unwrap();
     }
-    if index % 5 == 0 {
+    if index.is_multiple_of(5) {
         write(&dir.join(".git/HEAD"), b"ref: refs/heads/main\n", false);
     }
     let paths: Vec<String> = match index % 4 {
@@ -128,7 +152,11 @@ fn generate(dir: &Path, index: u64) -> String {
         listed.join(", ")
     );
     write(&dir.join("build.zig.zon"), zon.as_bytes(), false);
-    format!("tree {index}: {} entries, paths {:?}", files.len() + 1, paths)
+    format!(
+        "tree {index}: {} entries, paths {:?}",
+        files.len() + 1,
+        paths
+    )
 }
 
 fn zig_fetch(root: &Path, dir: &Path) -> Result<String, String> {
@@ -139,7 +167,10 @@ fn zig_fetch(root: &Path, dir: &Path) -> Result<String, String> {
         .output()
         .map_err(|e| format!("cannot run zig: {e}"))?;
     if !output.status.success() {
-        return Err(format!("zig fetch failed: {}", String::from_utf8_lossy(&output.stderr)));
+        return Err(format!(
+            "zig fetch failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
     }
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
@@ -160,16 +191,25 @@ fn zig_hash_equals_zig_fetch_on_generated_trees() {
     for index in 0..trees {
         let dir = base.join(format!("t{index}"));
         let description = generate(&dir, index);
-        let ours = zighash::package_hash(&dir).map(|h| h.text).map_err(|e| e.to_string());
+        let ours = zighash::package_hash(&dir)
+            .map(|h| h.text)
+            .map_err(|e| e.to_string());
         let theirs = zig_fetch(&root, &dir);
         println!("{description}\n  zig fetch: {theirs:?}\n  zig-hash:  {ours:?}");
         match (&ours, &theirs) {
             (Ok(a), Ok(b)) if a == b => {}
-            _ => mismatches.push(format!("{description}: zig fetch {theirs:?}, zig-hash {ours:?}")),
+            _ => mismatches.push(format!(
+                "{description}: zig fetch {theirs:?}, zig-hash {ours:?}"
+            )),
         }
     }
     let _ = std::fs::remove_dir_all(&base);
-    assert!(mismatches.is_empty(), "{} of {trees} trees differ:\n{}", mismatches.len(), mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "{} of {trees} trees differ:\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
 }
 
 #[test]
@@ -177,14 +217,21 @@ fn a_missing_paths_field_is_refused_like_zig_fetch() {
     let root = xtask::paths::repo_root();
     let dir = scratch("nopaths");
     let fingerprint = (u64::from(crc32(b"nopaths")) << 32) | 7;
-    let zon = format!(".{{ .name = .nopaths, .version = \"1.0.0\", .fingerprint = 0x{fingerprint:x} }}\n");
+    let zon = format!(
+        ".{{ .name = .nopaths, .version = \"1.0.0\", .fingerprint = 0x{fingerprint:x} }}\n"
+    );
     write(&dir.join("build.zig.zon"), zon.as_bytes(), false);
     write(&dir.join("a.txt"), b"a", false);
     let ours = zighash::package_hash(&dir);
     let theirs = zig_fetch(&root, &dir);
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(theirs.is_err(), "zig fetch accepted a package without .paths: {theirs:?}");
-    let message = ours.expect_err("zig-hash accepted a package without .paths").to_string();
+    assert!(
+        theirs.is_err(),
+        "zig fetch accepted a package without .paths: {theirs:?}"
+    );
+    let message = ours
+        .expect_err("zig-hash accepted a package without .paths")
+        .to_string();
     assert!(message.contains(".paths"), "{message}");
 }
 
