@@ -45,6 +45,7 @@ pub mod arena;
 pub mod context;
 pub mod copy;
 pub mod cublaslt;
+pub mod driver;
 pub mod error;
 pub mod gpu_memory;
 pub mod graph;
@@ -56,6 +57,7 @@ pub mod stream;
 pub mod usage;
 
 pub use context::{Context, DeviceInfo, MemoryInfo, Schedule};
+pub use driver::{driver_info, open_driver, DriverInfo};
 pub use error::Error;
 pub use graph::{Capture, Graph, GraphExec};
 pub use launch::{row_threads, Args, Dim3, KernelArg, LaunchConfig, Pod};

@@ -1,0 +1,678 @@
+//! The runtime against the test driver (a fake libcuda over host memory): context health,
+//! capture refusals and the capture guard, graphs, launches, memory and accounting.
+//!
+//! Every test holds the test driver's lock and resets it, so they run one at a time.
+
+use std::sync::{Arc, MutexGuard};
+
+use proptest::prelude::*;
+use tf_cuda::graph::Mode;
+use tf_cuda::{
+    usage, Args, Context, DeviceBuffer, Error, Event, HostBuffer, LaunchConfig, Module, Priority,
+    Stream,
+};
+use tf_sys::Driver;
+use tf_testdriver::{library_path, module_image, module_image_with, test_lock, Control};
+
+struct Fixture {
+    control: Control,
+    driver: Arc<Driver>,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let serial = test_lock();
+        let control = Control::open().expect("open the test driver's controls");
+        control.reset();
+        let path = library_path().expect("find the test driver");
+        let driver = Arc::new(Driver::open_path(&path).expect("open the test driver"));
+        Fixture {
+            control,
+            driver,
+            _serial: serial,
+        }
+    }
+
+    fn context(&self) -> Context {
+        Context::new(Arc::clone(&self.driver), 0).expect("context on device 0")
+    }
+
+    /// Calls of every entry of the table since the last reset.
+    fn total_calls(&self) -> u64 {
+        tf_sys::ENTRIES
+            .iter()
+            .map(|e| self.control.call_count(e.name))
+            .sum()
+    }
+
+    fn counter(&self, name: &str) -> i64 {
+        self.control
+            .counter(name)
+            .unwrap_or_else(|| panic!("counter {name}"))
+    }
+}
+
+fn kernels(ctx: &Context) -> Module {
+    Module::load(
+        ctx,
+        &module_image(&["fill_u32", "add_f32", "scale_f32", "write_oob", "trap"]),
+    )
+    .expect("load the fake module")
+}
+
+fn fill_args(buf: &DeviceBuffer, value: u32) -> Args {
+    let mut args = Args::new();
+    args.push_addr(buf.addr())
+        .push(value)
+        .push(buf.len_elems::<u32>() as u64);
+    args
+}
+
+#[test]
+fn upload_download_round_trip_and_fill() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let mut buf = DeviceBuffer::from_bytes(&ctx, &data).unwrap();
+    assert_eq!(buf.addr() % 256, 0);
+    let mut back = vec![0u8; data.len()];
+    buf.download(0, &mut back).unwrap();
+    assert_eq!(back, data);
+
+    // Bounds are checked before the driver.
+    let before = f.total_calls();
+    assert!(matches!(
+        buf.upload(99_999, &[1, 2]),
+        Err(Error::Invalid { .. })
+    ));
+    assert!(matches!(
+        buf.download(100_001, &mut []),
+        Err(Error::Invalid { .. })
+    ));
+    assert!(buf.at(100_000).is_ok());
+    assert!(buf.at(100_001).is_err());
+    assert!(buf.slice(10, 99_991).is_err());
+    assert_eq!(f.total_calls(), before);
+
+    buf.fill_u32(0xdead_beef, None).unwrap();
+    let words: Vec<u32> = buf.to_vec().unwrap();
+    assert_eq!(words.len(), 25_000);
+    assert!(words.iter().all(|&w| w == 0xdead_beef));
+    let mut odd = DeviceBuffer::alloc(&ctx, 6).unwrap();
+    assert!(matches!(odd.fill_u32(1, None), Err(Error::Invalid { .. })));
+    odd.fill_u8(9, None).unwrap();
+    assert_eq!(odd.to_vec::<u8>().unwrap(), vec![9; 6]);
+}
+
+#[test]
+fn async_upload_delivers_the_bytes_of_the_call_even_if_the_caller_overwrites_them() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut buf = DeviceBuffer::alloc(&ctx, 4096).unwrap();
+    let mut caller = vec![0x11u8; 4096];
+    buf.upload_async(0, &caller, &stream).unwrap();
+    // The test driver reads a copy's host source when the copy runs (at synchronize), so an
+    // upload straight from `caller` would deliver 0x22 here.
+    caller.fill(0x22);
+    drop(caller);
+    assert!(tf_cuda::copy::stats().pending_blocks >= 1);
+    stream.synchronize().unwrap();
+    assert_eq!(buf.to_vec::<u8>().unwrap(), vec![0x11; 4096]);
+    assert_eq!(
+        tf_cuda::copy::stats().pending_blocks,
+        0,
+        "synchronize releases finished staging"
+    );
+}
+
+#[test]
+fn launch_packs_arguments_and_runs_kernels() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let module = kernels(&ctx);
+    assert!(module.holds("add_f32"));
+    assert!(!module.holds("no_such_kernel"));
+    let add = module.function("add_f32").unwrap();
+    let n = 1000usize;
+    let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let b: Vec<f32> = (0..n).map(|i| 0.5 * i as f32).collect();
+    let da = DeviceBuffer::from_slice(&ctx, &a).unwrap();
+    let db = DeviceBuffer::from_slice(&ctx, &b).unwrap();
+    let out = DeviceBuffer::alloc_elems::<f32>(&ctx, n).unwrap();
+    let mut args = Args::new();
+    args.push_addr(da.addr())
+        .push_addr(db.addr())
+        .push_addr(out.addr())
+        .push(n as u64);
+    assert_eq!(args.offsets(), &[0, 8, 16, 24]);
+    stream
+        .launch(&add, &LaunchConfig::for_items(n as u32, 256), &args)
+        .unwrap();
+    stream.synchronize().unwrap();
+    let got: Vec<f32> = out.to_vec().unwrap();
+    for i in 0..n {
+        assert_eq!(got[i], a[i] + b[i], "element {i}");
+    }
+}
+
+#[test]
+fn missing_kernel_and_bad_image_errors_name_the_cause() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let module = kernels(&ctx);
+    let err = module.function("softmax_rows").unwrap_err();
+    assert!(matches!(err, Error::KernelNotFound { .. }));
+    assert!(err.to_string().contains("softmax_rows"), "{err}");
+
+    let bad = module_image_with(&["fill_u32"], &[], Some("ptxas fatal: unknown opcode foo"));
+    let err = Module::load(&ctx, &bad).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::ModuleLoad { .. }), "{text}");
+    assert!(
+        text.contains("unknown opcode foo"),
+        "the JIT log is in the error: {text}"
+    );
+
+    assert!(matches!(
+        Module::load(&ctx, &[]),
+        Err(Error::Invalid { .. })
+    ));
+}
+
+#[test]
+fn launch_config_is_validated_before_the_driver() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let module = kernels(&ctx);
+    let fill = module.function("fill_u32").unwrap();
+    let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
+    let args = fill_args(&buf, 1);
+    let before = f.control.call_count("cuLaunchKernel");
+    for cfg in [
+        LaunchConfig::new(1, 2048),
+        LaunchConfig::new(0, 64),
+        LaunchConfig::new(1, (32, 33)),
+        LaunchConfig::new(1, 64).with_shared(64 * 1024),
+    ] {
+        let err = stream.launch(&fill, &cfg, &args).unwrap_err();
+        assert!(matches!(err, Error::Invalid { .. }), "{err}");
+    }
+    assert_eq!(f.control.call_count("cuLaunchKernel"), before);
+    // Opting in raises the shared memory limit.
+    fill.set_max_dynamic_shared(100 * 1024).unwrap();
+    stream
+        .launch(
+            &fill,
+            &LaunchConfig::new(1, 64).with_shared(64 * 1024),
+            &args,
+        )
+        .unwrap();
+    assert_eq!(f.control.call_count("cuLaunchKernel"), before + 1);
+}
+
+#[test]
+fn failed_launch_names_kernel_grid_block_and_shared_bytes() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let module = kernels(&ctx);
+    let fill = module.function("fill_u32").unwrap();
+    let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
+    assert!(f.control.fail_call("cuLaunchKernel", 1, 1, 1));
+    let err = stream
+        .launch(
+            &fill,
+            &LaunchConfig::new((4, 2), 64).with_shared(512),
+            &fill_args(&buf, 7),
+        )
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::LaunchFailed { .. }), "{text}");
+    for part in [
+        "fill_u32",
+        "grid 4x2x1",
+        "block 64x1x1",
+        "shared 512 B",
+        "cuLaunchKernel",
+    ] {
+        assert!(text.contains(part), "missing {part:?} in {text}");
+    }
+    assert!(
+        !ctx.is_lost(),
+        "an ordinary launch failure does not lose the context"
+    );
+}
+
+#[test]
+fn sticky_fault_loses_the_context_and_no_driver_call_follows() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let module = kernels(&ctx);
+    let oob = module.function("write_oob").unwrap();
+    let mut buf = DeviceBuffer::alloc(&ctx, 256).unwrap();
+    let host = HostBuffer::alloc(&ctx, 64).unwrap();
+    let event = Event::new(&ctx, true).unwrap();
+    let mut args = Args::new();
+    args.push_addr(buf.addr());
+    stream
+        .launch(&oob, &LaunchConfig::new(1, 1), &args)
+        .unwrap();
+    let err = stream.synchronize().unwrap_err();
+    assert!(err.is_context_lost(), "{err}");
+    assert_eq!(err.code(), Some(700));
+    assert!(ctx.is_lost());
+    assert_eq!(ctx.lost_code(), Some(700));
+    assert!(
+        err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{err}"
+    );
+
+    let calls = f.total_calls();
+    let lost = |r: Result<(), Error>, what: &str| match r {
+        Err(e) if e.is_context_lost() => {}
+        other => panic!("{what}: expected ContextLost, got {other:?}"),
+    };
+    lost(stream.synchronize(), "synchronize");
+    lost(stream.query().map(|_| ()), "query");
+    lost(DeviceBuffer::alloc(&ctx, 1024).map(|_| ()), "alloc");
+    lost(buf.upload(0, &[1, 2, 3]), "upload");
+    lost(buf.upload_async(0, &[1, 2, 3], &stream), "upload_async");
+    lost(buf.download(0, &mut [0u8; 4]), "download");
+    lost(buf.fill_u8(0, Some(&stream)), "fill");
+    lost(
+        stream.launch(&oob, &LaunchConfig::new(1, 1), &args),
+        "launch",
+    );
+    lost(Event::new(&ctx, false).map(|_| ()), "event");
+    lost(event.record(&stream), "record");
+    lost(Stream::new(&ctx, true).map(|_| ()), "stream");
+    lost(
+        stream.begin_capture(Mode::ThreadLocal).map(|_| ()),
+        "capture",
+    );
+    lost(
+        Module::load(&ctx, &module_image(&["trap"])).map(|_| ()),
+        "module",
+    );
+    lost(ctx.synchronize(), "context synchronize");
+    lost(ctx.memory_info().map(|_| ()), "memory info");
+    // Teardown of everything made in the lost context leaks instead of calling in.
+    drop((buf, host, event, oob, module, stream));
+    drop(ctx);
+    assert_eq!(
+        f.total_calls(),
+        calls,
+        "a lost context must never call the driver again"
+    );
+}
+
+#[test]
+fn injected_sticky_fault_seen_by_any_call_loses_the_context() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let module = kernels(&ctx);
+    let fill = module.function("fill_u32").unwrap();
+    let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
+    f.control.fault_next_launch(stream.raw(), 719);
+    stream
+        .launch(&fill, &LaunchConfig::new(1, 256), &fill_args(&buf, 3))
+        .unwrap();
+    // The fault surfaces at an event query, not at the stream: any call publishes it.
+    let event = Event::new(&ctx, false).unwrap();
+    event.record(&stream).unwrap();
+    let mut seen = None;
+    for _ in 0..4 {
+        match event.query() {
+            Ok(true) => break,
+            Ok(false) => continue,
+            Err(e) => {
+                seen = Some(e);
+                break;
+            }
+        }
+    }
+    let err = seen.expect("the injected fault surfaces at a query");
+    assert!(err.is_context_lost(), "{err}");
+    assert_eq!(ctx.lost_code(), Some(719));
+    let calls = f.total_calls();
+    assert!(buf.to_vec::<u32>().unwrap_err().is_context_lost());
+    drop((event, buf, fill, module, stream, ctx));
+    assert_eq!(f.total_calls(), calls);
+}
+
+#[test]
+fn synchronous_upload_during_capture_is_refused_and_the_guard_closes_the_capture() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
+    {
+        let capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
+        assert!(capture.stream().is_capturing().unwrap());
+        assert_eq!(f.counter("captures_active"), 1);
+        let copies = f.control.call_count("cuMemcpyHtoD_v2");
+        let err = buf.upload(0, &[1, 2, 3, 4]).unwrap_err();
+        assert!(matches!(err, Error::UnownedCaptureSource(_)), "{err}");
+        assert!(err.to_string().contains("synchronous upload"), "{err}");
+        assert_eq!(f.control.call_count("cuMemcpyHtoD_v2"), copies);
+        // Also refused from a buffer made elsewhere and from a fresh allocation's fill path.
+        assert!(matches!(
+            DeviceBuffer::from_bytes(&ctx, &[9; 16]),
+            Err(Error::UnownedCaptureSource(_)) | Err(Error::Driver(_))
+        ));
+        // `capture` dropped here without end().
+    }
+    assert_eq!(
+        f.counter("captures_active"),
+        0,
+        "the guard ended the capture"
+    );
+    assert_eq!(f.counter("graphs"), 0, "the discarded graph was destroyed");
+    assert!(!stream.is_capturing().unwrap());
+    assert_eq!(tf_cuda::copy::stats().open_captures, 0);
+    buf.upload(0, &[1, 2, 3, 4]).unwrap();
+    assert_eq!(&buf.to_vec::<u8>().unwrap()[..4], &[1, 2, 3, 4]);
+    // A new capture can begin on the same stream.
+    let again = stream.begin_capture(Mode::ThreadLocal).unwrap();
+    let graph = again.end().unwrap();
+    assert_eq!(graph.nodes().unwrap().len(), 0);
+}
+
+#[test]
+fn captured_graph_replays_kernels_and_captured_uploads() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let module = kernels(&ctx);
+    let scale = module.function("scale_f32").unwrap();
+    let n = 256usize;
+    let mut buf = DeviceBuffer::alloc_elems::<f32>(&ctx, n).unwrap();
+    let ones = vec![1.0f32; n];
+    let ones_bytes: Vec<u8> = ones.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
+    // Reset to ones from owned staging, then double 3 times: each replay yields 8.
+    buf.upload_async(0, &ones_bytes, &stream).unwrap();
+    let mut args = Args::new();
+    args.push_addr(buf.addr()).push(2.0f32).push(n as u64);
+    for _ in 0..3 {
+        stream
+            .launch(&scale, &LaunchConfig::for_items(n as u32, 128), &args)
+            .unwrap();
+    }
+    let graph = capture.end().unwrap();
+    assert_eq!(graph.nodes().unwrap().len(), 4);
+    assert!(graph.owned_sources() >= 1, "captured staging is owned");
+    let exec = graph.instantiate().unwrap();
+    drop(graph);
+    exec.upload(&stream).unwrap();
+    for _ in 0..5 {
+        exec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let got: Vec<f32> = buf.to_vec().unwrap();
+    assert!(got.iter().all(|&v| v == 8.0), "{:?}", &got[..4]);
+}
+
+#[test]
+fn graph_kernel_node_params_and_exec_update() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let module = kernels(&ctx);
+    let fill = module.function("fill_u32").unwrap();
+    let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
+    let capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
+    stream
+        .launch(&fill, &LaunchConfig::new(2, 128), &fill_args(&buf, 5))
+        .unwrap();
+    let graph = capture.end().unwrap();
+    let nodes = graph.nodes().unwrap();
+    assert_eq!(nodes.len(), 1);
+    let node = graph.kernel_node(nodes[0]).unwrap();
+    assert_eq!(node.config, LaunchConfig::new(2, 128));
+    let mut exec = graph.instantiate().unwrap();
+    exec.set_kernel_node(
+        nodes[0],
+        &fill,
+        &LaunchConfig::new(2, 128),
+        &fill_args(&buf, 6),
+    )
+    .unwrap();
+    exec.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    assert!(buf.to_vec::<u32>().unwrap().iter().all(|&v| v == 6));
+
+    // Same topology: the update is accepted.
+    let capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
+    stream
+        .launch(&fill, &LaunchConfig::new(2, 128), &fill_args(&buf, 9))
+        .unwrap();
+    let same = capture.end().unwrap();
+    assert_eq!(
+        exec.update(&same).unwrap(),
+        tf_cuda::graph::UpdateResult::Success
+    );
+    exec.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    assert!(buf.to_vec::<u32>().unwrap().iter().all(|&v| v == 9));
+}
+
+#[test]
+fn instantiate_not_permitted_maps_to_graph_not_permitted() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let graph = stream
+        .begin_capture(Mode::ThreadLocal)
+        .unwrap()
+        .end()
+        .unwrap();
+    assert!(f
+        .control
+        .fail_call("cuGraphInstantiateWithFlags", 1, 800, 1));
+    let err = graph.instantiate().unwrap_err();
+    assert!(matches!(err, Error::GraphNotPermitted { .. }), "{err}");
+    assert_eq!(err.code(), Some(800));
+    assert!(graph.instantiate().is_ok(), "only the injected call fails");
+}
+
+#[test]
+fn zero_byte_buffers_never_call_the_driver() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let before_usage = usage();
+    let calls = f.total_calls();
+    let mut empty = DeviceBuffer::alloc(&ctx, 0).unwrap();
+    assert_eq!(empty.addr(), 0);
+    assert!(empty.is_empty());
+    empty.upload(0, &[]).unwrap();
+    empty.upload_async(0, &[], &stream).unwrap();
+    empty.download(0, &mut []).unwrap();
+    empty.fill_u8(1, None).unwrap();
+    empty.fill_u32(1, Some(&stream)).unwrap();
+    assert!(empty.to_vec::<u32>().unwrap().is_empty());
+    let from_empty = DeviceBuffer::from_bytes(&ctx, &[]).unwrap();
+    let host = HostBuffer::alloc(&ctx, 0).unwrap();
+    assert!(host.as_slice().is_empty());
+    drop((empty, from_empty, host));
+    assert_eq!(f.total_calls(), calls);
+    assert_eq!(
+        usage().device_allocs_total,
+        before_usage.device_allocs_total
+    );
+}
+
+#[test]
+fn allocation_limit_refuses_before_the_driver() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let held = usage().device;
+    tf_cuda::usage::set_device_limit(Some(held + 4096));
+    let a = DeviceBuffer::alloc(&ctx, 4096);
+    let allocs = f.control.call_count("cuMemAlloc_v2");
+    let b = DeviceBuffer::alloc(&ctx, 1);
+    tf_cuda::usage::set_device_limit(None);
+    assert!(a.is_ok());
+    let err = b.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    assert_eq!(f.control.call_count("cuMemAlloc_v2"), allocs);
+    // Driver out-of-memory also comes back as OutOfMemory, and the counts stay exact.
+    f.control.set_device_capacity(1 << 20);
+    let before = usage();
+    let err = DeviceBuffer::alloc(&ctx, 2 << 20).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    assert_eq!(usage().device, before.device);
+    assert_eq!(usage().device_allocs, before.device_allocs);
+}
+
+#[test]
+fn events_time_and_order_work_and_priorities_exist() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let (least, greatest) = ctx.stream_priority_range().unwrap();
+    assert!(greatest <= least);
+    let urgent = Stream::with_priority(&ctx, false, Priority::Highest).unwrap();
+    assert_eq!(urgent.priority(), greatest);
+    let other = Stream::new(&ctx, false).unwrap();
+    let module = kernels(&ctx);
+    let fill = module.function("fill_u32").unwrap();
+    let buf = DeviceBuffer::alloc(&ctx, 4096).unwrap();
+    let start = Event::new(&ctx, true).unwrap();
+    let end = Event::new(&ctx, true).unwrap();
+    start.record(&urgent).unwrap();
+    for v in 0..4 {
+        urgent
+            .launch(&fill, &LaunchConfig::new(4, 256), &fill_args(&buf, v))
+            .unwrap();
+    }
+    end.record_external(&urgent).unwrap();
+    other.wait(&end).unwrap();
+    end.synchronize().unwrap();
+    assert!(end.query().unwrap());
+    let ms = Event::elapsed_ms(&start, &end).unwrap();
+    assert!(ms > 0.0, "elapsed {ms} ms");
+    let untimed = Event::new(&ctx, false).unwrap();
+    assert!(Event::elapsed_ms(&start, &untimed).is_err());
+    assert!(buf.to_vec::<u32>().unwrap().iter().all(|&v| v == 3));
+}
+
+#[test]
+fn two_dimensional_copy_moves_a_strided_block() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    // 8 rows of 64 bytes; copy a 5x16-byte block from column 8 to a packed destination.
+    let src_bytes: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
+    let src = DeviceBuffer::from_bytes(&ctx, &src_bytes).unwrap();
+    let mut dst = DeviceBuffer::alloc(&ctx, 80).unwrap();
+    let src_view = src.slice(8, 512 - 8).unwrap();
+    tf_cuda::copy_2d(&mut dst.view_mut(), 16, src_view, 64, 16, 5, &stream).unwrap();
+    stream.synchronize().unwrap();
+    let got = dst.to_vec::<u8>().unwrap();
+    for row in 0..5 {
+        for col in 0..16 {
+            assert_eq!(got[row * 16 + col], src_bytes[row * 64 + 8 + col]);
+        }
+    }
+    // Regions that do not fit are refused.
+    assert!(tf_cuda::copy_2d(&mut dst.view_mut(), 16, src.view(), 64, 16, 9, &stream).is_err());
+    assert!(tf_cuda::copy_2d(&mut dst.view_mut(), 8, src.view(), 64, 16, 2, &stream).is_err());
+}
+
+#[test]
+fn host_buffer_is_pinned_mapped_and_counted() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let before = usage();
+    let mut host = HostBuffer::alloc(&ctx, 1000).unwrap();
+    assert_ne!(host.device_addr(), 0);
+    host.as_mut_slice()[..3].copy_from_slice(&[7, 8, 9]);
+    let mid = usage();
+    assert_eq!(mid.host, before.host + 1000);
+    assert!(mid.host_peak >= mid.host);
+    assert_eq!(mid.host_allocs, before.host_allocs + 1);
+    let dev = DeviceBuffer::from_bytes(&ctx, &host.as_slice()[..3]).unwrap();
+    assert_eq!(dev.to_vec::<u8>().unwrap(), vec![7, 8, 9]);
+    drop(host);
+    assert_eq!(usage().host, before.host);
+    assert_eq!(f.counter("host_allocations"), 0);
+}
+
+#[test]
+fn a_context_is_usable_from_another_thread() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let c2 = ctx.clone();
+    let got = std::thread::spawn(move || -> Result<Vec<u8>, Error> {
+        let buf = DeviceBuffer::from_bytes(&c2, &[4, 5, 6])?;
+        buf.to_vec()
+    })
+    .join()
+    .expect("thread");
+    assert_eq!(got.unwrap(), vec![4, 5, 6]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Threads allocating and freeing real buffers at once: the process counts match what is
+    /// held, the driver agrees, and the peak covers every moment.
+    #[test]
+    fn usage_accounting_is_exact_under_concurrent_threads(
+        plans in proptest::collection::vec(
+            proptest::collection::vec((1usize..50_000, any::<bool>()), 1..12), 2..5)
+    ) {
+        let f = Fixture::new();
+        let ctx = f.context();
+        tf_cuda::usage::reset_peaks();
+        let before = usage();
+        let driver_before = f.counter("device_bytes");
+        let handles: Vec<_> = plans.iter().cloned().map(|plan| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || -> Result<(Vec<DeviceBuffer>, u64), Error> {
+                let mut kept = Vec::new();
+                let mut own_peak = 0u64;
+                let mut own = 0u64;
+                for (len, free_it) in plan {
+                    let b = DeviceBuffer::alloc(&ctx, len)?;
+                    own += len as u64;
+                    own_peak = own_peak.max(own);
+                    if free_it {
+                        drop(b);
+                        own -= len as u64;
+                    } else {
+                        kept.push(b);
+                    }
+                }
+                Ok((kept, own_peak))
+            })
+        }).collect();
+        let mut kept = Vec::new();
+        let mut max_own = 0;
+        for h in handles {
+            let (k, p) = h.join().map_err(|_| TestCaseError::fail("thread panicked"))?
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            kept.extend(k);
+            max_own = max_own.max(p);
+        }
+        let kept_bytes: u64 = kept.iter().map(|b| b.len() as u64).sum();
+        let now = usage();
+        prop_assert_eq!(now.device - before.device, kept_bytes);
+        prop_assert_eq!(now.device_allocs - before.device_allocs, kept.len() as u64);
+        let all: u64 = plans.iter().flatten().count() as u64;
+        prop_assert_eq!(now.device_allocs_total - before.device_allocs_total, all);
+        prop_assert!(now.device_peak >= before.device + max_own);
+        prop_assert!(now.device_peak >= now.device);
+        // The driver holds at least the kept bytes (it rounds allocations up).
+        prop_assert!(f.counter("device_bytes") - driver_before >= kept_bytes as i64);
+        drop(kept);
+        prop_assert_eq!(usage().device, before.device);
+    }
+}
