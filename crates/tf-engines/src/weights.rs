@@ -1007,6 +1007,110 @@ impl UploadPlan {
     }
 }
 
+/// A device upload that failed.
+#[derive(Debug, Error)]
+pub enum UploadError {
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    #[error("uploading {what}: {source}")]
+    Cuda {
+        what: String,
+        #[source]
+        source: Box<tf_cuda::Error>,
+    },
+    #[error("staging: {0}")]
+    Staging(String),
+}
+
+fn cuda_err(what: impl Into<String>) -> impl FnOnce(tf_cuda::Error) -> UploadError {
+    let what = what.into();
+    move |source| UploadError::Cuda {
+        what,
+        source: Box::new(source),
+    }
+}
+
+impl UploadPlan {
+    /// Copies every item into one new device allocation of [`UploadPlan::device_bytes`], through a ring of
+    /// `ring` (at least 2) pinned staging buffers of `staging_bytes` each: a chunk of the map is copied into a
+    /// free staging buffer on the host, the host-to-device copy is enqueued from it on `stream`, and an event
+    /// marks when the buffer may be refilled. Returns the allocation and the throughput (bytes, wall time
+    /// until the stream has finished).
+    pub fn upload(
+        &self,
+        model: &ModelDir,
+        ctx: &tf_cuda::Context,
+        stream: &tf_cuda::Stream,
+        staging_bytes: usize,
+        ring: usize,
+    ) -> Result<(tf_cuda::DeviceBuffer, LoadStats), UploadError> {
+        let start = Instant::now();
+        let staging_bytes = staging_bytes.max(1);
+        let mut device = tf_cuda::DeviceBuffer::alloc(ctx, self.device_bytes).map_err(cuda_err(
+            format!("a {}-byte device allocation", self.device_bytes),
+        ))?;
+        let mut slots = Vec::with_capacity(ring.max(2));
+        for _ in 0..ring.max(2) {
+            let host = tf_cuda::HostBuffer::alloc(ctx, staging_bytes).map_err(cuda_err(
+                format!("a {staging_bytes}-byte pinned staging buffer"),
+            ))?;
+            let done = tf_cuda::Event::new(ctx, false).map_err(cuda_err("a staging event"))?;
+            slots.push((host, done, false));
+        }
+        let mut bytes = 0u64;
+        let ring_len = slots.len();
+        for (i, chunk) in self.chunks(model, staging_bytes).enumerate() {
+            let chunk = chunk?;
+            let (host, done, in_flight) = slots
+                .get_mut(i % ring_len)
+                .ok_or_else(|| UploadError::Staging(format!("no staging slot {}", i % ring_len)))?;
+            if *in_flight {
+                done.synchronize().map_err(cuda_err(format!(
+                    "waiting for staging before {}",
+                    chunk.tensor
+                )))?;
+            }
+            let dst = host
+                .as_mut_slice()
+                .get_mut(..chunk.bytes.len())
+                .ok_or_else(|| {
+                    UploadError::Staging(format!(
+                        "a {}-byte chunk exceeds the staging buffer",
+                        chunk.bytes.len()
+                    ))
+                })?;
+            dst.copy_from_slice(chunk.bytes);
+            // SAFETY: the staging buffer stays alive (owned by `slots` until after the final synchronize) and
+            // is not written again before `done` reports that the stream has passed this copy.
+            unsafe {
+                device.view_mut().upload_async_pinned(
+                    chunk.device_offset,
+                    host,
+                    0,
+                    chunk.bytes.len(),
+                    stream,
+                )
+            }
+            .map_err(cuda_err(format!("tensor {}", chunk.tensor)))?;
+            done.record(stream)
+                .map_err(cuda_err(format!("tensor {}", chunk.tensor)))?;
+            *in_flight = true;
+            bytes += chunk.bytes.len() as u64;
+        }
+        stream
+            .synchronize()
+            .map_err(cuda_err("the final stream synchronize"))?;
+        drop(slots);
+        Ok((
+            device,
+            LoadStats {
+                bytes,
+                seconds: start.elapsed().as_secs_f64(),
+            },
+        ))
+    }
+}
+
 /// Serializes f32/u8/i64 host tensors to a safetensors file (for outputs, caches and test files).
 pub fn write_safetensors(
     path: &Path,
