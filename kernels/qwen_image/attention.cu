@@ -280,8 +280,10 @@ __device__ __forceinline__ void attention_tile(
         const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
         const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a * scale_log2;
         const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b * scale_log2;
-        const float corr_a = exp2_approx(max_a * scale_log2 - base_a);
-        const float corr_b = exp2_approx(max_b * scale_log2 - base_b);
+        // An unchanged maximum rescales by exactly 1, so key tiles a row cannot see (visited because another
+        // row of the CTA can) leave its accumulators bit-for-bit unchanged, whatever the tile shape.
+        const float corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a * scale_log2 - base_a);
+        const float corr_b = new_max_b == max_b ? 1.0f : exp2_approx(max_b * scale_log2 - base_b);
         max_a = new_max_a;
         max_b = new_max_b;
         float tile_sum_a = 0.0f, tile_sum_b = 0.0f;
