@@ -413,15 +413,16 @@ fn timestep_embedding_matches_host() {
             10000.0,
         )
         .expect("launch timestep_embedding");
-    // Values are within [-1, 1]: one bf16 rounding (U) plus the argument's f32 error (|arg| <= 1000, a few
-    // ulps of f32: < 2e-4 rad).
+    // Values are within [-1, 1]: one bf16 rounding (U) plus the argument's error: the device expf may differ
+    // from the host's correctly rounded frequency by 2 ulps (2.4e-7 relative), times |arg| <= 1000: 2.4e-4
+    // rad; 5e-4 leaves room for the f32 products.
     check(
         "timestep_embedding",
         "4 x 256",
         &download_bf16(&g, &out_dev),
         &want,
-        U + 2e-4,
-        U + 2e-4,
+        U + 5e-4,
+        U + 5e-4,
     );
 }
 
