@@ -17,7 +17,6 @@ use tf_cuda::{
     Args, Context, DeviceBuffer, Error, Event, HostBuffer, LaunchConfig, Module, Priority, Stream,
 };
 
-const GPU: &str = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle";
 
 const PTX: &str = r#"
 .version 7.0
