@@ -3,3 +3,4 @@ pub mod config;
 pub mod dit;
 pub mod dit_gpu;
 pub mod dit_host;
+pub mod upload;

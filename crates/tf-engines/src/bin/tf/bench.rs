@@ -19,6 +19,34 @@ pub enum Bench {
     /// Flash attention at the Qwen-Image cached-step shape (4096 x 4176, 32 heads, d 128), optionally the
     /// MiniMax H3 shape (6026 x 6026, 56 heads), with torch SDPA flash / cuDNN side by side.
     Attention(AttentionArgs),
+    /// The whole Qwen-Image 2.1 DiT step (full/extract and cached) at one image size, eager and CUDA-graph
+    /// replay, with the diffusers eager / torch.compile times of the same run (reference.json) beside them.
+    QwenDit(QwenDitArgs),
+}
+
+#[derive(clap::Args)]
+pub struct QwenDitArgs {
+    /// Diffusers transformer folder (config.json + safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// reference.json written by tests/python/qwen_dit_reference.py in the same run (diffusers timings).
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// Image width in pixels (16 pixels per latent token).
+    #[arg(long, default_value_t = 1024)]
+    width: usize,
+    /// Image height in pixels.
+    #[arg(long, default_value_t = 1024)]
+    height: usize,
+    /// Text rows before the image.
+    #[arg(long, default_value_t = 80)]
+    text_rows: usize,
+    /// Timed steps per measurement (after one warm-up step).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -50,6 +78,7 @@ pub struct AttentionArgs {
 pub fn run(b: Bench) -> ExitCode {
     let result = match b {
         Bench::Attention(args) => bench_attention(&args),
+        Bench::QwenDit(args) => qwen_dit::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -61,6 +90,8 @@ pub fn run(b: Bench) -> ExitCode {
 }
 
 type BoxError = Box<dyn std::error::Error>;
+
+mod qwen_dit;
 
 /// One benchmark shape.
 struct Shape {

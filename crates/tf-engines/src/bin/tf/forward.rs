@@ -9,7 +9,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit_gpu::GpuDit;
 use tf_engines::qwen_image::dit_host::HostDit;
+use tf_engines::tensor::TensorF32;
 use tf_engines::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -70,26 +72,53 @@ fn kv_file(args: &Args) -> Result<&Path, DitError> {
 }
 
 fn forward(args: &Args) -> Result<(), DitError> {
-    if args.backend == Backend::Gpu {
-        return Err(DitError::Backend(
-            "the gpu backend is not available in this build yet; use --backend host".into(),
-        ));
-    }
     let started = Instant::now();
     let model = ModelDir::open(&args.model)?;
-    let mut dit = HostDit::load(&model)?;
-    eprintln!(
-        "tf forward: loaded {} ({})",
-        args.model.display(),
-        dit.load_stats()
-    );
     let inputs = DitInputs::from_bundle(&SafetensorsFile::open(&args.inputs)?)?;
+    let output = match args.backend {
+        Backend::Host => {
+            let mut dit = HostDit::load(&model)?;
+            eprintln!(
+                "tf forward: loaded {} ({})",
+                args.model.display(),
+                dit.load_stats()
+            );
+            run_backend(&mut dit, &inputs, args)?
+        }
+        Backend::Gpu => {
+            let mut dit = GpuDit::load(&model)?;
+            eprintln!(
+                "tf forward: loaded {} on the GPU ({})",
+                args.model.display(),
+                dit.load_stats()
+            );
+            run_backend(&mut dit, &inputs, args)?
+        }
+    };
+    write_safetensors(&args.out, &[("sample", AnyTensor::F32(&output.0))])?;
+    eprintln!(
+        "tf forward: sample {:?} -> {} (forward {:.3} s, total {:.3} s)",
+        output.0.shape(),
+        args.out.display(),
+        output.1,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// One forward on any backend, with the KV cache crossing invocations through --kv-file; returns the sample
+/// and the forward's seconds.
+fn run_backend<B: DitBackend>(
+    dit: &mut B,
+    inputs: &DitInputs,
+    args: &Args,
+) -> Result<(TensorF32, f64), DitError> {
     let forward_start = Instant::now();
     let output = match args.kv_cache {
-        KvCacheArg::None => dit.forward(&inputs, KvStep::None)?,
+        KvCacheArg::None => dit.forward(inputs, KvStep::None)?,
         KvCacheArg::Extract => {
             let path = kv_file(args)?;
-            let output = dit.forward(&inputs, KvStep::Extract)?;
+            let output = dit.forward(inputs, KvStep::Extract)?;
             let cache = output
                 .kv_cache
                 .as_ref()
@@ -104,17 +133,8 @@ fn forward(args: &Args) -> Result<(), DitError> {
         KvCacheArg::Cached => {
             let host = HostKvCache::load(kv_file(args)?)?;
             let cache = dit.kv_from_host(host)?;
-            dit.forward(&inputs, KvStep::Cached(&cache))?
+            dit.forward(inputs, KvStep::Cached(&cache))?
         }
     };
-    let forward_seconds = forward_start.elapsed().as_secs_f64();
-    write_safetensors(&args.out, &[("sample", AnyTensor::F32(&output.sample))])?;
-    eprintln!(
-        "tf forward: sample {:?} -> {} (forward {:.3} s, total {:.3} s)",
-        output.sample.shape(),
-        args.out.display(),
-        forward_seconds,
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    Ok((output.sample, forward_start.elapsed().as_secs_f64()))
 }

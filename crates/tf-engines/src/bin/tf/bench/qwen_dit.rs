@@ -1,0 +1,181 @@
+//! `tf bench qwen-dit`: the whole DiT step at one image size on the GPU, eager and graph replay, beside the
+//! diffusers timings of the same run.
+//!
+//! Inputs are synthetic with the text-to-image layout (`--text-rows` text rows, then the target image), seeded so
+//! runs repeat. Times are device times between events around `--iters` steps after a warm-up step.
+
+use std::path::Path;
+
+use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
+use tf_engines::qwen_image::dit_gpu::GpuDit;
+use tf_engines::tensor::Tensor;
+use tf_engines::weights::ModelDir;
+
+use super::{BoxError, QwenDitArgs};
+
+/// Seeded normal-ish noise (sum of uniforms), f32.
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32
+    };
+    (0..n)
+        .map(|_| (next() + next() + next() + next() - 2.0) * 1.7)
+        .collect()
+}
+
+fn inputs(
+    args: &QwenDitArgs,
+    in_ch: usize,
+    ctx: usize,
+    t: f32,
+    seed: u64,
+) -> Result<DitInputs, BoxError> {
+    let (h, w) = (args.height / 16, args.width / 16);
+    let n = h * w;
+    if n == 0 || n % 4 != 0 {
+        return Err(format!(
+            "{}x{} gives {n} latent tokens; need a positive multiple of 4",
+            args.width, args.height
+        )
+        .into());
+    }
+    let mut mask = vec![0u8; args.text_rows];
+    mask.extend(std::iter::repeat_n(1u8, n / 4));
+    Ok(DitInputs {
+        hidden_states: Tensor::new(vec![1, n, in_ch], noise(n * in_ch, seed))?,
+        encoder_hidden_states: Tensor::new(
+            vec![1, args.text_rows, ctx],
+            noise(args.text_rows * ctx, 7),
+        )?,
+        timestep: Tensor::new(vec![1], vec![t])?,
+        img_mask: Tensor::new(vec![1, mask.len()], mask)?,
+        encoder_hidden_states_mask: None,
+        img_shapes: Tensor::new(vec![1, 1, 3], vec![1, h as i64, w as i64])?,
+    })
+}
+
+/// The diffusers timings of the case named `WxH` in reference.json.
+fn reference_case(path: &Path, name: &str) -> Result<serde_json::Value, BoxError> {
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    summary
+        .get("cases")
+        .and_then(|c| c.as_array())
+        .and_then(|cases| {
+            cases
+                .iter()
+                .find(|c| c.get("name").and_then(|n| n.as_str()) == Some(name))
+        })
+        .cloned()
+        .ok_or_else(|| format!("{}: no case named {name}", path.display()).into())
+}
+
+pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
+    let model = ModelDir::open(&args.model)?;
+    let before = tf_cuda::usage();
+    let mut dit = GpuDit::load(&model)?;
+    let load = dit.load_stats();
+    println!("weights: {load}");
+    let info = dit.context().device_info()?;
+    println!("device: {info:?}");
+    let (in_ch, ctx) = (dit.config().in_channels, dit.config().context_in_dim);
+    let step0 = inputs(args, in_ch, ctx, 0.9, 1)?;
+    let step1 = inputs(args, in_ch, ctx, 0.6, 2)?;
+    let name = format!("{}x{}", args.width, args.height);
+    let seq = args.text_rows + (args.width / 16) * (args.height / 16);
+    println!(
+        "\n== qwen-image DiT step, {name}: {} text rows + {} image tokens = {seq}, {} layers, {} timed steps",
+        args.text_rows,
+        seq - args.text_rows,
+        dit.config().num_layers,
+        args.iters
+    );
+    tf_cuda::usage::reset_peaks();
+    let full = dit.time_step(&step0, KvStep::Extract, args.iters)?;
+    println!(
+        "  full step (extract): eager {:.2} ms, graph replay {:.2} ms",
+        full.eager_ms, full.graph_ms
+    );
+    let cache = dit
+        .forward(&step0, KvStep::Extract)?
+        .kv_cache
+        .ok_or("extract returned no cache")?;
+    let cached = dit.time_step(&step1, KvStep::Cached(&cache), args.iters)?;
+    println!(
+        "  cached step: eager {:.2} ms, graph replay {:.2} ms",
+        cached.eager_ms, cached.graph_ms
+    );
+    let usage = tf_cuda::usage();
+    let peak = usage.device_peak.saturating_sub(before.device);
+    println!(
+        "  device memory: peak {:.2} GiB (weights {:.2} GiB); weight load {:.2} GB/s",
+        peak as f64 / (1u64 << 30) as f64,
+        load.weight_bytes as f64 / (1u64 << 30) as f64,
+        load.upload.source_gb_per_s()
+    );
+    let target_ms = 114.0;
+    println!(
+        "  target: cached step <= {target_ms} ms (aim < 100 ms): {}",
+        if cached.graph_ms <= target_ms {
+            "met"
+        } else {
+            "NOT met"
+        }
+    );
+
+    let mut reference = serde_json::Value::Null;
+    if let Some(path) = &args.reference {
+        match reference_case(path, &name) {
+            Ok(case) => {
+                let get = |k: &str| case.get(k).and_then(|v| v.as_f64());
+                for (label, key, ours) in [
+                    ("diffusers eager full", "eager_full_ms", full.graph_ms),
+                    ("diffusers eager cached", "eager_cached_ms", cached.graph_ms),
+                    (
+                        "diffusers torch.compile cached",
+                        "compiled_cached_ms",
+                        cached.graph_ms,
+                    ),
+                ] {
+                    match get(key) {
+                        Some(ms) => println!(
+                            "  {label}: {ms:.2} ms; ours (graph) / theirs = {:.3}",
+                            ours / ms
+                        ),
+                        None => println!("  {label}: not in {} ({key} absent)", path.display()),
+                    }
+                }
+                if let Some(bytes) = get("eager_peak_bytes") {
+                    println!(
+                        "  diffusers eager peak memory: {:.2} GiB",
+                        bytes / (1u64 << 30) as f64
+                    );
+                }
+                reference = case;
+            }
+            Err(e) => println!("  reference: {e}"),
+        }
+    }
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({
+            "case": name,
+            "text_rows": args.text_rows,
+            "seq_len": seq,
+            "full_eager_ms": full.eager_ms,
+            "full_graph_ms": full.graph_ms,
+            "cached_eager_ms": cached.eager_ms,
+            "cached_graph_ms": cached.graph_ms,
+            "peak_device_bytes": peak,
+            "weight_bytes": load.weight_bytes,
+            "weight_load_gb_per_s": load.upload.source_gb_per_s(),
+            "weight_load_s": load.upload.seconds,
+            "reference": reference,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,344 @@
+//! The GPU DiT backend against the diffusers 0.42.1 fp32 fixtures (tests/fixtures/qwen_dit): every case, no
+//! cache, extract then cached (also with a cache extracted on the host), CUDA graph replay bit-equal to the
+//! eager step, and a load/unload cycle that leaves no device or pinned memory behind.
+//!
+//! Tolerance: the backend stores bf16 and accumulates in f32, so its distance to the fp32 reference is a few
+//! bf16 unit roundoffs (2^-8) compounded over the layers; the tiny fixtures (2 layers) stay well within
+//! `REL_L2_MAX` relative L2 and `COSINE_MIN` cosine similarity. Every comparison prints both.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tf_cuda::{Context, Driver};
+use tf_engines::qwen_image::dit::{DitBackend, DitInputs, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit_gpu::GpuDit;
+use tf_engines::qwen_image::dit_host::HostDit;
+use tf_engines::qwen_image::upload::StagingConfig;
+use tf_engines::tensor::{relative_l2, TensorF32};
+use tf_engines::weights::{ModelDir, SafetensorsFile};
+
+const REL_L2_MAX: f64 = 2e-2;
+const COSINE_MIN: f64 = 0.9995;
+const SKIP: &str = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle";
+
+fn fixtures() -> PathBuf {
+    // The GPU bundle copies the fixtures next to run.sh and exports its folder.
+    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
+        let p = PathBuf::from(bundle).join("tests/fixtures/qwen_dit");
+        if p.is_dir() {
+            return p;
+        }
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_dit");
+    if here.is_dir() {
+        return here;
+    }
+    // A bundle keeps tests/fixtures next to the test binaries' parent folders.
+    let exe = std::env::current_exe().expect("current exe");
+    exe.ancestors()
+        .skip(1)
+        .take(5)
+        .map(|d| d.join("tests/fixtures/qwen_dit"))
+        .find(|p| p.is_dir())
+        .expect("tests/fixtures/qwen_dit not found next to the checkout or the test binary")
+}
+
+fn cases() -> Vec<String> {
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
+            .unwrap();
+    let cases: Vec<String> = manifest["cases"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert!(
+        cases.len() >= 4,
+        "expected the four fixture cases, found {cases:?}"
+    );
+    cases
+}
+
+fn inputs(case: &str, step: &str) -> DitInputs {
+    let file =
+        SafetensorsFile::open(&fixtures().join(case).join(format!("{step}.safetensors"))).unwrap();
+    DitInputs::from_bundle(&file).unwrap()
+}
+
+fn expected(case: &str) -> SafetensorsFile {
+    SafetensorsFile::open(&fixtures().join(case).join("expected.safetensors")).unwrap()
+}
+
+fn model(case: &str) -> ModelDir {
+    ModelDir::open(&fixtures().join(case).join("model")).unwrap()
+}
+
+fn context() -> Context {
+    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
+    Context::new(driver, 0).expect("create a context on device 0")
+}
+
+fn load(ctx: &Context, case: &str) -> GpuDit {
+    // Small slots so even the tiny models exercise the ring of pinned staging slots.
+    let staging = StagingConfig {
+        slot_bytes: 8192,
+        slots: 2,
+        threads: 3,
+    };
+    let dit = GpuDit::load_on(ctx, &model(case), staging).expect("load the model on the GPU");
+    println!("{case}: loaded ({})", dit.load_stats());
+    dit
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        ab += f64::from(x) * f64::from(y);
+        aa += f64::from(x) * f64::from(x);
+        bb += f64::from(y) * f64::from(y);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
+}
+
+fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {
+    assert_eq!(actual.shape(), reference.shape(), "{case}/{what}: shape");
+    assert!(
+        actual.data().iter().all(|v| v.is_finite()),
+        "{case}/{what}: non-finite output"
+    );
+    let err = relative_l2(actual.data(), reference.data()).unwrap();
+    let cos = cosine(actual.data(), reference.data());
+    println!("{case}/{what}: shape {:?}, relative L2 {err:.3e} (max {REL_L2_MAX:e}), cosine {cos:.6} (min {COSINE_MIN})", actual.shape());
+    assert!(
+        err <= REL_L2_MAX,
+        "{case}/{what}: relative L2 {err:.3e} > {REL_L2_MAX:e}"
+    );
+    assert!(
+        cos >= COSINE_MIN,
+        "{case}/{what}: cosine {cos:.6} < {COSINE_MIN}"
+    );
+}
+
+/// Cases whose padded text rows are one contiguous range per sample (what the attention kernel takes).
+fn runnable(case: &str, dit: &mut GpuDit) -> bool {
+    match dit.forward(&inputs(case, "step0"), KvStep::None) {
+        Ok(_) => true,
+        Err(e) if e.to_string().contains("contiguous range") => {
+            println!("{case}: refused as expected by the GPU backend: {e}");
+            false
+        }
+        Err(e) => panic!("{case}: forward failed: {e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn full_forward_matches_diffusers() {
+    let _ = SKIP;
+    let ctx = context();
+    let mut ran = 0;
+    for case in cases() {
+        let mut dit = load(&ctx, &case);
+        dit.set_graphs(false);
+        if !runnable(&case, &mut dit) {
+            continue;
+        }
+        ran += 1;
+        let out = dit.forward(&inputs(&case, "step0"), KvStep::None).unwrap();
+        assert!(out.kv_cache.is_none());
+        assert_close(
+            &case,
+            "sample_full",
+            &out.sample,
+            &expected(&case).to_f32("sample_full").unwrap(),
+        );
+    }
+    assert!(
+        ran >= 3,
+        "expected at least three runnable fixture cases, ran {ran}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn extract_then_cached_matches_diffusers() {
+    let ctx = context();
+    let mut covered = 0;
+    for case in cases() {
+        let reference = expected(&case);
+        if !reference.contains("sample_cached") {
+            continue;
+        }
+        covered += 1;
+        let mut dit = load(&ctx, &case);
+        let extract = dit
+            .forward(&inputs(&case, "step0"), KvStep::Extract)
+            .unwrap();
+        assert_close(
+            &case,
+            "sample_extract",
+            &extract.sample,
+            &reference.to_f32("sample_extract").unwrap(),
+        );
+        let cache = extract.kv_cache.expect("extract returns the cache");
+        let host = dit.kv_to_host(&cache).unwrap();
+        for (i, (k, v)) in host.layers.iter().enumerate() {
+            assert_close(
+                &case,
+                &format!("kv.{i}.k"),
+                k,
+                &reference.to_f32(&format!("kv.{i}.k")).unwrap(),
+            );
+            assert_close(
+                &case,
+                &format!("kv.{i}.v"),
+                v,
+                &reference.to_f32(&format!("kv.{i}.v")).unwrap(),
+            );
+        }
+        let cached = dit
+            .forward(&inputs(&case, "step1"), KvStep::Cached(&cache))
+            .unwrap();
+        assert_close(
+            &case,
+            "sample_cached",
+            &cached.sample,
+            &reference.to_f32("sample_cached").unwrap(),
+        );
+        // Second cached step: replays the captured graph.
+        let again = dit
+            .forward(&inputs(&case, "step1"), KvStep::Cached(&cache))
+            .unwrap();
+        assert_eq!(
+            again.sample.data(),
+            cached.sample.data(),
+            "{case}: cached graph replay differs from the eager step"
+        );
+
+        // A cache extracted by the host reference works on the GPU (and the round trip through the host format).
+        let mut host_dit = HostDit::load(&model(&case)).unwrap();
+        let host_cache: HostKvCache = host_dit
+            .forward(&inputs(&case, "step0"), KvStep::Extract)
+            .unwrap()
+            .kv_cache
+            .unwrap();
+        let from_host = dit.kv_from_host(host_cache).unwrap();
+        let cached2 = dit
+            .forward(&inputs(&case, "step1"), KvStep::Cached(&from_host))
+            .unwrap();
+        assert_close(
+            &case,
+            "sample_cached (host cache)",
+            &cached2.sample,
+            &reference.to_f32("sample_cached").unwrap(),
+        );
+    }
+    assert!(
+        covered >= 3,
+        "expected at least three cases with a KV cache"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn graph_replay_is_bit_equal_to_eager() {
+    let ctx = context();
+    for case in cases() {
+        let mut eager = load(&ctx, &case);
+        eager.set_graphs(false);
+        if !runnable(&case, &mut eager) {
+            continue;
+        }
+        let step = inputs(&case, "step0");
+        let reference = eager.forward(&step, KvStep::None).unwrap();
+        let mut graphed = load(&ctx, &case);
+        graphed.set_graphs(true);
+        let first = graphed.forward(&step, KvStep::None).unwrap(); // eager warm-up
+        let replay = graphed.forward(&step, KvStep::None).unwrap(); // capture + replay
+        let replay2 = graphed.forward(&step, KvStep::None).unwrap(); // replay
+        let same = |a: &TensorF32, b: &TensorF32| {
+            a.data()
+                .iter()
+                .zip(b.data())
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        println!(
+            "{case}: eager vs graph replay: {} values compared bitwise",
+            reference.sample.data().len()
+        );
+        assert!(
+            same(&reference.sample, &first.sample),
+            "{case}: two eager steps differ"
+        );
+        assert!(
+            same(&reference.sample, &replay.sample),
+            "{case}: graph replay differs from eager"
+        );
+        assert!(
+            same(&reference.sample, &replay2.sample),
+            "{case}: second graph replay differs"
+        );
+        // New inputs of the same layout go through the same graph (only the uploaded buffers change).
+        if case != "no_causal" {
+            let step1 = inputs(&case, "step1");
+            let mut eager1 = load(&ctx, &case);
+            eager1.set_graphs(false);
+            let want = eager1.forward(&step1, KvStep::None).unwrap();
+            let got = graphed.forward(&step1, KvStep::None).unwrap();
+            assert!(
+                same(&want.sample, &got.sample),
+                "{case}: graph replay on new inputs differs from eager"
+            );
+        }
+    }
+}
+
+/// Loads the model, runs extract, eager cached and graph-replayed cached steps, and drops everything.
+fn load_run_unload(ctx: &Context) {
+    let mut dit = load(ctx, "t2i");
+    let extract = dit
+        .forward(&inputs("t2i", "step0"), KvStep::Extract)
+        .unwrap();
+    let cache = extract.kv_cache.unwrap();
+    let _ = dit
+        .forward(&inputs("t2i", "step1"), KvStep::Cached(&cache))
+        .unwrap();
+    let _ = dit
+        .forward(&inputs("t2i", "step1"), KvStep::Cached(&cache))
+        .unwrap();
+    let during = tf_cuda::usage();
+    println!(
+        "usage while loaded: {during:?}; weights {} B",
+        dit.load_stats().weight_bytes
+    );
+    assert!(during.device > 0, "a loaded model holds device memory");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn load_and_unload_leave_usage_at_zero() {
+    let ctx = context();
+    let start = tf_cuda::usage();
+    println!("usage before any load: {start:?}");
+    // The first cycle may leave the runtime's own pinned copy pools warm; every later cycle must return to
+    // exactly the same usage.
+    load_run_unload(&ctx);
+    ctx.synchronize().unwrap();
+    let before = tf_cuda::usage();
+    println!("usage after the first unload: {before:?}");
+    assert_eq!(
+        before.device, start.device,
+        "device bytes left behind by the first load/unload"
+    );
+    load_run_unload(&ctx);
+    ctx.synchronize().unwrap();
+    let after = tf_cuda::usage();
+    println!("usage after the second unload: {after:?}");
+    assert_eq!(after.device, before.device, "device bytes left behind");
+    assert_eq!(
+        after.device_allocs, before.device_allocs,
+        "device allocations left behind"
+    );
+    assert_eq!(after.host, before.host, "pinned host bytes left behind");
+}
