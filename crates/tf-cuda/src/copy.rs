@@ -72,6 +72,22 @@ pub struct DriverBackend {
 }
 
 impl DriverBackend {
+    fn alloc_staging_here(&self, context: CtxKey, len: usize) -> Result<Staging, tf_sys::Error> {
+        let core = self.core(context.0, "cuMemHostAlloc")?;
+
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        core.call("cuMemHostAlloc", |api| {
+            // SAFETY: out-pointer to a local; len > 0 (the copy source never asks for 0).
+            unsafe { (api.cuMemHostAlloc)(&mut ptr, len, tf_sys::flags::HOST_ALLOC_PORTABLE) }
+        })?;
+        match NonNull::new(ptr.cast::<u8>()) {
+            Some(ptr) => Ok(Staging { ptr, len }),
+            None => Err(tf_sys::Error::OutOfMemory {
+                call: "cuMemHostAlloc",
+            }),
+        }
+    }
+
     fn core(&self, ctx: u64, call: &'static str) -> Result<Arc<ContextCore>, tf_sys::Error> {
         // A call for a context already torn down is refused before the driver.
         self.cores
@@ -92,18 +108,19 @@ impl Backend for DriverBackend {
     type Error = tf_sys::Error;
 
     fn alloc_staging(&self, context: CtxKey, len: usize) -> Result<Staging, tf_sys::Error> {
-        let core = self.core(context.0, "cuMemHostAlloc")?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        core.call("cuMemHostAlloc", |api| {
-            // SAFETY: out-pointer to a local; len > 0 (the copy source never asks for 0).
-            unsafe { (api.cuMemHostAlloc)(&mut ptr, len, tf_sys::flags::HOST_ALLOC_PORTABLE) }
-        })?;
-        match NonNull::new(ptr.cast::<u8>()) {
-            Some(ptr) => Ok(Staging { ptr, len }),
-            None => Err(tf_sys::Error::OutOfMemory {
-                call: "cuMemHostAlloc",
-            }),
+        if CAPTURING_HERE.with(|c| c.get()) {
+            // The driver refuses allocations on a thread that is capturing (thread-local or
+            // global mode); under thread-local capture another thread may still allocate.
+            return std::thread::scope(|scope| {
+                match scope.spawn(|| self.alloc_staging_here(context, len)).join() {
+                    Ok(result) => result,
+                    Err(_) => Err(tf_sys::Error::Invalid {
+                        what: "the staging allocation thread panicked".to_string(),
+                    }),
+                }
+            });
         }
+        self.alloc_staging_here(context, len)
     }
 
     fn staging_len(&self, block: &Staging) -> usize {
@@ -241,6 +258,11 @@ impl Backend for DriverBackend {
     }
 }
 
+thread_local! {
+    /// Set while this thread enqueues an upload on a stream it is capturing.
+    static CAPTURING_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 static HUB: OnceLock<CopySource<DriverBackend>> = OnceLock::new();
 
 /// The process's copy source.
@@ -283,6 +305,10 @@ pub(crate) fn upload_async(
     bytes: &[u8],
 ) -> Result<(), Error> {
     ctx.ensure_healthy("upload_async")?;
-    hub().upload_async(ctx.copy_id, stream.key(), DeviceAddress(dst), bytes)?;
+    let capturing = stream.is_capturing()?;
+    CAPTURING_HERE.with(|c| c.set(capturing));
+    let result = hub().upload_async(ctx.copy_id, stream.key(), DeviceAddress(dst), bytes);
+    CAPTURING_HERE.with(|c| c.set(false));
+    result?;
     Ok(())
 }

@@ -280,7 +280,11 @@ impl Event {
 
     /// Records with the external flag: inside a capture this becomes an event-record node, so a
     /// stream outside the graph that waits on the event waits for that point of each launch.
+    /// Outside a capture this is a plain record (the driver refuses the flag there).
     pub fn record_external(&self, stream: &Stream) -> Result<(), Error> {
+        if !stream.is_capturing()? {
+            return self.record(stream);
+        }
         let (e, s) = (self.handle, stream.handle);
         self.ctx.call("cuEventRecordWithFlags", |api| {
             // SAFETY: both handles are live.
