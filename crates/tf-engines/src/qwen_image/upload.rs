@@ -360,6 +360,65 @@ mod tests {
         assert!(convert_to_bf16(&src, Dtype::I64, &mut dst).is_err());
     }
 
+    #[test]
+    fn filled_slots_hold_every_segment_converted_in_place() {
+        // Three pieces of mixed dtypes, packed into slots of 70 000 elements, filled by 4 threads.
+        let a: Vec<u8> = (0..100_000)
+            .flat_map(|i| (i as f32 * 0.5 - 3.0).to_le_bytes())
+            .collect();
+        let b: Vec<u8> = (0..30_000u32)
+            .flat_map(|i| half::bf16::from_f32(i as f32).to_bits().to_le_bytes())
+            .collect();
+        let c: Vec<u8> = (0..50_000u32)
+            .flat_map(|i| {
+                half::f16::from_f32((i % 1000) as f32)
+                    .to_bits()
+                    .to_le_bytes()
+            })
+            .collect();
+        let pieces = [
+            Piece {
+                src: &a,
+                dtype: Dtype::F32,
+                dst_offset: 0,
+            },
+            Piece {
+                src: &b,
+                dtype: Dtype::BF16,
+                dst_offset: 200_000,
+            },
+            Piece {
+                src: &c,
+                dtype: Dtype::F16,
+                dst_offset: 260_000,
+            },
+        ];
+        let elements: Vec<usize> = pieces.iter().map(|p| p.elements().unwrap()).collect();
+        let jobs = pack(&elements, 70_000);
+        // The device image assembled from the slots as the copies would place them.
+        let mut device = vec![0u8; 360_000];
+        let mut slot = vec![0u8; 140_000];
+        for job in &jobs {
+            fill_slot(&mut slot, job, &pieces, 4).unwrap();
+            for seg in job {
+                let dst = pieces[seg.piece].dst_offset + seg.first * 2;
+                device[dst..dst + seg.elements * 2].copy_from_slice(
+                    &slot[seg.staging_offset..seg.staging_offset + seg.elements * 2],
+                );
+            }
+        }
+        for piece in &pieces {
+            let n = piece.elements().unwrap();
+            let mut want = vec![0u8; n * 2];
+            convert_to_bf16(piece.src, piece.dtype, &mut want).unwrap();
+            assert!(
+                device[piece.dst_offset..piece.dst_offset + n * 2] == want[..],
+                "{:?}",
+                piece.dtype
+            );
+        }
+    }
+
     proptest! {
         /// Every element of every piece lands exactly once, in order, and no job exceeds the slot.
         #[test]
