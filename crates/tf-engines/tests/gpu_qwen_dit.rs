@@ -120,14 +120,11 @@ fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF3
     );
 }
 
-/// Cases whose padded text rows are one contiguous range per sample (what the attention kernel takes).
+/// Runs step0 without a cache (also warms the workspace); every fixture case must run, including padding in
+/// several ranges (no_causal), which the backend handles by gathering the valid keys.
 fn runnable(case: &str, dit: &mut GpuDit) -> bool {
     match dit.forward(&inputs(case, "step0"), KvStep::None) {
         Ok(_) => true,
-        Err(e) if e.to_string().contains("contiguous range") => {
-            println!("{case}: refused as expected by the GPU backend: {e}");
-            false
-        }
         Err(e) => panic!("{case}: forward failed: {e}"),
     }
 }

@@ -11,6 +11,8 @@
 //!   eagerly the first time a workspace is used, afterwards (with graphs on) as a CUDA graph captured once per
 //!   (workspace, KV cache) and replayed. Workspaces are allocated once per joint layout and mode.
 //! - The KV cache is `[layer][k|v][batch][prefix][heads * 128]` bf16 on the device, post-norm and post-RoPE.
+//! - Masks: block-causal as per-query key limits, padded text rows as one key range per sample; padding in several
+//!   ranges (full and extract steps) runs attention over the valid keys gathered per sample.
 //!
 //! Invariant: no host synchronisation inside a step; the only syncs are after the step, before reading results.
 //!
@@ -337,6 +339,8 @@ struct Workspace {
     rope_sin: DeviceBuffer,
     key_limits: DeviceBuffer,
     key_pad: Option<DeviceBuffer>,
+    /// Padding in several ranges: the gather plan and the compacted K and V.
+    compact: Option<(CompactKeys, DeviceBuffer, DeviceBuffer)>,
     /// Extract mode: the prefix K/V written by the step, copied into a fresh cache after it.
     extract: Option<GpuKvCache>,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
@@ -786,6 +790,66 @@ fn reshape(values: &[f32], transform: Transform, dims: &Dims) -> Result<Vec<u8>,
     Ok(le_bytes(&out, f32::to_le_bytes))
 }
 
+/// Attention over the valid keys only, for padding in several ranges: invalid keys are never visible, so dropping
+/// them and counting limits in valid keys keeps every query's visible set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CompactKeys {
+    /// Per sample: `(source position, compacted position, length)` runs of valid keys.
+    runs: Vec<Vec<(usize, usize, usize)>>,
+    /// Keys per sample after compaction (the most valid keys of any sample).
+    num_keys: usize,
+    /// Key limits `[batch][queries]` in compacted positions.
+    limits: Vec<i32>,
+    /// Per sample `[valid count, num_keys)`: the unused tail.
+    pads: Vec<i32>,
+}
+
+impl CompactKeys {
+    fn plan(key_valid: &[Vec<bool>], limits: &[i32]) -> Result<CompactKeys, DitError> {
+        let mut runs = Vec::with_capacity(key_valid.len());
+        let mut counts = Vec::with_capacity(key_valid.len());
+        let mut compact_limits = Vec::with_capacity(key_valid.len() * limits.len());
+        for valid in key_valid {
+            // before[k] = valid keys at positions < k.
+            let mut before = Vec::with_capacity(valid.len() + 1);
+            before.push(0usize);
+            let mut sample_runs: Vec<(usize, usize, usize)> = Vec::new();
+            for (pos, &ok) in valid.iter().enumerate() {
+                let count = *before.last().unwrap_or(&0);
+                if ok {
+                    match sample_runs.last_mut() {
+                        Some(run) if run.0 + run.2 == pos => run.2 += 1,
+                        _ => sample_runs.push((pos, count, 1)),
+                    }
+                }
+                before.push(count + usize::from(ok));
+            }
+            for &limit in limits {
+                let at = usize::try_from(limit).unwrap_or(0).min(valid.len());
+                compact_limits.push(
+                    i32::try_from(before[at])
+                        .map_err(|_| DitError::Input("too many keys".into()))?,
+                );
+            }
+            counts.push(*before.last().unwrap_or(&0));
+            runs.push(sample_runs);
+        }
+        let num_keys = counts.iter().copied().max().unwrap_or(0).max(1);
+        let mut pads = Vec::with_capacity(2 * counts.len());
+        for &c in &counts {
+            let to_i32 =
+                |v: usize| i32::try_from(v).map_err(|_| DitError::Input("too many keys".into()));
+            pads.extend([to_i32(c)?, to_i32(num_keys)?]);
+        }
+        Ok(CompactKeys {
+            runs,
+            num_keys,
+            limits: compact_limits,
+            pads,
+        })
+    }
+}
+
 fn alloc(ctx: &Context, bytes: usize, what: &str) -> Result<DeviceBuffer, DitError> {
     DeviceBuffer::alloc(ctx, bytes)
         .map_err(|e| DitError::Backend(format!("allocating the {what} workspace ({bytes} B): {e}")))
@@ -828,20 +892,44 @@ impl Engine {
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
 
         // Mask tables: per-query key limits (shared by the batch) and one padding range per sample.
-        let limits = key_limits_from_blocks(&layout.block_ids, first_row, rows)
+        let mut limits = key_limits_from_blocks(&layout.block_ids, first_row, rows)
             .map_err(cuda_err("attention mask"))?;
         let mut pads = Vec::with_capacity(2 * b);
         let mut any_pad = false;
-        for (i, valid) in layout.key_valid.iter().enumerate() {
-            let pad = key_pad_from_valid(valid).map_err(|e| {
-                DitError::Input(format!(
-                    "sample {i}: padded text rows must form one contiguous range of the joint sequence for the GPU \
-                     attention kernel ({e})"
-                ))
-            })?;
-            let (lo, hi) = pad.unwrap_or((0, 0));
-            any_pad |= pad.is_some();
-            pads.extend([lo, hi]);
+        let mut scattered = false;
+        for valid in &layout.key_valid {
+            match key_pad_from_valid(valid) {
+                Ok(pad) => {
+                    let (lo, hi) = pad.unwrap_or((0, 0));
+                    any_pad |= pad.is_some();
+                    pads.extend([lo, hi]);
+                }
+                Err(_) => scattered = true,
+            }
+        }
+        // Padded keys in several ranges: attention runs over the valid keys only, gathered per sample.
+        let mut compact = None;
+        if scattered {
+            if cached {
+                return Err(DitError::Input(
+                    "padded text rows in several ranges of the prefix: the cached step needs them in one contiguous \
+                     range per sample"
+                        .into(),
+                ));
+            }
+            let plan = CompactKeys::plan(&layout.key_valid, &limits)?;
+            limits = plan.limits.clone();
+            pads = plan.pads.clone();
+            any_pad = true;
+            let bytes = b * plan.num_keys * w * BF16;
+            let mut k = alloc(ctx, bytes, "compacted keys")?;
+            let mut v = alloc(ctx, bytes, "compacted values")?;
+            // Rows past a sample's valid keys are masked, but must hold finite values.
+            k.fill_u8(0, None)
+                .map_err(cuda_err("clearing compacted keys"))?;
+            v.fill_u8(0, None)
+                .map_err(cuda_err("clearing compacted values"))?;
+            compact = Some((plan, k, v));
         }
         // RoPE tables, 64 pairs per row (unused pairs rotate by 0), repeated per sample.
         let (cos, sin) = host::rope_tables(
@@ -926,6 +1014,7 @@ impl Engine {
             rope_sin,
             key_limits,
             key_pad,
+            compact,
             extract,
             warmed: false,
             graphs: Vec::new(),
@@ -1193,7 +1282,37 @@ impl Engine {
                 }
             }
             {
-                let (qv, kv, vv) = (ws.q.view(), ws.k.view(), ws.v.view());
+                if let Some((plan, ck, cv)) = ws.compact.as_mut() {
+                    for (src, dst) in [(&ws.k, &mut *ck), (&ws.v, &mut *cv)] {
+                        for (bi, sample) in plan.runs.iter().enumerate() {
+                            for &(from, to, len) in sample {
+                                let src_view = src
+                                    .slice((bi * s + from) * w * BF16, len * w * BF16)
+                                    .map_err(launch)?;
+                                let mut dst_view = dst
+                                    .slice_mut((bi * plan.num_keys + to) * w * BF16, len * w * BF16)
+                                    .map_err(launch)?;
+                                k_.copy_rows(
+                                    st,
+                                    &src_view,
+                                    Matrix::dense(len, w),
+                                    &mut dst_view,
+                                    w,
+                                )
+                                .map_err(launch)?;
+                            }
+                        }
+                    }
+                }
+                let (num_keys, limit_stride, kv_rows) = match &ws.compact {
+                    Some((plan, _, _)) => (plan.num_keys, rows, plan.num_keys),
+                    None => (s, 0, rows),
+                };
+                let (kv, vv) = match &ws.compact {
+                    Some((_, ck, cv)) => (ck.view(), cv.view()),
+                    None => (ws.k.view(), ws.v.view()),
+                };
+                let qv = ws.q.view();
                 let prefix_views = match cache {
                     Some(c) if cached => Some((
                         c.buffer
@@ -1213,15 +1332,15 @@ impl Engine {
                         .map(|(kp, vp)| (kp, vp, row_strides(p))),
                     k: &kv,
                     v: &vv,
-                    kv_strides: row_strides(rows),
-                    key_limit: Some((&limits_view, 0)),
+                    kv_strides: row_strides(kv_rows),
+                    key_limit: Some((&limits_view, limit_stride)),
                     key_pad: pad_view.as_ref(),
                     scale,
                 };
                 let shape = AttentionShape {
                     batch: b,
                     num_queries: rows,
-                    num_keys: s,
+                    num_keys,
                     prefix_len: if cached { p } else { 0 },
                     num_heads: dims.heads,
                     num_kv_heads: dims.heads,
@@ -1561,6 +1680,36 @@ mod tests {
         );
         let total: usize = runs(&l, 3).iter().map(|r| r.len).sum();
         assert_eq!(total, 6);
+    }
+
+    #[test]
+    fn compaction_keeps_every_visible_set() {
+        // Two samples of 6 keys; sample 1 has padding at 1 and 4 (two ranges).
+        let valid = vec![vec![true; 6], vec![true, false, true, true, false, true]];
+        let limits = vec![1, 2, 3, 4, 5, 6];
+        let plan = CompactKeys::plan(&valid, &limits).unwrap();
+        assert_eq!(plan.num_keys, 6);
+        assert_eq!(plan.runs[0], vec![(0, 0, 6)]);
+        assert_eq!(plan.runs[1], vec![(0, 0, 1), (2, 1, 2), (5, 3, 1)]);
+        assert_eq!(&plan.limits[..6], &limits[..]);
+        assert_eq!(&plan.limits[6..], &[1, 1, 2, 3, 3, 4]);
+        assert_eq!(plan.pads, vec![6, 6, 4, 6]);
+        // Visible sets agree: key k of sample 1 is seen by query q iff valid and k < limit[q].
+        for (q, &limit) in limits.iter().enumerate() {
+            let original: Vec<usize> = (0..6)
+                .filter(|&k| valid[1][k] && (k as i32) < limit)
+                .collect();
+            let compacted = plan.limits[6 + q] as usize;
+            let mut kept = Vec::new();
+            for &(from, to, len) in &plan.runs[1] {
+                for i in 0..len {
+                    if to + i < compacted {
+                        kept.push(from + i);
+                    }
+                }
+            }
+            assert_eq!(kept, original, "query {q}");
+        }
     }
 
     fn tiny_dims() -> Dims {
