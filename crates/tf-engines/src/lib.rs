@@ -22,7 +22,9 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 pub mod kernels;
+pub mod noise;
 pub mod ops;
 pub mod qwen_image;
+pub mod sampler;
 pub mod tensor;
 pub mod weights;
