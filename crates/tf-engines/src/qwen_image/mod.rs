@@ -3,4 +3,6 @@ pub mod config;
 pub mod dit;
 pub mod dit_gpu;
 pub mod dit_host;
+pub mod text_encoder;
 pub mod upload;
+pub mod vae;

@@ -1,0 +1,531 @@
+//! Qwen-Image 2.1 text encoder, host reference: the text path of Qwen3-VL.
+//!
+//! The pipeline feeds the templated prompt through the language model and reads the **last decoder layer's output
+//! before the final RMSNorm**, then drops the template's leading system rows (14 for the released template; the
+//! count comes from the tokenizer). Each decoder layer is:
+//!
+//! ```text
+//! h = x + o_proj(attn(rope(q_norm(q_proj(rms(x)))), rope(k_norm(k_proj(rms(x)))), v_proj(rms(x))))
+//! y = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+//! ```
+//!
+//! with causal grouped-query attention (scale `1/sqrt(head_dim)`), per-head RMSNorm on q and k, and RoPE in the
+//! rotate-half layout with `inv_freq = 1 / theta^(2i / head_dim)`. Qwen3-VL's interleaved M-RoPE assigns frequency
+//! slots to the (time, height, width) position axes; for text all three axes carry the same position, so it reduces
+//! to standard RoPE on text rows. Positions start at `position_offset` (a left-padded batch row starts at its
+//! padding count in the reference; rotary attention only sees position differences, so 0 gives the same result up
+//! to rounding).
+//!
+//! Weights are read as f32 from a transformers folder (`config.json` with a `text_config`, or a text-only Qwen3
+//! config). The vision tower is not loaded.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use tf_engines::qwen_image::text_encoder::HostTextEncoder;
+//! use tf_engines::weights::ModelDir;
+//!
+//! let encoder = HostTextEncoder::load(&ModelDir::open(Path::new("text_encoder"))?)?;
+//! let features = encoder.prompt_features(&[151644, 8948, 198], 0)?;
+//! println!("{:?}", features.shape());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use serde_json::Value;
+use thiserror::Error;
+
+use crate::ops::host;
+use crate::tensor::{ShapeError, Tensor, TensorF32};
+use crate::weights::{ModelDir, WeightsError};
+
+/// Errors of the text encoder.
+#[derive(Debug, Error)]
+pub enum TextEncoderError {
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    #[error("text encoder config: {0}")]
+    Config(String),
+    #[error("text encoder input: {0}")]
+    Input(String),
+}
+
+fn config_err(why: impl Into<String>) -> TextEncoderError {
+    TextEncoderError::Config(why.into())
+}
+
+/// The Qwen3(-VL) text-model hyper-parameters the forward needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextEncoderConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+}
+
+fn usize_field(obj: &serde_json::Map<String, Value>, key: &str) -> Result<usize, TextEncoderError> {
+    obj.get(key)
+        .and_then(Value::as_u64)
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or_else(|| config_err(format!("{key} is missing or not a non-negative integer")))
+}
+
+impl TextEncoderConfig {
+    /// Parses a transformers `config.json`: the `text_config` of a Qwen3-VL config, or a text-only config.
+    pub fn from_json(value: &Value) -> Result<Self, TextEncoderError> {
+        let text = value.get("text_config").unwrap_or(value);
+        let obj = text
+            .as_object()
+            .ok_or_else(|| config_err("expected a JSON object"))?;
+        let hidden_size = usize_field(obj, "hidden_size")?;
+        let num_attention_heads = usize_field(obj, "num_attention_heads")?;
+        let num_key_value_heads = match obj.get("num_key_value_heads") {
+            None | Some(Value::Null) => num_attention_heads,
+            Some(_) => usize_field(obj, "num_key_value_heads")?,
+        };
+        let head_dim = match obj.get("head_dim") {
+            None | Some(Value::Null) => hidden_size / num_attention_heads.max(1),
+            Some(_) => usize_field(obj, "head_dim")?,
+        };
+        // transformers 5 keeps theta in rope_parameters; 4.x configs have rope_theta at the top level.
+        let rope_theta = obj
+            .get("rope_parameters")
+            .and_then(|p| p.get("rope_theta"))
+            .or_else(|| obj.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .ok_or_else(|| {
+                config_err("rope_theta not found (rope_parameters.rope_theta or rope_theta)")
+            })?;
+        let rope_type = obj
+            .get("rope_parameters")
+            .or_else(|| obj.get("rope_scaling"))
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if rope_type != "default" && rope_type != "mrope" {
+            return Err(config_err(format!(
+                "rope_type {rope_type:?} is not supported (only the default rotary embedding)"
+            )));
+        }
+        if obj.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+            return Err(config_err(
+                "attention_bias = true is not supported (Qwen3 has no attention biases)",
+            ));
+        }
+        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(config_err(format!(
+                    "hidden_act {act:?} is not supported (expected \"silu\")"
+                )));
+            }
+        }
+        let rms_norm_eps = obj
+            .get("rms_norm_eps")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-6) as f32;
+        let config = TextEncoderConfig {
+            vocab_size: usize_field(obj, "vocab_size")?,
+            hidden_size,
+            intermediate_size: usize_field(obj, "intermediate_size")?,
+            num_hidden_layers: usize_field(obj, "num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), TextEncoderError> {
+        if self.hidden_size == 0 || self.num_attention_heads == 0 || self.num_hidden_layers == 0 {
+            return Err(config_err(
+                "hidden_size, num_attention_heads and num_hidden_layers must be positive",
+            ));
+        }
+        if self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
+        {
+            return Err(config_err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_attention_heads, self.num_key_value_heads
+            )));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(config_err(format!(
+                "head_dim {} must be even and positive",
+                self.head_dim
+            )));
+        }
+        Ok(())
+    }
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    q_proj: Vec<f32>,
+    k_proj: Vec<f32>,
+    v_proj: Vec<f32>,
+    o_proj: Vec<f32>,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    gate_proj: Vec<f32>,
+    up_proj: Vec<f32>,
+    down_proj: Vec<f32>,
+}
+
+/// Tensor name prefixes of the language model, tried in order: Qwen3-VL saved by transformers, an older VL
+/// layout, a text-only Qwen3.
+const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "model."];
+
+/// The text encoder on the host, f32 weights.
+pub struct HostTextEncoder {
+    config: TextEncoderConfig,
+    embed_tokens: Vec<f32>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+}
+
+impl std::fmt::Debug for HostTextEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostTextEncoder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HostTextEncoder {
+    /// Loads the language model of a transformers folder (its config and weights), checking every shape.
+    pub fn load(model: &ModelDir) -> Result<Self, TextEncoderError> {
+        let config = TextEncoderConfig::from_json(model.config_json())?;
+        let prefix = PREFIXES
+            .iter()
+            .find(|p| model.info(&format!("{p}embed_tokens.weight")).is_ok())
+            .ok_or_else(|| {
+                config_err(format!(
+                    "no embed_tokens.weight under any of the prefixes {PREFIXES:?}: not a Qwen3(-VL) checkpoint?"
+                ))
+            })?;
+        let c = &config;
+        let (h, q_out, kv_out) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let load = |name: &str, shape: &[usize]| -> Result<Vec<f32>, TextEncoderError> {
+            let full = format!("{prefix}{name}");
+            let t = model.to_f32(&full)?;
+            if t.shape() != shape {
+                return Err(TextEncoderError::Weights(WeightsError::ShapeMismatch {
+                    path: model.dir().to_path_buf(),
+                    name: full,
+                    expected: shape.to_vec(),
+                    actual: t.shape().to_vec(),
+                }));
+            }
+            Ok(t.into_data())
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let l = |n: &str| format!("layers.{i}.{n}");
+            layers.push(Layer {
+                input_norm: load(&l("input_layernorm.weight"), &[h])?,
+                q_proj: load(&l("self_attn.q_proj.weight"), &[q_out, h])?,
+                k_proj: load(&l("self_attn.k_proj.weight"), &[kv_out, h])?,
+                v_proj: load(&l("self_attn.v_proj.weight"), &[kv_out, h])?,
+                o_proj: load(&l("self_attn.o_proj.weight"), &[h, q_out])?,
+                q_norm: load(&l("self_attn.q_norm.weight"), &[c.head_dim])?,
+                k_norm: load(&l("self_attn.k_norm.weight"), &[c.head_dim])?,
+                post_norm: load(&l("post_attention_layernorm.weight"), &[h])?,
+                gate_proj: load(&l("mlp.gate_proj.weight"), &[c.intermediate_size, h])?,
+                up_proj: load(&l("mlp.up_proj.weight"), &[c.intermediate_size, h])?,
+                down_proj: load(&l("mlp.down_proj.weight"), &[h, c.intermediate_size])?,
+            });
+        }
+        Ok(HostTextEncoder {
+            embed_tokens: load("embed_tokens.weight", &[c.vocab_size, h])?,
+            final_norm: load("norm.weight", &[h])?,
+            layers,
+            config,
+        })
+    }
+
+    /// The parsed config.
+    pub fn config(&self) -> &TextEncoderConfig {
+        &self.config
+    }
+
+    /// Hidden states `[ids.len(), hidden]` after the last decoder layer, before the final norm. Token `i` sits at
+    /// rotary position `position_offset + i`.
+    pub fn forward(
+        &self,
+        ids: &[i64],
+        position_offset: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
+        let c = &self.config;
+        let (rows, h) = (ids.len(), c.hidden_size);
+        let mut x = Vec::with_capacity(rows * h);
+        for &id in ids {
+            let row = usize::try_from(id)
+                .ok()
+                .filter(|&r| r < c.vocab_size)
+                .ok_or_else(|| {
+                    TextEncoderError::Input(format!(
+                        "token id {id} is outside the vocabulary (0..{})",
+                        c.vocab_size
+                    ))
+                })?;
+            x.extend_from_slice(&self.embed_tokens[row * h..(row + 1) * h]);
+        }
+        let (cos, sin) = rotate_half_tables(rows, position_offset, c.head_dim, c.rope_theta as f32);
+        let block_ids = vec![-1i32; rows];
+        let key_valid = vec![true; rows];
+        let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let group = heads / kv_heads;
+        let mut normed = vec![0f32; rows * h];
+        let mut q = vec![0f32; rows * heads * hd];
+        let mut k = vec![0f32; rows * kv_heads * hd];
+        let mut v = vec![0f32; rows * kv_heads * hd];
+        let mut k_full = vec![0f32; rows * heads * hd];
+        let mut v_full = vec![0f32; rows * heads * hd];
+        let mut attn = vec![0f32; rows * heads * hd];
+        let mut proj = vec![0f32; rows * h];
+        let mut gate = vec![0f32; rows * c.intermediate_size];
+        let mut up = vec![0f32; rows * c.intermediate_size];
+        for layer in &self.layers {
+            host::rms_norm(&x, rows, h, &layer.input_norm, c.rms_norm_eps, &mut normed)?;
+            host::linear(&normed, rows, h, &layer.q_proj, heads * hd, &mut q)?;
+            host::linear(&normed, rows, h, &layer.k_proj, kv_heads * hd, &mut k)?;
+            host::linear(&normed, rows, h, &layer.v_proj, kv_heads * hd, &mut v)?;
+            let q_in = q.clone();
+            host::rms_norm(
+                &q_in,
+                rows * heads,
+                hd,
+                &layer.q_norm,
+                c.rms_norm_eps,
+                &mut q,
+            )?;
+            let k_in = k.clone();
+            host::rms_norm(
+                &k_in,
+                rows * kv_heads,
+                hd,
+                &layer.k_norm,
+                c.rms_norm_eps,
+                &mut k,
+            )?;
+            rope_rotate_half(&mut q, rows, heads, hd, &cos, &sin)?;
+            rope_rotate_half(&mut k, rows, kv_heads, hd, &cos, &sin)?;
+            // Grouped-query attention: query head `j` reads key/value head `j / group`.
+            for t in 0..rows {
+                for j in 0..heads {
+                    let src = (t * kv_heads + j / group) * hd;
+                    let dst = (t * heads + j) * hd;
+                    k_full[dst..dst + hd].copy_from_slice(&k[src..src + hd]);
+                    v_full[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
+                }
+            }
+            let mask = host::AttentionMask {
+                q_offset: 0,
+                block_ids: &block_ids,
+                key_valid: &key_valid,
+            };
+            host::attention(&q, &k_full, &v_full, rows, rows, heads, hd, mask, &mut attn)?;
+            host::linear(&attn, rows, heads * hd, &layer.o_proj, h, &mut proj)?;
+            add_in_place(&mut x, &proj);
+            host::rms_norm(&x, rows, h, &layer.post_norm, c.rms_norm_eps, &mut normed)?;
+            host::linear(
+                &normed,
+                rows,
+                h,
+                &layer.gate_proj,
+                c.intermediate_size,
+                &mut gate,
+            )?;
+            host::linear(
+                &normed,
+                rows,
+                h,
+                &layer.up_proj,
+                c.intermediate_size,
+                &mut up,
+            )?;
+            let gate_in = gate.clone();
+            host::swiglu(&gate_in, &up, &mut gate)?;
+            host::linear(
+                &gate,
+                rows,
+                c.intermediate_size,
+                &layer.down_proj,
+                h,
+                &mut proj,
+            )?;
+            add_in_place(&mut x, &proj);
+        }
+        Ok(Tensor::new(vec![rows, h], x)?)
+    }
+
+    /// The DiT's text context for one templated prompt: [`Self::forward`] from position 0 with the first
+    /// `drop_rows` rows (the template's system block) removed.
+    pub fn prompt_features(
+        &self,
+        ids: &[i64],
+        drop_rows: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
+        if drop_rows >= ids.len() {
+            return Err(TextEncoderError::Input(format!(
+                "the prompt has {} tokens, not more than the {drop_rows} template rows to drop",
+                ids.len()
+            )));
+        }
+        let all = self.forward(ids, 0)?;
+        let h = self.config.hidden_size;
+        let kept = all.data()[drop_rows * h..].to_vec();
+        Ok(Tensor::new(vec![ids.len() - drop_rows, h], kept)?)
+    }
+
+    /// Applies the model's final RMSNorm to `[rows, hidden]` states (what a plain `last_hidden_state` holds; the
+    /// pipeline does NOT use it).
+    pub fn final_norm(&self, hidden: &TensorF32) -> Result<TensorF32, TextEncoderError> {
+        let [rows, h] = hidden.dims::<2>("text encoder hidden states")?;
+        let mut out = vec![0f32; rows * h];
+        host::rms_norm(
+            hidden.data(),
+            rows,
+            h,
+            &self.final_norm,
+            self.config.rms_norm_eps,
+            &mut out,
+        )?;
+        Ok(Tensor::new(vec![rows, h], out)?)
+    }
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Cos/sin tables `[rows, head_dim / 2]` for rotate-half RoPE at positions `offset..offset + rows`: angle
+/// `f32(pos) * inv_freq` rounded to f32 as the reference computes it.
+pub fn rotate_half_tables(
+    rows: usize,
+    offset: usize,
+    head_dim: usize,
+    theta: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let inv = host::rope_inverse_frequencies(head_dim, theta);
+    let mut cos = Vec::with_capacity(rows * inv.len());
+    let mut sin = Vec::with_capacity(rows * inv.len());
+    for r in 0..rows {
+        let pos = (offset + r) as f32;
+        for &f in &inv {
+            let angle = f64::from(pos * f);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotate-half RoPE in place (the transformers layout): for each token and head, with `half = head_dim / 2`,
+/// `(x[j], x[j + half]) -> (x[j] cos - x[j + half] sin, x[j + half] cos + x[j] sin)`, each product and sum
+/// rounded to f32 as the reference's `q * cos + rotate_half(q) * sin` does. `x` is `[tokens, heads, head_dim]`,
+/// tables `[tokens, head_dim / 2]`. (The host ops have only the interleaved-pair variant.)
+pub fn rope_rotate_half(
+    x: &mut [f32],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(), ShapeError> {
+    let half = head_dim / 2;
+    let expected = tokens
+        .checked_mul(heads)
+        .and_then(|n| n.checked_mul(head_dim));
+    if !head_dim.is_multiple_of(2) || expected != Some(x.len()) {
+        return Err(ShapeError::new(
+            "rope_rotate_half x",
+            format!("{tokens} x {heads} x {head_dim} elements with an even head_dim"),
+            format!("{}", x.len()),
+        ));
+    }
+    if cos.len() != tokens * half || sin.len() != tokens * half {
+        return Err(ShapeError::new(
+            "rope_rotate_half tables",
+            format!("{} elements each", tokens * half),
+            format!("cos {}, sin {}", cos.len(), sin.len()),
+        ));
+    }
+    if head_dim == 0 || heads == 0 {
+        return Ok(());
+    }
+    for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        let (c_row, s_row) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for head in token.chunks_exact_mut(head_dim) {
+            let (lo, hi) = head.split_at_mut(half);
+            for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(c_row).zip(s_row) {
+                let (x1, x2) = (*a, *b);
+                *a = x1 * c + (-x2) * s;
+                *b = x2 * c + x1 * s;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotate_half_rotates_split_pairs() {
+        // head_dim 4: pairs (0, 2) and (1, 3). Rotate pair 0 by 90 degrees, pair 1 by 0.
+        let mut x = [1.0, 5.0, 0.0, 7.0];
+        rope_rotate_half(&mut x, 1, 1, 4, &[0.0, 1.0], &[1.0, 0.0]).unwrap();
+        assert_eq!(x, [0.0, 5.0, 1.0, 7.0]);
+        assert!(rope_rotate_half(&mut x, 1, 1, 3, &[0.0], &[1.0]).is_err());
+    }
+
+    #[test]
+    fn tables_start_at_the_offset() {
+        let (c0, s0) = rotate_half_tables(3, 2, 4, 10000.0);
+        let (c1, s1) = rotate_half_tables(5, 0, 4, 10000.0);
+        assert_eq!(&c0[..], &c1[4..]);
+        assert_eq!(&s0[..], &s1[4..]);
+    }
+
+    #[test]
+    fn config_reads_text_config_and_refuses_unknowns() {
+        let v = serde_json::json!({"text_config": {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}});
+        let c = TextEncoderConfig::from_json(&v).unwrap();
+        assert_eq!(
+            (c.head_dim, c.num_key_value_heads, c.rope_theta),
+            (4, 1, 100.0)
+        );
+        let bad = serde_json::json!({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 2, "rope_theta": 1.0});
+        assert!(TextEncoderConfig::from_json(&bad).is_err());
+        let yarn = serde_json::json!({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1.0,
+            "rope_scaling": {"rope_type": "yarn"}});
+        assert!(TextEncoderConfig::from_json(&yarn).is_err());
+    }
+}
