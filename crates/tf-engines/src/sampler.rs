@@ -286,6 +286,13 @@ pub fn calculate_shift(
     image_seq_len as f64 * m + b
 }
 
+/// The latent grid `(rows, cols)` of an image of `height x width` pixels: the pipeline floors each side to a
+/// multiple of 32 pixels and one latent token covers 16 x 16 pixels. `rows * cols` is the image token count that
+/// sets `mu`.
+pub fn latent_grid(height: usize, width: usize) -> (usize, usize) {
+    (2 * (height / 32), 2 * (width / 32))
+}
+
 /// Where the unshifted sigmas come from.
 #[derive(Debug, Clone, Copy)]
 pub enum SigmaSource<'a> {
@@ -487,6 +494,13 @@ mod tests {
         assert!((calculate_shift(256, 256, 4096, 0.5, 1.15) - 0.5).abs() < 1e-12);
         assert!((calculate_shift(4096, 256, 4096, 0.5, 1.15) - 1.15).abs() < 1e-12);
         assert!(calculate_shift(8192, 256, 4096, 0.5, 1.15) > 1.15);
+    }
+
+    #[test]
+    fn latent_grid_floors_to_32_pixels() {
+        assert_eq!(latent_grid(1024, 1024), (64, 64));
+        assert_eq!(latent_grid(1000, 1056), (62, 66));
+        assert_eq!(latent_grid(31, 64), (0, 4));
     }
 
     #[test]

@@ -187,3 +187,37 @@ fn injected_noise_accepts_the_draw_layouts() {
     assert!(err.to_string().contains("expected"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn scheduler_config_comes_from_the_model_folder() {
+    let manifest = manifest();
+    let case = &manifest["cases"][7]; // dynamic shift with shift_terminal
+    let dir = std::env::temp_dir().join(format!("tf-scheduler-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("scheduler")).unwrap();
+    // Without a scheduler folder: the Qwen-Image 2.1 assumption.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    assert_eq!(
+        SchedulerConfig::from_model_folder(&empty).unwrap(),
+        SchedulerConfig::qwen_image()
+    );
+    std::fs::write(
+        dir.join("scheduler").join("scheduler_config.json"),
+        serde_json::to_string_pretty(&case["scheduler_config"]).unwrap(),
+    )
+    .unwrap();
+    let config = SchedulerConfig::from_model_folder(&dir).unwrap();
+    assert_eq!(
+        config,
+        SchedulerConfig::from_json(&case["scheduler_config"]).unwrap()
+    );
+    assert!(config.use_dynamic_shifting);
+    assert_eq!(config.shift_terminal, Some(0.02));
+    std::fs::write(
+        dir.join("scheduler").join("scheduler_config.json"),
+        "{not json",
+    )
+    .unwrap();
+    assert!(SchedulerConfig::from_model_folder(&dir).is_err());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -715,6 +715,22 @@ mod tests {
     }
 
     #[test]
+    fn released_config_has_the_released_widths() {
+        let v = serde_json::json!({"_class_name": "AutoencoderKLQwenImage21", "base_dim": 96, "decoder_base_dim": 144,
+            "z_dim": 64, "latents_mean": vec![0.0; 64], "latents_std": vec![1.0; 64], "patch_size": null,
+            "attn_scales": [], "is_residual": true});
+        let c = VaeConfig::from_json(&v).unwrap();
+        assert_eq!(c.decoder_dims(), vec![1152, 1152, 1152, 576, 288, 144]);
+        assert_eq!(c.spatial_factor(), 16);
+        assert_eq!(c.out_channels, 4);
+        let short = serde_json::json!({"z_dim": 64, "latents_mean": [0.0], "latents_std": [1.0]});
+        assert!(VaeConfig::from_json(&short).is_err());
+        let other = serde_json::json!({"_class_name": "AutoencoderKLWan", "z_dim": 1, "latents_mean": [0.0],
+            "latents_std": [1.0]});
+        assert!(VaeConfig::from_json(&other).is_err());
+    }
+
+    #[test]
     fn to_u8_maps_minus_one_to_zero() {
         let t = Tensor::new(vec![1, 2, 1, 1], vec![-1.0, 1.0]).unwrap();
         assert_eq!(to_u8_hwc(&t, 0).unwrap(), vec![0, 255]);
