@@ -92,5 +92,12 @@ fn bad_inputs_are_errors() {
     let vocab = encoder.config().vocab_size as i64;
     assert!(encoder.forward(&[1, vocab], 0).is_err());
     assert!(encoder.forward(&[-1], 0).is_err());
-    assert!(encoder.prompt_features(&[1, 2], 2).is_err());
+    assert!(encoder.prompt_features(&[1u32, 2], 2).is_err());
+    // Token ids as the tokenizer returns them (u32) give the same features as i64 ids.
+    let ids: [u32; 3] = [3, 1, 4];
+    let wide: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+    assert_eq!(
+        encoder.forward(&ids, 0).unwrap(),
+        encoder.forward(&wide, 0).unwrap()
+    );
 }

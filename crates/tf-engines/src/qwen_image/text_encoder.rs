@@ -25,7 +25,7 @@
 //! use tf_engines::weights::ModelDir;
 //!
 //! let encoder = HostTextEncoder::load(&ModelDir::open(Path::new("text_encoder"))?)?;
-//! let features = encoder.prompt_features(&[151644, 8948, 198], 0)?;
+//! let features = encoder.prompt_features(&[151644u32, 8948, 198], 0)?;
 //! println!("{:?}", features.shape());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -266,15 +266,15 @@ impl HostTextEncoder {
 
     /// Hidden states `[ids.len(), hidden]` after the last decoder layer, before the final norm. Token `i` sits at
     /// rotary position `position_offset + i`.
-    pub fn forward(
+    pub fn forward<I: Copy + Into<i64>>(
         &self,
-        ids: &[i64],
+        ids: &[I],
         position_offset: usize,
     ) -> Result<TensorF32, TextEncoderError> {
         let c = &self.config;
         let (rows, h) = (ids.len(), c.hidden_size);
         let mut x = Vec::with_capacity(rows * h);
-        for &id in ids {
+        for id in ids.iter().map(|&id| id.into()) {
             let row = usize::try_from(id)
                 .ok()
                 .filter(|&r| r < c.vocab_size)
@@ -376,10 +376,11 @@ impl HostTextEncoder {
     }
 
     /// The DiT's text context for one templated prompt: [`Self::forward`] from position 0 with the first
-    /// `drop_rows` rows (the template's system block) removed.
-    pub fn prompt_features(
+    /// `drop_rows` rows (the template's system block) removed. With `tf_tokenizer`'s Qwen-Image 2.1 template that
+    /// is `prompt_features(&encoded.ids, encoded.drop)`.
+    pub fn prompt_features<I: Copy + Into<i64>>(
         &self,
-        ids: &[i64],
+        ids: &[I],
         drop_rows: usize,
     ) -> Result<TensorF32, TextEncoderError> {
         if drop_rows >= ids.len() {
