@@ -17,7 +17,6 @@ use tf_cuda::{
     Args, Context, DeviceBuffer, Error, Event, HostBuffer, LaunchConfig, Module, Priority, Stream,
 };
 
-
 const PTX: &str = r#"
 .version 7.0
 .target sm_70
