@@ -4,7 +4,12 @@
 //!   host access and a chunked upload plan for pinned staging.
 //! - [`ops::host`]: plain f32 reference ops (the GPU kernels are checked against them).
 //! - [`qwen_image`]: the Qwen-Image 2.1 DiT: config, backend-neutral interface ([`qwen_image::dit`]), host
-//!   reference backend and the GPU backend.
+//!   reference backend and the GPU backend; the host references of the Qwen3-VL text path
+//!   ([`qwen_image::text_encoder`]) and of the VAE decoder ([`qwen_image::vae`]).
+//! - [`sampler`]: FlowMatchEulerDiscrete as the reference pipeline runs it (sigma grid, shifts, bf16 timestep
+//!   quantization, Euler step, true CFG combine).
+//! - [`noise`]: a documented portable seeded normal generator, and injected noise from a file.
+//! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!
 //! Invariants: library code returns errors (never panics) on bad input; host-reference ops are deterministic.
 //!
