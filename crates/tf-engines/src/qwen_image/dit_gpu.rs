@@ -43,8 +43,8 @@ use super::dit::{
 };
 use super::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
 use crate::ops::gpu::{
-    key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape, Matrix,
-    Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels, Strides, HEAD_DIM,
+    attention_flops, key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape,
+    Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels, Strides, HEAD_DIM,
 };
 use crate::ops::host;
 use crate::tensor::{Tensor, TensorF32};
@@ -355,6 +355,116 @@ pub struct StepTimes {
     pub graph_ms: f64,
 }
 
+/// What a step phase does, for its achieved rate: floating-point operations (GEMMs, attention) or bytes read
+/// plus written (elementwise kernels and copies).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PhaseWork {
+    Flops(f64),
+    Bytes(f64),
+}
+
+/// One phase summed over the step (over every layer for the per-block phases).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseTotal {
+    pub name: &'static str,
+    /// Device milliseconds between the event before the phase's launches and the one after them.
+    pub ms: f64,
+    pub work: PhaseWork,
+    /// How many times the phase ran in the step (layers, for per-block phases).
+    pub count: usize,
+}
+
+/// Per-phase device times of one eager step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseTimes {
+    /// From the first event to the last (the events themselves add a little).
+    pub step_ms: f64,
+    /// In order of first appearance in the step.
+    pub phases: Vec<PhaseTotal>,
+}
+
+/// Records a timing event after each launch group of an eager step (never used while capturing a graph).
+struct PhaseTimer {
+    ctx: Context,
+    start: Option<Event>,
+    marks: Vec<(&'static str, PhaseWork, Event)>,
+}
+
+impl PhaseTimer {
+    fn new(ctx: &Context) -> PhaseTimer {
+        PhaseTimer {
+            ctx: ctx.clone(),
+            start: None,
+            marks: Vec::new(),
+        }
+    }
+
+    fn event(&self, stream: &Stream) -> Result<Event, DitError> {
+        let event = Event::new(&self.ctx, true).map_err(cuda_err("creating a phase event"))?;
+        event
+            .record(stream)
+            .map_err(cuda_err("recording a phase event"))?;
+        Ok(event)
+    }
+
+    fn begin(&mut self, stream: &Stream) -> Result<(), DitError> {
+        self.start = Some(self.event(stream)?);
+        Ok(())
+    }
+
+    /// Ends the phase `name` (everything launched since the previous mark).
+    fn mark(
+        &mut self,
+        name: &'static str,
+        work: PhaseWork,
+        stream: &Stream,
+    ) -> Result<(), DitError> {
+        let event = self.event(stream)?;
+        self.marks.push((name, work, event));
+        Ok(())
+    }
+
+    /// Sums each phase's time and work; call after the stream reached the last mark.
+    fn totals(&self) -> Result<PhaseTimes, DitError> {
+        let start = self
+            .start
+            .as_ref()
+            .ok_or_else(|| DitError::Backend("phase timer read before it began".into()))?;
+        let elapsed = |a: &Event, b: &Event| {
+            Event::elapsed_ms(a, b)
+                .map(f64::from)
+                .map_err(cuda_err("reading a phase event"))
+        };
+        let mut phases: Vec<PhaseTotal> = Vec::new();
+        let mut previous = start;
+        for (name, work, event) in &self.marks {
+            let ms = elapsed(previous, event)?;
+            previous = event;
+            match phases.iter_mut().find(|p| p.name == *name) {
+                Some(p) => {
+                    p.ms += ms;
+                    p.count += 1;
+                    p.work = match (p.work, *work) {
+                        (PhaseWork::Flops(a), PhaseWork::Flops(b)) => PhaseWork::Flops(a + b),
+                        (PhaseWork::Bytes(a), PhaseWork::Bytes(b)) => PhaseWork::Bytes(a + b),
+                        (kept, _) => kept,
+                    };
+                }
+                None => phases.push(PhaseTotal {
+                    name,
+                    ms,
+                    work: *work,
+                    count: 1,
+                }),
+            }
+        }
+        Ok(PhaseTimes {
+            step_ms: elapsed(start, previous)?,
+            phases,
+        })
+    }
+}
+
 /// Read-only engine state used by a step.
 struct Engine {
     config: QwenImageDitConfig,
@@ -654,6 +764,32 @@ impl GpuDit {
             f64::from(Event::elapsed_ms(&start, &end).map_err(cuda_err("reading an event"))?)
                 / iters as f64;
         Ok(StepTimes { eager_ms, graph_ms })
+    }
+
+    /// Times each phase of one eager step of `inputs` (after an untimed warm-up step), with an event after each
+    /// launch group; the normal step and its graph are untouched.
+    pub fn time_phases(
+        &mut self,
+        inputs: &DitInputs,
+        kv: KvStep<'_, GpuKvCache>,
+    ) -> Result<PhaseTimes, DitError> {
+        let index = self.prepare(inputs, &kv)?;
+        let cache = match kv {
+            KvStep::Cached(c) => Some(c),
+            _ => None,
+        };
+        let engine = &self.engine;
+        let ws = &mut self.workspaces[index];
+        engine.enqueue_step(ws, cache)?;
+        ws.warmed = true;
+        let mut timer = PhaseTimer::new(&engine.ctx);
+        timer.begin(&engine.stream)?;
+        engine.enqueue_step_phased(ws, cache, Some(&mut timer))?;
+        engine
+            .stream
+            .synchronize()
+            .map_err(cuda_err("running the phase-timed step"))?;
+        timer.totals()
     }
 
     /// Validates the request, finds or allocates its workspace, and uploads the inputs (on the stream).
@@ -1053,6 +1189,17 @@ impl Engine {
 
     /// Enqueues one step on the stream (no host synchronisation).
     fn enqueue_step(&self, ws: &mut Workspace, cache: Option<&GpuKvCache>) -> Result<(), DitError> {
+        self.enqueue_step_phased(ws, cache, None)
+    }
+
+    /// [`Engine::enqueue_step`], recording a timing event after each launch group when `timer` is given (eager
+    /// only: with `None` nothing extra is launched or computed).
+    fn enqueue_step_phased(
+        &self,
+        ws: &mut Workspace,
+        cache: Option<&GpuKvCache>,
+        mut timer: Option<&mut PhaseTimer>,
+    ) -> Result<(), DitError> {
         let dims = &self.dims;
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
         let k_ = &self.kernels;
@@ -1066,6 +1213,14 @@ impl Engine {
         let n_t = ws.n_t;
         let cached = ws.mode == KvMode::Cached;
         let launch = |e: tf_cuda::Error| DitError::Backend(format!("kernel launch: {e}"));
+        // Ends a timed phase; the work is evaluated only when timing.
+        macro_rules! phase {
+            ($name:expr, $kind:ident, $amount:expr) => {
+                if let Some(timer) = timer.as_deref_mut() {
+                    timer.mark($name, PhaseWork::$kind(($amount) as f64), st)?;
+                }
+            };
+        }
 
         // Timestep embedding -> shared modulation [n_t, 5D].
         k_.timestep_embedding(
@@ -1109,6 +1264,11 @@ impl Engine {
             (&ws.modulation).into(),
             false,
         )?;
+        phase!(
+            "timestep+modulation",
+            Bytes,
+            (TIMESTEP_DIM + 6 * d) * d * BF16
+        );
 
         // Text rows through txt_in (not needed when the prefix is cached).
         let l = ws.l_vlm;
@@ -1137,6 +1297,7 @@ impl Engine {
             )?;
             k_.gelu_tanh_inplace(st, &mut ws.text_hidden.view_mut(), b * l * d)
                 .map_err(launch)?;
+            phase!("txt_in", Flops, 2 * b * l * d * dims.ctx);
         }
         // The joint sequence: each run of text rows / image tokens projected straight into its rows of x.
         for bi in 0..b {
@@ -1176,6 +1337,15 @@ impl Engine {
                 }
             }
         }
+
+        phase!(
+            "img_in+txt_out",
+            Flops,
+            ws.runs
+                .iter()
+                .map(|r| 2 * b * r.len * d * if r.text { d } else { dims.in_ch })
+                .sum::<usize>()
+        );
 
         let select = if cached {
             ModulationRows::targets_only(rows)
@@ -1221,6 +1391,7 @@ impl Engine {
                 dims.eps,
             )
             .map_err(launch)?;
+            phase!("adaln1", Bytes, 2 * total * d * BF16);
             self.gemm(
                 total,
                 3 * w,
@@ -1230,6 +1401,7 @@ impl Engine {
                 (&ws.qkv).into(),
                 false,
             )?;
+            phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
             {
                 let qkv_view = ws.qkv.view();
                 let qw = self
@@ -1262,6 +1434,7 @@ impl Engine {
                     v_stride: w,
                 };
                 k_.qk_norm_rope(st, &inputs, &mut outputs).map_err(launch)?;
+                phase!("qk-norm+rope", Bytes, 2 * total * 3 * w * BF16);
             }
             if let Some(extract) = ws.extract.as_mut() {
                 let plane = extract.plane_bytes();
@@ -1280,6 +1453,7 @@ impl Engine {
                         }
                     }
                 }
+                phase!("kv extract copy", Bytes, 2 * 2 * b * p * w * BF16);
             }
             {
                 if let Some((plan, ck, cv)) = ws.compact.as_mut() {
@@ -1303,6 +1477,11 @@ impl Engine {
                             }
                         }
                     }
+                    phase!(
+                        "key compaction copy",
+                        Bytes,
+                        2 * 2 * plan.runs.iter().flatten().map(|r| r.2).sum::<usize>() * w * BF16
+                    );
                 }
                 let (num_keys, limit_stride, kv_rows) = match &ws.compact {
                     Some((plan, _, _)) => (plan.num_keys, rows, plan.num_keys),
@@ -1353,6 +1532,7 @@ impl Engine {
                     row_strides(rows),
                 )
                 .map_err(launch)?;
+                phase!("attention", Flops, attention_flops(shape));
             }
             self.gemm(
                 total,
@@ -1363,6 +1543,7 @@ impl Engine {
                 (&ws.proj).into(),
                 false,
             )?;
+            phase!("out GEMM", Flops, 2 * total * d * w);
             k_.gated_residual(
                 st,
                 &mut ws.x.view_mut(),
@@ -1373,6 +1554,7 @@ impl Engine {
                 select,
             )
             .map_err(launch)?;
+            phase!("residual1", Bytes, 3 * total * d * BF16);
 
             // MLP half.
             k_.adaln_modulate(
@@ -1386,6 +1568,7 @@ impl Engine {
                 dims.eps,
             )
             .map_err(launch)?;
+            phase!("adaln2", Bytes, 2 * total * d * BF16);
             self.gemm(
                 total,
                 2 * f,
@@ -1395,6 +1578,7 @@ impl Engine {
                 (&ws.gate_up).into(),
                 false,
             )?;
+            phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
             k_.swiglu(
                 st,
                 &ws.gate_up.view(),
@@ -1403,6 +1587,7 @@ impl Engine {
                 f,
             )
             .map_err(launch)?;
+            phase!("swiglu", Bytes, 3 * total * f * BF16);
             self.gemm(
                 total,
                 d,
@@ -1412,6 +1597,7 @@ impl Engine {
                 (&ws.proj).into(),
                 false,
             )?;
+            phase!("down GEMM", Flops, 2 * total * d * f);
             k_.gated_residual(
                 st,
                 &mut ws.x.view_mut(),
@@ -1422,6 +1608,7 @@ impl Engine {
                 select,
             )
             .map_err(launch)?;
+            phase!("residual2", Bytes, 3 * total * d * BF16);
         }
         k_.adaln_modulate(
             st,
@@ -1434,6 +1621,7 @@ impl Engine {
             dims.eps,
         )
         .map_err(launch)?;
+        phase!("norm_out", Bytes, 2 * total * d * BF16);
         self.gemm(
             total,
             dims.out_ch,
@@ -1443,6 +1631,7 @@ impl Engine {
             (&ws.out).into(),
             true,
         )?;
+        phase!("proj_out GEMM", Flops, 2 * total * dims.out_ch * d);
         Ok(())
     }
 

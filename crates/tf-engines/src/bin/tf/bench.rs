@@ -47,6 +47,10 @@ pub struct QwenDitArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also time each phase of one eager full and one eager cached step (events between launch groups),
+    /// summed over the layers, with the achieved TFLOP/s or GB/s of each.
+    #[arg(long)]
+    phases: bool,
 }
 
 #[derive(clap::Args)]
