@@ -10,73 +10,22 @@
 //! (every path, both KV modes) where a wrong mask or row order gives errors of order 1. Every comparison
 //! prints both figures.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tf_cuda::{Context, Driver};
-use tf_engines::qwen_image::dit::{DitBackend, DitInputs, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
 use tf_engines::qwen_image::dit_gpu::GpuDit;
 use tf_engines::qwen_image::dit_host::HostDit;
 use tf_engines::qwen_image::upload::StagingConfig;
 use tf_engines::tensor::{relative_l2, TensorF32};
-use tf_engines::weights::{ModelDir, SafetensorsFile};
 
 const REL_L2_MAX: f64 = 4e-2;
 const COSINE_MIN: f64 = 0.9995;
 const SKIP: &str = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle";
 
-fn fixtures() -> PathBuf {
-    // The GPU bundle copies the fixtures next to run.sh and exports its folder.
-    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
-        let p = PathBuf::from(bundle).join("tests/fixtures/qwen_dit");
-        if p.is_dir() {
-            return p;
-        }
-    }
-    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_dit");
-    if here.is_dir() {
-        return here;
-    }
-    // A bundle keeps tests/fixtures next to the test binaries' parent folders.
-    let exe = std::env::current_exe().expect("current exe");
-    exe.ancestors()
-        .skip(1)
-        .take(5)
-        .map(|d| d.join("tests/fixtures/qwen_dit"))
-        .find(|p| p.is_dir())
-        .expect("tests/fixtures/qwen_dit not found next to the checkout or the test binary")
-}
-
-fn cases() -> Vec<String> {
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-            .unwrap();
-    let cases: Vec<String> = manifest["cases"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .cloned()
-        .collect();
-    assert!(
-        cases.len() >= 4,
-        "expected the four fixture cases, found {cases:?}"
-    );
-    cases
-}
-
-fn inputs(case: &str, step: &str) -> DitInputs {
-    let file =
-        SafetensorsFile::open(&fixtures().join(case).join(format!("{step}.safetensors"))).unwrap();
-    DitInputs::from_bundle(&file).unwrap()
-}
-
-fn expected(case: &str) -> SafetensorsFile {
-    SafetensorsFile::open(&fixtures().join(case).join("expected.safetensors")).unwrap()
-}
-
-fn model(case: &str) -> ModelDir {
-    ModelDir::open(&fixtures().join(case).join("model")).unwrap()
-}
+#[path = "common/qwen_fixtures.rs"]
+mod qwen_fixtures;
+use qwen_fixtures::{cases, expected, inputs, model};
 
 fn context() -> Context {
     let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));

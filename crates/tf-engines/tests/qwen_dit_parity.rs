@@ -1,46 +1,19 @@
 //! The host reference DiT against the diffusers 0.42.1 fp32 fixtures (tests/fixtures/qwen_dit, made by
 //! tests/python/qwen_dit_fixtures.py): every case, no cache, extract then cached, and the `tf forward` binary.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-use tf_engines::qwen_image::dit::{DitBackend, DitInputs, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
 use tf_engines::qwen_image::dit_host::HostDit;
 use tf_engines::tensor::{relative_l2, TensorF32};
-use tf_engines::weights::{ModelDir, SafetensorsFile};
+use tf_engines::weights::SafetensorsFile;
 
 const TOLERANCE: f64 = 1e-5;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_dit")
-}
-
-fn cases() -> Vec<String> {
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-            .unwrap();
-    let cases: Vec<String> = manifest["cases"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .cloned()
-        .collect();
-    assert!(
-        cases.len() >= 4,
-        "expected the four fixture cases, found {cases:?}"
-    );
-    cases
-}
-
-fn inputs(case: &str, step: &str) -> DitInputs {
-    let file =
-        SafetensorsFile::open(&fixtures().join(case).join(format!("{step}.safetensors"))).unwrap();
-    DitInputs::from_bundle(&file).unwrap()
-}
-
-fn expected(case: &str) -> SafetensorsFile {
-    SafetensorsFile::open(&fixtures().join(case).join("expected.safetensors")).unwrap()
-}
+#[path = "common/qwen_fixtures.rs"]
+mod qwen_fixtures;
+use qwen_fixtures::{cases, expected, fixtures, inputs, model};
 
 fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {
     assert_eq!(actual.shape(), reference.shape(), "{case}/{what}: shape");
@@ -56,7 +29,7 @@ fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF3
 }
 
 fn load(case: &str) -> HostDit {
-    HostDit::load(&ModelDir::open(&fixtures().join(case).join("model")).unwrap()).unwrap()
+    HostDit::load(&model(case)).unwrap()
 }
 
 #[test]
