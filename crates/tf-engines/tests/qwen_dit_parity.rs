@@ -1,7 +1,7 @@
 //! The host reference DiT against the diffusers 0.42.1 fp32 fixtures (tests/fixtures/qwen_dit, made by
 //! tests/python/qwen_dit_fixtures.py): every case, no cache, extract then cached, and the `tf forward` binary.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
@@ -155,6 +155,17 @@ fn tf(args: &[&str]) -> std::process::Output {
     out
 }
 
+/// Runs `tf forward` with `args` (which write `out`) and checks its `sample` against `reference[name]`.
+fn forward_matches(args: &[&str], out: &Path, what: &str, reference: &SafetensorsFile, name: &str) {
+    let run = tf(args);
+    assert!(run.status.success());
+    let sample = SafetensorsFile::open(out)
+        .unwrap()
+        .to_f32("sample")
+        .unwrap();
+    assert_close("cond_b2", what, &sample, &reference.to_f32(name).unwrap());
+}
+
 #[test]
 fn tf_forward_binary_reproduces_the_fixtures() {
     let dir = tempdir("tf_forward");
@@ -181,77 +192,62 @@ fn tf_forward_binary_reproduces_the_fixtures() {
     );
     let reference = expected("cond_b2");
 
-    let out = tf(&[
-        "forward",
-        "--model",
-        &m,
-        "--inputs",
-        &s0,
-        "--out",
-        full.to_str().unwrap(),
-        "--backend",
-        "host",
-    ]);
-    assert!(out.status.success());
-    let sample = SafetensorsFile::open(&full)
-        .unwrap()
-        .to_f32("sample")
-        .unwrap();
-    assert_close(
-        "cond_b2",
+    forward_matches(
+        &[
+            "forward",
+            "--model",
+            &m,
+            "--inputs",
+            &s0,
+            "--out",
+            full.to_str().unwrap(),
+            "--backend",
+            "host",
+        ],
+        &full,
         "tf forward (none)",
-        &sample,
-        &reference.to_f32("sample_full").unwrap(),
+        &reference,
+        "sample_full",
     );
 
-    let out = tf(&[
-        "forward",
-        "--model",
-        &m,
-        "--inputs",
-        &s0,
-        "--out",
-        ext.to_str().unwrap(),
-        "--kv-cache",
-        "extract",
-        "--kv-file",
-        kv.to_str().unwrap(),
-    ]);
-    assert!(out.status.success());
-    let sample = SafetensorsFile::open(&ext)
-        .unwrap()
-        .to_f32("sample")
-        .unwrap();
-    assert_close(
-        "cond_b2",
+    forward_matches(
+        &[
+            "forward",
+            "--model",
+            &m,
+            "--inputs",
+            &s0,
+            "--out",
+            ext.to_str().unwrap(),
+            "--kv-cache",
+            "extract",
+            "--kv-file",
+            kv.to_str().unwrap(),
+        ],
+        &ext,
         "tf forward (extract)",
-        &sample,
-        &reference.to_f32("sample_extract").unwrap(),
+        &reference,
+        "sample_extract",
     );
 
-    let out = tf(&[
-        "forward",
-        "--model",
-        &m,
-        "--inputs",
-        &s1,
-        "--out",
-        cached.to_str().unwrap(),
-        "--kv-cache",
-        "cached",
-        "--kv-file",
-        kv.to_str().unwrap(),
-    ]);
-    assert!(out.status.success());
-    let sample = SafetensorsFile::open(&cached)
-        .unwrap()
-        .to_f32("sample")
-        .unwrap();
-    assert_close(
-        "cond_b2",
+    forward_matches(
+        &[
+            "forward",
+            "--model",
+            &m,
+            "--inputs",
+            &s1,
+            "--out",
+            cached.to_str().unwrap(),
+            "--kv-cache",
+            "cached",
+            "--kv-file",
+            kv.to_str().unwrap(),
+        ],
+        &cached,
         "tf forward (cached)",
-        &sample,
-        &reference.to_f32("sample_cached").unwrap(),
+        &reference,
+        "sample_cached",
     );
 
     // Clear failures, not panics: the GPU backend before it is wired, a missing cache file, a missing model.
