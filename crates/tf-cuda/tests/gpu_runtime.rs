@@ -262,6 +262,20 @@ fn round_trip(ctx: &Context, len: usize) {
         pinned_back.as_slice(),
         &data3,
     );
+
+    // Synchronous, pinned source and destination.
+    let data4 = pattern(len, 4);
+    pinned_back.as_mut_slice().copy_from_slice(&data4);
+    buf.upload(0, pinned_back.as_slice())
+        .expect("sync upload from pinned");
+    pinned_back.as_mut_slice().fill(0);
+    buf.download(0, pinned_back.as_mut_slice())
+        .expect("sync download to pinned");
+    assert_same(
+        &format!("{label} sync pinned round trip"),
+        pinned_back.as_slice(),
+        &data4,
+    );
 }
 
 #[test]
