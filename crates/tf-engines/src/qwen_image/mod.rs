@@ -1,4 +1,5 @@
 //! Qwen-Image 2.1: the DiT config, its backend-neutral interface, the host reference and the GPU backend.
+pub mod components;
 pub mod config;
 pub mod dit;
 pub mod dit_gpu;
