@@ -358,6 +358,342 @@ __device__ __forceinline__ void attention_tile(
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// sm_90a variant: warpgroup MMA (wgmma). Two warpgroups of 64 query rows each (128 rows per CTA), keys in tiles of
+// 128 through two cp.async stages. S = Q K^T reads Q and K from shared memory through 128-byte-swizzled K-major
+// descriptors; O += P V takes P from registers (the S accumulators rounded to bf16 are already in the A-operand
+// layout) and V through a transposed (MN-major) descriptor, so nothing is transposed by hand. Masks, the prefix
+// cache, GQA and the fixed reduction order (keys ascending) are as in attention_tile; the key tile is twice as
+// wide, so results differ from the mma.sync kernels in rounding only. Compiled to a trap on other targets: the
+// host selects it on compute capability 9.0 only.
+// ---------------------------------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QI_HAS_WGMMA 1
+#endif
+
+#if defined(QI_HAS_WGMMA)
+constexpr int kSm90Rows = 128;                           // query rows per CTA, 64 per warpgroup
+constexpr int kSm90Keys = 128;                           // keys per tile
+constexpr int kSm90Half = 128 * 128;                     // bytes of one 64-column half of a 128-row tile
+constexpr int kSm90TileBytes = 2 * kSm90Half;            // 32 KiB
+
+// Byte offset of 16-byte chunk `chunk` (0..15) of row `row` in a 128-row tile kept as two 64-column halves, each
+// in the 128-byte swizzle the wgmma descriptors name: the chunk's low three bits XOR the row's low three bits.
+__device__ __forceinline__ uint32_t sw128(int row, int chunk) {
+    return static_cast<uint32_t>((chunk >> 3) * kSm90Half + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// A wgmma shared-memory descriptor with 128-byte swizzle (the tile bases are 1024-byte aligned).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+           (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (+)= A * B for one m64n128k16 step of a warpgroup: A and B from shared memory (K-major descriptors).
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d += A * B with A (bf16 pairs) in registers and B from shared memory, MN-major (transposed) descriptor.
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// Keeps the compiler from moving accesses of the accumulators across wgmma issue and wait.
+__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// V_DESC_SWAP selects which of the MN-major descriptor's two offsets holds the 64-column step (kept as a
+// template parameter so both encodings can be checked against the host reference).
+template <bool V_DESC_SWAP>
+__device__ __forceinline__ void attention_sm90(
+    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
+    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
+    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
+    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
+    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
+    const int* __restrict__ key_pad, float scale_log2) {
+    constexpr int kThreads = 256;
+    extern __shared__ __align__(128) uint8_t smem[];
+    __shared__ int window[2];
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int group = lane >> 2;
+    const int quad = lane & 3;
+    const int warpgroup = warp >> 2;
+    const int q0 = blockIdx.x * kSm90Rows;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (num_heads / num_kv_heads);
+
+    const bf16* q_base = q + batch * q_batch_stride + head * kHeadDim;
+    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    const bf16* k_base = k + batch * kv_batch_stride + kv_head * kHeadDim;
+    const bf16* v_base = v + batch * kv_batch_stride + kv_head * kHeadDim;
+    bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
+
+    // The swizzle pattern repeats every 1024 bytes: align the tiles to it.
+    const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t smem_q = (smem_raw + 1023u) & ~1023u;
+    const uint32_t smem_kv = smem_q + kSm90TileBytes;
+
+    const int local_a = warpgroup * 64 + (warp & 3) * 16 + group;  // this thread's rows within the CTA
+    const int row_a = q0 + local_a;
+    const int row_b = row_a + 8;
+    int limit_a = num_keys;
+    int limit_b = num_keys;
+    if (key_limit != nullptr) {
+        const int* lim = key_limit + batch * key_limit_batch_stride;
+        if (row_a < num_queries) limit_a = min(max(lim[row_a], 0), num_keys);
+        if (row_b < num_queries) limit_b = min(max(lim[row_b], 0), num_keys);
+    }
+    int window_min = num_keys;
+    int window_max = num_keys;
+    if (key_limit != nullptr) {
+        if (tid == 0) {
+            window[0] = num_keys;
+            window[1] = 0;
+        }
+        __syncthreads();
+        if (row_a < num_queries) {
+            atomicMin(&window[0], limit_a);
+            atomicMax(&window[1], limit_a);
+        }
+        if (row_b < num_queries) {
+            atomicMin(&window[0], limit_b);
+            atomicMax(&window[1], limit_b);
+        }
+        __syncthreads();
+        window_min = window[0];
+        window_max = window[1];
+        if (row_a >= num_queries) limit_a = window_max;
+        if (row_b >= num_queries) limit_b = window_max;
+    }
+    int pad_begin = 0;
+    int pad_end = 0;
+    if (key_pad != nullptr) {
+        pad_begin = max(key_pad[2 * batch], 0);
+        pad_end = min(key_pad[2 * batch + 1], num_keys);
+        if (pad_end <= pad_begin) pad_begin = pad_end = 0;
+    }
+    const int num_tiles = (window_max + kSm90Keys - 1) / kSm90Keys;
+
+    auto load_q = [&]() {
+#pragma unroll
+        for (int i = 0; i < kSm90Rows * 16 / kThreads; ++i) {
+            const int idx = tid + i * kThreads;
+            const int r = idx >> 4;
+            const int c = idx & 15;
+            const int row = q0 + r;
+            const bool valid = row < num_queries;
+            const bf16* src = q_base + (valid ? static_cast<int64_t>(row) * q_row_stride + c * 8 : 0);
+            cp_async_16(smem_q + sw128(r, c), src, valid);
+        }
+    };
+    auto load_kv = [&](int tile, int stage) {
+        const uint32_t k_dst = smem_kv + stage * 2 * kSm90TileBytes;
+        const uint32_t v_dst = k_dst + kSm90TileBytes;
+#pragma unroll
+        for (int i = 0; i < kSm90Keys * 16 / kThreads; ++i) {
+            const int idx = tid + i * kThreads;
+            const int r = idx >> 4;
+            const int c = idx & 15;
+            const int key = tile * kSm90Keys + r;
+            const bf16* k_src = k_base;
+            const bf16* v_src = v_base;
+            bool valid = true;
+            if (key < prefix_len) {
+                const int64_t off = static_cast<int64_t>(key) * prefix_row_stride + c * 8;
+                k_src = kp_base + off;
+                v_src = vp_base + off;
+            } else if (key < num_keys) {
+                const int64_t off = static_cast<int64_t>(key - prefix_len) * kv_row_stride + c * 8;
+                k_src = k_base + off;
+                v_src = v_base + off;
+            } else {
+                valid = false;
+            }
+            cp_async_16(k_dst + sw128(r, c), k_src, valid);
+            cp_async_16(v_dst + sw128(r, c), v_src, valid);
+        }
+    };
+
+    load_q();
+    if (num_tiles > 0) load_kv(0, 0);
+    cp_async_commit();
+
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    float max_a = kNegInf, max_b = kNegInf;
+    float sum_a = 0.0f, sum_b = 0.0f;
+    const uint32_t q_rows = smem_q + warpgroup * 64 * 128;
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        cp_async_wait<0>();
+        fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+        __syncthreads();      // every thread's copies landed, and the stage loaded next is no longer read
+        if (tile + 1 < num_tiles) load_kv(tile + 1, (tile + 1) & 1);
+        cp_async_commit();
+        const uint32_t k_tile = smem_kv + (tile & 1) * 2 * kSm90TileBytes;
+        const uint32_t v_tile = k_tile + kSm90TileBytes;
+
+        // S = Q K^T: 64 rows x 128 keys per warpgroup, eight k16 steps over the head dimension.
+        float s[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) s[i] = 0.0f;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const uint32_t step = (kk >> 2) * kSm90Half + (kk & 3) * 32;
+            wgmma_m64n128k16_ss(s, smem_desc(q_rows + step, 16, 1024), smem_desc(k_tile + step, 16, 1024),
+                                kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_accumulators(s);
+
+        // s[4 j + e]: row a (e < 2) or b, key 8 j + 2 quad + (e & 1) of the tile.
+        const int key0 = tile * kSm90Keys;
+        const bool full = key0 + kSm90Keys <= window_min && (key0 + kSm90Keys <= pad_begin || key0 >= pad_end);
+        if (!full) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + j * 8 + quad * 2 + (e & 1);
+                    const int limit = e < 2 ? limit_a : limit_b;
+                    const bool seen = key < limit && (key < pad_begin || key >= pad_end);
+                    if (!seen) s[4 * j + e] = kNegInf;
+                }
+            }
+        }
+
+        float tile_max_a = kNegInf, tile_max_b = kNegInf;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            tile_max_a = fmaxf(tile_max_a, fmaxf(s[4 * j], s[4 * j + 1]));
+            tile_max_b = fmaxf(tile_max_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        const float new_max_a = fmaxf(max_a, quad_max(tile_max_a));
+        const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
+        const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a * scale_log2;
+        const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b * scale_log2;
+        const float corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a * scale_log2 - base_a);
+        const float corr_b = new_max_b == max_b ? 1.0f : exp2_approx(max_b * scale_log2 - base_b);
+        max_a = new_max_a;
+        max_b = new_max_b;
+        float tile_sum_a = 0.0f, tile_sum_b = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            s[4 * j] = exp2_approx(fmaf(s[4 * j], scale_log2, -base_a));
+            s[4 * j + 1] = exp2_approx(fmaf(s[4 * j + 1], scale_log2, -base_a));
+            s[4 * j + 2] = exp2_approx(fmaf(s[4 * j + 2], scale_log2, -base_b));
+            s[4 * j + 3] = exp2_approx(fmaf(s[4 * j + 3], scale_log2, -base_b));
+            tile_sum_a += s[4 * j] + s[4 * j + 1];
+            tile_sum_b += s[4 * j + 2] + s[4 * j + 3];
+        }
+        sum_a = fmaf(sum_a, corr_a, tile_sum_a);
+        sum_b = fmaf(sum_b, corr_b, tile_sum_b);
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            acc[4 * n] *= corr_a;
+            acc[4 * n + 1] *= corr_a;
+            acc[4 * n + 2] *= corr_b;
+            acc[4 * n + 3] *= corr_b;
+        }
+
+        // O += P V: key blocks 2 kk and 2 kk + 1 of S form the A fragment of keys 16 kk .. 16 kk + 15.
+        uint32_t p[8][4];
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+            p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            // V tile as B (keys x head dim, head dim contiguous): 8-key groups 1024 bytes apart, 64-column halves
+            // kSm90Half apart.
+            const uint32_t leading = V_DESC_SWAP ? 1024u : static_cast<uint32_t>(kSm90Half);
+            const uint32_t stride = V_DESC_SWAP ? static_cast<uint32_t>(kSm90Half) : 1024u;
+            wgmma_m64n128k16_rs_tb(acc, p[kk], smem_desc(v_tile + kk * 2048, leading, stride));
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_accumulators(acc);
+    }
+    cp_async_wait<0>();
+
+    // Normalise, stage this warp's 16 rows in its own rows of the Q tile (this warpgroup's reads of them are
+    // complete), then store 16-byte chunks.
+    const float total_a = quad_sum(sum_a);
+    const float total_b = quad_sum(sum_b);
+    const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
+    const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const uint32_t lo = pack_bf16(acc[4 * n] * inv_a, acc[4 * n + 1] * inv_a);
+        const uint32_t hi = pack_bf16(acc[4 * n + 2] * inv_b, acc[4 * n + 3] * inv_b);
+        const uint32_t in_chunk = quad * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a, n) + in_chunk), "r"(lo));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a + 8, n) + in_chunk), "r"(hi));
+    }
+    __syncwarp();
+    const int warp_row0 = warpgroup * 64 + (warp & 3) * 16;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int idx = lane + i * 32;
+        const int r = warp_row0 + (idx >> 4);
+        const int c = idx & 15;
+        const int row = q0 + r;
+        if (row < num_queries) {
+            uint4 v4;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
+                         : "r"(smem_q + sw128(r, c)));
+            *reinterpret_cast<uint4*>(o_base + static_cast<int64_t>(row) * o_row_stride + c * 8) = v4;
+        }
+    }
+}
+#endif  // QI_HAS_WGMMA
 }  // namespace
 
 // Dynamic shared memory: (16 * WARPS + 2 * 64 * STAGES) * 256 bytes; grid (ceil(num_queries / (16 *
@@ -380,3 +716,27 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w8s2, 8, 2, 1)
 QI_ATTENTION_KERNEL(qi_attention_d128_w8s3, 8, 3, 1)
 QI_ATTENTION_KERNEL(qi_attention_d128_w4s2, 4, 2, 2)
 QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
+
+// Dynamic shared memory: 5 * 32 KiB + 1 KiB (alignment); grid (ceil(num_queries / 128), num_heads, batch); block 256.
+#if defined(QI_HAS_WGMMA)
+#define QI_SM90_BODY(SWAP)                                                                                      \
+    attention_sm90<SWAP>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride,             \
+                         prefix_row_stride, prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, \
+                         o_row_stride, num_queries, num_keys, num_heads, num_kv_heads, key_limit,               \
+                         key_limit_batch_stride, key_pad, scale_log2);
+#else
+#define QI_SM90_BODY(SWAP) __trap();
+#endif
+#define QI_ATTENTION_SM90_KERNEL(NAME, SWAP)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
+        const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
+        const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
+        const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,   \
+        bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
+        int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
+        const int* __restrict__ key_pad, float scale_log2) {                                                  \
+        QI_SM90_BODY(SWAP)                                                                                    \
+    }
+
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, false)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_alt, true)

@@ -71,16 +71,36 @@ pub enum AttentionTile {
     W4S2,
     /// 64 query rows, 4 warps, 3 stages (112 KiB).
     W4S3,
+    /// sm_90a only: 128 query rows in two warpgroups, wgmma, keys in tiles of 128 through 2 stages (161 KiB).
+    Sm90,
+    /// [`AttentionTile::Sm90`] with the other encoding of the V descriptor's offsets (kept to check both).
+    Sm90Alt,
 }
 
 impl AttentionTile {
     /// Every tile shape, for benchmarks.
-    pub const ALL: [AttentionTile; 4] = [
+    pub const ALL: [AttentionTile; 6] = [
         AttentionTile::W8S2,
         AttentionTile::W8S3,
         AttentionTile::W4S2,
         AttentionTile::W4S3,
+        AttentionTile::Sm90,
+        AttentionTile::Sm90Alt,
     ];
+
+    /// Whether the kernel uses sm_90a instructions (it traps on any other GPU, so it is only loaded on 9.0).
+    pub fn needs_sm90(self) -> bool {
+        matches!(self, AttentionTile::Sm90 | AttentionTile::Sm90Alt)
+    }
+
+    /// Keys per tile: tile shapes of equal width reduce in the same order and give bit-identical results.
+    pub fn keys_per_tile(self) -> u32 {
+        if self.needs_sm90() {
+            128
+        } else {
+            64
+        }
+    }
 
     /// The kernel's symbol.
     pub fn kernel(self) -> &'static str {
@@ -89,13 +109,18 @@ impl AttentionTile {
             AttentionTile::W8S3 => "qi_attention_d128_w8s3",
             AttentionTile::W4S2 => "qi_attention_d128_w4s2",
             AttentionTile::W4S3 => "qi_attention_d128_w4s3",
+            AttentionTile::Sm90 => "qi_attention_d128_sm90",
+            AttentionTile::Sm90Alt => "qi_attention_d128_sm90_alt",
         }
     }
 
     /// Warps per CTA.
     pub fn warps(self) -> u32 {
         match self {
-            AttentionTile::W8S2 | AttentionTile::W8S3 => 8,
+            AttentionTile::W8S2
+            | AttentionTile::W8S3
+            | AttentionTile::Sm90
+            | AttentionTile::Sm90Alt => 8,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
     }
@@ -103,7 +128,10 @@ impl AttentionTile {
     /// cp.async stages.
     pub fn stages(self) -> u32 {
         match self {
-            AttentionTile::W8S2 | AttentionTile::W4S2 => 2,
+            AttentionTile::W8S2
+            | AttentionTile::W4S2
+            | AttentionTile::Sm90
+            | AttentionTile::Sm90Alt => 2,
             AttentionTile::W8S3 | AttentionTile::W4S3 => 3,
         }
     }
@@ -113,9 +141,12 @@ impl AttentionTile {
         self.warps() * 16
     }
 
-    /// Dynamic shared memory: the Q tile plus `stages` K and V tiles of 64 keys, 256 bytes per row.
+    /// Dynamic shared memory: the Q tile plus `stages` K and V tiles, 256 bytes per row (the sm_90 kernel adds
+    /// 1 KiB to align its tiles to the 1024-byte swizzle pattern).
     pub fn shared_bytes(self) -> u32 {
-        (self.rows() + 2 * 64 * self.stages()) * (HEAD_DIM * BF16) as u32
+        let rows = self.rows() + 2 * self.keys_per_tile() * self.stages();
+        let align = if self.needs_sm90() { 1024 } else { 0 };
+        rows * (HEAD_DIM * BF16) as u32 + align
     }
 }
 
@@ -1235,7 +1266,14 @@ impl QwenImageKernels {
         for &name in OPS_KERNELS {
             functions.insert(name, ops.function(name).map_err(cuda(OPS_SET))?);
         }
+        let sm90 = ctx
+            .device_info()
+            .map(|info| info.compute_capability == (9, 0))
+            .unwrap_or(false);
         for tile in AttentionTile::ALL {
+            if tile.needs_sm90() && !sm90 {
+                continue;
+            }
             let function = attention
                 .function(tile.kernel())
                 .map_err(cuda(ATTENTION_SET))?;
@@ -1447,7 +1485,17 @@ impl QwenImageKernels {
         self.submit(stream, &plan_transpose(src, dst, rows, cols)?)
     }
 
-    /// Flash attention with the default tile shape; see [`plan_attention`].
+    /// The tile shape [`Self::attention`] uses: the wgmma kernel where it is loaded (sm_90), else
+    /// [`AttentionTile::default`].
+    pub fn preferred_tile(&self) -> AttentionTile {
+        if self.has_tile(AttentionTile::Sm90) {
+            AttentionTile::Sm90
+        } else {
+            AttentionTile::default()
+        }
+    }
+
+    /// Flash attention with the preferred tile shape; see [`plan_attention`].
     pub fn attention(
         &self,
         stream: &Stream,
@@ -1458,7 +1506,7 @@ impl QwenImageKernels {
     ) -> Result<(), tf_cuda::Error> {
         self.attention_with(
             stream,
-            AttentionTile::default(),
+            self.preferred_tile(),
             shape,
             inputs,
             o,
@@ -1492,6 +1540,9 @@ mod tests {
         assert_eq!(AttentionTile::W8S3.shared_bytes(), 131_072);
         assert_eq!(AttentionTile::W4S2.shared_bytes(), 81_920);
         assert_eq!(AttentionTile::W4S3.shared_bytes(), 114_688);
+        // 128 query rows, 2 stages of 128-key K and V tiles, 1 KiB of alignment slack.
+        assert_eq!(AttentionTile::Sm90.shared_bytes(), (128 + 512) * 256 + 1024);
+        assert_eq!(AttentionTile::Sm90Alt.rows(), 128);
         for tile in AttentionTile::ALL {
             assert!(
                 tile.shared_bytes() <= 227 * 1024,

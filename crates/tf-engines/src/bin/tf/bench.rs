@@ -204,7 +204,7 @@ fn bench_shape(
     let mut ours = Vec::new();
     for tile in AttentionTile::ALL {
         if !kernels.has_tile(tile) {
-            println!("  {tile:?}: does not fit this GPU's shared memory, skipped");
+            println!("  {tile:?}: not loaded on this GPU (shared memory or compute capability), skipped");
             continue;
         }
         let launch = |o: &mut DeviceBuffer| {
