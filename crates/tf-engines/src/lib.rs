@@ -10,6 +10,7 @@
 //!   quantization, Euler step, true CFG combine).
 //! - [`noise`]: a documented portable seeded normal generator, and injected noise from a file.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
+//! - [`worker`]: LocalRouter's worker protocol (`tf worker`): JSON lines in and out, over any [`worker::WorkerEngine`].
 //!
 //! Invariants: library code returns errors (never panics) on bad input; host-reference ops are deterministic.
 //!
@@ -33,3 +34,4 @@ pub mod qwen_image;
 pub mod sampler;
 pub mod tensor;
 pub mod weights;
+pub mod worker;

@@ -8,6 +8,7 @@ mod bench;
 mod doctor;
 mod forward;
 mod tokenize;
+mod worker;
 
 #[derive(Parser)]
 #[command(name = "tf", version, about = "TensorFold CUDA runtime and engines")]
@@ -27,6 +28,8 @@ enum Command {
     /// Benchmarks on the GPU, side by side with the reference.
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// Serve an engine over LocalRouter's worker protocol (JSON lines on stdin/stdout).
+    Worker(worker::Args),
 }
 
 fn main() -> ExitCode {
@@ -36,5 +39,6 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Forward(a) => forward::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::Worker(a) => worker::run(a),
     }
 }

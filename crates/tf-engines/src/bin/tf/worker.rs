@@ -1,0 +1,134 @@
+//! `tf worker`: serves one engine over LocalRouter's worker protocol (JSON lines on stdin/stdout, logs on
+//! stderr; docs/WORKER.md).
+//!
+//! Exit codes: 0 after `exit` or end of input; 1 when stdin/stdout fail (the parent is gone); 2 for bad
+//! arguments; 3 after a lost GPU context; 4 after an engine panic. The process dies with its parent
+//! (PR_SET_PDEATHSIG on Linux), so an orphan never keeps GPU memory.
+
+use std::io::{self, BufWriter};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use tf_engines::worker::testpattern::TestPattern;
+use tf_engines::worker::{Worker, WorkerEngine, WorkerLimits};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineName {
+    /// Qwen-Image 2.1 from a diffusers-format model folder (`--model`).
+    #[value(name = "qwen_image")]
+    QwenImage,
+    /// Deterministic CPU test pattern: no model, no GPU (protocol and set-up checks).
+    Testpattern,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// The GPU when a CUDA driver and device are present, else the host reference.
+    Auto,
+    /// The host (CPU) reference.
+    Host,
+    /// The GPU (device 0).
+    Gpu,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Which engine to serve.
+    #[arg(long, value_enum)]
+    pub engine: EngineName,
+    /// The model folder (diffusers layout) for engines that need one.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Where the engine runs.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// Largest image side accepted, in pixels.
+    #[arg(long, default_value_t = 2048)]
+    pub max_side: u32,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    die_with_parent();
+    let limits = WorkerLimits {
+        max_side: args.max_side,
+        ..WorkerLimits::default()
+    };
+    let engine: Box<dyn WorkerEngine> = match args.engine {
+        EngineName::Testpattern => Box::new(TestPattern::default()),
+        EngineName::QwenImage => {
+            let Some(model) = args.model else {
+                eprintln!("tf worker: --engine qwen_image needs --model DIR (a diffusers-format Qwen-Image folder)");
+                return ExitCode::from(2);
+            };
+            match qwen_engine(model, args.backend) {
+                Ok(e) => e,
+                Err(message) => {
+                    eprintln!("tf worker: {message}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
+    eprintln!(
+        "tf worker: serving {:?} (pid {}); waiting for JSON lines on stdin",
+        args.engine,
+        std::process::id()
+    );
+    let mut worker = Worker::new(engine, limits);
+    let stdin = io::stdin().lock();
+    let stdout = BufWriter::new(io::stdout().lock());
+    match worker.serve(stdin, stdout) {
+        Ok(ending) => {
+            eprintln!("tf worker: {ending:?}; exiting with {}", ending.exit_code());
+            ExitCode::from(ending.exit_code())
+        }
+        Err(e) => {
+            eprintln!("tf worker: stdin/stdout failed ({e}); the parent is gone, exiting");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn qwen_engine(model: PathBuf, backend: BackendChoice) -> Result<Box<dyn WorkerEngine>, String> {
+    if !model.is_dir() {
+        return Err(format!(
+            "--model {} is not a folder; give the diffusers-format Qwen-Image folder (model_index.json, transformer/, ...)",
+            model.display()
+        ));
+    }
+    let _ = backend;
+    Err("the qwen_image engine is not available in this build yet".to_string())
+}
+
+/// Asks Linux to SIGKILL this process when its parent dies, then checks the parent is still the one that
+/// started us (LOCALROUTER_PARENT, when set): a worker must never outlive the daemon holding GPU memory.
+fn die_with_parent() {
+    #[cfg(target_os = "linux")]
+    {
+        const PR_SET_PDEATHSIG: std::ffi::c_int = 1;
+        const SIGKILL: std::ffi::c_ulong = 9;
+        extern "C" {
+            fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
+        }
+        // SAFETY: prctl(PR_SET_PDEATHSIG, sig) takes one unsigned long argument and touches no memory of ours.
+        let rc = unsafe { prctl(PR_SET_PDEATHSIG, SIGKILL) };
+        if rc != 0 {
+            eprintln!(
+                "tf worker: could not ask to die with the parent: {}",
+                io::Error::last_os_error()
+            );
+        }
+    }
+    // The parent may have died before prctl took effect; then we were re-parented.
+    if let Some(expected) = std::env::var("LOCALROUTER_PARENT")
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        .filter(|&p| p != 0)
+    {
+        let parent = std::os::unix::process::parent_id();
+        if parent != expected {
+            eprintln!("tf worker: the parent {expected} is gone (now {parent}); exiting");
+            std::process::exit(0);
+        }
+    }
+}

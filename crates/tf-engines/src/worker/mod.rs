@@ -1,0 +1,778 @@
+//! The worker protocol LocalRouter drives (`tf worker`): one JSON object per line on stdin, one per line on
+//! stdout, logs on stderr. docs/WORKER.md is the full reference.
+//!
+//! ```text
+//! -> {"op":"load"}                      <- {"ok":true,"resident":BYTES,"ms":T}
+//! -> {"op":"generate","dir":D,"request":{"image":{"prompt":..,"width":..,"height":..,"steps":..,"seed":..}}}
+//!                                       <- {"progress":{"phase":"denoise","step":1,"of":8,"steps":8}} ...
+//!                                       <- {"ok":true,"files":["image_0.png"],"seed":S,"ms":T}
+//!                                       or {"ok":false,"error":"...","type":"invalid_request_error"|"server_error"}
+//! -> {"op":"exit"}                      <- {"ok":true,"device_bytes":0,"device_allocs":0}, then exit 0
+//! ```
+//!
+//! Invariants: every input line gets exactly one final reply (a line with `ok`), preceded only by its own
+//! progress lines; a malformed line is answered `invalid_request_error` and the worker keeps serving; an
+//! engine failure is answered `server_error`; a lost device context or an engine panic is answered, then
+//! [`Worker::serve`] returns an [`Ending`] whose exit code is non-zero, because the process must not serve
+//! another job on a poisoned context. The engine is unloaded (every device buffer freed, the context
+//! destroyed) before `exit` is answered and before `serve` returns.
+//!
+//! The protocol is engine-neutral: anything implementing [`WorkerEngine`] can be served.
+//!
+//! ```
+//! use tf_engines::worker::{testpattern::TestPattern, Worker, WorkerLimits, Ending};
+//!
+//! let input = br#"{"op":"load"}
+//! {"op":"exit"}
+//! "#;
+//! let mut output = Vec::new();
+//! let mut worker = Worker::new(TestPattern::default(), WorkerLimits::default());
+//! let ending = worker.serve(&input[..], &mut output)?;
+//! assert_eq!(ending, Ending::Exit);
+//! assert_eq!(ending.exit_code(), 0);
+//! assert!(String::from_utf8_lossy(&output).starts_with(r#"{"ok":true,"#));
+//! # Ok::<(), std::io::Error>(())
+//! ```
+
+pub mod client;
+pub mod png;
+pub mod request;
+pub mod testpattern;
+
+use std::io::{self, BufRead, Write};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use request::{Command, GenerateCommand, OutputTarget};
+
+/// One image to make, validated against [`WorkerLimits`] (the engine may refuse more).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageJob {
+    /// The prompt (may be empty; the engine decides what that means).
+    pub prompt: String,
+    /// A negative prompt, when one was given (non-empty).
+    pub negative_prompt: Option<String>,
+    /// Width in pixels.
+    pub width: u32,
+    /// Height in pixels.
+    pub height: u32,
+    /// Sampling steps; `None` = the engine's default.
+    pub steps: Option<u32>,
+    /// The noise seed of this image.
+    pub seed: u64,
+    /// Guidance (true CFG) scale; `None` = the engine's default.
+    pub guidance: Option<f32>,
+}
+
+/// A progress note from a running job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// What the engine is doing: "encode", "denoise", "decode"...
+    pub phase: &'static str,
+    /// Steps done in this phase.
+    pub step: u32,
+    /// Steps in this phase (0 = unknown).
+    pub of: u32,
+}
+
+/// An 8-bit RGBA image, rows top to bottom.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RgbaImage {
+    width: u32,
+    height: u32,
+    pixels: Vec<u8>,
+}
+
+impl RgbaImage {
+    /// Wraps `pixels` (`width * height * 4` bytes, RGBA, row-major).
+    pub fn new(width: u32, height: u32, pixels: Vec<u8>) -> Result<RgbaImage, EngineError> {
+        let expected = (width as u64)
+            .checked_mul(height as u64)
+            .and_then(|n| n.checked_mul(4));
+        if width == 0 || height == 0 || expected != Some(pixels.len() as u64) {
+            return Err(EngineError::Failed(format!(
+                "the engine produced {} bytes for a {width}x{height} RGBA image (expected width*height*4)",
+                pixels.len()
+            )));
+        }
+        Ok(RgbaImage {
+            width,
+            height,
+            pixels,
+        })
+    }
+
+    /// Width in pixels.
+    pub fn width(&self) -> u32 {
+        self.width
+    }
+
+    /// Height in pixels.
+    pub fn height(&self) -> u32 {
+        self.height
+    }
+
+    /// RGBA bytes, row-major.
+    pub fn pixels(&self) -> &[u8] {
+        &self.pixels
+    }
+}
+
+/// How an engine call failed; decides the reply's `type` and whether the worker may go on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The request cannot be served by this model (size, steps, prompt...): `invalid_request_error`.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The job failed; the engine can take another: `server_error`.
+    #[error("{0}")]
+    Failed(String),
+    /// The device context is poisoned (a sticky fault): `server_error`, then the worker exits non-zero so a
+    /// fresh process (with a fresh context) serves the next job.
+    #[error("the GPU context is lost: {0}; this worker exits so that a fresh process serves the next job")]
+    DeviceLost(String),
+}
+
+/// An engine the worker can serve: a model that loads once and makes images until unloaded.
+pub trait WorkerEngine {
+    /// Loads weights and kernels; returns the resident bytes now held. Called only while unloaded.
+    fn load(&mut self) -> Result<u64, EngineError>;
+
+    /// Makes one image. Called only while loaded. Reports progress through `progress`.
+    fn generate(
+        &mut self,
+        job: &ImageJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RgbaImage, EngineError>;
+
+    /// Releases everything `load` took (device buffers, modules, streams, then the context and the driver).
+    /// Must be safe to call when not loaded.
+    fn unload(&mut self);
+}
+
+impl<E: WorkerEngine + ?Sized> WorkerEngine for Box<E> {
+    fn load(&mut self) -> Result<u64, EngineError> {
+        (**self).load()
+    }
+
+    fn generate(
+        &mut self,
+        job: &ImageJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RgbaImage, EngineError> {
+        (**self).generate(job, progress)
+    }
+
+    fn unload(&mut self) {
+        (**self).unload()
+    }
+}
+
+/// Protocol-level limits, checked before the engine sees a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerLimits {
+    /// Smallest side in pixels.
+    pub min_side: u32,
+    /// Largest side in pixels.
+    pub max_side: u32,
+    /// Sides must be multiples of this (16: the DiTs' latent grid).
+    pub side_multiple: u32,
+    /// Side used when `width`/`height` are absent.
+    pub default_side: u32,
+    /// Most sampling steps.
+    pub max_steps: u32,
+    /// Most images per request (`n`).
+    pub max_images: u32,
+    /// Longest prompt in bytes.
+    pub max_prompt_bytes: usize,
+    /// Longest input line in bytes.
+    pub max_line_bytes: usize,
+}
+
+impl Default for WorkerLimits {
+    fn default() -> Self {
+        WorkerLimits {
+            min_side: 16,
+            max_side: 2048,
+            side_multiple: 16,
+            default_side: 1024,
+            max_steps: 200,
+            max_images: 4,
+            max_prompt_bytes: 16 * 1024,
+            max_line_bytes: 1 << 20,
+        }
+    }
+}
+
+/// Why [`Worker::serve`] returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending {
+    /// `{"op":"exit"}` was answered.
+    Exit,
+    /// Standard input ended.
+    EndOfInput,
+    /// A job hit a sticky device fault; it was answered and the engine dropped.
+    DeviceLost(String),
+    /// The engine panicked; the job was answered `server_error`.
+    EnginePanicked(String),
+}
+
+impl Ending {
+    /// The process exit code: 0 for a requested exit or end of input, 3 after a lost device, 4 after a
+    /// panic (1 is left for I/O failures on the pipes, 2 for bad command-line arguments).
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Ending::Exit | Ending::EndOfInput => 0,
+            Ending::DeviceLost(_) => 3,
+            Ending::EnginePanicked(_) => 4,
+        }
+    }
+}
+
+/// What to do after one line.
+enum Flow {
+    Continue,
+    Stop(Ending),
+}
+
+/// Serves one engine over the protocol.
+pub struct Worker<E: WorkerEngine> {
+    engine: E,
+    limits: WorkerLimits,
+    resident: Option<u64>,
+}
+
+impl<E: WorkerEngine> Worker<E> {
+    /// A worker for `engine`, not loaded yet.
+    pub fn new(engine: E, limits: WorkerLimits) -> Worker<E> {
+        Worker {
+            engine,
+            limits,
+            resident: None,
+        }
+    }
+
+    /// Whether the engine is loaded.
+    pub fn is_loaded(&self) -> bool {
+        self.resident.is_some()
+    }
+
+    /// Reads commands from `input` until `exit`, end of input, or a fatal job; writes replies to `output`
+    /// (flushed after every line). The engine is unloaded before this returns. `Err` only when reading
+    /// `input` or writing `output` fails (the parent is gone).
+    pub fn serve(&mut self, mut input: impl BufRead, mut output: impl Write) -> io::Result<Ending> {
+        let mut line = Vec::new();
+        let ending = loop {
+            let flow = match read_line_capped(&mut input, &mut line, self.limits.max_line_bytes) {
+                Ok(LineRead::EndOfInput) => Flow::Stop(Ending::EndOfInput),
+                Ok(LineRead::TooLong) => {
+                    let message = format!(
+                        "the line is longer than {} bytes and was skipped",
+                        self.limits.max_line_bytes
+                    );
+                    self.reply_error(&mut output, &message, ErrorType::InvalidRequest)
+                        .map(|()| Flow::Continue)
+                        .inspect_err(|_| self.unload())?
+                }
+                Ok(LineRead::Line) => self
+                    .handle_line(&line, &mut output)
+                    .inspect_err(|_| self.unload())?,
+                Err(e) => {
+                    self.unload();
+                    return Err(e);
+                }
+            };
+            if let Flow::Stop(ending) = flow {
+                break ending;
+            }
+        };
+        self.unload();
+        Ok(ending)
+    }
+
+    fn handle_line(&mut self, raw: &[u8], output: &mut dyn Write) -> io::Result<Flow> {
+        let text = match std::str::from_utf8(raw) {
+            Ok(t) => t.trim(),
+            Err(e) => {
+                let message = format!("the line is not UTF-8 ({e}); send JSON text");
+                self.reply_error(output, &message, ErrorType::InvalidRequest)?;
+                return Ok(Flow::Continue);
+            }
+        };
+        if text.is_empty() {
+            return Ok(Flow::Continue); // blank lines are keep-alives, not commands
+        }
+        let command = match request::parse_command(text, &self.limits) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("tf worker: refused a line: {e}");
+                self.reply_error(output, &e.0, ErrorType::InvalidRequest)?;
+                return Ok(Flow::Continue);
+            }
+        };
+        match command {
+            Command::Load => self.load(output),
+            Command::Generate(g) => self.generate(&g, output),
+            Command::Exit => {
+                self.unload();
+                let usage = tf_cuda::usage();
+                write_line(
+                    output,
+                    &Reply {
+                        device_bytes: Some(usage.device),
+                        device_allocs: Some(usage.device_allocs),
+                        ..Reply::ok()
+                    },
+                )?;
+                Ok(Flow::Stop(Ending::Exit))
+            }
+        }
+    }
+
+    fn load(&mut self, output: &mut dyn Write) -> io::Result<Flow> {
+        if let Some(resident) = self.resident {
+            write_line(
+                output,
+                &Reply {
+                    resident: Some(resident),
+                    ms: Some(0),
+                    ..Reply::ok()
+                },
+            )?;
+            return Ok(Flow::Continue);
+        }
+        let started = Instant::now();
+        let engine = &mut self.engine;
+        match catch_unwind(AssertUnwindSafe(|| engine.load())) {
+            Ok(Ok(resident)) => {
+                let ms = millis(started);
+                eprintln!("tf worker: loaded in {ms} ms, {resident} bytes resident");
+                self.resident = Some(resident);
+                write_line(
+                    output,
+                    &Reply {
+                        resident: Some(resident),
+                        ms: Some(ms),
+                        ..Reply::ok()
+                    },
+                )?;
+                Ok(Flow::Continue)
+            }
+            Ok(Err(e)) => {
+                eprintln!("tf worker: load failed: {e}");
+                self.unload_engine();
+                let kind = match e {
+                    EngineError::InvalidRequest(_) => ErrorType::InvalidRequest,
+                    _ => ErrorType::Server,
+                };
+                self.reply_error(output, &format!("load failed: {e}"), kind)?;
+                Ok(match e {
+                    EngineError::DeviceLost(m) => Flow::Stop(Ending::DeviceLost(m)),
+                    _ => Flow::Continue,
+                })
+            }
+            Err(payload) => self.panicked("load", payload, output),
+        }
+    }
+
+    fn generate(&mut self, command: &GenerateCommand, output: &mut dyn Write) -> io::Result<Flow> {
+        if self.resident.is_none() {
+            self.reply_error(
+                output,
+                "generate before load: send {\"op\":\"load\"} first",
+                ErrorType::InvalidRequest,
+            )?;
+            return Ok(Flow::Continue);
+        }
+        let started = Instant::now();
+        let paths = match prepare_target(&command.target, command.count) {
+            Ok(p) => p,
+            Err(message) => {
+                self.reply_error(output, &message, ErrorType::InvalidRequest)?;
+                return Ok(Flow::Continue);
+            }
+        };
+        eprintln!(
+            "tf worker: job {:?}: {}x{}, {} image(s), seed {}",
+            command.id, command.job.width, command.job.height, command.count, command.job.seed
+        );
+        let mut files = Vec::with_capacity(paths.len());
+        // A broken stdout during progress is reported by the final reply's write.
+        let mut progress_failed: Option<io::Error> = None;
+        for (index, (path, listed)) in paths.into_iter().enumerate() {
+            let index = index as u32; // at most max_images
+            let mut job = command.job.clone();
+            job.seed = command.job.seed.wrapping_add(u64::from(index));
+            let count = command.count;
+            let engine = &mut self.engine;
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                engine.generate(&job, &mut |p: Progress| {
+                    if progress_failed.is_some() {
+                        return;
+                    }
+                    let (step, of) = if count > 1 {
+                        (
+                            p.step.saturating_add(index.saturating_mul(p.of)),
+                            p.of.saturating_mul(count),
+                        )
+                    } else {
+                        (p.step, p.of)
+                    };
+                    let line = Reply {
+                        progress: Some(ProgressNote {
+                            phase: p.phase,
+                            step,
+                            of,
+                            steps: of,
+                        }),
+                        ..Reply::default()
+                    };
+                    if let Err(e) = write_line(output, &line) {
+                        progress_failed = Some(e);
+                    }
+                })
+            }));
+            if let Some(e) = progress_failed.take() {
+                self.unload();
+                return Err(e);
+            }
+            let image = match result {
+                Ok(Ok(image)) => image,
+                Ok(Err(e)) => return self.job_failed(e, output),
+                Err(payload) => return self.panicked("generate", payload, output),
+            };
+            if (image.width(), image.height()) != (job.width, job.height) {
+                let message = format!(
+                    "the engine made a {}x{} image for a {}x{} request",
+                    image.width(),
+                    image.height(),
+                    job.width,
+                    job.height
+                );
+                return self.job_failed(EngineError::Failed(message), output);
+            }
+            if let Err(e) = png::write_rgba(&path, &image) {
+                let message = format!("could not write {}: {e}", path.display());
+                self.reply_error(output, &message, ErrorType::Server)?;
+                return Ok(Flow::Continue);
+            }
+            files.push(listed);
+        }
+        let ms = millis(started);
+        eprintln!("tf worker: job {:?} done in {ms} ms", command.id);
+        write_line(
+            output,
+            &Reply {
+                files: Some(&files),
+                seed: Some(command.job.seed),
+                ms: Some(ms),
+                ..Reply::ok()
+            },
+        )?;
+        Ok(Flow::Continue)
+    }
+
+    fn job_failed(&mut self, error: EngineError, output: &mut dyn Write) -> io::Result<Flow> {
+        eprintln!("tf worker: job failed: {error}");
+        match error {
+            EngineError::InvalidRequest(m) => {
+                self.reply_error(output, &m, ErrorType::InvalidRequest)?;
+                Ok(Flow::Continue)
+            }
+            EngineError::Failed(m) => {
+                self.reply_error(output, &format!("generate failed: {m}"), ErrorType::Server)?;
+                Ok(Flow::Continue)
+            }
+            EngineError::DeviceLost(m) => {
+                let e = EngineError::DeviceLost(m.clone());
+                self.reply_error(output, &format!("generate failed: {e}"), ErrorType::Server)?;
+                self.unload();
+                Ok(Flow::Stop(Ending::DeviceLost(m)))
+            }
+        }
+    }
+
+    fn panicked(
+        &mut self,
+        what: &str,
+        payload: Box<dyn std::any::Any + Send>,
+        output: &mut dyn Write,
+    ) -> io::Result<Flow> {
+        let why = panic_text(payload.as_ref());
+        eprintln!("tf worker: the engine panicked during {what}: {why}");
+        let message = format!(
+            "{what} failed: internal error in the engine ({why}); this worker exits, a fresh one can serve the next job"
+        );
+        self.reply_error(output, &message, ErrorType::Server)?;
+        self.unload();
+        Ok(Flow::Stop(Ending::EnginePanicked(why)))
+    }
+
+    fn reply_error(
+        &self,
+        output: &mut dyn Write,
+        message: &str,
+        kind: ErrorType,
+    ) -> io::Result<()> {
+        write_line(
+            output,
+            &Reply {
+                ok: Some(false),
+                error: Some(message),
+                kind: Some(kind.as_str()),
+                ..Reply::default()
+            },
+        )
+    }
+
+    /// Unloads if loaded. Engine panics here are caught: unloading must not take the process down.
+    fn unload(&mut self) {
+        if self.resident.take().is_some() {
+            self.unload_engine();
+        }
+    }
+
+    fn unload_engine(&mut self) {
+        let engine = &mut self.engine;
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| engine.unload())) {
+            eprintln!(
+                "tf worker: the engine panicked while unloading: {}",
+                panic_text(payload.as_ref())
+            );
+        }
+    }
+}
+
+impl<E: WorkerEngine> Drop for Worker<E> {
+    fn drop(&mut self) {
+        self.unload();
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum ErrorType {
+    InvalidRequest,
+    Server,
+}
+
+impl ErrorType {
+    fn as_str(self) -> &'static str {
+        match self {
+            ErrorType::InvalidRequest => "invalid_request_error",
+            ErrorType::Server => "server_error",
+        }
+    }
+}
+
+/// The file paths to write and the names to list in the reply; creates the folder.
+fn prepare_target(target: &OutputTarget, count: u32) -> Result<Vec<(PathBuf, String)>, String> {
+    match target {
+        OutputTarget::Folder(dir) => {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("cannot create the output folder {}: {e}", dir.display()))?;
+            Ok((0..count)
+                .map(|i| {
+                    let name = format!("image_{i}.png");
+                    (dir.join(&name), name)
+                })
+                .collect())
+        }
+        OutputTarget::File(file) => {
+            if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| format!("cannot create the folder of {}: {e}", file.display()))?;
+            }
+            if file.is_dir() {
+                return Err(format!(
+                    "`output` {} is a folder; give a file path, or the folder in `dir`",
+                    file.display()
+                ));
+            }
+            Ok(vec![(file.clone(), file.to_string_lossy().into_owned())])
+        }
+    }
+}
+
+/// One output line; absent fields are left out, present ones keep this order (`ok` first).
+#[derive(Serialize, Default)]
+struct Reply<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ok: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    progress: Option<ProgressNote>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resident: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    files: Option<&'a [String]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_allocs: Option<u64>,
+}
+
+impl Reply<'_> {
+    fn ok() -> Self {
+        Reply {
+            ok: Some(true),
+            ..Reply::default()
+        }
+    }
+}
+
+/// `of` is LocalRouter's name for the step count, `steps` the same number under a self-explaining name.
+#[derive(Serialize)]
+struct ProgressNote {
+    phase: &'static str,
+    step: u32,
+    of: u32,
+    steps: u32,
+}
+
+fn write_line(output: &mut dyn Write, reply: &Reply<'_>) -> io::Result<()> {
+    let mut text = serde_json::to_string(reply).map_err(io::Error::other)?;
+    text.push('\n');
+    output.write_all(text.as_bytes())?;
+    output.flush()
+}
+
+fn millis(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
+
+enum LineRead {
+    Line,
+    TooLong,
+    EndOfInput,
+}
+
+/// Reads one line into `line` (without the newline). A line over `max` bytes is consumed and skipped.
+/// A last line without a newline still counts.
+fn read_line_capped(
+    input: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<LineRead> {
+    line.clear();
+    let mut too_long = false;
+    let mut saw_any = false;
+    loop {
+        let chunk = match input.fill_buf() {
+            Ok(c) => c,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if chunk.is_empty() {
+            return Ok(match (saw_any, too_long) {
+                (false, _) => LineRead::EndOfInput,
+                (true, true) => LineRead::TooLong,
+                (true, false) => LineRead::Line,
+            });
+        }
+        saw_any = true;
+        let (part, used, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(at) => (&chunk[..at], at + 1, true),
+            None => (chunk, chunk.len(), false),
+        };
+        if !too_long {
+            if line.len() + part.len() > max {
+                too_long = true;
+                line.clear();
+            } else {
+                line.extend_from_slice(part);
+            }
+        }
+        input.consume(used);
+        if done {
+            return Ok(if too_long {
+                LineRead::TooLong
+            } else {
+                LineRead::Line
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capped_reader_splits_lines_and_skips_long_ones() {
+        let data = b"short\nthis line is too long\nok\nlast";
+        let mut input = &data[..];
+        let mut line = Vec::new();
+        let mut seen = Vec::new();
+        loop {
+            match read_line_capped(&mut input, &mut line, 8).unwrap() {
+                LineRead::Line => seen.push(String::from_utf8(line.clone()).unwrap()),
+                LineRead::TooLong => seen.push("<long>".to_string()),
+                LineRead::EndOfInput => break,
+            }
+        }
+        assert_eq!(seen, ["short", "<long>", "ok", "last"]);
+    }
+
+    #[test]
+    fn rgba_image_checks_its_length() {
+        assert!(RgbaImage::new(2, 2, vec![0; 16]).is_ok());
+        assert!(RgbaImage::new(2, 2, vec![0; 15]).is_err());
+        assert!(RgbaImage::new(0, 2, vec![]).is_err());
+    }
+
+    #[test]
+    fn exit_codes_are_distinct() {
+        let codes = [
+            Ending::Exit.exit_code(),
+            Ending::DeviceLost(String::new()).exit_code(),
+            Ending::EnginePanicked(String::new()).exit_code(),
+        ];
+        assert_eq!(codes, [0, 3, 4]);
+        assert_eq!(Ending::EndOfInput.exit_code(), 0);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn capped_reader_never_loses_short_lines(
+            lines in proptest::collection::vec("[a-z ]{0,12}", 0..20),
+            chunk in 1usize..7,
+        ) {
+            let text = lines.iter().map(|l| format!("{l}\n")).collect::<String>();
+            let mut input = io::BufReader::with_capacity(chunk, text.as_bytes());
+            let mut line = Vec::new();
+            let mut seen = Vec::new();
+            loop {
+                match read_line_capped(&mut input, &mut line, 8).unwrap() {
+                    LineRead::Line => seen.push(String::from_utf8(line.clone()).unwrap()),
+                    LineRead::TooLong => seen.push("<long>".to_string()),
+                    LineRead::EndOfInput => break,
+                }
+            }
+            let expected: Vec<String> = lines
+                .iter()
+                .map(|l| if l.len() > 8 { "<long>".to_string() } else { l.clone() })
+                .collect();
+            proptest::prop_assert_eq!(seen, expected);
+        }
+    }
+}

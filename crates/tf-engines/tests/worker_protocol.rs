@@ -1,0 +1,556 @@
+//! The worker protocol (docs/WORKER.md): in-process with a scripted fake engine (good and bad requests,
+//! ordering, progress, failures, exit), and as a real `tf worker` process driven by the client.
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tf_engines::worker::client::WorkerProcess;
+use tf_engines::worker::png::decode_stored_rgba;
+use tf_engines::worker::{
+    Ending, EngineError, ImageJob, Progress, RgbaImage, Worker, WorkerEngine, WorkerLimits,
+};
+
+/// What the fake engine saw.
+#[derive(Default, Debug)]
+struct Calls {
+    loads: u32,
+    unloads: u32,
+    jobs: Vec<ImageJob>,
+    loaded: bool,
+}
+
+/// A scripted engine: the prompt picks the outcome ("refuse", "fail", "lost", "panic", "wrong size"),
+/// anything else makes a flat image whose colour encodes the seed. Its first load fails when `fail_first_load`.
+struct FakeEngine {
+    calls: Rc<RefCell<Calls>>,
+    fail_first_load: bool,
+}
+
+impl FakeEngine {
+    fn new() -> (FakeEngine, Rc<RefCell<Calls>>) {
+        let calls = Rc::new(RefCell::new(Calls::default()));
+        (
+            FakeEngine {
+                calls: Rc::clone(&calls),
+                fail_first_load: false,
+            },
+            calls,
+        )
+    }
+}
+
+impl WorkerEngine for FakeEngine {
+    fn load(&mut self) -> Result<u64, EngineError> {
+        let mut calls = self.calls.borrow_mut();
+        assert!(!calls.loaded, "load while loaded");
+        calls.loads += 1;
+        if self.fail_first_load && calls.loads == 1 {
+            return Err(EngineError::Failed("weights missing".into()));
+        }
+        calls.loaded = true;
+        Ok(12_345)
+    }
+
+    fn generate(
+        &mut self,
+        job: &ImageJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RgbaImage, EngineError> {
+        assert!(self.calls.borrow().loaded, "generate while unloaded");
+        self.calls.borrow_mut().jobs.push(job.clone());
+        let steps = job.steps.unwrap_or(2);
+        progress(Progress {
+            phase: "encode",
+            step: 1,
+            of: 1,
+        });
+        for step in 1..=steps {
+            progress(Progress {
+                phase: "denoise",
+                step,
+                of: steps,
+            });
+        }
+        match job.prompt.as_str() {
+            "refuse" => Err(EngineError::InvalidRequest(
+                "width must be a multiple of 32".into(),
+            )),
+            "fail" => Err(EngineError::Failed("out of memory".into())),
+            "lost" => Err(EngineError::DeviceLost("CUDA_ERROR_ILLEGAL_ADDRESS".into())),
+            "panic" => panic!("fake engine bug"),
+            "wrong size" => RgbaImage::new(16, 16, vec![0; 16 * 16 * 4]),
+            _ => {
+                let shade = (job.seed % 251) as u8;
+                let (w, h) = (job.width, job.height);
+                RgbaImage::new(w, h, [shade, 1, 2, 255].repeat((w * h) as usize))
+            }
+        }
+    }
+
+    fn unload(&mut self) {
+        let mut calls = self.calls.borrow_mut();
+        if calls.loaded {
+            calls.unloads += 1;
+        }
+        calls.loaded = false;
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tf-worker-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `lines` through a worker; returns the ending and every output line as JSON.
+fn serve(engine: FakeEngine, lines: &[String]) -> (Ending, Vec<Value>) {
+    let input = lines.iter().map(|l| format!("{l}\n")).collect::<String>();
+    let mut output = Vec::new();
+    let mut worker = Worker::new(engine, WorkerLimits::default());
+    let ending = worker.serve(input.as_bytes(), &mut output).unwrap();
+    assert!(!worker.is_loaded(), "serve returned with the engine loaded");
+    let text = String::from_utf8(output).unwrap();
+    let values = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    (ending, values)
+}
+
+/// Splits output lines into one group per command: the progress lines, then the final reply.
+fn per_command(values: &[Value]) -> Vec<(Vec<Value>, Value)> {
+    let mut groups = Vec::new();
+    let mut progress = Vec::new();
+    for v in values {
+        if v.get("ok").is_some() {
+            assert!(v.get("progress").is_none(), "{v}");
+            groups.push((std::mem::take(&mut progress), v.clone()));
+        } else {
+            let p = v
+                .get("progress")
+                .unwrap_or_else(|| panic!("neither ok nor progress: {v}"));
+            progress.push(p.clone());
+        }
+    }
+    assert!(
+        progress.is_empty(),
+        "progress after the last reply: {progress:?}"
+    );
+    groups
+}
+
+fn generate_line(dir: &Path, prompt: &str, extra: Value) -> String {
+    let mut line = json!({"op": "generate", "dir": dir, "request": {"image": {"prompt": prompt, "width": 64, "height": 32, "steps": 3, "seed": 9}}});
+    if let (Some(image), Value::Object(extra)) = (line["request"]["image"].as_object_mut(), extra) {
+        image.extend(extra);
+    }
+    line.to_string()
+}
+
+fn assert_error(reply: &Value, kind: &str, contains: &str) {
+    assert_eq!(reply["ok"], false, "{reply}");
+    assert_eq!(reply["type"], kind, "{reply}");
+    let message = reply["error"].as_str().unwrap_or_default();
+    assert!(message.contains(contains), "`{message}` lacks `{contains}`");
+}
+
+#[test]
+fn load_generate_exit_in_order_with_progress_and_files() {
+    let dir = temp_dir("happy");
+    let (engine, calls) = FakeEngine::new();
+    let lines = [
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "a fox", json!({})),
+        json!({"op": "exit"}).to_string(),
+        json!({"op": "load"}).to_string(), // after exit: never read
+    ];
+    let (ending, values) = serve(engine, &lines);
+    assert_eq!(ending, Ending::Exit);
+    let groups = per_command(&values);
+    assert_eq!(groups.len(), 3, "{values:?}");
+
+    let (progress, loaded) = &groups[0];
+    assert!(progress.is_empty());
+    assert_eq!(loaded["ok"], true);
+    assert_eq!(loaded["resident"], 12_345);
+    assert!(loaded["ms"].is_u64());
+
+    let (progress, done) = &groups[1];
+    let phases: Vec<(&str, u64, u64)> = progress
+        .iter()
+        .map(|p| {
+            (
+                p["phase"].as_str().unwrap(),
+                p["step"].as_u64().unwrap(),
+                p["of"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            ("encode", 1, 1),
+            ("denoise", 1, 3),
+            ("denoise", 2, 3),
+            ("denoise", 3, 3)
+        ]
+    );
+    assert!(progress.iter().all(|p| p["steps"] == p["of"]));
+    assert_eq!(done["ok"], true, "{done}");
+    assert_eq!(done["seed"], 9);
+    assert_eq!(done["files"], json!(["image_0.png"]));
+    let (w, h, rgba) =
+        decode_stored_rgba(&std::fs::read(dir.join("image_0.png")).unwrap()).unwrap();
+    assert_eq!((w, h), (64, 32));
+    assert_eq!(&rgba[..4], &[9, 1, 2, 255]);
+
+    let (_, exited) = &groups[2];
+    assert_eq!(exited["ok"], true);
+    assert_eq!(exited["device_bytes"], 0);
+    let calls = calls.borrow();
+    assert_eq!((calls.loads, calls.unloads), (1, 1));
+    assert_eq!(calls.jobs.len(), 1);
+    assert_eq!(calls.jobs[0].prompt, "a fox");
+}
+
+#[test]
+fn bad_requests_are_answered_and_the_worker_keeps_serving() {
+    let dir = temp_dir("bad");
+    let (engine, calls) = FakeEngine::new();
+    let flat_ok = json!({"op": "generate", "prompt": "flat", "width": 32, "height": 48, "seed": 4, "out_dir": dir.join("flat")});
+    let cases: Vec<(String, Option<&str>)> = vec![
+        (generate_line(&dir, "early", json!({})), Some("generate before load")),
+        (json!({"op": "load"}).to_string(), None),
+        ("this is not json".into(), Some("not valid JSON")),
+        ("[]".into(), Some("expected a JSON object")),
+        (json!({"op": "dance"}).to_string(), Some("unknown op `dance`")),
+        (json!({"op": "generate", "dir": dir}).to_string(), Some("`prompt` is missing")),
+        (generate_line(&dir, "x", json!({"width": "64"})), Some("`width` must be a whole number")),
+        (generate_line(&dir, "x", json!({"width": 65})), Some("multiple of 16")),
+        (generate_line(&dir, "x", json!({"height": 4096})), Some("`height` must be 16 to 2048")),
+        (generate_line(&dir, "x", json!({"steps": 1000})), Some("`steps` must be at most")),
+        (generate_line(&dir, "x", json!({"seed": -3})), Some("`seed`")),
+        (json!({"op": "generate", "prompt": "x"}).to_string(), Some("say where the images go")),
+        (generate_line(&dir, "refuse", json!({})), Some("multiple of 32")),
+        (json!({"op": "generate", "prompt": "x", "output": dir.join("x.png"), "request": {"image": {"prompt": "y"}}}).to_string(), Some("not both")),
+        (flat_ok.to_string(), None),
+        (json!({"op": "load"}).to_string(), None),
+    ];
+    let lines: Vec<String> = cases.iter().map(|(l, _)| l.clone()).collect();
+    let (ending, values) = serve(engine, &lines);
+    assert_eq!(ending, Ending::EndOfInput);
+    let groups = per_command(&values);
+    assert_eq!(
+        groups.len(),
+        cases.len(),
+        "one final reply per line: {values:?}"
+    );
+    for ((line, expected), (_, reply)) in cases.iter().zip(&groups) {
+        match expected {
+            Some(text) => assert_error(reply, "invalid_request_error", text),
+            None => assert_eq!(reply["ok"], true, "{line} -> {reply}"),
+        }
+    }
+    // Only the engine-refused request and the good one reached the engine; the second load was a no-op.
+    let calls = calls.borrow();
+    let prompts: Vec<&str> = calls.jobs.iter().map(|j| j.prompt.as_str()).collect();
+    assert_eq!(prompts, ["refuse", "flat"]);
+    assert_eq!((calls.loads, calls.unloads), (1, 1));
+    assert_eq!(
+        groups.last().map(|g| &g.1["resident"]),
+        Some(&json!(12_345))
+    );
+    let flat = &groups[groups.len() - 2].1;
+    assert_eq!(flat["files"], json!(["image_0.png"]));
+    let (w, h, _) =
+        decode_stored_rgba(&std::fs::read(dir.join("flat/image_0.png")).unwrap()).unwrap();
+    assert_eq!((w, h), (32, 48));
+}
+
+#[test]
+fn engine_failures_are_server_errors_and_serving_goes_on() {
+    let dir = temp_dir("fail");
+    let (engine, calls) = FakeEngine::new();
+    let lines = [
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "fail", json!({})),
+        generate_line(&dir, "wrong size", json!({})),
+        generate_line(&dir, "fine", json!({})),
+    ];
+    let (ending, values) = serve(engine, &lines);
+    assert_eq!(ending, Ending::EndOfInput);
+    let groups = per_command(&values);
+    assert_error(&groups[1].1, "server_error", "out of memory");
+    assert_error(
+        &groups[2].1,
+        "server_error",
+        "16x16 image for a 64x32 request",
+    );
+    assert_eq!(groups[3].1["ok"], true);
+    assert_eq!(calls.borrow().unloads, 1);
+}
+
+#[test]
+fn a_lost_device_is_answered_then_the_worker_stops_non_zero() {
+    let dir = temp_dir("lost");
+    let (engine, calls) = FakeEngine::new();
+    let lines = [
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "lost", json!({})),
+        generate_line(&dir, "never run", json!({})),
+    ];
+    let (ending, values) = serve(engine, &lines);
+    assert!(
+        matches!(&ending, Ending::DeviceLost(m) if m.contains("ILLEGAL_ADDRESS")),
+        "{ending:?}"
+    );
+    assert_eq!(ending.exit_code(), 3);
+    let groups = per_command(&values);
+    assert_eq!(
+        groups.len(),
+        2,
+        "nothing is served after a lost device: {values:?}"
+    );
+    assert_error(&groups[1].1, "server_error", "context is lost");
+    let calls = calls.borrow();
+    assert_eq!(calls.jobs.len(), 1);
+    assert_eq!(calls.unloads, 1);
+}
+
+#[test]
+fn an_engine_panic_is_answered_and_ends_serving() {
+    let dir = temp_dir("panic");
+    let (engine, calls) = FakeEngine::new();
+    let lines = [
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "panic", json!({})),
+        generate_line(&dir, "never run", json!({})),
+    ];
+    let (ending, values) = serve(engine, &lines);
+    assert_eq!(ending, Ending::EnginePanicked("fake engine bug".into()));
+    assert_eq!(ending.exit_code(), 4);
+    let groups = per_command(&values);
+    assert_eq!(groups.len(), 2);
+    assert_error(&groups[1].1, "server_error", "fake engine bug");
+    assert_eq!(calls.borrow().unloads, 1);
+}
+
+#[test]
+fn a_failed_load_can_be_retried() {
+    let dir = temp_dir("retry");
+    let (mut engine, calls) = FakeEngine::new();
+    engine.fail_first_load = true;
+    let lines = [
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "x", json!({})),
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "x", json!({})),
+    ];
+    let (_, values) = serve(engine, &lines);
+    let groups = per_command(&values);
+    assert_error(&groups[0].1, "server_error", "load failed: weights missing");
+    assert_error(&groups[1].1, "invalid_request_error", "before load");
+    assert_eq!(groups[2].1["ok"], true);
+    assert_eq!(groups[3].1["ok"], true);
+    assert_eq!(calls.borrow().loads, 2);
+}
+
+#[test]
+fn several_images_use_consecutive_seeds_and_cumulative_progress() {
+    let dir = temp_dir("many");
+    let (engine, calls) = FakeEngine::new();
+    let lines = [
+        json!({"op": "load"}).to_string(),
+        generate_line(&dir, "x", json!({"n": 3, "seed": 100, "steps": 2})),
+    ];
+    let (_, values) = serve(engine, &lines);
+    let groups = per_command(&values);
+    let (progress, done) = &groups[1];
+    assert_eq!(
+        done["files"],
+        json!(["image_0.png", "image_1.png", "image_2.png"])
+    );
+    assert_eq!(done["seed"], 100);
+    let seeds: Vec<u64> = calls.borrow().jobs.iter().map(|j| j.seed).collect();
+    assert_eq!(seeds, [100, 101, 102]);
+    let denoise: Vec<(u64, u64)> = progress
+        .iter()
+        .filter(|p| p["phase"] == "denoise")
+        .map(|p| (p["step"].as_u64().unwrap(), p["of"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(denoise, [(1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6)]);
+    for (i, seed) in [100u8, 101, 102].iter().enumerate() {
+        let (_, _, rgba) =
+            decode_stored_rgba(&std::fs::read(dir.join(format!("image_{i}.png"))).unwrap())
+                .unwrap();
+        assert_eq!(rgba[0], *seed);
+    }
+}
+
+#[test]
+fn long_lines_binary_lines_and_blank_lines() {
+    let (engine, _) = FakeEngine::new();
+    let mut input = b"\n   \n".to_vec();
+    input.extend_from_slice(&[0xff, 0xfe, b'\n']);
+    input.extend_from_slice(&vec![b'x'; (1 << 20) + 10]);
+    input.extend_from_slice(b"\n{\"op\":\"load\"}");
+    let mut output = Vec::new();
+    let ending = Worker::new(engine, WorkerLimits::default())
+        .serve(&input[..], &mut output)
+        .unwrap();
+    assert_eq!(ending, Ending::EndOfInput);
+    let values: Vec<Value> = String::from_utf8(output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(values.len(), 3, "{values:?}");
+    assert_error(&values[0], "invalid_request_error", "not UTF-8");
+    assert_error(&values[1], "invalid_request_error", "longer than");
+    assert_eq!(values[2]["ok"], true);
+}
+
+/// A writer that fails after `left` bytes, like a pipe whose reader died.
+struct BrokenPipe {
+    left: usize,
+}
+
+impl std::io::Write for BrokenPipe {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.left < buf.len() {
+            return Err(std::io::ErrorKind::BrokenPipe.into());
+        }
+        self.left -= buf.len();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_dead_reader_ends_serving_with_an_error_and_unloads() {
+    let dir = temp_dir("pipe");
+    let (engine, calls) = FakeEngine::new();
+    let input = format!(
+        "{}\n{}\n",
+        json!({"op": "load"}),
+        generate_line(&dir, "x", json!({}))
+    );
+    let mut worker = Worker::new(engine, WorkerLimits::default());
+    let result = worker.serve(input.as_bytes(), BrokenPipe { left: 60 });
+    assert!(result.is_err());
+    assert!(!worker.is_loaded());
+    assert_eq!(calls.borrow().unloads, 1);
+}
+
+fn tf() -> &'static str {
+    env!("CARGO_BIN_EXE_tf")
+}
+
+const DEADLINE: Duration = Duration::from_secs(120);
+
+#[test]
+fn the_tf_worker_process_serves_load_three_generates_and_exit() {
+    let dir = temp_dir("process");
+    let mut worker = WorkerProcess::spawn(tf(), &["worker", "--engine", "testpattern"]).unwrap();
+    let loaded = worker.call(r#"{"op":"load"}"#, DEADLINE).unwrap();
+    assert_eq!(loaded.reply["ok"], true, "{}", loaded.reply);
+
+    let first = worker
+        .call(
+            &generate_line(&dir.join("a"), "a fox", json!({"steps": 5})),
+            DEADLINE,
+        )
+        .unwrap();
+    assert_eq!(first.reply["ok"], true, "{}", first.reply);
+    assert_eq!(first.progress.len(), 5);
+    assert_eq!(
+        first.progress.last().map(|p| (&p["step"], &p["of"])),
+        Some((&json!(5), &json!(5)))
+    );
+
+    let invalid = worker
+        .call(
+            &generate_line(&dir.join("b"), "x", json!({"width": 100})),
+            DEADLINE,
+        )
+        .unwrap();
+    assert_error(&invalid.reply, "invalid_request_error", "multiple of 16");
+    assert!(invalid.progress.is_empty());
+
+    let out_file = dir.join("c/picture.png");
+    let third = worker
+        .call(
+            &json!({"op": "generate", "prompt": "a fox", "width": 48, "height": 80, "seed": 3, "output": out_file}).to_string(),
+            DEADLINE,
+        )
+        .unwrap();
+    assert_eq!(third.reply["ok"], true, "{}", third.reply);
+    assert_eq!(third.reply["files"], json!([out_file]));
+    assert!(third.reply["ms"].is_u64());
+
+    let (exit_reply, status) = worker.exit_with_reply(DEADLINE).unwrap();
+    assert_eq!(exit_reply["ok"], true);
+    assert_eq!(status.code(), Some(0), "{status:?}");
+
+    let (w, h, first_pixels) =
+        decode_stored_rgba(&std::fs::read(dir.join("a/image_0.png")).unwrap()).unwrap();
+    assert_eq!((w, h), (64, 32));
+    assert!(
+        !dir.join("b").join("image_0.png").exists(),
+        "the invalid request wrote a file"
+    );
+    let (w, h, third_pixels) = decode_stored_rgba(&std::fs::read(&out_file).unwrap()).unwrap();
+    assert_eq!((w, h), (48, 80));
+    assert_ne!(
+        first_pixels[..48 * 4],
+        third_pixels[..48 * 4],
+        "different seeds, same pixels"
+    );
+}
+
+#[test]
+fn the_tf_worker_process_exits_zero_at_end_of_input() {
+    let mut worker = WorkerProcess::spawn(tf(), &["worker", "--engine", "testpattern"]).unwrap();
+    assert_eq!(
+        worker.call(r#"{"op":"load"}"#, DEADLINE).unwrap().reply["ok"],
+        true
+    );
+    let status = worker.close_input(DEADLINE).unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn the_tf_worker_refuses_bad_arguments_with_exit_code_2() {
+    let out = std::process::Command::new(tf())
+        .args(["worker", "--engine", "qwen_image"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--model"),
+        "{out:?}"
+    );
+    let out = std::process::Command::new(tf())
+        .args([
+            "worker",
+            "--engine",
+            "qwen_image",
+            "--model",
+            "/definitely/not/here",
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not a folder"),
+        "{out:?}"
+    );
+}
