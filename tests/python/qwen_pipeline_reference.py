@@ -252,9 +252,18 @@ def build_processor(workdir, patch_size):
     os.makedirs(workdir, exist_ok=True)
     tokenizer_json = os.path.join(workdir, "tokenizer.json")
     write_tokenizer_json(tokenizer_json)
-    tokenizer = Qwen2Tokenizer(tokenizer_file=tokenizer_json, unk_token=None, bos_token=None,
-                               eos_token="<|im_end|>", pad_token="<|endoftext|>", errors="replace",
-                               add_prefix_space=False, model_max_length=262144)
+    special = dict(unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                   model_max_length=262144)
+    try:
+        tokenizer = Qwen2Tokenizer(tokenizer_file=tokenizer_json, errors="replace", add_prefix_space=False,
+                                   **special)
+        check_tokenizer(tokenizer, tokenizer_json)
+    except Exception as exc:  # transformers versions differ in how Qwen2Tokenizer takes a tokenizer.json
+        log(f"Qwen2Tokenizer(tokenizer_file=...) unusable here ({str(exc)[:200]}); using PreTrainedTokenizerFast")
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, **special)
+        check_tokenizer(tokenizer, tokenizer_json)
     from transformers import Qwen2VLImageProcessor
 
     image_processor = Qwen2VLImageProcessor(patch_size=patch_size, temporal_patch_size=2, merge_size=2,
@@ -286,6 +295,22 @@ def _no_video_processor():
     return NoVideoProcessor()
 
 
+def template_text(prompt):
+    return (f"<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"
+            f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def check_tokenizer(tokenizer, tokenizer_json, prompt=DEFAULT_PROMPT):
+    """The transformers tokenizer must give the ids of the tokenizer.json itself (what `tf` reads)."""
+    import tokenizers
+
+    text = template_text(prompt)
+    expected = tokenizers.Tokenizer.from_file(tokenizer_json).encode(text, add_special_tokens=False).ids
+    got = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if list(got) != list(expected):
+        raise RuntimeError(f"tokenizer ids differ from tokenizer.json's: {list(got)[:20]}... vs {expected[:20]}...")
+
+
 def allow_missing_video_processor():
     """Without torchvision transformers has no video processor; text-to-image never uses one, so accept None.
 
@@ -306,9 +331,44 @@ def allow_missing_video_processor():
     ProcessorMixin.check_argument_for_proper_class = lenient
 
 
+def same_transformer(model, folder):
+    """True when `folder` holds this transformer (e.g. saved by qwen_dit_reference.py with the same seed): same
+    config and equal tensors at a few places (input, first and last block, output)."""
+    from safetensors import safe_open
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.exists(config_path):
+        log(f"--reuse-transformer {folder}: no config.json there; saving our own")
+        return False
+    with open(config_path) as f:
+        saved = json.load(f)
+    ours = dict(model.config)
+    differing = [k for k, v in ours.items() if not k.startswith("_") and k in saved
+                 and json.dumps(saved[k]) != json.dumps(list(v) if isinstance(v, tuple) else v)]
+    if differing:
+        log(f"--reuse-transformer {folder}: config differs in {differing}; saving our own")
+        return False
+    last = model.config.num_layers - 1
+    names = ["img_in.weight", "transformer_blocks.0.attn.norm_q.weight", f"transformer_blocks.{last}.attn.to_v.weight",
+             "proj_out.weight"]
+    state = model.state_dict()
+    shards = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
+    found = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    found[name] = f.get_tensor(name)
+    for name in names:
+        if name not in found or not torch.equal(found[name].to(state[name].device, state[name].dtype), state[name]):
+            log(f"--reuse-transformer {folder}: tensor {name} differs or is missing; saving our own")
+            return False
+    return True
+
+
 def folder_bytes(path):
     total = 0
-    for root, _, files in os.walk(path):
+    for root, _, files in os.walk(path, followlinks=True):
         for name in files:
             total += os.path.getsize(os.path.join(root, name))
     return total
@@ -338,7 +398,18 @@ def build_and_save(args, dev, summary):
                                transformer=transformer)
     summary["build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    pipe.save_pretrained(model_dir, safe_serialization=True)
+    reuse = args.reuse_transformer and same_transformer(transformer, args.reuse_transformer)
+    if reuse:
+        # What save_pretrained writes, component by component, with the transformer folder linked, not rewritten.
+        os.makedirs(model_dir)
+        pipe.save_config(model_dir)
+        for name in ("scheduler", "vae", "text_encoder", "processor"):
+            getattr(pipe, name).save_pretrained(os.path.join(model_dir, name))
+        os.symlink(os.path.abspath(args.reuse_transformer), os.path.join(model_dir, "transformer"))
+        log(f"transformer: linked to {args.reuse_transformer} (same weights)")
+    else:
+        pipe.save_pretrained(model_dir, safe_serialization=True)
+    summary["transformer_linked_from"] = os.path.abspath(args.reuse_transformer) if reuse else None
     summary["save_s"] = time.perf_counter() - t0
     summary["model_bytes"] = folder_bytes(model_dir)
     summary["drop_rows"] = pipe._drop_idx
@@ -507,6 +578,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--reuse-transformer", default=None, metavar="DIR",
+                    help="link this saved transformer folder (qwen_dit_reference.py --out X writes X/transformer) "
+                         "instead of writing the same weights again, when its config and tensors match ours")
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes or ("64x64" if args.tiny else "1024x1024"))
     step_counts = [int(v) for v in (args.steps or ("2,3" if args.tiny else "8,40")).split(",")]
@@ -534,6 +608,11 @@ def main():
     summary["reference_load_s"] = load_s
     summary["resident"] = dev.memory()
     log(f"reference pipeline loaded in {load_s:.1f}s from the saved folder; resident {dev.memory()}")
+    ids = pipe.processor(text=[template_text(args.prompt)], return_tensors="pt").input_ids[0].tolist()
+    summary["prompt_ids"] = ids
+    summary["text_rows"] = len(ids) - pipe._drop_idx
+    check_tokenizer(pipe.processor.tokenizer, os.path.join(model_dir, "processor", "tokenizer.json"), args.prompt)
+    log(f"prompt: {len(ids)} tokens, {summary['text_rows']} rows after dropping {pipe._drop_idx} system rows")
     channels = pipe.transformer.config.in_channels
 
     # Warm-up: the first call pays for kernel loading and library handles; not timed as a case.
