@@ -876,7 +876,10 @@ fn run_attention_case(g: &Gpu, case: &AttentionCase, rng: &mut Rng) {
             "attention {} {tile:?}: a second run differs (must be deterministic)",
             case.name
         );
-        match first.iter().find(|(width, _)| *width == tile.keys_per_tile()) {
+        match first
+            .iter()
+            .find(|(width, _)| *width == tile.keys_per_tile())
+        {
             None => first.push((tile.keys_per_tile(), all)),
             Some((width, reference)) => {
                 let same = reference

@@ -1504,14 +1504,7 @@ impl QwenImageKernels {
         o: &mut DeviceViewMut<'_>,
         o_strides: Strides,
     ) -> Result<(), tf_cuda::Error> {
-        self.attention_with(
-            stream,
-            self.preferred_tile(),
-            shape,
-            inputs,
-            o,
-            o_strides,
-        )
+        self.attention_with(stream, self.preferred_tile(), shape, inputs, o, o_strides)
     }
 
     /// Flash attention with an explicit tile shape (benchmarks compare them).

@@ -16,7 +16,11 @@ pub trait TextEncoderBackend {
 
     /// Hidden states `[ids.len() - drop_rows, hidden]` of the last decoder layer before the final norm, with
     /// the first `drop_rows` rows (the template's system block) removed. Positions start at 0.
-    fn prompt_features(&mut self, ids: &[u32], drop_rows: usize) -> Result<TensorF32, TextEncoderError>;
+    fn prompt_features(
+        &mut self,
+        ids: &[u32],
+        drop_rows: usize,
+    ) -> Result<TensorF32, TextEncoderError>;
 }
 
 /// The VAE decoder as the pipeline uses it.
@@ -26,7 +30,12 @@ pub trait VaeBackend {
 
     /// Decodes packed latents `[batch, h * w, z_dim]` (token = row * w + col) of an `h` x `w` latent grid:
     /// unpack, `z * std + mean`, decode, clamp. Returns images `[batch, out_channels, f h, f w]` in [-1, 1].
-    fn decode_packed(&mut self, packed: &TensorF32, h: usize, w: usize) -> Result<TensorF32, VaeError>;
+    fn decode_packed(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<TensorF32, VaeError>;
 }
 
 impl TextEncoderBackend for HostTextEncoder {
@@ -34,7 +43,11 @@ impl TextEncoderBackend for HostTextEncoder {
         HostTextEncoder::config(self)
     }
 
-    fn prompt_features(&mut self, ids: &[u32], drop_rows: usize) -> Result<TensorF32, TextEncoderError> {
+    fn prompt_features(
+        &mut self,
+        ids: &[u32],
+        drop_rows: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
         HostTextEncoder::prompt_features(self, ids, drop_rows)
     }
 }
@@ -44,7 +57,12 @@ impl VaeBackend for HostVaeDecoder {
         HostVaeDecoder::config(self)
     }
 
-    fn decode_packed(&mut self, packed: &TensorF32, h: usize, w: usize) -> Result<TensorF32, VaeError> {
+    fn decode_packed(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<TensorF32, VaeError> {
         HostVaeDecoder::decode_packed(self, packed, h, w)
     }
 }

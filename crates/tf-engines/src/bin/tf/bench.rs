@@ -204,7 +204,9 @@ fn bench_shape(
     let mut ours = Vec::new();
     for tile in AttentionTile::ALL {
         if !kernels.has_tile(tile) {
-            println!("  {tile:?}: not loaded on this GPU (shared memory or compute capability), skipped");
+            println!(
+                "  {tile:?}: not loaded on this GPU (shared memory or compute capability), skipped"
+            );
             continue;
         }
         let launch = |o: &mut DeviceBuffer| {
