@@ -33,6 +33,7 @@ Usage:
 
 import argparse
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -42,7 +43,7 @@ import time
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import diffusers
 import transformers
@@ -54,12 +55,8 @@ from diffusers import (
 )
 from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-try:
-    import torchvision  # noqa: F401
-
-    HAVE_TORCHVISION = True
-except ImportError:
-    HAVE_TORCHVISION = False
+# transformers' video processor (part of a complete Qwen3-VL processor) needs torchvision; the GPU machine has it.
+HAVE_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -666,8 +663,6 @@ def main():
             width, height, steps = case["width"], case["height"], case["steps"]
             lat_h, lat_w = height // 16, width // 16
             size_dir = os.path.join(args.out, f"{width}x{height}")
-            from safetensors.torch import load_file
-
             noise = load_file(os.path.join(size_dir, "noise.safetensors"))["noise"]
             packed = noise.view(1, channels, lat_h * lat_w).transpose(1, 2).float().contiguous().to(dev.name)
             stop = min(args.fp32_steps, steps)
