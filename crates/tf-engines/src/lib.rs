@@ -9,6 +9,8 @@
 //! - [`sampler`]: FlowMatchEulerDiscrete as the reference pipeline runs it (sigma grid, shifts, bf16 timestep
 //!   quantization, Euler step, true CFG combine).
 //! - [`noise`]: a documented portable seeded normal generator, and injected noise from a file.
+//! - [`png`]: 8-bit RGB/RGBA PNG files (writer, and a reader for checks).
+//! - [`qwen_image::pipeline`]: the whole text-to-image pipeline (prompt to RGBA pixels) on the host or the GPU.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //! - [`worker`]: LocalRouter's worker protocol (`tf worker`): JSON lines in and out, over any [`worker::WorkerEngine`].
 //!
@@ -30,6 +32,7 @@
 pub mod kernels;
 pub mod noise;
 pub mod ops;
+pub mod png;
 pub mod qwen_image;
 pub mod sampler;
 pub mod tensor;

@@ -4,6 +4,7 @@ pub mod config;
 pub mod dit;
 pub mod dit_gpu;
 pub mod dit_host;
+pub mod pipeline;
 pub mod text_encoder;
 pub mod upload;
 pub mod vae;

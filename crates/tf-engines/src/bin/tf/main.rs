@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod doctor;
 mod forward;
+mod image;
 mod tokenize;
 mod worker;
 
@@ -25,6 +26,8 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Run one DiT forward from an input bundle and write `sample`.
     Forward(forward::Args),
+    /// Generate an image from a prompt with a Qwen-Image 2.1 model folder and write a PNG.
+    Image(image::Args),
     /// Benchmarks on the GPU, side by side with the reference.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -38,6 +41,7 @@ fn main() -> ExitCode {
         Command::Doctor(a) => doctor::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Forward(a) => forward::run(a),
+        Command::Image(a) => image::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Worker(a) => worker::run(a),
     }

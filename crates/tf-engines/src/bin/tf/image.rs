@@ -1,0 +1,254 @@
+//! `tf image`: a prompt to a PNG through the whole Qwen-Image 2.1 pipeline.
+//!
+//! Progress goes to stderr (a bar on a terminal, plain lines otherwise), per-phase timings at the end; `--json`
+//! prints a machine-readable summary on stdout.
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use serde_json::json;
+use tf_engines::noise::load_noise;
+use tf_engines::png::{write_png, ColorType};
+use tf_engines::qwen_image::pipeline::{
+    Backend, LoadOptions, Pipeline, PipelineError, Progress, Request,
+};
+use tf_engines::sampler::latent_grid;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendArg {
+    /// The GPU when a CUDA driver and a device are present, else the host reference.
+    Auto,
+    /// The f32 host reference.
+    Host,
+    /// The GPU engines on device 0.
+    Gpu,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Diffusers QwenImage21Pipeline folder (model_index.json, transformer/, text_encoder/, vae/, scheduler/,
+    /// processor/).
+    #[arg(long)]
+    model: PathBuf,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Negative prompt for true classifier-free guidance (needs --cfg above 1).
+    #[arg(long)]
+    negative: Option<String>,
+    /// True CFG scale; guidance runs when it is above 1 and --negative is given.
+    #[arg(long, default_value_t = 1.0)]
+    cfg: f32,
+    /// Image size WIDTHxHEIGHT in pixels (each side floored to a multiple of 32).
+    #[arg(long, default_value = "1024x1024", value_parser = parse_size)]
+    size: (usize, usize),
+    /// Sampling steps (default: the checkpoint's sample_sigmas, else 40).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Seed of the portable noise generator.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Initial latents from a safetensors file (tensor "latents" or "noise"; packed or planar), replacing the
+    /// seeded noise.
+    #[arg(long)]
+    noise: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendArg,
+    /// Output PNG.
+    #[arg(short = 'o', long = "out", default_value = "image.png")]
+    out: PathBuf,
+    /// Print a JSON summary on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(text: &str) -> Result<(usize, usize), String> {
+    let (w, h) = text
+        .split_once(['x', 'X'])
+        .ok_or_else(|| format!("size {text:?} is not WIDTHxHEIGHT (e.g. 1024x768)"))?;
+    let side = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("size {text:?}: {s:?} is not a whole number of pixels"))
+    };
+    Ok((side(w)?, side(h)?))
+}
+
+pub fn run(args: Args) -> ExitCode {
+    match image(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tf image: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Errors of the command: the pipeline's, or the command's own (with the fix).
+#[derive(Debug, thiserror::Error)]
+enum ImageError {
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Png(#[from] tf_engines::png::PngError),
+    #[error(transparent)]
+    Noise(#[from] tf_engines::noise::NoiseError),
+}
+
+fn image(args: &Args) -> Result<(), ImageError> {
+    let backend = match args.backend {
+        BackendArg::Auto => Backend::detect(),
+        BackendArg::Host => Backend::Host,
+        BackendArg::Gpu => Backend::Gpu,
+    };
+    let (width, height) = args.size;
+    if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.is_dir() {
+            return Err(ImageError::Usage(format!(
+                "the output folder {} does not exist; create it or choose another -o",
+                parent.display()
+            )));
+        }
+    }
+    eprintln!(
+        "tf image: loading {} on the {}",
+        args.model.display(),
+        backend.name()
+    );
+    let mut pipeline = Pipeline::load(&args.model, &LoadOptions::new(backend))?;
+    let load = pipeline.load_report();
+    eprintln!(
+        "tf image: loaded in {:.2} s, {:.1} MiB resident (text encoder on {}, VAE on {})",
+        load.seconds,
+        load.resident_bytes as f64 / (1u64 << 20) as f64,
+        if load.te_on_device { "device" } else { "host" },
+        if load.vae_on_device { "device" } else { "host" },
+    );
+
+    let mut request = Request::new(args.prompt.clone());
+    request.negative_prompt = args.negative.clone();
+    request.true_cfg_scale = args.cfg;
+    request.width = width;
+    request.height = height;
+    request.steps = args.steps;
+    request.seed = args.seed;
+    if let Some(path) = &args.noise {
+        let (rows, cols) = latent_grid(height, width);
+        let channels = pipeline.latent_channels();
+        let file = tf_engines::weights::SafetensorsFile::open(path)
+            .map_err(tf_engines::noise::NoiseError::from)?;
+        let name = ["latents", "noise"]
+            .into_iter()
+            .find(|n| file.contains(n))
+            .ok_or_else(|| {
+                ImageError::Usage(format!(
+                    "{} holds neither a \"latents\" nor a \"noise\" tensor",
+                    path.display()
+                ))
+            })?;
+        request.initial_latents = Some(load_noise(path, name, 1, channels, rows, cols)?);
+    }
+    let plan = pipeline.plan(&request)?;
+    if (plan.width, plan.height) != (width, height) {
+        eprintln!(
+            "tf image: size {width}x{height} floored to {}x{} (multiples of 32)",
+            plan.width, plan.height
+        );
+    }
+
+    let terminal = std::io::stderr().is_terminal();
+    let mut report = |p: Progress| {
+        let mut err = std::io::stderr();
+        match p {
+            Progress::Encoded { seconds } => {
+                let _ = writeln!(err, "tf image: prompt encoded in {seconds:.3} s");
+            }
+            Progress::Step {
+                step,
+                steps,
+                seconds,
+            } => {
+                if terminal {
+                    let filled = step * 30 / steps.max(1);
+                    let _ = write!(
+                        err,
+                        "\r[{}{}] step {step}/{steps} ({seconds:.3} s)",
+                        "#".repeat(filled),
+                        ".".repeat(30 - filled)
+                    );
+                    if step == steps {
+                        let _ = writeln!(err);
+                    }
+                } else {
+                    let _ = writeln!(err, "tf image: step {step}/{steps} {seconds:.3} s");
+                }
+            }
+            Progress::Decoded { seconds } => {
+                let _ = writeln!(err, "tf image: decoded in {seconds:.3} s");
+            }
+        }
+        let _ = err.flush();
+    };
+    let result = pipeline.generate(&request, &mut report)?;
+    let image = &result.image;
+    let color = ColorType::from_channels(image.channels)?;
+    write_png(&args.out, image.width, image.height, color, &image.pixels)?;
+
+    let t = &result.timings;
+    let sampling: f64 = t.steps.iter().sum();
+    eprintln!(
+        "tf image: wrote {} ({}x{}, {} channels); encode {:.3} s, {} steps {:.3} s ({:.3} s/step), decode {:.3} s, \
+         total {:.3} s",
+        args.out.display(),
+        image.width,
+        image.height,
+        image.channels,
+        t.encode,
+        t.steps.len(),
+        sampling,
+        sampling / t.steps.len().max(1) as f64,
+        t.decode,
+        t.total
+    );
+    if args.json {
+        let summary = json!({
+            "ok": true,
+            "file": args.out.display().to_string(),
+            "width": image.width,
+            "height": image.height,
+            "channels": image.channels,
+            "seed": result.seed,
+            "steps": result.plan_steps,
+            "backend": backend.name(),
+            "load": {
+                "seconds": load.seconds,
+                "resident_bytes": load.resident_bytes,
+                "te_on_device": load.te_on_device,
+                "vae_on_device": load.vae_on_device,
+            },
+            "timings": {
+                "encode_s": t.encode,
+                "steps_s": t.steps,
+                "decode_s": t.decode,
+                "total_s": t.total,
+            },
+        });
+        println!("{summary}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("64x96"), Ok((64, 96)));
+        assert_eq!(parse_size("1024X768"), Ok((1024, 768)));
+        assert!(parse_size("64").is_err());
+        assert!(parse_size("64xq").is_err());
+    }
+}

@@ -1,0 +1,1015 @@
+//! The Qwen-Image 2.1 text-to-image pipeline: prompt to RGBA pixels, as the diffusers `QwenImage21Pipeline` runs
+//! it.
+//!
+//! [`Pipeline::load`] opens a diffusers model folder (`model_index.json`, `transformer/`, `text_encoder/`, `vae/`,
+//! `scheduler/`, and the tokenizer under `processor/` or `tokenizer/`) on the host reference or the GPU, and
+//! reports resident bytes and load time. [`Pipeline::generate`] checks the request before any work, then runs:
+//! template + tokenize, prompt features (and the negative prompt's with true CFG), the sigma schedule (dynamic shift
+//! from the folder's scheduler config, or the checkpoint's `sample_sigmas`), the initial noise (the portable
+//! generator of [`crate::noise`], or injected latents), the denoising steps (prefix KV cache extracted on step 0
+//! and reused after when the DiT has `causal_condition`, timestep rounded to the latent dtype, Euler, optional true
+//! CFG), and the VAE decode to 8-bit RGBA. Each phase is timed.
+//!
+//! Invariants: a request is validated completely before the first model call, and request-shaped errors are
+//! [`PipelineError::InvalidRequest`] ([`PipelineError::is_invalid_request`]); nothing here panics on input.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use tf_engines::qwen_image::pipeline::{Backend, LoadOptions, Pipeline, Request};
+//!
+//! let mut pipeline = Pipeline::load(Path::new("model"), &LoadOptions::new(Backend::Host))?;
+//! let request = Request { width: 64, height: 64, steps: Some(3), ..Request::new("a red fox") };
+//! let result = pipeline.generate(&request, &mut |p| eprintln!("{p:?}"))?;
+//! println!("{} x {}, {} bytes", result.image.width, result.image.height, result.image.pixels.len());
+//! # Ok::<(), tf_engines::qwen_image::pipeline::PipelineError>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tf_tokenizer::templates::QwenImage21;
+use tf_tokenizer::{Tokenizer, TokenizerError};
+use thiserror::Error;
+
+use super::components::{TextEncoderBackend, VaeBackend};
+use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
+use super::dit::{DitBackend, DitError, DitInputs, KvStep};
+use super::dit_gpu::GpuDit;
+use super::dit_host::HostDit;
+use super::text_encoder::{HostTextEncoder, TextEncoderError};
+use super::text_encoder_gpu::GpuTextEncoder;
+use super::upload::StagingConfig;
+use super::vae::{to_u8_hwc, HostVaeDecoder, VaeError};
+use super::vae_gpu::GpuVaeDecoder;
+use crate::noise::{packed_latents, NoiseError};
+use crate::sampler::{
+    cfg_combine, latent_grid, LatentDtype, SamplerError, Schedule, SchedulerConfig, SigmaSource,
+};
+use crate::tensor::{ShapeError, Tensor, TensorF32};
+use crate::weights::{ModelDir, WeightsError};
+
+/// The reference's default step count.
+pub const DEFAULT_STEPS: usize = 40;
+/// The reference's default side length (`output_resolution`).
+pub const DEFAULT_SIDE: usize = 1024;
+/// Pixel sides are floored to a multiple of this (VAE factor 16 times the 2x2 latent groups).
+pub const SIDE_MULTIPLE: usize = 32;
+
+/// Errors of loading or running the pipeline.
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    /// The request cannot be served as asked (bad size, steps, prompt, ...). Nothing was run.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("model folder {}: {why}", path.display())]
+    Folder { path: PathBuf, why: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error("text encoder: {0}")]
+    TextEncoder(#[from] TextEncoderError),
+    #[error("DiT: {0}")]
+    Dit(#[from] DitError),
+    #[error("VAE: {0}")]
+    Vae(#[from] VaeError),
+    #[error("sampler: {0}")]
+    Sampler(#[from] SamplerError),
+    #[error("noise: {0}")]
+    Noise(#[from] NoiseError),
+    #[error("weights: {0}")]
+    Weights(#[from] WeightsError),
+    #[error("shape: {0}")]
+    Shape(#[from] ShapeError),
+    #[error("GPU: {0}")]
+    Gpu(String),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl PipelineError {
+    /// Whether the request itself was at fault (a worker answers these as `invalid_request_error`).
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(self, PipelineError::InvalidRequest(_))
+    }
+}
+
+fn invalid(why: impl Into<String>) -> PipelineError {
+    PipelineError::InvalidRequest(why.into())
+}
+
+fn folder_err(path: &Path, why: impl Into<String>) -> PipelineError {
+    PipelineError::Folder {
+        path: path.to_path_buf(),
+        why: why.into(),
+    }
+}
+
+/// Where the models run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The f32 host references (any machine; slow at full size).
+    Host,
+    /// The GPU engines on device 0.
+    Gpu,
+}
+
+impl Backend {
+    /// The GPU when a CUDA driver opens and sees a device, else the host.
+    pub fn detect() -> Backend {
+        match tf_cuda::open_driver().and_then(|d| tf_cuda::driver_info(&d)) {
+            Ok(info) if info.device_count > 0 => Backend::Gpu,
+            _ => Backend::Host,
+        }
+    }
+
+    /// `"host"` or `"gpu"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Host => "host",
+            Backend::Gpu => "gpu",
+        }
+    }
+}
+
+/// What a request may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest side in pixels (after flooring to 32).
+    pub max_side: usize,
+    /// Largest pixel count.
+    pub max_pixels: usize,
+    /// Most sampling steps.
+    pub max_steps: usize,
+    /// Most template tokens of one prompt (system block included).
+    pub max_prompt_tokens: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_side: 2048,
+            max_pixels: 2048 * 2048,
+            max_steps: 200,
+            max_prompt_tokens: 1024,
+        }
+    }
+}
+
+/// How to load a pipeline.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadOptions {
+    pub backend: Backend,
+    /// The dtype latents are kept in between steps; `None` = f32 on the host (the fp32 reference), bf16 on the GPU
+    /// (the reference run in bf16).
+    pub latent_dtype: Option<LatentDtype>,
+    pub limits: Limits,
+}
+
+impl LoadOptions {
+    /// Defaults for `backend`.
+    pub fn new(backend: Backend) -> Self {
+        LoadOptions {
+            backend,
+            latent_dtype: None,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// One text-to-image request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The prompt; empty becomes a single space, as in the reference.
+    pub prompt: String,
+    /// With `true_cfg_scale > 1`, the negative prompt of true classifier-free guidance (empty becomes a space).
+    pub negative_prompt: Option<String>,
+    /// True CFG scale; guidance runs only when it is above 1 and a negative prompt is given (reference default 1).
+    pub true_cfg_scale: f32,
+    /// Pixels; floored to a multiple of 32 like the reference.
+    pub width: usize,
+    pub height: usize,
+    /// Sampling steps; `None` = the checkpoint's `sample_sigmas` if it has them, else 40.
+    pub steps: Option<usize>,
+    /// Seed of the portable noise generator.
+    pub seed: u64,
+    /// Injected initial latents `[1, h * w, channels]` (packed), replacing the seeded noise.
+    pub initial_latents: Option<TensorF32>,
+}
+
+impl Request {
+    /// A request with the reference defaults (1024 x 1024, default steps, seed 0, no guidance).
+    pub fn new(prompt: impl Into<String>) -> Request {
+        Request {
+            prompt: prompt.into(),
+            negative_prompt: None,
+            true_cfg_scale: 1.0,
+            width: DEFAULT_SIDE,
+            height: DEFAULT_SIDE,
+            steps: None,
+            seed: 0,
+            initial_latents: None,
+        }
+    }
+}
+
+/// A request after validation: everything the run needs, derived before any model call.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Floored pixel size.
+    pub width: usize,
+    pub height: usize,
+    /// Latent grid (rows, cols).
+    pub latent_rows: usize,
+    pub latent_cols: usize,
+    pub schedule: Schedule,
+    /// Template ids and dropped rows of the prompt.
+    pub prompt_ids: Vec<u32>,
+    pub prompt_drop: usize,
+    /// The negative prompt's, when true CFG runs.
+    pub negative: Option<(Vec<u32>, usize)>,
+    pub true_cfg_scale: f32,
+}
+
+/// Where the run is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Progress {
+    /// The prompt features are ready.
+    Encoded { seconds: f64 },
+    /// Step `step` (from 1) of `steps` finished.
+    Step {
+        step: usize,
+        steps: usize,
+        seconds: f64,
+    },
+    /// The image is decoded.
+    Decoded { seconds: f64 },
+}
+
+/// Wall time of each phase, in seconds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Timings {
+    pub encode: f64,
+    pub steps: Vec<f64>,
+    pub decode: f64,
+    pub total: f64,
+}
+
+/// An 8-bit image, interleaved `[height, width, channels]` (channels 4 = RGBA, 3 = RGB).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Image {
+    pub width: usize,
+    pub height: usize,
+    pub channels: usize,
+    pub pixels: Vec<u8>,
+}
+
+/// What a generate produced.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub image: Image,
+    /// The VAE output `[1, channels, height, width]` in [-1, 1].
+    pub decoded: TensorF32,
+    /// The packed latents after each step, `[1, h * w, channels]` (kept when [`Pipeline::keep_step_latents`]).
+    pub step_latents: Vec<TensorF32>,
+    /// The prompt features the DiT read, `[rows, hidden]`.
+    pub prompt_embeds: TensorF32,
+    pub seed: u64,
+    pub plan_steps: usize,
+    pub timings: Timings,
+}
+
+/// Load figures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadReport {
+    pub backend: Backend,
+    /// Bytes the loaded components hold (device memory taken on the GPU, f32 weights on the host).
+    pub resident_bytes: u64,
+    pub seconds: f64,
+    /// Whether the text encoder runs on the device (false: the host reference).
+    pub te_on_device: bool,
+    /// Whether the VAE decoder runs on the device (false: the host reference).
+    pub vae_on_device: bool,
+    /// Both of the above.
+    pub te_vae_on_device: bool,
+}
+
+enum DitEngine {
+    Host(HostDit),
+    Gpu(GpuDit),
+}
+
+impl DitEngine {
+    fn config(&self) -> &QwenImageDitConfig {
+        match self {
+            DitEngine::Host(d) => d.config(),
+            DitEngine::Gpu(d) => d.config(),
+        }
+    }
+}
+
+/// The loaded pipeline. Components drop before the device context (field order).
+pub struct Pipeline {
+    tokenizer: Tokenizer,
+    text_encoder: Box<dyn TextEncoderBackend>,
+    dit: DitEngine,
+    vae: Box<dyn VaeBackend>,
+    scheduler: SchedulerConfig,
+    sample_sigmas: Option<Vec<f64>>,
+    latent_dtype: LatentDtype,
+    limits: Limits,
+    keep_step_latents: bool,
+    report: LoadReport,
+    dir: PathBuf,
+    context: Option<tf_cuda::Context>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("dir", &self.dir)
+            .field("report", &self.report)
+            .field("latent_dtype", &self.latent_dtype)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The folder's layout, checked before anything heavy is read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FolderLayout {
+    pub transformer: PathBuf,
+    pub text_encoder: PathBuf,
+    pub vae: PathBuf,
+    pub tokenizer_json: PathBuf,
+    /// `sample_sigmas` of `model_index.json`, when the checkpoint fixes its grid.
+    pub sample_sigmas: Option<Vec<f64>>,
+}
+
+impl FolderLayout {
+    /// Reads `model_index.json` and finds the component folders and the tokenizer.
+    pub fn read(dir: &Path) -> Result<FolderLayout, PipelineError> {
+        let index_path = dir.join("model_index.json");
+        let text = std::fs::read_to_string(&index_path).map_err(|e| {
+            folder_err(
+                dir,
+                format!(
+                    "cannot read model_index.json ({e}); pass the folder of a diffusers QwenImage21Pipeline \
+                     (the one holding model_index.json, transformer/, text_encoder/, vae/)"
+                ),
+            )
+        })?;
+        let index: Value = serde_json::from_str(&text)
+            .map_err(|e| folder_err(&index_path, format!("not valid JSON: {e}")))?;
+        let class = index.get("_class_name").and_then(Value::as_str);
+        if let Some(class) = class {
+            if !class.starts_with("QwenImage21") {
+                return Err(folder_err(
+                    &index_path,
+                    format!(
+                        "_class_name is {class:?}; this engine runs QwenImage21Pipeline folders"
+                    ),
+                ));
+            }
+        }
+        let sample_sigmas = match index.get("sample_sigmas") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(items)) => Some(
+                items
+                    .iter()
+                    .map(|v| {
+                        v.as_f64().ok_or_else(|| {
+                            folder_err(&index_path, "sample_sigmas holds a non-number")
+                        })
+                    })
+                    .collect::<Result<Vec<f64>, _>>()?,
+            ),
+            Some(_) => {
+                return Err(folder_err(
+                    &index_path,
+                    "sample_sigmas must be a list of numbers or null",
+                ))
+            }
+        };
+        let sub = |name: &str| -> Result<PathBuf, PipelineError> {
+            let path = dir.join(name);
+            if path.join("config.json").is_file() {
+                Ok(path)
+            } else {
+                Err(folder_err(
+                    dir,
+                    format!(
+                        "{name}/config.json is missing; the folder is incomplete (re-download it)"
+                    ),
+                ))
+            }
+        };
+        let tokenizer_json = ["processor", "tokenizer"]
+            .iter()
+            .map(|d| dir.join(d).join("tokenizer.json"))
+            .find(|p| p.is_file())
+            .ok_or_else(|| {
+                folder_err(
+                    dir,
+                    "no processor/tokenizer.json or tokenizer/tokenizer.json; the folder is incomplete",
+                )
+            })?;
+        Ok(FolderLayout {
+            transformer: sub("transformer")?,
+            text_encoder: sub("text_encoder")?,
+            vae: sub("vae")?,
+            tokenizer_json,
+            sample_sigmas,
+        })
+    }
+}
+
+fn f32_bytes(model: &ModelDir) -> u64 {
+    model
+        .names()
+        .filter_map(|n| model.info(n).ok())
+        .map(|i| i.elements() as u64 * 4)
+        .sum()
+}
+
+impl Pipeline {
+    /// Loads the pipeline in `dir` on `options.backend`.
+    pub fn load(dir: &Path, options: &LoadOptions) -> Result<Pipeline, PipelineError> {
+        let started = Instant::now();
+        let layout = FolderLayout::read(dir)?;
+        let scheduler = SchedulerConfig::from_model_folder(dir)?;
+        let tokenizer = Tokenizer::from_file(&layout.tokenizer_json)?;
+        let dit_dir = ModelDir::open(&layout.transformer)?;
+        let te_dir = ModelDir::open(&layout.text_encoder)?;
+        let vae_dir = ModelDir::open(&layout.vae)?;
+
+        let (text_encoder, dit, vae, context, resident_bytes, (te_on_device, vae_on_device)) =
+            match options.backend {
+                Backend::Host => {
+                    let resident = f32_bytes(&dit_dir) + f32_bytes(&te_dir) + f32_bytes(&vae_dir);
+                    let te: Box<dyn TextEncoderBackend> = Box::new(HostTextEncoder::load(&te_dir)?);
+                    let vae: Box<dyn VaeBackend> = Box::new(HostVaeDecoder::load(&vae_dir)?);
+                    let dit = DitEngine::Host(HostDit::load(&dit_dir)?);
+                    (te, dit, vae, None, resident, (false, false))
+                }
+                Backend::Gpu => {
+                    let gpu =
+                        |what: &str, e: tf_cuda::Error| PipelineError::Gpu(format!("{what}: {e}"));
+                    let driver =
+                        tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
+                    let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
+                        .map_err(|e| gpu("creating a context on device 0", e))?;
+                    let free_before = ctx
+                        .memory_info()
+                        .map_err(|e| gpu("reading free memory", e))?
+                        .free;
+                    let dit =
+                        DitEngine::Gpu(GpuDit::load_on(&ctx, &dit_dir, StagingConfig::default())?);
+                    let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
+                    ctx.synchronize()
+                        .map_err(|e| gpu("waiting for the uploads", e))?;
+                    let free_after = ctx
+                        .memory_info()
+                        .map_err(|e| gpu("reading free memory", e))?
+                        .free;
+                    let mut resident = free_before.saturating_sub(free_after);
+                    if !parts.te_on_device {
+                        resident += f32_bytes(&te_dir);
+                    }
+                    if !parts.vae_on_device {
+                        resident += f32_bytes(&vae_dir);
+                    }
+                    let on_device = (parts.te_on_device, parts.vae_on_device);
+                    (parts.te, dit, parts.vae, Some(ctx), resident, on_device)
+                }
+            };
+        check_agreement(dit.config(), text_encoder.as_ref(), vae.as_ref(), dir)?;
+        let latent_dtype = options.latent_dtype.unwrap_or(match options.backend {
+            Backend::Host => LatentDtype::F32,
+            Backend::Gpu => LatentDtype::Bf16,
+        });
+        Ok(Pipeline {
+            tokenizer,
+            text_encoder,
+            dit,
+            vae,
+            scheduler,
+            sample_sigmas: layout.sample_sigmas,
+            latent_dtype,
+            limits: options.limits,
+            keep_step_latents: false,
+            report: LoadReport {
+                backend: options.backend,
+                resident_bytes,
+                seconds: started.elapsed().as_secs_f64(),
+                te_on_device,
+                vae_on_device,
+                te_vae_on_device: te_on_device && vae_on_device,
+            },
+            dir: dir.to_path_buf(),
+            context,
+        })
+    }
+
+    /// Load figures.
+    pub fn load_report(&self) -> LoadReport {
+        self.report
+    }
+
+    /// The latent dtype of the run.
+    pub fn latent_dtype(&self) -> LatentDtype {
+        self.latent_dtype
+    }
+
+    /// Keep a copy of the latents after every step in [`Generation::step_latents`] (for parity checks).
+    pub fn keep_step_latents(&mut self, keep: bool) {
+        self.keep_step_latents = keep;
+    }
+
+    /// The device context, when the pipeline runs on the GPU.
+    pub fn context(&self) -> Option<&tf_cuda::Context> {
+        self.context.as_ref()
+    }
+
+    /// Latent channels (the DiT's `in_channels`).
+    pub fn latent_channels(&self) -> usize {
+        self.dit.config().in_channels
+    }
+
+    /// Checks `request` and derives everything the run needs; no model runs.
+    pub fn plan(&self, request: &Request) -> Result<Plan, PipelineError> {
+        let limits = &self.limits;
+        let (width, height) = (
+            request.width / SIDE_MULTIPLE * SIDE_MULTIPLE,
+            request.height / SIDE_MULTIPLE * SIDE_MULTIPLE,
+        );
+        if width == 0 || height == 0 {
+            return Err(invalid(format!(
+                "size {}x{} is below {SIDE_MULTIPLE} pixels on a side; sides are floored to a multiple of \
+                 {SIDE_MULTIPLE}, so ask for at least {SIDE_MULTIPLE}x{SIDE_MULTIPLE}",
+                request.width, request.height
+            )));
+        }
+        if width > limits.max_side || height > limits.max_side {
+            return Err(invalid(format!(
+                "size {width}x{height} exceeds the largest side of {} pixels",
+                limits.max_side
+            )));
+        }
+        if width.saturating_mul(height) > limits.max_pixels {
+            return Err(invalid(format!(
+                "size {width}x{height} exceeds the limit of {} pixels",
+                limits.max_pixels
+            )));
+        }
+        if !request.true_cfg_scale.is_finite() {
+            return Err(invalid(format!(
+                "true_cfg_scale must be a finite number, got {}",
+                request.true_cfg_scale
+            )));
+        }
+        let source = match (&self.sample_sigmas, request.steps) {
+            (_, Some(0)) => return Err(invalid("steps must be at least 1")),
+            (_, Some(n)) if n > limits.max_steps => {
+                return Err(invalid(format!(
+                    "{n} steps exceed the limit of {}",
+                    limits.max_steps
+                )))
+            }
+            (Some(fixed), Some(n)) if n != fixed.len() => {
+                return Err(invalid(format!(
+                    "this checkpoint samples with its own {} sigmas (sample_sigmas); ask for {} steps or leave \
+                     steps unset",
+                    fixed.len(),
+                    fixed.len()
+                )))
+            }
+            (Some(fixed), _) => SigmaSource::Explicit(fixed),
+            (None, Some(n)) => SigmaSource::Steps(n),
+            (None, None) => SigmaSource::Steps(DEFAULT_STEPS),
+        };
+        let (latent_rows, latent_cols) = latent_grid(height, width);
+        let schedule = Schedule::new(&self.scheduler, source, latent_rows * latent_cols)
+            .map_err(|e| invalid(format!("no schedule for this request: {e}")))?;
+
+        let encode = |text: &str, what: &str| -> Result<(Vec<u32>, usize), PipelineError> {
+            let encoded = QwenImage21::encode(&self.tokenizer, text)?;
+            if encoded.ids.len() > limits.max_prompt_tokens {
+                return Err(invalid(format!(
+                    "the {what} is {} tokens with the template, over the limit of {}; shorten it",
+                    encoded.ids.len(),
+                    limits.max_prompt_tokens
+                )));
+            }
+            let vocab = self.text_encoder.config().vocab_size;
+            if let Some(bad) = encoded.ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(folder_err(
+                    &self.dir,
+                    format!(
+                        "the tokenizer gave id {bad}, past the text encoder's vocabulary of {vocab}; tokenizer and \
+                         text encoder do not belong together"
+                    ),
+                ));
+            }
+            Ok((encoded.ids, encoded.drop))
+        };
+        let (prompt_ids, prompt_drop) = encode(&request.prompt, "prompt")?;
+        let negative = match &request.negative_prompt {
+            Some(neg) if request.true_cfg_scale > 1.0 => Some(encode(neg, "negative prompt")?),
+            _ => None,
+        };
+
+        if let Some(latents) = &request.initial_latents {
+            let expected = [1, latent_rows * latent_cols, self.latent_channels()];
+            if latents.shape() != expected {
+                return Err(invalid(format!(
+                    "injected latents have shape {:?}; a {width}x{height} image needs {expected:?} (packed)",
+                    latents.shape()
+                )));
+            }
+            if latents.data().iter().any(|v| !v.is_finite()) {
+                return Err(invalid("injected latents hold a non-finite value"));
+            }
+        }
+        Ok(Plan {
+            width,
+            height,
+            latent_rows,
+            latent_cols,
+            schedule,
+            prompt_ids,
+            prompt_drop,
+            negative,
+            true_cfg_scale: request.true_cfg_scale,
+        })
+    }
+
+    /// Runs `request`, reporting progress; the request is checked first ([`Self::plan`]).
+    pub fn generate(
+        &mut self,
+        request: &Request,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Generation, PipelineError> {
+        let plan = self.plan(request)?;
+        let started = Instant::now();
+        let mut timings = Timings::default();
+        let dtype = self.latent_dtype;
+
+        // Prompt features.
+        let t = Instant::now();
+        let prompt_embeds = self
+            .text_encoder
+            .prompt_features(&plan.prompt_ids, plan.prompt_drop)?;
+        let negative_embeds = match &plan.negative {
+            Some((ids, drop)) => Some(self.text_encoder.prompt_features(ids, *drop)?),
+            None => None,
+        };
+        // The reference keeps prompt embeds in the latent dtype.
+        let prompt_embeds = round_tensor(prompt_embeds, dtype);
+        let negative_embeds = negative_embeds.map(|e| round_tensor(e, dtype));
+        timings.encode = secs(t.elapsed());
+        progress(Progress::Encoded {
+            seconds: timings.encode,
+        });
+
+        // Initial latents.
+        let channels = self.latent_channels();
+        let latents = match &request.initial_latents {
+            Some(given) => round_tensor(given.clone(), dtype),
+            None => packed_latents(
+                request.seed,
+                1,
+                channels,
+                plan.latent_rows,
+                plan.latent_cols,
+                dtype,
+            )?,
+        };
+
+        let conditions = Conditions {
+            prompt: &prompt_embeds,
+            negative: negative_embeds.as_ref(),
+            cfg_scale: plan.true_cfg_scale,
+        };
+        let keep = self.keep_step_latents;
+        let (latents, step_latents) = match &mut self.dit {
+            DitEngine::Host(dit) => denoise(
+                dit,
+                &plan,
+                &conditions,
+                latents,
+                dtype,
+                keep,
+                &mut timings,
+                progress,
+            )?,
+            DitEngine::Gpu(dit) => denoise(
+                dit,
+                &plan,
+                &conditions,
+                latents,
+                dtype,
+                keep,
+                &mut timings,
+                progress,
+            )?,
+        };
+
+        let t = Instant::now();
+        let decoded = self
+            .vae
+            .decode_packed(&latents, plan.latent_rows, plan.latent_cols)?;
+        let [_, image_channels, image_height, image_width] = decoded.dims::<4>("decoded image")?;
+        if (image_height, image_width) != (plan.height, plan.width) {
+            return Err(PipelineError::Internal(format!(
+                "the VAE decoded {image_width}x{image_height} for a {}x{} request",
+                plan.width, plan.height
+            )));
+        }
+        let pixels = to_u8_hwc(&decoded, 0)?;
+        timings.decode = secs(t.elapsed());
+        progress(Progress::Decoded {
+            seconds: timings.decode,
+        });
+        timings.total = secs(started.elapsed());
+        Ok(Generation {
+            image: Image {
+                width: plan.width,
+                height: plan.height,
+                channels: image_channels,
+                pixels,
+            },
+            decoded,
+            step_latents,
+            prompt_embeds,
+            seed: request.seed,
+            plan_steps: plan.schedule.steps(),
+            timings,
+        })
+    }
+}
+
+/// The GPU text encoder and VAE decoder (`GpuTextEncoder::load_on`, `GpuVaeDecoder::load_on`, both implementing the
+/// component traits). The flags say which components run on the device; a host reference may stand in here.
+fn gpu_text_encoder_and_vae(
+    ctx: &tf_cuda::Context,
+    te_dir: &ModelDir,
+    vae_dir: &ModelDir,
+) -> Result<GpuComponents, PipelineError> {
+    let te: Box<dyn TextEncoderBackend> = Box::new(GpuTextEncoder::load_on(ctx, te_dir)?);
+    let vae: Box<dyn VaeBackend> = Box::new(GpuVaeDecoder::load_on(ctx, vae_dir)?);
+    Ok(GpuComponents {
+        te,
+        vae,
+        te_on_device: true,
+        vae_on_device: true,
+    })
+}
+
+struct GpuComponents {
+    te: Box<dyn TextEncoderBackend>,
+    vae: Box<dyn VaeBackend>,
+    te_on_device: bool,
+    vae_on_device: bool,
+}
+
+/// The three components must agree on widths.
+fn check_agreement(
+    dit: &QwenImageDitConfig,
+    te: &dyn TextEncoderBackend,
+    vae: &dyn VaeBackend,
+    dir: &Path,
+) -> Result<(), PipelineError> {
+    let te_hidden = te.config().hidden_size;
+    if dit.context_in_dim != te_hidden {
+        return Err(folder_err(
+            dir,
+            format!(
+                "the transformer reads {}-wide text features but the text encoder makes {te_hidden}; the components \
+                 come from different checkpoints",
+                dit.context_in_dim
+            ),
+        ));
+    }
+    let z_dim = vae.config().z_dim;
+    if dit.in_channels != z_dim || dit.out_channels() != z_dim {
+        return Err(folder_err(
+            dir,
+            format!(
+                "the transformer has {} in / {} out latent channels but the VAE has {z_dim}; the components come from \
+                 different checkpoints",
+                dit.in_channels,
+                dit.out_channels()
+            ),
+        ));
+    }
+    if dit.patch_size != 1 {
+        return Err(folder_err(
+            dir,
+            format!(
+                "transformer patch_size {} is not 1; Qwen-Image 2.1 consumes latents unpatched",
+                dit.patch_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+struct Conditions<'a> {
+    prompt: &'a TensorF32,
+    negative: Option<&'a TensorF32>,
+    cfg_scale: f32,
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+fn round_vec(mut v: Vec<f32>, dtype: LatentDtype) -> Vec<f32> {
+    if dtype != LatentDtype::F32 {
+        for x in &mut v {
+            *x = dtype.round(*x);
+        }
+    }
+    v
+}
+
+fn round_tensor(mut t: TensorF32, dtype: LatentDtype) -> TensorF32 {
+    if dtype != LatentDtype::F32 {
+        for v in t.data_mut() {
+            *v = dtype.round(*v);
+        }
+    }
+    t
+}
+
+/// The DiT inputs of one text-to-image forward: one sample, text rows then the target's slots.
+fn t2i_inputs(
+    latents: &TensorF32,
+    text: &TensorF32,
+    timestep: f32,
+    rows: usize,
+    cols: usize,
+) -> Result<DitInputs, PipelineError> {
+    let [text_rows, width] = text.dims::<2>("prompt features")?;
+    let n_target = rows * cols;
+    let mut img_mask = vec![0u8; text_rows];
+    img_mask.extend(std::iter::repeat_n(1u8, n_target / TOKENS_PER_SLOT));
+    let mask_len = img_mask.len();
+    Ok(DitInputs {
+        hidden_states: latents.clone(),
+        encoder_hidden_states: Tensor::new(vec![1, text_rows, width], text.data().to_vec())
+            .map_err(DitError::from)?,
+        timestep: Tensor::new(vec![1], vec![timestep]).map_err(DitError::from)?,
+        img_mask: Tensor::new(vec![1, mask_len], img_mask).map_err(DitError::from)?,
+        encoder_hidden_states_mask: None,
+        img_shapes: Tensor::new(vec![1, 1, 3], vec![1, rows as i64, cols as i64])
+            .map_err(DitError::from)?,
+    })
+}
+
+/// The last `n_target` rows of a `[1, S, C]` sample.
+fn target_rows(sample: TensorF32, n_target: usize) -> Result<Vec<f32>, PipelineError> {
+    let [_, seq, channels] = sample.dims::<3>("DiT sample")?;
+    if seq < n_target {
+        return Err(PipelineError::Internal(format!(
+            "the DiT returned {seq} rows, fewer than the {n_target} target tokens"
+        )));
+    }
+    let mut data = sample.into_data();
+    Ok(data.split_off((seq - n_target) * channels))
+}
+
+/// One guidance branch: its text features and its prefix cache.
+struct Branch<'a, C> {
+    text: &'a TensorF32,
+    cache: Option<C>,
+}
+
+impl<C> Branch<'_, C> {
+    fn velocity<D: DitBackend<KvCache = C>>(
+        &mut self,
+        dit: &mut D,
+        latents: &TensorF32,
+        timestep: f32,
+        plan: &Plan,
+        use_cache: bool,
+    ) -> Result<Vec<f32>, PipelineError> {
+        let inputs = t2i_inputs(
+            latents,
+            self.text,
+            timestep,
+            plan.latent_rows,
+            plan.latent_cols,
+        )?;
+        let n_target = plan.latent_rows * plan.latent_cols;
+        let output = match (&self.cache, use_cache) {
+            (_, false) => dit.forward(&inputs, KvStep::None)?,
+            (None, true) => dit.forward(&inputs, KvStep::Extract)?,
+            (Some(cache), true) => dit.forward(&inputs, KvStep::Cached(cache))?,
+        };
+        if let Some(cache) = output.kv_cache {
+            self.cache = Some(cache);
+        } else if use_cache && self.cache.is_none() {
+            return Err(PipelineError::Internal(
+                "the DiT returned no prefix cache from an extract step".into(),
+            ));
+        }
+        target_rows(output.sample, n_target)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn denoise<D: DitBackend>(
+    dit: &mut D,
+    plan: &Plan,
+    conditions: &Conditions<'_>,
+    mut latents: TensorF32,
+    dtype: LatentDtype,
+    keep: bool,
+    timings: &mut Timings,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(TensorF32, Vec<TensorF32>), PipelineError> {
+    let use_cache = dit.config().causal_condition;
+    let mut cond = Branch {
+        text: conditions.prompt,
+        cache: None,
+    };
+    let mut neg = conditions.negative.map(|text| Branch { text, cache: None });
+    let steps = plan.schedule.steps();
+    let mut kept = Vec::new();
+    for step in 0..steps {
+        let t = Instant::now();
+        let timestep = plan.schedule.model_timestep(step, dtype)?;
+        // The model's output is in the latent dtype.
+        let mut velocity = round_vec(
+            cond.velocity(dit, &latents, timestep, plan, use_cache)?,
+            dtype,
+        );
+        if let Some(neg) = neg.as_mut() {
+            let negative = round_vec(
+                neg.velocity(dit, &latents, timestep, plan, use_cache)?,
+                dtype,
+            );
+            let mut combined = vec![0f32; velocity.len()];
+            cfg_combine(
+                &velocity,
+                &negative,
+                conditions.cfg_scale,
+                dtype,
+                &mut combined,
+            )?;
+            velocity = combined;
+        }
+        plan.schedule
+            .euler_step(step, latents.data_mut(), &velocity, dtype)?;
+        if keep {
+            kept.push(latents.clone());
+        }
+        let seconds = secs(t.elapsed());
+        timings.steps.push(seconds);
+        progress(Progress::Step {
+            step: step + 1,
+            steps,
+            seconds,
+        });
+    }
+    Ok((latents, kept))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_request_is_distinguishable() {
+        assert!(invalid("x").is_invalid_request());
+        assert!(!PipelineError::Internal("x".into()).is_invalid_request());
+        assert!(!folder_err(Path::new("m"), "x").is_invalid_request());
+    }
+
+    #[test]
+    fn target_rows_take_the_tail() {
+        let sample = Tensor::new(vec![1, 3, 2], vec![0., 1., 2., 3., 4., 5.]).unwrap();
+        assert_eq!(target_rows(sample, 2).unwrap(), vec![2., 3., 4., 5.]);
+        let sample = Tensor::new(vec![1, 1, 2], vec![0., 1.]).unwrap();
+        assert!(target_rows(sample, 2).is_err());
+    }
+
+    #[test]
+    fn t2i_inputs_append_one_slot_per_four_tokens() {
+        let latents = Tensor::new(vec![1, 24, 2], vec![0.0; 48]).unwrap();
+        let text = Tensor::new(vec![5, 3], vec![0.0; 15]).unwrap();
+        let inputs = t2i_inputs(&latents, &text, 0.5, 4, 6).unwrap();
+        assert_eq!(inputs.img_mask.shape(), &[1, 11]);
+        assert_eq!(&inputs.img_mask.data()[..5], &[0; 5]);
+        assert_eq!(&inputs.img_mask.data()[5..], &[1; 6]);
+        assert_eq!(inputs.img_shapes.data(), &[1, 4, 6]);
+        assert_eq!(inputs.encoder_hidden_states.shape(), &[1, 5, 3]);
+    }
+
+    #[test]
+    fn folder_without_index_explains_itself() {
+        let err = FolderLayout::read(Path::new("/nonexistent/model")).unwrap_err();
+        assert!(err.to_string().contains("model_index.json"), "{err}");
+    }
+}
