@@ -1,0 +1,1076 @@
+//! The Qwen-Image 2.1 text encoder (the Qwen3-VL text path) on the GPU: bf16 storage, f32 accumulation,
+//! cuBLASLt GEMMs, the `qwen_image_text` kernels ([`crate::ops::gpu_text`]) and the DiT's flash attention and
+//! SwiGLU ([`crate::ops::gpu`]), behind the same [`TextEncoderBackend`] interface as the host reference
+//! ([`super::text_encoder::HostTextEncoder`]).
+//!
+//! - Weights stream from the safetensors map through pinned staging ([`super::upload`]) into one device
+//!   allocation, fused per layer: `q|k|v` as one `[(heads + 2 kv_heads) * 128, hidden]` weight and `gate|up` as
+//!   one `[2 * intermediate, hidden]`. The final norm is not loaded: the pipeline reads the last layer's output
+//!   before it.
+//! - A layer is: RMSNorm, fused qkv GEMM, in-place per-head QK RMSNorm + rotate-half RoPE on the q and k columns,
+//!   causal grouped-query attention reading q, k, v straight from the fused rows, o-proj GEMM accumulating into
+//!   the residual stream (`beta = 1`), RMSNorm, gate|up GEMM, SwiGLU, down GEMM accumulating into the residual.
+//! - Workspaces are sized for a row capacity (rounded up to [`ROW_QUANTUM`]) and grow when a longer prompt
+//!   comes; the causal key limits and RoPE tables (positions from 0) are built once per capacity.
+//! - Only head dim 128 runs (the attention kernel's width): other configs are refused at load.
+//!
+//! Invariant: no host synchronisation inside a forward; the one sync is before reading the features back.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use tf_engines::qwen_image::components::TextEncoderBackend;
+//! use tf_engines::qwen_image::text_encoder_gpu::GpuTextEncoder;
+//! use tf_engines::weights::ModelDir;
+//!
+//! let mut encoder = GpuTextEncoder::load(&ModelDir::open(Path::new("text_encoder"))?)?;
+//! println!("{} B resident", encoder.resident_bytes());
+//! let features = encoder.prompt_features(&[151644, 8948, 198, 9707], 3)?;
+//! assert_eq!(features.shape(), &[1, encoder.config().hidden_size]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::sync::Arc;
+
+use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
+use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+
+use super::components::TextEncoderBackend;
+use super::text_encoder::{TextEncoderConfig, TextEncoderError};
+use super::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
+use crate::ops::gpu::{
+    AttentionInputs, AttentionShape, Matrix, QwenImageKernels, Strides, HEAD_DIM,
+};
+use crate::ops::gpu_text::{rotate_half_rope_tables, QkNormRope, TextKernels, MAX_TEXT_NORM_COLS};
+use crate::tensor::{Tensor, TensorF32};
+use crate::weights::{ModelDir, FLOAT_DTYPES};
+
+const BF16: usize = 2;
+/// Alignment of every weight group and workspace buffer.
+const ALIGN: usize = 256;
+/// Workspaces hold a multiple of this many rows, so prompts of similar length share one.
+pub const ROW_QUANTUM: usize = 128;
+/// Tensor name prefixes of the language model, tried in order (the same list as the host reference):
+/// Qwen3-VL saved by transformers, an older VL layout, a text-only Qwen3.
+const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "model."];
+
+/// A GPU failure as a [`TextEncoderError`]: the message names the step that failed and the cause.
+fn gpu_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> TextEncoderError + '_ {
+    move |e| TextEncoderError::Config(format!("GPU backend: {what}: {e}"))
+}
+
+/// Refuses a config the kernels cannot run, saying which limit it breaks.
+pub fn check_supported(config: &TextEncoderConfig) -> Result<(), TextEncoderError> {
+    let refuse = |why: String| {
+        Err(TextEncoderError::Config(format!(
+            "the GPU text encoder cannot run this config: {why}"
+        )))
+    };
+    if config.head_dim != HEAD_DIM {
+        return refuse(format!(
+            "head_dim {} (the attention and QK-norm kernels are built for {HEAD_DIM}; use the host encoder)",
+            config.head_dim
+        ));
+    }
+    if config.num_key_value_heads == 0
+        || !config
+            .num_attention_heads
+            .is_multiple_of(config.num_key_value_heads)
+    {
+        return refuse(format!(
+            "{} attention heads are not a multiple of {} kv heads",
+            config.num_attention_heads, config.num_key_value_heads
+        ));
+    }
+    for (name, v) in [
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+    ] {
+        if v == 0 || !v.is_multiple_of(8) {
+            return refuse(format!(
+                "{name} {v} is not a positive multiple of 8 (16-byte rows)"
+            ));
+        }
+    }
+    if config.hidden_size > MAX_TEXT_NORM_COLS {
+        return refuse(format!(
+            "hidden_size {} exceeds the norm kernel's {MAX_TEXT_NORM_COLS} columns",
+            config.hidden_size
+        ));
+    }
+    if config.vocab_size == 0 || i32::try_from(config.vocab_size).is_err() {
+        return refuse(format!(
+            "vocab_size {} must be in 1..=i32::MAX",
+            config.vocab_size
+        ));
+    }
+    if !(config.rms_norm_eps.is_finite() && config.rms_norm_eps >= 0.0) {
+        return refuse(format!(
+            "rms_norm_eps {} must be finite and >= 0",
+            config.rms_norm_eps
+        ));
+    }
+    if !(config.rope_theta.is_finite() && config.rope_theta > 1.0) {
+        return refuse(format!(
+            "rope_theta {} must be finite and > 1",
+            config.rope_theta
+        ));
+    }
+    Ok(())
+}
+
+/// Widths (elements) the forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Dims {
+    hidden: usize,
+    ffn: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    layers: usize,
+    vocab: usize,
+}
+
+impl Dims {
+    fn of(config: &TextEncoderConfig) -> Result<Dims, TextEncoderError> {
+        check_supported(config)?;
+        Ok(Dims {
+            hidden: config.hidden_size,
+            ffn: config.intermediate_size,
+            q_heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            layers: config.num_hidden_layers,
+            vocab: config.vocab_size,
+        })
+    }
+
+    /// Query width: q_heads * 128.
+    fn q_width(&self) -> usize {
+        self.q_heads * HEAD_DIM
+    }
+
+    /// Key (and value) width: kv_heads * 128.
+    fn kv_width(&self) -> usize {
+        self.kv_heads * HEAD_DIM
+    }
+
+    /// Fused q|k|v row width.
+    fn qkv_width(&self) -> usize {
+        self.q_width() + 2 * self.kv_width()
+    }
+}
+
+/// Device byte offsets of one layer's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LayerOffsets {
+    input_norm: usize,
+    /// `[qkv_width, hidden]`: q_proj, k_proj, v_proj rows.
+    qkv: usize,
+    /// q_norm then k_norm, 128 each.
+    qk_norm: usize,
+    o_proj: usize,
+    post_norm: usize,
+    /// `[2 ffn, hidden]`: gate_proj then up_proj rows.
+    gate_up: usize,
+    down: usize,
+}
+
+/// Device layout of every weight: one allocation of `total` bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct WeightLayout {
+    embed: usize,
+    layers: Vec<LayerOffsets>,
+    total: usize,
+}
+
+/// A source tensor (relative to the model prefix), where it goes, and its shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Placement {
+    name: String,
+    offset: usize,
+    shape: Vec<usize>,
+}
+
+impl WeightLayout {
+    fn plan(d: &Dims) -> WeightLayout {
+        let mut next = 0usize;
+        // Consecutive parts in one aligned group; returns each part's offset.
+        let mut group = |parts: &[usize]| -> Vec<usize> {
+            let mut offset = next.div_ceil(ALIGN) * ALIGN;
+            let mut out = Vec::with_capacity(parts.len());
+            for &bytes in parts {
+                out.push(offset);
+                offset += bytes;
+            }
+            next = offset;
+            out
+        };
+        let h = d.hidden;
+        let embed = group(&[d.vocab * h * BF16])[0];
+        let mut layers = Vec::with_capacity(d.layers);
+        for _ in 0..d.layers {
+            let input_norm = group(&[h * BF16])[0];
+            let qkv = group(&[d.qkv_width() * h * BF16])[0];
+            let qk_norm = group(&[2 * HEAD_DIM * BF16])[0];
+            let o_proj = group(&[h * d.q_width() * BF16])[0];
+            let post_norm = group(&[h * BF16])[0];
+            let gate_up = group(&[2 * d.ffn * h * BF16])[0];
+            let down = group(&[h * d.ffn * BF16])[0];
+            layers.push(LayerOffsets {
+                input_norm,
+                qkv,
+                qk_norm,
+                o_proj,
+                post_norm,
+                gate_up,
+                down,
+            });
+        }
+        WeightLayout {
+            embed,
+            layers,
+            total: next.div_ceil(ALIGN) * ALIGN,
+        }
+    }
+
+    /// Every checkpoint tensor the encoder reads, with its device offset (fused groups split into parts).
+    fn placements(&self, d: &Dims) -> Vec<Placement> {
+        let (h, f) = (d.hidden, d.ffn);
+        let mut out = vec![Placement {
+            name: "embed_tokens.weight".into(),
+            offset: self.embed,
+            shape: vec![d.vocab, h],
+        }];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = |name: &str, offset: usize, shape: Vec<usize>| Placement {
+                name: format!("layers.{i}.{name}"),
+                offset,
+                shape,
+            };
+            let (qw, kw) = (d.q_width(), d.kv_width());
+            out.extend([
+                p("input_layernorm.weight", l.input_norm, vec![h]),
+                p("self_attn.q_proj.weight", l.qkv, vec![qw, h]),
+                p(
+                    "self_attn.k_proj.weight",
+                    l.qkv + qw * h * BF16,
+                    vec![kw, h],
+                ),
+                p(
+                    "self_attn.v_proj.weight",
+                    l.qkv + (qw + kw) * h * BF16,
+                    vec![kw, h],
+                ),
+                p("self_attn.q_norm.weight", l.qk_norm, vec![HEAD_DIM]),
+                p(
+                    "self_attn.k_norm.weight",
+                    l.qk_norm + HEAD_DIM * BF16,
+                    vec![HEAD_DIM],
+                ),
+                p("self_attn.o_proj.weight", l.o_proj, vec![h, qw]),
+                p("post_attention_layernorm.weight", l.post_norm, vec![h]),
+                p("mlp.gate_proj.weight", l.gate_up, vec![f, h]),
+                p("mlp.up_proj.weight", l.gate_up + f * h * BF16, vec![f, h]),
+                p("mlp.down_proj.weight", l.down, vec![h, f]),
+            ]);
+        }
+        out
+    }
+}
+
+/// Rows a workspace is sized for, for a prompt of `rows` rows.
+fn capacity_for(rows: usize) -> usize {
+    rows.max(1).div_ceil(ROW_QUANTUM) * ROW_QUANTUM
+}
+
+/// Causal key limits for positions `0..rows`: query `i` sees keys `0..=i`.
+fn causal_limits(rows: usize) -> Result<Vec<i32>, TextEncoderError> {
+    (1..=rows)
+        .map(|limit| {
+            i32::try_from(limit).map_err(|_| {
+                TextEncoderError::Input(format!(
+                    "{rows} rows do not fit the attention kernel's 32-bit positions"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Token ids as the kernel's i32 values, each checked against the vocabulary.
+fn ids_to_i32(ids: &[u32], vocab: usize) -> Result<Vec<i32>, TextEncoderError> {
+    ids.iter()
+        .map(|&id| {
+            usize::try_from(id)
+                .ok()
+                .filter(|&i| i < vocab)
+                .and_then(|i| i32::try_from(i).ok())
+                .ok_or_else(|| {
+                    TextEncoderError::Input(format!(
+                        "token id {id} is outside the vocabulary (0..{vocab})"
+                    ))
+                })
+        })
+        .collect()
+}
+
+fn le_bytes<T: Copy, const N: usize>(values: &[T], to: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    values.iter().flat_map(|&v| to(v)).collect()
+}
+
+/// Device buffers for prompts of up to `capacity` rows.
+struct Workspace {
+    capacity: usize,
+    ids: DeviceBuffer,
+    key_limits: DeviceBuffer,
+    rope_cos: DeviceBuffer,
+    rope_sin: DeviceBuffer,
+    x: DeviceBuffer,
+    normed: DeviceBuffer,
+    qkv: DeviceBuffer,
+    attn: DeviceBuffer,
+    gate_up: DeviceBuffer,
+    act: DeviceBuffer,
+}
+
+impl Workspace {
+    fn bytes(&self) -> usize {
+        [
+            &self.ids,
+            &self.key_limits,
+            &self.rope_cos,
+            &self.rope_sin,
+            &self.x,
+            &self.normed,
+            &self.qkv,
+            &self.attn,
+            &self.gate_up,
+            &self.act,
+        ]
+        .iter()
+        .map(|b| b.len())
+        .sum()
+    }
+}
+
+/// The Qwen3-VL text encoder on the GPU.
+pub struct GpuTextEncoder {
+    config: TextEncoderConfig,
+    dims: Dims,
+    layout: WeightLayout,
+    workspace: Option<Workspace>,
+    weights: DeviceBuffer,
+    lt: CublasLt,
+    text_kernels: TextKernels,
+    kernels: QwenImageKernels,
+    stream: Stream,
+    ctx: Context,
+    upload: Option<UploadStats>,
+}
+
+impl std::fmt::Debug for GpuTextEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuTextEncoder")
+            .field("config", &self.config)
+            .field("weight_bytes", &self.weights.len())
+            .field(
+                "workspace_rows",
+                &self.workspace.as_ref().map(|w| w.capacity),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for GpuTextEncoder {
+    fn drop(&mut self) {
+        // Work still queued (after an error mid-forward) must not outlive the buffers it reads; a failure here
+        // means the context is gone, and then the buffers are gone with it.
+        let _ = self.stream.synchronize();
+    }
+}
+
+impl GpuTextEncoder {
+    /// Opens the driver, makes a context on device 0 and loads `model` onto it.
+    pub fn load(model: &ModelDir) -> Result<GpuTextEncoder, TextEncoderError> {
+        let driver = Arc::new(Driver::open().map_err(gpu_err("opening the CUDA driver"))?);
+        let ctx = Context::new(driver, 0).map_err(gpu_err("creating a context on device 0"))?;
+        GpuTextEncoder::load_on(&ctx, model)
+    }
+
+    /// Loads the language model of a transformers folder into `ctx` with the default staging.
+    pub fn load_on(ctx: &Context, model: &ModelDir) -> Result<GpuTextEncoder, TextEncoderError> {
+        GpuTextEncoder::load_with(ctx, model, StagingConfig::default())
+    }
+
+    /// Loads the language model of a transformers folder into `ctx`: checks the config and every tensor's
+    /// shape, then streams the weights through `staging` into their fused device layout.
+    pub fn load_with(
+        ctx: &Context,
+        model: &ModelDir,
+        staging: StagingConfig,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let config = TextEncoderConfig::from_json(model.config_json())?;
+        let dims = Dims::of(&config)?;
+        let prefix = PREFIXES
+            .iter()
+            .find(|p| model.info(&format!("{p}embed_tokens.weight")).is_ok())
+            .ok_or_else(|| {
+                TextEncoderError::Config(format!(
+                    "no embed_tokens.weight under any of the prefixes {PREFIXES:?}: not a Qwen3(-VL) checkpoint?"
+                ))
+            })?;
+        let layout = WeightLayout::plan(&dims);
+        let placements = layout.placements(&dims);
+        for placement in &placements {
+            let name = format!("{prefix}{}", placement.name);
+            let info = model.info(&name)?;
+            if info.shape != placement.shape {
+                return Err(TextEncoderError::Weights(
+                    crate::weights::WeightsError::ShapeMismatch {
+                        path: model.dir().to_path_buf(),
+                        name,
+                        expected: placement.shape.clone(),
+                        actual: info.shape.clone(),
+                    },
+                ));
+            }
+            if !FLOAT_DTYPES.contains(&info.dtype) {
+                return Err(TextEncoderError::Config(format!(
+                    "{name} is stored as {}; the GPU upload reads F32, BF16 or F16",
+                    info.dtype.header_name()
+                )));
+            }
+        }
+        let mut encoder = GpuTextEncoder::with_layout(ctx, config, dims, layout)?;
+        let mut pieces = Vec::with_capacity(placements.len());
+        for placement in &placements {
+            let name = format!("{prefix}{}", placement.name);
+            pieces.push(Piece {
+                src: model.bytes(&name)?,
+                dtype: model.info(&name)?.dtype,
+                dst_offset: placement.offset,
+            });
+        }
+        let stats = upload_pieces(ctx, &encoder.stream, &mut encoder.weights, &pieces, staging)
+            .map_err(gpu_err("uploading the weights"))?;
+        encoder.upload = Some(stats);
+        Ok(encoder)
+    }
+
+    /// An encoder of `config` with seeded random weights generated on the device (no file): linear and
+    /// embedding weights uniform with standard deviation 0.02, norm weights uniform in [0.9, 1.1]. For
+    /// benchmarks at full size; the same seed gives the same weights.
+    pub fn random_on(
+        ctx: &Context,
+        config: TextEncoderConfig,
+        seed: u32,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let dims = Dims::of(&config)?;
+        let layout = WeightLayout::plan(&dims);
+        let placements = layout.placements(&dims);
+        let mut encoder = GpuTextEncoder::with_layout(ctx, config, dims, layout)?;
+        let uniform_std = 0.02f32 * 3f32.sqrt();
+        for (i, placement) in placements.iter().enumerate() {
+            let n: usize = placement.shape.iter().product();
+            let (offset, scale) = if placement.shape.len() == 1 {
+                (1.0, 0.1)
+            } else {
+                (0.0, uniform_std)
+            };
+            let mut view = encoder
+                .weights
+                .slice_mut(placement.offset, n * BF16)
+                .map_err(gpu_err("slicing the weights"))?;
+            let piece_seed = seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u32);
+            encoder
+                .text_kernels
+                .fill_uniform(&encoder.stream, &mut view, n, piece_seed, offset, scale)
+                .map_err(gpu_err("filling random weights"))?;
+        }
+        encoder
+            .stream
+            .synchronize()
+            .map_err(gpu_err("filling random weights"))?;
+        Ok(encoder)
+    }
+
+    /// Stream, kernels, cuBLASLt and the (uninitialised) weight allocation.
+    fn with_layout(
+        ctx: &Context,
+        config: TextEncoderConfig,
+        dims: Dims,
+        layout: WeightLayout,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let stream = Stream::new(ctx, false).map_err(gpu_err("creating a stream"))?;
+        let kernels = QwenImageKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
+        let text_kernels = TextKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
+        let lib = LtLibrary::open().map_err(gpu_err("opening cuBLASLt"))?;
+        let lt =
+            CublasLt::with_default_workspace(ctx, lib).map_err(gpu_err("creating cuBLASLt"))?;
+        let weights = DeviceBuffer::alloc(ctx, layout.total).map_err(|e| {
+            TextEncoderError::Config(format!(
+                "GPU backend: allocating {} B of weights: {e}",
+                layout.total
+            ))
+        })?;
+        Ok(GpuTextEncoder {
+            config,
+            dims,
+            layout,
+            workspace: None,
+            weights,
+            lt,
+            text_kernels,
+            kernels,
+            stream,
+            ctx: ctx.clone(),
+            upload: None,
+        })
+    }
+
+    /// What the weight upload moved and how fast (`None` for random weights).
+    pub fn upload_stats(&self) -> Option<UploadStats> {
+        self.upload
+    }
+
+    /// Bytes of the device weight allocation.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.len()
+    }
+
+    /// Device bytes this encoder holds: weights, the current workspace and the cuBLASLt workspace.
+    pub fn resident_bytes(&self) -> usize {
+        self.weights.len()
+            + self.workspace.as_ref().map_or(0, Workspace::bytes)
+            + self.lt.workspace_bytes()
+    }
+
+    /// Rows the current workspace holds (0 before the first encode).
+    pub fn workspace_rows(&self) -> usize {
+        self.workspace.as_ref().map_or(0, |w| w.capacity)
+    }
+
+    /// Frees the workspace (the weights stay); the next encode allocates it again.
+    pub fn clear_workspace(&mut self) {
+        let _ = self.stream.synchronize();
+        self.workspace = None;
+    }
+
+    /// The context the encoder lives in.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Makes sure the workspace holds `rows` rows, allocating a larger one if needed.
+    fn ensure_workspace(&mut self, rows: usize) -> Result<(), TextEncoderError> {
+        if self.workspace.as_ref().is_some_and(|w| w.capacity >= rows) {
+            return Ok(());
+        }
+        // Nothing queued may still use the old buffers when they are freed.
+        self.stream
+            .synchronize()
+            .map_err(gpu_err("waiting before growing the workspace"))?;
+        self.workspace = None;
+        let cap = capacity_for(rows);
+        let d = self.dims;
+        let ctx = &self.ctx;
+        let alloc = |bytes: usize, what: &str| {
+            DeviceBuffer::alloc(ctx, bytes.div_ceil(ALIGN) * ALIGN).map_err(|e| {
+                TextEncoderError::Config(format!(
+                    "GPU backend: allocating the {what} workspace ({bytes} B for {cap} rows): {e}"
+                ))
+            })
+        };
+        let mut key_limits = alloc(cap * 4, "key limit")?;
+        key_limits
+            .upload(0, &le_bytes(&causal_limits(cap)?, i32::to_le_bytes))
+            .map_err(gpu_err("uploading key limits"))?;
+        let (cos, sin) = rotate_half_rope_tables(cap, self.config.rope_theta as f32);
+        let mut rope_cos = alloc(cos.len() * 4, "rope")?;
+        rope_cos
+            .upload(0, &le_bytes(&cos, f32::to_le_bytes))
+            .map_err(gpu_err("uploading rope tables"))?;
+        let mut rope_sin = alloc(sin.len() * 4, "rope")?;
+        rope_sin
+            .upload(0, &le_bytes(&sin, f32::to_le_bytes))
+            .map_err(gpu_err("uploading rope tables"))?;
+        self.workspace = Some(Workspace {
+            capacity: cap,
+            ids: alloc(cap * 4, "token id")?,
+            key_limits,
+            rope_cos,
+            rope_sin,
+            x: alloc(cap * d.hidden * BF16, "hidden state")?,
+            normed: alloc(cap * d.hidden * BF16, "normed")?,
+            qkv: alloc(cap * d.qkv_width() * BF16, "qkv")?,
+            attn: alloc(cap * d.q_width() * BF16, "attention")?,
+            gate_up: alloc(cap * 2 * d.ffn * BF16, "mlp")?,
+            act: alloc(cap * d.ffn * BF16, "mlp")?,
+        });
+        Ok(())
+    }
+
+    /// Validates the request, sizes the workspace and uploads the ids (on the stream). Returns the row count.
+    fn prepare(&mut self, ids: &[u32], drop_rows: usize) -> Result<usize, TextEncoderError> {
+        if drop_rows >= ids.len() {
+            return Err(TextEncoderError::Input(format!(
+                "the prompt has {} tokens, not more than the {drop_rows} template rows to drop",
+                ids.len()
+            )));
+        }
+        let values = ids_to_i32(ids, self.dims.vocab)?;
+        let rows = ids.len();
+        self.ensure_workspace(rows)?;
+        let ws = self
+            .workspace
+            .as_mut()
+            .ok_or_else(|| TextEncoderError::Config("GPU backend: no workspace".into()))?;
+        ws.ids
+            .upload_async(0, &le_bytes(&values, i32::to_le_bytes), &self.stream)
+            .map_err(gpu_err("uploading token ids"))?;
+        Ok(rows)
+    }
+
+    /// Device milliseconds of one forward over `ids` (the mean of `iters` after one warm-up), without the id
+    /// upload and the read-back: the figure to compare with the weight-streaming bound.
+    pub fn time_forward(&mut self, ids: &[u32], iters: usize) -> Result<f64, TextEncoderError> {
+        let rows = self.prepare(ids, 0)?;
+        let start = Event::new(&self.ctx, true).map_err(gpu_err("creating an event"))?;
+        let end = Event::new(&self.ctx, true).map_err(gpu_err("creating an event"))?;
+        self.enqueue_forward(rows)?;
+        let iters = iters.max(1);
+        start
+            .record(&self.stream)
+            .map_err(gpu_err("recording an event"))?;
+        for _ in 0..iters {
+            self.enqueue_forward(rows)?;
+        }
+        end.record(&self.stream)
+            .map_err(gpu_err("recording an event"))?;
+        end.synchronize().map_err(gpu_err("running the forward"))?;
+        let ms = Event::elapsed_ms(&start, &end).map_err(gpu_err("reading an event"))?;
+        Ok(f64::from(ms) / iters as f64)
+    }
+
+    fn weight_span(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, TextEncoderError> {
+        span(&self.weights, offset, bytes)
+    }
+
+    /// `y[m, n] = x[m, k] . w[n, k]^T (+ y when accumulate)` on the stream.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        accumulate: bool,
+    ) -> Result<(), TextEncoderError> {
+        let mut gemm = Gemm::bf16(m, n, k, x, w, y);
+        if accumulate {
+            gemm = gemm.with_scaling(1.0, 1.0);
+        }
+        // SAFETY: every span lies inside a live buffer of this encoder (the weights or the workspace; checked by
+        // `span`); neither is freed before the stream is synchronised (workspace growth, `clear_workspace` and
+        // Drop synchronise first), and the stream belongs to the handle's context.
+        unsafe { self.lt.matmul(&gemm, &self.stream) }
+            .map_err(|e| TextEncoderError::Config(format!("GPU backend: GEMM {m}x{n}x{k}: {e}")))
+    }
+
+    /// Enqueues the forward of the `rows` ids already in the workspace (no host synchronisation). The result,
+    /// the last layer's output before the final norm, is left in the workspace's `x`.
+    fn enqueue_forward(&mut self, rows: usize) -> Result<(), TextEncoderError> {
+        if rows == 0 || self.workspace_rows() < rows {
+            return Err(TextEncoderError::Config(
+                "GPU backend: internal: no workspace for this prompt".into(),
+            ));
+        }
+        let Some(mut ws) = self.workspace.take() else {
+            return Err(TextEncoderError::Config(
+                "GPU backend: internal: no workspace".into(),
+            ));
+        };
+        let result = self.enqueue_forward_in(&mut ws, rows);
+        self.workspace = Some(ws);
+        result
+    }
+
+    fn enqueue_forward_in(&self, ws: &mut Workspace, rows: usize) -> Result<(), TextEncoderError> {
+        let d = self.dims;
+        let (h, f) = (d.hidden, d.ffn);
+        let (qw, kw, qkvw) = (d.q_width(), d.kv_width(), d.qkv_width());
+        let st = &self.stream;
+        let eps = self.config.rms_norm_eps;
+        let launch = gpu_err::<tf_cuda::Error>;
+        let weight_view = |offset: usize, bytes: usize| {
+            self.weights
+                .slice(offset, bytes)
+                .map_err(gpu_err("slicing the weights"))
+        };
+        self.text_kernels
+            .embed_gather(
+                st,
+                &weight_view(self.layout.embed, d.vocab * h * BF16)?,
+                d.vocab,
+                h,
+                &ws.ids.view(),
+                rows,
+                &mut ws.x.view_mut(),
+                h,
+            )
+            .map_err(launch("embedding gather"))?;
+
+        let x_span = span(&ws.x, 0, rows * h * BF16)?;
+        let normed_span = span(&ws.normed, 0, rows * h * BF16)?;
+        let qkv_span = span(&ws.qkv, 0, rows * qkvw * BF16)?;
+        let attn_span = span(&ws.attn, 0, rows * qw * BF16)?;
+        let gate_up_span = span(&ws.gate_up, 0, rows * 2 * f * BF16)?;
+        let act_span = span(&ws.act, 0, rows * f * BF16)?;
+        let limits = ws.key_limits.view();
+        let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+
+        for l in &self.layout.layers {
+            self.text_kernels
+                .rms_norm(
+                    st,
+                    &ws.x.view(),
+                    Matrix::dense(rows, h),
+                    &mut ws.normed.view_mut(),
+                    h,
+                    &weight_view(l.input_norm, h * BF16)?,
+                    eps,
+                )
+                .map_err(launch("input RMSNorm"))?;
+            self.gemm(
+                rows,
+                qkvw,
+                h,
+                normed_span,
+                self.weight_span(l.qkv, qkvw * h * BF16)?,
+                qkv_span,
+                false,
+            )?;
+            {
+                let q_weight = weight_view(l.qk_norm, HEAD_DIM * BF16)?;
+                let k_weight = weight_view(l.qk_norm + HEAD_DIM * BF16, HEAD_DIM * BF16)?;
+                let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
+                let mut qkv = ws.qkv.view_mut();
+                self.text_kernels
+                    .qk_norm_rope_half(
+                        st,
+                        &QkNormRope {
+                            qkv: &mut qkv,
+                            qkv_layout: Matrix::dense(rows, qkvw),
+                            q_heads: d.q_heads,
+                            kv_heads: d.kv_heads,
+                            q_weight: &q_weight,
+                            k_weight: &k_weight,
+                            eps,
+                            rope_cos: &cos,
+                            rope_sin: &sin,
+                            rope_stride: HEAD_DIM / 2,
+                        },
+                    )
+                    .map_err(launch("QK norm + RoPE"))?;
+            }
+            {
+                let qkv_len = ws.qkv.len();
+                let q = ws.qkv.view();
+                let k = ws
+                    .qkv
+                    .slice(qw * BF16, qkv_len - qw * BF16)
+                    .map_err(launch("slicing k"))?;
+                let v = ws
+                    .qkv
+                    .slice((qw + kw) * BF16, qkv_len - (qw + kw) * BF16)
+                    .map_err(launch("slicing v"))?;
+                let fused = Strides {
+                    batch: rows * qkvw,
+                    row: qkvw,
+                };
+                let inputs = AttentionInputs {
+                    q: &q,
+                    q_strides: fused,
+                    prefix: None,
+                    k: &k,
+                    v: &v,
+                    kv_strides: fused,
+                    key_limit: Some((&limits, 0)),
+                    key_pad: None,
+                    scale,
+                };
+                let shape = AttentionShape {
+                    batch: 1,
+                    num_queries: rows,
+                    num_keys: rows,
+                    prefix_len: 0,
+                    num_heads: d.q_heads,
+                    num_kv_heads: d.kv_heads,
+                };
+                self.kernels
+                    .attention(
+                        st,
+                        shape,
+                        &inputs,
+                        &mut ws.attn.view_mut(),
+                        Strides {
+                            batch: rows * qw,
+                            row: qw,
+                        },
+                    )
+                    .map_err(launch("causal attention"))?;
+            }
+            self.gemm(
+                rows,
+                h,
+                qw,
+                attn_span,
+                self.weight_span(l.o_proj, h * qw * BF16)?,
+                x_span,
+                true,
+            )?;
+            self.text_kernels
+                .rms_norm(
+                    st,
+                    &ws.x.view(),
+                    Matrix::dense(rows, h),
+                    &mut ws.normed.view_mut(),
+                    h,
+                    &weight_view(l.post_norm, h * BF16)?,
+                    eps,
+                )
+                .map_err(launch("post-attention RMSNorm"))?;
+            self.gemm(
+                rows,
+                2 * f,
+                h,
+                normed_span,
+                self.weight_span(l.gate_up, 2 * f * h * BF16)?,
+                gate_up_span,
+                false,
+            )?;
+            self.kernels
+                .swiglu(
+                    st,
+                    &ws.gate_up.view(),
+                    Matrix::dense(rows, 2 * f),
+                    &mut ws.act.view_mut(),
+                    f,
+                )
+                .map_err(launch("SwiGLU"))?;
+            self.gemm(
+                rows,
+                h,
+                f,
+                act_span,
+                self.weight_span(l.down, h * f * BF16)?,
+                x_span,
+                true,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Runs the forward and reads rows `drop_rows..` of the result back as f32.
+    fn encode(&mut self, ids: &[u32], drop_rows: usize) -> Result<TensorF32, TextEncoderError> {
+        let rows = self.prepare(ids, drop_rows)?;
+        self.enqueue_forward(rows)?;
+        self.stream
+            .synchronize()
+            .map_err(gpu_err("running the text encoder"))?;
+        let h = self.dims.hidden;
+        let kept = rows - drop_rows;
+        let ws = self
+            .workspace
+            .as_ref()
+            .ok_or_else(|| TextEncoderError::Config("GPU backend: no workspace".into()))?;
+        let mut bytes = vec![0u8; kept * h * BF16];
+        ws.x.download(drop_rows * h * BF16, &mut bytes)
+            .map_err(gpu_err("reading the features back"))?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(BF16)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        Ok(Tensor::new(vec![kept, h], values)?)
+    }
+}
+
+/// `bytes` at `offset` of `buf` as a GEMM operand, checked.
+fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, TextEncoderError> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= buf.len() => Ok(DeviceSpan::new(buf.addr() + offset as u64, bytes)),
+        _ => Err(TextEncoderError::Config(format!(
+            "GPU backend: internal: span {offset}+{bytes} outside a {}-byte buffer",
+            buf.len()
+        ))),
+    }
+}
+
+impl TextEncoderBackend for GpuTextEncoder {
+    fn config(&self) -> &TextEncoderConfig {
+        &self.config
+    }
+
+    fn prompt_features(
+        &mut self,
+        ids: &[u32],
+        drop_rows: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
+        self.encode(ids, drop_rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn full_size() -> TextEncoderConfig {
+        TextEncoderConfig {
+            vocab_size: 151_936,
+            hidden_size: 4096,
+            intermediate_size: 12_288,
+            num_hidden_layers: 36,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 5_000_000.0,
+        }
+    }
+
+    #[test]
+    fn the_released_config_runs_and_other_head_dims_are_refused() {
+        assert!(check_supported(&full_size()).is_ok());
+        // The committed transformers fixture has head_dim 16: refused with a message naming the limit.
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen_te/model/config.json");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+        let tiny = TextEncoderConfig::from_json(&json).unwrap();
+        let err = check_supported(&tiny).unwrap_err().to_string();
+        assert!(err.contains("head_dim 16") && err.contains("128"), "{err}");
+        let mut c = full_size();
+        c.intermediate_size = 12_290;
+        assert!(check_supported(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("multiple of 8"));
+        let mut c = full_size();
+        c.hidden_size = 8200;
+        assert!(check_supported(&c).is_err());
+        let mut c = full_size();
+        c.rope_theta = f64::NAN;
+        assert!(check_supported(&c).is_err());
+        let mut c = full_size();
+        c.num_key_value_heads = 6;
+        assert!(check_supported(&c).is_err());
+    }
+
+    #[test]
+    fn full_size_layout_holds_the_8b_text_weights() {
+        let d = Dims::of(&full_size()).unwrap();
+        assert_eq!(
+            (d.q_width(), d.kv_width(), d.qkv_width()),
+            (4096, 1024, 6144)
+        );
+        let layout = WeightLayout::plan(&d);
+        let params_per_layer = 2 * 4096 + 6144 * 4096 + 256 + 4096 * 4096 + 3 * 12_288 * 4096;
+        let params = 151_936 * 4096 + 36 * params_per_layer;
+        // Alignment padding only (each group rounds up to 256 B).
+        assert!(layout.total >= params * BF16);
+        assert!(layout.total <= params * BF16 + 36 * 7 * ALIGN + 2 * ALIGN);
+        assert_eq!(layout.layers.len(), 36);
+    }
+
+    #[test]
+    fn placements_tile_the_fused_groups_without_overlap() {
+        let config = TextEncoderConfig {
+            vocab_size: 300,
+            hidden_size: 256,
+            intermediate_size: 384,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+        };
+        let d = Dims::of(&config).unwrap();
+        let layout = WeightLayout::plan(&d);
+        let mut placed: Vec<(usize, usize, String)> = layout
+            .placements(&d)
+            .into_iter()
+            .map(|p| {
+                let bytes = p.shape.iter().product::<usize>() * BF16;
+                (p.offset, p.offset + bytes, p.name)
+            })
+            .collect();
+        assert_eq!(placed.len(), 1 + 2 * 11);
+        placed.sort();
+        for pair in placed.windows(2) {
+            assert!(
+                pair[0].1 <= pair[1].0,
+                "{:?} overlaps {:?}",
+                pair[0],
+                pair[1]
+            );
+        }
+        assert!(placed.last().unwrap().1 <= layout.total);
+        // q|k|v and gate|up are contiguous, in that order, so one GEMM reads each group.
+        let at = |name: &str| placed.iter().find(|p| p.2 == name).unwrap().clone();
+        let (q, k, v) = (
+            at("layers.1.self_attn.q_proj.weight"),
+            at("layers.1.self_attn.k_proj.weight"),
+            at("layers.1.self_attn.v_proj.weight"),
+        );
+        assert_eq!((q.1, k.1), (k.0, v.0));
+        assert_eq!(v.1 - q.0, d.qkv_width() * 256 * BF16);
+        let (g, u) = (
+            at("layers.0.mlp.gate_proj.weight"),
+            at("layers.0.mlp.up_proj.weight"),
+        );
+        assert_eq!(g.1, u.0);
+        let (qn, kn) = (
+            at("layers.0.self_attn.q_norm.weight"),
+            at("layers.0.self_attn.k_norm.weight"),
+        );
+        assert_eq!(qn.1, kn.0);
+        for (offset, _, name) in &placed {
+            if !name.contains("k_proj")
+                && !name.contains("v_proj")
+                && !name.contains("up_proj")
+                && !name.contains("k_norm")
+            {
+                assert!(offset.is_multiple_of(ALIGN), "{name} at {offset}");
+            }
+        }
+    }
+
+    #[test]
+    fn ids_are_checked_against_the_vocabulary() {
+        assert_eq!(ids_to_i32(&[0, 5, 9], 10).unwrap(), vec![0, 5, 9]);
+        let err = ids_to_i32(&[0, 10], 10).unwrap_err().to_string();
+        assert!(
+            err.contains("token id 10") && err.contains("0..10"),
+            "{err}"
+        );
+        assert!(ids_to_i32(&[u32::MAX], usize::MAX).is_err());
+    }
+
+    #[test]
+    fn causal_limits_see_up_to_the_query() {
+        assert_eq!(causal_limits(4).unwrap(), vec![1, 2, 3, 4]);
+        assert!(causal_limits(0).unwrap().is_empty());
+    }
+
+    proptest! {
+        /// A workspace holds the prompt, in whole quanta, wasting less than one quantum.
+        #[test]
+        fn capacity_is_the_next_quantum(rows in 0usize..100_000) {
+            let cap = capacity_for(rows);
+            prop_assert!(cap >= rows.max(1));
+            prop_assert!(cap.is_multiple_of(ROW_QUANTUM));
+            prop_assert!(cap < rows.max(1) + ROW_QUANTUM);
+        }
+    }
+}
