@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tf_engines::worker::client::WorkerProcess;
-use tf_engines::worker::png::decode_stored_rgba;
 
 const MIB: f64 = (1u64 << 20) as f64;
 /// Free memory after the worker exits may differ from before by at most this (other tenants, driver caches).
@@ -177,12 +176,12 @@ fn gpu_worker_serves_the_tiny_pipeline_and_returns_all_device_memory() {
     assert_eq!(status.code(), Some(0), "the worker must exit 0 after exit");
 
     let (w, h, pixels) =
-        decode_stored_rgba(&std::fs::read(square.join("image_0.png")).expect("square PNG"))
+        decode_rgba(&std::fs::read(square.join("image_0.png")).expect("square PNG"))
             .expect("decode");
     assert_eq!((w, h), (64, 64));
     let mean = pixels.iter().map(|&b| f64::from(b)).sum::<f64>() / pixels.len() as f64;
     println!("square image: mean byte {mean:.1}");
-    let (w, h, _) = decode_stored_rgba(&std::fs::read(&wide).expect("wide PNG")).expect("decode");
+    let (w, h, _) = decode_rgba(&std::fs::read(&wide).expect("wide PNG")).expect("decode");
     assert_eq!((w, h), (96, 64));
     assert!(
         !out.join("invalid/image_0.png").exists(),
@@ -241,4 +240,15 @@ fn gpu_worker_exits_zero_at_end_of_input_while_loaded() {
         .expect("worker ends at end of input");
     println!("status at end of input: {status:?}");
     assert_eq!(status.code(), Some(0));
+}
+
+/// `(width, height, rgba)` of a PNG file's bytes; panics (failing the test) on anything but 8-bit RGBA.
+fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::png::PngError> {
+    let image = tf_engines::png::decode_png(bytes)?;
+    assert_eq!(
+        image.color,
+        tf_engines::png::ColorType::Rgba,
+        "the worker writes RGBA"
+    );
+    Ok((image.width as u32, image.height as u32, image.pixels))
 }

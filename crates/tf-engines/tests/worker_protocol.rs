@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tf_engines::worker::client::WorkerProcess;
-use tf_engines::worker::png::decode_stored_rgba;
 use tf_engines::worker::{
     Ending, EngineError, ImageJob, Progress, RgbaImage, Worker, WorkerEngine, WorkerLimits,
 };
@@ -203,8 +202,7 @@ fn load_generate_exit_in_order_with_progress_and_files() {
     assert_eq!(done["ok"], true, "{done}");
     assert_eq!(done["seed"], 9);
     assert_eq!(done["files"], json!(["image_0.png"]));
-    let (w, h, rgba) =
-        decode_stored_rgba(&std::fs::read(dir.join("image_0.png")).unwrap()).unwrap();
+    let (w, h, rgba) = decode_rgba(&std::fs::read(dir.join("image_0.png")).unwrap()).unwrap();
     assert_eq!((w, h), (64, 32));
     assert_eq!(&rgba[..4], &[9, 1, 2, 255]);
 
@@ -266,8 +264,7 @@ fn bad_requests_are_answered_and_the_worker_keeps_serving() {
     );
     let flat = &groups[groups.len() - 2].1;
     assert_eq!(flat["files"], json!(["image_0.png"]));
-    let (w, h, _) =
-        decode_stored_rgba(&std::fs::read(dir.join("flat/image_0.png")).unwrap()).unwrap();
+    let (w, h, _) = decode_rgba(&std::fs::read(dir.join("flat/image_0.png")).unwrap()).unwrap();
     assert_eq!((w, h), (32, 48));
 }
 
@@ -385,8 +382,7 @@ fn several_images_use_consecutive_seeds_and_cumulative_progress() {
     assert_eq!(denoise, [(1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6)]);
     for (i, seed) in [100u8, 101, 102].iter().enumerate() {
         let (_, _, rgba) =
-            decode_stored_rgba(&std::fs::read(dir.join(format!("image_{i}.png"))).unwrap())
-                .unwrap();
+            decode_rgba(&std::fs::read(dir.join(format!("image_{i}.png"))).unwrap()).unwrap();
         assert_eq!(rgba[0], *seed);
     }
 }
@@ -499,13 +495,13 @@ fn the_tf_worker_process_serves_load_three_generates_and_exit() {
     assert_eq!(status.code(), Some(0), "{status:?}");
 
     let (w, h, first_pixels) =
-        decode_stored_rgba(&std::fs::read(dir.join("a/image_0.png")).unwrap()).unwrap();
+        decode_rgba(&std::fs::read(dir.join("a/image_0.png")).unwrap()).unwrap();
     assert_eq!((w, h), (64, 32));
     assert!(
         !dir.join("b").join("image_0.png").exists(),
         "the invalid request wrote a file"
     );
-    let (w, h, third_pixels) = decode_stored_rgba(&std::fs::read(&out_file).unwrap()).unwrap();
+    let (w, h, third_pixels) = decode_rgba(&std::fs::read(&out_file).unwrap()).unwrap();
     assert_eq!((w, h), (48, 80));
     assert_ne!(
         first_pixels[..48 * 4],
@@ -553,4 +549,216 @@ fn the_tf_worker_refuses_bad_arguments_with_exit_code_2() {
         String::from_utf8_lossy(&out.stderr).contains("not a folder"),
         "{out:?}"
     );
+}
+
+/// The tiny complete Qwen-Image folder committed under tests/fixtures/qwen_pipeline/model.
+fn tiny_qwen_folder() -> PathBuf {
+    let folder =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_pipeline/model");
+    assert!(
+        folder.join("model_index.json").is_file(),
+        "the tiny pipeline fixture is missing at {}",
+        folder.display()
+    );
+    folder
+}
+
+#[test]
+fn the_tf_worker_process_runs_the_tiny_qwen_pipeline_on_the_host() {
+    use tf_engines::qwen_image::pipeline::{Backend, LoadOptions, Pipeline, Request};
+
+    let model = tiny_qwen_folder();
+    let dir = temp_dir("qwen-host");
+    let model_arg = model.to_string_lossy().into_owned();
+    let mut worker = WorkerProcess::spawn(
+        tf(),
+        &[
+            "worker",
+            "--engine",
+            "qwen_image",
+            "--model",
+            &model_arg,
+            "--backend",
+            "host",
+        ],
+    )
+    .unwrap();
+    let loaded = worker.call(r#"{"op":"load"}"#, DEADLINE).unwrap();
+    assert_eq!(loaded.reply["ok"], true, "{}", loaded.reply);
+    assert!(
+        loaded.reply["resident"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        loaded.reply
+    );
+
+    let first = worker
+        .call(
+            &generate_line(
+                &dir.join("a"),
+                "a red fox in the snow",
+                json!({"width": 64, "height": 64, "steps": 3, "seed": 11}),
+            ),
+            DEADLINE,
+        )
+        .unwrap();
+    assert_eq!(first.reply["ok"], true, "{}", first.reply);
+    let denoise = first
+        .progress
+        .iter()
+        .filter(|p| p["phase"] == "denoise")
+        .count();
+    assert_eq!(denoise, 3, "{:?}", first.progress);
+
+    let refused = worker
+        .call(
+            &generate_line(&dir.join("b"), "x", json!({"width": 48, "height": 64})),
+            DEADLINE,
+        )
+        .unwrap();
+    assert_error(&refused.reply, "invalid_request_error", "multiple of 32");
+
+    let wide = dir.join("c/wide.png");
+    let third = worker
+        .call(&json!({"op": "generate", "prompt": "a cat", "width": 96, "height": 64, "steps": 2, "seed": 2, "output": wide}).to_string(), DEADLINE)
+        .unwrap();
+    assert_eq!(third.reply["ok"], true, "{}", third.reply);
+
+    let (exit_reply, status) = worker.exit_with_reply(DEADLINE).unwrap();
+    assert_eq!(exit_reply["ok"], true);
+    assert_eq!(status.code(), Some(0));
+
+    let (w, h, fox) = decode_rgba(&std::fs::read(dir.join("a/image_0.png")).unwrap()).unwrap();
+    assert_eq!((w, h), (64, 64));
+    let (w, h, _) = decode_rgba(&std::fs::read(&wide).unwrap()).unwrap();
+    assert_eq!((w, h), (96, 64));
+    assert!(!dir.join("b/image_0.png").exists());
+
+    // The worker's file holds exactly the pipeline's pixels for the same request.
+    let mut pipeline = Pipeline::load(&model, &LoadOptions::new(Backend::Host)).unwrap();
+    let request = Request {
+        width: 64,
+        height: 64,
+        steps: Some(3),
+        seed: 11,
+        ..Request::new("a red fox in the snow")
+    };
+    let image = pipeline.generate(&request, &mut |_| {}).unwrap().image;
+    assert_eq!((image.width, image.height, image.channels), (64, 64, 4));
+    let differing = image
+        .pixels
+        .iter()
+        .zip(&fox)
+        .filter(|(a, b)| a != b)
+        .count();
+    println!(
+        "worker PNG vs in-process pipeline: {differing} of {} bytes differ",
+        fox.len()
+    );
+    assert_eq!(differing, 0);
+}
+
+fn arbitrary_line() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let generate = (
+        prop_oneof![Just("fine"), Just("fail"), Just("refuse"), Just("")],
+        prop_oneof![Just(json!(64)), Just(json!(65)), Just(json!(0)), Just(json!("64")), Just(json!(-1))],
+        prop_oneof![Just(json!(2)), Just(json!(0)), Just(json!(1000)), Just(Value::Null)],
+        0u32..4,
+    )
+        .prop_map(|(prompt, width, steps, n)| {
+            json!({"op": "generate", "prompt": prompt, "width": width, "height": 32, "steps": steps, "n": n,
+                   "out_dir": std::env::temp_dir().join(format!("tf-worker-{}-prop", std::process::id()))})
+            .to_string()
+        });
+    prop_oneof![
+        Just(json!({"op": "load"}).to_string()),
+        Just(json!({"op": "exit"}).to_string()),
+        generate,
+        "[ -~]{0,40}",
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Every non-blank line up to `exit` gets exactly one final reply with a known error type, nothing
+    /// follows the exit reply, and the engine is unloaded at the end.
+    #[test]
+    fn any_line_sequence_gets_one_reply_per_line(lines in proptest::collection::vec(arbitrary_line(), 0..12)) {
+        let (engine, calls) = FakeEngine::new();
+        let (ending, values) = serve(engine, &lines);
+        let served: Vec<&String> = match lines.iter().position(|l| l == r#"{"op":"exit"}"#) {
+            Some(at) => lines[..=at].iter().collect(),
+            None => lines.iter().collect(),
+        };
+        let expected = served.iter().filter(|l| !l.trim().is_empty()).count();
+        let groups = per_command(&values);
+        proptest::prop_assert_eq!(groups.len(), expected, "{:?} -> {:?}", lines, values);
+        for (_, reply) in &groups {
+            if reply["ok"] == false {
+                let kind = reply["type"].as_str().unwrap_or_default();
+                proptest::prop_assert!(kind == "invalid_request_error" || kind == "server_error", "{}", reply);
+                proptest::prop_assert!(reply["error"].as_str().is_some_and(|e| !e.is_empty()), "{}", reply);
+            } else {
+                proptest::prop_assert_eq!(&reply["ok"], &json!(true));
+            }
+        }
+        let exited = served.last().is_some_and(|l| *l == r#"{"op":"exit"}"#);
+        proptest::prop_assert_eq!(ending, if exited { Ending::Exit } else { Ending::EndOfInput });
+        let calls = calls.borrow();
+        proptest::prop_assert!(!calls.loaded);
+        proptest::prop_assert_eq!(calls.loads, calls.unloads);
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn the_tf_worker_dies_with_its_parent() {
+    // The shell starts the worker with a stdin that stays open for 30 s, prints its pid and exits: only the
+    // parent-death signal can end the worker sooner.
+    let script = format!(
+        "sleep 30 | '{}' worker --engine testpattern 2>/dev/null & echo $!; sleep 0.5",
+        tf()
+    );
+    let mut shell = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first_line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(shell.stdout.take().unwrap()),
+        &mut first_line,
+    )
+    .unwrap();
+    let pid: u32 = first_line.trim().parse().unwrap();
+    // Only the shell is waited for: the leftover `sleep` keeps the pipe open.
+    assert!(shell.wait().unwrap().success());
+    let gone_or_zombie = || match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    };
+    let started = std::time::Instant::now();
+    while !gone_or_zombie() && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "worker {pid} ended {:?} after its parent",
+        started.elapsed()
+    );
+    assert!(gone_or_zombie(), "worker {pid} outlived its parent");
+}
+
+/// `(width, height, rgba)` of a PNG file's bytes; panics (failing the test) on anything but 8-bit RGBA.
+fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::png::PngError> {
+    let image = tf_engines::png::decode_png(bytes)?;
+    assert_eq!(
+        image.color,
+        tf_engines::png::ColorType::Rgba,
+        "the worker writes RGBA"
+    );
+    Ok((image.width as u32, image.height as u32, image.pixels))
 }

@@ -35,7 +35,7 @@
 //! ```
 
 pub mod client;
-pub mod png;
+pub mod qwen;
 pub mod request;
 pub mod testpattern;
 
@@ -400,7 +400,7 @@ impl<E: WorkerEngine> Worker<E> {
             command.id, command.job.width, command.job.height, command.count, command.job.seed
         );
         let mut files = Vec::with_capacity(paths.len());
-        // A broken stdout during progress is reported by the final reply's write.
+        // A write error on a progress line (the reader is gone) ends serving once the engine returns.
         let mut progress_failed: Option<io::Error> = None;
         for (index, (path, listed)) in paths.into_iter().enumerate() {
             let index = index as u32; // at most max_images
@@ -454,7 +454,7 @@ impl<E: WorkerEngine> Worker<E> {
                 );
                 return self.job_failed(EngineError::Failed(message), output);
             }
-            if let Err(e) = png::write_rgba(&path, &image) {
+            if let Err(e) = write_png_atomically(&path, &image) {
                 let message = format!("could not write {}: {e}", path.display());
                 self.reply_error(output, &message, ErrorType::Server)?;
                 return Ok(Flow::Continue);
@@ -594,6 +594,27 @@ fn prepare_target(target: &OutputTarget, count: u32) -> Result<Vec<(PathBuf, Str
             Ok(vec![(file.clone(), file.to_string_lossy().into_owned())])
         }
     }
+}
+
+/// Writes `image` as a PNG through a temporary file renamed into place, so a reader never sees half a file.
+fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(), String> {
+    let bytes = crate::png::encode_png(
+        image.width() as usize,
+        image.height() as usize,
+        crate::png::ColorType::Rgba,
+        image.pixels(),
+    )
+    .map_err(|e| e.to_string())?;
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let written = std::fs::File::create(&partial)
+        .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
+        .and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written.map_err(|e| e.to_string())
 }
 
 /// One output line; absent fields are left out, present ones keep this order (`ok` first).

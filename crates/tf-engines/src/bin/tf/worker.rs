@@ -9,6 +9,7 @@ use std::io::{self, BufWriter};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use tf_engines::worker::qwen::{self, QwenImageEngine};
 use tf_engines::worker::testpattern::TestPattern;
 use tf_engines::worker::{Worker, WorkerEngine, WorkerLimits};
 
@@ -96,8 +97,12 @@ fn qwen_engine(model: PathBuf, backend: BackendChoice) -> Result<Box<dyn WorkerE
             model.display()
         ));
     }
-    let _ = backend;
-    Err("the qwen_image engine is not available in this build yet".to_string())
+    let backend = match backend {
+        BackendChoice::Auto => qwen::BackendChoice::Auto,
+        BackendChoice::Host => qwen::BackendChoice::Host,
+        BackendChoice::Gpu => qwen::BackendChoice::Gpu,
+    };
+    Ok(Box::new(QwenImageEngine::new(model, backend)))
 }
 
 /// Asks Linux to SIGKILL this process when its parent dies, then checks the parent is still the one that

@@ -1,0 +1,258 @@
+//! The Qwen-Image 2.1 pipeline as a [`WorkerEngine`]: `load` builds the [`Pipeline`] from a diffusers-format
+//! folder, `generate` runs one request, `unload` drops the pipeline (every device buffer, module and stream,
+//! then the context, then the driver).
+//!
+//! Sizes must be multiples of 32 here: the reference pipeline floors other sizes, which would hand back an
+//! image smaller than the one asked for, so the worker refuses them instead (as LocalRouter does).
+
+use std::error::Error as _;
+use std::path::PathBuf;
+
+use crate::qwen_image::pipeline::{
+    Backend, LoadOptions, Pipeline, PipelineError, Progress as PipelineProgress, Request,
+    SIDE_MULTIPLE,
+};
+
+use super::{EngineError, ImageJob, Progress, RgbaImage, WorkerEngine};
+
+/// Where the pipeline runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The GPU when a CUDA driver and device are present, else the host reference.
+    Auto,
+    /// The host (f32 reference).
+    Host,
+    /// The GPU (device 0).
+    Gpu,
+}
+
+/// Qwen-Image 2.1 served by the worker.
+pub struct QwenImageEngine {
+    model: PathBuf,
+    backend: BackendChoice,
+    pipeline: Option<Pipeline>,
+}
+
+impl QwenImageEngine {
+    /// An engine for the model folder `model` (nothing is read until `load`).
+    pub fn new(model: PathBuf, backend: BackendChoice) -> QwenImageEngine {
+        QwenImageEngine {
+            model,
+            backend,
+            pipeline: None,
+        }
+    }
+
+    /// The loaded pipeline, if any.
+    pub fn pipeline(&self) -> Option<&Pipeline> {
+        self.pipeline.as_ref()
+    }
+}
+
+impl WorkerEngine for QwenImageEngine {
+    fn load(&mut self) -> Result<u64, EngineError> {
+        let backend = match self.backend {
+            BackendChoice::Auto => Backend::detect(),
+            BackendChoice::Host => Backend::Host,
+            BackendChoice::Gpu => Backend::Gpu,
+        };
+        eprintln!(
+            "tf worker: loading Qwen-Image from {} on the {} backend",
+            self.model.display(),
+            backend.name()
+        );
+        let pipeline = Pipeline::load(&self.model, &LoadOptions::new(backend))
+            .map_err(|e| classify(&e, false))?;
+        let report = pipeline.load_report();
+        eprintln!(
+            "tf worker: loaded in {:.2} s; text encoder and VAE on the device: {}",
+            report.seconds, report.te_vae_on_device
+        );
+        self.pipeline = Some(pipeline);
+        Ok(report.resident_bytes)
+    }
+
+    fn generate(
+        &mut self,
+        job: &ImageJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RgbaImage, EngineError> {
+        let pipeline = self
+            .pipeline
+            .as_mut()
+            .ok_or_else(|| EngineError::Failed("the Qwen-Image pipeline is not loaded".into()))?;
+        for (name, side) in [("width", job.width), ("height", job.height)] {
+            if !(side as usize).is_multiple_of(SIDE_MULTIPLE) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "`{name}` must be a multiple of {SIDE_MULTIPLE} for Qwen-Image, got {side}"
+                )));
+            }
+        }
+        let request = Request {
+            negative_prompt: job.negative_prompt.clone(),
+            true_cfg_scale: job.guidance.unwrap_or(1.0),
+            width: job.width as usize,
+            height: job.height as usize,
+            steps: job.steps.map(|s| s as usize),
+            seed: job.seed,
+            ..Request::new(job.prompt.clone())
+        };
+        let result = pipeline.generate(&request, &mut |p| progress(translate(p)));
+        let generation = match result {
+            Ok(g) => g,
+            Err(e) => {
+                let lost = pipeline.context().is_some_and(|c| c.is_lost());
+                return Err(classify(&e, lost));
+            }
+        };
+        let t = &generation.timings;
+        eprintln!(
+            "tf worker: encode {:.3} s, {} steps {:.3} s, decode {:.3} s, total {:.3} s",
+            t.encode,
+            t.steps.len(),
+            t.steps.iter().sum::<f64>(),
+            t.decode,
+            t.total
+        );
+        let image = generation.image;
+        let pixels = match image.channels {
+            4 => image.pixels,
+            3 => image
+                .pixels
+                .chunks_exact(3)
+                .flat_map(|rgb| [rgb[0], rgb[1], rgb[2], 255])
+                .collect(),
+            other => {
+                return Err(EngineError::Failed(format!(
+                    "the pipeline returned an image with {other} channels (expected 3 or 4)"
+                )))
+            }
+        };
+        let width = u32::try_from(image.width)
+            .map_err(|_| EngineError::Failed("image width out of range".into()))?;
+        let height = u32::try_from(image.height)
+            .map_err(|_| EngineError::Failed("image height out of range".into()))?;
+        RgbaImage::new(width, height, pixels)
+    }
+
+    fn unload(&mut self) {
+        if let Some(pipeline) = self.pipeline.take() {
+            drop(pipeline);
+            let usage = tf_cuda::usage();
+            eprintln!(
+                "tf worker: unloaded; device bytes still held through tf-cuda: {} in {} allocations",
+                usage.device, usage.device_allocs
+            );
+        }
+    }
+}
+
+fn translate(p: PipelineProgress) -> Progress {
+    let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    match p {
+        PipelineProgress::Encoded { .. } => Progress {
+            phase: "encode",
+            step: 1,
+            of: 1,
+        },
+        PipelineProgress::Step { step, steps, .. } => Progress {
+            phase: "denoise",
+            step: clamp(step),
+            of: clamp(steps),
+        },
+        PipelineProgress::Decoded { .. } => Progress {
+            phase: "decode",
+            step: 1,
+            of: 1,
+        },
+    }
+}
+
+/// Maps a pipeline error to the worker's three kinds. `context_lost` is what the context itself says.
+fn classify(error: &PipelineError, context_lost: bool) -> EngineError {
+    if error.is_invalid_request() {
+        // The pipeline's own message already starts with "invalid request".
+        let text = error.to_string();
+        let text = text.strip_prefix("invalid request: ").unwrap_or(&text);
+        return EngineError::InvalidRequest(text.to_string());
+    }
+    if context_lost || chain_says_context_lost(error) {
+        return EngineError::DeviceLost(error.to_string());
+    }
+    EngineError::Failed(error.to_string())
+}
+
+/// Whether any error in `error`'s source chain is tf-cuda's `ContextLost`.
+fn chain_says_context_lost(error: &PipelineError) -> bool {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = error.source();
+    while let Some(e) = next {
+        if let Some(cuda) = e.downcast_ref::<tf_cuda::Error>() {
+            if cuda.is_context_lost() {
+                return true;
+            }
+        }
+        next = e.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_requests_stay_request_errors_even_on_a_lost_context() {
+        let e = PipelineError::InvalidRequest("steps must be at least 1".into());
+        assert_eq!(
+            classify(&e, true),
+            EngineError::InvalidRequest("steps must be at least 1".into())
+        );
+    }
+
+    #[test]
+    fn a_lost_context_is_fatal_and_other_errors_are_not() {
+        let e = PipelineError::Internal("kernel launch failed".into());
+        assert!(matches!(classify(&e, true), EngineError::DeviceLost(_)));
+        assert!(matches!(classify(&e, false), EngineError::Failed(_)));
+    }
+
+    #[test]
+    fn progress_phases_translate() {
+        assert_eq!(
+            translate(PipelineProgress::Step {
+                step: 2,
+                steps: 8,
+                seconds: 0.1
+            }),
+            Progress {
+                phase: "denoise",
+                step: 2,
+                of: 8
+            }
+        );
+        assert_eq!(
+            translate(PipelineProgress::Decoded { seconds: 0.0 }).phase,
+            "decode"
+        );
+    }
+
+    #[test]
+    fn generate_before_load_and_bad_sizes_fail_cleanly() {
+        let mut engine = QwenImageEngine::new(PathBuf::from("/nonexistent"), BackendChoice::Host);
+        let job = ImageJob {
+            prompt: "x".into(),
+            negative_prompt: None,
+            width: 48,
+            height: 64,
+            steps: Some(1),
+            seed: 0,
+            guidance: None,
+        };
+        assert!(matches!(
+            engine.generate(&job, &mut |_| {}),
+            Err(EngineError::Failed(_))
+        ));
+        assert!(matches!(engine.load(), Err(EngineError::Failed(_))));
+        engine.unload();
+    }
+}
