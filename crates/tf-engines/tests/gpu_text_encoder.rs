@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
-use tf_engines::ops::gpu::Matrix;
+use tf_engines::ops::gpu::{AttentionTile, Matrix};
 use tf_engines::ops::gpu_text::{rotate_half_rope_tables, QkNormRope, TextKernels};
 use tf_engines::ops::host;
 use tf_engines::qwen_image::components::TextEncoderBackend;
@@ -118,6 +118,13 @@ fn assert_close(what: &str, ours: &[f32], reference: &[f32], rel_max: f64, cos_m
     );
     assert!(cos >= cos_min, "{what}: cosine {cos:.6} < {cos_min}");
     rel
+}
+
+/// Whether the attention kernels of this GPU include `tile` (a fresh load: the same rule the encoder uses).
+fn gpu_has_tile(ctx: &Context, tile: AttentionTile) -> bool {
+    tf_engines::ops::gpu::QwenImageKernels::load(ctx)
+        .map(|k| k.has_tile(tile))
+        .unwrap_or(false)
 }
 
 fn upload(ctx: &Context, bytes: &[u8]) -> DeviceBuffer {
@@ -475,35 +482,58 @@ fn tiny_encoder_matches_the_host_reference() {
         .iter()
         .map(|&(rows, drop)| ((0..rows).map(|_| rng.below(vocab) as u32).collect(), drop))
         .collect();
-    let mut first_seven = None;
-    for (i, (ids, drop)) in prompts.iter().enumerate() {
-        let want = TextEncoderBackend::prompt_features(&mut host_encoder, ids, *drop).unwrap();
-        let got = gpu.prompt_features(ids, *drop).expect("GPU encode");
-        assert_eq!(got.shape(), want.shape(), "prompt {i}: shape");
-        println!(
-            "prompt {i}: {} rows, {drop} dropped, workspace {} rows, resident {} B",
-            ids.len(),
-            gpu.workspace_rows(),
-            gpu.resident_bytes()
-        );
-        assert_close(
-            &format!("prompt {i} ({} rows, drop {drop})", ids.len()),
-            got.data(),
-            want.data(),
-            REL_L2_MAX,
-            COSINE_MIN,
-        );
-        if ids.len() == 7 {
-            match &first_seven {
-                None => first_seven = Some(got.data().to_vec()),
-                Some(first) => assert_eq!(
-                    first,
-                    got.data(),
-                    "the same prompt after a larger workspace must give bit-identical features"
-                ),
+    // Every attention tile this GPU loads (the preferred one first), each against the host reference.
+    let preferred = gpu.attention_tile();
+    let mut tiles = vec![preferred];
+    tiles.extend(
+        AttentionTile::ALL
+            .into_iter()
+            .filter(|&t| t != preferred && gpu_has_tile(&ctx, t)),
+    );
+    let mut by_tile: Vec<(AttentionTile, Vec<f32>)> = Vec::new();
+    for &tile in &tiles {
+        gpu.set_attention_tile(Some(tile));
+        println!("attention tile {tile:?}");
+        let mut first_seven: Option<Vec<f32>> = None;
+        for (i, (ids, drop)) in prompts.iter().enumerate() {
+            let want = TextEncoderBackend::prompt_features(&mut host_encoder, ids, *drop).unwrap();
+            let got = gpu.prompt_features(ids, *drop).expect("GPU encode");
+            assert_eq!(got.shape(), want.shape(), "prompt {i}: shape");
+            println!(
+                "prompt {i}: {} rows, {drop} dropped, workspace {} rows, resident {} B",
+                ids.len(),
+                gpu.workspace_rows(),
+                gpu.resident_bytes()
+            );
+            assert_close(
+                &format!("{tile:?} prompt {i} ({} rows, drop {drop})", ids.len()),
+                got.data(),
+                want.data(),
+                REL_L2_MAX,
+                COSINE_MIN,
+            );
+            if ids.len() == 7 {
+                match &first_seven {
+                    None => first_seven = Some(got.data().to_vec()),
+                    Some(first) => assert_eq!(
+                        first,
+                        got.data(),
+                        "the same prompt after a larger workspace must give bit-identical features"
+                    ),
+                }
+            }
+            if ids.len() == 130 {
+                by_tile.push((tile, got.data().to_vec()));
             }
         }
     }
+    if let Some((first_tile, first)) = by_tile.first() {
+        for (tile, other) in &by_tile[1..] {
+            let rel = relative_l2(other, first).unwrap();
+            println!("130 rows: {tile:?} against {first_tile:?}: relative L2 {rel:.3e}");
+        }
+    }
+    gpu.set_attention_tile(None);
     assert_eq!(
         gpu.workspace_rows(),
         256,
@@ -604,10 +634,12 @@ fn full_size_encode_timing() {
         }
         let wall_ms = wall.elapsed().as_secs_f64() * 1e3 / iters as f64;
         let device_ms = gpu.time_forward(&ids, 10).expect("time the forward");
-        let gbps = weight_bytes as f64 / (device_ms * 1e-3) / 1e9;
+        // Every layer weight is read once per forward; the embedding table only for the rows gathered.
+        let streamed = weight_bytes as f64 - (vocab * 4096 * 2) as f64;
+        let gbps = streamed / (device_ms * 1e-3) / 1e9;
         let flops = 2.0 * rows as f64 * (weight_bytes as f64 / 2.0 - (vocab * 4096) as f64);
         println!(
-            "{rows} tokens: {device_ms:.3} ms device per forward ({gbps:.0} GB/s of weights, {:.0} TFLOP/s GEMM-equivalent), \
+            "{rows} tokens: {device_ms:.3} ms device per forward ({gbps:.0} GB/s of layer weights streamed, {:.0} TFLOP/s GEMM-equivalent), \
              {wall_ms:.3} ms per prompt_features call (ids up, features back); resident {:.3} GB",
             flops / (device_ms * 1e-3) / 1e12,
             gpu.resident_bytes() as f64 / 1e9

@@ -38,7 +38,7 @@ use super::components::TextEncoderBackend;
 use super::text_encoder::{TextEncoderConfig, TextEncoderError};
 use super::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
 use crate::ops::gpu::{
-    AttentionInputs, AttentionShape, Matrix, QwenImageKernels, Strides, HEAD_DIM,
+    AttentionInputs, AttentionShape, AttentionTile, Matrix, QwenImageKernels, Strides, HEAD_DIM,
 };
 use crate::ops::gpu_text::{rotate_half_rope_tables, QkNormRope, TextKernels, MAX_TEXT_NORM_COLS};
 use crate::tensor::{Tensor, TensorF32};
@@ -363,6 +363,8 @@ pub struct GpuTextEncoder {
     stream: Stream,
     ctx: Context,
     upload: Option<UploadStats>,
+    /// `None`: the attention kernels' preferred tile for this GPU.
+    attention_tile: Option<AttentionTile>,
 }
 
 impl std::fmt::Debug for GpuTextEncoder {
@@ -522,6 +524,7 @@ impl GpuTextEncoder {
             stream,
             ctx: ctx.clone(),
             upload: None,
+            attention_tile: None,
         })
     }
 
@@ -551,6 +554,18 @@ impl GpuTextEncoder {
     pub fn clear_workspace(&mut self) {
         let _ = self.stream.synchronize();
         self.workspace = None;
+    }
+
+    /// Runs attention with `tile` (`None`: the preferred tile of this GPU, the default). A tile this GPU cannot
+    /// run makes the next encode fail with a message naming it.
+    pub fn set_attention_tile(&mut self, tile: Option<AttentionTile>) {
+        self.attention_tile = tile;
+    }
+
+    /// The attention tile encodes use.
+    pub fn attention_tile(&self) -> AttentionTile {
+        self.attention_tile
+            .unwrap_or_else(|| self.kernels.preferred_tile())
     }
 
     /// The context the encoder lives in.
@@ -807,8 +822,9 @@ impl GpuTextEncoder {
                     num_kv_heads: d.kv_heads,
                 };
                 self.kernels
-                    .attention(
+                    .attention_with(
                         st,
+                        self.attention_tile(),
                         shape,
                         &inputs,
                         &mut ws.attn.view_mut(),
