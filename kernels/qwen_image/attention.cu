@@ -437,7 +437,7 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
 
 // V_DESC_SWAP selects which of the MN-major descriptor's two offsets holds the 64-column step (kept as a
 // template parameter so both encodings can be checked against the host reference).
-template <bool V_DESC_SWAP>
+template <bool V_DESC_SWAP, bool OVERLAP>
 __device__ __forceinline__ void attention_sm90(
     const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
     const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
@@ -446,6 +446,7 @@ __device__ __forceinline__ void attention_sm90(
     int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
     const int* __restrict__ key_pad, float scale_log2) {
     constexpr int kThreads = 256;
+    constexpr int STAGES = OVERLAP ? 3 : 2;
     extern __shared__ __align__(128) uint8_t smem[];
     __shared__ int window[2];
 
@@ -553,31 +554,22 @@ __device__ __forceinline__ void attention_sm90(
         }
     };
 
-    load_q();
-    if (num_tiles > 0) load_kv(0, 0);
-    cp_async_commit();
-
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     float max_a = kNegInf, max_b = kNegInf;
     float sum_a = 0.0f, sum_b = 0.0f;
     const uint32_t q_rows = smem_q + warpgroup * 64 * 128;
+    auto k_tile_of = [&](int tile) { return smem_kv + (tile % STAGES) * 2 * kSm90TileBytes; };
+    const uint32_t v_leading = V_DESC_SWAP ? 1024u : static_cast<uint32_t>(kSm90Half);
+    const uint32_t v_stride = V_DESC_SWAP ? static_cast<uint32_t>(kSm90Half) : 1024u;
 
-    for (int tile = 0; tile < num_tiles; ++tile) {
-        cp_async_wait<0>();
-        fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-        __syncthreads();      // every thread's copies landed, and the stage loaded next is no longer read
-        if (tile + 1 < num_tiles) load_kv(tile + 1, (tile + 1) & 1);
-        cp_async_commit();
-        const uint32_t k_tile = smem_kv + (tile & 1) * 2 * kSm90TileBytes;
-        const uint32_t v_tile = k_tile + kSm90TileBytes;
-
-        // S = Q K^T: 64 rows x 128 keys per warpgroup, eight k16 steps over the head dimension.
-        float s[64];
+    // Issues S = Q K^T for one key tile: 64 rows x 128 keys per warpgroup, eight k16 steps over the head dim.
+    auto issue_scores = [&](float(&s)[64], int tile) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) s[i] = 0.0f;
         wgmma_fence();
+        const uint32_t k_tile = k_tile_of(tile);
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             const uint32_t step = (kk >> 2) * kSm90Half + (kk & 3) * 32;
@@ -585,10 +577,22 @@ __device__ __forceinline__ void attention_sm90(
                                 kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait_all();
-        fence_accumulators(s);
-
-        // s[4 j + e]: row a (e < 2) or b, key 8 j + 2 quad + (e & 1) of the tile.
+    };
+    // Issues O += P V for one key tile. V (keys x head dim, head dim contiguous) is B through an MN-major
+    // descriptor: 8-key groups 1024 bytes apart, 64-column halves kSm90Half apart.
+    auto issue_values = [&](const uint32_t(&p)[8][4], int tile) {
+        wgmma_fence();
+        const uint32_t v_tile = k_tile_of(tile) + kSm90TileBytes;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            wgmma_m64n128k16_rs_tb(acc, p[kk], smem_desc(v_tile + kk * 2048, v_leading, v_stride));
+        }
+        wgmma_commit();
+    };
+    // Masks the scores of key tile `tile`, updates the running maxima and sums, and leaves exp2 of the scores
+    // (relative to the new maxima) in s. Returns the factors that rescale what was accumulated before.
+    // s[4 j + e]: row a (e < 2) or b, key 8 j + 2 quad + (e & 1) of the tile.
+    auto softmax_tile = [&](float(&s)[64], int tile, float& corr_a, float& corr_b) {
         const int key0 = tile * kSm90Keys;
         const bool full = key0 + kSm90Keys <= window_min && (key0 + kSm90Keys <= pad_begin || key0 >= pad_end);
         if (!full) {
@@ -603,7 +607,6 @@ __device__ __forceinline__ void attention_sm90(
                 }
             }
         }
-
         float tile_max_a = kNegInf, tile_max_b = kNegInf;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -614,8 +617,8 @@ __device__ __forceinline__ void attention_sm90(
         const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
         const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a * scale_log2;
         const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b * scale_log2;
-        const float corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a * scale_log2 - base_a);
-        const float corr_b = new_max_b == max_b ? 1.0f : exp2_approx(max_b * scale_log2 - base_b);
+        corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a * scale_log2 - base_a);
+        corr_b = new_max_b == max_b ? 1.0f : exp2_approx(max_b * scale_log2 - base_b);
         max_a = new_max_a;
         max_b = new_max_b;
         float tile_sum_a = 0.0f, tile_sum_b = 0.0f;
@@ -630,6 +633,8 @@ __device__ __forceinline__ void attention_sm90(
         }
         sum_a = fmaf(sum_a, corr_a, tile_sum_a);
         sum_b = fmaf(sum_b, corr_b, tile_sum_b);
+    };
+    auto rescale = [&](float corr_a, float corr_b) {
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
             acc[4 * n] *= corr_a;
@@ -637,9 +642,9 @@ __device__ __forceinline__ void attention_sm90(
             acc[4 * n + 2] *= corr_b;
             acc[4 * n + 3] *= corr_b;
         }
-
-        // O += P V: key blocks 2 kk and 2 kk + 1 of S form the A fragment of keys 16 kk .. 16 kk + 15.
-        uint32_t p[8][4];
+    };
+    // Key blocks 2 kk and 2 kk + 1 of S form the A fragment of keys 16 kk .. 16 kk + 15.
+    auto pack_probabilities = [&](const float(&s)[64], uint32_t(&p)[8][4]) {
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
@@ -647,18 +652,75 @@ __device__ __forceinline__ void attention_sm90(
             p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
             p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
         }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            // V tile as B (keys x head dim, head dim contiguous): 8-key groups 1024 bytes apart, 64-column halves
-            // kSm90Half apart.
-            const uint32_t leading = V_DESC_SWAP ? 1024u : static_cast<uint32_t>(kSm90Half);
-            const uint32_t stride = V_DESC_SWAP ? static_cast<uint32_t>(kSm90Half) : 1024u;
-            wgmma_m64n128k16_rs_tb(acc, p[kk], smem_desc(v_tile + kk * 2048, leading, stride));
+    };
+
+    load_q();
+    if (num_tiles > 0) load_kv(0, 0);
+    cp_async_commit();
+    if constexpr (!OVERLAP) {
+        // Each tile: scores, softmax, values, one after the other in a warpgroup (the other warpgroup's work
+        // is what overlaps).
+        for (int tile = 0; tile < num_tiles; ++tile) {
+            cp_async_wait<0>();
+            fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+            __syncthreads();      // every thread's copies landed, and the stage loaded next is no longer read
+            if (tile + 1 < num_tiles) load_kv(tile + 1, (tile + 1) % STAGES);
+            cp_async_commit();
+            float s[64];
+            issue_scores(s, tile);
+            wgmma_wait_all();
+            fence_accumulators(s);
+            float corr_a, corr_b;
+            softmax_tile(s, tile, corr_a, corr_b);
+            rescale(corr_a, corr_b);
+            uint32_t p[8][4];
+            pack_probabilities(s, p);
+            issue_values(p, tile);
+            wgmma_wait_all();
+            fence_accumulators(acc);
         }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_accumulators(acc);
+    } else {
+        // Software-pipelined: the scores of tile t + 1 are issued with the values of tile t, and the softmax of
+        // tile t + 1 runs while the tensor cores work on P V of tile t. Three stages: tile t + 2 loads while
+        // tile t + 1's K and tile t's V are read.
+        if (num_tiles > 1) load_kv(1, 1);
+        cp_async_commit();
+        uint32_t p[8][4];
+        if (num_tiles > 0) {
+            cp_async_wait<1>();
+            fence_proxy_async();
+            __syncthreads();
+            float s[64];
+            issue_scores(s, 0);
+            wgmma_wait_all();
+            fence_accumulators(s);
+            float corr_a, corr_b;
+            softmax_tile(s, 0, corr_a, corr_b);  // acc is zero: nothing to rescale
+            pack_probabilities(s, p);
+        }
+        for (int tile = 0; tile + 1 < num_tiles; ++tile) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();  // tile + 1 landed everywhere; tile - 1's stage is no longer read
+            if (tile + 2 < num_tiles) load_kv(tile + 2, (tile + 2) % STAGES);
+            cp_async_commit();
+            float s[64];
+            issue_scores(s, tile + 1);
+            issue_values(p, tile);
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the scores are done
+            fence_accumulators(s);
+            float corr_a, corr_b;
+            softmax_tile(s, tile + 1, corr_a, corr_b);
+            wgmma_wait_all();
+            fence_accumulators(acc);
+            rescale(corr_a, corr_b);
+            pack_probabilities(s, p);
+        }
+        if (num_tiles > 0) {
+            issue_values(p, num_tiles - 1);
+            wgmma_wait_all();
+            fence_accumulators(acc);
+        }
     }
     cp_async_wait<0>();
 
@@ -717,17 +779,17 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w8s3, 8, 3, 1)
 QI_ATTENTION_KERNEL(qi_attention_d128_w4s2, 4, 2, 2)
 QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
 
-// Dynamic shared memory: 5 * 32 KiB + 1 KiB (alignment); grid (ceil(num_queries / 128), num_heads, batch); block 256.
+// Dynamic shared memory: (1 + 2 * stages) * 32 KiB + 1 KiB (alignment); grid (ceil(num_queries / 128), num_heads, batch); block 256.
 #if defined(QI_HAS_WGMMA)
-#define QI_SM90_BODY(SWAP)                                                                                      \
-    attention_sm90<SWAP>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride,             \
+#define QI_SM90_BODY(SWAP, OVERLAP)                                                                             \
+    attention_sm90<SWAP, OVERLAP>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride,             \
                          prefix_row_stride, prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, \
                          o_row_stride, num_queries, num_keys, num_heads, num_kv_heads, key_limit,               \
                          key_limit_batch_stride, key_pad, scale_log2);
 #else
-#define QI_SM90_BODY(SWAP) __trap();
+#define QI_SM90_BODY(SWAP, OVERLAP) __trap();
 #endif
-#define QI_ATTENTION_SM90_KERNEL(NAME, SWAP)                                                                  \
+#define QI_ATTENTION_SM90_KERNEL(NAME, SWAP, OVERLAP)                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
         const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
         const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
@@ -735,8 +797,10 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
         bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
         int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
         const int* __restrict__ key_pad, float scale_log2) {                                                  \
-        QI_SM90_BODY(SWAP)                                                                                    \
+        QI_SM90_BODY(SWAP, OVERLAP)                                                                          \
     }
 
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, false)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_alt, true)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, false, false)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_alt, true, false)
+// Software-pipelined (3 stages, 225 KiB of dynamic shared memory).
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_pipe, false, true)

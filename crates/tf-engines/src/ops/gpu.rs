@@ -75,22 +75,29 @@ pub enum AttentionTile {
     Sm90,
     /// [`AttentionTile::Sm90`] with the other encoding of the V descriptor's offsets (kept to check both).
     Sm90Alt,
+    /// [`AttentionTile::Sm90`] software-pipelined: the scores of the next key tile are computed while the
+    /// softmax of this one runs; 3 stages (225 KiB).
+    Sm90Pipe,
 }
 
 impl AttentionTile {
     /// Every tile shape, for benchmarks.
-    pub const ALL: [AttentionTile; 6] = [
+    pub const ALL: [AttentionTile; 7] = [
         AttentionTile::W8S2,
         AttentionTile::W8S3,
         AttentionTile::W4S2,
         AttentionTile::W4S3,
         AttentionTile::Sm90,
         AttentionTile::Sm90Alt,
+        AttentionTile::Sm90Pipe,
     ];
 
     /// Whether the kernel uses sm_90a instructions (it traps on any other GPU, so it is only loaded on 9.0).
     pub fn needs_sm90(self) -> bool {
-        matches!(self, AttentionTile::Sm90 | AttentionTile::Sm90Alt)
+        matches!(
+            self,
+            AttentionTile::Sm90 | AttentionTile::Sm90Alt | AttentionTile::Sm90Pipe
+        )
     }
 
     /// Keys per tile: tile shapes of equal width reduce in the same order and give bit-identical results.
@@ -111,6 +118,7 @@ impl AttentionTile {
             AttentionTile::W4S3 => "qi_attention_d128_w4s3",
             AttentionTile::Sm90 => "qi_attention_d128_sm90",
             AttentionTile::Sm90Alt => "qi_attention_d128_sm90_alt",
+            AttentionTile::Sm90Pipe => "qi_attention_d128_sm90_pipe",
         }
     }
 
@@ -120,7 +128,8 @@ impl AttentionTile {
             AttentionTile::W8S2
             | AttentionTile::W8S3
             | AttentionTile::Sm90
-            | AttentionTile::Sm90Alt => 8,
+            | AttentionTile::Sm90Alt
+            | AttentionTile::Sm90Pipe => 8,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
     }
@@ -132,7 +141,7 @@ impl AttentionTile {
             | AttentionTile::W4S2
             | AttentionTile::Sm90
             | AttentionTile::Sm90Alt => 2,
-            AttentionTile::W8S3 | AttentionTile::W4S3 => 3,
+            AttentionTile::W8S3 | AttentionTile::W4S3 | AttentionTile::Sm90Pipe => 3,
         }
     }
 
@@ -1536,6 +1545,7 @@ mod tests {
         // 128 query rows, 2 stages of 128-key K and V tiles, 1 KiB of alignment slack.
         assert_eq!(AttentionTile::Sm90.shared_bytes(), (128 + 512) * 256 + 1024);
         assert_eq!(AttentionTile::Sm90Alt.rows(), 128);
+        assert_eq!(AttentionTile::Sm90Pipe.shared_bytes(), (128 + 768) * 256 + 1024);
         for tile in AttentionTile::ALL {
             assert!(
                 tile.shared_bytes() <= 227 * 1024,
