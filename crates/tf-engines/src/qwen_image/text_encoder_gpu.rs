@@ -1079,6 +1079,93 @@ mod tests {
         assert!(causal_limits(0).unwrap().is_empty());
     }
 
+    /// Writes a one-layer head-dim-128 model (zeros) whose `k_proj` has `k_rows` rows (2 x 128 is right).
+    fn write_model(dir: &std::path::Path, k_rows: usize) {
+        use crate::weights::{write_safetensors, AnyTensor};
+        std::fs::create_dir_all(dir).unwrap();
+        let config = serde_json::json!({"text_config": {"vocab_size": 4, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 128, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}});
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let p = "model.language_model.";
+        let specs: Vec<(String, Vec<usize>)> = vec![
+            (format!("{p}embed_tokens.weight"), vec![4, 8]),
+            (format!("{p}norm.weight"), vec![8]),
+            (format!("{p}layers.0.input_layernorm.weight"), vec![8]),
+            (format!("{p}layers.0.self_attn.q_proj.weight"), vec![256, 8]),
+            (
+                format!("{p}layers.0.self_attn.k_proj.weight"),
+                vec![k_rows, 8],
+            ),
+            (format!("{p}layers.0.self_attn.v_proj.weight"), vec![128, 8]),
+            (format!("{p}layers.0.self_attn.q_norm.weight"), vec![128]),
+            (format!("{p}layers.0.self_attn.k_norm.weight"), vec![128]),
+            (format!("{p}layers.0.self_attn.o_proj.weight"), vec![8, 256]),
+            (
+                format!("{p}layers.0.post_attention_layernorm.weight"),
+                vec![8],
+            ),
+            (format!("{p}layers.0.mlp.gate_proj.weight"), vec![16, 8]),
+            (format!("{p}layers.0.mlp.up_proj.weight"), vec![16, 8]),
+            (format!("{p}layers.0.mlp.down_proj.weight"), vec![8, 16]),
+        ];
+        let tensors: Vec<(String, TensorF32)> = specs
+            .into_iter()
+            .map(|(name, shape)| {
+                let n = shape.iter().product();
+                (name, Tensor::new(shape, vec![0.0; n]).unwrap())
+            })
+            .collect();
+        let refs: Vec<(&str, AnyTensor<'_>)> = tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
+            .collect();
+        write_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+    }
+
+    #[test]
+    fn load_checks_the_folder_and_frees_everything_on_failure() {
+        use tf_testdriver::{library_path, test_lock};
+        let _serial = test_lock();
+        let driver =
+            Arc::new(Driver::open_path(&library_path().expect("find the test driver")).unwrap());
+        let ctx = Context::new(driver, 0).unwrap();
+        let before = tf_cuda::usage().device;
+        // The committed transformers fixture (head_dim 16) is refused by its config.
+        let fixture = ModelDir::open(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/qwen_te/model"),
+        )
+        .unwrap();
+        let err = GpuTextEncoder::load_on(&ctx, &fixture)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("head_dim 16"), "{err}");
+        // A wrong tensor shape is named before anything is allocated.
+        let root = std::env::temp_dir().join(format!("tf-te-gpu-unit-{}", std::process::id()));
+        let bad = root.join("bad");
+        write_model(&bad, 64);
+        let err = GpuTextEncoder::load_on(&ctx, &ModelDir::open(&bad).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("k_proj"), "{err}");
+        // A valid folder gets as far as the kernels, which the test driver cannot run (or this build lacks):
+        // the error says so, and nothing stays allocated.
+        let good = root.join("good");
+        write_model(&good, 128);
+        let err = GpuTextEncoder::load_on(&ctx, &ModelDir::open(&good).unwrap())
+            .unwrap_err()
+            .to_string();
+        println!("valid folder on the test driver: {err}");
+        assert!(err.contains("GPU backend"), "{err}");
+        assert_eq!(
+            tf_cuda::usage().device,
+            before,
+            "a failed load must free what it allocated"
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     proptest! {
         /// A workspace holds the prompt, in whole quanta, wasting less than one quantum.
         #[test]
