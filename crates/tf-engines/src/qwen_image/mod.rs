@@ -6,5 +6,6 @@ pub mod dit_gpu;
 pub mod dit_host;
 pub mod pipeline;
 pub mod text_encoder;
+pub mod text_encoder_gpu;
 pub mod upload;
 pub mod vae;
