@@ -762,3 +762,50 @@ fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::png::Png
     );
     Ok((image.width as u32, image.height as u32, image.pixels))
 }
+
+#[test]
+fn a_gpu_load_that_fails_on_the_fake_driver_is_a_server_error_and_releases_everything() {
+    // The fake driver opens and makes contexts but cannot load real kernel images, so the GPU load fails
+    // midway: the worker must answer server_error, keep serving, hold no device bytes, and exit 0.
+    let _guard = tf_testdriver::test_lock();
+    let driver = tf_testdriver::library_path().unwrap();
+    let model = tiny_qwen_folder();
+    let mut child = std::process::Command::new(tf())
+        .args([
+            "worker",
+            "--engine",
+            "qwen_image",
+            "--backend",
+            "gpu",
+            "--model",
+        ])
+        .arg(&model)
+        .env("TF_CUDA_DRIVER", &driver)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        std::io::Write::write_all(&mut stdin, b"{\"op\":\"load\"}\n{\"op\":\"generate\",\"prompt\":\"x\",\"width\":64,\"height\":64,\"out_dir\":\"/nonexistent-never-written\"}\n{\"op\":\"exit\"}\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    println!("{lines:?}");
+    assert_eq!(
+        lines.len(),
+        3,
+        "{lines:?}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_error(&lines[0], "server_error", "load failed");
+    assert_error(&lines[1], "invalid_request_error", "before load");
+    assert_eq!(lines[2]["ok"], true);
+    assert_eq!(lines[2]["device_bytes"], 0);
+    assert_eq!(lines[2]["device_allocs"], 0);
+    assert_eq!(out.status.code(), Some(0));
+}
