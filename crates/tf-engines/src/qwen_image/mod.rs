@@ -9,3 +9,4 @@ pub mod text_encoder;
 pub mod text_encoder_gpu;
 pub mod upload;
 pub mod vae;
+pub mod vae_gpu;

@@ -1,0 +1,622 @@
+//! GPU launchers for the Qwen-Image 2.1 VAE decoder kernels (`kernels/qwen_image/vae.cu`, kernel set
+//! `qwen_image_vae`).
+//!
+//! The decoder works channels-last: an activation is a bf16 `[pixels][cp]` block, `cp` the channel count
+//! rounded up to a multiple of 8 ([`padded_channels`]) with zeros in the padding channels. Operands are
+//! [`DeviceSpan`]s (address and bytes), the same currency as the cuBLASLt GEMMs that do the convolutions, so one
+//! activation buffer can be read by a GEMM and normalized in place by a kernel. Each `plan_*` function checks
+//! sizes and alignment against the spans before anything reaches the driver and packs the arguments
+//! (unit-tested without a GPU); [`VaeKernels`] holds the loaded kernels and submits launches on a stream.
+//!
+//! ```no_run
+//! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::cublaslt::DeviceSpan,
+//! #         gamma: tf_cuda::cublaslt::DeviceSpan) -> Result<(), Box<dyn std::error::Error>> {
+//! use tf_engines::ops::gpu_vae::{plan_rms_norm_silu, VaeKernels};
+//! let kernels = VaeKernels::load(ctx)?;
+//! // In place: 4096 pixels of 1152 channels, F.normalize * sqrt(1152) * gamma, then SiLU.
+//! kernels.submit(stream, &plan_rms_norm_silu(x, x, gamma, 4096, 1152, 1152, true)?)?;
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+
+use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::{Context, Function, Module, Stream};
+
+use crate::ops::gpu::{Launch, LoadKernelsError};
+
+/// Name of the kernel set.
+pub const VAE_SET: &str = "qwen_image_vae";
+/// Threads per block of every kernel (QV_THREADS in vae.cu).
+const THREADS: u32 = 256;
+/// Pixels per block of the norm kernel (one warp each).
+const NORM_PIXELS_PER_BLOCK: usize = (THREADS / 32) as usize;
+/// Most blocks a grid-stride kernel is launched with.
+const MAX_STRIDE_BLOCKS: usize = 65_535;
+const BF16: usize = 2;
+const F32: usize = 4;
+
+const VAE_KERNELS: &[&str] = &[
+    "qv_denormalize",
+    "qv_rms_norm_silu",
+    "qv_im2col3x3",
+    "qv_dup_up",
+    "qv_softmax_rows",
+    "qv_planes_clamp",
+];
+
+/// `channels` rounded up to a multiple of 8 (16-byte rows of bf16).
+pub fn padded_channels(channels: usize) -> usize {
+    channels.div_ceil(8) * 8
+}
+
+fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error {
+    tf_cuda::Error::Invalid {
+        what: format!("{op}: {what}"),
+    }
+}
+
+fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
+    i32::try_from(value).map_err(|_| {
+        invalid(
+            op,
+            format!("{name} = {value} does not fit the kernel's 32-bit int"),
+        )
+    })
+}
+
+fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda::Error> {
+    u32::try_from(value).map_err(|_| {
+        invalid(
+            op,
+            format!("{name} = {value} exceeds the launch grid limits"),
+        )
+    })
+}
+
+/// `a * b * c` in bytes, or an error naming the operand.
+fn bytes_of(op: &str, name: &str, factors: &[usize]) -> Result<usize, tf_cuda::Error> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| invalid(op, format!("{name}: size {factors:?} overflows")))
+}
+
+/// The span holds `needed` bytes and starts on an `align`-byte boundary.
+fn check_span(
+    op: &str,
+    name: &str,
+    span: DeviceSpan,
+    needed: usize,
+    align: u64,
+) -> Result<(), tf_cuda::Error> {
+    if !span.addr.is_multiple_of(align) {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: device address {:#x} is not {align}-byte aligned",
+                span.addr
+            ),
+        ));
+    }
+    if needed > span.bytes {
+        return Err(invalid(
+            op,
+            format!("{name}: needs {needed} B but the span holds {} B", span.bytes),
+        ));
+    }
+    Ok(())
+}
+
+fn check_padded(op: &str, name: &str, cp: usize) -> Result<(), tf_cuda::Error> {
+    if cp == 0 || !cp.is_multiple_of(8) {
+        return Err(invalid(
+            op,
+            format!("{name} = {cp} must be a positive multiple of 8 (pad the channels)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Blocks for a grid-stride kernel over `work` items.
+fn stride_grid(op: &str, work: usize) -> Result<LaunchConfig, tf_cuda::Error> {
+    let blocks = work
+        .div_ceil(THREADS as usize)
+        .clamp(1, MAX_STRIDE_BLOCKS);
+    Ok(LaunchConfig::new(to_u32(op, "blocks", blocks)?, THREADS))
+}
+
+/// Unpacks one image's packed latents `[pixels, z]` f32 into bf16 `[pixels, zp]`: `z * std + mean` per channel,
+/// zeros in the padding channels (kernel qv_denormalize).
+pub fn plan_denormalize(
+    packed: DeviceSpan,
+    pixels: usize,
+    z: usize,
+    mean: DeviceSpan,
+    std: DeviceSpan,
+    out: DeviceSpan,
+    zp: usize,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "vae denormalize";
+    check_padded(OP, "zp", zp)?;
+    if z == 0 || z > zp {
+        return Err(invalid(OP, format!("z = {z} must be in 1..={zp}")));
+    }
+    check_span(OP, "packed", packed, bytes_of(OP, "packed", &[pixels, z, F32])?, 4)?;
+    check_span(OP, "mean", mean, z * F32, 4)?;
+    check_span(OP, "std", std, z * F32, 4)?;
+    check_span(OP, "out", out, bytes_of(OP, "out", &[pixels, zp, BF16])?, 16)?;
+    let mut args = Args::new();
+    args.push_addr(packed.addr)
+        .push(to_i32(OP, "pixels", pixels)?)
+        .push(to_i32(OP, "z", z)?)
+        .push_addr(mean.addr)
+        .push_addr(std.addr)
+        .push_addr(out.addr)
+        .push(to_i32(OP, "zp", zp)?);
+    Ok(Launch {
+        kernel: "qv_denormalize",
+        config: stride_grid(OP, pixels * zp)?,
+        args,
+    })
+}
+
+/// Channel RMS norm over `channels` true channels (stored `cp` wide) with f32 `gamma[cp]` (zero padded), then
+/// SiLU when `silu`; `y` may be `x` (kernel qv_rms_norm_silu).
+pub fn plan_rms_norm_silu(
+    x: DeviceSpan,
+    y: DeviceSpan,
+    gamma: DeviceSpan,
+    pixels: usize,
+    channels: usize,
+    cp: usize,
+    silu: bool,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "vae rms_norm_silu";
+    check_padded(OP, "cp", cp)?;
+    if channels == 0 || channels > cp {
+        return Err(invalid(OP, format!("channels = {channels} must be in 1..={cp}")));
+    }
+    let bytes = bytes_of(OP, "x", &[pixels, cp, BF16])?;
+    check_span(OP, "x", x, bytes, 16)?;
+    check_span(OP, "y", y, bytes, 16)?;
+    check_span(OP, "gamma", gamma, cp * F32, 4)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr)
+        .push_addr(y.addr)
+        .push_addr(gamma.addr)
+        .push(to_i32(OP, "pixels", pixels)?)
+        .push(to_i32(OP, "cp", cp)?)
+        .push((channels as f32).sqrt())
+        .push(i32::from(silu));
+    let blocks = pixels.div_ceil(NORM_PIXELS_PER_BLOCK).max(1);
+    Ok(Launch {
+        kernel: "qv_rms_norm_silu",
+        config: LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS),
+        args,
+    })
+}
+
+/// Where a 3x3 convolution's columns come from and which output rows they cover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Im2colBand {
+    /// Output map height and width.
+    pub out_h: usize,
+    pub out_w: usize,
+    /// Channels of the source, padded.
+    pub cp: usize,
+    /// The source is the nearest 2x upsample of an `out_h / 2` x `out_w / 2` map.
+    pub upsample: bool,
+    /// First output row and number of rows.
+    pub row0: usize,
+    pub rows: usize,
+}
+
+impl Im2colBand {
+    /// Elements of the band's column matrix: `rows * out_w` rows of `9 * cp`.
+    pub fn elements(&self) -> Option<usize> {
+        self.rows
+            .checked_mul(self.out_w)?
+            .checked_mul(9)?
+            .checked_mul(self.cp)
+    }
+}
+
+/// Columns `[rows * out_w, 9 * cp]` (tap-major, then channel) of a 3x3 "same" convolution (kernel qv_im2col3x3).
+pub fn plan_im2col3x3(
+    x: DeviceSpan,
+    band: Im2colBand,
+    cols: DeviceSpan,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "vae im2col3x3";
+    check_padded(OP, "cp", band.cp)?;
+    if band.upsample && (!band.out_h.is_multiple_of(2) || !band.out_w.is_multiple_of(2)) {
+        return Err(invalid(
+            OP,
+            format!(
+                "an upsampled source needs an even output size, got {} x {}",
+                band.out_h, band.out_w
+            ),
+        ));
+    }
+    let end = band.row0.checked_add(band.rows);
+    if band.rows == 0 || end.is_none_or(|e| e > band.out_h) {
+        return Err(invalid(
+            OP,
+            format!(
+                "rows [{}, +{}) must be a non-empty range inside the {} output rows",
+                band.row0, band.rows, band.out_h
+            ),
+        ));
+    }
+    let shift = usize::from(band.upsample);
+    let src_pixels = (band.out_h >> shift) * (band.out_w >> shift);
+    check_span(OP, "x", x, bytes_of(OP, "x", &[src_pixels, band.cp, BF16])?, 16)?;
+    let elements = band
+        .elements()
+        .ok_or_else(|| invalid(OP, "column matrix size overflows"))?;
+    check_span(OP, "cols", cols, bytes_of(OP, "cols", &[elements, BF16])?, 16)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr)
+        .push(to_i32(OP, "cp", band.cp)?)
+        .push(to_i32(OP, "out_h", band.out_h)?)
+        .push(to_i32(OP, "out_w", band.out_w)?)
+        .push(i32::from(band.upsample))
+        .push(to_i32(OP, "row0", band.row0)?)
+        .push(to_i32(OP, "rows", band.rows)?)
+        .push_addr(cols.addr);
+    Ok(Launch {
+        kernel: "qv_im2col3x3",
+        config: stride_grid(OP, elements / 8)?,
+        args,
+    })
+}
+
+/// Shape of a DupUp3D shortcut (first frame): `in_c` channels on an `h` x `w` map to `out_c` channels on
+/// `2h` x `2w`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DupUpShape {
+    pub h: usize,
+    pub w: usize,
+    pub in_c: usize,
+    pub out_c: usize,
+    pub factor_t: usize,
+}
+
+impl DupUpShape {
+    /// How often each input channel is repeated: `out_c * factor_t * 4 / in_c`, when that divides.
+    pub fn repeats(&self) -> Option<usize> {
+        let slots = self.out_c.checked_mul(self.factor_t)?.checked_mul(4)?;
+        (self.in_c > 0 && slots.is_multiple_of(self.in_c) && slots >= self.in_c)
+            .then(|| slots / self.in_c)
+    }
+
+    /// The input channel that output channel `o` copies at sub-pixel `(i, j)` (the kernel's rule).
+    pub fn source_channel(&self, o: usize, i: usize, j: usize) -> Option<usize> {
+        let repeats = self.repeats()?;
+        let ft = self.factor_t;
+        Some((((o * ft + ft - 1) * 2 + i) * 2 + j) / repeats)
+    }
+}
+
+/// The DupUp3D shortcut into `y` `[4 h w, padded(out_c)]` (kernel qv_dup_up).
+pub fn plan_dup_up(x: DeviceSpan, shape: DupUpShape, y: DeviceSpan) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "vae dup_up";
+    let repeats = shape.repeats().ok_or_else(|| {
+        invalid(
+            OP,
+            format!(
+                "{} output channels x {} sub-positions must be a positive multiple of {} input channels",
+                shape.out_c,
+                shape.factor_t * 4,
+                shape.in_c
+            ),
+        )
+    })?;
+    if shape.factor_t == 0 {
+        return Err(invalid(OP, "factor_t must be at least 1"));
+    }
+    let (in_cp, out_cp) = (padded_channels(shape.in_c), padded_channels(shape.out_c));
+    check_span(OP, "x", x, bytes_of(OP, "x", &[shape.h, shape.w, in_cp, BF16])?, 16)?;
+    let out_elems = bytes_of(OP, "y", &[4, shape.h, shape.w, out_cp])?;
+    check_span(OP, "y", y, bytes_of(OP, "y", &[out_elems, BF16])?, 16)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr)
+        .push(to_i32(OP, "h", shape.h)?)
+        .push(to_i32(OP, "w", shape.w)?)
+        .push(to_i32(OP, "in_cp", in_cp)?)
+        .push(to_i32(OP, "out_c", shape.out_c)?)
+        .push(to_i32(OP, "out_cp", out_cp)?)
+        .push(to_i32(OP, "factor_t", shape.factor_t)?)
+        .push(to_i32(OP, "repeats", repeats)?)
+        .push_addr(y.addr);
+    Ok(Launch {
+        kernel: "qv_dup_up",
+        config: stride_grid(OP, out_elems)?,
+        args,
+    })
+}
+
+/// Row softmax of f32 scores `[rows, cols]` into bf16 probabilities of the same shape (kernel qv_softmax_rows).
+pub fn plan_softmax_rows(
+    scores: DeviceSpan,
+    rows: usize,
+    cols: usize,
+    probs: DeviceSpan,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "vae softmax_rows";
+    if rows == 0 || cols == 0 {
+        return Err(invalid(OP, format!("{rows} x {cols} scores: both must be positive")));
+    }
+    check_span(OP, "scores", scores, bytes_of(OP, "scores", &[rows, cols, F32])?, 4)?;
+    check_span(OP, "probs", probs, bytes_of(OP, "probs", &[rows, cols, BF16])?, 2)?;
+    let mut args = Args::new();
+    args.push_addr(scores.addr)
+        .push(to_i32(OP, "cols", cols)?)
+        .push_addr(probs.addr);
+    Ok(Launch {
+        kernel: "qv_softmax_rows",
+        config: LaunchConfig::new(to_u32(OP, "rows", rows)?, THREADS),
+        args,
+    })
+}
+
+/// One image's planes `[channels, pixels]` f32, clamped to [-1, 1], from the channels-last f32 result
+/// `[pixels, cp]` (kernel qv_planes_clamp).
+pub fn plan_planes_clamp(
+    y: DeviceSpan,
+    pixels: usize,
+    channels: usize,
+    cp: usize,
+    out: DeviceSpan,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "vae planes_clamp";
+    if channels == 0 || channels > cp {
+        return Err(invalid(OP, format!("channels = {channels} must be in 1..={cp}")));
+    }
+    check_span(OP, "y", y, bytes_of(OP, "y", &[pixels, cp, F32])?, 4)?;
+    check_span(OP, "out", out, bytes_of(OP, "out", &[pixels, channels, F32])?, 4)?;
+    let mut args = Args::new();
+    args.push_addr(y.addr)
+        .push(to_i32(OP, "pixels", pixels)?)
+        .push(to_i32(OP, "channels", channels)?)
+        .push(to_i32(OP, "cp", cp)?)
+        .push_addr(out.addr);
+    Ok(Launch {
+        kernel: "qv_planes_clamp",
+        config: stride_grid(OP, pixels * channels)?,
+        args,
+    })
+}
+
+/// The loaded `qwen_image_vae` kernels of one context.
+pub struct VaeKernels {
+    // The module owns the code the functions point into.
+    _module: Module,
+    functions: HashMap<&'static str, Function>,
+}
+
+impl std::fmt::Debug for VaeKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VaeKernels")
+            .field("kernels", &self.functions.len())
+            .finish()
+    }
+}
+
+impl VaeKernels {
+    /// Loads the `qwen_image_vae` set into `ctx` and looks every kernel up.
+    pub fn load(ctx: &Context) -> Result<VaeKernels, LoadKernelsError> {
+        let image = crate::kernels::image(VAE_SET).map_err(|e| LoadKernelsError::Missing {
+            set: VAE_SET,
+            reason: e.to_string(),
+        })?;
+        let cuda = |source| LoadKernelsError::Cuda {
+            set: VAE_SET,
+            source,
+        };
+        let module = Module::load(ctx, image).map_err(cuda)?;
+        let mut functions = HashMap::new();
+        for &name in VAE_KERNELS {
+            functions.insert(name, module.function(name).map_err(cuda)?);
+        }
+        Ok(VaeKernels {
+            _module: module,
+            functions,
+        })
+    }
+
+    /// Submits a launch built by one of this module's `plan_*` functions.
+    pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
+        let function = self.functions.get(launch.kernel).ok_or_else(|| {
+            invalid(
+                launch.kernel,
+                "not a kernel of the qwen_image_vae set (or the set is stale: run `cargo xtask kernels`)",
+            )
+        })?;
+        stream.launch(function, &launch.config, &launch.args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn span(addr: u64, bytes: usize) -> DeviceSpan {
+        DeviceSpan::new(addr, bytes)
+    }
+
+    #[test]
+    fn padding_rounds_up_to_eight() {
+        assert_eq!(padded_channels(1), 8);
+        assert_eq!(padded_channels(8), 8);
+        assert_eq!(padded_channels(9), 16);
+        assert_eq!(padded_channels(1152), 1152);
+        assert_eq!(padded_channels(4), 8);
+    }
+
+    #[test]
+    fn norm_plan_packs_the_scale_and_refuses_short_spans() {
+        let bytes = 10 * 16 * BF16;
+        let launch = plan_rms_norm_silu(
+            span(0x1000, bytes),
+            span(0x1000, bytes),
+            span(0x9000, 64),
+            10,
+            9,
+            16,
+            true,
+        )
+        .unwrap();
+        assert_eq!(launch.kernel, "qv_rms_norm_silu");
+        assert_eq!(launch.args.get::<f32>(5), Some(3.0));
+        assert_eq!(launch.args.get::<i32>(6), Some(1));
+        assert_eq!(launch.config.grid.x, 2); // 10 pixels, 8 per block
+        let short = plan_rms_norm_silu(
+            span(0x1000, bytes - 2),
+            span(0x1000, bytes),
+            span(0x9000, 64),
+            10,
+            9,
+            16,
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(short.contains("x: needs"), "{short}");
+        assert!(plan_rms_norm_silu(span(0x1008, bytes), span(0x1000, bytes), span(0x9000, 64), 10, 9, 16, false)
+            .is_err());
+        assert!(plan_rms_norm_silu(span(0x1000, bytes), span(0x1000, bytes), span(0x9000, 64), 10, 17, 16, false)
+            .is_err());
+        assert!(plan_rms_norm_silu(span(0x1000, bytes), span(0x1000, bytes), span(0x9000, 64), 10, 9, 12, false)
+            .is_err());
+    }
+
+    #[test]
+    fn im2col_plan_checks_the_band_and_the_source() {
+        let band = Im2colBand {
+            out_h: 8,
+            out_w: 6,
+            cp: 16,
+            upsample: true,
+            row0: 2,
+            rows: 3,
+        };
+        let src = span(0x1000, 4 * 3 * 16 * BF16); // the 4 x 3 map before the upsample
+        let cols = span(0x100000, band.elements().unwrap() * BF16);
+        let launch = plan_im2col3x3(src, band, cols).unwrap();
+        assert_eq!(launch.args.get::<i32>(4), Some(1));
+        assert_eq!(launch.args.get::<i32>(5), Some(2));
+        assert_eq!(launch.config.grid.x as usize, (3 * 6 * 9 * 2usize).div_ceil(256));
+        // A source too small for the un-upsampled map, a band past the bottom, odd sizes with the upsample.
+        let flat = Im2colBand {
+            upsample: false,
+            ..band
+        };
+        assert!(plan_im2col3x3(src, flat, cols).is_err());
+        let past = Im2colBand { row0: 6, ..band };
+        assert!(plan_im2col3x3(src, past, cols).is_err());
+        let odd = Im2colBand { out_w: 5, ..band };
+        assert!(plan_im2col3x3(src, odd, cols).is_err());
+        let short = span(0x100000, band.elements().unwrap() * BF16 - 16);
+        assert!(plan_im2col3x3(src, band, short).is_err());
+    }
+
+    #[test]
+    fn dup_up_rule_matches_the_reference_examples() {
+        // 8 -> 2 channels, factor_t 2: repeats 2, first frame keeps t = 1.
+        let s = DupUpShape {
+            h: 1,
+            w: 1,
+            in_c: 8,
+            out_c: 2,
+            factor_t: 2,
+        };
+        assert_eq!(s.repeats(), Some(2));
+        let got: Vec<usize> = (0..2)
+            .flat_map(|o| (0..4).map(move |ij| (o, ij)))
+            .map(|(o, ij)| s.source_channel(o, ij / 2, ij % 2).unwrap())
+            .collect();
+        assert_eq!(got, vec![2, 2, 3, 3, 6, 6, 7, 7]);
+        // Released widths: 1152 -> 576 with factor_t 2 repeats 4; 576 -> 288 without, repeats 2.
+        let full = DupUpShape {
+            h: 64,
+            w: 64,
+            in_c: 1152,
+            out_c: 576,
+            factor_t: 2,
+        };
+        assert_eq!(full.repeats(), Some(4));
+        assert_eq!(full.source_channel(575, 1, 1), Some(1151));
+        let bad = DupUpShape {
+            in_c: 7,
+            ..full
+        };
+        assert!(bad.repeats().is_none());
+        let y_bytes = 4 * 64 * 64 * 576 * BF16;
+        assert!(plan_dup_up(span(0x1000, 64 * 64 * 1152 * BF16), full, span(0x10_0000_0000, y_bytes)).is_ok());
+        assert!(plan_dup_up(span(0x1000, 64 * 64 * 1152 * BF16), bad, span(0x10_0000_0000, y_bytes)).is_err());
+        assert!(plan_dup_up(span(0x1000, 64 * 64 * 1152 * BF16), full, span(0x10_0000_0000, y_bytes - 2)).is_err());
+    }
+
+    #[test]
+    fn small_plans_check_their_operands() {
+        assert!(plan_softmax_rows(span(0x1000, 24 * 24 * 4), 24, 24, span(0x8000, 24 * 24 * 2)).is_ok());
+        assert!(plan_softmax_rows(span(0x1000, 24 * 24 * 4 - 4), 24, 24, span(0x8000, 24 * 24 * 2)).is_err());
+        assert!(plan_softmax_rows(span(0x1000, 0), 0, 24, span(0x8000, 0)).is_err());
+        assert!(plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 4, 8, span(0x8000, 16 * 4 * 4)).is_ok());
+        assert!(plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 9, 8, span(0x8000, 16 * 9 * 4)).is_err());
+        let launch = plan_denormalize(
+            span(0x1000, 24 * 4 * 4),
+            24,
+            4,
+            span(0x2000, 16),
+            span(0x3000, 16),
+            span(0x4000, 24 * 8 * 2),
+            8,
+        )
+        .unwrap();
+        assert_eq!(launch.args.len(), 7);
+        assert!(plan_denormalize(
+            span(0x1000, 24 * 4 * 4),
+            24,
+            9,
+            span(0x2000, 36),
+            span(0x3000, 36),
+            span(0x4000, 24 * 8 * 2),
+            8
+        )
+        .is_err());
+    }
+
+    proptest! {
+        /// Every output channel of a valid DupUp shape reads an input channel that exists, and every input
+        /// channel is read by the same number of (channel, sub-pixel) slots when factor_t is 1.
+        #[test]
+        fn dup_up_sources_stay_in_range(in_c in 1usize..64, mult in 1usize..5, factor_t in 1usize..3) {
+            let out_c = in_c * mult;
+            let s = DupUpShape { h: 1, w: 1, in_c, out_c, factor_t };
+            let repeats = s.repeats().unwrap();
+            let mut reads = vec![0usize; in_c];
+            for o in 0..out_c {
+                for ij in 0..4 {
+                    let c = s.source_channel(o, ij / 2, ij % 2).unwrap();
+                    prop_assert!(c < in_c);
+                    reads[c] += 1;
+                }
+            }
+            if factor_t == 1 {
+                prop_assert!(reads.iter().all(|&r| r == repeats));
+            }
+        }
+
+        /// The grid-stride launch never asks for more than the cap and always at least one block.
+        #[test]
+        fn stride_grid_is_bounded(work in 0usize..1usize << 40) {
+            let g = stride_grid("t", work).unwrap();
+            prop_assert!(g.grid.x >= 1 && g.grid.x as usize <= MAX_STRIDE_BLOCKS);
+        }
+    }
+}

@@ -1,0 +1,1185 @@
+//! The Qwen-Image 2.1 VAE decoder on the GPU: the same decode as [`super::vae::HostVaeDecoder`], channels-last
+//! (NHWC) in bf16 with f32 accumulation, behind the same [`VaeBackend`] interface.
+//!
+//! - Weights: one device allocation. Convolutions are GEMM matrices `[out_cp, taps * in_cp]` (tap-major, then
+//!   channel), channel counts padded to multiples of 8 with zero rows and columns; biases bf16 (f32 for
+//!   `conv_out`, whose GEMM writes f32); norm gammas f32, zero padded, so padding channels stay zero throughout.
+//! - 3x3 convolutions: the `qwen_image_vae` kernels gather columns for a band of output rows (the nearest 2x
+//!   upsample is folded into the gather), then one cuBLASLt GEMM per band writes the rows, bias in the epilogue.
+//!   Residuals are added by the GEMM itself (`beta = 1` on the output that already holds the shortcut), so a
+//!   resnet's identity shortcut is updated in place and the DupUp shortcut is written before the upsample conv.
+//! - Channel RMS norms (+ SiLU) run in f32 in one kernel; the mid attention is Q, K and Vᵀ GEMMs, f32 scores per
+//!   chunk of query rows, a row softmax, and a probabilities x V GEMM (the V bias is added after the softmax:
+//!   rows of probabilities sum to one).
+//! - Memory: a [`BufferPlan`] per latent size: four activation buffers of the largest map, one column buffer
+//!   bounded by [`GpuVaeBudget::cols_bytes`] and the attention scratch, allocated once and reused for every
+//!   level and image of that size.
+//!
+//! Invariant: a decode enqueues everything on one stream and synchronizes once per image, before reading it.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use tf_engines::qwen_image::components::VaeBackend;
+//! use tf_engines::qwen_image::vae_gpu::GpuVaeDecoder;
+//! use tf_engines::tensor::Tensor;
+//! use tf_engines::weights::ModelDir;
+//!
+//! let mut vae = GpuVaeDecoder::load(&ModelDir::open(Path::new("vae"))?)?;
+//! let packed = Tensor::new(vec![1, 64 * 64, 64], vec![0f32; 64 * 64 * 64])?;
+//! let image = vae.decode_packed(&packed, 64, 64)?; // [1, 4, 1024, 1024] in [-1, 1]
+//! println!("resident: {} B", vae.resident_bytes());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::sync::Arc;
+
+use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
+use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+
+use super::components::VaeBackend;
+use super::vae::{VaeConfig, VaeError};
+use crate::ops::gpu::Launch;
+use crate::ops::gpu_vae::{
+    padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_planes_clamp,
+    plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, VaeKernels,
+};
+use crate::tensor::{Tensor, TensorF32};
+use crate::weights::{ModelDir, WeightsError};
+
+const BF16: usize = 2;
+const F32: usize = 4;
+/// Alignment of every weight tensor on the device.
+const ALIGN: usize = 256;
+/// Activation buffers in the pool: a resnet's input, its two temporaries, and a held shortcut.
+const POOL: usize = 4;
+
+/// A failure of the GPU path (driver, cuBLASLt, kernels), as a [`VaeError`].
+fn backend(what: &str, why: impl std::fmt::Display) -> VaeError {
+    VaeError::Input(format!("GPU decode: {what}: {why}"))
+}
+
+/// Device memory limits of the scratch buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuVaeBudget {
+    /// Most bytes of the 3x3 convolution column buffer (it grows to hold at least one output row).
+    pub cols_bytes: usize,
+    /// Most bytes of one chunk of attention scores (f32) and probabilities (bf16).
+    pub scores_bytes: usize,
+}
+
+impl Default for GpuVaeBudget {
+    fn default() -> Self {
+        GpuVaeBudget {
+            cols_bytes: 512 << 20,
+            scores_bytes: 256 << 20,
+        }
+    }
+}
+
+/// The device buffers one latent size needs, in elements (see [`BufferPlan::new`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferPlan {
+    pub latent_h: usize,
+    pub latent_w: usize,
+    /// Elements (bf16) of each of the [`POOL`] activation buffers: the largest channels-last map.
+    pub pool_elems: usize,
+    /// Elements (bf16) of the column buffer.
+    pub cols_elems: usize,
+    /// Attention tokens (latent pixels) and padded width.
+    pub tokens: usize,
+    pub attention_cp: usize,
+    /// Query rows per chunk of scores.
+    pub score_rows: usize,
+    /// Output pixels and padded output channels (the f32 conv_out result).
+    pub out_pixels: usize,
+    pub out_cp: usize,
+    pub out_channels: usize,
+    pub z: usize,
+}
+
+/// One 3x3 convolution of the decode: output size and padded input channels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ConvSite {
+    out_h: usize,
+    out_w: usize,
+    in_cp: usize,
+}
+
+impl BufferPlan {
+    /// Sizes every buffer of a decode of an `h` x `w` latent: walks the decoder as [`GpuVaeDecoder`] runs it.
+    pub fn new(
+        config: &VaeConfig,
+        h: usize,
+        w: usize,
+        budget: GpuVaeBudget,
+    ) -> Result<BufferPlan, VaeError> {
+        if h == 0 || w == 0 {
+            return Err(VaeError::Input(format!(
+                "a {h} x {w} latent is empty"
+            )));
+        }
+        let overflow = || VaeError::Input(format!("a {h} x {w} latent is too large to plan"));
+        let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
+        let dims = config.decoder_dims();
+        let levels = config.dim_mult.len();
+        let zp = padded_channels(config.z_dim);
+        let mid_cp = padded_channels(dims.first().copied().unwrap_or(1));
+        let p0 = mul(h, w)?;
+        let mut pool = mul(p0, zp.max(mid_cp))?;
+        let mut sites = vec![ConvSite {
+            out_h: h,
+            out_w: w,
+            in_cp: zp,
+        }];
+        // Mid block: two resnets at the mid width.
+        sites.push(ConvSite {
+            out_h: h,
+            out_w: w,
+            in_cp: mid_cp,
+        });
+        let (mut hh, mut ww) = (h, w);
+        for (i, pair) in dims.windows(2).enumerate() {
+            let (in_cp, out_cp) = (padded_channels(pair[0]), padded_channels(pair[1]));
+            let pixels = mul(hh, ww)?;
+            pool = pool.max(mul(pixels, in_cp.max(out_cp))?);
+            for cp in [in_cp, out_cp] {
+                sites.push(ConvSite {
+                    out_h: hh,
+                    out_w: ww,
+                    in_cp: cp,
+                });
+            }
+            if i + 1 != levels {
+                hh = mul(hh, 2)?;
+                ww = mul(ww, 2)?;
+                pool = pool.max(mul(mul(hh, ww)?, out_cp)?);
+                sites.push(ConvSite {
+                    out_h: hh,
+                    out_w: ww,
+                    in_cp: out_cp,
+                });
+            }
+        }
+        let last_cp = padded_channels(dims.last().copied().unwrap_or(1));
+        sites.push(ConvSite {
+            out_h: hh,
+            out_w: ww,
+            in_cp: last_cp,
+        });
+        let mut one_row = 0usize;
+        let mut whole = 0usize;
+        for s in &sites {
+            let row = mul(mul(s.out_w, 9)?, s.in_cp)?;
+            one_row = one_row.max(row);
+            whole = whole.max(mul(row, s.out_h)?);
+        }
+        let cols_elems = (budget.cols_bytes / BF16).clamp(one_row, whole.max(one_row));
+        // Scores f32 plus probabilities bf16 per query row.
+        let score_row_bytes = mul(p0, F32 + BF16)?;
+        let score_rows = (budget.scores_bytes / score_row_bytes).clamp(1, p0);
+        Ok(BufferPlan {
+            latent_h: h,
+            latent_w: w,
+            pool_elems: pool,
+            cols_elems,
+            tokens: p0,
+            attention_cp: mid_cp,
+            score_rows,
+            out_pixels: mul(hh, ww)?,
+            out_cp: padded_channels(config.out_channels),
+            out_channels: config.out_channels,
+            z: config.z_dim,
+        })
+    }
+
+    /// Output rows per band of a 3x3 convolution writing `out_h` rows of `out_w` pixels from `in_cp` channels.
+    pub fn band_rows(&self, out_h: usize, out_w: usize, in_cp: usize) -> usize {
+        let row = out_w.saturating_mul(9).saturating_mul(in_cp).max(1);
+        (self.cols_elems / row).clamp(1, out_h.max(1))
+    }
+
+    /// Bytes of every buffer of a [`Workspace`] with this plan.
+    pub fn bytes(&self) -> usize {
+        let sizes = self.sizes();
+        sizes.iter().sum()
+    }
+
+    /// Bytes of each buffer, in the order [`Workspace::new`] allocates them.
+    fn sizes(&self) -> [usize; 8] {
+        let act = self.pool_elems * BF16;
+        let attn = self.tokens * self.attention_cp * BF16;
+        [
+            POOL * act,
+            self.cols_elems * BF16,
+            4 * attn,
+            self.score_rows * self.tokens * F32,
+            self.score_rows * self.tokens * BF16,
+            self.tokens * self.z * F32,
+            self.out_pixels * self.out_cp * F32,
+            self.out_pixels * self.out_channels * F32,
+        ]
+    }
+}
+
+/// A convolution's GEMM matrix and bias in the weight buffer.
+#[derive(Clone, Copy, Debug)]
+struct ConvW {
+    weight: usize,
+    bias: usize,
+    in_cp: usize,
+    out_cp: usize,
+    /// 1 or 9.
+    taps: usize,
+}
+
+impl ConvW {
+    fn k(&self) -> usize {
+        self.taps * self.in_cp
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct NormW {
+    gamma: usize,
+    channels: usize,
+    cp: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ResnetW {
+    norm1: NormW,
+    conv1: ConvW,
+    norm2: NormW,
+    conv2: ConvW,
+    shortcut: Option<ConvW>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct AttentionW {
+    norm: NormW,
+    q: ConvW,
+    k: ConvW,
+    v: ConvW,
+    proj: ConvW,
+}
+
+#[derive(Clone, Debug)]
+struct UpBlockW {
+    resnets: Vec<ResnetW>,
+    /// The upsample conv and the DupUp shortcut `(in_c, out_c, factor_t)`; absent on the last block.
+    upsample: Option<(ConvW, usize, usize, usize)>,
+}
+
+#[derive(Clone, Debug)]
+struct Net {
+    mean: usize,
+    std: usize,
+    post_quant: ConvW,
+    conv_in: ConvW,
+    mid: [ResnetW; 2],
+    attention: AttentionW,
+    blocks: Vec<UpBlockW>,
+    norm_out: NormW,
+    conv_out: ConvW,
+}
+
+/// Host image of the weight buffer, built tensor by tensor.
+struct Packer {
+    bytes: Vec<u8>,
+}
+
+impl Packer {
+    fn start(&mut self) -> usize {
+        let offset = self.bytes.len().div_ceil(ALIGN) * ALIGN;
+        self.bytes.resize(offset, 0);
+        offset
+    }
+
+    fn bf16(&mut self, values: &[f32]) -> usize {
+        let offset = self.start();
+        self.bytes.reserve(values.len() * BF16);
+        for &v in values {
+            self.bytes
+                .extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+        }
+        offset
+    }
+
+    fn f32(&mut self, values: &[f32]) -> usize {
+        let offset = self.start();
+        for &v in values {
+            self.bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        offset
+    }
+}
+
+/// A PyTorch conv weight `[out, in, taps]` (rows `row0..row0 + out` of a larger one) as the padded GEMM matrix
+/// `[out_cp, taps * in_cp]`, tap-major.
+fn gemm_matrix(
+    weight: &[f32],
+    row0: usize,
+    out_c: usize,
+    in_c: usize,
+    taps: usize,
+) -> Vec<f32> {
+    let (out_cp, in_cp) = (padded_channels(out_c), padded_channels(in_c));
+    let k = taps * in_cp;
+    let mut m = vec![0f32; out_cp * k];
+    for o in 0..out_c {
+        let src = &weight[(row0 + o) * in_c * taps..(row0 + o + 1) * in_c * taps];
+        for ci in 0..in_c {
+            for t in 0..taps {
+                m[o * k + t * in_cp + ci] = src[ci * taps + t];
+            }
+        }
+    }
+    m
+}
+
+fn padded(values: &[f32], len: usize) -> Vec<f32> {
+    let mut v = values.to_vec();
+    v.resize(len.max(values.len()), 0.0);
+    v
+}
+
+/// Reads the decoder's tensors, checks their shapes and packs them.
+struct Loader<'m> {
+    model: &'m ModelDir,
+    packer: Packer,
+}
+
+impl Loader<'_> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, VaeError> {
+        let t = self.model.to_f32(name)?;
+        if t.shape() != shape {
+            return Err(VaeError::Weights(WeightsError::ShapeMismatch {
+                path: self.model.dir().to_path_buf(),
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                actual: t.shape().to_vec(),
+            }));
+        }
+        Ok(t.into_data())
+    }
+
+    /// Rows `part * out..(part + 1) * out` of a conv stored with `stored_out` output channels.
+    fn conv_part(
+        &mut self,
+        name: &str,
+        in_c: usize,
+        out_c: usize,
+        kernel: usize,
+        part: usize,
+        parts: usize,
+        f32_bias: bool,
+    ) -> Result<ConvW, VaeError> {
+        let taps = kernel * kernel;
+        let weight = self.tensor(
+            &format!("{name}.weight"),
+            &[out_c * parts, in_c, kernel, kernel],
+        )?;
+        let bias = self.tensor(&format!("{name}.bias"), &[out_c * parts])?;
+        let out_cp = padded_channels(out_c);
+        let matrix = gemm_matrix(&weight, part * out_c, out_c, in_c, taps);
+        let bias = padded(&bias[part * out_c..(part + 1) * out_c], out_cp);
+        let weight = self.packer.bf16(&matrix);
+        let bias = if f32_bias {
+            self.packer.f32(&bias)
+        } else {
+            self.packer.bf16(&bias)
+        };
+        Ok(ConvW {
+            weight,
+            bias,
+            in_cp: padded_channels(in_c),
+            out_cp,
+            taps,
+        })
+    }
+
+    fn conv(&mut self, name: &str, in_c: usize, out_c: usize, kernel: usize) -> Result<ConvW, VaeError> {
+        self.conv_part(name, in_c, out_c, kernel, 0, 1, false)
+    }
+
+    fn norm(&mut self, name: &str, channels: usize, shape: &[usize]) -> Result<NormW, VaeError> {
+        let gamma = self.tensor(name, shape)?;
+        let cp = padded_channels(channels);
+        Ok(NormW {
+            gamma: self.packer.f32(&padded(&gamma, cp)),
+            channels,
+            cp,
+        })
+    }
+
+    fn resnet(&mut self, name: &str, in_c: usize, out_c: usize) -> Result<ResnetW, VaeError> {
+        Ok(ResnetW {
+            norm1: self.norm(&format!("{name}.norm1.gamma"), in_c, &[in_c, 1, 1, 1])?,
+            conv1: self.conv(&format!("{name}.conv1"), in_c, out_c, 3)?,
+            norm2: self.norm(&format!("{name}.norm2.gamma"), out_c, &[out_c, 1, 1, 1])?,
+            conv2: self.conv(&format!("{name}.conv2"), out_c, out_c, 3)?,
+            shortcut: if in_c != out_c {
+                Some(self.conv(&format!("{name}.conv_shortcut"), in_c, out_c, 1)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    fn net(&mut self, config: &VaeConfig) -> Result<Net, VaeError> {
+        let z = config.z_dim;
+        let dims = config.decoder_dims();
+        let mid = dims[0];
+        let levels = config.dim_mult.len();
+        let temporal_up: Vec<bool> = config.temperal_downsample.iter().rev().copied().collect();
+        let mean = self.packer.f32(&config.latents_mean);
+        let std = self.packer.f32(&config.latents_std);
+        let post_quant = self.conv("post_quant_conv", z, z, 1)?;
+        let conv_in = self.conv("decoder.conv_in", z, mid, 3)?;
+        let mid_resnets = [
+            self.resnet("decoder.mid_block.resnets.0", mid, mid)?,
+            self.resnet("decoder.mid_block.resnets.1", mid, mid)?,
+        ];
+        let a = "decoder.mid_block.attentions.0";
+        let attention = AttentionW {
+            norm: self.norm(&format!("{a}.norm.gamma"), mid, &[mid, 1, 1])?,
+            q: self.conv_part(&format!("{a}.to_qkv"), mid, mid, 1, 0, 3, false)?,
+            k: self.conv_part(&format!("{a}.to_qkv"), mid, mid, 1, 1, 3, false)?,
+            v: self.conv_part(&format!("{a}.to_qkv"), mid, mid, 1, 2, 3, false)?,
+            proj: self.conv(&format!("{a}.proj"), mid, mid, 1)?,
+        };
+        let mut blocks = Vec::with_capacity(levels);
+        for (i, pair) in dims.windows(2).enumerate() {
+            let (in_c, out_c) = (pair[0], pair[1]);
+            let up = i + 1 != levels;
+            let factor_t = if up && temporal_up.get(i).copied().unwrap_or(false) {
+                2
+            } else {
+                1
+            };
+            let mut resnets = Vec::with_capacity(config.num_res_blocks + 1);
+            for r in 0..=config.num_res_blocks {
+                let from = if r == 0 { in_c } else { out_c };
+                resnets.push(self.resnet(&format!("decoder.up_blocks.{i}.resnets.{r}"), from, out_c)?);
+            }
+            let upsample = if up {
+                let shape = DupUpShape {
+                    h: 1,
+                    w: 1,
+                    in_c,
+                    out_c,
+                    factor_t,
+                };
+                if shape.repeats().is_none() {
+                    return Err(VaeError::Config(format!(
+                        "up block {i}: {out_c} x {} sub-positions is not a multiple of {in_c} input channels",
+                        factor_t * 4
+                    )));
+                }
+                let conv = self.conv(
+                    &format!("decoder.up_blocks.{i}.upsampler.resample.1"),
+                    out_c,
+                    out_c,
+                    3,
+                )?;
+                Some((conv, in_c, out_c, factor_t))
+            } else {
+                None
+            };
+            blocks.push(UpBlockW { resnets, upsample });
+        }
+        let last = dims.last().copied().unwrap_or(mid);
+        let norm_out = self.norm("decoder.norm_out.gamma", last, &[last, 1, 1, 1])?;
+        let conv_out = self.conv_part("decoder.conv_out", last, config.out_channels, 3, 0, 1, true)?;
+        Ok(Net {
+            mean,
+            std,
+            post_quant,
+            conv_in,
+            mid: mid_resnets,
+            attention,
+            blocks,
+            norm_out,
+            conv_out,
+        })
+    }
+}
+
+/// The device buffers of one latent size.
+struct Workspace {
+    plan: BufferPlan,
+    pool: Vec<DeviceBuffer>,
+    cols: DeviceBuffer,
+    /// Q, K, Vᵀ and the attention output, each `tokens x attention_cp`.
+    attention: [DeviceBuffer; 4],
+    scores: DeviceBuffer,
+    probs: DeviceBuffer,
+    packed: DeviceBuffer,
+    result: DeviceBuffer,
+    image: DeviceBuffer,
+}
+
+impl Workspace {
+    fn new(ctx: &Context, plan: BufferPlan) -> Result<Workspace, VaeError> {
+        let alloc = |what: &str, bytes: usize| {
+            DeviceBuffer::alloc(ctx, bytes.max(16)).map_err(|e| {
+                backend(
+                    &format!("allocating {bytes} B for the {what} of a {} x {} latent", plan.latent_h, plan.latent_w),
+                    e,
+                )
+            })
+        };
+        let act = plan.pool_elems * BF16;
+        let attn = plan.tokens * plan.attention_cp * BF16;
+        let mut pool = Vec::with_capacity(POOL);
+        for _ in 0..POOL {
+            pool.push(alloc("activations", act)?);
+        }
+        Ok(Workspace {
+            plan,
+            pool,
+            cols: alloc("conv columns", plan.cols_elems * BF16)?,
+            attention: [
+                alloc("attention q", attn)?,
+                alloc("attention k", attn)?,
+                alloc("attention v", attn)?,
+                alloc("attention output", attn)?,
+            ],
+            scores: alloc("attention scores", plan.score_rows * plan.tokens * F32)?,
+            probs: alloc("attention probabilities", plan.score_rows * plan.tokens * BF16)?,
+            packed: alloc("packed latents", plan.tokens * plan.z * F32)?,
+            result: alloc("conv_out result", plan.out_pixels * plan.out_cp * F32)?,
+            image: alloc("image", plan.out_pixels * plan.out_channels * F32)?,
+        })
+    }
+
+    /// Pool buffer `index` as a `pixels x cp` bf16 map.
+    fn act(&self, index: usize, pixels: usize, cp: usize) -> Result<DeviceSpan, VaeError> {
+        let buf = self
+            .pool
+            .get(index)
+            .ok_or_else(|| backend("internal", format!("no activation buffer {index}")))?;
+        span(buf, 0, pixels * cp * BF16)
+    }
+}
+
+fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, VaeError> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= buf.len() => Ok(DeviceSpan::new(buf.addr() + offset as u64, bytes)),
+        _ => Err(backend(
+            "internal",
+            format!("span {offset}+{bytes} outside a {}-byte buffer", buf.len()),
+        )),
+    }
+}
+
+/// The first pool index not in `taken`.
+fn free_index(taken: &[usize]) -> Result<usize, VaeError> {
+    (0..POOL)
+        .find(|i| !taken.contains(i))
+        .ok_or_else(|| backend("internal", "every activation buffer is in use"))
+}
+
+/// One GEMM's operands: `y[m, n] = alpha x[m, k] w[n, k]^T + bias + beta y`.
+#[derive(Clone, Copy, Debug)]
+struct GemmCall {
+    m: usize,
+    n: usize,
+    k: usize,
+    x: DeviceSpan,
+    w: DeviceSpan,
+    y: DeviceSpan,
+    bias: Option<DeviceSpan>,
+    alpha: f32,
+    beta: f32,
+    f32_out: bool,
+}
+
+/// The VAE decoder on the GPU.
+pub struct GpuVaeDecoder {
+    config: VaeConfig,
+    ctx: Context,
+    stream: Stream,
+    kernels: VaeKernels,
+    lt: CublasLt,
+    weights: DeviceBuffer,
+    net: Net,
+    budget: GpuVaeBudget,
+    workspace: Option<Workspace>,
+}
+
+impl std::fmt::Debug for GpuVaeDecoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuVaeDecoder")
+            .field("config", &self.config)
+            .field("weight_bytes", &self.weights.len())
+            .field("workspace", &self.workspace.as_ref().map(|w| w.plan))
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuVaeDecoder {
+    /// Opens the driver, makes a context on device 0 and loads `model` onto it.
+    pub fn load(model: &ModelDir) -> Result<GpuVaeDecoder, VaeError> {
+        let driver = Arc::new(Driver::open().map_err(|e| backend("opening the CUDA driver", e))?);
+        let ctx = Context::new(driver, 0).map_err(|e| backend("creating a context on device 0", e))?;
+        GpuVaeDecoder::load_on(&ctx, model)
+    }
+
+    /// Loads the decoder weights of a diffusers VAE folder into `ctx` (checking every shape against the config),
+    /// the `qwen_image_vae` kernels and cuBLASLt.
+    pub fn load_on(ctx: &Context, model: &ModelDir) -> Result<GpuVaeDecoder, VaeError> {
+        let config = VaeConfig::from_json(model.config_json())?;
+        let mut loader = Loader {
+            model,
+            packer: Packer { bytes: Vec::new() },
+        };
+        let net = loader.net(&config)?;
+        let bytes = loader.packer.bytes;
+        let stream = Stream::new(ctx, false).map_err(|e| backend("creating a stream", e))?;
+        let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
+        let lib = LtLibrary::open().map_err(|e| backend("loading cuBLASLt", e))?;
+        let lt = CublasLt::with_default_workspace(ctx, lib).map_err(|e| backend("cuBLASLt handle", e))?;
+        let weights = DeviceBuffer::from_bytes(ctx, &bytes)
+            .map_err(|e| backend(&format!("uploading {} B of weights", bytes.len()), e))?;
+        Ok(GpuVaeDecoder {
+            config,
+            ctx: ctx.clone(),
+            stream,
+            kernels,
+            lt,
+            weights,
+            net,
+            budget: GpuVaeBudget::default(),
+            workspace: None,
+        })
+    }
+
+    /// The parsed config.
+    pub fn config(&self) -> &VaeConfig {
+        &self.config
+    }
+
+    /// Sets the scratch limits; the next decode re-plans its buffers.
+    pub fn set_budget(&mut self, budget: GpuVaeBudget) {
+        self.budget = budget;
+        self.workspace = None;
+    }
+
+    /// Device bytes of the weights.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.len()
+    }
+
+    /// The buffer plan of the latent size decoded last, if any.
+    pub fn buffer_plan(&self) -> Option<BufferPlan> {
+        self.workspace.as_ref().map(|w| w.plan)
+    }
+
+    /// Device bytes held now: weights, the workspace of the last latent size, the cuBLASLt workspace.
+    pub fn resident_bytes(&self) -> usize {
+        self.weights.len()
+            + self.workspace.as_ref().map_or(0, |w| w.plan.bytes())
+            + self.lt.workspace_bytes()
+    }
+
+    /// Frees the workspace (the weights stay).
+    pub fn release_workspace(&mut self) {
+        self.workspace = None;
+    }
+
+    /// Decodes packed latents `[batch, h * w, z]`; see [`VaeBackend::decode_packed`].
+    pub fn decode_packed(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<TensorF32, VaeError> {
+        let z = self.config.z_dim;
+        let [batch, tokens, channels] = packed.dims::<3>("packed latents")?;
+        if h == 0 || w == 0 || tokens != h * w || channels != z {
+            return Err(VaeError::Input(format!(
+                "packed latents are [{batch}, {tokens}, {channels}]; expected [{batch}, {}, {z}] for a non-empty {h} x {w} latent",
+                h * w
+            )));
+        }
+        let reuse = self
+            .workspace
+            .as_ref()
+            .is_some_and(|ws| ws.plan.latent_h == h && ws.plan.latent_w == w);
+        if !reuse {
+            self.workspace = None;
+            let plan = BufferPlan::new(&self.config, h, w, self.budget)?;
+            self.workspace = Some(Workspace::new(&self.ctx, plan)?);
+        }
+        let mut ws = self
+            .workspace
+            .take()
+            .ok_or_else(|| backend("internal", "no workspace"))?;
+        let result = self.decode_batch(&mut ws, packed, batch);
+        self.workspace = Some(ws);
+        result
+    }
+
+    fn decode_batch(
+        &self,
+        ws: &mut Workspace,
+        packed: &TensorF32,
+        batch: usize,
+    ) -> Result<TensorF32, VaeError> {
+        let plan = ws.plan;
+        let per_image = plan.out_pixels * plan.out_channels;
+        let mut out = vec![0f32; batch * per_image];
+        let f = self.config.spatial_factor();
+        for (src, dst) in packed
+            .data()
+            .chunks_exact(plan.tokens * plan.z)
+            .zip(out.chunks_exact_mut(per_image))
+        {
+            let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+            ws.packed
+                .upload(0, &bytes)
+                .map_err(|e| backend("uploading latents", e))?;
+            self.enqueue_image(ws)?;
+            self.stream
+                .synchronize()
+                .map_err(|e| backend("running the decode", e))?;
+            let mut raw = vec![0u8; per_image * F32];
+            ws.image
+                .download(0, &mut raw)
+                .map_err(|e| backend("downloading the image", e))?;
+            for (d, b) in dst.iter_mut().zip(raw.chunks_exact(F32)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Ok(Tensor::new(
+            vec![
+                batch,
+                plan.out_channels,
+                plan.latent_h * f,
+                plan.latent_w * f,
+            ],
+            out,
+        )?)
+    }
+
+    fn weight(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, VaeError> {
+        span(&self.weights, offset, bytes)
+    }
+
+    fn submit(&self, launch: Result<Launch, tf_cuda::Error>) -> Result<(), VaeError> {
+        let launch = launch.map_err(|e| backend("planning a kernel", e))?;
+        self.kernels
+            .submit(&self.stream, &launch)
+            .map_err(|e| backend(launch.kernel, e))
+    }
+
+    fn gemm(&self, call: GemmCall) -> Result<(), VaeError> {
+        let mut gemm = Gemm::bf16(call.m, call.n, call.k, call.x, call.w, call.y)
+            .with_scaling(call.alpha, call.beta);
+        if call.f32_out {
+            gemm = gemm.with_f32_output();
+        }
+        if let Some(bias) = call.bias {
+            gemm = gemm.with_bias(bias);
+        }
+        // SAFETY: every span lies inside a live buffer of this decoder (weights) or of the workspace in use
+        // (checked by `span`); both outlive the work: the decode synchronizes the stream before returning and
+        // before the workspace can be replaced or dropped.
+        unsafe { self.lt.matmul(&gemm, &self.stream) }
+            .map_err(|e| backend(&format!("GEMM {}x{}x{}", call.m, call.n, call.k), e))
+    }
+
+    /// `y = conv(x) + bias (+ y when accumulate)` for a 1x1 conv over `pixels`.
+    fn conv1x1(
+        &self,
+        conv: &ConvW,
+        x: DeviceSpan,
+        pixels: usize,
+        y: DeviceSpan,
+        accumulate: bool,
+    ) -> Result<(), VaeError> {
+        self.gemm(GemmCall {
+            m: pixels,
+            n: conv.out_cp,
+            k: conv.k(),
+            x,
+            w: self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?,
+            y,
+            bias: Some(self.weight(conv.bias, conv.out_cp * BF16)?),
+            alpha: 1.0,
+            beta: if accumulate { 1.0 } else { 0.0 },
+            f32_out: false,
+        })
+    }
+
+    /// A 3x3 conv writing an `out_h` x `out_w` map into `y` (bf16, or f32 with `f32_out`), band by band.
+    #[allow(clippy::too_many_arguments)]
+    fn conv3x3(
+        &self,
+        ws: &Workspace,
+        conv: &ConvW,
+        x: DeviceSpan,
+        (out_h, out_w): (usize, usize),
+        upsample: bool,
+        y: DeviceSpan,
+        accumulate: bool,
+        f32_out: bool,
+    ) -> Result<(), VaeError> {
+        let out_size = if f32_out { F32 } else { BF16 };
+        let band_rows = ws.plan.band_rows(out_h, out_w, conv.in_cp);
+        let w = self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?;
+        let bias = self.weight(conv.bias, conv.out_cp * out_size)?;
+        let mut row0 = 0;
+        while row0 < out_h {
+            let rows = band_rows.min(out_h - row0);
+            let band = Im2colBand {
+                out_h,
+                out_w,
+                cp: conv.in_cp,
+                upsample,
+                row0,
+                rows,
+            };
+            let m = rows * out_w;
+            let cols = span(&ws.cols, 0, m * conv.k() * BF16)?;
+            self.submit(plan_im2col3x3(x, band, cols))?;
+            let row_bytes = out_w * conv.out_cp * out_size;
+            let y_band = DeviceSpan::new(y.addr + (row0 * row_bytes) as u64, rows * row_bytes);
+            if (row0 + rows) * row_bytes > y.bytes {
+                return Err(backend("internal", "conv output band outside its buffer"));
+            }
+            self.gemm(GemmCall {
+                m,
+                n: conv.out_cp,
+                k: conv.k(),
+                x: cols,
+                w,
+                y: y_band,
+                bias: Some(bias),
+                alpha: 1.0,
+                beta: if accumulate { 1.0 } else { 0.0 },
+                f32_out,
+            })?;
+            row0 += rows;
+        }
+        Ok(())
+    }
+
+    fn norm(
+        &self,
+        norm: &NormW,
+        x: DeviceSpan,
+        y: DeviceSpan,
+        pixels: usize,
+        silu: bool,
+    ) -> Result<(), VaeError> {
+        let gamma = self.weight(norm.gamma, norm.cp * F32)?;
+        self.submit(plan_rms_norm_silu(
+            x,
+            y,
+            gamma,
+            pixels,
+            norm.channels,
+            norm.cp,
+            silu,
+        ))
+    }
+
+    /// One resnet on pool buffer `x` (never touching `held`); returns the buffer holding its output.
+    fn resnet(
+        &self,
+        ws: &Workspace,
+        r: &ResnetW,
+        x: usize,
+        held: Option<usize>,
+        (h, w): (usize, usize),
+    ) -> Result<usize, VaeError> {
+        let pixels = h * w;
+        let mut taken = vec![x];
+        taken.extend(held);
+        let b = free_index(&taken)?;
+        taken.push(b);
+        let c = free_index(&taken)?;
+        let (in_cp, out_cp) = (r.conv1.in_cp, r.conv1.out_cp);
+        let xs = ws.act(x, pixels, in_cp)?;
+        let bs_in = ws.act(b, pixels, in_cp)?;
+        let cs = ws.act(c, pixels, out_cp)?;
+        self.norm(&r.norm1, xs, bs_in, pixels, true)?;
+        self.conv3x3(ws, &r.conv1, bs_in, (h, w), false, cs, false, false)?;
+        self.norm(&r.norm2, cs, cs, pixels, true)?;
+        match &r.shortcut {
+            Some(sc) => {
+                let bs = ws.act(b, pixels, out_cp)?;
+                self.conv1x1(sc, xs, pixels, bs, false)?;
+                self.conv3x3(ws, &r.conv2, cs, (h, w), false, bs, true, false)?;
+                Ok(b)
+            }
+            None => {
+                self.conv3x3(ws, &r.conv2, cs, (h, w), false, xs, true, false)?;
+                Ok(x)
+            }
+        }
+    }
+
+    /// The mid block's single-head attention, residual added in place into pool buffer `x`.
+    fn attention(&self, ws: &Workspace, x: usize) -> Result<(), VaeError> {
+        let a = &self.net.attention;
+        let plan = ws.plan;
+        let (p, cp) = (plan.tokens, a.norm.cp);
+        let xs = ws.act(x, p, cp)?;
+        let n = free_index(&[x])?;
+        let ns = ws.act(n, p, cp)?;
+        self.norm(&a.norm, xs, ns, p, false)?;
+        let bytes = p * cp * BF16;
+        let [q, k, vt, o] = &ws.attention;
+        let (q, k, vt, o) = (
+            span(q, 0, bytes)?,
+            span(k, 0, bytes)?,
+            span(vt, 0, bytes)?,
+            span(o, 0, bytes)?,
+        );
+        self.conv1x1(&a.q, ns, p, q, false)?;
+        self.conv1x1(&a.k, ns, p, k, false)?;
+        // Vᵀ [cp, p] = Wv . normedᵀ; its bias is added to the output (probability rows sum to one).
+        self.gemm(GemmCall {
+            m: cp,
+            n: p,
+            k: cp,
+            x: self.weight(a.v.weight, cp * cp * BF16)?,
+            w: ns,
+            y: vt,
+            bias: None,
+            alpha: 1.0,
+            beta: 0.0,
+            f32_out: false,
+        })?;
+        let scale = 1.0 / (a.norm.channels as f32).sqrt();
+        let v_bias = self.weight(a.v.bias, cp * BF16)?;
+        let mut row0 = 0;
+        while row0 < p {
+            let rows = plan.score_rows.min(p - row0);
+            let scores = span(&ws.scores, 0, rows * p * F32)?;
+            let probs = span(&ws.probs, 0, rows * p * BF16)?;
+            let q_rows = DeviceSpan::new(q.addr + (row0 * cp * BF16) as u64, rows * cp * BF16);
+            self.gemm(GemmCall {
+                m: rows,
+                n: p,
+                k: cp,
+                x: q_rows,
+                w: k,
+                y: scores,
+                bias: None,
+                alpha: scale,
+                beta: 0.0,
+                f32_out: true,
+            })?;
+            self.submit(plan_softmax_rows(scores, rows, p, probs))?;
+            let o_rows = DeviceSpan::new(o.addr + (row0 * cp * BF16) as u64, rows * cp * BF16);
+            self.gemm(GemmCall {
+                m: rows,
+                n: cp,
+                k: p,
+                x: probs,
+                w: vt,
+                y: o_rows,
+                bias: Some(v_bias),
+                alpha: 1.0,
+                beta: 0.0,
+                f32_out: false,
+            })?;
+            row0 += rows;
+        }
+        self.conv1x1(&a.proj, o, p, xs, true)
+    }
+
+    /// Enqueues the decode of the latents in `ws.packed` into `ws.image`.
+    fn enqueue_image(&self, ws: &Workspace) -> Result<(), VaeError> {
+        let net = &self.net;
+        let plan = ws.plan;
+        let (mut h, mut w) = (plan.latent_h, plan.latent_w);
+        let p0 = h * w;
+        let zp = net.post_quant.in_cp;
+        let z = plan.z;
+        self.submit(plan_denormalize(
+            span(&ws.packed, 0, p0 * z * F32)?,
+            p0,
+            z,
+            self.weight(net.mean, z * F32)?,
+            self.weight(net.std, z * F32)?,
+            ws.act(1, p0, zp)?,
+            zp,
+        ))?;
+        self.conv1x1(&net.post_quant, ws.act(1, p0, zp)?, p0, ws.act(2, p0, zp)?, false)?;
+        let mid_cp = net.conv_in.out_cp;
+        self.conv3x3(
+            ws,
+            &net.conv_in,
+            ws.act(2, p0, zp)?,
+            (h, w),
+            false,
+            ws.act(0, p0, mid_cp)?,
+            false,
+            false,
+        )?;
+        let mut x = self.resnet(ws, &net.mid[0], 0, None, (h, w))?;
+        self.attention(ws, x)?;
+        x = self.resnet(ws, &net.mid[1], x, None, (h, w))?;
+        for block in &net.blocks {
+            // The DupUp shortcut is written first into the buffer the upsample conv then adds to.
+            let held = match block.upsample {
+                Some((_, in_c, out_c, factor_t)) => {
+                    let d = free_index(&[x])?;
+                    let shape = DupUpShape {
+                        h,
+                        w,
+                        in_c,
+                        out_c,
+                        factor_t,
+                    };
+                    let pixels = h * w;
+                    self.submit(plan_dup_up(
+                        ws.act(x, pixels, padded_channels(in_c))?,
+                        shape,
+                        ws.act(d, 4 * pixels, padded_channels(out_c))?,
+                    ))?;
+                    Some(d)
+                }
+                None => None,
+            };
+            for r in &block.resnets {
+                x = self.resnet(ws, r, x, held, (h, w))?;
+            }
+            if let (Some((conv, ..)), Some(d)) = (&block.upsample, held) {
+                let src = ws.act(x, h * w, conv.in_cp)?;
+                h *= 2;
+                w *= 2;
+                let dst = ws.act(d, h * w, conv.out_cp)?;
+                self.conv3x3(ws, conv, src, (h, w), true, dst, true, false)?;
+                x = d;
+            }
+        }
+        let pixels = h * w;
+        let cp = net.norm_out.cp;
+        let n = free_index(&[x])?;
+        self.norm(&net.norm_out, ws.act(x, pixels, cp)?, ws.act(n, pixels, cp)?, pixels, true)?;
+        let result = span(&ws.result, 0, pixels * plan.out_cp * F32)?;
+        self.conv3x3(
+            ws,
+            &net.conv_out,
+            ws.act(n, pixels, cp)?,
+            (h, w),
+            false,
+            result,
+            false,
+            true,
+        )?;
+        self.submit(plan_planes_clamp(
+            result,
+            pixels,
+            plan.out_channels,
+            plan.out_cp,
+            span(&ws.image, 0, pixels * plan.out_channels * F32)?,
+        ))
+    }
+}
+
+impl VaeBackend for GpuVaeDecoder {
+    fn config(&self) -> &VaeConfig {
+        GpuVaeDecoder::config(self)
+    }
+
+    fn decode_packed(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<TensorF32, VaeError> {
+        GpuVaeDecoder::decode_packed(self, packed, h, w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn config(base: usize, z: usize) -> VaeConfig {
+        let v = serde_json::json!({"_class_name": "AutoencoderKLQwenImage21", "decoder_base_dim": base,
+            "z_dim": z, "latents_mean": vec![0.0; z], "latents_std": vec![1.0; z]});
+        VaeConfig::from_json(&v).unwrap()
+    }
+
+    #[test]
+    fn released_plan_at_1024_fits_the_largest_map() {
+        let plan = BufferPlan::new(&config(144, 64), 64, 64, GpuVaeBudget::default()).unwrap();
+        // Largest map: the 1024 x 1024 x 288 output of up block 3's upsample conv.
+        assert_eq!(plan.pool_elems, 1024 * 1024 * 288);
+        assert_eq!(plan.out_pixels, 1024 * 1024);
+        assert_eq!((plan.out_cp, plan.out_channels), (8, 4));
+        assert_eq!((plan.tokens, plan.attention_cp), (4096, 1152));
+        assert_eq!(plan.cols_elems, (512 << 20) / 2);
+        // All 4096 query rows' scores fit 256 MiB in one chunk.
+        assert_eq!(plan.score_rows, 4096);
+        // The widest row of columns: 1024 pixels x 9 taps x 288 channels.
+        assert_eq!(plan.band_rows(1024, 1024, 288), (512 << 20) / 2 / (1024 * 9 * 288));
+        let gib = plan.bytes() as f64 / f64::from(1u32 << 30);
+        assert!(gib > 2.0 && gib < 3.5, "{gib} GiB");
+    }
+
+    #[test]
+    fn tiny_plan_covers_padded_channels() {
+        // The fixture's widths 16, 16, 16, 8, 4, 2 pad to 16, 16, 16, 8, 8, 8; z 4 to 8.
+        let plan = BufferPlan::new(&config(2, 4), 4, 6, GpuVaeBudget::default()).unwrap();
+        assert_eq!(plan.out_pixels, 64 * 96);
+        // Largest map: the 64 x 96 output at 8 (padded) channels, larger than 16 x 24 at 16.
+        assert_eq!(plan.pool_elems, 64 * 96 * 8);
+        // A small budget still holds one full row of the widest conv.
+        let tight = BufferPlan::new(
+            &config(2, 4),
+            4,
+            6,
+            GpuVaeBudget {
+                cols_bytes: 1,
+                scores_bytes: 1,
+            },
+        )
+        .unwrap();
+        assert_eq!(tight.score_rows, 1);
+        assert!(tight.cols_elems >= 96 * 9 * 8);
+        assert_eq!(tight.band_rows(64, 96, 8), 1);
+        assert!(BufferPlan::new(&config(2, 4), 0, 6, GpuVaeBudget::default()).is_err());
+    }
+
+    #[test]
+    fn gemm_matrix_is_tap_major_and_zero_padded() {
+        // 2 out x 3 in x 9 taps: element (o, ci, t) = 100 o + 10 ci + t.
+        let w: Vec<f32> = (0..2 * 3 * 9)
+            .map(|i| (100 * (i / 27) + 10 * (i / 9 % 3) + i % 9) as f32)
+            .collect();
+        let m = gemm_matrix(&w, 0, 2, 3, 9);
+        assert_eq!(m.len(), 8 * 9 * 8);
+        let k = 9 * 8;
+        assert_eq!(m[k + 4 * 8 + 2], 124.0); // o = 1, tap 4, ci 2
+        assert_eq!(m[3], 0.0); // padding input channel
+        assert!(m[2 * k..].iter().all(|&v| v == 0.0)); // padding output rows
+        // Rows 1.. of a fused [3, 1, 1, 1] weight: part 1 of 3 with one output.
+        let fused = [5.0, 6.0, 7.0];
+        assert_eq!(gemm_matrix(&fused, 1, 1, 1, 1)[0], 6.0);
+    }
+
+    proptest! {
+        /// Bands tile the output rows exactly and each band's columns fit the column buffer.
+        #[test]
+        fn bands_fit_the_column_buffer(h in 1usize..9, w in 1usize..9, budget in 1usize..1 << 22, cp8 in 1usize..40) {
+            let plan = BufferPlan::new(&config(8, 16), h, w, GpuVaeBudget { cols_bytes: budget, scores_bytes: budget })
+                .unwrap();
+            let f = 16;
+            let (oh, ow, cp) = (h * f, w * f, (cp8 * 8).min(64));
+            let rows = plan.band_rows(oh, ow, cp);
+            prop_assert!(rows >= 1 && rows <= oh);
+            prop_assert!(rows * ow * 9 * cp <= plan.cols_elems.max(ow * 9 * cp));
+            prop_assert!(plan.score_rows >= 1 && plan.score_rows <= plan.tokens);
+        }
+    }
+}
