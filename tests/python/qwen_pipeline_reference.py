@@ -380,19 +380,24 @@ def build_and_save(args, dev, summary):
     if os.path.exists(model_dir):
         shutil.rmtree(model_dir)
     t0 = time.perf_counter()
-    transformer = build_transformer(DIT_TINY if tiny else DIT_FULL, args.seed, dev.name)
+    dit_config, te_text, te_vision = (DIT_TINY, TE_TEXT_TINY, TE_VISION_TINY) if tiny else (
+        DIT_FULL, TE_TEXT_FULL, TE_VISION_FULL)
+    if args.layers is not None:
+        # Smoke runs at full width: fewer decoder layers in both models, a one-block vision tower.
+        dit_config = dict(dit_config, num_layers=args.layers)
+        te_text = dict(te_text, num_hidden_layers=args.layers)
+        te_vision = dict(te_vision, depth=1, deepstack_visual_indexes=[0])
+    transformer = build_transformer(dit_config, args.seed, dev.name)
     dev.sync()
     log(f"transformer built: {sum(p.numel() for p in transformer.parameters()) / 1e9:.3f} B parameters")
-    text_encoder = build_text_encoder(TE_TEXT_TINY if tiny else TE_TEXT_FULL,
-                                      TE_VISION_TINY if tiny else TE_VISION_FULL, args.seed, dev.name)
+    text_encoder = build_text_encoder(te_text, te_vision, args.seed, dev.name)
     dev.sync()
     log(f"text encoder built: {sum(p.numel() for p in text_encoder.parameters()) / 1e9:.3f} B parameters")
     vae, vae_raw_std = build_vae(VAE_TINY if tiny else VAE_FULL, args.seed, dev.name)
     dev.sync()
     log(f"vae built: {sum(p.numel() for p in vae.parameters()) / 1e6:.1f} M parameters (conv_out rescaled from "
         f"std {vae_raw_std:.4g} to 0.5)")
-    processor = build_processor(os.path.join(args.out, "tokenizer-src"),
-                                (TE_VISION_TINY if tiny else TE_VISION_FULL)["patch_size"])
+    processor = build_processor(os.path.join(args.out, "tokenizer-src"), te_vision["patch_size"])
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     pipe = QwenImage21Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=processor,
                                transformer=transformer)
@@ -571,6 +576,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="smoke runs: this many layers in the text encoder and the DiT (full width otherwise)")
     ap.add_argument("--reuse-transformer", default=None, metavar="DIR",
                     help="link this saved transformer folder (qwen_dit_reference.py --out X writes X/transformer) "
                          "instead of writing the same weights again, when its config and tensors match ours")
@@ -588,7 +595,7 @@ def main():
         versions=dict(diffusers=diffusers.__version__, transformers=transformers.__version__,
                       torch=torch.__version__),
         device=torch.cuda.get_device_name(0) if dev.cuda else "cpu",
-        tiny=args.tiny, seed=args.seed, prompt=args.prompt, scheduler=SCHEDULER, use_kv_cache=True,
+        tiny=args.tiny, layers=args.layers, seed=args.seed, prompt=args.prompt, scheduler=SCHEDULER, use_kv_cache=True,
         dtype="bfloat16", noise_tensor="noise", cases=[],
     )
     with open(os.path.join(args.out, "prompt.txt"), "w", encoding="utf-8") as f:
