@@ -103,7 +103,10 @@ fn check_span(
     if needed > span.bytes {
         return Err(invalid(
             op,
-            format!("{name}: needs {needed} B but the span holds {} B", span.bytes),
+            format!(
+                "{name}: needs {needed} B but the span holds {} B",
+                span.bytes
+            ),
         ));
     }
     Ok(())
@@ -121,9 +124,7 @@ fn check_padded(op: &str, name: &str, cp: usize) -> Result<(), tf_cuda::Error> {
 
 /// Blocks for a grid-stride kernel over `work` items.
 fn stride_grid(op: &str, work: usize) -> Result<LaunchConfig, tf_cuda::Error> {
-    let blocks = work
-        .div_ceil(THREADS as usize)
-        .clamp(1, MAX_STRIDE_BLOCKS);
+    let blocks = work.div_ceil(THREADS as usize).clamp(1, MAX_STRIDE_BLOCKS);
     Ok(LaunchConfig::new(to_u32(op, "blocks", blocks)?, THREADS))
 }
 
@@ -143,10 +144,22 @@ pub fn plan_denormalize(
     if z == 0 || z > zp {
         return Err(invalid(OP, format!("z = {z} must be in 1..={zp}")));
     }
-    check_span(OP, "packed", packed, bytes_of(OP, "packed", &[pixels, z, F32])?, 4)?;
+    check_span(
+        OP,
+        "packed",
+        packed,
+        bytes_of(OP, "packed", &[pixels, z, F32])?,
+        4,
+    )?;
     check_span(OP, "mean", mean, z * F32, 4)?;
     check_span(OP, "std", std, z * F32, 4)?;
-    check_span(OP, "out", out, bytes_of(OP, "out", &[pixels, zp, BF16])?, 16)?;
+    check_span(
+        OP,
+        "out",
+        out,
+        bytes_of(OP, "out", &[pixels, zp, BF16])?,
+        16,
+    )?;
     let mut args = Args::new();
     args.push_addr(packed.addr)
         .push(to_i32(OP, "pixels", pixels)?)
@@ -176,7 +189,10 @@ pub fn plan_rms_norm_silu(
     const OP: &str = "vae rms_norm_silu";
     check_padded(OP, "cp", cp)?;
     if channels == 0 || channels > cp {
-        return Err(invalid(OP, format!("channels = {channels} must be in 1..={cp}")));
+        return Err(invalid(
+            OP,
+            format!("channels = {channels} must be in 1..={cp}"),
+        ));
     }
     let bytes = bytes_of(OP, "x", &[pixels, cp, BF16])?;
     check_span(OP, "x", x, bytes, 16)?;
@@ -252,11 +268,23 @@ pub fn plan_im2col3x3(
     }
     let shift = usize::from(band.upsample);
     let src_pixels = (band.out_h >> shift) * (band.out_w >> shift);
-    check_span(OP, "x", x, bytes_of(OP, "x", &[src_pixels, band.cp, BF16])?, 16)?;
+    check_span(
+        OP,
+        "x",
+        x,
+        bytes_of(OP, "x", &[src_pixels, band.cp, BF16])?,
+        16,
+    )?;
     let elements = band
         .elements()
         .ok_or_else(|| invalid(OP, "column matrix size overflows"))?;
-    check_span(OP, "cols", cols, bytes_of(OP, "cols", &[elements, BF16])?, 16)?;
+    check_span(
+        OP,
+        "cols",
+        cols,
+        bytes_of(OP, "cols", &[elements, BF16])?,
+        16,
+    )?;
     let mut args = Args::new();
     args.push_addr(x.addr)
         .push(to_i32(OP, "cp", band.cp)?)
@@ -301,7 +329,11 @@ impl DupUpShape {
 }
 
 /// The DupUp3D shortcut into `y` `[4 h w, padded(out_c)]` (kernel qv_dup_up).
-pub fn plan_dup_up(x: DeviceSpan, shape: DupUpShape, y: DeviceSpan) -> Result<Launch, tf_cuda::Error> {
+pub fn plan_dup_up(
+    x: DeviceSpan,
+    shape: DupUpShape,
+    y: DeviceSpan,
+) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "vae dup_up";
     let repeats = shape.repeats().ok_or_else(|| {
         invalid(
@@ -318,7 +350,13 @@ pub fn plan_dup_up(x: DeviceSpan, shape: DupUpShape, y: DeviceSpan) -> Result<La
         return Err(invalid(OP, "factor_t must be at least 1"));
     }
     let (in_cp, out_cp) = (padded_channels(shape.in_c), padded_channels(shape.out_c));
-    check_span(OP, "x", x, bytes_of(OP, "x", &[shape.h, shape.w, in_cp, BF16])?, 16)?;
+    check_span(
+        OP,
+        "x",
+        x,
+        bytes_of(OP, "x", &[shape.h, shape.w, in_cp, BF16])?,
+        16,
+    )?;
     let out_elems = bytes_of(OP, "y", &[4, shape.h, shape.w, out_cp])?;
     check_span(OP, "y", y, bytes_of(OP, "y", &[out_elems, BF16])?, 16)?;
     let mut args = Args::new();
@@ -347,10 +385,25 @@ pub fn plan_softmax_rows(
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "vae softmax_rows";
     if rows == 0 || cols == 0 {
-        return Err(invalid(OP, format!("{rows} x {cols} scores: both must be positive")));
+        return Err(invalid(
+            OP,
+            format!("{rows} x {cols} scores: both must be positive"),
+        ));
     }
-    check_span(OP, "scores", scores, bytes_of(OP, "scores", &[rows, cols, F32])?, 4)?;
-    check_span(OP, "probs", probs, bytes_of(OP, "probs", &[rows, cols, BF16])?, 2)?;
+    check_span(
+        OP,
+        "scores",
+        scores,
+        bytes_of(OP, "scores", &[rows, cols, F32])?,
+        4,
+    )?;
+    check_span(
+        OP,
+        "probs",
+        probs,
+        bytes_of(OP, "probs", &[rows, cols, BF16])?,
+        2,
+    )?;
     let mut args = Args::new();
     args.push_addr(scores.addr)
         .push(to_i32(OP, "cols", cols)?)
@@ -373,10 +426,19 @@ pub fn plan_planes_clamp(
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "vae planes_clamp";
     if channels == 0 || channels > cp {
-        return Err(invalid(OP, format!("channels = {channels} must be in 1..={cp}")));
+        return Err(invalid(
+            OP,
+            format!("channels = {channels} must be in 1..={cp}"),
+        ));
     }
     check_span(OP, "y", y, bytes_of(OP, "y", &[pixels, cp, F32])?, 4)?;
-    check_span(OP, "out", out, bytes_of(OP, "out", &[pixels, channels, F32])?, 4)?;
+    check_span(
+        OP,
+        "out",
+        out,
+        bytes_of(OP, "out", &[pixels, channels, F32])?,
+        4,
+    )?;
     let mut args = Args::new();
     args.push_addr(y.addr)
         .push(to_i32(OP, "pixels", pixels)?)
@@ -486,12 +548,36 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(short.contains("x: needs"), "{short}");
-        assert!(plan_rms_norm_silu(span(0x1008, bytes), span(0x1000, bytes), span(0x9000, 64), 10, 9, 16, false)
-            .is_err());
-        assert!(plan_rms_norm_silu(span(0x1000, bytes), span(0x1000, bytes), span(0x9000, 64), 10, 17, 16, false)
-            .is_err());
-        assert!(plan_rms_norm_silu(span(0x1000, bytes), span(0x1000, bytes), span(0x9000, 64), 10, 9, 12, false)
-            .is_err());
+        assert!(plan_rms_norm_silu(
+            span(0x1008, bytes),
+            span(0x1000, bytes),
+            span(0x9000, 64),
+            10,
+            9,
+            16,
+            false
+        )
+        .is_err());
+        assert!(plan_rms_norm_silu(
+            span(0x1000, bytes),
+            span(0x1000, bytes),
+            span(0x9000, 64),
+            10,
+            17,
+            16,
+            false
+        )
+        .is_err());
+        assert!(plan_rms_norm_silu(
+            span(0x1000, bytes),
+            span(0x1000, bytes),
+            span(0x9000, 64),
+            10,
+            9,
+            12,
+            false
+        )
+        .is_err());
     }
 
     #[test]
@@ -509,7 +595,10 @@ mod tests {
         let launch = plan_im2col3x3(src, band, cols).unwrap();
         assert_eq!(launch.args.get::<i32>(4), Some(1));
         assert_eq!(launch.args.get::<i32>(5), Some(2));
-        assert_eq!(launch.config.grid.x as usize, (3 * 6 * 9 * 2usize).div_ceil(256));
+        assert_eq!(
+            launch.config.grid.x as usize,
+            (3 * 6 * 9 * 2usize).div_ceil(256)
+        );
         // A source too small for the un-upsampled map, a band past the bottom, odd sizes with the upsample.
         let flat = Im2colBand {
             upsample: false,
@@ -550,24 +639,49 @@ mod tests {
         };
         assert_eq!(full.repeats(), Some(4));
         assert_eq!(full.source_channel(575, 1, 1), Some(1151));
-        let bad = DupUpShape {
-            in_c: 7,
-            ..full
-        };
+        let bad = DupUpShape { in_c: 7, ..full };
         assert!(bad.repeats().is_none());
         let y_bytes = 4 * 64 * 64 * 576 * BF16;
-        assert!(plan_dup_up(span(0x1000, 64 * 64 * 1152 * BF16), full, span(0x10_0000_0000, y_bytes)).is_ok());
-        assert!(plan_dup_up(span(0x1000, 64 * 64 * 1152 * BF16), bad, span(0x10_0000_0000, y_bytes)).is_err());
-        assert!(plan_dup_up(span(0x1000, 64 * 64 * 1152 * BF16), full, span(0x10_0000_0000, y_bytes - 2)).is_err());
+        assert!(plan_dup_up(
+            span(0x1000, 64 * 64 * 1152 * BF16),
+            full,
+            span(0x10_0000_0000, y_bytes)
+        )
+        .is_ok());
+        assert!(plan_dup_up(
+            span(0x1000, 64 * 64 * 1152 * BF16),
+            bad,
+            span(0x10_0000_0000, y_bytes)
+        )
+        .is_err());
+        assert!(plan_dup_up(
+            span(0x1000, 64 * 64 * 1152 * BF16),
+            full,
+            span(0x10_0000_0000, y_bytes - 2)
+        )
+        .is_err());
     }
 
     #[test]
     fn small_plans_check_their_operands() {
-        assert!(plan_softmax_rows(span(0x1000, 24 * 24 * 4), 24, 24, span(0x8000, 24 * 24 * 2)).is_ok());
-        assert!(plan_softmax_rows(span(0x1000, 24 * 24 * 4 - 4), 24, 24, span(0x8000, 24 * 24 * 2)).is_err());
+        assert!(
+            plan_softmax_rows(span(0x1000, 24 * 24 * 4), 24, 24, span(0x8000, 24 * 24 * 2)).is_ok()
+        );
+        assert!(plan_softmax_rows(
+            span(0x1000, 24 * 24 * 4 - 4),
+            24,
+            24,
+            span(0x8000, 24 * 24 * 2)
+        )
+        .is_err());
         assert!(plan_softmax_rows(span(0x1000, 0), 0, 24, span(0x8000, 0)).is_err());
-        assert!(plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 4, 8, span(0x8000, 16 * 4 * 4)).is_ok());
-        assert!(plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 9, 8, span(0x8000, 16 * 9 * 4)).is_err());
+        assert!(
+            plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 4, 8, span(0x8000, 16 * 4 * 4)).is_ok()
+        );
+        assert!(
+            plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 9, 8, span(0x8000, 16 * 9 * 4))
+                .is_err()
+        );
         let launch = plan_denormalize(
             span(0x1000, 24 * 4 * 4),
             24,

@@ -114,9 +114,7 @@ impl BufferPlan {
         budget: GpuVaeBudget,
     ) -> Result<BufferPlan, VaeError> {
         if h == 0 || w == 0 {
-            return Err(VaeError::Input(format!(
-                "a {h} x {w} latent is empty"
-            )));
+            return Err(VaeError::Input(format!("a {h} x {w} latent is empty")));
         }
         let overflow = || VaeError::Input(format!("a {h} x {w} latent is too large to plan"));
         let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
@@ -316,13 +314,7 @@ impl Packer {
 
 /// A PyTorch conv weight `[out, in, taps]` (rows `row0..row0 + out` of a larger one) as the padded GEMM matrix
 /// `[out_cp, taps * in_cp]`, tap-major.
-fn gemm_matrix(
-    weight: &[f32],
-    row0: usize,
-    out_c: usize,
-    in_c: usize,
-    taps: usize,
-) -> Vec<f32> {
+fn gemm_matrix(weight: &[f32], row0: usize, out_c: usize, in_c: usize, taps: usize) -> Vec<f32> {
     let (out_cp, in_cp) = (padded_channels(out_c), padded_channels(in_c));
     let k = taps * in_cp;
     let mut m = vec![0f32; out_cp * k];
@@ -363,7 +355,8 @@ impl Loader<'_> {
         Ok(t.into_data())
     }
 
-    /// Rows `part * out..(part + 1) * out` of a conv stored with `stored_out` output channels.
+    /// Rows `part * out_c..(part + 1) * out_c` of a conv stored with `parts * out_c` output channels.
+    #[allow(clippy::too_many_arguments)]
     fn conv_part(
         &mut self,
         name: &str,
@@ -398,7 +391,13 @@ impl Loader<'_> {
         })
     }
 
-    fn conv(&mut self, name: &str, in_c: usize, out_c: usize, kernel: usize) -> Result<ConvW, VaeError> {
+    fn conv(
+        &mut self,
+        name: &str,
+        in_c: usize,
+        out_c: usize,
+        kernel: usize,
+    ) -> Result<ConvW, VaeError> {
         self.conv_part(name, in_c, out_c, kernel, 0, 1, false)
     }
 
@@ -460,7 +459,11 @@ impl Loader<'_> {
             let mut resnets = Vec::with_capacity(config.num_res_blocks + 1);
             for r in 0..=config.num_res_blocks {
                 let from = if r == 0 { in_c } else { out_c };
-                resnets.push(self.resnet(&format!("decoder.up_blocks.{i}.resnets.{r}"), from, out_c)?);
+                resnets.push(self.resnet(
+                    &format!("decoder.up_blocks.{i}.resnets.{r}"),
+                    from,
+                    out_c,
+                )?);
             }
             let upsample = if up {
                 let shape = DupUpShape {
@@ -490,7 +493,8 @@ impl Loader<'_> {
         }
         let last = dims.last().copied().unwrap_or(mid);
         let norm_out = self.norm("decoder.norm_out.gamma", last, &[last, 1, 1, 1])?;
-        let conv_out = self.conv_part("decoder.conv_out", last, config.out_channels, 3, 0, 1, true)?;
+        let conv_out =
+            self.conv_part("decoder.conv_out", last, config.out_channels, 3, 0, 1, true)?;
         Ok(Net {
             mean,
             std,
@@ -524,7 +528,10 @@ impl Workspace {
         let alloc = |what: &str, bytes: usize| {
             DeviceBuffer::alloc(ctx, bytes.max(16)).map_err(|e| {
                 backend(
-                    &format!("allocating {bytes} B for the {what} of a {} x {} latent", plan.latent_h, plan.latent_w),
+                    &format!(
+                        "allocating {bytes} B for the {what} of a {} x {} latent",
+                        plan.latent_h, plan.latent_w
+                    ),
                     e,
                 )
             })
@@ -546,7 +553,10 @@ impl Workspace {
                 alloc("attention output", attn)?,
             ],
             scores: alloc("attention scores", plan.score_rows * plan.tokens * F32)?,
-            probs: alloc("attention probabilities", plan.score_rows * plan.tokens * BF16)?,
+            probs: alloc(
+                "attention probabilities",
+                plan.score_rows * plan.tokens * BF16,
+            )?,
             packed: alloc("packed latents", plan.tokens * plan.z * F32)?,
             result: alloc("conv_out result", plan.out_pixels * plan.out_cp * F32)?,
             image: alloc("image", plan.out_pixels * plan.out_channels * F32)?,
@@ -622,7 +632,8 @@ impl GpuVaeDecoder {
     /// Opens the driver, makes a context on device 0 and loads `model` onto it.
     pub fn load(model: &ModelDir) -> Result<GpuVaeDecoder, VaeError> {
         let driver = Arc::new(Driver::open().map_err(|e| backend("opening the CUDA driver", e))?);
-        let ctx = Context::new(driver, 0).map_err(|e| backend("creating a context on device 0", e))?;
+        let ctx =
+            Context::new(driver, 0).map_err(|e| backend("creating a context on device 0", e))?;
         GpuVaeDecoder::load_on(&ctx, model)
     }
 
@@ -639,7 +650,8 @@ impl GpuVaeDecoder {
         let stream = Stream::new(ctx, false).map_err(|e| backend("creating a stream", e))?;
         let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
         let lib = LtLibrary::open().map_err(|e| backend("loading cuBLASLt", e))?;
-        let lt = CublasLt::with_default_workspace(ctx, lib).map_err(|e| backend("cuBLASLt handle", e))?;
+        let lt = CublasLt::with_default_workspace(ctx, lib)
+            .map_err(|e| backend("cuBLASLt handle", e))?;
         let weights = DeviceBuffer::from_bytes(ctx, &bytes)
             .map_err(|e| backend(&format!("uploading {} B of weights", bytes.len()), e))?;
         Ok(GpuVaeDecoder {
@@ -697,10 +709,9 @@ impl GpuVaeDecoder {
     ) -> Result<TensorF32, VaeError> {
         let z = self.config.z_dim;
         let [batch, tokens, channels] = packed.dims::<3>("packed latents")?;
-        if h == 0 || w == 0 || tokens != h * w || channels != z {
+        if h == 0 || w == 0 || h.checked_mul(w) != Some(tokens) || channels != z {
             return Err(VaeError::Input(format!(
-                "packed latents are [{batch}, {tokens}, {channels}]; expected [{batch}, {}, {z}] for a non-empty {h} x {w} latent",
-                h * w
+                "packed latents are [{batch}, {tokens}, {channels}]; expected [{batch}, h * w, {z}] for a non-empty {h} x {w} latent"
             )));
         }
         let reuse = self
@@ -737,8 +748,9 @@ impl GpuVaeDecoder {
             .zip(out.chunks_exact_mut(per_image))
         {
             let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // On the decode's stream, so the copy is ordered before the kernels that read it.
             ws.packed
-                .upload(0, &bytes)
+                .upload_async(0, &bytes, &self.stream)
                 .map_err(|e| backend("uploading latents", e))?;
             self.enqueue_image(ws)?;
             self.stream
@@ -1010,7 +1022,13 @@ impl GpuVaeDecoder {
             ws.act(1, p0, zp)?,
             zp,
         ))?;
-        self.conv1x1(&net.post_quant, ws.act(1, p0, zp)?, p0, ws.act(2, p0, zp)?, false)?;
+        self.conv1x1(
+            &net.post_quant,
+            ws.act(1, p0, zp)?,
+            p0,
+            ws.act(2, p0, zp)?,
+            false,
+        )?;
         let mid_cp = net.conv_in.out_cp;
         self.conv3x3(
             ws,
@@ -1062,7 +1080,13 @@ impl GpuVaeDecoder {
         let pixels = h * w;
         let cp = net.norm_out.cp;
         let n = free_index(&[x])?;
-        self.norm(&net.norm_out, ws.act(x, pixels, cp)?, ws.act(n, pixels, cp)?, pixels, true)?;
+        self.norm(
+            &net.norm_out,
+            ws.act(x, pixels, cp)?,
+            ws.act(n, pixels, cp)?,
+            pixels,
+            true,
+        )?;
         let result = span(&ws.result, 0, pixels * plan.out_cp * F32)?;
         self.conv3x3(
             ws,
@@ -1122,7 +1146,10 @@ mod tests {
         // All 4096 query rows' scores fit 256 MiB in one chunk.
         assert_eq!(plan.score_rows, 4096);
         // The widest row of columns: 1024 pixels x 9 taps x 288 channels.
-        assert_eq!(plan.band_rows(1024, 1024, 288), (512 << 20) / 2 / (1024 * 9 * 288));
+        assert_eq!(
+            plan.band_rows(1024, 1024, 288),
+            (512 << 20) / 2 / (1024 * 9 * 288)
+        );
         let gib = plan.bytes() as f64 / f64::from(1u32 << 30);
         assert!(gib > 2.0 && gib < 3.5, "{gib} GiB");
     }
@@ -1163,7 +1190,7 @@ mod tests {
         assert_eq!(m[k + 4 * 8 + 2], 124.0); // o = 1, tap 4, ci 2
         assert_eq!(m[3], 0.0); // padding input channel
         assert!(m[2 * k..].iter().all(|&v| v == 0.0)); // padding output rows
-        // Rows 1.. of a fused [3, 1, 1, 1] weight: part 1 of 3 with one output.
+                                                       // Rows 1.. of a fused [3, 1, 1, 1] weight: part 1 of 3 with one output.
         let fused = [5.0, 6.0, 7.0];
         assert_eq!(gemm_matrix(&fused, 1, 1, 1, 1)[0], 6.0);
     }
