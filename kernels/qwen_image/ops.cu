@@ -146,6 +146,72 @@ extern "C" __global__ void __launch_bounds__(QI_ROW_THREADS)
     qi::store8(x_at, a);
 }
 
+// Gated residual then the next adaLN, in one pass over the row: x += tanh(gate) * y (stored, rounded to bf16),
+// then out = LayerNorm(x) * (1 + scale) from the rounded x, exactly as qi_gated_residual followed by
+// qi_adaln_modulate. Gate and scale come from the same modulation rows at two offsets. Grid: `rows` blocks.
+extern "C" __global__ void __launch_bounds__(QI_ROW_THREADS)
+    qi_gated_residual_adaln(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride,
+                            bf16* __restrict__ out, int out_stride, const bf16* __restrict__ mod, int mod_stride,
+                            int gate_offset, int scale_offset, int rows, int cols, int seq_len, int target_begin,
+                            int prefix_row, float eps) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const int m = qi::modulation_row(row, seq_len, target_begin, prefix_row);
+    const bf16* mod_row = mod + static_cast<int64_t>(m) * mod_stride;
+    bf16* x_row = x + static_cast<int64_t>(row) * x_stride;
+    const bf16* y_row = y + static_cast<int64_t>(row) * y_stride;
+    float v[QI_ROW_CHUNKS][8];
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < QI_ROW_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * QI_ROW_THREADS) * 8;
+        if (col < cols) {
+            float g[8], b[8];
+            qi::load8(mod_row + gate_offset + col, g);
+            qi::load8(x_row + col, v[c]);
+            qi::load8(y_row + col, b);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[c][i] = qi::round_bf16(fmaf(tanhf(g[i]), b[i], v[c][i]));
+            qi::store8(x_row + col, v[c]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum += v[c][i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
+        }
+    }
+    const float inv_cols = 1.0f / static_cast<float>(cols);
+    const float mean = qi::block_sum(sum, scratch) * inv_cols;
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < QI_ROW_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * QI_ROW_THREADS) * 8;
+        if (col < cols) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float d = v[c][i] - mean;
+                sq += d * d;
+            }
+        }
+    }
+    const float var = qi::block_sum(sq, scratch) * inv_cols;
+    const float rstd = rsqrtf(var + eps);
+    bf16* out_row = out + static_cast<int64_t>(row) * out_stride;
+#pragma unroll
+    for (int c = 0; c < QI_ROW_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * QI_ROW_THREADS) * 8;
+        if (col < cols) {
+            float s[8];
+            qi::load8(mod_row + scale_offset + col, s);
+            float o[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] = (v[c][i] - mean) * rstd * (1.0f + s[i]);
+            qi::store8(out_row + col, o);
+        }
+    }
+}
+
 // SwiGLU on a fused gate|up GEMM output: out[r, c] = silu(gate_up[r, c]) * gate_up[r, hidden + c], c <
 // hidden. Grid: (rows, ceil(hidden / 8 / QI_ROW_THREADS)).
 extern "C" __global__ void __launch_bounds__(QI_ROW_THREADS)

@@ -317,6 +317,100 @@ fn gated_residual_matches_host() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fused_residual_adaln_equals_the_two_kernels() {
+    let g = gpu();
+    let mut rng = Rng(13);
+    for (samples, seq_len, target_begin, cols) in [(2, 9, 4, 64), (1, 4176, 80, 4096)] {
+        let rows = samples * seq_len;
+        let n_mod = samples + 1;
+        let (x_bits, _) = random_bf16(&mut rng, rows * cols, -8.0, 8.0);
+        let (y_bits, _) = random_bf16(&mut rng, rows * cols, -2.0, 2.0);
+        let (mod_bits, _) = modulation(&mut rng, n_mod, cols, 3);
+        let select = ModulationRows {
+            seq_len,
+            target_begin,
+            prefix_row: samples,
+        };
+        let mod_dev = upload(&g, &mod_bits);
+        let mod_view = mod_dev.view();
+        let block = |offset: usize| Modulation {
+            data: &mod_view,
+            rows: n_mod,
+            stride: 4 * cols,
+            offset,
+        };
+        let layout = Matrix::dense(rows, cols);
+        let y_dev = upload(&g, &y_bits);
+
+        // Two kernels.
+        let mut x_two = upload(&g, &x_bits);
+        let mut out_two = upload(&g, &vec![0u16; rows * cols]);
+        g.kernels
+            .gated_residual(
+                &g.stream,
+                &mut x_two.view_mut(),
+                layout,
+                &y_dev.view(),
+                cols,
+                &block(3 * cols),
+                select,
+            )
+            .expect("launch gated_residual");
+        g.kernels
+            .adaln_modulate(
+                &g.stream,
+                &x_two.view(),
+                layout,
+                &mut out_two.view_mut(),
+                cols,
+                &block(cols),
+                select,
+                1e-6,
+            )
+            .expect("launch adaln_modulate");
+
+        // One fused kernel.
+        let mut x_one = upload(&g, &x_bits);
+        let mut out_one = upload(&g, &vec![0u16; rows * cols]);
+        g.kernels
+            .gated_residual_adaln(
+                &g.stream,
+                &mut x_one.view_mut(),
+                layout,
+                &y_dev.view(),
+                cols,
+                &mut out_one.view_mut(),
+                cols,
+                &block(3 * cols),
+                &block(cols),
+                select,
+                1e-6,
+            )
+            .expect("launch gated_residual_adaln");
+
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let (xa, xb) = (
+            bits(download_bf16(&g, &x_two)),
+            bits(download_bf16(&g, &x_one)),
+        );
+        let (oa, ob) = (
+            bits(download_bf16(&g, &out_two)),
+            bits(download_bf16(&g, &out_one)),
+        );
+        let x_diff = xa.iter().zip(&xb).filter(|(a, b)| a != b).count();
+        let o_diff = oa.iter().zip(&ob).filter(|(a, b)| a != b).count();
+        println!(
+            "gated_residual_adaln [{rows}x{cols}]: residual values differing {x_diff}, normed values differing \
+             {o_diff} (of {})",
+            rows * cols
+        );
+        assert_eq!(x_diff, 0, "fused residual differs from qi_gated_residual");
+        assert_eq!(o_diff, 0, "fused adaLN differs from qi_adaln_modulate");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn swiglu_matches_host() {
     let g = gpu();
     let mut rng = Rng(4);

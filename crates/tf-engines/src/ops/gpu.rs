@@ -50,6 +50,7 @@ const OPS_KERNELS: &[&str] = &[
     "qi_adaln_modulate",
     "qi_rms_norm_zc",
     "qi_gated_residual",
+    "qi_gated_residual_adaln",
     "qi_swiglu",
     "qi_gelu_tanh",
     "qi_silu",
@@ -649,6 +650,77 @@ pub fn plan_gated_residual(
     Ok(Launch {
         kernel: "qi_gated_residual",
         config: row_grid(OP, x_layout.rows, x_layout.cols)?,
+        args,
+    })
+}
+
+/// Builds the gated residual followed by the next adaLN in one pass (kernel qi_gated_residual_adaln):
+/// `x += tanh(gate) * y` in place, then `out = LayerNorm(x) * (1 + scale)` from the stored (bf16) x. The result
+/// is bit-identical to [`plan_gated_residual`] followed by [`plan_adaln_modulate`]. `gate` and `scale` must
+/// name the same modulation rows (data, rows, stride) at two offsets.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_gated_residual_adaln(
+    x: &DeviceViewMut<'_>,
+    x_layout: Matrix,
+    y: &DeviceView<'_>,
+    y_stride: usize,
+    out: &DeviceViewMut<'_>,
+    out_stride: usize,
+    gate: &Modulation<'_, '_>,
+    scale: &Modulation<'_, '_>,
+    select: ModulationRows,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "gated_residual_adaln";
+    check_norm_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
+    check_matrix(
+        OP,
+        "y",
+        Operand::of(y),
+        Matrix {
+            stride: y_stride,
+            ..x_layout
+        },
+    )?;
+    check_matrix(
+        OP,
+        "out",
+        Operand::of_mut(out),
+        Matrix {
+            stride: out_stride,
+            ..x_layout
+        },
+    )?;
+    if gate.data.addr() != scale.data.addr()
+        || gate.rows != scale.rows
+        || gate.stride != scale.stride
+    {
+        return Err(invalid(
+            OP,
+            "gate and scale must be two column offsets of the same modulation rows",
+        ));
+    }
+    check_modulation(OP, gate, x_layout.cols, x_layout.rows, select)?;
+    check_modulation(OP, scale, x_layout.cols, x_layout.rows, select)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?)
+        .push_addr(out.addr())
+        .push(to_i32(OP, "out stride", out_stride)?)
+        .push_addr(gate.data.addr())
+        .push(to_i32(OP, "modulation stride", gate.stride)?)
+        .push(to_i32(OP, "gate offset", gate.offset)?)
+        .push(to_i32(OP, "scale offset", scale.offset)?)
+        .push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    push_select(&mut args, OP, select)?;
+    args.push(eps);
+    Ok(Launch {
+        kernel: "qi_gated_residual_adaln",
+        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
         args,
     })
 }
@@ -1333,6 +1405,30 @@ impl QwenImageKernels {
         )
     }
 
+    /// Gated residual then adaLN in one pass; see [`plan_gated_residual_adaln`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_residual_adaln(
+        &self,
+        stream: &Stream,
+        x: &mut DeviceViewMut<'_>,
+        x_layout: Matrix,
+        y: &DeviceView<'_>,
+        y_stride: usize,
+        out: &mut DeviceViewMut<'_>,
+        out_stride: usize,
+        gate: &Modulation<'_, '_>,
+        scale: &Modulation<'_, '_>,
+        select: ModulationRows,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_gated_residual_adaln(
+                x, x_layout, y, y_stride, out, out_stride, gate, scale, select, eps,
+            )?,
+        )
+    }
+
     /// Zero-centred RMSNorm; see [`plan_rms_norm_zc`].
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_zc(
@@ -1545,7 +1641,10 @@ mod tests {
         // 128 query rows, 2 stages of 128-key K and V tiles, 1 KiB of alignment slack.
         assert_eq!(AttentionTile::Sm90.shared_bytes(), (128 + 512) * 256 + 1024);
         assert_eq!(AttentionTile::Sm90Alt.rows(), 128);
-        assert_eq!(AttentionTile::Sm90Pipe.shared_bytes(), (128 + 768) * 256 + 1024);
+        assert_eq!(
+            AttentionTile::Sm90Pipe.shared_bytes(),
+            (128 + 768) * 256 + 1024
+        );
         for tile in AttentionTile::ALL {
             assert!(
                 tile.shared_bytes() <= 227 * 1024,

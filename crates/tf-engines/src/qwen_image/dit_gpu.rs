@@ -1378,20 +1378,22 @@ impl Engine {
         let limits_view = ws.key_limits.view();
         let pad_view = ws.key_pad.as_ref().map(DeviceBuffer::view);
 
+        // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
+        k_.adaln_modulate(
+            st,
+            &ws.x.view(),
+            x_layout,
+            &mut ws.normed.view_mut(),
+            d,
+            &modulation(0),
+            select,
+            dims.eps,
+        )
+        .map_err(launch)?;
+        phase!("adaln1 (block 0)", Bytes, 2 * total * d * BF16);
+        let last_layer = o.blocks.len().saturating_sub(1);
         for (layer, bo) in o.blocks.iter().enumerate() {
-            // Attention half.
-            k_.adaln_modulate(
-                st,
-                &ws.x.view(),
-                x_layout,
-                &mut ws.normed.view_mut(),
-                d,
-                &modulation(0),
-                select,
-                dims.eps,
-            )
-            .map_err(launch)?;
-            phase!("adaln1", Bytes, 2 * total * d * BF16);
+            // Attention half (its adaLN ran at the end of the previous block).
             self.gemm(
                 total,
                 3 * w,
@@ -1544,31 +1546,23 @@ impl Engine {
                 false,
             )?;
             phase!("out GEMM", Flops, 2 * total * d * w);
-            k_.gated_residual(
+            k_.gated_residual_adaln(
                 st,
                 &mut ws.x.view_mut(),
                 x_layout,
                 &ws.proj.view(),
                 d,
-                &modulation(d),
-                select,
-            )
-            .map_err(launch)?;
-            phase!("residual1", Bytes, 3 * total * d * BF16);
-
-            // MLP half.
-            k_.adaln_modulate(
-                st,
-                &ws.x.view(),
-                x_layout,
                 &mut ws.normed.view_mut(),
                 d,
+                &modulation(d),
                 &modulation(2 * d),
                 select,
                 dims.eps,
             )
             .map_err(launch)?;
-            phase!("adaln2", Bytes, 2 * total * d * BF16);
+            phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
+
+            // MLP half.
             self.gemm(
                 total,
                 2 * f,
@@ -1598,30 +1592,39 @@ impl Engine {
                 false,
             )?;
             phase!("down GEMM", Flops, 2 * total * d * f);
-            k_.gated_residual(
+            // The next block's adaLN, or norm_out after the last block.
+            let next_scale = if layer == last_layer { 4 * d } else { 0 };
+            k_.gated_residual_adaln(
                 st,
                 &mut ws.x.view_mut(),
                 x_layout,
                 &ws.proj.view(),
                 d,
+                &mut ws.normed.view_mut(),
+                d,
                 &modulation(3 * d),
+                &modulation(next_scale),
                 select,
+                dims.eps,
             )
             .map_err(launch)?;
-            phase!("residual2", Bytes, 3 * total * d * BF16);
+            phase!("residual2+adaln1", Bytes, 4 * total * d * BF16);
         }
-        k_.adaln_modulate(
-            st,
-            &ws.x.view(),
-            x_layout,
-            &mut ws.normed.view_mut(),
-            d,
-            &modulation(4 * d),
-            select,
-            dims.eps,
-        )
-        .map_err(launch)?;
-        phase!("norm_out", Bytes, 2 * total * d * BF16);
+        if o.blocks.is_empty() {
+            // No block: norm_out reads x as embedded (a degenerate config, kept correct).
+            k_.adaln_modulate(
+                st,
+                &ws.x.view(),
+                x_layout,
+                &mut ws.normed.view_mut(),
+                d,
+                &modulation(4 * d),
+                select,
+                dims.eps,
+            )
+            .map_err(launch)?;
+            phase!("norm_out", Bytes, 2 * total * d * BF16);
+        }
         self.gemm(
             total,
             dims.out_ch,
