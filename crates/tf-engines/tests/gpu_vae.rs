@@ -27,8 +27,28 @@ fn context() -> Context {
     Context::new(driver, 0).expect("create a context on device 0")
 }
 
+/// tests/fixtures/qwen_vae: in the GPU bundle (`TF_BUNDLE_DIR`), in the checkout, or next to the test binary.
 fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_vae")
+    const REL: &str = "tests/fixtures/qwen_vae";
+    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
+        let p = PathBuf::from(bundle).join(REL);
+        if p.is_dir() {
+            return p;
+        }
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(REL);
+    if here.is_dir() {
+        return here;
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    exe.ancestors()
+        .skip(1)
+        .take(5)
+        .map(|d| d.join(REL))
+        .find(|p| p.is_dir())
+        .expect("tests/fixtures/qwen_vae not found in TF_BUNDLE_DIR, the checkout or next to the test binary")
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
