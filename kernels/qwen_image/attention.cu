@@ -435,9 +435,8 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// V_DESC_SWAP selects which of the MN-major descriptor's two offsets holds the 64-column step (kept as a
-// template parameter so both encodings can be checked against the host reference).
-template <bool V_DESC_SWAP, bool OVERLAP>
+// OVERLAP: software-pipelined key loop (3 stages) instead of one tile after the other (2 stages).
+template <bool OVERLAP>
 __device__ __forceinline__ void attention_sm90(
     const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
     const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
@@ -561,8 +560,10 @@ __device__ __forceinline__ void attention_sm90(
     float sum_a = 0.0f, sum_b = 0.0f;
     const uint32_t q_rows = smem_q + warpgroup * 64 * 128;
     auto k_tile_of = [&](int tile) { return smem_kv + (tile % STAGES) * 2 * kSm90TileBytes; };
-    const uint32_t v_leading = V_DESC_SWAP ? 1024u : static_cast<uint32_t>(kSm90Half);
-    const uint32_t v_stride = V_DESC_SWAP ? static_cast<uint32_t>(kSm90Half) : 1024u;
+    // MN-major descriptor offsets of V: the leading one steps to the next 64 head-dim columns, the stride one
+    // to the next 8 keys.
+    const uint32_t v_leading = static_cast<uint32_t>(kSm90Half);
+    const uint32_t v_stride = 1024u;
 
     // Issues S = Q K^T for one key tile: 64 rows x 128 keys per warpgroup, eight k16 steps over the head dim.
     auto issue_scores = [&](float(&s)[64], int tile) {
@@ -781,15 +782,15 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
 
 // Dynamic shared memory: (1 + 2 * stages) * 32 KiB + 1 KiB (alignment); grid (ceil(num_queries / 128), num_heads, batch); block 256.
 #if defined(QI_HAS_WGMMA)
-#define QI_SM90_BODY(SWAP, OVERLAP)                                                                             \
-    attention_sm90<SWAP, OVERLAP>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride,             \
+#define QI_SM90_BODY(OVERLAP)                                                                             \
+    attention_sm90<OVERLAP>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride,             \
                          prefix_row_stride, prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, \
                          o_row_stride, num_queries, num_keys, num_heads, num_kv_heads, key_limit,               \
                          key_limit_batch_stride, key_pad, scale_log2);
 #else
-#define QI_SM90_BODY(SWAP, OVERLAP) __trap();
+#define QI_SM90_BODY(OVERLAP) __trap();
 #endif
-#define QI_ATTENTION_SM90_KERNEL(NAME, SWAP, OVERLAP)                                                                \
+#define QI_ATTENTION_SM90_KERNEL(NAME, OVERLAP)                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
         const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
         const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
@@ -797,10 +798,9 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
         bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
         int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
         const int* __restrict__ key_pad, float scale_log2) {                                                  \
-        QI_SM90_BODY(SWAP, OVERLAP)                                                                          \
+        QI_SM90_BODY(OVERLAP)                                                                          \
     }
 
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, false, false)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_alt, true, false)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, false)
 // Software-pipelined (3 stages, 225 KiB of dynamic shared memory).
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_pipe, false, true)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_pipe, true)

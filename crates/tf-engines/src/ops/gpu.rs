@@ -74,8 +74,6 @@ pub enum AttentionTile {
     W4S3,
     /// sm_90a only: 128 query rows in two warpgroups, wgmma, keys in tiles of 128 through 2 stages (161 KiB).
     Sm90,
-    /// [`AttentionTile::Sm90`] with the other encoding of the V descriptor's offsets (kept to check both).
-    Sm90Alt,
     /// [`AttentionTile::Sm90`] software-pipelined: the scores of the next key tile are computed while the
     /// softmax of this one runs; 3 stages (225 KiB).
     Sm90Pipe,
@@ -83,13 +81,12 @@ pub enum AttentionTile {
 
 impl AttentionTile {
     /// Every tile shape, for benchmarks.
-    pub const ALL: [AttentionTile; 7] = [
+    pub const ALL: [AttentionTile; 6] = [
         AttentionTile::W8S2,
         AttentionTile::W8S3,
         AttentionTile::W4S2,
         AttentionTile::W4S3,
         AttentionTile::Sm90,
-        AttentionTile::Sm90Alt,
         AttentionTile::Sm90Pipe,
     ];
 
@@ -97,7 +94,7 @@ impl AttentionTile {
     pub fn needs_sm90(self) -> bool {
         matches!(
             self,
-            AttentionTile::Sm90 | AttentionTile::Sm90Alt | AttentionTile::Sm90Pipe
+            AttentionTile::Sm90 | AttentionTile::Sm90Pipe
         )
     }
 
@@ -118,7 +115,6 @@ impl AttentionTile {
             AttentionTile::W4S2 => "qi_attention_d128_w4s2",
             AttentionTile::W4S3 => "qi_attention_d128_w4s3",
             AttentionTile::Sm90 => "qi_attention_d128_sm90",
-            AttentionTile::Sm90Alt => "qi_attention_d128_sm90_alt",
             AttentionTile::Sm90Pipe => "qi_attention_d128_sm90_pipe",
         }
     }
@@ -129,7 +125,6 @@ impl AttentionTile {
             AttentionTile::W8S2
             | AttentionTile::W8S3
             | AttentionTile::Sm90
-            | AttentionTile::Sm90Alt
             | AttentionTile::Sm90Pipe => 8,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
@@ -138,10 +133,7 @@ impl AttentionTile {
     /// cp.async stages.
     pub fn stages(self) -> u32 {
         match self {
-            AttentionTile::W8S2
-            | AttentionTile::W4S2
-            | AttentionTile::Sm90
-            | AttentionTile::Sm90Alt => 2,
+            AttentionTile::W8S2 | AttentionTile::W4S2 | AttentionTile::Sm90 => 2,
             AttentionTile::W8S3 | AttentionTile::W4S3 | AttentionTile::Sm90Pipe => 3,
         }
     }
@@ -1640,7 +1632,7 @@ mod tests {
         assert_eq!(AttentionTile::W4S3.shared_bytes(), 114_688);
         // 128 query rows, 2 stages of 128-key K and V tiles, 1 KiB of alignment slack.
         assert_eq!(AttentionTile::Sm90.shared_bytes(), (128 + 512) * 256 + 1024);
-        assert_eq!(AttentionTile::Sm90Alt.rows(), 128);
+        assert_eq!(AttentionTile::Sm90.rows(), 128);
         assert_eq!(
             AttentionTile::Sm90Pipe.shared_bytes(),
             (128 + 768) * 256 + 1024
