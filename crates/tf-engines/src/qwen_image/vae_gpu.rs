@@ -1195,6 +1195,70 @@ mod tests {
         assert_eq!(gemm_matrix(&fused, 1, 1, 1, 1)[0], 6.0);
     }
 
+    #[test]
+    fn fixture_weights_pack_into_the_decoder_layout() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen_vae/model");
+        let model = ModelDir::open(&dir).unwrap();
+        let config = VaeConfig::from_json(model.config_json()).unwrap();
+        let mut loader = Loader {
+            model: &model,
+            packer: Packer { bytes: Vec::new() },
+        };
+        let net = loader.net(&config).unwrap();
+        // Five up blocks of three resnets; DupUp on the first four, temporal factor 2 except the last one.
+        assert_eq!(net.blocks.len(), 5);
+        assert!(net.blocks.iter().all(|b| b.resnets.len() == 3));
+        let factors: Vec<Option<usize>> = net
+            .blocks
+            .iter()
+            .map(|b| b.upsample.map(|(_, _, _, ft)| ft))
+            .collect();
+        assert_eq!(factors, vec![Some(2), Some(2), Some(2), Some(1), None]);
+        // Width changes (16 -> 8 -> 4 -> 2) get 1x1 shortcuts, nothing else does.
+        let shortcuts: Vec<bool> = net
+            .blocks
+            .iter()
+            .map(|b| b.resnets[0].shortcut.is_some())
+            .collect();
+        assert_eq!(shortcuts, vec![false, false, true, true, true]);
+        assert_eq!((net.conv_out.out_cp, net.conv_out.k()), (8, 9 * 8));
+        assert_eq!(
+            (
+                net.attention.q.in_cp,
+                net.attention.q.out_cp,
+                net.attention.q.taps
+            ),
+            (16, 16, 1)
+        );
+        // The q, k and v parts are distinct rows of to_qkv: packed apart and all different.
+        let bytes = &loader.packer.bytes;
+        let part = |c: &ConvW| bytes[c.weight..c.weight + 16 * 16 * BF16].to_vec();
+        assert_ne!(part(&net.attention.q), part(&net.attention.k));
+        assert_ne!(part(&net.attention.k), part(&net.attention.v));
+        // The first q row equals row 0 of the stored to_qkv weight, rounded to bf16.
+        let stored = model
+            .to_f32("decoder.mid_block.attentions.0.to_qkv.weight")
+            .unwrap();
+        let first = half::bf16::from_le_bytes([
+            bytes[net.attention.q.weight],
+            bytes[net.attention.q.weight + 1],
+        ]);
+        assert_eq!(
+            first.to_f32(),
+            half::bf16::from_f32(stored.data()[0]).to_f32()
+        );
+        // A missing tensor is a weights error naming it.
+        let err = Loader {
+            model: &model,
+            packer: Packer { bytes: Vec::new() },
+        }
+        .conv("decoder.no_such_conv", 2, 2, 3)
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("decoder.no_such_conv"), "{err}");
+    }
+
     proptest! {
         /// Bands tile the output rows exactly and each band's columns fit the column buffer.
         #[test]
