@@ -98,6 +98,14 @@ def lookup(obj, *paths):
     return None
 
 
+def seconds_to_ms(value):
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [v * 1000.0 for v in value]
+    return value * 1000.0
+
+
 def our_timings(summary, path):
     t = lookup(summary, "timings_ms", "timings") or {}
     encode = lookup(t, "encode", "encode_ms")
@@ -107,6 +115,12 @@ def our_timings(summary, path):
     load = lookup(t, "load", "load_ms")
     if load is None:
         load = lookup(summary, "load_ms")
+    # The same spans in seconds (`timings.encode_s`..., `load.seconds`), as `tf image --json` first printed them.
+    encode = encode if encode is not None else seconds_to_ms(lookup(t, "encode_s"))
+    steps = steps if steps is not None else seconds_to_ms(lookup(t, "steps_s"))
+    decode = decode if decode is not None else seconds_to_ms(lookup(t, "decode_s"))
+    total = total if total is not None else seconds_to_ms(lookup(t, "total_s"))
+    load = load if load is not None else seconds_to_ms(lookup(summary, "load.seconds", "load_s"))
     missing = [name for name, v in (("encode", encode), ("steps", steps), ("decode", decode), ("total", total))
                if v is None]
     if missing:
@@ -118,7 +132,8 @@ def our_timings(summary, path):
 
 
 def our_peak(summary):
-    value = lookup(summary, "peak_device_bytes", "memory.peak_device_bytes", "peak_bytes", "memory.peak_bytes")
+    value = lookup(summary, "peak_device_bytes", "memory.peak_device_bytes", "peak_bytes", "memory.peak_bytes",
+                   "load.peak_device_bytes")
     return None if value is None else int(value)
 
 
@@ -300,7 +315,7 @@ def run(root, max_ratio, memory_baseline, cases_filter=None):
 # Self-test: fake "ours" from the reference itself
 # ---------------------------------------------------------------------------------------------------------------
 
-def make_fake_ours(root, error_vs_floor, time_factor, memory_factor, seed=0):
+def make_fake_ours(root, error_vs_floor, time_factor, memory_factor, seed=0, seconds_format=False):
     """Writes ours.* into every case folder: velocities = fp32 (bf16 where no fp32) plus noise sized to
     error_vs_floor x floor, times = reference x time_factor, peak = reference reserved x memory_factor."""
     with open(os.path.join(root, "reference.json")) as f:
@@ -330,6 +345,11 @@ def make_fake_ours(root, error_vs_floor, time_factor, memory_factor, seed=0):
                                        steps=[v * time_factor for v in t["steps_ms"]],
                                        decode=t["decode_ms"] * time_factor, total=t["total_ms"] * time_factor),
                        peak_device_bytes=int((peak if peak is not None else 2**30) * memory_factor))
+        if seconds_format:
+            ms = summary.pop("timings_ms")
+            summary["timings"] = dict(encode_s=ms["encode"] / 1000, steps_s=[v / 1000 for v in ms["steps"]],
+                                      decode_s=ms["decode"] / 1000, total_s=ms["total"] / 1000)
+            summary["load"] = dict(seconds=ms["load"] / 1000, resident_bytes=1)
         with open(os.path.join(case_dir, "ours.json"), "w") as f:
             f.write("progress lines may precede the summary\n" + json.dumps(summary) + "\n")
 
@@ -348,13 +368,15 @@ def selftest(root, max_ratio):
                 src = os.path.join(root, case["name"], name)
                 if os.path.exists(src):
                     shutil.copyfile(src, os.path.join(fake, case["name"], name))
-        for label, error, time_factor, memory_factor, expect in (
-            ("within the floor, faster, less memory", 0.8, 0.7, 0.9, True),
-            ("velocity error 3x the floor", 3.0, 0.7, 0.9, False),
-            ("slower end to end", 0.8, 1.2, 0.9, False),
-            ("more peak memory", 0.8, 0.7, 1.1, False),
+        for label, error, time_factor, memory_factor, expect, seconds_format in (
+            ("within the floor, faster, less memory", 0.8, 0.7, 0.9, True, False),
+            ("the same, timings in seconds", 0.8, 0.7, 0.9, True, True),
+            ("velocity error 3x the floor", 3.0, 0.7, 0.9, False, False),
+            ("slower end to end", 0.8, 1.2, 0.9, False, False),
+            ("slower end to end, timings in seconds", 0.8, 1.2, 0.9, False, True),
+            ("more peak memory", 0.8, 0.7, 1.1, False, False),
         ):
-            make_fake_ours(fake, error, time_factor, memory_factor)
+            make_fake_ours(fake, error, time_factor, memory_factor, seconds_format=seconds_format)
             _, results = run(fake, max_ratio, "reserved")
             passed = all(r["passed"] for r in results)
             # On a CPU reference there is no memory figure, so the memory case cannot fail there.
