@@ -44,7 +44,8 @@ use super::dit::{
 use super::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
 use crate::ops::gpu::{
     attention_flops, key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape,
-    Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels, Strides, HEAD_DIM,
+    AttentionTile, Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels,
+    Strides, HEAD_DIM,
 };
 use crate::ops::host;
 use crate::tensor::{Tensor, TensorF32};
@@ -472,6 +473,7 @@ struct Engine {
     ctx: Context,
     stream: Stream,
     kernels: QwenImageKernels,
+    attention_tile: AttentionTile,
     lt: CublasLt,
     weights: DeviceBuffer,
     offsets: WeightOffsets,
@@ -676,6 +678,7 @@ impl GpuDit {
                 dims,
                 ctx: ctx.clone(),
                 stream,
+                attention_tile: kernels.preferred_tile(),
                 kernels,
                 lt,
                 weights,
@@ -708,6 +711,25 @@ impl GpuDit {
     /// Frees every workspace and graph (weights stay).
     pub fn clear_workspaces(&mut self) {
         self.workspaces.clear();
+    }
+
+    /// The attention kernel's tile shape (the preferred one for this GPU unless set).
+    pub fn attention_tile(&self) -> AttentionTile {
+        self.engine.attention_tile
+    }
+
+    /// Uses `tile` for attention from now on (benchmarks compare tile shapes). Drops the captured graphs, which
+    /// hold the previous kernel. Fails when the tile's kernel is not loaded on this GPU.
+    pub fn set_attention_tile(&mut self, tile: AttentionTile) -> Result<(), DitError> {
+        if !self.engine.kernels.has_tile(tile) {
+            return Err(DitError::Backend(format!(
+                "attention tile {tile:?} ({}) is not loaded on this GPU",
+                tile.kernel()
+            )));
+        }
+        self.engine.attention_tile = tile;
+        self.clear_workspaces();
+        Ok(())
     }
 
     /// Times the step of `inputs` (device time, events around `iters` launches after a warm-up): eager launches,
@@ -1526,8 +1548,9 @@ impl Engine {
                     num_heads: dims.heads,
                     num_kv_heads: dims.heads,
                 };
-                k_.attention(
+                k_.attention_with(
                     st,
+                    self.attention_tile,
                     shape,
                     &inputs,
                     &mut ws.attn.view_mut(),

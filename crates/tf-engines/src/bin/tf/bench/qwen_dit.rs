@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use tf_engines::ops::gpu::AttentionTile;
 use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
 use tf_engines::qwen_image::dit_gpu::{GpuDit, PhaseTimes, PhaseWork};
 use tf_engines::tensor::Tensor;
@@ -145,9 +146,26 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         .ok_or("extract returned no cache")?;
     let cached = dit.time_step(&step1, KvStep::Cached(&cache), args.iters)?;
     println!(
-        "  cached step: eager {:.2} ms, graph replay {:.2} ms",
-        cached.eager_ms, cached.graph_ms
+        "  cached step: eager {:.2} ms, graph replay {:.2} ms (attention {:?})",
+        cached.eager_ms,
+        cached.graph_ms,
+        dit.attention_tile()
     );
+    // The other wgmma attention variant, for comparison; the default stays in use afterwards.
+    let default_tile = dit.attention_tile();
+    let mut other_tiles = Vec::new();
+    for tile in [AttentionTile::Sm90, AttentionTile::Sm90Pipe] {
+        if tile == default_tile || dit.set_attention_tile(tile).is_err() {
+            continue;
+        }
+        let t = dit.time_step(&step1, KvStep::Cached(&cache), args.iters)?;
+        println!(
+            "  cached step with attention {tile:?}: eager {:.2} ms, graph replay {:.2} ms",
+            t.eager_ms, t.graph_ms
+        );
+        other_tiles.push(serde_json::json!({"tile": format!("{tile:?}"), "eager_ms": t.eager_ms, "graph_ms": t.graph_ms}));
+    }
+    dit.set_attention_tile(default_tile)?;
     let mut phases = serde_json::Value::Null;
     if args.phases {
         let full_phases = dit.time_phases(&step0, KvStep::Extract)?;
@@ -224,6 +242,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
             "weight_load_s": load.upload.seconds,
             "reference": reference,
             "phases": phases,
+            "cached_other_attention_tiles": other_tiles,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());
