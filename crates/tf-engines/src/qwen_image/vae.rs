@@ -49,6 +49,9 @@ pub enum VaeError {
     Config(String),
     #[error("VAE input: {0}")]
     Input(String),
+    /// A failure of the backend running the decoder (the GPU: driver, kernels, cuBLASLt, memory).
+    #[error("VAE backend: {0}")]
+    Backend(String),
 }
 
 fn config_err(why: impl Into<String>) -> VaeError {

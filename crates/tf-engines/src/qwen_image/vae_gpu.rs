@@ -55,7 +55,7 @@ const POOL: usize = 4;
 
 /// A failure of the GPU path (driver, cuBLASLt, kernels), as a [`VaeError`].
 fn backend(what: &str, why: impl std::fmt::Display) -> VaeError {
-    VaeError::Input(format!("GPU decode: {what}: {why}"))
+    VaeError::Backend(format!("GPU decode: {what}: {why}"))
 }
 
 /// Device memory limits of the scratch buffers.
