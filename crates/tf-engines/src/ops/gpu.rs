@@ -92,10 +92,7 @@ impl AttentionTile {
 
     /// Whether the kernel uses sm_90a instructions (it traps on any other GPU, so it is only loaded on 9.0).
     pub fn needs_sm90(self) -> bool {
-        matches!(
-            self,
-            AttentionTile::Sm90 | AttentionTile::Sm90Pipe
-        )
+        matches!(self, AttentionTile::Sm90 | AttentionTile::Sm90Pipe)
     }
 
     /// Keys per tile: tile shapes of equal width reduce in the same order and give bit-identical results.

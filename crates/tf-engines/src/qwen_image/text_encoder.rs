@@ -48,6 +48,9 @@ pub enum TextEncoderError {
     Config(String),
     #[error("text encoder input: {0}")]
     Input(String),
+    /// A failure of the backend running the encoder (the GPU: driver, kernels, cuBLASLt, memory).
+    #[error("text encoder backend: {0}")]
+    Backend(String),
 }
 
 fn config_err(why: impl Into<String>) -> TextEncoderError {

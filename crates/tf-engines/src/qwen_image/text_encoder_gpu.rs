@@ -55,7 +55,7 @@ const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "
 
 /// A GPU failure as a [`TextEncoderError`]: the message names the step that failed and the cause.
 fn gpu_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> TextEncoderError + '_ {
-    move |e| TextEncoderError::Config(format!("GPU backend: {what}: {e}"))
+    move |e| TextEncoderError::Backend(format!("GPU backend: {what}: {e}"))
 }
 
 /// Refuses a config the kernels cannot run, saying which limit it breaks.
@@ -507,7 +507,7 @@ impl GpuTextEncoder {
         let lt =
             CublasLt::with_default_workspace(ctx, lib).map_err(gpu_err("creating cuBLASLt"))?;
         let weights = DeviceBuffer::alloc(ctx, layout.total).map_err(|e| {
-            TextEncoderError::Config(format!(
+            TextEncoderError::Backend(format!(
                 "GPU backend: allocating {} B of weights: {e}",
                 layout.total
             ))
@@ -588,7 +588,7 @@ impl GpuTextEncoder {
         let ctx = &self.ctx;
         let alloc = |bytes: usize, what: &str| {
             DeviceBuffer::alloc(ctx, bytes.div_ceil(ALIGN) * ALIGN).map_err(|e| {
-                TextEncoderError::Config(format!(
+                TextEncoderError::Backend(format!(
                     "GPU backend: allocating the {what} workspace ({bytes} B for {cap} rows): {e}"
                 ))
             })
@@ -636,7 +636,7 @@ impl GpuTextEncoder {
         let ws = self
             .workspace
             .as_mut()
-            .ok_or_else(|| TextEncoderError::Config("GPU backend: no workspace".into()))?;
+            .ok_or_else(|| TextEncoderError::Backend("GPU backend: no workspace".into()))?;
         ws.ids
             .upload_async(0, &le_bytes(&values, i32::to_le_bytes), &self.stream)
             .map_err(gpu_err("uploading token ids"))?;
@@ -688,19 +688,19 @@ impl GpuTextEncoder {
         // `span`); neither is freed before the stream is synchronised (workspace growth, `clear_workspace` and
         // Drop synchronise first), and the stream belongs to the handle's context.
         unsafe { self.lt.matmul(&gemm, &self.stream) }
-            .map_err(|e| TextEncoderError::Config(format!("GPU backend: GEMM {m}x{n}x{k}: {e}")))
+            .map_err(|e| TextEncoderError::Backend(format!("GPU backend: GEMM {m}x{n}x{k}: {e}")))
     }
 
     /// Enqueues the forward of the `rows` ids already in the workspace (no host synchronisation). The result,
     /// the last layer's output before the final norm, is left in the workspace's `x`.
     fn enqueue_forward(&mut self, rows: usize) -> Result<(), TextEncoderError> {
         if rows == 0 || self.workspace_rows() < rows {
-            return Err(TextEncoderError::Config(
+            return Err(TextEncoderError::Backend(
                 "GPU backend: internal: no workspace for this prompt".into(),
             ));
         }
         let Some(mut ws) = self.workspace.take() else {
-            return Err(TextEncoderError::Config(
+            return Err(TextEncoderError::Backend(
                 "GPU backend: internal: no workspace".into(),
             ));
         };
@@ -898,7 +898,7 @@ impl GpuTextEncoder {
         let ws = self
             .workspace
             .as_ref()
-            .ok_or_else(|| TextEncoderError::Config("GPU backend: no workspace".into()))?;
+            .ok_or_else(|| TextEncoderError::Backend("GPU backend: no workspace".into()))?;
         let mut bytes = vec![0u8; kept * h * BF16];
         ws.x.download(drop_rows * h * BF16, &mut bytes)
             .map_err(gpu_err("reading the features back"))?;
@@ -914,7 +914,7 @@ impl GpuTextEncoder {
 fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, TextEncoderError> {
     match offset.checked_add(bytes) {
         Some(end) if end <= buf.len() => Ok(DeviceSpan::new(buf.addr() + offset as u64, bytes)),
-        _ => Err(TextEncoderError::Config(format!(
+        _ => Err(TextEncoderError::Backend(format!(
             "GPU backend: internal: span {offset}+{bytes} outside a {}-byte buffer",
             buf.len()
         ))),
