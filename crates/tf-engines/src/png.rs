@@ -68,9 +68,7 @@ impl ColorType {
             2 => Ok(ColorType::GrayAlpha),
             3 => Ok(ColorType::Rgb),
             4 => Ok(ColorType::Rgba),
-            n => Err(invalid(format!(
-                "{n} channels per pixel; PNG holds 1 to 4"
-            ))),
+            n => Err(invalid(format!("{n} channels per pixel; PNG holds 1 to 4"))),
         }
     }
 

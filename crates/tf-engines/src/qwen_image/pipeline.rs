@@ -295,8 +295,8 @@ pub struct LoadReport {
 }
 
 enum DitEngine {
-    Host(HostDit),
-    Gpu(GpuDit),
+    Host(Box<HostDit>),
+    Gpu(Box<GpuDit>),
 }
 
 impl DitEngine {
@@ -387,7 +387,7 @@ impl FolderLayout {
                 return Err(folder_err(
                     &index_path,
                     "sample_sigmas must be a list of numbers or null",
-                ))
+                ));
             }
         };
         let sub = |name: &str| -> Result<PathBuf, PipelineError> {
@@ -448,7 +448,7 @@ impl Pipeline {
                     let resident = f32_bytes(&dit_dir) + f32_bytes(&te_dir) + f32_bytes(&vae_dir);
                     let te: Box<dyn TextEncoderBackend> = Box::new(HostTextEncoder::load(&te_dir)?);
                     let vae: Box<dyn VaeBackend> = Box::new(HostVaeDecoder::load(&vae_dir)?);
-                    let dit = DitEngine::Host(HostDit::load(&dit_dir)?);
+                    let dit = DitEngine::Host(Box::new(HostDit::load(&dit_dir)?));
                     (te, dit, vae, None, resident, (false, false))
                 }
                 Backend::Gpu => {
@@ -462,8 +462,11 @@ impl Pipeline {
                         .memory_info()
                         .map_err(|e| gpu("reading free memory", e))?
                         .free;
-                    let dit =
-                        DitEngine::Gpu(GpuDit::load_on(&ctx, &dit_dir, StagingConfig::default())?);
+                    let dit = DitEngine::Gpu(Box::new(GpuDit::load_on(
+                        &ctx,
+                        &dit_dir,
+                        StagingConfig::default(),
+                    )?));
                     let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
                     ctx.synchronize()
                         .map_err(|e| gpu("waiting for the uploads", e))?;
@@ -573,7 +576,7 @@ impl Pipeline {
                 return Err(invalid(format!(
                     "{n} steps exceed the limit of {}",
                     limits.max_steps
-                )))
+                )));
             }
             (Some(fixed), Some(n)) if n != fixed.len() => {
                 return Err(invalid(format!(
@@ -581,7 +584,7 @@ impl Pipeline {
                      steps unset",
                     fixed.len(),
                     fixed.len()
-                )))
+                )));
             }
             (Some(fixed), _) => SigmaSource::Explicit(fixed),
             (None, Some(n)) => SigmaSource::Steps(n),
@@ -693,7 +696,7 @@ impl Pipeline {
         let keep = self.keep_step_latents;
         let (latents, step_latents) = match &mut self.dit {
             DitEngine::Host(dit) => denoise(
-                dit,
+                &mut **dit,
                 &plan,
                 &conditions,
                 latents,
@@ -703,7 +706,7 @@ impl Pipeline {
                 progress,
             )?,
             DitEngine::Gpu(dit) => denoise(
-                dit,
+                &mut **dit,
                 &plan,
                 &conditions,
                 latents,
