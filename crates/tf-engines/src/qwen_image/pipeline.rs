@@ -38,8 +38,8 @@ use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
 use super::dit::{DitBackend, DitError, DitInputs, KvStep};
 use super::dit_gpu::GpuDit;
 use super::dit_host::HostDit;
-use super::text_encoder::{HostTextEncoder, TextEncoderError};
-use super::text_encoder_gpu::GpuTextEncoder;
+use super::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
+use super::text_encoder_gpu::{check_supported, GpuTextEncoder};
 use super::upload::StagingConfig;
 use super::vae::{to_u8_hwc, HostVaeDecoder, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
@@ -272,6 +272,9 @@ pub struct Generation {
     pub decoded: TensorF32,
     /// The packed latents after each step, `[1, h * w, channels]` (kept when [`Pipeline::keep_step_latents`]).
     pub step_latents: Vec<TensorF32>,
+    /// The velocity of each step (the model output on the target tokens, after CFG, before the Euler step),
+    /// `[1, h * w, channels]` (kept with the step latents).
+    pub step_velocities: Vec<TensorF32>,
     /// The prompt features the DiT read, `[rows, hidden]`.
     pub prompt_embeds: TensorF32,
     pub seed: u64,
@@ -694,7 +697,7 @@ impl Pipeline {
             cfg_scale: plan.true_cfg_scale,
         };
         let keep = self.keep_step_latents;
-        let (latents, step_latents) = match &mut self.dit {
+        let (latents, step_latents, step_velocities) = match &mut self.dit {
             DitEngine::Host(dit) => denoise(
                 &mut **dit,
                 &plan,
@@ -743,6 +746,7 @@ impl Pipeline {
             },
             decoded,
             step_latents,
+            step_velocities,
             prompt_embeds,
             seed: request.seed,
             plan_steps: plan.schedule.steps(),
@@ -758,12 +762,20 @@ fn gpu_text_encoder_and_vae(
     te_dir: &ModelDir,
     vae_dir: &ModelDir,
 ) -> Result<GpuComponents, PipelineError> {
-    let te: Box<dyn TextEncoderBackend> = Box::new(GpuTextEncoder::load_on(ctx, te_dir)?);
+    // The GPU encoder's kernels need head dim 128 (every released Qwen3-VL); other configs (tiny test models)
+    // run on the host reference, and the load report says so.
+    let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
+    let te_on_device = check_supported(&te_config).is_ok();
+    let te: Box<dyn TextEncoderBackend> = if te_on_device {
+        Box::new(GpuTextEncoder::load_on(ctx, te_dir)?)
+    } else {
+        Box::new(HostTextEncoder::load(te_dir)?)
+    };
     let vae: Box<dyn VaeBackend> = Box::new(GpuVaeDecoder::load_on(ctx, vae_dir)?);
     Ok(GpuComponents {
         te,
         vae,
-        te_on_device: true,
+        te_on_device,
         vae_on_device: true,
     })
 }
@@ -931,7 +943,7 @@ fn denoise<D: DitBackend>(
     keep: bool,
     timings: &mut Timings,
     progress: &mut dyn FnMut(Progress),
-) -> Result<(TensorF32, Vec<TensorF32>), PipelineError> {
+) -> Result<(TensorF32, Vec<TensorF32>, Vec<TensorF32>), PipelineError> {
     let use_cache = dit.config().causal_condition;
     let mut cond = Branch {
         text: conditions.prompt,
@@ -940,6 +952,7 @@ fn denoise<D: DitBackend>(
     let mut neg = conditions.negative.map(|text| Branch { text, cache: None });
     let steps = plan.schedule.steps();
     let mut kept = Vec::new();
+    let mut kept_velocities = Vec::new();
     for step in 0..steps {
         let t = Instant::now();
         let timestep = plan.schedule.model_timestep(step, dtype)?;
@@ -967,6 +980,7 @@ fn denoise<D: DitBackend>(
             .euler_step(step, latents.data_mut(), &velocity, dtype)?;
         if keep {
             kept.push(latents.clone());
+            kept_velocities.push(Tensor::new(latents.shape().to_vec(), velocity)?);
         }
         let seconds = secs(t.elapsed());
         timings.steps.push(seconds);
@@ -976,7 +990,7 @@ fn denoise<D: DitBackend>(
             seconds,
         });
     }
-    Ok((latents, kept))
+    Ok((latents, kept, kept_velocities))
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use tf_engines::qwen_image::pipeline::{
     Backend, LoadOptions, Pipeline, PipelineError, Progress, Request,
 };
 use tf_engines::sampler::latent_grid;
+use tf_engines::weights::{write_safetensors, AnyTensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendArg {
@@ -60,6 +61,11 @@ pub struct Args {
     /// Print a JSON summary on stdout.
     #[arg(long)]
     json: bool,
+    /// Write every step's velocity (`velocity.{i}`, the model output after CFG, before the Euler step) and
+    /// latents (`latents.{i}`), and the decoded image (`image`, [1, 4, H, W] in [-1, 1]) to this safetensors
+    /// file, all f32, for comparisons with a reference pipeline.
+    #[arg(long = "dump-steps")]
+    dump_steps: Option<PathBuf>,
 }
 
 fn parse_size(text: &str) -> Result<(usize, usize), String> {
@@ -95,6 +101,8 @@ enum ImageError {
     Png(#[from] tf_engines::png::PngError),
     #[error(transparent)]
     Noise(#[from] tf_engines::noise::NoiseError),
+    #[error(transparent)]
+    Weights(#[from] tf_engines::weights::WeightsError),
 }
 
 fn image(args: &Args) -> Result<(), ImageError> {
@@ -117,7 +125,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
         args.model.display(),
         backend.name()
     );
+    tf_cuda::usage::reset_peaks();
     let mut pipeline = Pipeline::load(&args.model, &LoadOptions::new(backend))?;
+    pipeline.keep_step_latents(args.dump_steps.is_some());
     let load = pipeline.load_report();
     eprintln!(
         "tf image: loaded in {:.2} s, {:.1} MiB resident (text encoder on {}, VAE on {})",
@@ -192,6 +202,28 @@ fn image(args: &Args) -> Result<(), ImageError> {
         let _ = err.flush();
     };
     let result = pipeline.generate(&request, &mut report)?;
+    let peak_device_bytes = tf_cuda::usage().device_peak;
+    if let Some(path) = &args.dump_steps {
+        let mut names = Vec::new();
+        for i in 0..result.step_velocities.len() {
+            names.push((format!("velocity.{i}"), format!("latents.{i}")));
+        }
+        let mut tensors: Vec<(&str, AnyTensor<'_>)> = Vec::new();
+        for ((velocity_name, latents_name), (velocity, latents)) in names
+            .iter()
+            .zip(result.step_velocities.iter().zip(&result.step_latents))
+        {
+            tensors.push((velocity_name, AnyTensor::F32(velocity)));
+            tensors.push((latents_name, AnyTensor::F32(latents)));
+        }
+        tensors.push(("image", AnyTensor::F32(&result.decoded)));
+        write_safetensors(path, &tensors)?;
+        eprintln!(
+            "tf image: wrote {} steps of velocities and latents to {}",
+            result.step_velocities.len(),
+            path.display()
+        );
+    }
     let image = &result.image;
     let color = ColorType::from_channels(image.channels)?;
     write_png(&args.out, image.width, image.height, color, &image.pixels)?;
@@ -222,6 +254,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
             "seed": result.seed,
             "steps": result.plan_steps,
             "backend": backend.name(),
+            "peak_device_bytes": peak_device_bytes,
             "load": {
                 "seconds": load.seconds,
                 "resident_bytes": load.resident_bytes,
