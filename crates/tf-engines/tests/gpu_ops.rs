@@ -320,7 +320,10 @@ fn gated_residual_matches_host() {
 fn fused_residual_adaln_equals_the_two_kernels() {
     let g = gpu();
     let mut rng = Rng(13);
-    for (samples, seq_len, target_begin, cols) in [(2, 9, 4, 64), (1, 4176, 80, 4096)] {
+    // 64 and 4096 columns take the 128-thread kernel, 8192 the 256-thread one.
+    for (samples, seq_len, target_begin, cols) in
+        [(2, 9, 4, 64), (1, 4176, 80, 4096), (2, 24, 8, 8192)]
+    {
         let rows = samples * seq_len;
         let n_mod = samples + 1;
         let (x_bits, _) = random_bf16(&mut rng, rows * cols, -8.0, 8.0);

@@ -478,10 +478,12 @@ fn tiny_encoder_matches_the_host_reference() {
 
     let vocab = tiny_config().vocab_size;
     let mut rng = Rng(7);
-    let prompts: Vec<(Vec<u32>, usize)> = [(1usize, 0usize), (7, 3), (130, 14), (7, 3)]
+    let mut prompts: Vec<(Vec<u32>, usize)> = [(1usize, 0usize), (7, 3), (130, 14)]
         .iter()
         .map(|&(rows, drop)| ((0..rows).map(|_| rng.below(vocab) as u32).collect(), drop))
         .collect();
+    // The 7-row prompt again, after the 130-row one grew the workspace.
+    prompts.push(prompts[1].clone());
     // Every attention tile this GPU loads (the preferred one first), each against the host reference.
     let preferred = gpu.attention_tile();
     let mut tiles = vec![preferred];
