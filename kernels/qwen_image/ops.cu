@@ -146,19 +146,14 @@ extern "C" __global__ void __launch_bounds__(QI_ROW_THREADS)
     qi::store8(x_at, a);
 }
 
-namespace {
-
 // Gated residual then the next adaLN, in one pass over the row: x += tanh(gate) * y (stored, rounded to bf16),
 // then out = LayerNorm(x) * (1 + scale) from the rounded x, exactly as qi_gated_residual followed by
-// qi_adaln_modulate. Gate and scale come from the same modulation rows at two offsets. Grid: `rows` blocks of
-// THREADS threads; a row has at most THREADS * 8 * QI_ROW_CHUNKS columns. Fewer threads per row keep more bytes
-// in flight per thread (the kernel is bound by memory latency, not bandwidth).
-template <int THREADS>
-__device__ __forceinline__ void gated_residual_adaln(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y,
-                                                     int y_stride, bf16* __restrict__ out, int out_stride,
-                                                     const bf16* __restrict__ mod, int mod_stride, int gate_offset,
-                                                     int scale_offset, int rows, int cols, int seq_len,
-                                                     int target_begin, int prefix_row, float eps) {
+// qi_adaln_modulate. Gate and scale come from the same modulation rows at two offsets. Grid: `rows` blocks.
+extern "C" __global__ void __launch_bounds__(QI_ROW_THREADS)
+    qi_gated_residual_adaln(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride,
+                            bf16* __restrict__ out, int out_stride, const bf16* __restrict__ mod, int mod_stride,
+                            int gate_offset, int scale_offset, int rows, int cols, int seq_len, int target_begin,
+                            int prefix_row, float eps) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
@@ -170,7 +165,7 @@ __device__ __forceinline__ void gated_residual_adaln(bf16* __restrict__ x, int x
     float sum = 0.0f;
 #pragma unroll
     for (int c = 0; c < QI_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * THREADS) * 8;
+        const int col = (threadIdx.x + c * QI_ROW_THREADS) * 8;
         if (col < cols) {
             float g[8], b[8];
             qi::load8(mod_row + gate_offset + col, g);
@@ -191,7 +186,7 @@ __device__ __forceinline__ void gated_residual_adaln(bf16* __restrict__ x, int x
     float sq = 0.0f;
 #pragma unroll
     for (int c = 0; c < QI_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * THREADS) * 8;
+        const int col = (threadIdx.x + c * QI_ROW_THREADS) * 8;
         if (col < cols) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
@@ -205,7 +200,7 @@ __device__ __forceinline__ void gated_residual_adaln(bf16* __restrict__ x, int x
     bf16* out_row = out + static_cast<int64_t>(row) * out_stride;
 #pragma unroll
     for (int c = 0; c < QI_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * THREADS) * 8;
+        const int col = (threadIdx.x + c * QI_ROW_THREADS) * 8;
         if (col < cols) {
             float s[8];
             qi::load8(mod_row + scale_offset + col, s);
@@ -215,27 +210,6 @@ __device__ __forceinline__ void gated_residual_adaln(bf16* __restrict__ x, int x
             qi::store8(out_row + col, o);
         }
     }
-}
-
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(QI_ROW_THREADS)
-    qi_gated_residual_adaln(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride,
-                            bf16* __restrict__ out, int out_stride, const bf16* __restrict__ mod, int mod_stride,
-                            int gate_offset, int scale_offset, int rows, int cols, int seq_len, int target_begin,
-                            int prefix_row, float eps) {
-    gated_residual_adaln<QI_ROW_THREADS>(x, x_stride, y, y_stride, out, out_stride, mod, mod_stride, gate_offset,
-                                         scale_offset, rows, cols, seq_len, target_begin, prefix_row, eps);
-}
-
-// The same with 128 threads per row: rows of at most 4096 columns (the DiT's width).
-extern "C" __global__ void __launch_bounds__(128)
-    qi_gated_residual_adaln_t128(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride,
-                                 bf16* __restrict__ out, int out_stride, const bf16* __restrict__ mod,
-                                 int mod_stride, int gate_offset, int scale_offset, int rows, int cols, int seq_len,
-                                 int target_begin, int prefix_row, float eps) {
-    gated_residual_adaln<128>(x, x_stride, y, y_stride, out, out_stride, mod, mod_stride, gate_offset, scale_offset,
-                              rows, cols, seq_len, target_begin, prefix_row, eps);
 }
 
 // SwiGLU on a fused gate|up GEMM output: out[r, c] = silu(gate_up[r, c]) * gate_up[r, hidden + c], c <

@@ -51,7 +51,6 @@ const OPS_KERNELS: &[&str] = &[
     "qi_rms_norm_zc",
     "qi_gated_residual",
     "qi_gated_residual_adaln",
-    "qi_gated_residual_adaln_t128",
     "qi_swiglu",
     "qi_gelu_tanh",
     "qi_silu",
@@ -708,15 +707,9 @@ pub fn plan_gated_residual_adaln(
         .push(to_i32(OP, "cols", x_layout.cols)?);
     push_select(&mut args, OP, select)?;
     args.push(eps);
-    // Rows of up to 4096 columns take the 128-thread kernel (more bytes in flight per thread).
-    let (kernel, threads) = if x_layout.cols <= 128 * 8 * 4 {
-        ("qi_gated_residual_adaln_t128", 128)
-    } else {
-        ("qi_gated_residual_adaln", ROW_THREADS)
-    };
     Ok(Launch {
-        kernel,
-        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, threads),
+        kernel: "qi_gated_residual_adaln",
+        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
         args,
     })
 }
