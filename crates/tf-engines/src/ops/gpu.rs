@@ -289,19 +289,19 @@ pub struct AttentionInputs<'v, 'a> {
 
 /// A device operand as the validation sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Operand {
-    addr: u64,
-    bytes: usize,
+pub(crate) struct Operand {
+    pub(crate) addr: u64,
+    pub(crate) bytes: usize,
 }
 
 impl Operand {
-    fn of(view: &DeviceView<'_>) -> Operand {
+    pub(crate) fn of(view: &DeviceView<'_>) -> Operand {
         Operand {
             addr: view.addr(),
             bytes: view.len(),
         }
     }
-    fn of_mut(view: &DeviceViewMut<'_>) -> Operand {
+    pub(crate) fn of_mut(view: &DeviceViewMut<'_>) -> Operand {
         Operand {
             addr: view.addr(),
             bytes: view.len(),
@@ -317,13 +317,13 @@ pub struct Launch {
     pub args: Args,
 }
 
-fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error {
+pub(crate) fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error {
     tf_cuda::Error::Invalid {
         what: format!("{op}: {what}"),
     }
 }
 
-fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
+pub(crate) fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
     i32::try_from(value).map_err(|_| {
         invalid(
             op,
@@ -337,7 +337,7 @@ fn to_i64(op: &str, name: &str, value: usize) -> Result<i64, tf_cuda::Error> {
         .map_err(|_| invalid(op, format!("{name} = {value} does not fit a 64-bit int")))
 }
 
-fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda::Error> {
+pub(crate) fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda::Error> {
     u32::try_from(value).map_err(|_| {
         invalid(
             op,
@@ -396,7 +396,7 @@ fn check_aligned(op: &str, name: &str, operand: Operand) -> Result<(), tf_cuda::
     Ok(())
 }
 
-fn check_bytes(
+pub(crate) fn check_bytes(
     op: &str,
     name: &str,
     operand: Operand,
@@ -1300,6 +1300,62 @@ pub enum LoadKernelsError {
         #[source]
         source: tf_cuda::Error,
     },
+}
+
+/// One loaded kernel set: its module (which owns the code the functions point into) and every listed kernel
+/// looked up, so a launch names its kernel by symbol.
+pub(crate) struct LoadedSet {
+    set: &'static str,
+    _module: Module,
+    functions: HashMap<&'static str, Function>,
+}
+
+impl std::fmt::Debug for LoadedSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedSet")
+            .field("set", &self.set)
+            .field("kernels", &self.functions.len())
+            .finish()
+    }
+}
+
+impl LoadedSet {
+    /// Loads the embedded set `set` into `ctx` and looks up each of `kernels`.
+    pub(crate) fn load(
+        ctx: &Context,
+        set: &'static str,
+        kernels: &[&'static str],
+    ) -> Result<LoadedSet, LoadKernelsError> {
+        let image = crate::kernels::image(set).map_err(|e| LoadKernelsError::Missing {
+            set,
+            reason: e.to_string(),
+        })?;
+        let cuda = |source| LoadKernelsError::Cuda { set, source };
+        let module = Module::load(ctx, image).map_err(cuda)?;
+        let mut functions = HashMap::new();
+        for &name in kernels {
+            functions.insert(name, module.function(name).map_err(cuda)?);
+        }
+        Ok(LoadedSet {
+            set,
+            _module: module,
+            functions,
+        })
+    }
+
+    /// Submits a launch of one of this set's kernels.
+    pub(crate) fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
+        let function = self.functions.get(launch.kernel).ok_or_else(|| {
+            invalid(
+                launch.kernel,
+                format!(
+                    "not a kernel of the {} set (or the set is stale: run `cargo xtask kernels`)",
+                    self.set
+                ),
+            )
+        })?;
+        stream.launch(function, &launch.config, &launch.args)
+    }
 }
 
 /// The loaded qwen_image kernel sets of one context, and the launchers.

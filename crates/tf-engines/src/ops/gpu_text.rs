@@ -16,12 +16,13 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
-
 use tf_cuda::launch::{Args, LaunchConfig};
-use tf_cuda::{Context, DeviceView, DeviceViewMut, Function, Module, Stream};
+use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
-use crate::ops::gpu::{Launch, LoadKernelsError, Matrix, HEAD_DIM};
+use crate::ops::gpu::{
+    check_bytes, invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, Operand,
+    HEAD_DIM,
+};
 
 /// Name of the kernel set.
 pub const TEXT_SET: &str = "qwen_image_text";
@@ -39,53 +40,6 @@ const TEXT_KERNELS: &[&str] = &[
     "qt_fill_uniform",
 ];
 
-fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error {
-    tf_cuda::Error::Invalid {
-        what: format!("{op}: {what}"),
-    }
-}
-
-fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
-    i32::try_from(value).map_err(|_| {
-        invalid(
-            op,
-            format!("{name} = {value} does not fit the kernel's 32-bit int"),
-        )
-    })
-}
-
-fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda::Error> {
-    u32::try_from(value).map_err(|_| {
-        invalid(
-            op,
-            format!("{name} = {value} exceeds the launch grid limits"),
-        )
-    })
-}
-
-/// A device operand as the validation sees it: address and bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Operand {
-    addr: u64,
-    bytes: usize,
-}
-
-impl Operand {
-    fn of(view: &DeviceView<'_>) -> Operand {
-        Operand {
-            addr: view.addr(),
-            bytes: view.len(),
-        }
-    }
-
-    fn of_mut(view: &DeviceViewMut<'_>) -> Operand {
-        Operand {
-            addr: view.addr(),
-            bytes: view.len(),
-        }
-    }
-}
-
 fn check_aligned(op: &str, name: &str, operand: Operand, align: u64) -> Result<(), tf_cuda::Error> {
     if !operand.addr.is_multiple_of(align) {
         return Err(invalid(
@@ -93,24 +47,6 @@ fn check_aligned(op: &str, name: &str, operand: Operand, align: u64) -> Result<(
             format!(
                 "{name}: device address {:#x} is not {align}-byte aligned",
                 operand.addr
-            ),
-        ));
-    }
-    Ok(())
-}
-
-fn check_bytes(
-    op: &str,
-    name: &str,
-    operand: Operand,
-    needed: usize,
-) -> Result<(), tf_cuda::Error> {
-    if needed > operand.bytes {
-        return Err(invalid(
-            op,
-            format!(
-                "{name}: needs {needed} B but the view holds {} B",
-                operand.bytes
             ),
         ));
     }
@@ -415,15 +351,13 @@ pub fn rotate_half_rope_tables(rows: usize, theta: f32) -> (Vec<f32>, Vec<f32>) 
 
 /// The loaded `qwen_image_text` kernels of one context, and the launchers.
 pub struct TextKernels {
-    // The module owns the code the functions point into: kept alive with them.
-    _module: Module,
-    functions: HashMap<&'static str, Function>,
+    set: LoadedSet,
 }
 
 impl std::fmt::Debug for TextKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TextKernels")
-            .field("kernels", &self.functions.len())
+            .field("set", &self.set)
             .finish()
     }
 }
@@ -431,34 +365,14 @@ impl std::fmt::Debug for TextKernels {
 impl TextKernels {
     /// Loads the `qwen_image_text` set into `ctx` and looks every kernel up.
     pub fn load(ctx: &Context) -> Result<TextKernels, LoadKernelsError> {
-        let image = crate::kernels::image(TEXT_SET).map_err(|e| LoadKernelsError::Missing {
-            set: TEXT_SET,
-            reason: e.to_string(),
-        })?;
-        let cuda = |source| LoadKernelsError::Cuda {
-            set: TEXT_SET,
-            source,
-        };
-        let module = Module::load(ctx, image).map_err(cuda)?;
-        let mut functions = HashMap::new();
-        for &name in TEXT_KERNELS {
-            functions.insert(name, module.function(name).map_err(cuda)?);
-        }
         Ok(TextKernels {
-            _module: module,
-            functions,
+            set: LoadedSet::load(ctx, TEXT_SET, TEXT_KERNELS)?,
         })
     }
 
     /// Submits a launch built by one of the `plan_*` functions of this module.
     pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
-        let function = self.functions.get(launch.kernel).ok_or_else(|| {
-            invalid(
-                launch.kernel,
-                "not a kernel of the qwen_image_text set (or the set is stale: run `cargo xtask kernels`)",
-            )
-        })?;
-        stream.launch(function, &launch.config, &launch.args)
+        self.set.submit(stream, launch)
     }
 
     /// Embedding gather; see [`plan_embed_gather`].

@@ -18,13 +18,11 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
-
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
-use tf_cuda::{Context, Function, Module, Stream};
+use tf_cuda::{Context, Stream};
 
-use crate::ops::gpu::{Launch, LoadKernelsError};
+use crate::ops::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet};
 
 /// Name of the kernel set.
 pub const VAE_SET: &str = "qwen_image_vae";
@@ -49,30 +47,6 @@ const VAE_KERNELS: &[&str] = &[
 /// `channels` rounded up to a multiple of 8 (16-byte rows of bf16).
 pub fn padded_channels(channels: usize) -> usize {
     channels.div_ceil(8) * 8
-}
-
-fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error {
-    tf_cuda::Error::Invalid {
-        what: format!("{op}: {what}"),
-    }
-}
-
-fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
-    i32::try_from(value).map_err(|_| {
-        invalid(
-            op,
-            format!("{name} = {value} does not fit the kernel's 32-bit int"),
-        )
-    })
-}
-
-fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda::Error> {
-    u32::try_from(value).map_err(|_| {
-        invalid(
-            op,
-            format!("{name} = {value} exceeds the launch grid limits"),
-        )
-    })
 }
 
 /// `a * b * c` in bytes, or an error naming the operand.
@@ -454,15 +428,13 @@ pub fn plan_planes_clamp(
 
 /// The loaded `qwen_image_vae` kernels of one context.
 pub struct VaeKernels {
-    // The module owns the code the functions point into.
-    _module: Module,
-    functions: HashMap<&'static str, Function>,
+    set: LoadedSet,
 }
 
 impl std::fmt::Debug for VaeKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VaeKernels")
-            .field("kernels", &self.functions.len())
+            .field("set", &self.set)
             .finish()
     }
 }
@@ -470,34 +442,14 @@ impl std::fmt::Debug for VaeKernels {
 impl VaeKernels {
     /// Loads the `qwen_image_vae` set into `ctx` and looks every kernel up.
     pub fn load(ctx: &Context) -> Result<VaeKernels, LoadKernelsError> {
-        let image = crate::kernels::image(VAE_SET).map_err(|e| LoadKernelsError::Missing {
-            set: VAE_SET,
-            reason: e.to_string(),
-        })?;
-        let cuda = |source| LoadKernelsError::Cuda {
-            set: VAE_SET,
-            source,
-        };
-        let module = Module::load(ctx, image).map_err(cuda)?;
-        let mut functions = HashMap::new();
-        for &name in VAE_KERNELS {
-            functions.insert(name, module.function(name).map_err(cuda)?);
-        }
         Ok(VaeKernels {
-            _module: module,
-            functions,
+            set: LoadedSet::load(ctx, VAE_SET, VAE_KERNELS)?,
         })
     }
 
     /// Submits a launch built by one of this module's `plan_*` functions.
     pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
-        let function = self.functions.get(launch.kernel).ok_or_else(|| {
-            invalid(
-                launch.kernel,
-                "not a kernel of the qwen_image_vae set (or the set is stale: run `cargo xtask kernels`)",
-            )
-        })?;
-        stream.launch(function, &launch.config, &launch.args)
+        self.set.submit(stream, launch)
     }
 }
 
