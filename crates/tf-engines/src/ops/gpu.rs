@@ -167,6 +167,11 @@ impl Matrix {
         }
     }
 
+    /// The same rows and columns at another row stride (an output laid out like an input).
+    pub fn with_stride(self, stride: usize) -> Matrix {
+        Matrix { stride, ..self }
+    }
+
     /// Bytes from the first element to one past the last one (0 for an empty matrix).
     fn span_bytes(&self) -> Option<usize> {
         if self.rows == 0 || self.cols == 0 {
@@ -528,10 +533,7 @@ pub fn plan_adaln_modulate(
     eps: f32,
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "adaln_modulate";
-    let y_layout = Matrix {
-        stride: y_stride,
-        ..x_layout
-    };
+    let y_layout = x_layout.with_stride(y_stride);
     check_norm_cols(OP, x_layout.cols)?;
     check_matrix(OP, "x", Operand::of(x), x_layout)?;
     check_matrix(OP, "y", Operand::of_mut(y), y_layout)?;
@@ -554,13 +556,57 @@ pub fn plan_adaln_modulate(
 }
 
 fn check_norm_cols(op: &str, cols: usize) -> Result<(), tf_cuda::Error> {
-    if cols == 0 || cols > MAX_NORM_COLS {
+    check_row_cols(op, cols, MAX_NORM_COLS)
+}
+
+fn check_row_cols(op: &str, cols: usize, max_cols: usize) -> Result<(), tf_cuda::Error> {
+    if cols == 0 || cols > max_cols {
         return Err(invalid(
             op,
-            format!("rows of {cols} columns: the kernel normalises 8..={MAX_NORM_COLS} columns"),
+            format!("rows of {cols} columns: the kernel normalises 8..={max_cols} columns"),
         ));
     }
     Ok(())
+}
+
+/// A row norm with a per-column weight, one block of `threads` per row: operands checked, arguments packed as
+/// `(x, x_stride, y, y_stride, weight, rows, cols, eps)` (the zero-centred DiT norm and the Qwen3 text norm).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plan_weighted_row_norm(
+    op: &'static str,
+    kernel: &'static str,
+    max_cols: usize,
+    threads: u32,
+    x: &DeviceView<'_>,
+    x_layout: Matrix,
+    y: &DeviceViewMut<'_>,
+    y_stride: usize,
+    weight: &DeviceView<'_>,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    check_row_cols(op, x_layout.cols, max_cols)?;
+    check_matrix(op, "x", Operand::of(x), x_layout)?;
+    check_matrix(op, "y", Operand::of_mut(y), x_layout.with_stride(y_stride))?;
+    check_matrix(
+        op,
+        "weight",
+        Operand::of(weight),
+        Matrix::dense(1, x_layout.cols),
+    )?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(op, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(op, "y stride", y_stride)?)
+        .push_addr(weight.addr())
+        .push(to_i32(op, "rows", x_layout.rows)?)
+        .push(to_i32(op, "cols", x_layout.cols)?)
+        .push(eps);
+    Ok(Launch {
+        kernel,
+        config: LaunchConfig::new(to_u32(op, "rows", x_layout.rows.max(1))?, threads),
+        args,
+    })
 }
 
 /// Builds the zero-centred RMSNorm `y = x * rsqrt(mean(x^2) + eps) * (1 + weight)` (kernel qi_rms_norm_zc).
@@ -572,38 +618,18 @@ pub fn plan_rms_norm_zc(
     weight: &DeviceView<'_>,
     eps: f32,
 ) -> Result<Launch, tf_cuda::Error> {
-    const OP: &str = "rms_norm_zc";
-    check_norm_cols(OP, x_layout.cols)?;
-    check_matrix(OP, "x", Operand::of(x), x_layout)?;
-    check_matrix(
-        OP,
-        "y",
-        Operand::of_mut(y),
-        Matrix {
-            stride: y_stride,
-            ..x_layout
-        },
-    )?;
-    check_matrix(
-        OP,
-        "weight",
-        Operand::of(weight),
-        Matrix::dense(1, x_layout.cols),
-    )?;
-    let mut args = Args::new();
-    args.push_addr(x.addr())
-        .push(to_i32(OP, "x stride", x_layout.stride)?)
-        .push_addr(y.addr())
-        .push(to_i32(OP, "y stride", y_stride)?)
-        .push_addr(weight.addr())
-        .push(to_i32(OP, "rows", x_layout.rows)?)
-        .push(to_i32(OP, "cols", x_layout.cols)?)
-        .push(eps);
-    Ok(Launch {
-        kernel: "qi_rms_norm_zc",
-        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
-        args,
-    })
+    plan_weighted_row_norm(
+        "rms_norm_zc",
+        "qi_rms_norm_zc",
+        MAX_NORM_COLS,
+        ROW_THREADS,
+        x,
+        x_layout,
+        y,
+        y_stride,
+        weight,
+        eps,
+    )
 }
 
 /// Builds `x += tanh(gate) * y` in place on x (kernel qi_gated_residual).
@@ -617,15 +643,7 @@ pub fn plan_gated_residual(
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "gated_residual";
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
-    check_matrix(
-        OP,
-        "y",
-        Operand::of(y),
-        Matrix {
-            stride: y_stride,
-            ..x_layout
-        },
-    )?;
+    check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
     check_modulation(OP, gate, x_layout.cols, x_layout.rows, select)?;
     let mut args = Args::new();
     args.push_addr(x.addr())
@@ -663,23 +681,12 @@ pub fn plan_gated_residual_adaln(
     const OP: &str = "gated_residual_adaln";
     check_norm_cols(OP, x_layout.cols)?;
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
-    check_matrix(
-        OP,
-        "y",
-        Operand::of(y),
-        Matrix {
-            stride: y_stride,
-            ..x_layout
-        },
-    )?;
+    check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
     check_matrix(
         OP,
         "out",
         Operand::of_mut(out),
-        Matrix {
-            stride: out_stride,
-            ..x_layout
-        },
+        x_layout.with_stride(out_stride),
     )?;
     if gate.data.addr() != scale.data.addr()
         || gate.rows != scale.rows

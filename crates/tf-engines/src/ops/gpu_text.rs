@@ -20,8 +20,8 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use crate::ops::gpu::{
-    check_bytes, invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, Operand,
-    HEAD_DIM,
+    check_bytes, invalid, plan_weighted_row_norm, to_i32, to_u32, Launch, LoadKernelsError,
+    LoadedSet, Matrix, Operand, HEAD_DIM,
 };
 
 /// Name of the kernel set.
@@ -155,48 +155,21 @@ pub fn plan_rms_norm(
     eps: f32,
 ) -> Result<Launch, tf_cuda::Error> {
     const OP: &str = "rms_norm";
-    if x_layout.cols == 0 || x_layout.cols > MAX_TEXT_NORM_COLS {
-        return Err(invalid(
-            OP,
-            format!(
-                "rows of {} columns: the kernel normalises 8..={MAX_TEXT_NORM_COLS} columns",
-                x_layout.cols
-            ),
-        ));
-    }
     if !(eps.is_finite() && eps >= 0.0) {
         return Err(invalid(OP, format!("eps {eps} must be finite and >= 0")));
     }
-    check_matrix(OP, "x", Operand::of(x), x_layout)?;
-    check_matrix(
+    plan_weighted_row_norm(
         OP,
-        "y",
-        Operand::of_mut(y),
-        Matrix {
-            stride: y_stride,
-            ..x_layout
-        },
-    )?;
-    check_matrix(
-        OP,
-        "weight",
-        Operand::of(weight),
-        Matrix::dense(1, x_layout.cols),
-    )?;
-    let mut args = Args::new();
-    args.push_addr(x.addr())
-        .push(to_i32(OP, "x stride", x_layout.stride)?)
-        .push_addr(y.addr())
-        .push(to_i32(OP, "y stride", y_stride)?)
-        .push_addr(weight.addr())
-        .push(to_i32(OP, "rows", x_layout.rows)?)
-        .push(to_i32(OP, "cols", x_layout.cols)?)
-        .push(eps);
-    Ok(Launch {
-        kernel: "qt_rms_norm",
-        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
-        args,
-    })
+        "qt_rms_norm",
+        MAX_TEXT_NORM_COLS,
+        ROW_THREADS,
+        x,
+        x_layout,
+        y,
+        y_stride,
+        weight,
+        eps,
+    )
 }
 
 /// Operands of the in-place QK RMSNorm + rotate-half RoPE (kernel qt_qk_norm_rope_half).
