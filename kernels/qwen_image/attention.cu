@@ -87,42 +87,17 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-template <int WARPS, int STAGES>
-__device__ __forceinline__ void attention_tile(
-    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
-    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
-    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
-    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
-    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
-    const int* __restrict__ key_pad, float scale_log2) {
-    constexpr int kThreads = WARPS * 32;
-    constexpr int kRows = WARPS * 16;
-    extern __shared__ __align__(128) uint8_t smem[];
-    __shared__ int window[2];  // [min, max] of the key limits of this CTA's rows
+// The key window of this thread's two query rows (key limit per row, clamped; rows past the end get the CTA's
+// widest window so they never produce NaN work), the CTA's narrowest and widest windows (through `window`, two
+// ints of shared memory; every thread of the CTA must call this), and the sample's padding range.
+struct KeyWindows {
+    int limit_a, limit_b, window_min, window_max, pad_begin, pad_end;
+};
 
+__device__ __forceinline__ KeyWindows key_windows(int row_a, int row_b, int batch, int num_queries, int num_keys,
+                                                  const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
+                                                  const int* __restrict__ key_pad, int* window) {
     const int tid = threadIdx.x;
-    const int warp = tid >> 5;
-    const int lane = tid & 31;
-    const int group = lane >> 2;  // row within an 8-row half of the warp's 16 rows
-    const int quad = lane & 3;
-    const int q0 = blockIdx.x * kRows;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int kv_head = head / (num_heads / num_kv_heads);
-
-    const bf16* q_base = q + batch * q_batch_stride + head * kHeadDim;
-    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
-    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
-    const bf16* k_base = k + batch * kv_batch_stride + kv_head * kHeadDim;
-    const bf16* v_base = v + batch * kv_batch_stride + kv_head * kHeadDim;
-    bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
-
-    const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    const uint32_t smem_kv = smem_q + kRows * kRowBytes;
-
-    // This thread's two rows and their key windows.
-    const int row_a = q0 + warp * 16 + group;
-    const int row_b = row_a + 8;
     int limit_a = num_keys;
     int limit_b = num_keys;
     if (key_limit != nullptr) {
@@ -160,6 +135,53 @@ __device__ __forceinline__ void attention_tile(
         pad_end = min(key_pad[2 * batch + 1], num_keys);
         if (pad_end <= pad_begin) pad_begin = pad_end = 0;
     }
+    return KeyWindows{limit_a, limit_b, window_min, window_max, pad_begin, pad_end};
+}
+
+template <int WARPS, int STAGES>
+__device__ __forceinline__ void attention_tile(
+    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
+    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
+    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
+    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
+    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
+    const int* __restrict__ key_pad, float scale_log2) {
+    constexpr int kThreads = WARPS * 32;
+    constexpr int kRows = WARPS * 16;
+    extern __shared__ __align__(128) uint8_t smem[];
+    __shared__ int window[2];  // [min, max] of the key limits of this CTA's rows
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int group = lane >> 2;  // row within an 8-row half of the warp's 16 rows
+    const int quad = lane & 3;
+    const int q0 = blockIdx.x * kRows;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (num_heads / num_kv_heads);
+
+    const bf16* q_base = q + batch * q_batch_stride + head * kHeadDim;
+    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    const bf16* k_base = k + batch * kv_batch_stride + kv_head * kHeadDim;
+    const bf16* v_base = v + batch * kv_batch_stride + kv_head * kHeadDim;
+    bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
+
+    const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t smem_kv = smem_q + kRows * kRowBytes;
+
+    // This thread's two rows and their key windows.
+    const int row_a = q0 + warp * 16 + group;
+    const int row_b = row_a + 8;
+    const KeyWindows kw = key_windows(row_a, row_b, batch, num_queries, num_keys, key_limit,
+                                      key_limit_batch_stride, key_pad, window);
+    const int limit_a = kw.limit_a;
+    const int limit_b = kw.limit_b;
+    const int window_min = kw.window_min;
+    const int window_max = kw.window_max;
+    const int pad_begin = kw.pad_begin;
+    const int pad_end = kw.pad_end;
     const int num_tiles = (window_max + kKeysPerTile - 1) / kKeysPerTile;
 
     // Q: kRows x 16 chunks; K and V: 64 x 16 chunks each per tile.
@@ -475,42 +497,14 @@ __device__ __forceinline__ void attention_sm90(
     const int local_a = warpgroup * 64 + (warp & 3) * 16 + group;  // this thread's rows within the CTA
     const int row_a = q0 + local_a;
     const int row_b = row_a + 8;
-    int limit_a = num_keys;
-    int limit_b = num_keys;
-    if (key_limit != nullptr) {
-        const int* lim = key_limit + batch * key_limit_batch_stride;
-        if (row_a < num_queries) limit_a = min(max(lim[row_a], 0), num_keys);
-        if (row_b < num_queries) limit_b = min(max(lim[row_b], 0), num_keys);
-    }
-    int window_min = num_keys;
-    int window_max = num_keys;
-    if (key_limit != nullptr) {
-        if (tid == 0) {
-            window[0] = num_keys;
-            window[1] = 0;
-        }
-        __syncthreads();
-        if (row_a < num_queries) {
-            atomicMin(&window[0], limit_a);
-            atomicMax(&window[1], limit_a);
-        }
-        if (row_b < num_queries) {
-            atomicMin(&window[0], limit_b);
-            atomicMax(&window[1], limit_b);
-        }
-        __syncthreads();
-        window_min = window[0];
-        window_max = window[1];
-        if (row_a >= num_queries) limit_a = window_max;
-        if (row_b >= num_queries) limit_b = window_max;
-    }
-    int pad_begin = 0;
-    int pad_end = 0;
-    if (key_pad != nullptr) {
-        pad_begin = max(key_pad[2 * batch], 0);
-        pad_end = min(key_pad[2 * batch + 1], num_keys);
-        if (pad_end <= pad_begin) pad_begin = pad_end = 0;
-    }
+    const KeyWindows kw = key_windows(row_a, row_b, batch, num_queries, num_keys, key_limit,
+                                      key_limit_batch_stride, key_pad, window);
+    const int limit_a = kw.limit_a;
+    const int limit_b = kw.limit_b;
+    const int window_min = kw.window_min;
+    const int window_max = kw.window_max;
+    const int pad_begin = kw.pad_begin;
+    const int pad_end = kw.pad_end;
     const int num_tiles = (window_max + kSm90Keys - 1) / kSm90Keys;
 
     auto load_q = [&]() {
