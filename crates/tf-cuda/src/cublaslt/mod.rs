@@ -26,6 +26,14 @@
 //!   ([`plan::ColumnMajorCall`], unit-tested on the host).
 //! - A plan (descriptors + chosen algorithm) is cached per [`plan::PlanKey`] (shape, types,
 //!   epilogue, operand alignment); a repeated shape never queries the heuristic again.
+//! - The algorithm is picked once, when the plan is built, by the handle's [`AlgoSelection`]:
+//!   the heuristic's first result (the default), or the fastest of several heuristic results
+//!   timed on that first call's own operands. Timing synchronizes the call's stream and runs the
+//!   GEMM `candidates × (1 + repeats)` extra times; it never runs while the stream is being
+//!   captured (the heuristic's first result is taken there) and never changes the caller's data:
+//!   with `beta == 0` it writes the call's own output, which the real call then overwrites; with
+//!   `beta != 0` it writes a scratch buffer freed before the real call. What each plan chose and
+//!   why is kept ([`CublasLt::plan_choices`]).
 //! - The handle owns one workspace that every call uses, so calls through one handle must be
 //!   ordered on the GPU (one stream, or streams joined by events). Give each stream that runs
 //!   GEMMs concurrently its own handle.
@@ -44,12 +52,13 @@ use std::sync::{Arc, Mutex};
 
 pub use loader::{Attempt, LtLibrary};
 pub use plan::{
-    Activation, ColumnMajorCall, DeviceSpan, Fp8Scales, Gemm, InputType, OutputType, PlanKey,
+    fastest_candidate, Activation, AlgoSelection, ColumnMajorCall, DeviceSpan, Fp8Scales, Gemm,
+    InputType, OutputType, PlanKey,
 };
 
 use crate::context::Context;
 use crate::memory::{DeviceBuffer, DeviceView, DeviceViewMut};
-use crate::stream::Stream;
+use crate::stream::{Event, Stream};
 use ffi::{
     compute_type, desc_attr, layout_attr, order, pref_attr, status, HeuristicResult, LtApi,
     MatmulAlgo,
@@ -107,6 +116,59 @@ pub struct CacheStats {
     pub hits: u64,
     /// Calls that built a plan (one heuristic query each).
     pub misses: u64,
+    /// Plans whose algorithm was chosen by timing ([`ChosenBy::Timed`]).
+    pub timed: u64,
+}
+
+/// Why a plan runs the algorithm it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChosenBy {
+    /// The handle's policy was [`AlgoSelection::Heuristic`]: the heuristic's first result.
+    Heuristic,
+    /// Timed policy, but the stream was being captured (nothing can run during a capture):
+    /// the heuristic's first result.
+    Capturing,
+    /// Timed policy, but the heuristic gave one usable result: nothing to compare.
+    OnlyCandidate,
+    /// Timed policy with `beta != 0`, but the scratch output could not be allocated: the
+    /// heuristic's first result.
+    NoScratch,
+    /// Timed policy, but every candidate's run failed: the heuristic's first result (whose real
+    /// call then reports the library's error).
+    AllFailed,
+    /// Timed policy: the fastest measured candidate.
+    Timed,
+}
+
+/// What a plan chose, for benchmarks and logs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanChoice {
+    pub key: PlanKey,
+    pub chosen_by: ChosenBy,
+    /// Usable heuristic results (state success, workspace within the handle's), in the
+    /// heuristic's order.
+    pub candidates: usize,
+    /// Index of the algorithm the plan runs (0 = the heuristic's first).
+    pub chosen: usize,
+    /// Timed runs per candidate (0 when nothing was timed).
+    pub repeats: usize,
+    /// Mean milliseconds per call of each candidate; `None` where its run failed. Empty when
+    /// nothing was timed.
+    pub times_ms: Vec<Option<f32>>,
+    /// Workspace bytes each candidate asked for.
+    pub workspace_bytes: Vec<usize>,
+}
+
+impl PlanChoice {
+    /// The measured time of the heuristic's first result, if it was timed.
+    pub fn heuristic_first_ms(&self) -> Option<f32> {
+        self.times_ms.first().copied().flatten()
+    }
+
+    /// The measured time of the chosen algorithm, if it was timed.
+    pub fn chosen_ms(&self) -> Option<f32> {
+        self.times_ms.get(self.chosen).copied().flatten()
+    }
 }
 
 /// Descriptors and the algorithm for one [`PlanKey`]. Pointer attributes are per call; the last
@@ -120,6 +182,9 @@ struct Plan {
     bias_addr: u64,
     a_scale_addr: u64,
     b_scale_addr: u64,
+    /// Build order within the handle, so choices are reported in first-call order.
+    order: u64,
+    choice: PlanChoice,
 }
 
 impl Plan {
@@ -163,8 +228,10 @@ impl Drop for PartialPlan<'_> {
 /// A cuBLASLt handle with its workspace and plan cache.
 pub struct CublasLt {
     plans: Mutex<HashMap<PlanKey, Plan>>,
+    selection: parking_lot::Mutex<AlgoSelection>,
     hits: AtomicU64,
     misses: AtomicU64,
+    timed: AtomicU64,
     handle: ffi::LtHandle,
     workspace: Box<dyn Workspace>,
     lib: Arc<LtLibrary>,
@@ -182,6 +249,7 @@ impl std::fmt::Debug for CublasLt {
         f.debug_struct("CublasLt")
             .field("library", &self.lib)
             .field("workspace_bytes", &self.workspace.len_bytes())
+            .field("algo_selection", &self.algo_selection())
             .field("cache", &self.cache_stats())
             .finish()
     }
@@ -211,8 +279,10 @@ impl CublasLt {
         check(&lib, "cublasLtCreate", code)?;
         Ok(CublasLt {
             plans: Mutex::new(HashMap::new()),
+            selection: parking_lot::Mutex::new(AlgoSelection::default()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            timed: AtomicU64::new(0),
             handle,
             workspace,
             lib,
@@ -246,7 +316,32 @@ impl CublasLt {
             plans,
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
+            timed: self.timed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Sets how plans built from now on pick their algorithm (plans already cached keep
+    /// theirs). [`AlgoSelection::Timed`] makes the first call of each shape synchronize its
+    /// stream and run the GEMM `candidates × (1 + repeats)` extra times on that call's
+    /// operands; `candidates` must be in 1..=32 and `repeats` in 1..=100.
+    pub fn set_algo_selection(&self, selection: AlgoSelection) -> Result<(), CublasLtError> {
+        *self.selection.lock() = selection.validate()?;
+        Ok(())
+    }
+
+    /// How new plans pick their algorithm.
+    pub fn algo_selection(&self) -> AlgoSelection {
+        *self.selection.lock()
+    }
+
+    /// What every cached plan chose, in the order the shapes were first called.
+    pub fn plan_choices(&self) -> Vec<PlanChoice> {
+        let Ok(plans) = self.plans.lock() else {
+            return Vec::new();
+        };
+        let mut ordered: Vec<&Plan> = plans.values().collect();
+        ordered.sort_by_key(|plan| plan.order);
+        ordered.iter().map(|plan| plan.choice.clone()).collect()
     }
 
     /// Validates `gemm`, then enqueues it on `stream`.
@@ -256,24 +351,69 @@ impl CublasLt {
     /// least the bytes its span states, not freed before the GEMM has run; `stream` must be a
     /// stream of the handle's context.
     pub unsafe fn matmul(&self, gemm: &Gemm, stream: &Stream) -> Result<(), CublasLtError> {
-        let raw_stream = stream.raw();
         let call = gemm.plan()?;
         let api = self.lib.api();
         let mut plans = self.plans.lock().map_err(|_| CublasLtError::Invalid {
             what: "the plan cache was poisoned by a panic in another thread".into(),
         })?;
+        let plans_len = plans.len() as u64;
         let plan = match plans.entry(call.key) {
             Entry::Occupied(hit) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 hit.into_mut()
             }
             Entry::Vacant(slot) => {
-                let plan = in_context(&self.ctx, "cuBLASLt plan", || self.build_plan(&call))??;
+                let selection = self.algo_selection();
+                // Plans are never evicted, so the count so far is this plan's build order.
+                let order = plans_len;
+                let (mut plan, candidates) = in_context(&self.ctx, "cuBLASLt plan", || {
+                    self.build_plan(&call, selection.requested_results(), order)
+                })??;
+                if let AlgoSelection::Timed { repeats, .. } = selection {
+                    // SAFETY: the call's addresses are the caller's promise (this function's
+                    // contract); the plan was built for this call.
+                    let timing = unsafe {
+                        self.choose_by_timing(&mut plan, &candidates, &call, repeats, stream)
+                    };
+                    if let Err(error) = timing {
+                        let _ =
+                            in_context(&self.ctx, "cuBLASLt plan cleanup", || plan.destroy(api));
+                        return Err(error);
+                    }
+                    if plan.choice.chosen_by == ChosenBy::Timed {
+                        self.timed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 self.misses.fetch_add(1, Ordering::Relaxed);
                 slot.insert(plan)
             }
         };
         set_pointers(&self.lib, plan, &call)?;
+        // SAFETY: the plan is live under the lock and built for this call; the addresses are
+        // the caller's promise.
+        let code =
+            unsafe { self.enqueue(plan, &plan.algo, &call, call.c_addr, call.d_addr, stream)? };
+        check(&self.lib, "cublasLtMatmul", code)
+    }
+
+    /// Enqueues `call` with `algo` on `stream`, reading `C` (when beta != 0) at `c_addr` and
+    /// writing `D` at `d_addr`; returns the library's status.
+    ///
+    /// # Safety
+    /// The call's input addresses, `c_addr` and `d_addr` must be live device memory of the sizes
+    /// the call states; `algo` must be one the heuristic returned for this plan within the
+    /// workspace.
+    unsafe fn enqueue(
+        &self,
+        plan: &Plan,
+        algo: &MatmulAlgo,
+        call: &ColumnMajorCall,
+        c_addr: u64,
+        d_addr: u64,
+        stream: &Stream,
+    ) -> Result<ffi::Status, CublasLtError> {
+        let api = self.lib.api();
+        let raw_stream = stream.raw();
         let alpha = call.alpha;
         let beta = call.beta;
         let (handle, ws_addr, ws_len) = (
@@ -281,7 +421,7 @@ impl CublasLt {
             self.workspace.device_addr(),
             self.workspace.len_bytes(),
         );
-        let code = in_context(&self.ctx, "cublasLtMatmul", || {
+        in_context(&self.ctx, "cublasLtMatmul", || {
             // SAFETY: descriptors are live (owned by the cache, under the lock); the addresses
             // are the caller's promise; alpha/beta are host f32 (the default pointer mode); the
             // workspace holds what the algorithm asked for (checked when the plan was built).
@@ -295,21 +435,167 @@ impl CublasLt {
                     call.b_addr as *const c_void,
                     plan.b,
                     (&beta as *const f32).cast::<c_void>(),
-                    call.c_addr as *const c_void,
+                    c_addr as *const c_void,
                     plan.d,
-                    call.d_addr as *mut c_void,
+                    d_addr as *mut c_void,
                     plan.d,
-                    &plan.algo,
+                    algo,
                     ws_addr as *mut c_void,
                     ws_len,
                     raw_stream,
                 )
             }
-        })?;
-        check(&self.lib, "cublasLtMatmul", code)
+        })
     }
 
-    fn build_plan(&self, call: &ColumnMajorCall) -> Result<Plan, CublasLtError> {
+    /// Times each candidate on the call's operands and sets the plan's algorithm to the
+    /// fastest; leaves the heuristic's first where nothing can or could be timed.
+    ///
+    /// # Safety
+    /// As [`CublasLt::matmul`]; `candidates` are the plan's usable heuristic results.
+    unsafe fn choose_by_timing(
+        &self,
+        plan: &mut Plan,
+        candidates: &[HeuristicResult],
+        call: &ColumnMajorCall,
+        repeats: usize,
+        stream: &Stream,
+    ) -> Result<(), CublasLtError> {
+        if candidates.len() < 2 {
+            plan.choice.chosen_by = ChosenBy::OnlyCandidate;
+            return Ok(());
+        }
+        if stream.is_capturing()? {
+            plan.choice.chosen_by = ChosenBy::Capturing;
+            return Ok(());
+        }
+        set_pointers(&self.lib, plan, call)?;
+        // With beta != 0 the output is also an input: time into scratch so the caller's data
+        // is never changed. cuMemAlloc returns 256-byte aligned memory, at least the plan's.
+        let scratch = if call.beta != 0.0 {
+            match self.timing_scratch(call, stream)? {
+                Some(buffer) => Some(buffer),
+                None => {
+                    plan.choice.chosen_by = ChosenBy::NoScratch;
+                    return Ok(());
+                }
+            }
+        } else {
+            None
+        };
+        let (c_addr, d_addr) = match &scratch {
+            Some(buffer) => (buffer.addr(), buffer.addr()),
+            None => (call.c_addr, call.d_addr),
+        };
+        let mut runs = Vec::with_capacity(candidates.len());
+        for candidate in candidates {
+            // SAFETY: C/D are the call's output or the scratch buffer of its size; the
+            // candidate is one of this plan's heuristic results.
+            let run = unsafe {
+                self.time_candidate(
+                    plan,
+                    &candidate.algo,
+                    call,
+                    (c_addr, d_addr),
+                    repeats,
+                    stream,
+                )
+            };
+            match run {
+                Ok(run) => runs.push(run),
+                Err(error) => {
+                    // Let enqueued work finish before the scratch buffer is freed.
+                    let _ = stream.synchronize();
+                    return Err(error);
+                }
+            }
+        }
+        stream.synchronize()?;
+        drop(scratch);
+        let mut times_ms = Vec::with_capacity(runs.len());
+        for run in &runs {
+            times_ms.push(match run {
+                Some((start, end)) => Some(Event::elapsed_ms(start, end)? / repeats as f32),
+                None => None,
+            });
+        }
+        plan.choice.repeats = repeats;
+        match fastest_candidate(&times_ms).and_then(|i| candidates.get(i).map(|c| (i, c))) {
+            Some((index, candidate)) => {
+                plan.algo = candidate.algo;
+                plan.choice.chosen = index;
+                plan.choice.chosen_by = ChosenBy::Timed;
+            }
+            None => plan.choice.chosen_by = ChosenBy::AllFailed,
+        }
+        plan.choice.times_ms = times_ms;
+        Ok(())
+    }
+
+    /// One warm-up run, then `repeats` runs between two timing events; `None` when the library
+    /// refused a run.
+    ///
+    /// # Safety
+    /// As [`CublasLt::enqueue`].
+    unsafe fn time_candidate(
+        &self,
+        plan: &Plan,
+        algo: &MatmulAlgo,
+        call: &ColumnMajorCall,
+        (c_addr, d_addr): (u64, u64),
+        repeats: usize,
+        stream: &Stream,
+    ) -> Result<Option<(Event, Event)>, CublasLtError> {
+        // SAFETY: the caller's contract.
+        if unsafe { self.enqueue(plan, algo, call, c_addr, d_addr, stream)? } != status::SUCCESS {
+            return Ok(None);
+        }
+        let start = Event::new(&self.ctx, true)?;
+        let end = Event::new(&self.ctx, true)?;
+        start.record(stream)?;
+        for _ in 0..repeats {
+            // SAFETY: the caller's contract.
+            if unsafe { self.enqueue(plan, algo, call, c_addr, d_addr, stream)? } != status::SUCCESS
+            {
+                return Ok(None);
+            }
+        }
+        end.record(stream)?;
+        Ok(Some((start, end)))
+    }
+
+    /// A zeroed device buffer the size of the call's output, or `None` when it cannot be
+    /// allocated (timing is then skipped rather than failing the GEMM).
+    fn timing_scratch(
+        &self,
+        call: &ColumnMajorCall,
+        stream: &Stream,
+    ) -> Result<Option<DeviceBuffer>, CublasLtError> {
+        let key = &call.key;
+        let Some(bytes) = key
+            .m
+            .checked_mul(key.n)
+            .and_then(|elems| elems.checked_mul(key.output.size_bytes()))
+            .and_then(|bytes| bytes.checked_next_multiple_of(4))
+        else {
+            return Ok(None);
+        };
+        let Ok(mut scratch) = DeviceBuffer::alloc(&self.ctx, bytes) else {
+            return Ok(None);
+        };
+        // Zeros keep beta · C finite, like real data.
+        scratch.fill_u32(0, Some(stream))?;
+        Ok(Some(scratch))
+    }
+
+    /// Builds the descriptors and asks the heuristic for up to `requested` results; returns the
+    /// plan (running the first usable result) and every usable result in the heuristic's order.
+    fn build_plan(
+        &self,
+        call: &ColumnMajorCall,
+        requested: usize,
+        order: u64,
+    ) -> Result<(Plan, Vec<HeuristicResult>), CublasLtError> {
         let lib = &self.lib;
         let api = lib.api();
         let mut partial = PartialPlan {
@@ -407,7 +693,8 @@ impl CublasLt {
                     })
                 }
             };
-            let mut result = HeuristicResult::default();
+            let requested = requested.clamp(1, AlgoSelection::MAX_CANDIDATES);
+            let mut results = vec![HeuristicResult::default(); requested];
             let mut found: i32 = 0;
             let code = (api.cublasLtMatmulAlgoGetHeuristic)(
                 self.handle,
@@ -417,8 +704,8 @@ impl CublasLt {
                 d,
                 d,
                 partial.pref,
-                1,
-                &mut result,
+                requested as i32,
+                results.as_mut_ptr(),
                 &mut found,
             );
             let what = || {
@@ -435,35 +722,42 @@ impl CublasLt {
                 });
             }
             check(lib, "cublasLtMatmulAlgoGetHeuristic", code)?;
-            check(
-                lib,
-                "cublasLtMatmulAlgoGetHeuristic (result state)",
-                result.state,
-            )?;
-            if result.workspace_size > self.workspace.len_bytes() {
+            results.truncate(usize::try_from(found).unwrap_or(0).min(requested));
+            let (usable, refused) = usable_results(results, self.workspace.len_bytes());
+            let Some(first) = usable.first() else {
                 return Err(CublasLtError::NoAlgorithm {
                     what: format!(
-                        "{} (the algorithm wants {} bytes)",
+                        "{} (heuristic results refused: {})",
                         what(),
-                        result.workspace_size
+                        refused.join("; ")
                     ),
                     workspace_bytes: self.workspace.len_bytes(),
                 });
-            }
+            };
             let plan = Plan {
                 desc: partial.desc,
                 a,
                 b,
                 d,
-                algo: result.algo,
+                algo: first.algo,
                 bias_addr: call.bias_addr,
                 a_scale_addr: call.a_scale_addr,
                 b_scale_addr: call.b_scale_addr,
+                order,
+                choice: PlanChoice {
+                    key: call.key,
+                    chosen_by: ChosenBy::Heuristic,
+                    candidates: usable.len(),
+                    chosen: 0,
+                    repeats: 0,
+                    times_ms: Vec::new(),
+                    workspace_bytes: usable.iter().map(|r| r.workspace_size).collect(),
+                },
             };
             // Ownership moved into `plan`; the preference is no longer needed.
             partial.desc = std::ptr::null_mut();
             partial.layouts.clear();
-            Ok(plan)
+            Ok((plan, usable))
         }
     }
 }
@@ -489,6 +783,36 @@ impl Drop for CublasLt {
             unsafe { (api.cublasLtDestroy)(handle) }
         });
     }
+}
+
+/// Splits heuristic results into those a call can run (state success, workspace within
+/// `workspace_bytes`, order kept) and a description of each refused one.
+fn usable_results(
+    results: Vec<HeuristicResult>,
+    workspace_bytes: usize,
+) -> (Vec<HeuristicResult>, Vec<String>) {
+    let mut usable = Vec::with_capacity(results.len());
+    let mut refused = Vec::new();
+    for (index, result) in results.into_iter().enumerate() {
+        if result.state != status::SUCCESS {
+            refused.push(format!(
+                "#{index} state {} ({})",
+                status::name(result.state),
+                result.state
+            ));
+        } else if result.workspace_size > workspace_bytes {
+            refused.push(format!(
+                "#{index} wants {} workspace bytes",
+                result.workspace_size
+            ));
+        } else {
+            usable.push(result);
+        }
+    }
+    if refused.is_empty() && usable.is_empty() {
+        refused.push("none returned".into());
+    }
+    (usable, refused)
 }
 
 /// Writes the per-call pointer attributes that differ from what the plan last used.
@@ -624,4 +948,74 @@ fn check(lib: &LtLibrary, call: &'static str, code: ffi::Status) -> Result<(), C
         name: status::name(code),
         text: lib.status_text(code),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(tag: u64, state: ffi::Status, workspace_size: usize) -> HeuristicResult {
+        let mut r = HeuristicResult {
+            state,
+            workspace_size,
+            ..HeuristicResult::default()
+        };
+        r.algo.data[0] = tag;
+        r
+    }
+
+    #[test]
+    fn usable_results_keep_the_heuristic_order_and_name_what_was_refused() {
+        let results = vec![
+            result(1, status::NOT_SUPPORTED, 0),
+            result(2, status::SUCCESS, 1024),
+            result(3, status::SUCCESS, 64 << 20),
+            result(4, status::SUCCESS, 32 << 20),
+        ];
+        let (usable, refused) = usable_results(results, 32 << 20);
+        let tags: Vec<u64> = usable.iter().map(|r| r.algo.data[0]).collect();
+        assert_eq!(tags, [2, 4]);
+        assert_eq!(refused.len(), 2);
+        assert!(refused[0].contains("#0 state CUBLAS_STATUS_NOT_SUPPORTED"));
+        assert!(refused[1].contains("#2 wants 67108864 workspace bytes"));
+        let (usable, refused) = usable_results(Vec::new(), 1 << 20);
+        assert!(usable.is_empty());
+        assert_eq!(refused, ["none returned"]);
+    }
+
+    #[test]
+    fn plan_choice_reports_first_and_chosen_times() {
+        let key = Gemm::bf16(
+            8,
+            8,
+            8,
+            DeviceSpan::new(0x1000, 1024),
+            DeviceSpan::new(0x2000, 1024),
+            DeviceSpan::new(0x3000, 1024),
+        )
+        .plan()
+        .map(|call| call.key);
+        let Ok(key) = key else {
+            panic!("valid GEMM refused: {key:?}");
+        };
+        let choice = PlanChoice {
+            key,
+            chosen_by: ChosenBy::Timed,
+            candidates: 3,
+            chosen: 2,
+            repeats: 5,
+            times_ms: vec![Some(1.5), None, Some(1.25)],
+            workspace_bytes: vec![0, 0, 0],
+        };
+        assert_eq!(choice.heuristic_first_ms(), Some(1.5));
+        assert_eq!(choice.chosen_ms(), Some(1.25));
+        let untimed = PlanChoice {
+            chosen_by: ChosenBy::Heuristic,
+            chosen: 0,
+            times_ms: Vec::new(),
+            ..choice
+        };
+        assert_eq!(untimed.heuristic_first_ms(), None);
+        assert_eq!(untimed.chosen_ms(), None);
+    }
 }

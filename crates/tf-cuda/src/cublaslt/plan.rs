@@ -438,6 +438,79 @@ pub struct ColumnMajorCall {
     pub key: PlanKey,
 }
 
+/// How a handle picks the algorithm of a new plan (see [`super::CublasLt::set_algo_selection`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AlgoSelection {
+    /// The heuristic's first result. No extra GPU work: the plan costs one heuristic query.
+    #[default]
+    Heuristic,
+    /// Up to `candidates` heuristic results, each run `1 + repeats` times on the first call's
+    /// real operands; the fastest is kept. That first call of a shape synchronizes its stream
+    /// and runs the GEMM `candidates × (1 + repeats)` extra times; later calls cost nothing
+    /// extra. While the stream is being captured nothing can be timed, so the heuristic's first
+    /// result is taken.
+    Timed { candidates: usize, repeats: usize },
+}
+
+impl AlgoSelection {
+    /// Largest number of heuristic results a timed selection may ask for.
+    pub const MAX_CANDIDATES: usize = 32;
+    /// Largest number of timed runs per candidate.
+    pub const MAX_REPEATS: usize = 100;
+
+    /// Checks the timed parameters' ranges (`candidates` in 1..=32, `repeats` in 1..=100).
+    pub fn validate(self) -> Result<AlgoSelection, CublasLtError> {
+        if let AlgoSelection::Timed {
+            candidates,
+            repeats,
+        } = self
+        {
+            if !(1..=Self::MAX_CANDIDATES).contains(&candidates) {
+                return Err(CublasLtError::Invalid {
+                    what: format!(
+                        "timed algorithm selection with candidates = {candidates}: allowed 1..={}",
+                        Self::MAX_CANDIDATES
+                    ),
+                });
+            }
+            if !(1..=Self::MAX_REPEATS).contains(&repeats) {
+                return Err(CublasLtError::Invalid {
+                    what: format!(
+                        "timed algorithm selection with repeats = {repeats}: allowed 1..={}",
+                        Self::MAX_REPEATS
+                    ),
+                });
+            }
+        }
+        Ok(self)
+    }
+
+    /// How many heuristic results a new plan asks for.
+    pub fn requested_results(self) -> usize {
+        match self {
+            AlgoSelection::Heuristic => 1,
+            AlgoSelection::Timed { candidates, .. } => candidates,
+        }
+    }
+}
+
+/// The index of the fastest measured candidate: the smallest finite time, the lowest index on a
+/// tie (the heuristic's order). `None` (a failed run) and non-finite times never win; `None`
+/// when every candidate failed.
+pub fn fastest_candidate(times_ms: &[Option<f32>]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (index, time) in times_ms.iter().enumerate() {
+        let Some(time) = time.filter(|t| t.is_finite()) else {
+            continue;
+        };
+        // Strictly less: an equal later time keeps the earlier (heuristic-preferred) index.
+        if best.is_none_or(|(_, fastest)| time < fastest) {
+            best = Some((index, time));
+        }
+    }
+    best.map(|(index, _)| index)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -616,6 +689,46 @@ mod tests {
         assert_eq!(alignment_of(3), 1);
     }
 
+    #[test]
+    fn algo_selection_ranges_are_checked() {
+        let timed = |candidates, repeats| AlgoSelection::Timed {
+            candidates,
+            repeats,
+        };
+        assert!(AlgoSelection::Heuristic.validate().is_ok());
+        assert!(timed(1, 1).validate().is_ok());
+        assert!(timed(32, 100).validate().is_ok());
+        let text = |s: AlgoSelection| match s.validate() {
+            Err(CublasLtError::Invalid { what }) => what,
+            other => panic!("expected Invalid, got {other:?}"),
+        };
+        assert!(text(timed(0, 5)).contains("candidates = 0: allowed 1..=32"));
+        assert!(text(timed(33, 5)).contains("candidates = 33"));
+        assert!(text(timed(8, 0)).contains("repeats = 0: allowed 1..=100"));
+        assert!(text(timed(8, 101)).contains("repeats = 101"));
+        assert_eq!(AlgoSelection::default(), AlgoSelection::Heuristic);
+        assert_eq!(AlgoSelection::Heuristic.requested_results(), 1);
+        assert_eq!(timed(8, 5).requested_results(), 8);
+    }
+
+    #[test]
+    fn fastest_candidate_examples() {
+        assert_eq!(fastest_candidate(&[]), None);
+        assert_eq!(fastest_candidate(&[None, None]), None);
+        assert_eq!(fastest_candidate(&[Some(f32::NAN), None]), None);
+        assert_eq!(fastest_candidate(&[Some(1.0)]), Some(0));
+        assert_eq!(
+            fastest_candidate(&[Some(2.0), Some(1.0), Some(1.5)]),
+            Some(1)
+        );
+        assert_eq!(fastest_candidate(&[Some(1.0), Some(1.0)]), Some(0));
+        assert_eq!(fastest_candidate(&[None, Some(3.0), Some(3.0)]), Some(1));
+        assert_eq!(
+            fastest_candidate(&[Some(f32::INFINITY), Some(9.0)]),
+            Some(1)
+        );
+    }
+
     /// cuBLASLt's semantics, executed on the host: `D = alpha·op(A)·op(B) + beta·C`, with
     /// column-major layouts. Memory is a map from base address to f32 elements.
     fn run_column_major(call: &ColumnMajorCall, mem: &mut HashMap<u64, Vec<f32>>) {
@@ -687,6 +800,32 @@ mod tests {
                     let dot: f32 = (0..k).map(|l| xs[r * k + l] * ws[c * k + l]).sum();
                     let want = 2.0 * dot + if with_bias { bias[c] } else { 0.0 } + beta * y0[r * n + c];
                     prop_assert_eq!(got[r * n + c], want, "Y[{}][{}]", r, c);
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn fastest_candidate_picks_the_first_minimum_of_the_runs_that_worked(
+            times in proptest::collection::vec(proptest::option::of(0u8..6), 0..12),
+        ) {
+            // Few distinct values make ties common.
+            let times: Vec<Option<f32>> = times.iter().map(|t| t.map(|v| f32::from(v) * 0.25)).collect();
+            match fastest_candidate(&times) {
+                None => prop_assert!(times.iter().all(Option::is_none)),
+                Some(chosen) => {
+                    let best = times[chosen];
+                    prop_assert!(best.is_some(), "chose failed candidate {}", chosen);
+                    let best = best.unwrap_or(f32::NAN);
+                    for (i, t) in times.iter().enumerate() {
+                        if let Some(t) = t {
+                            prop_assert!(best <= *t, "candidate {} ({}) beats chosen {} ({})", i, t, chosen, best);
+                            if i < chosen {
+                                prop_assert!(*t > best, "tie at {} should win over {}", i, chosen);
+                            }
+                        }
+                    }
                 }
             }
         }
