@@ -1,11 +1,16 @@
 //! cuBLASLt GEMMs on a real GPU: correctness against a host f32 reference, throughput against
-//! torch's figures measured on the same H200, FP8, and the host cost of a cached call.
+//! torch's figures measured on the same H200, FP8, the host cost of a cached call, and timed
+//! algorithm selection on the DiT's GEMM shapes.
 //! Needs a GPU and libcublasLt; run through `cargo xtask gpu-bundle`.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use tf_cuda::cublaslt::{CublasLt, CublasLtError, DeviceSpan, Fp8Scales, Gemm, LtLibrary};
+use tf_cuda::cublaslt::{
+    AlgoSelection, ChosenBy, CublasLt, CublasLtError, DeviceSpan, Fp8Scales, Gemm, LtLibrary,
+    PlanChoice,
+};
+use tf_cuda::graph::Mode;
 use tf_cuda::{open_driver, Context, DeviceBuffer, Event, Stream};
 
 /// torch 2.11 bf16 `8192^3` on this H200 (docs: GPU-AND-PARITY.md).
@@ -39,6 +44,13 @@ impl Rng {
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// An index in `0..len` (`len` > 0).
+    fn next_index(&mut self, len: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % len as u64) as usize
     }
 }
 
@@ -410,16 +422,21 @@ fn invalid_gemms_are_refused_before_the_library() {
 
 /// Times `iters` GEMMs between two events after `warmup` untimed ones; returns TFLOP/s.
 fn throughput(g: &Gpu, gemm: &Gemm, warmup: usize, iters: usize) -> (f64, f64) {
+    throughput_on(g, &g.lt, gemm, warmup, iters)
+}
+
+/// [`throughput`] through the handle `lt` (on `g`'s context and stream).
+fn throughput_on(g: &Gpu, lt: &CublasLt, gemm: &Gemm, warmup: usize, iters: usize) -> (f64, f64) {
     for _ in 0..warmup {
         // SAFETY: the caller's spans are live buffers kept until after the synchronize.
-        unsafe { g.lt.matmul(gemm, &g.stream) }.expect("warm-up GEMM");
+        unsafe { lt.matmul(gemm, &g.stream) }.expect("warm-up GEMM");
     }
     let start = Event::new(&g.ctx, true).expect("event");
     let end = Event::new(&g.ctx, true).expect("event");
     start.record(&g.stream).expect("record");
     for _ in 0..iters {
         // SAFETY: as above.
-        unsafe { g.lt.matmul(gemm, &g.stream) }.expect("timed GEMM");
+        unsafe { lt.matmul(gemm, &g.stream) }.expect("timed GEMM");
     }
     end.record(&g.stream).expect("record");
     end.synchronize().expect("synchronize");
@@ -610,5 +627,394 @@ fn cached_call_host_overhead() {
         per_call < 50e-6,
         "a cached call takes {:.1} us on the host",
         per_call * 1e6
+    );
+}
+
+/// The Qwen-Image DiT's GEMMs per layer at 4096 tokens: (name, M, N, K).
+const DIT_SHAPES: [(&str, usize, usize, usize); 4] = [
+    ("qkv", 4096, 12288, 4096),
+    ("out", 4096, 4096, 4096),
+    ("gate+up", 4096, 24576, 4096),
+    ("down", 4096, 4096, 12288),
+];
+
+const TIMED: AlgoSelection = AlgoSelection::Timed {
+    candidates: 8,
+    repeats: 5,
+};
+
+/// A second handle on `g`'s context with timed selection.
+fn timed_handle(g: &Gpu) -> CublasLt {
+    let lt = CublasLt::with_default_workspace(&g.ctx, Arc::clone(g.lt.library()))
+        .expect("second cuBLASLt handle");
+    lt.set_algo_selection(TIMED).expect("valid timed selection");
+    assert_eq!(lt.algo_selection(), TIMED);
+    lt
+}
+
+/// Row-major `[rows, cols]` operand of `x`'s first `rows * cols` elements.
+fn prefix_span(buffer: &DeviceBuffer, elems: usize, elem_bytes: usize) -> DeviceSpan {
+    let bytes = elems * elem_bytes;
+    assert!(buffer.len() >= bytes, "test buffer too small");
+    DeviceSpan::new(buffer.addr(), bytes)
+}
+
+/// Checks `samples` random elements of a bf16 `Y[M,N]` against `alpha · X·Wᵀ + beta · Y0`
+/// computed on the host in f64; returns (rel L2, worst/rms) and panics past the file's bf16
+/// bounds.
+#[allow(clippy::too_many_arguments)]
+fn sampled_check(
+    label: &str,
+    (m, n, k): (usize, usize, usize),
+    xf: &[f32],
+    wf: &[f32],
+    got: &[u16],
+    alpha: f32,
+    beta: f32,
+    y0: Option<&[f32]>,
+    seed: u64,
+) -> (f64, f64) {
+    assert_eq!(got.len(), m * n, "{label}: output length");
+    let mut rng = Rng(seed | 1);
+    let samples = 4096;
+    let mut got_s = Vec::with_capacity(samples);
+    let mut want_s = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let (r, c) = (rng.next_index(m), rng.next_index(n));
+        let dot: f64 = (0..k)
+            .map(|l| xf[r * k + l] as f64 * wf[c * k + l] as f64)
+            .sum();
+        let old = y0.map_or(0.0, |y| y[r * n + c]);
+        want_s.push(alpha * dot as f32 + beta * old);
+        got_s.push(from_bf16(got[r * n + c]));
+    }
+    let (rel_l2, worst) = compare(&got_s, &want_s);
+    println!(
+        "  {label}: {samples} sampled elements vs host f64 reference: rel L2 {rel_l2:.3e} (bound 8e-3), worst |err|/rms {worst:.3e} (bound 4e-2)"
+    );
+    assert!(
+        rel_l2 <= 8e-3 && worst <= 4e-2,
+        "{label}: result off the reference: rel L2 {rel_l2:.3e}, worst {worst:.3e}"
+    );
+    (rel_l2, worst)
+}
+
+fn describe(choice: &PlanChoice) -> String {
+    let times: Vec<String> = choice
+        .times_ms
+        .iter()
+        .zip(&choice.workspace_bytes)
+        .enumerate()
+        .map(|(i, (t, ws))| {
+            let mark = if i == choice.chosen { "*" } else { "" };
+            match t {
+                Some(t) => format!("#{i}{mark} {t:.4} ms (ws {} KiB)", ws >> 10),
+                None => format!("#{i}{mark} failed (ws {} KiB)", ws >> 10),
+            }
+        })
+        .collect();
+    format!(
+        "{:?}, {} candidates, chosen #{}, {} repeats: [{}]",
+        choice.chosen_by,
+        choice.candidates,
+        choice.chosen,
+        choice.repeats,
+        times.join(", ")
+    )
+}
+
+fn choice_for(lt: &CublasLt, m: usize, n: usize, k: usize) -> PlanChoice {
+    let choices = lt.plan_choices();
+    choices
+        .into_iter()
+        .find(|c| (c.key.m, c.key.n, c.key.k) == (m, n, k))
+        .unwrap_or_else(|| panic!("no plan recorded for M={m} N={n} K={k}"))
+}
+
+fn bf16_out(y: &DeviceBuffer) -> Vec<u16> {
+    y.to_vec::<u16>().expect("download Y")
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn timed_selection_on_the_dit_gemms() {
+    let g = gpu();
+    // Out-of-range settings are refused and leave the policy alone.
+    for bad in [
+        AlgoSelection::Timed {
+            candidates: 0,
+            repeats: 5,
+        },
+        AlgoSelection::Timed {
+            candidates: 33,
+            repeats: 5,
+        },
+        AlgoSelection::Timed {
+            candidates: 8,
+            repeats: 101,
+        },
+    ] {
+        let err = g.lt.set_algo_selection(bad).expect_err("out of range");
+        println!("refused {bad:?}: {err}");
+        assert!(matches!(err, CublasLtError::Invalid { .. }));
+    }
+    assert_eq!(g.lt.algo_selection(), AlgoSelection::Heuristic);
+    let timed = timed_handle(&g);
+
+    // One X of the largest K and one W of the largest N·K; each shape uses their prefixes.
+    let max_xk = DIT_SHAPES.iter().map(|s| s.1 * s.3).max().unwrap_or(0);
+    let max_nk = DIT_SHAPES.iter().map(|s| s.2 * s.3).max().unwrap_or(0);
+    let mut rng = Rng(0x05ee_dd17);
+    let t_data = Instant::now();
+    let (xb, xf) = bf16_matrix(&mut rng, max_xk, 1.0);
+    let (wb, wf) = bf16_matrix(&mut rng, max_nk, 1.0);
+    let x = DeviceBuffer::from_slice(&g.ctx, &xb).expect("upload X");
+    let w = DeviceBuffer::from_slice(&g.ctx, &wb).expect("upload W");
+    drop((xb, wb));
+    println!(
+        "DiT operands: X {max_xk} and W {max_nk} bf16 elements made and uploaded in {:.1} s",
+        t_data.elapsed().as_secs_f64()
+    );
+
+    let mut failures = Vec::new();
+    let mut timed_plans = 0u64;
+    let (mut total_first_ms, mut total_chosen_ms) = (0.0f64, 0.0f64);
+    for (i, &(name, m, n, k)) in DIT_SHAPES.iter().enumerate() {
+        println!("{name}: M={m} N={n} K={k}");
+        let y_heuristic = DeviceBuffer::alloc(&g.ctx, m * n * 2).expect("alloc Y");
+        let y_timed = DeviceBuffer::alloc(&g.ctx, m * n * 2).expect("alloc Y");
+        let xs = prefix_span(&x, m * k, 2);
+        let ws = prefix_span(&w, n * k, 2);
+        let gemm_heuristic = Gemm::bf16(m, n, k, xs, ws, (&y_heuristic).into());
+        let gemm_timed = Gemm::bf16(m, n, k, xs, ws, (&y_timed).into());
+
+        let t0 = Instant::now();
+        // SAFETY: X, W and Y are live until the synchronize below.
+        unsafe { timed.matmul(&gemm_timed, &g.stream) }
+            .unwrap_or_else(|e| panic!("{name}: timed first call: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        let first_call_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // SAFETY: as above.
+        unsafe { g.lt.matmul(&gemm_heuristic, &g.stream) }
+            .unwrap_or_else(|e| panic!("{name}: heuristic call: {e}"));
+        g.stream.synchronize().expect("synchronize");
+
+        let choice = choice_for(&timed, m, n, k);
+        println!(
+            "  timed plan (first call {first_call_ms:.1} ms wall, plan + timing): {}",
+            describe(&choice)
+        );
+        let heuristic_choice = choice_for(&g.lt, m, n, k);
+        assert_eq!(heuristic_choice.chosen_by, ChosenBy::Heuristic);
+        assert!(heuristic_choice.times_ms.is_empty() && heuristic_choice.chosen == 0);
+
+        let got_heuristic = bf16_out(&y_heuristic);
+        let got_timed = bf16_out(&y_timed);
+        let seed = 7000 + i as u64;
+        sampled_check(
+            "heuristic-first",
+            (m, n, k),
+            &xf,
+            &wf,
+            &got_heuristic,
+            1.0,
+            0.0,
+            None,
+            seed,
+        );
+        sampled_check(
+            "timed choice",
+            (m, n, k),
+            &xf,
+            &wf,
+            &got_timed,
+            1.0,
+            0.0,
+            None,
+            seed,
+        );
+        let (differ, max_diff) = got_heuristic.iter().zip(&got_timed).fold(
+            (0usize, 0.0f32),
+            |(count, worst), (&a, &b)| {
+                let d = (from_bf16(a) - from_bf16(b)).abs();
+                (count + usize::from(a != b), worst.max(d))
+            },
+        );
+        println!(
+            "  heuristic-first vs timed outputs: {differ} of {} elements differ, max |diff| {max_diff:.4}",
+            m * n
+        );
+
+        // Throughput of each, alternating twice, best of each.
+        let (mut ms_first, mut ms_chosen) = (f64::MAX, f64::MAX);
+        for _ in 0..2 {
+            ms_first = ms_first.min(throughput_on(&g, &g.lt, &gemm_heuristic, 3, 20).0);
+            ms_chosen = ms_chosen.min(throughput_on(&g, &timed, &gemm_timed, 3, 20).0);
+        }
+        let flops = 2.0 * (m * n * k) as f64;
+        let (tf_first, tf_chosen) = (flops / ms_first / 1e9, flops / ms_chosen / 1e9);
+        println!(
+            "  20 back-to-back calls: heuristic-first {ms_first:.4} ms = {tf_first:.0} TFLOP/s; chosen #{} {ms_chosen:.4} ms = {tf_chosen:.0} TFLOP/s; chosen/first {:.3}",
+            choice.chosen,
+            tf_chosen / tf_first
+        );
+        total_first_ms += ms_first;
+        total_chosen_ms += ms_chosen;
+
+        if choice.chosen_by != ChosenBy::Timed {
+            failures.push(format!(
+                "{name}: expected a timed choice, got {:?} with {} candidates",
+                choice.chosen_by, choice.candidates
+            ));
+            continue;
+        }
+        timed_plans += 1;
+        if choice.times_ms.len() != choice.candidates || choice.repeats != 5 {
+            failures.push(format!(
+                "{name}: {} times for {} candidates, {} repeats",
+                choice.times_ms.len(),
+                choice.candidates,
+                choice.repeats
+            ));
+        }
+        let fastest = choice
+            .times_ms
+            .iter()
+            .flatten()
+            .fold(f32::INFINITY, |a, &b| a.min(b));
+        if choice.chosen_ms() != Some(fastest) {
+            failures.push(format!(
+                "{name}: chosen #{} ({:?} ms) is not the fastest measured ({fastest} ms)",
+                choice.chosen,
+                choice.chosen_ms()
+            ));
+        }
+        if tf_chosen < 0.8 * tf_first {
+            failures.push(format!(
+                "{name}: the timed choice runs at {tf_chosen:.0} TFLOP/s, below 80% of the heuristic's first ({tf_first:.0})"
+            ));
+        }
+    }
+    println!(
+        "DiT layer GEMMs (one of each): heuristic-first {total_first_ms:.3} ms, timed choices {total_chosen_ms:.3} ms ({:+.1}%)",
+        (total_chosen_ms / total_first_ms - 1.0) * 100.0
+    );
+    let stats = timed.cache_stats();
+    println!(
+        "timed handle {stats:?}; heuristic handle {:?}",
+        g.lt.cache_stats()
+    );
+    assert_eq!(stats.misses, DIT_SHAPES.len() as u64);
+    assert_eq!(stats.timed, timed_plans);
+    assert_eq!(g.lt.cache_stats().timed, 0);
+    assert!(failures.is_empty(), "timed selection: {failures:#?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn timed_selection_leaves_a_read_output_unchanged() {
+    let g = gpu();
+    let timed = timed_handle(&g);
+    let (m, n, k) = (1024, 4096, 4096);
+    let (alpha, beta) = (1.0f32, 1.0f32);
+    let mut rng = Rng(0xbe7a);
+    let (xb, xf) = bf16_matrix(&mut rng, m * k, 1.0);
+    let (wb, wf) = bf16_matrix(&mut rng, n * k, 1.0);
+    let (y0b, y0f) = bf16_matrix(&mut rng, m * n, 8.0);
+    let x = DeviceBuffer::from_slice(&g.ctx, &xb).expect("upload X");
+    let w = DeviceBuffer::from_slice(&g.ctx, &wb).expect("upload W");
+    let y_heuristic = DeviceBuffer::from_slice(&g.ctx, &y0b).expect("upload Y0");
+    let y_timed = DeviceBuffer::from_slice(&g.ctx, &y0b).expect("upload Y0");
+    let gemm = |y: &DeviceBuffer| {
+        Gemm::bf16(m, n, k, (&x).into(), (&w).into(), y.into()).with_scaling(alpha, beta)
+    };
+    // SAFETY: every buffer is live until the synchronize below.
+    unsafe { timed.matmul(&gemm(&y_timed), &g.stream) }.expect("timed GEMM with beta = 1");
+    // SAFETY: as above.
+    unsafe { g.lt.matmul(&gemm(&y_heuristic), &g.stream) }.expect("heuristic GEMM with beta = 1");
+    g.stream.synchronize().expect("synchronize");
+    let choice = choice_for(&timed, m, n, k);
+    println!("beta = 1, M={m} N={n} K={k}: {}", describe(&choice));
+    assert_eq!(
+        choice.chosen_by,
+        ChosenBy::Timed,
+        "the timing must have run for this test to prove anything"
+    );
+    let runs = choice.candidates * (1 + choice.repeats);
+    println!(
+        "  timing ran the GEMM {runs} extra times; had it used Y, Y would hold Y0 + {}·X·Wᵀ",
+        runs + 1
+    );
+    let got_timed = bf16_out(&y_timed);
+    let got_heuristic = bf16_out(&y_heuristic);
+    sampled_check(
+        "heuristic handle, beta = 1",
+        (m, n, k),
+        &xf,
+        &wf,
+        &got_heuristic,
+        alpha,
+        beta,
+        Some(&y0f),
+        91,
+    );
+    sampled_check(
+        "timed handle, beta = 1",
+        (m, n, k),
+        &xf,
+        &wf,
+        &got_timed,
+        alpha,
+        beta,
+        Some(&y0f),
+        91,
+    );
+    let timed_f: Vec<f32> = got_timed.iter().map(|&b| from_bf16(b)).collect();
+    let heuristic_f: Vec<f32> = got_heuristic.iter().map(|&b| from_bf16(b)).collect();
+    let (rel_l2, worst) = compare(&timed_f, &heuristic_f);
+    println!("  timed vs heuristic handle over all {} elements: rel L2 {rel_l2:.3e}, worst |diff|/rms {worst:.3e}", m * n);
+    assert!(
+        rel_l2 <= 8e-3 && worst <= 4e-2,
+        "the timed handle's output differs from the heuristic handle's: rel L2 {rel_l2:.3e}, worst {worst:.3e}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn timed_selection_takes_the_heuristic_first_during_capture() {
+    let g = gpu();
+    let timed = timed_handle(&g);
+    let stream = Stream::new(&g.ctx, false).expect("non-blocking stream");
+    let (m, n, k) = (256, 512, 384);
+    let mut rng = Rng(0xca97);
+    let (xb, xf) = bf16_matrix(&mut rng, m * k, 1.0);
+    let (wb, wf) = bf16_matrix(&mut rng, n * k, 1.0);
+    let x = DeviceBuffer::from_slice(&g.ctx, &xb).expect("upload X");
+    let w = DeviceBuffer::from_slice(&g.ctx, &wb).expect("upload W");
+    let mut y = DeviceBuffer::alloc(&g.ctx, m * n * 2).expect("alloc Y");
+    y.fill_u32(0, None).expect("zero Y");
+    let gemm = Gemm::bf16(m, n, k, (&x).into(), (&w).into(), (&y).into());
+    let capture = stream
+        .begin_capture(Mode::ThreadLocal)
+        .expect("begin capture");
+    // SAFETY: the buffers outlive the graph's launch and the synchronize below.
+    let captured = unsafe { timed.matmul(&gemm, &stream) };
+    let graph = capture.end().expect("end capture");
+    captured.unwrap_or_else(|e| panic!("GEMM during capture: {e}"));
+    let choice = choice_for(&timed, m, n, k);
+    println!("captured M={m} N={n} K={k}: {}", describe(&choice));
+    assert_eq!(choice.chosen_by, ChosenBy::Capturing);
+    assert!(choice.times_ms.is_empty() && choice.chosen == 0 && choice.repeats == 0);
+    assert_eq!(timed.cache_stats().timed, 0);
+    let exec = graph.instantiate().expect("instantiate");
+    exec.launch(&stream).expect("launch graph");
+    stream.synchronize().expect("synchronize");
+    let got: Vec<f32> = bf16_out(&y).into_iter().map(from_bf16).collect();
+    let want = reference(m, n, k, &xf, &wf, None, false, 1.0, 0.0, &vec![0.0; m * n]);
+    let (rel_l2, worst) = compare(&got, &want);
+    println!("  graph launch vs host reference: rel L2 {rel_l2:.3e}, worst/rms {worst:.3e}");
+    assert!(
+        rel_l2 <= 8e-3 && worst <= 4e-2,
+        "captured GEMM off: {rel_l2:.3e} / {worst:.3e}"
     );
 }
