@@ -5,7 +5,7 @@
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream) -> Result<(), Box<dyn std::error::Error>> {
-//! use tf_cuda::cublaslt::{CublasLt, Gemm, LtLibrary};
+//! use tf_cuda::cublaslt::{AlgoSelection, CublasLt, Gemm, LtLibrary};
 //! use tf_cuda::DeviceBuffer;
 //! let lt = CublasLt::with_default_workspace(ctx, LtLibrary::open()?)?;
 //! let (m, n, k) = (4096, 3072, 3072);
@@ -13,9 +13,14 @@
 //! let w = DeviceBuffer::alloc(ctx, n * k * 2)?; // bf16 [N, K]
 //! let y = DeviceBuffer::alloc(ctx, m * n * 2)?; // bf16 [M, N]
 //! let gemm = Gemm::bf16(m, n, k, (&x).into(), (&w).into(), (&y).into());
+//! // Optional: time up to 8 heuristic candidates on each shape's first call, keep the fastest.
+//! lt.set_algo_selection(AlgoSelection::Timed { candidates: 8, repeats: 5 })?;
 //! // SAFETY: the spans are the live buffers above, kept until the stream is synchronized.
 //! unsafe { lt.matmul(&gemm, stream)? };
 //! stream.synchronize()?;
+//! for choice in lt.plan_choices() {
+//!     println!("{:?}: {:?} -> {:?} ms", choice.chosen_by, choice.heuristic_first_ms(), choice.chosen_ms());
+//! }
 //! # Ok(()) }
 //! ```
 //!
@@ -345,6 +350,10 @@ impl CublasLt {
     }
 
     /// Validates `gemm`, then enqueues it on `stream`.
+    ///
+    /// The first call of a shape builds its plan. Under [`AlgoSelection::Timed`] (and outside a
+    /// stream capture) that call also times the candidates on `gemm`'s operands: it blocks
+    /// until `stream` is idle and holds the plan cache meanwhile, so make it during warm-up.
     ///
     /// # Safety
     /// Every address in `gemm` must be a live device allocation in the current context with at
