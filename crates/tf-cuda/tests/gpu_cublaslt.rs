@@ -999,8 +999,9 @@ fn timed_selection_takes_the_heuristic_first_during_capture() {
         .expect("begin capture");
     // SAFETY: the buffers outlive the graph's launch and the synchronize below.
     let captured = unsafe { timed.matmul(&gemm, &stream) };
-    let graph = capture.end().expect("end capture");
+    // Checked before ending the capture so a refused GEMM reports its own error.
     captured.unwrap_or_else(|e| panic!("GEMM during capture: {e}"));
+    let graph = capture.end().expect("end capture");
     let choice = choice_for(&timed, m, n, k);
     println!("captured M={m} N={n} K={k}: {}", describe(&choice));
     assert_eq!(choice.chosen_by, ChosenBy::Capturing);
