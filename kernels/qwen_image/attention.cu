@@ -380,22 +380,28 @@ __device__ __forceinline__ void attention_tile(
     }
 }
 
-
 // ---------------------------------------------------------------------------------------------------------------
-// sm_90a variant: warpgroup MMA (wgmma). Two warpgroups of 64 query rows each (128 rows per CTA), keys in tiles of
-// 128 through two cp.async stages. S = Q K^T reads Q and K from shared memory through 128-byte-swizzled K-major
-// descriptors; O += P V takes P from registers (the S accumulators rounded to bf16 are already in the A-operand
-// layout) and V through a transposed (MN-major) descriptor, so nothing is transposed by hand. Masks, the prefix
-// cache, GQA and the fixed reduction order (keys ascending) are as in attention_tile; the key tile is twice as
-// wide, so results differ from the mma.sync kernels in rounding only. Compiled to a trap on other targets: the
-// host selects it on compute capability 9.0 only.
+// sm_90a kernels: warpgroup MMA (wgmma). Consumer warpgroups own 64 query rows each (128 rows per CTA); keys come in
+// tiles of 128. S = Q K^T reads Q and K from shared memory through 128-byte-swizzled K-major descriptors; O += P V
+// takes P from registers (the S accumulators rounded to bf16 are already in the A-operand layout) and V through a
+// transposed (MN-major) descriptor, so nothing is transposed by hand. Masks, the prefix cache, GQA and the fixed
+// reduction order (keys ascending) are as in attention_tile; the key tile is twice as wide, so results differ from
+// the mma.sync kernels in rounding only, and the two sm_90a kernels below are bit-identical to each other.
+// Compiled to a trap on other targets: the host selects them on compute capability 9.0 only.
+//
+//   qi_attention_d128_sm90     two warpgroups; every thread loads through a 2-stage cp.async ring, one
+//                              __syncthreads per key tile, and each warpgroup runs scores, softmax, values in turn.
+//   qi_attention_d128_sm90_ws  warp-specialised: a producer warpgroup fills a 3-stage ring (mbarriers count what
+//                              landed and what was released), and the two consumer warpgroups take turns issuing
+//                              tensor-core work (named barriers), so one's softmax overlaps the other's GEMMs;
+//                              inside a warpgroup the scores of tile t + 1 are issued together with P V of tile t.
 // ---------------------------------------------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QI_HAS_WGMMA 1
 #endif
 
 #if defined(QI_HAS_WGMMA)
-constexpr int kSm90Rows = 128;                           // query rows per CTA, 64 per warpgroup
+constexpr int kSm90Rows = 128;                           // query rows per CTA, 64 per consumer warpgroup
 constexpr int kSm90Keys = 128;                           // keys per tile
 constexpr int kSm90Half = 128 * 128;                     // bytes of one 64-column half of a 128-row tile
 constexpr int kSm90TileBytes = 2 * kSm90Half;            // 32 KiB
@@ -414,7 +420,10 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading_by
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // d (+)= A * B for one m64n128k16 step of a warpgroup: A and B from shared memory (K-major descriptors).
@@ -457,114 +466,119 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// OVERLAP: software-pipelined key loop (3 stages) instead of one tile after the other (2 stages).
-template <bool OVERLAP>
-__device__ __forceinline__ void attention_sm90(
-    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
-    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
-    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
-    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
-    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
-    const int* __restrict__ key_pad, float scale_log2) {
-    constexpr int kThreads = 256;
-    constexpr int STAGES = OVERLAP ? 3 : 2;
-    extern __shared__ __align__(128) uint8_t smem[];
-    __shared__ int window[2];
+// --- mbarriers (shared-memory 64-bit barriers counting arrivals, with a phase bit) and named barriers ---
 
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5;
-    const int lane = tid & 31;
-    const int group = lane >> 2;
-    const int quad = lane & 3;
-    const int warpgroup = warp >> 2;
-    const int q0 = blockIdx.x * kSm90Rows;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int kv_head = head / (num_heads / num_kv_heads);
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed (the arrival is part of the count).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with parity `parity` has completed. A wait that lasts billions of cycles can only
+// be a broken pipeline: trap (the launch fails with an error) instead of hanging the GPU.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    const long long start = clock64();
+    for (;;) {
+        uint32_t done;
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+        if (done) return;
+        if (clock64() - start > (1ll << 34)) __trap();
+    }
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
-    const bf16* q_base = q + batch * q_batch_stride + head * kHeadDim;
-    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
-    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
-    const bf16* k_base = k + batch * kv_batch_stride + kv_head * kHeadDim;
-    const bf16* v_base = v + batch * kv_batch_stride + kv_head * kHeadDim;
-    bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
+// Where one CTA reads and writes: the bases of this (batch, head) in q, the cached prefix, the current keys and o.
+struct Sm90Operands {
+    const bf16* q;
+    const bf16* k_prefix;
+    const bf16* v_prefix;
+    const bf16* k;
+    const bf16* v;
+    bf16* o;
+    int q_row_stride, prefix_row_stride, kv_row_stride, o_row_stride;
+    int prefix_len, num_queries, num_keys;
+};
 
-    // The swizzle pattern repeats every 1024 bytes: align the tiles to it.
-    const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    const uint32_t smem_q = (smem_raw + 1023u) & ~1023u;
-    const uint32_t smem_kv = smem_q + kSm90TileBytes;
+// Issues the cp.async copies of the CTA's 128 query rows into the Q tile; `thread` of `threads` copy a share.
+template <int THREADS>
+__device__ __forceinline__ void sm90_load_q(const Sm90Operands& op, int q0, uint32_t smem_q, int thread) {
+#pragma unroll 4
+    for (int i = 0; i < kSm90Rows * 16 / THREADS; ++i) {
+        const int idx = thread + i * THREADS;
+        const int r = idx >> 4;
+        const int c = idx & 15;
+        const int row = q0 + r;
+        const bool valid = row < op.num_queries;
+        const bf16* src = op.q + (valid ? static_cast<int64_t>(row) * op.q_row_stride + c * 8 : 0);
+        cp_async_16(smem_q + sw128(r, c), src, valid);
+    }
+}
 
-    const int local_a = warpgroup * 64 + (warp & 3) * 16 + group;  // this thread's rows within the CTA
-    const int row_a = q0 + local_a;
-    const int row_b = row_a + 8;
-    const KeyWindows kw = key_windows(row_a, row_b, batch, num_queries, num_keys, key_limit,
-                                      key_limit_batch_stride, key_pad, window);
-    const int limit_a = kw.limit_a;
-    const int limit_b = kw.limit_b;
-    const int window_min = kw.window_min;
-    const int window_max = kw.window_max;
-    const int pad_begin = kw.pad_begin;
-    const int pad_end = kw.pad_end;
-    const int num_tiles = (window_max + kSm90Keys - 1) / kSm90Keys;
-
-    auto load_q = [&]() {
-#pragma unroll
-        for (int i = 0; i < kSm90Rows * 16 / kThreads; ++i) {
-            const int idx = tid + i * kThreads;
-            const int r = idx >> 4;
-            const int c = idx & 15;
-            const int row = q0 + r;
-            const bool valid = row < num_queries;
-            const bf16* src = q_base + (valid ? static_cast<int64_t>(row) * q_row_stride + c * 8 : 0);
-            cp_async_16(smem_q + sw128(r, c), src, valid);
+// Issues the cp.async copies of one key tile's rows of K or V (`prefix` for cached keys, `current` for the rest,
+// zero past the end).
+template <int THREADS>
+__device__ __forceinline__ void sm90_load_rows(const Sm90Operands& op, int tile, uint32_t dst, const bf16* prefix,
+                                               const bf16* current, int thread) {
+#pragma unroll 4
+    for (int i = 0; i < kSm90Keys * 16 / THREADS; ++i) {
+        const int idx = thread + i * THREADS;
+        const int r = idx >> 4;
+        const int c = idx & 15;
+        const int key = tile * kSm90Keys + r;
+        const bf16* src = current;
+        bool valid = true;
+        if (key < op.prefix_len) {
+            src = prefix + static_cast<int64_t>(key) * op.prefix_row_stride + c * 8;
+        } else if (key < op.num_keys) {
+            src = current + static_cast<int64_t>(key - op.prefix_len) * op.kv_row_stride + c * 8;
+        } else {
+            valid = false;
         }
-    };
-    auto load_kv = [&](int tile, int stage) {
-        const uint32_t k_dst = smem_kv + stage * 2 * kSm90TileBytes;
-        const uint32_t v_dst = k_dst + kSm90TileBytes;
-#pragma unroll
-        for (int i = 0; i < kSm90Keys * 16 / kThreads; ++i) {
-            const int idx = tid + i * kThreads;
-            const int r = idx >> 4;
-            const int c = idx & 15;
-            const int key = tile * kSm90Keys + r;
-            const bf16* k_src = k_base;
-            const bf16* v_src = v_base;
-            bool valid = true;
-            if (key < prefix_len) {
-                const int64_t off = static_cast<int64_t>(key) * prefix_row_stride + c * 8;
-                k_src = kp_base + off;
-                v_src = vp_base + off;
-            } else if (key < num_keys) {
-                const int64_t off = static_cast<int64_t>(key - prefix_len) * kv_row_stride + c * 8;
-                k_src = k_base + off;
-                v_src = v_base + off;
-            } else {
-                valid = false;
-            }
-            cp_async_16(k_dst + sw128(r, c), k_src, valid);
-            cp_async_16(v_dst + sw128(r, c), v_src, valid);
-        }
-    };
+        cp_async_16(dst + sw128(r, c), src, valid);
+    }
+}
 
+// One consumer warpgroup's state and steps: 64 query rows, the O accumulators, and the online softmax. Each thread
+// holds rows a and b (8 apart) of its warp's 16 rows.
+struct Sm90Rows {
     float acc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    float max_a = kNegInf, max_b = kNegInf;
-    float sum_a = 0.0f, sum_b = 0.0f;
-    const uint32_t q_rows = smem_q + warpgroup * 64 * 128;
-    auto k_tile_of = [&](int tile) { return smem_kv + (tile % STAGES) * 2 * kSm90TileBytes; };
-    // MN-major descriptor offsets of V: the leading one steps to the next 64 head-dim columns, the stride one
-    // to the next 8 keys.
-    const uint32_t v_leading = static_cast<uint32_t>(kSm90Half);
-    const uint32_t v_stride = 1024u;
+    float max_a, max_b, sum_a, sum_b;
+    int limit_a, limit_b, window_min, pad_begin, pad_end;
+    int quad;
+    float scale_log2;
 
-    // Issues S = Q K^T for one key tile: 64 rows x 128 keys per warpgroup, eight k16 steps over the head dim.
-    auto issue_scores = [&](float(&s)[64], int tile) {
+    __device__ __forceinline__ void init(const KeyWindows& kw, int lane, float scale) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        max_a = max_b = kNegInf;
+        sum_a = sum_b = 0.0f;
+        limit_a = kw.limit_a;
+        limit_b = kw.limit_b;
+        window_min = kw.window_min;
+        pad_begin = kw.pad_begin;
+        pad_end = kw.pad_end;
+        quad = lane & 3;
+        scale_log2 = scale;
+    }
+
+    // Issues S = Q K^T for one key tile: 64 rows x 128 keys, eight k16 steps over the head dim.
+    static __device__ __forceinline__ void issue_scores(float (&s)[64], uint32_t q_rows, uint32_t k_tile) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) s[i] = 0.0f;
         wgmma_fence();
-        const uint32_t k_tile = k_tile_of(tile);
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             const uint32_t step = (kk >> 2) * kSm90Half + (kk & 3) * 32;
@@ -572,23 +586,23 @@ __device__ __forceinline__ void attention_sm90(
                                 kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-    };
+    }
+
     // Issues O += P V for one key tile. V (keys x head dim, head dim contiguous) is B through an MN-major
     // descriptor: 8-key groups 1024 bytes apart, 64-column halves kSm90Half apart.
-    auto issue_values = [&](const uint32_t(&p)[8][4], int tile) {
+    __device__ __forceinline__ void issue_values(const uint32_t (&p)[8][4], uint32_t v_tile) {
         wgmma_fence();
-        const uint32_t v_tile = k_tile_of(tile) + kSm90TileBytes;
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
-            wgmma_m64n128k16_rs_tb(acc, p[kk], smem_desc(v_tile + kk * 2048, v_leading, v_stride));
+            wgmma_m64n128k16_rs_tb(acc, p[kk], smem_desc(v_tile + kk * 2048, kSm90Half, 1024));
         }
         wgmma_commit();
-    };
-    // Masks the scores of key tile `tile`, updates the running maxima and sums, and leaves exp2 of the scores
-    // (relative to the new maxima) in s. Returns the factors that rescale what was accumulated before.
+    }
+
+    // Masks the scores of the key tile starting at key0, updates the running maxima and sums, and leaves exp2 of
+    // the scores (relative to the new maxima) in s. Returns the factors that rescale what was accumulated before.
     // s[4 j + e]: row a (e < 2) or b, key 8 j + 2 quad + (e & 1) of the tile.
-    auto softmax_tile = [&](float(&s)[64], int tile, float& corr_a, float& corr_b) {
-        const int key0 = tile * kSm90Keys;
+    __device__ __forceinline__ void softmax_tile(float (&s)[64], int key0, float& corr_a, float& corr_b) {
         const bool full = key0 + kSm90Keys <= window_min && (key0 + kSm90Keys <= pad_begin || key0 >= pad_end);
         if (!full) {
 #pragma unroll
@@ -628,8 +642,9 @@ __device__ __forceinline__ void attention_sm90(
         }
         sum_a = fmaf(sum_a, corr_a, tile_sum_a);
         sum_b = fmaf(sum_b, corr_b, tile_sum_b);
-    };
-    auto rescale = [&](float corr_a, float corr_b) {
+    }
+
+    __device__ __forceinline__ void rescale(float corr_a, float corr_b) {
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
             acc[4 * n] *= corr_a;
@@ -637,9 +652,10 @@ __device__ __forceinline__ void attention_sm90(
             acc[4 * n + 2] *= corr_b;
             acc[4 * n + 3] *= corr_b;
         }
-    };
+    }
+
     // Key blocks 2 kk and 2 kk + 1 of S form the A fragment of keys 16 kk .. 16 kk + 15.
-    auto pack_probabilities = [&](const float(&s)[64], uint32_t(&p)[8][4]) {
+    static __device__ __forceinline__ void pack_probabilities(const float (&s)[64], uint32_t (&p)[8][4]) {
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
@@ -647,108 +663,284 @@ __device__ __forceinline__ void attention_sm90(
             p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
             p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
         }
-    };
+    }
 
-    load_q();
-    if (num_tiles > 0) load_kv(0, 0);
+    // Normalises, stages this warp's 16 rows (first row `warp_row0` of the CTA tile) in the same rows of the Q tile
+    // (this warpgroup's reads of them are complete), then stores 16-byte chunks.
+    __device__ __forceinline__ void store(const Sm90Operands& op, uint32_t smem_q, int q0, int warp_row0, int lane) {
+        const float total_a = quad_sum(sum_a);
+        const float total_b = quad_sum(sum_b);
+        const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
+        const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
+        const int local_a = warp_row0 + (lane >> 2);
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            const uint32_t lo = pack_bf16(acc[4 * n] * inv_a, acc[4 * n + 1] * inv_a);
+            const uint32_t hi = pack_bf16(acc[4 * n + 2] * inv_b, acc[4 * n + 3] * inv_b);
+            const uint32_t in_chunk = quad * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a, n) + in_chunk), "r"(lo));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a + 8, n) + in_chunk), "r"(hi));
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int idx = lane + i * 32;
+            const int r = warp_row0 + (idx >> 4);
+            const int c = idx & 15;
+            const int row = q0 + r;
+            if (row < op.num_queries) {
+                uint4 v4;
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
+                             : "r"(smem_q + sw128(r, c)));
+                *reinterpret_cast<uint4*>(op.o + static_cast<int64_t>(row) * op.o_row_stride + c * 8) = v4;
+            }
+        }
+    }
+};
+
+__device__ __forceinline__ Sm90Operands sm90_operands(
+    const bf16* q, int64_t q_batch_stride, int q_row_stride, const bf16* k_prefix, const bf16* v_prefix,
+    int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, const bf16* k, const bf16* v,
+    int64_t kv_batch_stride, int kv_row_stride, bf16* o, int64_t o_batch_stride, int o_row_stride, int num_queries,
+    int num_keys, int num_heads, int num_kv_heads) {
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (num_heads / num_kv_heads);
+    Sm90Operands op;
+    op.q = q + batch * q_batch_stride + head * kHeadDim;
+    op.k_prefix = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    op.v_prefix = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
+    op.k = k + batch * kv_batch_stride + kv_head * kHeadDim;
+    op.v = v + batch * kv_batch_stride + kv_head * kHeadDim;
+    op.o = o + batch * o_batch_stride + head * kHeadDim;
+    op.q_row_stride = q_row_stride;
+    op.prefix_row_stride = prefix_row_stride;
+    op.kv_row_stride = kv_row_stride;
+    op.o_row_stride = o_row_stride;
+    op.prefix_len = prefix_len;
+    op.num_queries = num_queries;
+    op.num_keys = num_keys;
+    return op;
+}
+
+// The tiles start at the first 1024-byte boundary of dynamic shared memory (the swizzle pattern repeats every 1024).
+__device__ __forceinline__ uint32_t sm90_smem_base() {
+    extern __shared__ __align__(128) uint8_t smem[];
+    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    return (raw + 1023u) & ~1023u;
+}
+
+// Two warpgroups, every thread loads, 2 stages, one key tile after the other.
+__device__ __forceinline__ void attention_sm90(const Sm90Operands& op, int batch, const int* __restrict__ key_limit,
+                                               int64_t key_limit_batch_stride, const int* __restrict__ key_pad,
+                                               float scale_log2) {
+    constexpr int kThreads = 256;
+    constexpr int kStages = 2;
+    __shared__ int window[2];
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int warpgroup = warp >> 2;
+    const int q0 = blockIdx.x * kSm90Rows;
+    const uint32_t smem_q = sm90_smem_base();
+    const uint32_t smem_kv = smem_q + kSm90TileBytes;
+    const int warp_row0 = warpgroup * 64 + (warp & 3) * 16;
+    const int row_a = q0 + warp_row0 + (lane >> 2);
+    const KeyWindows kw = key_windows(row_a, row_a + 8, batch, op.num_queries, op.num_keys, key_limit,
+                                      key_limit_batch_stride, key_pad, window);
+    const int num_tiles = (kw.window_max + kSm90Keys - 1) / kSm90Keys;
+    Sm90Rows rows;
+    rows.init(kw, lane, scale_log2);
+    const uint32_t q_rows = smem_q + warpgroup * 64 * 128;
+    auto k_tile_of = [&](int tile) { return smem_kv + (tile % kStages) * 2 * kSm90TileBytes; };
+
+    sm90_load_q<kThreads>(op, q0, smem_q, tid);
+    if (num_tiles > 0) {
+        sm90_load_rows<kThreads>(op, 0, k_tile_of(0), op.k_prefix, op.k, tid);
+        sm90_load_rows<kThreads>(op, 0, k_tile_of(0) + kSm90TileBytes, op.v_prefix, op.v, tid);
+    }
     cp_async_commit();
-    if constexpr (!OVERLAP) {
-        // Each tile: scores, softmax, values, one after the other in a warpgroup (the other warpgroup's work
-        // is what overlaps).
-        for (int tile = 0; tile < num_tiles; ++tile) {
-            cp_async_wait<0>();
-            fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-            __syncthreads();      // every thread's copies landed, and the stage loaded next is no longer read
-            if (tile + 1 < num_tiles) load_kv(tile + 1, (tile + 1) % STAGES);
-            cp_async_commit();
-            float s[64];
-            issue_scores(s, tile);
-            wgmma_wait_all();
-            fence_accumulators(s);
-            float corr_a, corr_b;
-            softmax_tile(s, tile, corr_a, corr_b);
-            rescale(corr_a, corr_b);
-            uint32_t p[8][4];
-            pack_probabilities(s, p);
-            issue_values(p, tile);
-            wgmma_wait_all();
-            fence_accumulators(acc);
+    // Each tile: scores, softmax, values, one after the other in a warpgroup (the other warpgroup's work is what
+    // overlaps).
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        cp_async_wait<0>();
+        fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+        __syncthreads();      // every thread's copies landed, and the stage loaded next is no longer read
+        if (tile + 1 < num_tiles) {
+            const uint32_t next = k_tile_of(tile + 1);
+            sm90_load_rows<kThreads>(op, tile + 1, next, op.k_prefix, op.k, tid);
+            sm90_load_rows<kThreads>(op, tile + 1, next + kSm90TileBytes, op.v_prefix, op.v, tid);
         }
-    } else {
-        // Software-pipelined: the scores of tile t + 1 are issued with the values of tile t, and the softmax of
-        // tile t + 1 runs while the tensor cores work on P V of tile t. Three stages: tile t + 2 loads while
-        // tile t + 1's K and tile t's V are read.
-        if (num_tiles > 1) load_kv(1, 1);
         cp_async_commit();
+        float s[64];
+        Sm90Rows::issue_scores(s, q_rows, k_tile_of(tile));
+        wgmma_wait<0>();
+        fence_accumulators(s);
+        float corr_a, corr_b;
+        rows.softmax_tile(s, tile * kSm90Keys, corr_a, corr_b);
+        rows.rescale(corr_a, corr_b);
         uint32_t p[8][4];
-        if (num_tiles > 0) {
-            cp_async_wait<1>();
-            fence_proxy_async();
-            __syncthreads();
-            float s[64];
-            issue_scores(s, 0);
-            wgmma_wait_all();
-            fence_accumulators(s);
-            float corr_a, corr_b;
-            softmax_tile(s, 0, corr_a, corr_b);  // acc is zero: nothing to rescale
-            pack_probabilities(s, p);
-        }
-        for (int tile = 0; tile + 1 < num_tiles; ++tile) {
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();  // tile + 1 landed everywhere; tile - 1's stage is no longer read
-            if (tile + 2 < num_tiles) load_kv(tile + 2, (tile + 2) % STAGES);
-            cp_async_commit();
-            float s[64];
-            issue_scores(s, tile + 1);
-            issue_values(p, tile);
-            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the scores are done
-            fence_accumulators(s);
-            float corr_a, corr_b;
-            softmax_tile(s, tile + 1, corr_a, corr_b);
-            wgmma_wait_all();
-            fence_accumulators(acc);
-            rescale(corr_a, corr_b);
-            pack_probabilities(s, p);
-        }
-        if (num_tiles > 0) {
-            issue_values(p, num_tiles - 1);
-            wgmma_wait_all();
-            fence_accumulators(acc);
-        }
+        Sm90Rows::pack_probabilities(s, p);
+        rows.issue_values(p, k_tile_of(tile) + kSm90TileBytes);
+        wgmma_wait<0>();
+        fence_accumulators(rows.acc);
     }
     cp_async_wait<0>();
+    rows.store(op, smem_q, q0, warp_row0, lane);
+}
 
-    // Normalise, stage this warp's 16 rows in its own rows of the Q tile (this warpgroup's reads of them are
-    // complete), then store 16-byte chunks.
-    const float total_a = quad_sum(sum_a);
-    const float total_b = quad_sum(sum_b);
-    const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
-    const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-        const uint32_t lo = pack_bf16(acc[4 * n] * inv_a, acc[4 * n + 1] * inv_a);
-        const uint32_t hi = pack_bf16(acc[4 * n + 2] * inv_b, acc[4 * n + 3] * inv_b);
-        const uint32_t in_chunk = quad * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a, n) + in_chunk), "r"(lo));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a + 8, n) + in_chunk), "r"(hi));
-    }
-    __syncwarp();
-    const int warp_row0 = warpgroup * 64 + (warp & 3) * 16;
+// Warp-specialised: warpgroup 0 loads, warpgroups 1 and 2 compute. Shared memory: the Q tile, then kWsStages K tiles,
+// then kWsStages V tiles. mbarriers per stage: full_k / full_v complete when the stage's K (with Q, for the first
+// tile) / V has landed (each producer thread's cp.async arrival counts once); empty_k / empty_v complete when every
+// consumer warp has finished reading it. K is released as soon as its scores are done, one step before V, so the
+// next keys load early. Named barriers 1 and 2 pass the turn to issue tensor-core work between the consumers.
+// Registers: ptxas allocates every role to the 168 per thread of a 384-thread CTA; setmaxnreg then hands the
+// producer's unused share to the consumers at run time.
+constexpr int kWsStages = 3;
+constexpr int kWsProducerRegs = 40;
+constexpr int kWsConsumerRegs = 232;  // 40 * 128 + 232 * 256 <= 65536 registers of the SM
+
+// Keeps the compiler from reusing the registers of a wgmma A operand before the wgmma that reads them is done.
+__device__ __forceinline__ void fence_fragment(uint32_t (&p)[8][4]) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        const int idx = lane + i * 32;
-        const int r = warp_row0 + (idx >> 4);
-        const int c = idx & 15;
-        const int row = q0 + r;
-        if (row < num_queries) {
-            uint4 v4;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
-                         : "r"(smem_q + sw128(r, c)));
-            *reinterpret_cast<uint4*>(o_base + static_cast<int64_t>(row) * o_row_stride + c * 8) = v4;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(p[i][j])::"memory");
+    }
+}
+
+__device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int batch, const int* __restrict__ key_limit,
+                                                  int64_t key_limit_batch_stride, const int* __restrict__ key_pad,
+                                                  float scale_log2) {
+    constexpr int kProducerThreads = 128;
+    constexpr int kConsumerThreads = 256;
+    __shared__ int window[2];
+    __shared__ __align__(8) uint64_t barriers[4 * kWsStages];
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    // 0: producer; 1, 2: consumers. Broadcast from lane 0 so the compiler knows it is warp-uniform (it then
+    // allocates each role's registers to the budget its setmaxnreg names).
+    const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
+    const int q0 = blockIdx.x * kSm90Rows;
+    const uint32_t smem_q = sm90_smem_base();
+    const uint32_t smem_k = smem_q + kSm90TileBytes;
+    const uint32_t smem_v = smem_k + kWsStages * kSm90TileBytes;
+    const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
+    // Barrier `kind` (0 full_k, 1 full_v, 2 empty_k, 3 empty_v) of the stage that holds key tile `tile`.
+    auto bar = [&](int kind, int tile) { return bar_base + 8u * (kind * kWsStages + tile % kWsStages); };
+    if (tid == 0) {
+        for (int s = 0; s < kWsStages; ++s) {
+            mbar_init(bar(0, s), kProducerThreads);
+            mbar_init(bar(1, s), kProducerThreads);
+            mbar_init(bar(2, s), kConsumerThreads / 32);
+            mbar_init(bar(3, s), kConsumerThreads / 32);
         }
     }
+    // Producer threads take no part in the key windows: give them rows past the end.
+    const int warp_row0 = (warpgroup - 1) * 64 + (warp & 3) * 16;
+    const int row_a = warpgroup == 0 ? op.num_queries : q0 + warp_row0 + (lane >> 2);
+    const KeyWindows kw = key_windows(row_a, row_a + 8, batch, op.num_queries, op.num_keys, key_limit,
+                                      key_limit_batch_stride, key_pad, window);
+    __syncthreads();  // the barriers are initialised (key_windows only syncs when there are key limits)
+    const int num_tiles = (kw.window_max + kSm90Keys - 1) / kSm90Keys;
+    // Phase parity of the n-th use of a stage: tiles 0..2 use phase 0, 3..5 phase 1, ...
+    auto parity = [](int tile) { return static_cast<uint32_t>((tile / kWsStages) & 1); };
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+        for (int tile = 0; tile < num_tiles; ++tile) {
+            const uint32_t offset = (tile % kWsStages) * kSm90TileBytes;
+            // The stage was last used by tile - kWsStages: wait for that use's release.
+            if (tile >= kWsStages) mbar_wait(bar(2, tile), parity(tile) ^ 1u);
+            if (tile == 0) sm90_load_q<kProducerThreads>(op, q0, smem_q, tid);
+            sm90_load_rows<kProducerThreads>(op, tile, smem_k + offset, op.k_prefix, op.k, tid);
+            mbar_arrive_on_copies(bar(0, tile));
+            if (tile >= kWsStages) mbar_wait(bar(3, tile), parity(tile) ^ 1u);
+            sm90_load_rows<kProducerThreads>(op, tile, smem_v + offset, op.v_prefix, op.v, tid);
+            mbar_arrive_on_copies(bar(1, tile));
+        }
+        cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+    const int consumer = warpgroup - 1;
+    const int my_turn = 1 + consumer;
+    const int other_turn = 2 - consumer;
+    Sm90Rows rows;
+    rows.init(kw, lane, scale_log2);
+    const uint32_t q_rows = smem_q + consumer * 64 * 128;
+    // Issue points: the scores of tile 0, then (values t - 1, scores t) for each later t, then the values of the last
+    // tile: num_tiles + 1 in all. The warpgroups alternate, consumer 0 first; every bar.sync of one is matched by a
+    // bar.arrive of the other (consumer 1 opens consumer 0's first turn and skips its own last hand-over).
+    const int issue_points = num_tiles > 0 ? num_tiles + 1 : 0;
+    int point = 0;
+    auto take_turn = [&]() { named_barrier_sync(my_turn, kConsumerThreads); };
+    auto pass_turn = [&]() {
+        if (!(consumer == 1 && point == issue_points - 1)) named_barrier_arrive(other_turn, kConsumerThreads);
+        ++point;
+    };
+    auto wait_landed = [&](int kind, int tile) {
+        mbar_wait(bar(kind, tile), parity(tile));
+        fence_proxy_async();  // the copies landed through the generic proxy; wgmma reads through the async one
+    };
+    auto release = [&](int kind, int tile) {
+        if (lane == 0) mbar_arrive(bar(kind, tile));
+    };
+    auto k_tile = [&](int tile) { return smem_k + (tile % kWsStages) * kSm90TileBytes; };
+    auto v_tile = [&](int tile) { return smem_v + (tile % kWsStages) * kSm90TileBytes; };
+    if (consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
+
+    // A turn: O += P V of the previous tile, then S = Q K^T of this one, back to back on the tensor cores while the
+    // other warpgroup runs its softmax. Only one of S and P is live at a time, which keeps the registers under the
+    // 168 a 384-thread CTA may hold.
+    uint32_t p[8][4];
+    if (num_tiles > 0) {
+        wait_landed(0, 0);
+        float s[64];
+        take_turn();
+        Sm90Rows::issue_scores(s, q_rows, k_tile(0));
+        pass_turn();
+        wgmma_wait<0>();
+        fence_accumulators(s);
+        release(2, 0);
+        float corr_a, corr_b;
+        rows.softmax_tile(s, 0, corr_a, corr_b);  // acc is zero: nothing to rescale
+        Sm90Rows::pack_probabilities(s, p);
+    }
+    for (int tile = 1; tile < num_tiles; ++tile) {
+        wait_landed(1, tile - 1);
+        wait_landed(0, tile);
+        take_turn();
+        rows.issue_values(p, v_tile(tile - 1));
+        wgmma_wait<0>();
+        fence_accumulators(rows.acc);
+        fence_fragment(p);
+        release(3, tile - 1);
+        float s[64];
+        Sm90Rows::issue_scores(s, q_rows, k_tile(tile));
+        pass_turn();
+        wgmma_wait<0>();
+        fence_accumulators(s);
+        release(2, tile);
+        float corr_a, corr_b;
+        rows.softmax_tile(s, tile * kSm90Keys, corr_a, corr_b);
+        rows.rescale(corr_a, corr_b);
+        Sm90Rows::pack_probabilities(s, p);
+    }
+    if (num_tiles > 0) {
+        wait_landed(1, num_tiles - 1);
+        take_turn();
+        rows.issue_values(p, v_tile(num_tiles - 1));
+        pass_turn();
+        wgmma_wait<0>();
+        fence_accumulators(rows.acc);
+        fence_fragment(p);
+        release(3, num_tiles - 1);
+    }
+    rows.store(op, smem_q, q0, warp_row0, lane);
 }
 #endif  // QI_HAS_WGMMA
 }  // namespace
@@ -774,27 +966,27 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w8s3, 8, 3, 1)
 QI_ATTENTION_KERNEL(qi_attention_d128_w4s2, 4, 2, 2)
 QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
 
-// Dynamic shared memory: (1 + 2 * stages) * 32 KiB + 1 KiB (alignment); grid (ceil(num_queries / 128), num_heads, batch); block 256.
+// sm_90a kernels. qi_attention_d128_sm90: block 256, dynamic shared memory (1 + 2 * 2) * 32 KiB + 1 KiB (alignment).
+// qi_attention_d128_sm90_ws: block 384, (1 + 2 * 3) * 32 KiB + 1 KiB. Grid (ceil(num_queries / 128), num_heads, batch).
 #if defined(QI_HAS_WGMMA)
-#define QI_SM90_BODY(OVERLAP)                                                                             \
-    attention_sm90<OVERLAP>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride,             \
-                         prefix_row_stride, prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, \
-                         o_row_stride, num_queries, num_keys, num_heads, num_kv_heads, key_limit,               \
-                         key_limit_batch_stride, key_pad, scale_log2);
+#define QI_SM90_BODY(FN)                                                                                      \
+    FN(sm90_operands(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, prefix_row_stride, \
+                     prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, o_row_stride,           \
+                     num_queries, num_keys, num_heads, num_kv_heads),                                              \
+       blockIdx.z, key_limit, key_limit_batch_stride, key_pad, scale_log2);
 #else
-#define QI_SM90_BODY(OVERLAP) __trap();
+#define QI_SM90_BODY(FN) __trap();
 #endif
-#define QI_ATTENTION_SM90_KERNEL(NAME, OVERLAP)                                                                \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
+#define QI_ATTENTION_SM90_KERNEL(NAME, THREADS, FN)                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                             \
         const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
         const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
         const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,   \
         bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
         int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
         const int* __restrict__ key_pad, float scale_log2) {                                                  \
-        QI_SM90_BODY(OVERLAP)                                                                          \
+        QI_SM90_BODY(FN)                                                                                      \
     }
 
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, false)
-// Software-pipelined (3 stages, 225 KiB of dynamic shared memory).
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_pipe, true)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, 256, attention_sm90)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, attention_sm90_ws)

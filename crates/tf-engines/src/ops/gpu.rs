@@ -74,9 +74,10 @@ pub enum AttentionTile {
     W4S3,
     /// sm_90a only: 128 query rows in two warpgroups, wgmma, keys in tiles of 128 through 2 stages (161 KiB).
     Sm90,
-    /// [`AttentionTile::Sm90`] software-pipelined: the scores of the next key tile are computed while the
-    /// softmax of this one runs; 3 stages (225 KiB).
-    Sm90Pipe,
+    /// sm_90a only, warp-specialised: a producer warpgroup fills a 3-stage ring of 128-key tiles (mbarriers)
+    /// while two consumer warpgroups take turns on the tensor cores, so one's softmax overlaps the other's
+    /// GEMMs (225 KiB, 384 threads). Bit-identical to [`AttentionTile::Sm90`].
+    Sm90Ws,
 }
 
 impl AttentionTile {
@@ -87,12 +88,12 @@ impl AttentionTile {
         AttentionTile::W4S2,
         AttentionTile::W4S3,
         AttentionTile::Sm90,
-        AttentionTile::Sm90Pipe,
+        AttentionTile::Sm90Ws,
     ];
 
     /// Whether the kernel uses sm_90a instructions (it traps on any other GPU, so it is only loaded on 9.0).
     pub fn needs_sm90(self) -> bool {
-        matches!(self, AttentionTile::Sm90 | AttentionTile::Sm90Pipe)
+        matches!(self, AttentionTile::Sm90 | AttentionTile::Sm90Ws)
     }
 
     /// Keys per tile: tile shapes of equal width reduce in the same order and give bit-identical results.
@@ -112,17 +113,15 @@ impl AttentionTile {
             AttentionTile::W4S2 => "qi_attention_d128_w4s2",
             AttentionTile::W4S3 => "qi_attention_d128_w4s3",
             AttentionTile::Sm90 => "qi_attention_d128_sm90",
-            AttentionTile::Sm90Pipe => "qi_attention_d128_sm90_pipe",
+            AttentionTile::Sm90Ws => "qi_attention_d128_sm90_ws",
         }
     }
 
-    /// Warps per CTA.
+    /// Warps per CTA (the warp-specialised kernel adds a producer warpgroup to its 8 computing warps).
     pub fn warps(self) -> u32 {
         match self {
-            AttentionTile::W8S2
-            | AttentionTile::W8S3
-            | AttentionTile::Sm90
-            | AttentionTile::Sm90Pipe => 8,
+            AttentionTile::W8S2 | AttentionTile::W8S3 | AttentionTile::Sm90 => 8,
+            AttentionTile::Sm90Ws => 12,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
     }
@@ -131,13 +130,16 @@ impl AttentionTile {
     pub fn stages(self) -> u32 {
         match self {
             AttentionTile::W8S2 | AttentionTile::W4S2 | AttentionTile::Sm90 => 2,
-            AttentionTile::W8S3 | AttentionTile::W4S3 | AttentionTile::Sm90Pipe => 3,
+            AttentionTile::W8S3 | AttentionTile::W4S3 | AttentionTile::Sm90Ws => 3,
         }
     }
 
-    /// Query rows per CTA.
+    /// Query rows per CTA (16 per computing warp).
     pub fn rows(self) -> u32 {
-        self.warps() * 16
+        match self {
+            AttentionTile::Sm90Ws => 128,
+            _ => self.warps() * 16,
+        }
     }
 
     /// Dynamic shared memory: the Q tile plus `stages` K and V tiles, 256 bytes per row (the sm_90 kernel adds
@@ -1642,10 +1644,12 @@ impl QwenImageKernels {
         self.submit(stream, &plan_transpose(src, dst, rows, cols)?)
     }
 
-    /// The tile shape [`Self::attention`] uses: the wgmma kernel where it is loaded (sm_90), else
-    /// [`AttentionTile::default`].
+    /// The tile shape [`Self::attention`] uses: the warp-specialised wgmma kernel where it is loaded (sm_90),
+    /// else the plain wgmma kernel, else [`AttentionTile::default`].
     pub fn preferred_tile(&self) -> AttentionTile {
-        if self.has_tile(AttentionTile::Sm90) {
+        if self.has_tile(AttentionTile::Sm90Ws) {
+            AttentionTile::Sm90Ws
+        } else if self.has_tile(AttentionTile::Sm90) {
             AttentionTile::Sm90
         } else {
             AttentionTile::default()
@@ -1693,10 +1697,13 @@ mod tests {
         // 128 query rows, 2 stages of 128-key K and V tiles, 1 KiB of alignment slack.
         assert_eq!(AttentionTile::Sm90.shared_bytes(), (128 + 512) * 256 + 1024);
         assert_eq!(AttentionTile::Sm90.rows(), 128);
+        // The warp-specialised kernel: 3 stages, 12 warps of which 8 compute 128 query rows.
         assert_eq!(
-            AttentionTile::Sm90Pipe.shared_bytes(),
+            AttentionTile::Sm90Ws.shared_bytes(),
             (128 + 768) * 256 + 1024
         );
+        assert_eq!(AttentionTile::Sm90Ws.rows(), 128);
+        assert_eq!(AttentionTile::Sm90Ws.warps() * 32, 384);
         for tile in AttentionTile::ALL {
             assert!(
                 tile.shared_bytes() <= 227 * 1024,

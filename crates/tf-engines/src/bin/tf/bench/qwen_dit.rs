@@ -154,7 +154,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     // The other wgmma attention variant, for comparison; the default stays in use afterwards.
     let default_tile = dit.attention_tile();
     let mut other_tiles = Vec::new();
-    for tile in [AttentionTile::Sm90, AttentionTile::Sm90Pipe] {
+    for tile in [AttentionTile::Sm90, AttentionTile::Sm90Ws] {
         if tile == default_tile || dit.set_attention_tile(tile).is_err() {
             continue;
         }
