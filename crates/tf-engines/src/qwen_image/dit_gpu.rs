@@ -32,7 +32,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
+use tf_cuda::cublaslt::{AlgoSelection, CublasLt, DeviceSpan, Gemm, LtLibrary, PlanChoice};
 use tf_cuda::graph::Mode;
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, GraphExec, Stream};
 
@@ -466,6 +466,14 @@ impl PhaseTimer {
     }
 }
 
+/// GEMM algorithm choice of a freshly loaded model: each new shape times the heuristic's first 8 candidates on its
+/// first (eager) call and keeps the fastest. It costs well under a second once per shape; graphs captured later
+/// replay the chosen algorithms.
+pub const DEFAULT_GEMM_SELECTION: AlgoSelection = AlgoSelection::Timed {
+    candidates: 8,
+    repeats: 3,
+};
+
 /// Read-only engine state used by a step.
 struct Engine {
     config: QwenImageDitConfig,
@@ -521,6 +529,8 @@ impl GpuDit {
         let kernels = QwenImageKernels::load(ctx).map_err(|e| DitError::Backend(e.to_string()))?;
         let lib = LtLibrary::open().map_err(|e| DitError::Backend(e.to_string()))?;
         let lt = CublasLt::with_default_workspace(ctx, lib)
+            .map_err(|e| DitError::Backend(e.to_string()))?;
+        lt.set_algo_selection(DEFAULT_GEMM_SELECTION)
             .map_err(|e| DitError::Backend(e.to_string()))?;
 
         // Device layout of the fused groups.
@@ -711,6 +721,20 @@ impl GpuDit {
     /// Frees every workspace and graph (weights stay).
     pub fn clear_workspaces(&mut self) {
         self.workspaces.clear();
+    }
+
+    /// How the GEMM algorithm of a new shape is chosen ([`DEFAULT_GEMM_SELECTION`] unless set). Shapes already
+    /// planned keep their algorithm; set this before the first step.
+    pub fn set_gemm_selection(&self, selection: AlgoSelection) -> Result<(), DitError> {
+        self.engine
+            .lt
+            .set_algo_selection(selection)
+            .map_err(|e| DitError::Backend(e.to_string()))
+    }
+
+    /// The GEMM plans built so far and how each algorithm was chosen (per-candidate times when timed).
+    pub fn gemm_plan_choices(&self) -> Vec<PlanChoice> {
+        self.engine.lt.plan_choices()
     }
 
     /// The attention kernel's tile shape (the preferred one for this GPU unless set).

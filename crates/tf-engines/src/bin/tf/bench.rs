@@ -51,6 +51,10 @@ pub struct QwenDitArgs {
     /// summed over the layers, with the achieved TFLOP/s or GB/s of each.
     #[arg(long)]
     phases: bool,
+    /// How GEMM algorithms are chosen: `timed` (the engine default: the fastest of the heuristic's first
+    /// candidates, measured on the first call of each shape) or `heuristic` (its first result).
+    #[arg(long, default_value = "timed", value_parser = ["timed", "heuristic"])]
+    gemm_selection: String,
 }
 
 #[derive(clap::Args)]

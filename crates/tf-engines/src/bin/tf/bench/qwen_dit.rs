@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use tf_cuda::cublaslt::AlgoSelection;
 use tf_engines::ops::gpu::AttentionTile;
 use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
 use tf_engines::qwen_image::dit_gpu::{GpuDit, PhaseTimes, PhaseWork};
@@ -114,10 +115,49 @@ fn report_phases(label: &str, times: &PhaseTimes) -> serde_json::Value {
     serde_json::json!({ "step_ms": times.step_ms, "phases": rows })
 }
 
+/// Prints, per GEMM shape planned so far, how its algorithm was chosen and (when timed) the heuristic's first
+/// candidate against the chosen one.
+fn report_gemm_choices(dit: &GpuDit) -> serde_json::Value {
+    println!("\n  GEMM plans (M x N x K: how chosen, heuristic-first ms -> chosen ms)");
+    let mut rows = Vec::new();
+    for choice in dit.gemm_plan_choices() {
+        let k = &choice.key;
+        let first = choice.heuristic_first_ms();
+        let chosen = choice.chosen_ms();
+        let gain = match (first, chosen) {
+            (Some(f), Some(c)) if c > 0.0 => format!(" ({:+.1}%)", (f / c - 1.0) * 100.0),
+            _ => String::new(),
+        };
+        println!(
+            "  {:>5} x {:>5} x {:>5}: {:?}, candidate {} of {}: {} -> {}{gain}",
+            k.m,
+            k.n,
+            k.k,
+            choice.chosen_by,
+            choice.chosen,
+            choice.candidates,
+            first.map_or("-".into(), |t| format!("{t:.3}")),
+            chosen.map_or("-".into(), |t| format!("{t:.3}")),
+        );
+        rows.push(serde_json::json!({
+            "m": k.m, "n": k.n, "k": k.k,
+            "chosen_by": format!("{:?}", choice.chosen_by),
+            "chosen": choice.chosen,
+            "candidates": choice.candidates,
+            "times_ms": choice.times_ms,
+        }));
+    }
+    serde_json::Value::Array(rows)
+}
+
 pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     let model = ModelDir::open(&args.model)?;
     let before = tf_cuda::usage();
     let mut dit = GpuDit::load(&model)?;
+    if args.gemm_selection == "heuristic" {
+        dit.set_gemm_selection(AlgoSelection::Heuristic)?;
+    }
+    println!("GEMM algorithm selection: {:?}", args.gemm_selection);
     let load = dit.load_stats();
     println!("weights: {load}");
     let info = dit.context().device_info()?;
@@ -151,6 +191,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         cached.graph_ms,
         dit.attention_tile()
     );
+    let gemms = report_gemm_choices(&dit);
     // The other wgmma attention variant, for comparison; the default stays in use afterwards.
     let default_tile = dit.attention_tile();
     let mut other_tiles = Vec::new();
@@ -242,6 +283,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
             "weight_load_s": load.upload.seconds,
             "reference": reference,
             "phases": phases,
+            "gemm_plans": gemms,
             "cached_other_attention_tiles": other_tiles,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
