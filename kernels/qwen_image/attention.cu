@@ -513,9 +513,9 @@ struct Sm90Operands {
 };
 
 // Issues the cp.async copies of the CTA's 128 query rows into the Q tile; `thread` of `threads` copy a share.
-template <int THREADS>
+template <int THREADS, int UNROLL>
 __device__ __forceinline__ void sm90_load_q(const Sm90Operands& op, int q0, uint32_t smem_q, int thread) {
-#pragma unroll 4
+#pragma unroll UNROLL
     for (int i = 0; i < kSm90Rows * 16 / THREADS; ++i) {
         const int idx = thread + i * THREADS;
         const int r = idx >> 4;
@@ -527,27 +527,34 @@ __device__ __forceinline__ void sm90_load_q(const Sm90Operands& op, int q0, uint
     }
 }
 
-// Issues the cp.async copies of one key tile's rows of K or V (`prefix` for cached keys, `current` for the rest,
-// zero past the end).
-template <int THREADS>
-__device__ __forceinline__ void sm90_load_rows(const Sm90Operands& op, int tile, uint32_t dst, const bf16* prefix,
-                                               const bf16* current, int thread) {
-#pragma unroll 4
+// Issues the cp.async copies of key tile `tile`: its K and V rows from the prefix or the current keys (zero past
+// the end), one address computation for both. UNROLL: the kernel without a producer unrolls fully (these copies
+// sit between the tile barrier and the next GEMM); the producer warpgroup keeps a loop to fit its 40 registers.
+template <int THREADS, int UNROLL>
+__device__ __forceinline__ void sm90_load_kv(const Sm90Operands& op, int tile, uint32_t k_dst, uint32_t v_dst,
+                                             int thread) {
+#pragma unroll UNROLL
     for (int i = 0; i < kSm90Keys * 16 / THREADS; ++i) {
         const int idx = thread + i * THREADS;
         const int r = idx >> 4;
         const int c = idx & 15;
         const int key = tile * kSm90Keys + r;
-        const bf16* src = current;
+        const bf16* k_src = op.k;
+        const bf16* v_src = op.v;
         bool valid = true;
         if (key < op.prefix_len) {
-            src = prefix + static_cast<int64_t>(key) * op.prefix_row_stride + c * 8;
+            const int64_t off = static_cast<int64_t>(key) * op.prefix_row_stride + c * 8;
+            k_src = op.k_prefix + off;
+            v_src = op.v_prefix + off;
         } else if (key < op.num_keys) {
-            src = current + static_cast<int64_t>(key - op.prefix_len) * op.kv_row_stride + c * 8;
+            const int64_t off = static_cast<int64_t>(key - op.prefix_len) * op.kv_row_stride + c * 8;
+            k_src = op.k + off;
+            v_src = op.v + off;
         } else {
             valid = false;
         }
-        cp_async_16(dst + sw128(r, c), src, valid);
+        cp_async_16(k_dst + sw128(r, c), k_src, valid);
+        cp_async_16(v_dst + sw128(r, c), v_src, valid);
     }
 }
 
@@ -755,11 +762,8 @@ __device__ __forceinline__ void attention_sm90(const Sm90Operands& op, int batch
     const uint32_t q_rows = smem_q + warpgroup * 64 * 128;
     auto k_tile_of = [&](int tile) { return smem_kv + (tile % kStages) * 2 * kSm90TileBytes; };
 
-    sm90_load_q<kThreads>(op, q0, smem_q, tid);
-    if (num_tiles > 0) {
-        sm90_load_rows<kThreads>(op, 0, k_tile_of(0), op.k_prefix, op.k, tid);
-        sm90_load_rows<kThreads>(op, 0, k_tile_of(0) + kSm90TileBytes, op.v_prefix, op.v, tid);
-    }
+    sm90_load_q<kThreads, kSm90Rows * 16 / kThreads>(op, q0, smem_q, tid);
+    if (num_tiles > 0) sm90_load_kv<kThreads, kSm90Keys * 16 / kThreads>(op, 0, k_tile_of(0), k_tile_of(0) + kSm90TileBytes, tid);
     cp_async_commit();
     // Each tile: scores, softmax, values, one after the other in a warpgroup (the other warpgroup's work is what
     // overlaps).
@@ -769,8 +773,7 @@ __device__ __forceinline__ void attention_sm90(const Sm90Operands& op, int batch
         __syncthreads();      // every thread's copies landed, and the stage loaded next is no longer read
         if (tile + 1 < num_tiles) {
             const uint32_t next = k_tile_of(tile + 1);
-            sm90_load_rows<kThreads>(op, tile + 1, next, op.k_prefix, op.k, tid);
-            sm90_load_rows<kThreads>(op, tile + 1, next + kSm90TileBytes, op.v_prefix, op.v, tid);
+            sm90_load_kv<kThreads, kSm90Keys * 16 / kThreads>(op, tile + 1, next, next + kSm90TileBytes, tid);
         }
         cp_async_commit();
         float s[64];
@@ -793,8 +796,7 @@ __device__ __forceinline__ void attention_sm90(const Sm90Operands& op, int batch
 // Warp-specialised: warpgroup 0 loads, warpgroups 1 and 2 compute. Shared memory: the Q tile, then kWsStages K tiles,
 // then kWsStages V tiles. mbarriers per stage: full_k / full_v complete when the stage's K (with Q, for the first
 // tile) / V has landed (each producer thread's cp.async arrival counts once); empty_k / empty_v complete when every
-// consumer warp has finished reading it. K is released as soon as its scores are done, one step before V, so the
-// next keys load early. Named barriers 1 and 2 pass the turn to issue tensor-core work between the consumers.
+// consumer warp has finished reading it. K is released as soon as its scores are done, one step before V. Named barriers 1 and 2 pass the turn to issue tensor-core work between the consumers.
 // Registers: ptxas allocates every role to the 168 per thread of a 384-thread CTA; setmaxnreg then hands the
 // producer's unused share to the consumers at run time.
 constexpr int kWsStages = 3;
@@ -810,6 +812,8 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&p)[8][4]) {
     }
 }
 
+// TURNS: the consumers take turns on the tensor cores (named barriers); without, they run freely (for comparison).
+template <bool TURNS>
 __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int batch, const int* __restrict__ key_limit,
                                                   int64_t key_limit_batch_stride, const int* __restrict__ key_pad,
                                                   float scale_log2) {
@@ -853,12 +857,14 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
         for (int tile = 0; tile < num_tiles; ++tile) {
             const uint32_t offset = (tile % kWsStages) * kSm90TileBytes;
             // The stage was last used by tile - kWsStages: wait for that use's release.
-            if (tile >= kWsStages) mbar_wait(bar(2, tile), parity(tile) ^ 1u);
-            if (tile == 0) sm90_load_q<kProducerThreads>(op, q0, smem_q, tid);
-            sm90_load_rows<kProducerThreads>(op, tile, smem_k + offset, op.k_prefix, op.k, tid);
+            if (tile >= kWsStages) {
+                mbar_wait(bar(2, tile), parity(tile) ^ 1u);
+                mbar_wait(bar(3, tile), parity(tile) ^ 1u);
+            }
+            if (tile == 0) sm90_load_q<kProducerThreads, 2>(op, q0, smem_q, tid);
+            sm90_load_kv<kProducerThreads, 2>(op, tile, smem_k + offset, smem_v + offset, tid);
+            // Both arrivals track every copy issued so far: K and V of this tile land together.
             mbar_arrive_on_copies(bar(0, tile));
-            if (tile >= kWsStages) mbar_wait(bar(3, tile), parity(tile) ^ 1u);
-            sm90_load_rows<kProducerThreads>(op, tile, smem_v + offset, op.v_prefix, op.v, tid);
             mbar_arrive_on_copies(bar(1, tile));
         }
         cp_async_wait<0>();  // leave no copy in flight behind an exited thread
@@ -877,9 +883,13 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     // bar.arrive of the other (consumer 1 opens consumer 0's first turn and skips its own last hand-over).
     const int issue_points = num_tiles > 0 ? num_tiles + 1 : 0;
     int point = 0;
-    auto take_turn = [&]() { named_barrier_sync(my_turn, kConsumerThreads); };
+    auto take_turn = [&]() {
+        if (TURNS) named_barrier_sync(my_turn, kConsumerThreads);
+    };
     auto pass_turn = [&]() {
-        if (!(consumer == 1 && point == issue_points - 1)) named_barrier_arrive(other_turn, kConsumerThreads);
+        if (TURNS && !(consumer == 1 && point == issue_points - 1)) {
+            named_barrier_arrive(other_turn, kConsumerThreads);
+        }
         ++point;
     };
     auto wait_landed = [&](int kind, int tile) {
@@ -891,7 +901,7 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     };
     auto k_tile = [&](int tile) { return smem_k + (tile % kWsStages) * kSm90TileBytes; };
     auto v_tile = [&](int tile) { return smem_v + (tile % kWsStages) * kSm90TileBytes; };
-    if (consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
+    if (TURNS && consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
 
     // A turn: O += P V of the previous tile, then S = Q K^T of this one, back to back on the tensor cores while the
     // other warpgroup runs its softmax. Only one of S and P is live at a time, which keeps the registers under the
@@ -989,4 +999,5 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
     }
 
 QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, 256, attention_sm90)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, attention_sm90_ws)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, attention_sm90_ws<true>)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws_free, 384, attention_sm90_ws<false>)

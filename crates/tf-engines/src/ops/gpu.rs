@@ -78,22 +78,28 @@ pub enum AttentionTile {
     /// while two consumer warpgroups take turns on the tensor cores, so one's softmax overlaps the other's
     /// GEMMs (225 KiB, 384 threads). Bit-identical to [`AttentionTile::Sm90`].
     Sm90Ws,
+    /// [`AttentionTile::Sm90Ws`] without the turn-taking: the consumer warpgroups issue freely (for comparison).
+    Sm90WsFree,
 }
 
 impl AttentionTile {
     /// Every tile shape, for benchmarks.
-    pub const ALL: [AttentionTile; 6] = [
+    pub const ALL: [AttentionTile; 7] = [
         AttentionTile::W8S2,
         AttentionTile::W8S3,
         AttentionTile::W4S2,
         AttentionTile::W4S3,
         AttentionTile::Sm90,
         AttentionTile::Sm90Ws,
+        AttentionTile::Sm90WsFree,
     ];
 
     /// Whether the kernel uses sm_90a instructions (it traps on any other GPU, so it is only loaded on 9.0).
     pub fn needs_sm90(self) -> bool {
-        matches!(self, AttentionTile::Sm90 | AttentionTile::Sm90Ws)
+        matches!(
+            self,
+            AttentionTile::Sm90 | AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree
+        )
     }
 
     /// Keys per tile: tile shapes of equal width reduce in the same order and give bit-identical results.
@@ -114,6 +120,7 @@ impl AttentionTile {
             AttentionTile::W4S3 => "qi_attention_d128_w4s3",
             AttentionTile::Sm90 => "qi_attention_d128_sm90",
             AttentionTile::Sm90Ws => "qi_attention_d128_sm90_ws",
+            AttentionTile::Sm90WsFree => "qi_attention_d128_sm90_ws_free",
         }
     }
 
@@ -121,7 +128,7 @@ impl AttentionTile {
     pub fn warps(self) -> u32 {
         match self {
             AttentionTile::W8S2 | AttentionTile::W8S3 | AttentionTile::Sm90 => 8,
-            AttentionTile::Sm90Ws => 12,
+            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree => 12,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
     }
@@ -130,14 +137,17 @@ impl AttentionTile {
     pub fn stages(self) -> u32 {
         match self {
             AttentionTile::W8S2 | AttentionTile::W4S2 | AttentionTile::Sm90 => 2,
-            AttentionTile::W8S3 | AttentionTile::W4S3 | AttentionTile::Sm90Ws => 3,
+            AttentionTile::W8S3
+            | AttentionTile::W4S3
+            | AttentionTile::Sm90Ws
+            | AttentionTile::Sm90WsFree => 3,
         }
     }
 
     /// Query rows per CTA (16 per computing warp).
     pub fn rows(self) -> u32 {
         match self {
-            AttentionTile::Sm90Ws => 128,
+            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree => 128,
             _ => self.warps() * 16,
         }
     }
