@@ -192,10 +192,14 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         dit.attention_tile()
     );
     let gemms = report_gemm_choices(&dit);
-    // The other wgmma attention variant, for comparison; the default stays in use afterwards.
+    // The other wgmma attention variants, for comparison; the default stays in use afterwards.
     let default_tile = dit.attention_tile();
     let mut other_tiles = Vec::new();
-    for tile in [AttentionTile::Sm90, AttentionTile::Sm90Ws] {
+    for tile in [
+        AttentionTile::Sm90,
+        AttentionTile::Sm90Ws,
+        AttentionTile::Sm90WsFree,
+    ] {
         if tile == default_tile || dit.set_attention_tile(tile).is_err() {
             continue;
         }
@@ -207,6 +211,13 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         other_tiles.push(serde_json::json!({"tile": format!("{tile:?}"), "eager_ms": t.eager_ms, "graph_ms": t.graph_ms}));
     }
     dit.set_attention_tile(default_tile)?;
+    // The default again: the spread between the two is the machine's drift over the comparison.
+    let again = dit.time_step(&step1, KvStep::Cached(&cache), args.iters)?;
+    println!(
+        "  cached step again with attention {default_tile:?}: eager {:.2} ms, graph replay {:.2} ms",
+        again.eager_ms, again.graph_ms
+    );
+    other_tiles.push(serde_json::json!({"tile": format!("{default_tile:?} (again)"), "eager_ms": again.eager_ms, "graph_ms": again.graph_ms}));
     let mut phases = serde_json::Value::Null;
     if args.phases {
         let full_phases = dit.time_phases(&step0, KvStep::Extract)?;
