@@ -34,7 +34,7 @@
 //! - The algorithm is picked once, when the plan is built, by the handle's [`AlgoSelection`]:
 //!   the heuristic's first result (the default), or the fastest of several heuristic results
 //!   timed on that first call's own operands. Timing synchronizes the call's stream and runs the
-//!   GEMM `candidates × (1 + repeats)` extra times; it never runs while the stream is being
+//!   GEMM `candidates × (1 + TIMING_ROUNDS × repeats)` extra times; it never runs while the stream is being
 //!   captured (the heuristic's first result is taken there) and never changes the caller's data:
 //!   with `beta == 0` it writes the call's own output, which the real call then overwrites; with
 //!   `beta != 0` it writes a scratch buffer freed before the real call. What each plan chose and
@@ -57,8 +57,8 @@ use std::sync::{Arc, Mutex};
 
 pub use loader::{Attempt, LtLibrary};
 pub use plan::{
-    fastest_candidate, Activation, AlgoSelection, ColumnMajorCall, DeviceSpan, Fp8Scales, Gemm,
-    InputType, OutputType, PlanKey,
+    choose_candidate, fastest_candidate, Activation, AlgoSelection, ColumnMajorCall, DeviceSpan,
+    Fp8Scales, Gemm, InputType, OutputType, PlanKey, SWITCH_MARGIN, TIMING_ROUNDS,
 };
 
 use crate::context::Context;
@@ -327,7 +327,7 @@ impl CublasLt {
 
     /// Sets how plans built from now on pick their algorithm (plans already cached keep
     /// theirs). [`AlgoSelection::Timed`] makes the first call of each shape synchronize its
-    /// stream and run the GEMM `candidates × (1 + repeats)` extra times on that call's
+    /// stream and run the GEMM `candidates × (1 + TIMING_ROUNDS × repeats)` extra times on that call's
     /// operands; `candidates` must be in 1..=32 and `repeats` in 1..=100.
     pub fn set_algo_selection(&self, selection: AlgoSelection) -> Result<(), CublasLtError> {
         *self.selection.lock() = selection.validate()?;
@@ -496,40 +496,67 @@ impl CublasLt {
             Some(buffer) => (buffer.addr(), buffer.addr()),
             None => (call.c_addr, call.d_addr),
         };
-        let mut runs = Vec::with_capacity(candidates.len());
-        for candidate in candidates {
-            // SAFETY: C/D are the call's output or the scratch buffer of its size; the
-            // candidate is one of this plan's heuristic results.
-            let run = unsafe {
-                self.time_candidate(
-                    plan,
-                    &candidate.algo,
-                    call,
-                    (c_addr, d_addr),
-                    repeats,
-                    stream,
-                )
-            };
-            match run {
-                Ok(run) => runs.push(run),
-                Err(error) => {
-                    // Let enqueued work finish before the scratch buffer is freed.
-                    let _ = stream.synchronize();
-                    return Err(error);
+        // One warm-up run of every candidate, then TIMING_ROUNDS rounds that time each in turn
+        // (so clock and power drift spread over all of them), keeping each one's fastest round.
+        let mut usable = vec![true; candidates.len()];
+        let mut rounds: Vec<Vec<(Event, Event)>> = candidates.iter().map(|_| Vec::new()).collect();
+        let timed = (|| -> Result<(), CublasLtError> {
+            for (candidate, ok) in candidates.iter().zip(usable.iter_mut()) {
+                // SAFETY: C/D are the call's output or the scratch buffer of its size; the
+                // candidate is one of this plan's heuristic results.
+                let code =
+                    unsafe { self.enqueue(plan, &candidate.algo, call, c_addr, d_addr, stream)? };
+                *ok = code == status::SUCCESS;
+            }
+            for _ in 0..TIMING_ROUNDS {
+                for ((candidate, ok), pairs) in candidates
+                    .iter()
+                    .zip(usable.iter_mut())
+                    .zip(rounds.iter_mut())
+                {
+                    if !*ok {
+                        continue;
+                    }
+                    // SAFETY: as above.
+                    match unsafe {
+                        self.time_candidate(
+                            plan,
+                            &candidate.algo,
+                            call,
+                            (c_addr, d_addr),
+                            repeats,
+                            stream,
+                        )?
+                    } {
+                        Some(pair) => pairs.push(pair),
+                        None => *ok = false,
+                    }
                 }
             }
+            Ok(())
+        })();
+        if let Err(error) = timed {
+            // Let enqueued work finish before the scratch buffer is freed.
+            let _ = stream.synchronize();
+            return Err(error);
         }
         stream.synchronize()?;
         drop(scratch);
-        let mut times_ms = Vec::with_capacity(runs.len());
-        for run in &runs {
-            times_ms.push(match run {
-                Some((start, end)) => Some(Event::elapsed_ms(start, end)? / repeats as f32),
-                None => None,
-            });
+        let mut times_ms = Vec::with_capacity(candidates.len());
+        for (ok, pairs) in usable.iter().zip(&rounds) {
+            let mut best: Option<f32> = None;
+            if *ok {
+                for (start, end) in pairs {
+                    let ms = Event::elapsed_ms(start, end)? / repeats as f32;
+                    best = Some(best.map_or(ms, |b| b.min(ms)));
+                }
+            }
+            times_ms.push(best);
         }
         plan.choice.repeats = repeats;
-        match fastest_candidate(&times_ms).and_then(|i| candidates.get(i).map(|c| (i, c))) {
+        match choose_candidate(&times_ms, SWITCH_MARGIN)
+            .and_then(|i| candidates.get(i).map(|c| (i, c)))
+        {
             Some((index, candidate)) => {
                 plan.algo = candidate.algo;
                 plan.choice.chosen = index;
@@ -541,8 +568,7 @@ impl CublasLt {
         Ok(())
     }
 
-    /// One warm-up run, then `repeats` runs between two timing events; `None` when the library
-    /// refused a run.
+    /// `repeats` runs between two timing events; `None` when the library refused a run.
     ///
     /// # Safety
     /// As [`CublasLt::enqueue`].
@@ -555,10 +581,6 @@ impl CublasLt {
         repeats: usize,
         stream: &Stream,
     ) -> Result<Option<(Event, Event)>, CublasLtError> {
-        // SAFETY: the caller's contract.
-        if unsafe { self.enqueue(plan, algo, call, c_addr, d_addr, stream)? } != status::SUCCESS {
-            return Ok(None);
-        }
         let start = Event::new(&self.ctx, true)?;
         let end = Event::new(&self.ctx, true)?;
         start.record(stream)?;

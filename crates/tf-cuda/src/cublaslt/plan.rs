@@ -444,9 +444,11 @@ pub enum AlgoSelection {
     /// The heuristic's first result. No extra GPU work: the plan costs one heuristic query.
     #[default]
     Heuristic,
-    /// Up to `candidates` heuristic results, each run `1 + repeats` times on the first call's
-    /// real operands; the fastest is kept. That first call of a shape synchronizes its stream
-    /// and runs the GEMM `candidates × (1 + repeats)` extra times; later calls cost nothing
+    /// Up to `candidates` heuristic results, each run once to warm up and then timed over
+    /// `repeats` runs in each of [`TIMING_ROUNDS`] interleaved rounds on the first call's real
+    /// operands; [`choose_candidate`] keeps the heuristic's first unless another is faster by
+    /// more than [`SWITCH_MARGIN`]. That first call of a shape synchronizes its stream and runs
+    /// the GEMM `candidates × (1 + TIMING_ROUNDS × repeats)` extra times; later calls cost nothing
     /// extra. While the stream is being captured nothing can be timed, so the heuristic's first
     /// result is taken.
     Timed { candidates: usize, repeats: usize },
@@ -509,6 +511,32 @@ pub fn fastest_candidate(times_ms: &[Option<f32>]) -> Option<usize> {
         }
     }
     best.map(|(index, _)| index)
+}
+
+/// Rounds of timing per candidate (each candidate's fastest round counts): interleaving the
+/// rounds spreads clock and power drift over every candidate instead of favouring the last.
+pub const TIMING_ROUNDS: usize = 3;
+
+/// How much faster than the heuristic's first result a candidate must measure to replace it
+/// (0.03: 3%). Smaller differences are within the run-to-run spread of a GEMM on a busy GPU, and
+/// switching on them picks noise.
+pub const SWITCH_MARGIN: f32 = 0.03;
+
+/// The candidate a timed plan runs: the fastest ([`fastest_candidate`]) when it beats the
+/// heuristic's first result by more than `margin` (a fraction), else the first. When the first
+/// failed or has no time, the fastest. `None` only when every run failed.
+pub fn choose_candidate(times_ms: &[Option<f32>], margin: f32) -> Option<usize> {
+    let fastest = fastest_candidate(times_ms)?;
+    let first = times_ms
+        .first()
+        .copied()
+        .flatten()
+        .filter(|t| t.is_finite());
+    let best = times_ms.get(fastest).copied().flatten()?;
+    match first {
+        Some(first) if best * (1.0 + margin) >= first => Some(0),
+        _ => Some(fastest),
+    }
 }
 
 #[cfg(test)]
@@ -729,6 +757,27 @@ mod tests {
         );
     }
 
+    #[test]
+    fn choose_candidate_keeps_the_first_unless_clearly_beaten() {
+        // 2% faster: within the margin, the heuristic's first stays.
+        assert_eq!(choose_candidate(&[Some(1.0), Some(0.98)], 0.03), Some(0));
+        // 10% faster: switch.
+        assert_eq!(choose_candidate(&[Some(1.0), Some(0.9)], 0.03), Some(1));
+        // The first failed: the fastest of the rest.
+        assert_eq!(
+            choose_candidate(&[None, Some(2.0), Some(1.0)], 0.03),
+            Some(2)
+        );
+        assert_eq!(
+            choose_candidate(&[Some(f32::NAN), Some(2.0)], 0.03),
+            Some(1)
+        );
+        assert_eq!(choose_candidate(&[None, None], 0.03), None);
+        assert_eq!(choose_candidate(&[], 0.03), None);
+        // No margin: the plain fastest rule.
+        assert_eq!(choose_candidate(&[Some(1.0), Some(0.99)], 0.0), Some(1));
+    }
+
     /// cuBLASLt's semantics, executed on the host: `D = alpha·op(A)·op(B) + beta·C`, with
     /// column-major layouts. Memory is a map from base address to f32 elements.
     fn run_column_major(call: &ColumnMajorCall, mem: &mut HashMap<u64, Vec<f32>>) {
@@ -806,6 +855,31 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn choose_candidate_switches_only_for_a_clear_gain(
+            times in proptest::collection::vec(proptest::option::of(1u8..40), 0..10),
+            margin_pct in 0u8..10,
+        ) {
+            let times: Vec<Option<f32>> = times.iter().map(|t| t.map(|v| f32::from(v) * 0.1)).collect();
+            let margin = f32::from(margin_pct) / 100.0;
+            match choose_candidate(&times, margin) {
+                None => prop_assert!(times.iter().all(Option::is_none)),
+                Some(chosen) => {
+                    let t = times[chosen];
+                    prop_assert!(t.is_some(), "chose failed candidate {}", chosen);
+                    let t = t.unwrap_or(f32::NAN);
+                    if let Some(Some(first)) = times.first() {
+                        if chosen != 0 {
+                            prop_assert!(t * (1.0 + margin) < *first, "switched for {} vs first {}", t, first);
+                        } else if let Some(fastest) = fastest_candidate(&times) {
+                            let best = times[fastest].unwrap_or(f32::NAN);
+                            prop_assert!(best * (1.0 + margin) >= *first, "kept first {} over {}", first, best);
+                        }
+                    }
+                }
+            }
+        }
+
         #[test]
         fn fastest_candidate_picks_the_first_minimum_of_the_runs_that_worked(
             times in proptest::collection::vec(proptest::option::of(0u8..6), 0..12),
