@@ -400,6 +400,11 @@ __device__ __forceinline__ void attention_tile(
 #define QI_HAS_WGMMA 1
 #endif
 
+// A TMA tensor map as the driver encodes it (cuTensorMapEncodeTiled): 128 opaque bytes, passed by value.
+struct alignas(64) TmaMap {
+    unsigned long long words[16];
+};
+
 #if defined(QI_HAS_WGMMA)
 constexpr int kSm90Rows = 128;                           // query rows per CTA, 64 per consumer warpgroup
 constexpr int kSm90Keys = 128;                           // keys per tile
@@ -510,6 +515,7 @@ struct Sm90Operands {
     bf16* o;
     int q_row_stride, prefix_row_stride, kv_row_stride, o_row_stride;
     int prefix_len, num_queries, num_keys;
+    int head, kv_head, batch;  // for TMA coordinates
 };
 
 // Issues the cp.async copies of the CTA's 128 query rows into the Q tile; `thread` of `threads` copy a share.
@@ -609,16 +615,20 @@ struct Sm90Rows {
     // Masks the scores of the key tile starting at key0, updates the running maxima and sums, and leaves exp2 of
     // the scores (relative to the new maxima) in s. Returns the factors that rescale what was accumulated before.
     // s[4 j + e]: row a (e < 2) or b, key 8 j + 2 quad + (e & 1) of the tile.
-    __device__ __forceinline__ void softmax_tile(float (&s)[64], int key0, float& corr_a, float& corr_b) {
-        const bool full = key0 + kSm90Keys <= window_min && (key0 + kSm90Keys <= pad_begin || key0 >= pad_end);
+    // `valid`: the tile's rows past it hold no key (a partial tile of the cached prefix).
+    __device__ __forceinline__ void softmax_tile(float (&s)[64], int key0, float& corr_a, float& corr_b,
+                                                 int valid = kSm90Keys) {
+        const bool full = valid == kSm90Keys && key0 + kSm90Keys <= window_min &&
+                          (key0 + kSm90Keys <= pad_begin || key0 >= pad_end);
         if (!full) {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + j * 8 + quad * 2 + (e & 1);
+                    const int row = j * 8 + quad * 2 + (e & 1);
+                    const int key = key0 + row;
                     const int limit = e < 2 ? limit_a : limit_b;
-                    const bool seen = key < limit && (key < pad_begin || key >= pad_end);
+                    const bool seen = row < valid && key < limit && (key < pad_begin || key >= pad_end);
                     if (!seen) s[4 * j + e] = kNegInf;
                 }
             }
@@ -728,6 +738,9 @@ __device__ __forceinline__ Sm90Operands sm90_operands(
     op.prefix_len = prefix_len;
     op.num_queries = num_queries;
     op.num_keys = num_keys;
+    op.head = head;
+    op.kv_head = kv_head;
+    op.batch = batch;
     return op;
 }
 
@@ -793,6 +806,49 @@ __device__ __forceinline__ void attention_sm90(const Sm90Operands& op, int batch
     rows.store(op, smem_q, q0, warp_row0, lane);
 }
 
+// Arrives on `bar` and adds `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// One TMA copy of a 128-row x 64-column box at (col, row, batch) into dst (128-byte swizzle), counted on bar.
+__device__ __forceinline__ void tma_box(uint32_t dst, const TmaMap* map, int col, int row, int batch, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+            dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(batch), "r"(bar)
+        : "memory");
+}
+
+// A 128-row tile of 128 columns: two boxes, one per 64-column half (the halves the wgmma descriptors name).
+__device__ __forceinline__ void tma_tile(uint32_t dst, const TmaMap* map, int col, int row, int batch, uint32_t bar) {
+    mbar_expect_bytes(bar, kSm90TileBytes);
+    tma_box(dst, map, col, row, batch, bar);
+    tma_box(dst + kSm90Half, map, col + 64, row, batch, bar);
+}
+
+// Where key tile `t` comes from. With TMA the cached prefix and the current keys are tiled separately (a box reads
+// one tensor): prefix tiles first, the last one partial, then current tiles from the current keys' row 0. Without
+// TMA, tiles are 128 consecutive keys and each row picks its tensor.
+struct KeyTile {
+    int key0;   // key index of the tile's row 0
+    int valid;  // rows holding keys
+    int row;    // first row in the source tensor (TMA)
+    bool prefix;
+};
+
+__device__ __forceinline__ KeyTile key_tile(int t, int prefix_tiles, int prefix_len, int num_keys, bool separate) {
+    if (!separate) return KeyTile{t * kSm90Keys, kSm90Keys, 0, false};
+    if (t < prefix_tiles) {
+        const int key0 = t * kSm90Keys;
+        return KeyTile{key0, min(kSm90Keys, prefix_len - key0), key0, true};
+    }
+    const int row = (t - prefix_tiles) * kSm90Keys;
+    return KeyTile{prefix_len + row, min(kSm90Keys, num_keys - prefix_len - row), row, false};
+}
+
 // Warp-specialised: warpgroup 0 loads, warpgroups 1 and 2 compute. Shared memory: the Q tile, then kWsStages K tiles,
 // then kWsStages V tiles. mbarriers per stage: full_k / full_v complete when the stage's K (with Q, for the first
 // tile) / V has landed (each producer thread's cp.async arrival counts once); empty_k / empty_v complete when every
@@ -813,14 +869,18 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&p)[8][4]) {
 }
 
 // TURNS: the consumers take turns on the tensor cores (named barriers); without, they run freely (for comparison).
-template <bool TURNS>
+// TMA: one producer thread loads with TMA boxes through the tensor maps (q, k, v, k prefix, v prefix); else the
+// producer warpgroup copies with cp.async.
+template <bool TURNS, bool TMA>
 __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int batch, const int* __restrict__ key_limit,
                                                   int64_t key_limit_batch_stride, const int* __restrict__ key_pad,
-                                                  float scale_log2) {
+                                                  float scale_log2, const TmaMap* tm_q = nullptr,
+                                                  const TmaMap* tm_k = nullptr, const TmaMap* tm_v = nullptr,
+                                                  const TmaMap* tm_kp = nullptr, const TmaMap* tm_vp = nullptr) {
     constexpr int kProducerThreads = 128;
     constexpr int kConsumerThreads = 256;
     __shared__ int window[2];
-    __shared__ __align__(8) uint64_t barriers[4 * kWsStages];
+    __shared__ __align__(8) uint64_t barriers[4 * kWsStages + 1];  // + the Q barrier (TMA)
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
@@ -834,10 +894,14 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
     // Barrier `kind` (0 full_k, 1 full_v, 2 empty_k, 3 empty_v) of the stage that holds key tile `tile`.
     auto bar = [&](int kind, int tile) { return bar_base + 8u * (kind * kWsStages + tile % kWsStages); };
+    const uint32_t q_bar = bar_base + 8u * (4 * kWsStages);
     if (tid == 0) {
+        // cp.async: each producer thread's arrival counts; TMA: one arrival plus the bytes it expects.
+        const uint32_t full_count = TMA ? 1 : kProducerThreads;
+        mbar_init(q_bar, 1);
         for (int s = 0; s < kWsStages; ++s) {
-            mbar_init(bar(0, s), kProducerThreads);
-            mbar_init(bar(1, s), kProducerThreads);
+            mbar_init(bar(0, s), full_count);
+            mbar_init(bar(1, s), full_count);
             mbar_init(bar(2, s), kConsumerThreads / 32);
             mbar_init(bar(3, s), kConsumerThreads / 32);
         }
@@ -848,27 +912,56 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     const KeyWindows kw = key_windows(row_a, row_a + 8, batch, op.num_queries, op.num_keys, key_limit,
                                       key_limit_batch_stride, key_pad, window);
     __syncthreads();  // the barriers are initialised (key_windows only syncs when there are key limits)
-    const int num_tiles = (kw.window_max + kSm90Keys - 1) / kSm90Keys;
+    // Key tiles: with TMA the prefix is tiled on its own (see key_tile).
+    const int P = op.prefix_len;
+    int prefix_tiles = 0;
+    int num_tiles = (kw.window_max + kSm90Keys - 1) / kSm90Keys;
+    if (TMA && P > 0) {
+        if (kw.window_max <= P) {
+            prefix_tiles = num_tiles;
+        } else {
+            prefix_tiles = (P + kSm90Keys - 1) / kSm90Keys;
+            num_tiles = prefix_tiles + (kw.window_max - P + kSm90Keys - 1) / kSm90Keys;
+        }
+    }
+    auto tile_at = [&](int t) { return key_tile(t, prefix_tiles, P, op.num_keys, TMA); };
     // Phase parity of the n-th use of a stage: tiles 0..2 use phase 0, 3..5 phase 1, ...
     auto parity = [](int tile) { return static_cast<uint32_t>((tile / kWsStages) & 1); };
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-        for (int tile = 0; tile < num_tiles; ++tile) {
-            const uint32_t offset = (tile % kWsStages) * kSm90TileBytes;
-            // The stage was last used by tile - kWsStages: wait for that use's release.
-            if (tile >= kWsStages) {
-                mbar_wait(bar(2, tile), parity(tile) ^ 1u);
-                mbar_wait(bar(3, tile), parity(tile) ^ 1u);
+        if constexpr (TMA) {
+            if (tid != 0 || num_tiles == 0) return;
+            const int kv_col = op.kv_head * kHeadDim;
+            tma_tile(smem_q, tm_q, op.head * kHeadDim, q0, op.batch, q_bar);
+            for (int tile = 0; tile < num_tiles; ++tile) {
+                const uint32_t offset = (tile % kWsStages) * kSm90TileBytes;
+                if (tile >= kWsStages) {
+                    mbar_wait(bar(2, tile), parity(tile) ^ 1u);
+                    mbar_wait(bar(3, tile), parity(tile) ^ 1u);
+                }
+                const KeyTile kt = tile_at(tile);
+                tma_tile(smem_k + offset, kt.prefix ? tm_kp : tm_k, kv_col, kt.row, op.batch, bar(0, tile));
+                tma_tile(smem_v + offset, kt.prefix ? tm_vp : tm_v, kv_col, kt.row, op.batch, bar(1, tile));
             }
-            if (tile == 0) sm90_load_q<kProducerThreads, 2>(op, q0, smem_q, tid);
-            sm90_load_kv<kProducerThreads, 2>(op, tile, smem_k + offset, smem_v + offset, tid);
-            // Both arrivals track every copy issued so far: K and V of this tile land together.
-            mbar_arrive_on_copies(bar(0, tile));
-            mbar_arrive_on_copies(bar(1, tile));
+            return;
+        } else {
+            for (int tile = 0; tile < num_tiles; ++tile) {
+                const uint32_t offset = (tile % kWsStages) * kSm90TileBytes;
+                // The stage was last used by tile - kWsStages: wait for that use's release.
+                if (tile >= kWsStages) {
+                    mbar_wait(bar(2, tile), parity(tile) ^ 1u);
+                    mbar_wait(bar(3, tile), parity(tile) ^ 1u);
+                }
+                if (tile == 0) sm90_load_q<kProducerThreads, 2>(op, q0, smem_q, tid);
+                sm90_load_kv<kProducerThreads, 2>(op, tile, smem_k + offset, smem_v + offset, tid);
+                // Both arrivals track every copy issued so far: K and V of this tile land together.
+                mbar_arrive_on_copies(bar(0, tile));
+                mbar_arrive_on_copies(bar(1, tile));
+            }
+            cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+            return;
         }
-        cp_async_wait<0>();  // leave no copy in flight behind an exited thread
-        return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
@@ -894,7 +987,9 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     };
     auto wait_landed = [&](int kind, int tile) {
         mbar_wait(bar(kind, tile), parity(tile));
-        fence_proxy_async();  // the copies landed through the generic proxy; wgmma reads through the async one
+        // cp.async writes through the generic proxy and wgmma reads through the async one; TMA writes through
+        // the async proxy already.
+        if (!TMA) fence_proxy_async();
     };
     auto release = [&](int kind, int tile) {
         if (lane == 0) mbar_arrive(bar(kind, tile));
@@ -908,6 +1003,7 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     // 168 a 384-thread CTA may hold.
     uint32_t p[8][4];
     if (num_tiles > 0) {
+        if (TMA) mbar_wait(q_bar, 0);
         wait_landed(0, 0);
         float s[64];
         take_turn();
@@ -917,7 +1013,8 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
         fence_accumulators(s);
         release(2, 0);
         float corr_a, corr_b;
-        rows.softmax_tile(s, 0, corr_a, corr_b);  // acc is zero: nothing to rescale
+        const KeyTile kt = tile_at(0);
+        rows.softmax_tile(s, kt.key0, corr_a, corr_b, kt.valid);  // acc is zero: nothing to rescale
         Sm90Rows::pack_probabilities(s, p);
     }
     for (int tile = 1; tile < num_tiles; ++tile) {
@@ -936,7 +1033,8 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
         fence_accumulators(s);
         release(2, tile);
         float corr_a, corr_b;
-        rows.softmax_tile(s, tile * kSm90Keys, corr_a, corr_b);
+        const KeyTile kt = tile_at(tile);
+        rows.softmax_tile(s, kt.key0, corr_a, corr_b, kt.valid);
         rows.rescale(corr_a, corr_b);
         Sm90Rows::pack_probabilities(s, p);
     }
@@ -999,5 +1097,27 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
     }
 
 QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, 256, attention_sm90)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, attention_sm90_ws<true>)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws_free, 384, attention_sm90_ws<false>)
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, (attention_sm90_ws<true, false>))
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws_free, 384, (attention_sm90_ws<false, false>))
+
+// The warp-specialised kernel loading through TMA: the arguments above, then five tensor maps (q, k, v, k prefix,
+// v prefix; bf16, boxes of 64 columns x 128 rows, 128-byte swizzle, zero fill; dims {row width, rows, batch}).
+extern "C" __global__ void __launch_bounds__(384, 1) qi_attention_d128_sm90_tma(
+    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
+    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
+    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
+    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
+    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
+    const int* __restrict__ key_pad, float scale_log2, const __grid_constant__ TmaMap tm_q,
+    const __grid_constant__ TmaMap tm_k, const __grid_constant__ TmaMap tm_v, const __grid_constant__ TmaMap tm_kp,
+    const __grid_constant__ TmaMap tm_vp) {
+#if defined(QI_HAS_WGMMA)
+    attention_sm90_ws<true, true>(
+        sm90_operands(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, prefix_row_stride,
+                      prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, o_row_stride, num_queries,
+                      num_keys, num_heads, num_kv_heads),
+        blockIdx.z, key_limit, key_limit_batch_stride, key_pad, scale_log2, &tm_q, &tm_k, &tm_v, &tm_kp, &tm_vp);
+#else
+    __trap();
+#endif
+}

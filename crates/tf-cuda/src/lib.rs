@@ -54,6 +54,7 @@ pub mod memory;
 pub mod module;
 pub mod segments;
 pub mod stream;
+pub mod tensor_map;
 pub mod usage;
 
 pub use context::{Context, DeviceInfo, MemoryInfo, Schedule};

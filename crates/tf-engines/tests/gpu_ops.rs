@@ -914,8 +914,8 @@ fn run_attention_case(g: &Gpu, case: &AttentionCase, rng: &mut Rng) {
             .collect()
     };
 
-    // The first result of each key-tile width: tiles of equal width must be bit-identical.
-    let mut first: Vec<(u32, Vec<f32>)> = Vec::new();
+    // The first result of each reduction order (key-tile width and tile starts): those must be bit-identical.
+    let mut first: Vec<((u32, usize), Vec<f32>)> = Vec::new();
     for tile in AttentionTile::ALL {
         if !g.kernels.has_tile(tile) {
             println!(
@@ -973,12 +973,10 @@ fn run_attention_case(g: &Gpu, case: &AttentionCase, rng: &mut Rng) {
             "attention {} {tile:?}: a second run differs (must be deterministic)",
             case.name
         );
-        match first
-            .iter()
-            .find(|(width, _)| *width == tile.keys_per_tile())
-        {
-            None => first.push((tile.keys_per_tile(), all)),
-            Some((width, reference)) => {
+        let order = tile.reduction_order(shape.prefix_len);
+        match first.iter().find(|(o, _)| *o == order) {
+            None => first.push((order, all)),
+            Some(((width, _), reference)) => {
                 let same = reference
                     .iter()
                     .zip(&all)

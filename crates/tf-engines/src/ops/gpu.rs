@@ -29,6 +29,7 @@
 use std::collections::HashMap;
 
 use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::tensor_map::{check_bf16_tiles, encode_bf16_tiles, Bf16Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Function, Module, Stream};
 
 /// Name of the kernel set holding the elementwise and normalisation kernels.
@@ -80,11 +81,16 @@ pub enum AttentionTile {
     Sm90Ws,
     /// [`AttentionTile::Sm90Ws`] without the turn-taking: the consumer warpgroups issue freely (for comparison).
     Sm90WsFree,
+    /// [`AttentionTile::Sm90Ws`] loading through TMA tensor maps (one producer thread, 128-row boxes in the
+    /// 128-byte swizzle). The cached prefix is tiled on its own, so with a prefix that is not a multiple of 128
+    /// keys it rounds differently from the other 128-key tiles (see [`AttentionTile::reduction_order`]). Operands
+    /// TMA cannot address run [`AttentionTile::Sm90Ws`] instead.
+    Sm90Tma,
 }
 
 impl AttentionTile {
     /// Every tile shape, for benchmarks.
-    pub const ALL: [AttentionTile; 7] = [
+    pub const ALL: [AttentionTile; 8] = [
         AttentionTile::W8S2,
         AttentionTile::W8S3,
         AttentionTile::W4S2,
@@ -92,14 +98,30 @@ impl AttentionTile {
         AttentionTile::Sm90,
         AttentionTile::Sm90Ws,
         AttentionTile::Sm90WsFree,
+        AttentionTile::Sm90Tma,
     ];
 
     /// Whether the kernel uses sm_90a instructions (it traps on any other GPU, so it is only loaded on 9.0).
     pub fn needs_sm90(self) -> bool {
         matches!(
             self,
-            AttentionTile::Sm90 | AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree
+            AttentionTile::Sm90
+                | AttentionTile::Sm90Ws
+                | AttentionTile::Sm90WsFree
+                | AttentionTile::Sm90Tma
         )
+    }
+
+    /// What fixes the reduction order of a call with `prefix_len` cached keys: tile shapes with equal values
+    /// give bit-identical results. The key-tile width, and where the tiles start: every 128 keys, or (TMA) every
+    /// 128 keys of the prefix and again every 128 keys after it.
+    pub fn reduction_order(self, prefix_len: usize) -> (u32, usize) {
+        let keys = self.keys_per_tile();
+        let shift = match self {
+            AttentionTile::Sm90Tma => prefix_len % keys as usize,
+            _ => 0,
+        };
+        (keys, shift)
     }
 
     /// Keys per tile: tile shapes of equal width reduce in the same order and give bit-identical results.
@@ -121,6 +143,7 @@ impl AttentionTile {
             AttentionTile::Sm90 => "qi_attention_d128_sm90",
             AttentionTile::Sm90Ws => "qi_attention_d128_sm90_ws",
             AttentionTile::Sm90WsFree => "qi_attention_d128_sm90_ws_free",
+            AttentionTile::Sm90Tma => "qi_attention_d128_sm90_tma",
         }
     }
 
@@ -128,7 +151,7 @@ impl AttentionTile {
     pub fn warps(self) -> u32 {
         match self {
             AttentionTile::W8S2 | AttentionTile::W8S3 | AttentionTile::Sm90 => 8,
-            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree => 12,
+            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree | AttentionTile::Sm90Tma => 12,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
     }
@@ -140,14 +163,15 @@ impl AttentionTile {
             AttentionTile::W8S3
             | AttentionTile::W4S3
             | AttentionTile::Sm90Ws
-            | AttentionTile::Sm90WsFree => 3,
+            | AttentionTile::Sm90WsFree
+            | AttentionTile::Sm90Tma => 3,
         }
     }
 
     /// Query rows per CTA (16 per computing warp).
     pub fn rows(self) -> u32 {
         match self {
-            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree => 128,
+            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree | AttentionTile::Sm90Tma => 128,
             _ => self.warps() * 16,
         }
     }
@@ -1225,6 +1249,58 @@ pub fn plan_attention(
     })
 }
 
+/// [`plan_attention`] for [`AttentionTile::Sm90Tma`]: the same arguments followed by the five tensor maps the
+/// kernel loads through (q, k, v, k prefix, v prefix; the current k/v stand in for an absent prefix). Operands TMA
+/// cannot address (a base not 16-byte aligned, a stride not a multiple of 8 elements) get the
+/// [`AttentionTile::Sm90Ws`] launch instead, which takes the same leading arguments and copies with cp.async.
+pub fn plan_attention_tma(
+    ctx: &Context,
+    shape: AttentionShape,
+    inputs: &AttentionInputs<'_, '_>,
+    o: &DeviceViewMut<'_>,
+    o_strides: Strides,
+) -> Result<Launch, tf_cuda::Error> {
+    let mut launch = plan_attention(AttentionTile::Sm90Tma, shape, inputs, o, o_strides)?;
+    let tiles = |base: u64, width: usize, rows: usize, strides: Strides| Bf16Tiles {
+        base,
+        cols: width as u64,
+        // A tensor of no rows (every key cached) is never read; the driver wants at least one.
+        rows: rows.max(1) as u64,
+        batch: shape.batch as u64,
+        row_stride_bytes: (strides.row * BF16) as u64,
+        batch_stride_bytes: (strides.batch * BF16) as u64,
+        box_cols: 64,
+        box_rows: 128,
+    };
+    let q_width = shape.num_heads * HEAD_DIM;
+    let kv_width = shape.num_kv_heads * HEAD_DIM;
+    let current = shape.num_keys - shape.prefix_len;
+    let (k, v) = (inputs.k.addr(), inputs.v.addr());
+    let (kp, vp, prefix_rows, prefix_strides) = match inputs.prefix {
+        Some((kp, vp, strides)) => (kp.addr(), vp.addr(), shape.prefix_len, strides),
+        None => (k, v, current, inputs.kv_strides),
+    };
+    let specs = [
+        tiles(
+            inputs.q.addr(),
+            q_width,
+            shape.num_queries,
+            inputs.q_strides,
+        ),
+        tiles(k, kv_width, current, inputs.kv_strides),
+        tiles(v, kv_width, current, inputs.kv_strides),
+        tiles(kp, kv_width, prefix_rows, prefix_strides),
+        tiles(vp, kv_width, prefix_rows, prefix_strides),
+    ];
+    if specs.iter().any(|spec| check_bf16_tiles(spec).is_err()) {
+        return plan_attention(AttentionTile::Sm90Ws, shape, inputs, o, o_strides);
+    }
+    for spec in &specs {
+        launch.args.push(encode_bf16_tiles(ctx, spec)?.words());
+    }
+    Ok(launch)
+}
+
 /// Per-query key limits for the attention kernel from the block-causal rule of the host reference
 /// ([`crate::ops::host::AttentionMask`]): query `i` sits at key position `q_offset + i`; it sees keys `k <= q_pos`
 /// and every key of its own image block (`block_ids[q_pos] >= 0`). Blocks must be contiguous runs of one id; the
@@ -1654,10 +1730,12 @@ impl QwenImageKernels {
         self.submit(stream, &plan_transpose(src, dst, rows, cols)?)
     }
 
-    /// The tile shape [`Self::attention`] uses: the warp-specialised wgmma kernel where it is loaded (sm_90),
-    /// else the plain wgmma kernel, else [`AttentionTile::default`].
+    /// The tile shape [`Self::attention`] uses: the warp-specialised wgmma kernel with TMA loads where it is
+    /// loaded (sm_90), else the plain wgmma kernel, else [`AttentionTile::default`].
     pub fn preferred_tile(&self) -> AttentionTile {
-        if self.has_tile(AttentionTile::Sm90Ws) {
+        if self.has_tile(AttentionTile::Sm90Tma) {
+            AttentionTile::Sm90Tma
+        } else if self.has_tile(AttentionTile::Sm90Ws) {
             AttentionTile::Sm90Ws
         } else if self.has_tile(AttentionTile::Sm90) {
             AttentionTile::Sm90
@@ -1688,7 +1766,12 @@ impl QwenImageKernels {
         o: &mut DeviceViewMut<'_>,
         o_strides: Strides,
     ) -> Result<(), tf_cuda::Error> {
-        self.submit(stream, &plan_attention(tile, shape, inputs, o, o_strides)?)
+        let launch = if tile == AttentionTile::Sm90Tma {
+            plan_attention_tma(&stream.context(), shape, inputs, o, o_strides)?
+        } else {
+            plan_attention(tile, shape, inputs, o, o_strides)?
+        };
+        self.submit(stream, &launch)
     }
 }
 
