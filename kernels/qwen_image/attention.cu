@@ -386,15 +386,18 @@ __device__ __forceinline__ void attention_tile(
 // takes P from registers (the S accumulators rounded to bf16 are already in the A-operand layout) and V through a
 // transposed (MN-major) descriptor, so nothing is transposed by hand. Masks, the prefix cache, GQA and the fixed
 // reduction order (keys ascending) are as in attention_tile; the key tile is twice as wide, so results differ from
-// the mma.sync kernels in rounding only, and the two sm_90a kernels below are bit-identical to each other.
-// Compiled to a trap on other targets: the host selects them on compute capability 9.0 only.
+// the mma.sync kernels in rounding only. The sm90 and sm90_ws kernels are bit-identical to each other; sm90_tma is
+// too unless a cached prefix ends inside a key tile (it tiles the prefix on its own). Compiled to a trap on other
+// targets: the host selects them on compute capability 9.0 only.
 //
-//   qi_attention_d128_sm90     two warpgroups; every thread loads through a 2-stage cp.async ring, one
-//                              __syncthreads per key tile, and each warpgroup runs scores, softmax, values in turn.
-//   qi_attention_d128_sm90_ws  warp-specialised: a producer warpgroup fills a 3-stage ring (mbarriers count what
-//                              landed and what was released), and the two consumer warpgroups take turns issuing
-//                              tensor-core work (named barriers), so one's softmax overlaps the other's GEMMs;
-//                              inside a warpgroup the scores of tile t + 1 are issued together with P V of tile t.
+//   qi_attention_d128_sm90      two warpgroups; every thread loads through a 2-stage cp.async ring, one
+//                               __syncthreads per key tile, and each warpgroup runs scores, softmax, values in turn.
+//   qi_attention_d128_sm90_ws   warp-specialised: a producer warpgroup fills a 3-stage ring with cp.async (mbarriers
+//                               count what landed and what was released), and the two consumer warpgroups take
+//                               turns issuing tensor-core work (named barriers), so one's softmax overlaps the
+//                               other's GEMMs; a turn is P V of the previous key tile then S of this one.
+//   qi_attention_d128_sm90_tma  sm90_ws with one producer thread loading 128-row boxes through TMA tensor maps: the
+//                               loads no longer cost instructions or registers, and land in the swizzled layout.
 // ---------------------------------------------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QI_HAS_WGMMA 1
@@ -851,8 +854,10 @@ __device__ __forceinline__ KeyTile key_tile(int t, int prefix_tiles, int prefix_
 
 // Warp-specialised: warpgroup 0 loads, warpgroups 1 and 2 compute. Shared memory: the Q tile, then kWsStages K tiles,
 // then kWsStages V tiles. mbarriers per stage: full_k / full_v complete when the stage's K (with Q, for the first
-// tile) / V has landed (each producer thread's cp.async arrival counts once); empty_k / empty_v complete when every
-// consumer warp has finished reading it. K is released as soon as its scores are done, one step before V. Named barriers 1 and 2 pass the turn to issue tensor-core work between the consumers.
+// tile, under cp.async) / V has landed (cp.async: each producer thread's arrival counts once; TMA: one arrival and
+// the bytes it expects); empty_k / empty_v complete when every consumer warp has finished reading it. K is released
+// as soon as its scores are done, one step before V. Named barriers 1 and 2 pass the turn to issue tensor-core work
+// between the consumers.
 // Registers: ptxas allocates every role to the 168 per thread of a 384-thread CTA; setmaxnreg then hands the
 // producer's unused share to the consumers at run time.
 constexpr int kWsStages = 3;
@@ -868,10 +873,9 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&p)[8][4]) {
     }
 }
 
-// TURNS: the consumers take turns on the tensor cores (named barriers); without, they run freely (for comparison).
 // TMA: one producer thread loads with TMA boxes through the tensor maps (q, k, v, k prefix, v prefix); else the
 // producer warpgroup copies with cp.async.
-template <bool TURNS, bool TMA>
+template <bool TMA>
 __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int batch, const int* __restrict__ key_limit,
                                                   int64_t key_limit_batch_stride, const int* __restrict__ key_pad,
                                                   float scale_log2, const TmaMap* tm_q = nullptr,
@@ -976,13 +980,9 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     // bar.arrive of the other (consumer 1 opens consumer 0's first turn and skips its own last hand-over).
     const int issue_points = num_tiles > 0 ? num_tiles + 1 : 0;
     int point = 0;
-    auto take_turn = [&]() {
-        if (TURNS) named_barrier_sync(my_turn, kConsumerThreads);
-    };
+    auto take_turn = [&]() { named_barrier_sync(my_turn, kConsumerThreads); };
     auto pass_turn = [&]() {
-        if (TURNS && !(consumer == 1 && point == issue_points - 1)) {
-            named_barrier_arrive(other_turn, kConsumerThreads);
-        }
+        if (!(consumer == 1 && point == issue_points - 1)) named_barrier_arrive(other_turn, kConsumerThreads);
         ++point;
     };
     auto wait_landed = [&](int kind, int tile) {
@@ -996,7 +996,7 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     };
     auto k_tile = [&](int tile) { return smem_k + (tile % kWsStages) * kSm90TileBytes; };
     auto v_tile = [&](int tile) { return smem_v + (tile % kWsStages) * kSm90TileBytes; };
-    if (TURNS && consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
+    if (consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
 
     // A turn: O += P V of the previous tile, then S = Q K^T of this one, back to back on the tensor cores while the
     // other warpgroup runs its softmax. Only one of S and P is live at a time, which keeps the registers under the
@@ -1097,8 +1097,7 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
     }
 
 QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, 256, attention_sm90)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, (attention_sm90_ws<true, false>))
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws_free, 384, (attention_sm90_ws<false, false>))
+QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, attention_sm90_ws<false>)
 
 // The warp-specialised kernel loading through TMA: the arguments above, then five tensor maps (q, k, v, k prefix,
 // v prefix; bf16, boxes of 64 columns x 128 rows, 128-byte swizzle, zero fill; dims {row width, rows, batch}).
@@ -1112,7 +1111,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qi_attention_d128_sm90_tma(
     const __grid_constant__ TmaMap tm_k, const __grid_constant__ TmaMap tm_v, const __grid_constant__ TmaMap tm_kp,
     const __grid_constant__ TmaMap tm_vp) {
 #if defined(QI_HAS_WGMMA)
-    attention_sm90_ws<true, true>(
+    attention_sm90_ws<true>(
         sm90_operands(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, prefix_row_stride,
                       prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, o_row_stride, num_queries,
                       num_keys, num_heads, num_kv_heads),

@@ -79,8 +79,6 @@ pub enum AttentionTile {
     /// while two consumer warpgroups take turns on the tensor cores, so one's softmax overlaps the other's
     /// GEMMs (225 KiB, 384 threads). Bit-identical to [`AttentionTile::Sm90`].
     Sm90Ws,
-    /// [`AttentionTile::Sm90Ws`] without the turn-taking: the consumer warpgroups issue freely (for comparison).
-    Sm90WsFree,
     /// [`AttentionTile::Sm90Ws`] loading through TMA tensor maps (one producer thread, 128-row boxes in the
     /// 128-byte swizzle). The cached prefix is tiled on its own, so with a prefix that is not a multiple of 128
     /// keys it rounds differently from the other 128-key tiles (see [`AttentionTile::reduction_order`]). Operands
@@ -90,14 +88,13 @@ pub enum AttentionTile {
 
 impl AttentionTile {
     /// Every tile shape, for benchmarks.
-    pub const ALL: [AttentionTile; 8] = [
+    pub const ALL: [AttentionTile; 7] = [
         AttentionTile::W8S2,
         AttentionTile::W8S3,
         AttentionTile::W4S2,
         AttentionTile::W4S3,
         AttentionTile::Sm90,
         AttentionTile::Sm90Ws,
-        AttentionTile::Sm90WsFree,
         AttentionTile::Sm90Tma,
     ];
 
@@ -105,10 +102,7 @@ impl AttentionTile {
     pub fn needs_sm90(self) -> bool {
         matches!(
             self,
-            AttentionTile::Sm90
-                | AttentionTile::Sm90Ws
-                | AttentionTile::Sm90WsFree
-                | AttentionTile::Sm90Tma
+            AttentionTile::Sm90 | AttentionTile::Sm90Ws | AttentionTile::Sm90Tma
         )
     }
 
@@ -142,7 +136,6 @@ impl AttentionTile {
             AttentionTile::W4S3 => "qi_attention_d128_w4s3",
             AttentionTile::Sm90 => "qi_attention_d128_sm90",
             AttentionTile::Sm90Ws => "qi_attention_d128_sm90_ws",
-            AttentionTile::Sm90WsFree => "qi_attention_d128_sm90_ws_free",
             AttentionTile::Sm90Tma => "qi_attention_d128_sm90_tma",
         }
     }
@@ -151,7 +144,7 @@ impl AttentionTile {
     pub fn warps(self) -> u32 {
         match self {
             AttentionTile::W8S2 | AttentionTile::W8S3 | AttentionTile::Sm90 => 8,
-            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree | AttentionTile::Sm90Tma => 12,
+            AttentionTile::Sm90Ws | AttentionTile::Sm90Tma => 12,
             AttentionTile::W4S2 | AttentionTile::W4S3 => 4,
         }
     }
@@ -163,7 +156,6 @@ impl AttentionTile {
             AttentionTile::W8S3
             | AttentionTile::W4S3
             | AttentionTile::Sm90Ws
-            | AttentionTile::Sm90WsFree
             | AttentionTile::Sm90Tma => 3,
         }
     }
@@ -171,7 +163,7 @@ impl AttentionTile {
     /// Query rows per CTA (16 per computing warp).
     pub fn rows(self) -> u32 {
         match self {
-            AttentionTile::Sm90Ws | AttentionTile::Sm90WsFree | AttentionTile::Sm90Tma => 128,
+            AttentionTile::Sm90Ws | AttentionTile::Sm90Tma => 128,
             _ => self.warps() * 16,
         }
     }

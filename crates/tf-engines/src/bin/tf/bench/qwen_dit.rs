@@ -198,7 +198,6 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     for tile in [
         AttentionTile::Sm90,
         AttentionTile::Sm90Ws,
-        AttentionTile::Sm90WsFree,
         AttentionTile::Sm90Tma,
     ] {
         if tile == default_tile || dit.set_attention_tile(tile).is_err() {
