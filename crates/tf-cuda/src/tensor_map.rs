@@ -153,8 +153,12 @@ pub fn encode_bf16_tiles(ctx: &Context, t: &Bf16Tiles) -> Result<TensorMap, Erro
     check_bf16_tiles(t)?;
     let driver = ctx.driver();
     // SAFETY: the signature is the one cuda.h declares for this symbol; only the address is read.
-    let encode = unsafe { driver.library().get::<EncodeTiled>(b"cuTensorMapEncodeTiled\0") }
-        .map_err(|_| Error::Driver(tf_sys::Error::MissingSymbol { name: SYMBOL }))?;
+    let encode = unsafe {
+        driver
+            .library()
+            .get::<EncodeTiled>(b"cuTensorMapEncodeTiled\0")
+    }
+    .map_err(|_| Error::Driver(tf_sys::Error::MissingSymbol { name: SYMBOL }))?;
     // A batch of one never steps: give it a stride the driver accepts whatever the caller passed.
     let batch_stride = if t.batch == 1 {
         t.row_stride_bytes * t.rows
