@@ -676,3 +676,30 @@ proptest! {
         prop_assert_eq!(usage().device, before.device);
     }
 }
+
+#[test]
+fn tensor_maps_check_operands_first_and_name_a_driver_without_the_entry_point() {
+    use tf_cuda::tensor_map::{encode_bf16_tiles, Bf16Tiles};
+    let fx = Fixture::new();
+    let ctx = fx.context();
+    let tiles = Bf16Tiles {
+        base: 0x10_0000,
+        cols: 4096,
+        rows: 4096,
+        batch: 1,
+        row_stride_bytes: 8192,
+        batch_stride_bytes: 0,
+        box_cols: 64,
+        box_rows: 128,
+    };
+    // A misaligned row stride is refused before the driver is asked.
+    let bad = Bf16Tiles {
+        row_stride_bytes: 8200,
+        ..tiles
+    };
+    let err = encode_bf16_tiles(&ctx, &bad).expect_err("misaligned stride");
+    assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+    // The test driver has no cuTensorMapEncodeTiled: the error says which entry point is missing.
+    let err = encode_bf16_tiles(&ctx, &tiles).expect_err("no TMA in the test driver");
+    assert!(err.to_string().contains("cuTensorMapEncodeTiled"), "{err}");
+}
