@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 
 use tf_cuda::launch::{Args, LaunchConfig};
-use tf_cuda::tensor_map::{check_bf16_tiles, encode_bf16_tiles, Bf16Tiles};
+use tf_cuda::tensor_map::{encode_bf16_tiles, Bf16Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Function, Module, Stream};
 
 /// Name of the kernel set holding the elementwise and normalisation kernels.
@@ -81,8 +81,7 @@ pub enum AttentionTile {
     Sm90Ws,
     /// [`AttentionTile::Sm90Ws`] loading through TMA tensor maps (one producer thread, 128-row boxes in the
     /// 128-byte swizzle). The cached prefix is tiled on its own, so with a prefix that is not a multiple of 128
-    /// keys it rounds differently from the other 128-key tiles (see [`AttentionTile::reduction_order`]). Operands
-    /// TMA cannot address run [`AttentionTile::Sm90Ws`] instead.
+    /// keys it rounds differently from the other 128-key tiles (see [`AttentionTile::reduction_order`]).
     Sm90Tma,
 }
 
@@ -1242,9 +1241,9 @@ pub fn plan_attention(
 }
 
 /// [`plan_attention`] for [`AttentionTile::Sm90Tma`]: the same arguments followed by the five tensor maps the
-/// kernel loads through (q, k, v, k prefix, v prefix; the current k/v stand in for an absent prefix). Operands TMA
-/// cannot address (a base not 16-byte aligned, a stride not a multiple of 8 elements) get the
-/// [`AttentionTile::Sm90Ws`] launch instead, which takes the same leading arguments and copies with cp.async.
+/// kernel loads through (q, k, v, k prefix, v prefix; the current k/v stand in for an absent prefix).
+/// [`plan_attention`]'s operand rules (16-byte aligned bases, strides in multiples of 8 elements) are the ones
+/// TMA needs, so every operand it accepts can be mapped.
 pub fn plan_attention_tma(
     ctx: &Context,
     shape: AttentionShape,
@@ -1284,9 +1283,6 @@ pub fn plan_attention_tma(
         tiles(kp, kv_width, prefix_rows, prefix_strides),
         tiles(vp, kv_width, prefix_rows, prefix_strides),
     ];
-    if specs.iter().any(|spec| check_bf16_tiles(spec).is_err()) {
-        return plan_attention(AttentionTile::Sm90Ws, shape, inputs, o, o_strides);
-    }
     for spec in &specs {
         launch.args.push(encode_bf16_tiles(ctx, spec)?.words());
     }
@@ -1771,6 +1767,59 @@ impl QwenImageKernels {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The TMA launch on the test driver (host memory; it has no cuTensorMapEncodeTiled): bad operands are refused
+    /// by the common checks before any map is made; good ones ask the driver, whose missing entry point is named.
+    #[test]
+    fn tma_attention_checks_operands_then_asks_the_driver_for_maps() {
+        use std::sync::Arc;
+        let _serial = tf_testdriver::test_lock();
+        let path = tf_testdriver::library_path().expect("find the test driver");
+        let driver = Arc::new(tf_cuda::Driver::open_path(&path).expect("open it"));
+        let ctx = Context::new(driver, 0).expect("context on device 0");
+        let (heads, rows) = (2usize, 40usize);
+        let width = heads * HEAD_DIM;
+        let plan = |row: usize| {
+            let buf = |n: usize| tf_cuda::DeviceBuffer::alloc(&ctx, n * row * BF16).expect("alloc");
+            let (q, k, v, mut o) = (buf(rows), buf(rows), buf(rows), buf(rows));
+            let (qv, kv, vv) = (q.view(), k.view(), v.view());
+            let strides = Strides {
+                batch: rows * row,
+                row,
+            };
+            let inputs = AttentionInputs {
+                q: &qv,
+                q_strides: strides,
+                prefix: None,
+                k: &kv,
+                v: &vv,
+                kv_strides: strides,
+                key_limit: None,
+                key_pad: None,
+                scale: 0.125,
+            };
+            let shape = AttentionShape {
+                batch: 1,
+                num_queries: rows,
+                num_keys: rows,
+                prefix_len: 0,
+                num_heads: heads,
+                num_kv_heads: heads,
+            };
+            let o_strides = Strides {
+                batch: rows * width,
+                row: width,
+            };
+            plan_attention_tma(&ctx, shape, &inputs, &o.view_mut(), o_strides)
+                .map(|l| (l.kernel, l.args.len()))
+        };
+        // Rows 4 elements longer than the heads: strides TMA (and every attention kernel) cannot step by.
+        let err = plan(width + 4).expect_err("strides of 260 elements");
+        assert!(err.to_string().contains("multiples of 8 elements"), "{err}");
+        // Good operands reach the driver, which here lacks the entry point: the error names it.
+        let err = plan(width).expect_err("the test driver has no TMA");
+        assert!(err.to_string().contains("cuTensorMapEncodeTiled"), "{err}");
+    }
 
     #[test]
     fn tile_shared_memory_matches_the_kernel_layout() {
