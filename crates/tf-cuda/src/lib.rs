@@ -4,7 +4,8 @@
 //! capture as a guard ([`graph::Capture`]), loaded GPU code ([`Module`], [`Function`]),
 //! launches with arguments packed at C alignment ([`Args`], [`LaunchConfig`]), device and
 //! pinned host memory ([`DeviceBuffer`], [`HostBuffer`]) with borrowed views, copies and fills,
-//! and process-wide accounting ([`usage()`]).
+//! process-wide accounting ([`usage()`]), cuBLASLt GEMMs with cached (optionally timed) plans
+//! ([`cublaslt`]) and TMA tensor maps for sm_90 kernels ([`tensor_map`]).
 //!
 //! Invariants:
 //! - Only this crate calls tf-sys; every driver call goes through one checked path per context.
