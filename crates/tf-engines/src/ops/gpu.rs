@@ -380,7 +380,12 @@ pub(crate) fn to_u32(op: &str, name: &str, value: usize) -> Result<u32, tf_cuda:
 
 /// Checks a bf16 matrix operand: fits the view, 16-byte aligned address, cols and stride multiples of 8,
 /// stride >= cols.
-fn check_matrix(op: &str, name: &str, operand: Operand, m: Matrix) -> Result<(), tf_cuda::Error> {
+pub(crate) fn check_matrix(
+    op: &str,
+    name: &str,
+    operand: Operand,
+    m: Matrix,
+) -> Result<(), tf_cuda::Error> {
     if m.stride < m.cols {
         return Err(invalid(
             op,
@@ -416,11 +421,21 @@ fn check_matrix(op: &str, name: &str, operand: Operand, m: Matrix) -> Result<(),
 }
 
 fn check_aligned(op: &str, name: &str, operand: Operand) -> Result<(), tf_cuda::Error> {
-    if !operand.addr.is_multiple_of(16) {
+    check_aligned_to(op, name, operand, 16)
+}
+
+/// Refuses an operand whose device address is not a multiple of `align` bytes.
+pub(crate) fn check_aligned_to(
+    op: &str,
+    name: &str,
+    operand: Operand,
+    align: u64,
+) -> Result<(), tf_cuda::Error> {
+    if !operand.addr.is_multiple_of(align) {
         return Err(invalid(
             op,
             format!(
-                "{name}: device address {:#x} is not 16-byte aligned",
+                "{name}: device address {:#x} is not {align}-byte aligned",
                 operand.addr
             ),
         ));

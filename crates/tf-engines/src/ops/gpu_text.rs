@@ -20,8 +20,8 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use crate::ops::gpu::{
-    check_bytes, invalid, plan_weighted_row_norm, to_i32, to_u32, Launch, LoadKernelsError,
-    LoadedSet, Matrix, Operand, HEAD_DIM,
+    check_aligned_to, check_bytes, check_matrix, invalid, plan_weighted_row_norm, to_i32, to_u32,
+    Launch, LoadKernelsError, LoadedSet, Matrix, Operand, HEAD_DIM,
 };
 
 /// Name of the kernel set.
@@ -39,52 +39,6 @@ const TEXT_KERNELS: &[&str] = &[
     "qt_qk_norm_rope_half",
     "qt_fill_uniform",
 ];
-
-fn check_aligned(op: &str, name: &str, operand: Operand, align: u64) -> Result<(), tf_cuda::Error> {
-    if !operand.addr.is_multiple_of(align) {
-        return Err(invalid(
-            op,
-            format!(
-                "{name}: device address {:#x} is not {align}-byte aligned",
-                operand.addr
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// A bf16 matrix operand: fits the view, 16-byte aligned, cols and stride multiples of 8, stride >= cols.
-fn check_matrix(op: &str, name: &str, operand: Operand, m: Matrix) -> Result<(), tf_cuda::Error> {
-    if m.stride < m.cols {
-        return Err(invalid(
-            op,
-            format!(
-                "{name}: row stride {} is less than its {} columns",
-                m.stride, m.cols
-            ),
-        ));
-    }
-    if !m.cols.is_multiple_of(8) || !m.stride.is_multiple_of(8) {
-        return Err(invalid(
-            op,
-            format!(
-                "{name}: columns ({}) and row stride ({}) must be multiples of 8 elements (16-byte rows)",
-                m.cols, m.stride
-            ),
-        ));
-    }
-    check_aligned(op, name, operand, 16)?;
-    let span = if m.rows == 0 || m.cols == 0 {
-        Some(0)
-    } else {
-        (m.rows - 1)
-            .checked_mul(m.stride)
-            .and_then(|n| n.checked_add(m.cols))
-            .and_then(|n| n.checked_mul(BF16))
-    }
-    .ok_or_else(|| invalid(op, format!("{name}: {m:?} overflows the address space")))?;
-    check_bytes(op, name, operand, span)
-}
 
 fn row_grid(op: &str, rows: usize, cols: usize) -> Result<LaunchConfig, tf_cuda::Error> {
     let chunks = cols.div_ceil(8).div_ceil(ROW_THREADS as usize).max(1);
@@ -118,7 +72,7 @@ pub fn plan_embed_gather(
         ));
     }
     check_matrix(OP, "table", Operand::of(table), Matrix::dense(vocab, cols))?;
-    check_aligned(OP, "ids", Operand::of(ids), 4)?;
+    check_aligned_to(OP, "ids", Operand::of(ids), 4)?;
     check_bytes(OP, "ids", Operand::of(ids), rows.saturating_mul(4))?;
     check_matrix(
         OP,
@@ -253,7 +207,7 @@ pub fn plan_qk_norm_rope_half(op_args: &QkNormRope<'_, '_>) -> Result<Launch, tf
     };
     for (name, table) in [("rope_cos", a.rope_cos), ("rope_sin", a.rope_sin)] {
         // Each lane reads four consecutive f32 as one 16-byte load.
-        check_aligned(OP, name, Operand::of(table), 16)?;
+        check_aligned_to(OP, name, Operand::of(table), 16)?;
         check_bytes(OP, name, Operand::of(table), rope_bytes)?;
     }
     let items = rows
@@ -294,7 +248,7 @@ pub fn plan_fill_uniform(
             format!("offset {offset} and scale {scale} must be finite"),
         ));
     }
-    check_aligned(OP, "out", Operand::of_mut(out), 2)?;
+    check_aligned_to(OP, "out", Operand::of_mut(out), 2)?;
     let bytes = n
         .checked_mul(BF16)
         .ok_or_else(|| invalid(OP, "n overflows"))?;
