@@ -138,6 +138,44 @@ __device__ __forceinline__ KeyWindows key_windows(int row_a, int row_b, int batc
     return KeyWindows{limit_a, limit_b, window_min, window_max, pad_begin, pad_end};
 }
 
+// Normalises this thread's two rows by their softmax sums, stages the warp's 16 rows (from `warp_row0` of the CTA's
+// tile) in the Q tile through `swz` (the tile's swizzle; the warp's reads of those rows are complete), then stores
+// them as 16-byte chunks. acc(n, e): element e of column block n, as the mma.sync and wgmma accumulators both lay
+// out a thread's two rows (e < 2: row a, else row b + 8).
+template <typename Acc, typename Swizzle>
+__device__ __forceinline__ void store_output_rows(Acc acc, Swizzle swz, float sum_a, float sum_b, uint32_t smem_q,
+                                                  int warp_row0, int lane, int q0, int num_queries, bf16* o_base,
+                                                  int o_row_stride) {
+    const float total_a = quad_sum(sum_a);
+    const float total_b = quad_sum(sum_b);
+    const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
+    const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
+    const int local_a = warp_row0 + (lane >> 2);
+    const uint32_t in_chunk = (lane & 3) * 4;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const uint32_t lo = pack_bf16(acc(n, 0) * inv_a, acc(n, 1) * inv_a);
+        const uint32_t hi = pack_bf16(acc(n, 2) * inv_b, acc(n, 3) * inv_b);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swz(local_a, n) + in_chunk), "r"(lo));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swz(local_a + 8, n) + in_chunk), "r"(hi));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int idx = lane + i * 32;
+        const int r = warp_row0 + (idx >> 4);
+        const int c = idx & 15;
+        const int row = q0 + r;
+        if (row < num_queries) {
+            uint4 v4;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
+                         : "r"(smem_q + swz(r, c)));
+            *reinterpret_cast<uint4*>(o_base + static_cast<int64_t>(row) * o_row_stride + c * 8) = v4;
+        }
+    }
+}
+
 template <int WARPS, int STAGES>
 __device__ __forceinline__ void attention_tile(
     const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
@@ -349,35 +387,9 @@ __device__ __forceinline__ void attention_tile(
     cp_async_wait<0>();
     __syncthreads();
 
-    // Normalise, stage this warp's 16 rows in its own slice of the Q buffer, then store 16-byte chunks.
-    const float total_a = quad_sum(sum_a);
-    const float total_b = quad_sum(sum_b);
-    const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
-    const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
-    const int local_a = warp * 16 + group;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-        const uint32_t lo = pack_bf16(acc[n][0] * inv_a, acc[n][1] * inv_a);
-        const uint32_t hi = pack_bf16(acc[n][2] * inv_b, acc[n][3] * inv_b);
-        const uint32_t in_chunk = quad * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swizzle(local_a, n) + in_chunk), "r"(lo));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swizzle(local_a + 8, n) + in_chunk), "r"(hi));
-    }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int idx = lane + i * 32;
-        const int r = warp * 16 + (idx >> 4);
-        const int c = idx & 15;
-        const int row = q0 + r;
-        if (row < num_queries) {
-            uint4 v4;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
-                         : "r"(smem_q + swizzle(r, c)));
-            *reinterpret_cast<uint4*>(o_base + static_cast<int64_t>(row) * o_row_stride + c * 8) = v4;
-        }
-    }
+    // Stage this warp's 16 rows in its own slice of the Q buffer, then store them.
+    store_output_rows([&](int n, int e) { return acc[n][e]; }, [](int r, int c) { return swizzle(r, c); }, sum_a,
+                      sum_b, smem_q, warp * 16, lane, q0, num_queries, o_base, o_row_stride);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -688,34 +700,8 @@ struct Sm90Rows {
     // Normalises, stages this warp's 16 rows (first row `warp_row0` of the CTA tile) in the same rows of the Q tile
     // (this warpgroup's reads of them are complete), then stores 16-byte chunks.
     __device__ __forceinline__ void store(const Sm90Operands& op, uint32_t smem_q, int q0, int warp_row0, int lane) {
-        const float total_a = quad_sum(sum_a);
-        const float total_b = quad_sum(sum_b);
-        const float inv_a = total_a > 0.0f ? 1.0f / total_a : 0.0f;
-        const float inv_b = total_b > 0.0f ? 1.0f / total_b : 0.0f;
-        const int local_a = warp_row0 + (lane >> 2);
-#pragma unroll
-        for (int n = 0; n < 16; ++n) {
-            const uint32_t lo = pack_bf16(acc[4 * n] * inv_a, acc[4 * n + 1] * inv_a);
-            const uint32_t hi = pack_bf16(acc[4 * n + 2] * inv_b, acc[4 * n + 3] * inv_b);
-            const uint32_t in_chunk = quad * 4;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a, n) + in_chunk), "r"(lo));
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + sw128(local_a + 8, n) + in_chunk), "r"(hi));
-        }
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int idx = lane + i * 32;
-            const int r = warp_row0 + (idx >> 4);
-            const int c = idx & 15;
-            const int row = q0 + r;
-            if (row < op.num_queries) {
-                uint4 v4;
-                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w)
-                             : "r"(smem_q + sw128(r, c)));
-                *reinterpret_cast<uint4*>(op.o + static_cast<int64_t>(row) * op.o_row_stride + c * 8) = v4;
-            }
-        }
+        store_output_rows([&](int n, int e) { return acc[4 * n + e]; }, [](int r, int c) { return sw128(r, c); },
+                          sum_a, sum_b, smem_q, warp_row0, lane, q0, op.num_queries, op.o, op.o_row_stride);
     }
 };
 
