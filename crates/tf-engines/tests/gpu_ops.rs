@@ -1,5 +1,5 @@
-//! GPU checks of the qwen_image kernels (`tf_engines::ops::gpu`) against the host reference
-//! (`tf_engines::ops::host`), on seeded random inputs at small, odd and real DiT sizes.
+//! GPU checks of the qwen_image kernels (`tf_engines::nn::gpu`) against the host reference
+//! (`tf_engines::nn::host`), on seeded random inputs at small, odd and real DiT sizes.
 //!
 //! Every comparison prints the op, the case, the max abs error, the relative L2 error and the tolerances.
 //! Tolerances follow from bf16 rounding: with unit roundoff U = 2^-8, a kernel that computes in f32 and rounds
@@ -9,11 +9,11 @@
 use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
-use tf_engines::ops::gpu::{
+use tf_engines::nn::gpu::{
     key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape, AttentionTile,
     Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels, Strides,
 };
-use tf_engines::ops::host;
+use tf_engines::nn::host;
 
 /// bf16 unit roundoff.
 const U: f64 = 1.0 / 256.0;

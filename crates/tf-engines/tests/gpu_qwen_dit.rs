@@ -13,11 +13,11 @@
 use std::sync::Arc;
 
 use tf_cuda::{Context, Driver};
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
+use tf_engines::nn::upload::StagingConfig;
 use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
 use tf_engines::qwen_image::dit_gpu::GpuDit;
 use tf_engines::qwen_image::dit_host::HostDit;
-use tf_engines::qwen_image::upload::StagingConfig;
-use tf_engines::tensor::{relative_l2, TensorF32};
 
 const REL_L2_MAX: f64 = 4e-2;
 const COSINE_MIN: f64 = 0.9995;

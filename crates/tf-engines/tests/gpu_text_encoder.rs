@@ -20,15 +20,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
-use tf_engines::ops::gpu::{AttentionTile, Matrix};
-use tf_engines::ops::gpu_text::{rotate_half_rope_tables, QkNormRope, TextKernels};
-use tf_engines::ops::host;
+use tf_engines::nn::gpu::text::{rotate_half_rope_tables, QkNormRope, TextKernels};
+use tf_engines::nn::gpu::{AttentionTile, Matrix};
+use tf_engines::nn::host;
+use tf_engines::nn::host::rope_rotate_half;
+use tf_engines::nn::tensor::{relative_l2, Tensor};
+use tf_engines::nn::upload::StagingConfig;
+use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir};
+use tf_engines::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig};
+use tf_engines::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use tf_engines::qwen_image::components::TextEncoderBackend;
-use tf_engines::qwen_image::text_encoder::{rope_rotate_half, HostTextEncoder, TextEncoderConfig};
-use tf_engines::qwen_image::text_encoder_gpu::GpuTextEncoder;
-use tf_engines::qwen_image::upload::StagingConfig;
-use tf_engines::tensor::{relative_l2, Tensor};
-use tf_engines::weights::{write_safetensors, AnyTensor, ModelDir};
 
 const REL_L2_MAX: f64 = 3e-2;
 const COSINE_MIN: f64 = 0.999;
@@ -122,7 +123,7 @@ fn assert_close(what: &str, ours: &[f32], reference: &[f32], rel_max: f64, cos_m
 
 /// Whether the attention kernels of this GPU include `tile` (a fresh load: the same rule the encoder uses).
 fn gpu_has_tile(ctx: &Context, tile: AttentionTile) -> bool {
-    tf_engines::ops::gpu::QwenImageKernels::load(ctx)
+    tf_engines::nn::gpu::QwenImageKernels::load(ctx)
         .map(|k| k.has_tile(tile))
         .unwrap_or(false)
 }

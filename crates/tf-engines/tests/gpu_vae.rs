@@ -13,11 +13,11 @@ use std::time::Instant;
 
 use serde_json::Value;
 use tf_cuda::{Context, Driver};
+use tf_engines::nn::tensor::{relative_l2, Tensor, TensorF32};
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::components::VaeBackend;
 use tf_engines::qwen_image::vae::{HostVaeDecoder, VaeConfig};
 use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
-use tf_engines::tensor::{relative_l2, Tensor, TensorF32};
-use tf_engines::weights::{ModelDir, SafetensorsFile};
 
 const REL_L2_MAX: f64 = 5e-2;
 const COSINE_MIN: f64 = 0.998;

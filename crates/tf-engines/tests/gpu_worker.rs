@@ -243,11 +243,11 @@ fn gpu_worker_exits_zero_at_end_of_input_while_loaded() {
 }
 
 /// `(width, height, rgba)` of a PNG file's bytes; panics (failing the test) on anything but 8-bit RGBA.
-fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::png::PngError> {
-    let image = tf_engines::png::decode_png(bytes)?;
+fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::nn::media::png::PngError> {
+    let image = tf_engines::nn::media::png::decode_png(bytes)?;
     assert_eq!(
         image.color,
-        tf_engines::png::ColorType::Rgba,
+        tf_engines::nn::media::png::ColorType::Rgba,
         "the worker writes RGBA"
     );
     Ok((image.width as u32, image.height as u32, image.pixels))

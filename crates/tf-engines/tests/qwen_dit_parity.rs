@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
+use tf_engines::nn::weights::SafetensorsFile;
 use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
 use tf_engines::qwen_image::dit_host::HostDit;
-use tf_engines::tensor::{relative_l2, TensorF32};
-use tf_engines::weights::SafetensorsFile;
 
 const TOLERANCE: f64 = 1e-5;
 

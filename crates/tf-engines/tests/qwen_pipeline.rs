@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-use tf_engines::png::{read_png, ColorType};
+use tf_engines::nn::media::png::{read_png, ColorType};
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::pipeline::{
     Backend, Limits, LoadOptions, Pipeline, PipelineError, Progress, Request,
 };
 use tf_engines::qwen_image::vae::HostVaeDecoder;
-use tf_engines::tensor::{relative_l2, TensorF32};
-use tf_engines::weights::{ModelDir, SafetensorsFile};
 use tf_tokenizer::templates::QwenImage21;
 use tf_tokenizer::Tokenizer;
 
@@ -140,13 +140,13 @@ fn host_pipeline_equals_diffusers_fp32() {
         // Our seeded generator against the script's independent implementation: bit-equal.
         let plan = pipeline.plan(&request).unwrap();
         let noise = expected.to_f32(&format!("{name}.noise")).unwrap();
-        let ours_noise = tf_engines::noise::packed_latents(
+        let ours_noise = tf_engines::nn::sampling::noise::packed_latents(
             request.seed,
             1,
             pipeline.latent_channels(),
             plan.latent_rows,
             plan.latent_cols,
-            tf_engines::sampler::LatentDtype::F32,
+            tf_engines::nn::sampling::flow_match::LatentDtype::F32,
         )
         .unwrap();
         assert_eq!(

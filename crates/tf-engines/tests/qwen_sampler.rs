@@ -5,9 +5,11 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
-use tf_engines::noise::{load_noise, normals, packed_latents};
-use tf_engines::sampler::{cfg_combine, LatentDtype, Schedule, SchedulerConfig, SigmaSource};
-use tf_engines::weights::SafetensorsFile;
+use tf_engines::nn::sampling::flow_match::{
+    cfg_combine, LatentDtype, Schedule, SchedulerConfig, SigmaSource,
+};
+use tf_engines::nn::sampling::noise::{load_noise, normals, packed_latents};
+use tf_engines::nn::weights::SafetensorsFile;
 
 fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_sampler")
@@ -153,8 +155,8 @@ fn noise_matches_the_independent_implementation() {
 
 #[test]
 fn injected_noise_accepts_the_draw_layouts() {
-    use tf_engines::tensor::Tensor;
-    use tf_engines::weights::{write_safetensors, AnyTensor};
+    use tf_engines::nn::tensor::Tensor;
+    use tf_engines::nn::weights::{write_safetensors, AnyTensor};
     let (b, c, h, w) = (2usize, 3usize, 2usize, 4usize);
     let packed = packed_latents(5, b, c, h, w, LatentDtype::F32).unwrap();
     // Build the (B, 1, C, h, w) layout the pipeline draws in, from the packed tensor.

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
-use tf_engines::qwen_image::text_encoder::HostTextEncoder;
-use tf_engines::tensor::relative_l2;
-use tf_engines::weights::{ModelDir, SafetensorsFile};
+use tf_engines::nn::tensor::relative_l2;
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
+use tf_engines::qwen3_vl::text_encoder::HostTextEncoder;
 
 const TOLERANCE: f64 = 1e-5;
 

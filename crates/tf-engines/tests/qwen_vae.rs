@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
+use tf_engines::nn::tensor::relative_l2;
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::vae::{to_u8_hwc, HostVaeDecoder};
-use tf_engines::tensor::relative_l2;
-use tf_engines::weights::{ModelDir, SafetensorsFile};
 
 const TOLERANCE: f64 = 1e-5;
 

@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
-use tf_engines::qwen_image::config::QwenImageDitConfig;
-use tf_engines::qwen_image::dit_host::HostDit;
-use tf_engines::tensor::Tensor;
-use tf_engines::weights::{
+use tf_engines::nn::tensor::Tensor;
+use tf_engines::nn::weights::{
     parse_header, write_safetensors, AnyTensor, HeaderError, ModelDir, WeightsError,
 };
+use tf_engines::qwen_image::config::QwenImageDitConfig;
+use tf_engines::qwen_image::dit_host::HostDit;
 
 fn corpus() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus")

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use tf_cuda::{Context, Driver, Stream};
+use tf_engines::nn::weights::ModelDir;
 use tf_engines::qwen_image::config::QwenImageDitConfig;
-use tf_engines::weights::ModelDir;
 use tf_testdriver::{library_path, test_lock};
 
 #[test]

@@ -753,11 +753,11 @@ fn the_tf_worker_dies_with_its_parent() {
 }
 
 /// `(width, height, rgba)` of a PNG file's bytes; panics (failing the test) on anything but 8-bit RGBA.
-fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::png::PngError> {
-    let image = tf_engines::png::decode_png(bytes)?;
+fn decode_rgba(bytes: &[u8]) -> Result<(u32, u32, Vec<u8>), tf_engines::nn::media::png::PngError> {
+    let image = tf_engines::nn::media::png::decode_png(bytes)?;
     assert_eq!(
         image.color,
-        tf_engines::png::ColorType::Rgba,
+        tf_engines::nn::media::png::ColorType::Rgba,
         "the worker writes RGBA"
     );
     Ok((image.width as u32, image.height as u32, image.pixels))

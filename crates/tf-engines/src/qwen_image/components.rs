@@ -5,9 +5,10 @@
 //! has its own trait, [`crate::qwen_image::dit::DitBackend`]. The host references implement these traits, and
 //! the GPU backends implement the same ones, so one pipeline runs on either.
 
-use crate::qwen_image::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
+use crate::nn::tensor::TensorF32;
+use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
+use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use crate::qwen_image::vae::{HostVaeDecoder, VaeConfig, VaeError};
-use crate::tensor::TensorF32;
 
 /// The Qwen3-VL text path as the pipeline uses it.
 pub trait TextEncoderBackend {
@@ -64,5 +65,19 @@ impl VaeBackend for HostVaeDecoder {
         w: usize,
     ) -> Result<TensorF32, VaeError> {
         HostVaeDecoder::decode_packed(self, packed, h, w)
+    }
+}
+
+impl TextEncoderBackend for GpuTextEncoder {
+    fn config(&self) -> &TextEncoderConfig {
+        GpuTextEncoder::config(self)
+    }
+
+    fn prompt_features(
+        &mut self,
+        ids: &[u32],
+        drop_rows: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
+        GpuTextEncoder::prompt_features(self, ids, drop_rows)
     }
 }

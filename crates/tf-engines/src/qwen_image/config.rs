@@ -3,7 +3,7 @@
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::weights::{TensorSpec, FLOAT_DTYPES};
+use crate::nn::weights::{TensorSpec, FLOAT_DTYPES};
 
 /// The diffusers class name this config describes.
 pub const CLASS_NAME: &str = "QwenImage21Transformer2DModel";

@@ -14,8 +14,8 @@ use std::path::Path;
 use thiserror::Error;
 
 use super::config::{ConfigError, QwenImageDitConfig, TOKENS_PER_SLOT};
-use crate::tensor::{ShapeError, Tensor, TensorF32};
-use crate::weights::{write_safetensors, AnyTensor, SafetensorsFile, WeightsError};
+use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
+use crate::nn::weights::{write_safetensors, AnyTensor, SafetensorsFile, WeightsError};
 
 /// Errors of a DiT forward.
 #[derive(Debug, Error)]

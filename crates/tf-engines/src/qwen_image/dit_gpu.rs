@@ -1,7 +1,7 @@
 //! The Qwen-Image 2.1 DiT on the GPU: bf16 storage, f32 accumulation, cuBLASLt GEMMs and the qwen_image kernels
-//! ([`crate::ops::gpu`]), behind the same [`DitBackend`] interface as the host reference.
+//! ([`crate::nn::gpu`]), behind the same [`DitBackend`] interface as the host reference.
 //!
-//! - Weights stream from the safetensors map through pinned staging ([`super::upload`]) into one device
+//! - Weights stream from the safetensors map through pinned staging ([`crate::nn::upload`]) into one device
 //!   allocation, in fused layouts: `q|k|v` as one `[3W, D]` weight, `gate|up` as one `[2F, D]`, and the shared
 //!   modulation with the output norm as one `[5D, D]` (`scale1|gate1|scale2|gate2|out_scale`).
 //! - Heads narrower than the kernels' 128 (the tiny test models) are zero-padded to 128 at upload; q and k rows
@@ -20,7 +20,7 @@
 //! use std::path::Path;
 //! use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
 //! use tf_engines::qwen_image::dit_gpu::GpuDit;
-//! use tf_engines::weights::{ModelDir, SafetensorsFile};
+//! use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 //!
 //! let mut dit = GpuDit::load(&ModelDir::open(Path::new("transformer"))?)?;
 //! println!("weights: {}", dit.load_stats());
@@ -41,15 +41,15 @@ use super::dit::{
     DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvMode, KvStep,
     TokenSource,
 };
-use super::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
-use crate::ops::gpu::{
+use crate::nn::gpu::{
     attention_flops, key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape,
     AttentionTile, Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels,
     Strides, HEAD_DIM,
 };
-use crate::ops::host;
-use crate::tensor::{Tensor, TensorF32};
-use crate::weights::{Dtype, ModelDir};
+use crate::nn::host;
+use crate::nn::tensor::{Tensor, TensorF32};
+use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
+use crate::nn::weights::{Dtype, ModelDir};
 
 const BF16: usize = 2;
 /// Alignment of every weight group and workspace slice.
@@ -178,12 +178,12 @@ impl Dims {
                 return unsupported(format!("{name} {v} is not a multiple of 8 (16-byte rows)"));
             }
         }
-        if dims.d > crate::ops::gpu::MAX_NORM_COLS || dims.ctx > crate::ops::gpu::MAX_NORM_COLS {
+        if dims.d > crate::nn::gpu::MAX_NORM_COLS || dims.ctx > crate::nn::gpu::MAX_NORM_COLS {
             return unsupported(format!(
                 "norms of {} / {} columns exceed the kernels' {}",
                 dims.d,
                 dims.ctx,
-                crate::ops::gpu::MAX_NORM_COLS
+                crate::nn::gpu::MAX_NORM_COLS
             ));
         }
         Ok(dims)

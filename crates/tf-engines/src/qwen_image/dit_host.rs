@@ -1,4 +1,4 @@
-//! The Qwen-Image 2.1 DiT on the host: f32, built from [`crate::ops::host`], the reference every other backend
+//! The Qwen-Image 2.1 DiT on the host: f32, built from [`crate::nn::host`], the reference every other backend
 //! is checked against.
 //!
 //! The forward follows `QwenImage21Transformer2DModel` (diffusers 0.42.1): `img_in` on the latents, `txt_in`
@@ -11,9 +11,9 @@ use super::config::{QwenImageDitConfig, ROPE_THETA, TIMESTEP_DIM};
 use super::dit::{
     DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvStep, TokenSource,
 };
-use crate::ops::host as ops;
-use crate::tensor::{Tensor, TensorF32};
-use crate::weights::{LoadStats, ModelDir};
+use crate::nn::host as ops;
+use crate::nn::tensor::{Tensor, TensorF32};
+use crate::nn::weights::{LoadStats, ModelDir};
 
 struct BlockWeights {
     to_q: Vec<f32>,
@@ -65,7 +65,7 @@ impl HostDit {
         let (mut tensors, load_stats) = model.load_f32(&names)?;
         let mut take = |name: &str| -> Result<Vec<f32>, DitError> {
             tensors.remove(name).map(Tensor::into_data).ok_or_else(|| {
-                DitError::Weights(crate::weights::WeightsError::MissingTensor {
+                DitError::Weights(crate::nn::weights::WeightsError::MissingTensor {
                     name: name.to_string(),
                     place: model.dir().display().to_string(),
                 })

@@ -6,7 +6,7 @@
 //! reports resident bytes and load time. [`Pipeline::generate`] checks the request before any work, then runs:
 //! template + tokenize, prompt features (and the negative prompt's with true CFG), the sigma schedule (dynamic shift
 //! from the folder's scheduler config, or the checkpoint's `sample_sigmas`), the initial noise (the portable
-//! generator of [`crate::noise`], or injected latents), the denoising steps (prefix KV cache extracted on step 0
+//! generator of [`crate::nn::sampling::noise`], or injected latents), the denoising steps (prefix KV cache extracted on step 0
 //! and reused after when the DiT has `causal_condition`, timestep rounded to the latent dtype, Euler, optional true
 //! CFG), and the VAE decode to 8-bit RGBA. Each phase is timed.
 //!
@@ -38,17 +38,17 @@ use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
 use super::dit::{DitBackend, DitError, DitInputs, KvStep};
 use super::dit_gpu::GpuDit;
 use super::dit_host::HostDit;
-use super::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
-use super::text_encoder_gpu::{check_supported, GpuTextEncoder};
-use super::upload::StagingConfig;
 use super::vae::{to_u8_hwc, HostVaeDecoder, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
-use crate::noise::{packed_latents, NoiseError};
-use crate::sampler::{
+use crate::nn::sampling::flow_match::{
     cfg_combine, latent_grid, LatentDtype, SamplerError, Schedule, SchedulerConfig, SigmaSource,
 };
-use crate::tensor::{ShapeError, Tensor, TensorF32};
-use crate::weights::{ModelDir, WeightsError};
+use crate::nn::sampling::noise::{packed_latents, NoiseError};
+use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
+use crate::nn::upload::StagingConfig;
+use crate::nn::weights::{ModelDir, WeightsError};
+use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
+use crate::qwen3_vl::text_encoder_gpu::{check_supported, GpuTextEncoder};
 
 /// The reference's default step count.
 pub const DEFAULT_STEPS: usize = 40;

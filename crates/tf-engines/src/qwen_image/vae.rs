@@ -18,8 +18,8 @@
 //! ```no_run
 //! use std::path::Path;
 //! use tf_engines::qwen_image::vae::HostVaeDecoder;
-//! use tf_engines::tensor::Tensor;
-//! use tf_engines::weights::ModelDir;
+//! use tf_engines::nn::tensor::Tensor;
+//! use tf_engines::nn::weights::ModelDir;
 //!
 //! let vae = HostVaeDecoder::load(&ModelDir::open(Path::new("vae"))?)?;
 //! let packed = Tensor::new(vec![1, 4 * 4, 64], vec![0f32; 16 * 64])?;
@@ -31,9 +31,9 @@
 use serde_json::Value;
 use thiserror::Error;
 
-use crate::ops::host;
-use crate::tensor::{ShapeError, Tensor, TensorF32};
-use crate::weights::{ModelDir, WeightsError};
+use crate::nn::host;
+use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
+use crate::nn::weights::{ModelDir, WeightsError};
 
 /// The diffusers class this decoder reproduces.
 pub const CLASS_NAME: &str = "AutoencoderKLQwenImage21";

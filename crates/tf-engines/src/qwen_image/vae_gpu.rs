@@ -21,8 +21,8 @@
 //! use std::path::Path;
 //! use tf_engines::qwen_image::components::VaeBackend;
 //! use tf_engines::qwen_image::vae_gpu::GpuVaeDecoder;
-//! use tf_engines::tensor::Tensor;
-//! use tf_engines::weights::ModelDir;
+//! use tf_engines::nn::tensor::Tensor;
+//! use tf_engines::nn::weights::ModelDir;
 //!
 //! let mut vae = GpuVaeDecoder::load(&ModelDir::open(Path::new("vae"))?)?;
 //! let packed = Tensor::new(vec![1, 64 * 64, 64], vec![0f32; 64 * 64 * 64])?;
@@ -38,13 +38,13 @@ use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 
 use super::components::VaeBackend;
 use super::vae::{VaeConfig, VaeError};
-use crate::ops::gpu::Launch;
-use crate::ops::gpu_vae::{
+use crate::nn::gpu::Launch;
+use crate::nn::tensor::{Tensor, TensorF32};
+use crate::nn::weights::{ModelDir, WeightsError};
+use crate::qwen_image::vae_ops::{
     padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_planes_clamp,
     plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, VaeKernels,
 };
-use crate::tensor::{Tensor, TensorF32};
-use crate::weights::{ModelDir, WeightsError};
 
 const BF16: usize = 2;
 const F32: usize = 4;

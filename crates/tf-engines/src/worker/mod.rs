@@ -598,10 +598,10 @@ fn prepare_target(target: &OutputTarget, count: u32) -> Result<Vec<(PathBuf, Str
 
 /// Writes `image` as a PNG through a temporary file renamed into place, so a reader never sees half a file.
 fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(), String> {
-    let bytes = crate::png::encode_png(
+    let bytes = crate::nn::media::png::encode_png(
         image.width() as usize,
         image.height() as usize,
-        crate::png::ColorType::Rgba,
+        crate::nn::media::png::ColorType::Rgba,
         image.pixels(),
     )
     .map_err(|e| e.to_string())?;

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::dit::DitInputs;
-use tf_engines::weights::{ModelDir, SafetensorsFile};
 
 pub fn fixtures() -> PathBuf {
     // The GPU bundle copies the fixtures next to run.sh and exports its folder.

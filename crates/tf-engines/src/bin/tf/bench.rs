@@ -10,7 +10,7 @@ use std::process::{Command, ExitCode};
 use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
-use tf_engines::ops::gpu::{
+use tf_engines::nn::gpu::{
     attention_flops, AttentionInputs, AttentionShape, AttentionTile, QwenImageKernels, Strides,
 };
 

@@ -207,10 +207,10 @@ fn examine_driver(driver: &Arc<Driver>, report: &mut Report) {
 }
 
 fn kernel_report() -> KernelReport {
-    let sets = tf_engines::kernels::sets();
+    let sets = tf_engines::nn::kernels::sets();
     KernelReport {
         embedded_sets: sets.len(),
-        nvcc_release: tf_engines::kernels::manifest_json().and_then(nvcc_release),
+        nvcc_release: tf_engines::nn::kernels::manifest_json().and_then(nvcc_release),
         sets: sets
             .iter()
             .map(|s| KernelSetReport {
@@ -227,7 +227,7 @@ const JIT: &str = "PTX (JIT at load)";
 const NONE: &str = "none";
 
 fn kernel_support(major: i32, minor: i32) -> BTreeMap<String, String> {
-    tf_engines::kernels::sets()
+    tf_engines::nn::kernels::sets()
         .iter()
         .map(|set| {
             let native = match (u32::try_from(major), u32::try_from(minor)) {

@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
+use tf_engines::nn::tensor::TensorF32;
+use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvStep};
 use tf_engines::qwen_image::dit_gpu::GpuDit;
 use tf_engines::qwen_image::dit_host::HostDit;
-use tf_engines::tensor::TensorF32;
-use tf_engines::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {

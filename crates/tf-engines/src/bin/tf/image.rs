@@ -7,13 +7,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use serde_json::json;
-use tf_engines::noise::load_noise;
-use tf_engines::png::{write_png, ColorType};
+use tf_engines::nn::media::png::{write_png, ColorType};
+use tf_engines::nn::sampling::flow_match::latent_grid;
+use tf_engines::nn::sampling::noise::load_noise;
+use tf_engines::nn::weights::{write_safetensors, AnyTensor};
 use tf_engines::qwen_image::pipeline::{
     Backend, LoadOptions, Pipeline, PipelineError, Progress, Request,
 };
-use tf_engines::sampler::latent_grid;
-use tf_engines::weights::{write_safetensors, AnyTensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendArg {
@@ -98,11 +98,11 @@ enum ImageError {
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
-    Png(#[from] tf_engines::png::PngError),
+    Png(#[from] tf_engines::nn::media::png::PngError),
     #[error(transparent)]
-    Noise(#[from] tf_engines::noise::NoiseError),
+    Noise(#[from] tf_engines::nn::sampling::noise::NoiseError),
     #[error(transparent)]
-    Weights(#[from] tf_engines::weights::WeightsError),
+    Weights(#[from] tf_engines::nn::weights::WeightsError),
 }
 
 fn image(args: &Args) -> Result<(), ImageError> {
@@ -147,8 +147,8 @@ fn image(args: &Args) -> Result<(), ImageError> {
     if let Some(path) = &args.noise {
         let (rows, cols) = latent_grid(height, width);
         let channels = pipeline.latent_channels();
-        let file = tf_engines::weights::SafetensorsFile::open(path)
-            .map_err(tf_engines::noise::NoiseError::from)?;
+        let file = tf_engines::nn::weights::SafetensorsFile::open(path)
+            .map_err(tf_engines::nn::sampling::noise::NoiseError::from)?;
         let name = ["latents", "noise"]
             .into_iter()
             .find(|n| file.contains(n))

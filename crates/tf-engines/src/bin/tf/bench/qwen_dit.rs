@@ -7,11 +7,11 @@
 use std::path::Path;
 
 use tf_cuda::cublaslt::AlgoSelection;
-use tf_engines::ops::gpu::AttentionTile;
+use tf_engines::nn::gpu::AttentionTile;
+use tf_engines::nn::tensor::Tensor;
+use tf_engines::nn::weights::ModelDir;
 use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
 use tf_engines::qwen_image::dit_gpu::{GpuDit, PhaseTimes, PhaseWork};
-use tf_engines::tensor::Tensor;
-use tf_engines::weights::ModelDir;
 
 use super::{BoxError, QwenDitArgs};
 

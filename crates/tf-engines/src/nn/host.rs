@@ -8,7 +8,7 @@
 //! Modulated ops take a table of modulation rows (`[n_mod, cols]`) and a row index per token (`row_mod`), which
 //! is how a joint sequence mixes per-sample rows (target tokens) and the `t = 0` row (prefix tokens).
 
-use crate::tensor::ShapeError;
+use crate::nn::tensor::ShapeError;
 
 fn check_len(what: &str, slice_len: usize, expected: usize) -> Result<(), ShapeError> {
     if slice_len == expected {
@@ -510,6 +510,78 @@ pub fn timestep_embedding(
         }
         if dim % 2 == 1 {
             row[dim - 1] = 0.0;
+        }
+    }
+    Ok(())
+}
+
+/// Cos/sin tables `[rows, head_dim / 2]` for rotate-half RoPE at positions `offset..offset + rows`: angle
+/// `f32(pos) * inv_freq` rounded to f32 as the reference computes it.
+pub fn rotate_half_tables(
+    rows: usize,
+    offset: usize,
+    head_dim: usize,
+    theta: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let inv = rope_inverse_frequencies(head_dim, theta);
+    let mut cos = Vec::with_capacity(rows * inv.len());
+    let mut sin = Vec::with_capacity(rows * inv.len());
+    for r in 0..rows {
+        let pos = (offset + r) as f32;
+        for &f in &inv {
+            let angle = f64::from(pos * f);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotate-half RoPE in place (the transformers layout): for each token and head, with `half = head_dim / 2`,
+/// `(x[j], x[j + half]) -> (x[j] cos - x[j + half] sin, x[j + half] cos + x[j] sin)`, each product and sum
+/// rounded to f32 as the reference's `q * cos + rotate_half(q) * sin` does. `x` is `[tokens, heads, head_dim]`,
+/// tables `[tokens, head_dim / 2]`.
+pub fn rope_rotate_half(
+    x: &mut [f32],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(), ShapeError> {
+    let half = head_dim / 2;
+    let expected = tokens
+        .checked_mul(heads)
+        .and_then(|n| n.checked_mul(head_dim));
+    if !head_dim.is_multiple_of(2) || expected != Some(x.len()) {
+        return Err(ShapeError::new(
+            "rope_rotate_half x",
+            format!("{tokens} x {heads} x {head_dim} elements with an even head_dim"),
+            format!("{}", x.len()),
+        ));
+    }
+    if cos.len() != tokens * half || sin.len() != tokens * half {
+        return Err(ShapeError::new(
+            "rope_rotate_half tables",
+            format!("{} elements each", tokens * half),
+            format!("cos {}, sin {}", cos.len(), sin.len()),
+        ));
+    }
+    if head_dim == 0 || heads == 0 {
+        return Ok(());
+    }
+    for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        let (c_row, s_row) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for head in token.chunks_exact_mut(head_dim) {
+            let (lo, hi) = head.split_at_mut(half);
+            for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(c_row).zip(s_row) {
+                let (x1, x2) = (*a, *b);
+                *a = x1 * c + (-x2) * s;
+                *b = x2 * c + x1 * s;
+            }
         }
     }
     Ok(())

@@ -23,7 +23,7 @@ use std::time::Instant;
 use memmap2::Mmap;
 use thiserror::Error;
 
-use crate::tensor::{element_count, Tensor, TensorF32};
+use crate::nn::tensor::{element_count, Tensor, TensorF32};
 
 /// Largest header accepted, as the reference safetensors reader does.
 pub const MAX_HEADER_BYTES: usize = 100_000_000;

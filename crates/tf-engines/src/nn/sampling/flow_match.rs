@@ -20,7 +20,7 @@
 //! dtype and the result to the latent dtype, as torch's type promotion does ([`Schedule::euler_step`]).
 //!
 //! ```
-//! use tf_engines::sampler::{LatentDtype, Schedule, SchedulerConfig, SigmaSource};
+//! use tf_engines::nn::sampling::flow_match::{LatentDtype, Schedule, SchedulerConfig, SigmaSource};
 //!
 //! let config = SchedulerConfig::qwen_image();
 //! let schedule = Schedule::new(&config, SigmaSource::Steps(40), 64 * 64)?;
@@ -28,7 +28,7 @@
 //! assert_eq!(schedule.sigmas()[40], 0.0);
 //! let mut x = vec![1.0f32; 4];
 //! schedule.euler_step(0, &mut x, &[0.5; 4], LatentDtype::Bf16)?;
-//! # Ok::<(), tf_engines::sampler::SamplerError>(())
+//! # Ok::<(), tf_engines::nn::sampling::flow_match::SamplerError>(())
 //! ```
 
 use std::path::Path;

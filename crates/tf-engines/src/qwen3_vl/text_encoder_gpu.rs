@@ -1,9 +1,9 @@
 //! The Qwen-Image 2.1 text encoder (the Qwen3-VL text path) on the GPU: bf16 storage, f32 accumulation,
-//! cuBLASLt GEMMs, the `qwen_image_text` kernels ([`crate::ops::gpu_text`]) and the DiT's flash attention and
-//! SwiGLU ([`crate::ops::gpu`]), behind the same [`TextEncoderBackend`] interface as the host reference
+//! cuBLASLt GEMMs, the `qwen_image_text` kernels ([`crate::nn::gpu::text`]) and the DiT's flash attention and
+//! SwiGLU ([`crate::nn::gpu`]), with the same interface as the host reference
 //! ([`super::text_encoder::HostTextEncoder`]).
 //!
-//! - Weights stream from the safetensors map through pinned staging ([`super::upload`]) into one device
+//! - Weights stream from the safetensors map through pinned staging ([`crate::nn::upload`]) into one device
 //!   allocation, fused per layer: `q|k|v` as one `[(heads + 2 kv_heads) * 128, hidden]` weight and `gate|up` as
 //!   one `[2 * intermediate, hidden]`. The final norm is not loaded: the pipeline reads the last layer's output
 //!   before it.
@@ -18,9 +18,8 @@
 //!
 //! ```no_run
 //! use std::path::Path;
-//! use tf_engines::qwen_image::components::TextEncoderBackend;
-//! use tf_engines::qwen_image::text_encoder_gpu::GpuTextEncoder;
-//! use tf_engines::weights::ModelDir;
+//! use tf_engines::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
+//! use tf_engines::nn::weights::ModelDir;
 //!
 //! let mut encoder = GpuTextEncoder::load(&ModelDir::open(Path::new("text_encoder"))?)?;
 //! println!("{} B resident", encoder.resident_bytes());
@@ -34,15 +33,14 @@ use std::sync::Arc;
 use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 
-use super::components::TextEncoderBackend;
 use super::text_encoder::{TextEncoderConfig, TextEncoderError};
-use super::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
-use crate::ops::gpu::{
+use crate::nn::gpu::text::{rotate_half_rope_tables, QkNormRope, TextKernels, MAX_TEXT_NORM_COLS};
+use crate::nn::gpu::{
     AttentionInputs, AttentionShape, AttentionTile, Matrix, QwenImageKernels, Strides, HEAD_DIM,
 };
-use crate::ops::gpu_text::{rotate_half_rope_tables, QkNormRope, TextKernels, MAX_TEXT_NORM_COLS};
-use crate::tensor::{Tensor, TensorF32};
-use crate::weights::{ModelDir, FLOAT_DTYPES};
+use crate::nn::tensor::{Tensor, TensorF32};
+use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
+use crate::nn::weights::{ModelDir, FLOAT_DTYPES};
 
 const BF16: usize = 2;
 /// Alignment of every weight group and workspace buffer.
@@ -425,7 +423,7 @@ impl GpuTextEncoder {
             let info = model.info(&name)?;
             if info.shape != placement.shape {
                 return Err(TextEncoderError::Weights(
-                    crate::weights::WeightsError::ShapeMismatch {
+                    crate::nn::weights::WeightsError::ShapeMismatch {
                         path: model.dir().to_path_buf(),
                         name,
                         expected: placement.shape.clone(),
@@ -887,7 +885,17 @@ impl GpuTextEncoder {
     }
 
     /// Runs the forward and reads rows `drop_rows..` of the result back as f32.
-    fn encode(&mut self, ids: &[u32], drop_rows: usize) -> Result<TensorF32, TextEncoderError> {
+    /// The model config.
+    pub fn config(&self) -> &TextEncoderConfig {
+        &self.config
+    }
+
+    /// Hidden states of the last decoder layer before the final norm, with the first `drop_rows` rows dropped.
+    pub fn prompt_features(
+        &mut self,
+        ids: &[u32],
+        drop_rows: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
         let rows = self.prepare(ids, drop_rows)?;
         self.enqueue_forward(rows)?;
         self.stream
@@ -918,20 +926,6 @@ fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, T
             "GPU backend: internal: span {offset}+{bytes} outside a {}-byte buffer",
             buf.len()
         ))),
-    }
-}
-
-impl TextEncoderBackend for GpuTextEncoder {
-    fn config(&self) -> &TextEncoderConfig {
-        &self.config
-    }
-
-    fn prompt_features(
-        &mut self,
-        ids: &[u32],
-        drop_rows: usize,
-    ) -> Result<TensorF32, TextEncoderError> {
-        self.encode(ids, drop_rows)
     }
 }
 
@@ -1081,7 +1075,7 @@ mod tests {
 
     /// Writes a one-layer head-dim-128 model (zeros) whose `k_proj` has `k_rows` rows (2 x 128 is right).
     fn write_model(dir: &std::path::Path, k_rows: usize) {
-        use crate::weights::{write_safetensors, AnyTensor};
+        use crate::nn::weights::{write_safetensors, AnyTensor};
         std::fs::create_dir_all(dir).unwrap();
         let config = serde_json::json!({"text_config": {"vocab_size": 4, "hidden_size": 8,
             "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -26,23 +26,23 @@
 //! result is `[batch, height * width, channels]`.
 //!
 //! ```
-//! use tf_engines::noise::{packed_latents, normals};
-//! use tf_engines::sampler::LatentDtype;
+//! use tf_engines::nn::sampling::noise::{packed_latents, normals};
+//! use tf_engines::nn::sampling::flow_match::LatentDtype;
 //!
 //! let first = normals(42, 4);
 //! let latents = packed_latents(42, 1, 64, 2, 2, LatentDtype::F32)?;
 //! assert_eq!(latents.shape(), &[1, 4, 64]);
 //! assert_eq!(latents.data()[0], first[0]); // channel 0 of token 0 is the first sample
-//! # Ok::<(), tf_engines::noise::NoiseError>(())
+//! # Ok::<(), tf_engines::nn::sampling::noise::NoiseError>(())
 //! ```
 
 use std::path::Path;
 
 use thiserror::Error;
 
-use crate::sampler::LatentDtype;
-use crate::tensor::{element_count, Tensor, TensorF32};
-use crate::weights::{SafetensorsFile, WeightsError};
+use crate::nn::sampling::flow_match::LatentDtype;
+use crate::nn::tensor::{element_count, Tensor, TensorF32};
+use crate::nn::weights::{SafetensorsFile, WeightsError};
 
 /// Errors of noise generation and loading.
 #[derive(Debug, Error)]

@@ -13,7 +13,7 @@ use std::time::Instant;
 use tf_cuda::{Context, DeviceBuffer, Event, HostBuffer, Stream};
 use thiserror::Error;
 
-use crate::weights::Dtype;
+use crate::nn::weights::Dtype;
 
 /// Why an upload failed.
 #[derive(Debug, Error)]

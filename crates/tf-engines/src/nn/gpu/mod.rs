@@ -19,12 +19,14 @@
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::DeviceView<'_>,
 //! #         y: &mut tf_cuda::DeviceViewMut<'_>) -> Result<(), Box<dyn std::error::Error>> {
-//! use tf_engines::ops::gpu::{Matrix, QwenImageKernels};
+//! use tf_engines::nn::gpu::{Matrix, QwenImageKernels};
 //! let kernels = QwenImageKernels::load(ctx)?;
 //! let shape = Matrix::dense(16, 4096);
 //! kernels.silu(stream, &x, y, shape.rows * shape.cols)?;
 //! # Ok(()) }
 //! ```
+
+pub mod text;
 
 use std::collections::HashMap;
 
@@ -1305,7 +1307,7 @@ pub fn plan_attention_tma(
 }
 
 /// Per-query key limits for the attention kernel from the block-causal rule of the host reference
-/// ([`crate::ops::host::AttentionMask`]): query `i` sits at key position `q_offset + i`; it sees keys `k <= q_pos`
+/// ([`crate::nn::host::AttentionMask`]): query `i` sits at key position `q_offset + i`; it sees keys `k <= q_pos`
 /// and every key of its own image block (`block_ids[q_pos] >= 0`). Blocks must be contiguous runs of one id; the
 /// result is `limit[i]` = one past the last key query `i` sees (the mask is then exactly `k < limit[i]`).
 pub fn key_limits_from_blocks(
@@ -1424,7 +1426,7 @@ impl LoadedSet {
         set: &'static str,
         kernels: &[&'static str],
     ) -> Result<LoadedSet, LoadKernelsError> {
-        let image = crate::kernels::image(set).map_err(|e| LoadKernelsError::Missing {
+        let image = crate::nn::kernels::image(set).map_err(|e| LoadKernelsError::Missing {
             set,
             reason: e.to_string(),
         })?;
@@ -1478,7 +1480,7 @@ impl QwenImageKernels {
     /// launches then fail with a message naming it).
     pub fn load(ctx: &Context) -> Result<QwenImageKernels, LoadKernelsError> {
         let image = |set: &'static str| {
-            crate::kernels::image(set).map_err(|e| LoadKernelsError::Missing {
+            crate::nn::kernels::image(set).map_err(|e| LoadKernelsError::Missing {
                 set,
                 reason: e.to_string(),
             })

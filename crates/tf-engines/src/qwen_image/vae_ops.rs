@@ -11,7 +11,7 @@
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::cublaslt::DeviceSpan,
 //! #         gamma: tf_cuda::cublaslt::DeviceSpan) -> Result<(), Box<dyn std::error::Error>> {
-//! use tf_engines::ops::gpu_vae::{plan_rms_norm_silu, VaeKernels};
+//! use tf_engines::qwen_image::vae_ops::{plan_rms_norm_silu, VaeKernels};
 //! let kernels = VaeKernels::load(ctx)?;
 //! // In place: 4096 pixels of 1152 channels, F.normalize * sqrt(1152) * gamma, then SiLU.
 //! kernels.submit(stream, &plan_rms_norm_silu(x, x, gamma, 4096, 1152, 1152, true)?)?;
@@ -22,7 +22,7 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, Stream};
 
-use crate::ops::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet};
+use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet};
 
 /// Name of the kernel set.
 pub const VAE_SET: &str = "qwen_image_vae";

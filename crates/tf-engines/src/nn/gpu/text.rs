@@ -1,7 +1,7 @@
 //! GPU launchers for the Qwen3-VL text-encoder kernels (`kernels/qwen_image/text.cu`, kernel set
 //! `qwen_image_text`).
 //!
-//! Same conventions as [`crate::ops::gpu`]: one `plan_*` function per kernel validates every shape, stride,
+//! Same conventions as [`crate::nn::gpu`]: one `plan_*` function per kernel validates every shape, stride,
 //! size and alignment against the device views and packs the arguments (unit-tested without a GPU);
 //! [`TextKernels`] holds the loaded kernels and submits launches asynchronously on a stream. Validation failures
 //! are [`tf_cuda::Error::Invalid`] naming the operand and the fix.
@@ -9,8 +9,8 @@
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::DeviceView<'_>,
 //! #         w: tf_cuda::DeviceView<'_>, y: &mut tf_cuda::DeviceViewMut<'_>) -> Result<(), Box<dyn std::error::Error>> {
-//! use tf_engines::ops::gpu::Matrix;
-//! use tf_engines::ops::gpu_text::TextKernels;
+//! use tf_engines::nn::gpu::Matrix;
+//! use tf_engines::nn::gpu::text::TextKernels;
 //! let kernels = TextKernels::load(ctx)?;
 //! kernels.rms_norm(stream, &x, Matrix::dense(16, 4096), y, 4096, &w, 1e-6)?;
 //! # Ok(()) }
@@ -19,7 +19,7 @@
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
-use crate::ops::gpu::{
+use crate::nn::gpu::{
     check_aligned_to, check_bytes, check_matrix, invalid, plan_weighted_row_norm, to_i32, to_u32,
     Launch, LoadKernelsError, LoadedSet, Matrix, Operand, HEAD_DIM,
 };
@@ -273,7 +273,7 @@ pub fn plan_fill_uniform(
 /// Cos/sin tables for [`plan_qk_norm_rope_half`]: `[rows, 64]` f32 for positions `0..rows`, angle
 /// `f32(pos) * inv_freq[j]` with `inv_freq[j] = 1 / theta^(2j / 128)`, as the host reference computes them.
 pub fn rotate_half_rope_tables(rows: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
-    crate::qwen_image::text_encoder::rotate_half_tables(rows, 0, HEAD_DIM, theta)
+    crate::nn::host::rotate_half_tables(rows, 0, HEAD_DIM, theta)
 }
 
 /// The loaded `qwen_image_text` kernels of one context, and the launchers.

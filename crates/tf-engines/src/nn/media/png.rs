@@ -5,13 +5,13 @@
 //! The reader accepts 8-bit gray, gray+alpha, RGB and RGBA, non-interlaced, with any row filter.
 //!
 //! ```
-//! use tf_engines::png::{decode_png, encode_png, ColorType};
+//! use tf_engines::nn::media::png::{decode_png, encode_png, ColorType};
 //!
 //! let pixels = vec![255u8, 0, 0, 255, 0, 255, 0, 128]; // 2 x 1 RGBA
 //! let file = encode_png(2, 1, ColorType::Rgba, &pixels)?;
 //! let back = decode_png(&file)?;
 //! assert_eq!((back.width, back.height, back.pixels), (2, 1, pixels));
-//! # Ok::<(), tf_engines::png::PngError>(())
+//! # Ok::<(), tf_engines::nn::media::png::PngError>(())
 //! ```
 
 use std::io::{Read, Write};
@@ -366,7 +366,7 @@ mod tests {
         fn round_trip(width in 1usize..20, height in 1usize..20, channels in 1usize..5, seed in any::<u64>()) {
             let color = ColorType::from_channels(channels).unwrap();
             let pixels: Vec<u8> = (0..width * height * channels)
-                .map(|i| (crate::noise::splitmix64(seed.wrapping_add(i as u64)) >> 56) as u8)
+                .map(|i| (crate::nn::sampling::noise::splitmix64(seed.wrapping_add(i as u64)) >> 56) as u8)
                 .collect();
             let file = encode_png(width, height, color, &pixels).unwrap();
             let back = decode_png(&file).unwrap();

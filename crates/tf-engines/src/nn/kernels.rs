@@ -6,7 +6,7 @@
 //! how to fix it. Nothing here touches the GPU.
 //!
 //! ```
-//! match tf_engines::kernels::image("smoke") {
+//! match tf_engines::nn::kernels::image("smoke") {
 //!     Ok(fatbin) => assert!(!fatbin.is_empty()),
 //!     Err(missing) => eprintln!("{missing}"), // "... run `cargo xtask kernels` ..."
 //! }

@@ -1,0 +1,2 @@
+//! Media files the engines write: PNG images.
+pub mod png;

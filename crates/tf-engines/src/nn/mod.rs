@@ -1,0 +1,20 @@
+//! The model-agnostic engine layer: everything a model folder builds on, naming no model.
+//!
+//! - [`weights`]: safetensors files and diffusers-format model folders, validated before any GPU work.
+//! - [`upload`]: the pinned upload ring that streams checked host tensors to the device.
+//! - [`tensor`]: host tensors (f32 and raw) and the error measures the parity tests use.
+//! - [`host`]: plain f32 reference ops; every GPU kernel is checked against them.
+//! - [`gpu`]: launch infrastructure, attention and the elementwise kernels, each with its host twin.
+//! - [`sampling`]: the flow-match sampler and the portable seeded noise.
+//! - [`media`]: image files.
+//! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
+//!
+//! Invariant (checked by the tidy test): nothing under `nn/` imports a model folder.
+pub mod gpu;
+pub mod host;
+pub mod kernels;
+pub mod media;
+pub mod sampling;
+pub mod tensor;
+pub mod upload;
+pub mod weights;

@@ -1,0 +1,3 @@
+//! Sampling: the flow-match Euler sampler and the portable seeded noise.
+pub mod flow_match;
+pub mod noise;
