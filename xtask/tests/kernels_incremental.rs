@@ -1,6 +1,8 @@
 //! `cargo xtask kernels` rebuilds a set only when its inputs change (content, not mtime): sources, included
 //! headers, flags, nvcc version. nvcc is replaced by a script (`$NVCC`) that concatenates the source and
 //! its header into the "fatbin" and writes a dependency file, so this runs without CUDA.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

@@ -1,5 +1,7 @@
 //! The VMM arena and the resident-memory report on a real GPU.
 //! Needs a GPU; run through `cargo xtask gpu-bundle`.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
 

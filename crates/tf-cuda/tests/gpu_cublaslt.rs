@@ -2,6 +2,8 @@
 //! torch's figures measured on the same H200, FP8, the host cost of a cached call, and timed
 //! algorithm selection on the DiT's GEMM shapes.
 //! Needs a GPU and libcublasLt; run through `cargo xtask gpu-bundle`.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -1,5 +1,7 @@
 //! The weights upload path (pinned staging ring -> device) on the test driver (host memory stands in for the
 //! GPU): every tensor lands at its planned offset, byte for byte.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
 use std::sync::Arc;

@@ -1,5 +1,7 @@
 //! The worker protocol (docs/WORKER.md): in-process with a scripted fake engine (good and bad requests,
 //! ordering, progress, failures, exit), and as a real `tf worker` process driven by the client.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};

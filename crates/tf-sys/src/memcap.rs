@@ -320,8 +320,8 @@ unsafe extern "C" fn wrap_mem_alloc(dptr: *mut CUdeviceptr, bytesize: usize) -> 
     };
     // SAFETY: same contract as cuMemAlloc_v2; the caller's arguments are passed through.
     let r = unsafe { (o.mem_alloc)(dptr, bytesize) };
-    // SAFETY: on success the driver wrote the address through the caller's valid pointer.
     let key = if r == code::SUCCESS && !dptr.is_null() {
+        // SAFETY: on success the driver wrote the address through the caller's valid pointer.
         unsafe { *dptr }
     } else {
         0
@@ -354,8 +354,8 @@ unsafe extern "C" fn wrap_host_alloc(
     };
     // SAFETY: same contract as cuMemHostAlloc.
     let r = unsafe { (o.host_alloc)(pp, bytesize, flags) };
-    // SAFETY: on success the driver wrote the pointer through the caller's valid pointer.
     let key = if r == code::SUCCESS && !pp.is_null() {
+        // SAFETY: on success the driver wrote the pointer through the caller's valid pointer.
         unsafe { *pp as u64 }
     } else {
         0

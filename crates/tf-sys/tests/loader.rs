@@ -2,6 +2,8 @@
 //!
 //! Every test holds `tf_testdriver::test_lock()`: they share the process environment
 //! (`TF_CUDA_DRIVER`) and the test driver's process-wide state.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 

@@ -1,4 +1,6 @@
 //! Property tests of result classification.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use proptest::prelude::*;
 use tf_sys::result::{is_sticky, known_codes, known_name, shutdown_note, STICKY_CODES};

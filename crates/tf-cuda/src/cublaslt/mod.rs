@@ -635,7 +635,7 @@ impl CublasLt {
             layouts: Vec::with_capacity(3),
             pref: std::ptr::null_mut(),
         };
-        // SAFETY (for every call in this function): out-pointers are valid locals; attribute
+        // SAFETY: (for every call in this function) out-pointers are valid locals; attribute
         // buffers are live values of the C type the header documents for that attribute.
         unsafe {
             let code = (api.cublasLtMatmulDescCreate)(
