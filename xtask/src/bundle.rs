@@ -507,7 +507,7 @@ mod tests {
 
     #[test]
     fn repository_steps_file_parses_against_the_workspace_tests() {
-        let root = crate::paths::repo_root();
+        let root = crate::paths::repo_root().unwrap();
         let text = read_text(&root.join(STEPS_FILE)).unwrap();
         let targets: Vec<String> = gpu_test_targets(&root)
             .unwrap()

@@ -32,6 +32,9 @@ pub enum Error {
         check: &'static str,
         failures: Vec<String>,
     },
+    /// The repository root could not be found (see `paths::repo_root`).
+    #[error("cannot find the repository root: {detail}")]
+    RepoRoot { detail: String },
     /// The command line was not understood.
     #[error("{0}\nrun `cargo xtask help` for usage")]
     Usage(String),

@@ -40,6 +40,9 @@ cargo xtask <command> [options]
 
   help
       This text.
+
+Every command works on the checkout it is run in: the nearest folder at or above the current
+directory with a workspace Cargo.toml and xtask/ (or $TF_REPO_ROOT when set).
 ";
 
 fn main() -> ExitCode {
@@ -62,11 +65,17 @@ fn value(args: &[String], at: &mut usize, option: &str) -> Result<String, Error>
 }
 
 fn run(args: &[String]) -> Result<(), Error> {
-    let root = repo_root();
     let Some(command) = args.first() else {
         print!("{HELP}");
         return Ok(());
     };
+    if matches!(command.as_str(), "help" | "--help" | "-h") {
+        print!("{HELP}");
+        return Ok(());
+    }
+    // Found at run time (TF_REPO_ROOT or walking up from here), so a moved checkout or a shared
+    // target folder reads this checkout's files.
+    let root = repo_root()?;
     let rest = &args[1..];
     match command.as_str() {
         "help" | "--help" | "-h" => {

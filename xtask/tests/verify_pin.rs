@@ -21,7 +21,7 @@ impl Drop for Repo {
 }
 
 fn repo(tag: &str) -> Repo {
-    let real = xtask::paths::repo_root();
+    let real = xtask::paths::repo_root().unwrap();
     let root = std::env::temp_dir().join(format!("xtask-pin-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(root.join("pins")).unwrap();

@@ -186,7 +186,7 @@ fn scratch(tag: &str) -> PathBuf {
 
 #[test]
 fn zig_hash_equals_zig_fetch_on_generated_trees() {
-    let root = xtask::paths::repo_root();
+    let root = xtask::paths::repo_root().unwrap();
     let base = scratch("trees");
     let mut mismatches = Vec::new();
     let trees = 24;
@@ -216,7 +216,7 @@ fn zig_hash_equals_zig_fetch_on_generated_trees() {
 
 #[test]
 fn a_missing_paths_field_is_refused_like_zig_fetch() {
-    let root = xtask::paths::repo_root();
+    let root = xtask::paths::repo_root().unwrap();
     let dir = scratch("nopaths");
     let fingerprint = (u64::from(crc32(b"nopaths")) << 32) | 7;
     let zon = format!(
