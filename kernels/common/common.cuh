@@ -1,11 +1,11 @@
-// Device helpers shared by the qwen_image kernels: bf16 vector loads, fixed-order reductions, and the
-// modulation-row rule of the DiT.
+// Device helpers shared by every engine kernel: bf16 vector loads, fixed-order reductions, the row loader of the
+// row-normalising kernels, and the modulation-row rule of the adaLN kernels.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-namespace qi {
+namespace nn {
 
 using bf16 = __nv_bfloat16;
 
@@ -63,13 +63,33 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return total;
 }
 
-// The DiT's modulation-row rule: rows are `seq_len` tokens per sample; a token at position >= target_begin
-// within its sample uses its sample's modulation row, every other token (text, condition image) the t = 0
-// row `prefix_row`.
+// Loads one row into registers: chunk c of this thread is columns (threadIdx.x + c * THREADS) * 8 .. + 8; columns
+// past `cols` read as 0. Returns this thread's f32 sum of the loaded values (in chunk order).
+template <int THREADS, int CHUNKS>
+__device__ __forceinline__ float load_row(const bf16* row, int cols, float (&v)[CHUNKS][8]) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * THREADS) * 8;
+        if (col < cols) {
+            load8(row + col, v[c]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum += v[c][i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
+        }
+    }
+    return sum;
+}
+
+// The adaLN modulation-row rule (the Qwen-Image DiT's; seq_len 1 gives every row its own): rows are `seq_len`
+// tokens per sample; a token at position >= target_begin within its sample uses its sample's modulation row, every
+// other token (text, condition image) the t = 0 row `prefix_row`.
 __device__ __forceinline__ int modulation_row(int row, int seq_len, int target_begin, int prefix_row) {
     const int sample = row / seq_len;
     const int position = row - sample * seq_len;
     return position >= target_begin ? sample : prefix_row;
 }
 
-}  // namespace qi
+}  // namespace nn

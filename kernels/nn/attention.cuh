@@ -1,6 +1,8 @@
-// Flash attention forward for the Qwen-Image DiT: bf16 q/k/v/o, head dim 128, f32 online softmax.
+// Flash attention forward: bf16 q/k/v/o, f32 online softmax. The kernel bodies, shared by the production set
+// (attention.cu: nn_attention) and the benchmark-only tiles (attention_bench.cu: nn_attention_bench). The mma.sync
+// kernel takes the head dim D (64 or 128) as a template parameter; the wgmma kernels are head dim 128.
 //
-// Layout: token-major rows, heads side by side: q[b][row][head * 128 + d] with element strides between
+// Layout: token-major rows, heads side by side: q[b][row][head * D + d] with element strides between
 // rows and batches (the layout the fused-qkv kernel writes, and the one the output projection reads). Keys
 // are `prefix_len` cached rows (k_prefix/v_prefix) followed by `num_keys - prefix_len` current rows (k/v):
 // the cached prefix is read in place, never copied. Grouped-query attention: query head h reads kv head
@@ -17,6 +19,8 @@
 // memory, mma.sync m16n8k16 bf16 with ldmatrix, exp2 with the scale folded into log2 units. Tiles entirely
 // inside every row's window skip per-score masking; tiles past every row's limit are not visited. The
 // reduction order is fixed (keys ascending, quad butterflies), so results are bit-identical run to run.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -24,16 +28,20 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kHeadDim = 128;
+constexpr int kHeadDim = 128;                                 // the wgmma kernels' head dim
 constexpr int kKeysPerTile = 64;
-constexpr int kRowBytes = kHeadDim * 2;                       // 256 bytes = 16 chunks of 16 bytes
-constexpr int kTileBytes = kKeysPerTile * kRowBytes;          // one K or V tile: 16 KiB
+// Bytes of one head row (D = 128: 256 bytes = 16 chunks of 16 bytes), and of one K or V tile (D = 128: 16 KiB).
+template <int D>
+constexpr int kRowBytesOf = D * 2;
+template <int D>
+constexpr int kTileBytesOf = kKeysPerTile * kRowBytesOf<D>;
 #define kNegInf (-__int_as_float(0x7f800000))
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][128] bf16 tile: the chunk index
-// is XORed with the row's low 3 bits so that 8 rows read at one logical chunk hit 8 different bank groups.
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] bf16 tile: the chunk index is XORed
+// with the row's low 3 bits so that 8 rows read at one logical chunk hit 8 different bank groups.
+template <int D>
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
-    return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+    return static_cast<uint32_t>(row * kRowBytesOf<D> + ((chunk ^ (row & 7)) << 4));
 }
 
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
@@ -141,8 +149,8 @@ __device__ __forceinline__ KeyWindows key_windows(int row_a, int row_b, int batc
 // Normalises this thread's two rows by their softmax sums, stages the warp's 16 rows (from `warp_row0` of the CTA's
 // tile) in the Q tile through `swz` (the tile's swizzle; the warp's reads of those rows are complete), then stores
 // them as 16-byte chunks. acc(n, e): element e of column block n, as the mma.sync and wgmma accumulators both lay
-// out a thread's two rows (e < 2: row a, else row b + 8).
-template <typename Acc, typename Swizzle>
+// out a thread's two rows (e < 2: row a, else row b + 8). D is the head dim: D / 8 column blocks, D / 8 chunks a row.
+template <int D, typename Acc, typename Swizzle>
 __device__ __forceinline__ void store_output_rows(Acc acc, Swizzle swz, float sum_a, float sum_b, uint32_t smem_q,
                                                   int warp_row0, int lane, int q0, int num_queries, bf16* o_base,
                                                   int o_row_stride) {
@@ -153,7 +161,7 @@ __device__ __forceinline__ void store_output_rows(Acc acc, Swizzle swz, float su
     const int local_a = warp_row0 + (lane >> 2);
     const uint32_t in_chunk = (lane & 3) * 4;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
+    for (int n = 0; n < D / 8; ++n) {
         const uint32_t lo = pack_bf16(acc(n, 0) * inv_a, acc(n, 1) * inv_a);
         const uint32_t hi = pack_bf16(acc(n, 2) * inv_b, acc(n, 3) * inv_b);
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_q + swz(local_a, n) + in_chunk), "r"(lo));
@@ -161,10 +169,10 @@ __device__ __forceinline__ void store_output_rows(Acc acc, Swizzle swz, float su
     }
     __syncwarp();
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < D / 16; ++i) {
         const int idx = lane + i * 32;
-        const int r = warp_row0 + (idx >> 4);
-        const int c = idx & 15;
+        const int r = warp_row0 + idx / (D / 8);
+        const int c = idx % (D / 8);
         const int row = q0 + r;
         if (row < num_queries) {
             uint4 v4;
@@ -176,7 +184,7 @@ __device__ __forceinline__ void store_output_rows(Acc acc, Swizzle swz, float su
     }
 }
 
-template <int WARPS, int STAGES>
+template <int WARPS, int STAGES, int D>
 __device__ __forceinline__ void attention_tile(
     const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
     const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
@@ -186,6 +194,9 @@ __device__ __forceinline__ void attention_tile(
     const int* __restrict__ key_pad, float scale_log2) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRows = WARPS * 16;
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+    constexpr int kRowBytes = kRowBytesOf<D>;
+    constexpr int kTileBytes = kTileBytesOf<D>;
     extern __shared__ __align__(128) uint8_t smem[];
     __shared__ int window[2];  // [min, max] of the key limits of this CTA's rows
 
@@ -199,12 +210,12 @@ __device__ __forceinline__ void attention_tile(
     const int batch = blockIdx.z;
     const int kv_head = head / (num_heads / num_kv_heads);
 
-    const bf16* q_base = q + batch * q_batch_stride + head * kHeadDim;
-    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
-    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * kHeadDim;
-    const bf16* k_base = k + batch * kv_batch_stride + kv_head * kHeadDim;
-    const bf16* v_base = v + batch * kv_batch_stride + kv_head * kHeadDim;
-    bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
+    const bf16* q_base = q + batch * q_batch_stride + head * D;
+    const bf16* kp_base = k_prefix + batch * prefix_batch_stride + kv_head * D;
+    const bf16* vp_base = v_prefix + batch * prefix_batch_stride + kv_head * D;
+    const bf16* k_base = k + batch * kv_batch_stride + kv_head * D;
+    const bf16* v_base = v + batch * kv_batch_stride + kv_head * D;
+    bf16* o_base = o + batch * o_batch_stride + head * D;
 
     const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     const uint32_t smem_kv = smem_q + kRows * kRowBytes;
@@ -222,27 +233,27 @@ __device__ __forceinline__ void attention_tile(
     const int pad_end = kw.pad_end;
     const int num_tiles = (window_max + kKeysPerTile - 1) / kKeysPerTile;
 
-    // Q: kRows x 16 chunks; K and V: 64 x 16 chunks each per tile.
+    // Q: kRows x kChunks chunks; K and V: 64 x kChunks chunks each per tile.
     auto load_q = [&]() {
 #pragma unroll
-        for (int i = 0; i < kRows * 16 / kThreads; ++i) {
+        for (int i = 0; i < kRows * kChunks / kThreads; ++i) {
             const int idx = tid + i * kThreads;
-            const int r = idx >> 4;
-            const int c = idx & 15;
+            const int r = idx / kChunks;
+            const int c = idx % kChunks;
             const int row = q0 + r;
             const bool valid = row < num_queries;
             const bf16* src = q_base + (valid ? static_cast<int64_t>(row) * q_row_stride + c * 8 : 0);
-            cp_async_16(smem_q + swizzle(r, c), src, valid);
+            cp_async_16(smem_q + swizzle<D>(r, c), src, valid);
         }
     };
     auto load_kv = [&](int tile, int stage) {
         const uint32_t k_dst = smem_kv + stage * 2 * kTileBytes;
         const uint32_t v_dst = k_dst + kTileBytes;
 #pragma unroll
-        for (int i = 0; i < kKeysPerTile * 16 / kThreads; ++i) {
+        for (int i = 0; i < kKeysPerTile * kChunks / kThreads; ++i) {
             const int idx = tid + i * kThreads;
-            const int r = idx >> 4;
-            const int c = idx & 15;
+            const int r = idx / kChunks;
+            const int c = idx % kChunks;
             const int key = tile * kKeysPerTile + r;
             const bf16* k_src = k_base;
             const bf16* v_src = v_base;
@@ -258,8 +269,8 @@ __device__ __forceinline__ void attention_tile(
             } else {
                 valid = false;  // zero-filled: masked scores times zero values stay finite
             }
-            cp_async_16(k_dst + swizzle(r, c), k_src, valid);
-            cp_async_16(v_dst + swizzle(r, c), v_src, valid);
+            cp_async_16(k_dst + swizzle<D>(r, c), k_src, valid);
+            cp_async_16(v_dst + swizzle<D>(r, c), v_src, valid);
         }
     };
 
@@ -272,10 +283,10 @@ __device__ __forceinline__ void attention_tile(
         cp_async_commit();
     }
 
-    uint32_t q_frag[8][4];
-    float acc[16][4];
+    uint32_t q_frag[D / 16][4];
+    float acc[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float max_a = kNegInf, max_b = kNegInf;  // running row maxima (raw scores)
     float sum_a = 0.0f, sum_b = 0.0f;        // this thread's partial row sums of P
 
@@ -284,9 +295,9 @@ __device__ __forceinline__ void attention_tile(
         __syncthreads();
         if (tile == 0) {
 #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
+            for (int kk = 0; kk < D / 16; ++kk) {
                 const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                ldmatrix_x4(q_frag[kk], smem_q + swizzle(r, 2 * kk + (lane >> 4)));
+                ldmatrix_x4(q_frag[kk], smem_q + swizzle<D>(r, 2 * kk + (lane >> 4)));
             }
         }
         {
@@ -302,12 +313,12 @@ __device__ __forceinline__ void attention_tile(
 #pragma unroll
         for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
+        for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
             for (int jp = 0; jp < 4; ++jp) {
                 uint32_t b[4];
                 const int r = jp * 16 + (lane & 7) + ((lane >> 4) << 3);
-                ldmatrix_x4(b, k_tile + swizzle(r, 2 * kk + ((lane >> 3) & 1)));
+                ldmatrix_x4(b, k_tile + swizzle<D>(r, 2 * kk + ((lane >> 3) & 1)));
                 mma_bf16(s[2 * jp], q_frag[kk], b[0], b[1]);
                 mma_bf16(s[2 * jp + 1], q_frag[kk], b[2], b[3]);
             }
@@ -359,7 +370,7 @@ __device__ __forceinline__ void attention_tile(
         sum_a = fmaf(sum_a, corr_a, tile_sum_a);
         sum_b = fmaf(sum_b, corr_b, tile_sum_b);
 #pragma unroll
-        for (int n = 0; n < 16; ++n) {
+        for (int n = 0; n < D / 8; ++n) {
             acc[n][0] *= corr_a;
             acc[n][1] *= corr_a;
             acc[n][2] *= corr_b;
@@ -375,10 +386,10 @@ __device__ __forceinline__ void attention_tile(
             p[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             p[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
-            for (int mp = 0; mp < 8; ++mp) {
+            for (int mp = 0; mp < D / 16; ++mp) {
                 uint32_t b[4];
                 const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                ldmatrix_x4_trans(b, v_tile + swizzle(r, 2 * mp + (lane >> 4)));
+                ldmatrix_x4_trans(b, v_tile + swizzle<D>(r, 2 * mp + (lane >> 4)));
                 mma_bf16(acc[2 * mp], p, b[0], b[1]);
                 mma_bf16(acc[2 * mp + 1], p, b[2], b[3]);
             }
@@ -388,7 +399,7 @@ __device__ __forceinline__ void attention_tile(
     __syncthreads();
 
     // Stage this warp's 16 rows in its own slice of the Q buffer, then store them.
-    store_output_rows([&](int n, int e) { return acc[n][e]; }, [](int r, int c) { return swizzle(r, c); }, sum_a,
+    store_output_rows<D>([&](int n, int e) { return acc[n][e]; }, [](int r, int c) { return swizzle<D>(r, c); }, sum_a,
                       sum_b, smem_q, warp * 16, lane, q0, num_queries, o_base, o_row_stride);
 }
 
@@ -402,17 +413,17 @@ __device__ __forceinline__ void attention_tile(
 // too unless a cached prefix ends inside a key tile (it tiles the prefix on its own). Compiled to a trap on other
 // targets: the host selects them on compute capability 9.0 only.
 //
-//   qi_attention_d128_sm90      two warpgroups; every thread loads through a 2-stage cp.async ring, one
+//   nn_attention_d128_sm90      two warpgroups; every thread loads through a 2-stage cp.async ring, one
 //                               __syncthreads per key tile, and each warpgroup runs scores, softmax, values in turn.
-//   qi_attention_d128_sm90_ws   warp-specialised: a producer warpgroup fills a 3-stage ring with cp.async (mbarriers
+//   nn_attention_d128_sm90_ws   warp-specialised: a producer warpgroup fills a 3-stage ring with cp.async (mbarriers
 //                               count what landed and what was released), and the two consumer warpgroups take
 //                               turns issuing tensor-core work (named barriers), so one's softmax overlaps the
 //                               other's GEMMs; a turn is P V of the previous key tile then S of this one.
-//   qi_attention_d128_sm90_tma  sm90_ws with one producer thread loading 128-row boxes through TMA tensor maps: the
+//   nn_attention_d128_sm90_tma  sm90_ws with one producer thread loading 128-row boxes through TMA tensor maps: the
 //                               loads no longer cost instructions or registers, and land in the swizzled layout.
 // ---------------------------------------------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define QI_HAS_WGMMA 1
+#define NN_HAS_WGMMA 1
 #endif
 
 // A TMA tensor map as the driver encodes it (cuTensorMapEncodeTiled): 128 opaque bytes, passed by value.
@@ -420,7 +431,7 @@ struct alignas(64) TmaMap {
     unsigned long long words[16];
 };
 
-#if defined(QI_HAS_WGMMA)
+#if defined(NN_HAS_WGMMA)
 constexpr int kSm90Rows = 128;                           // query rows per CTA, 64 per consumer warpgroup
 constexpr int kSm90Keys = 128;                           // keys per tile
 constexpr int kSm90Half = 128 * 128;                     // bytes of one 64-column half of a 128-row tile
@@ -700,7 +711,7 @@ struct Sm90Rows {
     // Normalises, stages this warp's 16 rows (first row `warp_row0` of the CTA tile) in the same rows of the Q tile
     // (this warpgroup's reads of them are complete), then stores 16-byte chunks.
     __device__ __forceinline__ void store(const Sm90Operands& op, uint32_t smem_q, int q0, int warp_row0, int lane) {
-        store_output_rows([&](int n, int e) { return acc[4 * n + e]; }, [](int r, int c) { return sw128(r, c); },
+        store_output_rows<kHeadDim>([&](int n, int e) { return acc[4 * n + e]; }, [](int r, int c) { return sw128(r, c); },
                           sum_a, sum_b, smem_q, warp_row0, lane, q0, op.num_queries, op.o, op.o_row_stride);
     }
 };
@@ -1036,12 +1047,12 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     }
     rows.store(op, smem_q, q0, warp_row0, lane);
 }
-#endif  // QI_HAS_WGMMA
+#endif  // NN_HAS_WGMMA
 }  // namespace
 
-// Dynamic shared memory: (16 * WARPS + 2 * 64 * STAGES) * 256 bytes; grid (ceil(num_queries / (16 *
+// Dynamic shared memory: (16 * WARPS + 2 * 64 * STAGES) * 2 * D bytes; grid (ceil(num_queries / (16 *
 // WARPS)), num_heads, batch); block 32 * WARPS threads. See attention_tile for the arguments.
-#define QI_ATTENTION_KERNEL(NAME, WARPS, STAGES, MIN_BLOCKS)                                                  \
+#define NN_ATTENTION_KERNEL(NAME, WARPS, STAGES, D, MIN_BLOCKS)                                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) NAME(                                \
         const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
         const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
@@ -1049,29 +1060,24 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
         bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
         int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
         const int* __restrict__ key_pad, float scale_log2) {                                                  \
-        attention_tile<WARPS, STAGES>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, \
+        attention_tile<WARPS, STAGES, D>(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, \
                                       prefix_row_stride, prefix_len, k, v, kv_batch_stride, kv_row_stride, o,   \
                                       o_batch_stride, o_row_stride, num_queries, num_keys, num_heads,          \
                                       num_kv_heads, key_limit, key_limit_batch_stride, key_pad, scale_log2);   \
     }
 
-QI_ATTENTION_KERNEL(qi_attention_d128_w8s2, 8, 2, 1)
-QI_ATTENTION_KERNEL(qi_attention_d128_w8s3, 8, 3, 1)
-QI_ATTENTION_KERNEL(qi_attention_d128_w4s2, 4, 2, 2)
-QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
-
-// sm_90a kernels. qi_attention_d128_sm90: block 256, dynamic shared memory (1 + 2 * 2) * 32 KiB + 1 KiB (alignment).
-// qi_attention_d128_sm90_ws: block 384, (1 + 2 * 3) * 32 KiB + 1 KiB. Grid (ceil(num_queries / 128), num_heads, batch).
-#if defined(QI_HAS_WGMMA)
-#define QI_SM90_BODY(FN)                                                                                      \
+// sm_90a kernels. nn_attention_d128_sm90: block 256, dynamic shared memory (1 + 2 * 2) * 32 KiB + 1 KiB (alignment).
+// nn_attention_d128_sm90_ws: block 384, (1 + 2 * 3) * 32 KiB + 1 KiB. Grid (ceil(num_queries / 128), num_heads, batch).
+#if defined(NN_HAS_WGMMA)
+#define NN_SM90_BODY(FN)                                                                                      \
     FN(sm90_operands(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, prefix_row_stride, \
                      prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, o_row_stride,           \
                      num_queries, num_keys, num_heads, num_kv_heads),                                              \
        blockIdx.z, key_limit, key_limit_batch_stride, key_pad, scale_log2);
 #else
-#define QI_SM90_BODY(FN) __trap();
+#define NN_SM90_BODY(FN) __trap();
 #endif
-#define QI_ATTENTION_SM90_KERNEL(NAME, THREADS, FN)                                                            \
+#define NN_ATTENTION_SM90_KERNEL(NAME, THREADS, FN)                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                             \
         const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix, \
         const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len, \
@@ -1079,30 +1085,5 @@ QI_ATTENTION_KERNEL(qi_attention_d128_w4s3, 4, 3, 2)
         bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys,          \
         int num_heads, int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,   \
         const int* __restrict__ key_pad, float scale_log2) {                                                  \
-        QI_SM90_BODY(FN)                                                                                      \
+        NN_SM90_BODY(FN)                                                                                      \
     }
-
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90, 256, attention_sm90)
-QI_ATTENTION_SM90_KERNEL(qi_attention_d128_sm90_ws, 384, attention_sm90_ws<false>)
-
-// The warp-specialised kernel loading through TMA: the arguments above, then five tensor maps (q, k, v, k prefix,
-// v prefix; bf16, boxes of 64 columns x 128 rows, 128-byte swizzle, zero fill; dims {row width, rows, batch}).
-extern "C" __global__ void __launch_bounds__(384, 1) qi_attention_d128_sm90_tma(
-    const bf16* __restrict__ q, int64_t q_batch_stride, int q_row_stride, const bf16* __restrict__ k_prefix,
-    const bf16* __restrict__ v_prefix, int64_t prefix_batch_stride, int prefix_row_stride, int prefix_len,
-    const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_batch_stride, int kv_row_stride,
-    bf16* __restrict__ o, int64_t o_batch_stride, int o_row_stride, int num_queries, int num_keys, int num_heads,
-    int num_kv_heads, const int* __restrict__ key_limit, int64_t key_limit_batch_stride,
-    const int* __restrict__ key_pad, float scale_log2, const __grid_constant__ TmaMap tm_q,
-    const __grid_constant__ TmaMap tm_k, const __grid_constant__ TmaMap tm_v, const __grid_constant__ TmaMap tm_kp,
-    const __grid_constant__ TmaMap tm_vp) {
-#if defined(QI_HAS_WGMMA)
-    attention_sm90_ws<true>(
-        sm90_operands(q, q_batch_stride, q_row_stride, k_prefix, v_prefix, prefix_batch_stride, prefix_row_stride,
-                      prefix_len, k, v, kv_batch_stride, kv_row_stride, o, o_batch_stride, o_row_stride, num_queries,
-                      num_keys, num_heads, num_kv_heads),
-        blockIdx.z, key_limit, key_limit_batch_stride, key_pad, scale_log2, &tm_q, &tm_k, &tm_v, &tm_kp, &tm_vp);
-#else
-    __trap();
-#endif
-}

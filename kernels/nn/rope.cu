@@ -1,80 +1,74 @@
-// Qwen3-VL text path (the Qwen-Image 2.1 text encoder): embedding gather, RMSNorm, per-head QK RMSNorm with
-// rotate-half RoPE for grouped-query attention, and a seeded device-side weight fill for benchmarks.
+// QK RMSNorm + RoPE of a fused q|k|v GEMM output: interleaved pairs (the Qwen-Image DiT layout, out of place into
+// the attention layout), rotate-half over the whole head (Qwen3 text), and rotate-half over a rotated width that
+// may be smaller than the head dim (partial RoPE) with an optional RMSNorm. Kernel set nn_rope.
 //
-// Storage is bf16, arithmetic f32. Rounding follows the reference model run in bf16 (transformers' Qwen3
-// RMSNorm rounds the normalised row before the weight multiply; its RoPE multiplies bf16 tensors by bf16
-// cos/sin tables and adds the bf16 products), so the GPU path tracks a bf16 run of the reference closely.
+// Storage is bf16, arithmetic f32. Rounding follows the reference models run in bf16 (see each kernel).
 // Reductions run in a fixed order: results are bit-identical from run to run. No fast-math.
-//
-// Row kernels need 16-byte aligned rows: pointers aligned to 16 bytes, row strides and column counts
-// multiples of 8 elements. qt_rms_norm holds a row in registers: cols <= QT_ROW_THREADS * 8 * QT_ROW_CHUNKS.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "common.cuh"
+#include "common/common.cuh"
 
-#define QT_ROW_THREADS 256
-#define QT_ROW_CHUNKS 4
+#define NN_ROW_THREADS 256
+#define NN_ROW_CHUNKS 4
 
-using qi::bf16;
+using nn::bf16;
 
-// Copies embedding rows: out[r, :] = table[ids[r], :] for r < rows. An id outside [0, vocab) writes a zero
-// row (the host validates ids first; this only keeps a bad id from reading out of bounds).
-// Grid: (rows, ceil(cols / 8 / QT_ROW_THREADS)).
-extern "C" __global__ void __launch_bounds__(QT_ROW_THREADS)
-    qt_embed_gather(const bf16* __restrict__ table, int vocab, int cols, const int* __restrict__ ids, int rows,
-                    bf16* __restrict__ out, int out_stride) {
-    const int row = blockIdx.x;
-    const int col = (blockIdx.y * QT_ROW_THREADS + threadIdx.x) * 8;
-    if (row >= rows || col >= cols) return;
-    const int id = ids[row];
-    qi::Bf16x8* dst = reinterpret_cast<qi::Bf16x8*>(out + static_cast<int64_t>(row) * out_stride + col);
-    if (id < 0 || id >= vocab) {
-        const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        qi::store8(reinterpret_cast<bf16*>(dst), zeros);
-        return;
+// Per-head QK RMSNorm and 3-axis interleaved RoPE, reading a fused q|k|v GEMM output and writing q, k, v in
+// the attention layout ([rows, heads * 128], any row strides).
+//
+// qkv row r: q at columns [0, heads*128), k at [heads*128, 2*heads*128), v after. For q and k of head h:
+//   n = bf16(x * rsqrt(mean(x^2) + eps)); n = bf16(n * weight)  (the reference model's rounding points)
+//   pair p = (n[2p], n[2p+1]) rotated by the angle of (r, p): cos/sin tables [rows, 64] f32 with row stride
+//   rope_stride; result rounded to bf16.
+// v is copied unchanged. One warp per (row, head), 8 warps per block: grid ceil(rows * heads / 8), 256
+// threads.
+extern "C" __global__ void __launch_bounds__(256)
+    nn_qk_norm_rope_interleaved(const bf16* __restrict__ qkv, int qkv_stride, int rows, int heads,
+                    const bf16* __restrict__ q_weight, const bf16* __restrict__ k_weight, float eps,
+                    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, int rope_stride,
+                    bf16* __restrict__ q_out, int q_stride, bf16* __restrict__ k_out, int k_stride,
+                    bf16* __restrict__ v_out, int v_stride) {
+    const int lane = threadIdx.x & 31;
+    const int64_t item = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (item >= static_cast<int64_t>(rows) * heads) return;
+    const int row = static_cast<int>(item / heads);
+    const int head = static_cast<int>(item - static_cast<int64_t>(row) * heads);
+    const int width = heads * 128;
+    const int dim = lane * 4;  // this lane: channels dim .. dim+3 = pairs 2*lane, 2*lane+1
+    const bf16* in_row = qkv + static_cast<int64_t>(row) * qkv_stride + head * 128 + dim;
+
+    const float2 cs = *reinterpret_cast<const float2*>(rope_cos + static_cast<int64_t>(row) * rope_stride + 2 * lane);
+    const float2 sn = *reinterpret_cast<const float2*>(rope_sin + static_cast<int64_t>(row) * rope_stride + 2 * lane);
+
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+        const bf16* src = in_row + which * width;
+        const bf16* w = (which == 0 ? q_weight : k_weight) + dim;
+        const uint2 raw = *reinterpret_cast<const uint2*>(src);
+        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        const uint2 wraw = *reinterpret_cast<const uint2*>(w);
+        const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
+        const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
+        const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
+        const float r = rsqrtf(sq * (1.0f / 128.0f) + eps);
+        const float n0 = nn::round_bf16(nn::round_bf16(x01.x * r) * w01.x);
+        const float n1 = nn::round_bf16(nn::round_bf16(x01.y * r) * w01.y);
+        const float n2 = nn::round_bf16(nn::round_bf16(x23.x * r) * w23.x);
+        const float n3 = nn::round_bf16(nn::round_bf16(x23.y * r) * w23.y);
+        // (a + ib)(cos + i sin) = (a cos - b sin) + i (a sin + b cos)
+        const __nv_bfloat162 o01 = __floats2bfloat162_rn(n0 * cs.x - n1 * sn.x, n0 * sn.x + n1 * cs.x);
+        const __nv_bfloat162 o23 = __floats2bfloat162_rn(n2 * cs.y - n3 * sn.y, n2 * sn.y + n3 * cs.y);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&o01);
+        packed.y = *reinterpret_cast<const uint32_t*>(&o23);
+        bf16* dst = which == 0 ? q_out + static_cast<int64_t>(row) * q_stride
+                               : k_out + static_cast<int64_t>(row) * k_stride;
+        *reinterpret_cast<uint2*>(dst + head * 128 + dim) = packed;
     }
-    *dst = *reinterpret_cast<const qi::Bf16x8*>(table + static_cast<int64_t>(id) * cols + col);
-}
-
-// Qwen3 RMSNorm: n = bf16(x * rsqrt(mean(x^2) + eps)); y = bf16(weight * n). Statistics in f32.
-// Grid: `rows` blocks of QT_ROW_THREADS threads.
-extern "C" __global__ void __launch_bounds__(QT_ROW_THREADS)
-    qt_rms_norm(const bf16* __restrict__ x, int x_stride, bf16* __restrict__ y, int y_stride,
-                const bf16* __restrict__ weight, int rows, int cols, float eps) {
-    __shared__ float scratch[32];
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    const bf16* in_row = x + static_cast<int64_t>(row) * x_stride;
-    float v[QT_ROW_CHUNKS][8];
-    float sq = 0.0f;
-#pragma unroll
-    for (int c = 0; c < QT_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * QT_ROW_THREADS) * 8;
-        if (col < cols) {
-            qi::load8(in_row + col, v[c]);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
-        }
-    }
-    const float ms = qi::block_sum(sq, scratch) / static_cast<float>(cols);
-    const float r = rsqrtf(ms + eps);
-    bf16* out_row = y + static_cast<int64_t>(row) * y_stride;
-#pragma unroll
-    for (int c = 0; c < QT_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * QT_ROW_THREADS) * 8;
-        if (col < cols) {
-            float w[8];
-            qi::load8(weight + col, w);
-            float o[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = w[i] * qi::round_bf16(v[c][i] * r);
-            qi::store8(out_row + col, o);
-        }
-    }
+    const uint2 vraw = *reinterpret_cast<const uint2*>(in_row + 2 * width);
+    *reinterpret_cast<uint2*>(v_out + static_cast<int64_t>(row) * v_stride + head * 128 + dim) = vraw;
 }
 
 // Per-head QK RMSNorm and rotate-half RoPE, in place on the q and k columns of a fused q|k|v GEMM output.
@@ -89,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(QT_ROW_THREADS)
 // One warp per (row, head): lane l holds channels 4l .. 4l+3, its rotation partner is lane l ^ 16.
 // Grid: ceil(rows * (q_heads + kv_heads) / 8) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
-    qt_qk_norm_rope_half(bf16* __restrict__ qkv, int qkv_stride, int rows, int q_heads, int kv_heads,
+    nn_qk_norm_rope_half(bf16* __restrict__ qkv, int qkv_stride, int rows, int q_heads, int kv_heads,
                          const bf16* __restrict__ q_weight, const bf16* __restrict__ k_weight, float eps,
                          const float* __restrict__ rope_cos, const float* __restrict__ rope_sin, int rope_stride) {
     const int lane = threadIdx.x & 31;
@@ -108,13 +102,13 @@ extern "C" __global__ void __launch_bounds__(256)
     const uint2 wraw = *reinterpret_cast<const uint2*>(w);
     const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
     const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
-    const float sq = qi::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
+    const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
     const float r = rsqrtf(sq * (1.0f / 128.0f) + eps);
     float n[4];
-    n[0] = qi::round_bf16(qi::round_bf16(x01.x * r) * w01.x);
-    n[1] = qi::round_bf16(qi::round_bf16(x01.y * r) * w01.y);
-    n[2] = qi::round_bf16(qi::round_bf16(x23.x * r) * w23.x);
-    n[3] = qi::round_bf16(qi::round_bf16(x23.y * r) * w23.y);
+    n[0] = nn::round_bf16(nn::round_bf16(x01.x * r) * w01.x);
+    n[1] = nn::round_bf16(nn::round_bf16(x01.y * r) * w01.y);
+    n[2] = nn::round_bf16(nn::round_bf16(x23.x * r) * w23.x);
+    n[3] = nn::round_bf16(nn::round_bf16(x23.y * r) * w23.y);
     float partner[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, n[i], 16);
@@ -130,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float rotated = first_half ? -partner[i] : partner[i];
-        o[i] = qi::round_bf16(n[i] * qi::round_bf16(c[i])) + qi::round_bf16(rotated * qi::round_bf16(s[i]));
+        o[i] = nn::round_bf16(n[i] * nn::round_bf16(c[i])) + nn::round_bf16(rotated * nn::round_bf16(s[i]));
     }
     const __nv_bfloat162 o01 = __floats2bfloat162_rn(o[0], o[1]);
     const __nv_bfloat162 o23 = __floats2bfloat162_rn(o[2], o[3]);
@@ -142,25 +136,86 @@ extern "C" __global__ void __launch_bounds__(256)
 
 namespace {
 
-// SplitMix64: a full-period mix of a 64-bit counter.
-__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+__device__ __forceinline__ float table_value(const float* t, int64_t i) { return t[i]; }
+__device__ __forceinline__ float table_value(const bf16* t, int64_t i) { return __bfloat162float(t[i]); }
+
+// One warp per (row, q or k head) of a fused q|k|v row (q_heads query heads, then kv_heads key heads, then kv_heads
+// value heads, D channels each); lane l holds channels E*l .. E*l + E - 1 (E = D / 32).
+//   norm 0: n = x        norm 1: n = bf16(x * rsqrt(mean(x^2) + eps))        norm 2: n = bf16(bf16(...) * weight)
+//   for j < R/2, with c = bf16(cos[r, j]), s = bf16(sin[r, j]) (T = float tables are rounded, bf16 ones are as is):
+//     out[j]       = bf16(bf16(n[j] * c)       + bf16(-n[j + R/2] * s))
+//     out[j + R/2] = bf16(bf16(n[j + R/2] * c) + bf16( n[j] * s))
+//   channels R .. D pass through as n.
+// With D = R = 128, f32 tables and norm 2 this is nn_qk_norm_rope_half's arithmetic.
+template <int D, typename T>
+__device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qkv_stride, int rows, int q_heads,
+                                                  int kv_heads, const bf16* __restrict__ q_weight,
+                                                  const bf16* __restrict__ k_weight, float eps, int norm,
+                                                  const T* __restrict__ rope_cos, const T* __restrict__ rope_sin,
+                                                  int rope_stride, int rotated) {
+    constexpr int E = D / 32;
+    __shared__ float staged[8][D];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int heads = q_heads + kv_heads;
+    const int64_t item = static_cast<int64_t>(blockIdx.x) * 8 + warp;
+    if (item >= static_cast<int64_t>(rows) * heads) return;
+    const int row = static_cast<int>(item / heads);
+    const int head = static_cast<int>(item - static_cast<int64_t>(row) * heads);
+    const int dim = lane * E;
+    bf16* at = qkv + static_cast<int64_t>(row) * qkv_stride + head * D + dim;
+    float n[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) n[i] = __bfloat162float(at[i]);
+    if (norm != 0) {
+        float sq = 0.0f;
+#pragma unroll
+        for (int i = 0; i < E; ++i) sq += n[i] * n[i];
+        const float r = rsqrtf(nn::warp_sum(sq) * (1.0f / D) + eps);
+        const bf16* w = (head < q_heads ? q_weight : k_weight) + dim;
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+            n[i] = nn::round_bf16(n[i] * r);
+            if (norm == 2) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) staged[warp][dim + i] = n[i];
+    __syncwarp();
+    const int half = rotated / 2;
+    const int64_t table_row = static_cast<int64_t>(row) * rope_stride;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int ch = dim + i;
+        float o = n[i];
+        if (ch < rotated) {
+            const bool first = ch < half;
+            const int slot = first ? ch : ch - half;
+            const float partner = first ? -staged[warp][ch + half] : staged[warp][ch - half];
+            const float c = nn::round_bf16(table_value(rope_cos, table_row + slot));
+            const float s = nn::round_bf16(table_value(rope_sin, table_row + slot));
+            o = nn::round_bf16(n[i] * c) + nn::round_bf16(partner * s);
+        }
+        at[i] = __float2bfloat16_rn(o);
+    }
 }
 
 }  // namespace
 
-// Seeded fill for benchmarks and tests: out[i] = bf16(offset + scale * u_i), u_i uniform in [-1, 1) from
-// splitmix64(seed * 2^32 + i)'s top 24 bits. Deterministic for a given (seed, i) whatever the grid.
-// Grid-stride over elements; any n.
-extern "C" __global__ void __launch_bounds__(256)
-    qt_fill_uniform(bf16* __restrict__ out, int64_t n, uint64_t seed, float offset, float scale) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const uint64_t bits = splitmix64((seed << 32) + static_cast<uint64_t>(i));
-        const float u = static_cast<float>(bits >> 40) * (1.0f / 8388608.0f) - 1.0f;
-        out[i] = __float2bfloat16_rn(offset + scale * u);
+// Per-head QK RMSNorm (none, plain, or affine) and rotate-half RoPE over the first `rotated` channels of each head
+// (even, 2 <= rotated <= D), in place on the q and k heads of a fused q|k|v GEMM output; value heads are left as
+// they are. cos/sin: [rows, rotated / 2] tables (f32 or bf16, row stride rope_stride). See rope_half_partial.
+// Grid: ceil(rows * (q_heads + kv_heads) / 8) blocks of 256 threads.
+#define NN_ROPE_HALF_PARTIAL(NAME, D, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                         \
+        NAME(bf16* __restrict__ qkv, int qkv_stride, int rows, int q_heads, int kv_heads,                     \
+             const bf16* __restrict__ q_weight, const bf16* __restrict__ k_weight, float eps, int norm,        \
+             const T* __restrict__ rope_cos, const T* __restrict__ rope_sin, int rope_stride, int rotated) {  \
+        rope_half_partial<D, T>(qkv, qkv_stride, rows, q_heads, kv_heads, q_weight, k_weight, eps, norm,      \
+                                rope_cos, rope_sin, rope_stride, rotated);                                    \
     }
-}
+
+NN_ROPE_HALF_PARTIAL(nn_rope_half_partial_d128_f32, 128, float)
+NN_ROPE_HALF_PARTIAL(nn_rope_half_partial_d128_bf16, 128, bf16)
+NN_ROPE_HALF_PARTIAL(nn_rope_half_partial_d64_f32, 64, float)
+NN_ROPE_HALF_PARTIAL(nn_rope_half_partial_d64_bf16, 64, bf16)

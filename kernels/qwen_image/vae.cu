@@ -9,12 +9,12 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "common.cuh"
+#include "common/common.cuh"
 
 #define QV_THREADS 256
 #define QV_WARPS (QV_THREADS / 32)
 
-using qi::bf16;
+using nn::bf16;
 
 // Unpacked, de-normalized latents: out[p, c] = packed[p, c] * std[c] + mean[c] for c < z, zero for the padding
 // channels up to zp. `packed` is one image's [pixels, z] f32 block (token = row * w + col, already channels-last).
@@ -46,22 +46,22 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     float sq = 0.0f;
     for (int col = lane * 8; col < cp; col += 32 * 8) {
         float v[8];
-        qi::load8(in_row + col, v);
+        nn::load8(in_row + col, v);
 #pragma unroll
         for (int i = 0; i < 8; ++i) sq += v[i] * v[i];
     }
-    sq = qi::warp_sum(sq);
+    sq = nn::warp_sum(sq);
     const float inv = scale / fmaxf(sqrtf(sq), 1e-12f);
     for (int col = lane * 8; col < cp; col += 32 * 8) {
         float v[8];
-        qi::load8(in_row + col, v);
+        nn::load8(in_row + col, v);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float t = v[i] * inv * gamma[col + i];
             if (silu) t = t / (1.0f + __expf(-t));
             v[i] = t;
         }
-        qi::store8(out_row + col, v);
+        nn::store8(out_row + col, v);
     }
 }
 
@@ -85,14 +85,14 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
         const int xx = static_cast<int>(pixel % out_w);
         const int sy = yy + tap / 3 - 1;
         const int sx = xx + tap % 3 - 1;
-        qi::Bf16x8* dst = reinterpret_cast<qi::Bf16x8*>(cols + i * 8);
+        nn::Bf16x8* dst = reinterpret_cast<nn::Bf16x8*>(cols + i * 8);
         if (sy < 0 || sy >= out_h || sx < 0 || sx >= out_w) {
             const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            qi::store8(reinterpret_cast<bf16*>(dst), zeros);
+            nn::store8(reinterpret_cast<bf16*>(dst), zeros);
             continue;
         }
         const int64_t src = (static_cast<int64_t>(sy >> upsample) * src_w + (sx >> upsample)) * cp + chunk * 8;
-        *dst = *reinterpret_cast<const qi::Bf16x8*>(x + src);
+        *dst = *reinterpret_cast<const nn::Bf16x8*>(x + src);
     }
 }
 
@@ -138,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     for (int wi = 1; wi < static_cast<int>(blockDim.x >> 5); ++wi) m = fmaxf(m, scratch[wi]);
     float sum = 0.0f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += __expf(row[c] - m);
-    sum = qi::block_sum(sum, scratch);
+    sum = nn::block_sum(sum, scratch);
     const float inv = 1.0f / sum;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[c] = __float2bfloat16_rn(__expf(row[c] - m) * inv);
 }

@@ -1,4 +1,4 @@
-//! GPU checks of the qwen_image kernels (`tf_engines::nn::gpu`) against the host reference
+//! GPU checks of the shared kernels (`tf_engines::nn::gpu`) and the Qwen-Image DiT's (`tf_engines::qwen_image::ops`) against the host reference
 //! (`tf_engines::nn::host`), on seeded random inputs at small, odd and real DiT sizes.
 //!
 //! Every comparison prints the op, the case, the max abs error, the relative L2 error and the tolerances.
@@ -13,8 +13,9 @@ use std::sync::Arc;
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 use tf_engines::nn::gpu::{
     key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape, AttentionTile,
-    Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels, Strides,
+    Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, Strides,
 };
+use tf_engines::qwen_image::ops::DitKernels;
 use tf_engines::nn::host;
 
 /// bf16 unit roundoff.
@@ -24,14 +25,14 @@ const EPS: f32 = 1e-6;
 struct Gpu {
     ctx: Context,
     stream: Stream,
-    kernels: QwenImageKernels,
+    kernels: DitKernels,
 }
 
 fn gpu() -> Gpu {
     let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
     let ctx = Context::new(driver, 0).expect("create a context on device 0");
     let stream = Stream::new(&ctx, true).expect("create a stream");
-    let kernels = QwenImageKernels::load(&ctx).expect("load the qwen_image kernel sets");
+    let kernels = DitKernels::load(&ctx).expect("load the shared and the qwen_image_dit kernel sets");
     for tile in AttentionTile::ALL {
         println!(
             "attention tile {tile:?} ({}) loaded: {}",

@@ -1,4 +1,4 @@
-//! The GPU text encoder (`GpuTextEncoder`, kernels of `qwen_image_text`) against the host reference.
+//! The GPU text encoder (`GpuTextEncoder`, shared norm, RoPE and embedding kernels) against the host reference.
 //!
 //! - `text_kernels_match_the_host_ops`: each new kernel on its own against `ops::host` / the host encoder's
 //!   rotate-half RoPE (embedding gather exact; RMSNorm and QK-norm + RoPE within bf16 rounding).
@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
-use tf_engines::nn::gpu::text::{rotate_half_rope_tables, QkNormRope, TextKernels};
+use tf_engines::nn::gpu::{rotate_half_rope_tables, NnKernels, QkNormRope};
 use tf_engines::nn::gpu::{AttentionTile, Matrix};
 use tf_engines::nn::host;
 use tf_engines::nn::host::rope_rotate_half;
@@ -125,7 +125,7 @@ fn assert_close(what: &str, ours: &[f32], reference: &[f32], rel_max: f64, cos_m
 
 /// Whether the attention kernels of this GPU include `tile` (a fresh load: the same rule the encoder uses).
 fn gpu_has_tile(ctx: &Context, tile: AttentionTile) -> bool {
-    tf_engines::nn::gpu::QwenImageKernels::load(ctx)
+    NnKernels::load(ctx)
         .map(|k| k.has_tile(tile))
         .unwrap_or(false)
 }
@@ -139,7 +139,7 @@ fn upload(ctx: &Context, bytes: &[u8]) -> DeviceBuffer {
 fn text_kernels_match_the_host_ops() {
     let ctx = context();
     let stream = Stream::new(&ctx, true).expect("stream");
-    let kernels = TextKernels::load(&ctx).expect("load the qwen_image_text kernels");
+    let kernels = NnKernels::load(&ctx).expect("load the shared kernel sets");
     let mut rng = Rng(11);
 
     // Embedding gather: exact copies of the selected rows.

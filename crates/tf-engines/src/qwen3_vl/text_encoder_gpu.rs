@@ -1,5 +1,5 @@
 //! The Qwen-Image 2.1 text encoder (the Qwen3-VL text path) on the GPU: bf16 storage, f32 accumulation,
-//! cuBLASLt GEMMs, the `qwen_image_text` kernels ([`crate::nn::gpu::text`]) and the DiT's flash attention and
+//! cuBLASLt GEMMs, the shared norm, RoPE and embedding kernels ([`crate::nn::gpu`]) and the DiT's flash attention and
 //! SwiGLU ([`crate::nn::gpu`]), with the same interface as the host reference
 //! ([`super::text_encoder::HostTextEncoder`]).
 //!
@@ -34,9 +34,9 @@ use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 
 use super::text_encoder::{TextEncoderConfig, TextEncoderError};
-use crate::nn::gpu::text::{rotate_half_rope_tables, QkNormRope, TextKernels, MAX_TEXT_NORM_COLS};
 use crate::nn::gpu::{
-    AttentionInputs, AttentionShape, AttentionTile, Matrix, QwenImageKernels, Strides, HEAD_DIM,
+    rotate_half_rope_tables, AttentionInputs, AttentionShape, AttentionTile, Matrix, NnKernels, QkNormRope,
+    Strides, HEAD_DIM, MAX_NORM_COLS as MAX_TEXT_NORM_COLS,
 };
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
@@ -356,8 +356,7 @@ pub struct GpuTextEncoder {
     workspace: Option<Workspace>,
     weights: DeviceBuffer,
     lt: CublasLt,
-    text_kernels: TextKernels,
-    kernels: QwenImageKernels,
+    kernels: NnKernels,
     stream: Stream,
     ctx: Context,
     upload: Option<UploadStats>,
@@ -480,7 +479,7 @@ impl GpuTextEncoder {
                 .map_err(gpu_err("slicing the weights"))?;
             let piece_seed = seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u32);
             encoder
-                .text_kernels
+                .kernels
                 .fill_uniform(&encoder.stream, &mut view, n, piece_seed, offset, scale)
                 .map_err(gpu_err("filling random weights"))?;
         }
@@ -499,8 +498,7 @@ impl GpuTextEncoder {
         layout: WeightLayout,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
         let stream = Stream::new(ctx, false).map_err(gpu_err("creating a stream"))?;
-        let kernels = QwenImageKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
-        let text_kernels = TextKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
+        let kernels = NnKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
         let lib = LtLibrary::open().map_err(gpu_err("opening cuBLASLt"))?;
         let lt =
             CublasLt::with_default_workspace(ctx, lib).map_err(gpu_err("creating cuBLASLt"))?;
@@ -517,7 +515,6 @@ impl GpuTextEncoder {
             workspace: None,
             weights,
             lt,
-            text_kernels,
             kernels,
             stream,
             ctx: ctx.clone(),
@@ -719,7 +716,7 @@ impl GpuTextEncoder {
                 .slice(offset, bytes)
                 .map_err(gpu_err("slicing the weights"))
         };
-        self.text_kernels
+        self.kernels
             .embed_gather(
                 st,
                 &weight_view(self.layout.embed, d.vocab * h * BF16)?,
@@ -742,7 +739,7 @@ impl GpuTextEncoder {
         let scale = 1.0 / (HEAD_DIM as f32).sqrt();
 
         for l in &self.layout.layers {
-            self.text_kernels
+            self.kernels
                 .rms_norm(
                     st,
                     &ws.x.view(),
@@ -767,7 +764,7 @@ impl GpuTextEncoder {
                 let k_weight = weight_view(l.qk_norm + HEAD_DIM * BF16, HEAD_DIM * BF16)?;
                 let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
                 let mut qkv = ws.qkv.view_mut();
-                self.text_kernels
+                self.kernels
                     .qk_norm_rope_half(
                         st,
                         &QkNormRope {
@@ -842,7 +839,7 @@ impl GpuTextEncoder {
                 x_span,
                 true,
             )?;
-            self.text_kernels
+            self.kernels
                 .rms_norm(
                     st,
                     &ws.x.view(),

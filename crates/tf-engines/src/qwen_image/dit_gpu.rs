@@ -37,13 +37,14 @@ use tf_cuda::graph::Mode;
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, GraphExec, Stream};
 
 use super::config::{QwenImageDitConfig, ROPE_THETA, TIMESTEP_DIM};
+use super::ops::DitKernels;
 use super::dit::{
     DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvMode, KvStep,
     TokenSource,
 };
 use crate::nn::gpu::{
     attention_flops, key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape,
-    AttentionTile, Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, QwenImageKernels,
+    AttentionTile, Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs,
     Strides, HEAD_DIM,
 };
 use crate::nn::host;
@@ -480,7 +481,7 @@ struct Engine {
     dims: Dims,
     ctx: Context,
     stream: Stream,
-    kernels: QwenImageKernels,
+    kernels: DitKernels,
     attention_tile: AttentionTile,
     lt: CublasLt,
     weights: DeviceBuffer,
@@ -526,7 +527,7 @@ impl GpuDit {
         model.check(&config.tensor_specs())?;
         let dims = Dims::of(&config)?;
         let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
-        let kernels = QwenImageKernels::load(ctx).map_err(|e| DitError::Backend(e.to_string()))?;
+        let kernels = DitKernels::load(ctx).map_err(|e| DitError::Backend(e.to_string()))?;
         let lib = LtLibrary::open().map_err(|e| DitError::Backend(e.to_string()))?;
         let lt = CublasLt::with_default_workspace(ctx, lib)
             .map_err(|e| DitError::Backend(e.to_string()))?;

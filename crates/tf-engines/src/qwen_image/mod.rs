@@ -4,6 +4,7 @@ pub mod config;
 pub mod dit;
 pub mod dit_gpu;
 pub mod dit_host;
+pub mod ops;
 pub mod pipeline;
 pub mod vae;
 pub mod vae_gpu;

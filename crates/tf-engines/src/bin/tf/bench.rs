@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 use tf_engines::nn::gpu::{
-    attention_flops, AttentionInputs, AttentionShape, AttentionTile, QwenImageKernels, Strides,
+    attention_flops, AttentionInputs, AttentionShape, AttentionTile, NnKernels, Strides,
 };
 
 #[derive(clap::Subcommand)]
@@ -146,7 +146,7 @@ fn bench_attention(args: &AttentionArgs) -> Result<(), BoxError> {
     let driver = Arc::new(Driver::open()?);
     let ctx = Context::new(driver, 0)?;
     let stream = Stream::new(&ctx, true)?;
-    let kernels = QwenImageKernels::load(&ctx)?;
+    let kernels = NnKernels::load(&ctx)?;
     let info = ctx.device_info()?;
     println!("device: {info:?}");
     let mut summary = Vec::new();
@@ -164,7 +164,7 @@ fn bench_shape(
     args: &AttentionArgs,
     ctx: &Context,
     stream: &Stream,
-    kernels: &QwenImageKernels,
+    kernels: &NnKernels,
     shape: &Shape,
 ) -> Result<serde_json::Value, BoxError> {
     let width = shape.heads * 128;

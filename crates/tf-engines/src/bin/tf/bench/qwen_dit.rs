@@ -195,11 +195,8 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     // The other wgmma attention variants, for comparison; the default stays in use afterwards.
     let default_tile = dit.attention_tile();
     let mut other_tiles = Vec::new();
-    for tile in [
-        AttentionTile::Sm90,
-        AttentionTile::Sm90Ws,
-        AttentionTile::Sm90Tma,
-    ] {
+    // The wgmma tiles of this build (the plain and cp.async ones only with the `bench-kernels` feature).
+    for tile in AttentionTile::ALL.into_iter().filter(|t| t.needs_sm90()) {
         if tile == default_tile || dit.set_attention_tile(tile).is_err() {
             continue;
         }

@@ -1,0 +1,305 @@
+//! The Qwen-Image DiT's own kernels (`kernels/qwen_image/adaln.cu`, kernel set `qwen_image_dit`): adaLN (LayerNorm
+//! without affine times `(1 + scale)`), the tanh-gated residual, the fused residual + adaLN, and the zero-centred
+//! RMSNorm of its checkpoints. Same conventions as [`crate::nn::gpu`]: one `plan_*` function per kernel validates
+//! and packs (unit-tested without a GPU); [`DitKernels`] holds these kernels beside the shared [`NnKernels`] and
+//! submits.
+//!
+//! ```no_run
+//! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::DeviceView<'_>,
+//! #         w: tf_cuda::DeviceView<'_>, y: &mut tf_cuda::DeviceViewMut<'_>) -> Result<(), Box<dyn std::error::Error>> {
+//! use tf_engines::nn::gpu::Matrix;
+//! use tf_engines::qwen_image::ops::DitKernels;
+//! let kernels = DitKernels::load(ctx)?;
+//! kernels.rms_norm_zc(stream, &x, Matrix::dense(16, 3072), y, 3072, &w, 1e-6)?;
+//! # Ok(()) }
+//! ```
+
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
+
+use crate::nn::gpu::{
+    check_matrix, check_modulation, check_norm_cols, invalid, plan_weighted_row_norm,
+    push_modulation, push_select, row_grid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet,
+    Matrix, Modulation, ModulationRows, NnKernels, Operand, MAX_NORM_COLS, ROW_THREADS,
+};
+
+/// Name of the kernel set.
+pub const DIT_SET: &str = "qwen_image_dit";
+
+const DIT_KERNELS: &[&str] = &[
+    "qi_adaln_modulate",
+    "qi_rms_norm_zc",
+    "qi_gated_residual",
+    "qi_gated_residual_adaln",
+];
+
+/// Builds `y = LayerNorm(x) * (1 + scale)` (kernel qi_adaln_modulate).
+pub fn plan_adaln_modulate(
+    x: &DeviceView<'_>,
+    x_layout: Matrix,
+    y: &DeviceViewMut<'_>,
+    y_stride: usize,
+    scale: &Modulation<'_, '_>,
+    select: ModulationRows,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "adaln_modulate";
+    let y_layout = x_layout.with_stride(y_stride);
+    check_norm_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of(x), x_layout)?;
+    check_matrix(OP, "y", Operand::of_mut(y), y_layout)?;
+    check_modulation(OP, scale, x_layout.cols, x_layout.rows, select)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?);
+    push_modulation(&mut args, OP, scale)?;
+    args.push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    push_select(&mut args, OP, select)?;
+    args.push(eps);
+    Ok(Launch {
+        kernel: "qi_adaln_modulate",
+        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+        args,
+    })
+}
+
+/// Builds the zero-centred RMSNorm `y = x * rsqrt(mean(x^2) + eps) * (1 + weight)` (kernel qi_rms_norm_zc).
+pub fn plan_rms_norm_zc(
+    x: &DeviceView<'_>,
+    x_layout: Matrix,
+    y: &DeviceViewMut<'_>,
+    y_stride: usize,
+    weight: &DeviceView<'_>,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    plan_weighted_row_norm(
+        "rms_norm_zc",
+        "qi_rms_norm_zc",
+        MAX_NORM_COLS,
+        ROW_THREADS,
+        x,
+        x_layout,
+        y,
+        y_stride,
+        weight,
+        eps,
+    )
+}
+
+/// Builds `x += tanh(gate) * y` in place on x (kernel qi_gated_residual).
+pub fn plan_gated_residual(
+    x: &DeviceViewMut<'_>,
+    x_layout: Matrix,
+    y: &DeviceView<'_>,
+    y_stride: usize,
+    gate: &Modulation<'_, '_>,
+    select: ModulationRows,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "gated_residual";
+    check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
+    check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
+    check_modulation(OP, gate, x_layout.cols, x_layout.rows, select)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?);
+    push_modulation(&mut args, OP, gate)?;
+    args.push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    push_select(&mut args, OP, select)?;
+    Ok(Launch {
+        kernel: "qi_gated_residual",
+        config: row_grid(OP, x_layout.rows, x_layout.cols)?,
+        args,
+    })
+}
+
+/// Builds the gated residual followed by the next adaLN in one pass (kernel qi_gated_residual_adaln):
+/// `x += tanh(gate) * y` in place, then `out = LayerNorm(x) * (1 + scale)` from the stored (bf16) x. The result
+/// is bit-identical to [`plan_gated_residual`] followed by [`plan_adaln_modulate`]. `gate` and `scale` must
+/// name the same modulation rows (data, rows, stride) at two offsets.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_gated_residual_adaln(
+    x: &DeviceViewMut<'_>,
+    x_layout: Matrix,
+    y: &DeviceView<'_>,
+    y_stride: usize,
+    out: &DeviceViewMut<'_>,
+    out_stride: usize,
+    gate: &Modulation<'_, '_>,
+    scale: &Modulation<'_, '_>,
+    select: ModulationRows,
+    eps: f32,
+) -> Result<Launch, tf_cuda::Error> {
+    const OP: &str = "gated_residual_adaln";
+    check_norm_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
+    check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
+    check_matrix(
+        OP,
+        "out",
+        Operand::of_mut(out),
+        x_layout.with_stride(out_stride),
+    )?;
+    if gate.data.addr() != scale.data.addr()
+        || gate.rows != scale.rows
+        || gate.stride != scale.stride
+    {
+        return Err(invalid(
+            OP,
+            "gate and scale must be two column offsets of the same modulation rows",
+        ));
+    }
+    check_modulation(OP, gate, x_layout.cols, x_layout.rows, select)?;
+    check_modulation(OP, scale, x_layout.cols, x_layout.rows, select)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?)
+        .push_addr(out.addr())
+        .push(to_i32(OP, "out stride", out_stride)?)
+        .push_addr(gate.data.addr())
+        .push(to_i32(OP, "modulation stride", gate.stride)?)
+        .push(to_i32(OP, "gate offset", gate.offset)?)
+        .push(to_i32(OP, "scale offset", scale.offset)?)
+        .push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    push_select(&mut args, OP, select)?;
+    args.push(eps);
+    Ok(Launch {
+        kernel: "qi_gated_residual_adaln",
+        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+        args,
+    })
+}
+
+/// The DiT's kernels of one context: the `qwen_image_dit` set beside the shared [`NnKernels`], whose launchers it
+/// also offers (through `Deref`), so one handle runs the whole DiT step.
+pub struct DitKernels {
+    nn: NnKernels,
+    dit: LoadedSet,
+}
+
+impl std::fmt::Debug for DitKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DitKernels")
+            .field("nn", &self.nn)
+            .field("dit", &self.dit)
+            .finish()
+    }
+}
+
+impl std::ops::Deref for DitKernels {
+    type Target = NnKernels;
+    fn deref(&self) -> &NnKernels {
+        &self.nn
+    }
+}
+
+impl DitKernels {
+    /// Loads the shared sets and the `qwen_image_dit` set into `ctx`.
+    pub fn load(ctx: &Context) -> Result<DitKernels, LoadKernelsError> {
+        Ok(DitKernels {
+            nn: NnKernels::load(ctx)?,
+            dit: LoadedSet::load(ctx, DIT_SET, DIT_KERNELS)?,
+        })
+    }
+
+    /// The shared kernels.
+    pub fn nn(&self) -> &NnKernels {
+        &self.nn
+    }
+
+    /// Submits a launch built by a `plan_*` function of this module or of [`crate::nn::gpu`].
+    pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
+        if self.dit.has(launch.kernel) {
+            self.dit.submit(stream, launch)
+        } else {
+            self.nn.submit(stream, launch)
+        }
+    }
+
+    /// `y = LayerNorm(x) * (1 + scale)` with per-row modulation rows; see [`plan_adaln_modulate`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn adaln_modulate(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        x_layout: Matrix,
+        y: &mut DeviceViewMut<'_>,
+        y_stride: usize,
+        scale: &Modulation<'_, '_>,
+        select: ModulationRows,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_adaln_modulate(x, x_layout, y, y_stride, scale, select, eps)?,
+        )
+    }
+
+    /// Gated residual then adaLN in one pass; see [`plan_gated_residual_adaln`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_residual_adaln(
+        &self,
+        stream: &Stream,
+        x: &mut DeviceViewMut<'_>,
+        x_layout: Matrix,
+        y: &DeviceView<'_>,
+        y_stride: usize,
+        out: &mut DeviceViewMut<'_>,
+        out_stride: usize,
+        gate: &Modulation<'_, '_>,
+        scale: &Modulation<'_, '_>,
+        select: ModulationRows,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_gated_residual_adaln(
+                x, x_layout, y, y_stride, out, out_stride, gate, scale, select, eps,
+            )?,
+        )
+    }
+
+    /// Zero-centred RMSNorm; see [`plan_rms_norm_zc`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_zc(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        x_layout: Matrix,
+        y: &mut DeviceViewMut<'_>,
+        y_stride: usize,
+        weight: &DeviceView<'_>,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_rms_norm_zc(x, x_layout, y, y_stride, weight, eps)?,
+        )
+    }
+
+    /// `x += tanh(gate) * y`; see [`plan_gated_residual`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_residual(
+        &self,
+        stream: &Stream,
+        x: &mut DeviceViewMut<'_>,
+        x_layout: Matrix,
+        y: &DeviceView<'_>,
+        y_stride: usize,
+        gate: &Modulation<'_, '_>,
+        select: ModulationRows,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_gated_residual(x, x_layout, y, y_stride, gate, select)?,
+        )
+    }
+}
