@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
 use tf_engines::nn::tensor::Tensor;
+use tf_engines::nn::upload::{fill_host, Piece};
 use tf_engines::nn::weights::{
-    parse_header, write_safetensors, AnyTensor, HeaderError, ModelDir, WeightsError,
+    parse_header, write_safetensors, AnyTensor, HeaderError, LayoutPlanner, ModelDir, WeightsError,
 };
 use tf_engines::qwen_image::config::QwenImageDitConfig;
 use tf_engines::qwen_image::dit_host::HostDit;
@@ -336,34 +337,33 @@ fn wrong_missing_or_extra_weights_are_refused_before_use() {
 }
 
 #[test]
-fn upload_plan_chunks_cover_every_tensor_in_order() {
+fn planned_pieces_cover_every_tensor_in_order() {
+    // The host image the upload ring writes: every tensor at an aligned offset, byte for byte, through slots
+    // smaller than most tensors.
     let model = ModelDir::open(&fixture_model("cond_b2")).unwrap();
     let config = QwenImageDitConfig::from_json(model.config_json()).unwrap();
     let specs = config.tensor_specs();
-    let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-    let plan = model.upload_plan(&names, 256).unwrap();
-    assert_eq!(plan.items.len(), names.len());
-    let mut device = vec![0u8; plan.device_bytes];
-    let max_chunk = 1000;
-    let mut chunks = 0;
-    for chunk in plan.chunks(&model, max_chunk) {
-        let chunk = chunk.unwrap();
-        assert!(!chunk.bytes.is_empty() && chunk.bytes.len() <= max_chunk);
-        device[chunk.device_offset..chunk.device_offset + chunk.bytes.len()]
-            .copy_from_slice(chunk.bytes);
-        chunks += 1;
+    let mut planner = LayoutPlanner::new(256);
+    let mut placed = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        let bytes = model.bytes(&spec.name).unwrap();
+        placed.push((spec.name.as_str(), planner.one(bytes.len()).unwrap(), bytes));
     }
-    for item in &plan.items {
-        assert_eq!(item.device_offset % 256, 0);
-        assert_eq!(
-            &device[item.device_offset..item.device_offset + item.len],
-            model.bytes(&item.name).unwrap()
-        );
+    let total = planner.total().unwrap();
+    let pieces: Vec<Piece<'_>> = placed.iter().map(|&(_, o, b)| Piece::copy(b, o)).collect();
+    let mut device = vec![0u8; total];
+    fill_host(&mut device, &pieces, 1000, 3).unwrap();
+    for &(name, offset, bytes) in &placed {
+        assert_eq!(offset % 256, 0);
+        assert_eq!(&device[offset..offset + bytes.len()], bytes, "{name}");
     }
-    println!(
-        "{} tensors, {} device bytes, {chunks} chunks of <= {max_chunk} bytes",
-        plan.items.len(),
-        plan.device_bytes
-    );
-    assert!(model.upload_plan(&["nope"], 256).is_err());
+    println!("{} tensors, {total} device bytes", placed.len());
+    assert!(model.bytes("nope").is_err());
+    // A layout past usize is an error naming it, never a wrap.
+    let mut planner = LayoutPlanner::new(256);
+    planner.one(usize::MAX - 10).unwrap();
+    assert!(matches!(
+        planner.one(1),
+        Err(WeightsError::LayoutOverflow { .. })
+    ));
 }

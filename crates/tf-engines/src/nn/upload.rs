@@ -1,19 +1,24 @@
-//! Streaming weights into one device allocation through pinned staging, converting to bf16 on the way.
+//! The one way weights reach the device: a ring of pinned staging slots that host threads fill, chunk by
+//! chunk, through a per-piece [`Transform`], while the GPU copies the previous slot into one allocation.
 //!
-//! The source of every device copy is a pinned [`HostBuffer`] (never the file map): worker threads copy (or
-//! convert f32/f16 to bf16) a chunk of the map into a staging slot while the GPU copies the previous slot, so
-//! reading the map overlaps the host-to-device copies. Slots are reused only after the event recorded behind
-//! their copies has completed.
-//!
-//! The packing of pieces into slots ([`pack`]) is pure and unit-tested; the conversion is unit-tested against
-//! the `half` crate.
+//! - A [`Piece`] is source bytes (a view of the file map, or a host-built tensor), the transform that turns
+//!   them into their device image, and the destination offset. [`Transform::Copy`] moves bytes as they are;
+//!   [`Transform::ToBf16`] converts F32/F16 (or copies BF16) to bf16; [`Transform::Custom`] takes any
+//!   [`ChunkTransform`] (the FP8 quantizer plugs in here, see the trait).
+//! - [`pack`] splits the pieces into slot-sized jobs without splitting a transform's granule (a row, for
+//!   per-row scales); it is pure and property-tested. [`fill_host`] applies the same jobs to a host buffer: the
+//!   device image the ring would produce, for tests and host paths.
+//! - [`upload_pieces`] streams every piece into a [`DeviceBuffer`]. The source of every device copy is a
+//!   pinned [`HostBuffer`] (never the map). Slots are refilled only after the event recorded behind their copies
+//!   has completed, and the ring waits for its stream before its pinned slots are freed on every path, the
+//!   early error returns included (a guard whose `Drop` synchronizes the stream).
 
 use std::time::Instant;
 
 use tf_cuda::{Context, DeviceBuffer, Event, HostBuffer, Stream};
 use thiserror::Error;
 
-use crate::nn::weights::Dtype;
+use crate::nn::weights::{Dtype, BF16};
 
 /// Why an upload failed.
 #[derive(Debug, Error)]
@@ -24,13 +29,41 @@ pub enum UploadError {
         #[source]
         source: tf_cuda::Error,
     },
-    #[error("weight upload: tensor stored as {0}; only F32, BF16 and F16 weights can be uploaded as bf16")]
-    Dtype(Dtype),
+    #[error("weight upload: tensor stored as {dtype}; the {transform} transform reads {accepts}")]
+    Dtype {
+        dtype: Dtype,
+        transform: &'static str,
+        accepts: &'static str,
+    },
+    #[error(
+        "weight upload: a piece of {bytes} B is not a whole number of {unit}-byte source elements ({transform})"
+    )]
+    Ragged {
+        bytes: usize,
+        unit: usize,
+        transform: &'static str,
+    },
     #[error("weight upload: piece at device offset {offset} of {bytes} B runs past the {capacity} B allocation")]
     OutOfRange {
         offset: usize,
         bytes: usize,
         capacity: usize,
+    },
+    #[error(
+        "weight upload: a {granule_bytes} B granule of the {transform} transform does not fit a {slot_bytes} B \
+         staging slot; raise StagingConfig::slot_bytes"
+    )]
+    SlotTooSmall {
+        granule_bytes: usize,
+        slot_bytes: usize,
+        transform: &'static str,
+    },
+    #[error("weight upload: {what} overflows usize")]
+    Overflow { what: &'static str },
+    #[error("weight upload: the {transform} transform failed: {why}")]
+    Transform {
+        transform: &'static str,
+        why: String,
     },
     #[error("weight upload: a worker thread panicked while filling staging memory")]
     Worker,
@@ -40,23 +73,147 @@ fn cuda(what: &'static str) -> impl FnOnce(tf_cuda::Error) -> UploadError {
     move |source| UploadError::Cuda { what, source }
 }
 
-/// One source tensor (or part of one) and where its bf16 image goes.
+/// A transform of source elements into their device image, applied per chunk by the fill threads.
+///
+/// The ring hands a transform runs of whole granules: `granule()` consecutive source elements are never split
+/// across chunks. A per-output-channel FP8 quantizer implements it with a granule of one row: `apply` sees
+/// whole rows (and the index of the first one, `first / granule`), writes the e4m3 bytes into `dst` and keeps
+/// each row's scale in its own storage (a `Mutex<Vec<f32>>`, say), which the caller uploads as a second piece
+/// once the first has landed.
+pub trait ChunkTransform: Sync {
+    /// A short name for errors.
+    fn name(&self) -> &'static str;
+    /// Bytes of one source element.
+    fn src_elem_bytes(&self) -> usize;
+    /// Bytes of one device element.
+    fn dst_elem_bytes(&self) -> usize;
+    /// Source elements that must stay in one chunk (1: any split is fine).
+    fn granule(&self) -> usize {
+        1
+    }
+    /// Converts `src` (whole elements, starting at element `first` of the piece) into `dst` (the same count of
+    /// device elements).
+    fn apply(&self, first: usize, src: &[u8], dst: &mut [u8]) -> Result<(), UploadError>;
+}
+
+/// What a piece becomes on the device.
+#[derive(Clone, Copy)]
+pub enum Transform<'a> {
+    /// The source bytes as they are (bf16 that stays bf16, f32 norm gammas, packed tables).
+    Copy,
+    /// Elements of `from` (F32, BF16 or F16) as bf16, rounded to nearest even.
+    ToBf16 { from: Dtype },
+    /// Any other transform (FP8 quantization next).
+    Custom(&'a dyn ChunkTransform),
+}
+
+impl std::fmt::Debug for Transform<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transform::Copy => f.write_str("Copy"),
+            Transform::ToBf16 { from } => write!(f, "ToBf16 {{ from: {from} }}"),
+            Transform::Custom(t) => write!(f, "Custom({})", t.name()),
+        }
+    }
+}
+
+impl Transform<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Transform::Copy => "copy",
+            Transform::ToBf16 { .. } => "bf16",
+            Transform::Custom(t) => t.name(),
+        }
+    }
+
+    /// (source bytes, device bytes) per element.
+    fn elem_bytes(&self) -> Result<(usize, usize), UploadError> {
+        match self {
+            Transform::Copy => Ok((1, 1)),
+            Transform::ToBf16 { from } => match from {
+                Dtype::F32 => Ok((4, BF16)),
+                Dtype::BF16 | Dtype::F16 => Ok((2, BF16)),
+                other => Err(UploadError::Dtype {
+                    dtype: *other,
+                    transform: "bf16",
+                    accepts: "F32, BF16 or F16",
+                }),
+            },
+            Transform::Custom(t) => Ok((t.src_elem_bytes().max(1), t.dst_elem_bytes().max(1))),
+        }
+    }
+
+    fn granule(&self) -> usize {
+        match self {
+            Transform::Custom(t) => t.granule().max(1),
+            _ => 1,
+        }
+    }
+
+    fn apply(&self, first: usize, src: &[u8], dst: &mut [u8]) -> Result<(), UploadError> {
+        match self {
+            Transform::Copy => {
+                let n = dst.len().min(src.len());
+                dst[..n].copy_from_slice(&src[..n]);
+                Ok(())
+            }
+            Transform::ToBf16 { from } => convert_to_bf16(src, *from, dst),
+            Transform::Custom(t) => t.apply(first, src, dst),
+        }
+    }
+}
+
+/// One source tensor (or part of one) and where its device image goes.
 #[derive(Debug, Clone, Copy)]
 pub struct Piece<'a> {
-    /// Source bytes: little-endian elements of `dtype`.
+    /// Source bytes: little-endian elements the transform reads.
     pub src: &'a [u8],
-    pub dtype: Dtype,
-    /// Destination byte offset (bf16 elements) in the device allocation.
+    pub transform: Transform<'a>,
+    /// Destination byte offset in the device allocation.
     pub dst_offset: usize,
 }
 
-impl Piece<'_> {
-    fn elements(&self) -> Result<usize, UploadError> {
-        match self.dtype {
-            Dtype::F32 => Ok(self.src.len() / 4),
-            Dtype::BF16 | Dtype::F16 => Ok(self.src.len() / 2),
-            other => Err(UploadError::Dtype(other)),
+impl<'a> Piece<'a> {
+    /// `src`, stored as `dtype`, converted to bf16 at `dst_offset`.
+    pub fn bf16(src: &'a [u8], dtype: Dtype, dst_offset: usize) -> Piece<'a> {
+        Piece {
+            src,
+            transform: Transform::ToBf16 { from: dtype },
+            dst_offset,
         }
+    }
+
+    /// `src` copied as it is to `dst_offset`.
+    pub fn copy(src: &'a [u8], dst_offset: usize) -> Piece<'a> {
+        Piece {
+            src,
+            transform: Transform::Copy,
+            dst_offset,
+        }
+    }
+
+    /// (source elements, source bytes per element, device bytes per element), checked.
+    fn geometry(&self) -> Result<(usize, usize, usize), UploadError> {
+        let (src_unit, dst_unit) = self.transform.elem_bytes()?;
+        let granule_bytes = src_unit
+            .checked_mul(self.transform.granule())
+            .ok_or(UploadError::Overflow { what: "a granule" })?;
+        if !self.src.len().is_multiple_of(granule_bytes) {
+            return Err(UploadError::Ragged {
+                bytes: self.src.len(),
+                unit: granule_bytes,
+                transform: self.transform.name(),
+            });
+        }
+        Ok((self.src.len() / src_unit, src_unit, dst_unit))
+    }
+
+    /// Device bytes this piece writes.
+    pub fn device_bytes(&self) -> Result<usize, UploadError> {
+        let (n, _, dst_unit) = self.geometry()?;
+        n.checked_mul(dst_unit).ok_or(UploadError::Overflow {
+            what: "a piece's device bytes",
+        })
     }
 }
 
@@ -72,41 +229,66 @@ pub struct Segment {
     pub staging_offset: usize,
 }
 
-/// Packs pieces (given as element counts) into jobs of at most `slot_elements` bf16 elements each, in order,
-/// splitting pieces that cross a job boundary.
-pub fn pack(piece_elements: &[usize], slot_elements: usize) -> Vec<Vec<Segment>> {
-    let slot_elements = slot_elements.max(1);
+/// How [`pack`] sees a piece: its element count, device bytes per element and granule (elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackItem {
+    pub elements: usize,
+    pub dst_elem_bytes: usize,
+    pub granule: usize,
+}
+
+/// Packs pieces into jobs of at most `slot_bytes` device bytes each, in order, splitting pieces that cross a
+/// job boundary at a granule boundary. Fails when one granule does not fit a slot.
+pub fn pack(items: &[PackItem], slot_bytes: usize) -> Result<Vec<Vec<Segment>>, UploadError> {
+    let slot_bytes = slot_bytes.max(1);
     let mut jobs: Vec<Vec<Segment>> = Vec::new();
     let mut current: Vec<Segment> = Vec::new();
     let mut used = 0usize;
-    for (piece, &total) in piece_elements.iter().enumerate() {
+    for (piece, item) in items.iter().enumerate() {
+        let unit = item.dst_elem_bytes.max(1);
+        let granule = item.granule.max(1);
+        let granule_bytes = unit
+            .checked_mul(granule)
+            .ok_or(UploadError::Overflow { what: "a granule" })?;
+        if item.elements > 0 && granule_bytes > slot_bytes {
+            return Err(UploadError::SlotTooSmall {
+                granule_bytes,
+                slot_bytes,
+                transform: "piece",
+            });
+        }
         let mut first = 0usize;
-        while first < total {
-            if used == slot_elements {
+        while first < item.elements {
+            let room = (slot_bytes - used) / granule_bytes * granule;
+            if room == 0 {
                 jobs.push(std::mem::take(&mut current));
                 used = 0;
+                continue;
             }
-            let take = (total - first).min(slot_elements - used);
+            let take = (item.elements - first).min(room);
             current.push(Segment {
                 piece,
                 first,
                 elements: take,
-                staging_offset: used * 2,
+                staging_offset: used,
             });
-            used += take;
+            used += take * unit;
             first += take;
         }
     }
     if !current.is_empty() {
         jobs.push(current);
     }
-    jobs
+    Ok(jobs)
 }
 
 /// Converts `src` (elements of `dtype`) to bf16 bytes in `dst` (2 bytes per element, same count).
 pub fn convert_to_bf16(src: &[u8], dtype: Dtype, dst: &mut [u8]) -> Result<(), UploadError> {
     match dtype {
-        Dtype::BF16 => dst.copy_from_slice(&src[..dst.len()]),
+        Dtype::BF16 => {
+            let n = dst.len().min(src.len());
+            dst[..n].copy_from_slice(&src[..n]);
+        }
         Dtype::F32 => {
             for (out, v) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
                 let x = f32::from_le_bytes([v[0], v[1], v[2], v[3]]);
@@ -119,7 +301,13 @@ pub fn convert_to_bf16(src: &[u8], dtype: Dtype, dst: &mut [u8]) -> Result<(), U
                 out.copy_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
             }
         }
-        other => return Err(UploadError::Dtype(other)),
+        other => {
+            return Err(UploadError::Dtype {
+                dtype: other,
+                transform: "bf16",
+                accepts: "F32, BF16 or F16",
+            })
+        }
     }
     Ok(())
 }
@@ -152,7 +340,7 @@ impl Default for StagingConfig {
 pub struct UploadStats {
     /// Bytes read from the sources (file bytes).
     pub source_bytes: u64,
-    /// bf16 bytes written to the device.
+    /// Bytes written to the device.
     pub device_bytes: u64,
     pub seconds: f64,
 }
@@ -181,14 +369,99 @@ impl std::fmt::Display for UploadStats {
     }
 }
 
-/// A task of one fill thread: convert `src` into `dst`.
-struct FillTask<'s, 'd> {
-    src: &'s [u8],
-    dtype: Dtype,
-    dst: &'d mut [u8],
+/// The checked plan of an upload: every piece's geometry and the jobs.
+struct Plan {
+    /// Per piece: (source bytes per element, device bytes per element).
+    units: Vec<(usize, usize)>,
+    jobs: Vec<Vec<Segment>>,
+    source_bytes: u64,
+    device_bytes: u64,
 }
 
-/// Uploads every piece into `dst` as bf16 through a ring of pinned slots; returns once the data landed.
+/// Checks every piece against a destination of `capacity` bytes and packs them into `slot_bytes` jobs.
+fn plan(pieces: &[Piece<'_>], capacity: usize, slot_bytes: usize) -> Result<Plan, UploadError> {
+    let mut items = Vec::with_capacity(pieces.len());
+    let mut units = Vec::with_capacity(pieces.len());
+    let mut source_bytes = 0u64;
+    let mut device_bytes = 0u64;
+    for p in pieces {
+        let (n, src_unit, dst_unit) = p.geometry()?;
+        let bytes = p.device_bytes()?;
+        if p.dst_offset.checked_add(bytes).is_none_or(|e| e > capacity) {
+            return Err(UploadError::OutOfRange {
+                offset: p.dst_offset,
+                bytes,
+                capacity,
+            });
+        }
+        let granule_bytes = dst_unit.saturating_mul(p.transform.granule());
+        if n > 0 && granule_bytes > slot_bytes {
+            return Err(UploadError::SlotTooSmall {
+                granule_bytes,
+                slot_bytes,
+                transform: p.transform.name(),
+            });
+        }
+        source_bytes += p.src.len() as u64;
+        device_bytes += bytes as u64;
+        units.push((src_unit, dst_unit));
+        items.push(PackItem {
+            elements: n,
+            dst_elem_bytes: dst_unit,
+            granule: p.transform.granule(),
+        });
+    }
+    let jobs = pack(&items, slot_bytes)?;
+    Ok(Plan {
+        units,
+        jobs,
+        source_bytes,
+        device_bytes,
+    })
+}
+
+/// Applies every piece's transform into `dst` (a host image of the device allocation), through the same jobs
+/// and fill path as [`upload_pieces`] with `slot_bytes` slots. Bytes no piece covers are left as they are.
+pub fn fill_host(
+    dst: &mut [u8],
+    pieces: &[Piece<'_>],
+    slot_bytes: usize,
+    threads: usize,
+) -> Result<(), UploadError> {
+    let slot_bytes = slot_bytes.max(1);
+    let plan = plan(pieces, dst.len(), slot_bytes)?;
+    let mut slot = vec![0u8; slot_bytes];
+    for job in &plan.jobs {
+        fill_slot(&mut slot, job, pieces, &plan.units, threads)?;
+        for seg in job {
+            let dst_unit = plan.units[seg.piece].1;
+            let at = pieces[seg.piece].dst_offset + seg.first * dst_unit;
+            let len = seg.elements * dst_unit;
+            dst[at..at + len].copy_from_slice(&slot[seg.staging_offset..seg.staging_offset + len]);
+        }
+    }
+    Ok(())
+}
+
+/// The pinned slots of one upload. Dropping it waits for the stream first, so no copy still reads a slot when
+/// it is freed, whichever way the upload ends.
+struct Ring<'s> {
+    stream: &'s Stream,
+    /// (buffer, event recorded behind its last copies, copies in flight).
+    slots: Vec<(HostBuffer, Event, bool)>,
+}
+
+impl Drop for Ring<'_> {
+    fn drop(&mut self) {
+        if self.slots.iter().any(|s| s.2) {
+            // An error here means the context is lost: nothing runs any more and its memory goes with it
+            // (tf-cuda's buffers leak rather than call into a lost context).
+            let _ = self.stream.synchronize();
+        }
+    }
+}
+
+/// Uploads every piece into `dst` through a ring of pinned slots; returns once the data landed.
 pub fn upload_pieces(
     ctx: &Context,
     stream: &Stream,
@@ -197,52 +470,44 @@ pub fn upload_pieces(
     staging: StagingConfig,
 ) -> Result<UploadStats, UploadError> {
     let started = Instant::now();
-    let mut elements = Vec::with_capacity(pieces.len());
-    let mut source_bytes = 0u64;
-    for p in pieces {
-        let n = p.elements()?;
-        let end = p.dst_offset.checked_add(n * 2);
-        if end.is_none_or(|e| e > dst.len()) {
-            return Err(UploadError::OutOfRange {
-                offset: p.dst_offset,
-                bytes: n * 2,
-                capacity: dst.len(),
-            });
-        }
-        source_bytes += p.src.len() as u64;
-        elements.push(n);
-    }
     let slot_bytes = (staging.slot_bytes.max(4096) / 16) * 16;
-    let jobs = pack(&elements, slot_bytes / 2);
-    let slots = staging.slots.clamp(1, jobs.len().max(1));
-    let mut ring = Vec::with_capacity(slots);
+    let plan = plan(pieces, dst.len(), slot_bytes)?;
+    let slots = staging.slots.clamp(1, plan.jobs.len().max(1));
+    let mut ring = Ring {
+        stream,
+        slots: Vec::with_capacity(slots),
+    };
     for _ in 0..slots {
         let buffer =
             HostBuffer::alloc(ctx, slot_bytes).map_err(cuda("allocating pinned staging"))?;
         let event = Event::new(ctx, false).map_err(cuda("creating a staging event"))?;
-        ring.push((buffer, event, false));
+        ring.slots.push((buffer, event, false));
     }
     let threads = staging.threads.max(1);
-    for (j, job) in jobs.iter().enumerate() {
-        let (buffer, event, in_flight) = &mut ring[j % slots];
+    for (j, job) in plan.jobs.iter().enumerate() {
+        let (buffer, event, in_flight) = &mut ring.slots[j % slots];
         if *in_flight {
             event
                 .synchronize()
                 .map_err(cuda("waiting for a staging slot"))?;
+            *in_flight = false;
         }
-        fill_slot(buffer.as_mut_slice(), job, pieces, threads)?;
+        fill_slot(buffer.as_mut_slice(), job, pieces, &plan.units, threads)?;
         let mut view = dst.view_mut();
         for seg in job {
-            let piece = &pieces[seg.piece];
-            let dst_offset = piece.dst_offset + seg.first * 2;
-            // SAFETY: `buffer` lives in `ring` until this function returns, after the stream is synchronized, and
-            // it is rewritten only after `event` (recorded behind these copies) has completed.
+            let dst_unit = plan.units[seg.piece].1;
+            let dst_offset = pieces[seg.piece].dst_offset + seg.first * dst_unit;
+            // Marked before the copy is enqueued: from here on the ring's Drop waits for the stream.
+            *in_flight = true;
+            // SAFETY: `buffer` lives in `ring`, whose Drop synchronizes the stream before the slots are freed
+            // (on this function's success and error paths alike); it is rewritten only after `event`, recorded
+            // behind these copies, has completed. The range was checked against `dst` by `plan`.
             unsafe {
                 view.upload_async_pinned(
                     dst_offset,
                     buffer,
                     seg.staging_offset,
-                    seg.elements * 2,
+                    seg.elements * dst_unit,
                     stream,
                 )
                 .map_err(cuda("enqueueing a host-to-device copy"))?;
@@ -251,54 +516,73 @@ pub fn upload_pieces(
         event
             .record(stream)
             .map_err(cuda("recording a staging event"))?;
-        *in_flight = true;
     }
     stream
         .synchronize()
         .map_err(cuda("finishing the weight upload"))?;
-    let device_bytes = elements.iter().map(|&n| n as u64 * 2).sum();
+    for slot in &mut ring.slots {
+        slot.2 = false;
+    }
+    drop(ring);
     Ok(UploadStats {
-        source_bytes,
-        device_bytes,
+        source_bytes: plan.source_bytes,
+        device_bytes: plan.device_bytes,
         seconds: started.elapsed().as_secs_f64(),
     })
 }
 
-/// Fills one staging slot with the job's segments, split across `threads` scoped threads.
+/// A task of one fill thread: transform `src` (from element `first` of the piece) into `dst`.
+struct FillTask<'s, 'd> {
+    src: &'s [u8],
+    first: usize,
+    transform: Transform<'s>,
+    dst: &'d mut [u8],
+}
+
+/// Fills one staging slot with the job's segments, split across `threads` scoped threads (at granule
+/// boundaries).
 fn fill_slot(
     slot: &mut [u8],
     job: &[Segment],
     pieces: &[Piece<'_>],
+    units: &[(usize, usize)],
     threads: usize,
 ) -> Result<(), UploadError> {
-    let job_bytes: usize = job.iter().map(|s| s.elements * 2).sum();
+    let threads = threads.max(1);
+    let job_bytes: usize = job.iter().map(|s| s.elements * units[s.piece].1).sum();
     let per_task = job_bytes.div_ceil(threads).max(1 << 16);
     let mut tasks: Vec<FillTask<'_, '_>> = Vec::new();
     let limit = job_bytes.min(slot.len());
     let mut rest: &mut [u8] = &mut slot[..limit];
     for seg in job {
         let piece = &pieces[seg.piece];
-        let src_size = match piece.dtype {
-            Dtype::F32 => 4,
-            _ => 2,
-        };
+        let (src_unit, dst_unit) = units[seg.piece];
+        let granule = piece.transform.granule();
+        let step = (per_task / dst_unit / granule).max(1) * granule;
         let mut first = seg.first;
         let mut left = seg.elements;
         while left > 0 {
-            let take = left.min(per_task / 2).max(1);
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take * 2);
+            let take = left.min(step);
+            let (head, tail) = std::mem::take(&mut rest)
+                .split_at_mut_checked(take * dst_unit)
+                .ok_or(UploadError::OutOfRange {
+                    offset: seg.staging_offset,
+                    bytes: take * dst_unit,
+                    capacity: limit,
+                })?;
             rest = tail;
             let src = piece
                 .src
-                .get(first * src_size..(first + take) * src_size)
+                .get(first * src_unit..(first + take) * src_unit)
                 .ok_or(UploadError::OutOfRange {
-                    offset: first * src_size,
-                    bytes: take * src_size,
+                    offset: first * src_unit,
+                    bytes: take * src_unit,
                     capacity: piece.src.len(),
                 })?;
             tasks.push(FillTask {
                 src,
-                dtype: piece.dtype,
+                first,
+                transform: piece.transform,
                 dst: head,
             });
             first += take;
@@ -307,7 +591,7 @@ fn fill_slot(
     }
     if threads <= 1 || tasks.len() <= 1 {
         for t in tasks {
-            convert_to_bf16(t.src, t.dtype, t.dst)?;
+            t.transform.apply(t.first, t.src, t.dst)?;
         }
         return Ok(());
     }
@@ -318,7 +602,7 @@ fn fill_slot(
             .map(|group| {
                 scope.spawn(move || -> Result<(), UploadError> {
                     for t in group.iter_mut() {
-                        convert_to_bf16(t.src, t.dtype, t.dst)?;
+                        t.transform.apply(t.first, t.src, t.dst)?;
                     }
                     Ok(())
                 })
@@ -360,9 +644,42 @@ mod tests {
         assert!(convert_to_bf16(&src, Dtype::I64, &mut dst).is_err());
     }
 
+    /// A stand-in for the FP8 quantizer: whole rows of f32, each written as its row index (one byte per
+    /// element), so a split row would show.
+    struct RowTag {
+        cols: usize,
+    }
+
+    impl ChunkTransform for RowTag {
+        fn name(&self) -> &'static str {
+            "row-tag"
+        }
+        fn src_elem_bytes(&self) -> usize {
+            4
+        }
+        fn dst_elem_bytes(&self) -> usize {
+            1
+        }
+        fn granule(&self) -> usize {
+            self.cols
+        }
+        fn apply(&self, first: usize, src: &[u8], dst: &mut [u8]) -> Result<(), UploadError> {
+            if !first.is_multiple_of(self.cols) || !(src.len() / 4).is_multiple_of(self.cols) {
+                return Err(UploadError::Transform {
+                    transform: "row-tag",
+                    why: format!("split row at element {first}"),
+                });
+            }
+            for (i, out) in dst.iter_mut().enumerate() {
+                *out = ((first + i) / self.cols) as u8;
+            }
+            Ok(())
+        }
+    }
+
     #[test]
-    fn filled_slots_hold_every_segment_converted_in_place() {
-        // Three pieces of mixed dtypes, packed into slots of 70 000 elements, filled by 4 threads.
+    fn filled_slots_hold_every_piece_transformed_in_place() {
+        // Mixed dtypes and transforms, packed into small slots, filled by 4 threads.
         let a: Vec<u8> = (0..100_000)
             .flat_map(|i| (i as f32 * 0.5 - 3.0).to_le_bytes())
             .collect();
@@ -376,70 +693,97 @@ mod tests {
                     .to_le_bytes()
             })
             .collect();
+        let raw: Vec<u8> = (0..9_999u32).map(|i| (i % 251) as u8).collect();
+        let rows = vec![0u8; 4 * 7 * 300];
+        let tag = RowTag { cols: 7 };
         let pieces = [
+            Piece::bf16(&a, Dtype::F32, 0),
+            Piece::bf16(&b, Dtype::BF16, 200_000),
+            Piece::bf16(&c, Dtype::F16, 260_000),
+            Piece::copy(&raw, 360_001),
             Piece {
-                src: &a,
-                dtype: Dtype::F32,
-                dst_offset: 0,
-            },
-            Piece {
-                src: &b,
-                dtype: Dtype::BF16,
-                dst_offset: 200_000,
-            },
-            Piece {
-                src: &c,
-                dtype: Dtype::F16,
-                dst_offset: 260_000,
+                src: &rows,
+                transform: Transform::Custom(&tag),
+                dst_offset: 370_000,
             },
         ];
-        let elements: Vec<usize> = pieces.iter().map(|p| p.elements().unwrap()).collect();
-        let jobs = pack(&elements, 70_000);
-        // The device image assembled from the slots as the copies would place them.
-        let mut device = vec![0u8; 360_000];
-        let mut slot = vec![0u8; 140_000];
-        for job in &jobs {
-            fill_slot(&mut slot, job, &pieces, 4).unwrap();
-            for seg in job {
-                let dst = pieces[seg.piece].dst_offset + seg.first * 2;
-                device[dst..dst + seg.elements * 2].copy_from_slice(
-                    &slot[seg.staging_offset..seg.staging_offset + seg.elements * 2],
-                );
-            }
-        }
-        for piece in &pieces {
-            let n = piece.elements().unwrap();
-            let mut want = vec![0u8; n * 2];
-            convert_to_bf16(piece.src, piece.dtype, &mut want).unwrap();
+        let mut device = vec![0u8; 372_100];
+        fill_host(&mut device, &pieces, 140_000, 4).unwrap();
+        for piece in &pieces[..3] {
+            let Transform::ToBf16 { from } = piece.transform else {
+                unreachable!()
+            };
+            let n = piece.device_bytes().unwrap();
+            let mut want = vec![0u8; n];
+            convert_to_bf16(piece.src, from, &mut want).unwrap();
             assert!(
-                device[piece.dst_offset..piece.dst_offset + n * 2] == want[..],
-                "{:?}",
-                piece.dtype
+                device[piece.dst_offset..piece.dst_offset + n] == want[..],
+                "{from}"
             );
         }
+        assert_eq!(&device[360_001..360_001 + raw.len()], &raw[..]);
+        for (i, &v) in device[370_000..370_000 + 2100].iter().enumerate() {
+            assert_eq!(v, (i / 7) as u8);
+        }
+        // A slot smaller than one granule, a ragged piece and a piece past the end are refused.
+        let mut small = vec![0u8; 4000];
+        let err = fill_host(&mut small, &pieces[4..], 6, 1).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                UploadError::SlotTooSmall {
+                    transform: "row-tag",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(matches!(
+            fill_host(&mut small, &[Piece::bf16(&a[..6], Dtype::F32, 0)], 64, 1),
+            Err(UploadError::Ragged { .. })
+        ));
+        assert!(matches!(
+            fill_host(&mut small, &[Piece::copy(&raw, 0)], 64, 1),
+            Err(UploadError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            fill_host(&mut small, &[Piece::bf16(&raw[..8], Dtype::I32, 0)], 64, 1),
+            Err(UploadError::Dtype { .. })
+        ));
     }
 
     proptest! {
-        /// Every element of every piece lands exactly once, in order, and no job exceeds the slot.
+        /// Every element of every piece lands exactly once, in order, no job exceeds the slot, and no granule
+        /// is split.
         #[test]
-        fn packing_covers_every_element_once(sizes in proptest::collection::vec(0usize..50, 0..12), slot in 1usize..40) {
-            let jobs = pack(&sizes, slot);
-            let mut next = vec![0usize; sizes.len()];
+        fn packing_covers_every_element_once(
+            sizes in proptest::collection::vec((0usize..12, 1usize..4, 1usize..3), 0..12),
+            slot in 6usize..40,
+        ) {
+            let items: Vec<PackItem> = sizes
+                .iter()
+                .map(|&(g, unit, granule)| PackItem { elements: g * granule, dst_elem_bytes: unit, granule })
+                .collect();
+            let jobs = pack(&items, slot).unwrap();
+            let mut next = vec![0usize; items.len()];
             let mut last_piece = 0usize;
             for job in &jobs {
                 let mut offset = 0;
-                let total: usize = job.iter().map(|s| s.elements).sum();
+                let total: usize = job.iter().map(|s| s.elements * items[s.piece].dst_elem_bytes).sum();
                 prop_assert!(total <= slot && total > 0);
                 for seg in job {
-                    prop_assert_eq!(seg.staging_offset, offset * 2);
+                    let item = items[seg.piece];
+                    prop_assert_eq!(seg.staging_offset, offset);
                     prop_assert_eq!(seg.first, next[seg.piece]);
+                    prop_assert!(seg.first % item.granule == 0 && seg.elements % item.granule == 0);
                     prop_assert!(seg.piece >= last_piece);
                     last_piece = seg.piece;
                     next[seg.piece] += seg.elements;
-                    offset += seg.elements;
+                    offset += seg.elements * item.dst_elem_bytes;
                 }
             }
-            prop_assert_eq!(next, sizes);
+            let want: Vec<usize> = items.iter().map(|i| i.elements).collect();
+            prop_assert_eq!(next, want);
         }
     }
 }

@@ -1,0 +1,323 @@
+//! Diffusers- and transformers-format model folders: `config.json` plus one safetensors file or a sharded set
+//! with its index, and the check of their tensors against what a model expects.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::{Dtype, SafetensorsFile, TensorInfo, WeightsError};
+use crate::nn::tensor::TensorF32;
+
+/// What a model expects of one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Accepted stored dtypes.
+    pub dtypes: Vec<Dtype>,
+}
+
+/// Floating dtypes a host-converted weight may be stored in.
+pub const FLOAT_DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::BF16, Dtype::F16];
+
+/// Throughput of a pass over the weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadStats {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+impl LoadStats {
+    /// Bytes per second (0 when nothing was timed).
+    pub fn bytes_per_second(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+impl fmt::Display for LoadStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bytes in {:.3} s ({:.3} GB/s)",
+            self.bytes,
+            self.seconds,
+            self.bytes_per_second() / 1e9
+        )
+    }
+}
+
+/// A diffusers-format model folder: `config.json` plus one or more safetensors shards.
+#[derive(Debug)]
+pub struct ModelDir {
+    dir: PathBuf,
+    config: serde_json::Value,
+    shards: Vec<SafetensorsFile>,
+    /// Tensor name -> index into `shards`.
+    location: BTreeMap<String, usize>,
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value, WeightsError> {
+    let text = std::fs::read_to_string(path).map_err(|source| WeightsError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| WeightsError::Config {
+        path: path.to_path_buf(),
+        why: format!("not valid JSON: {e}"),
+    })
+}
+
+impl ModelDir {
+    /// Opens `dir`: reads `config.json`, finds the weights (an index file wins over single files), maps and
+    /// validates every shard, and checks that index and shards agree.
+    pub fn open(dir: &Path) -> Result<ModelDir, WeightsError> {
+        let config = read_json(&dir.join("config.json"))?;
+        let listing = std::fs::read_dir(dir).map_err(|source| WeightsError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let mut indexes = Vec::new();
+        let mut singles = Vec::new();
+        for entry in listing {
+            let entry = entry.map_err(|source| WeightsError::Io {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".safetensors.index.json") {
+                indexes.push(entry.path());
+            } else if name.ends_with(".safetensors") {
+                singles.push(entry.path());
+            }
+        }
+        indexes.sort();
+        singles.sort();
+        match (indexes.as_slice(), singles.as_slice()) {
+            ([index], _) => Self::open_sharded(dir, config, index),
+            ([], [single]) => {
+                let file = SafetensorsFile::open(single)?;
+                let location = file.names().map(|n| (n.to_string(), 0)).collect();
+                Ok(ModelDir {
+                    dir: dir.to_path_buf(),
+                    config,
+                    shards: vec![file],
+                    location,
+                })
+            }
+            ([], []) => Err(WeightsError::NoWeights { dir: dir.to_path_buf() }),
+            ([], _) => Err(WeightsError::Index {
+                path: dir.to_path_buf(),
+                why: format!("{} safetensors files but no *.safetensors.index.json saying which tensor is where", singles.len()),
+            }),
+            _ => Err(WeightsError::Index {
+                path: dir.to_path_buf(),
+                why: format!("more than one index file: {indexes:?}"),
+            }),
+        }
+    }
+
+    fn open_sharded(
+        dir: &Path,
+        config: serde_json::Value,
+        index_path: &Path,
+    ) -> Result<ModelDir, WeightsError> {
+        let index_err = |why: String| WeightsError::Index {
+            path: index_path.to_path_buf(),
+            why,
+        };
+        let index = read_json(index_path)?;
+        let weight_map = index
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| index_err("missing object \"weight_map\"".into()))?;
+        let mut shard_names: Vec<String> = Vec::new();
+        let mut wanted: BTreeMap<String, String> = BTreeMap::new();
+        for (tensor, file) in weight_map {
+            let file = file
+                .as_str()
+                .ok_or_else(|| index_err(format!("weight_map[{tensor:?}] is not a file name")))?;
+            if file.contains('/') || file.contains('\\') || file == ".." {
+                return Err(index_err(format!(
+                    "shard name {file:?} must be a plain file name in the folder"
+                )));
+            }
+            if !shard_names.iter().any(|s| s == file) {
+                shard_names.push(file.to_string());
+            }
+            wanted.insert(tensor.clone(), file.to_string());
+        }
+        shard_names.sort();
+        let mut shards = Vec::with_capacity(shard_names.len());
+        for name in &shard_names {
+            shards.push(SafetensorsFile::open(&dir.join(name))?);
+        }
+        let mut location = BTreeMap::new();
+        for (i, shard) in shards.iter().enumerate() {
+            for name in shard.names() {
+                if let Some(&first) = location.get(name) {
+                    let first: &SafetensorsFile = &shards[first];
+                    return Err(WeightsError::DuplicateTensor {
+                        name: name.to_string(),
+                        first: first.path().to_path_buf(),
+                        second: shard.path().to_path_buf(),
+                    });
+                }
+                match wanted.get(name) {
+                    Some(file) if *file == shard_names[i] => {}
+                    Some(file) => {
+                        return Err(index_err(format!(
+                            "tensor {name:?} is listed in {file} but stored in {}",
+                            shard.path().display()
+                        )))
+                    }
+                    None => {
+                        return Err(index_err(format!(
+                            "tensor {name:?} of {} is not in the weight_map",
+                            shard.path().display()
+                        )))
+                    }
+                }
+                location.insert(name.to_string(), i);
+            }
+        }
+        for (tensor, file) in &wanted {
+            if !location.contains_key(tensor) {
+                return Err(WeightsError::MissingTensor {
+                    name: tensor.clone(),
+                    place: format!("{} (the index lists it there)", dir.join(file).display()),
+                });
+            }
+        }
+        Ok(ModelDir {
+            dir: dir.to_path_buf(),
+            config,
+            shards,
+            location,
+        })
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The parsed `config.json`.
+    pub fn config_json(&self) -> &serde_json::Value {
+        &self.config
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.location.keys().map(String::as_str)
+    }
+
+    /// The shards, in file-name order.
+    pub fn shards(&self) -> &[SafetensorsFile] {
+        &self.shards
+    }
+
+    /// The shard holding `name`.
+    pub fn file_of(&self, name: &str) -> Result<&SafetensorsFile, WeightsError> {
+        self.location
+            .get(name)
+            .and_then(|&i| self.shards.get(i))
+            .ok_or_else(|| WeightsError::MissingTensor {
+                name: name.to_string(),
+                place: self.dir.display().to_string(),
+            })
+    }
+
+    /// The header entry of `name`.
+    pub fn info(&self, name: &str) -> Result<&TensorInfo, WeightsError> {
+        self.file_of(name)?.info(name)
+    }
+
+    /// Raw bytes of `name` in its map.
+    pub fn bytes(&self, name: &str) -> Result<&[u8], WeightsError> {
+        self.file_of(name)?.bytes(name)
+    }
+
+    /// `name` converted to f32.
+    pub fn to_f32(&self, name: &str) -> Result<TensorF32, WeightsError> {
+        self.file_of(name)?.to_f32(name)
+    }
+
+    /// Total bytes of all tensors.
+    pub fn total_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .flat_map(|s| s.header().tensors.values())
+            .map(|t| t.len_bytes() as u64)
+            .sum()
+    }
+
+    /// Checks the folder against a model's expectations: every spec present with its shape and an accepted
+    /// dtype, and no tensor the model does not know.
+    pub fn check(&self, specs: &[TensorSpec]) -> Result<(), WeightsError> {
+        let mut known: HashMap<&str, ()> = HashMap::with_capacity(specs.len());
+        for spec in specs {
+            known.insert(spec.name.as_str(), ());
+            let file = self.file_of(&spec.name)?;
+            let info = file.info(&spec.name)?;
+            if info.shape != spec.shape {
+                return Err(WeightsError::ShapeMismatch {
+                    path: file.path().to_path_buf(),
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    actual: info.shape.clone(),
+                });
+            }
+            if !spec.dtypes.contains(&info.dtype) {
+                return Err(WeightsError::DtypeNotAccepted {
+                    path: file.path().to_path_buf(),
+                    name: spec.name.clone(),
+                    dtype: info.dtype,
+                    allowed: spec
+                        .dtypes
+                        .iter()
+                        .map(|d| d.header_name())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+        }
+        let unexpected: Vec<String> = self
+            .names()
+            .filter(|n| !known.contains_key(n))
+            .map(str::to_string)
+            .collect();
+        if !unexpected.is_empty() {
+            return Err(WeightsError::UnexpectedTensors {
+                path: self.dir.clone(),
+                names: unexpected,
+            });
+        }
+        Ok(())
+    }
+
+    /// Converts every tensor named in `names` to f32, timing the pass (host-reference load).
+    pub fn load_f32(
+        &self,
+        names: &[&str],
+    ) -> Result<(BTreeMap<String, TensorF32>, LoadStats), WeightsError> {
+        let start = Instant::now();
+        let mut bytes = 0u64;
+        let mut out = BTreeMap::new();
+        for &name in names {
+            bytes += self.info(name)?.len_bytes() as u64;
+            out.insert(name.to_string(), self.to_f32(name)?);
+        }
+        Ok((
+            out,
+            LoadStats {
+                bytes,
+                seconds: start.elapsed().as_secs_f64(),
+            },
+        ))
+    }
+}
