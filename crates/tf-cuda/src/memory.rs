@@ -267,6 +267,11 @@ impl DeviceBuffer {
     }
 }
 
+/// Freeing waits for the device first. Invariant: a `DeviceBuffer` is released only after every piece of work
+/// queued in its context has finished (`cuCtxSynchronize`, then `cuMemFree_v2`), so a kernel, copy or GEMM that
+/// was enqueued on any stream of the context while the memory was alive never touches freed or reallocated memory.
+/// This is what lets launches over device addresses (`Stream::launch`, `CublasLt::matmul`) state their safety
+/// contract as "alive when enqueued". A lost context calls nothing: the memory is leaked, never freed.
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         match self.origin {
@@ -283,6 +288,16 @@ impl Drop for DeviceBuffer {
                     return;
                 }
                 let addr = self.addr;
+                // Wait for queued work that may still address this memory (see the invariant above). A failure
+                // (a sticky fault marks the context lost) is not ours to report from Drop; the free below then
+                // either proceeds (cuMemFree_v2 synchronizes on its own) or is skipped for a lost context.
+                self.ctx.release_call("cuCtxSynchronize", |api| {
+                    // SAFETY: no arguments; `release_call` makes this buffer's context current first.
+                    unsafe { (api.cuCtxSynchronize)() }
+                });
+                if self.ctx.lost_code().is_some() {
+                    return;
+                }
                 self.ctx.release_call("cuMemFree_v2", |api| {
                     // SAFETY: the address came from cuMemAlloc_v2 in this context and is freed once.
                     unsafe { (api.cuMemFree_v2)(addr) }
@@ -344,15 +359,26 @@ impl<'a> DeviceView<'a> {
     /// Blocking download of `out.len()` bytes from `offset`. Ordered after work on the legacy
     /// default stream and blocking streams; synchronize a non-blocking stream first.
     pub fn download(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
-        checked_range(self.len, offset, out.len(), "download")?;
-        if out.is_empty() {
+        // SAFETY: `out` is a live exclusive host slice of exactly `out.len()` bytes.
+        unsafe { self.download_raw(offset, out.as_mut_ptr(), out.len()) }
+    }
+
+    /// Blocking download of `len` bytes from `offset` into raw host memory, which need not be
+    /// initialized (the driver only writes it).
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `len` bytes and not accessed by anything else until
+    /// this returns.
+    unsafe fn download_raw(&self, offset: usize, out: *mut u8, len: usize) -> Result<(), Error> {
+        checked_range(self.len, offset, len, "download")?;
+        if len == 0 {
             return Ok(());
         }
         let src = self.addr + offset as u64;
         self.ctx.call("cuMemcpyDtoH_v2", |api| {
-            // SAFETY: `out` is a live exclusive host slice of the given length; the source range
-            // was bounds-checked against this view.
-            unsafe { (api.cuMemcpyDtoH_v2)(out.as_mut_ptr().cast::<c_void>(), src, out.len()) }
+            // SAFETY: the caller's contract covers `out`; the source range was bounds-checked
+            // against this view.
+            unsafe { (api.cuMemcpyDtoH_v2)(out.cast::<c_void>(), src, len) }
         })?;
         Ok(())
     }
@@ -386,17 +412,15 @@ impl<'a> DeviceView<'a> {
     /// The whole view as `T` values (trailing bytes that do not fill a `T` are ignored).
     pub fn to_vec<T: Pod>(&self) -> Result<Vec<T>, Error> {
         let n = self.len / size_of::<T>().max(1);
+        let bytes = elems_bytes::<T>(n, "DeviceView::to_vec")?;
         let mut out: Vec<T> = Vec::with_capacity(n);
-        {
-            let spare = out.spare_capacity_mut();
-            // SAFETY: the spare capacity holds n values of T = n * size_of::<T>() bytes; the
-            // download initializes all of them before `set_len`.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<u8>(), n * size_of::<T>())
-            };
-            self.download(0, bytes)?;
-        }
-        // SAFETY: every byte of the first n values was written by the download; T is Pod.
+        // The spare capacity stays `MaybeUninit`: no `&mut [u8]` is ever made over it; the driver
+        // writes through a raw pointer.
+        let spare = out.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+        // SAFETY: the spare capacity holds n values of T = `bytes` bytes, exclusively ours.
+        unsafe { self.download_raw(0, spare, bytes)? };
+        // SAFETY: the download wrote every byte of the first n values; T is Pod, so any bytes
+        // are a valid T.
         unsafe { out.set_len(n) };
         Ok(out)
     }
@@ -505,6 +529,8 @@ impl<'a> DeviceViewMut<'a> {
         if len == 0 {
             return Ok(());
         }
+        // A stream of another context would copy into an address of the wrong context.
+        stream.same_context(self.ctx, "upload_async_pinned")?;
         let dst = self.addr + offset as u64;
         // SAFETY: in bounds of the pinned block (checked above).
         let from = unsafe { src.as_ptr().add(src_offset) };
@@ -734,7 +760,10 @@ impl HostBuffer {
             unsafe { (api.cuMemHostGetDevicePointer_v2)(&mut dev, ptr, 0) }
         })?;
         buffer.device_addr = dev;
-        buffer.as_mut_slice().fill(0);
+        // Fresh pinned memory is uninitialized: zero it through the raw pointer (no `&mut [u8]`
+        // over uninitialized bytes), after which `as_slice` may hand it out.
+        // SAFETY: `ptr` is the live block of `len` bytes just allocated, owned by `buffer`.
+        unsafe { std::ptr::write_bytes(buffer.ptr, 0, len) };
         Ok(buffer)
     }
 
