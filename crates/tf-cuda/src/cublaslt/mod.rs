@@ -5,7 +5,9 @@
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream) -> Result<(), Box<dyn std::error::Error>> {
-//! use tf_cuda::cublaslt::{AlgoSelection, CublasLt, Gemm, LtLibrary};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use tf_cuda::cublaslt::{AlgoSelection, CublasLt, Gemm, GemmShape, LtLibrary, PlanCache};
 //! use tf_cuda::DeviceBuffer;
 //! let lt = CublasLt::with_default_workspace(ctx, LtLibrary::open()?)?;
 //! let (m, n, k) = (4096, 3072, 3072);
@@ -13,8 +15,14 @@
 //! let w = DeviceBuffer::alloc(ctx, n * k * 2)?; // bf16 [N, K]
 //! let y = DeviceBuffer::alloc(ctx, m * n * 2)?; // bf16 [M, N]
 //! let gemm = Gemm::bf16(m, n, k, (&x).into(), (&w).into(), (&y).into());
-//! // Optional: time up to 8 heuristic candidates on each shape's first call, keep the fastest.
+//! // At model load: choose every shape's algorithm once, reusing the choices of earlier
+//! // processes (the persistent plan cache), timing unseen shapes within a budget.
 //! lt.set_algo_selection(AlgoSelection::Timed { candidates: 8, repeats: 5 })?;
+//! lt.set_plan_cache(Arc::new(PlanCache::open_default()))?;
+//! let report = lt.prepare(&[GemmShape::of(&gemm)], Duration::from_secs(2), stream)?;
+//! for warning in &report.warnings {
+//!     eprintln!("warning: {warning}");
+//! }
 //! // SAFETY: the spans are the live buffers above, kept until the stream is synchronized.
 //! unsafe { lt.matmul(&gemm, stream)? };
 //! stream.synchronize()?;
@@ -24,6 +32,24 @@
 //! # Ok(()) }
 //! ```
 //!
+//! What is bit-reproducible, and across what:
+//! - A GEMM's bytes depend on its inputs and on the algorithm cuBLASLt runs (tile, split-K and
+//!   reduction order). cuBLAS documents bit-wise identical results run to run for one toolkit
+//!   version on GPUs of one architecture and SM count (atomics mode off, as here); another
+//!   algorithm can change the low bits.
+//! - [`AlgoSelection::Heuristic`] (the default) runs the heuristic's first result. That is a
+//!   function of the GPU model, driver, cuBLASLt version, workspace size and GEMM key, so the
+//!   same stack gives the same algorithm, and the same bytes, in every process. The plan cache
+//!   is not used.
+//! - [`AlgoSelection::Timed`] measures, and a measurement can pick another candidate in another
+//!   process. With a plan cache ([`CublasLt::set_plan_cache`]) the first choice made on a stack
+//!   is stored and every later process with that cache file on that stack (same GPU model,
+//!   driver, cuBLASLt, workspace size: the [`StackKey`]) re-validates and runs it: same
+//!   algorithm, same bytes, and no timing. A different stack, a reset
+//!   ([`reset_plan_cache`]) or `TF_PLAN_CACHE=off` starts afresh, and may choose differently.
+//! - After [`CublasLt::prepare`], no request is ever timed: a shape it was not given runs the
+//!   heuristic's first (and that choice is stored, so it stays put too).
+//!
 //! Invariants:
 //! - Validation (shapes, sizes, alignment, aliasing, FP8 constraints) runs before any library
 //!   call and names what is wrong ([`CublasLtError::Invalid`]).
@@ -31,9 +57,11 @@
 //!   ([`plan::ColumnMajorCall`], unit-tested on the host).
 //! - A plan (descriptors + chosen algorithm) is cached per [`plan::PlanKey`] (shape, types,
 //!   epilogue, operand alignment); a repeated shape never queries the heuristic again.
-//! - The algorithm is picked once, when the plan is built, by the handle's [`AlgoSelection`]:
-//!   the heuristic's first result (the default), or the fastest of several heuristic results
-//!   timed on that first call's own operands. Timing synchronizes the call's stream and runs the
+//! - The algorithm is picked once, when the plan is built (by [`CublasLt::prepare`] or the
+//!   shape's first call), by the handle's [`AlgoSelection`]: the heuristic's first result (the
+//!   default), a stored choice of the persistent plan cache ([`cache`]) that the heuristic still
+//!   offers, or the fastest of several heuristic results timed on scratch operands (prepare) or
+//!   on the first call's own operands (no prepare yet). Timing synchronizes the call's stream and runs the
 //!   GEMM `candidates × (1 + TIMING_ROUNDS × repeats)` extra times; it never runs while the stream is being
 //!   captured (the heuristic's first result is taken there) and never changes the caller's data:
 //!   with `beta == 0` it writes the call's own output, which the real call then overwrites; with
@@ -45,21 +73,34 @@
 //! - The workspace outlives every plan and the library handle; drop a handle only after the work
 //!   enqueued through it has finished (or been synchronized).
 
+pub mod cache;
 pub mod ffi;
+mod live;
 pub mod loader;
 pub mod plan;
+pub mod prepare;
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+pub use cache::{
+    plan_cache_path, reset_plan_cache, PlanCache, PlanCacheError, StackKey, StoredPlan,
+    StoredSource, ENV_PLAN_CACHE,
+};
 pub use loader::{Attempt, LtLibrary};
 pub use plan::{
     choose_candidate, fastest_candidate, Activation, AlgoSelection, ColumnMajorCall, DeviceSpan,
     Fp8Scales, Gemm, InputType, OutputType, PlanKey, SWITCH_MARGIN, TIMING_ROUNDS,
 };
+pub use prepare::{Clock, GemmShape, PrepareReport, WallClock};
+
+use live::LivePlanner;
+use prepare::{choose_plan, prepare_keys, CacheSlot, Timing};
 
 use crate::context::Context;
 use crate::memory::{DeviceBuffer, DeviceView, DeviceViewMut};
@@ -123,6 +164,8 @@ pub struct CacheStats {
     pub misses: u64,
     /// Plans whose algorithm was chosen by timing ([`ChosenBy::Timed`]).
     pub timed: u64,
+    /// Plans that run a re-validated choice of the persistent cache ([`ChosenBy::Stored`]).
+    pub stored: u64,
 }
 
 /// Why a plan runs the algorithm it runs.
@@ -143,6 +186,18 @@ pub enum ChosenBy {
     AllFailed,
     /// Timed policy: the fastest measured candidate.
     Timed,
+    /// Timed policy: the persistent plan cache's choice for this stack and shape, found again
+    /// among the heuristic's results (nothing timed).
+    Stored,
+    /// Timed policy: the persistent cache's choice is no longer among the heuristic's results;
+    /// the heuristic's first (a [`PlanCacheError::StoredAlgoRejected`] warning says so).
+    StoredRejected,
+    /// Timed policy, during [`CublasLt::prepare`] after its time budget was spent: the
+    /// heuristic's first.
+    BudgetSpent,
+    /// Timed policy, a call after [`CublasLt::prepare`] of a shape it was not given: the
+    /// heuristic's first (a request is never timed).
+    Unprepared,
 }
 
 /// What a plan chose, for benchmarks and logs.
@@ -234,9 +289,14 @@ impl Drop for PartialPlan<'_> {
 pub struct CublasLt {
     plans: Mutex<HashMap<PlanKey, Plan>>,
     selection: parking_lot::Mutex<AlgoSelection>,
+    /// The persistent cache and this handle's stack key, when one is set.
+    plan_cache: parking_lot::Mutex<Option<(Arc<PlanCache>, StackKey)>>,
+    /// Set by [`CublasLt::prepare`]: from then on no call is timed.
+    prepared: AtomicBool,
     hits: AtomicU64,
     misses: AtomicU64,
     timed: AtomicU64,
+    stored: AtomicU64,
     handle: ffi::LtHandle,
     workspace: Box<dyn Workspace>,
     lib: Arc<LtLibrary>,
@@ -285,9 +345,12 @@ impl CublasLt {
         Ok(CublasLt {
             plans: Mutex::new(HashMap::new()),
             selection: parking_lot::Mutex::new(AlgoSelection::default()),
+            plan_cache: parking_lot::Mutex::new(None),
+            prepared: AtomicBool::new(false),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             timed: AtomicU64::new(0),
+            stored: AtomicU64::new(0),
             handle,
             workspace,
             lib,
@@ -322,6 +385,7 @@ impl CublasLt {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
             timed: self.timed.load(Ordering::Relaxed),
+            stored: self.stored.load(Ordering::Relaxed),
         }
     }
 
@@ -349,11 +413,138 @@ impl CublasLt {
         ordered.iter().map(|plan| plan.choice.clone()).collect()
     }
 
+    /// Uses `cache` (shared by the handles of a process) for the choices of timed selection:
+    /// a shape's first call or [`CublasLt::prepare`] reuses a stored choice that the
+    /// heuristic still offers instead of timing, and stores what it chose. Returns the stack
+    /// key the entries are filed under (GPU model, driver, cuBLASLt, workspace). Under
+    /// [`AlgoSelection::Heuristic`] the cache is neither read nor written.
+    pub fn set_plan_cache(&self, cache: Arc<PlanCache>) -> Result<StackKey, CublasLtError> {
+        let stack = self.stack_key()?;
+        *self.plan_cache.lock() = Some((cache, stack.clone()));
+        Ok(stack)
+    }
+
+    /// The persistent cache in use, if any.
+    pub fn plan_cache(&self) -> Option<Arc<PlanCache>> {
+        self.plan_cache
+            .lock()
+            .as_ref()
+            .map(|(cache, _)| Arc::clone(cache))
+    }
+
+    /// What this handle's stored choices depend on besides the shape.
+    pub fn stack_key(&self) -> Result<StackKey, CublasLtError> {
+        let info = self.ctx.device_info()?;
+        let driver_version = self.ctx.driver().version().map_err(crate::Error::from)?;
+        Ok(StackKey {
+            gpu_name: info.name,
+            compute_capability: info.compute_capability,
+            sm_count: info.sm_count,
+            driver_version,
+            cublaslt_version: self.lib.version(),
+            workspace_bytes: self.workspace.len_bytes(),
+        })
+    }
+
+    /// Writes the choices recorded since the last save to the cache file (see
+    /// [`PlanCache::save`]); `Ok(None)` when there is no cache or nothing new. Prepare saves on
+    /// its own, and dropping the handle saves what later calls recorded (ignoring errors).
+    pub fn save_plan_cache(&self) -> Result<Option<PathBuf>, PlanCacheError> {
+        match self.plan_cache() {
+            Some(cache) => cache.save(),
+            None => Ok(None),
+        }
+    }
+
+    /// True once [`CublasLt::prepare`] has run: calls of shapes it was not given take the
+    /// heuristic's first result and are never timed.
+    pub fn is_prepared(&self) -> bool {
+        self.prepared.load(Ordering::Acquire)
+    }
+
+    /// Plans `shapes` ahead of the requests (at model load), on `stream`:
+    /// - under [`AlgoSelection::Heuristic`]: each shape's plan with the heuristic's first
+    ///   result (what its first call would build; no timing, no cache);
+    /// - under [`AlgoSelection::Timed`]: a shape with a stored choice in the plan cache that the
+    ///   heuristic still offers reuses it (no timing); other shapes are timed on scratch
+    ///   operands while `budget` lasts (a shape starts only within the budget), then take the
+    ///   heuristic's first; every choice is stored and the cache saved.
+    ///
+    /// From then on, a call of a shape not prepared takes the heuristic's first result (and
+    /// is recorded as such); no call is timed inside a request. Shapes already planned are
+    /// left as they are. Timing synchronizes `stream` and allocates scratch operands the size
+    /// of the largest shape timed (freed before returning; a shape whose scratch does not fit
+    /// takes the heuristic's first). Problems with the cache file are warnings in the report.
+    pub fn prepare(
+        &self,
+        shapes: &[GemmShape],
+        budget: Duration,
+        stream: &Stream,
+    ) -> Result<PrepareReport, CublasLtError> {
+        self.prepare_with_clock(shapes, budget, stream, &WallClock(Instant::now()))
+    }
+
+    /// [`CublasLt::prepare`] with the budget measured by `clock`.
+    pub fn prepare_with_clock(
+        &self,
+        shapes: &[GemmShape],
+        budget: Duration,
+        stream: &Stream,
+        clock: &dyn Clock,
+    ) -> Result<PrepareReport, CublasLtError> {
+        stream.same_context(&self.ctx.inner, "CublasLt::prepare")?;
+        let mut keys = Vec::with_capacity(shapes.len());
+        let mut shape_of = HashMap::with_capacity(shapes.len());
+        for shape in shapes {
+            let key = shape.key()?;
+            keys.push(key);
+            shape_of.insert(key, *shape);
+        }
+        let selection = self.algo_selection();
+        let cache = self.plan_cache.lock().clone();
+        let mut plans = self.plans.lock().map_err(|_| CublasLtError::Invalid {
+            what: "the plan cache was poisoned by a panic in another thread".into(),
+        })?;
+        let mut planner = LivePlanner::new(self, stream, None, selection, plans.len() as u64);
+        planner.shapes = shape_of;
+        let report = {
+            let planned = |key: &PlanKey| plans.contains_key(key);
+            prepare_keys(
+                &mut planner,
+                &keys,
+                &planned,
+                selection,
+                cache
+                    .as_ref()
+                    .map(|(cache, stack)| CacheSlot { cache, stack }),
+                budget,
+                clock,
+            )?
+        };
+        for plan in planner.finish() {
+            self.count_new_plan(plan.choice.chosen_by);
+            plans.insert(plan.choice.key, plan);
+        }
+        self.prepared.store(true, Ordering::Release);
+        Ok(report)
+    }
+
+    fn count_new_plan(&self, chosen_by: ChosenBy) {
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        match chosen_by {
+            ChosenBy::Timed => self.timed.fetch_add(1, Ordering::Relaxed),
+            ChosenBy::Stored => self.stored.fetch_add(1, Ordering::Relaxed),
+            _ => 0,
+        };
+    }
+
     /// Validates `gemm`, then enqueues it on `stream`.
     ///
-    /// The first call of a shape builds its plan. Under [`AlgoSelection::Timed`] (and outside a
-    /// stream capture) that call also times the candidates on `gemm`'s operands: it blocks
-    /// until `stream` is idle and holds the plan cache meanwhile, so make it during warm-up.
+    /// The first call of a shape not prepared builds its plan. Under [`AlgoSelection::Timed`],
+    /// before any [`CublasLt::prepare`], without a stored choice and outside a stream capture,
+    /// that call also times the candidates on `gemm`'s operands: it blocks until `stream` is
+    /// idle and holds the plan cache meanwhile. After a prepare it never times (the heuristic's
+    /// first result), so prepare the model's shapes at load.
     ///
     /// # Safety
     /// Every address in `gemm` must be a live device allocation in the current context with at
@@ -361,7 +552,6 @@ impl CublasLt {
     /// stream of the handle's context.
     pub unsafe fn matmul(&self, gemm: &Gemm, stream: &Stream) -> Result<(), CublasLtError> {
         let call = gemm.plan()?;
-        let api = self.lib.api();
         let mut plans = self.plans.lock().map_err(|_| CublasLtError::Invalid {
             what: "the plan cache was poisoned by a panic in another thread".into(),
         })?;
@@ -373,27 +563,29 @@ impl CublasLt {
             }
             Entry::Vacant(slot) => {
                 let selection = self.algo_selection();
+                let timing = if self.prepared.load(Ordering::Acquire) {
+                    Timing::Unprepared
+                } else {
+                    Timing::Allowed
+                };
+                let cache = self.plan_cache.lock().clone();
                 // Plans are never evicted, so the count so far is this plan's build order.
-                let order = plans_len;
-                let (mut plan, candidates) = in_context(&self.ctx, "cuBLASLt plan", || {
-                    self.build_plan(&call, selection.requested_results(), order)
-                })??;
-                if let AlgoSelection::Timed { repeats, .. } = selection {
-                    // SAFETY: the call's addresses are the caller's promise (this function's
-                    // contract); the plan was built for this call.
-                    let timing = unsafe {
-                        self.choose_by_timing(&mut plan, &candidates, &call, repeats, stream)
-                    };
-                    if let Err(error) = timing {
-                        let _ =
-                            in_context(&self.ctx, "cuBLASLt plan cleanup", || plan.destroy(api));
-                        return Err(error);
-                    }
-                    if plan.choice.chosen_by == ChosenBy::Timed {
-                        self.timed.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                self.misses.fetch_add(1, Ordering::Relaxed);
+                let mut planner = LivePlanner::new(self, stream, Some(&call), selection, plans_len);
+                let chosen_by = choose_plan(
+                    &mut planner,
+                    &call.key,
+                    selection,
+                    cache
+                        .as_ref()
+                        .map(|(cache, stack)| CacheSlot { cache, stack }),
+                    timing,
+                )?;
+                let Some(plan) = planner.finish().pop() else {
+                    return Err(CublasLtError::Invalid {
+                        what: "internal: a plan was chosen but not built".into(),
+                    });
+                };
+                self.count_new_plan(chosen_by);
                 slot.insert(plan)
             }
         };
@@ -795,6 +987,10 @@ impl CublasLt {
 
 impl Drop for CublasLt {
     fn drop(&mut self) {
+        // Host-only: keep what later calls recorded (a failed save cannot be acted on here).
+        if let Some((cache, _)) = self.plan_cache.get_mut().take() {
+            let _ = cache.save();
+        }
         let api = self.lib.api();
         let plans = match self.plans.get_mut() {
             Ok(plans) => std::mem::take(plans),

@@ -9,6 +9,8 @@
 
 use std::ffi::c_int;
 
+use serde::{Deserialize, Serialize};
+
 use super::ffi::{data_type, epilogue, operation};
 use super::CublasLtError;
 
@@ -26,7 +28,8 @@ impl DeviceSpan {
 }
 
 /// Element type of `X` and `W`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum InputType {
     Bf16,
     /// FP8 e4m3 with one f32 scale per tensor (sm_89 and newer).
@@ -49,7 +52,8 @@ impl InputType {
 }
 
 /// Element type of `Y` (and of the bias, which always matches `Y`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OutputType {
     Bf16,
     F32,
@@ -396,8 +400,9 @@ pub struct LayoutSpec {
     pub ld: i64,
 }
 
-/// What selects a cached plan (descriptors + algorithm): everything the heuristic sees.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// What selects a cached plan (descriptors + algorithm): everything the heuristic sees. It is
+/// also the shape part of a persistent plan-cache entry ([`super::cache`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PlanKey {
     pub m: usize,
     pub n: usize,

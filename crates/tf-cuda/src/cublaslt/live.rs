@@ -1,0 +1,266 @@
+//! The library side of the plan choice ([`super::prepare::Planner`]): builds plans through a
+//! [`CublasLt`] handle, for the first call of a shape (its own operands) or for a prepared
+//! shape (placeholder addresses to build, scratch operands to time).
+
+use std::collections::HashMap;
+
+use super::ffi::{HeuristicResult, MatmulAlgo};
+use super::plan::{AlgoSelection, ColumnMajorCall, InputType, PlanKey};
+use super::prepare::{GemmShape, OperandBases, Planner};
+use super::{in_context, ChosenBy, CublasLt, CublasLtError, Plan};
+use crate::memory::DeviceBuffer;
+use crate::stream::Stream;
+
+/// A plan built but not yet given its algorithm.
+struct Building {
+    plan: Plan,
+    candidates: Vec<HeuristicResult>,
+    call: ColumnMajorCall,
+}
+
+/// Builds plans through `lt`. Plans it finished are taken with [`LivePlanner::finish`]; what
+/// is left when it drops (after an error) is destroyed.
+pub(super) struct LivePlanner<'a> {
+    lt: &'a CublasLt,
+    stream: &'a Stream,
+    /// The call whose first use builds the plan; `None` for prepared shapes.
+    call: Option<&'a ColumnMajorCall>,
+    /// Prepared shapes by key.
+    pub(super) shapes: HashMap<PlanKey, GemmShape>,
+    repeats: usize,
+    next_order: u64,
+    current: Option<Building>,
+    done: Vec<Plan>,
+    scratch: Scratch,
+}
+
+impl<'a> LivePlanner<'a> {
+    pub(super) fn new(
+        lt: &'a CublasLt,
+        stream: &'a Stream,
+        call: Option<&'a ColumnMajorCall>,
+        selection: AlgoSelection,
+        first_order: u64,
+    ) -> LivePlanner<'a> {
+        let repeats = match selection {
+            AlgoSelection::Timed { repeats, .. } => repeats,
+            AlgoSelection::Heuristic => 0,
+        };
+        LivePlanner {
+            lt,
+            stream,
+            call,
+            shapes: HashMap::new(),
+            repeats,
+            next_order: first_order,
+            current: None,
+            done: Vec::new(),
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// The finished plans, in build order.
+    pub(super) fn finish(mut self) -> Vec<Plan> {
+        std::mem::take(&mut self.done)
+    }
+
+    fn shape(&self, key: &PlanKey) -> Result<GemmShape, CublasLtError> {
+        self.shapes
+            .get(key)
+            .copied()
+            .ok_or_else(|| CublasLtError::Invalid {
+                what: "internal: a prepared key has no shape".into(),
+            })
+    }
+
+    fn destroy(&self, plan: Plan) {
+        let api = self.lt.lib.api();
+        if !self.lt.ctx.is_lost() {
+            let _ = in_context(&self.lt.ctx, "cuBLASLt plan cleanup", || plan.destroy(api));
+        }
+    }
+
+    fn take_current(&mut self) -> Result<Building, CublasLtError> {
+        self.current.take().ok_or_else(|| CublasLtError::Invalid {
+            what: "internal: no plan is being built".into(),
+        })
+    }
+}
+
+impl Planner for LivePlanner<'_> {
+    fn build(&mut self, key: &PlanKey, requested: usize) -> Result<Vec<MatmulAlgo>, CublasLtError> {
+        if let Some(left) = self.current.take() {
+            self.destroy(left.plan);
+        }
+        let call = match self.call {
+            Some(call) => *call,
+            None => self.shape(key)?.gemm_at(None)?.plan()?,
+        };
+        if call.key != *key {
+            return Err(CublasLtError::Invalid {
+                what: "internal: the call's key differs from the key planned".into(),
+            });
+        }
+        let order = self.next_order;
+        let lt = self.lt;
+        let (plan, candidates) = in_context(&lt.ctx, "cuBLASLt plan", || {
+            lt.build_plan(&call, requested, order)
+        })??;
+        self.next_order += 1;
+        let algos = candidates.iter().map(|c| c.algo).collect();
+        self.current = Some(Building {
+            plan,
+            candidates,
+            call,
+        });
+        Ok(algos)
+    }
+
+    fn time(&mut self, key: &PlanKey) -> Result<(ChosenBy, usize), CublasLtError> {
+        let mut building = self.take_current()?;
+        let call = match self.call {
+            Some(_) => building.call,
+            None => {
+                let shape = self.shape(key)?;
+                match self.scratch.bases_for(self.lt, &shape, self.stream) {
+                    Ok(Some(bases)) => shape.gemm_at(Some(&bases))?.plan()?,
+                    Ok(None) => {
+                        building.plan.choice.chosen_by = ChosenBy::NoScratch;
+                        self.done.push(building.plan);
+                        return Ok((ChosenBy::NoScratch, 0));
+                    }
+                    Err(error) => {
+                        self.destroy(building.plan);
+                        return Err(error);
+                    }
+                }
+            }
+        };
+        // SAFETY: for a first call, the addresses are the caller's promise (`matmul`'s
+        // contract); for a prepared shape they lie in this planner's scratch buffers, sized by
+        // `bases_for` for this shape and alive until after the timing synchronized the stream.
+        let timed = unsafe {
+            self.lt.choose_by_timing(
+                &mut building.plan,
+                &building.candidates,
+                &call,
+                self.repeats,
+                self.stream,
+            )
+        };
+        if let Err(error) = timed {
+            self.destroy(building.plan);
+            return Err(error);
+        }
+        let outcome = (building.plan.choice.chosen_by, building.plan.choice.chosen);
+        self.done.push(building.plan);
+        Ok(outcome)
+    }
+
+    fn adopt(&mut self, _key: &PlanKey, index: usize, chosen_by: ChosenBy) {
+        let Ok(mut building) = self.take_current() else {
+            return;
+        };
+        if let Some(candidate) = building.candidates.get(index) {
+            building.plan.algo = candidate.algo;
+            building.plan.choice.chosen = index;
+        }
+        building.plan.choice.chosen_by = chosen_by;
+        self.done.push(building.plan);
+    }
+}
+
+impl Drop for LivePlanner<'_> {
+    fn drop(&mut self) {
+        if let Some(left) = self.current.take() {
+            self.destroy(left.plan);
+        }
+        for plan in std::mem::take(&mut self.done) {
+            self.destroy(plan);
+        }
+    }
+}
+
+/// Scratch operands for timing prepared shapes, grown to the largest shape timed.
+#[derive(Default)]
+struct Scratch {
+    x: Option<DeviceBuffer>,
+    w: Option<DeviceBuffer>,
+    y: Option<DeviceBuffer>,
+    bias: Option<DeviceBuffer>,
+    scales: Option<DeviceBuffer>,
+}
+
+/// bf16 0.0078125 twice, or e4m3 1.5 four times: small finite values, like real weights.
+const INPUT_FILL: u32 = 0x3c00_3c00;
+/// f32 1.0: unit FP8 scales.
+const SCALE_FILL: u32 = 0x3f80_0000;
+/// Offset of the W scale in the scales buffer (the X scale is at 0).
+const W_SCALE_OFFSET: u64 = 4096;
+
+impl Scratch {
+    /// Device addresses for `shape`'s operands (each 256-byte aligned with 256 spare bytes for
+    /// the shape's alignment offset), or `None` when the memory cannot be had.
+    fn bases_for(
+        &mut self,
+        lt: &CublasLt,
+        shape: &GemmShape,
+        stream: &Stream,
+    ) -> Result<Option<OperandBases>, CublasLtError> {
+        let (ib, ob) = (shape.input.size_bytes(), shape.output.size_bytes());
+        let bytes = |rows: usize, cols: usize, elem: usize| {
+            rows.checked_mul(cols)
+                .and_then(|n| n.checked_mul(elem))
+                .and_then(|n| n.checked_add(256))
+                .and_then(|n| n.checked_next_multiple_of(256))
+        };
+        let (Some(x), Some(w), Some(y), Some(bias)) = (
+            bytes(shape.m, shape.k, ib),
+            bytes(shape.n, shape.k, ib),
+            bytes(shape.m, shape.n, ob),
+            bytes(1, shape.n, ob),
+        ) else {
+            return Ok(None);
+        };
+        let fp8 = shape.input == InputType::Fp8E4m3;
+        let wanted = [
+            (&mut self.x, x, Some(INPUT_FILL)),
+            (&mut self.w, w, Some(INPUT_FILL)),
+            (&mut self.y, y, None),
+            (&mut self.bias, if shape.bias { bias } else { 0 }, Some(0)),
+            (
+                &mut self.scales,
+                if fp8 { 8192 } else { 0 },
+                Some(SCALE_FILL),
+            ),
+        ];
+        for (slot, len, fill) in wanted {
+            if len == 0 || slot.as_ref().is_some_and(|b| b.len() >= len) {
+                continue;
+            }
+            // The old buffer goes first, so the two never need room together.
+            *slot = None;
+            let Ok(mut buffer) = DeviceBuffer::alloc(&lt.ctx, len) else {
+                return Ok(None);
+            };
+            if let Some(value) = fill {
+                buffer.fill_u32(value, Some(stream))?;
+            }
+            *slot = Some(buffer);
+        }
+        let addr = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, DeviceBuffer::addr);
+        let scales = addr(&self.scales);
+        Ok(Some(OperandBases {
+            x: addr(&self.x),
+            w: addr(&self.w),
+            y: addr(&self.y),
+            bias: addr(&self.bias),
+            x_scale: scales,
+            w_scale: if scales == 0 {
+                0
+            } else {
+                scales + W_SCALE_OFFSET
+            },
+        }))
+    }
+}
