@@ -21,7 +21,10 @@
 //!   read them: async uploads copy into private pinned staging; while a capture scope is open,
 //!   synchronous uploads are refused with [`Error::UnownedCaptureSource`]; a graph executable
 //!   keeps its captured staging alive.
-//! - Launch geometry and argument size are validated before the driver is called.
+//! - Launch geometry and argument size are validated before the driver is called. Launching is
+//!   `unsafe` ([`Stream::launch`]): the caller vouches that the raw device addresses in the arguments
+//!   point into live allocations of the stream's context. Freeing a [`DeviceBuffer`] synchronizes its
+//!   context first, so work enqueued while the memory was alive never sees it freed.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -36,7 +39,9 @@
 //! let mut out = DeviceBuffer::alloc_elems::<f32>(&ctx, 1024)?;
 //! let mut args = Args::new();
 //! args.push_addr(out.addr()).push(1024u32).push(1.5f32);
-//! stream.launch(&fill, &LaunchConfig::for_items(1024, 256), &args)?;
+//! // SAFETY: the only address is `out`'s, 1024 f32 long as the kernel writes; `out` is alive now, and its
+//! // Drop waits for the context before freeing.
+//! unsafe { stream.launch(&fill, &LaunchConfig::for_items(1024, 256), &args)? };
 //! stream.synchronize()?;
 //! let host: Vec<f32> = out.to_vec()?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())

@@ -154,7 +154,18 @@ impl Stream {
     ///
     /// The geometry and argument size are validated first; a driver failure names the kernel,
     /// grid, block and shared bytes.
-    pub fn launch(
+    ///
+    /// # Safety
+    ///
+    /// The kernel dereferences the raw device addresses in `args` asynchronously, which nothing here can
+    /// check. The caller guarantees that every address the kernel reads or writes (each pushed address
+    /// and whatever extent the kernel derives from it and the other arguments) lies inside allocations
+    /// of this stream's context that are alive now, when the work is enqueued. They must stay allocated
+    /// until the stream has passed this work; a [`crate::DeviceBuffer`] guarantees that part itself,
+    /// because its `Drop` synchronizes the context before it frees. Memory not owned by a
+    /// `DeviceBuffer` (a VMM arena mapping, memory of another library) must be kept alive by the
+    /// caller until the stream is synchronized past the launch.
+    pub unsafe fn launch(
         &self,
         function: &Function,
         cfg: &LaunchConfig,

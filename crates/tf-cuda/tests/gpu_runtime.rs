@@ -19,6 +19,19 @@ use tf_cuda::{
     Args, Context, DeviceBuffer, Error, Event, HostBuffer, LaunchConfig, Module, Priority, Stream,
 };
 
+/// `Stream::launch` for this file's tests. The launches here address `DeviceBuffer`s that the test holds
+/// across the launch (or, in the fault tests, addresses meant to fault on the device), so the contract holds.
+fn launch(
+    stream: &tf_cuda::Stream,
+    function: &tf_cuda::Function,
+    cfg: &tf_cuda::LaunchConfig,
+    args: &tf_cuda::Args,
+) -> Result<(), tf_cuda::Error> {
+    // SAFETY: see above: every address points into a live buffer of the stream's context (or is an
+    // intended device fault); DeviceBuffer's Drop synchronizes the context before freeing.
+    unsafe { stream.launch(function, cfg, args) }
+}
+
 const PTX: &str = r#"
 .version 7.0
 .target sm_70
@@ -308,13 +321,13 @@ fn async_upload_survives_the_caller_overwriting_its_buffer() {
     scratch.fill_u32(0, Some(&stream)).expect("fill");
     let n = 1usize << 24;
     for _ in 0..50 {
-        stream
-            .launch(
-                &add,
-                &LaunchConfig::for_items(n as u32, 256),
-                &fill_args(scratch.addr(), 1, n),
-            )
-            .expect("busy launch");
+        launch(
+            &stream,
+            &add,
+            &LaunchConfig::for_items(n as u32, 256),
+            &fill_args(scratch.addr(), 1, n),
+        )
+        .expect("busy launch");
     }
     buf.upload_async(0, &caller, &stream).expect("async upload");
     caller.fill(0xEE);
@@ -375,9 +388,7 @@ fn argument_packing_matches_the_kernel_abi() {
         args.byte_len()
     );
     assert_eq!(args.offsets(), &[0, 8, 16, 24]);
-    stream
-        .launch(&probe, &LaunchConfig::new(1, 1), &args)
-        .expect("launch");
+    launch(&stream, &probe, &LaunchConfig::new(1, 1), &args).expect("launch");
     stream.synchronize().expect("synchronize");
     let got: Vec<u64> = out.to_vec().expect("download");
     println!("probe_args wrote {got:x?}");
@@ -399,26 +410,26 @@ fn kernels_fill_and_mapped_host_memory() {
     let fill = m.function("fill_u32").expect("fill_u32");
     let n = 100_000usize;
     let buf = DeviceBuffer::alloc_elems::<u32>(&ctx, n).expect("alloc");
-    stream
-        .launch(
-            &fill,
-            &LaunchConfig::for_items(n as u32, 256),
-            &fill_args(buf.addr(), 77, n),
-        )
-        .expect("launch");
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::for_items(n as u32, 256),
+        &fill_args(buf.addr(), 77, n),
+    )
+    .expect("launch");
     stream.synchronize().expect("synchronize");
     let got: Vec<u32> = buf.to_vec().expect("download");
     assert!(got.iter().all(|&v| v == 77), "fill over {n}");
 
     // A kernel writes pinned mapped host memory directly.
     let host = HostBuffer::alloc(&ctx, 4 * 1000).expect("mapped host");
-    stream
-        .launch(
-            &fill,
-            &LaunchConfig::for_items(1000, 128),
-            &fill_args(host.device_addr(), 5, 1000),
-        )
-        .expect("launch on mapped memory");
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::for_items(1000, 128),
+        &fill_args(host.device_addr(), 5, 1000),
+    )
+    .expect("launch on mapped memory");
     stream.synchronize().expect("synchronize");
     let words: Vec<u32> = host
         .as_slice()
@@ -433,23 +444,21 @@ fn kernels_fill_and_mapped_host_memory() {
     // Dynamic shared memory above 48 KiB needs the opt-in.
     let cfg = LaunchConfig::new(1, 32).with_shared(96 * 1024);
     assert!(matches!(
-        stream.launch(&fill, &cfg, &fill_args(buf.addr(), 1, 32)),
+        launch(&stream, &fill, &cfg, &fill_args(buf.addr(), 1, 32)),
         Err(Error::Invalid { .. })
     ));
     fill.set_max_dynamic_shared(96 * 1024).expect("opt in");
-    stream
-        .launch(&fill, &cfg, &fill_args(buf.addr(), 1, 32))
-        .expect("launch with 96 KiB shared");
+    launch(&stream, &fill, &cfg, &fill_args(buf.addr(), 1, 32)).expect("launch with 96 KiB shared");
     stream.synchronize().expect("synchronize");
 
     // Refusals before the driver, and errors naming the cause.
-    let err = stream
-        .launch(
-            &fill,
-            &LaunchConfig::new(1, 2048),
-            &fill_args(buf.addr(), 1, 1),
-        )
-        .unwrap_err();
+    let err = launch(
+        &stream,
+        &fill,
+        &LaunchConfig::new(1, 2048),
+        &fill_args(buf.addr(), 1, 1),
+    )
+    .unwrap_err();
     println!("2048-thread block: {err}");
     assert!(matches!(err, Error::Invalid { .. }));
     let err = m.function("not_in_module").unwrap_err();
@@ -488,7 +497,7 @@ fn captured_graph_of_1000_launches_replays() {
     buf.upload_async(0, &zeros, &stream)
         .expect("captured upload");
     for _ in 0..1000 {
-        stream.launch(&add, &cfg, &args).expect("captured launch");
+        launch(&stream, &add, &cfg, &args).expect("captured launch");
     }
     let graph = capture.end().expect("end capture");
     let nodes = graph.nodes().expect("nodes").len();
@@ -523,7 +532,7 @@ fn captured_graph_of_1000_launches_replays() {
     // The same 1000 launches eagerly, for comparison.
     start.record(&stream).expect("record");
     for _ in 0..1000 {
-        stream.launch(&add, &cfg, &args).expect("eager launch");
+        launch(&stream, &add, &cfg, &args).expect("eager launch");
     }
     end.record(&stream).expect("record");
     stream.synchronize().expect("synchronize");
@@ -539,7 +548,7 @@ fn captured_graph_of_1000_launches_replays() {
         let _discarded = stream
             .begin_capture(Mode::ThreadLocal)
             .expect("begin capture");
-        stream.launch(&add, &cfg, &args).expect("captured launch");
+        launch(&stream, &add, &cfg, &args).expect("captured launch");
         assert!(matches!(
             buf.upload(0, &zeros),
             Err(Error::UnownedCaptureSource(_))
@@ -560,9 +569,7 @@ fn captured_graph_of_1000_launches_replays() {
     let capture = stream
         .begin_capture(Mode::ThreadLocal)
         .expect("begin capture");
-    stream
-        .launch(&add, &cfg, &fill_args(buf.addr(), 5, n))
-        .expect("launch");
+    launch(&stream, &add, &cfg, &fill_args(buf.addr(), 5, n)).expect("launch");
     let small = capture.end().expect("end");
     let nodes = small.nodes().expect("nodes");
     let node = small.kernel_node(nodes[0]).expect("kernel node");
@@ -702,8 +709,7 @@ fn zz_sticky_fault_becomes_context_lost() {
     let mut buf = DeviceBuffer::alloc(&ctx, 4096).expect("alloc");
     let mut args = Args::new();
     args.push_addr(0x10);
-    stream
-        .launch(&write_at, &LaunchConfig::new(1, 1), &args)
+    launch(&stream, &write_at, &LaunchConfig::new(1, 1), &args)
         .expect("the launch itself is accepted");
     let err = stream
         .synchronize()
@@ -722,7 +728,7 @@ fn zz_sticky_fault_becomes_context_lost() {
         ("download", buf.download(0, &mut [0u8; 4])),
         (
             "launch",
-            stream.launch(&write_at, &LaunchConfig::new(1, 1), &args),
+            launch(&stream, &write_at, &LaunchConfig::new(1, 1), &args),
         ),
         ("event", Event::new(&ctx, true).map(|_| ())),
         ("memory info", ctx.memory_info().map(|_| ())),

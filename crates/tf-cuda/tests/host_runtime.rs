@@ -16,6 +16,19 @@ use tf_cuda::{
 use tf_sys::Driver;
 use tf_testdriver::{library_path, module_image, module_image_with, test_lock, Control};
 
+/// `Stream::launch` for this file's tests. The launches here address `DeviceBuffer`s that the test holds
+/// across the launch (or, in the fault tests, addresses meant to fault on the device), so the contract holds.
+fn launch(
+    stream: &tf_cuda::Stream,
+    function: &tf_cuda::Function,
+    cfg: &tf_cuda::LaunchConfig,
+    args: &tf_cuda::Args,
+) -> Result<(), tf_cuda::Error> {
+    // SAFETY: see above: every address points into a live buffer of the stream's context (or is an
+    // intended device fault); DeviceBuffer's Drop synchronizes the context before freeing.
+    unsafe { stream.launch(function, cfg, args) }
+}
+
 struct Fixture {
     control: Control,
     driver: Arc<Driver>,
@@ -150,9 +163,13 @@ fn launch_packs_arguments_and_runs_kernels() {
         .push_addr(out.addr())
         .push(n as u64);
     assert_eq!(args.offsets(), &[0, 8, 16, 24]);
-    stream
-        .launch(&add, &LaunchConfig::for_items(n as u32, 256), &args)
-        .unwrap();
+    launch(
+        &stream,
+        &add,
+        &LaunchConfig::for_items(n as u32, 256),
+        &args,
+    )
+    .unwrap();
     stream.synchronize().unwrap();
     let got: Vec<f32> = out.to_vec().unwrap();
     for i in 0..n {
@@ -200,19 +217,19 @@ fn launch_config_is_validated_before_the_driver() {
         LaunchConfig::new(1, (32, 33)),
         LaunchConfig::new(1, 64).with_shared(64 * 1024),
     ] {
-        let err = stream.launch(&fill, &cfg, &args).unwrap_err();
+        let err = launch(&stream, &fill, &cfg, &args).unwrap_err();
         assert!(matches!(err, Error::Invalid { .. }), "{err}");
     }
     assert_eq!(f.control.call_count("cuLaunchKernel"), before);
     // Opting in raises the shared memory limit.
     fill.set_max_dynamic_shared(100 * 1024).unwrap();
-    stream
-        .launch(
-            &fill,
-            &LaunchConfig::new(1, 64).with_shared(64 * 1024),
-            &args,
-        )
-        .unwrap();
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::new(1, 64).with_shared(64 * 1024),
+        &args,
+    )
+    .unwrap();
     assert_eq!(f.control.call_count("cuLaunchKernel"), before + 1);
 }
 
@@ -225,13 +242,13 @@ fn failed_launch_names_kernel_grid_block_and_shared_bytes() {
     let fill = module.function("fill_u32").unwrap();
     let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
     assert!(f.control.fail_call("cuLaunchKernel", 1, 1, 1));
-    let err = stream
-        .launch(
-            &fill,
-            &LaunchConfig::new((4, 2), 64).with_shared(512),
-            &fill_args(&buf, 7),
-        )
-        .unwrap_err();
+    let err = launch(
+        &stream,
+        &fill,
+        &LaunchConfig::new((4, 2), 64).with_shared(512),
+        &fill_args(&buf, 7),
+    )
+    .unwrap_err();
     let text = err.to_string();
     assert!(matches!(err, Error::LaunchFailed { .. }), "{text}");
     for part in [
@@ -261,9 +278,7 @@ fn sticky_fault_loses_the_context_and_no_driver_call_follows() {
     let event = Event::new(&ctx, true).unwrap();
     let mut args = Args::new();
     args.push_addr(buf.addr());
-    stream
-        .launch(&oob, &LaunchConfig::new(1, 1), &args)
-        .unwrap();
+    launch(&stream, &oob, &LaunchConfig::new(1, 1), &args).unwrap();
     let err = stream.synchronize().unwrap_err();
     assert!(err.is_context_lost(), "{err}");
     assert_eq!(err.code(), Some(700));
@@ -287,7 +302,7 @@ fn sticky_fault_loses_the_context_and_no_driver_call_follows() {
     lost(buf.download(0, &mut [0u8; 4]), "download");
     lost(buf.fill_u8(0, Some(&stream)), "fill");
     lost(
-        stream.launch(&oob, &LaunchConfig::new(1, 1), &args),
+        launch(&stream, &oob, &LaunchConfig::new(1, 1), &args),
         "launch",
     );
     lost(Event::new(&ctx, false).map(|_| ()), "event");
@@ -322,9 +337,13 @@ fn injected_sticky_fault_seen_by_any_call_loses_the_context() {
     let fill = module.function("fill_u32").unwrap();
     let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
     f.control.fault_next_launch(stream.raw(), 719);
-    stream
-        .launch(&fill, &LaunchConfig::new(1, 256), &fill_args(&buf, 3))
-        .unwrap();
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::new(1, 256),
+        &fill_args(&buf, 3),
+    )
+    .unwrap();
     // The fault surfaces at an event query, not at the stream: any call publishes it.
     let event = Event::new(&ctx, false).unwrap();
     event.record(&stream).unwrap();
@@ -403,9 +422,13 @@ fn captured_graph_replays_kernels_and_captured_uploads() {
     let mut args = Args::new();
     args.push_addr(buf.addr()).push(2.0f32).push(n as u64);
     for _ in 0..3 {
-        stream
-            .launch(&scale, &LaunchConfig::for_items(n as u32, 128), &args)
-            .unwrap();
+        launch(
+            &stream,
+            &scale,
+            &LaunchConfig::for_items(n as u32, 128),
+            &args,
+        )
+        .unwrap();
     }
     let graph = capture.end().unwrap();
     assert_eq!(graph.nodes().unwrap().len(), 4);
@@ -430,9 +453,13 @@ fn graph_kernel_node_params_and_exec_update() {
     let fill = module.function("fill_u32").unwrap();
     let buf = DeviceBuffer::alloc(&ctx, 1024).unwrap();
     let capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
-    stream
-        .launch(&fill, &LaunchConfig::new(2, 128), &fill_args(&buf, 5))
-        .unwrap();
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::new(2, 128),
+        &fill_args(&buf, 5),
+    )
+    .unwrap();
     let graph = capture.end().unwrap();
     let nodes = graph.nodes().unwrap();
     assert_eq!(nodes.len(), 1);
@@ -452,9 +479,13 @@ fn graph_kernel_node_params_and_exec_update() {
 
     // Same topology: the update is accepted.
     let capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
-    stream
-        .launch(&fill, &LaunchConfig::new(2, 128), &fill_args(&buf, 9))
-        .unwrap();
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::new(2, 128),
+        &fill_args(&buf, 9),
+    )
+    .unwrap();
     let same = capture.end().unwrap();
     assert_eq!(
         exec.update(&same).unwrap(),
@@ -550,9 +581,13 @@ fn events_time_and_order_work_and_priorities_exist() {
     let end = Event::new(&ctx, true).unwrap();
     start.record(&urgent).unwrap();
     for v in 0..4 {
-        urgent
-            .launch(&fill, &LaunchConfig::new(4, 256), &fill_args(&buf, v))
-            .unwrap();
+        launch(
+            &urgent,
+            &fill,
+            &LaunchConfig::new(4, 256),
+            &fill_args(&buf, v),
+        )
+        .unwrap();
     }
     end.record_external(&urgent).unwrap();
     other.wait(&end).unwrap();

@@ -34,15 +34,15 @@ const DIT_KERNELS: &[&str] = &[
 ];
 
 /// Builds `y = LayerNorm(x) * (1 + scale)` (kernel qi_adaln_modulate).
-pub fn plan_adaln_modulate(
-    x: &DeviceView<'_>,
+pub fn plan_adaln_modulate<'a>(
+    x: &'a DeviceView<'_>,
     x_layout: Matrix,
-    y: &DeviceViewMut<'_>,
+    y: &'a DeviceViewMut<'_>,
     y_stride: usize,
-    scale: &Modulation<'_, '_>,
+    scale: &Modulation<'a, '_>,
     select: ModulationRows,
     eps: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "adaln_modulate";
     let y_layout = x_layout.with_stride(y_stride);
     check_norm_cols(OP, x_layout.cols)?;
@@ -59,22 +59,22 @@ pub fn plan_adaln_modulate(
         .push(to_i32(OP, "cols", x_layout.cols)?);
     push_select(&mut args, OP, select)?;
     args.push(eps);
-    Ok(Launch {
-        kernel: "qi_adaln_modulate",
-        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+    Ok(Launch::new(
+        "qi_adaln_modulate",
+        LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
         args,
-    })
+    ))
 }
 
 /// Builds the zero-centred RMSNorm `y = x * rsqrt(mean(x^2) + eps) * (1 + weight)` (kernel qi_rms_norm_zc).
-pub fn plan_rms_norm_zc(
-    x: &DeviceView<'_>,
+pub fn plan_rms_norm_zc<'a>(
+    x: &'a DeviceView<'_>,
     x_layout: Matrix,
-    y: &DeviceViewMut<'_>,
+    y: &'a DeviceViewMut<'_>,
     y_stride: usize,
-    weight: &DeviceView<'_>,
+    weight: &'a DeviceView<'_>,
     eps: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     plan_weighted_row_norm(
         "rms_norm_zc",
         "qi_rms_norm_zc",
@@ -90,14 +90,14 @@ pub fn plan_rms_norm_zc(
 }
 
 /// Builds `x += tanh(gate) * y` in place on x (kernel qi_gated_residual).
-pub fn plan_gated_residual(
-    x: &DeviceViewMut<'_>,
+pub fn plan_gated_residual<'a>(
+    x: &'a DeviceViewMut<'_>,
     x_layout: Matrix,
-    y: &DeviceView<'_>,
+    y: &'a DeviceView<'_>,
     y_stride: usize,
-    gate: &Modulation<'_, '_>,
+    gate: &Modulation<'a, '_>,
     select: ModulationRows,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual";
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
     check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
@@ -111,11 +111,11 @@ pub fn plan_gated_residual(
     args.push(to_i32(OP, "rows", x_layout.rows)?)
         .push(to_i32(OP, "cols", x_layout.cols)?);
     push_select(&mut args, OP, select)?;
-    Ok(Launch {
-        kernel: "qi_gated_residual",
-        config: row_grid(OP, x_layout.rows, x_layout.cols)?,
+    Ok(Launch::new(
+        "qi_gated_residual",
+        row_grid(OP, x_layout.rows, x_layout.cols)?,
         args,
-    })
+    ))
 }
 
 /// Builds the gated residual followed by the next adaLN in one pass (kernel qi_gated_residual_adaln):
@@ -123,18 +123,18 @@ pub fn plan_gated_residual(
 /// is bit-identical to [`plan_gated_residual`] followed by [`plan_adaln_modulate`]. `gate` and `scale` must
 /// name the same modulation rows (data, rows, stride) at two offsets.
 #[allow(clippy::too_many_arguments)]
-pub fn plan_gated_residual_adaln(
-    x: &DeviceViewMut<'_>,
+pub fn plan_gated_residual_adaln<'a>(
+    x: &'a DeviceViewMut<'_>,
     x_layout: Matrix,
-    y: &DeviceView<'_>,
+    y: &'a DeviceView<'_>,
     y_stride: usize,
-    out: &DeviceViewMut<'_>,
+    out: &'a DeviceViewMut<'_>,
     out_stride: usize,
-    gate: &Modulation<'_, '_>,
-    scale: &Modulation<'_, '_>,
+    gate: &Modulation<'a, '_>,
+    scale: &Modulation<'a, '_>,
     select: ModulationRows,
     eps: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual_adaln";
     check_norm_cols(OP, x_layout.cols)?;
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
@@ -171,11 +171,11 @@ pub fn plan_gated_residual_adaln(
         .push(to_i32(OP, "cols", x_layout.cols)?);
     push_select(&mut args, OP, select)?;
     args.push(eps);
-    Ok(Launch {
-        kernel: "qi_gated_residual_adaln",
-        config: LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+    Ok(Launch::new(
+        "qi_gated_residual_adaln",
+        LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
         args,
-    })
+    ))
 }
 
 /// The DiT's kernels of one context: the `qwen_image_dit` set beside the shared [`NnKernels`], whose launchers it
@@ -216,7 +216,7 @@ impl DitKernels {
     }
 
     /// Submits a launch built by a `plan_*` function of this module or of [`crate::nn::gpu`].
-    pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
+    pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
         if self.dit.has(launch.kernel) {
             self.dit.submit(stream, launch)
         } else {

@@ -779,11 +779,11 @@ impl GpuVaeDecoder {
         span(&self.weights, offset, bytes)
     }
 
-    fn submit(&self, launch: Result<Launch, tf_cuda::Error>) -> Result<(), VaeError> {
+    fn submit(&self, launch: Result<Launch<'_>, tf_cuda::Error>) -> Result<(), VaeError> {
         let launch = launch.map_err(|e| backend("planning a kernel", e))?;
-        self.kernels
-            .submit(&self.stream, &launch)
-            .map_err(|e| backend(launch.kernel, e))
+        // SAFETY: every span a VAE kernel is planned over lies inside a live buffer of this decoder (weights) or
+        // of the workspace in use, all in the stream's context; their Drop synchronizes the context before freeing.
+        unsafe { self.kernels.submit(&self.stream, &launch) }.map_err(|e| backend(launch.kernel, e))
     }
 
     fn gemm(&self, call: GemmCall) -> Result<(), VaeError> {

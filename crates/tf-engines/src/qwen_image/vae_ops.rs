@@ -14,7 +14,8 @@
 //! use tf_engines::qwen_image::vae_ops::{plan_rms_norm_silu, VaeKernels};
 //! let kernels = VaeKernels::load(ctx)?;
 //! // In place: 4096 pixels of 1152 channels, F.normalize * sqrt(1152) * gamma, then SiLU.
-//! kernels.submit(stream, &plan_rms_norm_silu(x, x, gamma, 4096, 1152, 1152, true)?)?;
+//! // SAFETY: `x` and `gamma` are spans of live buffers of the stream's context.
+//! unsafe { kernels.submit(stream, &plan_rms_norm_silu(x, x, gamma, 4096, 1152, 1152, true)?)? };
 //! # Ok(()) }
 //! ```
 
@@ -112,7 +113,7 @@ pub fn plan_denormalize(
     std: DeviceSpan,
     out: DeviceSpan,
     zp: usize,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "vae denormalize";
     check_padded(OP, "zp", zp)?;
     if z == 0 || z > zp {
@@ -142,11 +143,7 @@ pub fn plan_denormalize(
         .push_addr(std.addr)
         .push_addr(out.addr)
         .push(to_i32(OP, "zp", zp)?);
-    Ok(Launch {
-        kernel: "qv_denormalize",
-        config: stride_grid(OP, pixels * zp)?,
-        args,
-    })
+    Ok(Launch::from_spans("qv_denormalize", stride_grid(OP, pixels * zp)?, args))
 }
 
 /// Channel RMS norm over `channels` true channels (stored `cp` wide) with f32 `gamma[cp]` (zero padded), then
@@ -159,7 +156,7 @@ pub fn plan_rms_norm_silu(
     channels: usize,
     cp: usize,
     silu: bool,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "vae rms_norm_silu";
     check_padded(OP, "cp", cp)?;
     if channels == 0 || channels > cp {
@@ -181,11 +178,7 @@ pub fn plan_rms_norm_silu(
         .push((channels as f32).sqrt())
         .push(i32::from(silu));
     let blocks = pixels.div_ceil(NORM_PIXELS_PER_BLOCK).max(1);
-    Ok(Launch {
-        kernel: "qv_rms_norm_silu",
-        config: LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS),
-        args,
-    })
+    Ok(Launch::from_spans("qv_rms_norm_silu", LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS), args))
 }
 
 /// Where a 3x3 convolution's columns come from and which output rows they cover.
@@ -218,7 +211,7 @@ pub fn plan_im2col3x3(
     x: DeviceSpan,
     band: Im2colBand,
     cols: DeviceSpan,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "vae im2col3x3";
     check_padded(OP, "cp", band.cp)?;
     if band.upsample && (!band.out_h.is_multiple_of(2) || !band.out_w.is_multiple_of(2)) {
@@ -268,11 +261,7 @@ pub fn plan_im2col3x3(
         .push(to_i32(OP, "row0", band.row0)?)
         .push(to_i32(OP, "rows", band.rows)?)
         .push_addr(cols.addr);
-    Ok(Launch {
-        kernel: "qv_im2col3x3",
-        config: stride_grid(OP, elements / 8)?,
-        args,
-    })
+    Ok(Launch::from_spans("qv_im2col3x3", stride_grid(OP, elements / 8)?, args))
 }
 
 /// Shape of a DupUp3D shortcut (first frame): `in_c` channels on an `h` x `w` map to `out_c` channels on
@@ -307,7 +296,7 @@ pub fn plan_dup_up(
     x: DeviceSpan,
     shape: DupUpShape,
     y: DeviceSpan,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "vae dup_up";
     let repeats = shape.repeats().ok_or_else(|| {
         invalid(
@@ -343,11 +332,7 @@ pub fn plan_dup_up(
         .push(to_i32(OP, "factor_t", shape.factor_t)?)
         .push(to_i32(OP, "repeats", repeats)?)
         .push_addr(y.addr);
-    Ok(Launch {
-        kernel: "qv_dup_up",
-        config: stride_grid(OP, out_elems)?,
-        args,
-    })
+    Ok(Launch::from_spans("qv_dup_up", stride_grid(OP, out_elems)?, args))
 }
 
 /// Row softmax of f32 scores `[rows, cols]` into bf16 probabilities of the same shape (kernel qv_softmax_rows).
@@ -356,7 +341,7 @@ pub fn plan_softmax_rows(
     rows: usize,
     cols: usize,
     probs: DeviceSpan,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "vae softmax_rows";
     if rows == 0 || cols == 0 {
         return Err(invalid(
@@ -382,11 +367,7 @@ pub fn plan_softmax_rows(
     args.push_addr(scores.addr)
         .push(to_i32(OP, "cols", cols)?)
         .push_addr(probs.addr);
-    Ok(Launch {
-        kernel: "qv_softmax_rows",
-        config: LaunchConfig::new(to_u32(OP, "rows", rows)?, THREADS),
-        args,
-    })
+    Ok(Launch::from_spans("qv_softmax_rows", LaunchConfig::new(to_u32(OP, "rows", rows)?, THREADS), args))
 }
 
 /// One image's planes `[channels, pixels]` f32, clamped to [-1, 1], from the channels-last f32 result
@@ -397,7 +378,7 @@ pub fn plan_planes_clamp(
     channels: usize,
     cp: usize,
     out: DeviceSpan,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "vae planes_clamp";
     if channels == 0 || channels > cp {
         return Err(invalid(
@@ -419,11 +400,7 @@ pub fn plan_planes_clamp(
         .push(to_i32(OP, "channels", channels)?)
         .push(to_i32(OP, "cp", cp)?)
         .push_addr(out.addr);
-    Ok(Launch {
-        kernel: "qv_planes_clamp",
-        config: stride_grid(OP, pixels * channels)?,
-        args,
-    })
+    Ok(Launch::from_spans("qv_planes_clamp", stride_grid(OP, pixels * channels)?, args))
 }
 
 /// The loaded `qwen_image_vae` kernels of one context.
@@ -448,8 +425,15 @@ impl VaeKernels {
     }
 
     /// Submits a launch built by one of this module's `plan_*` functions.
-    pub fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
-        self.set.submit(stream, launch)
+    ///
+    /// # Safety
+    ///
+    /// The launch addresses raw [`DeviceSpan`]s: every span it was planned over must lie in device memory of
+    /// `stream`'s context that is allocated now (a `DeviceBuffer` then stays valid for the queued work, since
+    /// its `Drop` synchronizes the context before freeing).
+    pub unsafe fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
+        // SAFETY: forwarded contract: the caller vouches for the spans.
+        unsafe { self.set.submit_spans(stream, launch) }
     }
 }
 

@@ -13,12 +13,12 @@ use super::NnKernels;
 pub const ACT_SET: &str = "nn_act";
 
 /// Builds `out = silu(gate) * up` from a fused `[gate | up]` matrix of 2 * hidden columns (kernel nn_swiglu).
-pub fn plan_swiglu(
-    gate_up: &DeviceView<'_>,
+pub fn plan_swiglu<'a>(
+    gate_up: &'a DeviceView<'_>,
     gate_up_layout: Matrix,
-    out: &DeviceViewMut<'_>,
+    out: &'a DeviceViewMut<'_>,
     out_stride: usize,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu";
     if !gate_up_layout.cols.is_multiple_of(16) {
         return Err(invalid(
@@ -48,22 +48,22 @@ pub fn plan_swiglu(
         .push(to_i32(OP, "out stride", out_stride)?)
         .push(to_i32(OP, "rows", gate_up_layout.rows)?)
         .push(to_i32(OP, "hidden", hidden)?);
-    Ok(Launch {
-        kernel: "nn_swiglu",
-        config: row_grid(OP, gate_up_layout.rows, hidden)?,
+    Ok(Launch::new(
+        "nn_swiglu",
+        row_grid(OP, gate_up_layout.rows, hidden)?,
         args,
-    })
+    ))
 }
 
 /// Builds an elementwise activation over `n` bf16 values (`kernel` is nn_gelu_tanh or nn_silu); `y` may be
 /// a view of the same memory as `x`.
-fn plan_elementwise(
+fn plan_elementwise<'a>(
     op: &'static str,
     kernel: &'static str,
     x: Operand,
     y: Operand,
     n: usize,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     check_aligned(op, "x", x)?;
     check_aligned(op, "y", y)?;
     let bytes = n
@@ -78,11 +78,11 @@ fn plan_elementwise(
     args.push_addr(x.addr)
         .push_addr(y.addr)
         .push(to_i64(op, "n", n)?);
-    Ok(Launch {
+    Ok(Launch::new(
         kernel,
-        config: LaunchConfig::new(to_u32(op, "blocks", blocks)?, ROW_THREADS),
+        LaunchConfig::new(to_u32(op, "blocks", blocks)?, ROW_THREADS),
         args,
-    })
+    ))
 }
 
 impl NnKernels {

@@ -272,13 +272,13 @@ fn check_attention_operand(
 
 /// Builds one flash-attention launch (kernels nn_attention_d128_*). `o` gets `[batch][num_queries][num_heads *
 /// 128]` with `o_strides`.
-pub fn plan_attention(
+pub fn plan_attention<'a>(
     tile: AttentionTile,
     shape: AttentionShape,
-    inputs: &AttentionInputs<'_, '_>,
-    o: &DeviceViewMut<'_>,
+    inputs: &AttentionInputs<'a, '_>,
+    o: &'a DeviceViewMut<'_>,
     o_strides: Strides,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "attention";
     let s = shape;
     if s.num_heads == 0 || s.num_kv_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
@@ -437,24 +437,24 @@ pub fn plan_attention(
         to_u32(OP, "heads", s.num_heads)?,
         to_u32(OP, "batch", s.batch)?,
     );
-    Ok(Launch {
-        kernel: tile.kernel(),
-        config: LaunchConfig::new(grid, tile.warps() * 32).with_shared(tile.shared_bytes()),
+    Ok(Launch::new(
+        tile.kernel(),
+        LaunchConfig::new(grid, tile.warps() * 32).with_shared(tile.shared_bytes()),
         args,
-    })
+    ))
 }
 
 /// [`plan_attention`] for [`AttentionTile::Sm90Tma`]: the same arguments followed by the five tensor maps the
 /// kernel loads through (q, k, v, k prefix, v prefix; the current k/v stand in for an absent prefix).
 /// [`plan_attention`]'s operand rules (16-byte aligned bases, strides in multiples of 8 elements) are the ones
 /// TMA needs, so every operand it accepts can be mapped.
-pub fn plan_attention_tma(
+pub fn plan_attention_tma<'a>(
     ctx: &Context,
     shape: AttentionShape,
-    inputs: &AttentionInputs<'_, '_>,
-    o: &DeviceViewMut<'_>,
+    inputs: &AttentionInputs<'a, '_>,
+    o: &'a DeviceViewMut<'_>,
     o_strides: Strides,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     let mut launch = plan_attention(AttentionTile::Sm90Tma, shape, inputs, o, o_strides)?;
     let tiles = |base: u64, width: usize, rows: usize, strides: Strides| Bf16Tiles {
         base,

@@ -14,14 +14,14 @@ use super::NnKernels;
 pub const COPY_SET: &str = "nn_copy";
 
 /// Builds the sinusoidal timestep embedding `[cos | sin]` of `batch` f32 timesteps into `[batch, dim]` bf16.
-pub fn plan_timestep_embedding(
-    t: &DeviceView<'_>,
-    out: &DeviceViewMut<'_>,
+pub fn plan_timestep_embedding<'a>(
+    t: &'a DeviceView<'_>,
+    out: &'a DeviceViewMut<'_>,
     batch: usize,
     dim: usize,
     t_scale: f32,
     max_period: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "timestep_embedding";
     if dim == 0 || !dim.is_multiple_of(2) || dim / 2 > 1024 {
         return Err(invalid(
@@ -43,23 +43,23 @@ pub fn plan_timestep_embedding(
         .push(to_i32(OP, "dim", dim)?)
         .push(t_scale)
         .push(max_period);
-    Ok(Launch {
-        kernel: "nn_timestep_embedding",
-        config: LaunchConfig::new(
+    Ok(Launch::new(
+        "nn_timestep_embedding",
+        LaunchConfig::new(
             to_u32(OP, "batch", batch.max(1))?,
             to_u32(OP, "dim / 2", dim / 2)?,
         ),
         args,
-    })
+    ))
 }
 
 /// Builds a strided row copy of a `[rows, cols]` bf16 block (kernel nn_copy_rows).
-pub fn plan_copy_rows(
-    src: &DeviceView<'_>,
+pub fn plan_copy_rows<'a>(
+    src: &'a DeviceView<'_>,
     src_layout: Matrix,
-    dst: &DeviceViewMut<'_>,
+    dst: &'a DeviceViewMut<'_>,
     dst_stride: usize,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "copy_rows";
     check_matrix(OP, "src", Operand::of(src), src_layout)?;
     check_matrix(
@@ -78,20 +78,20 @@ pub fn plan_copy_rows(
         .push(to_i32(OP, "dst stride", dst_stride)?)
         .push(to_i32(OP, "rows", src_layout.rows)?)
         .push(to_i32(OP, "cols", src_layout.cols)?);
-    Ok(Launch {
-        kernel: "nn_copy_rows",
-        config: row_grid(OP, src_layout.rows, src_layout.cols)?,
+    Ok(Launch::new(
+        "nn_copy_rows",
+        row_grid(OP, src_layout.rows, src_layout.cols)?,
         args,
-    })
+    ))
 }
 
 /// Builds the transpose of a dense `[rows, cols]` bf16 matrix into `[cols, rows]` (kernel nn_transpose).
-pub fn plan_transpose(
-    src: &DeviceView<'_>,
-    dst: &DeviceViewMut<'_>,
+pub fn plan_transpose<'a>(
+    src: &'a DeviceView<'_>,
+    dst: &'a DeviceViewMut<'_>,
     rows: usize,
     cols: usize,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "transpose";
     let bytes = rows
         .checked_mul(cols)
@@ -104,9 +104,9 @@ pub fn plan_transpose(
         .push_addr(dst.addr())
         .push(to_i32(OP, "rows", rows)?)
         .push(to_i32(OP, "cols", cols)?);
-    Ok(Launch {
-        kernel: "nn_transpose",
-        config: LaunchConfig::new(
+    Ok(Launch::new(
+        "nn_transpose",
+        LaunchConfig::new(
             (
                 to_u32(OP, "column tiles", cols.div_ceil(32).max(1))?,
                 to_u32(OP, "row tiles", rows.div_ceil(32).max(1))?,
@@ -114,22 +114,22 @@ pub fn plan_transpose(
             (32, 8),
         ),
         args,
-    })
+    ))
 }
 
 /// Builds the embedding gather `out[r] = table[ids[r]]` (kernel nn_embed_gather): `table` is `[vocab, cols]`
 /// bf16, `ids` `rows` i32 values, `out` `rows` x `cols` with `out_stride`. Ids must be checked against the
 /// vocabulary by the caller (the kernel writes a zero row for an id out of range rather than read past the
 /// table).
-pub fn plan_embed_gather(
-    table: &DeviceView<'_>,
+pub fn plan_embed_gather<'a>(
+    table: &'a DeviceView<'_>,
     vocab: usize,
     cols: usize,
-    ids: &DeviceView<'_>,
+    ids: &'a DeviceView<'_>,
     rows: usize,
-    out: &DeviceViewMut<'_>,
+    out: &'a DeviceViewMut<'_>,
     out_stride: usize,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "embed_gather";
     if cols == 0 || vocab == 0 {
         return Err(invalid(
@@ -158,22 +158,22 @@ pub fn plan_embed_gather(
         .push(to_i32(OP, "rows", rows)?)
         .push_addr(out.addr())
         .push(to_i32(OP, "out stride", out_stride)?);
-    Ok(Launch {
-        kernel: "nn_embed_gather",
-        config: row_grid(OP, rows, cols)?,
+    Ok(Launch::new(
+        "nn_embed_gather",
+        row_grid(OP, rows, cols)?,
         args,
-    })
+    ))
 }
 
 /// Builds the seeded fill `out[i] = bf16(offset + scale * u_i)`, `u_i` uniform in [-1, 1) from `(seed, i)`
 /// (kernel nn_fill_uniform): deterministic, independent of the launch geometry.
-pub fn plan_fill_uniform(
-    out: &DeviceViewMut<'_>,
+pub fn plan_fill_uniform<'a>(
+    out: &'a DeviceViewMut<'_>,
     n: usize,
     seed: u32,
     offset: f32,
     scale: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "fill_uniform";
     if !(offset.is_finite() && scale.is_finite()) {
         return Err(invalid(
@@ -196,11 +196,11 @@ pub fn plan_fill_uniform(
         .push(u64::from(seed))
         .push(offset)
         .push(scale);
-    Ok(Launch {
-        kernel: "nn_fill_uniform",
-        config: LaunchConfig::new(to_u32(OP, "blocks", blocks)?, 256),
+    Ok(Launch::new(
+        "nn_fill_uniform",
+        LaunchConfig::new(to_u32(OP, "blocks", blocks)?, 256),
         args,
-    })
+    ))
 }
 
 impl NnKernels {
@@ -293,16 +293,9 @@ mod tests {
         let table = buffer(&ctx, vocab * cols * BF16);
         let ids = buffer(&ctx, rows * 4);
         let mut out = buffer(&ctx, rows * cols * BF16);
-        let launch = plan_embed_gather(
-            &table.view(),
-            vocab,
-            cols,
-            &ids.view(),
-            rows,
-            &out.view_mut(),
-            cols,
-        )
-        .unwrap();
+        let (table_view, ids_view, out_view) = (table.view(), ids.view(), out.view_mut());
+        let launch =
+            plan_embed_gather(&table_view, vocab, cols, &ids_view, rows, &out_view, cols).unwrap();
         assert_eq!(launch.kernel, "nn_embed_gather");
         assert_eq!(launch.args.len(), 7);
         assert_eq!(launch.args.get::<i32>(1), Some(vocab as i32));
@@ -358,14 +351,15 @@ mod tests {
         let _serial = test_lock();
         let ctx = context();
         let mut out = buffer(&ctx, 1000 * BF16);
-        let launch = plan_fill_uniform(&out.view_mut(), 1000, 7, 1.0, 0.02).unwrap();
+        let out_view = out.view_mut();
+        let launch = plan_fill_uniform(&out_view, 1000, 7, 1.0, 0.02).unwrap();
         assert_eq!(launch.kernel, "nn_fill_uniform");
         assert_eq!(launch.args.get::<i64>(1), Some(1000));
         assert_eq!(launch.args.get::<u64>(2), Some(7));
         assert_eq!(launch.config.grid.x, 4);
-        assert!(plan_fill_uniform(&out.view_mut(), 1001, 7, 0.0, 1.0).is_err());
-        assert!(plan_fill_uniform(&out.view_mut(), 10, 7, f32::NAN, 1.0).is_err());
-        let empty = plan_fill_uniform(&out.view_mut(), 0, 7, 0.0, 1.0).unwrap();
+        assert!(plan_fill_uniform(&out_view, 1001, 7, 0.0, 1.0).is_err());
+        assert!(plan_fill_uniform(&out_view, 10, 7, f32::NAN, 1.0).is_err());
+        let empty = plan_fill_uniform(&out_view, 0, 7, 0.0, 1.0).unwrap();
         assert_eq!(empty.config.grid.x, 1);
     }
 }

@@ -3,6 +3,7 @@
 //! [`Launch`], and `LoadedSet`, the loaded kernels of one or more kernel sets, which submits launches.
 
 use std::collections::HashMap;
+use std::marker::PhantomData;
 
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Function, Module, Stream};
@@ -70,11 +71,70 @@ impl Operand {
 }
 
 /// One kernel launch, validated and packed, not yet submitted.
+///
+/// A launch built by a `plan_*` function borrows, for `'a`, the device views whose addresses it packed (the
+/// views the function checked), so none of their buffers can be freed before the launch is submitted; freeing
+/// afterwards waits for the context (`DeviceBuffer`'s `Drop`). That is what makes [`LoadedSet`]'s safe `submit`
+/// sound. Launches over raw [`tf_cuda::cublaslt::DeviceSpan`]s borrow nothing: they are marked raw and only an
+/// `unsafe` submit takes them. The fields are read-only outside this crate, so a packed launch cannot be
+/// pointed at another kernel or given other arguments.
 #[derive(Debug)]
-pub struct Launch {
-    pub kernel: &'static str,
-    pub config: LaunchConfig,
-    pub args: Args,
+pub struct Launch<'a> {
+    pub(crate) kernel: &'static str,
+    pub(crate) config: LaunchConfig,
+    pub(crate) args: Args,
+    /// Built from raw device spans rather than borrowed views.
+    raw: bool,
+    views: PhantomData<&'a ()>,
+}
+
+impl<'a> Launch<'a> {
+    /// A launch whose every address comes from a view the caller holds borrowed for `'a` (the `plan_*`
+    /// functions: each takes its views as `&'a` and packs only their addresses).
+    pub(crate) fn new(kernel: &'static str, config: LaunchConfig, args: Args) -> Launch<'a> {
+        Launch {
+            kernel,
+            config,
+            args,
+            raw: false,
+            views: PhantomData,
+        }
+    }
+
+    /// A launch over raw device spans (no borrow): only `LoadedSet::submit_spans`, which is `unsafe`, takes it.
+    pub(crate) fn from_spans(
+        kernel: &'static str,
+        config: LaunchConfig,
+        args: Args,
+    ) -> Launch<'static> {
+        Launch {
+            kernel,
+            config,
+            args,
+            raw: true,
+            views: PhantomData,
+        }
+    }
+
+    /// The kernel's symbol.
+    pub fn kernel(&self) -> &'static str {
+        self.kernel
+    }
+
+    /// The launch geometry.
+    pub fn config(&self) -> &LaunchConfig {
+        &self.config
+    }
+
+    /// The packed arguments.
+    pub fn args(&self) -> &Args {
+        &self.args
+    }
+
+    /// True for a launch over raw device spans (see [`Launch`]).
+    pub fn is_raw(&self) -> bool {
+        self.raw
+    }
 }
 
 /// A validation failure of operation `op`: [`tf_cuda::Error::Invalid`] naming it.
@@ -295,9 +355,8 @@ impl LoadedSet {
         self.functions.contains_key(kernel)
     }
 
-    /// Submits a launch of one of the loaded kernels.
-    pub(crate) fn submit(&self, stream: &Stream, launch: &Launch) -> Result<(), tf_cuda::Error> {
-        let function = self.functions.get(launch.kernel).ok_or_else(|| {
+    fn function(&self, launch: &Launch<'_>) -> Result<&Function, tf_cuda::Error> {
+        self.functions.get(launch.kernel).ok_or_else(|| {
             invalid(
                 launch.kernel,
                 format!(
@@ -306,8 +365,46 @@ impl LoadedSet {
                     self.sets.join(", ")
                 ),
             )
-        })?;
-        stream.launch(function, &launch.config, &launch.args)
+        })
+    }
+
+    /// Submits a launch of one of the loaded kernels built from borrowed views (a `plan_*` function over views).
+    /// A launch over raw spans is refused: see [`LoadedSet::submit_spans`].
+    pub(crate) fn submit(
+        &self,
+        stream: &Stream,
+        launch: &Launch<'_>,
+    ) -> Result<(), tf_cuda::Error> {
+        if launch.raw {
+            return Err(invalid(
+                launch.kernel,
+                "this launch addresses raw device spans; submit it through the component's unsafe submit",
+            ));
+        }
+        let function = self.function(launch)?;
+        // SAFETY: a launch that is not raw packs only addresses of device views its `plan_*` function took
+        // borrowed for the launch's lifetime, so each points into a buffer alive now (the borrow outlives this
+        // call); every view's extent was checked against what the kernel addresses; and a `DeviceBuffer` that is
+        // freed later synchronizes its context first, so the queued kernel never sees it freed.
+        unsafe { stream.launch(function, &launch.config, &launch.args) }
+    }
+
+    /// Submits a launch of one of the loaded kernels built from raw device spans.
+    ///
+    /// # Safety
+    ///
+    /// Every span the launch was planned over lies in device memory of `stream`'s context that is allocated now.
+    /// Memory owned by a `DeviceBuffer` then stays valid for the queued work (its `Drop` synchronizes the context
+    /// before freeing); any other memory must outlive the work on the stream.
+    pub(crate) unsafe fn submit_spans(
+        &self,
+        stream: &Stream,
+        launch: &Launch<'_>,
+    ) -> Result<(), tf_cuda::Error> {
+        let function = self.function(launch)?;
+        // SAFETY: the plan checked each span's extent against what the kernel addresses; the caller guarantees the
+        // spans are live allocations of the stream's context (this function's contract).
+        unsafe { stream.launch(function, &launch.config, &launch.args) }
     }
 }
 

@@ -172,18 +172,18 @@ fn check_row_cols(op: &str, cols: usize, max_cols: usize) -> Result<(), tf_cuda:
 /// A row norm with a per-column weight, one block of `threads` per row: operands checked, arguments packed as
 /// `(x, x_stride, y, y_stride, weight, rows, cols, eps)` (the zero-centred DiT norm and the Qwen3 text norm).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn plan_weighted_row_norm(
+pub(crate) fn plan_weighted_row_norm<'a>(
     op: &'static str,
     kernel: &'static str,
     max_cols: usize,
     threads: u32,
-    x: &DeviceView<'_>,
+    x: &'a DeviceView<'_>,
     x_layout: Matrix,
-    y: &DeviceViewMut<'_>,
+    y: &'a DeviceViewMut<'_>,
     y_stride: usize,
-    weight: &DeviceView<'_>,
+    weight: &'a DeviceView<'_>,
     eps: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     check_row_cols(op, x_layout.cols, max_cols)?;
     check_matrix(op, "x", Operand::of(x), x_layout)?;
     check_matrix(op, "y", Operand::of_mut(y), x_layout.with_stride(y_stride))?;
@@ -202,22 +202,22 @@ pub(crate) fn plan_weighted_row_norm(
         .push(to_i32(op, "rows", x_layout.rows)?)
         .push(to_i32(op, "cols", x_layout.cols)?)
         .push(eps);
-    Ok(Launch {
+    Ok(Launch::new(
         kernel,
-        config: LaunchConfig::new(to_u32(op, "rows", x_layout.rows.max(1))?, threads),
+        LaunchConfig::new(to_u32(op, "rows", x_layout.rows.max(1))?, threads),
         args,
-    })
+    ))
 }
 
 /// Builds the Qwen3 RMSNorm `y = weight * bf16(x * rsqrt(mean(x^2) + eps))` (kernel nn_rms_norm).
-pub fn plan_rms_norm(
-    x: &DeviceView<'_>,
+pub fn plan_rms_norm<'a>(
+    x: &'a DeviceView<'_>,
     x_layout: Matrix,
-    y: &DeviceViewMut<'_>,
+    y: &'a DeviceViewMut<'_>,
     y_stride: usize,
-    weight: &DeviceView<'_>,
+    weight: &'a DeviceView<'_>,
     eps: f32,
-) -> Result<Launch, tf_cuda::Error> {
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "rms_norm";
     if !(eps.is_finite() && eps >= 0.0) {
         return Err(invalid(OP, format!("eps {eps} must be finite and >= 0")));
@@ -287,8 +287,8 @@ mod tests {
         let mut y = buffer(&ctx, rows * cols * BF16);
         let w = buffer(&ctx, cols * BF16);
         let layout = Matrix::dense(rows, cols);
-        let launch =
-            plan_rms_norm(&x.view(), layout, &y.view_mut(), cols, &w.view(), 1e-6).unwrap();
+        let (xv, yv, wv) = (x.view(), y.view_mut(), w.view());
+        let launch = plan_rms_norm(&xv, layout, &yv, cols, &wv, 1e-6).unwrap();
         assert_eq!(launch.kernel, "nn_rms_norm");
         assert_eq!(launch.args.get::<i32>(6), Some(cols as i32));
         assert_eq!(launch.args.get::<f32>(7), Some(1e-6));

@@ -43,10 +43,10 @@ pub struct QkvOutputs<'v, 'a> {
 }
 
 /// Builds the fused QK RMSNorm + RoPE + V copy (kernel nn_qk_norm_rope_interleaved).
-pub fn plan_qk_norm_rope(
-    inputs: &QkvInputs<'_, '_>,
-    outputs: &QkvOutputs<'_, '_>,
-) -> Result<Launch, tf_cuda::Error> {
+pub fn plan_qk_norm_rope<'a>(
+    inputs: &QkvInputs<'a, '_>,
+    outputs: &QkvOutputs<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "qk_norm_rope";
     let rows = inputs.qkv_layout.rows;
     let width = inputs
@@ -138,11 +138,11 @@ pub fn plan_qk_norm_rope(
         .push(to_i32(OP, "k stride", outputs.k_stride)?)
         .push_addr(outputs.v.addr())
         .push(to_i32(OP, "v stride", outputs.v_stride)?);
-    Ok(Launch {
-        kernel: "nn_qk_norm_rope_interleaved",
-        config: LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+    Ok(Launch::new(
+        "nn_qk_norm_rope_interleaved",
+        LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
         args,
-    })
+    ))
 }
 
 /// Operands of the in-place QK RMSNorm + rotate-half RoPE (kernel nn_qk_norm_rope_half).
@@ -165,7 +165,9 @@ pub struct QkNormRope<'v, 'a> {
 }
 
 /// Builds the in-place QK RMSNorm + rotate-half RoPE of a fused q|k|v matrix.
-pub fn plan_qk_norm_rope_half(op_args: &QkNormRope<'_, '_>) -> Result<Launch, tf_cuda::Error> {
+pub fn plan_qk_norm_rope_half<'a>(
+    op_args: &QkNormRope<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "qk_norm_rope_half";
     let a = op_args;
     let rows = a.qkv_layout.rows;
@@ -244,11 +246,11 @@ pub fn plan_qk_norm_rope_half(op_args: &QkNormRope<'_, '_>) -> Result<Launch, tf
         .push_addr(a.rope_cos.addr())
         .push_addr(a.rope_sin.addr())
         .push(to_i32(OP, "rope stride", a.rope_stride)?);
-    Ok(Launch {
-        kernel: "nn_qk_norm_rope_half",
-        config: LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+    Ok(Launch::new(
+        "nn_qk_norm_rope_half",
+        LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
         args,
-    })
+    ))
 }
 
 /// Cos/sin tables for [`plan_qk_norm_rope_half`]: `[rows, 64]` f32 for positions `0..rows`, angle
