@@ -28,23 +28,20 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::sync::Arc;
-
-use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
-use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::{Context, DeviceBuffer, Event, Stream};
 
 use super::text_encoder::{TextEncoderConfig, TextEncoderError};
+use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, Linear};
 use crate::nn::gpu::{
-    rotate_half_rope_tables, AttentionInputs, AttentionShape, AttentionTile, Matrix, NnKernels, QkNormRope,
-    Strides, HEAD_DIM, MAX_NORM_COLS as MAX_TEXT_NORM_COLS,
+    rotate_half_rope_tables, AttentionInputs, AttentionShape, AttentionTile, Matrix, NnKernels,
+    QkNormRope, Strides, HEAD_DIM, MAX_NORM_COLS as MAX_TEXT_NORM_COLS,
 };
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
-use crate::nn::weights::{ModelDir, FLOAT_DTYPES};
+use crate::nn::weights::{le_bytes, LayoutPlanner, ModelDir, ALIGN, BF16, FLOAT_DTYPES};
 
-const BF16: usize = 2;
-/// Alignment of every weight group and workspace buffer.
-const ALIGN: usize = 256;
 /// Workspaces hold a multiple of this many rows, so prompts of similar length share one.
 pub const ROW_QUANTUM: usize = 128;
 /// Tensor name prefixes of the language model, tried in order (the same list as the host reference):
@@ -52,8 +49,8 @@ pub const ROW_QUANTUM: usize = 128;
 const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "model."];
 
 /// A GPU failure as a [`TextEncoderError`]: the message names the step that failed and the cause.
-fn gpu_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> TextEncoderError + '_ {
-    move |e| TextEncoderError::Backend(format!("GPU backend: {what}: {e}"))
+fn gpu_err<E: IntoGpuError>(what: &str) -> impl FnOnce(E) -> TextEncoderError + '_ {
+    move |e| TextEncoderError::Gpu(gpu_error(what, e))
 }
 
 /// Refuses a config the kernels cannot run, saying which limit it breaks.
@@ -188,30 +185,19 @@ struct Placement {
 }
 
 impl WeightLayout {
-    fn plan(d: &Dims) -> WeightLayout {
-        let mut next = 0usize;
-        // Consecutive parts in one aligned group; returns each part's offset.
-        let mut group = |parts: &[usize]| -> Vec<usize> {
-            let mut offset = next.div_ceil(ALIGN) * ALIGN;
-            let mut out = Vec::with_capacity(parts.len());
-            for &bytes in parts {
-                out.push(offset);
-                offset += bytes;
-            }
-            next = offset;
-            out
-        };
+    fn plan(d: &Dims) -> Result<WeightLayout, TextEncoderError> {
+        let mut planner = LayoutPlanner::new(ALIGN);
         let h = d.hidden;
-        let embed = group(&[d.vocab * h * BF16])[0];
+        let embed = planner.one(d.vocab * h * BF16)?;
         let mut layers = Vec::with_capacity(d.layers);
         for _ in 0..d.layers {
-            let input_norm = group(&[h * BF16])[0];
-            let qkv = group(&[d.qkv_width() * h * BF16])[0];
-            let qk_norm = group(&[2 * HEAD_DIM * BF16])[0];
-            let o_proj = group(&[h * d.q_width() * BF16])[0];
-            let post_norm = group(&[h * BF16])[0];
-            let gate_up = group(&[2 * d.ffn * h * BF16])[0];
-            let down = group(&[h * d.ffn * BF16])[0];
+            let input_norm = planner.one(h * BF16)?;
+            let qkv = planner.one(d.qkv_width() * h * BF16)?;
+            let qk_norm = planner.one(2 * HEAD_DIM * BF16)?;
+            let o_proj = planner.one(h * d.q_width() * BF16)?;
+            let post_norm = planner.one(h * BF16)?;
+            let gate_up = planner.one(2 * d.ffn * h * BF16)?;
+            let down = planner.one(h * d.ffn * BF16)?;
             layers.push(LayerOffsets {
                 input_norm,
                 qkv,
@@ -222,11 +208,11 @@ impl WeightLayout {
                 down,
             });
         }
-        WeightLayout {
+        Ok(WeightLayout {
             embed,
             layers,
-            total: next.div_ceil(ALIGN) * ALIGN,
-        }
+            total: planner.total()?,
+        })
     }
 
     /// Every checkpoint tensor the encoder reads, with its device offset (fused groups split into parts).
@@ -309,10 +295,6 @@ fn ids_to_i32(ids: &[u32], vocab: usize) -> Result<Vec<i32>, TextEncoderError> {
         .collect()
 }
 
-fn le_bytes<T: Copy, const N: usize>(values: &[T], to: impl Fn(T) -> [u8; N]) -> Vec<u8> {
-    values.iter().flat_map(|&v| to(v)).collect()
-}
-
 /// Device buffers for prompts of up to `capacity` rows.
 struct Workspace {
     capacity: usize,
@@ -355,7 +337,7 @@ pub struct GpuTextEncoder {
     layout: WeightLayout,
     workspace: Option<Workspace>,
     weights: DeviceBuffer,
-    lt: CublasLt,
+    gemms: GemmRunner,
     kernels: NnKernels,
     stream: Stream,
     ctx: Context,
@@ -388,7 +370,7 @@ impl Drop for GpuTextEncoder {
 impl GpuTextEncoder {
     /// Opens the driver, makes a context on device 0 and loads `model` onto it.
     pub fn load(model: &ModelDir) -> Result<GpuTextEncoder, TextEncoderError> {
-        let driver = Arc::new(Driver::open().map_err(gpu_err("opening the CUDA driver"))?);
+        let driver = tf_cuda::open_driver().map_err(gpu_err("opening the CUDA driver"))?;
         let ctx = Context::new(driver, 0).map_err(gpu_err("creating a context on device 0"))?;
         GpuTextEncoder::load_on(&ctx, model)
     }
@@ -415,7 +397,7 @@ impl GpuTextEncoder {
                     "no embed_tokens.weight under any of the prefixes {PREFIXES:?}: not a Qwen3(-VL) checkpoint?"
                 ))
             })?;
-        let layout = WeightLayout::plan(&dims);
+        let layout = WeightLayout::plan(&dims)?;
         let placements = layout.placements(&dims);
         for placement in &placements {
             let name = format!("{prefix}{}", placement.name);
@@ -441,11 +423,11 @@ impl GpuTextEncoder {
         let mut pieces = Vec::with_capacity(placements.len());
         for placement in &placements {
             let name = format!("{prefix}{}", placement.name);
-            pieces.push(Piece {
-                src: model.bytes(&name)?,
-                dtype: model.info(&name)?.dtype,
-                dst_offset: placement.offset,
-            });
+            pieces.push(Piece::bf16(
+                model.bytes(&name)?,
+                model.info(&name)?.dtype,
+                placement.offset,
+            ));
         }
         let stats = upload_pieces(ctx, &encoder.stream, &mut encoder.weights, &pieces, staging)
             .map_err(gpu_err("uploading the weights"))?;
@@ -462,7 +444,7 @@ impl GpuTextEncoder {
         seed: u32,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
         let dims = Dims::of(&config)?;
-        let layout = WeightLayout::plan(&dims);
+        let layout = WeightLayout::plan(&dims)?;
         let placements = layout.placements(&dims);
         let mut encoder = GpuTextEncoder::with_layout(ctx, config, dims, layout)?;
         let uniform_std = 0.02f32 * 3f32.sqrt();
@@ -499,13 +481,11 @@ impl GpuTextEncoder {
     ) -> Result<GpuTextEncoder, TextEncoderError> {
         let stream = Stream::new(ctx, false).map_err(gpu_err("creating a stream"))?;
         let kernels = NnKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
-        let lib = LtLibrary::open().map_err(gpu_err("opening cuBLASLt"))?;
-        let lt =
-            CublasLt::with_default_workspace(ctx, lib).map_err(gpu_err("creating cuBLASLt"))?;
+        let gemms = GemmRunner::new(ctx).map_err(gpu_err("opening cuBLASLt"))?;
         let weights = DeviceBuffer::alloc(ctx, layout.total).map_err(|e| {
-            TextEncoderError::Backend(format!(
-                "GPU backend: allocating {} B of weights: {e}",
-                layout.total
+            TextEncoderError::Gpu(gpu_error(
+                format!("allocating {} B of weights", layout.total),
+                e,
             ))
         })?;
         Ok(GpuTextEncoder {
@@ -514,7 +494,7 @@ impl GpuTextEncoder {
             layout,
             workspace: None,
             weights,
-            lt,
+            gemms,
             kernels,
             stream,
             ctx: ctx.clone(),
@@ -537,7 +517,7 @@ impl GpuTextEncoder {
     pub fn resident_bytes(&self) -> usize {
         self.weights.len()
             + self.workspace.as_ref().map_or(0, Workspace::bytes)
-            + self.lt.workspace_bytes()
+            + self.gemms.workspace_bytes()
     }
 
     /// Rows the current workspace holds (0 before the first encode).
@@ -583,8 +563,9 @@ impl GpuTextEncoder {
         let ctx = &self.ctx;
         let alloc = |bytes: usize, what: &str| {
             DeviceBuffer::alloc(ctx, bytes.div_ceil(ALIGN) * ALIGN).map_err(|e| {
-                TextEncoderError::Backend(format!(
-                    "GPU backend: allocating the {what} workspace ({bytes} B for {cap} rows): {e}"
+                TextEncoderError::Gpu(gpu_error(
+                    format!("allocating the {what} workspace ({bytes} B for {cap} rows)"),
+                    e,
                 ))
             })
         };
@@ -659,6 +640,24 @@ impl GpuTextEncoder {
         Ok(f64::from(ms) / iters as f64)
     }
 
+    /// The GEMMs a forward over `rows` rows runs, one entry per distinct plan in first-call order: what
+    /// planning the encoder's GEMMs ahead (at load, for the row capacities it will see) takes.
+    pub fn gemm_shapes(&self, rows: usize) -> Vec<GemmShape> {
+        let d = self.dims;
+        let (h, f) = (d.hidden, d.ffn);
+        let (qw, qkvw) = (d.q_width(), d.qkv_width());
+        let mut out = Vec::with_capacity(4 * self.layout.layers.len());
+        for l in &self.layout.layers {
+            out.extend([
+                GemmShape::at_offsets(rows, qkvw, h, (0, l.qkv, 0), false, false, false),
+                GemmShape::at_offsets(rows, h, qw, (0, l.o_proj, 0), false, true, false),
+                GemmShape::at_offsets(rows, 2 * f, h, (0, l.gate_up, 0), false, false, false),
+                GemmShape::at_offsets(rows, h, f, (0, l.down, 0), false, true, false),
+            ]);
+        }
+        gemm::distinct(out)
+    }
+
     fn weight_span(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, TextEncoderError> {
         span(&self.weights, offset, bytes)
     }
@@ -675,15 +674,11 @@ impl GpuTextEncoder {
         y: DeviceSpan,
         accumulate: bool,
     ) -> Result<(), TextEncoderError> {
-        let mut gemm = Gemm::bf16(m, n, k, x, w, y);
-        if accumulate {
-            gemm = gemm.with_scaling(1.0, 1.0);
-        }
+        let linear = Linear::new(m, n, k, x, w, y).accumulate(accumulate);
         // SAFETY: every span lies inside a live buffer of this encoder (the weights or the workspace; checked by
         // `span`); neither is freed before the stream is synchronised (workspace growth, `clear_workspace` and
         // Drop synchronise first), and the stream belongs to the handle's context.
-        unsafe { self.lt.matmul(&gemm, &self.stream) }
-            .map_err(|e| TextEncoderError::Backend(format!("GPU backend: GEMM {m}x{n}x{k}: {e}")))
+        Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
     }
 
     /// Enqueues the forward of the `rows` ids already in the workspace (no host synchronisation). The result,
@@ -917,19 +912,22 @@ impl GpuTextEncoder {
 
 /// `bytes` at `offset` of `buf` as a GEMM operand, checked.
 fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, TextEncoderError> {
-    match offset.checked_add(bytes) {
-        Some(end) if end <= buf.len() => Ok(DeviceSpan::new(buf.addr() + offset as u64, bytes)),
-        _ => Err(TextEncoderError::Backend(format!(
-            "GPU backend: internal: span {offset}+{bytes} outside a {}-byte buffer",
-            buf.len()
-        ))),
+    Ok(gemm::span(buf, offset, bytes)?)
+}
+
+impl From<GemmError> for TextEncoderError {
+    fn from(e: GemmError) -> TextEncoderError {
+        TextEncoderError::Gpu(gpu_error("GEMM", e))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use proptest::prelude::*;
+    use tf_cuda::Driver;
 
     fn full_size() -> TextEncoderConfig {
         TextEncoderConfig {
@@ -980,7 +978,7 @@ mod tests {
             (d.q_width(), d.kv_width(), d.qkv_width()),
             (4096, 1024, 6144)
         );
-        let layout = WeightLayout::plan(&d);
+        let layout = WeightLayout::plan(&d).unwrap();
         let params_per_layer = 2 * 4096 + 6144 * 4096 + 256 + 4096 * 4096 + 3 * 12_288 * 4096;
         let params = 151_936 * 4096 + 36 * params_per_layer;
         // Alignment padding only (each group rounds up to 256 B).
@@ -1003,7 +1001,7 @@ mod tests {
             rope_theta: 1e6,
         };
         let d = Dims::of(&config).unwrap();
-        let layout = WeightLayout::plan(&d);
+        let layout = WeightLayout::plan(&d).unwrap();
         let mut placed: Vec<(usize, usize, String)> = layout
             .placements(&d)
             .into_iter()

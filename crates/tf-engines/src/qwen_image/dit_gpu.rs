@@ -30,31 +30,28 @@
 //! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
-use tf_cuda::cublaslt::{AlgoSelection, CublasLt, DeviceSpan, Gemm, LtLibrary, PlanChoice};
-use tf_cuda::graph::Mode;
-use tf_cuda::{Context, DeviceBuffer, Driver, Event, GraphExec, Stream};
+use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, PlanChoice};
+use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::config::{QwenImageDitConfig, ROPE_THETA, TIMESTEP_DIM};
-use super::ops::DitKernels;
 use super::dit::{
     DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvMode, KvStep,
     TokenSource,
 };
+use super::ops::DitKernels;
+use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, Linear};
+use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::{
     attention_flops, key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape,
-    AttentionTile, Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs,
-    Strides, HEAD_DIM,
+    AttentionTile, Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, Strides, HEAD_DIM,
 };
 use crate::nn::host;
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
-use crate::nn::weights::{Dtype, ModelDir};
+use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, BF16};
 
-const BF16: usize = 2;
-/// Alignment of every weight group and workspace slice.
-const ALIGN: usize = 256;
 /// Graphs kept per workspace (one per KV cache used with it).
 const MAX_GRAPHS: usize = 4;
 
@@ -63,7 +60,12 @@ fn backend(what: &str) -> impl FnOnce(String) -> DitError + '_ {
 }
 
 fn cuda_err(what: &str) -> impl FnOnce(tf_cuda::Error) -> DitError + '_ {
-    move |e| DitError::Backend(format!("{what}: {e}"))
+    move |e| DitError::Gpu(gpu_error(what, e))
+}
+
+/// A GPU failure of any cause the backend meets (runtime, cuBLASLt, kernels, upload), kept typed.
+fn gpu_err<E: IntoGpuError>(what: &str) -> impl FnOnce(E) -> DitError + '_ {
+    move |e| DitError::Gpu(gpu_error(what, e))
 }
 
 /// bf16 bits of `x` (round to nearest even).
@@ -80,10 +82,6 @@ fn to_bf16_bytes(values: &[f32]) -> Vec<u8> {
         .iter()
         .flat_map(|&v| bf16_bits(v).to_le_bytes())
         .collect()
-}
-
-fn le_bytes<T: Copy>(values: &[T], to: impl Fn(T) -> [u8; 4]) -> Vec<u8> {
-    values.iter().flat_map(|&v| to(v)).collect()
 }
 
 /// Device offsets (bytes) of one block's fused weights.
@@ -197,29 +195,6 @@ impl Dims {
     /// Scale of the q/k rows that makes the 128-wide RMSNorm see the true mean square.
     fn qk_scale(&self) -> f32 {
         (HEAD_DIM as f32 / self.head_dim as f32).sqrt()
-    }
-}
-
-/// Bump allocator of weight groups.
-struct Layout {
-    next: usize,
-}
-
-impl Layout {
-    /// Places consecutive parts (bytes each) in one aligned group; returns each part's offset.
-    fn group(&mut self, parts: &[usize]) -> Vec<usize> {
-        let mut offset = self.next.div_ceil(ALIGN) * ALIGN;
-        let mut out = Vec::with_capacity(parts.len());
-        for &bytes in parts {
-            out.push(offset);
-            offset += bytes;
-        }
-        self.next = offset;
-        out
-    }
-
-    fn one(&mut self, bytes: usize) -> usize {
-        self.group(&[bytes])[0]
     }
 }
 
@@ -347,14 +322,8 @@ struct Workspace {
     extract: Option<GpuKvCache>,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     warmed: bool,
-    graphs: Vec<(u64, GraphExec)>,
-}
-
-/// Times of one benchmark run (milliseconds per step, device time).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepTimes {
-    pub eager_ms: f64,
-    pub graph_ms: f64,
+    /// The step captured per KV cache used with this workspace (key: the cache id, 0 for none).
+    graphs: GraphCache<u64>,
 }
 
 /// What a step phase does, for its achieved rate: floating-point operations (GEMMs, attention) or bytes read
@@ -365,107 +334,40 @@ pub enum PhaseWork {
     Bytes(f64),
 }
 
-/// One phase summed over the step (over every layer for the per-block phases).
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseTotal {
-    pub name: &'static str,
-    /// Device milliseconds between the event before the phase's launches and the one after them.
-    pub ms: f64,
-    pub work: PhaseWork,
-    /// How many times the phase ran in the step (layers, for per-block phases).
-    pub count: usize,
-}
-
-/// Per-phase device times of one eager step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseTimes {
-    /// From the first event to the last (the events themselves add a little).
-    pub step_ms: f64,
-    /// In order of first appearance in the step.
-    pub phases: Vec<PhaseTotal>,
-}
-
-/// Records a timing event after each launch group of an eager step (never used while capturing a graph).
-struct PhaseTimer {
-    ctx: Context,
-    start: Option<Event>,
-    marks: Vec<(&'static str, PhaseWork, Event)>,
-}
-
-impl PhaseTimer {
-    fn new(ctx: &Context) -> PhaseTimer {
-        PhaseTimer {
-            ctx: ctx.clone(),
-            start: None,
-            marks: Vec::new(),
-        }
-    }
-
-    fn event(&self, stream: &Stream) -> Result<Event, DitError> {
-        let event = Event::new(&self.ctx, true).map_err(cuda_err("creating a phase event"))?;
-        event
-            .record(stream)
-            .map_err(cuda_err("recording a phase event"))?;
-        Ok(event)
-    }
-
-    fn begin(&mut self, stream: &Stream) -> Result<(), DitError> {
-        self.start = Some(self.event(stream)?);
-        Ok(())
-    }
-
-    /// Ends the phase `name` (everything launched since the previous mark).
+/// Hooks a step calls after each launch group (eager steps only, never while a graph is captured). The
+/// production step runs with [`NoProbe`], whose marks compile to nothing; benchmarks (the `bench` feature) pass
+/// a timer that records an event per mark.
+pub trait StepProbe {
+    /// Ends the phase `name` (everything launched since the previous mark); `work` is evaluated only by probes
+    /// that use it.
     fn mark(
         &mut self,
-        name: &'static str,
-        work: PhaseWork,
         stream: &Stream,
+        name: &'static str,
+        work: impl FnOnce() -> PhaseWork,
+    ) -> Result<(), DitError>;
+}
+
+/// The production step's probe: marks nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProbe;
+
+impl StepProbe for NoProbe {
+    #[inline(always)]
+    fn mark(
+        &mut self,
+        _stream: &Stream,
+        _name: &'static str,
+        _work: impl FnOnce() -> PhaseWork,
     ) -> Result<(), DitError> {
-        let event = self.event(stream)?;
-        self.marks.push((name, work, event));
         Ok(())
     }
-
-    /// Sums each phase's time and work; call after the stream reached the last mark.
-    fn totals(&self) -> Result<PhaseTimes, DitError> {
-        let start = self
-            .start
-            .as_ref()
-            .ok_or_else(|| DitError::Backend("phase timer read before it began".into()))?;
-        let elapsed = |a: &Event, b: &Event| {
-            Event::elapsed_ms(a, b)
-                .map(f64::from)
-                .map_err(cuda_err("reading a phase event"))
-        };
-        let mut phases: Vec<PhaseTotal> = Vec::new();
-        let mut previous = start;
-        for (name, work, event) in &self.marks {
-            let ms = elapsed(previous, event)?;
-            previous = event;
-            match phases.iter_mut().find(|p| p.name == *name) {
-                Some(p) => {
-                    p.ms += ms;
-                    p.count += 1;
-                    p.work = match (p.work, *work) {
-                        (PhaseWork::Flops(a), PhaseWork::Flops(b)) => PhaseWork::Flops(a + b),
-                        (PhaseWork::Bytes(a), PhaseWork::Bytes(b)) => PhaseWork::Bytes(a + b),
-                        (kept, _) => kept,
-                    };
-                }
-                None => phases.push(PhaseTotal {
-                    name,
-                    ms,
-                    work: *work,
-                    count: 1,
-                }),
-            }
-        }
-        Ok(PhaseTimes {
-            step_ms: elapsed(start, previous)?,
-            phases,
-        })
-    }
 }
+
+#[cfg(feature = "bench")]
+mod bench;
+#[cfg(feature = "bench")]
+pub use bench::{PhaseTimes, PhaseTotal, StepTimes};
 
 /// GEMM algorithm choice of a freshly loaded model: each new shape times the heuristic's first 8 candidates on its
 /// first (eager) call and keeps the fastest. It costs well under a second once per shape; graphs captured later
@@ -483,7 +385,7 @@ struct Engine {
     stream: Stream,
     kernels: DitKernels,
     attention_tile: AttentionTile,
-    lt: CublasLt,
+    gemms: GemmRunner,
     weights: DeviceBuffer,
     offsets: WeightOffsets,
 }
@@ -506,13 +408,18 @@ impl std::fmt::Debug for GpuDit {
     }
 }
 
+impl Drop for GpuDit {
+    fn drop(&mut self) {
+        // Work still queued (after an error mid-step) must not outlive the buffers it reads. On a lost context
+        // this fails fast without calling the driver (tf-cuda checks its health first), and the buffers leak.
+        let _ = self.engine.stream.synchronize();
+    }
+}
+
 impl GpuDit {
     /// Opens the driver, makes a context on device 0 and loads `model` onto it.
     pub fn load(model: &ModelDir) -> Result<GpuDit, DitError> {
-        let driver = Arc::new(
-            Driver::open()
-                .map_err(|e| DitError::Backend(format!("opening the CUDA driver: {e}")))?,
-        );
+        let driver = tf_cuda::open_driver().map_err(cuda_err("opening the CUDA driver"))?;
         let ctx = Context::new(driver, 0).map_err(cuda_err("creating a context on device 0"))?;
         GpuDit::load_on(&ctx, model, StagingConfig::default())
     }
@@ -527,33 +434,32 @@ impl GpuDit {
         model.check(&config.tensor_specs())?;
         let dims = Dims::of(&config)?;
         let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
-        let kernels = DitKernels::load(ctx).map_err(|e| DitError::Backend(e.to_string()))?;
-        let lib = LtLibrary::open().map_err(|e| DitError::Backend(e.to_string()))?;
-        let lt = CublasLt::with_default_workspace(ctx, lib)
-            .map_err(|e| DitError::Backend(e.to_string()))?;
-        lt.set_algo_selection(DEFAULT_GEMM_SELECTION)
-            .map_err(|e| DitError::Backend(e.to_string()))?;
+        let kernels = DitKernels::load(ctx).map_err(gpu_err("loading the DiT kernels"))?;
+        let gemms = GemmRunner::new(ctx).map_err(gpu_err("opening cuBLASLt"))?;
+        gemms
+            .set_algo_selection(DEFAULT_GEMM_SELECTION)
+            .map_err(gpu_err("setting the GEMM selection"))?;
 
         // Device layout of the fused groups.
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
-        let mut layout = Layout { next: 0 };
-        let img_in = layout.one(d * dims.in_ch * BF16);
-        let txt_norm = layout.one(dims.ctx * BF16);
-        let txt_in = layout.one(d * dims.ctx * BF16);
-        let txt_out = layout.one(d * d * BF16);
-        let time1 = layout.one(d * TIMESTEP_DIM * BF16);
-        let time2 = layout.one(d * d * BF16);
-        let mod_out = layout.group(&[4 * d * d * BF16, d * d * BF16]);
-        let proj_out = layout.one(dims.out_ch * d * BF16);
+        let mut layout = LayoutPlanner::default();
+        let img_in = layout.one(d * dims.in_ch * BF16)?;
+        let txt_norm = layout.one(dims.ctx * BF16)?;
+        let txt_in = layout.one(d * dims.ctx * BF16)?;
+        let txt_out = layout.one(d * d * BF16)?;
+        let time1 = layout.one(d * TIMESTEP_DIM * BF16)?;
+        let time2 = layout.one(d * d * BF16)?;
+        let mod_out = layout.group(&[4 * d * d * BF16, d * d * BF16])?;
+        let proj_out = layout.one(dims.out_ch * d * BF16)?;
         let mut blocks = Vec::with_capacity(dims.layers);
         let mut block_parts = Vec::with_capacity(dims.layers);
         for _ in 0..dims.layers {
-            let qkv = layout.group(&[w * d * BF16, w * d * BF16, w * d * BF16]);
-            let to_out = layout.one(d * w * BF16);
-            let norm_q = layout.one(HEAD_DIM * BF16);
-            let norm_k = layout.one(HEAD_DIM * BF16);
-            let gate_up = layout.group(&[f * d * BF16, f * d * BF16]);
-            let mlp_out = layout.one(d * f * BF16);
+            let qkv = layout.group(&[w * d * BF16, w * d * BF16, w * d * BF16])?;
+            let to_out = layout.one(d * w * BF16)?;
+            let norm_q = layout.one(HEAD_DIM * BF16)?;
+            let norm_k = layout.one(HEAD_DIM * BF16)?;
+            let gate_up = layout.group(&[f * d * BF16, f * d * BF16])?;
+            let mlp_out = layout.one(d * f * BF16)?;
             blocks.push(BlockOffsets {
                 qkv: qkv[0],
                 to_out,
@@ -564,7 +470,7 @@ impl GpuDit {
             });
             block_parts.push((qkv, gate_up));
         }
-        let total = layout.next.div_ceil(ALIGN) * ALIGN;
+        let total = layout.total()?;
         let offsets = WeightOffsets {
             img_in,
             txt_norm,
@@ -661,16 +567,12 @@ impl GpuDit {
         let mut pieces = Vec::with_capacity(placements.len());
         for (i, (name, offset, _)) in placements.iter().enumerate() {
             match owned.iter().find(|(j, _)| *j == i) {
-                Some((_, bytes)) => pieces.push(Piece {
-                    src: bytes,
-                    dtype: Dtype::F32,
-                    dst_offset: *offset,
-                }),
-                None => pieces.push(Piece {
-                    src: model.bytes(name)?,
-                    dtype: model.info(name)?.dtype,
-                    dst_offset: *offset,
-                }),
+                Some((_, bytes)) => pieces.push(Piece::bf16(bytes, Dtype::F32, *offset)),
+                None => pieces.push(Piece::bf16(
+                    model.bytes(name)?,
+                    model.info(name)?.dtype,
+                    *offset,
+                )),
             }
         }
         let mut weights =
@@ -682,7 +584,7 @@ impl GpuDit {
                 .map_err(cuda_err("clearing the weights"))?;
         }
         let upload = upload_pieces(ctx, &stream, &mut weights, &pieces, staging)
-            .map_err(|e| DitError::Backend(e.to_string()))?;
+            .map_err(gpu_err("uploading the DiT weights"))?;
         Ok(GpuDit {
             engine: Engine {
                 config,
@@ -691,7 +593,7 @@ impl GpuDit {
                 stream,
                 attention_tile: kernels.preferred_tile(),
                 kernels,
-                lt,
+                gemms,
                 weights,
                 offsets,
             },
@@ -728,14 +630,14 @@ impl GpuDit {
     /// planned keep their algorithm; set this before the first step.
     pub fn set_gemm_selection(&self, selection: AlgoSelection) -> Result<(), DitError> {
         self.engine
-            .lt
+            .gemms
             .set_algo_selection(selection)
-            .map_err(|e| DitError::Backend(e.to_string()))
+            .map_err(gpu_err("setting the GEMM selection"))
     }
 
     /// The GEMM plans built so far and how each algorithm was chosen (per-candidate times when timed).
     pub fn gemm_plan_choices(&self) -> Vec<PlanChoice> {
-        self.engine.lt.plan_choices()
+        self.engine.gemms.plan_choices()
     }
 
     /// The attention kernel's tile shape (the preferred one for this GPU unless set).
@@ -755,88 +657,6 @@ impl GpuDit {
         self.engine.attention_tile = tile;
         self.clear_workspaces();
         Ok(())
-    }
-
-    /// Times the step of `inputs` (device time, events around `iters` launches after a warm-up): eager launches,
-    /// then graph replays. The workspace and graph are the ones [`DitBackend::forward`] uses.
-    pub fn time_step(
-        &mut self,
-        inputs: &DitInputs,
-        kv: KvStep<'_, GpuKvCache>,
-        iters: usize,
-    ) -> Result<StepTimes, DitError> {
-        let index = self.prepare(inputs, &kv)?;
-        let cache = match kv {
-            KvStep::Cached(c) => Some(c),
-            _ => None,
-        };
-        let engine = &self.engine;
-        let ws = &mut self.workspaces[index];
-        let iters = iters.max(1);
-        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
-        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
-        engine.enqueue_step(ws, cache)?;
-        ws.warmed = true;
-        start
-            .record(&engine.stream)
-            .map_err(cuda_err("recording an event"))?;
-        for _ in 0..iters {
-            engine.enqueue_step(ws, cache)?;
-        }
-        end.record(&engine.stream)
-            .map_err(cuda_err("recording an event"))?;
-        end.synchronize().map_err(cuda_err("timing eager steps"))?;
-        let eager_ms =
-            f64::from(Event::elapsed_ms(&start, &end).map_err(cuda_err("reading an event"))?)
-                / iters as f64;
-        let graph = engine.graph_for(ws, cache)?;
-        ws.graphs[graph]
-            .1
-            .launch(&engine.stream)
-            .map_err(cuda_err("replaying the step graph"))?;
-        start
-            .record(&engine.stream)
-            .map_err(cuda_err("recording an event"))?;
-        for _ in 0..iters {
-            ws.graphs[graph]
-                .1
-                .launch(&engine.stream)
-                .map_err(cuda_err("replaying the step graph"))?;
-        }
-        end.record(&engine.stream)
-            .map_err(cuda_err("recording an event"))?;
-        end.synchronize()
-            .map_err(cuda_err("timing graph replays"))?;
-        let graph_ms =
-            f64::from(Event::elapsed_ms(&start, &end).map_err(cuda_err("reading an event"))?)
-                / iters as f64;
-        Ok(StepTimes { eager_ms, graph_ms })
-    }
-
-    /// Times each phase of one eager step of `inputs` (after an untimed warm-up step), with an event after each
-    /// launch group; the normal step and its graph are untouched.
-    pub fn time_phases(
-        &mut self,
-        inputs: &DitInputs,
-        kv: KvStep<'_, GpuKvCache>,
-    ) -> Result<PhaseTimes, DitError> {
-        let index = self.prepare(inputs, &kv)?;
-        let cache = match kv {
-            KvStep::Cached(c) => Some(c),
-            _ => None,
-        };
-        let engine = &self.engine;
-        let ws = &mut self.workspaces[index];
-        engine.enqueue_step(ws, cache)?;
-        ws.warmed = true;
-        let mut timer = PhaseTimer::new(&engine.ctx);
-        timer.begin(&engine.stream)?;
-        engine.enqueue_step_phased(ws, cache, Some(&mut timer))?;
-        engine
-            .stream
-            .synchronize()
-            .map_err(cuda_err("running the phase-timed step"))?;
-        timer.totals()
     }
 
     /// Validates the request, finds or allocates its workspace, and uploads the inputs (on the stream).
@@ -901,6 +721,70 @@ impl GpuDit {
                 .map_err(cuda_err("uploading encoder_hidden_states"))?;
         }
         Ok(index)
+    }
+
+    /// The GEMMs a step of `inputs` in `mode` runs, one entry per distinct plan in first-call order: what
+    /// planning the step's GEMMs ahead (at load, for the request shapes it will serve) takes.
+    pub fn gemm_shapes(
+        &self,
+        inputs: &DitInputs,
+        mode: KvMode,
+    ) -> Result<Vec<GemmShape>, DitError> {
+        let engine = &self.engine;
+        let (dims, o) = (&engine.dims, &engine.offsets);
+        let layout = JointLayout::build(&engine.config, inputs)?;
+        let cached = mode == KvMode::Cached;
+        let first_row = if cached { layout.prefix_len } else { 0 };
+        let b = layout.batch;
+        let total = b * (layout.seq_len - first_row);
+        let n_t = b + usize::from(engine.config.causal_condition);
+        let n_img = inputs.hidden_states.shape().get(1).copied().unwrap_or(0);
+        let l = inputs
+            .encoder_hidden_states
+            .shape()
+            .get(1)
+            .copied()
+            .unwrap_or(0);
+        let (d, w, f) = (dims.d, dims.width, dims.ffn);
+        let shape =
+            |m, n, k, at, f32_out| GemmShape::at_offsets(m, n, k, at, false, false, f32_out);
+        let mut out = vec![
+            shape(n_t, d, TIMESTEP_DIM, (0, o.time1, 0), false),
+            shape(n_t, d, d, (0, o.time2, 0), false),
+            shape(n_t, 5 * d, d, (0, o.mod_out, 0), false),
+        ];
+        if !cached && l > 0 {
+            out.push(shape(b * l, d, dims.ctx, (0, o.txt_in, 0), false));
+        }
+        let rows = layout.seq_len - first_row;
+        for bi in 0..b {
+            for run in &runs(&layout, first_row) {
+                let y = (bi * rows + run.pos - first_row) * d * BF16;
+                out.push(if run.text {
+                    shape(
+                        run.len,
+                        d,
+                        d,
+                        ((bi * l + run.src) * d * BF16, o.txt_out, y),
+                        false,
+                    )
+                } else {
+                    let x = (bi * n_img + run.src) * dims.in_ch * BF16;
+                    shape(run.len, d, dims.in_ch, (x, o.img_in, y), false)
+                });
+            }
+        }
+        for bo in &o.blocks {
+            out.extend([
+                shape(total, 3 * w, d, (0, bo.qkv, 0), false),
+                shape(total, d, w, (0, bo.to_out, 0), false),
+                shape(total, 2 * f, d, (0, bo.gate_up, 0), false),
+                shape(total, d, f, (0, bo.mlp_out, 0), false),
+            ]);
+        }
+        out.push(shape(total, dims.out_ch, d, (0, o.proj_out, 0), true));
+        out.retain(|s| s.m > 0);
+        Ok(gemm::distinct(out))
     }
 
     fn alloc_cache(&self, batch: usize, prefix_len: usize) -> Result<GpuKvCache, DitError> {
@@ -1034,18 +918,22 @@ impl CompactKeys {
 }
 
 fn alloc(ctx: &Context, bytes: usize, what: &str) -> Result<DeviceBuffer, DitError> {
-    DeviceBuffer::alloc(ctx, bytes)
-        .map_err(|e| DitError::Backend(format!("allocating the {what} workspace ({bytes} B): {e}")))
+    DeviceBuffer::alloc(ctx, bytes).map_err(|e| {
+        DitError::Gpu(gpu_error(
+            format!("allocating the {what} workspace ({bytes} B)"),
+            e,
+        ))
+    })
 }
 
-/// `bytes` at `offset` of `buf`, checked.
+/// `bytes` at `offset` of `buf` as a GEMM operand, checked.
 fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, DitError> {
-    match offset.checked_add(bytes) {
-        Some(end) if end <= buf.len() => Ok(DeviceSpan::new(buf.addr() + offset as u64, bytes)),
-        _ => Err(DitError::Backend(format!(
-            "internal: span {offset}+{bytes} outside a {}-byte buffer",
-            buf.len()
-        ))),
+    Ok(gemm::span(buf, offset, bytes)?)
+}
+
+impl From<GemmError> for DitError {
+    fn from(e: GemmError) -> DitError {
+        DitError::Gpu(gpu_error("GEMM", e))
     }
 }
 
@@ -1200,7 +1088,7 @@ impl Engine {
             compact,
             extract,
             warmed: false,
-            graphs: Vec::new(),
+            graphs: GraphCache::new(MAX_GRAPHS),
         })
     }
 
@@ -1220,32 +1108,19 @@ impl Engine {
         y: DeviceSpan,
         f32_out: bool,
     ) -> Result<(), DitError> {
-        if m == 0 {
-            return Ok(());
-        }
-        let mut gemm = Gemm::bf16(m, n, k, x, w, y);
-        if f32_out {
-            gemm = gemm.with_f32_output();
-        }
+        let linear = Linear::new(m, n, k, x, w, y).f32_output(f32_out);
         // SAFETY: every span lies inside a live buffer of this engine or of the workspace in use (checked by
         // `span`); those buffers outlive the step: the forward synchronizes the stream before returning, and
         // graphs are stored with (and dropped before reuse of) the workspace whose buffers they reference.
-        unsafe { self.lt.matmul(&gemm, &self.stream) }
-            .map_err(|e| DitError::Backend(format!("GEMM {m}x{n}x{k}: {e}")))
+        Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
     }
 
-    /// Enqueues one step on the stream (no host synchronisation).
-    fn enqueue_step(&self, ws: &mut Workspace, cache: Option<&GpuKvCache>) -> Result<(), DitError> {
-        self.enqueue_step_phased(ws, cache, None)
-    }
-
-    /// [`Engine::enqueue_step`], recording a timing event after each launch group when `timer` is given (eager
-    /// only: with `None` nothing extra is launched or computed).
-    fn enqueue_step_phased(
+    /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group.
+    fn enqueue_step<P: StepProbe>(
         &self,
         ws: &mut Workspace,
         cache: Option<&GpuKvCache>,
-        mut timer: Option<&mut PhaseTimer>,
+        probe: &mut P,
     ) -> Result<(), DitError> {
         let dims = &self.dims;
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
@@ -1259,13 +1134,11 @@ impl Engine {
         let total = b * rows;
         let n_t = ws.n_t;
         let cached = ws.mode == KvMode::Cached;
-        let launch = |e: tf_cuda::Error| DitError::Backend(format!("kernel launch: {e}"));
-        // Ends a timed phase; the work is evaluated only when timing.
+        let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("kernel launch", e));
+        // Ends a phase for the probe; the work is evaluated only by probes that use it.
         macro_rules! phase {
             ($name:expr, $kind:ident, $amount:expr) => {
-                if let Some(timer) = timer.as_deref_mut() {
-                    timer.mark($name, PhaseWork::$kind(($amount) as f64), st)?;
-                }
+                probe.mark(st, $name, || PhaseWork::$kind(($amount) as f64))?;
             };
         }
 
@@ -1686,30 +1559,25 @@ impl Engine {
         Ok(())
     }
 
-    /// The graph of this workspace for `cache`, captured on first use; returns its index in `ws.graphs`.
-    fn graph_for(&self, ws: &mut Workspace, cache: Option<&GpuKvCache>) -> Result<usize, DitError> {
+    /// Captures the graph of this workspace for `cache` unless it is cached, then replays it on the stream.
+    fn replay(&self, ws: &mut Workspace, cache: Option<&GpuKvCache>) -> Result<(), DitError> {
         let key = cache.map_or(0, |c| c.id);
-        if let Some(i) = ws.graphs.iter().position(|(k, _)| *k == key) {
-            return Ok(i);
-        }
-        if ws.graphs.len() >= MAX_GRAPHS {
-            ws.graphs.remove(0);
-        }
-        let capture = self
-            .stream
-            .begin_capture(Mode::ThreadLocal)
-            .map_err(cuda_err("beginning the step capture"))?;
-        let enqueued = self.enqueue_step(ws, cache);
-        let graph = capture.end();
-        enqueued?;
-        let graph = graph.map_err(cuda_err("ending the step capture"))?;
-        let exec = graph
-            .instantiate()
-            .map_err(cuda_err("instantiating the step graph"))?;
-        exec.upload(&self.stream)
-            .map_err(cuda_err("uploading the step graph"))?;
-        ws.graphs.push((key, exec));
-        Ok(ws.graphs.len() - 1)
+        // The cache lives in the workspace whose buffers the capture records; it is out of it while capturing.
+        let mut graphs = std::mem::replace(&mut ws.graphs, GraphCache::new(MAX_GRAPHS));
+        let result = graphs
+            .capture(
+                key,
+                &self.stream,
+                || self.enqueue_step(ws, cache, &mut NoProbe),
+                |what, e| cuda_err(what)(e),
+            )
+            .and_then(|graph| {
+                graph
+                    .launch(&self.stream)
+                    .map_err(cuda_err("replaying the step graph"))
+            });
+        ws.graphs = graphs;
+        result
     }
 }
 
@@ -1739,13 +1607,9 @@ impl DitBackend for GpuDit {
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         if self.use_graphs && ws.warmed {
-            let g = engine.graph_for(ws, cache)?;
-            ws.graphs[g]
-                .1
-                .launch(&engine.stream)
-                .map_err(cuda_err("replaying the step graph"))?;
+            engine.replay(ws, cache)?;
         } else {
-            engine.enqueue_step(ws, cache)?;
+            engine.enqueue_step(ws, cache, &mut NoProbe)?;
             ws.warmed = true;
         }
         let mut kv_cache = None;
@@ -2019,14 +1883,6 @@ mod tests {
         assert_eq!(norm.len(), HEAD_DIM);
         assert!((norm[0] - 2.0 / s).abs() < 1e-6 && norm[16] == 0.0);
         assert!(reshape(&[1.0; 5], Transform::PadVec { scale: 1.0 }, &dims).is_err());
-    }
-
-    #[test]
-    fn layout_groups_are_contiguous_and_aligned() {
-        let mut l = Layout { next: 10 };
-        let g = l.group(&[100, 6, 50]);
-        assert_eq!(g, vec![256, 356, 362]);
-        assert_eq!(l.one(4), 512);
     }
 
     #[test]

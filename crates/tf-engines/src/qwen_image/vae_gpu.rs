@@ -31,31 +31,29 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::sync::Arc;
-
-use tf_cuda::cublaslt::{CublasLt, DeviceSpan, Gemm, LtLibrary};
-use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_cuda::cublaslt::{DeviceSpan, OutputType};
+use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::components::VaeBackend;
 use super::vae::{VaeConfig, VaeError};
+use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
 use crate::nn::gpu::Launch;
 use crate::nn::tensor::{Tensor, TensorF32};
-use crate::nn::weights::{ModelDir, WeightsError};
+use crate::nn::upload::{upload_pieces, Piece, StagingConfig};
+use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, WeightsError, BF16};
 use crate::qwen_image::vae_ops::{
     padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_planes_clamp,
     plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, VaeKernels,
 };
 
-const BF16: usize = 2;
 const F32: usize = 4;
-/// Alignment of every weight tensor on the device.
-const ALIGN: usize = 256;
 /// Activation buffers in the pool: a resnet's input, its two temporaries, and a held shortcut.
 const POOL: usize = 4;
 
 /// A failure of the GPU path (driver, cuBLASLt, kernels), as a [`VaeError`].
-fn backend(what: &str, why: impl std::fmt::Display) -> VaeError {
-    VaeError::Backend(format!("GPU decode: {what}: {why}"))
+fn backend(what: &str, why: impl IntoGpuError) -> VaeError {
+    VaeError::Gpu(gpu_error(format!("GPU decode: {what}"), why))
 }
 
 /// Device memory limits of the scratch buffers.
@@ -281,34 +279,65 @@ struct Net {
     conv_out: ConvW,
 }
 
-/// Host image of the weight buffer, built tensor by tensor.
+/// The weight buffer, planned tensor by tensor: each tensor's host values (f32, little-endian) and where its
+/// device image goes. The upload ring converts the bf16 ones on the way; the f32 ones are copied as they are.
 struct Packer {
-    bytes: Vec<u8>,
+    planner: LayoutPlanner,
+    /// (device offset, f32 bytes, stored as bf16).
+    parts: Vec<(usize, Vec<u8>, bool)>,
 }
 
 impl Packer {
-    fn start(&mut self) -> usize {
-        let offset = self.bytes.len().div_ceil(ALIGN) * ALIGN;
-        self.bytes.resize(offset, 0);
-        offset
+    fn new() -> Packer {
+        Packer {
+            planner: LayoutPlanner::default(),
+            parts: Vec::new(),
+        }
     }
 
-    fn bf16(&mut self, values: &[f32]) -> usize {
-        let offset = self.start();
-        self.bytes.reserve(values.len() * BF16);
-        for &v in values {
-            self.bytes
-                .extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
-        }
-        offset
+    fn place(&mut self, values: &[f32], bf16: bool) -> Result<usize, VaeError> {
+        let elem = if bf16 { BF16 } else { F32 };
+        let bytes = values.len().checked_mul(elem).ok_or_else(|| {
+            VaeError::Config(format!("a tensor of {} values is too large", values.len()))
+        })?;
+        let offset = self.planner.one(bytes)?;
+        self.parts
+            .push((offset, le_bytes(values, f32::to_le_bytes), bf16));
+        Ok(offset)
     }
 
-    fn f32(&mut self, values: &[f32]) -> usize {
-        let offset = self.start();
-        for &v in values {
-            self.bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        offset
+    fn bf16(&mut self, values: &[f32]) -> Result<usize, VaeError> {
+        self.place(values, true)
+    }
+
+    fn f32(&mut self, values: &[f32]) -> Result<usize, VaeError> {
+        self.place(values, false)
+    }
+
+    /// Bytes of the device buffer: up to the end of the last tensor.
+    fn bytes(&self) -> usize {
+        self.planner.end()
+    }
+
+    fn pieces(&self) -> Vec<Piece<'_>> {
+        self.parts
+            .iter()
+            .map(|(offset, bytes, bf16)| {
+                if *bf16 {
+                    Piece::bf16(bytes, Dtype::F32, *offset)
+                } else {
+                    Piece::copy(bytes, *offset)
+                }
+            })
+            .collect()
+    }
+
+    /// The device image the upload writes, built on the host (zeros between tensors).
+    #[cfg(test)]
+    fn host_image(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.bytes()];
+        crate::nn::upload::fill_host(&mut out, &self.pieces(), 1 << 16, 2).unwrap();
+        out
     }
 }
 
@@ -376,11 +405,11 @@ impl Loader<'_> {
         let out_cp = padded_channels(out_c);
         let matrix = gemm_matrix(&weight, part * out_c, out_c, in_c, taps);
         let bias = padded(&bias[part * out_c..(part + 1) * out_c], out_cp);
-        let weight = self.packer.bf16(&matrix);
+        let weight = self.packer.bf16(&matrix)?;
         let bias = if f32_bias {
-            self.packer.f32(&bias)
+            self.packer.f32(&bias)?
         } else {
-            self.packer.bf16(&bias)
+            self.packer.bf16(&bias)?
         };
         Ok(ConvW {
             weight,
@@ -405,7 +434,7 @@ impl Loader<'_> {
         let gamma = self.tensor(name, shape)?;
         let cp = padded_channels(channels);
         Ok(NormW {
-            gamma: self.packer.f32(&padded(&gamma, cp)),
+            gamma: self.packer.f32(&padded(&gamma, cp))?,
             channels,
             cp,
         })
@@ -431,8 +460,8 @@ impl Loader<'_> {
         let mid = dims[0];
         let levels = config.dim_mult.len();
         let temporal_up: Vec<bool> = config.temperal_downsample.iter().rev().copied().collect();
-        let mean = self.packer.f32(&config.latents_mean);
-        let std = self.packer.f32(&config.latents_std);
+        let mean = self.packer.f32(&config.latents_mean)?;
+        let std = self.packer.f32(&config.latents_std)?;
         let post_quant = self.conv("post_quant_conv", z, z, 1)?;
         let conv_in = self.conv("decoder.conv_in", z, mid, 3)?;
         let mid_resnets = [
@@ -573,13 +602,14 @@ impl Workspace {
     }
 }
 
+/// `bytes` at `offset` of `buf` as a GEMM or kernel operand, checked.
 fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, VaeError> {
-    match offset.checked_add(bytes) {
-        Some(end) if end <= buf.len() => Ok(DeviceSpan::new(buf.addr() + offset as u64, bytes)),
-        _ => Err(backend(
-            "internal",
-            format!("span {offset}+{bytes} outside a {}-byte buffer", buf.len()),
-        )),
+    Ok(gemm::span(buf, offset, bytes)?)
+}
+
+impl From<GemmError> for VaeError {
+    fn from(e: GemmError) -> VaeError {
+        backend("GEMM", e)
     }
 }
 
@@ -590,28 +620,13 @@ fn free_index(taken: &[usize]) -> Result<usize, VaeError> {
         .ok_or_else(|| backend("internal", "every activation buffer is in use"))
 }
 
-/// One GEMM's operands: `y[m, n] = alpha x[m, k] w[n, k]^T + bias + beta y`.
-#[derive(Clone, Copy, Debug)]
-struct GemmCall {
-    m: usize,
-    n: usize,
-    k: usize,
-    x: DeviceSpan,
-    w: DeviceSpan,
-    y: DeviceSpan,
-    bias: Option<DeviceSpan>,
-    alpha: f32,
-    beta: f32,
-    f32_out: bool,
-}
-
 /// The VAE decoder on the GPU.
 pub struct GpuVaeDecoder {
     config: VaeConfig,
     ctx: Context,
     stream: Stream,
     kernels: VaeKernels,
-    lt: CublasLt,
+    gemms: GemmRunner,
     weights: DeviceBuffer,
     net: Net,
     budget: GpuVaeBudget,
@@ -628,10 +643,18 @@ impl std::fmt::Debug for GpuVaeDecoder {
     }
 }
 
+impl Drop for GpuVaeDecoder {
+    fn drop(&mut self) {
+        // Work still queued (after an error mid-decode) must not outlive the buffers it reads. On a lost context
+        // this fails fast without calling the driver (tf-cuda checks its health first), and the buffers leak.
+        let _ = self.stream.synchronize();
+    }
+}
+
 impl GpuVaeDecoder {
     /// Opens the driver, makes a context on device 0 and loads `model` onto it.
     pub fn load(model: &ModelDir) -> Result<GpuVaeDecoder, VaeError> {
-        let driver = Arc::new(Driver::open().map_err(|e| backend("opening the CUDA driver", e))?);
+        let driver = tf_cuda::open_driver().map_err(|e| backend("opening the CUDA driver", e))?;
         let ctx =
             Context::new(driver, 0).map_err(|e| backend("creating a context on device 0", e))?;
         GpuVaeDecoder::load_on(&ctx, model)
@@ -643,23 +666,34 @@ impl GpuVaeDecoder {
         let config = VaeConfig::from_json(model.config_json())?;
         let mut loader = Loader {
             model,
-            packer: Packer { bytes: Vec::new() },
+            packer: Packer::new(),
         };
         let net = loader.net(&config)?;
-        let bytes = loader.packer.bytes;
+        let packer = loader.packer;
         let stream = Stream::new(ctx, false).map_err(|e| backend("creating a stream", e))?;
         let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
-        let lib = LtLibrary::open().map_err(|e| backend("loading cuBLASLt", e))?;
-        let lt = CublasLt::with_default_workspace(ctx, lib)
-            .map_err(|e| backend("cuBLASLt handle", e))?;
-        let weights = DeviceBuffer::from_bytes(ctx, &bytes)
-            .map_err(|e| backend(&format!("uploading {} B of weights", bytes.len()), e))?;
+        let gemms = GemmRunner::new(ctx).map_err(|e| backend("loading cuBLASLt", e))?;
+        let total = packer.bytes();
+        let mut weights = DeviceBuffer::alloc(ctx, total)
+            .map_err(|e| backend(&format!("allocating {total} B of weights"), e))?;
+        // The alignment gaps between tensors read as zeros.
+        weights
+            .fill_u8(0, Some(&stream))
+            .map_err(|e| backend("clearing the weights", e))?;
+        upload_pieces(
+            ctx,
+            &stream,
+            &mut weights,
+            &packer.pieces(),
+            StagingConfig::default(),
+        )
+        .map_err(|e| backend(&format!("uploading {total} B of weights"), e))?;
         Ok(GpuVaeDecoder {
             config,
             ctx: ctx.clone(),
             stream,
             kernels,
-            lt,
+            gemms,
             weights,
             net,
             budget: GpuVaeBudget::default(),
@@ -675,6 +709,9 @@ impl GpuVaeDecoder {
     /// Sets the scratch limits; the next decode re-plans its buffers.
     pub fn set_budget(&mut self, budget: GpuVaeBudget) {
         self.budget = budget;
+        // Nothing queued may still use the buffers (a failure here means the context is gone, and the
+        // buffers with it).
+        let _ = self.stream.synchronize();
         self.workspace = None;
     }
 
@@ -692,11 +729,12 @@ impl GpuVaeDecoder {
     pub fn resident_bytes(&self) -> usize {
         self.weights.len()
             + self.workspace.as_ref().map_or(0, |w| w.plan.bytes())
-            + self.lt.workspace_bytes()
+            + self.gemms.workspace_bytes()
     }
 
     /// Frees the workspace (the weights stay).
     pub fn release_workspace(&mut self) {
+        let _ = self.stream.synchronize();
         self.workspace = None;
     }
 
@@ -719,6 +757,10 @@ impl GpuVaeDecoder {
             .as_ref()
             .is_some_and(|ws| ws.plan.latent_h == h && ws.plan.latent_w == w);
         if !reuse {
+            // Work of a failed decode may still read the old buffers.
+            self.stream
+                .synchronize()
+                .map_err(|e| backend("waiting before re-planning the workspace", e))?;
             self.workspace = None;
             let plan = BufferPlan::new(&self.config, h, w, self.budget)?;
             self.workspace = Some(Workspace::new(&self.ctx, plan)?);
@@ -786,20 +828,11 @@ impl GpuVaeDecoder {
         unsafe { self.kernels.submit(&self.stream, &launch) }.map_err(|e| backend(launch.kernel, e))
     }
 
-    fn gemm(&self, call: GemmCall) -> Result<(), VaeError> {
-        let mut gemm = Gemm::bf16(call.m, call.n, call.k, call.x, call.w, call.y)
-            .with_scaling(call.alpha, call.beta);
-        if call.f32_out {
-            gemm = gemm.with_f32_output();
-        }
-        if let Some(bias) = call.bias {
-            gemm = gemm.with_bias(bias);
-        }
+    fn gemm(&self, call: Linear) -> Result<(), VaeError> {
         // SAFETY: every span lies inside a live buffer of this decoder (weights) or of the workspace in use
         // (checked by `span`); both outlive the work: the decode synchronizes the stream before returning and
-        // before the workspace can be replaced or dropped.
-        unsafe { self.lt.matmul(&gemm, &self.stream) }
-            .map_err(|e| backend(&format!("GEMM {}x{}x{}", call.m, call.n, call.k), e))
+        // before the workspace can be replaced or dropped, and Drop synchronizes first.
+        Ok(unsafe { self.gemms.run(&call, &self.stream) }?)
     }
 
     /// `y = conv(x) + bias (+ y when accumulate)` for a 1x1 conv over `pixels`.
@@ -811,7 +844,7 @@ impl GpuVaeDecoder {
         y: DeviceSpan,
         accumulate: bool,
     ) -> Result<(), VaeError> {
-        self.gemm(GemmCall {
+        self.gemm(Linear {
             m: pixels,
             n: conv.out_cp,
             k: conv.k(),
@@ -821,7 +854,7 @@ impl GpuVaeDecoder {
             bias: Some(self.weight(conv.bias, conv.out_cp * BF16)?),
             alpha: 1.0,
             beta: if accumulate { 1.0 } else { 0.0 },
-            f32_out: false,
+            output: OutputType::Bf16,
         })
     }
 
@@ -857,11 +890,8 @@ impl GpuVaeDecoder {
             let cols = span(&ws.cols, 0, m * conv.k() * BF16)?;
             self.submit(plan_im2col3x3(x, band, cols))?;
             let row_bytes = out_w * conv.out_cp * out_size;
-            let y_band = DeviceSpan::new(y.addr + (row0 * row_bytes) as u64, rows * row_bytes);
-            if (row0 + rows) * row_bytes > y.bytes {
-                return Err(backend("internal", "conv output band outside its buffer"));
-            }
-            self.gemm(GemmCall {
+            let y_band = gemm::sub_span(y, row0 * row_bytes, rows * row_bytes)?;
+            self.gemm(Linear {
                 m,
                 n: conv.out_cp,
                 k: conv.k(),
@@ -871,7 +901,11 @@ impl GpuVaeDecoder {
                 bias: Some(bias),
                 alpha: 1.0,
                 beta: if accumulate { 1.0 } else { 0.0 },
-                f32_out,
+                output: if f32_out {
+                    OutputType::F32
+                } else {
+                    OutputType::Bf16
+                },
             })?;
             row0 += rows;
         }
@@ -954,7 +988,7 @@ impl GpuVaeDecoder {
         self.conv1x1(&a.q, ns, p, q, false)?;
         self.conv1x1(&a.k, ns, p, k, false)?;
         // Vᵀ [cp, p] = Wv . normedᵀ; its bias is added to the output (probability rows sum to one).
-        self.gemm(GemmCall {
+        self.gemm(Linear {
             m: cp,
             n: p,
             k: cp,
@@ -964,7 +998,7 @@ impl GpuVaeDecoder {
             bias: None,
             alpha: 1.0,
             beta: 0.0,
-            f32_out: false,
+            output: OutputType::Bf16,
         })?;
         let scale = 1.0 / (a.norm.channels as f32).sqrt();
         let v_bias = self.weight(a.v.bias, cp * BF16)?;
@@ -973,8 +1007,8 @@ impl GpuVaeDecoder {
             let rows = plan.score_rows.min(p - row0);
             let scores = span(&ws.scores, 0, rows * p * F32)?;
             let probs = span(&ws.probs, 0, rows * p * BF16)?;
-            let q_rows = DeviceSpan::new(q.addr + (row0 * cp * BF16) as u64, rows * cp * BF16);
-            self.gemm(GemmCall {
+            let q_rows = gemm::sub_span(q, row0 * cp * BF16, rows * cp * BF16)?;
+            self.gemm(Linear {
                 m: rows,
                 n: p,
                 k: cp,
@@ -984,11 +1018,11 @@ impl GpuVaeDecoder {
                 bias: None,
                 alpha: scale,
                 beta: 0.0,
-                f32_out: true,
+                output: OutputType::F32,
             })?;
             self.submit(plan_softmax_rows(scores, rows, p, probs))?;
-            let o_rows = DeviceSpan::new(o.addr + (row0 * cp * BF16) as u64, rows * cp * BF16);
-            self.gemm(GemmCall {
+            let o_rows = gemm::sub_span(o, row0 * cp * BF16, rows * cp * BF16)?;
+            self.gemm(Linear {
                 m: rows,
                 n: cp,
                 k: p,
@@ -998,7 +1032,7 @@ impl GpuVaeDecoder {
                 bias: Some(v_bias),
                 alpha: 1.0,
                 beta: 0.0,
-                f32_out: false,
+                output: OutputType::Bf16,
             })?;
             row0 += rows;
         }
@@ -1203,7 +1237,7 @@ mod tests {
         let config = VaeConfig::from_json(model.config_json()).unwrap();
         let mut loader = Loader {
             model: &model,
-            packer: Packer { bytes: Vec::new() },
+            packer: Packer::new(),
         };
         let net = loader.net(&config).unwrap();
         // Five up blocks of three resnets; DupUp on the first four, temporal factor 2 except the last one.
@@ -1232,7 +1266,8 @@ mod tests {
             (16, 16, 1)
         );
         // The q, k and v parts are distinct rows of to_qkv: packed apart and all different.
-        let bytes = &loader.packer.bytes;
+        let image = loader.packer.host_image();
+        let bytes = &image;
         let part = |c: &ConvW| bytes[c.weight..c.weight + 16 * 16 * BF16].to_vec();
         assert_ne!(part(&net.attention.q), part(&net.attention.k));
         assert_ne!(part(&net.attention.k), part(&net.attention.v));
@@ -1251,7 +1286,7 @@ mod tests {
         // A missing tensor is a weights error naming it.
         let err = Loader {
             model: &model,
-            packer: Packer { bytes: Vec::new() },
+            packer: Packer::new(),
         }
         .conv("decoder.no_such_conv", 2, 2, 3)
         .unwrap_err()

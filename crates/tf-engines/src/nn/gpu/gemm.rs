@@ -9,6 +9,10 @@
 //!
 //! [`span`] is the one checked `(buffer, offset, bytes)` to [`DeviceSpan`] helper.
 
+// `GemmError` keeps the typed cuBLASLt cause (whose runtime variant says whether the context is lost) rather
+// than boxing it, so the error chain can be downcast; GEMM failures are cold paths.
+#![allow(clippy::result_large_err)]
+
 use tf_cuda::cublaslt::plan::alignment_of;
 use tf_cuda::cublaslt::{
     Activation, AlgoSelection, CublasLt, CublasLtError, DeviceSpan, Gemm, InputType, LtLibrary,

@@ -3,18 +3,29 @@
 //!
 //! Inputs are synthetic with the text-to-image layout (`--text-rows` text rows, then the target image), seeded so
 //! runs repeat. Times are device times between events around `--iters` steps after a warm-up step.
+//!
+//! The timers are benchmark-only library code behind tf-engines' `bench` feature; without it this command says
+//! how to rebuild.
 
+#[cfg(feature = "bench")]
 use std::path::Path;
 
+#[cfg(feature = "bench")]
 use tf_cuda::cublaslt::AlgoSelection;
+#[cfg(feature = "bench")]
 use tf_engines::nn::gpu::AttentionTile;
+#[cfg(feature = "bench")]
 use tf_engines::nn::tensor::Tensor;
+#[cfg(feature = "bench")]
 use tf_engines::nn::weights::ModelDir;
+#[cfg(feature = "bench")]
 use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
+#[cfg(feature = "bench")]
 use tf_engines::qwen_image::dit_gpu::{GpuDit, PhaseTimes, PhaseWork};
 
 use super::{BoxError, QwenDitArgs};
 
+#[cfg(feature = "bench")]
 /// Seeded normal-ish noise (sum of uniforms), f32.
 fn noise(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -29,6 +40,7 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+#[cfg(feature = "bench")]
 fn inputs(
     args: &QwenDitArgs,
     in_ch: usize,
@@ -60,6 +72,7 @@ fn inputs(
     })
 }
 
+#[cfg(feature = "bench")]
 /// The diffusers timings of the case named `WxH` in reference.json.
 fn reference_case(path: &Path, name: &str) -> Result<serde_json::Value, BoxError> {
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
@@ -75,6 +88,7 @@ fn reference_case(path: &Path, name: &str) -> Result<serde_json::Value, BoxError
         .ok_or_else(|| format!("{}: no case named {name}", path.display()).into())
 }
 
+#[cfg(feature = "bench")]
 /// Prints the per-phase table of one step and returns it as JSON.
 fn report_phases(label: &str, times: &PhaseTimes) -> serde_json::Value {
     println!(
@@ -115,6 +129,7 @@ fn report_phases(label: &str, times: &PhaseTimes) -> serde_json::Value {
     serde_json::json!({ "step_ms": times.step_ms, "phases": rows })
 }
 
+#[cfg(feature = "bench")]
 /// Prints, per GEMM shape planned so far, how its algorithm was chosen and (when timed) the heuristic's first
 /// candidate against the chosen one.
 fn report_gemm_choices(dit: &GpuDit) -> serde_json::Value {
@@ -150,6 +165,7 @@ fn report_gemm_choices(dit: &GpuDit) -> serde_json::Value {
     serde_json::Value::Array(rows)
 }
 
+#[cfg(feature = "bench")]
 pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     let model = ModelDir::open(&args.model)?;
     let before = tf_cuda::usage();
@@ -298,4 +314,10 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// Without the `bench` feature the timers are not compiled in: says how to get them.
+#[cfg(not(feature = "bench"))]
+pub fn run(_args: &QwenDitArgs) -> Result<(), BoxError> {
+    Err("`tf bench qwen-dit` needs the step timers: rebuild with `cargo build -p tf-engines --bin tf --features bench`".into())
 }
