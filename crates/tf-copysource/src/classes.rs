@@ -2,13 +2,22 @@
 
 /// Smallest staging block: 4 KiB.
 pub const MIN_CLASS_BYTES: usize = 4 << 10;
-/// Largest staging block and the chunk size of large uploads: 64 MiB.
+/// Largest staging block: 64 MiB.
 pub const MAX_CLASS_BYTES: usize = 64 << 20;
 /// Number of size classes (powers of two from 4 KiB to 64 MiB).
 pub const CLASS_COUNT: usize =
     (MAX_CLASS_BYTES.trailing_zeros() - MIN_CLASS_BYTES.trailing_zeros()) as usize + 1;
-/// Chunk size of synchronous uploads through the private host copy: 64 MiB.
-pub const SYNC_CHUNK_BYTES: usize = 64 << 20;
+/// Uploads go through pinned staging in chunks of this size (8 MiB): the host copy of one
+/// chunk overlaps the DMA of the ones before it.
+pub const PIPELINE_CHUNK_BYTES: usize = 8 << 20;
+/// Chunks copied on the host at once, one thread each (fewer when the machine has fewer cores).
+pub const PIPELINE_LANES: usize = 4;
+/// Batches of lanes one upload keeps in flight before it waits for the oldest and reuses its
+/// blocks (triple buffering).
+pub const PIPELINE_DEPTH: usize = 3;
+/// Staging one upload holds at once outside a capture (96 MiB); the default spare pool keeps
+/// at least this much per context, so repeated large uploads allocate no pinned memory.
+pub const PIPELINE_RING_BYTES: usize = PIPELINE_CHUNK_BYTES * PIPELINE_LANES * PIPELINE_DEPTH;
 
 /// The size class holding `len` bytes (`0 < len <= MAX_CLASS_BYTES`): its index and block size.
 /// Returns `None` for 0 or anything above [`MAX_CLASS_BYTES`].

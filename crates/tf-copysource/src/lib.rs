@@ -14,8 +14,13 @@
 //!   through this crate (only entries pending before that call are released), or, for a retired
 //!   (destroyed) stream, its marker reports done. Released blocks go to a per-context pool (size classes of
 //!   powers of two from 4 KiB to 64 MiB) or are freed.
-//! - **The caller's buffer is free once a call returns**: async uploads copy it first; synchronous uploads
-//!   copy it through a private host copy in 64 MiB chunks and synchronize the stream before returning.
+//! - **The caller's buffer is free once a call returns**: async uploads copy it into staging first; synchronous
+//!   uploads do the same and synchronize the stream before returning.
+//! - **Large uploads are pipelined and bounded**: staging is filled in 8 MiB chunks, several at once on host
+//!   threads, and each batch's DMA overlaps the host copy of the next. Outside a capture one upload keeps at
+//!   most three batches in flight (96 MiB); the next batch waits for the oldest one's marker and reuses its
+//!   blocks (proven read, so rewriting them is safe), so an upload larger than that returns once all but its
+//!   last 96 MiB have been read by the GPU. The default spare pool (256 MiB a context) holds two such rings.
 //! - **While any capture scope is open, synchronous uploads are refused** (`UnownedCaptureSource`), and so
 //!   is every copy from host memory the runtime does not own ([`CopySource::check_unowned_copy`]).
 //!   Uploads on a capturing stream move their staging into the capture; [`CaptureScope::adopt`] moves a

@@ -8,7 +8,10 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use crate::backend::{Backend, DeviceAddress, MarkerState};
-use crate::classes::{self, CLASS_COUNT, MAX_CLASS_BYTES, SYNC_CHUNK_BYTES};
+use crate::classes::{
+    self, CLASS_COUNT, MAX_CLASS_BYTES, PIPELINE_CHUNK_BYTES, PIPELINE_DEPTH, PIPELINE_LANES,
+    PIPELINE_RING_BYTES,
+};
 use crate::error::Error;
 
 /// How many contexts a process can register at once.
@@ -29,11 +32,14 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
+            // Two uploads' rings: large uploads reuse pooled blocks instead of pinning anew.
             max_spare_bytes_per_context: 256 << 20,
             staging_limit_bytes: None,
         }
     }
 }
+
+const _: () = assert!(256 << 20 >= 2 * PIPELINE_RING_BYTES);
 
 /// A registered context: a slot in the fixed table and the generation that slot had when registered.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -501,68 +507,209 @@ impl<B: Backend> CopySource<B> {
         if capture_scope.is_none() {
             self.reap_stream_front(stream);
         }
+        self.upload_staged(context, stream, destination, bytes, capture_scope)
+    }
+
+    /// Copies `bytes` to `destination` through pinned staging, pipelined: chunks of
+    /// [`PIPELINE_CHUNK_BYTES`] are copied on the host in batches of up to [`PIPELINE_LANES`]
+    /// (one thread each), and each batch's copies are enqueued with a marker behind them. Outside
+    /// a capture at most [`PIPELINE_DEPTH`] batches are in flight: the next batch waits for the
+    /// oldest one's marker and reuses its blocks, so the host copy of a batch overlaps the DMA of
+    /// the ones before it, and one upload holds at most [`PIPELINE_RING_BYTES`] of staging. The
+    /// batches still in flight at the end go to the stream's pending list. Inside a capture every
+    /// chunk keeps its own block (the graph reads them at each replay) and they go to the scope.
+    fn upload_staged(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        destination: DeviceAddress,
+        bytes: &[u8],
+        capture_scope: Option<u64>,
+    ) -> Result<(), B> {
         let backend = &self.shared.backend;
-        let mut blocks: Vec<Block<B>> = Vec::new();
+        let recycle = capture_scope.is_none();
+        let lanes = lane_count();
+        let chunks: Vec<(usize, usize)> =
+            classes::chunks(bytes.len(), PIPELINE_CHUNK_BYTES).collect();
+        // Batches in flight, oldest first, each with the marker recorded after its copies.
+        let mut ring: VecDeque<(Vec<Block<B>>, Option<B::Marker>)> = VecDeque::new();
+        let mut captured: Vec<Block<B>> = Vec::new();
         let mut failure = None;
-        for (offset, len) in classes::chunks(bytes.len(), MAX_CLASS_BYTES) {
-            let mut block = match self.acquire_block(context, len) {
-                Ok(block) => block,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
+        for batch in chunks.chunks(lanes) {
+            let mut reusable = Vec::new();
+            if recycle && ring.len() >= PIPELINE_DEPTH {
+                if let Some(oldest) = ring.pop_front() {
+                    match self.wait_batch(context, stream, oldest) {
+                        Ok(blocks) => reusable = blocks,
+                        Err(e) => {
+                            failure = Some(e);
+                            break;
+                        }
+                    }
                 }
-            };
-            let chunk = bytes.get(offset..offset + len).unwrap_or_default();
-            backend.write_staging(&mut block.staging, chunk);
-            let target = DeviceAddress(destination.0.wrapping_add(offset as u64));
-            // SAFETY: the block is kept until the stream is proven past this copy: it goes into this stream's
-            // pending list with a marker recorded after it (or into the open capture, which lives as long as
-            // the graph executables built from it); it is never written while there.
-            let enqueued = unsafe { backend.enqueue_copy(stream, target, &block.staging, len) };
-            if let Err(e) = enqueued {
-                self.release_blocks(vec![block]);
-                failure = Some(Error::Backend {
-                    call: "enqueue_copy",
-                    source: e,
-                });
+            }
+            let mut blocks = Vec::with_capacity(batch.len());
+            for &(_, len) in batch {
+                let block = match reusable.iter().position(|b: &Block<B>| b.bytes >= len) {
+                    Some(at) => Ok(reusable.swap_remove(at)),
+                    None => self.acquire_block(context, len),
+                };
+                match block {
+                    Ok(block) => blocks.push(block),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            }
+            // Proven read and not written again: back to the pool.
+            self.release_blocks(reusable);
+            if failure.is_some() {
+                self.release_blocks(blocks);
                 break;
             }
-            blocks.push(block);
-        }
-        if blocks.is_empty() {
-            return failure.map_or(Ok(()), Err);
+            self.fill_blocks(&mut blocks, batch, bytes);
+            let mut enqueued = Vec::with_capacity(blocks.len());
+            for (block, &(offset, len)) in blocks.into_iter().zip(batch) {
+                if failure.is_some() {
+                    self.release_blocks(vec![block]);
+                    continue;
+                }
+                let target = DeviceAddress(destination.0.wrapping_add(offset as u64));
+                // SAFETY: the block is kept until the stream is proven past this copy: it stays in
+                // this call's ring until a marker recorded after it reports done (then it may be
+                // written again), or goes into this stream's pending list with that marker, or into
+                // the open capture, which lives as long as the graph executables built from it; it
+                // is never written while a copy may read it.
+                let enqueued_now =
+                    unsafe { backend.enqueue_copy(stream, target, &block.staging, len) };
+                match enqueued_now {
+                    Ok(()) => enqueued.push(block),
+                    Err(e) => {
+                        // Nothing was enqueued from this block.
+                        self.release_blocks(vec![block]);
+                        failure = Some(Error::Backend {
+                            call: "enqueue_copy",
+                            source: e,
+                        });
+                    }
+                }
+            }
+            if enqueued.is_empty() {
+                break;
+            }
+            if !recycle {
+                captured.extend(enqueued);
+                if failure.is_some() {
+                    break;
+                }
+                continue;
+            }
+            match backend.record_marker(stream) {
+                Ok(marker) => ring.push_back((enqueued, Some(marker))),
+                Err(e) => {
+                    ring.push_back((enqueued, None));
+                    failure.get_or_insert(Error::Backend {
+                        call: "record_marker",
+                        source: e,
+                    });
+                }
+            }
+            if failure.is_some() {
+                break;
+            }
         }
         if let Some(scope_id) = capture_scope {
+            if captured.is_empty() {
+                return failure.map_or(Ok(()), Err);
+            }
             let mut state = self.shared.state.lock();
             match state.captures.get_mut(&stream) {
-                Some(open) if open.scope_id == scope_id => open.blocks.extend(blocks),
+                Some(open) if open.scope_id == scope_id => open.blocks.extend(captured),
                 // The scope ended while we enqueued (a capture must not be begun or ended concurrently with
                 // copies on its stream): whether the graph reads these blocks cannot be known, so keep them.
-                _ => state.leak(blocks),
+                _ => state.leak(captured),
             }
             return failure.map_or(Ok(()), Err);
         }
-        let marker = backend.record_marker(stream);
-        let (marker, marker_error) = match marker {
-            Ok(marker) => (Some(marker), None),
-            Err(e) => (
-                None,
-                Some(Error::Backend {
-                    call: "record_marker",
-                    source: e,
-                }),
-            ),
+        for (blocks, marker) in ring {
+            self.push_pending(context, stream, marker, Payload::Blocks(blocks));
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Waits until the stream is past a batch of this call's ring and returns its blocks for
+    /// reuse. A batch without a marker goes to the pending list instead (nothing to reuse); a
+    /// failed wait leaks the blocks (nothing proves the GPU read them).
+    fn wait_batch(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        (blocks, marker): (Vec<Block<B>>, Option<B::Marker>),
+    ) -> Result<Vec<Block<B>>, B> {
+        let backend = &self.shared.backend;
+        let Some(marker) = marker else {
+            self.push_pending(context, stream, None, Payload::Blocks(blocks));
+            return Ok(Vec::new());
         };
-        self.push_pending(context, stream, marker, Payload::Blocks(blocks));
-        match failure.or(marker_error) {
-            Some(e) => Err(e),
-            None => Ok(()),
+        let waited = backend.wait_marker(&marker);
+        backend.destroy_marker(marker);
+        match waited {
+            Ok(()) => Ok(blocks),
+            Err(e) => {
+                self.shared.state.lock().leak(blocks);
+                Err(Error::Backend {
+                    call: "wait_marker",
+                    source: e,
+                })
+            }
         }
     }
 
-    /// Synchronous upload: copies `bytes` through a private host copy in 64 MiB chunks with the backend's
-    /// synchronous copy, then synchronizes `stream`; returns with the bytes landed. Refused with
-    /// `UnownedCaptureSource` while any capture scope is open.
+    /// Copies each chunk of `bytes` into its block on the host, one thread per block when there
+    /// are several (a thread that cannot be started leaves its block to this one).
+    fn fill_blocks(&self, blocks: &mut [Block<B>], chunks: &[(usize, usize)], bytes: &[u8]) {
+        let backend = &self.shared.backend;
+        let write = |block: &mut Block<B>, (offset, len): (usize, usize)| {
+            let chunk = bytes
+                .get(offset..offset.saturating_add(len))
+                .unwrap_or_default();
+            backend.write_staging(&mut block.staging, chunk);
+        };
+        if blocks.len() < 2 {
+            for (block, &chunk) in blocks.iter_mut().zip(chunks) {
+                write(block, chunk);
+            }
+            return;
+        }
+        let mut not_started = Vec::new();
+        std::thread::scope(|scope| {
+            let write = &write;
+            let mut pairs = blocks.iter_mut().zip(chunks.iter().copied()).enumerate();
+            let mine = pairs.next();
+            for (at, (block, chunk)) in pairs {
+                let started = std::thread::Builder::new()
+                    .name("tf-copysource-fill".into())
+                    .spawn_scoped(scope, move || write(block, chunk));
+                if started.is_err() {
+                    not_started.push(at);
+                }
+            }
+            if let Some((_, (block, chunk))) = mine {
+                write(block, chunk);
+            }
+        });
+        for at in not_started {
+            if let (Some(block), Some(&chunk)) = (blocks.get_mut(at), chunks.get(at)) {
+                write(block, chunk);
+            }
+        }
+    }
+
+    /// Synchronous upload: copies `bytes` through pinned staging on `stream`, pipelined as an async upload
+    /// is (host copies of a batch overlap the DMA of the ones before it), then synchronizes `stream`; returns
+    /// with the bytes landed and the staging back in the pool. Refused with `UnownedCaptureSource` while any
+    /// capture scope is open.
     pub fn upload_sync(
         &self,
         context: ContextId,
@@ -570,7 +717,7 @@ impl<B: Backend> CopySource<B> {
         destination: DeviceAddress,
         bytes: &[u8],
     ) -> Result<(), B> {
-        let handle = {
+        {
             let state = self.shared.state.lock();
             if let Some(open) = state.any_open_capture() {
                 return Err(Error::UnownedCaptureSource {
@@ -578,26 +725,14 @@ impl<B: Backend> CopySource<B> {
                     stream: format!("{open:?}"),
                 });
             }
-            state.context(context)?.handle
-        };
+            state.context(context)?;
+        }
         if bytes.is_empty() {
             return Ok(());
         }
         check_range(destination, bytes.len())?;
-        let mut private = vec![0u8; bytes.len().min(SYNC_CHUNK_BYTES)];
-        for (offset, len) in classes::chunks(bytes.len(), SYNC_CHUNK_BYTES) {
-            let (Some(copy), Some(chunk)) =
-                (private.get_mut(..len), bytes.get(offset..offset + len))
-            else {
-                continue;
-            };
-            copy.copy_from_slice(chunk);
-            let target = DeviceAddress(destination.0.wrapping_add(offset as u64));
-            self.shared
-                .backend
-                .copy_sync(handle, target, copy)
-                .map_err(Error::backend("copy_sync"))?;
-        }
+        self.reap_stream_front(stream);
+        self.upload_staged(context, stream, destination, bytes, None)?;
         self.synchronize(stream)
     }
 
@@ -977,6 +1112,16 @@ impl<B: Backend> CopySource<B> {
         );
         error.map_or(Ok(()), Err)
     }
+}
+
+/// Host threads one upload copies with: [`PIPELINE_LANES`], or fewer on a smaller machine.
+fn lane_count() -> usize {
+    static LANES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LANES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, PIPELINE_LANES)
+    })
 }
 
 fn check_range<E: std::error::Error + 'static>(

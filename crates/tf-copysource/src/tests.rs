@@ -1,5 +1,6 @@
 //! Bookkeeping unit tests over the mock backend. Small buffers and no proptest, so they run under Miri.
 
+use crate::classes::{PIPELINE_CHUNK_BYTES, PIPELINE_DEPTH, PIPELINE_LANES, PIPELINE_RING_BYTES};
 use crate::mock::{MockBackend, MockContext, MockError, MockStream};
 use crate::{Config, CopySource, DeviceAddress, Error, MarkerState, MAX_CONTEXTS};
 
@@ -505,28 +506,88 @@ fn empty_and_overflowing_uploads() {
         .is_err());
 }
 
+/// Reads back `len` bytes a chunked upload wrote from `base` (one mock record per chunk).
+fn landed(gpu: &MockBackend, base: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    for (offset, _) in crate::classes::chunks(len, PIPELINE_CHUNK_BYTES) {
+        out.extend(
+            gpu.device_bytes(DeviceAddress(base + offset as u64))
+                .unwrap(),
+        );
+    }
+    out
+}
+
 #[cfg(not(miri))]
 #[test]
-fn large_upload_is_chunked_at_64_mib() {
+fn large_uploads_are_pipelined_through_a_bounded_ring() {
     let (gpu, source, context) = setup();
     let len = (64 << 20) + 4097;
     let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     source
         .upload_async(context, S1, DeviceAddress(0), &bytes)
         .unwrap();
-    assert_eq!(source.stats().pending_blocks, 2);
+    let stats = source.stats();
+    // 9 chunks; at most the ring's worth of them still owned by the stream.
+    assert!(stats.pending_blocks >= 1);
+    assert!(
+        stats.pending_blocks <= PIPELINE_LANES * PIPELINE_DEPTH,
+        "{stats:?}"
+    );
+    assert!(stats.staging_bytes <= PIPELINE_RING_BYTES, "{stats:?}");
     source.synchronize(S1).unwrap();
-    let first = gpu.device_bytes(DeviceAddress(0)).unwrap();
-    let second = gpu.device_bytes(DeviceAddress(64 << 20)).unwrap();
-    assert_eq!(first.len() + second.len(), len);
-    assert_eq!([first, second].concat(), bytes);
+    assert_eq!(landed(&gpu, 0, len), bytes);
+    let copies = gpu.copies();
+    assert_eq!(copies.len(), 9);
+    assert!(copies.iter().all(|c| c.bytes.len() <= PIPELINE_CHUNK_BYTES));
+    // The ring reused its blocks: fewer allocations than chunks.
+    assert!(gpu.allocations() < 9, "{} allocations", gpu.allocations());
+
+    let before = gpu.allocations();
     source
         .upload_sync(context, S1, DeviceAddress(1 << 30), &bytes)
         .unwrap();
-    let copies = gpu.copies();
-    let sync: Vec<_> = copies.iter().filter(|c| c.stream.is_none()).collect();
-    assert_eq!(sync.len(), 2, "two synchronous chunks");
-    assert_eq!(sync[0].bytes.len(), 64 << 20);
+    assert_eq!(landed(&gpu, 1 << 30, len), bytes);
+    let stats = source.stats();
+    assert_eq!(stats.pending_blocks, 0, "landed and back in the pool");
+    // Pooled from the first upload: no new pinned memory.
+    assert_eq!(gpu.allocations(), before);
+    assert!(gpu.copies().iter().all(|c| c.stream == Some(S1)));
+    assert_clean(&gpu);
+}
+
+#[cfg(not(miri))]
+#[test]
+fn repeated_large_uploads_stay_within_the_spare_pool() {
+    let (gpu, source, context) = setup();
+    let len = 3 * PIPELINE_RING_BYTES + 123;
+    let mut bytes: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+    for round in 0..3u8 {
+        bytes[0] = round;
+        source
+            .upload_async(context, S1, DeviceAddress(0x10_0000_0000), &bytes)
+            .unwrap();
+        source.synchronize(S1).unwrap();
+        assert_eq!(landed(&gpu, 0x10_0000_0000, len), bytes);
+        assert!(source.stats().staging_bytes <= PIPELINE_RING_BYTES);
+    }
+    assert!(gpu.allocations() <= (PIPELINE_LANES * PIPELINE_DEPTH) as u64);
+    assert_clean(&gpu);
+}
+
+#[cfg(not(miri))]
+#[test]
+fn a_failed_wait_in_the_ring_leaks_that_batch_and_reports() {
+    let (gpu, source, context) = setup();
+    let len = 2 * PIPELINE_RING_BYTES;
+    let bytes = vec![3u8; len];
+    gpu.fail_next("wait_marker", 1);
+    let err = source
+        .upload_async(context, S1, DeviceAddress(0), &bytes)
+        .unwrap_err();
+    assert!(err.to_string().contains("wait_marker"), "{err}");
+    assert!(source.stats().leaked_blocks >= 1);
+    source.synchronize(S1).unwrap();
     assert_clean(&gpu);
 }
 

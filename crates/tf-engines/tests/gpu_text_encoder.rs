@@ -17,6 +17,7 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,31 +43,9 @@ fn context() -> Context {
     Context::new(driver, 0).expect("create a context on device 0")
 }
 
-/// splitmix64: seeded, reproducible values.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * unit
-    }
-
-    /// `n` values uniform in [lo, hi), rounded to bf16 (so bf16 storage is exact).
-    fn bf16_values(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| bf16_round(self.uniform(lo, hi))).collect()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
+/// `n` values uniform in [lo, hi), rounded to bf16 (so bf16 storage is exact).
+fn bf16_values(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16_round(rng.uniform(lo, hi))).collect()
 }
 
 fn bf16_round(x: f32) -> f32 {
@@ -140,11 +119,11 @@ fn text_kernels_match_the_host_ops() {
     let ctx = context();
     let stream = Stream::new(&ctx, true).expect("stream");
     let kernels = NnKernels::load(&ctx).expect("load the shared kernel sets");
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
 
     // Embedding gather: exact copies of the selected rows.
     let (vocab, cols, rows) = (50, 264, 9);
-    let table = rng.bf16_values(vocab * cols, -1.0, 1.0);
+    let table = bf16_values(&mut rng, vocab * cols, -1.0, 1.0);
     let ids: Vec<i32> = (0..rows).map(|_| rng.below(vocab) as i32).collect();
     let table_d = upload(&ctx, &to_bf16_bytes(&table));
     let ids_d = upload(
@@ -178,8 +157,8 @@ fn text_kernels_match_the_host_ops() {
 
     // RMSNorm at a real width and an odd one: within a few bf16 roundings of the f32 reference.
     for (rows, cols) in [(5usize, 4096usize), (3, 136)] {
-        let x: Vec<f32> = rng.bf16_values(rows * cols, -3.0, 3.0);
-        let w: Vec<f32> = rng.bf16_values(cols, 0.5, 1.5);
+        let x: Vec<f32> = bf16_values(&mut rng, rows * cols, -3.0, 3.0);
+        let w: Vec<f32> = bf16_values(&mut rng, cols, 0.5, 1.5);
         let x_d = upload(&ctx, &to_bf16_bytes(&x));
         let w_d = upload(&ctx, &to_bf16_bytes(&w));
         let mut y_d = DeviceBuffer::alloc(&ctx, rows * cols * 2).unwrap();
@@ -210,9 +189,9 @@ fn text_kernels_match_the_host_ops() {
     // QK norm + rotate-half RoPE in place on a fused q|k|v matrix (4 query, 2 kv heads), value columns untouched.
     let (rows, q_heads, kv_heads) = (37usize, 4usize, 2usize);
     let width = (q_heads + 2 * kv_heads) * 128;
-    let qkv: Vec<f32> = rng.bf16_values(rows * width, -2.0, 2.0);
-    let qn: Vec<f32> = rng.bf16_values(128, 0.5, 1.5);
-    let kn: Vec<f32> = rng.bf16_values(128, 0.5, 1.5);
+    let qkv: Vec<f32> = bf16_values(&mut rng, rows * width, -2.0, 2.0);
+    let qn: Vec<f32> = bf16_values(&mut rng, 128, 0.5, 1.5);
+    let kn: Vec<f32> = bf16_values(&mut rng, 128, 0.5, 1.5);
     let theta = 5_000_000f32;
     let (cos, sin) = rotate_half_rope_tables(rows, theta);
     let mut qkv_d = upload(&ctx, &to_bf16_bytes(&qkv));
@@ -353,7 +332,7 @@ fn tiny_model(dir: &Path, config: &TextEncoderConfig, seed: u64) {
         }
     });
     std::fs::write(dir.join("config.json"), json.to_string()).expect("write config.json");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let (h, f, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let (qo, kvo) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let mut tensors: Vec<(String, Tensor<f32>)> = Vec::new();
@@ -361,7 +340,7 @@ fn tiny_model(dir: &Path, config: &TextEncoderConfig, seed: u64) {
         let n = shape.iter().product();
         tensors.push((
             name,
-            Tensor::new(shape, rng.bf16_values(n, lo, hi)).unwrap(),
+            Tensor::new(shape, bf16_values(&mut rng, n, lo, hi)).unwrap(),
         ));
     };
     let p = "model.language_model.";
@@ -480,7 +459,7 @@ fn tiny_encoder_matches_the_host_reference() {
     assert_eq!(gpu.config(), host_encoder.config());
 
     let vocab = tiny_config().vocab_size;
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let mut prompts: Vec<(Vec<u32>, usize)> = [(1usize, 0usize), (7, 3), (130, 14)]
         .iter()
         .map(|&(rows, drop)| ((0..rows).map(|_| rng.below(vocab) as u32).collect(), drop))
@@ -608,7 +587,7 @@ fn full_size_encode_timing() {
         "8B text weights are about 15 GB in bf16"
     );
     let vocab = full_size_config().vocab_size;
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     for rows in [128usize, 512] {
         let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
         let first = gpu.prompt_features(&ids, 14).expect("encode");

@@ -9,6 +9,7 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -164,23 +165,6 @@ fn tiny_fixture_matches_diffusers_and_the_host_decoder() {
     assert!(gpu.decode_packed(&packed, 0, 0).is_err());
 }
 
-/// splitmix64: the seeded generator of the full-size weights.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / 8_388_608.0 - 1.0
-    }
-}
 
 /// Every decoder tensor of `config` with its shape and how it is drawn: (name, shape, offset, scale).
 fn decoder_tensors(config: &VaeConfig) -> Vec<(String, Vec<usize>, f32, f32)> {
@@ -256,10 +240,10 @@ fn decoder_tensors(config: &VaeConfig) -> Vec<(String, Vec<usize>, f32, f32)> {
 
 /// Writes a VAE folder with the released config and seeded bf16 weights; returns the folder.
 fn write_full_size_model(dir: &Path, seed: u64) -> VaeConfig {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let z = 64;
-    let mean: Vec<f32> = (0..z).map(|_| 0.5 * rng.uniform()).collect();
-    let std: Vec<f32> = (0..z).map(|_| 1.0 + 0.5 * rng.uniform()).collect();
+    let mean: Vec<f32> = (0..z).map(|_| 0.5 * rng.uniform(-1.0, 1.0)).collect();
+    let std: Vec<f32> = (0..z).map(|_| 1.0 + 0.5 * rng.uniform(-1.0, 1.0)).collect();
     let json = serde_json::json!({"_class_name": "AutoencoderKLQwenImage21", "attn_scales": [], "base_dim": 96,
         "decoder_base_dim": 144, "dim_mult": [1, 2, 4, 8, 8], "in_channels": 4, "is_residual": true,
         "latents_mean": mean, "latents_std": std, "num_res_blocks": 2, "out_channels": 4, "patch_size": null,
@@ -279,7 +263,7 @@ fn write_full_size_model(dir: &Path, seed: u64) -> VaeConfig {
         params += n;
         let mut bytes = Vec::with_capacity(2 * n);
         for _ in 0..n {
-            let v = offset + scale * rng.uniform();
+            let v = offset + scale * rng.uniform(-1.0, 1.0);
             bytes.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
         }
         blobs.push((name.clone(), shape.clone(), bytes));
@@ -310,8 +294,8 @@ fn write_full_size_model(dir: &Path, seed: u64) -> VaeConfig {
 }
 
 fn random_packed(seed: u64, tokens: usize, z: usize) -> TensorF32 {
-    let mut rng = Rng(seed);
-    let data = (0..tokens * z).map(|_| 1.7 * rng.uniform()).collect();
+    let mut rng = Rng::new(seed);
+    let data = (0..tokens * z).map(|_| 1.7 * rng.uniform(-1.0, 1.0)).collect();
     Tensor::new(vec![1, tokens, z], data).unwrap()
 }
 
