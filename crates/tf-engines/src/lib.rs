@@ -22,6 +22,7 @@
 //! println!("sample {:?}", out.sample.shape());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+pub mod minimax_h3;
 pub mod nn;
 pub mod qwen3_vl;
 pub mod qwen_image;

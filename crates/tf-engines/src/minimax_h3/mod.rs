@@ -1,0 +1,14 @@
+//! MiniMax H3 (text to video with stereo audio): the DiT config and its two checkpoint layouts, the packed
+//! layout builder, the backend-neutral DiT interface and the f32 host reference.
+//!
+//! - [`config`]: `MiniMaxH3Transformer3DModel` hyper-parameters, bounded and validated, and the diffusers tensors.
+//! - [`checkpoint`]: the original release layout (fused qkv, `[gate; value]` fc1, other names) mapped at load.
+//! - [`layout`]: frame and audio sizes, and the packed `[text | keyframes | audio | video]` sequence with its
+//!   float64 RoPE positions, tags and per-row timesteps.
+//! - [`dit`]: the forward's inputs (read by name from a safetensors bundle), their validation, outputs, and the
+//!   [`dit::H3DitBackend`] trait.
+//! - [`dit_host`]: the f32 host reference every other backend is checked against.
+pub mod checkpoint;
+pub mod config;
+pub mod dit;
+pub mod layout;
