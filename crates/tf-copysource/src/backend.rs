@@ -104,7 +104,8 @@ pub trait Backend: Send + Sync + 'static {
     fn query_stream(&self, stream: Self::Stream) -> Result<MarkerState, Self::Error>;
 
     /// Copies `source` to `destination` in `context`, returning once `source` has been read
-    /// (`cuMemcpyHtoD_v2`). The copy source follows it with [`Backend::synchronize_stream`].
+    /// (`cuMemcpyHtoD_v2`). The copy source uses it for synchronous uploads of one chunk and follows it
+    /// with [`Backend::synchronize_stream`].
     fn copy_sync(
         &self,
         context: Self::Context,

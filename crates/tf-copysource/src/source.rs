@@ -706,9 +706,10 @@ impl<B: Backend> CopySource<B> {
         }
     }
 
-    /// Synchronous upload: copies `bytes` through pinned staging on `stream`, pipelined as an async upload
-    /// is (host copies of a batch overlap the DMA of the ones before it), then synchronizes `stream`; returns
-    /// with the bytes landed and the staging back in the pool. Refused with `UnownedCaptureSource` while any
+    /// Synchronous upload: above [`PIPELINE_CHUNK_BYTES`], copies `bytes` through pinned staging on `stream`,
+    /// pipelined as an async upload is (host copies of a batch overlap the DMA of the ones before it); up to
+    /// that, through a private host copy with the backend's synchronous copy. Then synchronizes `stream`;
+    /// returns with the bytes landed and any staging back in the pool. Refused with `UnownedCaptureSource` while any
     /// capture scope is open.
     pub fn upload_sync(
         &self,
@@ -731,6 +732,17 @@ impl<B: Backend> CopySource<B> {
             return Ok(());
         }
         check_range(destination, bytes.len())?;
+        if bytes.len() <= PIPELINE_CHUNK_BYTES {
+            // One chunk has nothing to overlap: a private pageable copy and the backend's
+            // synchronous copy, with no pinned memory held afterwards.
+            let copy = bytes.to_vec();
+            let handle = self.context_handle(context)?;
+            self.shared
+                .backend
+                .copy_sync(handle, destination, &copy)
+                .map_err(Error::backend("copy_sync"))?;
+            return self.synchronize(stream);
+        }
         self.reap_stream_front(stream);
         self.upload_staged(context, stream, destination, bytes, None)?;
         self.synchronize(stream)

@@ -740,3 +740,51 @@ fn tensor_maps_check_operands_first_and_name_a_driver_without_the_entry_point() 
     let err = encode_bf16_tiles(&ctx, &tiles).expect_err("no TMA in the test driver");
     assert!(err.to_string().contains("cuTensorMapEncodeTiled"), "{err}");
 }
+
+#[test]
+fn upload_async_pinned_refuses_a_stream_of_another_context() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let other = f.context();
+    let mut dst = DeviceBuffer::alloc(&ctx, 64).unwrap();
+    let src = HostBuffer::from_bytes(&ctx, &[5u8; 64]).unwrap();
+    let foreign = Stream::new(&other, true).unwrap();
+    // SAFETY: `src` outlives the stream's work (the call is refused before any copy; the
+    // accepted one below is synchronized before `src` drops).
+    let refused = unsafe { dst.view_mut().upload_async_pinned(0, &src, 0, 64, &foreign) };
+    let text = refused.unwrap_err().to_string();
+    assert!(text.contains("another context"), "{text}");
+    let own = Stream::new(&ctx, true).unwrap();
+    // SAFETY: as above.
+    unsafe { dst.view_mut().upload_async_pinned(0, &src, 0, 64, &own) }.unwrap();
+    own.synchronize().unwrap();
+    assert_eq!(dst.to_vec::<u8>().unwrap(), vec![5u8; 64]);
+}
+
+#[test]
+fn large_uploads_are_pipelined_and_land_exactly() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    // Several 8 MiB chunks and a ragged tail, more than one ring of staging.
+    let len = (100 << 20) + 3;
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+    let mut sync_dst = DeviceBuffer::alloc(&ctx, len).unwrap();
+    sync_dst.upload(0, &bytes).unwrap();
+    assert_eq!(sync_dst.to_vec::<u8>().unwrap(), bytes);
+    assert_eq!(
+        tf_cuda::copy::stats().pending_blocks,
+        0,
+        "synchronous: nothing left pending"
+    );
+    let mut async_dst = DeviceBuffer::alloc(&ctx, len).unwrap();
+    let mut source = bytes.clone();
+    async_dst.upload_async(0, &source, &stream).unwrap();
+    // The caller's buffer is free at once.
+    source.fill(0);
+    assert!(
+        tf_cuda::copy::stats().staging_bytes <= tf_copysource::classes::PIPELINE_RING_BYTES * 2
+    );
+    stream.synchronize().unwrap();
+    assert_eq!(async_dst.to_vec::<u8>().unwrap(), bytes);
+}
