@@ -103,3 +103,40 @@ fn bad_inputs_are_errors() {
         encoder.forward(&wide, 0).unwrap()
     );
 }
+
+#[test]
+fn features_at_a_layer_are_that_hidden_state() {
+    let dir = fixture_dir();
+    let model = ModelDir::open(&dir.join("model")).unwrap();
+    let encoder = HostTextEncoder::load(&model).unwrap();
+    let expected = SafetensorsFile::open(&dir.join("expected.safetensors")).unwrap();
+    let ids = expected.to_i64("prompt0.ids").unwrap().into_data();
+    let layers = encoder.config().num_hidden_layers;
+    let all = encoder.hidden_states(&ids, 0).unwrap();
+    assert_eq!(all.len(), layers + 1);
+    for (layer, state) in all.iter().enumerate() {
+        // Stopping at `layer` gives exactly the full run's state there (same operations, same order).
+        assert_eq!(
+            &encoder.features_at(&ids, layer).unwrap(),
+            state,
+            "layer {layer}"
+        );
+    }
+    // The last layer is the pipeline's features, bit for bit, and matches the committed reference.
+    assert_eq!(
+        encoder.features_at(&ids, layers).unwrap(),
+        encoder.forward(&ids, 0).unwrap()
+    );
+    // Layer 0 is the embedding rows.
+    let embed = ["model.language_model.", "language_model.model.", "model."]
+        .iter()
+        .find_map(|p| model.to_f32(&format!("{p}embed_tokens.weight")).ok())
+        .unwrap();
+    let h = encoder.config().hidden_size;
+    let rows: Vec<f32> = ids
+        .iter()
+        .flat_map(|&id| embed.data()[id as usize * h..(id as usize + 1) * h].to_vec())
+        .collect();
+    assert_eq!(all[0].data(), rows.as_slice());
+    assert!(encoder.features_at(&ids, layers + 1).is_err());
+}

@@ -4,16 +4,22 @@
 //! - [`upload`]: the pinned upload ring that streams checked host tensors to the device.
 //! - [`tensor`]: host tensors (f32 and raw) and the error measures the parity tests use.
 //! - [`host`]: plain f32 reference ops; every GPU kernel is checked against them.
+//! - [`config`]: typed config parsing that names the failing key, and the bound and product checks.
+//! - [`backend_error`]: the typed error of a failed GPU backend call, and the lost-context test over a chain.
 //! - [`gpu`]: launch infrastructure, attention and the elementwise kernels, each with its host twin.
 //! - [`sampling`]: the flow-match sampler and the portable seeded noise.
 //! - [`media`]: image files.
+//! - [`memory_plan`]: whether a pipeline's components stay resident or run in turn on the device.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!
 //! Invariant (checked by the tidy test): nothing under `nn/` imports a model folder.
+pub mod backend_error;
+pub mod config;
 pub mod gpu;
 pub mod host;
 pub mod kernels;
 pub mod media;
+pub mod memory_plan;
 pub mod sampling;
 pub mod tensor;
 pub mod upload;

@@ -1,8 +1,9 @@
-//! Qwen-Image 2.1 text encoder, host reference: the text path of Qwen3-VL.
+//! The Qwen3-VL text path, host reference, shared by every engine that conditions on it.
 //!
-//! The pipeline feeds the templated prompt through the language model and reads the **last decoder layer's output
-//! before the final RMSNorm**, then drops the template's leading system rows (14 for the released template; the
-//! count comes from the tokenizer). Each decoder layer is:
+//! [`HostTextEncoder::features_at`] returns `hidden_states[layer]` (0 = the embeddings, `k` = decoder layer `k`'s
+//! output, never the final RMSNorm) and computes no layer past it. Qwen-Image 2.1 reads the **last** layer and
+//! drops its template's leading system rows itself; MiniMax H3 reads layer 50. Prompt templates live with each
+//! engine, not here. Each decoder layer is:
 //!
 //! ```text
 //! h = x + o_proj(attn(rope(q_norm(q_proj(rms(x)))), rope(k_norm(k_proj(rms(x)))), v_proj(rms(x))))
@@ -30,9 +31,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use serde::Deserialize;
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::nn::backend_error::GpuError;
+use crate::nn::config::{checked_product, in_range, parse_object};
 use crate::nn::host::{self, rope_rotate_half, rotate_half_tables};
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::weights::{ModelDir, WeightsError};
@@ -44,17 +48,34 @@ pub enum TextEncoderError {
     Weights(#[from] WeightsError),
     #[error(transparent)]
     Shape(#[from] ShapeError),
-    #[error("text encoder config: {0}")]
+    #[error("text encoder config.json: {0}")]
     Config(String),
     #[error("text encoder input: {0}")]
     Input(String),
-    /// A failure of the backend running the encoder (the GPU: driver, kernels, cuBLASLt, memory).
+    /// A GPU call failed; the cause stays in the source chain (a lost context is visible there).
+    #[error("text encoder GPU backend: {0}")]
+    Gpu(#[from] GpuError),
+    /// A backend condition with no underlying error (an unsupported shape, a missing workspace).
     #[error("text encoder backend: {0}")]
     Backend(String),
 }
 
 fn config_err(why: impl Into<String>) -> TextEncoderError {
     TextEncoderError::Config(why.into())
+}
+
+/// Upper bounds of a config this crate loads (the released Qwen3-VL models are far inside them: vocabulary
+/// 151936, hidden 5120, 64 layers, 64 heads of 128). They keep every product of config values, and every
+/// per-layer allocation, far from overflow before any weight is read.
+pub mod limits {
+    pub const VOCAB: usize = 1 << 22;
+    pub const HIDDEN: usize = 1 << 16;
+    pub const INTERMEDIATE: usize = 1 << 18;
+    pub const LAYERS: usize = 1024;
+    pub const HEADS: usize = 1024;
+    pub const HEAD_DIM: usize = 1024;
+    /// `num_attention_heads * head_dim`.
+    pub const ATTENTION_WIDTH: usize = 1 << 18;
 }
 
 /// The Qwen3(-VL) text-model hyper-parameters the forward needs.
@@ -71,101 +92,181 @@ pub struct TextEncoderConfig {
     pub rope_theta: f64,
 }
 
-fn usize_field(obj: &serde_json::Map<String, Value>, key: &str) -> Result<usize, TextEncoderError> {
-    obj.get(key)
-        .and_then(Value::as_u64)
-        .and_then(|v| usize::try_from(v).ok())
-        .ok_or_else(|| config_err(format!("{key} is missing or not a non-negative integer")))
+/// The outer `config.json`: a Qwen3-VL config nests the text model under `text_config`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Outer {
+    text_config: Option<Value>,
+}
+
+/// `rope_parameters` (transformers 5) or `rope_scaling` (4.x).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawRope {
+    rope_theta: Option<f64>,
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+/// The text model's keys as the file spells them; `None` = absent or null.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawText {
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RawRope>,
+    rope_scaling: Option<RawRope>,
+    attention_bias: Option<bool>,
+    hidden_act: Option<String>,
 }
 
 impl TextEncoderConfig {
-    /// Parses a transformers `config.json`: the `text_config` of a Qwen3-VL config, or a text-only config.
+    /// Parses a transformers `config.json`: the `text_config` of a Qwen3-VL config, or a text-only config. Every
+    /// value is bounded ([`limits`]) before anything is allocated; an error names the key.
     pub fn from_json(value: &Value) -> Result<Self, TextEncoderError> {
-        let text = value.get("text_config").unwrap_or(value);
-        let obj = text
-            .as_object()
-            .ok_or_else(|| config_err("expected a JSON object"))?;
-        let hidden_size = usize_field(obj, "hidden_size")?;
-        let num_attention_heads = usize_field(obj, "num_attention_heads")?;
-        let num_key_value_heads = match obj.get("num_key_value_heads") {
-            None | Some(Value::Null) => num_attention_heads,
-            Some(_) => usize_field(obj, "num_key_value_heads")?,
+        let outer: Outer = parse_object(value).map_err(config_err)?;
+        let (text, prefix) = match &outer.text_config {
+            Some(t) => (t, "text_config."),
+            None => (value, ""),
         };
-        let head_dim = match obj.get("head_dim") {
-            None | Some(Value::Null) => hidden_size / num_attention_heads.max(1),
-            Some(_) => usize_field(obj, "head_dim")?,
+        let raw: RawText = parse_object(text).map_err(|e| config_err(format!("{prefix}{e}")))?;
+        let key = |k: &str| format!("{prefix}{k}");
+        let required = |k: &str, v: Option<usize>| {
+            v.ok_or_else(|| config_err(format!("`{}` is missing", key(k))))
         };
+        let hidden_size = required("hidden_size", raw.hidden_size)?;
+        let num_attention_heads = required("num_attention_heads", raw.num_attention_heads)?;
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(num_attention_heads);
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(hidden_size / num_attention_heads.max(1));
         // transformers 5 keeps theta in rope_parameters; 4.x configs have rope_theta at the top level.
-        let rope_theta = obj
-            .get("rope_parameters")
-            .and_then(|p| p.get("rope_theta"))
-            .or_else(|| obj.get("rope_theta"))
-            .and_then(Value::as_f64)
+        let rope_theta = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_theta)
+            .or(raw.rope_theta)
             .ok_or_else(|| {
-                config_err("rope_theta not found (rope_parameters.rope_theta or rope_theta)")
+                config_err(format!(
+                    "`{}` not found (rope_parameters.rope_theta or rope_theta)",
+                    key("rope_theta")
+                ))
             })?;
-        let rope_type = obj
-            .get("rope_parameters")
-            .or_else(|| obj.get("rope_scaling"))
-            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-            .and_then(Value::as_str)
+        let rope_type = raw
+            .rope_parameters
+            .as_ref()
+            .or(raw.rope_scaling.as_ref())
+            .and_then(|p| p.rope_type.as_deref().or(p.kind.as_deref()))
             .unwrap_or("default");
         if rope_type != "default" && rope_type != "mrope" {
             return Err(config_err(format!(
                 "rope_type {rope_type:?} is not supported (only the default rotary embedding)"
             )));
         }
-        if obj.get("attention_bias").and_then(Value::as_bool) == Some(true) {
-            return Err(config_err(
-                "attention_bias = true is not supported (Qwen3 has no attention biases)",
-            ));
+        if raw.attention_bias == Some(true) {
+            return Err(config_err(format!(
+                "`{}` = true is not supported (Qwen3 has no attention biases)",
+                key("attention_bias")
+            )));
         }
-        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
+        if let Some(act) = raw.hidden_act.as_deref() {
             if act != "silu" {
                 return Err(config_err(format!(
-                    "hidden_act {act:?} is not supported (expected \"silu\")"
+                    "`{}` {act:?} is not supported (expected \"silu\")",
+                    key("hidden_act")
                 )));
             }
         }
-        let rms_norm_eps = obj
-            .get("rms_norm_eps")
-            .and_then(Value::as_f64)
-            .unwrap_or(1e-6) as f32;
         let config = TextEncoderConfig {
-            vocab_size: usize_field(obj, "vocab_size")?,
+            vocab_size: required("vocab_size", raw.vocab_size)?,
             hidden_size,
-            intermediate_size: usize_field(obj, "intermediate_size")?,
-            num_hidden_layers: usize_field(obj, "num_hidden_layers")?,
+            intermediate_size: required("intermediate_size", raw.intermediate_size)?,
+            num_hidden_layers: required("num_hidden_layers", raw.num_hidden_layers)?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta,
         };
-        config.validate()?;
+        config.validate().map_err(|e| match e {
+            TextEncoderError::Config(why) if !prefix.is_empty() => {
+                TextEncoderError::Config(why.replacen('`', &format!("`{prefix}"), 1))
+            }
+            other => other,
+        })?;
         Ok(config)
     }
 
-    fn validate(&self) -> Result<(), TextEncoderError> {
-        if self.hidden_size == 0 || self.num_attention_heads == 0 || self.num_hidden_layers == 0 {
-            return Err(config_err(
-                "hidden_size, num_attention_heads and num_hidden_layers must be positive",
-            ));
+    /// Checks that the numbers describe a model this crate can run, within [`limits`].
+    pub fn validate(&self) -> Result<(), TextEncoderError> {
+        let bounds = [
+            ("vocab_size", self.vocab_size, limits::VOCAB),
+            ("hidden_size", self.hidden_size, limits::HIDDEN),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                limits::INTERMEDIATE,
+            ),
+            ("num_hidden_layers", self.num_hidden_layers, limits::LAYERS),
+            (
+                "num_attention_heads",
+                self.num_attention_heads,
+                limits::HEADS,
+            ),
+            (
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                limits::HEADS,
+            ),
+            ("head_dim", self.head_dim, limits::HEAD_DIM),
+        ];
+        for (key, value, max) in bounds {
+            in_range(key, value, max).map_err(config_err)?;
         }
-        if self.num_key_value_heads == 0
-            || !self
-                .num_attention_heads
-                .is_multiple_of(self.num_key_value_heads)
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
         {
             return Err(config_err(format!(
-                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                "`num_attention_heads` {} is not a multiple of `num_key_value_heads` {}",
                 self.num_attention_heads, self.num_key_value_heads
             )));
         }
-        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(config_err(format!(
-                "head_dim {} must be even and positive",
+                "`head_dim` {} must be even",
                 self.head_dim
+            )));
+        }
+        let width = checked_product(
+            "num_attention_heads x head_dim",
+            &[self.num_attention_heads, self.head_dim],
+        )
+        .map_err(config_err)?;
+        in_range(
+            "num_attention_heads x head_dim",
+            width,
+            limits::ATTENTION_WIDTH,
+        )
+        .map_err(config_err)?;
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(config_err(format!(
+                "`rms_norm_eps` {} must be a finite number >= 0",
+                self.rms_norm_eps
+            )));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(config_err(format!(
+                "`rope_theta` {} must be a positive number",
+                self.rope_theta
             )));
         }
         Ok(())
@@ -268,15 +369,77 @@ impl HostTextEncoder {
     }
 
     /// Hidden states `[ids.len(), hidden]` after the last decoder layer, before the final norm. Token `i` sits at
-    /// rotary position `position_offset + i`.
+    /// rotary position `position_offset + i`. The same as [`Self::features_at_offset`] at the last layer.
     pub fn forward<I: Copy + Into<i64>>(
         &self,
         ids: &[I],
         position_offset: usize,
     ) -> Result<TensorF32, TextEncoderError> {
+        self.features_at_offset(ids, position_offset, self.config.num_hidden_layers)
+    }
+
+    /// `hidden_states[layer]` `[ids.len(), hidden]` from position 0: 0 = the embedding rows, `k` = the output of
+    /// decoder layer `k` (so `num_hidden_layers` is the last layer's output), never the final norm. No layer past
+    /// `layer` is computed. Qwen-Image reads the last layer; MiniMax H3 reads layer 50.
+    pub fn features_at<I: Copy + Into<i64>>(
+        &self,
+        ids: &[I],
+        layer: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
+        self.features_at_offset(ids, 0, layer)
+    }
+
+    /// [`Self::features_at`] with token `i` at rotary position `position_offset + i` (a left-padded batch row).
+    pub fn features_at_offset<I: Copy + Into<i64>>(
+        &self,
+        ids: &[I],
+        position_offset: usize,
+        layer: usize,
+    ) -> Result<TensorF32, TextEncoderError> {
+        let layers = self.config.num_hidden_layers;
+        if layer > layers {
+            return Err(TextEncoderError::Input(format!(
+                "layer {layer} does not exist: hidden states run from 0 (the embeddings) to {layers} (the last \
+                 decoder layer)"
+            )));
+        }
+        let mut x = self.embed(ids)?;
+        self.run_layers(&mut x, ids.len(), position_offset, layer, &mut |_, _| {})?;
+        Ok(Tensor::new(vec![ids.len(), self.config.hidden_size], x)?)
+    }
+
+    /// Every hidden state, as transformers' `output_hidden_states` minus the final norm: entry `k` is
+    /// [`Self::features_at_offset`] at layer `k`, for `k` in `0..=num_hidden_layers`.
+    pub fn hidden_states<I: Copy + Into<i64>>(
+        &self,
+        ids: &[I],
+        position_offset: usize,
+    ) -> Result<Vec<TensorF32>, TextEncoderError> {
+        let (rows, h) = (ids.len(), self.config.hidden_size);
+        let mut x = self.embed(ids)?;
+        let mut states = vec![Tensor::new(vec![rows, h], x.clone())?];
+        let mut shape_error = None;
+        self.run_layers(
+            &mut x,
+            rows,
+            position_offset,
+            self.config.num_hidden_layers,
+            &mut |_, state| match Tensor::new(vec![rows, h], state.to_vec()) {
+                Ok(t) => states.push(t),
+                Err(e) => shape_error = Some(e),
+            },
+        )?;
+        if let Some(e) = shape_error {
+            return Err(e.into());
+        }
+        Ok(states)
+    }
+
+    /// The embedding rows of `ids`, `[ids.len() * hidden]`.
+    fn embed<I: Copy + Into<i64>>(&self, ids: &[I]) -> Result<Vec<f32>, TextEncoderError> {
         let c = &self.config;
         let (rows, h) = (ids.len(), c.hidden_size);
-        let mut x = Vec::with_capacity(rows * h);
+        let mut x = Vec::with_capacity(rows.saturating_mul(h));
         for id in ids.iter().map(|&id| id.into()) {
             let row = usize::try_from(id)
                 .ok()
@@ -289,6 +452,24 @@ impl HostTextEncoder {
                 })?;
             x.extend_from_slice(&self.embed_tokens[row * h..(row + 1) * h]);
         }
+        Ok(x)
+    }
+
+    /// Runs decoder layers `1..=last` over `x` (`[rows, hidden]`, in place); `after(k, x)` sees the output of
+    /// layer `k`.
+    fn run_layers(
+        &self,
+        x: &mut [f32],
+        rows: usize,
+        position_offset: usize,
+        last: usize,
+        after: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), TextEncoderError> {
+        if last == 0 || rows == 0 {
+            return Ok(());
+        }
+        let c = &self.config;
+        let h = c.hidden_size;
         let (cos, sin) = rotate_half_tables(rows, position_offset, c.head_dim, c.rope_theta as f32);
         let block_ids = vec![-1i32; rows];
         let key_valid = vec![true; rows];
@@ -304,8 +485,8 @@ impl HostTextEncoder {
         let mut proj = vec![0f32; rows * h];
         let mut gate = vec![0f32; rows * c.intermediate_size];
         let mut up = vec![0f32; rows * c.intermediate_size];
-        for layer in &self.layers {
-            host::rms_norm(&x, rows, h, &layer.input_norm, c.rms_norm_eps, &mut normed)?;
+        for (index, layer) in self.layers.iter().take(last).enumerate() {
+            host::rms_norm(x, rows, h, &layer.input_norm, c.rms_norm_eps, &mut normed)?;
             host::linear(&normed, rows, h, &layer.q_proj, heads * hd, &mut q)?;
             host::linear(&normed, rows, h, &layer.k_proj, kv_heads * hd, &mut k)?;
             host::linear(&normed, rows, h, &layer.v_proj, kv_heads * hd, &mut v)?;
@@ -345,8 +526,8 @@ impl HostTextEncoder {
             };
             host::attention(&q, &k_full, &v_full, rows, rows, heads, hd, mask, &mut attn)?;
             host::linear(&attn, rows, heads * hd, &layer.o_proj, h, &mut proj)?;
-            add_in_place(&mut x, &proj);
-            host::rms_norm(&x, rows, h, &layer.post_norm, c.rms_norm_eps, &mut normed)?;
+            add_in_place(x, &proj);
+            host::rms_norm(x, rows, h, &layer.post_norm, c.rms_norm_eps, &mut normed)?;
             host::linear(
                 &normed,
                 rows,
@@ -373,9 +554,10 @@ impl HostTextEncoder {
                 h,
                 &mut proj,
             )?;
-            add_in_place(&mut x, &proj);
+            add_in_place(x, &proj);
+            after(index + 1, x);
         }
-        Ok(Tensor::new(vec![rows, h], x)?)
+        Ok(())
     }
 
     /// The DiT's text context for one templated prompt: [`Self::forward`] from position 0 with the first

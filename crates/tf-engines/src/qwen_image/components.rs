@@ -5,7 +5,7 @@
 //! has its own trait, [`crate::qwen_image::dit::DitBackend`]. The host references implement these traits, and
 //! the GPU backends implement the same ones, so one pipeline runs on either.
 
-use crate::nn::tensor::TensorF32;
+use crate::nn::tensor::{Tensor, TensorF32};
 use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
 use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use crate::qwen_image::vae::{HostVaeDecoder, VaeConfig, VaeError};
@@ -15,13 +15,36 @@ pub trait TextEncoderBackend {
     /// The model config.
     fn config(&self) -> &TextEncoderConfig;
 
-    /// Hidden states `[ids.len() - drop_rows, hidden]` of the last decoder layer before the final norm, with
-    /// the first `drop_rows` rows (the template's system block) removed. Positions start at 0.
+    /// `hidden_states[layer]` `[ids.len(), hidden]`: 0 = the embeddings, `k` = decoder layer `k`'s output (the
+    /// final norm never applied), positions from 0. The pipeline asks for the last layer
+    /// (`config().num_hidden_layers`) and drops its template's system rows itself.
+    fn features_at(&mut self, ids: &[u32], layer: usize) -> Result<TensorF32, TextEncoderError>;
+
+    /// Qwen-Image's text context for one templated prompt: the last layer's features with the template's first
+    /// `drop_rows` rows (its system block) removed, `[ids.len() - drop_rows, hidden]`.
     fn prompt_features(
         &mut self,
         ids: &[u32],
         drop_rows: usize,
-    ) -> Result<TensorF32, TextEncoderError>;
+    ) -> Result<TensorF32, TextEncoderError> {
+        if drop_rows >= ids.len() {
+            return Err(TextEncoderError::Input(format!(
+                "the prompt has {} tokens, not more than the {drop_rows} template rows to drop",
+                ids.len()
+            )));
+        }
+        let last = self.config().num_hidden_layers;
+        let all = self.features_at(ids, last)?;
+        let [rows, h] = all.dims::<2>("text features")?;
+        if rows != ids.len() {
+            return Err(TextEncoderError::Input(format!(
+                "the encoder returned {rows} rows for {} tokens",
+                ids.len()
+            )));
+        }
+        let kept = all.into_data().split_off(drop_rows * h);
+        Ok(Tensor::new(vec![rows - drop_rows, h], kept)?)
+    }
 }
 
 /// The VAE decoder as the pipeline uses it.
@@ -44,12 +67,8 @@ impl TextEncoderBackend for HostTextEncoder {
         HostTextEncoder::config(self)
     }
 
-    fn prompt_features(
-        &mut self,
-        ids: &[u32],
-        drop_rows: usize,
-    ) -> Result<TensorF32, TextEncoderError> {
-        HostTextEncoder::prompt_features(self, ids, drop_rows)
+    fn features_at(&mut self, ids: &[u32], layer: usize) -> Result<TensorF32, TextEncoderError> {
+        HostTextEncoder::features_at(self, ids, layer)
     }
 }
 
@@ -73,11 +92,15 @@ impl TextEncoderBackend for GpuTextEncoder {
         GpuTextEncoder::config(self)
     }
 
-    fn prompt_features(
-        &mut self,
-        ids: &[u32],
-        drop_rows: usize,
-    ) -> Result<TensorF32, TextEncoderError> {
-        GpuTextEncoder::prompt_features(self, ids, drop_rows)
+    fn features_at(&mut self, ids: &[u32], layer: usize) -> Result<TensorF32, TextEncoderError> {
+        let last = GpuTextEncoder::config(self).num_hidden_layers;
+        if layer != last {
+            // The device forward runs every layer; stopping early is the GPU encoder's to add.
+            return Err(TextEncoderError::Input(format!(
+                "the GPU text encoder returns the last layer ({last}) only, not layer {layer}; use the host \
+                 encoder for an earlier layer"
+            )));
+        }
+        GpuTextEncoder::prompt_features(self, ids, 0)
     }
 }

@@ -3,6 +3,7 @@
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::nn::config::{at_most, checked_product, parse_object};
 use crate::nn::weights::{TensorSpec, FLOAT_DTYPES};
 
 /// The diffusers class name this config describes.
@@ -10,7 +11,7 @@ pub const CLASS_NAME: &str = "QwenImage21Transformer2DModel";
 
 /// A config that cannot describe a working model.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("Qwen-Image 2.1 DiT config: {0}")]
+#[error("Qwen-Image 2.1 DiT config.json: {0}")]
 pub struct ConfigError(pub String);
 
 fn default_patch_size() -> usize {
@@ -102,8 +103,7 @@ impl QwenImageDitConfig {
 
     /// Parses and validates a `config.json` value.
     pub fn from_json(value: &serde_json::Value) -> Result<Self, ConfigError> {
-        let config: QwenImageDitConfig = serde_json::from_value(value.clone())
-            .map_err(|e| ConfigError(format!("malformed: {e}")))?;
+        let config: QwenImageDitConfig = parse_object(value).map_err(ConfigError)?;
         config.validate()?;
         Ok(config)
     }
@@ -113,13 +113,13 @@ impl QwenImageDitConfig {
         if let Some(name) = &self.class_name {
             if name != CLASS_NAME {
                 return Err(ConfigError(format!(
-                    "_class_name is {name:?}; this loader is for {CLASS_NAME} (the transformer/ folder of a Qwen-Image 2.1 model)"
+                    "`_class_name` is {name:?}; this loader is for {CLASS_NAME} (the transformer/ folder of a Qwen-Image 2.1 model)"
                 )));
             }
         }
         if self.patch_size != 1 {
             return Err(ConfigError(format!(
-                "patch_size {} is not supported: Qwen-Image 2.1 feeds unpatched latents (patch_size 1)",
+                "`patch_size` {} is not supported: Qwen-Image 2.1 feeds unpatched latents (patch_size 1)",
                 self.patch_size
             )));
         }
@@ -134,36 +134,46 @@ impl QwenImageDitConfig {
         ];
         for (name, v) in positive {
             if v == 0 {
-                return Err(ConfigError(format!("{name} must be positive")));
+                return Err(ConfigError(format!("`{name}` must be positive, found 0")));
             }
         }
-        if self
-            .num_attention_heads
-            .checked_mul(self.attention_head_dim)
-            .is_none_or(|d| d > 1 << 20)
-            || self.context_in_dim > 1 << 20
-            || self.in_channels > 1 << 20
-            || self.out_channels() > 1 << 20
-            || self.num_layers > 1024
-            || self.mlp_ratio > 64
-        {
-            return Err(ConfigError("dimensions are implausibly large".into()));
+        let bounds = [
+            ("context_in_dim", self.context_in_dim, 1 << 20),
+            ("in_channels", self.in_channels, 1 << 20),
+            ("out_channels", self.out_channels(), 1 << 20),
+            ("num_layers", self.num_layers, 1024),
+            ("mlp_ratio", self.mlp_ratio, 64),
+            ("attention_head_dim", self.attention_head_dim, 1 << 16),
+            ("num_attention_heads", self.num_attention_heads, 1 << 16),
+        ];
+        for (key, value, max) in bounds {
+            at_most(key, value, max).map_err(ConfigError)?;
         }
+        let inner = checked_product(
+            "num_attention_heads x attention_head_dim",
+            &[self.num_attention_heads, self.attention_head_dim],
+        )
+        .map_err(ConfigError)?;
+        at_most("num_attention_heads x attention_head_dim", inner, 1 << 20).map_err(ConfigError)?;
         if self.axes_dims_rope.iter().any(|d| d % 2 != 0) {
             return Err(ConfigError(format!(
-                "axes_dims_rope {:?} must all be even",
+                "`axes_dims_rope` {:?} must all be even",
                 self.axes_dims_rope
             )));
         }
-        if self.axes_dims_rope.iter().sum::<usize>() != self.attention_head_dim {
+        let axes_sum = self
+            .axes_dims_rope
+            .iter()
+            .try_fold(0usize, |acc, &d| acc.checked_add(d));
+        if axes_sum != Some(self.attention_head_dim) {
             return Err(ConfigError(format!(
-                "axes_dims_rope {:?} must sum to attention_head_dim {}",
+                "`axes_dims_rope` {:?} must sum to `attention_head_dim` {}",
                 self.axes_dims_rope, self.attention_head_dim
             )));
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
             return Err(ConfigError(format!(
-                "eps {} must be a positive number",
+                "`eps` {} must be a positive number",
                 self.eps
             )));
         }

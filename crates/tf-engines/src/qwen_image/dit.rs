@@ -14,6 +14,7 @@ use std::path::Path;
 use thiserror::Error;
 
 use super::config::{ConfigError, QwenImageDitConfig, TOKENS_PER_SLOT};
+use crate::nn::backend_error::GpuError;
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::weights::{write_safetensors, AnyTensor, SafetensorsFile, WeightsError};
 
@@ -30,6 +31,11 @@ pub enum DitError {
     Input(String),
     #[error("KV cache: {0}")]
     KvCache(String),
+    /// A GPU call failed; the cause (a `tf_cuda::Error`, cuBLASLt, kernels, upload) stays in the source chain,
+    /// so a lost context is visible to [`crate::nn::backend_error::chain_has_lost_context`].
+    #[error("GPU backend: {0}")]
+    Gpu(#[from] GpuError),
+    /// A backend condition with no underlying error (an unsupported config, a missing workspace).
     #[error("backend: {0}")]
     Backend(String),
 }

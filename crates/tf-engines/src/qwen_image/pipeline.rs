@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use serde::Deserialize;
 use serde_json::Value;
 use tf_tokenizer::templates::QwenImage21;
 use tf_tokenizer::{Tokenizer, TokenizerError};
@@ -35,15 +36,19 @@ use thiserror::Error;
 
 use super::components::{TextEncoderBackend, VaeBackend};
 use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
-use super::dit::{DitBackend, DitError, DitInputs, KvStep};
+use super::dit::{DitBackend, DitError, DitInputs, KvMode, KvStep};
 use super::dit_gpu::GpuDit;
 use super::dit_host::HostDit;
 use super::vae::{to_u8_hwc, HostVaeDecoder, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
+use crate::nn::backend_error::GpuError;
+use crate::nn::config::parse_object;
+use crate::nn::memory_plan::{Component, MemoryPlan, MemoryPlanError, Residency};
 use crate::nn::sampling::flow_match::{
     cfg_combine, latent_grid, LatentDtype, SamplerError, Schedule, SchedulerConfig, SigmaSource,
 };
 use crate::nn::sampling::noise::{packed_latents, NoiseError};
+use crate::nn::sampling::scheduler::Scheduler;
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::upload::StagingConfig;
 use crate::nn::weights::{ModelDir, WeightsError};
@@ -81,10 +86,16 @@ pub enum PipelineError {
     Weights(#[from] WeightsError),
     #[error("shape: {0}")]
     Shape(#[from] ShapeError),
+    /// A GPU call of the pipeline itself (driver, context) failed; the cause stays in the source chain.
     #[error("GPU: {0}")]
-    Gpu(String),
+    Gpu(#[from] GpuError),
     #[error("internal: {0}")]
     Internal(String),
+    /// The components do not fit on the device as this pipeline holds them.
+    #[error("device memory: {0}")]
+    Memory(String),
+    #[error("device memory: {0}")]
+    MemoryPlan(#[from] MemoryPlanError),
 }
 
 impl PipelineError {
@@ -255,6 +266,48 @@ pub struct Timings {
     pub total: f64,
 }
 
+/// The prompt of [`Pipeline::warm_up`]'s request.
+pub const WARM_UP_PROMPT: &str = "A quiet harbour at dawn, small boats on still water, soft light";
+
+/// What [`Pipeline::warm_up`] did.
+#[derive(Debug, Clone)]
+pub struct WarmUp {
+    pub width: usize,
+    pub height: usize,
+    /// Wall time of the whole warm-up.
+    pub seconds: f64,
+    /// Its phases.
+    pub timings: Timings,
+    /// How its DiT GEMMs were planned (GPU DiT only).
+    pub gemms: Option<GemmPlanSummary>,
+}
+
+/// How the DiT's GEMMs of a request were planned ahead (counts of distinct shapes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmPlanSummary {
+    pub shapes: usize,
+    /// Found in the persistent plan cache: no timing.
+    pub stored: usize,
+    /// Timed now.
+    pub timed: usize,
+    /// cuBLASLt's first result (heuristic selection, budget spent, or nothing to time).
+    pub heuristic: usize,
+    /// Planned before.
+    pub already_planned: usize,
+}
+
+impl GemmPlanSummary {
+    fn of(report: &tf_cuda::cublaslt::PrepareReport) -> GemmPlanSummary {
+        GemmPlanSummary {
+            shapes: report.shapes,
+            stored: report.stored,
+            timed: report.timed,
+            heuristic: report.heuristic,
+            already_planned: report.already_planned,
+        }
+    }
+}
+
 /// An 8-bit image, interleaved `[height, width, channels]` (channels 4 = RGBA, 3 = RGB).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Image {
@@ -295,6 +348,8 @@ pub struct LoadReport {
     pub vae_on_device: bool,
     /// Both of the above.
     pub te_vae_on_device: bool,
+    /// How the components are held ([`Pipeline::memory_plan`] has the figures).
+    pub residency: Residency,
 }
 
 enum DitEngine {
@@ -324,6 +379,9 @@ pub struct Pipeline {
     keep_step_latents: bool,
     report: LoadReport,
     dir: PathBuf,
+    memory_plan: MemoryPlan,
+    /// How the last request's DiT GEMMs were planned.
+    gemm_plan_summary: Option<GemmPlanSummary>,
     context: Option<tf_cuda::Context>,
 }
 
@@ -335,6 +393,18 @@ impl std::fmt::Debug for Pipeline {
             .field("latent_dtype", &self.latent_dtype)
             .finish_non_exhaustive()
     }
+}
+
+/// Most entries of `model_index.json`'s `sample_sigmas`.
+pub const MAX_SAMPLE_SIGMAS: usize = 1000;
+
+/// `model_index.json` keys this pipeline reads; the component entries are checked as folders.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawModelIndex {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+    sample_sigmas: Option<Vec<f64>>,
 }
 
 /// The folder's layout, checked before anything heavy is read.
@@ -363,36 +433,38 @@ impl FolderLayout {
         })?;
         let index: Value = serde_json::from_str(&text)
             .map_err(|e| folder_err(&index_path, format!("not valid JSON: {e}")))?;
-        let class = index.get("_class_name").and_then(Value::as_str);
-        if let Some(class) = class {
+        let raw: RawModelIndex = parse_object(&index).map_err(|e| folder_err(&index_path, e))?;
+        if let Some(class) = &raw.class_name {
             if !class.starts_with("QwenImage21") {
                 return Err(folder_err(
                     &index_path,
                     format!(
-                        "_class_name is {class:?}; this engine runs QwenImage21Pipeline folders"
+                        "`_class_name` is {class:?}; this engine runs QwenImage21Pipeline folders"
                     ),
                 ));
             }
         }
-        let sample_sigmas = match index.get("sample_sigmas") {
-            None | Some(Value::Null) => None,
-            Some(Value::Array(items)) => Some(
-                items
-                    .iter()
-                    .map(|v| {
-                        v.as_f64().ok_or_else(|| {
-                            folder_err(&index_path, "sample_sigmas holds a non-number")
-                        })
-                    })
-                    .collect::<Result<Vec<f64>, _>>()?,
-            ),
-            Some(_) => {
+        let sample_sigmas = raw.sample_sigmas;
+        if let Some(sigmas) = &sample_sigmas {
+            if sigmas.is_empty() || sigmas.len() > MAX_SAMPLE_SIGMAS {
                 return Err(folder_err(
                     &index_path,
-                    "sample_sigmas must be a list of numbers or null",
+                    format!(
+                        "`sample_sigmas` has {} entries; give 1 to {MAX_SAMPLE_SIGMAS}, or null",
+                        sigmas.len()
+                    ),
                 ));
             }
-        };
+            if let Some(bad) = sigmas
+                .iter()
+                .find(|s| !(s.is_finite() && **s > 0.0 && **s <= 1.0))
+            {
+                return Err(folder_err(
+                    &index_path,
+                    format!("`sample_sigmas` must lie in (0, 1], found {bad}"),
+                ));
+            }
+        }
         let sub = |name: &str| -> Result<PathBuf, PipelineError> {
             let path = dir.join(name);
             if path.join("config.json").is_file() {
@@ -426,6 +498,17 @@ impl FolderLayout {
     }
 }
 
+/// Device memory left free for workspaces, cuBLASLt and the driver when planning residency.
+pub const DEVICE_RESERVE_BYTES: u64 = 1 << 30;
+
+/// The bytes a component's weights take on `backend`: f32 on the host, bf16 on the device.
+fn weight_bytes(model: &ModelDir, backend: Backend) -> u64 {
+    match backend {
+        Backend::Host => f32_bytes(model),
+        Backend::Gpu => f32_bytes(model) / 2,
+    }
+}
+
 fn f32_bytes(model: &ModelDir) -> u64 {
     model
         .names()
@@ -445,49 +528,84 @@ impl Pipeline {
         let te_dir = ModelDir::open(&layout.text_encoder)?;
         let vae_dir = ModelDir::open(&layout.vae)?;
 
-        let (text_encoder, dit, vae, context, resident_bytes, (te_on_device, vae_on_device)) =
-            match options.backend {
-                Backend::Host => {
-                    let resident = f32_bytes(&dit_dir) + f32_bytes(&te_dir) + f32_bytes(&vae_dir);
-                    let te: Box<dyn TextEncoderBackend> = Box::new(HostTextEncoder::load(&te_dir)?);
-                    let vae: Box<dyn VaeBackend> = Box::new(HostVaeDecoder::load(&vae_dir)?);
-                    let dit = DitEngine::Host(Box::new(HostDit::load(&dit_dir)?));
-                    (te, dit, vae, None, resident, (false, false))
+        let components = vec![
+            Component::new("text encoder", weight_bytes(&te_dir, options.backend)),
+            Component::new("DiT", weight_bytes(&dit_dir, options.backend)),
+            Component::new("VAE", weight_bytes(&vae_dir, options.backend)),
+        ];
+        let (
+            text_encoder,
+            dit,
+            vae,
+            context,
+            resident_bytes,
+            (te_on_device, vae_on_device),
+            memory_plan,
+        ) = match options.backend {
+            Backend::Host => {
+                // Host memory: the reference keeps every component (no device budget to plan against).
+                let plan = MemoryPlan::decide(components, u64::MAX)?;
+                let resident = f32_bytes(&dit_dir) + f32_bytes(&te_dir) + f32_bytes(&vae_dir);
+                let te: Box<dyn TextEncoderBackend> = Box::new(HostTextEncoder::load(&te_dir)?);
+                let vae: Box<dyn VaeBackend> = Box::new(HostVaeDecoder::load(&vae_dir)?);
+                let dit = DitEngine::Host(Box::new(HostDit::load(&dit_dir)?));
+                (te, dit, vae, None, resident, (false, false), plan)
+            }
+            Backend::Gpu => {
+                let gpu = |what: &str, e: tf_cuda::Error| {
+                    PipelineError::Gpu(crate::nn::backend_error::gpu_error(what, e))
+                };
+                let driver =
+                    tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
+                let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
+                    .map_err(|e| gpu("creating a context on device 0", e))?;
+                let free_before = ctx
+                    .memory_info()
+                    .map_err(|e| gpu("reading free memory", e))?
+                    .free;
+                let plan = MemoryPlan::decide(
+                    components,
+                    free_before.saturating_sub(DEVICE_RESERVE_BYTES),
+                )?;
+                if plan.residency() != Residency::AllResident {
+                    // Qwen-Image's components are small next to any supported card; running them in turn
+                    // is the mode the larger engines use, not this one.
+                    return Err(PipelineError::Memory(format!(
+                            "{plan}: the Qwen-Image pipeline keeps every component resident; free device memory \
+                             (other processes) or use a card with more"
+                        )));
                 }
-                Backend::Gpu => {
-                    let gpu =
-                        |what: &str, e: tf_cuda::Error| PipelineError::Gpu(format!("{what}: {e}"));
-                    let driver =
-                        tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
-                    let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
-                        .map_err(|e| gpu("creating a context on device 0", e))?;
-                    let free_before = ctx
-                        .memory_info()
-                        .map_err(|e| gpu("reading free memory", e))?
-                        .free;
-                    let dit = DitEngine::Gpu(Box::new(GpuDit::load_on(
-                        &ctx,
-                        &dit_dir,
-                        StagingConfig::default(),
-                    )?));
-                    let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
-                    ctx.synchronize()
-                        .map_err(|e| gpu("waiting for the uploads", e))?;
-                    let free_after = ctx
-                        .memory_info()
-                        .map_err(|e| gpu("reading free memory", e))?
-                        .free;
-                    let mut resident = free_before.saturating_sub(free_after);
-                    if !parts.te_on_device {
-                        resident += f32_bytes(&te_dir);
-                    }
-                    if !parts.vae_on_device {
-                        resident += f32_bytes(&vae_dir);
-                    }
-                    let on_device = (parts.te_on_device, parts.vae_on_device);
-                    (parts.te, dit, parts.vae, Some(ctx), resident, on_device)
+                let dit = DitEngine::Gpu(Box::new(GpuDit::load_on(
+                    &ctx,
+                    &dit_dir,
+                    StagingConfig::default(),
+                )?));
+                let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
+                ctx.synchronize()
+                    .map_err(|e| gpu("waiting for the uploads", e))?;
+                let free_after = ctx
+                    .memory_info()
+                    .map_err(|e| gpu("reading free memory", e))?
+                    .free;
+                let mut resident = free_before.saturating_sub(free_after);
+                if !parts.te_on_device {
+                    resident += f32_bytes(&te_dir);
                 }
-            };
+                if !parts.vae_on_device {
+                    resident += f32_bytes(&vae_dir);
+                }
+                let on_device = (parts.te_on_device, parts.vae_on_device);
+                (
+                    parts.te,
+                    dit,
+                    parts.vae,
+                    Some(ctx),
+                    resident,
+                    on_device,
+                    plan,
+                )
+            }
+        };
         check_agreement(dit.config(), text_encoder.as_ref(), vae.as_ref(), dir)?;
         let latent_dtype = options.latent_dtype.unwrap_or(match options.backend {
             Backend::Host => LatentDtype::F32,
@@ -503,7 +621,9 @@ impl Pipeline {
             latent_dtype,
             limits: options.limits,
             keep_step_latents: false,
+            gemm_plan_summary: None,
             report: LoadReport {
+                residency: memory_plan.residency(),
                 backend: options.backend,
                 resident_bytes,
                 seconds: started.elapsed().as_secs_f64(),
@@ -512,8 +632,14 @@ impl Pipeline {
                 te_vae_on_device: te_on_device && vae_on_device,
             },
             dir: dir.to_path_buf(),
+            memory_plan,
             context,
         })
+    }
+
+    /// The memory plan chosen at load (components, budget, all resident or in turn).
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        &self.memory_plan
     }
 
     /// Load figures.
@@ -541,58 +667,21 @@ impl Pipeline {
         self.dit.config().in_channels
     }
 
+    /// The DiT's text context for one templated prompt: the text encoder's last layer (before the final norm),
+    /// with the template's first `drop_rows` rows (its system block) removed.
+    fn prompt_features(
+        &mut self,
+        ids: &[u32],
+        drop_rows: usize,
+    ) -> Result<TensorF32, PipelineError> {
+        Ok(self.text_encoder.prompt_features(ids, drop_rows)?)
+    }
+
     /// Checks `request` and derives everything the run needs; no model runs.
     pub fn plan(&self, request: &Request) -> Result<Plan, PipelineError> {
         let limits = &self.limits;
-        let (width, height) = (
-            request.width / SIDE_MULTIPLE * SIDE_MULTIPLE,
-            request.height / SIDE_MULTIPLE * SIDE_MULTIPLE,
-        );
-        if width == 0 || height == 0 {
-            return Err(invalid(format!(
-                "size {}x{} is below {SIDE_MULTIPLE} pixels on a side; sides are floored to a multiple of \
-                 {SIDE_MULTIPLE}, so ask for at least {SIDE_MULTIPLE}x{SIDE_MULTIPLE}",
-                request.width, request.height
-            )));
-        }
-        if width > limits.max_side || height > limits.max_side {
-            return Err(invalid(format!(
-                "size {width}x{height} exceeds the largest side of {} pixels",
-                limits.max_side
-            )));
-        }
-        if width.saturating_mul(height) > limits.max_pixels {
-            return Err(invalid(format!(
-                "size {width}x{height} exceeds the limit of {} pixels",
-                limits.max_pixels
-            )));
-        }
-        if !request.true_cfg_scale.is_finite() {
-            return Err(invalid(format!(
-                "true_cfg_scale must be a finite number, got {}",
-                request.true_cfg_scale
-            )));
-        }
-        let source = match (&self.sample_sigmas, request.steps) {
-            (_, Some(0)) => return Err(invalid("steps must be at least 1")),
-            (_, Some(n)) if n > limits.max_steps => {
-                return Err(invalid(format!(
-                    "{n} steps exceed the limit of {}",
-                    limits.max_steps
-                )));
-            }
-            (Some(fixed), Some(n)) if n != fixed.len() => {
-                return Err(invalid(format!(
-                    "this checkpoint samples with its own {} sigmas (sample_sigmas); ask for {} steps or leave \
-                     steps unset",
-                    fixed.len(),
-                    fixed.len()
-                )));
-            }
-            (Some(fixed), _) => SigmaSource::Explicit(fixed),
-            (None, Some(n)) => SigmaSource::Steps(n),
-            (None, None) => SigmaSource::Steps(DEFAULT_STEPS),
-        };
+        let (width, height) = checked_size(limits, request)?;
+        let source = sigma_source(self.sample_sigmas.as_deref(), request.steps, limits)?;
         let (latent_rows, latent_cols) = latent_grid(height, width);
         let schedule = Schedule::new(&self.scheduler, source, latent_rows * latent_cols)
             .map_err(|e| invalid(format!("no schedule for this request: {e}")))?;
@@ -655,6 +744,48 @@ impl Pipeline {
         request: &Request,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Generation, PipelineError> {
+        self.generate_planned(request, progress, Duration::ZERO)
+    }
+
+    /// Runs a short request (2 steps, a short prompt) at `width` x `height` so that the first real request of
+    /// that size finds everything ready: the DiT's GEMMs of that size planned with up to `gemm_budget` of
+    /// timing (stored in the persistent plan cache, so a later process reuses the choices without timing),
+    /// kernels loaded, workspaces allocated, the text encoder's and the VAE's plans built. What a request of
+    /// another size or prompt length needs beyond that is planned without timing.
+    pub fn warm_up(
+        &mut self,
+        width: usize,
+        height: usize,
+        gemm_budget: Duration,
+    ) -> Result<WarmUp, PipelineError> {
+        let started = Instant::now();
+        let mut request = Request::new(WARM_UP_PROMPT);
+        request.width = width;
+        request.height = height;
+        request.steps = Some(2);
+        let generation = self.generate_planned(&request, &mut |_| {}, gemm_budget)?;
+        Ok(WarmUp {
+            width,
+            height,
+            seconds: secs(started.elapsed()),
+            timings: generation.timings,
+            gemms: self.gemm_plan_summary,
+        })
+    }
+
+    /// How the last request's DiT GEMMs were planned (GPU DiT only).
+    pub fn gemm_plan_summary(&self) -> Option<GemmPlanSummary> {
+        self.gemm_plan_summary
+    }
+
+    /// [`Pipeline::generate`], planning the DiT's GEMMs for this request first: stored choices are reused and
+    /// unseen shapes are timed within `gemm_budget` (zero for a request: never timed inside one).
+    fn generate_planned(
+        &mut self,
+        request: &Request,
+        progress: &mut dyn FnMut(Progress),
+        gemm_budget: Duration,
+    ) -> Result<Generation, PipelineError> {
         let plan = self.plan(request)?;
         let started = Instant::now();
         let mut timings = Timings::default();
@@ -662,11 +793,9 @@ impl Pipeline {
 
         // Prompt features.
         let t = Instant::now();
-        let prompt_embeds = self
-            .text_encoder
-            .prompt_features(&plan.prompt_ids, plan.prompt_drop)?;
+        let prompt_embeds = self.prompt_features(&plan.prompt_ids, plan.prompt_drop)?;
         let negative_embeds = match &plan.negative {
-            Some((ids, drop)) => Some(self.text_encoder.prompt_features(ids, *drop)?),
+            Some((ids, drop)) => Some(self.prompt_features(ids, *drop)?),
             None => None,
         };
         // The reference keeps prompt embeds in the latent dtype.
@@ -690,6 +819,25 @@ impl Pipeline {
                 dtype,
             )?,
         };
+
+        if let DitEngine::Gpu(dit) = &self.dit {
+            let modes: &[KvMode] = if dit.config().causal_condition {
+                &[KvMode::Extract, KvMode::Cached]
+            } else {
+                &[KvMode::None]
+            };
+            let (rows, cols) = (plan.latent_rows, plan.latent_cols);
+            let mut branches = vec![t2i_inputs(&latents, &prompt_embeds, 1.0, rows, cols)?];
+            if let Some(negative) = &negative_embeds {
+                branches.push(t2i_inputs(&latents, negative, 1.0, rows, cols)?);
+            }
+            let steps: Vec<(&DitInputs, KvMode)> = branches
+                .iter()
+                .flat_map(|inputs| modes.iter().map(move |&mode| (inputs, mode)))
+                .collect();
+            let report = dit.prepare_gemms(&steps, gemm_budget)?;
+            self.gemm_plan_summary = Some(GemmPlanSummary::of(&report));
+        }
 
         let conditions = Conditions {
             prompt: &prompt_embeds,
@@ -753,6 +901,117 @@ impl Pipeline {
             timings,
         })
     }
+}
+
+/// A request checked against a model folder before any weight is read ([`Pipeline::preflight`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preflight {
+    /// Floored pixel size.
+    pub width: usize,
+    pub height: usize,
+    /// Latent grid (rows, cols) and channels (the DiT's `in_channels`).
+    pub latent_rows: usize,
+    pub latent_cols: usize,
+    pub latent_channels: usize,
+    /// Sampling steps the request will run.
+    pub steps: usize,
+}
+
+impl Pipeline {
+    /// Checks `request`'s size, steps and guidance against the folder in `dir` (its `model_index.json`, scheduler
+    /// config and transformer config; no weights, no tokenizer, no device), so a command can refuse a bad request
+    /// before the minutes a load takes. [`Pipeline::plan`] repeats these checks and adds the prompt's.
+    pub fn preflight(
+        dir: &Path,
+        options: &LoadOptions,
+        request: &Request,
+    ) -> Result<Preflight, PipelineError> {
+        let limits = &options.limits;
+        let (width, height) = checked_size(limits, request)?;
+        let layout = FolderLayout::read(dir)?;
+        let scheduler = SchedulerConfig::from_model_folder(dir)?;
+        let config_path = layout.transformer.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|e| folder_err(&config_path, format!("cannot read it ({e})")))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| folder_err(&config_path, format!("not valid JSON: {e}")))?;
+        let dit = QwenImageDitConfig::from_json(&value)
+            .map_err(|e| folder_err(&config_path, e.to_string()))?;
+        let source = sigma_source(layout.sample_sigmas.as_deref(), request.steps, limits)?;
+        let (latent_rows, latent_cols) = latent_grid(height, width);
+        let schedule = Schedule::new(&scheduler, source, latent_rows * latent_cols)
+            .map_err(|e| invalid(format!("no schedule for this request: {e}")))?;
+        Ok(Preflight {
+            width,
+            height,
+            latent_rows,
+            latent_cols,
+            latent_channels: dit.in_channels,
+            steps: schedule.steps(),
+        })
+    }
+}
+
+/// The request's size floored to multiples of 32 and checked against `limits`.
+fn checked_size(limits: &Limits, request: &Request) -> Result<(usize, usize), PipelineError> {
+    let (width, height) = (
+        request.width / SIDE_MULTIPLE * SIDE_MULTIPLE,
+        request.height / SIDE_MULTIPLE * SIDE_MULTIPLE,
+    );
+    if width == 0 || height == 0 {
+        return Err(invalid(format!(
+            "size {}x{} is below {SIDE_MULTIPLE} pixels on a side; sides are floored to a multiple of \
+             {SIDE_MULTIPLE}, so ask for at least {SIDE_MULTIPLE}x{SIDE_MULTIPLE}",
+            request.width, request.height
+        )));
+    }
+    if width > limits.max_side || height > limits.max_side {
+        return Err(invalid(format!(
+            "size {width}x{height} exceeds the largest side of {} pixels",
+            limits.max_side
+        )));
+    }
+    if width.saturating_mul(height) > limits.max_pixels {
+        return Err(invalid(format!(
+            "size {width}x{height} exceeds the limit of {} pixels",
+            limits.max_pixels
+        )));
+    }
+    if !request.true_cfg_scale.is_finite() {
+        return Err(invalid(format!(
+            "true_cfg_scale must be a finite number, got {}",
+            request.true_cfg_scale
+        )));
+    }
+    Ok((width, height))
+}
+
+/// Where the request's sigmas come from: the checkpoint's fixed grid, the asked step count, or the default.
+fn sigma_source<'a>(
+    sample_sigmas: Option<&'a [f64]>,
+    steps: Option<usize>,
+    limits: &Limits,
+) -> Result<SigmaSource<'a>, PipelineError> {
+    Ok(match (sample_sigmas, steps) {
+        (_, Some(0)) => return Err(invalid("steps must be at least 1")),
+        (_, Some(n)) if n > limits.max_steps => {
+            return Err(invalid(format!(
+                "{n} steps exceed the limit of {}",
+                limits.max_steps
+            )));
+        }
+        (Some(fixed), Some(n)) if n != fixed.len() => {
+            return Err(invalid(format!(
+                "this checkpoint samples with its own {} sigmas (sample_sigmas); ask for {} steps or leave \
+                 steps unset",
+                fixed.len(),
+                fixed.len()
+            )));
+        }
+        (Some(fixed), _) => SigmaSource::Explicit(fixed),
+        (None, Some(n)) => SigmaSource::Steps(n),
+        (None, None) => SigmaSource::Steps(DEFAULT_STEPS),
+    })
 }
 
 /// The GPU text encoder and VAE decoder (`GpuTextEncoder::load_on`, `GpuVaeDecoder::load_on`, both implementing the
@@ -950,12 +1209,12 @@ fn denoise<D: DitBackend>(
         cache: None,
     };
     let mut neg = conditions.negative.map(|text| Branch { text, cache: None });
-    let steps = plan.schedule.steps();
+    let steps = Scheduler::steps(&plan.schedule);
     let mut kept = Vec::new();
     let mut kept_velocities = Vec::new();
     for step in 0..steps {
         let t = Instant::now();
-        let timestep = plan.schedule.model_timestep(step, dtype)?;
+        let timestep = Scheduler::model_timestep(&plan.schedule, step, dtype)?;
         // The model's output is in the latent dtype.
         let mut velocity = round_vec(
             cond.velocity(dit, &latents, timestep, plan, use_cache)?,
@@ -976,8 +1235,7 @@ fn denoise<D: DitBackend>(
             )?;
             velocity = combined;
         }
-        plan.schedule
-            .euler_step(step, latents.data_mut(), &velocity, dtype)?;
+        Scheduler::step(&plan.schedule, step, latents.data_mut(), &velocity, dtype)?;
         if keep {
             kept.push(latents.clone());
             kept_velocities.push(Tensor::new(latents.shape().to_vec(), velocity)?);

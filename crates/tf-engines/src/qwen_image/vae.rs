@@ -28,9 +28,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use serde::Deserialize;
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::nn::backend_error::GpuError;
+use crate::nn::config::{at_most, checked_product, in_range, parse_object};
 use crate::nn::host;
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::weights::{ModelDir, WeightsError};
@@ -45,17 +48,35 @@ pub enum VaeError {
     Weights(#[from] WeightsError),
     #[error(transparent)]
     Shape(#[from] ShapeError),
-    #[error("VAE config: {0}")]
+    #[error("VAE config.json: {0}")]
     Config(String),
     #[error("VAE input: {0}")]
     Input(String),
-    /// A failure of the backend running the decoder (the GPU: driver, kernels, cuBLASLt, memory).
+    /// A GPU call failed; the cause stays in the source chain (a lost context is visible there).
+    #[error("VAE GPU backend: {0}")]
+    Gpu(#[from] GpuError),
+    /// A backend condition with no underlying error.
     #[error("VAE backend: {0}")]
     Backend(String),
 }
 
 fn config_err(why: impl Into<String>) -> VaeError {
     VaeError::Config(why.into())
+}
+
+/// Upper bounds of a VAE config this crate loads (the released decoder: z 64, base 144, 5 levels of at most 8x,
+/// 2 resnets per block). They keep every width product, the spatial factor's shift and the per-block
+/// allocations far from overflow before any weight is read.
+pub mod limits {
+    pub const Z_DIM: usize = 1024;
+    pub const BASE_DIM: usize = 4096;
+    /// Entries of `dim_mult` (levels; the spatial factor is `2^(levels - 1)`).
+    pub const LEVELS: usize = 8;
+    pub const DIM_MULT: usize = 64;
+    /// A decoder width `dim_mult[i] * decoder_base_dim`.
+    pub const WIDTH: usize = 1 << 16;
+    pub const RES_BLOCKS: usize = 64;
+    pub const OUT_CHANNELS: usize = 64;
 }
 
 /// The decoder-side hyper-parameters of `AutoencoderKLQwenImage21`.
@@ -72,117 +93,108 @@ pub struct VaeConfig {
     pub latents_std: Vec<f32>,
 }
 
-fn usize_or(
-    obj: &serde_json::Map<String, Value>,
-    key: &str,
-    default: usize,
-) -> Result<usize, VaeError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| config_err(format!("{key} must be a non-negative integer, found {v}"))),
-    }
-}
-
-fn list<T>(
-    obj: &serde_json::Map<String, Value>,
-    key: &str,
-    default: Vec<T>,
-    item: impl Fn(&Value) -> Option<T>,
-) -> Result<Vec<T>, VaeError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| item(v).ok_or_else(|| config_err(format!("{key} has a bad entry {v}"))))
-            .collect(),
-        Some(v) => Err(config_err(format!("{key} must be a list, found {v}"))),
-    }
+/// The VAE's `config.json` keys as the file spells them; `None` = absent or null (then the diffusers default).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawVae {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+    is_residual: Option<bool>,
+    attn_scales: Option<Vec<f64>>,
+    patch_size: Option<Value>,
+    base_dim: Option<usize>,
+    z_dim: Option<usize>,
+    decoder_base_dim: Option<usize>,
+    dim_mult: Option<Vec<usize>>,
+    num_res_blocks: Option<usize>,
+    temperal_downsample: Option<Vec<bool>>,
+    out_channels: Option<usize>,
+    latents_mean: Option<Vec<f32>>,
+    latents_std: Option<Vec<f32>>,
 }
 
 impl VaeConfig {
     /// Parses the VAE's `config.json`; absent keys take the diffusers defaults (except the latent statistics,
-    /// which a decoder needs and must be present).
+    /// which a decoder needs and must be present). Every value is bounded ([`limits`]) before anything is
+    /// allocated; an error names the key.
     pub fn from_json(value: &Value) -> Result<Self, VaeError> {
-        let obj = value
-            .as_object()
-            .ok_or_else(|| config_err("expected a JSON object"))?;
-        if let Some(class) = obj.get("_class_name").and_then(Value::as_str) {
+        let raw: RawVae = parse_object(value).map_err(config_err)?;
+        if let Some(class) = &raw.class_name {
             if class != CLASS_NAME {
                 return Err(config_err(format!(
-                    "_class_name is {class:?}; this decoder is for {CLASS_NAME} (the vae/ folder of Qwen-Image 2.1)"
+                    "`_class_name` is {class:?}; this decoder is for {CLASS_NAME} (the vae/ folder of Qwen-Image 2.1)"
                 )));
             }
         }
-        if obj.get("is_residual").and_then(Value::as_bool) == Some(false) {
+        if raw.is_residual == Some(false) {
             return Err(config_err(
-                "is_residual = false is not supported (Qwen-Image 2.1 uses true)",
+                "`is_residual` = false is not supported (Qwen-Image 2.1 uses true)",
             ));
         }
-        if obj
-            .get("attn_scales")
-            .and_then(Value::as_array)
-            .is_some_and(|a| !a.is_empty())
-        {
+        if raw.attn_scales.as_ref().is_some_and(|a| !a.is_empty()) {
             return Err(config_err(
-                "attn_scales must be empty (the decoder has no attention outside the mid block)",
+                "`attn_scales` must be empty (the decoder has no attention outside the mid block)",
             ));
         }
-        if obj.get("patch_size").is_some_and(|v| !v.is_null()) {
-            return Err(config_err("patch_size must be null (no pixel unshuffle)"));
+        if raw.patch_size.is_some() {
+            return Err(config_err("`patch_size` must be null (no pixel unshuffle)"));
         }
-        let base_dim = usize_or(obj, "base_dim", 96)?;
-        let as_f32 = |v: &Value| v.as_f64().map(|x| x as f32);
+        let base_dim = raw.base_dim.unwrap_or(96);
+        in_range("base_dim", base_dim, limits::BASE_DIM).map_err(config_err)?;
         let config = VaeConfig {
-            z_dim: usize_or(obj, "z_dim", 64)?,
-            decoder_base_dim: usize_or(obj, "decoder_base_dim", base_dim)?,
-            dim_mult: list(obj, "dim_mult", vec![1, 2, 4, 8, 8], |v| {
-                v.as_u64().and_then(|n| usize::try_from(n).ok())
-            })?,
-            num_res_blocks: usize_or(obj, "num_res_blocks", 2)?,
-            temperal_downsample: list(
-                obj,
-                "temperal_downsample",
-                vec![false, true, true, true],
-                Value::as_bool,
-            )?,
-            out_channels: usize_or(obj, "out_channels", 4)?,
-            latents_mean: list(obj, "latents_mean", Vec::new(), as_f32)?,
-            latents_std: list(obj, "latents_std", Vec::new(), as_f32)?,
+            z_dim: raw.z_dim.unwrap_or(64),
+            decoder_base_dim: raw.decoder_base_dim.unwrap_or(base_dim),
+            dim_mult: raw.dim_mult.unwrap_or_else(|| vec![1, 2, 4, 8, 8]),
+            num_res_blocks: raw.num_res_blocks.unwrap_or(2),
+            temperal_downsample: raw
+                .temperal_downsample
+                .unwrap_or_else(|| vec![false, true, true, true]),
+            out_channels: raw.out_channels.unwrap_or(4),
+            latents_mean: raw.latents_mean.unwrap_or_default(),
+            latents_std: raw.latents_std.unwrap_or_default(),
         };
         config.validate()?;
         Ok(config)
     }
 
-    fn validate(&self) -> Result<(), VaeError> {
-        if self.z_dim == 0
-            || self.decoder_base_dim == 0
-            || self.out_channels == 0
-            || self.dim_mult.is_empty()
-        {
-            return Err(config_err(
-                "z_dim, decoder_base_dim, out_channels and dim_mult must be non-empty",
-            ));
+    /// Checks that the numbers describe a decoder this crate can run, within [`limits`].
+    pub fn validate(&self) -> Result<(), VaeError> {
+        in_range("z_dim", self.z_dim, limits::Z_DIM).map_err(config_err)?;
+        in_range("decoder_base_dim", self.decoder_base_dim, limits::BASE_DIM)
+            .map_err(config_err)?;
+        in_range("out_channels", self.out_channels, limits::OUT_CHANNELS).map_err(config_err)?;
+        at_most("num_res_blocks", self.num_res_blocks, limits::RES_BLOCKS).map_err(config_err)?;
+        in_range("dim_mult (entries)", self.dim_mult.len(), limits::LEVELS).map_err(config_err)?;
+        for &m in &self.dim_mult {
+            in_range("dim_mult", m, limits::DIM_MULT).map_err(config_err)?;
+            let width = checked_product("dim_mult x decoder_base_dim", &[m, self.decoder_base_dim])
+                .map_err(config_err)?;
+            at_most("dim_mult x decoder_base_dim", width, limits::WIDTH).map_err(config_err)?;
         }
         if self.temperal_downsample.len() + 1 != self.dim_mult.len() {
             return Err(config_err(format!(
-                "temperal_downsample has {} entries, dim_mult {} (expected one fewer)",
+                "`temperal_downsample` has {} entries, `dim_mult` {} (expected one fewer)",
                 self.temperal_downsample.len(),
                 self.dim_mult.len()
             )));
         }
         if self.latents_mean.len() != self.z_dim || self.latents_std.len() != self.z_dim {
             return Err(config_err(format!(
-                "latents_mean and latents_std need {} values each, found {} and {}",
+                "`latents_mean` and `latents_std` need {} values each (z_dim), found {} and {}",
                 self.z_dim,
                 self.latents_mean.len(),
                 self.latents_std.len()
             )));
         }
-        if self.dim_mult.contains(&0) {
-            return Err(config_err("dim_mult entries must be positive"));
+        if let Some(bad) = self
+            .latents_mean
+            .iter()
+            .chain(&self.latents_std)
+            .find(|v| !v.is_finite())
+        {
+            return Err(config_err(format!(
+                "`latents_mean` and `latents_std` must be finite f32 values, found {bad}"
+            )));
         }
         Ok(())
     }
@@ -192,13 +204,18 @@ impl VaeConfig {
         let last = self.dim_mult.last().copied().unwrap_or(1);
         std::iter::once(last)
             .chain(self.dim_mult.iter().rev().copied())
-            .map(|m| m * self.decoder_base_dim)
+            .map(|m| m.saturating_mul(self.decoder_base_dim))
             .collect()
     }
 
-    /// Pixels per latent pixel along each side (2 per upsampling block).
+    /// Pixels per latent pixel along each side (2 per upsampling block). Saturates for a config that
+    /// [`Self::validate`] refuses.
     pub fn spatial_factor(&self) -> usize {
-        1 << (self.dim_mult.len() - 1)
+        let shifts = self.dim_mult.len().saturating_sub(1);
+        u32::try_from(shifts)
+            .ok()
+            .and_then(|s| 1usize.checked_shl(s))
+            .unwrap_or(usize::MAX)
     }
 }
 
@@ -544,10 +561,14 @@ impl HostVaeDecoder {
     ) -> Result<TensorF32, VaeError> {
         let z = self.config.z_dim;
         let [batch, tokens, channels] = packed.dims::<3>("packed latents")?;
-        if tokens != h * w || channels != z {
+        let Some(hw) = h.checked_mul(w) else {
             return Err(VaeError::Input(format!(
-                "packed latents are [{batch}, {tokens}, {channels}]; expected [{batch}, {}, {z}] for a {h} x {w} latent",
-                h * w
+                "a {h} x {w} latent grid is too large (h x w overflows)"
+            )));
+        };
+        if tokens != hw || channels != z {
+            return Err(VaeError::Input(format!(
+                "packed latents are [{batch}, {tokens}, {channels}]; expected [{batch}, {hw}, {z}] for a {h} x {w} latent"
             )));
         }
         let mut out = vec![0f32; packed.data().len()];
@@ -577,9 +598,19 @@ impl HostVaeDecoder {
             )));
         }
         let f = self.config.spatial_factor();
-        let (oh, ow) = (h * f, w * f);
-        let per_image = self.config.out_channels * oh * ow;
-        let mut out = Vec::with_capacity(batch * per_image);
+        let too_large = || {
+            VaeError::Input(format!(
+                "a {h} x {w} latent decodes to an image too large to hold (factor {f})"
+            ))
+        };
+        let (oh, ow) = (
+            h.checked_mul(f).ok_or_else(too_large)?,
+            w.checked_mul(f).ok_or_else(too_large)?,
+        );
+        let per_image = checked_product("image", &[self.config.out_channels, oh, ow])
+            .map_err(|_| too_large())?;
+        let total = per_image.checked_mul(batch).ok_or_else(too_large)?;
+        let mut out = Vec::with_capacity(total);
         for image in latents.data().chunks_exact(z * h * w) {
             let decoded = self.decode_one(image, h, w)?;
             out.extend(decoded.into_iter().map(|v| v.clamp(-1.0, 1.0)));

@@ -34,6 +34,14 @@
 //! # Ok::<(), std::io::Error>(())
 //! ```
 
+/// Writes one log line to stderr and ignores every failure: a parent that closed (or stopped reading) the
+/// pipe must never panic the worker, as `eprintln!` does on EPIPE.
+macro_rules! log {
+    ($($arg:tt)*) => {
+        $crate::worker::log_line(format_args!($($arg)*))
+    };
+}
+
 pub mod client;
 pub mod qwen;
 pub mod request;
@@ -46,7 +54,17 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use request::{Command, GenerateCommand, OutputTarget};
+/// Writes `args` and a newline to stderr in one locked write, ignoring errors (a closed or broken pipe): logging
+/// must never take the worker down. Used for every log line of the worker and of `tf worker`.
+pub fn log_line(args: std::fmt::Arguments<'_>) {
+    let mut line = args.to_string();
+    line.push('\n');
+    let mut err = io::stderr().lock();
+    let _ = err.write_all(line.as_bytes());
+    let _ = err.flush();
+}
+
+use request::{Command, GenerateCommand, OutputTarget, VideoCommand};
 
 /// One image to make, validated against [`WorkerLimits`] (the engine may refuse more).
 #[derive(Debug, Clone, PartialEq)]
@@ -65,6 +83,66 @@ pub struct ImageJob {
     pub seed: u64,
     /// Guidance (true CFG) scale; `None` = the engine's default.
     pub guidance: Option<f32>,
+}
+
+/// One video (optionally with audio) to make, validated against [`WorkerLimits`] (the engine may refuse more).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoJob {
+    /// The prompt.
+    pub prompt: String,
+    /// A negative prompt, when one was given (non-empty).
+    pub negative_prompt: Option<String>,
+    /// Frame width and height in pixels.
+    pub width: u32,
+    pub height: u32,
+    /// Length in seconds.
+    pub seconds: f32,
+    /// Frames per second.
+    pub fps: u32,
+    /// The noise seed.
+    pub seed: u64,
+    /// Sampling steps; `None` = the engine's default.
+    pub steps: Option<u32>,
+    /// Guidance scale; `None` = the engine's default.
+    pub guidance: Option<f32>,
+    /// Whether to make an audio track.
+    pub audio: bool,
+    /// An image file to start from (image-to-video), when given.
+    pub first_frame: Option<PathBuf>,
+}
+
+impl VideoJob {
+    /// Frames the video holds: `round(seconds * fps)`, at least 1.
+    pub fn frames(&self) -> u32 {
+        let n = (f64::from(self.seconds) * f64::from(self.fps)).round();
+        if n < 1.0 {
+            1
+        } else if n > f64::from(u32::MAX) {
+            u32::MAX
+        } else {
+            n as u32
+        }
+    }
+}
+
+/// An audio track: interleaved f32 samples in [-1, 1].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Audio {
+    pub sample_rate: u32,
+    pub channels: u16,
+    /// `frames * channels` samples, interleaved.
+    pub samples: Vec<f32>,
+}
+
+/// What an engine made: images, or a video with an optional audio track.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineOutput {
+    Images(Vec<RgbaImage>),
+    Video {
+        frames: Vec<RgbaImage>,
+        fps: u32,
+        audio: Option<Audio>,
+    },
 }
 
 /// A progress note from a running job.
@@ -151,6 +229,24 @@ pub trait WorkerEngine {
     /// Releases everything `load` took (device buffers, modules, streams, then the context and the driver).
     /// Must be safe to call when not loaded.
     fn unload(&mut self);
+
+    /// Whether this engine makes videos; when false, the worker refuses `request.video` with an
+    /// `invalid_request_error` before calling the engine.
+    fn makes_video(&self) -> bool {
+        false
+    }
+
+    /// Makes one video ([`EngineOutput::Video`]). Called only while loaded and only when [`Self::makes_video`].
+    fn generate_video(
+        &mut self,
+        job: &VideoJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<EngineOutput, EngineError> {
+        let _ = (job, progress);
+        Err(EngineError::InvalidRequest(
+            "this engine makes images; `request.video` is not supported by it".into(),
+        ))
+    }
 }
 
 impl<E: WorkerEngine + ?Sized> WorkerEngine for Box<E> {
@@ -168,6 +264,18 @@ impl<E: WorkerEngine + ?Sized> WorkerEngine for Box<E> {
 
     fn unload(&mut self) {
         (**self).unload()
+    }
+
+    fn makes_video(&self) -> bool {
+        (**self).makes_video()
+    }
+
+    fn generate_video(
+        &mut self,
+        job: &VideoJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<EngineOutput, EngineError> {
+        (**self).generate_video(job, progress)
     }
 }
 
@@ -308,7 +416,7 @@ impl<E: WorkerEngine> Worker<E> {
         let command = match request::parse_command(text, &self.limits) {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("tf worker: refused a line: {e}");
+                log!("tf worker: refused a line: {e}");
                 self.reply_error(output, &e.0, ErrorType::InvalidRequest)?;
                 return Ok(Flow::Continue);
             }
@@ -316,6 +424,7 @@ impl<E: WorkerEngine> Worker<E> {
         match command {
             Command::Load => self.load(output),
             Command::Generate(g) => self.generate(&g, output),
+            Command::GenerateVideo(v) => self.generate_video(&v, output),
             Command::Exit => {
                 self.unload();
                 let usage = tf_cuda::usage();
@@ -349,7 +458,7 @@ impl<E: WorkerEngine> Worker<E> {
         match catch_unwind(AssertUnwindSafe(|| engine.load())) {
             Ok(Ok(resident)) => {
                 let ms = millis(started);
-                eprintln!("tf worker: loaded in {ms} ms, {resident} bytes resident");
+                log!("tf worker: loaded in {ms} ms, {resident} bytes resident");
                 self.resident = Some(resident);
                 write_line(
                     output,
@@ -362,7 +471,7 @@ impl<E: WorkerEngine> Worker<E> {
                 Ok(Flow::Continue)
             }
             Ok(Err(e)) => {
-                eprintln!("tf worker: load failed: {e}");
+                log!("tf worker: load failed: {e}");
                 self.unload_engine();
                 let kind = match e {
                     EngineError::InvalidRequest(_) => ErrorType::InvalidRequest,
@@ -395,9 +504,13 @@ impl<E: WorkerEngine> Worker<E> {
                 return Ok(Flow::Continue);
             }
         };
-        eprintln!(
+        log!(
             "tf worker: job {:?}: {}x{}, {} image(s), seed {}",
-            command.id, command.job.width, command.job.height, command.count, command.job.seed
+            command.id,
+            command.job.width,
+            command.job.height,
+            command.count,
+            command.job.seed
         );
         let mut files = Vec::with_capacity(paths.len());
         // A write error on a progress line (the reader is gone) ends serving once the engine returns.
@@ -462,7 +575,7 @@ impl<E: WorkerEngine> Worker<E> {
             files.push(listed);
         }
         let ms = millis(started);
-        eprintln!("tf worker: job {:?} done in {ms} ms", command.id);
+        log!("tf worker: job {:?} done in {ms} ms", command.id);
         write_line(
             output,
             &Reply {
@@ -475,8 +588,96 @@ impl<E: WorkerEngine> Worker<E> {
         Ok(Flow::Continue)
     }
 
+    fn generate_video(
+        &mut self,
+        command: &VideoCommand,
+        output: &mut dyn Write,
+    ) -> io::Result<Flow> {
+        if !self.engine.makes_video() {
+            self.reply_error(
+                output,
+                "this engine makes images; `request.video` is not supported by it (send `request.image`)",
+                ErrorType::InvalidRequest,
+            )?;
+            return Ok(Flow::Continue);
+        }
+        if self.resident.is_none() {
+            self.reply_error(
+                output,
+                "generate before load: send {\"op\":\"load\"} first",
+                ErrorType::InvalidRequest,
+            )?;
+            return Ok(Flow::Continue);
+        }
+        if let Err(e) = std::fs::create_dir_all(&command.dir) {
+            let message = format!(
+                "cannot create the output folder {}: {e}",
+                command.dir.display()
+            );
+            self.reply_error(output, &message, ErrorType::InvalidRequest)?;
+            return Ok(Flow::Continue);
+        }
+        let started = Instant::now();
+        log!(
+            "tf worker: video job {:?}: {}x{}, {} s at {} fps, seed {}",
+            command.id,
+            command.job.width,
+            command.job.height,
+            command.job.seconds,
+            command.job.fps,
+            command.job.seed
+        );
+        let mut progress_failed: Option<io::Error> = None;
+        let engine = &mut self.engine;
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            engine.generate_video(&command.job, &mut |p: Progress| {
+                if progress_failed.is_some() {
+                    return;
+                }
+                let line = Reply {
+                    progress: Some(ProgressNote {
+                        phase: p.phase,
+                        step: p.step,
+                        of: p.of,
+                        steps: p.of,
+                    }),
+                    ..Reply::default()
+                };
+                if let Err(e) = write_line(output, &line) {
+                    progress_failed = Some(e);
+                }
+            })
+        }));
+        if let Some(e) = progress_failed.take() {
+            self.unload();
+            return Err(e);
+        }
+        let made = match result {
+            Ok(Ok(made)) => made,
+            Ok(Err(e)) => return self.job_failed(e, output),
+            Err(payload) => return self.panicked("generate", payload, output),
+        };
+        let files = match write_output(&command.dir, &made) {
+            Ok(files) => files,
+            Err(message) => {
+                self.reply_error(output, &message, ErrorType::Server)?;
+                return Ok(Flow::Continue);
+            }
+        };
+        write_line(
+            output,
+            &Reply {
+                files: Some(&files),
+                seed: Some(command.job.seed),
+                ms: Some(millis(started)),
+                ..Reply::ok()
+            },
+        )?;
+        Ok(Flow::Continue)
+    }
+
     fn job_failed(&mut self, error: EngineError, output: &mut dyn Write) -> io::Result<Flow> {
-        eprintln!("tf worker: job failed: {error}");
+        log!("tf worker: job failed: {error}");
         match error {
             EngineError::InvalidRequest(m) => {
                 self.reply_error(output, &m, ErrorType::InvalidRequest)?;
@@ -502,7 +703,7 @@ impl<E: WorkerEngine> Worker<E> {
         output: &mut dyn Write,
     ) -> io::Result<Flow> {
         let why = panic_text(payload.as_ref());
-        eprintln!("tf worker: the engine panicked during {what}: {why}");
+        log!("tf worker: the engine panicked during {what}: {why}");
         let message = format!(
             "{what} failed: internal error in the engine ({why}); this worker exits, a fresh one can serve the next job"
         );
@@ -538,7 +739,7 @@ impl<E: WorkerEngine> Worker<E> {
     fn unload_engine(&mut self) {
         let engine = &mut self.engine;
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| engine.unload())) {
-            eprintln!(
+            log!(
                 "tf worker: the engine panicked while unloading: {}",
                 panic_text(payload.as_ref())
             );
@@ -596,6 +797,82 @@ fn prepare_target(target: &OutputTarget, count: u32) -> Result<Vec<(PathBuf, Str
     }
 }
 
+/// Writes an engine's output into `dir`: images as `image_<i>.png`; a video as `frame_<i>.png` (MP4 muxing is a
+/// later step) plus `audio.wav` (32-bit float PCM). Returns the file names.
+fn write_output(dir: &std::path::Path, made: &EngineOutput) -> Result<Vec<String>, String> {
+    let (prefix, frames, audio) = match made {
+        EngineOutput::Images(images) => ("image", images, None),
+        EngineOutput::Video { frames, audio, .. } => ("frame", frames, audio.as_ref()),
+    };
+    let mut files = Vec::with_capacity(frames.len() + 1);
+    for (i, frame) in frames.iter().enumerate() {
+        let name = if prefix == "frame" {
+            format!("frame_{i:05}.png")
+        } else {
+            format!("image_{i}.png")
+        };
+        write_png_atomically(&dir.join(&name), frame)
+            .map_err(|e| format!("could not write {}: {e}", dir.join(&name).display()))?;
+        files.push(name);
+    }
+    if let Some(audio) = audio {
+        let path = dir.join("audio.wav");
+        write_wav(&path, audio).map_err(|e| format!("could not write {}: {e}", path.display()))?;
+        files.push("audio.wav".to_string());
+    }
+    Ok(files)
+}
+
+/// A WAV file of 32-bit float samples (format 3), through a temporary file renamed into place.
+fn write_wav(path: &std::path::Path, audio: &Audio) -> Result<(), String> {
+    let channels = audio.channels.max(1);
+    if !audio.samples.len().is_multiple_of(usize::from(channels)) {
+        return Err(format!(
+            "{} samples do not split into {channels} channels",
+            audio.samples.len()
+        ));
+    }
+    let data_bytes = audio
+        .samples
+        .len()
+        .checked_mul(4)
+        .and_then(|n| u32::try_from(n).ok())
+        .filter(|&n| n <= u32::MAX - 36)
+        .ok_or("the audio track is too long for a WAV file")?;
+    let block = u32::from(channels) * 4;
+    let mut bytes = Vec::with_capacity(44 + data_bytes as usize);
+    bytes.extend_from_slice(b"RIFF");
+    bytes.extend_from_slice(&(36 + data_bytes).to_le_bytes());
+    bytes.extend_from_slice(b"WAVEfmt ");
+    bytes.extend_from_slice(&16u32.to_le_bytes());
+    bytes.extend_from_slice(&3u16.to_le_bytes());
+    bytes.extend_from_slice(&channels.to_le_bytes());
+    bytes.extend_from_slice(&audio.sample_rate.to_le_bytes());
+    bytes.extend_from_slice(&audio.sample_rate.saturating_mul(block).to_le_bytes());
+    bytes.extend_from_slice(&(block as u16).to_le_bytes());
+    bytes.extend_from_slice(&32u16.to_le_bytes());
+    bytes.extend_from_slice(b"data");
+    bytes.extend_from_slice(&data_bytes.to_le_bytes());
+    for s in &audio.samples {
+        bytes.extend_from_slice(&s.to_le_bytes());
+    }
+    write_atomically(path, &bytes)
+}
+
+/// Writes `bytes` through a temporary file renamed into place, so a reader never sees half a file.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> Result<(), String> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let written = std::fs::File::create(&partial)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_data()))
+        .and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written.map_err(|e| e.to_string())
+}
+
 /// Writes `image` as a PNG through a temporary file renamed into place, so a reader never sees half a file.
 fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(), String> {
     let bytes = crate::nn::media::png::encode_png(
@@ -605,16 +882,7 @@ fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(),
         image.pixels(),
     )
     .map_err(|e| e.to_string())?;
-    let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
-    let written = std::fs::File::create(&partial)
-        .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
-        .and_then(|()| std::fs::rename(&partial, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&partial);
-    }
-    written.map_err(|e| e.to_string())
+    write_atomically(path, &bytes)
 }
 
 /// One output line; absent fields are left out, present ones keep this order (`ok` first).

@@ -5,8 +5,9 @@
 //! Sizes must be multiples of 32 here: the reference pipeline floors other sizes, which would hand back an
 //! image smaller than the one asked for, so the worker refuses them instead (as LocalRouter does).
 
-use std::error::Error as _;
 use std::path::PathBuf;
+
+use crate::nn::backend_error::chain_has_lost_context;
 
 use crate::qwen_image::pipeline::{
     Backend, LoadOptions, Pipeline, PipelineError, Progress as PipelineProgress, Request,
@@ -49,6 +50,11 @@ impl QwenImageEngine {
     }
 }
 
+/// The size the worker warms up at load (LocalRouter's default image size).
+const WARM_UP_SIZE: (usize, usize) = (1024, 1024);
+/// Time the warm-up may spend timing GEMM algorithms the plan cache does not hold yet.
+const WARM_UP_GEMM_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
+
 impl WorkerEngine for QwenImageEngine {
     fn load(&mut self) -> Result<u64, EngineError> {
         let backend = match self.backend {
@@ -56,7 +62,7 @@ impl WorkerEngine for QwenImageEngine {
             BackendChoice::Host => Backend::Host,
             BackendChoice::Gpu => Backend::Gpu,
         };
-        eprintln!(
+        log!(
             "tf worker: loading Qwen-Image from {} on the {} backend",
             self.model.display(),
             backend.name()
@@ -64,10 +70,21 @@ impl WorkerEngine for QwenImageEngine {
         let pipeline = Pipeline::load(&self.model, &LoadOptions::new(backend))
             .map_err(|e| classify(&e, false))?;
         let report = pipeline.load_report();
-        eprintln!(
+        log!(
             "tf worker: loaded in {:.2} s; text encoder and VAE on the device: {}",
-            report.seconds, report.te_vae_on_device
+            report.seconds,
+            report.te_vae_on_device
         );
+        log!("tf worker: {}", pipeline.memory_plan());
+        let mut pipeline = pipeline;
+        if pipeline.context().is_some() {
+            // The first request of the default size must not pay for first-call planning: warm that size now.
+            let (w, h) = WARM_UP_SIZE;
+            match pipeline.warm_up(w, h, WARM_UP_GEMM_BUDGET) {
+                Ok(warm) => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
+                Err(e) => return Err(classify(&e, pipeline.context().is_some_and(|c| c.is_lost()))),
+            }
+        }
         self.pipeline = Some(pipeline);
         Ok(report.resident_bytes)
     }
@@ -106,7 +123,7 @@ impl WorkerEngine for QwenImageEngine {
             }
         };
         let t = &generation.timings;
-        eprintln!(
+        log!(
             "tf worker: encode {:.3} s, {} steps {:.3} s, decode {:.3} s, total {:.3} s",
             t.encode,
             t.steps.len(),
@@ -139,7 +156,7 @@ impl WorkerEngine for QwenImageEngine {
         if let Some(pipeline) = self.pipeline.take() {
             drop(pipeline);
             let usage = tf_cuda::usage();
-            eprintln!(
+            log!(
                 "tf worker: unloaded; device bytes still held through tf-cuda: {} in {} allocations",
                 usage.device, usage.device_allocs
             );
@@ -168,32 +185,29 @@ fn translate(p: PipelineProgress) -> Progress {
     }
 }
 
-/// Maps a pipeline error to the worker's three kinds. `context_lost` is what the context itself says.
-fn classify(error: &PipelineError, context_lost: bool) -> EngineError {
+/// Maps a pipeline error to the worker's three kinds. A lost context is found in the error's source chain (the
+/// components keep `tf_cuda::Error` as a typed source). `context_says_lost` is the context's own flag, a
+/// second witness only: when it alone says lost, some path flattened the cause, and that is logged.
+fn classify(error: &PipelineError, context_says_lost: bool) -> EngineError {
     if error.is_invalid_request() {
         // The pipeline's own message already starts with "invalid request".
         let text = error.to_string();
         let text = text.strip_prefix("invalid request: ").unwrap_or(&text);
         return EngineError::InvalidRequest(text.to_string());
     }
-    if context_lost || chain_says_context_lost(error) {
+    let in_chain = chain_says_context_lost(error);
+    if context_says_lost && !in_chain {
+        log!("tf worker: the context is lost but the error chain does not say so (a cause was flattened): {error}");
+    }
+    if in_chain || context_says_lost {
         return EngineError::DeviceLost(error.to_string());
     }
     EngineError::Failed(error.to_string())
 }
 
-/// Whether any error in `error`'s source chain is tf-cuda's `ContextLost`.
+/// Whether `error` or any error in its source chain is a lost device context.
 fn chain_says_context_lost(error: &PipelineError) -> bool {
-    let mut next: Option<&(dyn std::error::Error + 'static)> = error.source();
-    while let Some(e) = next {
-        if let Some(cuda) = e.downcast_ref::<tf_cuda::Error>() {
-            if cuda.is_context_lost() {
-                return true;
-            }
-        }
-        next = e.source();
-    }
-    false
+    chain_has_lost_context(error)
 }
 
 #[cfg(test)]
@@ -213,6 +227,38 @@ mod tests {
     fn a_lost_context_is_fatal_and_other_errors_are_not() {
         let e = PipelineError::Internal("kernel launch failed".into());
         assert!(matches!(classify(&e, true), EngineError::DeviceLost(_)));
+        assert!(matches!(classify(&e, false), EngineError::Failed(_)));
+    }
+
+    #[test]
+    fn a_lost_context_deep_in_the_chain_is_found_without_the_flag() {
+        use crate::nn::backend_error::gpu_error;
+        use crate::qwen_image::dit::DitError;
+        use crate::qwen_image::vae::VaeError;
+        let lost = || tf_cuda::Error::ContextLost {
+            call: "cuStreamSynchronize",
+            code: 700,
+            name: "CUDA_ERROR_ILLEGAL_ADDRESS",
+        };
+        let gemm = tf_cuda::cublaslt::CublasLtError::Runtime(lost());
+        let cases = [
+            PipelineError::Dit(DitError::Gpu(gpu_error("running the DiT step", lost()))),
+            PipelineError::Dit(DitError::Gpu(gpu_error("GEMM 64x64x64", gemm))),
+            PipelineError::Vae(VaeError::Gpu(gpu_error("running the decode", lost()))),
+            PipelineError::Gpu(gpu_error("reading free memory", lost())),
+        ];
+        for e in cases {
+            assert!(
+                matches!(classify(&e, false), EngineError::DeviceLost(_)),
+                "{e}"
+            );
+        }
+        let oom = tf_cuda::Error::OutOfMemory {
+            call: "cuMemAlloc_v2",
+            bytes: 1 << 40,
+            why: "the driver has no room".into(),
+        };
+        let e = PipelineError::Dit(DitError::Gpu(gpu_error("allocating", oom)));
         assert!(matches!(classify(&e, false), EngineError::Failed(_)));
     }
 

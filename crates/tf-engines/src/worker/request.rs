@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
-use super::{ImageJob, WorkerLimits};
+use super::{ImageJob, VideoJob, WorkerLimits};
 
 /// One parsed input line.
 #[derive(Debug, Clone, PartialEq)]
@@ -17,6 +17,8 @@ pub enum Command {
     Load,
     /// Make `count` images for `job` and write them to `target`.
     Generate(GenerateCommand),
+    /// Make one video (`request.video`) and write it into a folder.
+    GenerateVideo(VideoCommand),
     /// Unload and end the process.
     Exit,
 }
@@ -33,6 +35,21 @@ pub struct GenerateCommand {
     /// How many images; image `i` uses seed `job.seed + i`.
     pub count: u32,
 }
+
+/// A validated `generate` of `request.video`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoCommand {
+    /// The sender's job id (empty when absent), echoed in logs.
+    pub id: String,
+    /// The job folder (`dir` or `out_dir`): frames and audio are written there.
+    pub dir: PathBuf,
+    pub job: VideoJob,
+}
+
+/// Longest video accepted, in seconds.
+pub const MAX_VIDEO_SECONDS: f32 = 60.0;
+/// Highest frame rate accepted.
+pub const MAX_FPS: u32 = 120;
 
 /// Where a `generate` writes its images.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +99,12 @@ pub fn parse_command(line: &str, limits: &WorkerLimits) -> Result<Command, Reque
     match op {
         "load" => Ok(Command::Load),
         "exit" => Ok(Command::Exit),
-        "generate" => parse_generate(&fields, limits).map(Command::Generate),
+        "generate" => match fields.get("request") {
+            Some(Value::Object(request)) if request.contains_key("video") => {
+                parse_video_command(&fields, request, limits).map(Command::GenerateVideo)
+            }
+            _ => parse_generate(&fields, limits).map(Command::Generate),
+        },
         other => Err(bad(format!(
             "unknown op `{}`; it must be one of load, generate, exit",
             clip(other)
@@ -134,9 +156,6 @@ fn nested_image(request: &Map<String, Value>) -> Result<&Map<String, Value>, Req
             "field `request.image` must be an object, got {}",
             kind_of(other)
         ))),
-        None if request.contains_key("video") => Err(bad(
-            "this worker makes images; `request.video` is not supported by this engine",
-        )),
         None => Err(bad(
             "field `request` must hold an `image` object: {\"request\":{\"image\":{\"prompt\":...}}}",
         )),
@@ -224,6 +243,86 @@ fn parse_image(
         steps,
         seed,
         guidance,
+    })
+}
+
+fn parse_video_command(
+    fields: &Map<String, Value>,
+    request: &Map<String, Value>,
+    limits: &WorkerLimits,
+) -> Result<VideoCommand, RequestError> {
+    let id = optional_string(fields, "id")?.unwrap_or_default();
+    if request.contains_key("image") {
+        return Err(bad(
+            "give either `request.image` or `request.video`, not both",
+        ));
+    }
+    let video = match request.get("video") {
+        Some(Value::Object(v)) => v,
+        Some(other) => {
+            return Err(bad(format!(
+                "field `request.video` must be an object, got {}",
+                kind_of(other)
+            )))
+        }
+        None => return Err(bad("field `request.video` is missing")),
+    };
+    let job = parse_video(video, limits)?;
+    let dir = match parse_target(fields, 1)? {
+        OutputTarget::Folder(dir) => dir,
+        OutputTarget::File(_) => {
+            return Err(bad(
+                "a video is written as several files: give a folder in `dir` (or `out_dir`), not `output`",
+            ))
+        }
+    };
+    Ok(VideoCommand { id, dir, job })
+}
+
+/// Parses `request.video`: the image fields (`prompt`, sizes, steps, seed, guidance) with the same rules, plus
+/// `seconds`, `fps`, `audio` and `first_frame`.
+fn parse_video(
+    fields: &Map<String, Value>,
+    limits: &WorkerLimits,
+) -> Result<VideoJob, RequestError> {
+    let image = parse_image(fields, limits)?;
+    let seconds = optional_f32(fields, "seconds")?.unwrap_or(5.0);
+    if !(seconds.is_finite() && seconds > 0.0 && seconds <= MAX_VIDEO_SECONDS) {
+        return Err(bad(format!(
+            "field `seconds` must be above 0 and at most {MAX_VIDEO_SECONDS}, got {seconds}"
+        )));
+    }
+    let fps = optional_u32(fields, "fps")?.unwrap_or(24);
+    if fps == 0 || fps > MAX_FPS {
+        return Err(bad(format!(
+            "field `fps` must be 1 to {MAX_FPS}, got {fps}"
+        )));
+    }
+    let audio = match fields.get("audio") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(bad(format!(
+                "field `audio` must be true or false, got {}",
+                kind_of(other)
+            )))
+        }
+    };
+    let first_frame = optional_string(fields, "first_frame")?
+        .filter(|f| !f.is_empty())
+        .map(PathBuf::from);
+    Ok(VideoJob {
+        prompt: image.prompt,
+        negative_prompt: image.negative_prompt,
+        width: image.width,
+        height: image.height,
+        seconds,
+        fps,
+        seed: image.seed,
+        steps: image.steps,
+        guidance: image.guidance,
+        audio,
+        first_frame,
     })
 }
 
@@ -440,8 +539,24 @@ mod tests {
                 "references",
             ),
             (
-                r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"a"}}}"#,
-                "makes images",
+                r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"a","seconds":0}}}"#,
+                "`seconds` must be above 0",
+            ),
+            (
+                r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"a","fps":1000}}}"#,
+                "`fps` must be 1 to",
+            ),
+            (
+                r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"a","audio":"yes"}}}"#,
+                "`audio` must be true or false",
+            ),
+            (
+                r#"{"op":"generate","output":"v.mp4","request":{"video":{"prompt":"a"}}}"#,
+                "several files",
+            ),
+            (
+                r#"{"op":"generate","dir":"d","request":{"video":3}}"#,
+                "`request.video` must be an object",
             ),
             (
                 r#"{"op":"generate","dir":"d","request":[]}"#,
@@ -461,6 +576,38 @@ mod tests {
             let err = parse_command(line, &limits()).expect_err(line);
             assert!(err.0.contains(expected), "{line}: {err}");
         }
+    }
+
+    #[test]
+    fn video_requests_parse_into_a_typed_job() {
+        let line = r#"{"op":"generate","id":"v1","dir":"/tmp/v","request":{"video":{"prompt":"waves","width":64,"height":32,"seconds":2.5,"fps":8,"seed":3,"steps":4,"guidance":5,"audio":true,"first_frame":"f.png"}}}"#;
+        let Command::GenerateVideo(v) = parse_command(line, &limits()).unwrap() else {
+            panic!("expected a video command");
+        };
+        assert_eq!(v.id, "v1");
+        assert_eq!(v.dir, PathBuf::from("/tmp/v"));
+        assert_eq!(
+            v.job,
+            VideoJob {
+                prompt: "waves".into(),
+                negative_prompt: None,
+                width: 64,
+                height: 32,
+                seconds: 2.5,
+                fps: 8,
+                seed: 3,
+                steps: Some(4),
+                guidance: Some(5.0),
+                audio: true,
+                first_frame: Some(PathBuf::from("f.png")),
+            }
+        );
+        assert_eq!(v.job.frames(), 20);
+        let line = r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"a"}}}"#;
+        let Command::GenerateVideo(v) = parse_command(line, &limits()).unwrap() else {
+            panic!("expected a video command");
+        };
+        assert_eq!((v.job.seconds, v.job.fps, v.job.audio), (5.0, 24, false));
     }
 
     #[test]

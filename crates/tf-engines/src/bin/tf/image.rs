@@ -8,7 +8,6 @@ use std::process::ExitCode;
 
 use serde_json::json;
 use tf_engines::nn::media::png::{write_png, ColorType};
-use tf_engines::nn::sampling::flow_match::latent_grid;
 use tf_engines::nn::sampling::noise::load_noise;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor};
 use tf_engines::qwen_image::pipeline::{
@@ -66,6 +65,16 @@ pub struct Args {
     /// file, all f32, for comparisons with a reference pipeline.
     #[arg(long = "dump-steps")]
     dump_steps: Option<PathBuf>,
+    /// Skip the warm-up at load (a 2-step run at the requested size that plans the GEMMs, loads the kernels and
+    /// allocates the workspaces, so the request itself runs warm). GPU only.
+    #[arg(long = "no-warm-up")]
+    no_warm_up: bool,
+    /// Milliseconds the warm-up may spend timing GEMM algorithms for shapes the plan cache does not hold yet.
+    #[arg(long = "gemm-budget-ms", default_value_t = 3000)]
+    gemm_budget_ms: u64,
+    /// Delete the persistent GEMM plan cache before loading (TF_PLAN_CACHE, else the user's cache folder).
+    #[arg(long = "reset-plan-cache")]
+    reset_plan_cache: bool,
 }
 
 fn parse_size(text: &str) -> Result<(usize, usize), String> {
@@ -120,23 +129,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
             )));
         }
     }
-    eprintln!(
-        "tf image: loading {} on the {}",
-        args.model.display(),
-        backend.name()
-    );
-    tf_cuda::usage::reset_peaks();
-    let mut pipeline = Pipeline::load(&args.model, &LoadOptions::new(backend))?;
-    pipeline.keep_step_latents(args.dump_steps.is_some());
-    let load = pipeline.load_report();
-    eprintln!(
-        "tf image: loaded in {:.2} s, {:.1} MiB resident (text encoder on {}, VAE on {})",
-        load.seconds,
-        load.resident_bytes as f64 / (1u64 << 20) as f64,
-        if load.te_on_device { "device" } else { "host" },
-        if load.vae_on_device { "device" } else { "host" },
-    );
-
+    let options = LoadOptions::new(backend);
     let mut request = Request::new(args.prompt.clone());
     request.negative_prompt = args.negative.clone();
     request.true_cfg_scale = args.cfg;
@@ -144,9 +137,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
     request.height = height;
     request.steps = args.steps;
     request.seed = args.seed;
+    // Size, steps, guidance and the noise file are checked against the folder's configs before the (slow) load.
+    let preflight = Pipeline::preflight(&args.model, &options, &request)?;
     if let Some(path) = &args.noise {
-        let (rows, cols) = latent_grid(height, width);
-        let channels = pipeline.latent_channels();
         let file = tf_engines::nn::weights::SafetensorsFile::open(path)
             .map_err(tf_engines::nn::sampling::noise::NoiseError::from)?;
         let name = ["latents", "noise"]
@@ -158,8 +151,60 @@ fn image(args: &Args) -> Result<(), ImageError> {
                     path.display()
                 ))
             })?;
-        request.initial_latents = Some(load_noise(path, name, 1, channels, rows, cols)?);
+        request.initial_latents = Some(load_noise(
+            path,
+            name,
+            1,
+            preflight.latent_channels,
+            preflight.latent_rows,
+            preflight.latent_cols,
+        )?);
     }
+    eprintln!(
+        "tf image: loading {} on the {}",
+        args.model.display(),
+        backend.name()
+    );
+    if args.reset_plan_cache {
+        match tf_cuda::cublaslt::reset_plan_cache() {
+            Ok(Some(path)) => eprintln!("tf image: removed the GEMM plan cache {}", path.display()),
+            Ok(None) => eprintln!("tf image: no GEMM plan cache to remove"),
+            Err(e) => eprintln!("tf image: could not remove the GEMM plan cache: {e}"),
+        }
+    }
+    tf_cuda::usage::reset_peaks();
+    let mut pipeline = Pipeline::load(&args.model, &options)?;
+    pipeline.keep_step_latents(args.dump_steps.is_some());
+    let load = pipeline.load_report();
+    eprintln!(
+        "tf image: loaded in {:.2} s, {:.1} MiB resident (text encoder on {}, VAE on {})",
+        load.seconds,
+        load.resident_bytes as f64 / (1u64 << 20) as f64,
+        if load.te_on_device { "device" } else { "host" },
+        if load.vae_on_device { "device" } else { "host" },
+    );
+    eprintln!("tf image: {}", pipeline.memory_plan());
+    let warm_up = if pipeline.context().is_some() && !args.no_warm_up {
+        let w = pipeline.warm_up(
+            width,
+            height,
+            std::time::Duration::from_millis(args.gemm_budget_ms),
+        )?;
+        let gemms = w.gemms.map_or(String::new(), |g| {
+            format!(
+                "; DiT GEMM plans: {} shapes, {} from the plan cache, {} timed, {} heuristic",
+                g.shapes, g.stored, g.timed, g.heuristic
+            )
+        });
+        eprintln!(
+            "tf image: warmed up at {width}x{height} in {:.2} s{gemms}",
+            w.seconds
+        );
+        Some(w)
+    } else {
+        None
+    };
+
     let plan = pipeline.plan(&request)?;
     if (plan.width, plan.height) != (width, height) {
         eprintln!(
@@ -260,7 +305,13 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 "resident_bytes": load.resident_bytes,
                 "te_on_device": load.te_on_device,
                 "vae_on_device": load.vae_on_device,
+                "residency": load.residency.name(),
+                "warm_up_s": warm_up.as_ref().map(|w| w.seconds),
             },
+            "gemm_plans": pipeline.gemm_plan_summary().map(|g| json!({
+                "shapes": g.shapes, "stored": g.stored, "timed": g.timed, "heuristic": g.heuristic,
+                "already_planned": g.already_planned,
+            })),
             "timings": {
                 "encode_s": t.encode,
                 "steps_s": t.steps,

@@ -9,9 +9,17 @@ use std::io::{self, BufWriter};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use tf_engines::worker::log_line;
 use tf_engines::worker::qwen::{self, QwenImageEngine};
 use tf_engines::worker::testpattern::TestPattern;
 use tf_engines::worker::{Worker, WorkerEngine, WorkerLimits};
+
+/// A stderr line that ignores a closed pipe (`eprintln!` panics on EPIPE, and the parent may have closed it).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        log_line(format_args!($($arg)*))
+    };
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineName {
@@ -58,19 +66,19 @@ pub fn run(args: Args) -> ExitCode {
         EngineName::Testpattern => Box::new(TestPattern::default()),
         EngineName::QwenImage => {
             let Some(model) = args.model else {
-                eprintln!("tf worker: --engine qwen_image needs --model DIR (a diffusers-format Qwen-Image folder)");
+                say!("tf worker: --engine qwen_image needs --model DIR (a diffusers-format Qwen-Image folder)");
                 return ExitCode::from(2);
             };
             match qwen_engine(model, args.backend) {
                 Ok(e) => e,
                 Err(message) => {
-                    eprintln!("tf worker: {message}");
+                    say!("tf worker: {message}");
                     return ExitCode::from(2);
                 }
             }
         }
     };
-    eprintln!(
+    say!(
         "tf worker: serving {:?} (pid {}); waiting for JSON lines on stdin",
         args.engine,
         std::process::id()
@@ -80,11 +88,11 @@ pub fn run(args: Args) -> ExitCode {
     let stdout = BufWriter::new(io::stdout().lock());
     match worker.serve(stdin, stdout) {
         Ok(ending) => {
-            eprintln!("tf worker: {ending:?}; exiting with {}", ending.exit_code());
+            say!("tf worker: {ending:?}; exiting with {}", ending.exit_code());
             ExitCode::from(ending.exit_code())
         }
         Err(e) => {
-            eprintln!("tf worker: stdin/stdout failed ({e}); the parent is gone, exiting");
+            say!("tf worker: stdin/stdout failed ({e}); the parent is gone, exiting");
             ExitCode::from(1)
         }
     }
@@ -118,7 +126,7 @@ fn die_with_parent() {
         // SAFETY: prctl(PR_SET_PDEATHSIG, sig) takes one unsigned long argument and touches no memory of ours.
         let rc = unsafe { prctl(PR_SET_PDEATHSIG, SIGKILL) };
         if rc != 0 {
-            eprintln!(
+            say!(
                 "tf worker: could not ask to die with the parent: {}",
                 io::Error::last_os_error()
             );
@@ -132,7 +140,7 @@ fn die_with_parent() {
     {
         let parent = std::os::unix::process::parent_id();
         if parent != expected {
-            eprintln!("tf worker: the parent {expected} is gone (now {parent}); exiting");
+            say!("tf worker: the parent {expected} is gone (now {parent}); exiting");
             std::process::exit(0);
         }
     }

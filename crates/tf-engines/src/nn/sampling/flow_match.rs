@@ -34,8 +34,11 @@
 use std::path::Path;
 
 use half::bf16;
+use serde::Deserialize;
 use serde_json::Value;
 use thiserror::Error;
+
+use crate::nn::config::parse_object;
 
 /// Errors of the sampler: a config it cannot reproduce, or bad arguments.
 #[derive(Debug, Error)]
@@ -46,7 +49,7 @@ pub enum SamplerError {
         #[source]
         source: std::io::Error,
     },
-    #[error("scheduler config: {0}")]
+    #[error("scheduler_config.json: {0}")]
     Config(String),
     #[error("sampler: {0}")]
     Argument(String),
@@ -117,33 +120,37 @@ impl Default for SchedulerConfig {
     }
 }
 
-fn get_f64(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<f64>, SamplerError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| SamplerError::Config(format!("{key} must be a number, found {v}"))),
-    }
+/// `scheduler_config.json` keys as the file spells them; `None` = absent or null (then the class default).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawScheduler {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+    num_train_timesteps: Option<u64>,
+    shift: Option<f64>,
+    use_dynamic_shifting: Option<bool>,
+    base_shift: Option<f64>,
+    max_shift: Option<f64>,
+    base_image_seq_len: Option<u64>,
+    max_image_seq_len: Option<u64>,
+    shift_terminal: Option<f64>,
+    time_shift_type: Option<String>,
+    use_karras_sigmas: Option<bool>,
+    use_exponential_sigmas: Option<bool>,
+    use_beta_sigmas: Option<bool>,
+    invert_sigmas: Option<bool>,
+    stochastic_sampling: Option<bool>,
 }
 
-fn get_u64(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<u64>, SamplerError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            SamplerError::Config(format!("{key} must be a non-negative integer, found {v}"))
-        }),
-    }
-}
-
-fn get_bool(obj: &serde_json::Map<String, Value>, key: &str) -> Result<bool, SamplerError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(SamplerError::Config(format!(
-            "{key} must be true or false, found {v}"
-        ))),
-    }
+/// Upper bounds of a scheduler config: far above every released value, and low enough that the shift
+/// arithmetic stays finite.
+pub mod limits {
+    /// `num_train_timesteps`.
+    pub const TRAIN_TIMESTEPS: u64 = 1 << 20;
+    /// `base_image_seq_len` and `max_image_seq_len`.
+    pub const SEQ_LEN: u64 = 1 << 32;
+    /// `|shift|`, `|base_shift|`, `|max_shift|`.
+    pub const SHIFT: f64 = 1e6;
 }
 
 impl SchedulerConfig {
@@ -160,54 +167,56 @@ impl SchedulerConfig {
     /// this sampler does not reproduce (karras/exponential/beta sigmas, inverted sigmas, stochastic sampling) are
     /// refused rather than ignored.
     pub fn from_json(value: &Value) -> Result<Self, SamplerError> {
-        let obj = value
-            .as_object()
-            .ok_or_else(|| SamplerError::Config("expected a JSON object".into()))?;
-        if let Some(class) = obj.get("_class_name").and_then(Value::as_str) {
+        let raw: RawScheduler = parse_object(value).map_err(SamplerError::Config)?;
+        if let Some(class) = &raw.class_name {
             if class != "FlowMatchEulerDiscreteScheduler" {
                 return Err(SamplerError::Config(format!(
-                    "_class_name is {class:?}; only FlowMatchEulerDiscreteScheduler is supported"
+                    "`_class_name` is {class:?}; only FlowMatchEulerDiscreteScheduler is supported"
                 )));
             }
         }
-        for key in [
-            "use_karras_sigmas",
-            "use_exponential_sigmas",
-            "use_beta_sigmas",
-            "invert_sigmas",
-            "stochastic_sampling",
+        for (key, on) in [
+            ("use_karras_sigmas", raw.use_karras_sigmas),
+            ("use_exponential_sigmas", raw.use_exponential_sigmas),
+            ("use_beta_sigmas", raw.use_beta_sigmas),
+            ("invert_sigmas", raw.invert_sigmas),
+            ("stochastic_sampling", raw.stochastic_sampling),
         ] {
-            if get_bool(obj, key)? {
+            if on == Some(true) {
                 return Err(SamplerError::Config(format!(
-                    "{key} = true is not supported by this sampler (set it to false or remove it)"
+                    "`{key}` = true is not supported by this sampler (set it to false or remove it)"
                 )));
             }
         }
         let d = SchedulerConfig::default();
-        let time_shift_type = match obj.get("time_shift_type").and_then(Value::as_str) {
+        let time_shift_type = match raw.time_shift_type.as_deref() {
             None | Some("exponential") => TimeShift::Exponential,
             Some("linear") => TimeShift::Linear,
-            Some(other) => {
-                return Err(SamplerError::Config(format!(
-                    "time_shift_type {other:?} is unknown (expected \"exponential\" or \"linear\")"
-                )))
-            }
+            Some(other) => return Err(SamplerError::Config(format!(
+                "`time_shift_type` {other:?} is unknown (expected \"exponential\" or \"linear\")"
+            ))),
         };
-        let num_train_timesteps = match get_u64(obj, "num_train_timesteps")? {
+        let num_train_timesteps = match raw.num_train_timesteps {
             None => d.num_train_timesteps,
-            Some(n) => u32::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| {
-                SamplerError::Config(format!("num_train_timesteps {n} is out of range"))
-            })?,
+            Some(n) => u32::try_from(n)
+                .ok()
+                .filter(|&n| n > 0 && u64::from(n) <= limits::TRAIN_TIMESTEPS)
+                .ok_or_else(|| {
+                    SamplerError::Config(format!(
+                        "`num_train_timesteps` {n} is out of range (1 to {})",
+                        limits::TRAIN_TIMESTEPS
+                    ))
+                })?,
         };
         let config = SchedulerConfig {
             num_train_timesteps,
-            shift: get_f64(obj, "shift")?.unwrap_or(d.shift),
-            use_dynamic_shifting: get_bool(obj, "use_dynamic_shifting")?,
-            base_shift: get_f64(obj, "base_shift")?.unwrap_or(d.base_shift),
-            max_shift: get_f64(obj, "max_shift")?.unwrap_or(d.max_shift),
-            base_image_seq_len: get_u64(obj, "base_image_seq_len")?.unwrap_or(d.base_image_seq_len),
-            max_image_seq_len: get_u64(obj, "max_image_seq_len")?.unwrap_or(d.max_image_seq_len),
-            shift_terminal: get_f64(obj, "shift_terminal")?.filter(|&v| v != 0.0),
+            shift: raw.shift.unwrap_or(d.shift),
+            use_dynamic_shifting: raw.use_dynamic_shifting.unwrap_or(false),
+            base_shift: raw.base_shift.unwrap_or(d.base_shift),
+            max_shift: raw.max_shift.unwrap_or(d.max_shift),
+            base_image_seq_len: raw.base_image_seq_len.unwrap_or(d.base_image_seq_len),
+            max_image_seq_len: raw.max_image_seq_len.unwrap_or(d.max_image_seq_len),
+            shift_terminal: raw.shift_terminal.filter(|&v| v != 0.0),
             time_shift_type,
         };
         config.validate()?;
@@ -237,7 +246,46 @@ impl SchedulerConfig {
         }
     }
 
-    fn validate(&self) -> Result<(), SamplerError> {
+    /// Checks the settings: positive finite shift, bounded ([`limits`]) sequence lengths and shifts.
+    pub fn validate(&self) -> Result<(), SamplerError> {
+        if self.num_train_timesteps == 0
+            || u64::from(self.num_train_timesteps) > limits::TRAIN_TIMESTEPS
+        {
+            return Err(SamplerError::Config(format!(
+                "`num_train_timesteps` {} is out of range (1 to {})",
+                self.num_train_timesteps,
+                limits::TRAIN_TIMESTEPS
+            )));
+        }
+        for (key, v) in [
+            ("base_image_seq_len", self.base_image_seq_len),
+            ("max_image_seq_len", self.max_image_seq_len),
+        ] {
+            if v > limits::SEQ_LEN {
+                return Err(SamplerError::Config(format!(
+                    "`{key}` = {v} is above the supported limit of {}",
+                    limits::SEQ_LEN
+                )));
+            }
+        }
+        for (key, v) in [
+            ("base_shift", self.base_shift),
+            ("max_shift", self.max_shift),
+        ] {
+            if !(v.is_finite() && v.abs() <= limits::SHIFT) {
+                return Err(SamplerError::Config(format!(
+                    "`{key}` must be a finite number of magnitude at most {}, found {v}",
+                    limits::SHIFT
+                )));
+            }
+        }
+        if self.shift > limits::SHIFT {
+            return Err(SamplerError::Config(format!(
+                "`shift` {} is above the supported limit of {}",
+                self.shift,
+                limits::SHIFT
+            )));
+        }
         if self.use_dynamic_shifting && self.base_image_seq_len == self.max_image_seq_len {
             return Err(SamplerError::Config(
                 "base_image_seq_len equals max_image_seq_len, so the dynamic shift is undefined"
@@ -246,14 +294,14 @@ impl SchedulerConfig {
         }
         if !self.shift.is_finite() || self.shift <= 0.0 {
             return Err(SamplerError::Config(format!(
-                "shift must be a positive number, found {}",
+                "`shift` must be a positive number, found {}",
                 self.shift
             )));
         }
         if let Some(t) = self.shift_terminal {
             if !(t.is_finite() && t < 1.0) {
                 return Err(SamplerError::Config(format!(
-                    "shift_terminal must be below 1, found {t}"
+                    "`shift_terminal` must be below 1, found {t}"
                 )));
             }
         }

@@ -122,6 +122,11 @@ fn latent_len(
     height: usize,
     width: usize,
 ) -> Result<usize, NoiseError> {
+    if [batch, channels, height, width].contains(&0) {
+        return Err(NoiseError::Invalid(format!(
+            "a latent of {batch} x {channels} x {height} x {width} is empty; every size must be positive"
+        )));
+    }
     element_count(&[batch, channels, height, width]).ok_or_else(|| {
         NoiseError::Invalid(format!(
             "a latent of {batch} x {channels} x {height} x {width} does not fit in memory"
@@ -165,10 +170,12 @@ pub fn load_noise(
     height: usize,
     width: usize,
 ) -> Result<TensorF32, NoiseError> {
-    let file = SafetensorsFile::open(path)?;
-    let tensor = file.to_f32(name)?;
+    // The sizes may come straight from a command line: check their product before using it.
+    latent_len(batch, channels, height, width)?;
     let tokens = height * width;
-    let shape = tensor.shape().to_vec();
+    let file = SafetensorsFile::open(path)?;
+    // The shape is checked from the header, before the data is converted.
+    let shape = file.info(name)?.shape.clone();
     let packed = [batch, tokens, channels];
     let planar = [
         vec![batch, 1, channels, height, width],
@@ -176,7 +183,7 @@ pub fn load_noise(
         vec![batch, channels, height, width],
     ];
     if shape == packed {
-        return Ok(tensor);
+        return Ok(file.to_f32(name)?);
     }
     if !planar.contains(&shape) {
         return Err(NoiseError::Invalid(format!(
@@ -186,6 +193,7 @@ pub fn load_noise(
             path.display()
         )));
     }
+    let tensor = file.to_f32(name)?;
     let src = tensor.data();
     let mut data = vec![0f32; src.len()];
     for (dst_image, src_image) in data
@@ -224,6 +232,17 @@ mod tests {
             / n;
         assert!(mean.abs() < 0.01, "mean {mean}");
         assert!((var - 1.0).abs() < 0.01, "variance {var}");
+    }
+
+    #[test]
+    fn hostile_sizes_are_errors_not_panics() {
+        assert!(packed_latents(0, 1, 0, 2, 2, LatentDtype::F32).is_err());
+        assert!(packed_latents(0, 1, 64, usize::MAX, 2, LatentDtype::F32).is_err());
+        let path = std::path::Path::new("/nonexistent/noise.safetensors");
+        let huge = 137_438_953_472;
+        let e = load_noise(path, "noise", 1, 64, huge, huge).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        assert!(load_noise(path, "noise", 1, 0, 2, 2).is_err());
     }
 
     #[test]
