@@ -358,6 +358,9 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
             "tf-engines".into(),
             "--bin".into(),
             "tf".into(),
+            // `tf bench attention` compares every attention tile: build the benchmark-only kernels in.
+            "--features".into(),
+            "bench-kernels".into(),
         ],
         &|t| t["name"] == "tf",
     )?;
@@ -368,7 +371,13 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
     })?;
     let mut tests = BTreeMap::new();
     if !targets.is_empty() {
-        let mut args: Vec<String> = vec!["test".into(), "--no-run".into()];
+        // The GPU tests compare every attention tile, the benchmark-only ones included.
+        let mut args: Vec<String> = vec![
+            "test".into(),
+            "--no-run".into(),
+            "--features".into(),
+            "tf-engines/bench-kernels".into(),
+        ];
         for (package, target) in &targets {
             args.extend([
                 "-p".into(),

@@ -13,10 +13,11 @@ use std::sync::Arc;
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 use tf_engines::nn::gpu::{
     key_limits_from_blocks, key_pad_from_valid, AttentionInputs, AttentionShape, AttentionTile,
-    Matrix, Modulation, ModulationRows, QkvInputs, QkvOutputs, Strides,
+    Matrix, Modulation, ModulationRows, NormKind, NormModulate, PartialRope, QkvInputs, QkvOutputs,
+    RopeNorm, RopeTable, RowModulation, Strides, SwigluOrder,
 };
-use tf_engines::qwen_image::ops::DitKernels;
 use tf_engines::nn::host;
+use tf_engines::qwen_image::ops::DitKernels;
 
 /// bf16 unit roundoff.
 const U: f64 = 1.0 / 256.0;
@@ -32,7 +33,8 @@ fn gpu() -> Gpu {
     let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
     let ctx = Context::new(driver, 0).expect("create a context on device 0");
     let stream = Stream::new(&ctx, true).expect("create a stream");
-    let kernels = DitKernels::load(&ctx).expect("load the shared and the qwen_image_dit kernel sets");
+    let kernels =
+        DitKernels::load(&ctx).expect("load the shared and the qwen_image_dit kernel sets");
     for tile in AttentionTile::ALL {
         println!(
             "attention tile {tile:?} ({}) loaded: {}",
@@ -1115,4 +1117,271 @@ fn attention_real_shapes_match_host() {
         causal: true,
     };
     run_attention_case(&g, &extract, &mut rng);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn norm_modulate_matches_host() {
+    let g = gpu();
+    let mut rng = Rng(21);
+    let (rows, cols, n_mod) = (12, 3072, 3);
+    let (x_bits, x) = random_bf16(&mut rng, rows * cols, -3.0, 3.0);
+    let (w_bits, w) = random_bf16(&mut rng, 2 * cols, -1.5, 1.5);
+    // [n_mod, shift | scale] rows.
+    let (m_bits, m) = random_bf16(&mut rng, n_mod * 2 * cols, -0.5, 0.5);
+    let shift: Vec<f32> = (0..n_mod)
+        .flat_map(|r| m[r * 2 * cols..r * 2 * cols + cols].to_vec())
+        .collect();
+    let scale: Vec<f32> = (0..n_mod)
+        .flat_map(|r| m[r * 2 * cols + cols..(r + 1) * 2 * cols].to_vec())
+        .collect();
+    let index: Vec<i32> = (0..rows).map(|r| ((r * 7) % n_mod) as i32).collect();
+    let row_mod: Vec<usize> = index.iter().map(|&i| i as usize).collect();
+    let (x_dev, w_dev, m_dev, i_dev) = (
+        upload(&g, &x_bits),
+        upload(&g, &w_bits),
+        upload(&g, &m_bits),
+        upload(&g, &index),
+    );
+    let mut y_dev = upload(&g, &vec![0u16; rows * cols]);
+    let (wv, bv) = (
+        w_dev.slice(0, cols * 2).unwrap(),
+        w_dev.slice(cols * 2, cols * 2).unwrap(),
+    );
+    let (mv, iv) = (m_dev.view(), i_dev.view());
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        for (affine, modulated, shifted) in [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, true),
+        ] {
+            let modulation = RowModulation {
+                data: &mv,
+                rows: n_mod,
+                stride: 2 * cols,
+                scale_offset: cols,
+                shift_offset: shifted.then_some(0),
+                select: tf_engines::nn::gpu::ModulationRows::targets_only(1),
+                row_index: Some(&iv),
+            };
+            let norm = NormModulate {
+                kind,
+                weight: affine.then_some(&wv),
+                bias: (affine && kind == NormKind::LayerNorm).then_some(&bv),
+                eps: EPS,
+                modulation: modulated.then_some(modulation),
+            };
+            g.kernels
+                .norm_modulate(
+                    &g.stream,
+                    &x_dev.view(),
+                    Matrix::dense(rows, cols),
+                    &mut y_dev.view_mut(),
+                    cols,
+                    &norm,
+                )
+                .expect("launch norm_modulate");
+            let parts = host::NormModulation {
+                weight: affine.then_some(&w[..cols]),
+                bias: (affine && kind == NormKind::LayerNorm).then_some(&w[cols..]),
+                scale: modulated.then_some(&scale[..]),
+                shift: shifted.then_some(&shift[..]),
+                n_mod,
+                row_mod: &row_mod,
+            };
+            let host_kind = match kind {
+                NormKind::LayerNorm => host::NormKind::LayerNorm,
+                NormKind::RmsNorm => host::NormKind::RmsNorm,
+            };
+            let mut want = vec![0f32; rows * cols];
+            host::norm_modulate(&x, rows, cols, host_kind, parts, EPS, &mut want)
+                .expect("host reference");
+            check_rounded_once(
+                "norm_modulate",
+                &format!("{kind:?} affine {affine} modulated {modulated} shift {shifted}"),
+                &download_bf16(&g, &y_dev),
+                &want,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn partial_rope_matches_host() {
+    let g = gpu();
+    let mut rng = Rng(22);
+    // (head_dim, rotated): the H3 DiT and its VAE; the whole head as a check of the full-width case.
+    for (head_dim, rotated) in [(128usize, 96usize), (64, 48), (128, 128)] {
+        let (rows, q_heads, kv_heads) = (9, 4, 2);
+        let heads = q_heads + kv_heads;
+        let cols = (heads + kv_heads) * head_dim;
+        let (bits, values) = random_bf16(&mut rng, rows * cols, -3.0, 3.0);
+        let half = rotated / 2;
+        let (cos, sin) = tf_engines::nn::host::rotate_half_tables(rows, 0, rotated, 10_000.0);
+        for table in [RopeTable::F32, RopeTable::Bf16] {
+            let (cos_dev, sin_dev) = match table {
+                RopeTable::F32 => (upload(&g, &cos), upload(&g, &sin)),
+                RopeTable::Bf16 => {
+                    let b = |t: &[f32]| t.iter().map(|&v| to_bf16(v)).collect::<Vec<u16>>();
+                    (upload(&g, &b(&cos)), upload(&g, &b(&sin)))
+                }
+            };
+            let mut qkv = upload(&g, &bits);
+            let (cv, sv) = (cos_dev.view(), sin_dev.view());
+            let mut view = qkv.view_mut();
+            g.kernels
+                .rope_half_partial(
+                    &g.stream,
+                    &PartialRope {
+                        qkv: &mut view,
+                        qkv_layout: Matrix::dense(rows, cols),
+                        q_heads,
+                        kv_heads,
+                        head_dim,
+                        rotated,
+                        norm: RopeNorm::Plain { eps: EPS },
+                        rope_cos: &cv,
+                        rope_sin: &sv,
+                        rope_stride: half,
+                        table,
+                    },
+                )
+                .expect("launch rope_half_partial");
+            drop(view);
+            let got = download_bf16(&g, &qkv);
+            // Host: per-head RMSNorm without weight (rounded to bf16 as the kernel does), then the partial rotation.
+            let mut want = values.clone();
+            for r in 0..rows {
+                let mut heads_x: Vec<f32> = values[r * cols..r * cols + heads * head_dim].to_vec();
+                let ones = vec![1f32; head_dim];
+                let mut normed = vec![0f32; heads * head_dim];
+                host::rms_norm(&heads_x, heads, head_dim, &ones, EPS, &mut normed)
+                    .expect("host norm");
+                heads_x = normed.iter().map(|&v| from_bf16(to_bf16(v))).collect();
+                host::rope_rotate_half_partial(
+                    &mut heads_x,
+                    1,
+                    heads,
+                    head_dim,
+                    rotated,
+                    &cos[r * half..(r + 1) * half],
+                    &sin[r * half..(r + 1) * half],
+                )
+                .expect("host rope");
+                want[r * cols..r * cols + heads * head_dim].copy_from_slice(&heads_x);
+            }
+            // The kernel rounds each product and the sum (3 roundings of values up to |n| ~ 3): 4 U relative.
+            let bound = 4.0 * U * max_abs(&want);
+            check(
+                "rope_half_partial",
+                &format!("d{head_dim} r{rotated} {table:?}"),
+                &got,
+                &want,
+                bound,
+                4.0 * U,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn swiglu_value_gate_matches_host() {
+    let g = gpu();
+    let mut rng = Rng(23);
+    let (rows, hidden) = (7, 2048);
+    let (bits, values) = random_bf16(&mut rng, rows * 2 * hidden, -6.0, 6.0);
+    let in_dev = upload(&g, &bits);
+    let mut out_dev = upload(&g, &vec![0u16; rows * hidden]);
+    for (order, gate_first) in [
+        (SwigluOrder::GateValue, true),
+        (SwigluOrder::ValueGate, false),
+    ] {
+        g.kernels
+            .swiglu_ordered(
+                &g.stream,
+                order,
+                &in_dev.view(),
+                Matrix::dense(rows, 2 * hidden),
+                &mut out_dev.view_mut(),
+                hidden,
+            )
+            .expect("launch swiglu");
+        let mut want = vec![0f32; rows * hidden];
+        host::swiglu_fused(&values, rows, hidden, gate_first, &mut want).expect("host reference");
+        check_rounded_once(
+            "swiglu",
+            &format!("{order:?}"),
+            &download_bf16(&g, &out_dev),
+            &want,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn attention_d64_matches_host() {
+    let g = gpu();
+    let mut rng = Rng(24);
+    // The H3 video VAE: 32 heads of 64, no mask; an odd token count exercises the partial tiles.
+    let (heads, tokens) = (32usize, 333usize);
+    let width = heads * 64;
+    let (q_bits, q) = random_bf16(&mut rng, tokens * width, -2.0, 2.0);
+    let (k_bits, k) = random_bf16(&mut rng, tokens * width, -2.0, 2.0);
+    let (v_bits, v) = random_bf16(&mut rng, tokens * width, -1.0, 1.0);
+    let (q_dev, k_dev, v_dev) = (
+        upload(&g, &q_bits),
+        upload(&g, &k_bits),
+        upload(&g, &v_bits),
+    );
+    let mut o_dev = upload(&g, &vec![0u16; tokens * width]);
+    let strides = Strides {
+        batch: tokens * width,
+        row: width,
+    };
+    let (qv, kv, vv) = (q_dev.view(), k_dev.view(), v_dev.view());
+    let inputs = AttentionInputs {
+        q: &qv,
+        q_strides: strides,
+        prefix: None,
+        k: &kv,
+        v: &vv,
+        kv_strides: strides,
+        key_limit: None,
+        key_pad: None,
+        scale: 0.125,
+    };
+    let shape = AttentionShape {
+        batch: 1,
+        num_queries: tokens,
+        num_keys: tokens,
+        prefix_len: 0,
+        num_heads: heads,
+        num_kv_heads: heads,
+    };
+    g.kernels
+        .attention_d64(&g.stream, shape, &inputs, &mut o_dev.view_mut(), strides)
+        .expect("launch attention d64");
+    let got = download_bf16(&g, &o_dev);
+    let block_ids = vec![0i32; tokens];
+    let key_valid = vec![true; tokens];
+    let mask = host::AttentionMask {
+        q_offset: 0,
+        block_ids: &block_ids,
+        key_valid: &key_valid,
+    };
+    let mut want = vec![0f32; tokens * width];
+    host::attention(&q, &k, &v, tokens, tokens, heads, 64, mask, &mut want)
+        .expect("host attention");
+    // As the d128 tiles: P rounded to bf16 before P.V, the output once more.
+    check(
+        "attention d64",
+        &format!("{heads}x64, {tokens} tokens"),
+        &got,
+        &want,
+        2.0 * U,
+        2.0 * U,
+    );
 }

@@ -587,6 +587,260 @@ pub fn rope_rotate_half(
     Ok(())
 }
 
+/// Which statistics [`norm_modulate`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// `(x - mean) / sqrt(var + eps)`.
+    LayerNorm,
+    /// `x / sqrt(mean(x^2) + eps)`.
+    RmsNorm,
+}
+
+/// The optional parts of [`norm_modulate`]: a per-column affine `weight` (and `bias`), then per-row `(1 + scale)`
+/// and `+ shift` from `[n_mod, cols]` tables, row `r` using row `row_mod[r]`.
+#[derive(Clone, Copy, Debug)]
+pub struct NormModulation<'a> {
+    pub weight: Option<&'a [f32]>,
+    pub bias: Option<&'a [f32]>,
+    pub scale: Option<&'a [f32]>,
+    pub shift: Option<&'a [f32]>,
+    pub n_mod: usize,
+    pub row_mod: &'a [usize],
+}
+
+/// LayerNorm or RMSNorm of each row of `x` (`[rows, cols]`), affine or not, optionally modulated:
+/// `out = norm(x) (* weight (+ bias)) (* (1 + scale[m]) (+ shift[m]))` with `m = row_mod[r]`.
+pub fn norm_modulate(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    kind: NormKind,
+    parts: NormModulation<'_>,
+    eps: f32,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let n = checked_product("norm_modulate x", &[rows, cols])?;
+    check_len("norm_modulate x", x.len(), n)?;
+    check_len("norm_modulate out", out.len(), n)?;
+    for (what, v) in [
+        ("norm_modulate weight", parts.weight),
+        ("norm_modulate bias", parts.bias),
+    ] {
+        if let Some(v) = v {
+            check_len(what, v.len(), cols)?;
+        }
+    }
+    let table = checked_product("norm_modulate scale", &[parts.n_mod, cols])?;
+    for (what, v) in [
+        ("norm_modulate scale", parts.scale),
+        ("norm_modulate shift", parts.shift),
+    ] {
+        if let Some(v) = v {
+            check_len(what, v.len(), table)?;
+        }
+    }
+    if parts.scale.is_some() || parts.shift.is_some() {
+        check_row_mod(parts.row_mod, rows, parts.n_mod)?;
+    }
+    if cols == 0 {
+        return Ok(());
+    }
+    for (r, (x_row, out_row)) in x
+        .chunks_exact(cols)
+        .zip(out.chunks_exact_mut(cols))
+        .enumerate()
+    {
+        let (mean, rstd) = match kind {
+            NormKind::LayerNorm => mean_rstd(x_row, eps),
+            NormKind::RmsNorm => {
+                let ms = x_row
+                    .iter()
+                    .map(|&v| f64::from(v) * f64::from(v))
+                    .sum::<f64>()
+                    / cols as f64;
+                (0.0, 1.0 / (ms + f64::from(eps)).sqrt())
+            }
+        };
+        let m = parts.row_mod.get(r).copied().unwrap_or(0);
+        for (c, (o, &v)) in out_row.iter_mut().zip(x_row).enumerate() {
+            let mut y = (f64::from(v) - mean) * rstd;
+            if let Some(w) = parts.weight {
+                y *= f64::from(w[c]);
+                if let Some(b) = parts.bias {
+                    y += f64::from(b[c]);
+                }
+            }
+            if let Some(s) = parts.scale {
+                y *= 1.0 + f64::from(s[m * cols + c]);
+            }
+            if let Some(h) = parts.shift {
+                y += f64::from(h[m * cols + c]);
+            }
+            *o = y as f32;
+        }
+    }
+    Ok(())
+}
+
+/// Rotate-half RoPE over the first `rotated` channels of each head (partial RoPE), in place; channels
+/// `rotated..head_dim` pass through. Tables are `[tokens, rotated / 2]`; the reference casts them to bf16 (the
+/// activations' dtype) before use, and so does this function, whether they were computed in f32 or not.
+pub fn rope_rotate_half_partial(
+    x: &mut [f32],
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    rotated: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(), ShapeError> {
+    if rotated > head_dim || !rotated.is_multiple_of(2) {
+        return Err(ShapeError::new(
+            "rope_rotate_half_partial rotated",
+            format!("an even width within 0..={head_dim}"),
+            format!("{rotated}"),
+        ));
+    }
+    let expected = checked_product("rope_rotate_half_partial x", &[tokens, heads, head_dim])?;
+    check_len("rope_rotate_half_partial x", x.len(), expected)?;
+    let half = rotated / 2;
+    let table = checked_product("rope_rotate_half_partial tables", &[tokens, half])?;
+    check_len("rope_rotate_half_partial cos", cos.len(), table)?;
+    check_len("rope_rotate_half_partial sin", sin.len(), table)?;
+    if head_dim == 0 || heads == 0 || half == 0 {
+        return Ok(());
+    }
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
+    for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        for head in token.chunks_exact_mut(head_dim) {
+            let (lo, hi) = head[..rotated].split_at_mut(half);
+            for (j, (a, b)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+                let (c, s) = (bf16(cos[t * half + j]), bf16(sin[t * half + j]));
+                let (x1, x2) = (*a, *b);
+                *a = x1 * c + (-x2) * s;
+                *b = x2 * c + x1 * s;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// SwiGLU of a fused `[rows, 2 * hidden]` matrix: `out[r, c] = silu(gate) * value`, the gate half first
+/// (`gate_first`, `[gate | value]`) or second (`[value | gate]`).
+pub fn swiglu_fused(
+    fused: &[f32],
+    rows: usize,
+    hidden: usize,
+    gate_first: bool,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let n = checked_product("swiglu_fused out", &[rows, hidden])?;
+    check_len(
+        "swiglu_fused fused",
+        fused.len(),
+        checked_product("swiglu_fused", &[n, 2])?,
+    )?;
+    check_len("swiglu_fused out", out.len(), n)?;
+    if hidden == 0 {
+        return Ok(());
+    }
+    for (row, o) in fused
+        .chunks_exact(2 * hidden)
+        .zip(out.chunks_exact_mut(hidden))
+    {
+        let (first, second) = row.split_at(hidden);
+        let (gate, value) = if gate_first {
+            (first, second)
+        } else {
+            (second, first)
+        };
+        swiglu(gate, value, o)?;
+    }
+    Ok(())
+}
+
+/// Adds `bias` (`[cols]`) to every row of `x` (`[rows, cols]`) in place: the bias of a linear layer.
+pub fn add_bias(x: &mut [f32], rows: usize, cols: usize, bias: &[f32]) -> Result<(), ShapeError> {
+    check_len("add_bias x", x.len(), checked_product("add_bias x", &[rows, cols])?)?;
+    check_len("add_bias bias", bias.len(), cols)?;
+    if cols == 0 {
+        return Ok(());
+    }
+    for row in x.chunks_exact_mut(cols) {
+        for (v, &b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+    Ok(())
+}
+
+/// Plain gated residual in place, `x[r] += gate[row_mod[r]] * y[r]` (no tanh, unlike [`gated_residual`]).
+/// `gate` is `[n_mod, cols]`.
+pub fn gate_residual(
+    x: &mut [f32],
+    rows: usize,
+    cols: usize,
+    y: &[f32],
+    gate: &[f32],
+    n_mod: usize,
+    row_mod: &[usize],
+) -> Result<(), ShapeError> {
+    let n = checked_product("gate_residual x", &[rows, cols])?;
+    check_len("gate_residual x", x.len(), n)?;
+    check_len("gate_residual y", y.len(), n)?;
+    check_len(
+        "gate_residual gate",
+        gate.len(),
+        checked_product("gate", &[n_mod, cols])?,
+    )?;
+    check_row_mod(row_mod, rows, n_mod)?;
+    if cols == 0 {
+        return Ok(());
+    }
+    for ((x_row, y_row), &m) in x
+        .chunks_exact_mut(cols)
+        .zip(y.chunks_exact(cols))
+        .zip(row_mod)
+    {
+        let g_row = &gate[m * cols..(m + 1) * cols];
+        for ((xv, &yv), &g) in x_row.iter_mut().zip(y_row).zip(g_row) {
+            *xv = (f64::from(*xv) + f64::from(g) * f64::from(yv)) as f32;
+        }
+    }
+    Ok(())
+}
+
+/// Sinusoidal embedding of unscaled values, cos first: for `v` in `values`,
+/// `args_i = v * exp(-ln(10000) i / half)`, `out = [cos(args) | sin(args)]`, `half = dim / 2` (an odd `dim` gets a
+/// trailing zero). Frequencies and arguments are rounded to f32 as the reference does; [`timestep_embedding`] is
+/// this function at `1000 t`.
+pub fn sinusoidal_embedding(values: &[f32], dim: usize, out: &mut [f32]) -> Result<(), ShapeError> {
+    check_len(
+        "sinusoidal_embedding out",
+        out.len(),
+        checked_product("out", &[values.len(), dim])?,
+    )?;
+    let half = dim / 2;
+    let neg_log = -(10000f64.ln()) as f32;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| f64::from((neg_log * i as f32) / half as f32).exp() as f32)
+        .collect();
+    if dim == 0 {
+        return Ok(());
+    }
+    for (&v, row) in values.iter().zip(out.chunks_exact_mut(dim)) {
+        for (i, &f) in freqs.iter().enumerate() {
+            let arg = f64::from(v * f);
+            row[i] = arg.cos() as f32;
+            row[half + i] = arg.sin() as f32;
+        }
+        if dim % 2 == 1 {
+            row[dim - 1] = 0.0;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -754,5 +1008,38 @@ mod tests {
             ),
             "{out:?}"
         );
+    }
+
+    #[test]
+    fn add_bias_adds_per_column() {
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        add_bias(&mut x, 2, 2, &[0.5, -1.0]).unwrap();
+        assert_eq!(x, vec![1.5, 1.0, 3.5, 3.0]);
+        assert!(add_bias(&mut x, 2, 2, &[0.5]).is_err());
+    }
+
+    #[test]
+    fn gate_residual_is_plain_and_per_row() {
+        let mut x = vec![1.0, 1.0, 1.0, 1.0];
+        let y = vec![2.0, 3.0, 4.0, 5.0];
+        let gate = vec![0.5, 0.5, -1.0, 2.0];
+        gate_residual(&mut x, 2, 2, &y, &gate, 2, &[1, 0]).unwrap();
+        assert_eq!(x, vec![-1.0, 7.0, 3.0, 3.5]);
+        assert!(gate_residual(&mut x, 2, 2, &y, &gate, 2, &[2, 0]).is_err());
+    }
+
+    #[test]
+    fn sinusoidal_embedding_is_the_unscaled_timestep_embedding() {
+        let t = [0.0f32, 0.25, 0.999];
+        let mut a = vec![0f32; 3 * 8];
+        let mut b = vec![0f32; 3 * 8];
+        timestep_embedding(&t, 8, &mut a).unwrap();
+        let scaled: Vec<f32> = t.iter().map(|&v| 1000.0f32 * v).collect();
+        sinusoidal_embedding(&scaled, 8, &mut b).unwrap();
+        assert_eq!(a, b);
+        sinusoidal_embedding(&[0.5], 8, &mut b[..8]).unwrap();
+        assert_eq!(b[0], 0.5f32.cos());
+        assert!((b[4] - 0.5f32.sin()).abs() < 1e-7);
+        assert!(sinusoidal_embedding(&[0.5], 8, &mut b[..7]).is_err());
     }
 }

@@ -12,8 +12,45 @@ use super::NnKernels;
 /// Name of the kernel set holding the activation kernels.
 pub const ACT_SET: &str = "nn_act";
 
+/// Which half of a fused SwiGLU GEMM output holds the gate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SwigluOrder {
+    /// `[gate | value]` (Qwen-Image, Qwen3): kernel nn_swiglu.
+    #[default]
+    GateValue,
+    /// `[value | gate]` (MiniMax H3): kernel nn_swiglu_value_gate.
+    ValueGate,
+}
+
+impl SwigluOrder {
+    /// The kernel's symbol.
+    pub fn kernel(self) -> &'static str {
+        match self {
+            SwigluOrder::GateValue => "nn_swiglu",
+            SwigluOrder::ValueGate => "nn_swiglu_value_gate",
+        }
+    }
+}
+
 /// Builds `out = silu(gate) * up` from a fused `[gate | up]` matrix of 2 * hidden columns (kernel nn_swiglu).
 pub fn plan_swiglu<'a>(
+    gate_up: &'a DeviceView<'_>,
+    gate_up_layout: Matrix,
+    out: &'a DeviceViewMut<'_>,
+    out_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_swiglu_ordered(
+        SwigluOrder::GateValue,
+        gate_up,
+        gate_up_layout,
+        out,
+        out_stride,
+    )
+}
+
+/// Builds `out = silu(gate) * value` from a fused matrix of 2 * hidden columns whose halves are in `order`.
+pub fn plan_swiglu_ordered<'a>(
+    order: SwigluOrder,
     gate_up: &'a DeviceView<'_>,
     gate_up_layout: Matrix,
     out: &'a DeviceViewMut<'_>,
@@ -49,7 +86,7 @@ pub fn plan_swiglu<'a>(
         .push(to_i32(OP, "rows", gate_up_layout.rows)?)
         .push(to_i32(OP, "hidden", hidden)?);
     Ok(Launch::new(
-        "nn_swiglu",
+        order.kernel(),
         row_grid(OP, gate_up_layout.rows, hidden)?,
         args,
     ))
@@ -86,6 +123,22 @@ fn plan_elementwise<'a>(
 }
 
 impl NnKernels {
+    /// SwiGLU of a fused matrix with its halves in `order`; see [`plan_swiglu_ordered`].
+    pub fn swiglu_ordered(
+        &self,
+        stream: &Stream,
+        order: SwigluOrder,
+        fused: &DeviceView<'_>,
+        fused_layout: Matrix,
+        out: &mut DeviceViewMut<'_>,
+        out_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_swiglu_ordered(order, fused, fused_layout, out, out_stride)?,
+        )
+    }
+
     /// SwiGLU of a fused gate|up matrix; see [`plan_swiglu`].
     pub fn swiglu(
         &self,
@@ -176,5 +229,11 @@ mod tests {
         assert_eq!(launch.args.get::<i64>(2), Some(1003));
         assert_eq!(launch.config.grid.x, 1);
         assert!(plan_elementwise("silu", "nn_silu", x, x, 1004).is_err());
+    }
+
+    #[test]
+    fn swiglu_order_picks_the_kernel() {
+        assert_eq!(SwigluOrder::default().kernel(), "nn_swiglu");
+        assert_eq!(SwigluOrder::ValueGate.kernel(), "nn_swiglu_value_gate");
     }
 }

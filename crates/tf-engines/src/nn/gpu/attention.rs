@@ -565,7 +565,8 @@ pub fn key_pad_from_valid(key_valid: &[bool]) -> Result<Option<(i32, i32)>, tf_c
     )))
 }
 
-/// FLOPs of one attention call (the 4 * q * k * d * heads * batch convention; masked work included).
+/// FLOPs of one head-dim-128 attention call (the 4 * q * k * d * heads * batch convention; masked work
+/// included).
 pub fn attention_flops(shape: AttentionShape) -> f64 {
     4.0 * shape.batch as f64
         * shape.num_heads as f64
@@ -602,7 +603,20 @@ impl NnKernels {
         self.attention_with(stream, self.preferred_tile(), shape, inputs, o, o_strides)
     }
 
-    /// Flash attention with an explicit tile shape (benchmarks compare them).
+    /// Flash attention at head dim 64 (no wgmma variant: the mma.sync kernel on every GPU); the operands are as
+    /// [`Self::attention`]'s with 64 channels per head.
+    pub fn attention_d64(
+        &self,
+        stream: &Stream,
+        shape: AttentionShape,
+        inputs: &AttentionInputs<'_, '_>,
+        o: &mut DeviceViewMut<'_>,
+        o_strides: Strides,
+    ) -> Result<(), tf_cuda::Error> {
+        self.attention_with(stream, AttentionTile::D64W8S2, shape, inputs, o, o_strides)
+    }
+
+    /// Flash attention with an explicit tile shape (benchmarks compare them; the tile fixes the head dim).
     pub fn attention_with(
         &self,
         stream: &Stream,
@@ -782,5 +796,55 @@ mod tests {
                 prop_assert_eq!(padded, !v);
             }
         }
+    }
+
+    /// Head dim 64: the operands are checked at 64 channels per head and the d64 kernel is named.
+    #[test]
+    fn d64_attention_plans_at_64_channels_per_head() {
+        let _serial = tf_testdriver::test_lock();
+        let ctx = crate::nn::gpu::test_support::context();
+        let (heads, rows) = (32usize, 20usize);
+        let width = heads * 64;
+        let buf = |n: usize| crate::nn::gpu::test_support::buffer(&ctx, n);
+        let (q, k, v, mut o) = (
+            buf(rows * width * BF16),
+            buf(rows * width * BF16),
+            buf(rows * width * BF16),
+            buf(rows * width * BF16),
+        );
+        let (qv, kv, vv, ov) = (q.view(), k.view(), v.view(), o.view_mut());
+        let strides = Strides {
+            batch: rows * width,
+            row: width,
+        };
+        let inputs = AttentionInputs {
+            q: &qv,
+            q_strides: strides,
+            prefix: None,
+            k: &kv,
+            v: &vv,
+            kv_strides: strides,
+            key_limit: None,
+            key_pad: None,
+            scale: 0.125,
+        };
+        let shape = AttentionShape {
+            batch: 1,
+            num_queries: rows,
+            num_keys: rows,
+            prefix_len: 0,
+            num_heads: heads,
+            num_kv_heads: heads,
+        };
+        let launch = plan_attention(AttentionTile::D64W8S2, shape, &inputs, &ov, strides).unwrap();
+        assert_eq!(launch.kernel, "nn_attention_d64_w8s2");
+        assert_eq!(
+            launch.config.shared_bytes,
+            AttentionTile::D64W8S2.shared_bytes()
+        );
+        assert_eq!((launch.config.grid.x, launch.config.grid.y), (1, 32));
+        // The same buffers hold only half of what 32 heads of 128 need.
+        let err = plan_attention(AttentionTile::W8S2, shape, &inputs, &ov, strides).unwrap_err();
+        assert!(err.to_string().contains("row stride"), "{err}");
     }
 }

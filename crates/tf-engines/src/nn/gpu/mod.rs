@@ -55,12 +55,22 @@ use tf_cuda::{Context, Stream};
 
 /// The kernels of the norm, RoPE, activation and copy sets, by name.
 const SHARED_SETS: &[(&str, &[&str])] = &[
-    (NORM_SET, &["nn_rms_norm"]),
+    (NORM_SET, &["nn_rms_norm", "nn_norm_modulate"]),
     (
         ROPE_SET,
-        &["nn_qk_norm_rope_interleaved", "nn_qk_norm_rope_half"],
+        &[
+            "nn_qk_norm_rope_interleaved",
+            "nn_qk_norm_rope_half",
+            "nn_rope_half_partial_d128_f32",
+            "nn_rope_half_partial_d128_bf16",
+            "nn_rope_half_partial_d64_f32",
+            "nn_rope_half_partial_d64_bf16",
+        ],
     ),
-    (ACT_SET, &["nn_swiglu", "nn_gelu_tanh", "nn_silu"]),
+    (
+        ACT_SET,
+        &["nn_swiglu", "nn_swiglu_value_gate", "nn_gelu_tanh", "nn_silu"],
+    ),
     (
         COPY_SET,
         &[

@@ -1,11 +1,15 @@
-//! Row norms: the affine RMSNorm of Qwen3-style text models ([`plan_rms_norm`]), plus the pieces every adaLN-style
-//! kernel shares: the row-norm argument packing, the modulation-row rule ([`ModulationRows`]) and modulation
+//! Row norms: the affine RMSNorm of Qwen3-style text models ([`plan_rms_norm`]); LayerNorm or RMSNorm, affine or
+//! not, optionally followed by `*(1 + scale)` or `*(1 + scale) + shift` per row ([`plan_norm_modulate`]); and the
+//! pieces every adaLN-style kernel shares: the row-norm argument packing, the modulation-row rule ([`ModulationRows`]) and modulation
 //! blocks ([`Modulation`]). Kernel set `nn_norm`.
 
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{DeviceView, DeviceViewMut, Stream};
 
-use super::launch::{check_matrix, invalid, to_i32, to_u32, Launch, Matrix, Operand, ROW_THREADS};
+use super::launch::{
+    check_aligned_to, check_bytes, check_matrix, invalid, to_i32, to_u32, Launch, Matrix, Operand,
+    ROW_THREADS,
+};
 use super::NnKernels;
 
 /// Name of the kernel set holding the norm kernels.
@@ -236,7 +240,173 @@ pub fn plan_rms_norm<'a>(
     )
 }
 
+/// Which statistics a [`NormModulate`] row norm uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// `(x - mean) * rsqrt(var + eps)`.
+    LayerNorm,
+    /// `x * rsqrt(mean(x^2) + eps)`.
+    RmsNorm,
+}
+
+/// Per-row `(1 + scale)` and optional `+ shift` after a [`NormModulate`] norm: `scale` (and `shift`) are column
+/// blocks of one modulation tensor (`rows` modulation rows of `stride` bf16 elements).
+#[derive(Clone, Copy, Debug)]
+pub struct RowModulation<'v, 'a> {
+    pub data: &'v DeviceView<'a>,
+    pub rows: usize,
+    pub stride: usize,
+    /// Column where the scale block starts.
+    pub scale_offset: usize,
+    /// Column where the shift block starts; `None`: scale only.
+    pub shift_offset: Option<usize>,
+    /// Which modulation row each activation row uses: the rule, unless `row_index` is given.
+    pub select: ModulationRows,
+    /// One i32 modulation row per activation row (`rows` of them; the caller checks them against `rows`: the
+    /// kernel clamps an index out of range so it cannot read outside the tensor).
+    pub row_index: Option<&'v DeviceView<'a>>,
+}
+
+/// A LayerNorm or RMSNorm, affine or not, optionally modulated (kernel nn_norm_modulate):
+/// `n = norm(x) (* weight (+ bias)) (* (1 + scale) (+ shift))`, f32 throughout, rounded to bf16 once.
+#[derive(Clone, Copy, Debug)]
+pub struct NormModulate<'v, 'a> {
+    pub kind: NormKind,
+    /// Per-column weight (bf16, `cols`); `None`: no affine.
+    pub weight: Option<&'v DeviceView<'a>>,
+    /// Per-column bias (bf16, `cols`), only with a weight.
+    pub bias: Option<&'v DeviceView<'a>>,
+    pub eps: f32,
+    pub modulation: Option<RowModulation<'v, 'a>>,
+}
+
+/// Builds a [`NormModulate`] over `x` into `y` (kernel nn_norm_modulate).
+pub fn plan_norm_modulate<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    y: &'a DeviceViewMut<'_>,
+    y_stride: usize,
+    norm: &NormModulate<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "norm_modulate";
+    let cols = x_layout.cols;
+    check_norm_cols(OP, cols)?;
+    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
+        return Err(invalid(
+            OP,
+            format!("eps {} must be finite and >= 0", norm.eps),
+        ));
+    }
+    check_matrix(OP, "x", Operand::of(x), x_layout)?;
+    check_matrix(OP, "y", Operand::of_mut(y), x_layout.with_stride(y_stride))?;
+    if norm.bias.is_some() && norm.weight.is_none() {
+        return Err(invalid(OP, "a bias needs a weight (affine norm)"));
+    }
+    for (name, view) in [("weight", norm.weight), ("bias", norm.bias)] {
+        if let Some(view) = view {
+            check_matrix(OP, name, Operand::of(view), Matrix::dense(1, cols))?;
+        }
+    }
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?)
+        .push_addr(norm.weight.map_or(0, |w| w.addr()))
+        .push_addr(norm.bias.map_or(0, |b| b.addr()))
+        .push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", cols)?)
+        .push(norm.eps)
+        .push(i32::from(norm.kind == NormKind::LayerNorm));
+    match &norm.modulation {
+        None => {
+            args.push_addr(0)
+                .push(0i32)
+                .push(0i32)
+                .push(0i32)
+                .push(-1i32);
+            push_select(&mut args, OP, ModulationRows::targets_only(1))?;
+            args.push_addr(0);
+        }
+        Some(m) => {
+            let block = |offset: usize| Modulation {
+                data: m.data,
+                rows: m.rows,
+                stride: m.stride,
+                offset,
+            };
+            let select = if m.row_index.is_some() {
+                // The index decides; the rule is not used but must describe a valid layout.
+                ModulationRows::targets_only(1)
+            } else {
+                m.select
+            };
+            if m.row_index.is_none() {
+                check_modulation(OP, &block(m.scale_offset), cols, x_layout.rows, select)?;
+                if let Some(shift) = m.shift_offset {
+                    check_modulation(OP, &block(shift), cols, x_layout.rows, select)?;
+                }
+            } else {
+                for offset in std::iter::once(m.scale_offset).chain(m.shift_offset) {
+                    // A whole-tensor check: any row may be chosen.
+                    check_modulation(
+                        OP,
+                        &block(offset),
+                        cols,
+                        m.rows,
+                        ModulationRows::targets_only(1),
+                    )?;
+                }
+            }
+            if m.rows == 0 {
+                return Err(invalid(OP, "modulation needs at least one row"));
+            }
+            let shift = match m.shift_offset {
+                Some(offset) => to_i32(OP, "shift offset", offset)?,
+                None => -1,
+            };
+            args.push_addr(m.data.addr())
+                .push(to_i32(OP, "modulation stride", m.stride)?)
+                .push(to_i32(OP, "modulation rows", m.rows)?)
+                .push(to_i32(OP, "scale offset", m.scale_offset)?)
+                .push(shift);
+            push_select(&mut args, OP, select)?;
+            let index = match m.row_index {
+                Some(index) => {
+                    check_aligned_to(OP, "row_index", Operand::of(index), 4)?;
+                    let bytes = x_layout
+                        .rows
+                        .checked_mul(4)
+                        .ok_or_else(|| invalid(OP, "row_index size overflows"))?;
+                    check_bytes(OP, "row_index", Operand::of(index), bytes)?;
+                    index.addr()
+                }
+                None => 0,
+            };
+            args.push_addr(index);
+        }
+    }
+    Ok(Launch::new(
+        "nn_norm_modulate",
+        LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
+        args,
+    ))
+}
+
 impl NnKernels {
+    /// LayerNorm / RMSNorm, affine or not, optionally modulated; see [`plan_norm_modulate`].
+    pub fn norm_modulate(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        x_layout: Matrix,
+        y: &mut DeviceViewMut<'_>,
+        y_stride: usize,
+        norm: &NormModulate<'_, '_>,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan_norm_modulate(x, x_layout, y, y_stride, norm)?)
+    }
+
     /// Affine RMSNorm (Qwen3 rounding); see [`plan_rms_norm`].
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(
@@ -314,5 +484,89 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("8192"), "{err}");
+    }
+
+    #[test]
+    fn norm_modulate_plan_packs_each_variant_and_checks_the_tables() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, cols) = (6, 64);
+        let x = buffer(&ctx, rows * cols * BF16);
+        let mut y = buffer(&ctx, rows * cols * BF16);
+        let w = buffer(&ctx, 2 * cols * BF16);
+        let table = buffer(&ctx, 3 * 2 * cols * BF16);
+        let index = buffer(&ctx, rows * 4);
+        let (xv, yv, tv, iv) = (x.view(), y.view_mut(), table.view(), index.view());
+        let (wv, bv) = (
+            w.slice(0, cols * BF16).unwrap(),
+            w.slice(cols * BF16, cols * BF16).unwrap(),
+        );
+        let layout = Matrix::dense(rows, cols);
+        let plain = NormModulate {
+            kind: NormKind::RmsNorm,
+            weight: None,
+            bias: None,
+            eps: 1e-6,
+            modulation: None,
+        };
+        let launch = plan_norm_modulate(&xv, layout, &yv, cols, &plain).unwrap();
+        assert_eq!(launch.kernel, "nn_norm_modulate");
+        assert_eq!(launch.args.len(), 19);
+        assert_eq!(launch.args.get::<u64>(4), Some(0));
+        assert_eq!(launch.args.get::<i32>(9), Some(0));
+        assert_eq!(launch.args.get::<i32>(14), Some(-1));
+        assert_eq!(launch.config.grid.x, rows as u32);
+        // LayerNorm with weight and bias, scale and shift from a [3, 2 * cols] tensor, samples of 2 rows.
+        let modulation = RowModulation {
+            data: &tv,
+            rows: 3,
+            stride: 2 * cols,
+            scale_offset: cols,
+            shift_offset: Some(0),
+            select: ModulationRows::targets_only(2),
+            row_index: None,
+        };
+        let full = NormModulate {
+            kind: NormKind::LayerNorm,
+            weight: Some(&wv),
+            bias: Some(&bv),
+            eps: 1e-6,
+            modulation: Some(modulation),
+        };
+        let launch = plan_norm_modulate(&xv, layout, &yv, cols, &full).unwrap();
+        assert_eq!(launch.args.get::<i32>(9), Some(1));
+        assert_eq!(launch.args.get::<i32>(12), Some(3));
+        assert_eq!(launch.args.get::<i32>(13), Some(cols as i32));
+        assert_eq!(launch.args.get::<i32>(14), Some(0));
+        // Samples of 1 row need 6 modulation rows: refused; a row index picks any of the 3.
+        let mut per_row = full;
+        per_row.modulation = Some(RowModulation {
+            select: ModulationRows::targets_only(1),
+            ..modulation
+        });
+        assert!(plan_norm_modulate(&xv, layout, &yv, cols, &per_row).is_err());
+        per_row.modulation = Some(RowModulation {
+            row_index: Some(&iv),
+            ..modulation
+        });
+        let launch = plan_norm_modulate(&xv, layout, &yv, cols, &per_row).unwrap();
+        assert_eq!(launch.args.get::<u64>(18), Some(iv.addr()));
+        // A shift block past the row stride, a bias without a weight, a bad eps: refused.
+        let mut bad = full;
+        bad.modulation = Some(RowModulation {
+            shift_offset: Some(2 * cols),
+            ..modulation
+        });
+        assert!(plan_norm_modulate(&xv, layout, &yv, cols, &bad).is_err());
+        let no_weight = NormModulate {
+            weight: None,
+            ..full
+        };
+        assert!(plan_norm_modulate(&xv, layout, &yv, cols, &no_weight).is_err());
+        let nan = NormModulate {
+            eps: f32::NAN,
+            ..plain
+        };
+        assert!(plan_norm_modulate(&xv, layout, &yv, cols, &nan).is_err());
     }
 }

@@ -1,6 +1,7 @@
 //! QK RMSNorm + RoPE launchers for a fused q|k|v GEMM output: interleaved pairs into the attention layout
 //! ([`plan_qk_norm_rope`]), rotate-half over the whole head in place ([`plan_qk_norm_rope_half`]), and the cos/sin
-//! tables of the rotate-half kernels. Kernel set `nn_rope`.
+//! tables of the rotate-half kernels, and rotate-half over a rotated width smaller than the head dim with an optional
+//! norm ([`plan_rope_half_partial`]). Kernel set `nn_rope`.
 
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{DeviceView, DeviceViewMut, Stream};
@@ -259,7 +260,184 @@ pub fn rotate_half_rope_tables(rows: usize, theta: f32) -> (Vec<f32>, Vec<f32>) 
     crate::nn::host::rotate_half_tables(rows, 0, HEAD_DIM, theta)
 }
 
+/// The QK norm before a [`PartialRope`]'s rotation.
+#[derive(Clone, Copy, Debug)]
+pub enum RopeNorm<'v, 'a> {
+    /// No norm: the rotation reads q and k as they are.
+    None,
+    /// `bf16(x * rsqrt(mean(x^2) + eps))` per head, no weight.
+    Plain { eps: f32 },
+    /// `bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight)` per head (bf16 weights, `head_dim` each).
+    Affine {
+        q_weight: &'v DeviceView<'a>,
+        k_weight: &'v DeviceView<'a>,
+        eps: f32,
+    },
+}
+
+/// Element type of a [`PartialRope`]'s cos/sin tables (the kernel rounds f32 entries to bf16, as the reference
+/// casts its tables to the activations' dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeTable {
+    F32,
+    Bf16,
+}
+
+/// Operands of the in-place rotate-half RoPE over the first `rotated` channels of each q and k head (kernels
+/// nn_rope_half_partial_d{64,128}_{f32,bf16}); channels `rotated..head_dim` pass through (normalised when a norm
+/// is asked for). The fused matrix holds `q_heads` query heads, then `kv_heads` key heads, then `kv_heads` value
+/// heads (left as they are), `head_dim` channels each.
+#[derive(Debug)]
+pub struct PartialRope<'v, 'a> {
+    pub qkv: &'v mut DeviceViewMut<'a>,
+    pub qkv_layout: Matrix,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    /// 64 or 128.
+    pub head_dim: usize,
+    /// Rotated channels per head: even, 2..=head_dim (H3: 96 of 128; its VAE: 48 of 64).
+    pub rotated: usize,
+    pub norm: RopeNorm<'v, 'a>,
+    /// `[rows, rope_stride]` tables; column j < rotated / 2 is the angle of frequency slot j at that row.
+    pub rope_cos: &'v DeviceView<'a>,
+    pub rope_sin: &'v DeviceView<'a>,
+    pub rope_stride: usize,
+    pub table: RopeTable,
+}
+
+/// Builds the in-place (QK norm +) partial rotate-half RoPE of a fused q|k|v matrix.
+pub fn plan_rope_half_partial<'a>(
+    op_args: &PartialRope<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "rope_half_partial";
+    let a = op_args;
+    let kernel = match (a.head_dim, a.table) {
+        (128, RopeTable::F32) => "nn_rope_half_partial_d128_f32",
+        (128, RopeTable::Bf16) => "nn_rope_half_partial_d128_bf16",
+        (64, RopeTable::F32) => "nn_rope_half_partial_d64_f32",
+        (64, RopeTable::Bf16) => "nn_rope_half_partial_d64_bf16",
+        (d, _) => {
+            return Err(invalid(
+                OP,
+                format!("head dim {d}: the kernels are built for 64 and 128"),
+            ))
+        }
+    };
+    if a.rotated < 2 || a.rotated > a.head_dim || !a.rotated.is_multiple_of(2) {
+        return Err(invalid(
+            OP,
+            format!(
+                "rotated width {} must be even and within 2..={}",
+                a.rotated, a.head_dim
+            ),
+        ));
+    }
+    if a.q_heads == 0 || a.kv_heads == 0 || !a.q_heads.is_multiple_of(a.kv_heads) {
+        return Err(invalid(
+            OP,
+            format!(
+                "{} query heads must be a non-zero multiple of the {} kv heads",
+                a.q_heads, a.kv_heads
+            ),
+        ));
+    }
+    let rows = a.qkv_layout.rows;
+    let heads = a
+        .q_heads
+        .checked_add(a.kv_heads)
+        .ok_or_else(|| invalid(OP, "heads overflow"))?;
+    let expected_cols = heads
+        .checked_add(a.kv_heads)
+        .and_then(|n| n.checked_mul(a.head_dim))
+        .ok_or_else(|| invalid(OP, "width overflows"))?;
+    if a.qkv_layout.cols != expected_cols {
+        return Err(invalid(
+            OP,
+            format!(
+                "qkv has {} columns; {} query and 2 x {} kv heads of {} need {expected_cols}",
+                a.qkv_layout.cols, a.q_heads, a.kv_heads, a.head_dim
+            ),
+        ));
+    }
+    check_matrix(OP, "qkv", Operand::of_mut(a.qkv), a.qkv_layout)?;
+    let (norm, q_weight, k_weight, eps) = match a.norm {
+        RopeNorm::None => (0i32, 0u64, 0u64, 0.0f32),
+        RopeNorm::Plain { eps } => (1, 0, 0, eps),
+        RopeNorm::Affine {
+            q_weight,
+            k_weight,
+            eps,
+        } => {
+            for (name, weight) in [("q_weight", q_weight), ("k_weight", k_weight)] {
+                check_matrix(OP, name, Operand::of(weight), Matrix::dense(1, a.head_dim))?;
+            }
+            (2, q_weight.addr(), k_weight.addr(), eps)
+        }
+    };
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(invalid(OP, format!("eps {eps} must be finite and >= 0")));
+    }
+    let half = a.rotated / 2;
+    if a.rope_stride < half {
+        return Err(invalid(
+            OP,
+            format!(
+                "rope stride {} is less than the {half} used columns",
+                a.rope_stride
+            ),
+        ));
+    }
+    let element = match a.table {
+        RopeTable::F32 => 4,
+        RopeTable::Bf16 => 2,
+    };
+    let rope_bytes = if rows == 0 {
+        0
+    } else {
+        (rows - 1)
+            .checked_mul(a.rope_stride)
+            .and_then(|n| n.checked_add(half))
+            .and_then(|n| n.checked_mul(element))
+            .ok_or_else(|| invalid(OP, "rope table size overflows"))?
+    };
+    for (name, table) in [("rope_cos", a.rope_cos), ("rope_sin", a.rope_sin)] {
+        check_aligned_to(OP, name, Operand::of(table), element as u64)?;
+        check_bytes(OP, name, Operand::of(table), rope_bytes)?;
+    }
+    let items = rows
+        .checked_mul(heads)
+        .ok_or_else(|| invalid(OP, "rows * heads overflows"))?;
+    let mut args = Args::new();
+    args.push_addr(a.qkv.addr())
+        .push(to_i32(OP, "qkv stride", a.qkv_layout.stride)?)
+        .push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "q_heads", a.q_heads)?)
+        .push(to_i32(OP, "kv_heads", a.kv_heads)?)
+        .push_addr(q_weight)
+        .push_addr(k_weight)
+        .push(eps)
+        .push(norm)
+        .push_addr(a.rope_cos.addr())
+        .push_addr(a.rope_sin.addr())
+        .push(to_i32(OP, "rope stride", a.rope_stride)?)
+        .push(to_i32(OP, "rotated", a.rotated)?);
+    Ok(Launch::new(
+        kernel,
+        LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+        args,
+    ))
+}
+
 impl NnKernels {
+    /// In-place (QK norm +) partial rotate-half RoPE; see [`plan_rope_half_partial`].
+    pub fn rope_half_partial(
+        &self,
+        stream: &Stream,
+        op_args: &PartialRope<'_, '_>,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan_rope_half_partial(op_args)?)
+    }
+
     /// QK RMSNorm + RoPE + V copy; see [`plan_qk_norm_rope`].
     pub fn qk_norm_rope(
         &self,
@@ -350,5 +528,63 @@ mod tests {
         args.rope_stride = 64;
         args.eps = f32::INFINITY;
         assert!(plan_qk_norm_rope_half(&args).is_err());
+    }
+
+    #[test]
+    fn partial_rope_plan_checks_widths_tables_and_norm() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, q_heads, kv_heads, head_dim, rotated) = (5, 4, 2, 128, 96);
+        let cols = (q_heads + 2 * kv_heads) * head_dim;
+        let mut qkv = buffer(&ctx, rows * cols * BF16);
+        let weights = buffer(&ctx, 2 * head_dim * BF16);
+        let tables = buffer(&ctx, 2 * rows * 48 * 2);
+        let qw = weights.slice(0, head_dim * BF16).unwrap();
+        let kw = weights.slice(head_dim * BF16, head_dim * BF16).unwrap();
+        let cos = tables.slice(0, rows * 48 * 2).unwrap();
+        let sin = tables.slice(rows * 48 * 2, rows * 48 * 2).unwrap();
+        let mut view = qkv.view_mut();
+        let mut args = PartialRope {
+            qkv: &mut view,
+            qkv_layout: Matrix::dense(rows, cols),
+            q_heads,
+            kv_heads,
+            head_dim,
+            rotated,
+            norm: RopeNorm::Affine {
+                q_weight: &qw,
+                k_weight: &kw,
+                eps: 1e-6,
+            },
+            rope_cos: &cos,
+            rope_sin: &sin,
+            rope_stride: 48,
+            table: RopeTable::Bf16,
+        };
+        let launch = plan_rope_half_partial(&args).unwrap();
+        assert_eq!(launch.kernel, "nn_rope_half_partial_d128_bf16");
+        assert_eq!(launch.args.len(), 13);
+        assert_eq!(launch.args.get::<i32>(8), Some(2));
+        assert_eq!(launch.args.get::<i32>(12), Some(96));
+        assert_eq!(launch.config.grid.x, (5 * 6usize).div_ceil(8) as u32);
+        // f32 tables are twice as large: these ones are too short.
+        args.table = RopeTable::F32;
+        assert!(plan_rope_half_partial(&args).is_err());
+        args.table = RopeTable::Bf16;
+        // An odd or too wide rotated width, a head dim without kernels, columns that do not match.
+        args.rotated = 95;
+        assert!(plan_rope_half_partial(&args).is_err());
+        args.rotated = 130;
+        assert!(plan_rope_half_partial(&args).is_err());
+        args.rotated = 96;
+        args.head_dim = 96;
+        assert!(plan_rope_half_partial(&args).is_err());
+        args.head_dim = 128;
+        args.norm = RopeNorm::None;
+        let launch = plan_rope_half_partial(&args).unwrap();
+        assert_eq!(launch.args.get::<i32>(8), Some(0));
+        assert_eq!(launch.args.get::<u64>(5), Some(0));
+        args.qkv_layout = Matrix::dense(rows, cols - 8);
+        assert!(plan_rope_half_partial(&args).is_err());
     }
 }
