@@ -727,7 +727,12 @@ mod tests {
         }
         // A slot smaller than one granule, a ragged piece and a piece past the end are refused.
         let mut small = vec![0u8; 4000];
-        let err = fill_host(&mut small, &pieces[4..], 6, 1).unwrap_err();
+        let at_start = [Piece {
+            src: &rows,
+            transform: Transform::Custom(&tag),
+            dst_offset: 0,
+        }];
+        let err = fill_host(&mut small, &at_start, 6, 1).unwrap_err();
         assert!(
             matches!(
                 err,

@@ -28,7 +28,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan};
 use tf_cuda::{Context, DeviceBuffer, Event, Stream};
 
 use super::text_encoder::{TextEncoderConfig, TextEncoderError};
@@ -481,7 +481,8 @@ impl GpuTextEncoder {
     ) -> Result<GpuTextEncoder, TextEncoderError> {
         let stream = Stream::new(ctx, false).map_err(gpu_err("creating a stream"))?;
         let kernels = NnKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
-        let gemms = GemmRunner::new(ctx).map_err(gpu_err("opening cuBLASLt"))?;
+        let gemms =
+            GemmRunner::new(ctx, AlgoSelection::Heuristic).map_err(gpu_err("opening cuBLASLt"))?;
         let weights = DeviceBuffer::alloc(ctx, layout.total).map_err(|e| {
             TextEncoderError::Gpu(gpu_error(
                 format!("allocating {} B of weights", layout.total),
@@ -649,10 +650,10 @@ impl GpuTextEncoder {
         let mut out = Vec::with_capacity(4 * self.layout.layers.len());
         for l in &self.layout.layers {
             out.extend([
-                GemmShape::at_offsets(rows, qkvw, h, (0, l.qkv, 0), false, false, false),
-                GemmShape::at_offsets(rows, h, qw, (0, l.o_proj, 0), false, true, false),
-                GemmShape::at_offsets(rows, 2 * f, h, (0, l.gate_up, 0), false, false, false),
-                GemmShape::at_offsets(rows, h, f, (0, l.down, 0), false, true, false),
+                gemm::shape_at_offsets(rows, qkvw, h, (0, l.qkv, 0), false),
+                gemm::shape_at_offsets(rows, h, qw, (0, l.o_proj, 0), false),
+                gemm::shape_at_offsets(rows, 2 * f, h, (0, l.gate_up, 0), false),
+                gemm::shape_at_offsets(rows, h, f, (0, l.down, 0), false),
             ]);
         }
         gemm::distinct(out)

@@ -369,13 +369,10 @@ mod bench;
 #[cfg(feature = "bench")]
 pub use bench::{PhaseTimes, PhaseTotal, StepTimes};
 
-/// GEMM algorithm choice of a freshly loaded model: each new shape times the heuristic's first 8 candidates on its
-/// first (eager) call and keeps the fastest. It costs well under a second once per shape; graphs captured later
-/// replay the chosen algorithms.
-pub const DEFAULT_GEMM_SELECTION: AlgoSelection = AlgoSelection::Timed {
-    candidates: 8,
-    repeats: 3,
-};
+/// GEMM algorithm choice of the DiT: timed ([`gemm::TIMED`]), but only where it is planned ahead
+/// ([`GpuDit::prepare_gemms`], at load) or found in the persistent plan cache; a shape first seen inside a request
+/// takes cuBLASLt's first result. `TF_GEMM_SELECTION=heuristic` uses cuBLASLt's first result everywhere.
+pub const DEFAULT_GEMM_SELECTION: AlgoSelection = gemm::TIMED;
 
 /// Read-only engine state used by a step.
 struct Engine {
@@ -435,10 +432,8 @@ impl GpuDit {
         let dims = Dims::of(&config)?;
         let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
         let kernels = DitKernels::load(ctx).map_err(gpu_err("loading the DiT kernels"))?;
-        let gemms = GemmRunner::new(ctx).map_err(gpu_err("opening cuBLASLt"))?;
-        gemms
-            .set_algo_selection(DEFAULT_GEMM_SELECTION)
-            .map_err(gpu_err("setting the GEMM selection"))?;
+        let gemms =
+            GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;
 
         // Device layout of the fused groups.
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
@@ -635,6 +630,24 @@ impl GpuDit {
             .map_err(gpu_err("setting the GEMM selection"))
     }
 
+    /// Plans the GEMMs of the given steps ahead of the requests (at load): choices stored in the persistent plan
+    /// cache are reused, unseen shapes are timed within `budget` (under timed selection), and afterwards no GEMM is
+    /// timed inside a request: a shape not prepared takes cuBLASLt's first result.
+    pub fn prepare_gemms(
+        &self,
+        steps: &[(&DitInputs, KvMode)],
+        budget: std::time::Duration,
+    ) -> Result<tf_cuda::cublaslt::PrepareReport, DitError> {
+        let mut shapes = Vec::new();
+        for (inputs, mode) in steps {
+            shapes.extend(self.gemm_shapes(inputs, *mode)?);
+        }
+        self.engine
+            .gemms
+            .prepare(&gemm::distinct(shapes), budget, &self.engine.stream)
+            .map_err(gpu_err("planning the GEMMs ahead"))
+    }
+
     /// The GEMM plans built so far and how each algorithm was chosen (per-candidate times when timed).
     pub fn gemm_plan_choices(&self) -> Vec<PlanChoice> {
         self.engine.gemms.plan_choices()
@@ -746,8 +759,7 @@ impl GpuDit {
             .copied()
             .unwrap_or(0);
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
-        let shape =
-            |m, n, k, at, f32_out| GemmShape::at_offsets(m, n, k, at, false, false, f32_out);
+        let shape = gemm::shape_at_offsets;
         let mut out = vec![
             shape(n_t, d, TIMESTEP_DIM, (0, o.time1, 0), false),
             shape(n_t, d, d, (0, o.time2, 0), false),

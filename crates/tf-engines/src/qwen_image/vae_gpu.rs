@@ -31,7 +31,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use tf_cuda::cublaslt::{DeviceSpan, OutputType};
+use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::components::VaeBackend;
@@ -672,7 +672,8 @@ impl GpuVaeDecoder {
         let packer = loader.packer;
         let stream = Stream::new(ctx, false).map_err(|e| backend("creating a stream", e))?;
         let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
-        let gemms = GemmRunner::new(ctx).map_err(|e| backend("loading cuBLASLt", e))?;
+        let gemms = GemmRunner::new(ctx, AlgoSelection::Heuristic)
+            .map_err(|e| backend("loading cuBLASLt", e))?;
         let total = packer.bytes();
         let mut weights = DeviceBuffer::alloc(ctx, total)
             .map_err(|e| backend(&format!("allocating {total} B of weights"), e))?;

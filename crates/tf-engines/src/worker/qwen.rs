@@ -82,7 +82,15 @@ impl WorkerEngine for QwenImageEngine {
             let (w, h) = WARM_UP_SIZE;
             match pipeline.warm_up(w, h, WARM_UP_GEMM_BUDGET) {
                 Ok(warm) => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
-                Err(e) => return Err(classify(&e, pipeline.context().is_some_and(|c| c.is_lost()))),
+                Err(e) if e.is_invalid_request() => {
+                    log!("tf worker: no warm-up at {w}x{h}, the model's limits refuse it: {e}")
+                }
+                Err(e) => {
+                    return Err(classify(
+                        &e,
+                        pipeline.context().is_some_and(|c| c.is_lost()),
+                    ))
+                }
             }
         }
         self.pipeline = Some(pipeline);

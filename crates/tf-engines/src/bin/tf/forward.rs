@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use tf_engines::nn::tensor::TensorF32;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
-use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvMode, KvStep};
 use tf_engines::qwen_image::dit_gpu::GpuDit;
 use tf_engines::qwen_image::dit_host::HostDit;
 
@@ -71,6 +71,9 @@ fn kv_file(args: &Args) -> Result<&Path, DitError> {
     })
 }
 
+/// Time `tf forward` may spend timing GEMM algorithms the plan cache does not hold yet.
+const GEMM_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
+
 fn forward(args: &Args) -> Result<(), DitError> {
     let started = Instant::now();
     let model = ModelDir::open(&args.model)?;
@@ -91,6 +94,17 @@ fn forward(args: &Args) -> Result<(), DitError> {
                 "tf forward: loaded {} on the GPU ({})",
                 args.model.display(),
                 dit.load_stats()
+            );
+            // Plan this step's GEMMs before it runs (reusing the persistent plan cache), never inside it.
+            let mode = match args.kv_cache {
+                KvCacheArg::None => KvMode::None,
+                KvCacheArg::Extract => KvMode::Extract,
+                KvCacheArg::Cached => KvMode::Cached,
+            };
+            let report = dit.prepare_gemms(&[(&inputs, mode)], GEMM_BUDGET)?;
+            eprintln!(
+                "tf forward: {} GEMM shapes planned ({} from the plan cache, {} timed, {} heuristic)",
+                report.shapes, report.stored, report.timed, report.heuristic
             );
             run_backend(&mut dit, &inputs, args)?
         }

@@ -13,10 +13,14 @@
 // than boxing it, so the error chain can be downcast; GEMM failures are cold paths.
 #![allow(clippy::result_large_err)]
 
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
 use tf_cuda::cublaslt::plan::alignment_of;
+pub use tf_cuda::cublaslt::GemmShape;
 use tf_cuda::cublaslt::{
-    Activation, AlgoSelection, CublasLt, CublasLtError, DeviceSpan, Gemm, InputType, LtLibrary,
-    OutputType, PlanChoice,
+    AlgoSelection, CublasLt, CublasLtError, DeviceSpan, Gemm, LtLibrary, OutputType, PlanCache,
+    PlanChoice, PrepareReport,
 };
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use thiserror::Error;
@@ -24,6 +28,8 @@ use thiserror::Error;
 /// Why a GEMM could not be described, planned or run.
 #[derive(Debug, Error)]
 pub enum GemmError {
+    #[error("{SELECTION_ENV}={value:?} is not a GEMM selection: use `heuristic` or `timed`")]
+    Selection { value: String },
     #[error("cuBLASLt: {what}: {source}")]
     Library {
         what: &'static str,
@@ -171,38 +177,8 @@ impl Linear {
 
     /// What the call's plan depends on, without the addresses.
     pub fn shape(&self) -> GemmShape {
-        GemmShape {
-            m: self.m,
-            n: self.n,
-            k: self.k,
-            input: InputType::Bf16,
-            output: self.output,
-            bias: self.bias.is_some(),
-            activation: Activation::None,
-            accumulate: self.beta != 0.0,
-            align_x: alignment_of(self.x.addr),
-            align_w: alignment_of(self.w.addr),
-            align_y: alignment_of(self.y.addr),
-        }
+        GemmShape::of(&self.gemm())
     }
-}
-
-/// The plan-relevant part of one GEMM: sizes, types, epilogue and operand alignment (bytes, power of two up
-/// to 256, as cuBLASLt's plan key records it). `accumulate` says whether the call reads `y` (`beta != 0`),
-/// which a timed selection must run on scratch instead of the real output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GemmShape {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub input: InputType,
-    pub output: OutputType,
-    pub bias: bool,
-    pub activation: Activation,
-    pub accumulate: bool,
-    pub align_x: u32,
-    pub align_w: u32,
-    pub align_y: u32,
 }
 
 /// The alignment cuBLASLt records for an operand at byte `offset` of a 256-byte aligned allocation.
@@ -210,35 +186,23 @@ pub fn offset_alignment(offset: usize) -> u32 {
     alignment_of(u64::try_from(offset).unwrap_or(0))
 }
 
-impl GemmShape {
-    /// A shape with operands at these byte offsets of 256-byte aligned allocations.
-    #[allow(clippy::too_many_arguments)]
-    pub fn at_offsets(
-        m: usize,
-        n: usize,
-        k: usize,
-        (x, w, y): (usize, usize, usize),
-        bias: bool,
-        accumulate: bool,
-        f32_out: bool,
-    ) -> GemmShape {
-        GemmShape {
-            m,
-            n,
-            k,
-            input: InputType::Bf16,
-            output: if f32_out {
-                OutputType::F32
-            } else {
-                OutputType::Bf16
-            },
-            bias,
-            activation: Activation::None,
-            accumulate,
-            align_x: offset_alignment(x),
-            align_w: offset_alignment(w),
-            align_y: offset_alignment(y),
-        }
+/// A bf16 GEMM shape with operands at these byte offsets `(x, w, y)` of 256-byte aligned allocations.
+pub fn shape_at_offsets(
+    m: usize,
+    n: usize,
+    k: usize,
+    (x, w, y): (usize, usize, usize),
+    f32_out: bool,
+) -> GemmShape {
+    let shape = GemmShape::bf16(m, n, k).with_alignment(
+        offset_alignment(w),
+        offset_alignment(x),
+        offset_alignment(y),
+    );
+    if f32_out {
+        shape.with_f32_output()
+    } else {
+        shape
     }
 }
 
@@ -261,9 +225,44 @@ impl std::fmt::Debug for GemmRunner {
     }
 }
 
+/// The environment variable that overrides every component's GEMM algorithm selection: `heuristic` (cuBLASLt's
+/// first result: the same algorithm in every process, no timing) or `timed` (the engine default for the DiT).
+pub const SELECTION_ENV: &str = "TF_GEMM_SELECTION";
+
+/// The selection a component asks for, unless [`SELECTION_ENV`] overrides it.
+pub fn selection_from_env(default: AlgoSelection) -> Result<AlgoSelection, GemmError> {
+    match std::env::var(SELECTION_ENV).as_deref() {
+        Err(_) | Ok("") => Ok(default),
+        Ok("heuristic") => Ok(AlgoSelection::Heuristic),
+        Ok("timed") => Ok(match default {
+            AlgoSelection::Heuristic => TIMED,
+            timed => timed,
+        }),
+        Ok(other) => Err(GemmError::Selection {
+            value: other.to_string(),
+        }),
+    }
+}
+
+/// Timed selection: the fastest of cuBLASLt's first 8 candidates over 3 interleaved rounds (kept only when
+/// clearly faster than its first choice; see [`AlgoSelection::Timed`]).
+pub const TIMED: AlgoSelection = AlgoSelection::Timed {
+    candidates: 8,
+    repeats: 3,
+};
+
+/// The process's persistent plan cache (`TF_PLAN_CACHE`, else the user's cache folder; see
+/// [`tf_cuda::cublaslt::PlanCache`]), shared by every component's handle.
+pub fn process_plan_cache() -> Arc<PlanCache> {
+    static CACHE: OnceLock<Arc<PlanCache>> = OnceLock::new();
+    Arc::clone(CACHE.get_or_init(|| Arc::new(PlanCache::open_default())))
+}
+
 impl GemmRunner {
-    /// Loads cuBLASLt and makes a handle with the default workspace in `ctx`.
-    pub fn new(ctx: &Context) -> Result<GemmRunner, GemmError> {
+    /// Loads cuBLASLt and makes a handle with the default workspace in `ctx`, choosing algorithms by
+    /// `selection` (or [`SELECTION_ENV`]) and filing timed choices in the [`process_plan_cache`].
+    pub fn new(ctx: &Context, selection: AlgoSelection) -> Result<GemmRunner, GemmError> {
+        let selection = selection_from_env(selection)?;
         let lib = LtLibrary::open().map_err(|source| GemmError::Library {
             what: "loading the library",
             source,
@@ -273,7 +272,31 @@ impl GemmRunner {
                 what: "creating a handle",
                 source,
             })?;
-        Ok(GemmRunner { lt })
+        lt.set_plan_cache(process_plan_cache())
+            .map_err(|source| GemmError::Library {
+                what: "attaching the plan cache",
+                source,
+            })?;
+        let runner = GemmRunner { lt };
+        runner.set_algo_selection(selection)?;
+        Ok(runner)
+    }
+
+    /// Plans `shapes` ahead of the requests (at load): stored choices are reused, unseen shapes are timed within
+    /// `budget` under timed selection, and from then on no call is timed inside a request (see
+    /// [`CublasLt::prepare`]).
+    pub fn prepare(
+        &self,
+        shapes: &[GemmShape],
+        budget: Duration,
+        stream: &Stream,
+    ) -> Result<PrepareReport, GemmError> {
+        self.lt
+            .prepare(shapes, budget, stream)
+            .map_err(|source| GemmError::Library {
+                what: "planning the GEMMs ahead",
+                source,
+            })
     }
 
     /// The handle (plan choices, cache statistics).
@@ -371,9 +394,9 @@ mod tests {
             (shape.align_w, shape.align_x, shape.align_y),
             (key.align_a, key.align_b, key.align_cd)
         );
-        assert!(shape.bias && shape.accumulate);
+        assert!(shape.bias);
         assert_eq!(
-            GemmShape::at_offsets(3, 5, 7, (0, 16, 2), true, true, false),
+            shape_at_offsets(3, 5, 7, (0, 16, 2), false).with_bias(),
             GemmShape {
                 align_x: 256,
                 ..shape
