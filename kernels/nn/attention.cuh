@@ -171,8 +171,8 @@ __device__ __forceinline__ void store_output_rows(Acc acc, Swizzle swz, float su
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
         const int idx = lane + i * 32;
-        const int r = warp_row0 + idx / (D / 8);
-        const int c = idx % (D / 8);
+        const int r = warp_row0 + (idx >> (D == 128 ? 4 : 3));
+        const int c = idx & (D / 8 - 1);
         const int row = q0 + r;
         if (row < num_queries) {
             uint4 v4;
@@ -194,7 +194,9 @@ __device__ __forceinline__ void attention_tile(
     const int* __restrict__ key_pad, float scale_log2) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRows = WARPS * 16;
-    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+    constexpr int kChunks = D / 8;                    // 16-byte chunks per row (a power of two)
+    constexpr int kChunkShift = kChunks == 16 ? 4 : 3;  // log2(kChunks): D is 128 or 64
+    static_assert(D == 128 || D == 64, "the mma.sync attention kernel is built for head dims 64 and 128");
     constexpr int kRowBytes = kRowBytesOf<D>;
     constexpr int kTileBytes = kTileBytesOf<D>;
     extern __shared__ __align__(128) uint8_t smem[];
@@ -238,8 +240,8 @@ __device__ __forceinline__ void attention_tile(
 #pragma unroll
         for (int i = 0; i < kRows * kChunks / kThreads; ++i) {
             const int idx = tid + i * kThreads;
-            const int r = idx / kChunks;
-            const int c = idx % kChunks;
+            const int r = idx >> kChunkShift;
+            const int c = idx & (kChunks - 1);
             const int row = q0 + r;
             const bool valid = row < num_queries;
             const bf16* src = q_base + (valid ? static_cast<int64_t>(row) * q_row_stride + c * 8 : 0);
@@ -252,8 +254,8 @@ __device__ __forceinline__ void attention_tile(
 #pragma unroll
         for (int i = 0; i < kKeysPerTile * kChunks / kThreads; ++i) {
             const int idx = tid + i * kThreads;
-            const int r = idx / kChunks;
-            const int c = idx % kChunks;
+            const int r = idx >> kChunkShift;
+            const int c = idx & (kChunks - 1);
             const int key = tile * kKeysPerTile + r;
             const bf16* k_src = k_base;
             const bf16* v_src = v_base;
