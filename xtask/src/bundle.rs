@@ -358,9 +358,10 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
             "tf-engines".into(),
             "--bin".into(),
             "tf".into(),
-            // `tf bench attention` compares every attention tile: build the benchmark-only kernels in.
+            // `tf bench` compares every attention tile and times the DiT's phases: build the benchmark-only
+            // kernels and timers in.
             "--features".into(),
-            "bench-kernels".into(),
+            "bench,bench-kernels".into(),
         ],
         &|t| t["name"] == "tf",
     )?;
@@ -376,7 +377,7 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
             "test".into(),
             "--no-run".into(),
             "--features".into(),
-            "tf-engines/bench-kernels".into(),
+            "tf-engines/bench,tf-engines/bench-kernels".into(),
         ];
         for (package, target) in &targets {
             args.extend([
