@@ -11,4 +11,5 @@
 pub mod checkpoint;
 pub mod config;
 pub mod dit;
+pub mod dit_host;
 pub mod layout;
