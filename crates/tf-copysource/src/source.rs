@@ -135,6 +135,9 @@ struct Block<B: Backend> {
     bytes: usize,
 }
 
+/// A batch of one upload's ring: its blocks and the marker recorded after their copies.
+type InFlight<B> = (Vec<Block<B>>, Option<<B as Backend>::Marker>);
+
 enum Payload<B: Backend> {
     Blocks(Vec<Block<B>>),
     Captured(Arc<CapturedInner<B>>),
@@ -532,7 +535,7 @@ impl<B: Backend> CopySource<B> {
         let chunks: Vec<(usize, usize)> =
             classes::chunks(bytes.len(), PIPELINE_CHUNK_BYTES).collect();
         // Batches in flight, oldest first, each with the marker recorded after its copies.
-        let mut ring: VecDeque<(Vec<Block<B>>, Option<B::Marker>)> = VecDeque::new();
+        let mut ring: VecDeque<InFlight<B>> = VecDeque::new();
         let mut captured: Vec<Block<B>> = Vec::new();
         let mut failure = None;
         for batch in chunks.chunks(lanes) {
@@ -645,7 +648,7 @@ impl<B: Backend> CopySource<B> {
         &self,
         context: ContextId,
         stream: B::Stream,
-        (blocks, marker): (Vec<Block<B>>, Option<B::Marker>),
+        (blocks, marker): InFlight<B>,
     ) -> Result<Vec<Block<B>>, B> {
         let backend = &self.shared.backend;
         let Some(marker) = marker else {

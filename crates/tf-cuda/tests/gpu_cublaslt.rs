@@ -6,11 +6,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tf_cuda::cublaslt::{
     choose_candidate, AlgoSelection, ChosenBy, CublasLt, CublasLtError, DeviceSpan, Fp8Scales,
-    Gemm, LtLibrary, PlanChoice, SWITCH_MARGIN,
+    Gemm, GemmShape, LtLibrary, PlanCache, PlanChoice, SWITCH_MARGIN,
 };
 use tf_cuda::graph::Mode;
 use tf_cuda::{open_driver, Context, DeviceBuffer, Event, Stream};
@@ -1016,4 +1016,168 @@ fn timed_selection_takes_the_heuristic_first_during_capture() {
         rel_l2 <= 8e-3 && worst <= 4e-2,
         "captured GEMM off: {rel_l2:.3e} / {worst:.3e}"
     );
+}
+
+/// The plan cache file for the persistence test: `$TF_PLAN_CACHE` when it names a file (run the
+/// test twice with it set to see a second process reuse the first one's choices), else a fresh
+/// temporary file.
+fn persistence_cache_file() -> (std::path::PathBuf, bool) {
+    match std::env::var_os("TF_PLAN_CACHE").filter(|v| !v.is_empty() && v != "off") {
+        Some(path) => (path.into(), false),
+        None => {
+            let dir =
+                std::env::temp_dir().join(format!("tf-gpu-plan-cache-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            (dir.join("gemm-plans.json"), true)
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing() {
+    let g = gpu();
+    let (path, temporary) = persistence_cache_file();
+    let existed = path.is_file();
+    let mut shapes: Vec<GemmShape> = DIT_SHAPES
+        .iter()
+        .map(|&(_, m, n, k)| GemmShape::bf16(m, n, k))
+        .collect();
+    shapes.push(
+        GemmShape::bf16(4096, 3072, 3072)
+            .with_bias()
+            .with_gelu_tanh(),
+    );
+    shapes.push(GemmShape::bf16(1024, 3072, 3072).with_f32_output());
+
+    let first = timed_handle(&g);
+    let stack = first
+        .set_plan_cache(Arc::new(PlanCache::open(&path)))
+        .expect("plan cache");
+    println!(
+        "plan cache {} (existed: {existed}); stack {stack:?}",
+        path.display()
+    );
+    let t = Instant::now();
+    let report = first
+        .prepare(&shapes, Duration::from_secs(60), &g.stream)
+        .expect("prepare");
+    println!(
+        "first handle: prepare {:.1} ms: {report:?}",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(report.shapes, shapes.len());
+    assert_eq!(
+        report.stored + report.timed + report.heuristic,
+        shapes.len()
+    );
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+    if !existed {
+        assert_eq!(report.stored, 0);
+        assert_eq!(report.saved.as_deref(), Some(path.as_path()));
+    }
+    let first_choices = first.plan_choices();
+    for choice in &first_choices {
+        println!("  first: {}", describe(choice));
+    }
+
+    // A fresh handle, as a fresh process would make: the same choices, nothing timed.
+    let second = timed_handle(&g);
+    second
+        .set_plan_cache(Arc::new(PlanCache::open(&path)))
+        .expect("plan cache");
+    let t = Instant::now();
+    let report2 = second
+        .prepare(&shapes, Duration::from_secs(60), &g.stream)
+        .expect("prepare");
+    let prepare_ms = t.elapsed().as_secs_f64() * 1e3;
+    println!("second handle: prepare {prepare_ms:.1} ms: {report2:?}");
+    assert_eq!(report2.stored, shapes.len(), "every choice reused");
+    assert_eq!((report2.timed, report2.rejected), (0, 0));
+    assert!(report2.warnings.is_empty(), "{:?}", report2.warnings);
+    assert_eq!(second.cache_stats().timed, 0, "nothing timed");
+    let second_choices = second.plan_choices();
+    for (a, b) in first_choices.iter().zip(&second_choices) {
+        assert_eq!(a.key, b.key);
+        assert_eq!(b.chosen_by, ChosenBy::Stored, "{}", describe(b));
+        assert_eq!(a.chosen, b.chosen, "same algorithm for {:?}", a.key);
+    }
+
+    // Same algorithm, same bytes: the "out" GEMM through both handles.
+    let (m, n, k) = (4096usize, 4096usize, 4096usize);
+    let mut rng = Rng(0x5eed);
+    let xb: Vec<u16> = (0..m * k).map(|_| to_bf16(rng.next_f32())).collect();
+    let wb: Vec<u16> = (0..n * k).map(|_| to_bf16(rng.next_f32())).collect();
+    let x = DeviceBuffer::from_slice(&g.ctx, &xb).expect("X");
+    let w = DeviceBuffer::from_slice(&g.ctx, &wb).expect("W");
+    let y1 = DeviceBuffer::alloc(&g.ctx, m * n * 2).expect("Y1");
+    let y2 = DeviceBuffer::alloc(&g.ctx, m * n * 2).expect("Y2");
+    // SAFETY: the buffers live until after the synchronize below.
+    unsafe {
+        first
+            .matmul(
+                &Gemm::bf16(m, n, k, (&x).into(), (&w).into(), (&y1).into()),
+                &g.stream,
+            )
+            .expect("GEMM through the first handle");
+        second
+            .matmul(
+                &Gemm::bf16(m, n, k, (&x).into(), (&w).into(), (&y2).into()),
+                &g.stream,
+            )
+            .expect("GEMM through the second handle");
+    }
+    g.stream.synchronize().expect("synchronize");
+    assert!(
+        bf16_out(&y1) == bf16_out(&y2),
+        "the two handles' outputs differ"
+    );
+    assert_eq!(
+        second.cache_stats().misses,
+        shapes.len() as u64,
+        "no plan built in the call"
+    );
+
+    // After prepare a new shape is never timed inside the call.
+    let (m2, n2, k2) = (256usize, 512usize, 256usize);
+    let x2 = DeviceBuffer::alloc(&g.ctx, m2 * k2 * 2).expect("X");
+    let w2 = DeviceBuffer::alloc(&g.ctx, n2 * k2 * 2).expect("W");
+    let y3 = DeviceBuffer::alloc(&g.ctx, m2 * n2 * 2).expect("Y");
+    // SAFETY: as above.
+    unsafe {
+        second
+            .matmul(
+                &Gemm::bf16(m2, n2, k2, (&x2).into(), (&w2).into(), (&y3).into()),
+                &g.stream,
+            )
+            .expect("unprepared GEMM");
+    }
+    g.stream.synchronize().expect("synchronize");
+    let unprepared = choice_for(&second, m2, n2, k2);
+    // Recorded by an earlier run with this cache file, it is a stored choice; else unprepared.
+    let expected = if existed {
+        ChosenBy::Stored
+    } else {
+        ChosenBy::Unprepared
+    };
+    assert_eq!(unprepared.chosen_by, expected, "{}", describe(&unprepared));
+    assert_eq!((unprepared.chosen, second.cache_stats().timed), (0, 0));
+
+    // The heuristic policy stays the heuristic's first, cache or not.
+    g.lt.set_plan_cache(Arc::new(PlanCache::open(&path)))
+        .expect("plan cache");
+    let report3 =
+        g.lt.prepare(&shapes, Duration::from_secs(60), &g.stream)
+            .expect("prepare");
+    assert_eq!(report3.heuristic, shapes.len());
+    assert!(g
+        .lt
+        .plan_choices()
+        .iter()
+        .all(|c| c.chosen_by == ChosenBy::Heuristic && c.chosen == 0));
+    drop(first);
+    drop(second);
+    if temporary {
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
 }

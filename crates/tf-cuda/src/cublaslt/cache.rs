@@ -7,7 +7,8 @@
 //! ([`plan_cache_path`]). [`reset_plan_cache`] deletes the file.
 //!
 //! What a choice is keyed by ([`StackKey`] + [`PlanKey`]): the GPU model (name, compute
-//! capability, SM count), the driver's CUDA version, the cuBLASLt version, the handle's workspace
+//! capability, SM count), the driver (its CUDA version and kernel-module release), the cuBLASLt
+//! version, the handle's workspace
 //! size (it bounds the heuristic's candidates), and the GEMM's full key (M, N, K, types,
 //! epilogue, operand alignments, FP8 fast accumulation). The GPU is keyed by model, not by UUID:
 //! identical GPUs of one machine or of a fleet then share one choice, so every worker computes
@@ -124,6 +125,29 @@ pub fn plan_cache_path() -> Option<PathBuf> {
     plan_cache_path_from(|key| std::env::var_os(key))
 }
 
+/// The kernel driver's release from the text of `/proc/driver/nvidia/version` (the token
+/// after "Kernel Module"), or an empty string.
+pub fn driver_release_from(text: &str) -> String {
+    let mut words = text.split_whitespace();
+    while let Some(word) = words.next() {
+        if word == "Module" {
+            return words
+                .next()
+                .filter(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
+                .unwrap_or_default()
+                .to_string();
+        }
+    }
+    String::new()
+}
+
+/// The kernel driver's release on this machine, or an empty string.
+pub fn driver_release() -> String {
+    std::fs::read_to_string("/proc/driver/nvidia/version")
+        .map(|text| driver_release_from(&text))
+        .unwrap_or_default()
+}
+
 /// True when `TF_PLAN_CACHE=off` (as opposed to no folder being known).
 fn disabled_by_env(env: impl Fn(&str) -> Option<OsString>) -> bool {
     env(ENV_PLAN_CACHE).is_some_and(|v| v.eq_ignore_ascii_case("off"))
@@ -159,6 +183,10 @@ pub struct StackKey {
     pub sm_count: i32,
     /// `cuDriverGetVersion` (13000 for CUDA 13.0).
     pub driver_version: i32,
+    /// The kernel driver's release (e.g. "580.159.04", from `/proc/driver/nvidia/version`);
+    /// empty where it cannot be read.
+    #[serde(default)]
+    pub driver_release: String,
     /// `cublasLtGetVersion` (major·10000 + minor·100 + patch).
     pub cublaslt_version: usize,
     /// The handle's workspace: it bounds which algorithms the heuristic offers.
@@ -412,6 +440,7 @@ fn serialize(stacks: &Stacks) -> Result<Vec<u8>, serde_json::Error> {
                 s.compute_capability,
                 s.sm_count,
                 s.driver_version,
+                s.driver_release.clone(),
                 s.cublaslt_version,
                 s.workspace_bytes,
             )
@@ -716,6 +745,7 @@ mod tests {
             compute_capability: (9, 0),
             sm_count: 132,
             driver_version: driver,
+            driver_release: "580.159.04".into(),
             cublaslt_version: 130_100,
             workspace_bytes: 32 << 20,
         }
@@ -792,6 +822,17 @@ mod tests {
         let warnings = nowhere.take_warnings();
         assert!(matches!(warnings[..], [PlanCacheError::NoLocation]));
         assert!(warnings[0].to_string().contains(ENV_PLAN_CACHE));
+    }
+
+    #[test]
+    fn driver_release_is_read_from_the_kernel_module_line() {
+        let text = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Oct 2 2025\nGCC version: gcc 12\n";
+        assert_eq!(driver_release_from(text), "580.159.04");
+        assert_eq!(
+            driver_release_from("NVRM version: open Kernel Module for x86_64"),
+            ""
+        );
+        assert_eq!(driver_release_from(""), "");
     }
 
     #[test]

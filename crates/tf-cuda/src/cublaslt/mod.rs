@@ -441,6 +441,7 @@ impl CublasLt {
             compute_capability: info.compute_capability,
             sm_count: info.sm_count,
             driver_version,
+            driver_release: cache::driver_release(),
             cublaslt_version: self.lib.version(),
             workspace_bytes: self.workspace.len_bytes(),
         })

@@ -476,6 +476,7 @@ mod tests {
             compute_capability: (9, 0),
             sm_count: 132,
             driver_version: 13000,
+            driver_release: String::new(),
             cublaslt_version: 130_100,
             workspace_bytes: 32 << 20,
         }
