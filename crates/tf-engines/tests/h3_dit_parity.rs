@@ -495,3 +495,32 @@ fn malformed_inputs_never_panic() {
         .to_string()
         .contains("timestep"));
 }
+
+#[test]
+fn forward_files_writes_both_outputs() {
+    // What `tf forward --model DIR` runs for a MiniMax H3 folder (sharded case: the reader's index path too).
+    let case = "t2va_b2_full_rotary";
+    let model = ModelDir::open(&fixtures().join(case).join("model")).unwrap();
+    assert!(tf_engines::minimax_h3::config::names_this_class(
+        model.config_json()
+    ));
+    let out = std::env::temp_dir().join(format!("h3_forward_{}.safetensors", std::process::id()));
+    let report = tf_engines::minimax_h3::dit_host::forward_files(
+        &model,
+        &fixtures().join(case).join("inputs.safetensors"),
+        &out,
+    )
+    .unwrap();
+    assert_eq!(report.sample_shape, vec![2, 28, 16]);
+    let written = SafetensorsFile::open(&out).unwrap();
+    let expected = open(case, "expected.safetensors");
+    for name in ["sample", "audio_sample"] {
+        assert_close(
+            case,
+            name,
+            &written.to_f32(name).unwrap(),
+            &expected.to_f32(name).unwrap(),
+        );
+    }
+    let _ = std::fs::remove_file(&out);
+}

@@ -149,6 +149,11 @@ pub struct MiniMaxH3Config {
     pub final_norm_eps: f64,
 }
 
+/// Whether a parsed `config.json` names this class (`_class_name`), so a front end can pick the model.
+pub fn names_this_class(config_json: &serde_json::Value) -> bool {
+    config_json.get("_class_name").and_then(|v| v.as_str()) == Some(CLASS_NAME)
+}
+
 impl Default for MiniMaxH3Config {
     fn default() -> Self {
         Self::default_full_size()
@@ -501,6 +506,12 @@ mod tests {
             assert!(err.contains(&format!("`{key}`")), "{bad}: {err}");
             assert!(err.starts_with("config.json: "), "{err}");
         }
+        assert!(names_this_class(
+            &serde_json::json!({"_class_name": CLASS_NAME})
+        ));
+        assert!(!names_this_class(
+            &serde_json::json!({"_class_name": "QwenImage21Transformer2DModel"})
+        ));
         let err = MiniMaxH3Config::from_json(&serde_json::json!([1])).unwrap_err();
         assert!(err.to_string().contains("JSON object"), "{err}");
     }

@@ -629,6 +629,51 @@ impl H3DitBackend for HostH3Dit {
     }
 }
 
+/// What [`forward_files`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardReport {
+    /// The weights pass of the load.
+    pub load: LoadStats,
+    /// Which layout the folder held.
+    pub layout: CheckpointLayout,
+    pub sample_shape: Vec<usize>,
+    pub audio_sample_shape: Vec<usize>,
+    /// Seconds of the forward itself.
+    pub forward_seconds: f64,
+}
+
+/// `tf forward` for a MiniMax H3 folder on the host reference: loads `model`, reads the forward arguments by name
+/// from the bundle `inputs` ([`H3Inputs::from_bundle`]), runs one forward and writes `sample` and
+/// `audio_sample` to `out`.
+pub fn forward_files(
+    model: &ModelDir,
+    inputs: &std::path::Path,
+    out: &std::path::Path,
+) -> Result<ForwardReport, H3Error> {
+    let mut dit = HostH3Dit::load(model)?;
+    let inputs = H3Inputs::from_bundle(&crate::nn::weights::SafetensorsFile::open(inputs)?)?;
+    let start = std::time::Instant::now();
+    let output = dit.forward(&inputs)?;
+    let forward_seconds = start.elapsed().as_secs_f64();
+    crate::nn::weights::write_safetensors(
+        out,
+        &[
+            ("sample", crate::nn::weights::AnyTensor::F32(&output.sample)),
+            (
+                "audio_sample",
+                crate::nn::weights::AnyTensor::F32(&output.audio_sample),
+            ),
+        ],
+    )?;
+    Ok(ForwardReport {
+        load: dit.load_stats(),
+        layout: dit.checkpoint_layout(),
+        sample_shape: output.sample.shape().to_vec(),
+        audio_sample_shape: output.audio_sample.shape().to_vec(),
+        forward_seconds,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
