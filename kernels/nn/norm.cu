@@ -56,6 +56,39 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     }
 }
 
+// Zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + weight[col]), in f32 (the checkpoint stores
+// scale - 1). Grid: `rows` blocks of NN_ROW_THREADS threads.
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_rms_norm_zc(const bf16* __restrict__ x, int x_stride, bf16* __restrict__ y, int y_stride,
+                   const bf16* __restrict__ weight, int rows, int cols, float eps) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    float v[NN_ROW_CHUNKS][8];
+    nn::load_row<NN_ROW_THREADS, NN_ROW_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, v);
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
+    }
+    const float ms = nn::block_sum(sq, scratch) / static_cast<float>(cols);
+    const float r = rsqrtf(ms + eps);
+    bf16* out_row = y + static_cast<int64_t>(row) * y_stride;
+#pragma unroll
+    for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
+        if (col < cols) {
+            float w[8];
+            nn::load8(weight + col, w);
+            float o[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] = v[c][i] * r * (1.0f + w[i]);
+            nn::store8(out_row + col, o);
+        }
+    }
+}
+
 // LayerNorm or RMSNorm of each row, affine or not, then an optional adaLN-style modulation:
 //   LayerNorm: n = (x - mean) * rsqrt(mean((x - mean)^2) + eps)     RMSNorm: n = x * rsqrt(mean(x^2) + eps)
 //   affine:    n = n * weight[col] (+ bias[col] when bias is given)

@@ -1,5 +1,5 @@
-// Qwen-Image DiT kernels: adaLN (LayerNorm without affine times (1 + scale)), the tanh-gated residual, the fused
-// residual + adaLN, and the zero-centred RMSNorm of its checkpoints. Kernel set qwen_image_dit.
+// Qwen-Image DiT kernels: adaLN (LayerNorm without affine times (1 + scale)), the tanh-gated residual and the
+// fused residual + adaLN. Kernel set qwen_image_dit.
 //
 // Storage is bf16, arithmetic f32. Reductions run in a fixed order (warp butterflies, then warp totals in
 // ascending order), so results are bit-identical from run to run. No fast-math. Row kernels need 16-byte aligned
@@ -60,38 +60,6 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     }
 }
 
-// Zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + weight[col]), in f32 (the checkpoint stores
-// scale - 1). Grid: `rows` blocks of NN_ROW_THREADS threads.
-extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
-    qi_rms_norm_zc(const bf16* __restrict__ x, int x_stride, bf16* __restrict__ y, int y_stride,
-                   const bf16* __restrict__ weight, int rows, int cols, float eps) {
-    __shared__ float scratch[32];
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    float v[NN_ROW_CHUNKS][8];
-    nn::load_row<NN_ROW_THREADS, NN_ROW_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, v);
-    float sq = 0.0f;
-#pragma unroll
-    for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
-    }
-    const float ms = nn::block_sum(sq, scratch) / static_cast<float>(cols);
-    const float r = rsqrtf(ms + eps);
-    bf16* out_row = y + static_cast<int64_t>(row) * y_stride;
-#pragma unroll
-    for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
-        if (col < cols) {
-            float w[8];
-            nn::load8(weight + col, w);
-            float o[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = v[c][i] * r * (1.0f + w[i]);
-            nn::store8(out_row + col, o);
-        }
-    }
-}
 
 // x += tanh(gate) * y in f32 (one fma), the gate of row r taken from its modulation row like
 // qi_adaln_modulate. In place on x. Grid: (rows, ceil(cols / 8 / NN_ROW_THREADS)).

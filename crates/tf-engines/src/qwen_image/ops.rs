@@ -1,6 +1,5 @@
 //! The Qwen-Image DiT's own kernels (`kernels/qwen_image/adaln.cu`, kernel set `qwen_image_dit`): adaLN (LayerNorm
-//! without affine times `(1 + scale)`), the tanh-gated residual, the fused residual + adaLN, and the zero-centred
-//! RMSNorm of its checkpoints. Same conventions as [`crate::nn::gpu`]: one `plan_*` function per kernel validates
+//! without affine times `(1 + scale)`), the tanh-gated residual and the fused residual + adaLN. Same conventions as [`crate::nn::gpu`]: one `plan_*` function per kernel validates
 //! and packs (unit-tested without a GPU); [`DitKernels`] holds these kernels beside the shared [`NnKernels`] and
 //! submits.
 //!
@@ -10,7 +9,7 @@
 //! use tf_engines::nn::gpu::Matrix;
 //! use tf_engines::qwen_image::ops::DitKernels;
 //! let kernels = DitKernels::load(ctx)?;
-//! kernels.rms_norm_zc(stream, &x, Matrix::dense(16, 3072), y, 3072, &w, 1e-6)?;
+//! kernels.rms_norm_zc(stream, &x, Matrix::dense(16, 3072), y, 3072, &w, 1e-6)?; // a shared op, through NnKernels
 //! # Ok(()) }
 //! ```
 
@@ -18,9 +17,9 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use crate::nn::gpu::{
-    check_matrix, check_modulation, check_norm_cols, invalid, plan_weighted_row_norm,
-    push_modulation, push_select, row_grid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet,
-    Matrix, Modulation, ModulationRows, NnKernels, Operand, MAX_NORM_COLS, ROW_THREADS,
+    check_matrix, check_modulation, check_norm_cols, invalid, push_modulation, push_select,
+    row_grid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, Modulation,
+    ModulationRows, NnKernels, Operand, ROW_THREADS,
 };
 
 /// Name of the kernel set.
@@ -28,7 +27,6 @@ pub const DIT_SET: &str = "qwen_image_dit";
 
 const DIT_KERNELS: &[&str] = &[
     "qi_adaln_modulate",
-    "qi_rms_norm_zc",
     "qi_gated_residual",
     "qi_gated_residual_adaln",
 ];
@@ -64,29 +62,6 @@ pub fn plan_adaln_modulate<'a>(
         LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),
         args,
     ))
-}
-
-/// Builds the zero-centred RMSNorm `y = x * rsqrt(mean(x^2) + eps) * (1 + weight)` (kernel qi_rms_norm_zc).
-pub fn plan_rms_norm_zc<'a>(
-    x: &'a DeviceView<'_>,
-    x_layout: Matrix,
-    y: &'a DeviceViewMut<'_>,
-    y_stride: usize,
-    weight: &'a DeviceView<'_>,
-    eps: f32,
-) -> Result<Launch<'a>, tf_cuda::Error> {
-    plan_weighted_row_norm(
-        "rms_norm_zc",
-        "qi_rms_norm_zc",
-        MAX_NORM_COLS,
-        ROW_THREADS,
-        x,
-        x_layout,
-        y,
-        y_stride,
-        weight,
-        eps,
-    )
 }
 
 /// Builds `x += tanh(gate) * y` in place on x (kernel qi_gated_residual).
@@ -264,24 +239,6 @@ impl DitKernels {
             &plan_gated_residual_adaln(
                 x, x_layout, y, y_stride, out, out_stride, gate, scale, select, eps,
             )?,
-        )
-    }
-
-    /// Zero-centred RMSNorm; see [`plan_rms_norm_zc`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_zc(
-        &self,
-        stream: &Stream,
-        x: &DeviceView<'_>,
-        x_layout: Matrix,
-        y: &mut DeviceViewMut<'_>,
-        y_stride: usize,
-        weight: &DeviceView<'_>,
-        eps: f32,
-    ) -> Result<(), tf_cuda::Error> {
-        self.submit(
-            stream,
-            &plan_rms_norm_zc(x, x_layout, y, y_stride, weight, eps)?,
         )
     }
 

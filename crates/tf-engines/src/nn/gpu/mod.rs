@@ -55,7 +55,10 @@ use tf_cuda::{Context, Stream};
 
 /// The kernels of the norm, RoPE, activation and copy sets, by name.
 const SHARED_SETS: &[(&str, &[&str])] = &[
-    (NORM_SET, &["nn_rms_norm", "nn_norm_modulate"]),
+    (
+        NORM_SET,
+        &["nn_rms_norm", "nn_rms_norm_zc", "nn_norm_modulate"],
+    ),
     (
         ROPE_SET,
         &[
@@ -69,7 +72,12 @@ const SHARED_SETS: &[(&str, &[&str])] = &[
     ),
     (
         ACT_SET,
-        &["nn_swiglu", "nn_swiglu_value_gate", "nn_gelu_tanh", "nn_silu"],
+        &[
+            "nn_swiglu",
+            "nn_swiglu_value_gate",
+            "nn_gelu_tanh",
+            "nn_silu",
+        ],
     ),
     (
         COPY_SET,

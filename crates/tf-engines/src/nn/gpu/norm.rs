@@ -213,6 +213,30 @@ pub(crate) fn plan_weighted_row_norm<'a>(
     ))
 }
 
+/// Builds the zero-centred RMSNorm `y = x * rsqrt(mean(x^2) + eps) * (1 + weight)` in f32, for checkpoints that
+/// store `scale - 1` (kernel nn_rms_norm_zc).
+pub fn plan_rms_norm_zc<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    y: &'a DeviceViewMut<'_>,
+    y_stride: usize,
+    weight: &'a DeviceView<'_>,
+    eps: f32,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_weighted_row_norm(
+        "rms_norm_zc",
+        "nn_rms_norm_zc",
+        MAX_NORM_COLS,
+        ROW_THREADS,
+        x,
+        x_layout,
+        y,
+        y_stride,
+        weight,
+        eps,
+    )
+}
+
 /// Builds the Qwen3 RMSNorm `y = weight * bf16(x * rsqrt(mean(x^2) + eps))` (kernel nn_rms_norm).
 pub fn plan_rms_norm<'a>(
     x: &'a DeviceView<'_>,
@@ -405,6 +429,24 @@ impl NnKernels {
         norm: &NormModulate<'_, '_>,
     ) -> Result<(), tf_cuda::Error> {
         self.submit(stream, &plan_norm_modulate(x, x_layout, y, y_stride, norm)?)
+    }
+
+    /// Zero-centred RMSNorm; see [`plan_rms_norm_zc`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_zc(
+        &self,
+        stream: &Stream,
+        x: &DeviceView<'_>,
+        x_layout: Matrix,
+        y: &mut DeviceViewMut<'_>,
+        y_stride: usize,
+        weight: &DeviceView<'_>,
+        eps: f32,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(
+            stream,
+            &plan_rms_norm_zc(x, x_layout, y, y_stride, weight, eps)?,
+        )
     }
 
     /// Affine RMSNorm (Qwen3 rounding); see [`plan_rms_norm`].
