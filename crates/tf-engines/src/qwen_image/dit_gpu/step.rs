@@ -1,0 +1,514 @@
+//! One DiT step enqueued on the stream: timestep embedding and modulation, the text and image projections into
+//! the joint sequence, every block (fused QKV GEMM, QK-norm with RoPE, attention, gated residuals fused with the
+//! next adaLN, SwiGLU MLP) and the output projection; and the step's capture into a graph and its replay.
+
+use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::DeviceBuffer;
+
+use super::kv::GpuKvCache;
+use super::workspace::Workspace;
+use super::{cuda_err, span, Engine, NoProbe, PhaseWork, StepProbe, MAX_GRAPHS};
+use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::gemm::Linear;
+use crate::nn::gpu::graph_cache::GraphCache;
+use crate::nn::gpu::{
+    attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows,
+    QkvInputs, QkvOutputs, Strides, HEAD_DIM,
+};
+use crate::nn::weights::BF16;
+use crate::qwen_image::config::TIMESTEP_DIM;
+use crate::qwen_image::dit::{DitError, KvMode};
+
+impl Engine {
+    fn weight(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, DitError> {
+        span(&self.weights, offset, bytes)
+    }
+
+    /// `y[m, n] = x[m, k] . w[n, k]^T` on the stream.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        f32_out: bool,
+    ) -> Result<(), DitError> {
+        let linear = Linear::new(m, n, k, x, w, y).f32_output(f32_out);
+        // SAFETY: every span lies inside a live buffer of this engine or of the workspace in use (checked by
+        // `span`); those buffers outlive the step: the forward synchronizes the stream before returning, and
+        // graphs are stored with (and dropped before reuse of) the workspace whose buffers they reference.
+        Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
+    }
+
+    /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group.
+    pub(super) fn enqueue_step<P: StepProbe>(
+        &self,
+        ws: &mut Workspace,
+        cache: Option<&GpuKvCache>,
+        probe: &mut P,
+    ) -> Result<(), DitError> {
+        let dims = &self.dims;
+        let (d, w, f) = (dims.d, dims.width, dims.ffn);
+        let k_ = &self.kernels;
+        let st = &self.stream;
+        let o = &self.offsets;
+        let b = ws.layout.batch;
+        let s = ws.layout.seq_len;
+        let p = ws.layout.prefix_len;
+        let rows = ws.rows;
+        let total = b * rows;
+        let n_t = ws.n_t;
+        let cached = ws.mode == KvMode::Cached;
+        let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("kernel launch", e));
+        // Ends a phase for the probe; the work is evaluated only by probes that use it.
+        macro_rules! phase {
+            ($name:expr, $kind:ident, $amount:expr) => {
+                probe.mark(st, $name, || PhaseWork::$kind(($amount) as f64))?;
+            };
+        }
+
+        // Timestep embedding -> shared modulation [n_t, 5D].
+        k_.timestep_embedding(
+            st,
+            &ws.timesteps.view(),
+            &mut ws.sinusoid.view_mut(),
+            n_t,
+            TIMESTEP_DIM,
+            1000.0,
+            10000.0,
+        )
+        .map_err(launch)?;
+        self.gemm(
+            n_t,
+            d,
+            TIMESTEP_DIM,
+            (&ws.sinusoid).into(),
+            self.weight(o.time1, d * TIMESTEP_DIM * BF16)?,
+            (&ws.temb1).into(),
+            false,
+        )?;
+        k_.silu_inplace(st, &mut ws.temb1.view_mut(), n_t * d)
+            .map_err(launch)?;
+        self.gemm(
+            n_t,
+            d,
+            d,
+            (&ws.temb1).into(),
+            self.weight(o.time2, d * d * BF16)?,
+            (&ws.temb2).into(),
+            false,
+        )?;
+        k_.silu_inplace(st, &mut ws.temb2.view_mut(), n_t * d)
+            .map_err(launch)?;
+        self.gemm(
+            n_t,
+            5 * d,
+            d,
+            (&ws.temb2).into(),
+            self.weight(o.mod_out, 5 * d * d * BF16)?,
+            (&ws.modulation).into(),
+            false,
+        )?;
+        phase!(
+            "timestep+modulation",
+            Bytes,
+            (TIMESTEP_DIM + 6 * d) * d * BF16
+        );
+
+        // Text rows through txt_in (not needed when the prefix is cached).
+        let l = ws.l_vlm;
+        if !cached && l > 0 {
+            k_.rms_norm_zc(
+                st,
+                &ws.text_in.view(),
+                Matrix::dense(b * l, dims.ctx),
+                &mut ws.text_normed.view_mut(),
+                dims.ctx,
+                &self
+                    .weights
+                    .slice(o.txt_norm, dims.ctx * BF16)
+                    .map_err(launch)?,
+                dims.eps,
+            )
+            .map_err(launch)?;
+            self.gemm(
+                b * l,
+                d,
+                dims.ctx,
+                (&ws.text_normed).into(),
+                self.weight(o.txt_in, d * dims.ctx * BF16)?,
+                (&ws.text_hidden).into(),
+                false,
+            )?;
+            k_.gelu_tanh_inplace(st, &mut ws.text_hidden.view_mut(), b * l * d)
+                .map_err(launch)?;
+            phase!("txt_in", Flops, 2 * b * l * d * dims.ctx);
+        }
+        // The joint sequence: each run of text rows / image tokens projected straight into its rows of x.
+        for bi in 0..b {
+            for run in &ws.runs {
+                let dst_row = bi * rows + run.pos - ws.first_row;
+                let y = span(&ws.x, dst_row * d * BF16, run.len * d * BF16)?;
+                if run.text {
+                    let x = span(
+                        &ws.text_hidden,
+                        (bi * l + run.src) * d * BF16,
+                        run.len * d * BF16,
+                    )?;
+                    self.gemm(
+                        run.len,
+                        d,
+                        d,
+                        x,
+                        self.weight(o.txt_out, d * d * BF16)?,
+                        y,
+                        false,
+                    )?;
+                } else {
+                    let x = span(
+                        &ws.hidden_in,
+                        (bi * ws.n_img + run.src) * dims.in_ch * BF16,
+                        run.len * dims.in_ch * BF16,
+                    )?;
+                    self.gemm(
+                        run.len,
+                        d,
+                        dims.in_ch,
+                        x,
+                        self.weight(o.img_in, d * dims.in_ch * BF16)?,
+                        y,
+                        false,
+                    )?;
+                }
+            }
+        }
+
+        phase!(
+            "img_in+txt_out",
+            Flops,
+            ws.runs
+                .iter()
+                .map(|r| 2 * b * r.len * d * if r.text { d } else { dims.in_ch })
+                .sum::<usize>()
+        );
+
+        let select = if cached {
+            ModulationRows::targets_only(rows)
+        } else if self.config.causal_condition {
+            ModulationRows {
+                seq_len: s,
+                target_begin: p,
+                prefix_row: b,
+            }
+        } else {
+            ModulationRows {
+                seq_len: s,
+                target_begin: 0,
+                prefix_row: 0,
+            }
+        };
+        let mod_view = ws.modulation.view();
+        let modulation = |offset: usize| Modulation {
+            data: &mod_view,
+            rows: n_t,
+            stride: 5 * d,
+            offset,
+        };
+        let x_layout = Matrix::dense(total, d);
+        let scale = 1.0 / (dims.head_dim as f32).sqrt();
+        let row_strides = |n: usize| Strides {
+            batch: n * w,
+            row: w,
+        };
+        let limits_view = ws.key_limits.view();
+        let pad_view = ws.key_pad.as_ref().map(DeviceBuffer::view);
+
+        // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
+        k_.adaln_modulate(
+            st,
+            &ws.x.view(),
+            x_layout,
+            &mut ws.normed.view_mut(),
+            d,
+            &modulation(0),
+            select,
+            dims.eps,
+        )
+        .map_err(launch)?;
+        phase!("adaln1 (block 0)", Bytes, 2 * total * d * BF16);
+        let last_layer = o.blocks.len().saturating_sub(1);
+        for (layer, bo) in o.blocks.iter().enumerate() {
+            // Attention half (its adaLN ran at the end of the previous block).
+            self.gemm(
+                total,
+                3 * w,
+                d,
+                (&ws.normed).into(),
+                self.weight(bo.qkv, 3 * w * d * BF16)?,
+                (&ws.qkv).into(),
+                false,
+            )?;
+            phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
+            {
+                let qkv_view = ws.qkv.view();
+                let qw = self
+                    .weights
+                    .slice(bo.norm_q, HEAD_DIM * BF16)
+                    .map_err(launch)?;
+                let kw = self
+                    .weights
+                    .slice(bo.norm_k, HEAD_DIM * BF16)
+                    .map_err(launch)?;
+                let (cos_v, sin_v) = (ws.rope_cos.view(), ws.rope_sin.view());
+                let inputs = QkvInputs {
+                    qkv: &qkv_view,
+                    qkv_layout: Matrix::dense(total, 3 * w),
+                    heads: dims.heads,
+                    q_weight: &qw,
+                    k_weight: &kw,
+                    eps: dims.eps,
+                    rope_cos: &cos_v,
+                    rope_sin: &sin_v,
+                    rope_stride: HEAD_DIM / 2,
+                };
+                let (mut qv, mut kv, mut vv) = (ws.q.view_mut(), ws.k.view_mut(), ws.v.view_mut());
+                let mut outputs = QkvOutputs {
+                    q: &mut qv,
+                    q_stride: w,
+                    k: &mut kv,
+                    k_stride: w,
+                    v: &mut vv,
+                    v_stride: w,
+                };
+                k_.qk_norm_rope(st, &inputs, &mut outputs).map_err(launch)?;
+                phase!("qk-norm+rope", Bytes, 2 * total * 3 * w * BF16);
+            }
+            if let Some(extract) = ws.extract.as_mut() {
+                let plane = extract.plane_bytes();
+                for (which, src) in [(0usize, &ws.k), (1, &ws.v)] {
+                    let at = extract.offset(layer, which);
+                    for bi in 0..b {
+                        let src_view =
+                            src.slice(bi * s * w * BF16, p * w * BF16).map_err(launch)?;
+                        let mut dst = extract
+                            .buffer
+                            .slice_mut(at + bi * (plane / b.max(1)), p * w * BF16)
+                            .map_err(launch)?;
+                        if p > 0 {
+                            k_.copy_rows(st, &src_view, Matrix::dense(p, w), &mut dst, w)
+                                .map_err(launch)?;
+                        }
+                    }
+                }
+                phase!("kv extract copy", Bytes, 2 * 2 * b * p * w * BF16);
+            }
+            {
+                if let Some((plan, ck, cv)) = ws.compact.as_mut() {
+                    for (src, dst) in [(&ws.k, &mut *ck), (&ws.v, &mut *cv)] {
+                        for (bi, sample) in plan.runs.iter().enumerate() {
+                            for &(from, to, len) in sample {
+                                let src_view = src
+                                    .slice((bi * s + from) * w * BF16, len * w * BF16)
+                                    .map_err(launch)?;
+                                let mut dst_view = dst
+                                    .slice_mut((bi * plan.num_keys + to) * w * BF16, len * w * BF16)
+                                    .map_err(launch)?;
+                                k_.copy_rows(
+                                    st,
+                                    &src_view,
+                                    Matrix::dense(len, w),
+                                    &mut dst_view,
+                                    w,
+                                )
+                                .map_err(launch)?;
+                            }
+                        }
+                    }
+                    phase!(
+                        "key compaction copy",
+                        Bytes,
+                        2 * 2 * plan.runs.iter().flatten().map(|r| r.2).sum::<usize>() * w * BF16
+                    );
+                }
+                let (num_keys, limit_stride, kv_rows) = match &ws.compact {
+                    Some((plan, _, _)) => (plan.num_keys, rows, plan.num_keys),
+                    None => (s, 0, rows),
+                };
+                let (kv, vv) = match &ws.compact {
+                    Some((_, ck, cv)) => (ck.view(), cv.view()),
+                    None => (ws.k.view(), ws.v.view()),
+                };
+                let qv = ws.q.view();
+                let prefix_views = match cache {
+                    Some(c) if cached => Some((
+                        c.buffer
+                            .slice(c.offset(layer, 0), c.plane_bytes())
+                            .map_err(launch)?,
+                        c.buffer
+                            .slice(c.offset(layer, 1), c.plane_bytes())
+                            .map_err(launch)?,
+                    )),
+                    _ => None,
+                };
+                let inputs = AttentionInputs {
+                    q: &qv,
+                    q_strides: row_strides(rows),
+                    prefix: prefix_views
+                        .as_ref()
+                        .map(|(kp, vp)| (kp, vp, row_strides(p))),
+                    k: &kv,
+                    v: &vv,
+                    kv_strides: row_strides(kv_rows),
+                    key_limit: Some((&limits_view, limit_stride)),
+                    key_pad: pad_view.as_ref(),
+                    scale,
+                };
+                let shape = AttentionShape {
+                    batch: b,
+                    num_queries: rows,
+                    num_keys,
+                    prefix_len: if cached { p } else { 0 },
+                    num_heads: dims.heads,
+                    num_kv_heads: dims.heads,
+                };
+                k_.attention_with(
+                    st,
+                    self.attention_tile,
+                    shape,
+                    &inputs,
+                    &mut ws.attn.view_mut(),
+                    row_strides(rows),
+                )
+                .map_err(launch)?;
+                phase!("attention", Flops, attention_flops(shape));
+            }
+            self.gemm(
+                total,
+                d,
+                w,
+                (&ws.attn).into(),
+                self.weight(bo.to_out, d * w * BF16)?,
+                (&ws.proj).into(),
+                false,
+            )?;
+            phase!("out GEMM", Flops, 2 * total * d * w);
+            k_.gated_residual_adaln(
+                st,
+                &mut ws.x.view_mut(),
+                x_layout,
+                &ws.proj.view(),
+                d,
+                &mut ws.normed.view_mut(),
+                d,
+                &modulation(d),
+                &modulation(2 * d),
+                select,
+                dims.eps,
+            )
+            .map_err(launch)?;
+            phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
+
+            // MLP half.
+            self.gemm(
+                total,
+                2 * f,
+                d,
+                (&ws.normed).into(),
+                self.weight(bo.gate_up, 2 * f * d * BF16)?,
+                (&ws.gate_up).into(),
+                false,
+            )?;
+            phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
+            k_.swiglu(
+                st,
+                &ws.gate_up.view(),
+                Matrix::dense(total, 2 * f),
+                &mut ws.act.view_mut(),
+                f,
+            )
+            .map_err(launch)?;
+            phase!("swiglu", Bytes, 3 * total * f * BF16);
+            self.gemm(
+                total,
+                d,
+                f,
+                (&ws.act).into(),
+                self.weight(bo.mlp_out, d * f * BF16)?,
+                (&ws.proj).into(),
+                false,
+            )?;
+            phase!("down GEMM", Flops, 2 * total * d * f);
+            // The next block's adaLN, or norm_out after the last block.
+            let next_scale = if layer == last_layer { 4 * d } else { 0 };
+            k_.gated_residual_adaln(
+                st,
+                &mut ws.x.view_mut(),
+                x_layout,
+                &ws.proj.view(),
+                d,
+                &mut ws.normed.view_mut(),
+                d,
+                &modulation(3 * d),
+                &modulation(next_scale),
+                select,
+                dims.eps,
+            )
+            .map_err(launch)?;
+            phase!("residual2+adaln1", Bytes, 4 * total * d * BF16);
+        }
+        if o.blocks.is_empty() {
+            // No block: norm_out reads x as embedded (a degenerate config, kept correct).
+            k_.adaln_modulate(
+                st,
+                &ws.x.view(),
+                x_layout,
+                &mut ws.normed.view_mut(),
+                d,
+                &modulation(4 * d),
+                select,
+                dims.eps,
+            )
+            .map_err(launch)?;
+            phase!("norm_out", Bytes, 2 * total * d * BF16);
+        }
+        self.gemm(
+            total,
+            dims.out_ch,
+            d,
+            (&ws.normed).into(),
+            self.weight(o.proj_out, dims.out_ch * d * BF16)?,
+            (&ws.out).into(),
+            true,
+        )?;
+        phase!("proj_out GEMM", Flops, 2 * total * dims.out_ch * d);
+        Ok(())
+    }
+
+    /// Captures the graph of this workspace for `cache` unless it is cached, then replays it on the stream.
+    pub(super) fn replay(
+        &self,
+        ws: &mut Workspace,
+        cache: Option<&GpuKvCache>,
+    ) -> Result<(), DitError> {
+        let key = cache.map_or(0, |c| c.id);
+        // The cache lives in the workspace whose buffers the capture records; it is out of it while capturing.
+        let mut graphs = std::mem::replace(&mut ws.graphs, GraphCache::new(MAX_GRAPHS));
+        let result = graphs
+            .capture(
+                key,
+                &self.stream,
+                || self.enqueue_step(ws, cache, &mut NoProbe),
+                |what, e| cuda_err(what)(e),
+            )
+            .and_then(|graph| {
+                graph
+                    .launch(&self.stream)
+                    .map_err(cuda_err("replaying the step graph"))
+            });
+        ws.graphs = graphs;
+        result
+    }
+}

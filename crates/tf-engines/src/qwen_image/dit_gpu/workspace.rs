@@ -1,0 +1,430 @@
+//! Per-(joint layout, mode) workspaces of the DiT step: the joint sequence's runs of text and image rows, the
+//! device buffers a step uses, its mask and RoPE tables, and the key compaction for padding in several ranges.
+
+use tf_cuda::{Context, DeviceBuffer};
+
+use super::kv::GpuKvCache;
+use super::{cuda_err, Engine, MAX_GRAPHS};
+use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::graph_cache::GraphCache;
+use crate::nn::gpu::{key_limits_from_blocks, key_pad_from_valid, HEAD_DIM};
+use crate::nn::host;
+use crate::nn::weights::{le_bytes, BF16};
+use crate::qwen_image::config::{ROPE_THETA, TIMESTEP_DIM};
+use crate::qwen_image::dit::{DitError, DitInputs, JointLayout, KvMode, TokenSource};
+
+/// One run of consecutive joint tokens from consecutive source rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Run {
+    pub(super) text: bool,
+    /// First source row (text row `m` or image token `n`) of the run.
+    pub(super) src: usize,
+    /// First joint position of the run.
+    pub(super) pos: usize,
+    pub(super) len: usize,
+}
+
+/// Runs of the joint sequence from `first_row` on.
+pub(super) fn runs(layout: &JointLayout, first_row: usize) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::new();
+    for (pos, src) in layout.sources.iter().enumerate().skip(first_row) {
+        let (text, s) = match *src {
+            TokenSource::Text(m) => (true, m),
+            TokenSource::Image(n) => (false, n),
+        };
+        match out.last_mut() {
+            Some(run) if run.text == text && run.src + run.len == s && run.pos + run.len == pos => {
+                run.len += 1
+            }
+            _ => out.push(Run {
+                text,
+                src: s,
+                pos,
+                len: 1,
+            }),
+        }
+    }
+    out
+}
+
+/// Device buffers of one (layout, mode).
+pub(super) struct Workspace {
+    pub(super) mode: KvMode,
+    pub(super) layout: JointLayout,
+    /// Rows per sample this step computes (S, or the target rows when cached).
+    pub(super) rows: usize,
+    pub(super) first_row: usize,
+    pub(super) n_t: usize,
+    pub(super) n_img: usize,
+    pub(super) l_vlm: usize,
+    pub(super) runs: Vec<Run>,
+    pub(super) timesteps: DeviceBuffer,
+    pub(super) sinusoid: DeviceBuffer,
+    pub(super) temb1: DeviceBuffer,
+    pub(super) temb2: DeviceBuffer,
+    pub(super) modulation: DeviceBuffer,
+    pub(super) hidden_in: DeviceBuffer,
+    pub(super) text_in: DeviceBuffer,
+    pub(super) text_normed: DeviceBuffer,
+    pub(super) text_hidden: DeviceBuffer,
+    pub(super) x: DeviceBuffer,
+    pub(super) normed: DeviceBuffer,
+    pub(super) qkv: DeviceBuffer,
+    pub(super) q: DeviceBuffer,
+    pub(super) k: DeviceBuffer,
+    pub(super) v: DeviceBuffer,
+    pub(super) attn: DeviceBuffer,
+    pub(super) proj: DeviceBuffer,
+    pub(super) gate_up: DeviceBuffer,
+    pub(super) act: DeviceBuffer,
+    pub(super) out: DeviceBuffer,
+    pub(super) rope_cos: DeviceBuffer,
+    pub(super) rope_sin: DeviceBuffer,
+    pub(super) key_limits: DeviceBuffer,
+    pub(super) key_pad: Option<DeviceBuffer>,
+    /// Padding in several ranges: the gather plan and the compacted K and V.
+    pub(super) compact: Option<(CompactKeys, DeviceBuffer, DeviceBuffer)>,
+    /// Extract mode: the prefix K/V written by the step, copied into a fresh cache after it.
+    pub(super) extract: Option<GpuKvCache>,
+    /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
+    pub(super) warmed: bool,
+    /// The step captured per KV cache used with this workspace (key: the cache id, 0 for none).
+    pub(super) graphs: GraphCache<u64>,
+}
+
+/// Attention over the valid keys only, for padding in several ranges: invalid keys are never visible, so dropping
+/// them and counting limits in valid keys keeps every query's visible set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct CompactKeys {
+    /// Per sample: `(source position, compacted position, length)` runs of valid keys.
+    pub(super) runs: Vec<Vec<(usize, usize, usize)>>,
+    /// Keys per sample after compaction (the most valid keys of any sample).
+    pub(super) num_keys: usize,
+    /// Key limits `[batch][queries]` in compacted positions.
+    pub(super) limits: Vec<i32>,
+    /// Per sample `[valid count, num_keys)`: the unused tail.
+    pub(super) pads: Vec<i32>,
+}
+
+impl CompactKeys {
+    pub(super) fn plan(key_valid: &[Vec<bool>], limits: &[i32]) -> Result<CompactKeys, DitError> {
+        let mut runs = Vec::with_capacity(key_valid.len());
+        let mut counts = Vec::with_capacity(key_valid.len());
+        let mut compact_limits = Vec::with_capacity(key_valid.len() * limits.len());
+        for valid in key_valid {
+            // before[k] = valid keys at positions < k.
+            let mut before = Vec::with_capacity(valid.len() + 1);
+            before.push(0usize);
+            let mut sample_runs: Vec<(usize, usize, usize)> = Vec::new();
+            for (pos, &ok) in valid.iter().enumerate() {
+                let count = *before.last().unwrap_or(&0);
+                if ok {
+                    match sample_runs.last_mut() {
+                        Some(run) if run.0 + run.2 == pos => run.2 += 1,
+                        _ => sample_runs.push((pos, count, 1)),
+                    }
+                }
+                before.push(count + usize::from(ok));
+            }
+            for &limit in limits {
+                let at = usize::try_from(limit).unwrap_or(0).min(valid.len());
+                compact_limits.push(
+                    i32::try_from(before[at])
+                        .map_err(|_| DitError::Input("too many keys".into()))?,
+                );
+            }
+            counts.push(*before.last().unwrap_or(&0));
+            runs.push(sample_runs);
+        }
+        let num_keys = counts.iter().copied().max().unwrap_or(0).max(1);
+        let mut pads = Vec::with_capacity(2 * counts.len());
+        for &c in &counts {
+            let to_i32 =
+                |v: usize| i32::try_from(v).map_err(|_| DitError::Input("too many keys".into()));
+            pads.extend([to_i32(c)?, to_i32(num_keys)?]);
+        }
+        Ok(CompactKeys {
+            runs,
+            num_keys,
+            limits: compact_limits,
+            pads,
+        })
+    }
+}
+
+fn alloc(ctx: &Context, bytes: usize, what: &str) -> Result<DeviceBuffer, DitError> {
+    DeviceBuffer::alloc(ctx, bytes).map_err(|e| {
+        DitError::Gpu(gpu_error(
+            format!("allocating the {what} workspace ({bytes} B)"),
+            e,
+        ))
+    })
+}
+
+impl Engine {
+    /// Allocates the buffers of one (layout, mode) and uploads its layout-dependent tables.
+    pub(super) fn workspace(
+        &self,
+        layout: JointLayout,
+        mode: KvMode,
+        inputs: &DitInputs,
+    ) -> Result<Workspace, DitError> {
+        let dims = &self.dims;
+        let ctx = &self.ctx;
+        let (b, s) = (layout.batch, layout.seq_len);
+        let cached = mode == KvMode::Cached;
+        let first_row = if cached { layout.prefix_len } else { 0 };
+        let rows = s - first_row;
+        let total = b * rows;
+        let n_t = b + usize::from(self.config.causal_condition);
+        let n_img = inputs.hidden_states.shape().get(1).copied().unwrap_or(0);
+        let l_vlm = inputs
+            .encoder_hidden_states
+            .shape()
+            .get(1)
+            .copied()
+            .unwrap_or(0);
+        let (d, w, f) = (dims.d, dims.width, dims.ffn);
+
+        // Mask tables: per-query key limits (shared by the batch) and one padding range per sample.
+        let mut limits = key_limits_from_blocks(&layout.block_ids, first_row, rows)
+            .map_err(cuda_err("attention mask"))?;
+        let mut pads = Vec::with_capacity(2 * b);
+        let mut any_pad = false;
+        let mut scattered = false;
+        for valid in &layout.key_valid {
+            match key_pad_from_valid(valid) {
+                Ok(pad) => {
+                    let (lo, hi) = pad.unwrap_or((0, 0));
+                    any_pad |= pad.is_some();
+                    pads.extend([lo, hi]);
+                }
+                Err(_) => scattered = true,
+            }
+        }
+        // Padded keys in several ranges: attention runs over the valid keys only, gathered per sample.
+        let mut compact = None;
+        if scattered {
+            if cached {
+                return Err(DitError::Input(
+                    "padded text rows in several ranges of the prefix: the cached step needs them in one contiguous \
+                     range per sample"
+                        .into(),
+                ));
+            }
+            let plan = CompactKeys::plan(&layout.key_valid, &limits)?;
+            limits = plan.limits.clone();
+            pads = plan.pads.clone();
+            any_pad = true;
+            let bytes = b * plan.num_keys * w * BF16;
+            let mut k = alloc(ctx, bytes, "compacted keys")?;
+            let mut v = alloc(ctx, bytes, "compacted values")?;
+            // Rows past a sample's valid keys are masked, but must hold finite values.
+            k.fill_u8(0, None)
+                .map_err(cuda_err("clearing compacted keys"))?;
+            v.fill_u8(0, None)
+                .map_err(cuda_err("clearing compacted values"))?;
+            compact = Some((plan, k, v));
+        }
+        // RoPE tables, 64 pairs per row (unused pairs rotate by 0), repeated per sample.
+        let (cos, sin) = host::rope_tables(
+            &layout.positions[first_row..],
+            self.config.axes_dims_rope,
+            ROPE_THETA,
+        );
+        let half = dims.head_dim / 2;
+        let mut cos_t = vec![1f32; total * HEAD_DIM / 2];
+        let mut sin_t = vec![0f32; total * HEAD_DIM / 2];
+        for bi in 0..b {
+            for r in 0..rows {
+                let at = (bi * rows + r) * HEAD_DIM / 2;
+                cos_t[at..at + half].copy_from_slice(&cos[r * half..(r + 1) * half]);
+                sin_t[at..at + half].copy_from_slice(&sin[r * half..(r + 1) * half]);
+            }
+        }
+        let mut rope_cos = alloc(ctx, cos_t.len() * 4, "rope")?;
+        rope_cos
+            .upload(0, &le_bytes(&cos_t, f32::to_le_bytes))
+            .map_err(cuda_err("uploading rope tables"))?;
+        let mut rope_sin = alloc(ctx, sin_t.len() * 4, "rope")?;
+        rope_sin
+            .upload(0, &le_bytes(&sin_t, f32::to_le_bytes))
+            .map_err(cuda_err("uploading rope tables"))?;
+        let mut key_limits = alloc(ctx, limits.len() * 4, "mask")?;
+        key_limits
+            .upload(0, &le_bytes(&limits, i32::to_le_bytes))
+            .map_err(cuda_err("uploading key limits"))?;
+        let key_pad = if any_pad {
+            let mut buf = alloc(ctx, pads.len() * 4, "mask")?;
+            buf.upload(0, &le_bytes(&pads, i32::to_le_bytes))
+                .map_err(cuda_err("uploading key padding"))?;
+            Some(buf)
+        } else {
+            None
+        };
+        let extract = if mode == KvMode::Extract {
+            let bytes = dims.layers * 2 * b * layout.prefix_len * w * BF16;
+            Some(GpuKvCache {
+                id: 0,
+                batch: b,
+                prefix_len: layout.prefix_len,
+                width: w,
+                layers: dims.layers,
+                buffer: alloc(ctx, bytes, "KV extract")?,
+            })
+        } else {
+            None
+        };
+        let text_rows = if cached { 0 } else { b * l_vlm };
+        Ok(Workspace {
+            mode,
+            rows,
+            first_row,
+            n_t,
+            n_img,
+            l_vlm,
+            runs: runs(&layout, first_row),
+            layout,
+            timesteps: alloc(ctx, n_t * 4, "timestep")?,
+            sinusoid: alloc(ctx, n_t * TIMESTEP_DIM * BF16, "timestep")?,
+            temb1: alloc(ctx, n_t * d * BF16, "timestep")?,
+            temb2: alloc(ctx, n_t * d * BF16, "timestep")?,
+            modulation: alloc(ctx, n_t * 5 * d * BF16, "modulation")?,
+            hidden_in: alloc(ctx, b * n_img * dims.in_ch * BF16, "input")?,
+            text_in: alloc(ctx, text_rows * dims.ctx * BF16, "input")?,
+            text_normed: alloc(ctx, text_rows * dims.ctx * BF16, "text")?,
+            text_hidden: alloc(ctx, text_rows * d * BF16, "text")?,
+            x: alloc(ctx, total * d * BF16, "activation")?,
+            normed: alloc(ctx, total * d * BF16, "activation")?,
+            qkv: alloc(ctx, total * 3 * w * BF16, "qkv")?,
+            q: alloc(ctx, total * w * BF16, "q")?,
+            k: alloc(ctx, total * w * BF16, "k")?,
+            v: alloc(ctx, total * w * BF16, "v")?,
+            attn: alloc(ctx, total * w * BF16, "attention")?,
+            proj: alloc(ctx, total * d * BF16, "activation")?,
+            gate_up: alloc(ctx, total * 2 * f * BF16, "mlp")?,
+            act: alloc(ctx, total * f * BF16, "mlp")?,
+            out: alloc(ctx, total * dims.out_ch * 4, "output")?,
+            rope_cos,
+            rope_sin,
+            key_limits,
+            key_pad,
+            compact,
+            extract,
+            warmed: false,
+            graphs: GraphCache::new(MAX_GRAPHS),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::qwen_image::dit::TokenSource;
+    use crate::qwen_image::dit::TokenSource::{Image, Text};
+
+    fn layout_of(sources: Vec<TokenSource>, prefix_len: usize) -> JointLayout {
+        let seq_len = sources.len();
+        JointLayout {
+            batch: 1,
+            seq_len,
+            n_target: seq_len - prefix_len,
+            prefix_len,
+            block_ids: vec![-1; seq_len],
+            positions: vec![[0; 3]; seq_len],
+            row_mod: vec![0; seq_len],
+            n_mod: 1,
+            key_valid: vec![vec![true; seq_len]],
+            sources,
+        }
+    }
+
+    #[test]
+    fn runs_split_on_kind_and_on_the_first_row() {
+        let l = layout_of(
+            vec![
+                Text(0),
+                Text(1),
+                Image(0),
+                Image(1),
+                Image(2),
+                Image(3),
+                Text(2),
+                Image(4),
+                Image(5),
+            ],
+            8,
+        );
+        assert_eq!(
+            runs(&l, 0),
+            vec![
+                Run {
+                    text: true,
+                    src: 0,
+                    pos: 0,
+                    len: 2
+                },
+                Run {
+                    text: false,
+                    src: 0,
+                    pos: 2,
+                    len: 4
+                },
+                Run {
+                    text: true,
+                    src: 2,
+                    pos: 6,
+                    len: 1
+                },
+                Run {
+                    text: false,
+                    src: 4,
+                    pos: 7,
+                    len: 2
+                },
+            ]
+        );
+        // Cached: only the rows from the target on; a run straddling the boundary is clipped.
+        assert_eq!(
+            runs(&l, 8),
+            vec![Run {
+                text: false,
+                src: 5,
+                pos: 8,
+                len: 1
+            }]
+        );
+        let total: usize = runs(&l, 3).iter().map(|r| r.len).sum();
+        assert_eq!(total, 6);
+    }
+
+    #[test]
+    fn compaction_keeps_every_visible_set() {
+        // Two samples of 6 keys; sample 1 has padding at 1 and 4 (two ranges).
+        let valid = vec![vec![true; 6], vec![true, false, true, true, false, true]];
+        let limits = vec![1, 2, 3, 4, 5, 6];
+        let plan = CompactKeys::plan(&valid, &limits).unwrap();
+        assert_eq!(plan.num_keys, 6);
+        assert_eq!(plan.runs[0], vec![(0, 0, 6)]);
+        assert_eq!(plan.runs[1], vec![(0, 0, 1), (2, 1, 2), (5, 3, 1)]);
+        assert_eq!(&plan.limits[..6], &limits[..]);
+        assert_eq!(&plan.limits[6..], &[1, 1, 2, 3, 3, 4]);
+        assert_eq!(plan.pads, vec![6, 6, 4, 6]);
+        // Visible sets agree: key k of sample 1 is seen by query q iff valid and k < limit[q].
+        for (q, &limit) in limits.iter().enumerate() {
+            let original: Vec<usize> = (0..6)
+                .filter(|&k| valid[1][k] && (k as i32) < limit)
+                .collect();
+            let compacted = plan.limits[6 + q] as usize;
+            let mut kept = Vec::new();
+            for &(from, to, len) in &plan.runs[1] {
+                for i in 0..len {
+                    if to + i < compacted {
+                        kept.push(from + i);
+                    }
+                }
+            }
+            assert_eq!(kept, original, "query {q}");
+        }
+    }
+}
