@@ -524,3 +524,50 @@ fn forward_files_writes_both_outputs() {
     }
     let _ = std::fs::remove_file(&out);
 }
+
+#[test]
+fn tf_forward_binary_runs_an_h3_folder() {
+    let case = "original_fl2va_first";
+    let out =
+        std::env::temp_dir().join(format!("h3_tf_forward_{}.safetensors", std::process::id()));
+    let model = fixtures().join(case).join("model");
+    let inputs = fixtures().join(case).join("inputs.safetensors");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_tf"))
+        .arg("forward")
+        .arg("--model")
+        .arg(&model)
+        .arg("--inputs")
+        .arg(&inputs)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    println!("{stderr}");
+    assert!(run.status.success(), "{stderr}");
+    let written = SafetensorsFile::open(&out).unwrap();
+    let expected = open(case, "expected.safetensors");
+    for name in ["sample", "audio_sample"] {
+        assert_close(
+            case,
+            name,
+            &written.to_f32(name).unwrap(),
+            &expected.to_f32(name).unwrap(),
+        );
+    }
+    let _ = std::fs::remove_file(&out);
+    // A GPU request is refused with one line, not a crash.
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_tf"))
+        .arg("forward")
+        .arg("--model")
+        .arg(&model)
+        .arg("--inputs")
+        .arg(&inputs)
+        .arg("--out")
+        .arg(&out)
+        .args(["--backend", "gpu"])
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    assert!(String::from_utf8_lossy(&run.stderr).contains("MiniMax H3"));
+}

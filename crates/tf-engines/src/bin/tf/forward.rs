@@ -1,4 +1,6 @@
-//! `tf forward`: one Qwen-Image 2.1 DiT forward from an input bundle.
+//! `tf forward`: one Qwen-Image 2.1 DiT forward from an input bundle, or one MiniMax H3 DiT forward when the
+//! folder's `config.json` names `MiniMaxH3Transformer3DModel` (host reference; outputs `sample` and
+//! `audio_sample`).
 //!
 //! The bundle holds the diffusers forward arguments by name (`hidden_states`, `encoder_hidden_states`,
 //! `timestep`, `img_mask`, optional `encoder_hidden_states_mask`, `img_shapes`); the output file gets `sample`.
@@ -77,6 +79,9 @@ const GEMM_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 fn forward(args: &Args) -> Result<(), DitError> {
     let started = Instant::now();
     let model = ModelDir::open(&args.model)?;
+    if tf_engines::minimax_h3::config::names_this_class(model.config_json()) {
+        return forward_minimax_h3(args, &model);
+    }
     let inputs = DitInputs::from_bundle(&SafetensorsFile::open(&args.inputs)?)?;
     let output = match args.backend {
         Backend::Host => {
@@ -116,6 +121,30 @@ fn forward(args: &Args) -> Result<(), DitError> {
         args.out.display(),
         output.1,
         started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// A MiniMax H3 folder: the host reference on the bundle's forward arguments (by name), `sample` and
+/// `audio_sample` written to --out.
+fn forward_minimax_h3(args: &Args, model: &ModelDir) -> Result<(), DitError> {
+    if args.backend != Backend::Host || args.kv_cache != KvCacheArg::None {
+        return Err(DitError::Backend(
+            "MiniMax H3 runs on the host reference (--backend host) without a KV cache (--kv-cache none)"
+                .into(),
+        ));
+    }
+    let report = tf_engines::minimax_h3::dit_host::forward_files(model, &args.inputs, &args.out)
+        .map_err(|e| DitError::Backend(format!("MiniMax H3: {e}")))?;
+    eprintln!(
+        "tf forward: MiniMax H3 {} ({:?} layout, {}): sample {:?}, audio_sample {:?} -> {} (forward {:.3} s)",
+        args.model.display(),
+        report.layout,
+        report.load,
+        report.sample_shape,
+        report.audio_sample_shape,
+        args.out.display(),
+        report.forward_seconds
     );
     Ok(())
 }
