@@ -517,6 +517,58 @@ mod tests {
     }
 
     #[test]
+    fn every_key_under_hostile_values_parses_or_fails_cleanly() {
+        let keys = [
+            "num_attention_heads",
+            "attention_head_dim",
+            "hidden_size",
+            "num_layers",
+            "num_refiner_layers",
+            "ffn_dim",
+            "in_channels",
+            "audio_in_channels",
+            "patch_size",
+            "text_dim",
+            "freq_dim",
+            "time_embed_hidden_dim",
+            "time_embed_dim",
+            "rope_freq_dim",
+            "rope_theta",
+            "norm_eps",
+            "qk_norm_eps",
+            "final_norm_eps",
+            "_class_name",
+        ];
+        let values = [
+            serde_json::json!(0),
+            serde_json::json!(1),
+            serde_json::json!(-1),
+            serde_json::json!(u64::MAX),
+            serde_json::json!(1u64 << 40),
+            serde_json::json!(1e308),
+            serde_json::json!(f64::MIN_POSITIVE),
+            serde_json::json!(null),
+            serde_json::json!("7"),
+            serde_json::json!([1, 2, 2]),
+            serde_json::json!([0, 0, 0]),
+            serde_json::json!([1, 65535, 65535]),
+            serde_json::json!({}),
+        ];
+        for key in keys {
+            for value in &values {
+                let mut c = serde_json::Map::new();
+                c.insert(key.to_string(), value.clone());
+                match parse(serde_json::Value::Object(c)) {
+                    Ok(config) => {
+                        assert!(config.parameter_count() <= MAX_PARAMETERS, "{key}={value}")
+                    }
+                    Err(e) => assert!(e.to_string().contains(key), "{key}={value}: {e}"),
+                }
+            }
+        }
+    }
+
+    #[test]
     fn products_are_bounded_before_allocation() {
         // Each key within its own bound, the model as a whole far beyond anything real.
         let err = parse(serde_json::json!({
