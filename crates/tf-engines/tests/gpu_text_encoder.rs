@@ -17,10 +17,10 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 use tf_engines::nn::gpu::{rotate_half_rope_tables, NnKernels, QkNormRope};
@@ -550,6 +550,63 @@ fn tiny_encoder_matches_the_host_reference() {
     let after = tf_cuda::usage().device;
     println!("device bytes: {baseline} before load, {after} after drop");
     assert_eq!(after, baseline, "the encoder must free every device buffer");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn features_at_a_middle_layer_match_the_host_reference() {
+    let config = TextEncoderConfig {
+        num_hidden_layers: 4,
+        ..tiny_config()
+    };
+    let dir = scratch_dir("layers");
+    tiny_model(&dir, &config, 2027);
+    let model = ModelDir::open(&dir).expect("open the tiny model");
+    let host_encoder = HostTextEncoder::load(&model).expect("host load");
+    let ctx = context();
+    let mut gpu = GpuTextEncoder::load_on(&ctx, &model).expect("GPU load");
+    let mut rng = Rng::new(11);
+    let ids: Vec<u32> = (0..37)
+        .map(|_| rng.below(config.vocab_size) as u32)
+        .collect();
+    let last = config.num_hidden_layers;
+    let mut by_layer = Vec::new();
+    for layer in [0, 2, last] {
+        let want = host_encoder
+            .features_at(&ids, layer)
+            .expect("host features");
+        let got = gpu.features_at(&ids, layer).expect("GPU features");
+        assert_eq!(got.shape(), &[ids.len(), config.hidden_size]);
+        assert_eq!(got.shape(), want.shape(), "layer {layer}: shape");
+        assert_close(
+            &format!("hidden_states[{layer}] of {} rows", ids.len()),
+            got.data(),
+            want.data(),
+            REL_L2_MAX,
+            COSINE_MIN,
+        );
+        by_layer.push(got.into_data());
+    }
+    // The middle layer is its own state, not the last layer's (the forward stopped there).
+    let rel = relative_l2(&by_layer[1], &by_layer[2]).unwrap();
+    println!("hidden_states[2] against hidden_states[{last}]: relative L2 {rel:.3e}");
+    assert!(rel > 1e-2, "layer 2 and the last layer agree: {rel:e}");
+    // The last layer is what Qwen-Image's prompt features read, bit for bit.
+    let prompt = gpu.prompt_features(&ids, 0).expect("prompt features");
+    assert_eq!(
+        prompt.data(),
+        &by_layer[2][..],
+        "features_at(last) must be the prompt features"
+    );
+    let err = gpu.features_at(&ids, last + 1).unwrap_err();
+    println!("layer past the last: {err}");
+    assert!(err.to_string().contains("does not exist"), "{err}");
+    assert_eq!(
+        gpu.features_at(&[], 2).expect("no ids").shape(),
+        &[0, config.hidden_size]
+    );
+    drop(gpu);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -37,6 +37,19 @@ pub fn element_count(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
 }
 
+/// The rows left once the first `drop` of `rows` (a prompt template's leading block) are removed; refuses a drop
+/// that leaves no row.
+pub fn rows_after_drop(rows: usize, drop: usize) -> Result<usize, ShapeError> {
+    match rows.checked_sub(drop) {
+        Some(kept) if kept > 0 => Ok(kept),
+        _ => Err(ShapeError::new(
+            "prompt",
+            format!("more than the {drop} leading template rows to drop"),
+            format!("{rows} tokens"),
+        )),
+    }
+}
+
 /// A row-major host tensor of `T`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor<T> {
@@ -82,6 +95,21 @@ impl<T> Tensor<T> {
     /// Consumes the tensor and returns its elements.
     pub fn into_data(self) -> Vec<T> {
         self.data
+    }
+
+    /// Rows `first..` of a `[rows, cols]` tensor, as `[rows - first, cols]` (`first` at most `rows`).
+    pub fn skip_rows(mut self, first: usize) -> Result<Self, ShapeError> {
+        let [rows, cols] = self.dims::<2>("tensor")?;
+        let kept = rows.checked_sub(first).ok_or_else(|| {
+            ShapeError::new(
+                "rows to skip",
+                format!("at most {rows}"),
+                format!("{first}"),
+            )
+        })?;
+        // In bounds: first * cols <= rows * cols = data.len().
+        let data = self.data.split_off(first * cols);
+        Tensor::new(vec![kept, cols], data)
     }
 
     /// Checks the rank and returns the dimensions; `what` names the tensor in the error.
@@ -137,6 +165,25 @@ mod tests {
         assert!(Tensor::new(vec![2, 3], vec![0f32; 6]).is_ok());
         let err = Tensor::new(vec![2, 3], vec![0f32; 5]).unwrap_err();
         assert!(err.to_string().contains("6 elements"), "{err}");
+    }
+
+    #[test]
+    fn rows_are_dropped_from_the_front() {
+        assert_eq!(rows_after_drop(5, 2).unwrap(), 3);
+        assert!(rows_after_drop(2, 2).is_err());
+        assert!(rows_after_drop(1, 3).is_err());
+        let t = Tensor::new(vec![3, 2], vec![0f32, 1., 2., 3., 4., 5.]).unwrap();
+        let kept = t.clone().skip_rows(1).unwrap();
+        assert_eq!(
+            (kept.shape(), kept.data()),
+            (&[2, 2][..], &[2f32, 3., 4., 5.][..])
+        );
+        assert_eq!(t.clone().skip_rows(3).unwrap().shape(), &[0, 2]);
+        assert!(t.clone().skip_rows(4).is_err());
+        assert!(Tensor::new(vec![6], vec![0f32; 6])
+            .unwrap()
+            .skip_rows(1)
+            .is_err());
     }
 
     #[test]

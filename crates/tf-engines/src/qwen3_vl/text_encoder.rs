@@ -38,7 +38,7 @@ use thiserror::Error;
 use crate::nn::backend_error::GpuError;
 use crate::nn::config::{checked_product, in_range, parse_object};
 use crate::nn::host::{self, rope_rotate_half, rotate_half_tables};
-use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
+use crate::nn::tensor::{rows_after_drop, ShapeError, Tensor, TensorF32};
 use crate::nn::weights::{ModelDir, WeightsError};
 
 /// Errors of the text encoder.
@@ -568,16 +568,9 @@ impl HostTextEncoder {
         ids: &[I],
         drop_rows: usize,
     ) -> Result<TensorF32, TextEncoderError> {
-        if drop_rows >= ids.len() {
-            return Err(TextEncoderError::Input(format!(
-                "the prompt has {} tokens, not more than the {drop_rows} template rows to drop",
-                ids.len()
-            )));
-        }
-        let all = self.forward(ids, 0)?;
-        let h = self.config.hidden_size;
-        let kept = all.data()[drop_rows * h..].to_vec();
-        Ok(Tensor::new(vec![ids.len() - drop_rows, h], kept)?)
+        rows_after_drop(ids.len(), drop_rows)
+            .map_err(|e| TextEncoderError::Input(e.to_string()))?;
+        Ok(self.forward(ids, 0)?.skip_rows(drop_rows)?)
     }
 
     /// Applies the model's final RMSNorm to `[rows, hidden]` states (what a plain `last_hidden_state` holds; the

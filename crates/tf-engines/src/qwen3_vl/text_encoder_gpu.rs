@@ -5,8 +5,10 @@
 //!
 //! - Weights stream from the safetensors map through pinned staging ([`crate::nn::upload`]) into one device
 //!   allocation, fused per layer: `q|k|v` as one `[(heads + 2 kv_heads) * 128, hidden]` weight and `gate|up` as
-//!   one `[2 * intermediate, hidden]`. The final norm is not loaded: the pipeline reads the last layer's output
-//!   before it.
+//!   one `[2 * intermediate, hidden]`. The final norm is not loaded: [`GpuTextEncoder::features_at`] returns
+//!   `hidden_states[layer]` as the host reference does, running no layer past `layer` (Qwen-Image reads the last
+//!   layer's output before the norm; MiniMax H3 reads layer 50). Prompt templates (the rows Qwen-Image drops) are
+//!   the engines' own.
 //! - A layer is: RMSNorm, fused qkv GEMM, in-place per-head QK RMSNorm + rotate-half RoPE on the q and k columns,
 //!   causal grouped-query attention reading q, k, v straight from the fused rows, o-proj GEMM accumulating into
 //!   the residual stream (`beta = 1`), RMSNorm, gate|up GEMM, SwiGLU, down GEMM accumulating into the residual.
@@ -23,8 +25,9 @@
 //!
 //! let mut encoder = GpuTextEncoder::load(&ModelDir::open(Path::new("text_encoder"))?)?;
 //! println!("{} B resident", encoder.resident_bytes());
-//! let features = encoder.prompt_features(&[151644, 8948, 198, 9707], 3)?;
-//! assert_eq!(features.shape(), &[1, encoder.config().hidden_size]);
+//! let last = encoder.config().num_hidden_layers;
+//! let features = encoder.features_at(&[151644, 8948, 198, 9707], last)?;
+//! assert_eq!(features.shape(), &[4, encoder.config().hidden_size]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -599,13 +602,10 @@ impl GpuTextEncoder {
         Ok(())
     }
 
-    /// Validates the request, sizes the workspace and uploads the ids (on the stream). Returns the row count.
-    fn prepare(&mut self, ids: &[u32], drop_rows: usize) -> Result<usize, TextEncoderError> {
-        if drop_rows >= ids.len() {
-            return Err(TextEncoderError::Input(format!(
-                "the prompt has {} tokens, not more than the {drop_rows} template rows to drop",
-                ids.len()
-            )));
+    /// Validates the ids, sizes the workspace and uploads them (on the stream). Returns the row count.
+    fn prepare(&mut self, ids: &[u32]) -> Result<usize, TextEncoderError> {
+        if ids.is_empty() {
+            return Err(TextEncoderError::Input("no token ids to encode".into()));
         }
         let values = ids_to_i32(ids, self.dims.vocab)?;
         let rows = ids.len();
@@ -623,16 +623,17 @@ impl GpuTextEncoder {
     /// Device milliseconds of one forward over `ids` (the mean of `iters` after one warm-up), without the id
     /// upload and the read-back: the figure to compare with the weight-streaming bound.
     pub fn time_forward(&mut self, ids: &[u32], iters: usize) -> Result<f64, TextEncoderError> {
-        let rows = self.prepare(ids, 0)?;
+        let rows = self.prepare(ids)?;
+        let layers = self.layout.layers.len();
         let start = Event::new(&self.ctx, true).map_err(gpu_err("creating an event"))?;
         let end = Event::new(&self.ctx, true).map_err(gpu_err("creating an event"))?;
-        self.enqueue_forward(rows)?;
+        self.enqueue_forward(rows, layers)?;
         let iters = iters.max(1);
         start
             .record(&self.stream)
             .map_err(gpu_err("recording an event"))?;
         for _ in 0..iters {
-            self.enqueue_forward(rows)?;
+            self.enqueue_forward(rows, layers)?;
         }
         end.record(&self.stream)
             .map_err(gpu_err("recording an event"))?;
@@ -663,28 +664,18 @@ impl GpuTextEncoder {
         span(&self.weights, offset, bytes)
     }
 
-    /// `y[m, n] = x[m, k] . w[n, k]^T (+ y when accumulate)` on the stream.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        x: DeviceSpan,
-        w: DeviceSpan,
-        y: DeviceSpan,
-        accumulate: bool,
-    ) -> Result<(), TextEncoderError> {
-        let linear = Linear::new(m, n, k, x, w, y).accumulate(accumulate);
+    /// Enqueues `linear` on the stream.
+    fn gemm(&self, linear: Linear) -> Result<(), TextEncoderError> {
         // SAFETY: every span lies inside a live buffer of this encoder (the weights or the workspace; checked by
         // `span`); neither is freed before the stream is synchronised (workspace growth, `clear_workspace` and
         // Drop synchronise first), and the stream belongs to the handle's context.
         Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
     }
 
-    /// Enqueues the forward of the `rows` ids already in the workspace (no host synchronisation). The result,
-    /// the last layer's output before the final norm, is left in the workspace's `x`.
-    fn enqueue_forward(&mut self, rows: usize) -> Result<(), TextEncoderError> {
+    /// Enqueues the embedding and the first `layers` decoder layers over the `rows` ids already in the workspace
+    /// (no host synchronisation); no layer past them runs, and the final norm never does. The result,
+    /// `hidden_states[layers]`, is left in the workspace's `x`.
+    fn enqueue_forward(&mut self, rows: usize, layers: usize) -> Result<(), TextEncoderError> {
         if rows == 0 || self.workspace_rows() < rows {
             return Err(TextEncoderError::Backend(
                 "GPU backend: internal: no workspace for this prompt".into(),
@@ -695,12 +686,17 @@ impl GpuTextEncoder {
                 "GPU backend: internal: no workspace".into(),
             ));
         };
-        let result = self.enqueue_forward_in(&mut ws, rows);
+        let result = self.enqueue_forward_in(&mut ws, rows, layers);
         self.workspace = Some(ws);
         result
     }
 
-    fn enqueue_forward_in(&self, ws: &mut Workspace, rows: usize) -> Result<(), TextEncoderError> {
+    fn enqueue_forward_in(
+        &self,
+        ws: &mut Workspace,
+        rows: usize,
+        layers: usize,
+    ) -> Result<(), TextEncoderError> {
         let d = self.dims;
         let (h, f) = (d.hidden, d.ffn);
         let (qw, kw, qkvw) = (d.q_width(), d.kv_width(), d.qkv_width());
@@ -734,7 +730,7 @@ impl GpuTextEncoder {
         let limits = ws.key_limits.view();
         let scale = 1.0 / (HEAD_DIM as f32).sqrt();
 
-        for l in &self.layout.layers {
+        for l in self.layout.layers.iter().take(layers) {
             self.kernels
                 .rms_norm(
                     st,
@@ -746,15 +742,14 @@ impl GpuTextEncoder {
                     eps,
                 )
                 .map_err(launch("input RMSNorm"))?;
-            self.gemm(
+            self.gemm(Linear::new(
                 rows,
                 qkvw,
                 h,
                 normed_span,
                 self.weight_span(l.qkv, qkvw * h * BF16)?,
                 qkv_span,
-                false,
-            )?;
+            ))?;
             {
                 let q_weight = weight_view(l.qk_norm, HEAD_DIM * BF16)?;
                 let k_weight = weight_view(l.qk_norm + HEAD_DIM * BF16, HEAD_DIM * BF16)?;
@@ -827,13 +822,15 @@ impl GpuTextEncoder {
                     .map_err(launch("causal attention"))?;
             }
             self.gemm(
-                rows,
-                h,
-                qw,
-                attn_span,
-                self.weight_span(l.o_proj, h * qw * BF16)?,
-                x_span,
-                true,
+                Linear::new(
+                    rows,
+                    h,
+                    qw,
+                    attn_span,
+                    self.weight_span(l.o_proj, h * qw * BF16)?,
+                    x_span,
+                )
+                .accumulate(true),
             )?;
             self.kernels
                 .rms_norm(
@@ -846,15 +843,14 @@ impl GpuTextEncoder {
                     eps,
                 )
                 .map_err(launch("post-attention RMSNorm"))?;
-            self.gemm(
+            self.gemm(Linear::new(
                 rows,
                 2 * f,
                 h,
                 normed_span,
                 self.weight_span(l.gate_up, 2 * f * h * BF16)?,
                 gate_up_span,
-                false,
-            )?;
+            ))?;
             self.kernels
                 .swiglu(
                     st,
@@ -865,49 +861,66 @@ impl GpuTextEncoder {
                 )
                 .map_err(launch("SwiGLU"))?;
             self.gemm(
-                rows,
-                h,
-                f,
-                act_span,
-                self.weight_span(l.down, h * f * BF16)?,
-                x_span,
-                true,
+                Linear::new(
+                    rows,
+                    h,
+                    f,
+                    act_span,
+                    self.weight_span(l.down, h * f * BF16)?,
+                    x_span,
+                )
+                .accumulate(true),
             )?;
         }
         Ok(())
     }
 
-    /// Runs the forward and reads rows `drop_rows..` of the result back as f32.
     /// The model config.
     pub fn config(&self) -> &TextEncoderConfig {
         &self.config
     }
 
-    /// Hidden states of the last decoder layer before the final norm, with the first `drop_rows` rows dropped.
-    pub fn prompt_features(
+    /// `hidden_states[layer]` `[ids.len(), hidden]` from position 0, as the host reference's
+    /// [`super::text_encoder::HostTextEncoder::features_at`]: 0 = the embedding rows, `k` = decoder layer `k`'s
+    /// output (`num_hidden_layers`: the last layer's), never the final norm. No layer past `layer` runs.
+    pub fn features_at(
         &mut self,
         ids: &[u32],
-        drop_rows: usize,
+        layer: usize,
     ) -> Result<TensorF32, TextEncoderError> {
-        let rows = self.prepare(ids, drop_rows)?;
-        self.enqueue_forward(rows)?;
+        let layers = self.layout.layers.len();
+        if layer > layers {
+            return Err(TextEncoderError::Input(format!(
+                "layer {layer} does not exist: hidden states run from 0 (the embeddings) to {layers} (the last \
+                 decoder layer)"
+            )));
+        }
+        if ids.is_empty() {
+            return Ok(Tensor::new(vec![0, self.dims.hidden], Vec::new())?);
+        }
+        let rows = self.prepare(ids)?;
+        self.enqueue_forward(rows, layer)?;
+        self.read_features(rows)
+    }
+
+    /// Waits for the forward and reads the `rows` rows of the workspace's `x` back as f32.
+    fn read_features(&self, rows: usize) -> Result<TensorF32, TextEncoderError> {
         self.stream
             .synchronize()
             .map_err(gpu_err("running the text encoder"))?;
         let h = self.dims.hidden;
-        let kept = rows - drop_rows;
         let ws = self
             .workspace
             .as_ref()
             .ok_or_else(|| TextEncoderError::Backend("GPU backend: no workspace".into()))?;
-        let mut bytes = vec![0u8; kept * h * BF16];
-        ws.x.download(drop_rows * h * BF16, &mut bytes)
+        let mut bytes = vec![0u8; rows * h * BF16];
+        ws.x.download(0, &mut bytes)
             .map_err(gpu_err("reading the features back"))?;
         let values: Vec<f32> = bytes
             .chunks_exact(BF16)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
-        Ok(Tensor::new(vec![kept, h], values)?)
+        Ok(Tensor::new(vec![rows, h], values)?)
     }
 }
 

@@ -5,10 +5,11 @@
 //! has its own trait, [`crate::qwen_image::dit::DitBackend`]. The host references implement these traits, and
 //! the GPU backends implement the same ones, so one pipeline runs on either.
 
-use crate::nn::tensor::{Tensor, TensorF32};
+use crate::nn::tensor::{rows_after_drop, TensorF32};
 use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
 use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use crate::qwen_image::vae::{HostVaeDecoder, VaeConfig, VaeError};
+use crate::qwen_image::vae_gpu::GpuVaeDecoder;
 
 /// The Qwen3-VL text path as the pipeline uses it.
 pub trait TextEncoderBackend {
@@ -27,23 +28,18 @@ pub trait TextEncoderBackend {
         ids: &[u32],
         drop_rows: usize,
     ) -> Result<TensorF32, TextEncoderError> {
-        if drop_rows >= ids.len() {
-            return Err(TextEncoderError::Input(format!(
-                "the prompt has {} tokens, not more than the {drop_rows} template rows to drop",
-                ids.len()
-            )));
-        }
+        rows_after_drop(ids.len(), drop_rows)
+            .map_err(|e| TextEncoderError::Input(e.to_string()))?;
         let last = self.config().num_hidden_layers;
         let all = self.features_at(ids, last)?;
-        let [rows, h] = all.dims::<2>("text features")?;
+        let [rows, _] = all.dims::<2>("text features")?;
         if rows != ids.len() {
             return Err(TextEncoderError::Input(format!(
                 "the encoder returned {rows} rows for {} tokens",
                 ids.len()
             )));
         }
-        let kept = all.into_data().split_off(drop_rows * h);
-        Ok(Tensor::new(vec![rows - drop_rows, h], kept)?)
+        Ok(all.skip_rows(drop_rows)?)
     }
 }
 
@@ -62,45 +58,41 @@ pub trait VaeBackend {
     ) -> Result<TensorF32, VaeError>;
 }
 
-impl TextEncoderBackend for HostTextEncoder {
-    fn config(&self) -> &TextEncoderConfig {
-        HostTextEncoder::config(self)
-    }
+/// Implements the component traits for encoders and decoders whose inherent methods of the same names are the
+/// implementation (the host references and the GPU backends alike).
+macro_rules! by_inherent_methods {
+    (TextEncoderBackend for $($encoder:ty),+) => {$(
+        impl TextEncoderBackend for $encoder {
+            fn config(&self) -> &TextEncoderConfig {
+                <$encoder>::config(self)
+            }
 
-    fn features_at(&mut self, ids: &[u32], layer: usize) -> Result<TensorF32, TextEncoderError> {
-        HostTextEncoder::features_at(self, ids, layer)
-    }
-}
-
-impl VaeBackend for HostVaeDecoder {
-    fn config(&self) -> &VaeConfig {
-        HostVaeDecoder::config(self)
-    }
-
-    fn decode_packed(
-        &mut self,
-        packed: &TensorF32,
-        h: usize,
-        w: usize,
-    ) -> Result<TensorF32, VaeError> {
-        HostVaeDecoder::decode_packed(self, packed, h, w)
-    }
-}
-
-impl TextEncoderBackend for GpuTextEncoder {
-    fn config(&self) -> &TextEncoderConfig {
-        GpuTextEncoder::config(self)
-    }
-
-    fn features_at(&mut self, ids: &[u32], layer: usize) -> Result<TensorF32, TextEncoderError> {
-        let last = GpuTextEncoder::config(self).num_hidden_layers;
-        if layer != last {
-            // The device forward runs every layer; stopping early is the GPU encoder's to add.
-            return Err(TextEncoderError::Input(format!(
-                "the GPU text encoder returns the last layer ({last}) only, not layer {layer}; use the host \
-                 encoder for an earlier layer"
-            )));
+            fn features_at(
+                &mut self,
+                ids: &[u32],
+                layer: usize,
+            ) -> Result<TensorF32, TextEncoderError> {
+                <$encoder>::features_at(self, ids, layer)
+            }
         }
-        GpuTextEncoder::prompt_features(self, ids, 0)
-    }
+    )+};
+    (VaeBackend for $($decoder:ty),+) => {$(
+        impl VaeBackend for $decoder {
+            fn config(&self) -> &VaeConfig {
+                <$decoder>::config(self)
+            }
+
+            fn decode_packed(
+                &mut self,
+                packed: &TensorF32,
+                h: usize,
+                w: usize,
+            ) -> Result<TensorF32, VaeError> {
+                <$decoder>::decode_packed(self, packed, h, w)
+            }
+        }
+    )+};
 }
+
+by_inherent_methods!(TextEncoderBackend for HostTextEncoder, GpuTextEncoder);
+by_inherent_methods!(VaeBackend for HostVaeDecoder, GpuVaeDecoder);

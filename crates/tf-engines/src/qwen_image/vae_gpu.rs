@@ -1,5 +1,5 @@
 //! The Qwen-Image 2.1 VAE decoder on the GPU: the same decode as [`super::vae::HostVaeDecoder`], channels-last
-//! (NHWC) in bf16 with f32 accumulation, behind the same [`VaeBackend`] interface.
+//! (NHWC) in bf16 with f32 accumulation, behind the same [`VaeBackend`](super::components::VaeBackend) interface.
 //!
 //! - Weights: one device allocation. Convolutions are GEMM matrices `[out_cp, taps * in_cp]` (tap-major, then
 //!   channel), channel counts padded to multiples of 8 with zero rows and columns; biases bf16 (f32 for
@@ -34,7 +34,6 @@
 use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
-use super::components::VaeBackend;
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
@@ -739,7 +738,7 @@ impl GpuVaeDecoder {
         self.workspace = None;
     }
 
-    /// Decodes packed latents `[batch, h * w, z]`; see [`VaeBackend::decode_packed`].
+    /// Decodes packed latents `[batch, h * w, z]`; see [`VaeBackend::decode_packed`](super::components::VaeBackend::decode_packed).
     pub fn decode_packed(
         &mut self,
         packed: &TensorF32,
@@ -1140,21 +1139,6 @@ impl GpuVaeDecoder {
             plan.out_cp,
             span(&ws.image, 0, pixels * plan.out_channels * F32)?,
         ))
-    }
-}
-
-impl VaeBackend for GpuVaeDecoder {
-    fn config(&self) -> &VaeConfig {
-        GpuVaeDecoder::config(self)
-    }
-
-    fn decode_packed(
-        &mut self,
-        packed: &TensorF32,
-        h: usize,
-        w: usize,
-    ) -> Result<TensorF32, VaeError> {
-        GpuVaeDecoder::decode_packed(self, packed, h, w)
     }
 }
 

@@ -23,7 +23,8 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, Stream};
 
-use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet};
+use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
+use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Operand};
 
 /// Name of the kernel set.
 pub const VAE_SET: &str = "qwen_image_vae";
@@ -58,7 +59,7 @@ fn bytes_of(op: &str, name: &str, factors: &[usize]) -> Result<usize, tf_cuda::E
         .ok_or_else(|| invalid(op, format!("{name}: size {factors:?} overflows")))
 }
 
-/// The span holds `needed` bytes and starts on an `align`-byte boundary.
+/// The span holds `needed` bytes and starts on an `align`-byte boundary (the shared launch checks, on a span).
 fn check_span(
     op: &str,
     name: &str,
@@ -66,25 +67,12 @@ fn check_span(
     needed: usize,
     align: u64,
 ) -> Result<(), tf_cuda::Error> {
-    if !span.addr.is_multiple_of(align) {
-        return Err(invalid(
-            op,
-            format!(
-                "{name}: device address {:#x} is not {align}-byte aligned",
-                span.addr
-            ),
-        ));
-    }
-    if needed > span.bytes {
-        return Err(invalid(
-            op,
-            format!(
-                "{name}: needs {needed} B but the span holds {} B",
-                span.bytes
-            ),
-        ));
-    }
-    Ok(())
+    let operand = Operand {
+        addr: span.addr,
+        bytes: span.bytes,
+    };
+    check_aligned_to(op, name, operand, align)?;
+    check_bytes(op, name, operand, needed)
 }
 
 fn check_padded(op: &str, name: &str, cp: usize) -> Result<(), tf_cuda::Error> {
@@ -143,7 +131,11 @@ pub fn plan_denormalize(
         .push_addr(std.addr)
         .push_addr(out.addr)
         .push(to_i32(OP, "zp", zp)?);
-    Ok(Launch::from_spans("qv_denormalize", stride_grid(OP, pixels * zp)?, args))
+    Ok(Launch::from_spans(
+        "qv_denormalize",
+        stride_grid(OP, pixels * zp)?,
+        args,
+    ))
 }
 
 /// Channel RMS norm over `channels` true channels (stored `cp` wide) with f32 `gamma[cp]` (zero padded), then
@@ -178,7 +170,11 @@ pub fn plan_rms_norm_silu(
         .push((channels as f32).sqrt())
         .push(i32::from(silu));
     let blocks = pixels.div_ceil(NORM_PIXELS_PER_BLOCK).max(1);
-    Ok(Launch::from_spans("qv_rms_norm_silu", LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS), args))
+    Ok(Launch::from_spans(
+        "qv_rms_norm_silu",
+        LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS),
+        args,
+    ))
 }
 
 /// Where a 3x3 convolution's columns come from and which output rows they cover.
@@ -261,7 +257,11 @@ pub fn plan_im2col3x3(
         .push(to_i32(OP, "row0", band.row0)?)
         .push(to_i32(OP, "rows", band.rows)?)
         .push_addr(cols.addr);
-    Ok(Launch::from_spans("qv_im2col3x3", stride_grid(OP, elements / 8)?, args))
+    Ok(Launch::from_spans(
+        "qv_im2col3x3",
+        stride_grid(OP, elements / 8)?,
+        args,
+    ))
 }
 
 /// Shape of a DupUp3D shortcut (first frame): `in_c` channels on an `h` x `w` map to `out_c` channels on
@@ -332,7 +332,11 @@ pub fn plan_dup_up(
         .push(to_i32(OP, "factor_t", shape.factor_t)?)
         .push(to_i32(OP, "repeats", repeats)?)
         .push_addr(y.addr);
-    Ok(Launch::from_spans("qv_dup_up", stride_grid(OP, out_elems)?, args))
+    Ok(Launch::from_spans(
+        "qv_dup_up",
+        stride_grid(OP, out_elems)?,
+        args,
+    ))
 }
 
 /// Row softmax of f32 scores `[rows, cols]` into bf16 probabilities of the same shape (kernel qv_softmax_rows).
@@ -367,7 +371,11 @@ pub fn plan_softmax_rows(
     args.push_addr(scores.addr)
         .push(to_i32(OP, "cols", cols)?)
         .push_addr(probs.addr);
-    Ok(Launch::from_spans("qv_softmax_rows", LaunchConfig::new(to_u32(OP, "rows", rows)?, THREADS), args))
+    Ok(Launch::from_spans(
+        "qv_softmax_rows",
+        LaunchConfig::new(to_u32(OP, "rows", rows)?, THREADS),
+        args,
+    ))
 }
 
 /// One image's planes `[channels, pixels]` f32, clamped to [-1, 1], from the channels-last f32 result
@@ -400,7 +408,11 @@ pub fn plan_planes_clamp(
         .push(to_i32(OP, "channels", channels)?)
         .push(to_i32(OP, "cp", cp)?)
         .push_addr(out.addr);
-    Ok(Launch::from_spans("qv_planes_clamp", stride_grid(OP, pixels * channels)?, args))
+    Ok(Launch::from_spans(
+        "qv_planes_clamp",
+        stride_grid(OP, pixels * channels)?,
+        args,
+    ))
 }
 
 /// The loaded `qwen_image_vae` kernels of one context.
@@ -431,7 +443,11 @@ impl VaeKernels {
     /// The launch addresses raw [`DeviceSpan`]s: every span it was planned over must lie in device memory of
     /// `stream`'s context that is allocated now (a `DeviceBuffer` then stays valid for the queued work, since
     /// its `Drop` synchronizes the context before freeing).
-    pub unsafe fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
+    pub unsafe fn submit(
+        &self,
+        stream: &Stream,
+        launch: &Launch<'_>,
+    ) -> Result<(), tf_cuda::Error> {
         // SAFETY: forwarded contract: the caller vouches for the spans.
         unsafe { self.set.submit_spans(stream, launch) }
     }

@@ -24,19 +24,8 @@ impl Engine {
         span(&self.weights, offset, bytes)
     }
 
-    /// `y[m, n] = x[m, k] . w[n, k]^T` on the stream.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        x: DeviceSpan,
-        w: DeviceSpan,
-        y: DeviceSpan,
-        f32_out: bool,
-    ) -> Result<(), DitError> {
-        let linear = Linear::new(m, n, k, x, w, y).f32_output(f32_out);
+    /// Enqueues `linear` on the stream.
+    fn gemm(&self, linear: Linear) -> Result<(), DitError> {
         // SAFETY: every span lies inside a live buffer of this engine or of the workspace in use (checked by
         // `span`); those buffers outlive the step: the forward synchronizes the stream before returning, and
         // graphs are stored with (and dropped before reuse of) the workspace whose buffers they reference.
@@ -81,37 +70,34 @@ impl Engine {
             10000.0,
         )
         .map_err(launch)?;
-        self.gemm(
+        self.gemm(Linear::new(
             n_t,
             d,
             TIMESTEP_DIM,
             (&ws.sinusoid).into(),
             self.weight(o.time1, d * TIMESTEP_DIM * BF16)?,
             (&ws.temb1).into(),
-            false,
-        )?;
+        ))?;
         k_.silu_inplace(st, &mut ws.temb1.view_mut(), n_t * d)
             .map_err(launch)?;
-        self.gemm(
+        self.gemm(Linear::new(
             n_t,
             d,
             d,
             (&ws.temb1).into(),
             self.weight(o.time2, d * d * BF16)?,
             (&ws.temb2).into(),
-            false,
-        )?;
+        ))?;
         k_.silu_inplace(st, &mut ws.temb2.view_mut(), n_t * d)
             .map_err(launch)?;
-        self.gemm(
+        self.gemm(Linear::new(
             n_t,
             5 * d,
             d,
             (&ws.temb2).into(),
             self.weight(o.mod_out, 5 * d * d * BF16)?,
             (&ws.modulation).into(),
-            false,
-        )?;
+        ))?;
         phase!(
             "timestep+modulation",
             Bytes,
@@ -134,15 +120,14 @@ impl Engine {
                 dims.eps,
             )
             .map_err(launch)?;
-            self.gemm(
+            self.gemm(Linear::new(
                 b * l,
                 d,
                 dims.ctx,
                 (&ws.text_normed).into(),
                 self.weight(o.txt_in, d * dims.ctx * BF16)?,
                 (&ws.text_hidden).into(),
-                false,
-            )?;
+            ))?;
             k_.gelu_tanh_inplace(st, &mut ws.text_hidden.view_mut(), b * l * d)
                 .map_err(launch)?;
             phase!("txt_in", Flops, 2 * b * l * d * dims.ctx);
@@ -158,30 +143,28 @@ impl Engine {
                         (bi * l + run.src) * d * BF16,
                         run.len * d * BF16,
                     )?;
-                    self.gemm(
+                    self.gemm(Linear::new(
                         run.len,
                         d,
                         d,
                         x,
                         self.weight(o.txt_out, d * d * BF16)?,
                         y,
-                        false,
-                    )?;
+                    ))?;
                 } else {
                     let x = span(
                         &ws.hidden_in,
                         (bi * ws.n_img + run.src) * dims.in_ch * BF16,
                         run.len * dims.in_ch * BF16,
                     )?;
-                    self.gemm(
+                    self.gemm(Linear::new(
                         run.len,
                         d,
                         dims.in_ch,
                         x,
                         self.weight(o.img_in, d * dims.in_ch * BF16)?,
                         y,
-                        false,
-                    )?;
+                    ))?;
                 }
             }
         }
@@ -242,15 +225,14 @@ impl Engine {
         let last_layer = o.blocks.len().saturating_sub(1);
         for (layer, bo) in o.blocks.iter().enumerate() {
             // Attention half (its adaLN ran at the end of the previous block).
-            self.gemm(
+            self.gemm(Linear::new(
                 total,
                 3 * w,
                 d,
                 (&ws.normed).into(),
                 self.weight(bo.qkv, 3 * w * d * BF16)?,
                 (&ws.qkv).into(),
-                false,
-            )?;
+            ))?;
             phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
             {
                 let qkv_view = ws.qkv.view();
@@ -385,15 +367,14 @@ impl Engine {
                 .map_err(launch)?;
                 phase!("attention", Flops, attention_flops(shape));
             }
-            self.gemm(
+            self.gemm(Linear::new(
                 total,
                 d,
                 w,
                 (&ws.attn).into(),
                 self.weight(bo.to_out, d * w * BF16)?,
                 (&ws.proj).into(),
-                false,
-            )?;
+            ))?;
             phase!("out GEMM", Flops, 2 * total * d * w);
             k_.gated_residual_adaln(
                 st,
@@ -412,15 +393,14 @@ impl Engine {
             phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
 
             // MLP half.
-            self.gemm(
+            self.gemm(Linear::new(
                 total,
                 2 * f,
                 d,
                 (&ws.normed).into(),
                 self.weight(bo.gate_up, 2 * f * d * BF16)?,
                 (&ws.gate_up).into(),
-                false,
-            )?;
+            ))?;
             phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
             k_.swiglu(
                 st,
@@ -431,15 +411,14 @@ impl Engine {
             )
             .map_err(launch)?;
             phase!("swiglu", Bytes, 3 * total * f * BF16);
-            self.gemm(
+            self.gemm(Linear::new(
                 total,
                 d,
                 f,
                 (&ws.act).into(),
                 self.weight(bo.mlp_out, d * f * BF16)?,
                 (&ws.proj).into(),
-                false,
-            )?;
+            ))?;
             phase!("down GEMM", Flops, 2 * total * d * f);
             // The next block's adaLN, or norm_out after the last block.
             let next_scale = if layer == last_layer { 4 * d } else { 0 };
@@ -475,13 +454,15 @@ impl Engine {
             phase!("norm_out", Bytes, 2 * total * d * BF16);
         }
         self.gemm(
-            total,
-            dims.out_ch,
-            d,
-            (&ws.normed).into(),
-            self.weight(o.proj_out, dims.out_ch * d * BF16)?,
-            (&ws.out).into(),
-            true,
+            Linear::new(
+                total,
+                dims.out_ch,
+                d,
+                (&ws.normed).into(),
+                self.weight(o.proj_out, dims.out_ch * d * BF16)?,
+                (&ws.out).into(),
+            )
+            .f32_output(true),
         )?;
         phase!("proj_out GEMM", Flops, 2 * total * dims.out_ch * d);
         Ok(())
