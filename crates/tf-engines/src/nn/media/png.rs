@@ -1,8 +1,16 @@
-//! 8-bit PNG files: a writer for RGB and RGBA images, and a reader for files in the same form (for tests and
-//! checks).
+//! 8-bit PNG files through the `png` crate: a writer for gray, gray+alpha, RGB and RGBA images, and a reader
+//! (for tests and checks) with a bound on what a file may make it allocate.
 //!
-//! The writer emits one IHDR, one IDAT (filter 0 on every row, zlib via `flate2`) and IEND; CRCs via `crc32fast`.
-//! The reader accepts 8-bit gray, gray+alpha, RGB and RGBA, non-interlaced, with any row filter.
+//! The writer emits the same bytes as the previous release's hand-written one: the signature, one IHDR, one IDAT
+//! holding the zlib stream (deflate level 6, as `flate2`'s default) of the rows each prefixed by filter byte 0
+//! (no filter, no adaptive choice), and IEND. That is `png`'s encoder with [`png::Filter::NoFilter`] and
+//! [`png::DeflateCompression::Level`]`(6)`, which compresses through `flate2` at that level; an IDAT is split only
+//! past 2^31 - 1 bytes. A test encodes random images with a copy of the previous writer and compares the bytes.
+//!
+//! The reader accepts any non-animated PNG the crate decodes and returns it as 8-bit gray, gray+alpha, RGB or
+//! RGBA (palettes and low bit depths expanded, 16-bit samples stripped to 8). A file whose decoded image would
+//! exceed [`MAX_DECODED_BYTES`] (or the bound given to [`decode_png_limited`]) is refused from its header,
+//! before the pixels are allocated; the crate's own buffers are bounded by the same figure.
 //!
 //! ```
 //! use tf_engines::nn::media::png::{decode_png, encode_png, ColorType};
@@ -14,21 +22,37 @@
 //! # Ok::<(), tf_engines::nn::media::png::PngError>(())
 //! ```
 
-use std::io::{Read, Write};
 use std::path::Path;
 
 use thiserror::Error;
 
-/// PNG file signature.
-const SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
 /// Largest side a PNG may state (the format's limit is 2^31 - 1).
 const MAX_SIDE: usize = (1 << 31) - 1;
+/// The deflate level of the previous release's writer (`flate2::Compression::default()`).
+const ZLIB_LEVEL: u8 = 6;
+/// Most bytes of decoded pixels [`decode_png`] allocates (1 GiB: a 16384 x 16384 RGBA image).
+pub const MAX_DECODED_BYTES: usize = 1 << 30;
 
 /// Errors of writing or reading a PNG.
 #[derive(Debug, Error)]
 pub enum PngError {
     #[error("PNG: {0}")]
     Invalid(String),
+    #[error("PNG: encoding: {0}")]
+    Encode(#[source] png::EncodingError),
+    #[error("PNG: decoding: {0}")]
+    Decode(#[source] png::DecodingError),
+    #[error(
+        "PNG: the image is {width}x{height} with {channels} channels ({bytes} B decoded), more than the \
+         {limit} B this reader allocates; pass a larger limit to decode_png_limited if the file is trusted"
+    )]
+    TooLarge {
+        width: u32,
+        height: u32,
+        channels: usize,
+        bytes: u128,
+        limit: usize,
+    },
     #[error("PNG: {what} {}: {source}", path.display())]
     Io {
         what: &'static str,
@@ -72,22 +96,22 @@ impl ColorType {
         }
     }
 
-    fn code(self) -> u8 {
+    fn to_png(self) -> png::ColorType {
         match self {
-            ColorType::Gray => 0,
-            ColorType::GrayAlpha => 4,
-            ColorType::Rgb => 2,
-            ColorType::Rgba => 6,
+            ColorType::Gray => png::ColorType::Grayscale,
+            ColorType::GrayAlpha => png::ColorType::GrayscaleAlpha,
+            ColorType::Rgb => png::ColorType::Rgb,
+            ColorType::Rgba => png::ColorType::Rgba,
         }
     }
 
-    fn from_code(code: u8) -> Option<ColorType> {
-        match code {
-            0 => Some(ColorType::Gray),
-            4 => Some(ColorType::GrayAlpha),
-            2 => Some(ColorType::Rgb),
-            6 => Some(ColorType::Rgba),
-            _ => None,
+    fn from_png(color: png::ColorType) -> Option<ColorType> {
+        match color {
+            png::ColorType::Grayscale => Some(ColorType::Gray),
+            png::ColorType::GrayscaleAlpha => Some(ColorType::GrayAlpha),
+            png::ColorType::Rgb => Some(ColorType::Rgb),
+            png::ColorType::Rgba => Some(ColorType::Rgba),
+            png::ColorType::Indexed => None,
         }
     }
 }
@@ -101,24 +125,11 @@ pub struct PngImage {
     pub pixels: Vec<u8>,
 }
 
-fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) -> Result<(), PngError> {
-    let len = u32::try_from(data.len()).map_err(|_| invalid("a chunk over 4 GiB"))?;
-    out.extend_from_slice(&len.to_be_bytes());
-    let start = out.len();
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let crc = crc32fast::hash(&out[start..]);
-    out.extend_from_slice(&crc.to_be_bytes());
-    Ok(())
-}
-
-fn check_size(width: usize, height: usize) -> Result<(), PngError> {
-    if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE {
-        return Err(invalid(format!(
-            "size {width}x{height}: each side must be 1 to {MAX_SIDE}"
-        )));
-    }
-    Ok(())
+fn side(name: &str, value: usize) -> Result<u32, PngError> {
+    u32::try_from(value)
+        .ok()
+        .filter(|&v| v > 0 && value <= MAX_SIDE)
+        .ok_or_else(|| invalid(format!("{name} {value}: each side must be 1 to {MAX_SIDE}")))
 }
 
 /// Encodes `pixels` (`height` rows of `width * channels` bytes) as a PNG file.
@@ -128,13 +139,15 @@ pub fn encode_png(
     color: ColorType,
     pixels: &[u8],
 ) -> Result<Vec<u8>, PngError> {
-    check_size(width, height)?;
-    let row = width
+    let (w, h) = (side("width", width)?, side("height", height)?);
+    let expected = width
         .checked_mul(color.channels())
-        .ok_or_else(|| invalid("row size overflows"))?;
-    let expected = row
-        .checked_mul(height)
-        .ok_or_else(|| invalid("image size overflows"))?;
+        .and_then(|row| row.checked_mul(height))
+        .ok_or_else(|| {
+            invalid(format!(
+                "a {width}x{height} image overflows the address space"
+            ))
+        })?;
     if pixels.len() != expected {
         return Err(invalid(format!(
             "{} bytes of pixels for a {width}x{height} image with {} channels (expected {expected})",
@@ -142,28 +155,15 @@ pub fn encode_png(
             color.channels()
         )));
     }
-    let mut raw = Vec::with_capacity(expected + height);
-    for line in pixels.chunks_exact(row) {
-        raw.push(0); // filter: none
-        raw.extend_from_slice(line);
-    }
-    let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
-    z.write_all(&raw)
-        .map_err(|e| invalid(format!("compressing: {e}")))?;
-    let idat = z
-        .finish()
-        .map_err(|e| invalid(format!("compressing: {e}")))?;
-
-    let mut ihdr = Vec::with_capacity(13);
-    // Sides fit in u32: checked above.
-    ihdr.extend_from_slice(&(width as u32).to_be_bytes());
-    ihdr.extend_from_slice(&(height as u32).to_be_bytes());
-    ihdr.extend_from_slice(&[8, color.code(), 0, 0, 0]);
-    let mut out = Vec::with_capacity(idat.len() + 64);
-    out.extend_from_slice(&SIGNATURE);
-    chunk(&mut out, b"IHDR", &ihdr)?;
-    chunk(&mut out, b"IDAT", &idat)?;
-    chunk(&mut out, b"IEND", &[])?;
+    let mut out = Vec::with_capacity(expected / 2 + 64);
+    let mut encoder = png::Encoder::new(&mut out, w, h);
+    encoder.set_color(color.to_png());
+    encoder.set_depth(png::BitDepth::Eight);
+    encoder.set_filter(png::Filter::NoFilter);
+    encoder.set_deflate_compression(png::DeflateCompression::Level(ZLIB_LEVEL));
+    let mut writer = encoder.write_header().map_err(PngError::Encode)?;
+    writer.write_image_data(pixels).map_err(PngError::Encode)?;
+    writer.finish().map_err(PngError::Encode)?;
     Ok(out)
 }
 
@@ -183,117 +183,64 @@ pub fn write_png(
     })
 }
 
-fn be_u32(bytes: &[u8], at: usize) -> Result<u32, PngError> {
-    bytes
-        .get(at..at + 4)
-        .and_then(|b| <[u8; 4]>::try_from(b).ok())
-        .map(u32::from_be_bytes)
-        .ok_or_else(|| invalid("truncated file"))
-}
-
-fn paeth(a: u8, b: u8, c: u8) -> u8 {
-    let (ia, ib, ic) = (i16::from(a), i16::from(b), i16::from(c));
-    let p = ia + ib - ic;
-    let (pa, pb, pc) = ((p - ia).abs(), (p - ib).abs(), (p - ic).abs());
-    if pa <= pb && pa <= pc {
-        a
-    } else if pb <= pc {
-        b
-    } else {
-        c
-    }
-}
-
-/// Decodes an 8-bit, non-interlaced PNG (gray, gray+alpha, RGB, RGBA), checking every chunk CRC.
+/// Decodes a PNG file to 8-bit gray, gray+alpha, RGB or RGBA, allocating at most [`MAX_DECODED_BYTES`] of
+/// pixels.
 pub fn decode_png(file: &[u8]) -> Result<PngImage, PngError> {
-    if !file.starts_with(&SIGNATURE) {
-        return Err(invalid("not a PNG file (bad signature)"));
+    decode_png_limited(file, MAX_DECODED_BYTES)
+}
+
+/// [`decode_png`] with another bound on the decoded pixels (and on the decoder's own buffers).
+pub fn decode_png_limited(file: &[u8], max_bytes: usize) -> Result<PngImage, PngError> {
+    let mut decoder =
+        png::Decoder::new_with_limits(std::io::Cursor::new(file), png::Limits { bytes: max_bytes });
+    decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
+    // The header alone says how large the image is: refuse an oversized one before reading further.
+    let (width, height) = {
+        let info = decoder.read_header_info().map_err(PngError::Decode)?;
+        (info.width, info.height)
+    };
+    // After EXPAND and STRIP_16 a pixel is at most 4 bytes; the exact figure is checked again below.
+    let bound = u128::from(width) * u128::from(height) * 4;
+    if bound > max_bytes as u128 {
+        return Err(PngError::TooLarge {
+            width,
+            height,
+            channels: 4,
+            bytes: bound,
+            limit: max_bytes,
+        });
     }
-    let mut at = SIGNATURE.len();
-    let mut header: Option<(usize, usize, ColorType)> = None;
-    let mut compressed = Vec::new();
-    let mut ended = false;
-    while at < file.len() && !ended {
-        let len = be_u32(file, at)? as usize;
-        let body_end = at
-            .checked_add(8 + len)
-            .filter(|&e| e + 4 <= file.len())
-            .ok_or_else(|| invalid("a chunk runs past the end of the file"))?;
-        let kind = &file[at + 4..at + 8];
-        let data = &file[at + 8..body_end];
-        let crc = be_u32(file, body_end)?;
-        if crc32fast::hash(&file[at + 4..body_end]) != crc {
-            return Err(invalid(format!(
-                "CRC mismatch in chunk {}",
-                String::from_utf8_lossy(kind)
-            )));
-        }
-        match kind {
-            b"IHDR" => {
-                if data.len() != 13 {
-                    return Err(invalid("IHDR is not 13 bytes"));
-                }
-                let width = be_u32(data, 0)? as usize;
-                let height = be_u32(data, 4)? as usize;
-                check_size(width, height)?;
-                let (depth, code, interlace) = (data[8], data[9], data[12]);
-                let color = ColorType::from_code(code)
-                    .filter(|_| depth == 8 && interlace == 0)
-                    .ok_or_else(|| {
-                        invalid(format!(
-                            "only 8-bit non-interlaced gray/RGB(A) is read (depth {depth}, color type {code}, \
-                             interlace {interlace})"
-                        ))
-                    })?;
-                header = Some((width, height, color));
-            }
-            b"IDAT" => compressed.extend_from_slice(data),
-            b"IEND" => ended = true,
-            _ => {}
-        }
-        at = body_end + 4;
-    }
-    let (width, height, color) = header.ok_or_else(|| invalid("no IHDR chunk"))?;
-    if !ended {
-        return Err(invalid("no IEND chunk"));
-    }
-    let bpp = color.channels();
-    let row = width * bpp;
-    let expected = (row + 1)
-        .checked_mul(height)
-        .ok_or_else(|| invalid("image size overflows"))?;
-    let mut raw = Vec::with_capacity(expected);
-    flate2::read::ZlibDecoder::new(compressed.as_slice())
-        .take(expected as u64 + 1)
-        .read_to_end(&mut raw)
-        .map_err(|e| invalid(format!("decompressing: {e}")))?;
-    if raw.len() != expected {
+    let mut reader = decoder.read_info().map_err(PngError::Decode)?;
+    let (png_color, depth) = reader.output_color_type();
+    let color = ColorType::from_png(png_color)
+        .filter(|_| depth == png::BitDepth::Eight)
+        .ok_or_else(|| {
+            invalid(format!(
+                "decodes to {png_color:?} at {depth:?} bits, not 8-bit gray or RGB(A)"
+            ))
+        })?;
+    let bytes = reader
+        .output_buffer_size()
+        .filter(|&n| n <= max_bytes)
+        .ok_or(PngError::TooLarge {
+            width,
+            height,
+            channels: color.channels(),
+            bytes: u128::from(width) * u128::from(height) * color.channels() as u128,
+            limit: max_bytes,
+        })?;
+    let mut pixels = vec![0u8; bytes];
+    let frame = reader.next_frame(&mut pixels).map_err(PngError::Decode)?;
+    pixels.truncate(frame.buffer_size());
+    // The rest of the file up to IEND, so a truncated or corrupt tail is refused too.
+    reader.finish().map_err(PngError::Decode)?;
+    let (width, height) = (frame.width as usize, frame.height as usize);
+    if pixels.len() != width * height * color.channels() {
         return Err(invalid(format!(
-            "image data holds {} bytes, expected {expected}",
-            raw.len()
+            "{} bytes decoded for a {width}x{height} image with {} channels",
+            pixels.len(),
+            color.channels()
         )));
-    }
-    let mut pixels = vec![0u8; row * height];
-    let mut prev = vec![0u8; row];
-    for (y, line) in raw.chunks_exact(row + 1).enumerate() {
-        let (filter, src) = (line[0], &line[1..]);
-        let mut cur = vec![0u8; row];
-        for x in 0..row {
-            let a = if x >= bpp { cur[x - bpp] } else { 0 };
-            let b = prev[x];
-            let c = if x >= bpp { prev[x - bpp] } else { 0 };
-            let predictor = match filter {
-                0 => 0,
-                1 => a,
-                2 => b,
-                3 => ((u16::from(a) + u16::from(b)) / 2) as u8,
-                4 => paeth(a, b, c),
-                f => return Err(invalid(format!("row {y} has unknown filter {f}"))),
-            };
-            cur[x] = src[x].wrapping_add(predictor);
-        }
-        pixels[y * row..(y + 1) * row].copy_from_slice(&cur);
-        prev = cur;
     }
     Ok(PngImage {
         width,
@@ -315,21 +262,132 @@ pub fn read_png(path: &Path) -> Result<PngImage, PngError> {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+
     use super::*;
     use proptest::prelude::*;
 
-    #[test]
-    fn crc_matches_the_png_spec_value() {
-        // The IEND chunk's CRC is the same in every PNG.
+    /// The previous release's writer, byte for byte: signature, IHDR, one IDAT of zlib (flate2's default level)
+    /// over the rows each prefixed by filter byte 0, IEND; CRCs by crc32fast.
+    mod previous {
+        use std::io::Write;
+
+        use super::ColorType;
+
+        const SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
+
+        fn code(color: ColorType) -> u8 {
+            match color {
+                ColorType::Gray => 0,
+                ColorType::GrayAlpha => 4,
+                ColorType::Rgb => 2,
+                ColorType::Rgba => 6,
+            }
+        }
+
+        pub fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+            let len = u32::try_from(data.len()).unwrap();
+            out.extend_from_slice(&len.to_be_bytes());
+            let start = out.len();
+            out.extend_from_slice(kind);
+            out.extend_from_slice(data);
+            let crc = crc32fast::hash(&out[start..]);
+            out.extend_from_slice(&crc.to_be_bytes());
+        }
+
+        pub fn encode_png(width: usize, height: usize, color: ColorType, pixels: &[u8]) -> Vec<u8> {
+            let row = width * color.channels();
+            assert_eq!(pixels.len(), row * height);
+            let mut raw = Vec::with_capacity(pixels.len() + height);
+            for line in pixels.chunks_exact(row) {
+                raw.push(0); // filter: none
+                raw.extend_from_slice(line);
+            }
+            let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+            z.write_all(&raw).unwrap();
+            let idat = z.finish().unwrap();
+            let mut ihdr = Vec::with_capacity(13);
+            ihdr.extend_from_slice(&(width as u32).to_be_bytes());
+            ihdr.extend_from_slice(&(height as u32).to_be_bytes());
+            ihdr.extend_from_slice(&[8, code(color), 0, 0, 0]);
+            let mut out = Vec::with_capacity(idat.len() + 64);
+            out.extend_from_slice(&SIGNATURE);
+            chunk(&mut out, b"IHDR", &ihdr);
+            chunk(&mut out, b"IDAT", &idat);
+            chunk(&mut out, b"IEND", &[]);
+            out
+        }
+
+        /// A file of the previous layout with this IHDR and IDAT payload.
+        pub fn file(ihdr: &[u8], idat: &[u8]) -> Vec<u8> {
+            let mut out = SIGNATURE.to_vec();
+            chunk(&mut out, b"IHDR", ihdr);
+            chunk(&mut out, b"IDAT", idat);
+            chunk(&mut out, b"IEND", &[]);
+            out
+        }
+    }
+
+    fn noise(seed: u64, n: usize) -> Vec<u8> {
+        (0..n)
+            .map(|i| {
+                (crate::nn::sampling::noise::splitmix64(seed.wrapping_add(i as u64)) >> 56) as u8
+            })
+            .collect()
+    }
+
+    fn ihdr(width: u32, height: u32, color_code: u8) -> Vec<u8> {
         let mut out = Vec::new();
-        chunk(&mut out, b"IEND", &[]).unwrap();
-        assert_eq!(&out[8..], &[0xAE, 0x42, 0x60, 0x82]);
+        out.extend_from_slice(&width.to_be_bytes());
+        out.extend_from_slice(&height.to_be_bytes());
+        out.extend_from_slice(&[8, color_code, 0, 0, 0]);
+        out
+    }
+
+    #[test]
+    fn the_writer_emits_the_previous_releases_bytes() {
+        // Noise (incompressible), smooth gradients and flat fields (long matches), up to an image like the
+        // pipeline's output, in every colour type.
+        let mut cases: Vec<(usize, usize, ColorType, Vec<u8>)> = Vec::new();
+        for (i, &(w, h)) in [(1usize, 1usize), (3, 2), (64, 64), (257, 31), (512, 512)]
+            .iter()
+            .enumerate()
+        {
+            for channels in 1..=4 {
+                let color = ColorType::from_channels(channels).unwrap();
+                let n = w * h * channels;
+                cases.push((w, h, color, noise(i as u64 * 10 + channels as u64, n)));
+                let gradient: Vec<u8> = (0..n)
+                    .map(|j| ((j / channels) % w * 255 / w) as u8)
+                    .collect();
+                cases.push((w, h, color, gradient));
+                cases.push((w, h, color, vec![(i * 37) as u8; n]));
+            }
+        }
+        // The pipeline's full-size output: 1024 x 1024 RGB, smooth with noise (a photo-like mix).
+        let (w, h) = (1024usize, 1024usize);
+        let grain = noise(99, w * h * 3);
+        let photo: Vec<u8> = (0..w * h * 3)
+            .map(|j| (((j / 3) % w + (j / 3) / w) / 8 + usize::from(grain[j] >> 5)) as u8)
+            .collect();
+        cases.push((w, h, ColorType::Rgb, photo));
+        for (w, h, color, pixels) in &cases {
+            let ours = encode_png(*w, *h, *color, pixels).unwrap();
+            let before = previous::encode_png(*w, *h, *color, pixels);
+            assert!(
+                ours == before,
+                "{w}x{h} {color:?}: {} B against {} B",
+                ours.len(),
+                before.len()
+            );
+        }
     }
 
     #[test]
     fn wrong_pixel_count_is_refused() {
         assert!(encode_png(2, 2, ColorType::Rgb, &[0; 11]).is_err());
         assert!(encode_png(0, 2, ColorType::Rgb, &[]).is_err());
+        assert!(encode_png(1 << 31, 1, ColorType::Gray, &[]).is_err());
     }
 
     #[test]
@@ -343,32 +401,56 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_header_is_refused_before_allocating() {
+        // 2^20 x 2^20 RGBA claims 4 TiB; the file itself is a few dozen bytes.
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        z.write_all(&[0u8; 64]).unwrap();
+        let file = previous::file(&ihdr(1 << 20, 1 << 20, 6), &z.finish().unwrap());
+        let err = decode_png(&file).unwrap_err();
+        assert!(matches!(err, PngError::TooLarge { .. }), "{err}");
+        assert!(err.to_string().contains("1048576x1048576"), "{err}");
+        // The bound is the caller's: a small image over a small limit is refused the same way.
+        let small = encode_png(16, 16, ColorType::Rgb, &[1; 768]).unwrap();
+        assert!(matches!(
+            decode_png_limited(&small, 700).unwrap_err(),
+            PngError::TooLarge { .. }
+        ));
+        assert_eq!(decode_png_limited(&small, 1024).unwrap().pixels.len(), 768);
+    }
+
+    #[test]
     fn filtered_rows_decode() {
         // A 2x2 gray image written with the Sub filter on row 0 and Up on row 1, by hand.
         let raw = [1u8, 10, 5, 2, 1, 1];
         let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
         z.write_all(&raw).unwrap();
-        let idat = z.finish().unwrap();
-        let mut file = SIGNATURE.to_vec();
-        let mut ihdr = Vec::new();
-        ihdr.extend_from_slice(&2u32.to_be_bytes());
-        ihdr.extend_from_slice(&2u32.to_be_bytes());
-        ihdr.extend_from_slice(&[8, 0, 0, 0, 0]);
-        chunk(&mut file, b"IHDR", &ihdr).unwrap();
-        chunk(&mut file, b"IDAT", &idat).unwrap();
-        chunk(&mut file, b"IEND", &[]).unwrap();
+        let file = previous::file(&ihdr(2, 2, 0), &z.finish().unwrap());
         let image = decode_png(&file).unwrap();
         assert_eq!(image.pixels, vec![10, 15, 11, 16]);
     }
 
+    #[test]
+    fn crc_matches_the_png_spec_value() {
+        // The IEND chunk's CRC is the same in every PNG, and the writer ends with it.
+        let mut out = Vec::new();
+        previous::chunk(&mut out, b"IEND", &[]);
+        assert_eq!(&out[8..], &[0xAE, 0x42, 0x60, 0x82]);
+        let file = encode_png(1, 1, ColorType::Gray, &[9]).unwrap();
+        assert_eq!(&file[file.len() - 12..], &out[..]);
+    }
+
     proptest! {
         #[test]
-        fn round_trip(width in 1usize..20, height in 1usize..20, channels in 1usize..5, seed in any::<u64>()) {
+        fn round_trip_and_the_previous_bytes(
+            width in 1usize..40,
+            height in 1usize..40,
+            channels in 1usize..5,
+            seed in any::<u64>(),
+        ) {
             let color = ColorType::from_channels(channels).unwrap();
-            let pixels: Vec<u8> = (0..width * height * channels)
-                .map(|i| (crate::nn::sampling::noise::splitmix64(seed.wrapping_add(i as u64)) >> 56) as u8)
-                .collect();
+            let pixels = noise(seed, width * height * channels);
             let file = encode_png(width, height, color, &pixels).unwrap();
+            prop_assert!(file == previous::encode_png(width, height, color, &pixels));
             let back = decode_png(&file).unwrap();
             prop_assert_eq!(back.width, width);
             prop_assert_eq!(back.height, height);
