@@ -73,7 +73,8 @@ pub fn checked_product(what: &str, factors: &[usize]) -> Result<usize, String> {
         .ok_or_else(|| format!("{what} ({factors:?}) overflows"))
 }
 
-fn kind_of(value: &Value) -> &'static str {
+/// What kind of JSON value `value` is, for error messages ("a string", "an object").
+pub(crate) fn kind_of(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

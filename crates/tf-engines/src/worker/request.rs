@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use serde_json::{Map, Value};
 
 use super::{ImageJob, VideoJob, WorkerLimits};
+use crate::nn::config::kind_of;
 
 /// One parsed input line.
 #[derive(Debug, Clone, PartialEq)]
@@ -396,17 +397,6 @@ fn optional_f32(fields: &Map<String, Value>, name: &str) -> Result<Option<f32>, 
             "field `{name}` must be a number, got {}",
             kind_of(other)
         ))),
-    }
-}
-
-fn kind_of(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 
