@@ -1249,7 +1249,6 @@ fn partial_rope_matches_host() {
                     },
                 )
                 .expect("launch rope_half_partial");
-            drop(view);
             let got = download_bf16(&g, &qkv);
             // Host: per-head RMSNorm without weight (rounded to bf16 as the kernel does), then the partial rotation.
             let mut want = values.clone();

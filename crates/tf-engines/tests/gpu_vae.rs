@@ -9,10 +9,10 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 
 use serde_json::Value;
 use tf_cuda::{Context, Driver};
@@ -165,7 +165,6 @@ fn tiny_fixture_matches_diffusers_and_the_host_decoder() {
     assert!(gpu.decode_packed(&packed, 0, 0).is_err());
 }
 
-
 /// Every decoder tensor of `config` with its shape and how it is drawn: (name, shape, offset, scale).
 fn decoder_tensors(config: &VaeConfig) -> Vec<(String, Vec<usize>, f32, f32)> {
     let mut out = Vec::new();
@@ -295,7 +294,9 @@ fn write_full_size_model(dir: &Path, seed: u64) -> VaeConfig {
 
 fn random_packed(seed: u64, tokens: usize, z: usize) -> TensorF32 {
     let mut rng = Rng::new(seed);
-    let data = (0..tokens * z).map(|_| 1.7 * rng.uniform(-1.0, 1.0)).collect();
+    let data = (0..tokens * z)
+        .map(|_| 1.7 * rng.uniform(-1.0, 1.0))
+        .collect();
     Tensor::new(vec![1, tokens, z], data).unwrap()
 }
 

@@ -12,7 +12,7 @@
 //! use serde::Deserialize;
 //! use tf_engines::nn::config::parse_object;
 //!
-//! #[derive(Deserialize, Default)]
+//! #[derive(Debug, Deserialize, Default)]
 //! #[serde(default)]
 //! struct Tiny {
 //!     layers: usize,

@@ -761,7 +761,11 @@ pub fn swiglu_fused(
 
 /// Adds `bias` (`[cols]`) to every row of `x` (`[rows, cols]`) in place: the bias of a linear layer.
 pub fn add_bias(x: &mut [f32], rows: usize, cols: usize, bias: &[f32]) -> Result<(), ShapeError> {
-    check_len("add_bias x", x.len(), checked_product("add_bias x", &[rows, cols])?)?;
+    check_len(
+        "add_bias x",
+        x.len(),
+        checked_product("add_bias x", &[rows, cols])?,
+    )?;
     check_len("add_bias bias", bias.len(), cols)?;
     if cols == 0 {
         return Ok(());

@@ -105,7 +105,10 @@ mod tests {
 
     /// The set names `kernels/kernels.toml` declares.
     fn declared_sets() -> Vec<String> {
-        let toml = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/kernels.toml"));
+        let toml = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../kernels/kernels.toml"
+        ));
         toml.split("[[set]]")
             .skip(1)
             .filter_map(|block| {

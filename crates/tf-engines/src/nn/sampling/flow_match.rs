@@ -192,9 +192,11 @@ impl SchedulerConfig {
         let time_shift_type = match raw.time_shift_type.as_deref() {
             None | Some("exponential") => TimeShift::Exponential,
             Some("linear") => TimeShift::Linear,
-            Some(other) => return Err(SamplerError::Config(format!(
+            Some(other) => {
+                return Err(SamplerError::Config(format!(
                 "`time_shift_type` {other:?} is unknown (expected \"exponential\" or \"linear\")"
-            ))),
+            )))
+            }
         };
         let num_train_timesteps = match raw.num_train_timesteps {
             None => d.num_train_timesteps,
