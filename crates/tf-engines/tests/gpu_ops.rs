@@ -1267,6 +1267,7 @@ fn partial_rope_matches_host() {
                     rotated,
                     &cos[r * half..(r + 1) * half],
                     &sin[r * half..(r + 1) * half],
+                    host::RopeTableRounding::Bf16,
                 )
                 .expect("host rope");
                 want[r * cols..r * cols + heads * head_dim].copy_from_slice(&heads_x);

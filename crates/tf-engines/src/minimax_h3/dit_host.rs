@@ -16,8 +16,8 @@
 //!
 //! RoPE tables are computed in f32 (`f32(position) * inv_freq`). By default they are used as they are, as a
 //! float32 run of the reference uses them; with [`RopeTables::Bf16`] they are rounded to bf16 before use, as a
-//! bfloat16 run of the reference does (it casts cos/sin to the activation dtype): that mode runs the shared
-//! [`ops::rope_rotate_half_partial`], the f32 mode rotates the gathered channels with [`ops::rope_rotate_half`].
+//! bfloat16 run of the reference does (it casts cos/sin to the activation dtype). Both run the shared
+//! [`ops::rope_rotate_half_partial`].
 
 use std::collections::BTreeMap;
 
@@ -28,15 +28,9 @@ use crate::nn::host as ops;
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::weights::{LoadStats, ModelDir, WeightsError};
 
-/// Precision of the RoPE cos/sin tables.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RopeTables {
-    /// f32, as a float32 run of the reference.
-    #[default]
-    F32,
-    /// Rounded to bf16, as a bfloat16 run of the reference.
-    Bf16,
-}
+/// Precision of the RoPE cos/sin tables: f32 as a float32 run of the reference, or rounded to bf16 as a bfloat16
+/// run does.
+pub use crate::nn::host::RopeTableRounding as RopeTables;
 
 /// How to read a folder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -356,12 +350,16 @@ impl HostH3Dit {
         if let Some((cos, sin)) = rope {
             let rotated = c.rotary_dim();
             for x in [&mut q, &mut k] {
-                match self.rope_tables {
-                    RopeTables::F32 => rope_partial(x, rows, heads, hd, rotated, cos, sin)?,
-                    RopeTables::Bf16 => {
-                        ops::rope_rotate_half_partial(x, rows, heads, hd, rotated, cos, sin)?
-                    }
-                }
+                ops::rope_rotate_half_partial(
+                    x,
+                    rows,
+                    heads,
+                    hd,
+                    rotated,
+                    cos,
+                    sin,
+                    self.rope_tables,
+                )?;
             }
         }
         let block_ids = vec![0i32; rows];
@@ -447,32 +445,6 @@ impl HostH3Dit {
         x.copy_from_slice(&out);
         Ok(())
     }
-}
-
-/// Rotate-half RoPE on the first `rotated` channels of each head of `x` (`[tokens, heads, head_dim]`), the rest
-/// passing through: the rotated channels are gathered, rotated by [`ops::rope_rotate_half`] with `[tokens,
-/// rotated / 2]` tables, and put back.
-fn rope_partial(
-    x: &mut [f32],
-    tokens: usize,
-    heads: usize,
-    head_dim: usize,
-    rotated: usize,
-    cos: &[f32],
-    sin: &[f32],
-) -> Result<(), H3Error> {
-    if rotated == 0 || head_dim == 0 {
-        return Ok(());
-    }
-    let mut part = Vec::with_capacity(x.len() / head_dim * rotated);
-    for head in x.chunks_exact(head_dim) {
-        part.extend_from_slice(&head[..rotated]);
-    }
-    ops::rope_rotate_half(&mut part, tokens, heads, rotated, cos, sin)?;
-    for (head, p) in x.chunks_exact_mut(head_dim).zip(part.chunks_exact(rotated)) {
-        head[..rotated].copy_from_slice(p);
-    }
-    Ok(())
 }
 
 /// Columns `[chunk * width, (chunk + 1) * width)` of every row of a `[rows, stride]` table, as `[rows, width]`.
@@ -679,27 +651,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn partial_rope_passes_the_tail_through_and_equals_the_shared_op_on_bf16_tables() {
+    fn partial_rope_passes_the_tail_through_and_rounds_tables_as_asked() {
         // 2 tokens, 1 head of 6 channels, 4 rotated.
         let x: Vec<f32> = (0..12).map(|v| v as f32 * 0.25 - 1.0).collect();
         let cos = vec![0.5, 0.75, 1.0, 0.0];
         let sin = vec![0.75, -0.5, 0.0, 1.0];
         let mut a = x.clone();
-        rope_partial(&mut a, 2, 1, 6, 4, &cos, &sin).unwrap();
+        ops::rope_rotate_half_partial(&mut a, 2, 1, 6, 4, &cos, &sin, RopeTables::F32).unwrap();
         assert_eq!(a[4..6], x[4..6]);
         assert_eq!(a[10..12], x[10..12]);
         // Token 0, pair (0, 2): (x0, x2) by cos 0.5, sin 0.75.
         assert!((a[0] - (x[0] * 0.5 - x[2] * 0.75)).abs() < 1e-6);
         assert!((a[2] - (x[2] * 0.5 + x[0] * 0.75)).abs() < 1e-6);
-        // These tables are exact in bf16, so the shared bf16 op gives the same bits.
+        // These tables are exact in bf16, so both roundings give the same bits.
         let mut b = x.clone();
-        ops::rope_rotate_half_partial(&mut b, 2, 1, 6, 4, &cos, &sin).unwrap();
+        ops::rope_rotate_half_partial(&mut b, 2, 1, 6, 4, &cos, &sin, RopeTables::Bf16).unwrap();
         assert_eq!(a, b);
+        // A table value that bf16 cannot hold gives another result once rounded.
+        let odd = vec![0.1f32, 0.75, 1.0, 0.0];
+        let (mut f, mut h) = (x.clone(), x.clone());
+        ops::rope_rotate_half_partial(&mut f, 2, 1, 6, 4, &odd, &sin, RopeTables::F32).unwrap();
+        ops::rope_rotate_half_partial(&mut h, 2, 1, 6, 4, &odd, &sin, RopeTables::Bf16).unwrap();
+        assert_ne!(f, h);
         // Full width is the plain rotate-half.
         let mut c = x[..4].to_vec();
         ops::rope_rotate_half(&mut c, 1, 1, 4, &cos[..2], &sin[..2]).unwrap();
         assert_eq!(c, a[..4]);
-        assert!(rope_partial(&mut a, 2, 1, 6, 4, &cos[..3], &sin).is_err());
+        assert!(ops::rope_rotate_half_partial(
+            &mut a,
+            2,
+            1,
+            6,
+            4,
+            &cos[..3],
+            &sin,
+            RopeTables::F32
+        )
+        .is_err());
     }
 
     #[test]

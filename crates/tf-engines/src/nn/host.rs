@@ -682,9 +682,22 @@ pub fn norm_modulate(
     Ok(())
 }
 
+/// How rotary cos/sin tables are rounded before use: a float32 run of a reference uses them as computed, a
+/// bfloat16 run casts them to the activations' dtype first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RopeTableRounding {
+    /// As given (f32).
+    #[default]
+    F32,
+    /// Rounded to bf16 first.
+    Bf16,
+}
+
 /// Rotate-half RoPE over the first `rotated` channels of each head (partial RoPE), in place; channels
-/// `rotated..head_dim` pass through. Tables are `[tokens, rotated / 2]`; the reference casts them to bf16 (the
-/// activations' dtype) before use, and so does this function, whether they were computed in f32 or not.
+/// `rotated..head_dim` pass through. Tables are `[tokens, rotated / 2]`, rounded as `rounding` says. Each product
+/// and sum is rounded to f32 as [`rope_rotate_half`] does, so at full width with f32 tables the two agree bit for
+/// bit.
+#[allow(clippy::too_many_arguments)]
 pub fn rope_rotate_half_partial(
     x: &mut [f32],
     tokens: usize,
@@ -693,6 +706,7 @@ pub fn rope_rotate_half_partial(
     rotated: usize,
     cos: &[f32],
     sin: &[f32],
+    rounding: RopeTableRounding,
 ) -> Result<(), ShapeError> {
     if rotated > head_dim || !rotated.is_multiple_of(2) {
         return Err(ShapeError::new(
@@ -710,12 +724,15 @@ pub fn rope_rotate_half_partial(
     if head_dim == 0 || heads == 0 || half == 0 {
         return Ok(());
     }
-    let bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
+    let round = |v: f32| match rounding {
+        RopeTableRounding::F32 => v,
+        RopeTableRounding::Bf16 => half::bf16::from_f32(v).to_f32(),
+    };
     for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
         for head in token.chunks_exact_mut(head_dim) {
             let (lo, hi) = head[..rotated].split_at_mut(half);
             for (j, (a, b)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
-                let (c, s) = (bf16(cos[t * half + j]), bf16(sin[t * half + j]));
+                let (c, s) = (round(cos[t * half + j]), round(sin[t * half + j]));
                 let (x1, x2) = (*a, *b);
                 *a = x1 * c + (-x2) * s;
                 *b = x2 * c + x1 * s;
