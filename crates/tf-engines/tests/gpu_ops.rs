@@ -17,7 +17,9 @@ use tf_engines::nn::gpu::{
     RopeNorm, RopeTable, RowModulation, Strides, SwigluOrder,
 };
 use tf_engines::nn::host;
-use tf_engines::qwen_image::ops::DitKernels;
+use tf_engines::qwen_image::ops::{
+    plan_adaln_modulate, plan_gated_residual, plan_gated_residual_adaln, DitKernels,
+};
 
 /// bf16 unit roundoff.
 const U: f64 = 1.0 / 256.0;
@@ -213,15 +215,17 @@ fn adaln_modulate_matches_host() {
             offset: 2 * cols,
         };
         g.kernels
-            .adaln_modulate(
+            .run(
                 &g.stream,
-                &x_dev.view(),
-                Matrix::dense(rows, cols),
-                &mut y_dev.view_mut(),
-                y_stride,
-                &scale_block,
-                select,
-                EPS,
+                plan_adaln_modulate(
+                    &x_dev.view(),
+                    Matrix::dense(rows, cols),
+                    &mut y_dev.view_mut(),
+                    y_stride,
+                    &scale_block,
+                    select,
+                    EPS,
+                ),
             )
             .expect("launch adaln_modulate");
         let got = unstride(&download_bf16(&g, &y_dev), rows, cols, y_stride);
@@ -301,14 +305,16 @@ fn gated_residual_matches_host() {
             offset: 3 * cols,
         };
         g.kernels
-            .gated_residual(
+            .run(
                 &g.stream,
-                &mut x_dev.view_mut(),
-                Matrix::dense(rows, cols),
-                &y_dev.view(),
-                cols,
-                &gate_block,
-                select,
+                plan_gated_residual(
+                    &mut x_dev.view_mut(),
+                    Matrix::dense(rows, cols),
+                    &y_dev.view(),
+                    cols,
+                    &gate_block,
+                    select,
+                ),
             )
             .expect("launch gated_residual");
         check_rounded_once(
@@ -354,26 +360,30 @@ fn fused_residual_adaln_equals_the_two_kernels() {
         let mut x_two = upload(&g, &x_bits);
         let mut out_two = upload(&g, &vec![0u16; rows * cols]);
         g.kernels
-            .gated_residual(
+            .run(
                 &g.stream,
-                &mut x_two.view_mut(),
-                layout,
-                &y_dev.view(),
-                cols,
-                &block(3 * cols),
-                select,
+                plan_gated_residual(
+                    &mut x_two.view_mut(),
+                    layout,
+                    &y_dev.view(),
+                    cols,
+                    &block(3 * cols),
+                    select,
+                ),
             )
             .expect("launch gated_residual");
         g.kernels
-            .adaln_modulate(
+            .run(
                 &g.stream,
-                &x_two.view(),
-                layout,
-                &mut out_two.view_mut(),
-                cols,
-                &block(cols),
-                select,
-                1e-6,
+                plan_adaln_modulate(
+                    &x_two.view(),
+                    layout,
+                    &mut out_two.view_mut(),
+                    cols,
+                    &block(cols),
+                    select,
+                    1e-6,
+                ),
             )
             .expect("launch adaln_modulate");
 
@@ -381,18 +391,20 @@ fn fused_residual_adaln_equals_the_two_kernels() {
         let mut x_one = upload(&g, &x_bits);
         let mut out_one = upload(&g, &vec![0u16; rows * cols]);
         g.kernels
-            .gated_residual_adaln(
+            .run(
                 &g.stream,
-                &mut x_one.view_mut(),
-                layout,
-                &y_dev.view(),
-                cols,
-                &mut out_one.view_mut(),
-                cols,
-                &block(3 * cols),
-                &block(cols),
-                select,
-                1e-6,
+                plan_gated_residual_adaln(
+                    &mut x_one.view_mut(),
+                    layout,
+                    &y_dev.view(),
+                    cols,
+                    &mut out_one.view_mut(),
+                    cols,
+                    &block(3 * cols),
+                    &block(cols),
+                    select,
+                    1e-6,
+                ),
             )
             .expect("launch gated_residual_adaln");
 

@@ -199,64 +199,13 @@ impl DitKernels {
         }
     }
 
-    /// `y = LayerNorm(x) * (1 + scale)` with per-row modulation rows; see [`plan_adaln_modulate`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn adaln_modulate(
+    /// Submits the launch a `plan_*` function built, or passes its error on: `kernels.run(stream,
+    /// plan_adaln_modulate(..))`.
+    pub fn run(
         &self,
         stream: &Stream,
-        x: &DeviceView<'_>,
-        x_layout: Matrix,
-        y: &mut DeviceViewMut<'_>,
-        y_stride: usize,
-        scale: &Modulation<'_, '_>,
-        select: ModulationRows,
-        eps: f32,
+        plan: Result<Launch<'_>, tf_cuda::Error>,
     ) -> Result<(), tf_cuda::Error> {
-        self.submit(
-            stream,
-            &plan_adaln_modulate(x, x_layout, y, y_stride, scale, select, eps)?,
-        )
-    }
-
-    /// Gated residual then adaLN in one pass; see [`plan_gated_residual_adaln`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn gated_residual_adaln(
-        &self,
-        stream: &Stream,
-        x: &mut DeviceViewMut<'_>,
-        x_layout: Matrix,
-        y: &DeviceView<'_>,
-        y_stride: usize,
-        out: &mut DeviceViewMut<'_>,
-        out_stride: usize,
-        gate: &Modulation<'_, '_>,
-        scale: &Modulation<'_, '_>,
-        select: ModulationRows,
-        eps: f32,
-    ) -> Result<(), tf_cuda::Error> {
-        self.submit(
-            stream,
-            &plan_gated_residual_adaln(
-                x, x_layout, y, y_stride, out, out_stride, gate, scale, select, eps,
-            )?,
-        )
-    }
-
-    /// `x += tanh(gate) * y`; see [`plan_gated_residual`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn gated_residual(
-        &self,
-        stream: &Stream,
-        x: &mut DeviceViewMut<'_>,
-        x_layout: Matrix,
-        y: &DeviceView<'_>,
-        y_stride: usize,
-        gate: &Modulation<'_, '_>,
-        select: ModulationRows,
-    ) -> Result<(), tf_cuda::Error> {
-        self.submit(
-            stream,
-            &plan_gated_residual(x, x_layout, y, y_stride, gate, select)?,
-        )
+        self.submit(stream, &plan?)
     }
 }

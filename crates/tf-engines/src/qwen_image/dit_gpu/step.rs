@@ -18,6 +18,7 @@ use crate::nn::gpu::{
 use crate::nn::weights::BF16;
 use crate::qwen_image::config::TIMESTEP_DIM;
 use crate::qwen_image::dit::{DitError, KvMode};
+use crate::qwen_image::ops::{plan_adaln_modulate, plan_gated_residual_adaln};
 
 impl Engine {
     fn weight(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, DitError> {
@@ -210,15 +211,17 @@ impl Engine {
         let pad_view = ws.key_pad.as_ref().map(DeviceBuffer::view);
 
         // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
-        k_.adaln_modulate(
+        k_.run(
             st,
-            &ws.x.view(),
-            x_layout,
-            &mut ws.normed.view_mut(),
-            d,
-            &modulation(0),
-            select,
-            dims.eps,
+            plan_adaln_modulate(
+                &ws.x.view(),
+                x_layout,
+                &mut ws.normed.view_mut(),
+                d,
+                &modulation(0),
+                select,
+                dims.eps,
+            ),
         )
         .map_err(launch)?;
         phase!("adaln1 (block 0)", Bytes, 2 * total * d * BF16);
@@ -376,18 +379,20 @@ impl Engine {
                 (&ws.proj).into(),
             ))?;
             phase!("out GEMM", Flops, 2 * total * d * w);
-            k_.gated_residual_adaln(
+            k_.run(
                 st,
-                &mut ws.x.view_mut(),
-                x_layout,
-                &ws.proj.view(),
-                d,
-                &mut ws.normed.view_mut(),
-                d,
-                &modulation(d),
-                &modulation(2 * d),
-                select,
-                dims.eps,
+                plan_gated_residual_adaln(
+                    &mut ws.x.view_mut(),
+                    x_layout,
+                    &ws.proj.view(),
+                    d,
+                    &mut ws.normed.view_mut(),
+                    d,
+                    &modulation(d),
+                    &modulation(2 * d),
+                    select,
+                    dims.eps,
+                ),
             )
             .map_err(launch)?;
             phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
@@ -422,33 +427,37 @@ impl Engine {
             phase!("down GEMM", Flops, 2 * total * d * f);
             // The next block's adaLN, or norm_out after the last block.
             let next_scale = if layer == last_layer { 4 * d } else { 0 };
-            k_.gated_residual_adaln(
+            k_.run(
                 st,
-                &mut ws.x.view_mut(),
-                x_layout,
-                &ws.proj.view(),
-                d,
-                &mut ws.normed.view_mut(),
-                d,
-                &modulation(3 * d),
-                &modulation(next_scale),
-                select,
-                dims.eps,
+                plan_gated_residual_adaln(
+                    &mut ws.x.view_mut(),
+                    x_layout,
+                    &ws.proj.view(),
+                    d,
+                    &mut ws.normed.view_mut(),
+                    d,
+                    &modulation(3 * d),
+                    &modulation(next_scale),
+                    select,
+                    dims.eps,
+                ),
             )
             .map_err(launch)?;
             phase!("residual2+adaln1", Bytes, 4 * total * d * BF16);
         }
         if o.blocks.is_empty() {
             // No block: norm_out reads x as embedded (a degenerate config, kept correct).
-            k_.adaln_modulate(
+            k_.run(
                 st,
-                &ws.x.view(),
-                x_layout,
-                &mut ws.normed.view_mut(),
-                d,
-                &modulation(4 * d),
-                select,
-                dims.eps,
+                plan_adaln_modulate(
+                    &ws.x.view(),
+                    x_layout,
+                    &mut ws.normed.view_mut(),
+                    d,
+                    &modulation(4 * d),
+                    select,
+                    dims.eps,
+                ),
             )
             .map_err(launch)?;
             phase!("norm_out", Bytes, 2 * total * d * BF16);
