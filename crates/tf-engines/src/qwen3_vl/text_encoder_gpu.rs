@@ -788,17 +788,8 @@ impl GpuTextEncoder {
                     batch: rows * qkvw,
                     row: qkvw,
                 };
-                let inputs = AttentionInputs {
-                    q: &q,
-                    q_strides: fused,
-                    prefix: None,
-                    k: &k,
-                    v: &v,
-                    kv_strides: fused,
-                    key_limit: Some((&limits, 0)),
-                    key_pad: None,
-                    scale,
-                };
+                let inputs = AttentionInputs::self_attention(&q, &k, &v, fused, scale)
+                    .with_key_limit(&limits, 0);
                 let shape = AttentionShape {
                     batch: 1,
                     num_queries: rows,

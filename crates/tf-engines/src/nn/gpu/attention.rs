@@ -228,6 +228,43 @@ pub struct AttentionInputs<'v, 'a> {
     pub scale: f32,
 }
 
+impl<'v, 'a> AttentionInputs<'v, 'a> {
+    /// Attention of one sequence over itself: Q, K and V with the same strides, no cached prefix, no key limits
+    /// and no padding (add them with [`AttentionInputs::with_key_limit`]).
+    pub fn self_attention(
+        q: &'v DeviceView<'a>,
+        k: &'v DeviceView<'a>,
+        v: &'v DeviceView<'a>,
+        strides: Strides,
+        scale: f32,
+    ) -> AttentionInputs<'v, 'a> {
+        AttentionInputs {
+            q,
+            q_strides: strides,
+            prefix: None,
+            k,
+            v,
+            kv_strides: strides,
+            key_limit: None,
+            key_pad: None,
+            scale,
+        }
+    }
+
+    /// The same inputs with per-query key limits (`[batch][num_queries]` i32, `batch_stride` elements apart; 0
+    /// shares one row across the batch).
+    pub fn with_key_limit(
+        self,
+        limits: &'v DeviceView<'a>,
+        batch_stride: usize,
+    ) -> AttentionInputs<'v, 'a> {
+        AttentionInputs {
+            key_limit: Some((limits, batch_stride)),
+            ..self
+        }
+    }
+}
+
 /// Bytes an attention operand needs: `batch` blocks of `rows` tokens, `width` elements used per token.
 fn attention_span(batch: usize, rows: usize, strides: Strides, width: usize) -> Option<usize> {
     if batch == 0 || rows == 0 {
@@ -817,17 +854,7 @@ mod tests {
             batch: rows * width,
             row: width,
         };
-        let inputs = AttentionInputs {
-            q: &qv,
-            q_strides: strides,
-            prefix: None,
-            k: &kv,
-            v: &vv,
-            kv_strides: strides,
-            key_limit: None,
-            key_pad: None,
-            scale: 0.125,
-        };
+        let inputs = AttentionInputs::self_attention(&qv, &kv, &vv, strides, 0.125);
         let shape = AttentionShape {
             batch: 1,
             num_queries: rows,
