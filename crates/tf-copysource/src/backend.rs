@@ -1,14 +1,16 @@
 //! The backend trait: the few driver operations the bookkeeping needs.
 //!
 //! tf-cuda implements [`Backend`] over the CUDA driver (pinned host allocations, `cuMemcpyHtoDAsync`,
-//! events, stream synchronize/query, `cuMemcpyHtoD`); [`crate::mock::MockBackend`] implements it over host
-//! memory with a lazily executing fake GPU. This crate never calls a driver itself.
+//! `cuMemcpyDtoHAsync` into staging, events, stream synchronize/query, `cuMemcpyHtoD`);
+//! [`crate::mock::MockBackend`] implements it over host memory with a lazily executing fake GPU. This crate
+//! never calls a driver itself.
 //!
 //! Contract shared by every method: a backend never calls back into a [`crate::CopySource`] (the copy
 //! source may hold its state lock while it calls the non-blocking methods, see the crate doc's lock order).
 
 use std::fmt::Debug;
 use std::hash::Hash;
+use std::mem::MaybeUninit;
 
 /// A device address (a `CUdeviceptr`): where a host-to-device copy writes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -84,6 +86,28 @@ pub trait Backend: Send + Sync + 'static {
         source: &Self::Staging,
         len: usize,
     ) -> Result<(), Self::Error>;
+
+    /// Enqueues an asynchronous copy of `len` bytes from `source` (device memory) into the start of
+    /// `destination` on `stream` (`cuMemcpyDtoHAsync_v2`). The copy source calls it only for staged
+    /// downloads, never while a capture scope is open.
+    ///
+    /// # Safety
+    /// The GPU writes `destination` after this returns. The caller must not read, write or free
+    /// `destination` until `stream` is proven past this copy (a marker recorded after it reports
+    /// [`MarkerState::Done`] or was waited for, or the stream was synchronized). `len <= staging_len(destination)`.
+    /// On `Err` nothing was enqueued.
+    unsafe fn enqueue_download(
+        &self,
+        stream: Self::Stream,
+        source: DeviceAddress,
+        destination: &mut Self::Staging,
+        len: usize,
+    ) -> Result<(), Self::Error>;
+
+    /// Copies the first `out.len()` bytes of `block` into `out` on the host, initializing all of
+    /// `out`. The copy source guarantees `out.len() <= self.staging_len(block)` and that no enqueued
+    /// download still writes `block`.
+    fn read_staging(&self, block: &Self::Staging, out: &mut [MaybeUninit<u8>]);
 
     /// Records a completion marker on `stream` after everything enqueued so far (`cuEventRecord`).
     fn record_marker(&self, stream: Self::Stream) -> Result<Self::Marker, Self::Error>;

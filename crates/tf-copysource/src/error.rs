@@ -15,6 +15,18 @@ pub enum Error<E: std::error::Error + 'static> {
         /// The stream whose capture scope is open (Debug form of the backend's handle).
         stream: String,
     },
+    /// A synchronous copy (a staged download) while a capture scope is open.
+    #[error(
+        "{operation} refused: a capture scope is open on stream {stream}, and a synchronous copy waits on the \
+         device while a stream is captured (the driver refuses that and invalidates the capture); end or drop the \
+         capture first"
+    )]
+    CaptureOpen {
+        /// The refused operation, e.g. "synchronous download".
+        operation: &'static str,
+        /// The stream whose capture scope is open (Debug form of the backend's handle).
+        stream: String,
+    },
     /// `begin_capture` on a stream that already has an open capture scope.
     #[error(
         "a capture scope is already open on stream {stream}; end or drop it before beginning another capture there"

@@ -22,6 +22,11 @@
 //!   most three batches in flight (96 MiB); the next batch waits for the oldest one's marker and reuses its
 //!   blocks (proven read, so rewriting them is safe), so an upload larger than that returns once all but its
 //!   last 96 MiB have been read by the GPU. The default spare pool (256 MiB a context) holds two such rings.
+//! - **Large downloads are staged the same way** ([`CopySource::download_staged`]): the DMA of 8 MiB chunks goes
+//!   into pinned blocks from the same pool, at most three batches in flight, each batch copied into the caller's
+//!   buffer on host threads once its marker was waited for, while the later batches' DMA runs. A block is reused
+//!   or returned only after its DMA is proven done, on error paths too (a batch nothing proves landed is leaked);
+//!   the call returns with nothing pending. Refused while a capture scope is open (`CaptureOpen`).
 //! - **While any capture scope is open, synchronous uploads are refused** (`UnownedCaptureSource`), and so
 //!   is every copy from host memory the runtime does not own ([`CopySource::check_unowned_copy`]).
 //!   Uploads on a capturing stream move their staging into the capture; [`CaptureScope::adopt`] moves a

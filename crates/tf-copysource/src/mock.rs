@@ -5,10 +5,14 @@
 //! copy is recorded with the bytes it read and whether its source was still intact (not freed, not rewritten).
 //! Every free or rewrite of a staging block that a queued copy or a live captured graph still reads is
 //! recorded as a violation, so a test can prove the bookkeeping never releases a source too early.
+//! Downloads into staging ([`Backend::enqueue_download`]) read device bytes placed with
+//! [`MockBackend::set_device_bytes`] (or uploaded) when they run; reading, rewriting or freeing a block that a
+//! queued download still writes is a violation too.
 //! Captures are simulated too ([`MockBackend::begin_capture`], [`MockBackend::end_capture`],
 //! [`MockBackend::launch`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -67,6 +71,14 @@ pub enum MockError {
         /// The stream id.
         stream: u32,
     },
+    /// A download from device memory the mock holds no bytes for.
+    #[error("download of {len} bytes from {address:#x}: no device bytes there")]
+    NotOnDevice {
+        /// Source address.
+        address: u64,
+        /// Requested length.
+        len: usize,
+    },
     /// A copy larger than its staging block.
     #[error("copy of {len} bytes from a {capacity}-byte staging block")]
     TooLong {
@@ -102,8 +114,15 @@ struct QueuedCopy {
 }
 
 #[derive(Debug)]
+struct QueuedDownload {
+    block: Arc<BlockMemory>,
+    bytes: Vec<u8>,
+}
+
+#[derive(Debug)]
 enum Op {
     Copy(QueuedCopy),
+    Download(QueuedDownload),
     Marker(u64),
 }
 
@@ -122,8 +141,10 @@ struct MockState {
     device: HashMap<DeviceAddress, Vec<u8>>,
     violations: Vec<String>,
     fail_next: HashMap<&'static str, u32>,
+    fail_at: HashMap<&'static str, u32>,
     staging_limit: Option<usize>,
     faulted: bool,
+    downloads: u64,
 }
 
 #[derive(Debug)]
@@ -163,6 +184,11 @@ impl MockBackend {
     /// Makes the next `count` calls of `call` (a trait method name, e.g. `"alloc_staging"`) fail.
     pub fn fail_next(&self, call: &'static str, count: u32) {
         self.state.lock().fail_next.insert(call, count);
+    }
+
+    /// Makes the `nth` call of `call` from now (1-based) fail once; the calls before it succeed.
+    pub fn fail_nth(&self, call: &'static str, nth: u32) {
+        self.state.lock().fail_at.insert(call, nth.max(1));
     }
 
     /// Caps the live staging bytes; allocations past it fail.
@@ -252,6 +278,16 @@ impl MockBackend {
         self.state.lock().device.get(&destination).cloned()
     }
 
+    /// Places `bytes` in device memory at `address` (read by downloads that lie inside them).
+    pub fn set_device_bytes(&self, address: DeviceAddress, bytes: Vec<u8>) {
+        self.state.lock().device.insert(address, bytes);
+    }
+
+    /// Downloads executed so far.
+    pub fn downloads(&self) -> u64 {
+        self.state.lock().downloads
+    }
+
     /// Early releases seen: frees or rewrites of staging still read by queued copies or live graphs,
     /// double frees, and copies that read a changed source.
     pub fn violations(&self) -> Vec<String> {
@@ -281,6 +317,13 @@ impl MockBackend {
 
 impl MockState {
     fn injected(&mut self, call: &'static str) -> Result<(), MockError> {
+        if let Some(left) = self.fail_at.get_mut(call) {
+            *left -= 1;
+            if *left == 0 {
+                self.fail_at.remove(call);
+                return Err(MockError::Injected { call });
+            }
+        }
         match self.fail_next.get_mut(call) {
             Some(left) if *left > 0 => {
                 *left -= 1;
@@ -297,6 +340,22 @@ impl MockState {
         match op {
             Op::Marker(id) => {
                 self.executed_markers.insert(id);
+            }
+            Op::Download(download) => {
+                let mut data = download.block.data.lock();
+                match data.get_mut(..download.bytes.len()) {
+                    Some(target) => target.copy_from_slice(&download.bytes),
+                    None => self.violations.push(format!(
+                        "download of {} bytes into {}-byte staging block {}",
+                        download.bytes.len(),
+                        data.len(),
+                        download.block.id
+                    )),
+                }
+                drop(data);
+                download.block.generation.fetch_add(1, Ordering::SeqCst);
+                download.block.in_flight.fetch_sub(1, Ordering::SeqCst);
+                self.downloads += 1;
             }
             Op::Copy(copy) => {
                 let intact = !copy.block.freed.load(Ordering::SeqCst)
@@ -463,6 +522,75 @@ impl Backend for MockBackend {
             .or_default()
             .push_back(Op::Copy(copy));
         Ok(())
+    }
+
+    unsafe fn enqueue_download(
+        &self,
+        stream: MockStream,
+        source: DeviceAddress,
+        destination: &mut MockStaging,
+        len: usize,
+    ) -> Result<(), MockError> {
+        let mut state = self.state.lock();
+        state.injected("enqueue_download")?;
+        let capacity = destination.block.data.lock().len();
+        if len > capacity {
+            return Err(MockError::TooLong { len, capacity });
+        }
+        if state.capturing.contains_key(&stream) {
+            return Err(MockError::Capturing {
+                call: "enqueue_download",
+                stream: stream.0,
+            });
+        }
+        state.check_unread(&destination.block, "written by a download");
+        // The bytes are taken now; the block is written when the download runs.
+        let bytes = state
+            .device
+            .iter()
+            .find_map(|(start, held)| {
+                let skip = usize::try_from(source.0.checked_sub(start.0)?).ok()?;
+                held.get(skip..skip.checked_add(len)?)
+            })
+            .map(<[u8]>::to_vec)
+            .ok_or(MockError::NotOnDevice {
+                address: source.0,
+                len,
+            })?;
+        destination.block.in_flight.fetch_add(1, Ordering::SeqCst);
+        let download = QueuedDownload {
+            block: Arc::clone(&destination.block),
+            bytes,
+        };
+        state
+            .queues
+            .entry(stream)
+            .or_default()
+            .push_back(Op::Download(download));
+        Ok(())
+    }
+
+    fn read_staging(&self, block: &MockStaging, out: &mut [MaybeUninit<u8>]) {
+        let mut state = self.state.lock();
+        state.check_unread(&block.block, "read by the host");
+        if block.block.freed.load(Ordering::SeqCst) {
+            state
+                .violations
+                .push(format!("staging block {} read after free", block.block.id));
+        }
+        let data = block.block.data.lock();
+        if out.len() > data.len() {
+            state.violations.push(format!(
+                "read of {} bytes from {}-byte staging block {}",
+                out.len(),
+                data.len(),
+                block.block.id
+            ));
+        }
+        let held = data.iter().copied().chain(std::iter::repeat(0));
+        for (slot, byte) in out.iter_mut().zip(held) {
+            slot.write(byte);
+        }
     }
 
     fn record_marker(&self, stream: MockStream) -> Result<MockMarker, MockError> {

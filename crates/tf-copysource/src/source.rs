@@ -3,6 +3,7 @@
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -137,6 +138,15 @@ struct Block<B: Backend> {
 
 /// A batch of one upload's ring: its blocks and the marker recorded after their copies.
 type InFlight<B> = (Vec<Block<B>>, Option<<B as Backend>::Marker>);
+
+/// A batch of one staged download in flight: its blocks (one per piece, in order, for the pieces
+/// whose copy was enqueued), the pieces of the caller's buffer they land in, and the marker
+/// recorded after their copies.
+struct Landing<'o, B: Backend> {
+    blocks: Vec<Block<B>>,
+    pieces: Vec<&'o mut [MaybeUninit<u8>]>,
+    marker: Option<B::Marker>,
+}
 
 enum Payload<B: Backend> {
     Blocks(Vec<Block<B>>),
@@ -670,43 +680,21 @@ impl<B: Backend> CopySource<B> {
     }
 
     /// Copies each chunk of `bytes` into its block on the host, one thread per block when there
-    /// are several (a thread that cannot be started leaves its block to this one).
+    /// are several.
     fn fill_blocks(&self, blocks: &mut [Block<B>], chunks: &[(usize, usize)], bytes: &[u8]) {
         let backend = &self.shared.backend;
-        let write = |block: &mut Block<B>, (offset, len): (usize, usize)| {
-            let chunk = bytes
-                .get(offset..offset.saturating_add(len))
-                .unwrap_or_default();
-            backend.write_staging(&mut block.staging, chunk);
-        };
-        if blocks.len() < 2 {
-            for (block, &chunk) in blocks.iter_mut().zip(chunks) {
-                write(block, chunk);
-            }
-            return;
-        }
-        let mut not_started = Vec::new();
-        std::thread::scope(|scope| {
-            let write = &write;
-            let mut pairs = blocks.iter_mut().zip(chunks.iter().copied()).enumerate();
-            let mine = pairs.next();
-            for (at, (block, chunk)) in pairs {
-                let started = std::thread::Builder::new()
-                    .name("tf-copysource-fill".into())
-                    .spawn_scoped(scope, move || write(block, chunk));
-                if started.is_err() {
-                    not_started.push(at);
-                }
-            }
-            if let Some((_, (block, chunk))) = mine {
-                write(block, chunk);
-            }
-        });
-        for at in not_started {
-            if let (Some(block), Some(&chunk)) = (blocks.get_mut(at), chunks.get(at)) {
-                write(block, chunk);
-            }
-        }
+        let mut pairs: Vec<(&mut Block<B>, (usize, usize))> =
+            blocks.iter_mut().zip(chunks.iter().copied()).collect();
+        run_lanes(
+            &mut pairs,
+            "tf-copysource-fill",
+            |(block, (offset, len))| {
+                let chunk = bytes
+                    .get(*offset..offset.saturating_add(*len))
+                    .unwrap_or_default();
+                backend.write_staging(&mut block.staging, chunk);
+            },
+        );
     }
 
     /// Synchronous upload: above [`PIPELINE_CHUNK_BYTES`], copies `bytes` through pinned staging on `stream`,
@@ -761,6 +749,240 @@ impl<B: Backend> CopySource<B> {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Refuses a synchronous copy with `CaptureOpen` while any capture scope is open. Call before a
+    /// synchronous download that does not go through [`CopySource::download_staged`] (which checks
+    /// this itself).
+    pub fn check_no_capture(&self, operation: &'static str) -> Result<(), B> {
+        match self.shared.state.lock().any_open_capture() {
+            Some(open) => Err(Error::CaptureOpen {
+                operation,
+                stream: format!("{open:?}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// True while any capture scope is open (staged downloads are refused then).
+    pub fn capture_open(&self) -> bool {
+        self.shared.state.lock().any_open_capture().is_some()
+    }
+
+    // ----- downloads -----
+
+    /// Staged download: copies `out.len()` bytes from `source` into `out` through pinned staging on
+    /// `stream`, and returns once every byte of `out` is written. The copies are ordered after the
+    /// work already enqueued on `stream`.
+    ///
+    /// Pipelined like an upload, in reverse: the DMA of [`PIPELINE_CHUNK_BYTES`] chunks into pinned
+    /// blocks is enqueued in batches of up to [`PIPELINE_LANES`], with a marker behind each batch; at
+    /// most [`PIPELINE_DEPTH`] batches are in flight. The oldest batch's marker is waited for, its
+    /// blocks are copied into `out` on host threads (one per block) while the later batches' DMA
+    /// runs, and then they take the next batch. Blocks come from (and go back to) the context's spare
+    /// pool, so repeated downloads pin nothing new; one download holds at most
+    /// [`PIPELINE_RING_BYTES`].
+    ///
+    /// Refused with `CaptureOpen` while any capture scope is open (it waits on the device). On an
+    /// error every batch still in flight is waited for (its marker, else a synchronize of `stream`)
+    /// before its blocks go back to the pool; blocks that nothing proves landed are leaked, never
+    /// reused or freed. Nothing stays pending when this returns. After an error the contents of
+    /// `out` are unspecified (parts may be written, the rest untouched).
+    pub fn download_staged(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        source: DeviceAddress,
+        out: &mut [MaybeUninit<u8>],
+        operation: &'static str,
+    ) -> Result<(), B> {
+        {
+            let state = self.shared.state.lock();
+            if let Some(open) = state.any_open_capture() {
+                return Err(Error::CaptureOpen {
+                    operation,
+                    stream: format!("{open:?}"),
+                });
+            }
+            state.context(context)?;
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        check_range(source, out.len())?;
+        self.reap_stream_front(stream);
+        let lanes = lane_count();
+        let mut pieces = out.chunks_mut(PIPELINE_CHUNK_BYTES);
+        let mut offset = 0usize;
+        let mut ring: VecDeque<Landing<'_, B>> = VecDeque::new();
+        // Blocks proven landed and drained (or never enqueued): reused by later batches.
+        let mut spare: Vec<Block<B>> = Vec::new();
+        let mut failure = None;
+        loop {
+            while failure.is_none() && ring.len() < PIPELINE_DEPTH {
+                let batch: Vec<&mut [MaybeUninit<u8>]> = pieces.by_ref().take(lanes).collect();
+                if batch.is_empty() {
+                    break;
+                }
+                let first = offset;
+                offset += batch.iter().map(|piece| piece.len()).sum::<usize>();
+                let (landing, error) =
+                    self.start_landing(context, stream, source, first, batch, &mut spare);
+                if let Some(landing) = landing {
+                    ring.push_back(landing);
+                }
+                failure = error;
+            }
+            if failure.is_some() {
+                break;
+            }
+            let Some(mut landing) = ring.pop_front() else {
+                break;
+            };
+            let (proven, error) = self.wait_landed(stream, landing.marker.take());
+            if !proven {
+                self.shared.state.lock().leak(landing.blocks);
+                failure = error;
+                break;
+            }
+            if let Some(e) = error {
+                spare.extend(landing.blocks);
+                failure = Some(e);
+                break;
+            }
+            self.drain_landing(&mut landing);
+            spare.extend(landing.blocks);
+        }
+        // Whatever is still in flight lands before its blocks are reused or freed.
+        for mut landing in ring {
+            let (proven, error) = self.wait_landed(stream, landing.marker.take());
+            if proven {
+                spare.extend(landing.blocks);
+            } else {
+                self.shared.state.lock().leak(landing.blocks);
+            }
+            if let Some(e) = error {
+                failure.get_or_insert(e);
+            }
+        }
+        self.release_blocks(spare);
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Enqueues the DMA of one batch of a staged download (`pieces` start `first` bytes past
+    /// `source`) into blocks from `spare` or the pool, and records a marker behind it. Returns the
+    /// batch in flight (none when nothing was enqueued) and the first error; a block whose copy
+    /// was not enqueued goes back to `spare`.
+    fn start_landing<'o>(
+        &self,
+        context: ContextId,
+        stream: B::Stream,
+        source: DeviceAddress,
+        first: usize,
+        pieces: Vec<&'o mut [MaybeUninit<u8>]>,
+        spare: &mut Vec<Block<B>>,
+    ) -> (Option<Landing<'o, B>>, Option<Error<B::Error>>) {
+        let backend = &self.shared.backend;
+        let mut blocks = Vec::with_capacity(pieces.len());
+        let mut failure = None;
+        let mut offset = first;
+        for piece in &pieces {
+            let len = piece.len();
+            let block = match spare.iter().position(|b| b.bytes >= len) {
+                Some(at) => Ok(spare.swap_remove(at)),
+                None => self.acquire_block(context, len),
+            };
+            let mut block = match block {
+                Ok(block) => block,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            // In range: `source + out.len()` was checked not to wrap.
+            let from = DeviceAddress(source.0.wrapping_add(offset as u64));
+            // SAFETY: the block is not read, written or freed until the stream is proven past this
+            // copy: it stays in this call's ring until the marker recorded after it was waited for (or
+            // the stream was synchronized), and is leaked if neither succeeds. `len` fits the block
+            // (chosen by size above).
+            let enqueued =
+                unsafe { backend.enqueue_download(stream, from, &mut block.staging, len) };
+            match enqueued {
+                Ok(()) => blocks.push(block),
+                Err(e) => {
+                    // Nothing was enqueued into this block.
+                    spare.push(block);
+                    failure = Some(Error::Backend {
+                        call: "enqueue_download",
+                        source: e,
+                    });
+                    break;
+                }
+            }
+            offset += len;
+        }
+        if blocks.is_empty() {
+            return (None, failure);
+        }
+        let marker = match backend.record_marker(stream) {
+            Ok(marker) => Some(marker),
+            Err(e) => {
+                failure.get_or_insert(Error::Backend {
+                    call: "record_marker",
+                    source: e,
+                });
+                None
+            }
+        };
+        let landing = Landing {
+            blocks,
+            pieces,
+            marker,
+        };
+        (Some(landing), failure)
+    }
+
+    /// Waits until `stream` is past a batch of a staged download: its marker, else (no marker, or
+    /// a failed wait) a synchronize of the stream. Returns whether the batch is proven landed and
+    /// the first error seen.
+    fn wait_landed(
+        &self,
+        stream: B::Stream,
+        marker: Option<B::Marker>,
+    ) -> (bool, Option<Error<B::Error>>) {
+        let backend = &self.shared.backend;
+        let waited = match marker {
+            Some(marker) => {
+                let waited = backend.wait_marker(&marker);
+                backend.destroy_marker(marker);
+                match waited {
+                    Ok(()) => return (true, None),
+                    Err(e) => Some(Error::Backend {
+                        call: "wait_marker",
+                        source: e,
+                    }),
+                }
+            }
+            None => None,
+        };
+        match self.synchronize(stream) {
+            Ok(()) => (true, waited),
+            Err(e) => (false, Some(waited.unwrap_or(e))),
+        }
+    }
+
+    /// Copies a landed batch's blocks into its pieces of the caller's buffer, one host thread per
+    /// block when there are several.
+    fn drain_landing(&self, landing: &mut Landing<'_, B>) {
+        let backend = &self.shared.backend;
+        let mut pairs: Vec<(&Block<B>, &mut &mut [MaybeUninit<u8>])> = landing
+            .blocks
+            .iter()
+            .zip(landing.pieces.iter_mut())
+            .collect();
+        run_lanes(&mut pairs, "tf-copysource-drain", |(block, piece)| {
+            backend.read_staging(&block.staging, piece);
+        });
     }
 
     // ----- streams -----
@@ -1137,6 +1359,37 @@ fn lane_count() -> usize {
             .map_or(1, |n| n.get())
             .clamp(1, PIPELINE_LANES)
     })
+}
+
+/// Runs `work` on every item, one host thread each when there are several: the calling thread
+/// takes the first, and an item whose thread cannot be started is done here afterwards.
+fn run_lanes<T: Send>(items: &mut [T], name: &str, work: impl Fn(&mut T) + Sync) {
+    if items.len() < 2 {
+        items.iter_mut().for_each(&work);
+        return;
+    }
+    let mut not_started = Vec::new();
+    std::thread::scope(|scope| {
+        let work = &work;
+        let mut rest = items.iter_mut().enumerate();
+        let mine = rest.next();
+        for (at, item) in rest {
+            let started = std::thread::Builder::new()
+                .name(name.into())
+                .spawn_scoped(scope, move || work(item));
+            if started.is_err() {
+                not_started.push(at);
+            }
+        }
+        if let Some((_, item)) = mine {
+            work(item);
+        }
+    });
+    for at in not_started {
+        if let Some(item) = items.get_mut(at) {
+            work(item);
+        }
+    }
 }
 
 fn check_range<E: std::error::Error + 'static>(

@@ -670,6 +670,19 @@ impl crate::Backend for RacingBackend {
         // SAFETY: forwarded under the caller's guarantee.
         unsafe { self.inner.enqueue_copy(s, d, src, len) }
     }
+    unsafe fn enqueue_download(
+        &self,
+        s: MockStream,
+        from: DeviceAddress,
+        dst: &mut Self::Staging,
+        len: usize,
+    ) -> Result<(), MockError> {
+        // SAFETY: forwarded under the caller's guarantee.
+        unsafe { self.inner.enqueue_download(s, from, dst, len) }
+    }
+    fn read_staging(&self, block: &Self::Staging, out: &mut [std::mem::MaybeUninit<u8>]) {
+        self.inner.read_staging(block, out)
+    }
     fn record_marker(&self, s: MockStream) -> Result<Self::Marker, MockError> {
         self.inner.record_marker(s)
     }
@@ -732,5 +745,211 @@ fn synchronize_releases_only_what_was_pending_before_it() {
     source.reap().unwrap();
     assert_eq!(gpu.device_bytes(DeviceAddress(64)), Some(vec![2; 10]));
     assert_eq!(gpu.live_blocks(), 0);
+    assert_clean(&gpu);
+}
+
+// ----- staged downloads -----
+
+/// Device bytes at `base` for the download tests: a pattern that differs from chunk to chunk.
+fn on_device(gpu: &MockBackend, base: u64, len: usize) -> Vec<u8> {
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 257) as u8).collect();
+    gpu.set_device_bytes(DeviceAddress(base), bytes.clone());
+    bytes
+}
+
+/// Downloads `len` bytes from `base` into a fresh, uninitialized buffer.
+fn download(
+    source: &Source,
+    context: crate::ContextId,
+    stream: MockStream,
+    base: u64,
+    len: usize,
+) -> Result<Vec<u8>, Error<MockError>> {
+    let mut out: Vec<u8> = Vec::with_capacity(len);
+    source.download_staged(
+        context,
+        stream,
+        DeviceAddress(base),
+        &mut out.spare_capacity_mut()[..len],
+        "test download",
+    )?;
+    // SAFETY: download_staged returned Ok, so it initialized all `len` bytes.
+    unsafe { out.set_len(len) };
+    Ok(out)
+}
+
+/// Nothing pending, queued or held by a marker; only spares left; no early release seen.
+fn assert_settled(gpu: &MockBackend, source: &Source) {
+    let stats = source.stats();
+    assert_eq!(
+        (stats.pending_entries, stats.pending_blocks),
+        (0, 0),
+        "{stats:?}"
+    );
+    assert_eq!(gpu.queued_total(), 0, "every enqueued download ran");
+    assert_eq!(gpu.live_markers(), 0);
+    assert_eq!(gpu.live_blocks(), stats.spare_blocks + stats.leaked_blocks);
+    assert_clean(gpu);
+}
+
+#[test]
+fn small_staged_downloads_round_trip() {
+    let (gpu, source, context) = setup();
+    let bytes = on_device(&gpu, 0x1000, 300);
+    assert_eq!(download(&source, context, S1, 0x1000, 0).unwrap(), vec![]);
+    assert_eq!(gpu.downloads(), 0, "an empty download enqueues nothing");
+    for len in [1, 7, 300] {
+        assert_eq!(
+            download(&source, context, S1, 0x1000, len).unwrap(),
+            bytes[..len]
+        );
+    }
+    // An offset inside the device bytes.
+    assert_eq!(
+        download(&source, context, S1, 0x1000 + 5, 100).unwrap(),
+        bytes[5..105]
+    );
+    assert_eq!(gpu.allocations(), 1, "one 4 KiB block served every call");
+    assert_settled(&gpu, &source);
+}
+
+#[cfg(not(miri))]
+#[test]
+fn staged_downloads_round_trip_around_chunk_boundaries() {
+    let (gpu, source, context) = setup();
+    let c = PIPELINE_CHUNK_BYTES;
+    let most = PIPELINE_RING_BYTES + 2 * c + 4099;
+    let bytes = on_device(&gpu, 0x4000_0000, most);
+    for len in [1, c - 1, c, c + 1, 3 * c + 12_345, most] {
+        let got = download(&source, context, S1, 0x4000_0000, len).unwrap();
+        assert!(got == bytes[..len], "{len} bytes differ");
+        assert_eq!(gpu.downloads() as usize, {
+            let mut total = 0;
+            for n in [1, c - 1, c, c + 1, 3 * c + 12_345, most] {
+                total += n.div_ceil(c);
+                if n == len {
+                    break;
+                }
+            }
+            total
+        });
+        assert!(source.stats().staging_bytes <= PIPELINE_RING_BYTES);
+        assert_settled(&gpu, &source);
+    }
+    // The ring reused its blocks: at most one ring of chunk blocks (and the small tails') pinned.
+    let allocations = gpu.allocations();
+    assert!(
+        allocations <= (PIPELINE_LANES * PIPELINE_DEPTH + 4) as u64,
+        "{allocations} allocations"
+    );
+    // Repeated downloads come from the pool.
+    let again = download(&source, context, S2, 0x4000_0000, most).unwrap();
+    assert!(again == bytes);
+    assert_eq!(gpu.allocations(), allocations, "no new pinned memory");
+    // An upload's ring and a download's share one pool.
+    source
+        .upload_async(context, S1, DeviceAddress(0x8000_0000), &bytes[..3 * c])
+        .unwrap();
+    source.synchronize(S1).unwrap();
+    assert_eq!(gpu.allocations(), allocations);
+    assert_settled(&gpu, &source);
+    source.unregister_context(context).unwrap();
+    assert_eq!(gpu.live_blocks(), 0);
+}
+
+#[cfg(not(miri))]
+#[test]
+fn staged_download_errors_midway_wait_for_everything_in_flight() {
+    let c = PIPELINE_CHUNK_BYTES;
+    let len = 9 * c + 77;
+    // (call failing, at which call, what the error names)
+    let cases: [(&'static str, u32, &str); 5] = [
+        ("enqueue_download", 6, "enqueue_download"),
+        ("record_marker", 2, "record_marker"),
+        ("wait_marker", 2, "wait_marker"),
+        // The third block is past the staging limit (the retry after dropping spares fails too).
+        ("alloc_staging", 3, "alloc_staging"),
+        ("enqueue_download", 1, "enqueue_download"),
+    ];
+    for (call, nth, named) in cases {
+        let (gpu, source, context) = setup();
+        let bytes = on_device(&gpu, 0, len);
+        if call == "alloc_staging" {
+            gpu.set_staging_limit(Some(2 * c));
+        } else {
+            gpu.fail_nth(call, nth);
+        }
+        let Err(err) = download(&source, context, S1, 0, len) else {
+            panic!("{call}: the download succeeded");
+        };
+        gpu.set_staging_limit(None);
+        assert!(err.to_string().contains(named), "{call}: {err}");
+        assert_eq!(
+            source.stats().leaked_blocks,
+            0,
+            "{call}: proven, not leaked"
+        );
+        assert_settled(&gpu, &source);
+        // The pool is intact: the next download lands exactly.
+        assert!(download(&source, context, S1, 0, len).unwrap() == bytes);
+        assert_settled(&gpu, &source);
+        source.unregister_context(context).unwrap();
+        assert_eq!(gpu.live_blocks(), 0, "{call}");
+    }
+}
+
+#[cfg(not(miri))]
+#[test]
+fn staged_download_leaks_a_batch_nothing_proves_landed() {
+    let (gpu, source, context) = setup();
+    let len = 5 * PIPELINE_CHUNK_BYTES;
+    on_device(&gpu, 0, len);
+    // The wait fails and so does the synchronize that would prove the batch landed.
+    gpu.fail_nth("wait_marker", 1);
+    gpu.fail_next("synchronize_stream", 1);
+    let err = download(&source, context, S1, 0, len).unwrap_err();
+    assert!(err.to_string().contains("wait_marker"), "{err}");
+    let stats = source.stats();
+    assert!(stats.leaked_blocks >= 1, "{stats:?}");
+    assert_eq!((stats.pending_entries, stats.pending_blocks), (0, 0));
+    assert_eq!(gpu.live_markers(), 0);
+    assert_clean(&gpu);
+}
+
+#[test]
+fn staged_downloads_refuse_open_captures_and_bad_requests() {
+    let (gpu, source, context) = setup();
+    let bytes = on_device(&gpu, 0x1000, 64);
+    let scope = source.begin_capture(context, S2).unwrap();
+    let err = download(&source, context, S1, 0x1000, 64).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::CaptureOpen {
+                operation: "test download",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("capture scope is open"), "{err}");
+    drop(scope);
+    assert_eq!(download(&source, context, S1, 0x1000, 64).unwrap(), bytes);
+    // Nothing on the device there: typed, and nothing left behind.
+    let err = download(&source, context, S1, 0x9000, 64).unwrap_err();
+    assert!(err.to_string().contains("no device bytes"), "{err}");
+    // A range that wraps the address space.
+    let err = download(&source, context, S1, u64::MAX, 2).unwrap_err();
+    assert!(matches!(err, Error::AddressOverflow { .. }), "{err}");
+    // A capturing stream the copy source did not open a scope for: the backend refuses.
+    gpu.begin_capture(S1);
+    let err = download(&source, context, S1, 0x1000, 64).unwrap_err();
+    assert!(err.to_string().contains("capturing"), "{err}");
+    gpu.abort_capture(S1);
+    source.unregister_context(context).unwrap();
+    let err = download(&source, context, S1, 0x1000, 64).unwrap_err();
+    assert!(matches!(err, Error::UnknownContext { .. }), "{err}");
+    assert_eq!(gpu.live_blocks(), 0);
+    assert_eq!(gpu.live_markers(), 0);
     assert_clean(&gpu);
 }

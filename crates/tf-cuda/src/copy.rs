@@ -9,10 +9,12 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::RwLock;
+use tf_copysource::classes::PIPELINE_CHUNK_BYTES;
 use tf_copysource::{Backend, CopySource, DeviceAddress, MarkerState};
 use tf_sys::{CUevent, CUstream};
 
@@ -165,6 +167,38 @@ impl Backend for DriverBackend {
         })
     }
 
+    unsafe fn enqueue_download(
+        &self,
+        stream: StreamKey,
+        source: DeviceAddress,
+        destination: &mut Staging,
+        len: usize,
+    ) -> Result<(), tf_sys::Error> {
+        let core = self.core(stream.ctx, "cuMemcpyDtoHAsync_v2")?;
+        let n = len.min(destination.len);
+        let to = destination.ptr.as_ptr().cast::<c_void>();
+        core.call("cuMemcpyDtoHAsync_v2", |api| {
+            // SAFETY: the block holds at least `n` bytes and the caller leaves it untouched until
+            // the stream passes the copy; the source range was bounds-checked by the runtime.
+            unsafe { (api.cuMemcpyDtoHAsync_v2)(to, source.0, n, stream.handle()) }
+        })
+    }
+
+    fn read_staging(&self, block: &Staging, out: &mut [MaybeUninit<u8>]) {
+        let n = out.len().min(block.len);
+        let (head, tail) = out.split_at_mut(n);
+        // SAFETY: the block holds `len >= n` bytes and no download writes it now (the copy
+        // source's guarantee); `head` is `n` writable bytes of the caller's buffer, which does not
+        // overlap the pinned block.
+        unsafe {
+            std::ptr::copy_nonoverlapping(block.ptr.as_ptr(), head.as_mut_ptr().cast::<u8>(), n)
+        };
+        // Never reached (the copy source reads at most a block's length); keeps `out` initialized.
+        for slot in tail {
+            slot.write(0);
+        }
+    }
+
     fn record_marker(&self, stream: StreamKey) -> Result<Marker, tf_sys::Error> {
         let core = self.core(stream.ctx, "cuEventCreate")?;
         let mut event: CUevent = std::ptr::null_mut();
@@ -295,6 +329,65 @@ pub(crate) fn upload_sync(ctx: &ContextInner, dst: u64, bytes: &[u8]) -> Result<
     let null_stream = StreamKey::new(std::ptr::null_mut(), ctx.id());
     hub().upload_sync(ctx.copy_id, null_stream, DeviceAddress(dst), bytes)?;
     Ok(())
+}
+
+/// Synchronous download of more than one staging chunk: landed in `out` (every byte written)
+/// when this returns `Ok`. Refused while any capture scope is open.
+///
+/// Ordered as `cuMemcpyDtoH_v2` is, after the work of the legacy default stream and of blocking
+/// streams: the first chunk is that very call, straight into `out`; the rest is pipelined through
+/// pinned staging ([`CopySource::download_staged`]) on the legacy default stream, behind it.
+pub(crate) fn download_sync(
+    ctx: &ContextInner,
+    src: u64,
+    out: &mut [MaybeUninit<u8>],
+) -> Result<(), Error> {
+    const OPERATION: &str = "synchronous download";
+    ctx.ensure_healthy("download")?;
+    hub().check_no_capture(OPERATION)?;
+    let (first, rest) = out.split_at_mut(out.len().min(PIPELINE_CHUNK_BYTES));
+    let (to, n) = (first.as_mut_ptr().cast::<c_void>(), first.len());
+    ctx.call("cuMemcpyDtoH_v2", |api| {
+        // SAFETY: `first` is `n` writable bytes of the caller's exclusive buffer; the source
+        // range was bounds-checked by the caller against its view.
+        unsafe { (api.cuMemcpyDtoH_v2)(to, src, n) }
+    })?;
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let null_stream = StreamKey::new(std::ptr::null_mut(), ctx.id());
+    hub().download_staged(
+        ctx.copy_id,
+        null_stream,
+        DeviceAddress(src + n as u64),
+        rest,
+        OPERATION,
+    )?;
+    Ok(())
+}
+
+/// Download through pinned staging on `stream` (ordered after its work), landed in `out` when
+/// this returns `Ok`. Refused while any capture scope is open.
+pub(crate) fn download_on_stream(
+    ctx: &ContextInner,
+    stream: &Stream,
+    src: u64,
+    out: &mut [MaybeUninit<u8>],
+) -> Result<(), Error> {
+    ctx.ensure_healthy("download_async")?;
+    hub().download_staged(
+        ctx.copy_id,
+        stream.key(),
+        DeviceAddress(src),
+        out,
+        "download_async",
+    )?;
+    Ok(())
+}
+
+/// True while a capture scope is open anywhere in the process.
+pub(crate) fn capture_open() -> bool {
+    hub().capture_open()
 }
 
 /// Asynchronous upload through private pinned staging.

@@ -9,12 +9,17 @@
 //! - Host-to-device copies go through the copy source: synchronous uploads copy privately and
 //!   return once the bytes landed; async uploads copy into private pinned staging, so the
 //!   caller's slice may be reused as soon as the call returns.
+//! - Device-to-host copies above one staging chunk (8 MiB) are pipelined through the copy
+//!   source's pinned staging pool (DMA into pinned blocks, host threads copy them out); smaller
+//!   ones are a single driver copy.
 
 use std::ffi::c_void;
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
+use std::mem::{size_of, MaybeUninit};
 use std::sync::Arc;
+
+use tf_copysource::classes::PIPELINE_CHUNK_BYTES;
 
 use crate::context::{Context, ContextInner};
 use crate::error::Error;
@@ -358,13 +363,20 @@ impl<'a> DeviceView<'a> {
 
     /// Blocking download of `out.len()` bytes from `offset`. Ordered after work on the legacy
     /// default stream and blocking streams; synchronize a non-blocking stream first.
+    ///
+    /// Up to one staging chunk (8 MiB) this is one `cuMemcpyDtoH_v2`. Larger downloads copy their
+    /// first chunk that way (which orders them) and pipeline the rest through the copy source's
+    /// pinned staging on the legacy default stream (the DMA of later chunks overlaps the host copy
+    /// of earlier ones into `out`, see `CopySource::download_staged`); they are refused while a
+    /// capture scope is open. On an error the contents of `out` are unspecified.
     pub fn download(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
-        // SAFETY: `out` is a live exclusive host slice of exactly `out.len()` bytes.
+        // SAFETY: `out` is a live exclusive host slice of exactly `out.len()` bytes, and only
+        // initialized bytes are written into it.
         unsafe { self.download_raw(offset, out.as_mut_ptr(), out.len()) }
     }
 
     /// Blocking download of `len` bytes from `offset` into raw host memory, which need not be
-    /// initialized (the driver only writes it).
+    /// initialized (only initialized bytes are written; all `len` of them on `Ok`).
     ///
     /// # Safety
     /// `out` must be valid for writes of `len` bytes and not accessed by anything else until
@@ -375,6 +387,12 @@ impl<'a> DeviceView<'a> {
             return Ok(());
         }
         let src = self.addr + offset as u64;
+        if len > PIPELINE_CHUNK_BYTES {
+            // SAFETY: the caller's contract: `out` is valid for writes of `len` bytes and exclusively
+            // ours until this returns; `MaybeUninit<u8>` makes no claim about the bytes already there.
+            let out = unsafe { std::slice::from_raw_parts_mut(out.cast::<MaybeUninit<u8>>(), len) };
+            return crate::copy::download_sync(self.ctx, src, out);
+        }
         self.ctx.call("cuMemcpyDtoH_v2", |api| {
             // SAFETY: the caller's contract covers `out`; the source range was bounds-checked
             // against this view.
@@ -383,10 +401,18 @@ impl<'a> DeviceView<'a> {
         Ok(())
     }
 
-    /// Asynchronous download on `stream`.
+    /// Download on `stream`, ordered after the work already enqueued there.
+    ///
+    /// Up to one staging chunk (8 MiB), or while a capture scope is open or `stream` is being
+    /// captured, this is one `cuMemcpyDtoHAsync_v2` straight into `out`. Larger downloads go
+    /// through the copy source's pipelined pinned staging on `stream` and have landed in `out`
+    /// when this returns: the driver's own copy into pageable memory also returns only once
+    /// complete, and the pinned pipeline is faster. The contract below holds either way.
+    /// For a copy that returns at once and overlaps host work, download into pinned memory with
+    /// [`DeviceView::download_async_pinned`].
     ///
     /// # Safety
-    /// The GPU writes `out` after this returns: `out` must stay alive and untouched until the
+    /// The GPU may write `out` after this returns: `out` must stay alive and untouched until the
     /// stream is synchronized (or an event recorded after this copy has completed).
     pub unsafe fn download_async(
         &self,
@@ -398,13 +424,67 @@ impl<'a> DeviceView<'a> {
         if out.is_empty() {
             return Ok(());
         }
+        // A stream of another context would read an address of the wrong context.
+        stream.same_context(self.ctx, "download_async")?;
         let src = self.addr + offset as u64;
+        if out.len() > PIPELINE_CHUNK_BYTES
+            && !crate::copy::capture_open()
+            && !stream.is_capturing()?
+        {
+            // SAFETY: `out` is a live exclusive slice; viewing it as `MaybeUninit<u8>` is sound
+            // because only initialized bytes are written through it.
+            let staged = unsafe {
+                std::slice::from_raw_parts_mut(
+                    out.as_mut_ptr().cast::<MaybeUninit<u8>>(),
+                    out.len(),
+                )
+            };
+            return crate::copy::download_on_stream(self.ctx, stream, src, staged);
+        }
         let s = stream.raw();
         self.ctx.call("cuMemcpyDtoHAsync_v2", |api| {
             // SAFETY: bounds checked; the caller keeps `out` alive until the stream passes the copy.
             unsafe {
                 (api.cuMemcpyDtoHAsync_v2)(out.as_mut_ptr().cast::<c_void>(), src, out.len(), s)
             }
+        })?;
+        Ok(())
+    }
+
+    /// Asynchronous download straight into pinned memory (`len` bytes from `offset` to
+    /// `dst_offset` of `dst`), with no staging: returns once the copy is enqueued.
+    ///
+    /// # Safety
+    /// The GPU writes `dst` after this returns: `dst` must stay alive and untouched (not read,
+    /// written or freed) until the stream passes the copy. Inside a capture the graph writes it
+    /// at every replay.
+    pub unsafe fn download_async_pinned(
+        &self,
+        offset: usize,
+        dst: &mut HostBuffer,
+        dst_offset: usize,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<(), Error> {
+        checked_range(self.len, offset, len, "download_async_pinned (source)")?;
+        checked_range(
+            dst.len(),
+            dst_offset,
+            len,
+            "download_async_pinned (destination)",
+        )?;
+        if len == 0 {
+            return Ok(());
+        }
+        stream.same_context(self.ctx, "download_async_pinned")?;
+        let src = self.addr + offset as u64;
+        // SAFETY: in bounds of the pinned block (checked above).
+        let to = unsafe { dst.ptr.add(dst_offset) };
+        let s = stream.raw();
+        self.ctx.call("cuMemcpyDtoHAsync_v2", |api| {
+            // SAFETY: ranges checked; the caller keeps `dst` alive and untouched until the stream
+            // passes the copy.
+            unsafe { (api.cuMemcpyDtoHAsync_v2)(to.cast::<c_void>(), src, len, s) }
         })?;
         Ok(())
     }

@@ -788,3 +788,271 @@ fn large_uploads_are_pipelined_and_land_exactly() {
     stream.synchronize().unwrap();
     assert_eq!(async_dst.to_vec::<u8>().unwrap(), bytes);
 }
+
+/// Bytes that differ from chunk to chunk and within each, so a misplaced chunk shows.
+fn download_pattern(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i * 13 % 251) as u8 ^ (i >> 23) as u8)
+        .collect()
+}
+
+#[test]
+fn large_downloads_are_staged_and_round_trip_exactly_around_chunk_boundaries() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let chunk = tf_copysource::classes::PIPELINE_CHUNK_BYTES;
+    let most = 5 * chunk + 4097;
+    let data = download_pattern(most);
+    let buf = DeviceBuffer::from_bytes(&ctx, &data).unwrap();
+    let events = f.counter("events");
+    let leaked = tf_cuda::copy::stats().leaked_blocks;
+    for len in [0, 1, chunk - 1, chunk, chunk + 1, 3 * chunk + 12_345, most] {
+        let view = buf.slice(0, len).unwrap();
+        let direct = f.control.call_count("cuMemcpyDtoH_v2");
+        let staged = f.control.call_count("cuMemcpyDtoHAsync_v2");
+        let mut out = vec![0xEEu8; len];
+        view.download(0, &mut out).unwrap();
+        assert!(out == data[..len], "download of {len} bytes differs");
+        let (direct, staged) = (
+            f.control.call_count("cuMemcpyDtoH_v2") - direct,
+            f.control.call_count("cuMemcpyDtoHAsync_v2") - staged,
+        );
+        match len {
+            0 => assert_eq!((direct, staged), (0, 0)),
+            // Up to one chunk: today's single synchronous copy.
+            n if n <= chunk => assert_eq!((direct, staged), (1, 0), "{n}"),
+            // Above it: the first chunk synchronously (which orders the download), then one staged
+            // copy a chunk.
+            n => assert_eq!(
+                (direct, staged),
+                (1, (n - chunk).div_ceil(chunk) as u64),
+                "{n}"
+            ),
+        }
+        assert!(
+            view.to_vec::<u8>().unwrap() == data[..len],
+            "to_vec of {len} bytes"
+        );
+        // An offset that is not a multiple of anything.
+        if len > 3 {
+            let mut tail = vec![0u8; len - 3];
+            view.download(3, &mut tail).unwrap();
+            assert!(tail == data[3..len], "download at offset 3 of {len}");
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: `out` stays alive and untouched until the stream is synchronized below.
+        unsafe { view.download_async(0, &mut out, &stream) }.unwrap();
+        stream.synchronize().unwrap();
+        assert!(out == data[..len], "async download of {len} bytes differs");
+        let stats = tf_cuda::copy::stats();
+        assert_eq!(
+            (stats.pending_entries, stats.pending_blocks),
+            (0, 0),
+            "{stats:?}"
+        );
+        assert!(
+            stats.staging_bytes <= tf_copysource::classes::PIPELINE_RING_BYTES,
+            "{stats:?}"
+        );
+    }
+    // u32 elements through to_vec (the staged path writes uninitialized capacity).
+    let words: Vec<u32> = buf.to_vec().unwrap();
+    assert_eq!(words.len(), most / 4);
+    assert!(words
+        .iter()
+        .zip(data.chunks_exact(4))
+        .all(|(w, b)| w.to_ne_bytes() == b));
+    assert_eq!(f.counter("events"), events, "every marker destroyed");
+    assert_eq!(tf_cuda::copy::stats().leaked_blocks, leaked);
+    // Repeated large downloads reuse the pool: no pinned allocation per call.
+    let pinned = f.control.call_count("cuMemHostAlloc");
+    for _ in 0..3 {
+        assert!(buf.to_vec::<u8>().unwrap() == data);
+    }
+    assert_eq!(f.control.call_count("cuMemHostAlloc"), pinned);
+}
+
+#[test]
+fn staged_downloads_are_ordered_after_their_stream() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let module = kernels(&ctx);
+    let fill = module.function("fill_u32").unwrap();
+    let len = 3 * tf_copysource::classes::PIPELINE_CHUNK_BYTES + 8;
+    let buf = DeviceBuffer::alloc(&ctx, len).unwrap();
+    let mut args = Args::new();
+    args.push_addr(buf.addr())
+        .push(0x0102_0304u32)
+        .push((len / 4) as u64);
+    launch(
+        &stream,
+        &fill,
+        &LaunchConfig::for_items((len / 4) as u32, 256),
+        &args,
+    )
+    .unwrap();
+    // The kernel is still queued on a non-blocking stream: the staged copies run after it on that
+    // stream.
+    let mut out = vec![0u8; len];
+    // SAFETY: `out` stays alive and untouched until the stream is synchronized below.
+    unsafe { buf.view().download_async(0, &mut out, &stream) }.unwrap();
+    stream.synchronize().unwrap();
+    assert!(out
+        .chunks_exact(4)
+        .all(|w| w == 0x0102_0304u32.to_ne_bytes()));
+    // A blocking stream's work is ordered before a synchronous download (legacy default stream).
+    let blocking = Stream::new(&ctx, true).unwrap();
+    let mut args = Args::new();
+    args.push_addr(buf.addr())
+        .push(0x0A0B_0C0Du32)
+        .push((len / 4) as u64);
+    launch(
+        &blocking,
+        &fill,
+        &LaunchConfig::for_items((len / 4) as u32, 256),
+        &args,
+    )
+    .unwrap();
+    buf.download(0, &mut out).unwrap();
+    assert!(out
+        .chunks_exact(4)
+        .all(|w| w == 0x0A0B_0C0Du32.to_ne_bytes()));
+}
+
+#[test]
+fn staged_download_errors_midway_leave_nothing_pending() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let chunk = tf_copysource::classes::PIPELINE_CHUNK_BYTES;
+    let len = 9 * chunk + 5;
+    let data = download_pattern(len);
+    let buf = DeviceBuffer::from_bytes(&ctx, &data).unwrap();
+    let events = f.counter("events");
+    let leaked = tf_cuda::copy::stats().leaked_blocks;
+    // (entry failing, at which call from now): non-sticky failures mid-way. (Staging comes from
+    // the pool the upload above filled; a failed allocation is covered by the copy source's tests.)
+    for (entry, nth) in [
+        ("cuMemcpyDtoHAsync_v2", 6),
+        ("cuMemcpyDtoHAsync_v2", 1),
+        ("cuEventRecord", 2),
+        ("cuEventSynchronize", 2),
+    ] {
+        assert!(f.control.fail_call(entry, nth, 1, 1), "{entry}");
+        let mut out = vec![0u8; len];
+        let Err(err) = buf.download(0, &mut out) else {
+            panic!("{entry}: the download succeeded");
+        };
+        assert!(err.to_string().contains(entry), "{entry}: {err}");
+        assert!(!err.is_context_lost());
+        let stats = tf_cuda::copy::stats();
+        assert_eq!(
+            (stats.pending_entries, stats.pending_blocks),
+            (0, 0),
+            "{entry}: {stats:?}"
+        );
+        assert_eq!(
+            stats.leaked_blocks, leaked,
+            "{entry}: every block proven landed"
+        );
+        assert_eq!(
+            f.counter("events"),
+            events,
+            "{entry}: every marker destroyed"
+        );
+        // Nothing is left queued that could still write a staging block.
+        ctx.synchronize().unwrap();
+        assert!(
+            buf.to_vec::<u8>().unwrap() == data,
+            "{entry}: the next download is exact"
+        );
+    }
+    // A sticky fault mid-way: the context is lost, its blocks are leaked, not reused.
+    assert!(f.control.fail_call("cuEventSynchronize", 1, 700, 1));
+    let mut out = vec![0u8; len];
+    let err = buf.download(0, &mut out).unwrap_err();
+    assert!(err.is_context_lost(), "{err}");
+    let stats = tf_cuda::copy::stats();
+    assert_eq!(
+        (stats.pending_entries, stats.pending_blocks),
+        (0, 0),
+        "{stats:?}"
+    );
+    assert!(stats.leaked_blocks > leaked, "{stats:?}");
+}
+
+#[test]
+fn large_synchronous_downloads_are_refused_while_a_capture_is_open() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let other = Stream::new(&ctx, true).unwrap();
+    let len = tf_copysource::classes::PIPELINE_CHUNK_BYTES + 1;
+    let data = download_pattern(len);
+    let buf = DeviceBuffer::from_bytes(&ctx, &data).unwrap();
+    let mut out = vec![0u8; len];
+    {
+        let _capture = stream.begin_capture(Mode::ThreadLocal).unwrap();
+        let calls = f.total_calls();
+        let err = buf.download(0, &mut out).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                Error::CopySource(tf_copysource::Error::CaptureOpen { .. })
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("synchronous download"), "{err}");
+        assert_eq!(f.total_calls(), calls, "refused before the driver");
+        // The async variant keeps its direct copy while a capture is open (on another stream
+        // here, so the copy runs).
+        // SAFETY: `out` stays alive and untouched until `other` is synchronized below.
+        unsafe { buf.view().download_async(0, &mut out, &other) }.unwrap();
+        other.synchronize().unwrap();
+        assert!(out == data);
+        assert_eq!(f.counter("captures_active"), 1, "the capture is intact");
+    }
+    out.fill(0);
+    buf.download(0, &mut out).unwrap();
+    assert!(out == data);
+    // A stream of another context is refused.
+    let other_ctx = f.context();
+    let foreign = Stream::new(&other_ctx, true).unwrap();
+    // SAFETY: refused before any copy.
+    let err = unsafe { buf.view().download_async(0, &mut out, &foreign) }.unwrap_err();
+    assert!(err.to_string().contains("another context"), "{err}");
+}
+
+#[test]
+fn download_async_pinned_lands_in_the_host_buffer() {
+    let f = Fixture::new();
+    let ctx = f.context();
+    let stream = Stream::new(&ctx, true).unwrap();
+    let len = tf_copysource::classes::PIPELINE_CHUNK_BYTES + 3;
+    let data = download_pattern(len);
+    let buf = DeviceBuffer::from_bytes(&ctx, &data).unwrap();
+    let mut pinned = HostBuffer::alloc(&ctx, len + 16).unwrap();
+    let staged = f.control.call_count("cuMemcpyDtoHAsync_v2");
+    // SAFETY: `pinned` stays alive and untouched until the stream is synchronized below.
+    unsafe {
+        buf.view()
+            .download_async_pinned(0, &mut pinned, 16, len, &stream)
+    }
+    .unwrap();
+    assert_eq!(
+        f.control.call_count("cuMemcpyDtoHAsync_v2") - staged,
+        1,
+        "one direct copy"
+    );
+    stream.synchronize().unwrap();
+    assert!(pinned.as_slice()[16..] == data[..]);
+    assert!(pinned.as_slice()[..16].iter().all(|&b| b == 0));
+    // SAFETY: refused before any copy.
+    let err = unsafe {
+        buf.view()
+            .download_async_pinned(0, &mut pinned, 17, len, &stream)
+    }
+    .unwrap_err();
+    assert!(err.to_string().contains("destination"), "{err}");
+}
