@@ -1,15 +1,18 @@
 //! The whole Qwen-Image 2.1 pipeline on the host reference against the diffusers pipeline in fp32, on the tiny
 //! complete model folder of tests/fixtures/qwen_pipeline (built by tests/python/qwen_pipeline_tiny.py): template
 //! ids, initial noise, prompt features, the latents after every step, the decoded image and its uint8 pixels.
-//! Then request validation, and `tf image` run as a process.
+//! Then the sequential residency against the resident one (a device budget that forces it, and one below the
+//! largest component), request validation, and `tf image` run as a process.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::Value;
 use tf_engines::nn::media::png::{read_png, ColorType};
+use tf_engines::nn::memory_plan::Residency;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::pipeline::{
@@ -252,6 +255,163 @@ fn host_pipeline_equals_diffusers_fp32() {
             t.encode, t.steps, t.decode, t.total
         );
     }
+}
+
+/// The bits of `values`, so that equality is exact (and NaN-safe).
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+fn assert_same_tensors(what: &str, ours: &[TensorF32], reference: &[TensorF32]) {
+    assert_eq!(ours.len(), reference.len(), "{what}: counts differ");
+    for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
+        assert_eq!(a.shape(), b.shape(), "{what}[{i}]: shapes differ");
+        assert!(
+            bits(a.data()) == bits(b.data()),
+            "{what}[{i}]: values differ"
+        );
+    }
+}
+
+/// The host pipeline loaded with `budget` as its device budget.
+fn budget_pipeline(budget: u64) -> Result<Pipeline, PipelineError> {
+    let options = LoadOptions {
+        device_budget: Some(budget),
+        ..LoadOptions::new(Backend::Host)
+    };
+    Pipeline::load(&model_dir(), &options)
+}
+
+#[test]
+fn sequential_residency_gives_the_resident_bytes() {
+    let manifest = manifest();
+    let mut resident = host_pipeline();
+    resident.keep_step_latents(true);
+    assert_eq!(resident.load_report().residency, Residency::AllResident);
+    let figures = resident.memory_plan().clone();
+    let largest = figures.components().iter().map(|c| c.bytes).max().unwrap();
+    println!("resident: {figures}");
+    assert!(largest < figures.total(), "{figures}");
+
+    // A cap at the total still keeps everything resident.
+    let at_total = budget_pipeline(figures.total()).unwrap();
+    assert_eq!(at_total.load_report().residency, Residency::AllResident);
+    drop(at_total);
+
+    // The largest component alone: loaded, run and freed in turn.
+    let mut sequential = budget_pipeline(largest).unwrap();
+    sequential.keep_step_latents(true);
+    let report = sequential.load_report();
+    let plan = sequential.memory_plan();
+    println!("sequential: {plan}; loaded in {:.3} s", report.seconds);
+    assert_eq!(report.residency, Residency::Sequential);
+    assert_eq!(plan.residency(), Residency::Sequential);
+    assert_eq!((plan.budget(), plan.peak()), (largest, largest));
+    assert!(plan.to_string().contains("in turn"), "{plan}");
+    assert_eq!(
+        report.resident_bytes, 0,
+        "nothing stays loaded between requests"
+    );
+    assert_eq!(sequential.latent_channels(), resident.latent_channels());
+
+    // Nothing stays loaded to warm: the warm-up does nothing and says so.
+    let warm = sequential.warm_up(64, 64, Duration::ZERO).unwrap();
+    println!("warm-up: {:?}", warm.skipped);
+    assert!(warm.skipped.is_some());
+    assert!(warm.timings.steps.is_empty() && warm.gemms.is_none());
+
+    for case in manifest["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let request = request_of(case);
+        let mut resident_events = Vec::new();
+        let ours = resident
+            .generate(&request, &mut |p| resident_events.push(p))
+            .unwrap();
+        // Twice: every request loads the components again.
+        for round in 0..2 {
+            let what = format!("{name} (sequential, request {round})");
+            let mut events = Vec::new();
+            let theirs = sequential
+                .generate(&request, &mut |p| events.push(p))
+                .unwrap();
+            assert_eq!(theirs.image, ours.image, "{what}: image bytes differ");
+            assert_same_tensors(
+                &format!("{what}: step latents"),
+                &theirs.step_latents,
+                &ours.step_latents,
+            );
+            assert_same_tensors(
+                &format!("{what}: step velocities"),
+                &theirs.step_velocities,
+                &ours.step_velocities,
+            );
+            assert_same_tensors(
+                &format!("{what}: prompt embeds and decoded image"),
+                &[theirs.prompt_embeds.clone(), theirs.decoded.clone()],
+                &[ours.prompt_embeds.clone(), ours.decoded.clone()],
+            );
+            assert_eq!(theirs.step_latents.len(), ours.plan_steps);
+            assert_eq!(
+                events.len(),
+                resident_events.len(),
+                "{what}: progress events"
+            );
+            let (t, loads) = (&theirs.timings, theirs.timings.loads);
+            println!(
+                "{what}: loads te {:.4} s, DiT {:.4} s, VAE {:.4} s; encode {:.4} s, steps {:?}, decode {:.4} s, \
+                 total {:.4} s",
+                loads.text_encoder, loads.dit, loads.vae, t.encode, t.steps, t.decode, t.total
+            );
+            assert!(loads.text_encoder > 0.0 && loads.dit > 0.0 && loads.vae > 0.0);
+            let work = t.encode + t.steps.iter().sum::<f64>() + t.decode;
+            assert!(
+                t.total >= loads.total() + work,
+                "{what}: total leaves out a load"
+            );
+        }
+        assert_eq!(
+            ours.timings.loads.total(),
+            0.0,
+            "resident requests load nothing"
+        );
+    }
+}
+
+#[test]
+fn a_budget_below_the_largest_component_is_refused_with_the_numbers() {
+    let figures = host_pipeline().memory_plan().clone();
+    let largest = figures
+        .components()
+        .iter()
+        .max_by_key(|c| c.bytes)
+        .unwrap()
+        .clone();
+    let budget = largest.bytes - 1;
+    let err = budget_pipeline(budget).unwrap_err();
+    println!("refused: {err}");
+    match &err {
+        PipelineError::CappedBudget { source, cap } => {
+            assert_eq!(*cap, budget);
+            assert_eq!(
+                (source.name.as_str(), source.bytes, source.budget),
+                (largest.name.as_str(), largest.bytes, budget)
+            );
+        }
+        other => panic!("not a capped-budget refusal: {other:?}"),
+    }
+    let message = err.to_string();
+    for needle in [
+        largest.name.clone(),
+        format!("{} B", largest.bytes),
+        format!("{budget} B"),
+        "device budget".to_string(),
+    ] {
+        assert!(
+            message.contains(&needle),
+            "{needle:?} missing from: {message}"
+        );
+    }
+    assert!(!err.is_invalid_request());
 }
 
 fn assert_invalid(pipeline: &mut Pipeline, request: &Request, expect_in_message: &str) {

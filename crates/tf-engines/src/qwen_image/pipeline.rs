@@ -3,7 +3,9 @@
 //!
 //! [`Pipeline::load`] opens a diffusers model folder (`model_index.json`, `transformer/`, `text_encoder/`, `vae/`,
 //! `scheduler/`, and the tokenizer under `processor/` or `tokenizer/`) on the host reference or the GPU, and
-//! reports resident bytes and load time. [`Pipeline::generate`] checks the request before any work, then runs:
+//! reports resident bytes and load time. The memory plan ([`Pipeline::memory_plan`]) keeps the components
+//! resident when they fit the budget ([`LoadOptions::device_budget`] caps it), else every request loads, runs
+//! and frees them in turn, timing the loads in [`Timings::loads`]. [`Pipeline::generate`] checks the request before any work, then runs:
 //! template + tokenize, prompt features (and the negative prompt's with true CFG), the sigma schedule (dynamic shift
 //! from the folder's scheduler config, or the checkpoint's `sample_sigmas`), the initial noise (the portable
 //! generator of [`crate::nn::sampling::noise`], or injected latents), the denoising steps (prefix KV cache extracted on step 0
@@ -39,7 +41,7 @@ use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
 use super::dit::{DitBackend, DitError, DitInputs, KvMode, KvStep};
 use super::dit_gpu::GpuDit;
 use super::dit_host::HostDit;
-use super::vae::{to_u8_hwc, HostVaeDecoder, VaeError};
+use super::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
 use crate::nn::backend_error::GpuError;
 use crate::nn::config::parse_object;
@@ -96,6 +98,12 @@ pub enum PipelineError {
     Memory(String),
     #[error("device memory: {0}")]
     MemoryPlan(#[from] MemoryPlanError),
+    /// The components do not fit the budget that [`LoadOptions::device_budget`] capped.
+    #[error(
+        "device memory: {source}; the budget is capped at {cap} B by the load options' device budget: raise the \
+         cap or leave it unset"
+    )]
+    CappedBudget { source: MemoryPlanError, cap: u64 },
 }
 
 impl PipelineError {
@@ -175,6 +183,11 @@ pub struct LoadOptions {
     /// (the reference run in bf16).
     pub latent_dtype: Option<LatentDtype>,
     pub limits: Limits,
+    /// Caps the device budget the memory plan decides against, in bytes: the GPU plans against
+    /// `min(free - DEVICE_RESERVE_BYTES, cap)`, the host (whose memory stands in for the device, otherwise
+    /// unlimited) against the cap. `None`: no cap. A cap below the sum of the components selects the sequential
+    /// mode (each request loads, runs and frees them in turn); one below the largest component is refused.
+    pub device_budget: Option<u64>,
 }
 
 impl LoadOptions {
@@ -184,6 +197,7 @@ impl LoadOptions {
             backend,
             latent_dtype: None,
             limits: Limits::default(),
+            device_budget: None,
         }
     }
 }
@@ -258,12 +272,32 @@ pub enum Progress {
 }
 
 /// Wall time of each phase, in seconds.
+///
+/// `encode`, `steps` and `decode` time the work alone in either residency; in the sequential mode `loads` has
+/// the time spent loading and freeing each component, and `total` (the whole request) includes it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Timings {
     pub encode: f64,
     pub steps: Vec<f64>,
     pub decode: f64,
     pub total: f64,
+    /// Loading and freeing the components inside the request (all zero when they stay resident).
+    pub loads: ComponentLoads,
+}
+
+/// Seconds a request spent loading and then freeing each component ([`Residency::Sequential`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ComponentLoads {
+    pub text_encoder: f64,
+    pub dit: f64,
+    pub vae: f64,
+}
+
+impl ComponentLoads {
+    /// The three together.
+    pub fn total(&self) -> f64 {
+        self.text_encoder + self.dit + self.vae
+    }
 }
 
 /// The prompt of [`Pipeline::warm_up`]'s request.
@@ -280,6 +314,8 @@ pub struct WarmUp {
     pub timings: Timings,
     /// How its DiT GEMMs were planned (GPU DiT only).
     pub gemms: Option<GemmPlanSummary>,
+    /// Why nothing ran, when the warm-up was skipped (the sequential mode: nothing stays loaded to warm).
+    pub skipped: Option<&'static str>,
 }
 
 /// How the DiT's GEMMs of a request were planned ahead (counts of distinct shapes).
@@ -339,7 +375,8 @@ pub struct Generation {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadReport {
     pub backend: Backend,
-    /// Bytes the loaded components hold (device memory taken on the GPU, f32 weights on the host).
+    /// Bytes the loaded components hold (device memory taken on the GPU, f32 weights on the host); 0 in the
+    /// sequential mode, where nothing stays loaded between requests ([`MemoryPlan::peak`] is what one holds).
     pub resident_bytes: u64,
     pub seconds: f64,
     /// Whether the text encoder runs on the device (false: the host reference).
@@ -366,12 +403,51 @@ impl DitEngine {
     }
 }
 
-/// The loaded pipeline. Components drop before the device context (field order).
-pub struct Pipeline {
-    tokenizer: Tokenizer,
+/// The components as the memory plan holds them.
+enum Components {
+    /// Loaded once by [`Pipeline::load`] and kept.
+    Resident(Resident),
+    /// Loaded, run and freed in turn by every request.
+    Sequential(Box<Sequential>),
+}
+
+struct Resident {
     text_encoder: Box<dyn TextEncoderBackend>,
     dit: DitEngine,
     vae: Box<dyn VaeBackend>,
+}
+
+/// What the sequential mode keeps between requests: the opened folders (headers and file mappings, nothing on
+/// the device) and the configs that planning a request reads.
+struct Sequential {
+    te_dir: ModelDir,
+    dit_dir: ModelDir,
+    vae_dir: ModelDir,
+    te_config: TextEncoderConfig,
+    dit_config: QwenImageDitConfig,
+    vae_config: VaeConfig,
+}
+
+impl Components {
+    fn te_config(&self) -> &TextEncoderConfig {
+        match self {
+            Components::Resident(r) => r.text_encoder.config(),
+            Components::Sequential(s) => &s.te_config,
+        }
+    }
+
+    fn dit_config(&self) -> &QwenImageDitConfig {
+        match self {
+            Components::Resident(r) => r.dit.config(),
+            Components::Sequential(s) => &s.dit_config,
+        }
+    }
+}
+
+/// The loaded pipeline. Components drop before the device context (field order).
+pub struct Pipeline {
+    tokenizer: Tokenizer,
+    components: Components,
     scheduler: SchedulerConfig,
     sample_sigmas: Option<Vec<f64>>,
     latent_dtype: LatentDtype,
@@ -518,7 +594,9 @@ fn f32_bytes(model: &ModelDir) -> u64 {
 }
 
 impl Pipeline {
-    /// Loads the pipeline in `dir` on `options.backend`.
+    /// Loads the pipeline in `dir` on `options.backend`. The memory plan ([`Pipeline::memory_plan`]) decides
+    /// from the components' sizes and the budget whether they are loaded now and kept, or loaded, run and
+    /// freed in turn by every request (then only the folders are opened here and their headers checked).
     pub fn load(dir: &Path, options: &LoadOptions) -> Result<Pipeline, PipelineError> {
         let started = Instant::now();
         let layout = FolderLayout::read(dir)?;
@@ -533,89 +611,94 @@ impl Pipeline {
             Component::new("DiT", weight_bytes(&dit_dir, options.backend)),
             Component::new("VAE", weight_bytes(&vae_dir, options.backend)),
         ];
-        let (
-            text_encoder,
-            dit,
-            vae,
-            context,
-            resident_bytes,
-            (te_on_device, vae_on_device),
-            memory_plan,
-        ) = match options.backend {
-            Backend::Host => {
-                // Host memory: the reference keeps every component (no device budget to plan against).
-                let plan = MemoryPlan::decide(components, u64::MAX)?;
-                let resident = f32_bytes(&dit_dir) + f32_bytes(&te_dir) + f32_bytes(&vae_dir);
-                let te: Box<dyn TextEncoderBackend> = Box::new(HostTextEncoder::load(&te_dir)?);
-                let vae: Box<dyn VaeBackend> = Box::new(HostVaeDecoder::load(&vae_dir)?);
-                let dit = DitEngine::Host(Box::new(HostDit::load(&dit_dir)?));
-                (te, dit, vae, None, resident, (false, false), plan)
+        let (components, context, resident_bytes, (te_on_device, vae_on_device), memory_plan) =
+            match options.backend {
+                Backend::Host => {
+                    // Host memory stands in for the device: no limit to plan against unless the options cap it.
+                    let plan = decide_residency(components, None, options.device_budget)?;
+                    if plan.residency() == Residency::Sequential {
+                        let parts = Sequential::open(te_dir, dit_dir, vae_dir)?;
+                        let parts = Components::Sequential(Box::new(parts));
+                        (parts, None, 0, (false, false), plan)
+                    } else {
+                        let resident =
+                            f32_bytes(&dit_dir) + f32_bytes(&te_dir) + f32_bytes(&vae_dir);
+                        let te: Box<dyn TextEncoderBackend> =
+                            Box::new(HostTextEncoder::load(&te_dir)?);
+                        let vae: Box<dyn VaeBackend> = Box::new(HostVaeDecoder::load(&vae_dir)?);
+                        let dit = DitEngine::Host(Box::new(HostDit::load(&dit_dir)?));
+                        let parts = Components::Resident(Resident {
+                            text_encoder: te,
+                            dit,
+                            vae,
+                        });
+                        (parts, None, resident, (false, false), plan)
+                    }
+                }
+                Backend::Gpu => {
+                    let driver =
+                        tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
+                    let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
+                        .map_err(|e| gpu("creating a context on device 0", e))?;
+                    let free_before = ctx
+                        .memory_info()
+                        .map_err(|e| gpu("reading free memory", e))?
+                        .free;
+                    let plan = decide_residency(
+                        components,
+                        Some(free_before.saturating_sub(DEVICE_RESERVE_BYTES)),
+                        options.device_budget,
+                    )?;
+                    if plan.residency() == Residency::Sequential {
+                        let parts = Sequential::open(te_dir, dit_dir, vae_dir)?;
+                        let te_on_device = check_supported(&parts.te_config).is_ok();
+                        let parts = Components::Sequential(Box::new(parts));
+                        (parts, Some(ctx), 0, (te_on_device, true), plan)
+                    } else {
+                        let dit = DitEngine::Gpu(Box::new(GpuDit::load_on(
+                            &ctx,
+                            &dit_dir,
+                            StagingConfig::default(),
+                        )?));
+                        let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
+                        ctx.synchronize()
+                            .map_err(|e| gpu("waiting for the uploads", e))?;
+                        let free_after = ctx
+                            .memory_info()
+                            .map_err(|e| gpu("reading free memory", e))?
+                            .free;
+                        let mut resident = free_before.saturating_sub(free_after);
+                        if !parts.te_on_device {
+                            resident += f32_bytes(&te_dir);
+                        }
+                        if !parts.vae_on_device {
+                            resident += f32_bytes(&vae_dir);
+                        }
+                        let on_device = (parts.te_on_device, parts.vae_on_device);
+                        let held = Components::Resident(Resident {
+                            text_encoder: parts.te,
+                            dit,
+                            vae: parts.vae,
+                        });
+                        (held, Some(ctx), resident, on_device, plan)
+                    }
+                }
+            };
+        match &components {
+            Components::Resident(r) => {
+                check_agreement(r.dit.config(), r.text_encoder.config(), r.vae.config(), dir)?
             }
-            Backend::Gpu => {
-                let gpu = |what: &str, e: tf_cuda::Error| {
-                    PipelineError::Gpu(crate::nn::backend_error::gpu_error(what, e))
-                };
-                let driver =
-                    tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
-                let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
-                    .map_err(|e| gpu("creating a context on device 0", e))?;
-                let free_before = ctx
-                    .memory_info()
-                    .map_err(|e| gpu("reading free memory", e))?
-                    .free;
-                let plan = MemoryPlan::decide(
-                    components,
-                    free_before.saturating_sub(DEVICE_RESERVE_BYTES),
-                )?;
-                if plan.residency() != Residency::AllResident {
-                    // Qwen-Image's components are small next to any supported card; running them in turn
-                    // is the mode the larger engines use, not this one.
-                    return Err(PipelineError::Memory(format!(
-                            "{plan}: the Qwen-Image pipeline keeps every component resident; free device memory \
-                             (other processes) or use a card with more"
-                        )));
-                }
-                let dit = DitEngine::Gpu(Box::new(GpuDit::load_on(
-                    &ctx,
-                    &dit_dir,
-                    StagingConfig::default(),
-                )?));
-                let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
-                ctx.synchronize()
-                    .map_err(|e| gpu("waiting for the uploads", e))?;
-                let free_after = ctx
-                    .memory_info()
-                    .map_err(|e| gpu("reading free memory", e))?
-                    .free;
-                let mut resident = free_before.saturating_sub(free_after);
-                if !parts.te_on_device {
-                    resident += f32_bytes(&te_dir);
-                }
-                if !parts.vae_on_device {
-                    resident += f32_bytes(&vae_dir);
-                }
-                let on_device = (parts.te_on_device, parts.vae_on_device);
-                (
-                    parts.te,
-                    dit,
-                    parts.vae,
-                    Some(ctx),
-                    resident,
-                    on_device,
-                    plan,
-                )
+            Components::Sequential(s) => {
+                check_agreement(&s.dit_config, &s.te_config, &s.vae_config, dir)?
             }
-        };
-        check_agreement(dit.config(), text_encoder.as_ref(), vae.as_ref(), dir)?;
+        }
         let latent_dtype = options.latent_dtype.unwrap_or(match options.backend {
             Backend::Host => LatentDtype::F32,
             Backend::Gpu => LatentDtype::Bf16,
         });
         Ok(Pipeline {
             tokenizer,
-            text_encoder,
-            dit,
-            vae,
+            components,
             scheduler,
             sample_sigmas: layout.sample_sigmas,
             latent_dtype,
@@ -664,17 +747,7 @@ impl Pipeline {
 
     /// Latent channels (the DiT's `in_channels`).
     pub fn latent_channels(&self) -> usize {
-        self.dit.config().in_channels
-    }
-
-    /// The DiT's text context for one templated prompt: the text encoder's last layer (before the final norm),
-    /// with the template's first `drop_rows` rows (its system block) removed.
-    fn prompt_features(
-        &mut self,
-        ids: &[u32],
-        drop_rows: usize,
-    ) -> Result<TensorF32, PipelineError> {
-        Ok(self.text_encoder.prompt_features(ids, drop_rows)?)
+        self.components.dit_config().in_channels
     }
 
     /// Checks `request` and derives everything the run needs; no model runs.
@@ -695,7 +768,7 @@ impl Pipeline {
                     limits.max_prompt_tokens
                 )));
             }
-            let vocab = self.text_encoder.config().vocab_size;
+            let vocab = self.components.te_config().vocab_size;
             if let Some(bad) = encoded.ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(folder_err(
                     &self.dir,
@@ -752,12 +825,25 @@ impl Pipeline {
     /// timing (stored in the persistent plan cache, so a later process reuses the choices without timing),
     /// kernels loaded, workspaces allocated, the text encoder's and the VAE's plans built. What a request of
     /// another size or prompt length needs beyond that is planned without timing.
+    ///
+    /// In the sequential mode nothing stays loaded to warm, so this does nothing and says so
+    /// ([`WarmUp::skipped`]); every request then plans its own GEMMs without timing.
     pub fn warm_up(
         &mut self,
         width: usize,
         height: usize,
         gemm_budget: Duration,
     ) -> Result<WarmUp, PipelineError> {
+        if let Components::Sequential(_) = self.components {
+            return Ok(WarmUp {
+                width,
+                height,
+                seconds: 0.0,
+                timings: Timings::default(),
+                gemms: None,
+                skipped: Some(WARM_UP_SKIPPED_SEQUENTIAL),
+            });
+        }
         let started = Instant::now();
         let mut request = Request::new(WARM_UP_PROMPT);
         request.width = width;
@@ -770,6 +856,7 @@ impl Pipeline {
             seconds: secs(started.elapsed()),
             timings: generation.timings,
             gemms: self.gemm_plan_summary,
+            skipped: None,
         })
     }
 
@@ -779,7 +866,8 @@ impl Pipeline {
     }
 
     /// [`Pipeline::generate`], planning the DiT's GEMMs for this request first: stored choices are reused and
-    /// unseen shapes are timed within `gemm_budget` (zero for a request: never timed inside one).
+    /// unseen shapes are timed within `gemm_budget` (zero for a request: never timed inside one). Resident
+    /// components run in place; in the sequential mode each is loaded, run and freed before the next loads.
     fn generate_planned(
         &mut self,
         request: &Request,
@@ -789,101 +877,64 @@ impl Pipeline {
         let plan = self.plan(request)?;
         let started = Instant::now();
         let mut timings = Timings::default();
-        let dtype = self.latent_dtype;
-
-        // Prompt features.
-        let t = Instant::now();
-        let prompt_embeds = self.prompt_features(&plan.prompt_ids, plan.prompt_drop)?;
-        let negative_embeds = match &plan.negative {
-            Some((ids, drop)) => Some(self.prompt_features(ids, *drop)?),
-            None => None,
+        let run = Run {
+            plan: &plan,
+            dtype: self.latent_dtype,
+            keep: self.keep_step_latents,
+            gemm_budget,
         };
-        // The reference keeps prompt embeds in the latent dtype.
-        let prompt_embeds = round_tensor(prompt_embeds, dtype);
-        let negative_embeds = negative_embeds.map(|e| round_tensor(e, dtype));
-        timings.encode = secs(t.elapsed());
-        progress(Progress::Encoded {
-            seconds: timings.encode,
-        });
-
-        // Initial latents.
         let channels = self.latent_channels();
-        let latents = match &request.initial_latents {
-            Some(given) => round_tensor(given.clone(), dtype),
-            None => packed_latents(
-                request.seed,
-                1,
-                channels,
-                plan.latent_rows,
-                plan.latent_cols,
-                dtype,
-            )?,
-        };
+        let gemm_summary = &mut self.gemm_plan_summary;
 
-        if let DitEngine::Gpu(dit) = &self.dit {
-            let modes: &[KvMode] = if dit.config().causal_condition {
-                &[KvMode::Extract, KvMode::Cached]
-            } else {
-                &[KvMode::None]
-            };
-            let (rows, cols) = (plan.latent_rows, plan.latent_cols);
-            let mut branches = vec![t2i_inputs(&latents, &prompt_embeds, 1.0, rows, cols)?];
-            if let Some(negative) = &negative_embeds {
-                branches.push(t2i_inputs(&latents, negative, 1.0, rows, cols)?);
+        let (prompt_embeds, denoised, decoded) = match &mut self.components {
+            Components::Resident(held) => {
+                let (prompt_embeds, negative_embeds) =
+                    encode_phase(&mut *held.text_encoder, &run, &mut timings, progress)?;
+                let latents = initial_latents(request, &run, channels)?;
+                let denoised = dit_phase(
+                    &mut held.dit,
+                    &run,
+                    (&prompt_embeds, negative_embeds.as_ref()),
+                    latents,
+                    gemm_summary,
+                    &mut timings,
+                    progress,
+                )?;
+                let decoded =
+                    decode_phase(&mut *held.vae, &run, &denoised.0, &mut timings, progress)?;
+                (prompt_embeds, denoised, decoded)
             }
-            let steps: Vec<(&DitInputs, KvMode)> = branches
-                .iter()
-                .flat_map(|inputs| modes.iter().map(move |&mode| (inputs, mode)))
-                .collect();
-            let report = dit.prepare_gemms(&steps, gemm_budget)?;
-            self.gemm_plan_summary = Some(GemmPlanSummary::of(&report));
-        }
+            Components::Sequential(parts) => {
+                let ctx = self.context.as_ref();
+                let (mut te, seconds) = timed(|| parts.text_encoder(ctx))?;
+                timings.loads.text_encoder = seconds;
+                let (prompt_embeds, negative_embeds) =
+                    encode_phase(&mut *te, &run, &mut timings, progress)?;
+                timings.loads.text_encoder += free_timed(te);
 
-        let conditions = Conditions {
-            prompt: &prompt_embeds,
-            negative: negative_embeds.as_ref(),
-            cfg_scale: plan.true_cfg_scale,
-        };
-        let keep = self.keep_step_latents;
-        let (latents, step_latents, step_velocities) = match &mut self.dit {
-            DitEngine::Host(dit) => denoise(
-                &mut **dit,
-                &plan,
-                &conditions,
-                latents,
-                dtype,
-                keep,
-                &mut timings,
-                progress,
-            )?,
-            DitEngine::Gpu(dit) => denoise(
-                &mut **dit,
-                &plan,
-                &conditions,
-                latents,
-                dtype,
-                keep,
-                &mut timings,
-                progress,
-            )?,
-        };
+                let latents = initial_latents(request, &run, channels)?;
+                let (mut dit, seconds) = timed(|| parts.dit(ctx))?;
+                timings.loads.dit = seconds;
+                let denoised = dit_phase(
+                    &mut dit,
+                    &run,
+                    (&prompt_embeds, negative_embeds.as_ref()),
+                    latents,
+                    gemm_summary,
+                    &mut timings,
+                    progress,
+                )?;
+                timings.loads.dit += free_timed(dit);
 
-        let t = Instant::now();
-        let decoded = self
-            .vae
-            .decode_packed(&latents, plan.latent_rows, plan.latent_cols)?;
-        let [_, image_channels, image_height, image_width] = decoded.dims::<4>("decoded image")?;
-        if (image_height, image_width) != (plan.height, plan.width) {
-            return Err(PipelineError::Internal(format!(
-                "the VAE decoded {image_width}x{image_height} for a {}x{} request",
-                plan.width, plan.height
-            )));
-        }
-        let pixels = to_u8_hwc(&decoded, 0)?;
-        timings.decode = secs(t.elapsed());
-        progress(Progress::Decoded {
-            seconds: timings.decode,
-        });
+                let (mut vae, seconds) = timed(|| parts.vae(ctx))?;
+                timings.loads.vae = seconds;
+                let decoded = decode_phase(&mut *vae, &run, &denoised.0, &mut timings, progress)?;
+                timings.loads.vae += free_timed(vae);
+                (prompt_embeds, denoised, decoded)
+            }
+        };
+        let (_, step_latents, step_velocities) = denoised;
+        let (decoded, pixels, image_channels) = decoded;
         timings.total = secs(started.elapsed());
         Ok(Generation {
             image: Image {
@@ -901,6 +952,257 @@ impl Pipeline {
             timings,
         })
     }
+}
+
+/// [`WarmUp::skipped`] in the sequential mode.
+pub const WARM_UP_SKIPPED_SEQUENTIAL: &str =
+    "the components are loaded, run and freed in turn by every request, so nothing stays loaded to warm up";
+
+/// What every phase of one request reads.
+struct Run<'a> {
+    plan: &'a Plan,
+    dtype: LatentDtype,
+    keep: bool,
+    gemm_budget: Duration,
+}
+
+/// The prompt features (and the negative prompt's), in the latent dtype as the reference keeps them; timed as
+/// `encode`.
+fn encode_phase(
+    text_encoder: &mut dyn TextEncoderBackend,
+    run: &Run<'_>,
+    timings: &mut Timings,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(TensorF32, Option<TensorF32>), PipelineError> {
+    let plan = run.plan;
+    let t = Instant::now();
+    let prompt_embeds = text_encoder.prompt_features(&plan.prompt_ids, plan.prompt_drop)?;
+    let negative_embeds = match &plan.negative {
+        Some((ids, drop)) => Some(text_encoder.prompt_features(ids, *drop)?),
+        None => None,
+    };
+    let prompt_embeds = round_tensor(prompt_embeds, run.dtype);
+    let negative_embeds = negative_embeds.map(|e| round_tensor(e, run.dtype));
+    timings.encode = secs(t.elapsed());
+    progress(Progress::Encoded {
+        seconds: timings.encode,
+    });
+    Ok((prompt_embeds, negative_embeds))
+}
+
+/// The injected latents in the latent dtype, else the seeded noise.
+fn initial_latents(
+    request: &Request,
+    run: &Run<'_>,
+    channels: usize,
+) -> Result<TensorF32, PipelineError> {
+    Ok(match &request.initial_latents {
+        Some(given) => round_tensor(given.clone(), run.dtype),
+        None => packed_latents(
+            request.seed,
+            1,
+            channels,
+            run.plan.latent_rows,
+            run.plan.latent_cols,
+            run.dtype,
+        )?,
+    })
+}
+
+/// The final latents, and the kept latents and velocities of every step.
+type Denoised = (TensorF32, Vec<TensorF32>, Vec<TensorF32>);
+
+/// Plans the GPU DiT's GEMMs of this request (within `run.gemm_budget`), then runs the steps.
+fn dit_phase(
+    dit: &mut DitEngine,
+    run: &Run<'_>,
+    (prompt_embeds, negative_embeds): (&TensorF32, Option<&TensorF32>),
+    latents: TensorF32,
+    gemm_summary: &mut Option<GemmPlanSummary>,
+    timings: &mut Timings,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Denoised, PipelineError> {
+    let plan = run.plan;
+    if let DitEngine::Gpu(dit) = dit {
+        let modes: &[KvMode] = if dit.config().causal_condition {
+            &[KvMode::Extract, KvMode::Cached]
+        } else {
+            &[KvMode::None]
+        };
+        let (rows, cols) = (plan.latent_rows, plan.latent_cols);
+        let mut branches = vec![t2i_inputs(&latents, prompt_embeds, 1.0, rows, cols)?];
+        if let Some(negative) = negative_embeds {
+            branches.push(t2i_inputs(&latents, negative, 1.0, rows, cols)?);
+        }
+        let steps: Vec<(&DitInputs, KvMode)> = branches
+            .iter()
+            .flat_map(|inputs| modes.iter().map(move |&mode| (inputs, mode)))
+            .collect();
+        let report = dit.prepare_gemms(&steps, run.gemm_budget)?;
+        *gemm_summary = Some(GemmPlanSummary::of(&report));
+    }
+
+    let conditions = Conditions {
+        prompt: prompt_embeds,
+        negative: negative_embeds,
+        cfg_scale: plan.true_cfg_scale,
+    };
+    let (dtype, keep) = (run.dtype, run.keep);
+    match dit {
+        DitEngine::Host(dit) => denoise(
+            &mut **dit,
+            plan,
+            &conditions,
+            latents,
+            dtype,
+            keep,
+            timings,
+            progress,
+        ),
+        DitEngine::Gpu(dit) => denoise(
+            &mut **dit,
+            plan,
+            &conditions,
+            latents,
+            dtype,
+            keep,
+            timings,
+            progress,
+        ),
+    }
+}
+
+/// The decoded image `[1, channels, height, width]`, its 8-bit pixels and its channel count; timed as `decode`.
+fn decode_phase(
+    vae: &mut dyn VaeBackend,
+    run: &Run<'_>,
+    latents: &TensorF32,
+    timings: &mut Timings,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(TensorF32, Vec<u8>, usize), PipelineError> {
+    let plan = run.plan;
+    let t = Instant::now();
+    let decoded = vae.decode_packed(latents, plan.latent_rows, plan.latent_cols)?;
+    let [_, image_channels, image_height, image_width] = decoded.dims::<4>("decoded image")?;
+    if (image_height, image_width) != (plan.height, plan.width) {
+        return Err(PipelineError::Internal(format!(
+            "the VAE decoded {image_width}x{image_height} for a {}x{} request",
+            plan.width, plan.height
+        )));
+    }
+    let pixels = to_u8_hwc(&decoded, 0)?;
+    timings.decode = secs(t.elapsed());
+    progress(Progress::Decoded {
+        seconds: timings.decode,
+    });
+    Ok((decoded, pixels, image_channels))
+}
+
+/// Runs `load` and times it.
+fn timed<T>(load: impl FnOnce() -> Result<T, PipelineError>) -> Result<(T, f64), PipelineError> {
+    let t = Instant::now();
+    let value = load()?;
+    Ok((value, secs(t.elapsed())))
+}
+
+/// Frees a component (its `Drop` waits for the work still queued on its stream) and times it.
+fn free_timed<T>(component: T) -> f64 {
+    let t = Instant::now();
+    drop(component);
+    secs(t.elapsed())
+}
+
+impl Sequential {
+    /// Reads the components' configs and checks the DiT's tensor headers (nothing is loaded).
+    fn open(
+        te_dir: ModelDir,
+        dit_dir: ModelDir,
+        vae_dir: ModelDir,
+    ) -> Result<Sequential, PipelineError> {
+        let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
+        let dit_config =
+            QwenImageDitConfig::from_json(dit_dir.config_json()).map_err(DitError::from)?;
+        dit_dir.check(&dit_config.tensor_specs())?;
+        let vae_config = VaeConfig::from_json(vae_dir.config_json())?;
+        Ok(Sequential {
+            te_dir,
+            dit_dir,
+            vae_dir,
+            te_config,
+            dit_config,
+            vae_config,
+        })
+    }
+
+    /// The text encoder on `ctx`'s device (the host reference where the GPU encoder does not support the
+    /// config), or the host reference without a context.
+    fn text_encoder(
+        &self,
+        ctx: Option<&tf_cuda::Context>,
+    ) -> Result<Box<dyn TextEncoderBackend>, PipelineError> {
+        match ctx {
+            None => Ok(Box::new(HostTextEncoder::load(&self.te_dir)?)),
+            Some(ctx) => {
+                let (te, _) = gpu_text_encoder(ctx, &self.te_dir)?;
+                uploads_done(ctx)?;
+                Ok(te)
+            }
+        }
+    }
+
+    fn dit(&self, ctx: Option<&tf_cuda::Context>) -> Result<DitEngine, PipelineError> {
+        match ctx {
+            None => Ok(DitEngine::Host(Box::new(HostDit::load(&self.dit_dir)?))),
+            Some(ctx) => {
+                let dit = GpuDit::load_on(ctx, &self.dit_dir, StagingConfig::default())?;
+                uploads_done(ctx)?;
+                Ok(DitEngine::Gpu(Box::new(dit)))
+            }
+        }
+    }
+
+    fn vae(&self, ctx: Option<&tf_cuda::Context>) -> Result<Box<dyn VaeBackend>, PipelineError> {
+        match ctx {
+            None => Ok(Box::new(HostVaeDecoder::load(&self.vae_dir)?)),
+            Some(ctx) => {
+                let vae = GpuVaeDecoder::load_on(ctx, &self.vae_dir)?;
+                uploads_done(ctx)?;
+                Ok(Box::new(vae))
+            }
+        }
+    }
+}
+
+/// Waits for a component's uploads, so its load time is the whole load.
+fn uploads_done(ctx: &tf_cuda::Context) -> Result<(), PipelineError> {
+    ctx.synchronize()
+        .map_err(|e| gpu("waiting for the uploads", e))
+}
+
+/// A failed call of the pipeline's own on the device.
+fn gpu(what: &str, e: tf_cuda::Error) -> PipelineError {
+    PipelineError::Gpu(crate::nn::backend_error::gpu_error(what, e))
+}
+
+/// The budget the memory plan decides against: what the device offers (`None` on the host: unlimited), capped
+/// by [`LoadOptions::device_budget`].
+fn planning_budget(available: Option<u64>, cap: Option<u64>) -> u64 {
+    available.unwrap_or(u64::MAX).min(cap.unwrap_or(u64::MAX))
+}
+
+/// [`MemoryPlan::decide`] against [`planning_budget`]; a refusal under a cap that set the budget says so.
+fn decide_residency(
+    components: Vec<Component>,
+    available: Option<u64>,
+    cap: Option<u64>,
+) -> Result<MemoryPlan, PipelineError> {
+    let budget = planning_budget(available, cap);
+    MemoryPlan::decide(components, budget).map_err(|source| match cap {
+        Some(cap) if cap == budget && available.is_none_or(|a| cap < a) => {
+            PipelineError::CappedBudget { source, cap }
+        }
+        _ => PipelineError::MemoryPlan(source),
+    })
 }
 
 /// A request checked against a model folder before any weight is read ([`Pipeline::preflight`]).
@@ -1021,15 +1323,7 @@ fn gpu_text_encoder_and_vae(
     te_dir: &ModelDir,
     vae_dir: &ModelDir,
 ) -> Result<GpuComponents, PipelineError> {
-    // The GPU encoder's kernels need head dim 128 (every released Qwen3-VL); other configs (tiny test models)
-    // run on the host reference, and the load report says so.
-    let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
-    let te_on_device = check_supported(&te_config).is_ok();
-    let te: Box<dyn TextEncoderBackend> = if te_on_device {
-        Box::new(GpuTextEncoder::load_on(ctx, te_dir)?)
-    } else {
-        Box::new(HostTextEncoder::load(te_dir)?)
-    };
+    let (te, te_on_device) = gpu_text_encoder(ctx, te_dir)?;
     let vae: Box<dyn VaeBackend> = Box::new(GpuVaeDecoder::load_on(ctx, vae_dir)?);
     Ok(GpuComponents {
         te,
@@ -1037,6 +1331,22 @@ fn gpu_text_encoder_and_vae(
         te_on_device,
         vae_on_device: true,
     })
+}
+
+/// The GPU text encoder, and whether it is on the device: its kernels need head dim 128 (every released
+/// Qwen3-VL); other configs (tiny test models) run on the host reference, and the load report says so.
+fn gpu_text_encoder(
+    ctx: &tf_cuda::Context,
+    te_dir: &ModelDir,
+) -> Result<(Box<dyn TextEncoderBackend>, bool), PipelineError> {
+    let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
+    let te_on_device = check_supported(&te_config).is_ok();
+    let te: Box<dyn TextEncoderBackend> = if te_on_device {
+        Box::new(GpuTextEncoder::load_on(ctx, te_dir)?)
+    } else {
+        Box::new(HostTextEncoder::load(te_dir)?)
+    };
+    Ok((te, te_on_device))
 }
 
 struct GpuComponents {
@@ -1049,11 +1359,11 @@ struct GpuComponents {
 /// The three components must agree on widths.
 fn check_agreement(
     dit: &QwenImageDitConfig,
-    te: &dyn TextEncoderBackend,
-    vae: &dyn VaeBackend,
+    te: &TextEncoderConfig,
+    vae: &VaeConfig,
     dir: &Path,
 ) -> Result<(), PipelineError> {
-    let te_hidden = te.config().hidden_size;
+    let te_hidden = te.hidden_size;
     if dit.context_in_dim != te_hidden {
         return Err(folder_err(
             dir,
@@ -1064,7 +1374,7 @@ fn check_agreement(
             ),
         ));
     }
-    let z_dim = vae.config().z_dim;
+    let z_dim = vae.z_dim;
     if dit.in_channels != z_dim || dit.out_channels() != z_dim {
         return Err(folder_err(
             dir,
@@ -1280,6 +1590,59 @@ mod tests {
         assert_eq!(&inputs.img_mask.data()[5..], &[1; 6]);
         assert_eq!(inputs.img_shapes.data(), &[1, 4, 6]);
         assert_eq!(inputs.encoder_hidden_states.shape(), &[1, 5, 3]);
+    }
+
+    #[test]
+    fn the_budget_is_the_device_capped_by_the_option() {
+        assert_eq!(planning_budget(None, None), u64::MAX);
+        assert_eq!(planning_budget(None, Some(7)), 7);
+        assert_eq!(planning_budget(Some(10), None), 10);
+        assert_eq!(planning_budget(Some(10), Some(5)), 5);
+        assert_eq!(planning_budget(Some(5), Some(10)), 5);
+    }
+
+    #[test]
+    fn residency_follows_the_budget_and_a_binding_cap_is_named() {
+        let parts = || {
+            vec![
+                Component::new("text encoder", 40),
+                Component::new("DiT", 60),
+            ]
+        };
+        let plan = decide_residency(parts(), None, None).unwrap();
+        assert_eq!(plan.residency(), Residency::AllResident);
+        let plan = decide_residency(parts(), Some(1000), Some(60)).unwrap();
+        assert_eq!(
+            (plan.residency(), plan.budget()),
+            (Residency::Sequential, 60)
+        );
+        // The cap set the budget (host, or below the device's): the refusal names it.
+        for available in [None, Some(1000)] {
+            match decide_residency(parts(), available, Some(59)) {
+                Err(PipelineError::CappedBudget { source, cap }) => {
+                    assert_eq!((source.name.as_str(), source.bytes, cap), ("DiT", 60, 59));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // The device set it (the cap is no lower): the plain refusal.
+        for cap in [None, Some(59), Some(100)] {
+            match decide_residency(parts(), Some(59), cap) {
+                Err(PipelineError::MemoryPlan(e)) => assert_eq!((e.bytes, e.budget), (60, 59)),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn component_loads_add_up() {
+        let loads = ComponentLoads {
+            text_encoder: 1.0,
+            dit: 2.0,
+            vae: 0.5,
+        };
+        assert_eq!(loads.total(), 3.5);
+        assert_eq!(Timings::default().loads.total(), 0.0);
     }
 
     #[test]
