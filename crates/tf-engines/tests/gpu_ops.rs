@@ -220,7 +220,7 @@ fn adaln_modulate_matches_host() {
                 plan_adaln_modulate(
                     &x_dev.view(),
                     Matrix::dense(rows, cols),
-                    &mut y_dev.view_mut(),
+                    &y_dev.view_mut(),
                     y_stride,
                     &scale_block,
                     select,
@@ -308,7 +308,7 @@ fn gated_residual_matches_host() {
             .run(
                 &g.stream,
                 plan_gated_residual(
-                    &mut x_dev.view_mut(),
+                    &x_dev.view_mut(),
                     Matrix::dense(rows, cols),
                     &y_dev.view(),
                     cols,
@@ -363,7 +363,7 @@ fn fused_residual_adaln_equals_the_two_kernels() {
             .run(
                 &g.stream,
                 plan_gated_residual(
-                    &mut x_two.view_mut(),
+                    &x_two.view_mut(),
                     layout,
                     &y_dev.view(),
                     cols,
@@ -378,7 +378,7 @@ fn fused_residual_adaln_equals_the_two_kernels() {
                 plan_adaln_modulate(
                     &x_two.view(),
                     layout,
-                    &mut out_two.view_mut(),
+                    &out_two.view_mut(),
                     cols,
                     &block(cols),
                     select,
@@ -394,11 +394,11 @@ fn fused_residual_adaln_equals_the_two_kernels() {
             .run(
                 &g.stream,
                 plan_gated_residual_adaln(
-                    &mut x_one.view_mut(),
+                    &x_one.view_mut(),
                     layout,
                     &y_dev.view(),
                     cols,
-                    &mut out_one.view_mut(),
+                    &out_one.view_mut(),
                     cols,
                     &block(3 * cols),
                     &block(cols),

@@ -882,6 +882,7 @@ impl Pipeline {
             dtype: self.latent_dtype,
             keep: self.keep_step_latents,
             gemm_budget,
+            started,
         };
         let channels = self.latent_channels();
         let gemm_summary = &mut self.gemm_plan_summary;
@@ -964,6 +965,8 @@ struct Run<'a> {
     dtype: LatentDtype,
     keep: bool,
     gemm_budget: Duration,
+    /// When the request started: `encode` runs from here to the first DiT call, as the reference measures it.
+    started: Instant,
 }
 
 /// The prompt features (and the negative prompt's), in the latent dtype as the reference keeps them; timed as
@@ -1041,6 +1044,10 @@ fn dit_phase(
         let report = dit.prepare_gemms(&steps, run.gemm_budget)?;
         *gemm_summary = Some(GemmPlanSummary::of(&report));
     }
+    // The encode phase ends at the first DiT call: prompt features, initial latents and this planning (component
+    // loads of the sequential mode are counted apart).
+    timings.encode =
+        (secs(run.started.elapsed()) - timings.loads.text_encoder - timings.loads.dit).max(0.0);
 
     let conditions = Conditions {
         prompt: prompt_embeds,

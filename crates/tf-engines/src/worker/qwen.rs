@@ -81,7 +81,10 @@ impl WorkerEngine for QwenImageEngine {
             // The first request of the default size must not pay for first-call planning: warm that size now.
             let (w, h) = WARM_UP_SIZE;
             match pipeline.warm_up(w, h, WARM_UP_GEMM_BUDGET) {
-                Ok(warm) => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
+                Ok(warm) => match warm.skipped {
+                    Some(why) => log!("tf worker: no warm-up: {why}"),
+                    None => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
+                },
                 Err(e) if e.is_invalid_request() => {
                     log!("tf worker: no warm-up at {w}x{h}, the model's limits refuse it: {e}")
                 }

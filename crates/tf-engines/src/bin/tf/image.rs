@@ -196,10 +196,13 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 g.shapes, g.stored, g.timed, g.heuristic
             )
         });
-        eprintln!(
-            "tf image: warmed up at {width}x{height} in {:.2} s{gemms}",
-            w.seconds
-        );
+        match w.skipped {
+            Some(why) => eprintln!("tf image: no warm-up: {why}"),
+            None => eprintln!(
+                "tf image: warmed up at {width}x{height} in {:.2} s{gemms}",
+                w.seconds
+            ),
+        }
         Some(w)
     } else {
         None
@@ -317,6 +320,11 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 "steps_s": t.steps,
                 "decode_s": t.decode,
                 "total_s": t.total,
+                "component_loads_s": {
+                    "text_encoder": t.loads.text_encoder,
+                    "dit": t.loads.dit,
+                    "vae": t.loads.vae,
+                },
             },
         });
         println!("{summary}");

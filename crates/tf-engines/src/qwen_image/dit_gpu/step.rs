@@ -216,7 +216,7 @@ impl Engine {
             plan_adaln_modulate(
                 &ws.x.view(),
                 x_layout,
-                &mut ws.normed.view_mut(),
+                &ws.normed.view_mut(),
                 d,
                 &modulation(0),
                 select,
@@ -382,11 +382,11 @@ impl Engine {
             k_.run(
                 st,
                 plan_gated_residual_adaln(
-                    &mut ws.x.view_mut(),
+                    &ws.x.view_mut(),
                     x_layout,
                     &ws.proj.view(),
                     d,
-                    &mut ws.normed.view_mut(),
+                    &ws.normed.view_mut(),
                     d,
                     &modulation(d),
                     &modulation(2 * d),
@@ -430,11 +430,11 @@ impl Engine {
             k_.run(
                 st,
                 plan_gated_residual_adaln(
-                    &mut ws.x.view_mut(),
+                    &ws.x.view_mut(),
                     x_layout,
                     &ws.proj.view(),
                     d,
-                    &mut ws.normed.view_mut(),
+                    &ws.normed.view_mut(),
                     d,
                     &modulation(3 * d),
                     &modulation(next_scale),
@@ -452,7 +452,7 @@ impl Engine {
                 plan_adaln_modulate(
                     &ws.x.view(),
                     x_layout,
-                    &mut ws.normed.view_mut(),
+                    &ws.normed.view_mut(),
                     d,
                     &modulation(4 * d),
                     select,
