@@ -670,20 +670,62 @@ pub fn to_u8_hwc(images: &TensorF32, index: usize) -> Result<Vec<u8>, VaeError> 
             "image {index} of a batch of {batch}"
         )));
     }
-    let image = &images.data()[index * c * h * w..(index + 1) * c * h * w];
-    let mut out = vec![0u8; c * h * w];
-    for ci in 0..c {
-        for p in 0..h * w {
-            let v = (image[ci * h * w + p] / 2.0 + 0.5).clamp(0.0, 1.0);
-            out[p * c + ci] = (v * 255.0).round() as u8;
-        }
+    let plane = h * w;
+    let image = &images.data()[index * c * plane..(index + 1) * c * plane];
+    let mut out = vec![0u8; c * plane];
+    if c == 0 || plane == 0 {
+        return Ok(out);
     }
+    // Pixel rows in parallel (a 1024x1024 image is 4 M values): each thread writes its own run of pixels.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(16);
+    let pixels_per_part = plane.div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (part, chunk) in out.chunks_mut(pixels_per_part * c).enumerate() {
+            scope.spawn(move || {
+                let first = part * pixels_per_part;
+                for (i, px) in chunk.chunks_exact_mut(c).enumerate() {
+                    for (ci, o) in px.iter_mut().enumerate() {
+                        let v = (image[ci * plane + first + i] / 2.0 + 0.5).clamp(0.0, 1.0);
+                        *o = (v * 255.0).round() as u8;
+                    }
+                }
+            });
+        }
+    });
     Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn u8_conversion_matches_the_plain_loop_at_any_size() {
+        for (batch, c, h, w) in [(1, 4, 17, 33), (2, 3, 1, 1), (1, 1, 64, 7), (1, 4, 0, 5)] {
+            let n = batch * c * h * w;
+            let data: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919 % 2003) as f32) / 500.0 - 2.0)
+                .collect();
+            let images = Tensor::new(vec![batch, c, h, w], data.clone()).unwrap();
+            for index in 0..batch {
+                let image = &data[index * c * h * w..(index + 1) * c * h * w];
+                let mut want = vec![0u8; c * h * w];
+                for ci in 0..c {
+                    for p in 0..h * w {
+                        let v = (image[ci * h * w + p] / 2.0 + 0.5).clamp(0.0, 1.0);
+                        want[p * c + ci] = (v * 255.0).round() as u8;
+                    }
+                }
+                assert_eq!(
+                    to_u8_hwc(&images, index).unwrap(),
+                    want,
+                    "{batch}x{c}x{h}x{w}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn dup_up_spreads_channels_over_subpixels() {

@@ -798,13 +798,13 @@ impl GpuVaeDecoder {
             self.stream
                 .synchronize()
                 .map_err(|e| backend("running the decode", e))?;
-            let mut raw = vec![0u8; per_image * F32];
-            ws.image
-                .download(0, &mut raw)
+            // Straight into f32 values: no byte copy and no second conversion pass over the image.
+            let pixels: Vec<f32> = ws
+                .image
+                .slice(0, per_image * F32)
+                .and_then(|view| view.to_vec())
                 .map_err(|e| backend("downloading the image", e))?;
-            for (d, b) in dst.iter_mut().zip(raw.chunks_exact(F32)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+            dst.copy_from_slice(&pixels);
         }
         Ok(Tensor::new(
             vec![
