@@ -8,8 +8,14 @@
 //! - [`dit`]: the forward's inputs (read by name from a safetensors bundle), their validation, outputs, and the
 //!   [`dit::H3DitBackend`] trait.
 //! - [`dit_host`]: the f32 host reference every other backend is checked against.
+//! - [`scheduler`]: `MiniMaxH3Scheduler`, bit-exact in f32: the shifted grid (video 12, audio 3), timesteps
+//!   `1 - sigma`, the Euler step and the forward noising of the anchors, with its validated config.
+//! - [`noise`]: the conditioning, video and audio noise from one portable generator in the reference's draw order,
+//!   injection from a file, and the video patchify.
 pub mod checkpoint;
 pub mod config;
 pub mod dit;
 pub mod dit_host;
 pub mod layout;
+pub mod noise;
+pub mod scheduler;
