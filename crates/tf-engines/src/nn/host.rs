@@ -452,11 +452,28 @@ pub fn gated_residual(
     n_mod: usize,
     row_mod: &[usize],
 ) -> Result<(), ShapeError> {
-    let n = checked_product("gated_residual x", &[rows, cols])?;
-    check_len("gated_residual x", x.len(), n)?;
-    check_len("gated_residual y", y.len(), n)?;
+    residual_through_gate(
+        "gated_residual",
+        (x, rows, cols),
+        y,
+        (gate, n_mod, row_mod),
+        f64::tanh,
+    )
+}
+
+/// `x[r] += activation(gate[row_mod[r]]) * y[r]` in f64, the shared body of the gated residuals.
+fn residual_through_gate(
+    op: &str,
+    (x, rows, cols): (&mut [f32], usize, usize),
+    y: &[f32],
+    (gate, n_mod, row_mod): (&[f32], usize, &[usize]),
+    activation: impl Fn(f64) -> f64,
+) -> Result<(), ShapeError> {
+    let n = checked_product(&format!("{op} x"), &[rows, cols])?;
+    check_len(&format!("{op} x"), x.len(), n)?;
+    check_len(&format!("{op} y"), y.len(), n)?;
     check_len(
-        "gated_residual gate",
+        &format!("{op} gate"),
         gate.len(),
         checked_product("gate", &[n_mod, cols])?,
     )?;
@@ -471,7 +488,7 @@ pub fn gated_residual(
     {
         let g_row = &gate[m * cols..(m + 1) * cols];
         for ((xv, &yv), &g) in x_row.iter_mut().zip(y_row).zip(g_row) {
-            *xv = (f64::from(*xv) + f64::from(g).tanh() * f64::from(yv)) as f32;
+            *xv = (f64::from(*xv) + activation(f64::from(g)) * f64::from(yv)) as f32;
         }
     }
     Ok(())
@@ -806,29 +823,13 @@ pub fn gate_residual(
     n_mod: usize,
     row_mod: &[usize],
 ) -> Result<(), ShapeError> {
-    let n = checked_product("gate_residual x", &[rows, cols])?;
-    check_len("gate_residual x", x.len(), n)?;
-    check_len("gate_residual y", y.len(), n)?;
-    check_len(
-        "gate_residual gate",
-        gate.len(),
-        checked_product("gate", &[n_mod, cols])?,
-    )?;
-    check_row_mod(row_mod, rows, n_mod)?;
-    if cols == 0 {
-        return Ok(());
-    }
-    for ((x_row, y_row), &m) in x
-        .chunks_exact_mut(cols)
-        .zip(y.chunks_exact(cols))
-        .zip(row_mod)
-    {
-        let g_row = &gate[m * cols..(m + 1) * cols];
-        for ((xv, &yv), &g) in x_row.iter_mut().zip(y_row).zip(g_row) {
-            *xv = (f64::from(*xv) + f64::from(g) * f64::from(yv)) as f32;
-        }
-    }
-    Ok(())
+    residual_through_gate(
+        "gate_residual",
+        (x, rows, cols),
+        y,
+        (gate, n_mod, row_mod),
+        |g| g,
+    )
 }
 
 /// Sinusoidal embedding of unscaled values, cos first: for `v` in `values`,
