@@ -6,9 +6,10 @@
 //! - [`host`]: plain f32 reference ops; every GPU kernel is checked against them.
 //! - [`config`]: typed config parsing that names the failing key, and the bound and product checks.
 //! - [`backend_error`]: the typed error of a failed GPU backend call, and the lost-context test over a chain.
-//! - [`gpu`]: launch infrastructure, attention and the elementwise kernels, each with its host twin.
-//! - [`sampling`]: the flow-match sampler and the portable seeded noise.
-//! - [`media`]: image files.
+//! - [`gpu`]: launch infrastructure, the GEMM wrapper with its plan cache, attention (head dims 64 and 128), the
+//!   elementwise kernels (each with its host twin) and the per-step graph cache.
+//! - [`sampling`]: the scheduler trait, the flow-match sampler, the portable seeded noise, a seeded test generator.
+//! - [`media`]: PNG files (through the `png` crate).
 //! - [`memory_plan`]: whether a pipeline's components stay resident or run in turn on the device.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!
