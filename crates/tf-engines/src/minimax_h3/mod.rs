@@ -12,6 +12,9 @@
 //!   `1 - sigma`, the Euler step and the forward noising of the anchors, with its validated config.
 //! - [`noise`]: the conditioning, video and audio noise from one portable generator in the reference's draw order,
 //!   injection from a file, and the video patchify.
+//! - [`vae_audio`]: `AutoencoderKLMiniMaxH3Audio` decode: its validated config, the decoder's tensors and the f32
+//!   host reference (latent de-normalization, `dec_in_proj`, BigVGAN with anti-aliased SnakeBeta, stereo as a
+//!   batch of 2).
 pub mod checkpoint;
 pub mod config;
 pub mod dit;
@@ -19,3 +22,4 @@ pub mod dit_host;
 pub mod layout;
 pub mod noise;
 pub mod scheduler;
+pub mod vae_audio;

@@ -863,6 +863,315 @@ pub fn sinusoidal_embedding(values: &[f32], dim: usize, out: &mut [f32]) -> Resu
     Ok(())
 }
 
+/// Geometry of a 1-D convolution over `[batch, channels, length]` rows, as PyTorch's `Conv1d` and
+/// `ConvTranspose1d` take it (zero `padding` on both sides; no output padding for the transposed form).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv1dGeometry {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+    pub dilation: usize,
+    pub groups: usize,
+}
+
+impl Conv1dGeometry {
+    /// A stride-1, dilation-1, ungrouped convolution.
+    pub fn plain(in_channels: usize, out_channels: usize, kernel: usize, padding: usize) -> Self {
+        Conv1dGeometry {
+            in_channels,
+            out_channels,
+            kernel,
+            stride: 1,
+            padding,
+            dilation: 1,
+            groups: 1,
+        }
+    }
+
+    fn check(&self, what: &str) -> Result<(usize, usize), ShapeError> {
+        let g = self.groups;
+        if g == 0
+            || self.kernel == 0
+            || self.stride == 0
+            || self.dilation == 0
+            || !self.in_channels.is_multiple_of(g)
+            || !self.out_channels.is_multiple_of(g)
+            || self.in_channels == 0
+            || self.out_channels == 0
+        {
+            return Err(ShapeError::new(
+                what,
+                "positive channels, kernel, stride and dilation, channels divisible by groups",
+                format!("{self:?}"),
+            ));
+        }
+        Ok((self.in_channels / g, self.out_channels / g))
+    }
+
+    /// Span of the dilated kernel: `dilation * (kernel - 1) + 1`.
+    fn span(&self, what: &str) -> Result<usize, ShapeError> {
+        self.dilation
+            .checked_mul(self.kernel - 1)
+            .and_then(|s| s.checked_add(1))
+            .ok_or_else(|| ShapeError::new(what, "a kernel span that fits", format!("{self:?}")))
+    }
+
+    /// Output length of [`conv1d`] for an input of `len`: `(len + 2 padding - span) / stride + 1`.
+    pub fn conv_out_len(&self, len: usize) -> Result<usize, ShapeError> {
+        let span = self.span("conv1d")?;
+        let padded = self
+            .padding
+            .checked_mul(2)
+            .and_then(|p| p.checked_add(len))
+            .ok_or_else(|| {
+                ShapeError::new("conv1d", "a padded length that fits", format!("{len}"))
+            })?;
+        if padded < span {
+            return Err(ShapeError::new(
+                "conv1d input length",
+                format!("at least {span} after padding"),
+                format!("{padded}"),
+            ));
+        }
+        Ok((padded - span) / self.stride + 1)
+    }
+
+    /// Output length of [`conv_transpose1d`]: `(len - 1) stride - 2 padding + span`.
+    pub fn transpose_out_len(&self, len: usize) -> Result<usize, ShapeError> {
+        let span = self.span("conv_transpose1d")?;
+        let full = len
+            .checked_sub(1)
+            .and_then(|l| l.checked_mul(self.stride))
+            .and_then(|l| l.checked_add(span))
+            .ok_or_else(|| {
+                ShapeError::new(
+                    "conv_transpose1d input length",
+                    "at least 1",
+                    format!("{len}"),
+                )
+            })?;
+        match full.checked_sub(self.padding.saturating_mul(2)) {
+            Some(n) if n > 0 => Ok(n),
+            _ => Err(ShapeError::new(
+                "conv_transpose1d output length",
+                "positive",
+                format!("{full} - 2 x {}", self.padding),
+            )),
+        }
+    }
+}
+
+/// `Conv1d` over `x` `[batch, in_channels, len]` with `weight` `[out_channels, in_channels / groups, kernel]` and an
+/// optional `bias` `[out_channels]`; returns `[batch, out_channels, out_len]` and `out_len`. Sums in f64.
+pub fn conv1d(
+    x: &[f32],
+    batch: usize,
+    len: usize,
+    geo: &Conv1dGeometry,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+) -> Result<(Vec<f32>, usize), ShapeError> {
+    let (cin_g, cout_g) = geo.check("conv1d")?;
+    let out_len = geo.conv_out_len(len)?;
+    check_len(
+        "conv1d x",
+        x.len(),
+        checked_product("conv1d x", &[batch, geo.in_channels, len])?,
+    )?;
+    check_len(
+        "conv1d weight",
+        weight.len(),
+        checked_product("conv1d weight", &[geo.out_channels, cin_g, geo.kernel])?,
+    )?;
+    if let Some(b) = bias {
+        check_len("conv1d bias", b.len(), geo.out_channels)?;
+    }
+    let mut out = vec![0f32; checked_product("conv1d out", &[batch, geo.out_channels, out_len])?];
+    let mut acc = vec![0f64; out_len];
+    for b in 0..batch {
+        for o in 0..geo.out_channels {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            let first_in = (o / cout_g) * cin_g;
+            for ci in 0..cin_g {
+                let row = &x[(b * geo.in_channels + first_in + ci) * len..][..len];
+                let w = &weight[(o * cin_g + ci) * geo.kernel..][..geo.kernel];
+                for (kk, &wk) in w.iter().enumerate() {
+                    let wk = f64::from(wk);
+                    let shift = kk * geo.dilation;
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        // Input position t * stride + shift - padding, skipped in the zero padding.
+                        let p = t * geo.stride + shift;
+                        if p >= geo.padding && p - geo.padding < len {
+                            *a += wk * f64::from(row[p - geo.padding]);
+                        }
+                    }
+                }
+            }
+            let add = bias.map_or(0.0, |bv| bv[o]);
+            let dst = &mut out[(b * geo.out_channels + o) * out_len..][..out_len];
+            for (d, &a) in dst.iter_mut().zip(&acc) {
+                *d = a as f32 + add;
+            }
+        }
+    }
+    Ok((out, out_len))
+}
+
+/// `ConvTranspose1d` over `x` `[batch, in_channels, len]` with `weight` `[in_channels, out_channels / groups,
+/// kernel]` and an optional `bias`; returns `[batch, out_channels, out_len]` and `out_len`. Sums in f64.
+pub fn conv_transpose1d(
+    x: &[f32],
+    batch: usize,
+    len: usize,
+    geo: &Conv1dGeometry,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+) -> Result<(Vec<f32>, usize), ShapeError> {
+    let (cin_g, cout_g) = geo.check("conv_transpose1d")?;
+    let out_len = geo.transpose_out_len(len)?;
+    check_len(
+        "conv_transpose1d x",
+        x.len(),
+        checked_product("conv_transpose1d x", &[batch, geo.in_channels, len])?,
+    )?;
+    check_len(
+        "conv_transpose1d weight",
+        weight.len(),
+        checked_product(
+            "conv_transpose1d weight",
+            &[geo.in_channels, cout_g, geo.kernel],
+        )?,
+    )?;
+    if let Some(b) = bias {
+        check_len("conv_transpose1d bias", b.len(), geo.out_channels)?;
+    }
+    let n_out = checked_product("conv_transpose1d out", &[batch, geo.out_channels, out_len])?;
+    let mut acc = vec![0f64; n_out];
+    for b in 0..batch {
+        for ci in 0..geo.in_channels {
+            let row = &x[(b * geo.in_channels + ci) * len..][..len];
+            let first_out = (ci / cin_g) * cout_g;
+            for co in 0..cout_g {
+                let w = &weight[(ci * cout_g + co) * geo.kernel..][..geo.kernel];
+                let dst = &mut acc[(b * geo.out_channels + first_out + co) * out_len..][..out_len];
+                for (t, &xv) in row.iter().enumerate() {
+                    let xv = f64::from(xv);
+                    for (kk, &wk) in w.iter().enumerate() {
+                        // Output position t * stride + kk * dilation - padding, dropped outside [0, out_len).
+                        let p = t * geo.stride + kk * geo.dilation;
+                        if p >= geo.padding && p - geo.padding < out_len {
+                            dst[p - geo.padding] += xv * f64::from(wk);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut out: Vec<f32> = acc.iter().map(|&a| a as f32).collect();
+    if let Some(bv) = bias {
+        for (i, row) in out.chunks_exact_mut(out_len).enumerate() {
+            let add = bv[i % geo.out_channels];
+            row.iter_mut().for_each(|v| *v += add);
+        }
+    }
+    Ok((out, out_len))
+}
+
+/// Pads every row of `x` (`[rows, len]`, `len >= 1`) by repeating its first value `left` times and its last value
+/// `right` times (PyTorch's `replicate` padding); returns `[rows, left + len + right]`.
+pub fn pad_replicate_1d(
+    x: &[f32],
+    rows: usize,
+    len: usize,
+    left: usize,
+    right: usize,
+) -> Result<Vec<f32>, ShapeError> {
+    if len == 0 {
+        return Err(ShapeError::new("pad_replicate_1d len", "at least 1", "0"));
+    }
+    check_len(
+        "pad_replicate_1d x",
+        x.len(),
+        checked_product("pad_replicate_1d x", &[rows, len])?,
+    )?;
+    let width = len
+        .checked_add(left)
+        .and_then(|w| w.checked_add(right))
+        .ok_or_else(|| {
+            ShapeError::new(
+                "pad_replicate_1d",
+                "a padded length that fits",
+                format!("{len}"),
+            )
+        })?;
+    let mut out = Vec::with_capacity(checked_product("pad_replicate_1d out", &[rows, width])?);
+    for row in x.chunks_exact(len) {
+        out.extend(std::iter::repeat_n(row[0], left));
+        out.extend_from_slice(row);
+        out.extend(std::iter::repeat_n(row[len - 1], right));
+    }
+    Ok(out)
+}
+
+/// SnakeBeta in place over `x` `[batch, channels, len]`: `x + sin(exp(alpha_c) x)^2 / (exp(beta_c) + 1e-9)`, with
+/// `alpha` and `beta` the per-channel log-space parameters, all in f32 as the reference computes it.
+pub fn snake_beta(
+    x: &mut [f32],
+    batch: usize,
+    channels: usize,
+    len: usize,
+    alpha: &[f32],
+    beta: &[f32],
+) -> Result<(), ShapeError> {
+    check_len(
+        "snake_beta x",
+        x.len(),
+        checked_product("snake_beta x", &[batch, channels, len])?,
+    )?;
+    check_len("snake_beta alpha", alpha.len(), channels)?;
+    check_len("snake_beta beta", beta.len(), channels)?;
+    if len == 0 {
+        return Ok(());
+    }
+    for (i, row) in x.chunks_exact_mut(len).enumerate() {
+        let c = i % channels;
+        let freq = alpha[c].exp();
+        let inv_mag = 1.0f32 / (beta[c].exp() + 1e-9f32);
+        for v in row.iter_mut() {
+            let s = (freq * *v).sin();
+            *v += inv_mag * (s * s);
+        }
+    }
+    Ok(())
+}
+
+/// Weight normalization (`torch.nn.utils.weight_norm`, `dim = 0`): `w[i] = v[i] * (g[i] / ||v[i]||)` for each of
+/// the `rows` leading slices of `v` (`[rows, ...]`, flattened), with `g` `[rows]`. The norm sums in f64.
+pub fn weight_norm(v: &[f32], g: &[f32], rows: usize) -> Result<Vec<f32>, ShapeError> {
+    check_len("weight_norm g", g.len(), rows)?;
+    if rows == 0 || !v.len().is_multiple_of(rows) || v.is_empty() {
+        return Err(ShapeError::new(
+            "weight_norm v",
+            format!("a positive multiple of {rows} elements"),
+            format!("{}", v.len()),
+        ));
+    }
+    let per = v.len() / rows;
+    let mut out = Vec::with_capacity(v.len());
+    for (row, &gi) in v.chunks_exact(per).zip(g) {
+        let norm = row
+            .iter()
+            .map(|&a| f64::from(a) * f64::from(a))
+            .sum::<f64>()
+            .sqrt() as f32;
+        let scale = gi / norm;
+        out.extend(row.iter().map(|&a| a * scale));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1063,5 +1372,100 @@ mod tests {
         assert_eq!(b[0], 0.5f32.cos());
         assert!((b[4] - 0.5f32.sin()).abs() < 1e-7);
         assert!(sinusoidal_embedding(&[0.5], 8, &mut b[..7]).is_err());
+    }
+
+    #[test]
+    fn conv1d_by_hand_with_padding_dilation_stride_and_groups() {
+        // One channel, kernel [1, 2], padding 1: [0 1 2 3 0] -> [0+2, 1+4, 2+6, 3+0] + bias.
+        let geo = Conv1dGeometry::plain(1, 1, 2, 1);
+        let (y, n) = conv1d(&[1.0, 2.0, 3.0], 1, 3, &geo, &[1.0, 2.0], Some(&[0.5])).unwrap();
+        assert_eq!((y, n), (vec![2.5, 5.5, 8.5, 3.5], 4));
+        // Dilation 2, stride 2 over [1..6]: taps (x[t*2], x[t*2+2]) weighted 1 and -1.
+        let geo = Conv1dGeometry {
+            stride: 2,
+            dilation: 2,
+            ..Conv1dGeometry::plain(1, 1, 2, 0)
+        };
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let (y, n) = conv1d(&x, 1, 6, &geo, &[1.0, -1.0], None).unwrap();
+        assert_eq!((y, n), (vec![-2.0, -2.0], 2));
+        // Depthwise: two channels, each scaled by its own tap.
+        let geo = Conv1dGeometry {
+            groups: 2,
+            ..Conv1dGeometry::plain(2, 2, 1, 0)
+        };
+        let (y, _) = conv1d(&[1.0, 2.0, 3.0, 4.0], 1, 2, &geo, &[2.0, -1.0], None).unwrap();
+        assert_eq!(y, vec![2.0, 4.0, -3.0, -4.0]);
+        assert!(conv1d(
+            &x,
+            1,
+            6,
+            &Conv1dGeometry::plain(1, 1, 9, 0),
+            &[0.0; 9],
+            None
+        )
+        .is_err());
+        assert!(conv1d(&x, 1, 5, &geo, &[1.0, -1.0], None).is_err());
+    }
+
+    #[test]
+    fn conv_transpose1d_is_the_adjoint_of_conv1d() {
+        // <conv(x), y> == <x, conv_transpose(y)> for the same weight and geometry.
+        let geo = Conv1dGeometry {
+            stride: 3,
+            padding: 1,
+            dilation: 2,
+            ..Conv1dGeometry::plain(2, 3, 3, 1)
+        };
+        let x: Vec<f32> = (0..2 * 9).map(|i| ((i * 7) % 5) as f32 - 2.0).collect();
+        let w: Vec<f32> = (0..3 * 2 * 3)
+            .map(|i| ((i * 3) % 7) as f32 * 0.25 - 0.5)
+            .collect();
+        let (cx, n) = conv1d(&x, 1, 9, &geo, &w, None).unwrap();
+        let y: Vec<f32> = (0..3 * n).map(|i| ((i * 5) % 3) as f32 - 1.0).collect();
+        let t_geo = Conv1dGeometry {
+            in_channels: 3,
+            out_channels: 2,
+            ..geo
+        };
+        let (ty, m) = conv_transpose1d(&y, 1, n, &t_geo, &w, None).unwrap();
+        assert_eq!(m, 9);
+        let lhs: f32 = cx.iter().zip(&y).map(|(a, b)| a * b).sum();
+        let rhs: f32 = (0..2)
+            .flat_map(|c| (0..m).map(move |t| (c, t)))
+            .map(|(c, t)| x[c * 9 + t] * ty[c * m + t])
+            .sum();
+        assert!((lhs - rhs).abs() < 1e-4, "{lhs} vs {rhs}");
+        // By hand: stride 2, kernel [1, 1, 1], padding 1 over [1, 2] -> [1, 1+2, 2, 2] cropped to 3 + bias.
+        let g = Conv1dGeometry {
+            stride: 2,
+            ..Conv1dGeometry::plain(1, 1, 3, 1)
+        };
+        let (y, n) = conv_transpose1d(&[1.0, 2.0], 1, 2, &g, &[1.0; 3], Some(&[1.0])).unwrap();
+        assert_eq!((y, n), (vec![2.0, 4.0, 3.0], 3));
+        assert!(conv_transpose1d(
+            &[1.0],
+            1,
+            1,
+            &Conv1dGeometry::plain(1, 1, 1, 1),
+            &[1.0],
+            None
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn replicate_pad_snake_beta_and_weight_norm_by_hand() {
+        let p = pad_replicate_1d(&[1.0, 2.0, 3.0, 4.0], 2, 2, 2, 1).unwrap();
+        assert_eq!(p, vec![1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0, 4.0, 4.0]);
+        assert!(pad_replicate_1d(&[], 2, 0, 1, 1).is_err());
+        let mut x = vec![0.5f32, -1.0];
+        snake_beta(&mut x, 1, 2, 1, &[0.0, 2f32.ln()], &[0.0, 0.5f32.ln()]).unwrap();
+        assert!((x[0] - (0.5 + 0.5f32.sin().powi(2))).abs() < 1e-6);
+        assert!((x[1] - (-1.0 + 2.0 * 2f32.sin().powi(2))).abs() < 1e-6);
+        assert!(snake_beta(&mut x, 1, 2, 1, &[0.0], &[0.0, 0.0]).is_err());
+        let w = weight_norm(&[3.0, 4.0, 0.0, 2.0], &[10.0, -1.0], 2).unwrap();
+        assert_eq!(w, vec![6.0, 8.0, 0.0, -1.0]);
+        assert!(weight_norm(&[1.0, 2.0, 3.0], &[1.0, 1.0], 2).is_err());
     }
 }
