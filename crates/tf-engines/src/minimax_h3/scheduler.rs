@@ -41,7 +41,7 @@ use thiserror::Error;
 
 use crate::nn::config::parse_object;
 use crate::nn::sampling::flow_match::{LatentDtype, SamplerError, SigmaSource};
-use crate::nn::sampling::scheduler::Scheduler;
+use crate::nn::sampling::scheduler::{check_step, Scheduler};
 
 /// The diffusers class name of a scheduler config this module reads.
 pub const CLASS_NAME: &str = "MiniMaxH3Scheduler";
@@ -296,30 +296,8 @@ impl H3Schedule {
         Ok(H3Schedule { sigmas, timesteps })
     }
 
-    /// Model calls.
-    pub fn steps(&self) -> usize {
-        self.timesteps.len()
-    }
-
-    /// The `steps + 1` sigmas, the last one 0.
-    pub fn sigmas(&self) -> &[f32] {
-        &self.sigmas
-    }
-
-    /// The `steps` timesteps `1 - sigma` (0 is noise, 1 is clean).
-    pub fn timesteps(&self) -> &[f32] {
-        &self.timesteps
-    }
-
     fn check_step(&self, step: usize) -> Result<(), SamplerError> {
-        if step < self.steps() {
-            Ok(())
-        } else {
-            Err(SamplerError::Argument(format!(
-                "step {step} is past the last step ({} steps)",
-                self.steps()
-            )))
-        }
+        check_step(step, self.timesteps.len())
     }
 
     /// One Euler step in f32, in place: `x0 = x + (1 - t) v`, `r = sigma_next / sigma`, `x = r x + (1 - r) x0`.
@@ -395,16 +373,14 @@ impl Scheduler for H3Schedule {
         }
     }
 
-    fn steps(&self) -> usize {
-        H3Schedule::steps(self)
-    }
-
+    /// The `steps + 1` sigmas, the last one 0.
     fn sigmas(&self) -> &[f32] {
-        H3Schedule::sigmas(self)
+        &self.sigmas
     }
 
+    /// The `steps` timesteps `1 - sigma` (0 is noise, 1 is clean).
     fn timesteps(&self) -> &[f32] {
-        H3Schedule::timesteps(self)
+        &self.timesteps
     }
 
     /// The f32 timestep `1 - sigma`: the reference builds its per-row timesteps in f32 whatever the latent dtype.

@@ -459,14 +459,7 @@ impl Schedule {
     }
 
     fn check_step(&self, step: usize) -> Result<(), SamplerError> {
-        if step < self.steps() {
-            Ok(())
-        } else {
-            Err(SamplerError::Argument(format!(
-                "step {step} is past the last step ({} steps)",
-                self.steps()
-            )))
-        }
+        super::scheduler::check_step(step, self.steps())
     }
 
     /// The timestep argument the DiT receives at `step`: `timestep` rounded to the latent dtype, divided by 1000

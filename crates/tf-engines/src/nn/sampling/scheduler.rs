@@ -35,8 +35,10 @@ pub trait Scheduler: Sized {
         image_seq_len: usize,
     ) -> Result<Self, SamplerError>;
 
-    /// Model evaluations.
-    fn steps(&self) -> usize;
+    /// Model evaluations: one per timestep.
+    fn steps(&self) -> usize {
+        self.timesteps().len()
+    }
 
     /// The `steps + 1` noise levels, ending at the clean sample.
     fn sigmas(&self) -> &[f32];
@@ -66,10 +68,6 @@ impl Scheduler for Schedule {
         image_seq_len: usize,
     ) -> Result<Schedule, SamplerError> {
         Schedule::new(config, source, image_seq_len)
-    }
-
-    fn steps(&self) -> usize {
-        Schedule::steps(self)
     }
 
     fn sigmas(&self) -> &[f32] {
@@ -119,5 +117,16 @@ mod tests {
             assert_eq!(a, b);
         }
         assert!(Scheduler::step(&through, 8, &mut b, &[0.0; 3], LatentDtype::F32).is_err());
+    }
+}
+
+/// Refuses a step index past the last of `steps` model calls.
+pub fn check_step(step: usize, steps: usize) -> Result<(), SamplerError> {
+    if step < steps {
+        Ok(())
+    } else {
+        Err(SamplerError::Argument(format!(
+            "step {step} is past the last step ({steps} steps)"
+        )))
     }
 }
