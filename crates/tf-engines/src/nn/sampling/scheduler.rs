@@ -93,6 +93,17 @@ impl Scheduler for Schedule {
     }
 }
 
+/// Refuses a step index past the last of `steps` model calls.
+pub fn check_step(step: usize, steps: usize) -> Result<(), SamplerError> {
+    if step < steps {
+        Ok(())
+    } else {
+        Err(SamplerError::Argument(format!(
+            "step {step} is past the last step ({steps} steps)"
+        )))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,16 +128,5 @@ mod tests {
             assert_eq!(a, b);
         }
         assert!(Scheduler::step(&through, 8, &mut b, &[0.0; 3], LatentDtype::F32).is_err());
-    }
-}
-
-/// Refuses a step index past the last of `steps` model calls.
-pub fn check_step(step: usize, steps: usize) -> Result<(), SamplerError> {
-    if step < steps {
-        Ok(())
-    } else {
-        Err(SamplerError::Argument(format!(
-            "step {step} is past the last step ({steps} steps)"
-        )))
     }
 }
