@@ -83,6 +83,24 @@ __device__ __forceinline__ float load_row(const bf16* row, int cols, float (&v)[
     return sum;
 }
 
+// This thread's f32 sum of (v - mean)^2 over its loaded columns (chunk order), for LayerNorm's variance.
+template <int THREADS, int CHUNKS>
+__device__ __forceinline__ float centred_square_sum(const float (&v)[CHUNKS][8], int cols, float mean) {
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * THREADS) * 8;
+        if (col < cols) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float d = v[c][i] - mean;
+                sq += d * d;
+            }
+        }
+    }
+    return sq;
+}
+
 // The adaLN modulation-row rule (the Qwen-Image DiT's; seq_len 1 gives every row its own): rows are `seq_len`
 // tokens per sample; a token at position >= target_begin within its sample uses its sample's modulation row, every
 // other token (text, condition image) the t = 0 row `prefix_row`.

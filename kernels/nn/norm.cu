@@ -115,18 +115,7 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     float rstd;
     if (layer_norm != 0) {
         mean = nn::block_sum(total, scratch) * inv_cols;
-        float sq = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
-            const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
-            if (col < cols) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float d = v[c][i] - mean;
-                    sq += d * d;
-                }
-            }
-        }
+        const float sq = nn::centred_square_sum<NN_ROW_THREADS, NN_ROW_CHUNKS>(v, cols, mean);
         rstd = rsqrtf(nn::block_sum(sq, scratch) * inv_cols + eps);
     } else {
         float sq = 0.0f;

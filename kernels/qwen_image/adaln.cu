@@ -29,18 +29,7 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     float v[NN_ROW_CHUNKS][8];
     const float inv_cols = 1.0f / static_cast<float>(cols);
     const float mean = nn::block_sum(nn::load_row<NN_ROW_THREADS, NN_ROW_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, v), scratch) * inv_cols;
-    float sq = 0.0f;
-#pragma unroll
-    for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
-        if (col < cols) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float d = v[c][i] - mean;
-                sq += d * d;
-            }
-        }
-    }
+    const float sq = nn::centred_square_sum<NN_ROW_THREADS, NN_ROW_CHUNKS>(v, cols, mean);
     const float var = nn::block_sum(sq, scratch) * inv_cols;
     const float rstd = rsqrtf(var + eps);
     const int m = nn::modulation_row(row, seq_len, target_begin, prefix_row);
@@ -118,18 +107,7 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     }
     const float inv_cols = 1.0f / static_cast<float>(cols);
     const float mean = nn::block_sum(sum, scratch) * inv_cols;
-    float sq = 0.0f;
-#pragma unroll
-    for (int c = 0; c < NN_ROW_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
-        if (col < cols) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float d = v[c][i] - mean;
-                sq += d * d;
-            }
-        }
-    }
+    const float sq = nn::centred_square_sum<NN_ROW_THREADS, NN_ROW_CHUNKS>(v, cols, mean);
     const float var = nn::block_sum(sq, scratch) * inv_cols;
     const float rstd = rsqrtf(var + eps);
     bf16* out_row = out + static_cast<int64_t>(row) * out_stride;
