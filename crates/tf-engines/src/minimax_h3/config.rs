@@ -312,14 +312,7 @@ impl MiniMaxH3Config {
     }
 
     fn parameter_count_checked(&self) -> Result<usize, String> {
-        let mut total = 0usize;
-        for spec in self.tensor_specs() {
-            let n = checked_product(&format!("size of tensor {}", spec.name), &spec.shape)?;
-            total = total
-                .checked_add(n)
-                .ok_or_else(|| "the total parameter count overflows".to_string())?;
-        }
-        Ok(total)
+        crate::nn::weights::element_total(&self.tensor_specs())
     }
 
     /// Number of parameters (a validated config never overflows).

@@ -566,42 +566,17 @@ pub fn rope_rotate_half(
     cos: &[f32],
     sin: &[f32],
 ) -> Result<(), ShapeError> {
-    let half = head_dim / 2;
-    let expected = tokens
-        .checked_mul(heads)
-        .and_then(|n| n.checked_mul(head_dim));
-    if !head_dim.is_multiple_of(2) || expected != Some(x.len()) {
-        return Err(ShapeError::new(
-            "rope_rotate_half x",
-            format!("{tokens} x {heads} x {head_dim} elements with an even head_dim"),
-            format!("{}", x.len()),
-        ));
-    }
-    if cos.len() != tokens * half || sin.len() != tokens * half {
-        return Err(ShapeError::new(
-            "rope_rotate_half tables",
-            format!("{} elements each", tokens * half),
-            format!("cos {}, sin {}", cos.len(), sin.len()),
-        ));
-    }
-    if head_dim == 0 || heads == 0 {
-        return Ok(());
-    }
-    for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
-        let (c_row, s_row) = (
-            &cos[t * half..(t + 1) * half],
-            &sin[t * half..(t + 1) * half],
-        );
-        for head in token.chunks_exact_mut(head_dim) {
-            let (lo, hi) = head.split_at_mut(half);
-            for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(c_row).zip(s_row) {
-                let (x1, x2) = (*a, *b);
-                *a = x1 * c + (-x2) * s;
-                *b = x2 * c + x1 * s;
-            }
-        }
-    }
-    Ok(())
+    // The whole head rotated, the tables as given: the partial form at full width computes exactly this.
+    rope_rotate_half_partial(
+        x,
+        tokens,
+        heads,
+        head_dim,
+        head_dim,
+        cos,
+        sin,
+        RopeTableRounding::F32,
+    )
 }
 
 /// Which statistics [`norm_modulate`] uses.

@@ -18,6 +18,20 @@ pub struct TensorSpec {
     pub dtypes: Vec<Dtype>,
 }
 
+/// Elements in all of `specs` (a model's parameter count), or which product or sum overflows.
+pub fn element_total(specs: &[TensorSpec]) -> Result<usize, String> {
+    specs.iter().try_fold(0usize, |total, spec| {
+        let n = spec
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| format!("the size of tensor {} overflows", spec.name))?;
+        total
+            .checked_add(n)
+            .ok_or_else(|| "the total parameter count overflows".to_string())
+    })
+}
+
 /// Floating dtypes a host-converted weight may be stored in.
 pub const FLOAT_DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::BF16, Dtype::F16];
 
@@ -319,5 +333,30 @@ impl ModelDir {
                 seconds: start.elapsed().as_secs_f64(),
             },
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, shape: &[usize]) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtypes: FLOAT_DTYPES.to_vec(),
+        }
+    }
+
+    #[test]
+    fn element_total_sums_and_names_an_overflowing_tensor() {
+        assert_eq!(element_total(&[]), Ok(0));
+        assert_eq!(
+            element_total(&[spec("a", &[2, 3]), spec("b", &[4])]),
+            Ok(10)
+        );
+        let err = element_total(&[spec("huge", &[usize::MAX, 2])]).unwrap_err();
+        assert!(err.contains("huge"), "{err}");
+        assert!(element_total(&[spec("a", &[usize::MAX]), spec("b", &[1])]).is_err());
     }
 }
