@@ -6,9 +6,12 @@
 
 use std::path::{Path, PathBuf};
 
+#[path = "common/scratch_model.rs"]
+mod scratch_model;
+use scratch_model::{rewrite, ScratchModel};
 use tf_engines::minimax_h3::vae_audio::{AudioVaeError, HostAudioVae, MAX_FRAMES};
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
-use tf_engines::nn::weights::{AnyTensor, ModelDir, SafetensorsFile};
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -117,7 +120,7 @@ fn the_fixture_covers_every_path() {
 #[test]
 fn the_filters_are_read_from_the_state_dict() {
     // Halving one activation's up-sampling filter changes the decode.
-    let s = Scratch::new("filters");
+    let s = scratch("filters");
     rewrite(&s.weights(), |t| {
         for (n, _, data) in t.iter_mut() {
             if n == "decoder.activation_post.upsample.filter" {
@@ -125,7 +128,7 @@ fn the_filters_are_read_from_the_state_dict() {
             }
         }
     });
-    let vae = s.load().unwrap();
+    let vae = load_scratch(&s).unwrap();
     let z = tensor("inputs.safetensors", "latents");
     let err = relative_l2(
         vae.decode(&z).unwrap().data(),
@@ -137,70 +140,18 @@ fn the_filters_are_read_from_the_state_dict() {
 
 // ---- hostile configs, checkpoints and inputs ---------------------------------------------------------------
 
-/// A copy of the fixture model folder in a scratch dir.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("h3_audio_vae_{tag}_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        for entry in std::fs::read_dir(fixtures().join("model")).unwrap() {
-            let entry = entry.unwrap();
-            std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
-        }
-        Scratch(dir)
-    }
-
-    fn config(&self) -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(self.0.join("config.json")).unwrap()).unwrap()
-    }
-
-    fn set_config(&self, value: &serde_json::Value) {
-        std::fs::write(self.0.join("config.json"), value.to_string()).unwrap();
-    }
-
-    fn weights(&self) -> PathBuf {
-        self.0.join("diffusion_pytorch_model.safetensors")
-    }
-
-    fn load(&self) -> Result<HostAudioVae, AudioVaeError> {
-        HostAudioVae::load(&ModelDir::open(&self.0).map_err(AudioVaeError::Weights)?)
-    }
+/// A scratch copy of the fixture's model folder.
+fn scratch(tag: &str) -> ScratchModel {
+    ScratchModel::copy_of(&fixtures().join("model"), &format!("h3_audio_vae_{tag}"))
 }
 
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Rewrites a safetensors file with `edit` applied to its tensors as f32 (name -> (shape, data)).
-fn rewrite(path: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>)>)) {
-    let file = SafetensorsFile::open(path).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = file
-        .names()
-        .map(|n| {
-            let t = file.to_f32(n).unwrap();
-            (n.to_string(), t.shape().to_vec(), t.into_data())
-        })
-        .collect();
-    drop(file);
-    edit(&mut tensors);
-    let owned: Vec<(String, TensorF32)> = tensors
-        .into_iter()
-        .map(|(n, s, d)| (n, TensorF32::new(s, d).unwrap()))
-        .collect();
-    let refs: Vec<(&str, AnyTensor<'_>)> = owned
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    tf_engines::nn::weights::write_safetensors(path, &refs).unwrap();
+fn load_scratch(s: &ScratchModel) -> Result<HostAudioVae, AudioVaeError> {
+    HostAudioVae::load(&s.open().map_err(AudioVaeError::Weights)?)
 }
 
 #[test]
 fn hostile_configs_are_refused_with_the_file_and_key() {
-    let s = Scratch::new("config");
+    let s = scratch("config");
     let base = s.config();
     for (key, value) in [
         ("decoder_dim", serde_json::json!(1_000_000)),
@@ -217,7 +168,7 @@ fn hostile_configs_are_refused_with_the_file_and_key() {
         let mut c = base.clone();
         c[key] = value;
         s.set_config(&c);
-        let err = s.load().unwrap_err().to_string();
+        let err = load_scratch(&s).unwrap_err().to_string();
         assert!(
             err.contains("config.json") && err.contains(key),
             "{key}: {err}"
@@ -227,7 +178,7 @@ fn hostile_configs_are_refused_with_the_file_and_key() {
     let mut c = base.clone();
     c.as_object_mut().unwrap().remove("latents_std");
     s.set_config(&c);
-    let err = s.load().unwrap_err().to_string();
+    let err = load_scratch(&s).unwrap_err().to_string();
     assert!(
         err.contains("config.json") && err.contains("latents_std"),
         "{err}"
@@ -236,25 +187,28 @@ fn hostile_configs_are_refused_with_the_file_and_key() {
     let mut c = base.clone();
     c["decoder_dim"] = serde_json::json!(32);
     s.set_config(&c);
-    let err = s.load().unwrap_err().to_string();
+    let err = load_scratch(&s).unwrap_err().to_string();
     assert!(
         err.contains("decoder.conv_pre.weight_g") && err.contains("shape"),
         "{err}"
     );
     std::fs::write(s.0.join("config.json"), "{not json").unwrap();
-    assert!(s.load().unwrap_err().to_string().contains("config.json"));
+    assert!(load_scratch(&s)
+        .unwrap_err()
+        .to_string()
+        .contains("config.json"));
 }
 
 #[test]
 fn malformed_checkpoints_name_the_tensor() {
     let missing = "decoder.resblocks.3.activations.4.downsample.lowpass.filter";
-    let s = Scratch::new("missing");
+    let s = scratch("missing");
     rewrite(&s.weights(), |t| t.retain(|(n, _, _)| n != missing));
-    let err = s.load().unwrap_err().to_string();
+    let err = load_scratch(&s).unwrap_err().to_string();
     assert!(err.contains(missing), "{err}");
 
     let misshapen = "decoder.ups.1.0.weight_v";
-    let s = Scratch::new("shape");
+    let s = scratch("shape");
     rewrite(&s.weights(), |t| {
         for (n, shape, data) in t.iter_mut() {
             if n == misshapen {
@@ -263,26 +217,26 @@ fn malformed_checkpoints_name_the_tensor() {
             }
         }
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load_scratch(&s).unwrap_err().to_string();
     assert!(err.contains(misshapen) && err.contains("shape"), "{err}");
 
-    let s = Scratch::new("extra");
+    let s = scratch("extra");
     rewrite(&s.weights(), |t| {
         t.push(("decoder.stray.weight".into(), vec![2], vec![0.0; 2]))
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load_scratch(&s).unwrap_err().to_string();
     assert!(err.contains("decoder.stray.weight"), "{err}");
 
     // The encoder side is not read, whatever it holds.
-    let s = Scratch::new("encoder");
+    let s = scratch("encoder");
     rewrite(&s.weights(), |t| {
         t.retain(|(n, _, _)| !n.starts_with("pre_block."));
         t.push(("encoder.anything".into(), vec![3], vec![1.0; 3]))
     });
-    assert!(s.load().is_ok());
+    assert!(load_scratch(&s).is_ok());
 
     // A zero weight-norm direction would divide by zero: refused, naming the tensor.
-    let s = Scratch::new("zero_v");
+    let s = scratch("zero_v");
     rewrite(&s.weights(), |t| {
         for (n, _, data) in t.iter_mut() {
             if n == "decoder.conv_post.weight_v" {
@@ -290,7 +244,7 @@ fn malformed_checkpoints_name_the_tensor() {
             }
         }
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load_scratch(&s).unwrap_err().to_string();
     assert!(err.contains("decoder.conv_post.weight_g"), "{err}");
 }
 

@@ -6,6 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
+#[path = "common/scratch_model.rs"]
+mod scratch_model;
+use scratch_model::{rewrite, ScratchModel};
 use tf_engines::minimax_h3::checkpoint::CheckpointLayout;
 use tf_engines::minimax_h3::dit::{H3DitBackend, H3Error, H3Inputs};
 use tf_engines::minimax_h3::dit_host::{HostH3Dit, RopeTables};
@@ -317,74 +320,21 @@ fn full_size_layout_sizes() {
 
 // ---- hostile configs and checkpoints ---------------------------------------------------------------------
 
-/// A copy of a fixture model folder in a scratch dir, with its config and tensors changed by the callers.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str, case: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("h3_parity_{tag}_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        for entry in std::fs::read_dir(fixtures().join(case).join("model")).unwrap() {
-            let entry = entry.unwrap();
-            std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
-        }
-        Scratch(dir)
-    }
-
-    fn config(&self) -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(self.0.join("config.json")).unwrap()).unwrap()
-    }
-
-    fn set_config(&self, value: &serde_json::Value) {
-        std::fs::write(self.0.join("config.json"), value.to_string()).unwrap();
-    }
-
-    fn weights(&self) -> PathBuf {
-        std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .unwrap()
-    }
-
-    fn load(&self) -> Result<HostH3Dit, H3Error> {
-        HostH3Dit::load(&ModelDir::open(&self.0).map_err(H3Error::Weights)?)
-    }
+/// A scratch copy of one fixture case's model folder.
+fn scratch(tag: &str, case: &str) -> ScratchModel {
+    ScratchModel::copy_of(
+        &fixtures().join(case).join("model"),
+        &format!("h3_parity_{tag}"),
+    )
 }
 
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Rewrites a safetensors file with `edit` applied to its f32 tensors (name -> (shape, data)).
-fn rewrite(path: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>)>)) {
-    let file = SafetensorsFile::open(path).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = file
-        .names()
-        .map(|n| {
-            let t = file.to_f32(n).unwrap();
-            (n.to_string(), t.shape().to_vec(), t.into_data())
-        })
-        .collect();
-    drop(file);
-    edit(&mut tensors);
-    let owned: Vec<(String, TensorF32)> = tensors
-        .into_iter()
-        .map(|(n, s, d)| (n, TensorF32::new(s, d).unwrap()))
-        .collect();
-    let refs: Vec<(&str, tf_engines::nn::weights::AnyTensor<'_>)> = owned
-        .iter()
-        .map(|(n, t)| (n.as_str(), tf_engines::nn::weights::AnyTensor::F32(t)))
-        .collect();
-    tf_engines::nn::weights::write_safetensors(path, &refs).unwrap();
+fn load(s: &ScratchModel) -> Result<HostH3Dit, H3Error> {
+    HostH3Dit::load(&s.open().map_err(H3Error::Weights)?)
 }
 
 #[test]
 fn hostile_configs_are_refused_with_the_file_and_key() {
-    let s = Scratch::new("config", "fl2va_first");
+    let s = scratch("config", "fl2va_first");
     let base = s.config();
     for (key, value) in [
         ("num_layers", serde_json::json!(100_000)),
@@ -402,7 +352,7 @@ fn hostile_configs_are_refused_with_the_file_and_key() {
         let mut c = base.clone();
         c[key] = value;
         s.set_config(&c);
-        let err = s.load().unwrap_err().to_string();
+        let err = load(&s).unwrap_err().to_string();
         assert!(
             err.contains("config.json") && err.contains(key),
             "{key}: {err}"
@@ -412,34 +362,34 @@ fn hostile_configs_are_refused_with_the_file_and_key() {
     let mut c = base.clone();
     c["ffn_dim"] = serde_json::json!(41);
     s.set_config(&c);
-    let err = s.load().unwrap_err().to_string();
+    let err = load(&s).unwrap_err().to_string();
     assert!(
         err.contains("ff.net.0.proj.weight") && err.contains("shape"),
         "{err}"
     );
     std::fs::write(s.0.join("config.json"), "{not json").unwrap();
-    assert!(s.load().unwrap_err().to_string().contains("config.json"));
+    assert!(load(&s).unwrap_err().to_string().contains("config.json"));
 }
 
 #[test]
 fn malformed_checkpoints_name_the_tensor() {
     // Missing, misshapen and unknown tensors in a diffusers folder.
-    let s = Scratch::new("diffusers", "fl2va_first");
+    let s = scratch("diffusers", "fl2va_first");
     rewrite(&s.weights(), |t| {
         t.retain(|(n, _, _)| n != "norm_out.linear.bias")
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load(&s).unwrap_err().to_string();
     assert!(err.contains("norm_out.linear.bias"), "{err}");
-    let s = Scratch::new("diffusers2", "fl2va_first");
+    let s = scratch("diffusers2", "fl2va_first");
     rewrite(&s.weights(), |t| {
         t.push(("extra.weight".into(), vec![2], vec![0.0; 2]))
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load(&s).unwrap_err().to_string();
     assert!(err.contains("extra.weight"), "{err}");
 
     // An original folder with a misshapen fused qkv, a pruned time table, a stray diffusers name.
     let twin = "original_fl2va_first";
-    let s = Scratch::new("orig1", twin);
+    let s = scratch("orig1", twin);
     rewrite(&s.weights(), |t| {
         for (n, shape, data) in t.iter_mut() {
             if n == "blocks.1.attn.qkv_proj.weight" {
@@ -448,18 +398,18 @@ fn malformed_checkpoints_name_the_tensor() {
             }
         }
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load(&s).unwrap_err().to_string();
     assert!(err.contains("blocks.1.attn.qkv_proj.weight"), "{err}");
-    let s = Scratch::new("orig2", twin);
+    let s = scratch("orig2", twin);
     rewrite(&s.weights(), |t| {
         t.push(("adaln_t_table".into(), vec![4, 2], vec![0.0; 8]))
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load(&s).unwrap_err().to_string();
     assert!(
         err.contains("adaln_t_table") && err.contains("pruned"),
         "{err}"
     );
-    let s = Scratch::new("orig3", twin);
+    let s = scratch("orig3", twin);
     rewrite(&s.weights(), |t| {
         for (n, _, _) in t.iter_mut() {
             if n == "final_layer.video_out.bias" {
@@ -467,7 +417,7 @@ fn malformed_checkpoints_name_the_tensor() {
             }
         }
     });
-    let err = s.load().unwrap_err().to_string();
+    let err = load(&s).unwrap_err().to_string();
     assert!(err.contains("final_layer.video_out.bias"), "{err}");
 }
 
