@@ -146,6 +146,47 @@ impl StepProbe for NoProbe {
 /// takes cuBLASLt's first result. `TF_GEMM_SELECTION=heuristic` uses cuBLASLt's first result everywhere.
 pub const DEFAULT_GEMM_SELECTION: AlgoSelection = gemm::TIMED;
 
+/// The row counts of one step, shared by its GEMM planning and its workspace so that both see the same shapes.
+pub(super) struct StepRows {
+    /// First joint-sequence row the step computes (the prefix length when cached, else 0).
+    pub first_row: usize,
+    /// Rows computed per sample.
+    pub rows: usize,
+    /// Rows computed over the batch.
+    pub total: usize,
+    /// Timestep rows: one per sample, plus the t = 0 row of a causal condition.
+    pub n_t: usize,
+    /// Latent tokens per sample of the input.
+    pub n_img: usize,
+    /// Text rows per sample of the input.
+    pub text: usize,
+}
+
+impl StepRows {
+    pub(super) fn of(
+        config: &QwenImageDitConfig,
+        layout: &JointLayout,
+        inputs: &DitInputs,
+        mode: KvMode,
+    ) -> StepRows {
+        let first_row = if mode == KvMode::Cached {
+            layout.prefix_len
+        } else {
+            0
+        };
+        let rows = layout.seq_len - first_row;
+        let second = |t: &crate::nn::tensor::TensorF32| t.shape().get(1).copied().unwrap_or(0);
+        StepRows {
+            first_row,
+            rows,
+            total: layout.batch * rows,
+            n_t: layout.batch + usize::from(config.causal_condition),
+            n_img: second(&inputs.hidden_states),
+            text: second(&inputs.encoder_hidden_states),
+        }
+    }
+}
+
 /// Read-only engine state used by a step.
 struct Engine {
     config: QwenImageDitConfig,
@@ -375,17 +416,15 @@ impl GpuDit {
         let (dims, o) = (&engine.dims, &engine.offsets);
         let layout = JointLayout::build(&engine.config, inputs)?;
         let cached = mode == KvMode::Cached;
-        let first_row = if cached { layout.prefix_len } else { 0 };
+        let StepRows {
+            first_row,
+            rows,
+            total,
+            n_t,
+            n_img,
+            text: l,
+        } = StepRows::of(&engine.config, &layout, inputs, mode);
         let b = layout.batch;
-        let total = b * (layout.seq_len - first_row);
-        let n_t = b + usize::from(engine.config.causal_condition);
-        let n_img = inputs.hidden_states.shape().get(1).copied().unwrap_or(0);
-        let l = inputs
-            .encoder_hidden_states
-            .shape()
-            .get(1)
-            .copied()
-            .unwrap_or(0);
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
         let shape = gemm::shape_at_offsets;
         let mut out = vec![
@@ -396,7 +435,6 @@ impl GpuDit {
         if !cached && l > 0 {
             out.push(shape(b * l, d, dims.ctx, (0, o.txt_in, 0), false));
         }
-        let rows = layout.seq_len - first_row;
         for bi in 0..b {
             for run in &runs(&layout, first_row) {
                 let y = (bi * rows + run.pos - first_row) * d * BF16;

@@ -4,7 +4,7 @@
 use tf_cuda::{Context, DeviceBuffer};
 
 use super::kv::GpuKvCache;
-use super::{cuda_err, Engine, MAX_GRAPHS};
+use super::{cuda_err, Engine, StepRows, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::{key_limits_from_blocks, key_pad_from_valid, HEAD_DIM};
@@ -171,19 +171,16 @@ impl Engine {
     ) -> Result<Workspace, DitError> {
         let dims = &self.dims;
         let ctx = &self.ctx;
-        let (b, s) = (layout.batch, layout.seq_len);
+        let b = layout.batch;
         let cached = mode == KvMode::Cached;
-        let first_row = if cached { layout.prefix_len } else { 0 };
-        let rows = s - first_row;
-        let total = b * rows;
-        let n_t = b + usize::from(self.config.causal_condition);
-        let n_img = inputs.hidden_states.shape().get(1).copied().unwrap_or(0);
-        let l_vlm = inputs
-            .encoder_hidden_states
-            .shape()
-            .get(1)
-            .copied()
-            .unwrap_or(0);
+        let StepRows {
+            first_row,
+            rows,
+            total,
+            n_t,
+            n_img,
+            text: l_vlm,
+        } = StepRows::of(&self.config, &layout, inputs, mode);
         let (d, w, f) = (dims.d, dims.width, dims.ffn);
 
         // Mask tables: per-query key limits (shared by the batch) and one padding range per sample.
