@@ -612,17 +612,7 @@ fn features_at_a_middle_layer_match_the_host_reference() {
 
 /// The Qwen3-VL-8B text config (the encoder Qwen-Image 2.1 uses).
 fn full_size_config() -> TextEncoderConfig {
-    TextEncoderConfig {
-        vocab_size: 151_936,
-        hidden_size: 4096,
-        intermediate_size: 12_288,
-        num_hidden_layers: 36,
-        num_attention_heads: 32,
-        num_key_value_heads: 8,
-        head_dim: 128,
-        rms_norm_eps: 1e-6,
-        rope_theta: 5_000_000.0,
-    }
+    TextEncoderConfig::qwen3_vl_8b()
 }
 
 #[test]

@@ -129,6 +129,22 @@ struct RawText {
 }
 
 impl TextEncoderConfig {
+    /// The Qwen3-VL-8B text path (the encoder Qwen-Image 2.1 uses): 36 layers of 4096, 32 query and 8 KV heads of
+    /// 128, MLP 12288.
+    pub fn qwen3_vl_8b() -> TextEncoderConfig {
+        TextEncoderConfig {
+            vocab_size: 151_936,
+            hidden_size: 4096,
+            intermediate_size: 12_288,
+            num_hidden_layers: 36,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 5_000_000.0,
+        }
+    }
+
     /// Parses a transformers `config.json`: the `text_config` of a Qwen3-VL config, or a text-only config. Every
     /// value is bounded ([`limits`]) before anything is allocated; an error names the key.
     pub fn from_json(value: &Value) -> Result<Self, TextEncoderError> {

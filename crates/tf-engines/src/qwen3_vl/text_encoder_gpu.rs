@@ -935,17 +935,7 @@ mod tests {
     use tf_cuda::Driver;
 
     fn full_size() -> TextEncoderConfig {
-        TextEncoderConfig {
-            vocab_size: 151_936,
-            hidden_size: 4096,
-            intermediate_size: 12_288,
-            num_hidden_layers: 36,
-            num_attention_heads: 32,
-            num_key_value_heads: 8,
-            head_dim: 128,
-            rms_norm_eps: 1e-6,
-            rope_theta: 5_000_000.0,
-        }
+        TextEncoderConfig::qwen3_vl_8b()
     }
 
     #[test]
