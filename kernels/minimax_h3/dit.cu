@@ -1,0 +1,338 @@
+// MiniMax H3 DiT kernels (kernel set minimax_h3_dit, symbols h3_*): the gated residual fused with the next
+// RMSNorm and its adaLN modulation (per-row table rows from an index), the per-head QK RMSNorm with rotate-half RoPE
+// over the first `rotated` channels (bf16 tables), and the f32 linear layers of the modules the reference keeps in
+// f32 (input projections, time embedder, output heads), with row gather and scatter.
+//
+// Storage is bf16 (activations, modulation tables) or f32 (the f32 modules), arithmetic f32. Reductions run in a
+// fixed order (warp butterflies, then warp totals in ascending order; GEMM sums in ascending k), so results are
+// bit-identical from run to run. No fast-math. Row offsets are computed in 64 bits (rows x columns exceeds 2^31 at
+// long sequences). The row kernels need 16-byte aligned rows: pointers aligned to 16 bytes, row strides and column
+// counts multiples of 8 elements.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "common/common.cuh"
+
+#define H3_ROW_THREADS 256
+#define H3_ROW_CHUNKS 4
+
+using nn::bf16;
+
+namespace {
+
+__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + expf(-x)); }
+
+}  // namespace
+
+// Gated residual, then RMSNorm with its weight and an optional adaLN modulation, for one row per block:
+//   residual (y != null):  v = bf16(x[r] + g * y[r]), stored back into x; g = gate[gate_index[r]] (the gate table's
+//                          row, already offset to the gate columns), or 1 when gate is null
+//   no residual:           v = x[r]
+//   n = v * rsqrt(sum(v^2) * inv_norm_cols + eps) * weight
+//   modulated (mod != null): n = n * (1 + mod[m, scale_offset + c]) (+ mod[m, shift_offset + c] when shift_offset >= 0)
+//                          with m = mod_index[r]
+//   out[o] = bf16(n), o = out_index[r] when out_index is given (rows outside [0, out_rows) are not written), else r.
+// `cols` is the padded row width (columns past the model's width hold zeros in x, y, weight and the tables);
+// `inv_norm_cols` is 1 / the model's width, so the padding does not change the mean square. The statistics are those
+// of the stored (bf16) v, so the fused kernel equals the residual followed by the norm. Table indices are clamped to
+// their tables (the host checks them). Grid: `rows` blocks of H3_ROW_THREADS threads; cols <= 8192.
+extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
+    h3_residual_norm(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride, int rows, int cols,
+                     float inv_norm_cols, float eps, const bf16* __restrict__ weight, const bf16* __restrict__ gate,
+                     int gate_stride, int gate_rows, const int* __restrict__ gate_index, const bf16* __restrict__ mod,
+                     int mod_stride, int mod_rows, const int* __restrict__ mod_index, int scale_offset,
+                     int shift_offset, bf16* __restrict__ out, int out_stride, const int* __restrict__ out_index,
+                     int out_rows) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    bf16* x_row = x + static_cast<int64_t>(row) * x_stride;
+    float v[H3_ROW_CHUNKS][8];
+    nn::load_row<H3_ROW_THREADS, H3_ROW_CHUNKS>(x_row, cols, v);
+    if (y != nullptr) {
+        const bf16* y_row = y + static_cast<int64_t>(row) * y_stride;
+        const bf16* g_row = nullptr;
+        if (gate != nullptr) {
+            const int g = min(max(gate_index[row], 0), gate_rows - 1);
+            g_row = gate + static_cast<int64_t>(g) * gate_stride;
+        }
+#pragma unroll
+        for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
+            const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
+            if (col < cols) {
+                float yv[8];
+                nn::load8(y_row + col, yv);
+                float gv[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+                if (g_row != nullptr) nn::load8(g_row + col, gv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[c][i] = nn::round_bf16(v[c][i] + gv[i] * yv[i]);
+                nn::store8(x_row + col, v[c]);
+            }
+        }
+    }
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
+    }
+    const float rstd = rsqrtf(nn::block_sum(sq, scratch) * inv_norm_cols + eps);
+    const bf16* m_row = nullptr;
+    if (mod != nullptr) {
+        const int m = min(max(mod_index[row], 0), mod_rows - 1);
+        m_row = mod + static_cast<int64_t>(m) * mod_stride;
+    }
+    int64_t o = row;
+    if (out_index != nullptr) {
+        o = out_index[row];
+        if (o < 0 || o >= out_rows) return;
+    }
+    bf16* out_row = out + o * out_stride;
+#pragma unroll
+    for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
+        if (col < cols) {
+            float w[8];
+            nn::load8(weight + col, w);
+            float n[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) n[i] = v[c][i] * rstd * w[i];
+            if (m_row != nullptr) {
+                float s[8];
+                nn::load8(m_row + scale_offset + col, s);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) n[i] *= 1.0f + s[i];
+                if (shift_offset >= 0) {
+                    float h[8];
+                    nn::load8(m_row + shift_offset + col, h);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) n[i] += h[i];
+                }
+            }
+            nn::store8(out_row + col, n);
+        }
+    }
+}
+
+// Per-head QK RMSNorm and rotate-half RoPE, in place on the q and k heads of a fused q|k|v GEMM output (heads query
+// heads, then heads key heads, then heads value heads, 128 channels each; value heads are left as they are):
+//   n = x * rsqrt(sum(x^2) * inv_norm_dim + eps) * weight     (q_weight for queries, k_weight for keys; f32)
+//   for channel j < rotated / 2, with c = cos[r, j], s = sin[r, j] (bf16 tables, row stride table_stride):
+//     out[j]              = bf16(n[j] * c + (-n[j + rotated/2]) * s)
+//     out[j + rotated/2]  = bf16(n[j + rotated/2] * c + n[j] * s)
+//   channels rotated .. 128 (and every channel when cos is null): out = bf16(n).
+// Heads narrower than 128 are zero-padded to 128 (weights included); inv_norm_dim is 1 / the true head dim.
+// One warp per (row, q or k head), lane l holding channels 4l .. 4l+3; the rotation partner comes through shared
+// memory. Grid: ceil(rows * 2 * heads / 8) blocks of 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    h3_qk_norm_rope(bf16* __restrict__ qkv, int qkv_stride, int rows, int heads, const bf16* __restrict__ q_weight,
+                    const bf16* __restrict__ k_weight, float inv_norm_dim, float eps, const bf16* __restrict__ rope_cos,
+                    const bf16* __restrict__ rope_sin, int table_stride, int rotated) {
+    __shared__ float staged[8][128];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int qk_heads = 2 * heads;
+    const int64_t item = static_cast<int64_t>(blockIdx.x) * 8 + warp;
+    if (item >= static_cast<int64_t>(rows) * qk_heads) return;
+    const int64_t row = item / qk_heads;
+    const int head = static_cast<int>(item - row * qk_heads);
+    const int dim = lane * 4;
+    bf16* at = qkv + row * qkv_stride + head * 128 + dim;
+    const uint2 raw = *reinterpret_cast<const uint2*>(at);
+    const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    const uint2 wraw = *reinterpret_cast<const uint2*>((head < heads ? q_weight : k_weight) + dim);
+    const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
+    const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
+    const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
+    const float r = rsqrtf(sq * inv_norm_dim + eps);
+    float n[4];
+    n[0] = x01.x * r * w01.x;
+    n[1] = x01.y * r * w01.y;
+    n[2] = x23.x * r * w23.x;
+    n[3] = x23.y * r * w23.y;
+    float o[4] = {n[0], n[1], n[2], n[3]};
+    if (rope_cos != nullptr && rotated > 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) staged[warp][dim + i] = n[i];
+        __syncwarp();
+        const int half = rotated / 2;
+        const int64_t table_row = row * table_stride;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int ch = dim + i;
+            if (ch < rotated) {
+                const bool first = ch < half;
+                const int slot = first ? ch : ch - half;
+                const float partner = first ? -staged[warp][ch + half] : staged[warp][ch - half];
+                const float c = __bfloat162float(rope_cos[table_row + slot]);
+                const float s = __bfloat162float(rope_sin[table_row + slot]);
+                o[i] = n[i] * c + partner * s;
+            }
+        }
+    }
+    const __nv_bfloat162 o01 = __floats2bfloat162_rn(o[0], o[1]);
+    const __nv_bfloat162 o23 = __floats2bfloat162_rn(o[2], o[3]);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&o01);
+    packed.y = *reinterpret_cast<const uint32_t*>(&o23);
+    *reinterpret_cast<uint2*>(at) = packed;
+}
+
+namespace {
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_out(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// Row `r` of the operand: row index[r] when an index is given (a row outside [0, limit) reads as absent), else r.
+__device__ __forceinline__ int64_t indexed_row(const int* __restrict__ index, int r, int limit) {
+    if (index == nullptr) return r;
+    const int v = index[r];
+    return (v < 0 || v >= limit) ? -1 : v;
+}
+
+constexpr int kTileM = 64;
+constexpr int kTileN = 64;
+constexpr int kTileK = 16;
+
+// y[yr(r), c] = act(sum_k x[xr(r), k] * w[c, k] + bias[c]) in f32 (k ascending, one FMA chain per output), for
+// r < m, c < n; w is [n, k] f32 row-major, x rows of x_stride elements (f32 or bf16), y rows of y_stride (f32 or
+// bf16). xr / yr gather and scatter rows through x_index / y_index (null: the identity); an x row out of range reads
+// as zeros, a y row out of range is not written. act 1: SiLU.
+// 64x64 output tiles, 16-deep k steps through shared memory, 256 threads of 4x4 outputs each.
+// Grid: (ceil(n / 64), ceil(m / 64)).
+template <typename XT, typename YT>
+__device__ __forceinline__ void linear_f32_tile(const XT* __restrict__ x, int x_stride, const int* __restrict__ x_index,
+                                                int x_rows, const float* __restrict__ w, int k,
+                                                const float* __restrict__ bias, YT* __restrict__ y, int y_stride,
+                                                const int* __restrict__ y_index, int y_rows, int m, int n, int act) {
+    __shared__ __align__(16) float xs[kTileK][kTileM + 4];
+    __shared__ __align__(16) float ws[kTileK][kTileN + 4];
+    const int tid = threadIdx.x;
+    const int tx = tid & 15;
+    const int ty = tid >> 4;
+    const int m0 = blockIdx.y * kTileM;
+    const int n0 = blockIdx.x * kTileN;
+    // This thread loads column kk = tx of rows ty, ty + 16, ty + 32, ty + 48 of both tiles.
+    int64_t x_off[4];
+    int64_t w_off[4];
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const int r = m0 + ty + 16 * l;
+        const int64_t src = r < m ? indexed_row(x_index, r, x_rows) : -1;
+        x_off[l] = src < 0 ? -1 : src * x_stride;
+        const int c = n0 + ty + 16 * l;
+        w_off[l] = c < n ? static_cast<int64_t>(c) * k : -1;
+    }
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    }
+    for (int k0 = 0; k0 < k; k0 += kTileK) {
+        const int kk = k0 + tx;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            xs[tx][ty + 16 * l] = (x_off[l] >= 0 && kk < k) ? to_f32(x[x_off[l] + kk]) : 0.0f;
+            ws[tx][ty + 16 * l] = (w_off[l] >= 0 && kk < k) ? w[w_off[l] + kk] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < kTileK; ++q) {
+            const float4 a = *reinterpret_cast<const float4*>(&xs[q][ty * 4]);
+            const float4 b = *reinterpret_cast<const float4*>(&ws[q][tx * 4]);
+            const float av[4] = {a.x, a.y, a.z, a.w};
+            const float bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = m0 + ty * 4 + i;
+        if (r >= m) continue;
+        const int64_t dst = indexed_row(y_index, r, y_rows);
+        if (dst < 0) continue;
+        YT* y_row = y + dst * y_stride;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = n0 + tx * 4 + j;
+            if (c < n) {
+                float v = acc[i][j] + (bias != nullptr ? bias[c] : 0.0f);
+                if (act == 1) v = silu_f32(v);
+                store_out(y_row + c, v);
+            }
+        }
+    }
+}
+
+// The same layer for a few rows (the timestep rows): one warp per output column c and 4 rows, lanes striding k,
+// per-row sums combined by a warp butterfly. Grid: (ceil(n / 8), ceil(m / 4)), 256 threads.
+template <typename XT, typename YT>
+__device__ __forceinline__ void linear_f32_rows(const XT* __restrict__ x, int x_stride, const int* __restrict__ x_index,
+                                                int x_rows, const float* __restrict__ w, int k,
+                                                const float* __restrict__ bias, YT* __restrict__ y, int y_stride,
+                                                const int* __restrict__ y_index, int y_rows, int m, int n, int act) {
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (c >= n) return;
+    const int r0 = blockIdx.y * 4;
+    int64_t x_off[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + i;
+        const int64_t src = r < m ? indexed_row(x_index, r, x_rows) : -1;
+        x_off[i] = src < 0 ? -1 : src * x_stride;
+    }
+    const float* w_row = w + static_cast<int64_t>(c) * k;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int kk = lane; kk < k; kk += 32) {
+        const float wv = w_row[kk];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (x_off[i] >= 0) acc[i] = fmaf(to_f32(x[x_off[i] + kk]), wv, acc[i]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = nn::warp_sum(acc[i]);
+    if (lane != 0) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + i;
+        if (r >= m) continue;
+        const int64_t dst = indexed_row(y_index, r, y_rows);
+        if (dst < 0) continue;
+        float v = acc[i] + (bias != nullptr ? bias[c] : 0.0f);
+        if (act == 1) v = silu_f32(v);
+        store_out(y + dst * y_stride + c, v);
+    }
+}
+
+}  // namespace
+
+// f32 linear layers: `tile` for many rows, `rows` for a few; x in f32 (xf) or bf16 (xb), y in f32 (yf) or bf16 (yb).
+// Arguments: (x, x_stride, x_index, x_rows, w, k, bias, y, y_stride, y_index, y_rows, m, n, act); see
+// linear_f32_tile.
+#define H3_LINEAR_F32(NAME, BODY, XT, YT, THREADS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
+        NAME(const XT* __restrict__ x, int x_stride, const int* __restrict__ x_index, int x_rows,                    \
+             const float* __restrict__ w, int k, const float* __restrict__ bias, YT* __restrict__ y, int y_stride,  \
+             const int* __restrict__ y_index, int y_rows, int m, int n, int act) {                                   \
+        BODY<XT, YT>(x, x_stride, x_index, x_rows, w, k, bias, y, y_stride, y_index, y_rows, m, n, act);           \
+    }
+
+H3_LINEAR_F32(h3_linear_f32_tile_xf_yf, linear_f32_tile, float, float, 256)
+H3_LINEAR_F32(h3_linear_f32_tile_xf_yb, linear_f32_tile, float, bf16, 256)
+H3_LINEAR_F32(h3_linear_f32_tile_xb_yf, linear_f32_tile, bf16, float, 256)
+H3_LINEAR_F32(h3_linear_f32_tile_xb_yb, linear_f32_tile, bf16, bf16, 256)
+H3_LINEAR_F32(h3_linear_f32_rows_xf_yf, linear_f32_rows, float, float, 256)
+H3_LINEAR_F32(h3_linear_f32_rows_xf_yb, linear_f32_rows, float, bf16, 256)
+H3_LINEAR_F32(h3_linear_f32_rows_xb_yf, linear_f32_rows, bf16, float, 256)
+H3_LINEAR_F32(h3_linear_f32_rows_xb_yb, linear_f32_rows, bf16, bf16, 256)
