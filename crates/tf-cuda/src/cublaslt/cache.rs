@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::ffi::MatmulAlgo;
-use super::plan::{AlgoSelection, PlanKey};
+use super::plan::{AlgoSelection, Fp8ScaleMode, PlanKey};
 
 /// Environment variable naming the cache file, or `off` to disable the cache.
 pub const ENV_PLAN_CACHE: &str = "TF_PLAN_CACHE";
@@ -298,7 +298,7 @@ pub fn algo_from_hex(text: &str) -> Option<MatmulAlgo> {
 /// A plan key as warnings print it.
 pub fn describe_key(k: &PlanKey) -> String {
     format!(
-        "M={} N={} K={} {:?}->{:?} epilogue {} alignment W/X/Y {}/{}/{}{}",
+        "M={} N={} K={} {:?}->{:?} epilogue {} alignment W/X/Y {}/{}/{}{}{}",
         k.m,
         k.n,
         k.k,
@@ -308,7 +308,11 @@ pub fn describe_key(k: &PlanKey) -> String {
         k.align_a,
         k.align_b,
         k.align_cd,
-        if k.fast_accum { " fast-accum" } else { "" }
+        if k.fast_accum { " fast-accum" } else { "" },
+        match k.scale_mode {
+            Fp8ScaleMode::Tensor => "",
+            Fp8ScaleMode::RowWise => " row-wise scales",
+        }
     )
 }
 
@@ -457,7 +461,7 @@ fn serialize(stacks: &Stacks) -> Result<Vec<u8>, serde_json::Error> {
     Ok(bytes)
 }
 
-type SortKey = (usize, usize, usize, u8, u8, u32, u32, u32, u32, bool);
+type SortKey = (usize, usize, usize, u8, u8, u32, u32, u32, u32, bool, u8);
 
 fn sort_key(k: &PlanKey) -> SortKey {
     (
@@ -471,6 +475,7 @@ fn sort_key(k: &PlanKey) -> SortKey {
         k.align_b,
         k.align_cd,
         k.fast_accum,
+        k.scale_mode as u8,
     )
 }
 
@@ -763,6 +768,7 @@ mod tests {
             align_b: 256,
             align_cd: 256,
             fast_accum: false,
+            scale_mode: Fp8ScaleMode::Tensor,
         }
     }
 
@@ -1075,5 +1081,32 @@ mod tests {
         cache.reset().unwrap();
         assert!(PlanCache::open(&path).is_empty());
         assert!(!remove_file(&path).unwrap());
+    }
+
+    #[test]
+    fn entries_written_before_scale_modes_read_as_per_tensor() {
+        let mut plan = StoredPlan {
+            key: key(4096),
+            algo: algo_hex(&algo(7)),
+            source: StoredSource::Timed,
+            index: 0,
+            requested: 8,
+        };
+        let mut value = serde_json::to_value(&plan).unwrap();
+        let Some(key_object) = value.get_mut("key").and_then(|k| k.as_object_mut()) else {
+            panic!("a stored plan's key is an object: {value}");
+        };
+        assert_eq!(key_object.remove("scale_mode"), Some("tensor".into()));
+        let old: StoredPlan = serde_json::from_value(value).unwrap();
+        assert_eq!(old, plan);
+        // A row-wise key is written and read back as such, and describes itself.
+        plan.key.scale_mode = Fp8ScaleMode::RowWise;
+        plan.key.input = InputType::Fp8E4m3;
+        let text = serde_json::to_string(&plan).unwrap();
+        assert!(text.contains("\"scale_mode\":\"row_wise\""), "{text}");
+        let back: StoredPlan = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, plan);
+        assert!(describe_key(&plan.key).ends_with("row-wise scales"));
+        assert_ne!(sort_key(&plan.key), sort_key(&key(4096)));
     }
 }

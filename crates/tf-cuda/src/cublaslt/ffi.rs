@@ -95,6 +95,22 @@ pub mod desc_attr {
     pub const FAST_ACCUM: c_int = 25;
     /// int32 (`cudaDataType_t`)
     pub const BIAS_DATA_TYPE: c_int = 26;
+    /// int32 (`cublasLtMatmulMatrixScale_t`), cuBLASLt 12.8 and newer
+    pub const A_SCALE_MODE: c_int = 31;
+    /// int32 (`cublasLtMatmulMatrixScale_t`), cuBLASLt 12.8 and newer
+    pub const B_SCALE_MODE: c_int = 32;
+}
+
+/// `cublasLtMatmulMatrixScale_t` values: how an operand's scale pointer is read.
+pub mod scale_mode {
+    /// One f32 for the whole matrix (the default).
+    pub const SCALAR_32F: i32 = 0;
+    /// One f32 per row of `op(A)` (length `m`) or per column of `op(B)` (length `n`); sm_90, 12.9+.
+    pub const OUTER_VEC_32F: i32 = 3;
+    /// One f32 per 128 consecutive elements along K; sm_90, 12.9+ (not used here yet).
+    pub const VEC128_32F: i32 = 4;
+    /// One f32 per 128x128 block; sm_90, 12.9+ (not used here yet).
+    pub const BLK128X128_32F: i32 = 5;
 }
 
 /// `cublasLtMatrixLayoutAttribute_t` values.
@@ -237,6 +253,16 @@ mod tests {
             (17, 18)
         );
         assert_eq!((desc_attr::FAST_ACCUM, desc_attr::BIAS_DATA_TYPE), (25, 26));
+        assert_eq!((desc_attr::A_SCALE_MODE, desc_attr::B_SCALE_MODE), (31, 32));
+        assert_eq!(
+            (
+                scale_mode::SCALAR_32F,
+                scale_mode::OUTER_VEC_32F,
+                scale_mode::VEC128_32F,
+                scale_mode::BLK128X128_32F
+            ),
+            (0, 3, 4, 5)
+        );
         assert_eq!(
             (data_type::R_32F, data_type::R_16F, data_type::R_16BF),
             (0, 2, 14)

@@ -195,8 +195,18 @@ struct Scratch {
 const INPUT_FILL: u32 = 0x3c00_3c00;
 /// f32 1.0: unit FP8 scales.
 const SCALE_FILL: u32 = 0x3f80_0000;
-/// Offset of the W scale in the scales buffer (the X scale is at 0).
-const W_SCALE_OFFSET: u64 = 4096;
+
+/// Bytes of the X scales and where the W scales start in one scales buffer (X at 0), for `shape`:
+/// `(w_offset, total)`, both multiples of 256; `(0, 0)` for a bf16 shape.
+pub(super) fn scale_layout(shape: &GemmShape) -> Option<(usize, usize)> {
+    if shape.input != InputType::Fp8E4m3 {
+        return Some((0, 0));
+    }
+    let (x, w) = shape.fp8_scale_mode.scale_counts(shape.m, shape.n);
+    let x_bytes = x.checked_mul(4)?.checked_next_multiple_of(256)?.max(4096);
+    let w_bytes = w.checked_mul(4)?.checked_next_multiple_of(256)?.max(4096);
+    Some((x_bytes, x_bytes.checked_add(w_bytes)?))
+}
 
 impl Scratch {
     /// Device addresses for `shape`'s operands (each 256-byte aligned with 256 spare bytes for
@@ -214,25 +224,21 @@ impl Scratch {
                 .and_then(|n| n.checked_add(256))
                 .and_then(|n| n.checked_next_multiple_of(256))
         };
-        let (Some(x), Some(w), Some(y), Some(bias)) = (
+        let (Some(x), Some(w), Some(y), Some(bias), Some((w_scale_offset, scale_bytes))) = (
             bytes(shape.m, shape.k, ib),
             bytes(shape.n, shape.k, ib),
             bytes(shape.m, shape.n, ob),
             bytes(1, shape.n, ob),
+            scale_layout(shape),
         ) else {
             return Ok(None);
         };
-        let fp8 = shape.input == InputType::Fp8E4m3;
         let wanted = [
             (&mut self.x, x, Some(INPUT_FILL)),
             (&mut self.w, w, Some(INPUT_FILL)),
             (&mut self.y, y, None),
             (&mut self.bias, if shape.bias { bias } else { 0 }, Some(0)),
-            (
-                &mut self.scales,
-                if fp8 { 8192 } else { 0 },
-                Some(SCALE_FILL),
-            ),
+            (&mut self.scales, scale_bytes, Some(SCALE_FILL)),
         ];
         for (slot, len, fill) in wanted {
             if len == 0 || slot.as_ref().is_some_and(|b| b.len() >= len) {
@@ -259,8 +265,36 @@ impl Scratch {
             w_scale: if scales == 0 {
                 0
             } else {
-                scales + W_SCALE_OFFSET
+                scales + w_scale_offset as u64
             },
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_scales_hold_every_vector_of_a_row_wise_shape() {
+        assert_eq!(
+            scale_layout(&GemmShape::bf16(4096, 12288, 4096)),
+            Some((0, 0))
+        );
+        // Per tensor: one f32 each, in 4 KiB slots as before.
+        assert_eq!(
+            scale_layout(&GemmShape::fp8_e4m3(4096, 12288, 4096)),
+            Some((4096, 8192))
+        );
+        // Row-wise: M then N f32, each rounded up to 256 bytes (4 KiB at least).
+        let (w_at, total) =
+            scale_layout(&GemmShape::fp8_e4m3_row_wise(4176, 24576, 4096)).expect("fits");
+        assert_eq!(w_at, 16896); // 4176 * 4 = 16704, rounded up to 66 * 256
+        assert_eq!(total, w_at + 24576 * 4);
+        assert!(w_at % 256 == 0 && total % 256 == 0);
+        assert_eq!(
+            scale_layout(&GemmShape::fp8_e4m3_row_wise(usize::MAX, 16, 16)),
+            None
+        );
     }
 }

@@ -95,7 +95,7 @@ pub use cache::{
 pub use loader::{Attempt, LtLibrary};
 pub use plan::{
     choose_candidate, fastest_candidate, Activation, AlgoSelection, ColumnMajorCall, DeviceSpan,
-    Fp8Scales, Gemm, InputType, OutputType, PlanKey, SWITCH_MARGIN, TIMING_ROUNDS,
+    Fp8ScaleMode, Fp8Scales, Gemm, InputType, OutputType, PlanKey, SWITCH_MARGIN, TIMING_ROUNDS,
 };
 pub use prepare::{Clock, GemmShape, PrepareReport, WallClock};
 
@@ -821,6 +821,7 @@ impl CublasLt {
         order: u64,
     ) -> Result<(Plan, Vec<HeuristicResult>), CublasLtError> {
         let lib = &self.lib;
+        check_scale_mode_support(call.key.scale_mode, lib.version())?;
         let api = lib.api();
         let mut partial = PartialPlan {
             api,
@@ -859,6 +860,13 @@ impl CublasLt {
                 )?;
                 let fast: i8 = i8::from(call.key.fast_accum);
                 set_desc(lib, partial.desc, desc_attr::FAST_ACCUM, &fast)?;
+                if call.key.scale_mode != Fp8ScaleMode::Tensor {
+                    // Set only for vector modes: a per-tensor plan's descriptor stays what it always was
+                    // (and works with libraries older than the attribute).
+                    let mode: i32 = call.key.scale_mode.cuda_mode();
+                    set_desc(lib, partial.desc, desc_attr::A_SCALE_MODE, &mode)?;
+                    set_desc(lib, partial.desc, desc_attr::B_SCALE_MODE, &mode)?;
+                }
             }
             for spec in [call.a, call.b, call.d] {
                 let mut layout: ffi::MatrixLayout = std::ptr::null_mut();
@@ -934,8 +942,14 @@ impl CublasLt {
             );
             let what = || {
                 let k = &call.key;
+                let mode = match k.scale_mode {
+                    Fp8ScaleMode::Tensor => String::new(),
+                    other => format!(
+                        ", {other:?} FP8 scales (cuBLASLt runs these on sm_90 only, from version 12.9)"
+                    ),
+                };
                 format!(
-                    "M={} N={} K={} {:?} -> {:?}, epilogue {}, alignment W/X/Y {}/{}/{}",
+                    "M={} N={} K={} {:?} -> {:?}, epilogue {}, alignment W/X/Y {}/{}/{}{mode}",
                     k.m, k.n, k.k, k.input, k.output, k.epilogue, k.align_a, k.align_b, k.align_cd
                 )
             };
@@ -1011,6 +1025,22 @@ impl Drop for CublasLt {
             unsafe { (api.cublasLtDestroy)(handle) }
         });
     }
+}
+
+/// Refuses an FP8 scale mode the loaded cuBLASLt (`cublasLtGetVersion`) predates, naming both versions.
+fn check_scale_mode_support(mode: Fp8ScaleMode, version: usize) -> Result<(), CublasLtError> {
+    let needed = mode.min_cublaslt_version();
+    if version < needed {
+        return Err(CublasLtError::Invalid {
+            what: format!(
+                "{mode:?} FP8 scales need cuBLASLt {}.{} or newer, but the loaded library is version {version}; \
+                 point TF_CUBLASLT at a newer libcublasLt or use per-tensor scales",
+                needed / 10_000,
+                needed / 100 % 100
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Splits heuristic results into those a call can run (state success, workspace within

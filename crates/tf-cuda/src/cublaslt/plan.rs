@@ -11,7 +11,7 @@ use std::ffi::c_int;
 
 use serde::{Deserialize, Serialize};
 
-use super::ffi::{data_type, epilogue, operation};
+use super::ffi::{data_type, epilogue, operation, scale_mode};
 use super::CublasLtError;
 
 /// A device address range: `bytes` readable (or writable) bytes at `addr`.
@@ -82,12 +82,52 @@ pub enum Activation {
     GeluTanh,
 }
 
-/// Per-tensor FP8 scales: `Y = alpha · (x_scale · X) · (w_scale · W)ᵀ (+ bias) + beta · Y`.
-/// Each is one f32 in device memory, read when the GEMM runs.
+/// FP8 scales: `Y = alpha · (x_scale · X) · (w_scale · W)ᵀ (+ bias) + beta · Y`, f32 in device memory, read
+/// when the GEMM runs. How many there are is the GEMM's [`Fp8ScaleMode`]: one each (per tensor), or one per
+/// row of `X` and one per row of `W` (row-wise).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fp8Scales {
     pub x_scale: DeviceSpan,
     pub w_scale: DeviceSpan,
+}
+
+/// How an FP8 GEMM's f32 scales apply (cuBLASLt's `cublasLtMatmulMatrixScale_t` for `A = W` and `B = X`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8ScaleMode {
+    /// One f32 for all of `X` and one for all of `W` (`SCALAR_32F`; every FP8 GPU, sm_89 and newer).
+    #[default]
+    Tensor,
+    /// One f32 per row of `X` (per token: `M` of them) and one per row of `W` (per output channel: `N` of
+    /// them): `Y[r, c] = x_scale[r] · w_scale[c] · Σ X[r, l] · W[c, l]`. cuBLASLt's outer-vector mode
+    /// (`OUTER_VEC_32F` on both operands), which it runs on sm_90 from version 12.9.
+    RowWise,
+}
+
+impl Fp8ScaleMode {
+    /// cuBLASLt's `cublasLtMatmulMatrixScale_t` value.
+    pub(crate) const fn cuda_mode(self) -> i32 {
+        match self {
+            Fp8ScaleMode::Tensor => scale_mode::SCALAR_32F,
+            Fp8ScaleMode::RowWise => scale_mode::OUTER_VEC_32F,
+        }
+    }
+
+    /// f32 scales of `X` and of `W` a GEMM of this shape reads.
+    pub const fn scale_counts(self, m: usize, n: usize) -> (usize, usize) {
+        match self {
+            Fp8ScaleMode::Tensor => (1, 1),
+            Fp8ScaleMode::RowWise => (m, n),
+        }
+    }
+
+    /// The oldest cuBLASLt (`cublasLtGetVersion`) that has this mode.
+    pub const fn min_cublaslt_version(self) -> usize {
+        match self {
+            Fp8ScaleMode::Tensor => 0,
+            Fp8ScaleMode::RowWise => 120_900,
+        }
+    }
 }
 
 /// One GEMM as engines describe it: row-major `Y[M,N] = alpha · X[M,K] · W[N,K]ᵀ (+ bias[N])`,
@@ -105,6 +145,8 @@ pub struct Gemm {
     pub bias: Option<DeviceSpan>,
     pub activation: Activation,
     pub scales: Option<Fp8Scales>,
+    /// FP8 only: how `scales` apply (per tensor unless set).
+    pub scale_mode: Fp8ScaleMode,
     pub alpha: f32,
     pub beta: f32,
     /// FP8 only: cuBLASLt's faster, less precise accumulation (off by default).
@@ -126,6 +168,7 @@ impl Gemm {
             bias: None,
             activation: Activation::None,
             scales: None,
+            scale_mode: Fp8ScaleMode::Tensor,
             alpha: 1.0,
             beta: 0.0,
             fp8_fast_accum: false,
@@ -147,6 +190,26 @@ impl Gemm {
             scales: Some(scales),
             ..Gemm::bf16(m, n, k, x, w, y)
         }
+    }
+
+    /// `Y = (sx[r] · X) · (sw[c] · W)ᵀ` with e4m3 inputs, bf16 output and row-wise scales: `scales.x_scale`
+    /// holds `M` f32 (one per row of `X`), `scales.w_scale` `N` f32 (one per row of `W`, i.e. per output
+    /// column). See [`Fp8ScaleMode::RowWise`].
+    pub fn fp8_e4m3_row_wise(
+        m: usize,
+        n: usize,
+        k: usize,
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        scales: Fp8Scales,
+    ) -> Gemm {
+        Gemm::fp8_e4m3(m, n, k, x, w, y, scales).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
+    }
+
+    /// How the FP8 scales apply.
+    pub fn with_fp8_scale_mode(self, scale_mode: Fp8ScaleMode) -> Gemm {
+        Gemm { scale_mode, ..self }
     }
 
     /// Adds `bias[N]` (element type of the output) to every row.
@@ -267,12 +330,39 @@ impl Gemm {
                         "FP8 GEMMs need K and N to be multiples of 16 ({shape}); pad the weights"
                     )));
                 }
-                check_span("X scale", scales.x_scale, 4, 4, shape)?;
-                check_span("W scale", scales.w_scale, 4, 4, shape)?;
+                let (x_count, w_count) = self.scale_mode.scale_counts(self.m, self.n);
+                // Scale vectors are read with vector loads: 16-byte aligned, like the FP8 operands.
+                let align = match self.scale_mode {
+                    Fp8ScaleMode::Tensor => 4,
+                    Fp8ScaleMode::RowWise => 16,
+                };
+                let x_need = bytes_of(1, x_count, 4, "X scales")?;
+                let w_need = bytes_of(1, w_count, 4, "W scales")?;
+                check_span("X scale", scales.x_scale, x_need, align, shape)?;
+                check_span("W scale", scales.w_scale, w_need, align, shape)?;
+                if self.scale_mode != Fp8ScaleMode::Tensor {
+                    for (name, scale, need) in [
+                        ("X scales", scales.x_scale, x_need),
+                        ("W scales", scales.w_scale, w_need),
+                    ] {
+                        if overlaps(self.y.addr, y_need, scale.addr, need) {
+                            return Err(invalid(format!(
+                                "Y [{:#x}, +{y_need}) overlaps the {name} [{:#x}, +{need}): the output must not alias an input",
+                                self.y.addr, scale.addr
+                            )));
+                        }
+                    }
+                }
                 // A is W and B is X in the column-major call.
                 (scales.w_scale.addr, scales.x_scale.addr)
             }
         };
+        if self.scale_mode != Fp8ScaleMode::Tensor && self.input != InputType::Fp8E4m3 {
+            return Err(invalid(format!(
+                "scale mode {:?} applies to FP8 GEMMs only",
+                self.scale_mode
+            )));
+        }
         if self.fp8_fast_accum && self.input != InputType::Fp8E4m3 {
             return Err(invalid(
                 "fast accumulation applies to FP8 GEMMs only".into(),
@@ -309,6 +399,7 @@ impl Gemm {
             align_b: alignment_of(self.x.addr),
             align_cd: alignment_of(self.y.addr),
             fast_accum: self.fp8_fast_accum,
+            scale_mode: self.scale_mode,
         };
         Ok(ColumnMajorCall {
             lt_m: n,
@@ -415,6 +506,9 @@ pub struct PlanKey {
     pub align_b: u32,
     pub align_cd: u32,
     pub fast_accum: bool,
+    /// FP8 scale mode (per tensor in plan-cache files written before it existed).
+    #[serde(default)]
+    pub scale_mode: Fp8ScaleMode,
 }
 
 /// The `cublasLtMatmul` call a [`Gemm`] becomes (column-major names: `lt_m` rows of `D`).
@@ -627,6 +721,73 @@ mod tests {
         assert_eq!(call.b_scale_addr, scales.x_scale.addr);
         assert_eq!(call.a.dtype, data_type::R_8F_E4M3);
         assert_eq!(call.d.dtype, data_type::R_16BF);
+    }
+
+    #[test]
+    fn row_wise_scales_are_vectors_mapped_w_to_a_and_x_to_b() {
+        let (x, w, y) = spans();
+        let (m, n, k) = (48, 64, 128);
+        let scales = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0000, m * 4),
+            w_scale: DeviceSpan::new(0x5100_0000, n * 4),
+        };
+        let g = Gemm::fp8_e4m3_row_wise(m, n, k, x, w, y, scales);
+        assert_eq!(g.scale_mode, Fp8ScaleMode::RowWise);
+        let call = g.plan().expect("valid");
+        // A = W: one scale per output column of Y (N); B = X: one per row of Y (M).
+        assert_eq!(call.a_scale_addr, scales.w_scale.addr);
+        assert_eq!(call.b_scale_addr, scales.x_scale.addr);
+        assert_eq!(call.key.scale_mode, Fp8ScaleMode::RowWise);
+        assert_eq!(Fp8ScaleMode::RowWise.cuda_mode(), scale_mode::OUTER_VEC_32F);
+        assert_eq!(Fp8ScaleMode::Tensor.cuda_mode(), scale_mode::SCALAR_32F);
+        assert_eq!(Fp8ScaleMode::RowWise.scale_counts(m, n), (m, n));
+        assert_eq!(Fp8ScaleMode::Tensor.scale_counts(m, n), (1, 1));
+        // Per tensor and row-wise are different plans.
+        let tensor = Gemm::fp8_e4m3(m, n, k, x, w, y, scales)
+            .plan()
+            .expect("valid");
+        assert_ne!(tensor.key, call.key);
+        assert_eq!(tensor.key.scale_mode, Fp8ScaleMode::Tensor);
+    }
+
+    #[test]
+    fn row_wise_scales_are_checked_for_length_alignment_and_aliasing() {
+        let (x, w, y) = spans();
+        let (m, n, k) = (48, 64, 128);
+        let good = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0000, m * 4),
+            w_scale: DeviceSpan::new(0x5100_0000, n * 4),
+        };
+        let g = |scales| Gemm::fp8_e4m3_row_wise(m, n, k, x, w, y, scales);
+        let short_x = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0000, m * 4 - 4),
+            ..good
+        };
+        assert!(invalid_text(&g(short_x)).contains("X scale holds 188 bytes"));
+        let short_w = Fp8Scales {
+            w_scale: DeviceSpan::new(0x5100_0000, 4),
+            ..good
+        };
+        assert!(invalid_text(&g(short_w)).contains("W scale holds 4 bytes"));
+        let unaligned = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0004, m * 4),
+            ..good
+        };
+        assert!(invalid_text(&g(unaligned)).contains("16-byte aligned"));
+        let aliased = Fp8Scales {
+            w_scale: DeviceSpan::new(y.addr + 64, n * 4),
+            ..good
+        };
+        assert!(invalid_text(&g(aliased)).contains("overlaps the W scales"));
+        // A per-tensor GEMM still takes one f32 each, 4-byte aligned.
+        let scalar = Fp8Scales {
+            x_scale: DeviceSpan::new(0x5000_0004, 4),
+            w_scale: DeviceSpan::new(0x5100_0008, 4),
+        };
+        assert!(Gemm::fp8_e4m3(m, n, k, x, w, y, scalar).plan().is_ok());
+        // A scale mode on a bf16 GEMM is refused.
+        let bf16 = Gemm::bf16(m, n, k, x, w, y).with_fp8_scale_mode(Fp8ScaleMode::RowWise);
+        assert!(invalid_text(&bf16).contains("FP8 GEMMs only"));
     }
 
     #[test]

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use super::cache::{describe_key, PlanCache, PlanCacheError, StackKey, StoredPlan, StoredSource};
 use super::ffi::MatmulAlgo;
 use super::plan::{
-    Activation, AlgoSelection, DeviceSpan, Fp8Scales, Gemm, InputType, OutputType, PlanKey,
+    Activation, AlgoSelection, DeviceSpan, Fp8ScaleMode, Fp8Scales, Gemm, InputType, OutputType,
+    PlanKey,
 };
 use super::{ChosenBy, CublasLtError};
 
@@ -31,6 +32,8 @@ pub struct GemmShape {
     pub bias: bool,
     pub activation: Activation,
     pub fp8_fast_accum: bool,
+    /// FP8 only: how the scales apply.
+    pub fp8_scale_mode: Fp8ScaleMode,
     /// Alignment in bytes (power of two, at most 256) of `W`, `X` and `Y`.
     pub align_w: u32,
     pub align_x: u32,
@@ -49,6 +52,7 @@ impl GemmShape {
             bias: false,
             activation: Activation::None,
             fp8_fast_accum: false,
+            fp8_scale_mode: Fp8ScaleMode::Tensor,
             align_w: 256,
             align_x: 256,
             align_y: 256,
@@ -60,6 +64,19 @@ impl GemmShape {
         GemmShape {
             input: InputType::Fp8E4m3,
             ..GemmShape::bf16(m, n, k)
+        }
+    }
+
+    /// FP8 e4m3 inputs with row-wise scales (one per row of X, one per row of W), bf16 output.
+    pub fn fp8_e4m3_row_wise(m: usize, n: usize, k: usize) -> GemmShape {
+        GemmShape::fp8_e4m3(m, n, k).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
+    }
+
+    /// How the FP8 scales apply.
+    pub fn with_fp8_scale_mode(self, fp8_scale_mode: Fp8ScaleMode) -> GemmShape {
+        GemmShape {
+            fp8_scale_mode,
+            ..self
         }
     }
 
@@ -114,6 +131,7 @@ impl GemmShape {
             bias: gemm.bias.is_some(),
             activation: gemm.activation,
             fp8_fast_accum: gemm.fp8_fast_accum,
+            fp8_scale_mode: gemm.scale_mode,
             align_w: alignment_of(gemm.w.addr),
             align_x: alignment_of(gemm.x.addr),
             align_y: alignment_of(gemm.y.addr),
@@ -143,12 +161,14 @@ impl GemmShape {
             y: 3 << 44,
             bias: 4 << 44,
             x_scale: 5 << 44,
-            w_scale: (5 << 44) + 4096,
+            w_scale: 6 << 44,
         };
         let b = bases.unwrap_or(&placeholder);
         // An offset of `align` from a 256-aligned base has exactly that alignment.
         let at = |base: u64, align: u32| base + u64::from(align % 256);
         let span = |addr: u64| DeviceSpan::new(addr, usize::MAX >> 8);
+        let (x_scales, w_scales) = self.fp8_scale_mode.scale_counts(self.m, self.n);
+        let scale_span = |addr: u64, count: usize| DeviceSpan::new(addr, count.saturating_mul(4));
         let gemm = Gemm {
             m: self.m,
             n: self.n,
@@ -161,9 +181,10 @@ impl GemmShape {
             bias: self.bias.then(|| span(b.bias)),
             activation: self.activation,
             scales: (self.input == InputType::Fp8E4m3).then(|| Fp8Scales {
-                x_scale: DeviceSpan::new(b.x_scale, 4),
-                w_scale: DeviceSpan::new(b.w_scale, 4),
+                x_scale: scale_span(b.x_scale, x_scales),
+                w_scale: scale_span(b.w_scale, w_scales),
             }),
+            scale_mode: self.fp8_scale_mode,
             alpha: 1.0,
             beta: 0.0,
             fp8_fast_accum: self.fp8_fast_accum,
@@ -534,6 +555,29 @@ mod tests {
             .key()
             .is_err());
         assert!(GemmShape::fp8_e4m3(16, 24, 32).key().is_err());
+        // Row-wise FP8: its own key, matching a call of it.
+        let row_wise = GemmShape::fp8_e4m3_row_wise(4096, 3072, 12288);
+        let key = row_wise.key().unwrap();
+        assert_eq!(key.scale_mode, Fp8ScaleMode::RowWise);
+        assert_ne!(key, GemmShape::fp8_e4m3(4096, 3072, 12288).key().unwrap());
+        let scales = Fp8Scales {
+            x_scale: DeviceSpan::new(0xe000_0000, 4096 * 4),
+            w_scale: DeviceSpan::new(0xf000_0000, 3072 * 4),
+        };
+        let call = Gemm::fp8_e4m3_row_wise(
+            4096,
+            3072,
+            12288,
+            x,
+            w,
+            DeviceSpan::new(0xb000_0000, 1 << 30),
+            scales,
+        );
+        assert_eq!(GemmShape::of(&call), row_wise.with_alignment(16, 256, 256));
+        assert_eq!(
+            GemmShape::of(&call).key().unwrap(),
+            call.plan().unwrap().key
+        );
     }
 
     #[test]
