@@ -12,6 +12,8 @@
 //!   `1 - sigma`, the Euler step and the forward noising of the anchors, with its validated config.
 //! - [`noise`]: the conditioning, video and audio noise from one portable generator in the reference's draw order,
 //!   injection from a file, and the video patchify.
+//! - [`text`]: the text conditioning: a prompt under H3's rules to `hidden_states[50]` of the Qwen3-VL text
+//!   encoder, on the host reference or the GPU, behind [`text::H3TextBackend`].
 //! - [`vae_audio`]: `AutoencoderKLMiniMaxH3Audio` decode: its validated config, the decoder's tensors and the f32
 //!   host reference (latent de-normalization, `dec_in_proj`, BigVGAN with anti-aliased SnakeBeta, stereo as a
 //!   batch of 2).
@@ -22,4 +24,6 @@ pub mod dit_host;
 pub mod layout;
 pub mod noise;
 pub mod scheduler;
+pub mod text;
 pub mod vae_audio;
+pub mod vae_video;
