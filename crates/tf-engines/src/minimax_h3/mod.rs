@@ -26,4 +26,3 @@ pub mod noise;
 pub mod scheduler;
 pub mod text;
 pub mod vae_audio;
-pub mod vae_video;
