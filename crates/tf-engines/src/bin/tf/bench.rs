@@ -1,7 +1,8 @@
 //! `tf bench`: GPU benchmarks, printed side by side with the reference implementation of the same work.
 //!
-//! `tf bench attention` times our flash attention at the DiT shapes (every tile shape the GPU fits) with
-//! events after a warm-up, and, when `python3` can import torch, runs `tests/python/bench_attention.py` in the
+//! `tf bench attention` times our flash attention at the DiT shapes (every tile shape the GPU fits; the Qwen-Image
+//! cached step, and on request the MiniMax H3 steps at 768x448 and at the default canvas) with events after a
+//! warm-up, and, when `python3` can import torch, runs `tests/python/bench_attention.py` in the
 //! same process tree to time torch's SDPA (flash and cuDNN backends) on the same shape, then prints the ratios.
 //! New benchmarks are new variants of [`Bench`] with their own args struct and function.
 
@@ -17,7 +18,8 @@ use tf_engines::nn::gpu::{
 #[derive(clap::Subcommand)]
 pub enum Bench {
     /// Flash attention at the Qwen-Image cached-step shape (4096 x 4176, 32 heads, d 128), optionally the
-    /// MiniMax H3 shape (6026 x 6026, 56 heads), with torch SDPA flash / cuDNN side by side.
+    /// MiniMax H3 shapes (6026 x 6026 and the default canvas's 37838 x 37838, 56 heads), with torch SDPA flash /
+    /// cuDNN side by side.
     Attention(AttentionArgs),
     /// The whole Qwen-Image 2.1 DiT step (full/extract and cached) at one image size, eager and CUDA-graph
     /// replay, with the diffusers eager / torch.compile times of the same run (reference.json) beside them.
@@ -65,9 +67,16 @@ pub struct AttentionArgs {
     /// Timed launches (the reported time is their mean).
     #[arg(long, default_value_t = 100)]
     iters: u32,
-    /// Also run the H3 shape (6026 x 6026, 56 heads).
+    /// Also run the H3 shape (6026 x 6026, 56 heads: 768x448, 56 frames, 128 text rows).
     #[arg(long)]
     h3: bool,
+    /// Also run the H3 default-canvas shape (37838 x 37838, 56 heads: 1344x768, 124 frames, 128 text rows), with
+    /// at most 3 warm-up and 10 timed launches (one launch is about 40 TFLOP).
+    #[arg(long)]
+    h3_canvas: bool,
+    /// Skip the Qwen-Image shape (to time only the H3 shapes).
+    #[arg(long)]
+    skip_qwen: bool,
     /// Skip the torch comparison.
     #[arg(long)]
     no_torch: bool,
@@ -101,32 +110,78 @@ type BoxError = Box<dyn std::error::Error>;
 
 mod qwen_dit;
 
+/// Which model step a benchmark shape comes from (and the flag that selects it).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ShapeKind {
+    QwenCached,
+    H3Step,
+    H3Canvas,
+}
+
 /// One benchmark shape.
 struct Shape {
     name: &'static str,
+    kind: ShapeKind,
     queries: usize,
     keys: usize,
     /// Keys read from a separate cached-prefix buffer.
     prefix: usize,
     heads: usize,
+    /// Warm-up and timed launches at most (a large shape needs few for a stable mean).
+    max_launches: Option<(u32, u32)>,
 }
 
-const SHAPES: [Shape; 2] = [
+const SHAPES: [Shape; 3] = [
     Shape {
         name: "qwen-image cached step",
+        kind: ShapeKind::QwenCached,
         queries: 4096,
         keys: 4176,
         prefix: 80,
         heads: 32,
+        max_launches: None,
     },
+    // 768x448, 56 frames, 128 text rows: 128 text + 186 audio + 17 x 336 video rows.
     Shape {
         name: "h3 step",
+        kind: ShapeKind::H3Step,
         queries: 6026,
         keys: 6026,
         prefix: 0,
         heads: 56,
+        max_launches: None,
+    },
+    // The pipeline's default canvas, 1344x768 for 5 s (124 frames), 128 text rows: 128 text + 414 audio
+    // + 37 x 1008 video rows.
+    Shape {
+        name: "h3 default canvas step",
+        kind: ShapeKind::H3Canvas,
+        queries: 37838,
+        keys: 37838,
+        prefix: 0,
+        heads: 56,
+        max_launches: Some((3, 10)),
     },
 ];
+
+impl Shape {
+    fn selected(&self, args: &AttentionArgs) -> bool {
+        match self.kind {
+            ShapeKind::QwenCached => !args.skip_qwen,
+            ShapeKind::H3Step => args.h3,
+            ShapeKind::H3Canvas => args.h3_canvas,
+        }
+    }
+
+    /// The warm-up and timed launches of this shape under `args`.
+    fn launches(&self, args: &AttentionArgs) -> (u32, u32) {
+        let (warmup, iters) = (args.warmup, args.iters.max(1));
+        match self.max_launches {
+            Some((w, i)) => (warmup.min(w), iters.min(i)),
+            None => (warmup, iters),
+        }
+    }
+}
 
 /// xorshift bf16 noise in [-2, 2): inputs only need realistic magnitudes.
 fn noise(n: usize, seed: u64) -> Vec<u16> {
@@ -150,7 +205,10 @@ fn bench_attention(args: &AttentionArgs) -> Result<(), BoxError> {
     let info = ctx.device_info()?;
     println!("device: {info:?}");
     let mut summary = Vec::new();
-    for shape in SHAPES.iter().filter(|s| args.h3 || s.prefix > 0) {
+    if !SHAPES.iter().any(|s| s.selected(args)) {
+        return Err("no shape selected: --skip-qwen needs --h3 or --h3-canvas".into());
+    }
+    for shape in SHAPES.iter().filter(|s| s.selected(args)) {
         summary.push(bench_shape(args, &ctx, &stream, &kernels, shape)?);
     }
     if let Some(path) = &args.json {
@@ -201,9 +259,10 @@ fn bench_shape(
         scale: 1.0 / (128f32).sqrt(),
     };
     let flops = attention_flops(dims);
+    let (warmup, iters) = shape.launches(args);
     println!(
-        "\n== attention, {}: {} queries x {} keys ({} cached), {} heads, d 128, bf16; {} warm-up + {} timed launches",
-        shape.name, shape.queries, shape.keys, shape.prefix, shape.heads, args.warmup, args.iters
+        "\n== attention, {}: {} queries x {} keys ({} cached), {} heads, d 128, bf16; {warmup} warm-up + {iters} timed launches",
+        shape.name, shape.queries, shape.keys, shape.prefix, shape.heads
     );
     let mut ours = Vec::new();
     for tile in AttentionTile::ALL {
@@ -223,18 +282,18 @@ fn bench_shape(
                 rows(shape.queries),
             )
         };
-        for _ in 0..args.warmup {
+        for _ in 0..warmup {
             launch(&mut o)?;
         }
         let start = Event::new(ctx, true)?;
         let end = Event::new(ctx, true)?;
         start.record(stream)?;
-        for _ in 0..args.iters.max(1) {
+        for _ in 0..iters {
             launch(&mut o)?;
         }
         end.record(stream)?;
         end.synchronize()?;
-        let ms = f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(args.iters.max(1));
+        let ms = f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(iters);
         let tflops = flops / (ms * 1e-3) / 1e12;
         println!(
             "  ours {tile:?} ({}): {ms:.3} ms, {tflops:.1} TFLOP/s",
@@ -280,6 +339,8 @@ fn bench_shape(
         "keys": shape.keys,
         "prefix": shape.prefix,
         "heads": shape.heads,
+        "warmup": warmup,
+        "iters": iters,
         "flops": flops,
         "ours": ours.iter().map(|(t, ms, tf)| serde_json::json!({"tile": format!("{t:?}"), "kernel": t.kernel(), "ms": ms, "tflops": tf})).collect::<Vec<_>>(),
         "torch": torch,
@@ -332,8 +393,8 @@ fn torch_reference(args: &AttentionArgs, shape: &Shape) -> serde_json::Value {
         .args(["--queries", &shape.queries.to_string()])
         .args(["--keys", &shape.keys.to_string()])
         .args(["--heads", &shape.heads.to_string()])
-        .args(["--warmup", &args.warmup.to_string()])
-        .args(["--iters", &args.iters.to_string()])
+        .args(["--warmup", &shape.launches(args).0.to_string()])
+        .args(["--iters", &shape.launches(args).1.to_string()])
         .output();
     let output = match output {
         Ok(o) => o,
@@ -361,5 +422,44 @@ fn torch_reference(args: &AttentionArgs, shape: &Shape) -> serde_json::Value {
             last,
             String::from_utf8_lossy(&output.stderr).trim()
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ShapeKind, SHAPES};
+    use tf_engines::minimax_h3::layout::{
+        Geometry, LayoutRequest, PackedLayout, SizeRules, TEXT_TAG,
+    };
+
+    /// Rows of the text-to-video layout at `width` x `height`, `frames` frames and `text_rows` text rows.
+    fn h3_rows(width: usize, height: usize, frames: usize, text_rows: usize) -> usize {
+        let geometry =
+            Geometry::for_request(height, width, frames, &SizeRules::TRANSFORMER).unwrap();
+        let tags = vec![TEXT_TAG; text_rows];
+        PackedLayout::build(&LayoutRequest {
+            text_tags: &tags,
+            geometry,
+            patch: [1, 2, 2],
+            keyframes: &[],
+        })
+        .unwrap()
+        .seq_len
+    }
+
+    #[test]
+    fn h3_shapes_are_the_layouts_rows() {
+        let rows = |kind| {
+            SHAPES
+                .iter()
+                .find(|s| s.kind == kind)
+                .map(|s| (s.queries, s.keys, s.heads))
+                .unwrap()
+        };
+        let step = h3_rows(768, 448, 56, 128);
+        let canvas = h3_rows(1344, 768, 124, 128);
+        assert_eq!((step, canvas), (6026, 37838));
+        assert_eq!(rows(ShapeKind::H3Step), (step, step, 56));
+        assert_eq!(rows(ShapeKind::H3Canvas), (canvas, canvas, 56));
     }
 }
