@@ -17,12 +17,17 @@
 //! - [`vae_audio`]: `AutoencoderKLMiniMaxH3Audio` decode: its validated config, the decoder's tensors and the f32
 //!   host reference (latent de-normalization, `dec_in_proj`, BigVGAN with anti-aliased SnakeBeta, stereo as a
 //!   batch of 2).
+//! - [`vae_video`]: `AutoencoderKLMiniMaxH3` decode: its validated config, the chunk and tile geometry, the
+//!   [`vae_video::VideoVaeBackend`] trait with its 8-bit [`vae_video::VideoFrames`], and the f32 host reference
+//!   (ViT decoder with register tokens and partial RoPE, temporal cross-fade, blended spatial tiles).
 pub mod checkpoint;
 pub mod config;
 pub mod dit;
+pub mod dit_gpu;
 pub mod dit_host;
 pub mod layout;
 pub mod noise;
 pub mod scheduler;
 pub mod text;
 pub mod vae_audio;
+pub mod vae_video;
