@@ -1,6 +1,14 @@
 //! `request.video` over the worker protocol: an image engine refuses it as `invalid_request_error` (nothing is
-//! run), and a video engine's [`EngineOutput::Video`] is written as frames plus an audio track.
+//! run); a video engine's [`EngineOutput::Video`] becomes `video.mp4` (H.264 + AAC, read back with ffprobe); bad
+//! video lines are each answered `invalid_request_error` while the worker keeps serving; without ffmpeg the job
+//! fails with the install command and the raw frames and audio are kept, nothing half-written.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "common/media_probe.rs"]
+mod media_probe;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 use tf_engines::worker::testpattern::TestPattern;
@@ -17,6 +25,10 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 
 fn serve(engine: impl WorkerEngine, lines: &[Value]) -> Vec<Value> {
     let input: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    serve_text(engine, &input)
+}
+
+fn serve_text(engine: impl WorkerEngine, input: &str) -> Vec<Value> {
     let mut output = Vec::new();
     Worker::new(engine, WorkerLimits::default())
         .serve(input.as_bytes(), &mut output)
@@ -28,11 +40,37 @@ fn serve(engine: impl WorkerEngine, lines: &[Value]) -> Vec<Value> {
         .collect()
 }
 
+/// Final replies only (lines with `ok`).
+fn finals(replies: &[Value]) -> Vec<&Value> {
+    replies.iter().filter(|r| r.get("ok").is_some()).collect()
+}
+
+/// The test pattern without its video side: an image-only engine.
+struct ImagesOnly(TestPattern);
+
+impl WorkerEngine for ImagesOnly {
+    fn load(&mut self) -> Result<u64, EngineError> {
+        self.0.load()
+    }
+
+    fn generate(
+        &mut self,
+        job: &ImageJob,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<RgbaImage, EngineError> {
+        self.0.generate(job, progress)
+    }
+
+    fn unload(&mut self) {
+        self.0.unload()
+    }
+}
+
 #[test]
 fn an_image_engine_refuses_a_video_request() {
     let dir = temp_dir("refused");
     let replies = serve(
-        TestPattern::default(),
+        ImagesOnly(TestPattern::default()),
         &[
             json!({"op": "load"}),
             json!({"op": "generate", "dir": dir, "request": {"video": {"prompt": "waves", "seconds": 1}}}),
@@ -52,8 +90,168 @@ fn an_image_engine_refuses_a_video_request() {
     assert!(!dir.exists(), "a refused request created its folder");
 }
 
-/// Makes `frames()` flat frames and, when asked, a second of stereo silence.
-struct FakeVideo;
+#[test]
+fn the_test_pattern_makes_an_mp4_with_stereo_audio() {
+    let dir = temp_dir("testpattern");
+    let replies = serve(
+        TestPattern::default(),
+        &[
+            json!({"op": "load"}),
+            json!({"op": "generate", "id": "v1", "dir": dir, "request": {"video": {
+                "prompt": "waves", "width": 64, "height": 48, "seconds": 1, "fps": 12, "seed": 9, "steps": 2,
+                "audio": true}}}),
+            json!({"op": "generate", "dir": dir.join("silent"), "request": {"video": {
+                "prompt": "waves", "width": 32, "height": 32, "seconds": 0.5, "fps": 10}}}),
+            json!({"op": "exit"}),
+        ],
+    );
+    let done = finals(&replies);
+    assert_eq!(done.len(), 4, "{replies:?}");
+    assert_eq!(done[1]["files"], json!(["video.mp4"]), "{replies:?}");
+    assert_eq!(done[1]["seed"], 9);
+    let phases: Vec<&str> = replies
+        .iter()
+        .filter_map(|r| r["progress"]["phase"].as_str())
+        .collect();
+    assert_eq!(
+        phases,
+        ["denoise", "denoise", "decode", "denoise", "denoise", "denoise", "denoise", "decode"]
+    );
+    let p = media_probe::probe(&dir.join("video.mp4"));
+    assert!(p.format.contains("mp4"), "{p:?}");
+    assert_eq!(
+        (p.video_codec.as_str(), p.pix_fmt.as_str()),
+        ("h264", "yuv420p")
+    );
+    assert_eq!((p.width, p.height, p.frames), (64, 48, 12));
+    assert_eq!(p.frame_rate, "12/1");
+    let audio = p.audio.clone().expect("an audio stream");
+    assert_eq!(
+        (audio.codec.as_str(), audio.channels, audio.sample_rate),
+        ("aac", 2, 32000)
+    );
+    assert!((audio.duration - 1.0).abs() < 0.05, "{audio:?}");
+    assert!((p.duration - 1.0).abs() < 0.05, "{p:?}");
+
+    let silent = media_probe::probe(&dir.join("silent").join("video.mp4"));
+    assert_eq!((silent.frames, silent.frame_rate.as_str()), (5, "10/1"));
+    assert!(silent.audio.is_none(), "{silent:?}");
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_video_lines_are_refused_and_the_worker_keeps_serving() {
+    let dir = temp_dir("bad");
+    let d = dir.display().to_string();
+    let video = |fields: Value| {
+        json!({"op": "generate", "dir": d, "request": {"video": fields}}).to_string()
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (
+            "{\"op\":\"generate\",\"request\":{\"video\":".into(),
+            "not valid JSON",
+        ),
+        (video(json!({"prompt": 7})), "`prompt` must be a string"),
+        (video(json!({"width": 64})), "`prompt` is missing"),
+        (
+            video(json!({"prompt": "a", "width": "64"})),
+            "`width` must be a whole number",
+        ),
+        (video(json!({"prompt": "a", "width": 70})), "multiple of 16"),
+        (
+            video(json!({"prompt": "a", "height": 4096})),
+            "`height` must be 16 to",
+        ),
+        (
+            video(json!({"prompt": "a", "seconds": 0})),
+            "`seconds` must be above 0",
+        ),
+        (
+            video(json!({"prompt": "a", "seconds": 61})),
+            "`seconds` must be above 0",
+        ),
+        (
+            video(json!({"prompt": "a", "seconds": "5"})),
+            "`seconds` must be a number",
+        ),
+        (
+            video(json!({"prompt": "a", "fps": 0})),
+            "`fps` must be 1 to",
+        ),
+        (
+            video(json!({"prompt": "a", "fps": 500})),
+            "`fps` must be 1 to",
+        ),
+        (
+            video(json!({"prompt": "a", "fps": 23.5})),
+            "`fps` must be a whole number",
+        ),
+        (
+            video(json!({"prompt": "a", "audio": "yes"})),
+            "`audio` must be true or false",
+        ),
+        (
+            video(json!({"prompt": "a", "steps": -1})),
+            "`steps` must be a whole number",
+        ),
+        (
+            video(json!({"prompt": "a", "width": 64, "height": 64, "first_frame": "f.png"})),
+            "`first_frame`",
+        ),
+        (
+            video(json!({"prompt": "a", "first_frame": 3})),
+            "`first_frame` must be a string",
+        ),
+        (
+            video(json!({"prompt": "a", "width": 2048, "height": 2048, "seconds": 60, "fps": 120})),
+            "`seconds`",
+        ),
+        (
+            json!({"op": "generate", "output": "v.mp4", "request": {"video": {"prompt": "a"}}})
+                .to_string(),
+            "several files",
+        ),
+        (
+            json!({"op": "generate", "dir": d, "request": {"video": []}}).to_string(),
+            "must be an object",
+        ),
+    ];
+    let mut input = String::from("{\"op\":\"load\"}\n");
+    for (line, _) in &cases {
+        input.push_str(line);
+        input.push('\n');
+    }
+    input.push_str(&video(
+        json!({"prompt": "ok", "width": 32, "height": 32, "seconds": 0.25, "fps": 8}),
+    ));
+    input.push('\n');
+    let replies = serve_text(TestPattern::default(), &input);
+    let done = finals(&replies);
+    assert_eq!(done.len(), cases.len() + 2, "{replies:#?}");
+    for ((line, needle), reply) in cases.iter().zip(&done[1..]) {
+        assert_eq!(reply["ok"], false, "{line}: {reply}");
+        assert_eq!(reply["type"], "invalid_request_error", "{line}: {reply}");
+        let message = reply["error"].as_str().unwrap();
+        assert!(
+            message.contains(needle),
+            "{line}: expected {needle:?} in {message:?}"
+        );
+    }
+    let last = done.last().unwrap();
+    assert_eq!(last["files"], json!(["video.mp4"]), "{replies:#?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Makes `frames()` flat frames and, when asked, stereo silence; frames may be made the wrong size.
+struct FakeVideo {
+    odd_frame: bool,
+}
 
 impl WorkerEngine for FakeVideo {
     fn load(&mut self) -> Result<u64, EngineError> {
@@ -89,8 +287,13 @@ impl WorkerEngine for FakeVideo {
                 step: i + 1,
                 of: n,
             });
-            let pixels = vec![i as u8; (job.width * job.height * 4) as usize];
-            frames.push(RgbaImage::new(job.width, job.height, pixels)?);
+            let w = if self.odd_frame && i == 1 {
+                job.width / 2
+            } else {
+                job.width
+            };
+            let pixels = vec![i as u8; (w * job.height * 4) as usize];
+            frames.push(RgbaImage::new(w, job.height, pixels)?);
         }
         let audio = job.audio.then(|| Audio {
             sample_rate: 8000,
@@ -106,38 +309,120 @@ impl WorkerEngine for FakeVideo {
 }
 
 #[test]
-fn a_video_engine_writes_frames_and_audio() {
-    let dir = temp_dir("written");
+fn a_video_engine_output_is_muxed_and_checked() {
+    let dir = temp_dir("fake");
+    let line = |sub: &str| {
+        json!({"op": "generate", "dir": dir.join(sub), "request": {"video": {
+            "prompt": "waves", "width": 32, "height": 16, "seconds": 0.5, "fps": 6, "audio": true}}})
+    };
     let replies = serve(
-        FakeVideo,
-        &[
-            json!({"op": "load"}),
-            json!({"op": "generate", "dir": dir, "request": {"video": {
-                "prompt": "waves", "width": 32, "height": 16, "seconds": 0.5, "fps": 6, "audio": true}}}),
-            json!({"op": "exit"}),
-        ],
+        FakeVideo { odd_frame: false },
+        &[json!({"op": "load"}), line("a"), json!({"op": "exit"})],
     );
-    let done = replies
-        .iter()
-        .find(|r| r.get("files").is_some())
-        .unwrap_or_else(|| panic!("{replies:?}"));
+    let done = finals(&replies);
+    assert_eq!(done[1]["files"], json!(["video.mp4"]), "{replies:?}");
     assert_eq!(
-        done["files"],
-        json!([
+        replies
+            .iter()
+            .filter(|r| r.get("progress").is_some())
+            .count(),
+        3
+    );
+    let p = media_probe::probe(&dir.join("a").join("video.mp4"));
+    assert_eq!((p.frames, p.width, p.height), (3, 32, 16));
+    // 8 kHz stereo, cut to the video's half second.
+    let audio = p.audio.unwrap();
+    assert_eq!((audio.channels, audio.sample_rate), (2, 8000));
+    assert!((audio.duration - 0.5).abs() < 0.06, "{audio:?}");
+
+    let replies = serve(
+        FakeVideo { odd_frame: true },
+        &[json!({"op": "load"}), line("b"), json!({"op": "exit"})],
+    );
+    let done = finals(&replies);
+    assert_eq!(done[1]["type"], "server_error", "{replies:?}");
+    assert!(
+        done[1]["error"].as_str().unwrap().contains("frame 1"),
+        "{replies:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tf worker --engine testpattern` with `TF_FFMPEG` naming nothing: the job fails with the install command, the
+/// raw frames and audio are written, no MP4 or partial file is left, and the worker serves on.
+#[test]
+fn without_ffmpeg_the_raw_output_is_kept() {
+    let dir = temp_dir("no-ffmpeg");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tf"))
+        .args(["worker", "--engine", "testpattern"])
+        .env("TF_FFMPEG", dir.join("missing-ffmpeg"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = [
+        json!({"op": "load"}),
+        json!({"op": "generate", "dir": dir, "request": {"video": {
+            "prompt": "x", "width": 32, "height": 32, "seconds": 0.25, "fps": 8, "audio": true}}}),
+        json!({"op": "generate", "prompt": "still", "width": 32, "height": 32, "steps": 1, "out_dir": dir}),
+        json!({"op": "exit"}),
+    ];
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        for l in &lines {
+            writeln!(stdin, "{l}").unwrap();
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("apt-get install"),
+        "the load warns: {stderr}"
+    );
+    let replies: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let done = finals(&replies);
+    assert_eq!(done.len(), 4, "{replies:?}");
+    assert_eq!(done[1]["type"], "server_error");
+    let message = done[1]["error"].as_str().unwrap();
+    assert!(
+        message.contains("TF_FFMPEG") && message.contains("apt-get install"),
+        "{message}"
+    );
+    assert!(message.contains("frame_00000.png"), "{message}");
+    assert_eq!(
+        done[2]["files"],
+        json!(["image_0.png"]),
+        "the worker serves on"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "audio.wav",
             "frame_00000.png",
             "frame_00001.png",
-            "frame_00002.png",
-            "audio.wav"
-        ])
+            "image_0.png"
+        ]
     );
-    let progress = replies
-        .iter()
-        .filter(|r| r.get("progress").is_some())
-        .count();
-    assert_eq!(progress, 3);
-    let wav = std::fs::read(dir.join("audio.wav")).unwrap();
-    assert_eq!(&wav[..4], b"RIFF");
-    assert_eq!(wav.len(), 44 + 16000 * 4);
-    assert!(dir.join("frame_00002.png").is_file());
+    let wav = tf_engines::nn::media::wav::read_wav(&dir.join("audio.wav")).unwrap();
+    assert_eq!(
+        (wav.sample_rate, wav.channels, wav.frames()),
+        (32000, 2, 8000)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

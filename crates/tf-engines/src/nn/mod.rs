@@ -9,7 +9,7 @@
 //! - [`gpu`]: launch infrastructure, the GEMM wrapper with its plan cache, attention (head dims 64 and 128), the
 //!   elementwise kernels (each with its host twin) and the per-step graph cache.
 //! - [`sampling`]: the scheduler trait, the flow-match sampler, the portable seeded noise, a seeded test generator.
-//! - [`media`]: PNG files (through the `png` crate).
+//! - [`media`]: PNG files (through the `png` crate), WAV audio, MP4 video through an `ffmpeg` child process.
 //! - [`memory_plan`]: whether a pipeline's components stay resident or run in turn on the device.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!

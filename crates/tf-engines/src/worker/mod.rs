@@ -7,6 +7,8 @@
 //!                                       <- {"progress":{"phase":"denoise","step":1,"of":8,"steps":8}} ...
 //!                                       <- {"ok":true,"files":["image_0.png"],"seed":S,"ms":T}
 //!                                       or {"ok":false,"error":"...","type":"invalid_request_error"|"server_error"}
+//! -> {"op":"generate","dir":D,"request":{"video":{"prompt":..,"seconds":..,"fps":..,"audio":true}}}
+//!                                       <- progress lines, then {"ok":true,"files":["video.mp4"],"seed":S,"ms":T}
 //! -> {"op":"exit"}                      <- {"ok":true,"device_bytes":0,"device_allocs":0}, then exit 0
 //! ```
 //!
@@ -459,6 +461,13 @@ impl<E: WorkerEngine> Worker<E> {
             Ok(Ok(resident)) => {
                 let ms = millis(started);
                 log!("tf worker: loaded in {ms} ms, {resident} bytes resident");
+                if self.engine.makes_video() {
+                    // Videos are muxed by ffmpeg; say now, not after the first job, when it is missing.
+                    match crate::nn::media::mp4::find_ffmpeg() {
+                        Ok(path) => log!("tf worker: videos are muxed by {}", path.display()),
+                        Err(e) => log!("tf worker: warning: {e}; until then video jobs fail after writing their raw frames and audio"),
+                    }
+                }
                 self.resident = Some(resident);
                 write_line(
                     output,
@@ -657,7 +666,7 @@ impl<E: WorkerEngine> Worker<E> {
             Ok(Err(e)) => return self.job_failed(e, output),
             Err(payload) => return self.panicked("generate", payload, output),
         };
-        let files = match write_output(&command.dir, &made) {
+        let files = match write_video(&command.dir, &made) {
             Ok(files) => files,
             Err(message) => {
                 self.reply_error(output, &message, ErrorType::Server)?;
@@ -797,80 +806,90 @@ fn prepare_target(target: &OutputTarget, count: u32) -> Result<Vec<(PathBuf, Str
     }
 }
 
-/// Writes an engine's output into `dir`: images as `image_<i>.png`; a video as `frame_<i>.png` (MP4 muxing is a
-/// later step) plus `audio.wav` (32-bit float PCM). Returns the file names.
-fn write_output(dir: &std::path::Path, made: &EngineOutput) -> Result<Vec<String>, String> {
-    let (prefix, frames, audio) = match made {
-        EngineOutput::Images(images) => ("image", images, None),
-        EngineOutput::Video { frames, audio, .. } => ("frame", frames, audio.as_ref()),
+/// The MP4 a video job writes into its folder.
+pub const VIDEO_FILE: &str = "video.mp4";
+/// The audio track kept beside the raw frames when the MP4 cannot be made.
+pub const AUDIO_FILE: &str = "audio.wav";
+
+/// The name of raw frame `i` (`frame_00000.png`, ...).
+pub fn frame_file(i: usize) -> String {
+    format!("frame_{i:05}.png")
+}
+
+/// Writes a video into `dir` as [`VIDEO_FILE`] (H.264 + AAC through `ffmpeg`, see [`crate::nn::media::mp4`]) and
+/// returns the file names. When the MP4 cannot be made (no `ffmpeg`, or it fails), the raw frames
+/// ([`frame_file`]) and the audio ([`AUDIO_FILE`], 32-bit float WAV) are written instead and the error says so;
+/// every file goes through a temporary name, so nothing half-written is left.
+pub fn write_video(dir: &std::path::Path, made: &EngineOutput) -> Result<Vec<String>, String> {
+    use crate::nn::media::mp4::{find_ffmpeg, write_mp4, AudioInput, PixelLayout, VideoInput};
+    let EngineOutput::Video { frames, fps, audio } = made else {
+        return Err("the engine returned images for a video request".into());
     };
+    let first = frames
+        .first()
+        .ok_or("the engine returned a video without frames")?;
+    let (width, height) = (first.width(), first.height());
+    if let Some((i, f)) = frames
+        .iter()
+        .enumerate()
+        .find(|(_, f)| (f.width(), f.height()) != (width, height))
+    {
+        return Err(format!(
+            "the engine made frame {i} at {}x{} and frame 0 at {width}x{height}",
+            f.width(),
+            f.height()
+        ));
+    }
+    let pixels: Vec<&[u8]> = frames.iter().map(RgbaImage::pixels).collect();
+    let video = VideoInput {
+        width,
+        height,
+        fps: *fps,
+        layout: PixelLayout::Rgba,
+        frames: &pixels,
+    };
+    let track = audio.as_ref().map(|a| AudioInput {
+        sample_rate: a.sample_rate,
+        channels: a.channels,
+        samples: &a.samples,
+    });
+    let muxed = find_ffmpeg()
+        .and_then(|ffmpeg| write_mp4(&ffmpeg, &dir.join(VIDEO_FILE), &video, track.as_ref()));
+    match muxed {
+        Ok(_) => Ok(vec![VIDEO_FILE.to_string()]),
+        Err(e) => Err(match write_raw_video(dir, frames, audio.as_ref()) {
+            Ok(files) => format!(
+                "could not write {VIDEO_FILE}: {e}. The raw output was written instead: {} files in {} ({} ... {})",
+                files.len(),
+                dir.display(),
+                files.first().map_or("", String::as_str),
+                files.last().map_or("", String::as_str)
+            ),
+            Err(raw) => format!("could not write {VIDEO_FILE}: {e}; writing the raw frames failed too: {raw}"),
+        }),
+    }
+}
+
+/// Writes the frames as [`frame_file`] PNGs and the audio as [`AUDIO_FILE`]; returns the file names.
+pub fn write_raw_video(
+    dir: &std::path::Path,
+    frames: &[RgbaImage],
+    audio: Option<&Audio>,
+) -> Result<Vec<String>, String> {
     let mut files = Vec::with_capacity(frames.len() + 1);
     for (i, frame) in frames.iter().enumerate() {
-        let name = if prefix == "frame" {
-            format!("frame_{i:05}.png")
-        } else {
-            format!("image_{i}.png")
-        };
+        let name = frame_file(i);
         write_png_atomically(&dir.join(&name), frame)
             .map_err(|e| format!("could not write {}: {e}", dir.join(&name).display()))?;
         files.push(name);
     }
     if let Some(audio) = audio {
-        let path = dir.join("audio.wav");
-        write_wav(&path, audio).map_err(|e| format!("could not write {}: {e}", path.display()))?;
-        files.push("audio.wav".to_string());
+        let path = dir.join(AUDIO_FILE);
+        crate::nn::media::wav::write_wav(&path, audio.sample_rate, audio.channels, &audio.samples)
+            .map_err(|e| format!("could not write {}: {e}", path.display()))?;
+        files.push(AUDIO_FILE.to_string());
     }
     Ok(files)
-}
-
-/// A WAV file of 32-bit float samples (format 3), through a temporary file renamed into place.
-fn write_wav(path: &std::path::Path, audio: &Audio) -> Result<(), String> {
-    let channels = audio.channels.max(1);
-    if !audio.samples.len().is_multiple_of(usize::from(channels)) {
-        return Err(format!(
-            "{} samples do not split into {channels} channels",
-            audio.samples.len()
-        ));
-    }
-    let data_bytes = audio
-        .samples
-        .len()
-        .checked_mul(4)
-        .and_then(|n| u32::try_from(n).ok())
-        .filter(|&n| n <= u32::MAX - 36)
-        .ok_or("the audio track is too long for a WAV file")?;
-    let block = u32::from(channels) * 4;
-    let mut bytes = Vec::with_capacity(44 + data_bytes as usize);
-    bytes.extend_from_slice(b"RIFF");
-    bytes.extend_from_slice(&(36 + data_bytes).to_le_bytes());
-    bytes.extend_from_slice(b"WAVEfmt ");
-    bytes.extend_from_slice(&16u32.to_le_bytes());
-    bytes.extend_from_slice(&3u16.to_le_bytes());
-    bytes.extend_from_slice(&channels.to_le_bytes());
-    bytes.extend_from_slice(&audio.sample_rate.to_le_bytes());
-    bytes.extend_from_slice(&audio.sample_rate.saturating_mul(block).to_le_bytes());
-    bytes.extend_from_slice(&(block as u16).to_le_bytes());
-    bytes.extend_from_slice(&32u16.to_le_bytes());
-    bytes.extend_from_slice(b"data");
-    bytes.extend_from_slice(&data_bytes.to_le_bytes());
-    for s in &audio.samples {
-        bytes.extend_from_slice(&s.to_le_bytes());
-    }
-    write_atomically(path, &bytes)
-}
-
-/// Writes `bytes` through a temporary file renamed into place, so a reader never sees half a file.
-fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> Result<(), String> {
-    let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
-    let written = std::fs::File::create(&partial)
-        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_data()))
-        .and_then(|()| std::fs::rename(&partial, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&partial);
-    }
-    written.map_err(|e| e.to_string())
 }
 
 /// Writes `image` as a PNG through a temporary file renamed into place, so a reader never sees half a file.
@@ -882,7 +901,7 @@ fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(),
         image.pixels(),
     )
     .map_err(|e| e.to_string())?;
-    write_atomically(path, &bytes)
+    crate::nn::media::write_atomically(path, &bytes).map_err(|e| e.to_string())
 }
 
 /// One output line; absent fields are left out, present ones keep this order (`ok` first).

@@ -1,4 +1,4 @@
-//! `tf`: the command-line front end (doctor, tokenize, forward, image, bench, worker).
+//! `tf`: the command-line front end (doctor, tokenize, forward, image, video, bench, worker).
 
 use std::process::ExitCode;
 
@@ -9,6 +9,7 @@ mod doctor;
 mod forward;
 mod image;
 mod tokenize;
+mod video;
 mod worker;
 
 #[derive(Parser)]
@@ -28,6 +29,8 @@ enum Command {
     Forward(forward::Args),
     /// Generate an image from a prompt with a Qwen-Image 2.1 model folder and write a PNG.
     Image(image::Args),
+    /// Generate a video with stereo audio from a prompt (MiniMax H3) and write an MP4.
+    Video(video::Args),
     /// Benchmarks on the GPU, side by side with the reference.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -42,6 +45,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Forward(a) => forward::run(a),
         Command::Image(a) => image::run(a),
+        Command::Video(a) => video::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Worker(a) => worker::run(a),
     }
