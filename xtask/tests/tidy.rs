@@ -4,6 +4,7 @@
 //! - No model folder of tf-engines imports another model folder, and the shared layer imports none.
 //! - Every `unsafe` block and `unsafe impl` in library code has a `SAFETY` comment right above it.
 //! - No source file grows past a size ceiling.
+//! - No library code sets up NVLink multicast, and tf-nccl keeps NCCL's multicast off.
 
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -101,6 +102,8 @@ fn crate_dependencies_run_one_way() {
         ("tf-tokenizer", &[][..]),
         ("tf-cuda", &["tf-sys", "tf-copysource"][..]),
         ("tf-engines", &["tf-cuda", "tf-tokenizer"][..]),
+        // NCCL on tf-cuda's contexts and streams; engines opt into it, nothing below depends on it.
+        ("tf-nccl", &["tf-cuda"][..]),
         ("tf-testdriver", &["tf-sys"][..]),
         ("xtask", &["tf-sys"][..]),
     ]);
@@ -288,6 +291,35 @@ fn every_unsafe_block_in_library_code_says_why() {
                 ));
             }
         }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// NVLink multicast stays off on the GPU hosts: no library code sets up multicast memory (the driver's
+/// `cuMulticast*` entries), and tf-nccl keeps NCCL's multicast switch at 0.
+#[test]
+fn no_library_code_sets_up_nvlink_multicast() {
+    let mut problems = Vec::new();
+    for file in library_files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            if line.contains(concat!("cuMulticast", "Create"))
+                || line.contains(concat!("cuMulticast", "BindMem"))
+            {
+                problems.push(format!(
+                    "{}:{}: NVLink multicast set up",
+                    relative(&file),
+                    i + 1
+                ));
+            }
+        }
+    }
+    let nccl = std::fs::read_to_string(repo_root().join("crates/tf-nccl/src/loader.rs")).unwrap();
+    if !nccl.contains("std::env::set_var(NVLS_ENV, \"0\")") {
+        problems.push(
+            "crates/tf-nccl/src/loader.rs no longer sets NCCL_NVLS_ENABLE=0 before opening NCCL"
+                .into(),
+        );
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -11,6 +11,7 @@
 //! - [`sampling`]: the scheduler trait, the flow-match sampler, the portable seeded noise, a seeded test generator.
 //! - [`media`]: PNG files (through the `png` crate), WAV audio, MP4 video through an `ffmpeg` child process.
 //! - [`memory_plan`]: whether a pipeline's components stay resident or run in turn on the device.
+//! - [`parallel`]: sequence parallelism over GPUs: row blocks, head groups, the Ulysses and K/V-gather exchange plans.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!
 //! Invariant (checked by the tidy test): nothing under `nn/` imports a model folder.
@@ -21,6 +22,7 @@ pub mod host;
 pub mod kernels;
 pub mod media;
 pub mod memory_plan;
+pub mod parallel;
 pub mod sampling;
 pub mod tensor;
 pub mod upload;
