@@ -44,6 +44,9 @@ pub enum H3Error {
     /// A backend condition with no underlying error (an unsupported config, a missing workspace).
     #[error("backend: {0}")]
     Backend(String),
+    /// A GPU backend call failed (the typed cause stays in the chain, so a lost context is findable).
+    #[error(transparent)]
+    Gpu(#[from] crate::nn::backend_error::GpuError),
 }
 
 fn input_err<T>(why: impl Into<String>) -> Result<T, H3Error> {

@@ -1,0 +1,381 @@
+//! The MiniMax H3 DiT on the GPU: bf16 weights and activations, f32 accumulation, cuBLASLt GEMMs, the shared
+//! kernels of [`crate::nn::gpu`] (attention at head dim 128, SwiGLU) and the H3 kernels of
+//! [`kernels`] (fused gated residual + RMSNorm + adaLN modulation, QK norm + partial RoPE, f32 linear layers), behind
+//! the same [`H3DitBackend`] interface as the host reference.
+//!
+//! - Weights: a diffusers folder or the original release layout (mapped while uploading: the per-head interleaved
+//!   `qkv_proj` de-interleaved, `fc1`'s `[gate; value]` swapped), every tensor checked against its spec first,
+//!   streamed through the one pinned upload ring into one allocation: `q|k|v` fused as one GEMM weight, bf16
+//!   everywhere except the modules the reference keeps in f32 (input projections, time embedder, output heads).
+//!   Widths that are not multiples of 8 and heads narrower than 128 (tiny test models) are zero-padded on the device;
+//!   the norms divide by the true widths.
+//! - A forward validates its inputs ([`H3Rows`]), takes the workspace of its shape (allocated, and its GEMMs planned
+//!   ahead, on first use), uploads what depends on the inputs' values (rows, row indices, RoPE tables, the
+//!   sinusoid) and runs the step: eagerly the first time, afterwards (graphs on) as the CUDA graph captured for its
+//!   shape. Batch items share the layout and run as one sequence of `batch * seq` rows (attention per item).
+//! - No host synchronisation inside a step; the forward synchronizes once, before reading the outputs. `Drop`
+//!   synchronizes the stream before anything is freed.
+//!
+//! Submodules: [`kernels`] (the H3 kernel launchers), `weights` (dimensions, device layout, placement plan, upload
+//! and seeded fill), `workspace` (per-shape buffers and per-forward tables), `step` (the enqueued step, its GEMM
+//! list and graph replay) and, with the `bench` feature, `bench` (step timing).
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs};
+//! use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
+//! use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
+//!
+//! let mut dit = GpuH3Dit::load(&ModelDir::open(Path::new("transformer"))?)?;
+//! let inputs = H3Inputs::from_bundle(&SafetensorsFile::open(Path::new("step.safetensors"))?)?;
+//! let out = dit.forward(&inputs)?;
+//! println!("sample {:?}, audio_sample {:?}", out.sample.shape(), out.audio_sample.shape());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::time::Duration;
+
+use tf_cuda::cublaslt::{AlgoSelection, PrepareReport};
+use tf_cuda::{Context, DeviceBuffer, Stream};
+
+use super::checkpoint::{self, CheckpointLayout, PRUNED_TABLE, ROPE_BUFFER};
+use super::config::{ConfigError, MiniMaxH3Config};
+use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
+use super::dit_host::LoadOptions;
+use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::gemm::{self, GemmRunner};
+use crate::nn::gpu::AttentionTile;
+use crate::nn::tensor::Tensor;
+use crate::nn::upload::{StagingConfig, UploadStats};
+use crate::nn::weights::ModelDir;
+
+#[cfg(feature = "bench")]
+mod bench;
+pub mod kernels;
+mod step;
+mod weights;
+mod workspace;
+
+use kernels::H3Kernels;
+use weights::{Dims, Source, WeightOffsets};
+use workspace::{ShapeKey, Workspace};
+
+/// Graphs kept per workspace (one: the workspace's shape).
+const MAX_GRAPHS: usize = 1;
+/// Workspaces kept (one per shape, oldest dropped first).
+const MAX_WORKSPACES: usize = 2;
+/// Time a new shape may spend timing GEMM algorithms the plan cache does not hold yet, before its first step.
+pub const FIRST_USE_GEMM_BUDGET: Duration = Duration::from_secs(20);
+/// GEMM algorithm choice: timed, but only where planned ahead (a new shape is planned before its first step) or
+/// found in the persistent plan cache; `TF_GEMM_SELECTION=heuristic` takes cuBLASLt's first result everywhere.
+pub const DEFAULT_GEMM_SELECTION: AlgoSelection = gemm::TIMED;
+
+fn cuda_err(what: &str) -> impl FnOnce(tf_cuda::Error) -> H3Error + '_ {
+    move |e| H3Error::Gpu(gpu_error(what, e))
+}
+
+/// A GPU failure of any cause the backend meets (runtime, cuBLASLt, kernels, upload), kept typed.
+fn gpu_err<E: IntoGpuError>(what: &str) -> impl FnOnce(E) -> H3Error + '_ {
+    move |e| H3Error::Gpu(gpu_error(what, e))
+}
+
+/// Device times of one forward's step (milliseconds per step) and the process's peak of device memory held
+/// in buffers (weights, workspaces, cuBLASLt's workspace) since the last `tf_cuda::usage::reset_peaks`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct H3StepTimes {
+    pub eager_ms: f64,
+    pub graph_ms: f64,
+    pub peak_device_bytes: u64,
+}
+
+/// Read-only state a step uses.
+struct Engine {
+    config: MiniMaxH3Config,
+    dims: Dims,
+    ctx: Context,
+    stream: Stream,
+    kernels: H3Kernels,
+    tile: AttentionTile,
+    gemms: GemmRunner,
+    weights: DeviceBuffer,
+    offsets: WeightOffsets,
+}
+
+/// The GPU DiT backend.
+pub struct GpuH3Dit {
+    engine: Engine,
+    workspaces: Vec<Workspace>,
+    use_graphs: bool,
+    layout: Option<CheckpointLayout>,
+    upload: Option<UploadStats>,
+}
+
+impl std::fmt::Debug for GpuH3Dit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuH3Dit")
+            .field("config", &self.engine.config)
+            .field("layout", &self.layout)
+            .field("workspaces", &self.workspaces.len())
+            .field("use_graphs", &self.use_graphs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for GpuH3Dit {
+    fn drop(&mut self) {
+        // Work still queued (after an error mid-step) must not outlive the buffers it reads. On a lost context this
+        // fails fast without calling the driver (tf-cuda checks its health first), and the buffers leak.
+        let _ = self.engine.stream.synchronize();
+    }
+}
+
+/// Checks an original-layout folder against its specs (a pruned checkpoint is refused, naming the table).
+fn check_original(model: &ModelDir, config: &MiniMaxH3Config) -> Result<(), H3Error> {
+    if let Ok(info) = model.info(PRUNED_TABLE) {
+        return Err(H3Error::Checkpoint {
+            file: model.file_of(PRUNED_TABLE)?.path().display().to_string(),
+            tensor: PRUNED_TABLE.into(),
+            why: format!(
+                "a pruned checkpoint (shape {:?} instead of the time embedder) is not supported; use the unpruned release",
+                info.shape
+            ),
+        });
+    }
+    let with_rope = model.names().any(|n| n == ROPE_BUFFER);
+    model.check(&checkpoint::original_tensor_specs(config, with_rope))?;
+    Ok(())
+}
+
+impl Engine {
+    /// The engine of `config` on `ctx` around weights made by `make`.
+    fn new(
+        ctx: &Context,
+        config: MiniMaxH3Config,
+        source: Source,
+        make: impl FnOnce(
+            &Stream,
+            &H3Kernels,
+            &weights::WeightPlan,
+        ) -> Result<weights::DeviceWeights, H3Error>,
+    ) -> Result<(Engine, Option<UploadStats>), H3Error> {
+        let dims = Dims::of(&config)?;
+        let plan = weights::plan(&config, &dims, source)?;
+        let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
+        let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;
+        let gemms =
+            GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;
+        let made = make(&stream, &kernels, &plan)?;
+        Ok((
+            Engine {
+                config,
+                dims,
+                ctx: ctx.clone(),
+                stream,
+                tile: kernels.preferred_tile(),
+                kernels,
+                gemms,
+                weights: made.buffer,
+                offsets: plan.offsets,
+            },
+            made.upload,
+        ))
+    }
+}
+
+impl GpuH3Dit {
+    /// Opens the driver, makes a context on device 0 and loads `model` onto it.
+    pub fn load(model: &ModelDir) -> Result<GpuH3Dit, H3Error> {
+        let driver = tf_cuda::open_driver().map_err(cuda_err("opening the CUDA driver"))?;
+        let ctx = Context::new(driver, 0).map_err(cuda_err("creating a context on device 0"))?;
+        GpuH3Dit::load_on(&ctx, model)
+    }
+
+    /// Loads `model` (a diffusers or original-layout folder) into `ctx`: validates the config and every tensor,
+    /// uploads the weights, loads the kernels and cuBLASLt.
+    pub fn load_on(ctx: &Context, model: &ModelDir) -> Result<GpuH3Dit, H3Error> {
+        GpuH3Dit::load_with(ctx, model, LoadOptions::default(), StagingConfig::default())
+    }
+
+    /// [`GpuH3Dit::load_on`] with the host loader's options (the qkv order of an original folder) and a staging
+    /// geometry for the upload ring.
+    pub fn load_with(
+        ctx: &Context,
+        model: &ModelDir,
+        options: LoadOptions,
+        staging: StagingConfig,
+    ) -> Result<GpuH3Dit, H3Error> {
+        let config =
+            MiniMaxH3Config::from_json_file(model.config_json(), &model.dir().join("config.json"))?;
+        let layout = checkpoint::detect(model, options.qkv);
+        let source = match layout {
+            CheckpointLayout::Diffusers => {
+                model.check(&config.tensor_specs())?;
+                Source::Diffusers
+            }
+            CheckpointLayout::Original(qkv) => {
+                check_original(model, &config)?;
+                Source::Original(qkv)
+            }
+        };
+        let (engine, upload) = Engine::new(ctx, config, source, |stream, _, plan| {
+            weights::upload(ctx, stream, model, plan, staging)
+        })?;
+        Ok(GpuH3Dit {
+            engine,
+            workspaces: Vec::new(),
+            use_graphs: true,
+            layout: Some(layout),
+            upload,
+        })
+    }
+
+    /// Full-size timing without a checkpoint: every weight made on the device from `seed` (uniform, scaled like a
+    /// default init: `+-1/sqrt(fan_in)` for linear layers, `1 +- 0.05` for norm weights, so activations stay finite
+    /// through every block); says nothing about accuracy.
+    pub fn random_on(
+        ctx: &Context,
+        config: &MiniMaxH3Config,
+        seed: u64,
+    ) -> Result<GpuH3Dit, H3Error> {
+        config.validate().map_err(|why| ConfigError {
+            file: "config".into(),
+            why,
+        })?;
+        let (engine, _) = Engine::new(
+            ctx,
+            config.clone(),
+            Source::Diffusers,
+            |stream, kernels, plan| weights::random(ctx, stream, kernels, plan, seed),
+        )?;
+        Ok(GpuH3Dit {
+            engine,
+            workspaces: Vec::new(),
+            use_graphs: true,
+            layout: None,
+            upload: None,
+        })
+    }
+
+    /// The context the model lives in.
+    pub fn context(&self) -> &Context {
+        &self.engine.ctx
+    }
+
+    /// Turns CUDA graph capture and replay on (the default) or off (every step eager).
+    pub fn set_graphs(&mut self, enabled: bool) {
+        self.use_graphs = enabled;
+    }
+
+    /// Bytes of the device weight allocation.
+    pub fn weight_bytes(&self) -> u64 {
+        self.engine.weights.len() as u64
+    }
+
+    /// Device bytes of the workspaces held now (one per shape seen, at most two).
+    pub fn workspace_bytes(&self) -> u64 {
+        self.workspaces.iter().map(|w| w.sizes.total() as u64).sum()
+    }
+
+    /// Which layout the folder held (`None` for a seeded model).
+    pub fn checkpoint_layout(&self) -> Option<CheckpointLayout> {
+        self.layout
+    }
+
+    /// What the weight upload moved and how fast (`None` for a seeded model).
+    pub fn upload_stats(&self) -> Option<UploadStats> {
+        self.upload
+    }
+
+    /// Frees every workspace and captured graph (weights stay).
+    pub fn clear_workspaces(&mut self) {
+        self.workspaces.clear();
+    }
+
+    /// Plans the GEMMs of the steps of `inputs` ahead of them: choices stored in the persistent plan cache are
+    /// reused, unseen shapes are timed within `budget` (under timed selection); afterwards no GEMM is timed inside a
+    /// step. A shape's first forward does this by itself (within [`FIRST_USE_GEMM_BUDGET`]).
+    pub fn prepare_gemms(
+        &self,
+        inputs: &[&H3Inputs],
+        budget: Duration,
+    ) -> Result<PrepareReport, H3Error> {
+        let mut shapes = Vec::new();
+        for i in inputs {
+            let rows = H3Rows::build(&self.engine.config, i)?;
+            shapes.extend(self.engine.gemm_shapes(&ShapeKey::of(&rows))?);
+        }
+        self.engine
+            .gemms
+            .prepare(&gemm::distinct(shapes), budget, &self.engine.stream)
+            .map_err(gpu_err("planning the GEMMs ahead"))
+    }
+
+    /// The workspace of `rows`' shape, made (and its GEMMs planned) on first use.
+    fn workspace_index(&mut self, rows: &H3Rows) -> Result<usize, H3Error> {
+        let key = ShapeKey::of(rows);
+        if let Some(i) = self.workspaces.iter().position(|w| w.key == key) {
+            return Ok(i);
+        }
+        let shapes = self.engine.gemm_shapes(&key)?;
+        self.engine
+            .gemms
+            .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &self.engine.stream)
+            .map_err(gpu_err("planning the step's GEMMs"))?;
+        if self.workspaces.len() >= MAX_WORKSPACES {
+            // Freed before the new one is allocated (a freed buffer waits for the device first).
+            self.workspaces.remove(0);
+        }
+        let ws = Workspace::new(&self.engine.ctx, &self.engine.dims, key)?;
+        self.workspaces.push(ws);
+        Ok(self.workspaces.len() - 1)
+    }
+
+    /// Validates `inputs`, takes their workspace and uploads what depends on their values (on the stream).
+    fn prepare(&mut self, inputs: &H3Inputs) -> Result<usize, H3Error> {
+        let rows = H3Rows::build(&self.engine.config, inputs)?;
+        let index = self.workspace_index(&rows)?;
+        self.engine
+            .upload_inputs(&mut self.workspaces[index], &rows, inputs)?;
+        Ok(index)
+    }
+}
+
+impl H3DitBackend for GpuH3Dit {
+    fn config(&self) -> &MiniMaxH3Config {
+        &self.engine.config
+    }
+
+    fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error> {
+        let index = self.prepare(inputs)?;
+        let engine = &self.engine;
+        let ws = &mut self.workspaces[index];
+        if self.use_graphs && ws.warmed {
+            engine.replay(ws)?;
+        } else {
+            engine.enqueue_step(ws)?;
+            ws.warmed = true;
+        }
+        engine
+            .stream
+            .synchronize()
+            .map_err(cuda_err("running the H3 DiT step"))?;
+        let download = |buf: &DeviceBuffer, what: &str| -> Result<Vec<f32>, H3Error> {
+            if buf.is_empty() {
+                return Ok(Vec::new());
+            }
+            buf.to_vec().map_err(cuda_err(what))
+        };
+        let key = ws.key;
+        let d = &engine.dims;
+        Ok(H3Output {
+            sample: Tensor::new(
+                vec![key.batch, key.video, d.video],
+                download(&ws.sample, "downloading the sample")?,
+            )?,
+            audio_sample: Tensor::new(
+                vec![key.batch, key.audio, d.audio],
+                download(&ws.audio_sample, "downloading the audio sample")?,
+            )?,
+        })
+    }
+}

@@ -1,0 +1,70 @@
+//! Benchmark-only timing of the H3 DiT step (the `bench` feature): device time per step from events around
+//! back-to-back launches, eager and as graph replays, on the workspace and graph a forward uses.
+
+use tf_cuda::{Event, Stream};
+
+use super::{cuda_err, GpuH3Dit, H3StepTimes};
+use crate::minimax_h3::dit::{H3Error, H3Inputs};
+
+/// Milliseconds per launch of `iters` calls of `launch` on `stream`, timed by events around them.
+fn timed(
+    start: &Event,
+    end: &Event,
+    stream: &Stream,
+    iters: usize,
+    mut launch: impl FnMut() -> Result<(), H3Error>,
+) -> Result<f64, H3Error> {
+    start
+        .record(stream)
+        .map_err(cuda_err("recording an event"))?;
+    for _ in 0..iters {
+        launch()?;
+    }
+    end.record(stream).map_err(cuda_err("recording an event"))?;
+    end.synchronize().map_err(cuda_err("timing the steps"))?;
+    let ms = Event::elapsed_ms(start, end).map_err(cuda_err("reading an event"))?;
+    Ok(f64::from(ms) / iters as f64)
+}
+
+impl GpuH3Dit {
+    /// Device time of one forward's step (events; `warmup` then `iters` launches), eager and graph replay. The
+    /// inputs are uploaded once; the workspace (and its GEMM planning, on first use) and the graph are the ones
+    /// [`crate::minimax_h3::dit::H3DitBackend::forward`] uses. `peak_device_bytes` is the process's peak of device
+    /// buffer bytes since the last `tf_cuda::usage::reset_peaks`.
+    pub fn time_step(
+        &mut self,
+        inputs: &H3Inputs,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<H3StepTimes, H3Error> {
+        let index = self.prepare(inputs)?;
+        let engine = &self.engine;
+        let ws = &mut self.workspaces[index];
+        let iters = iters.max(1);
+        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        // At least one eager step first: it builds the GEMM plans, so the capture below records no planning.
+        for _ in 0..warmup.max(1) {
+            engine.enqueue_step(ws)?;
+        }
+        ws.warmed = true;
+        let eager_ms = timed(&start, &end, &engine.stream, iters, || {
+            engine.enqueue_step(ws)
+        })?;
+        // Captured on first use, then replayed `warmup` times untimed.
+        engine.replay(ws)?;
+        for _ in 1..warmup.max(1) {
+            engine.replay(ws)?;
+        }
+        let graph_ms = timed(&start, &end, &engine.stream, iters, || engine.replay(ws))?;
+        engine
+            .stream
+            .synchronize()
+            .map_err(cuda_err("finishing the timed steps"))?;
+        Ok(H3StepTimes {
+            eager_ms,
+            graph_ms,
+            peak_device_bytes: tf_cuda::usage().device_peak,
+        })
+    }
+}

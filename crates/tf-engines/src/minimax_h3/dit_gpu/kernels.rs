@@ -1,0 +1,796 @@
+//! The MiniMax H3 DiT's own kernels (`kernels/minimax_h3/dit.cu`, kernel set `minimax_h3_dit`): the gated
+//! residual fused with the next RMSNorm and its adaLN modulation ([`plan_residual_norm`]), the per-head QK RMSNorm
+//! with partial rotate-half RoPE on bf16 tables ([`plan_qk_norm_rope`]), and the f32 linear layers of the modules
+//! the reference keeps in f32 ([`plan_linear_f32`]). Same conventions as [`crate::nn::gpu`]: one `plan_*` function
+//! per kernel validates every operand and packs the arguments (unit-tested without a GPU); [`H3Kernels`] holds
+//! these kernels beside the shared [`NnKernels`] and submits.
+
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
+
+use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
+use crate::nn::gpu::{
+    check_matrix, invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, NnKernels,
+    Operand, HEAD_DIM, MAX_NORM_COLS, ROW_THREADS,
+};
+
+/// Name of the kernel set.
+pub const H3_SET: &str = "minimax_h3_dit";
+
+const H3_KERNELS: &[&str] = &[
+    "h3_residual_norm",
+    "h3_qk_norm_rope",
+    "h3_linear_f32_tile_xf_yf",
+    "h3_linear_f32_tile_xf_yb",
+    "h3_linear_f32_tile_xb_yf",
+    "h3_linear_f32_tile_xb_yb",
+    "h3_linear_f32_rows_xf_yf",
+    "h3_linear_f32_rows_xf_yb",
+    "h3_linear_f32_rows_xb_yf",
+    "h3_linear_f32_rows_xb_yb",
+];
+
+/// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
+pub const FEW_ROWS: usize = 8;
+
+/// Rows of one per-row table (`rows` rows of `stride` bf16 elements) and the i32 index that picks each activation
+/// row's table row. `data` starts at the first column used (the gate block, or the table's first column for
+/// scale and shift offsets).
+#[derive(Clone, Copy, Debug)]
+pub struct RowTable<'v, 'a> {
+    pub data: &'v DeviceView<'a>,
+    pub rows: usize,
+    pub stride: usize,
+    /// One i32 per activation row (the kernel clamps each into `0..rows`; the caller checks them).
+    pub index: &'v DeviceView<'a>,
+}
+
+/// The adaLN modulation after the norm: `* (1 + table[m, scale + c]) (+ table[m, shift + c])`.
+#[derive(Clone, Copy, Debug)]
+pub struct NormModulation<'v, 'a> {
+    pub table: RowTable<'v, 'a>,
+    pub scale_offset: usize,
+    pub shift_offset: Option<usize>,
+}
+
+/// Operands of [`plan_residual_norm`]: `x (+= gate * y)` in place, then `out = RMSNorm(x) * weight` with an
+/// optional modulation, written to `out` (scattered through `out_index` when given).
+#[derive(Debug)]
+pub struct ResidualNorm<'v, 'a> {
+    /// The residual stream: `rows` x `cols` (padded width) with its stride.
+    pub x: &'v DeviceViewMut<'a>,
+    pub x_layout: Matrix,
+    /// `(y, y_stride)`: added to x (times the gate) before the norm; `None`: x is normed as it is.
+    pub residual: Option<(&'v DeviceView<'a>, usize)>,
+    /// The gate's table, offset to the gate columns; `None`: gate 1 (a plain residual).
+    pub gate: Option<RowTable<'v, 'a>>,
+    /// The model's width: the mean square divides by it (columns past it are zero padding).
+    pub norm_cols: usize,
+    pub eps: f32,
+    /// bf16 `[cols]`.
+    pub weight: &'v DeviceView<'a>,
+    pub modulation: Option<NormModulation<'v, 'a>>,
+    pub out: &'v DeviceViewMut<'a>,
+    pub out_stride: usize,
+    /// `(index, out_rows)`: activation row r goes to row `index[r]` of an `out_rows`-row output.
+    pub out_index: Option<(&'v DeviceView<'a>, usize)>,
+}
+
+fn check_index(
+    op: &str,
+    name: &str,
+    index: &DeviceView<'_>,
+    rows: usize,
+) -> Result<(), tf_cuda::Error> {
+    check_aligned_to(op, name, Operand::of(index), 4)?;
+    let bytes = rows
+        .checked_mul(4)
+        .ok_or_else(|| invalid(op, format!("{name} size overflows")))?;
+    check_bytes(op, name, Operand::of(index), bytes)
+}
+
+/// Checks a per-row table whose rows hold `cols` used columns starting at column `first`.
+fn check_table(
+    op: &str,
+    name: &str,
+    table: &RowTable<'_, '_>,
+    first: usize,
+    cols: usize,
+    rows: usize,
+) -> Result<(), tf_cuda::Error> {
+    if table.rows == 0 {
+        return Err(invalid(op, format!("{name}: the table has no rows")));
+    }
+    let end = first
+        .checked_add(cols)
+        .ok_or_else(|| invalid(op, format!("{name}: offset overflows")))?;
+    if end > table.stride {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: columns [{first}, {end}) run past the row stride {}",
+                table.stride
+            ),
+        ));
+    }
+    if !first.is_multiple_of(8) {
+        return Err(invalid(
+            op,
+            format!("{name}: column offset {first} must be a multiple of 8"),
+        ));
+    }
+    check_matrix(
+        op,
+        name,
+        Operand::of(table.data),
+        Matrix {
+            rows: table.rows,
+            cols: end,
+            stride: table.stride,
+        },
+    )?;
+    check_index(op, &format!("{name} index"), table.index, rows)
+}
+
+/// Builds the fused gated residual + RMSNorm (+ adaLN modulation) (kernel h3_residual_norm).
+pub fn plan_residual_norm<'a>(op: &ResidualNorm<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "residual_norm";
+    let (rows, cols) = (op.x_layout.rows, op.x_layout.cols);
+    if cols == 0 || cols > MAX_NORM_COLS {
+        return Err(invalid(
+            OP,
+            format!("rows of {cols} columns: the kernel normalises 8..={MAX_NORM_COLS} columns"),
+        ));
+    }
+    if op.norm_cols == 0 || op.norm_cols > cols {
+        return Err(invalid(
+            OP,
+            format!("the norm width {} must be within 1..={cols}", op.norm_cols),
+        ));
+    }
+    if !(op.eps.is_finite() && op.eps >= 0.0) {
+        return Err(invalid(
+            OP,
+            format!("eps {} must be finite and >= 0", op.eps),
+        ));
+    }
+    check_matrix(OP, "x", Operand::of_mut(op.x), op.x_layout)?;
+    check_matrix(OP, "weight", Operand::of(op.weight), Matrix::dense(1, cols))?;
+    let (y_addr, y_stride) = match op.residual {
+        Some((y, stride)) => {
+            check_matrix(OP, "y", Operand::of(y), op.x_layout.with_stride(stride))?;
+            (y.addr(), stride)
+        }
+        None => {
+            if op.gate.is_some() {
+                return Err(invalid(OP, "a gate needs a residual input y"));
+            }
+            (0, 0)
+        }
+    };
+    if let Some(gate) = &op.gate {
+        check_table(OP, "gate", gate, 0, cols, rows)?;
+    }
+    if let Some(m) = &op.modulation {
+        check_table(OP, "modulation scale", &m.table, m.scale_offset, cols, rows)?;
+        if let Some(shift) = m.shift_offset {
+            check_table(OP, "modulation shift", &m.table, shift, cols, rows)?;
+        }
+    }
+    let out_rows = match op.out_index {
+        Some((index, out_rows)) => {
+            check_index(OP, "out index", index, rows)?;
+            out_rows
+        }
+        None => rows,
+    };
+    check_matrix(
+        OP,
+        "out",
+        Operand::of_mut(op.out),
+        Matrix {
+            rows: out_rows,
+            cols,
+            stride: op.out_stride,
+        },
+    )?;
+    let mut args = Args::new();
+    args.push_addr(op.x.addr())
+        .push(to_i32(OP, "x stride", op.x_layout.stride)?)
+        .push_addr(y_addr)
+        .push(to_i32(OP, "y stride", y_stride)?)
+        .push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "cols", cols)?)
+        .push(1.0f32 / op.norm_cols as f32)
+        .push(op.eps)
+        .push_addr(op.weight.addr());
+    match &op.gate {
+        Some(g) => args
+            .push_addr(g.data.addr())
+            .push(to_i32(OP, "gate stride", g.stride)?)
+            .push(to_i32(OP, "gate rows", g.rows)?)
+            .push_addr(g.index.addr()),
+        None => args.push_addr(0).push(0i32).push(0i32).push_addr(0),
+    };
+    match &op.modulation {
+        Some(m) => args
+            .push_addr(m.table.data.addr())
+            .push(to_i32(OP, "modulation stride", m.table.stride)?)
+            .push(to_i32(OP, "modulation rows", m.table.rows)?)
+            .push_addr(m.table.index.addr())
+            .push(to_i32(OP, "scale offset", m.scale_offset)?)
+            .push(match m.shift_offset {
+                Some(s) => to_i32(OP, "shift offset", s)?,
+                None => -1,
+            }),
+        None => args
+            .push_addr(0)
+            .push(0i32)
+            .push(0i32)
+            .push_addr(0)
+            .push(0i32)
+            .push(-1i32),
+    };
+    args.push_addr(op.out.addr())
+        .push(to_i32(OP, "out stride", op.out_stride)?)
+        .push_addr(op.out_index.map_or(0, |(index, _)| index.addr()))
+        .push(to_i32(OP, "out rows", out_rows)?);
+    Ok(Launch::new(
+        "h3_residual_norm",
+        LaunchConfig::new(to_u32(OP, "rows", rows.max(1))?, ROW_THREADS),
+        args,
+    ))
+}
+
+/// Operands of [`plan_qk_norm_rope`]: the fused q|k|v matrix (`rows` x `3 * heads * 128`, q and k rewritten in
+/// place), the QK-norm weights and, optionally, the RoPE tables.
+#[derive(Debug)]
+pub struct QkNormRope<'v, 'a> {
+    pub qkv: &'v DeviceViewMut<'a>,
+    pub qkv_layout: Matrix,
+    pub heads: usize,
+    /// bf16 `[128]` each (zero past the true head dim).
+    pub q_weight: &'v DeviceView<'a>,
+    pub k_weight: &'v DeviceView<'a>,
+    /// The true head dim (the mean square divides by it; channels past it are zero padding).
+    pub norm_dim: usize,
+    pub eps: f32,
+    /// `(cos, sin, stride, rotated)`: bf16 `[rows, stride]` tables whose first `rotated / 2` columns hold the
+    /// angles of each row; `rotated` channels of each head turn. `None`: the norm only.
+    pub rope: Option<(&'v DeviceView<'a>, &'v DeviceView<'a>, usize, usize)>,
+}
+
+/// Builds the in-place per-head QK RMSNorm (+ partial rotate-half RoPE) (kernel h3_qk_norm_rope).
+pub fn plan_qk_norm_rope<'a>(op: &QkNormRope<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "qk_norm_rope";
+    let rows = op.qkv_layout.rows;
+    let width = op
+        .heads
+        .checked_mul(3 * HEAD_DIM)
+        .ok_or_else(|| invalid(OP, "heads overflow"))?;
+    if op.heads == 0 || op.qkv_layout.cols != width {
+        return Err(invalid(
+            OP,
+            format!(
+                "qkv has {} columns; {} heads of {HEAD_DIM} need {width} (q | k | v)",
+                op.qkv_layout.cols, op.heads
+            ),
+        ));
+    }
+    if op.norm_dim == 0 || op.norm_dim > HEAD_DIM {
+        return Err(invalid(
+            OP,
+            format!("head dim {} must be within 1..={HEAD_DIM}", op.norm_dim),
+        ));
+    }
+    if !(op.eps.is_finite() && op.eps >= 0.0) {
+        return Err(invalid(
+            OP,
+            format!("eps {} must be finite and >= 0", op.eps),
+        ));
+    }
+    check_matrix(OP, "qkv", Operand::of_mut(op.qkv), op.qkv_layout)?;
+    for (name, w) in [("q_weight", op.q_weight), ("k_weight", op.k_weight)] {
+        check_matrix(OP, name, Operand::of(w), Matrix::dense(1, HEAD_DIM))?;
+    }
+    let (cos, sin, stride, rotated) = match op.rope {
+        Some((cos, sin, stride, rotated)) => {
+            if rotated < 2 || rotated > op.norm_dim || !rotated.is_multiple_of(2) {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "rotated width {rotated} must be even and within 2..={}",
+                        op.norm_dim
+                    ),
+                ));
+            }
+            let half = rotated / 2;
+            if stride < half {
+                return Err(invalid(
+                    OP,
+                    format!("table stride {stride} is less than the {half} used columns"),
+                ));
+            }
+            let bytes = if rows == 0 {
+                0
+            } else {
+                (rows - 1)
+                    .checked_mul(stride)
+                    .and_then(|n| n.checked_add(half))
+                    .and_then(|n| n.checked_mul(2))
+                    .ok_or_else(|| invalid(OP, "table size overflows"))?
+            };
+            for (name, table) in [("rope_cos", cos), ("rope_sin", sin)] {
+                check_aligned_to(OP, name, Operand::of(table), 2)?;
+                check_bytes(OP, name, Operand::of(table), bytes)?;
+            }
+            (cos.addr(), sin.addr(), stride, rotated)
+        }
+        None => (0, 0, 0, 0),
+    };
+    let items = rows
+        .checked_mul(2 * op.heads)
+        .ok_or_else(|| invalid(OP, "rows * heads overflows"))?;
+    let mut args = Args::new();
+    args.push_addr(op.qkv.addr())
+        .push(to_i32(OP, "qkv stride", op.qkv_layout.stride)?)
+        .push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "heads", op.heads)?)
+        .push_addr(op.q_weight.addr())
+        .push_addr(op.k_weight.addr())
+        .push(1.0f32 / op.norm_dim as f32)
+        .push(op.eps)
+        .push_addr(cos)
+        .push_addr(sin)
+        .push(to_i32(OP, "table stride", stride)?)
+        .push(to_i32(OP, "rotated", rotated)?);
+    Ok(Launch::new(
+        "h3_qk_norm_rope",
+        LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+        args,
+    ))
+}
+
+/// Element type of an f32-linear operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    Bf16,
+}
+
+impl Elem {
+    fn bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::Bf16 => 2,
+        }
+    }
+}
+
+/// One row-major operand of [`plan_linear_f32`]: `rows` rows of `stride` elements (`cols` used), optionally
+/// addressed through an i32 row index (the layer's row r reads or writes row `index[r]`).
+#[derive(Clone, Copy, Debug)]
+pub struct RowsOperand<'v, 'a> {
+    pub elem: Elem,
+    pub rows: usize,
+    pub stride: usize,
+    pub index: Option<&'v DeviceView<'a>>,
+}
+
+/// Operands of [`plan_linear_f32`]: `y[yr(r), c] = act(sum_k x[xr(r), k] * w[c, k] + bias[c])` in f32 for
+/// `r < m`, `c < n`.
+#[derive(Debug)]
+pub struct LinearF32<'v, 'a> {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub x: &'v DeviceView<'a>,
+    pub x_rows: RowsOperand<'v, 'a>,
+    /// f32 `[n, k]`.
+    pub w: &'v DeviceView<'a>,
+    /// f32 `[n]`.
+    pub bias: Option<&'v DeviceView<'a>>,
+    pub y: &'v DeviceViewMut<'a>,
+    pub y_rows: RowsOperand<'v, 'a>,
+    /// SiLU after the bias.
+    pub silu: bool,
+}
+
+fn check_rows_operand(
+    op: &str,
+    name: &str,
+    operand: Operand,
+    rows: RowsOperand<'_, '_>,
+    cols: usize,
+    m: usize,
+) -> Result<(), tf_cuda::Error> {
+    let unit = rows.elem.bytes();
+    check_aligned_to(op, name, operand, unit as u64)?;
+    if rows.stride < cols {
+        return Err(invalid(
+            op,
+            format!(
+                "{name}: row stride {} is less than its {cols} columns",
+                rows.stride
+            ),
+        ));
+    }
+    let needed_rows = match rows.index {
+        Some(index) => {
+            check_index(op, &format!("{name} index"), index, m)?;
+            rows.rows
+        }
+        None => {
+            if rows.rows < m {
+                return Err(invalid(
+                    op,
+                    format!("{name}: {} rows for a layer of {m} rows", rows.rows),
+                ));
+            }
+            m
+        }
+    };
+    let bytes = if needed_rows == 0 {
+        0
+    } else {
+        (needed_rows - 1)
+            .checked_mul(rows.stride)
+            .and_then(|v| v.checked_add(cols))
+            .and_then(|v| v.checked_mul(unit))
+            .ok_or_else(|| invalid(op, format!("{name} size overflows")))?
+    };
+    check_bytes(op, name, operand, bytes)
+}
+
+/// Builds one f32 linear layer (kernels h3_linear_f32_{tile,rows}_x{f,b}_y{f,b}): the few-rows kernel up to
+/// [`FEW_ROWS`] rows, 64x64 tiles above.
+pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "linear_f32";
+    if op.m == 0 || op.n == 0 || op.k == 0 {
+        return Err(invalid(
+            OP,
+            format!(
+                "m = {}, n = {}, k = {} must all be at least 1",
+                op.m, op.n, op.k
+            ),
+        ));
+    }
+    check_rows_operand(OP, "x", Operand::of(op.x), op.x_rows, op.k, op.m)?;
+    check_rows_operand(OP, "y", Operand::of_mut(op.y), op.y_rows, op.n, op.m)?;
+    let w_bytes =
+        op.n.checked_mul(op.k)
+            .and_then(|v| v.checked_mul(4))
+            .ok_or_else(|| invalid(OP, "w size overflows"))?;
+    check_aligned_to(OP, "w", Operand::of(op.w), 4)?;
+    check_bytes(OP, "w", Operand::of(op.w), w_bytes)?;
+    if let Some(bias) = op.bias {
+        check_aligned_to(OP, "bias", Operand::of(bias), 4)?;
+        check_bytes(OP, "bias", Operand::of(bias), op.n * 4)?;
+    }
+    let few = op.m <= FEW_ROWS;
+    let kernel = match (few, op.x_rows.elem, op.y_rows.elem) {
+        (false, Elem::F32, Elem::F32) => "h3_linear_f32_tile_xf_yf",
+        (false, Elem::F32, Elem::Bf16) => "h3_linear_f32_tile_xf_yb",
+        (false, Elem::Bf16, Elem::F32) => "h3_linear_f32_tile_xb_yf",
+        (false, Elem::Bf16, Elem::Bf16) => "h3_linear_f32_tile_xb_yb",
+        (true, Elem::F32, Elem::F32) => "h3_linear_f32_rows_xf_yf",
+        (true, Elem::F32, Elem::Bf16) => "h3_linear_f32_rows_xf_yb",
+        (true, Elem::Bf16, Elem::F32) => "h3_linear_f32_rows_xb_yf",
+        (true, Elem::Bf16, Elem::Bf16) => "h3_linear_f32_rows_xb_yb",
+    };
+    let grid = if few {
+        (
+            to_u32(OP, "column groups", op.n.div_ceil(8))?,
+            to_u32(OP, "row groups", op.m.div_ceil(4))?,
+        )
+    } else {
+        (
+            to_u32(OP, "column tiles", op.n.div_ceil(64))?,
+            to_u32(OP, "row tiles", op.m.div_ceil(64))?,
+        )
+    };
+    let mut args = Args::new();
+    args.push_addr(op.x.addr())
+        .push(to_i32(OP, "x stride", op.x_rows.stride)?)
+        .push_addr(op.x_rows.index.map_or(0, |i| i.addr()))
+        .push(to_i32(OP, "x rows", op.x_rows.rows)?)
+        .push_addr(op.w.addr())
+        .push(to_i32(OP, "k", op.k)?)
+        .push_addr(op.bias.map_or(0, |b| b.addr()))
+        .push_addr(op.y.addr())
+        .push(to_i32(OP, "y stride", op.y_rows.stride)?)
+        .push_addr(op.y_rows.index.map_or(0, |i| i.addr()))
+        .push(to_i32(OP, "y rows", op.y_rows.rows)?)
+        .push(to_i32(OP, "m", op.m)?)
+        .push(to_i32(OP, "n", op.n)?)
+        .push(i32::from(op.silu));
+    Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
+}
+
+/// The H3 DiT's kernels of one context: the `minimax_h3_dit` set beside the shared [`NnKernels`] (reachable
+/// through `Deref`), so one handle runs the whole step.
+pub struct H3Kernels {
+    nn: NnKernels,
+    h3: LoadedSet,
+}
+
+impl std::fmt::Debug for H3Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("H3Kernels")
+            .field("nn", &self.nn)
+            .field("h3", &self.h3)
+            .finish()
+    }
+}
+
+impl std::ops::Deref for H3Kernels {
+    type Target = NnKernels;
+    fn deref(&self) -> &NnKernels {
+        &self.nn
+    }
+}
+
+impl H3Kernels {
+    /// Loads the shared sets and the `minimax_h3_dit` set into `ctx`.
+    pub fn load(ctx: &Context) -> Result<H3Kernels, LoadKernelsError> {
+        Ok(H3Kernels {
+            nn: NnKernels::load(ctx)?,
+            h3: LoadedSet::load(ctx, H3_SET, H3_KERNELS)?,
+        })
+    }
+
+    /// Submits the launch a `plan_*` function of this module or of [`crate::nn::gpu`] built, or passes its error
+    /// on.
+    pub fn run(
+        &self,
+        stream: &Stream,
+        plan: Result<Launch<'_>, tf_cuda::Error>,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan?;
+        if self.h3.has(launch.kernel()) {
+            self.h3.submit(stream, &launch)
+        } else {
+            self.nn.submit(stream, &launch)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::gpu::test_support::{buffer, context, BF16};
+    use tf_testdriver::test_lock;
+
+    #[test]
+    fn residual_norm_packs_every_variant_and_checks_tables() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, cols) = (6, 24);
+        let mut x = buffer(&ctx, rows * cols * BF16);
+        let y = buffer(&ctx, rows * cols * BF16);
+        let mut out = buffer(&ctx, 2 * rows * cols * BF16);
+        let w = buffer(&ctx, cols * BF16);
+        let table = buffer(&ctx, 3 * 6 * cols * BF16);
+        let index = buffer(&ctx, rows * 4);
+        let (xv, yv, ov, wv, tv, iv) = (
+            x.view_mut(),
+            y.view(),
+            out.view_mut(),
+            w.view(),
+            table.view(),
+            index.view(),
+        );
+        let layout = Matrix::dense(rows, cols);
+        let plain = ResidualNorm {
+            x: &xv,
+            x_layout: layout,
+            residual: None,
+            gate: None,
+            norm_cols: 20,
+            eps: 1e-5,
+            weight: &wv,
+            modulation: None,
+            out: &ov,
+            out_stride: cols,
+            out_index: None,
+        };
+        let launch = plan_residual_norm(&plain).unwrap();
+        assert_eq!(launch.kernel(), "h3_residual_norm");
+        assert_eq!(launch.args().len(), 23);
+        assert_eq!(launch.args().get::<f32>(6), Some(1.0 / 20.0));
+        assert_eq!(launch.args().get::<u64>(2), Some(0));
+        assert_eq!(launch.args().get::<i32>(18), Some(-1));
+        assert_eq!(launch.config().grid.x, rows as u32);
+        // Gate from column 2 * cols of a [3, 6 * cols] table, scale and shift from another block.
+        let gate_view = tv
+            .slice(2 * cols * BF16, tv.len() - 2 * cols * BF16)
+            .unwrap();
+        let gate = RowTable {
+            data: &gate_view,
+            rows: 3,
+            stride: 6 * cols,
+            index: &iv,
+        };
+        let full = ResidualNorm {
+            residual: Some((&yv, cols)),
+            gate: Some(gate),
+            modulation: Some(NormModulation {
+                table: RowTable {
+                    data: &tv,
+                    rows: 3,
+                    stride: 6 * cols,
+                    index: &iv,
+                },
+                scale_offset: 4 * cols,
+                shift_offset: Some(3 * cols),
+            }),
+            out_index: Some((&iv, 2 * rows)),
+            ..plain
+        };
+        let launch = plan_residual_norm(&full).unwrap();
+        assert_eq!(launch.args().get::<u64>(9), Some(gate_view.addr()));
+        assert_eq!(launch.args().get::<i32>(10), Some(6 * cols as i32));
+        assert_eq!(launch.args().get::<i32>(17), Some(4 * cols as i32));
+        assert_eq!(launch.args().get::<i32>(18), Some(3 * cols as i32));
+        assert_eq!(launch.args().get::<i32>(22), Some(2 * rows as i32));
+        // Refusals: a gate without a residual, a norm width past the row, a shift past the stride, a short index,
+        // an out too small for its scattered rows.
+        let gate_only = ResidualNorm {
+            residual: None,
+            ..full
+        };
+        assert!(plan_residual_norm(&gate_only).is_err());
+        let wide = ResidualNorm {
+            norm_cols: cols + 1,
+            ..plain
+        };
+        assert!(plan_residual_norm(&wide).is_err());
+        let past = ResidualNorm {
+            modulation: Some(NormModulation {
+                table: RowTable {
+                    data: &tv,
+                    rows: 3,
+                    stride: 6 * cols,
+                    index: &iv,
+                },
+                scale_offset: 4 * cols,
+                shift_offset: Some(6 * cols),
+            }),
+            ..plain
+        };
+        assert!(plan_residual_norm(&past)
+            .unwrap_err()
+            .to_string()
+            .contains("row stride"));
+        let short = iv.slice(0, (rows - 1) * 4).unwrap();
+        let short_index = ResidualNorm {
+            out_index: Some((&short, rows)),
+            ..plain
+        };
+        assert!(plan_residual_norm(&short_index).is_err());
+        let too_many = ResidualNorm {
+            out_index: Some((&iv, 3 * rows)),
+            ..plain
+        };
+        assert!(plan_residual_norm(&too_many)
+            .unwrap_err()
+            .to_string()
+            .contains("out"));
+    }
+
+    #[test]
+    fn qk_norm_rope_checks_widths_and_tables() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, heads) = (5, 2);
+        let mut qkv = buffer(&ctx, rows * 3 * heads * HEAD_DIM * BF16);
+        let w = buffer(&ctx, 2 * HEAD_DIM * BF16);
+        let tables = buffer(&ctx, 2 * rows * 48 * BF16);
+        let qv = qkv.view_mut();
+        let (qw, kw) = (
+            w.slice(0, HEAD_DIM * BF16).unwrap(),
+            w.slice(HEAD_DIM * BF16, HEAD_DIM * BF16).unwrap(),
+        );
+        let (cos, sin) = (
+            tables.slice(0, rows * 48 * BF16).unwrap(),
+            tables.slice(rows * 48 * BF16, rows * 48 * BF16).unwrap(),
+        );
+        let op = QkNormRope {
+            qkv: &qv,
+            qkv_layout: Matrix::dense(rows, 3 * heads * HEAD_DIM),
+            heads,
+            q_weight: &qw,
+            k_weight: &kw,
+            norm_dim: 128,
+            eps: 1e-5,
+            rope: Some((&cos, &sin, 48, 96)),
+        };
+        let launch = plan_qk_norm_rope(&op).unwrap();
+        assert_eq!(launch.kernel(), "h3_qk_norm_rope");
+        assert_eq!(
+            launch.config().grid.x,
+            (rows * 2 * heads).div_ceil(8) as u32
+        );
+        assert_eq!(launch.args().get::<i32>(11), Some(96));
+        let norm_only = QkNormRope { rope: None, ..op };
+        assert_eq!(
+            plan_qk_norm_rope(&norm_only).unwrap().args().get::<u64>(8),
+            Some(0)
+        );
+        // Rotated past the true head dim, a short table, an odd width: refused.
+        let narrow = QkNormRope { norm_dim: 16, ..op };
+        assert!(plan_qk_norm_rope(&narrow).is_err());
+        let short = tables.slice(0, (rows * 48 - 1) * BF16).unwrap();
+        let short_table = QkNormRope {
+            rope: Some((&short, &sin, 48, 96)),
+            ..op
+        };
+        assert!(plan_qk_norm_rope(&short_table).is_err());
+        let odd = QkNormRope {
+            rope: Some((&cos, &sin, 48, 95)),
+            ..op
+        };
+        assert!(plan_qk_norm_rope(&odd).is_err());
+        let wrong_cols = QkNormRope {
+            qkv_layout: Matrix::dense(rows, 2 * heads * HEAD_DIM),
+            ..op
+        };
+        assert!(plan_qk_norm_rope(&wrong_cols).is_err());
+    }
+
+    #[test]
+    fn linear_f32_picks_the_kernel_and_checks_gathers() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (m, n, k, rows) = (10, 40, 24, 30);
+        let x = buffer(&ctx, m * k * 4);
+        let w = buffer(&ctx, n * k * 4);
+        let b = buffer(&ctx, n * 4);
+        let mut y = buffer(&ctx, rows * n * BF16);
+        let index = buffer(&ctx, m * 4);
+        let (xv, wv, bv, yv, iv) = (x.view(), w.view(), b.view(), y.view_mut(), index.view());
+        let op = LinearF32 {
+            m,
+            n,
+            k,
+            x: &xv,
+            x_rows: RowsOperand {
+                elem: Elem::F32,
+                rows: m,
+                stride: k,
+                index: None,
+            },
+            w: &wv,
+            bias: Some(&bv),
+            y: &yv,
+            y_rows: RowsOperand {
+                elem: Elem::Bf16,
+                rows,
+                stride: n,
+                index: Some(&iv),
+            },
+            silu: true,
+        };
+        let launch = plan_linear_f32(&op).unwrap();
+        assert_eq!(launch.kernel(), "h3_linear_f32_tile_xf_yb");
+        assert_eq!((launch.config().grid.x, launch.config().grid.y), (1, 1));
+        assert_eq!(launch.args().get::<i32>(13), Some(1));
+        let few = LinearF32 { m: 3, ..op };
+        let launch = plan_linear_f32(&few).unwrap();
+        assert_eq!(launch.kernel(), "h3_linear_f32_rows_xf_yb");
+        assert_eq!((launch.config().grid.x, launch.config().grid.y), (5, 1));
+        // A scatter target smaller than its declared rows, an x with fewer rows than the layer: refused.
+        let small = LinearF32 {
+            y_rows: RowsOperand {
+                rows: rows + 1,
+                ..op.y_rows
+            },
+            ..op
+        };
+        assert!(plan_linear_f32(&small).is_err());
+        let short_x = LinearF32 { m: m + 1, ..op };
+        assert!(plan_linear_f32(&short_x).is_err());
+        let empty = LinearF32 { n: 0, ..op };
+        assert!(plan_linear_f32(&empty).is_err());
+    }
+}

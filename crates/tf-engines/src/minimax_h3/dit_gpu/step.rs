@@ -1,0 +1,771 @@
+//! One H3 DiT step enqueued on the stream, and its capture into a graph and replay:
+//!
+//! 1. the time embedder in f32 (sinusoid uploaded per forward), `silu(temb)` rounded to bf16 once;
+//! 2. every block's adaLN table `[T * 3, 6 * H]` and the output modulation `[T, 2 * H]` (bf16 GEMMs with bias);
+//! 3. the video and audio rows through their f32 projections, written straight into their rows of x;
+//! 4. the text rows through `context_embedder`, the token refiner (plain pre-norm blocks, no RoPE) and its final
+//!    norm, which writes them into their rows of x;
+//! 5. every block: fused q|k|v GEMM, QK norm + partial RoPE in place, attention, `to_out`, the gated residual fused
+//!    with the next norm and modulation, `fc1` (`[value | gate]`), SwiGLU, `fc2`, and again the gated residual
+//!    fused with the next block's norm (after the last block: `norm_out`, modulated by timestep);
+//! 6. the f32 video and audio heads over the rows they select.
+//!
+//! Every GEMM of a step is described once ([`GemmCall`]): the step runs them and [`Engine::gemm_shapes`] lists their
+//! plans, so planning ahead sees exactly the shapes the step runs. Nothing here synchronizes with the host.
+
+use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::{DeviceBuffer, DeviceView};
+
+use super::kernels::{
+    plan_linear_f32, plan_qk_norm_rope, plan_residual_norm, Elem, LinearF32, NormModulation,
+    QkNormRope, ResidualNorm, RowTable, RowsOperand,
+};
+use super::weights::AttnOffsets;
+use super::workspace::{ShapeKey, Workspace, WorkspaceSizes};
+use super::{cuda_err, Engine};
+use crate::minimax_h3::config::MODALITIES;
+use crate::minimax_h3::dit::H3Error;
+use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::gemm::{self, GemmShape, Linear};
+use crate::nn::gpu::graph_cache::GraphCache;
+use crate::nn::gpu::{
+    plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, Strides, SwigluOrder, HEAD_DIM,
+};
+use crate::nn::weights::BF16;
+
+fn launch(e: tf_cuda::Error) -> H3Error {
+    H3Error::Gpu(gpu_error("kernel launch", e))
+}
+
+/// A workspace buffer a GEMM reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Buf {
+    Temb,
+    Adaln,
+    OutMod,
+    TextIn,
+    Tx,
+    H,
+    Qkv,
+    Attn,
+    Y,
+    Ff,
+    Act,
+}
+
+/// One bf16 GEMM of the step: `y[m, n] = x[m, k] w[n, k]^T (+ bias)`, operands at byte offsets of workspace
+/// buffers (`x`, `y`) and of the weights (`w`, `bias`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct GemmCall {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub x: Buf,
+    pub x_off: usize,
+    pub w: usize,
+    pub y: Buf,
+    pub y_off: usize,
+    pub bias: Option<usize>,
+}
+
+impl GemmCall {
+    /// The plan this call needs.
+    pub(super) fn shape(&self) -> GemmShape {
+        let shape = gemm::shape_at_offsets(
+            self.m,
+            self.n,
+            self.k,
+            (self.x_off, self.w, self.y_off),
+            false,
+        );
+        if self.bias.is_some() {
+            shape.with_bias()
+        } else {
+            shape
+        }
+    }
+}
+
+/// Which rows a block runs over: the token refiner's text rows, or the packed sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    Text,
+    Main,
+}
+
+/// What is added to the residual stream before the norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Residual {
+    /// Nothing: the stream is normed as it is.
+    None,
+    /// `x += y`.
+    Plain,
+    /// `x += gate * y`, the gate at `column` of block `layer`'s adaLN rows.
+    Gated { layer: usize, column: usize },
+}
+
+/// The modulation after the norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Modulate {
+    None,
+    /// `* (1 + scale) + shift` from block `layer`'s adaLN rows.
+    Block {
+        layer: usize,
+        scale: usize,
+        shift: usize,
+    },
+    /// `norm_out`'s `[shift | scale]`, indexed by timestep.
+    Output,
+}
+
+/// Where the normed rows go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// The normed-rows buffer h.
+    H,
+    /// Into x at the text rows (the refiner's final norm).
+    TextRowsOfX,
+}
+
+impl Engine {
+    fn weight_view(&self, offset: usize, bytes: usize) -> Result<DeviceView<'_>, H3Error> {
+        self.weights
+            .slice(offset, bytes)
+            .map_err(cuda_err("addressing a weight"))
+    }
+
+    fn adaln_call(
+        &self,
+        sizes: &WorkspaceSizes,
+        timesteps: usize,
+        layer: usize,
+    ) -> Option<GemmCall> {
+        let d = &self.dims;
+        let b = self.offsets.blocks.get(layer)?;
+        Some(GemmCall {
+            m: timesteps,
+            n: MODALITIES * d.adaln_row(),
+            k: d.temb_p,
+            x: Buf::Temb,
+            x_off: 0,
+            w: b.ada_w,
+            y: Buf::Adaln,
+            y_off: layer * sizes.adaln_block,
+            bias: Some(b.ada_b),
+        })
+    }
+
+    fn norm_out_call(&self, timesteps: usize) -> GemmCall {
+        let d = &self.dims;
+        GemmCall {
+            m: timesteps,
+            n: 2 * d.hp,
+            k: d.temb_p,
+            x: Buf::Temb,
+            x_off: 0,
+            w: self.offsets.norm_out_w,
+            y: Buf::OutMod,
+            y_off: 0,
+            bias: Some(self.offsets.norm_out_b),
+        }
+    }
+
+    fn context_call(&self, text_rows: usize) -> GemmCall {
+        let d = &self.dims;
+        GemmCall {
+            m: text_rows,
+            n: d.hp,
+            k: d.text_p,
+            x: Buf::TextIn,
+            x_off: 0,
+            w: self.offsets.ctx_w,
+            y: Buf::Tx,
+            y_off: 0,
+            bias: Some(self.offsets.ctx_b),
+        }
+    }
+
+    /// The four GEMMs of one attention block over `m` rows: q|k|v, `to_out`, `fc1`, `fc2`.
+    fn block_calls(&self, a: &AttnOffsets, m: usize) -> [GemmCall; 4] {
+        let d = &self.dims;
+        let call = |n, k, x, w, y| GemmCall {
+            m,
+            n,
+            k,
+            x,
+            x_off: 0,
+            w,
+            y,
+            y_off: 0,
+            bias: None,
+        };
+        [
+            call(3 * d.width, d.hp, Buf::H, a.qkv, Buf::Qkv),
+            call(d.hp, d.width, Buf::Attn, a.to_out, Buf::Y),
+            call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff),
+            call(d.hp, d.fp, Buf::Act, a.fc2, Buf::Y),
+        ]
+    }
+
+    /// Every GEMM plan a step of `key` runs, one entry per distinct plan in first-call order.
+    pub(super) fn gemm_shapes(&self, key: &ShapeKey) -> Result<Vec<GemmShape>, H3Error> {
+        let sizes = WorkspaceSizes::of(&self.dims, key)?;
+        let mut calls: Vec<GemmCall> = (0..self.offsets.blocks.len())
+            .filter_map(|i| self.adaln_call(&sizes, key.timesteps, i))
+            .collect();
+        calls.push(self.norm_out_call(key.timesteps));
+        if sizes.text_rows > 0 {
+            calls.push(self.context_call(sizes.text_rows));
+            for a in &self.offsets.refiner {
+                calls.extend(self.block_calls(a, sizes.text_rows));
+            }
+        }
+        for b in &self.offsets.blocks {
+            calls.extend(self.block_calls(&b.attn, sizes.rows));
+        }
+        Ok(gemm::distinct(
+            calls
+                .iter()
+                .filter(|c| c.m > 0)
+                .map(GemmCall::shape)
+                .collect(),
+        ))
+    }
+
+    fn buffer<'w>(ws: &'w Workspace, buf: Buf) -> &'w DeviceBuffer {
+        match buf {
+            Buf::Temb => &ws.temb,
+            Buf::Adaln => &ws.adaln,
+            Buf::OutMod => &ws.out_mod,
+            Buf::TextIn => &ws.text_in,
+            Buf::Tx => &ws.tx,
+            Buf::H => &ws.h,
+            Buf::Qkv => &ws.qkv,
+            Buf::Attn => &ws.attn,
+            Buf::Y => &ws.y,
+            Buf::Ff => &ws.ff,
+            Buf::Act => &ws.act,
+        }
+    }
+
+    /// Enqueues one GEMM (nothing for no rows).
+    fn run_gemm(&self, ws: &Workspace, c: GemmCall) -> Result<(), H3Error> {
+        if c.m == 0 {
+            return Ok(());
+        }
+        let gemm_err = |e| H3Error::Gpu(gpu_error("GEMM", e));
+        let bytes = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .and_then(|v| v.checked_mul(BF16))
+                .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
+        };
+        let x: DeviceSpan =
+            gemm::span(Self::buffer(ws, c.x), c.x_off, bytes(c.m, c.k)?).map_err(gemm_err)?;
+        let w = gemm::span(&self.weights, c.w, bytes(c.n, c.k)?).map_err(gemm_err)?;
+        let y = gemm::span(Self::buffer(ws, c.y), c.y_off, bytes(c.m, c.n)?).map_err(gemm_err)?;
+        let bias = match c.bias {
+            Some(b) => Some(gemm::span(&self.weights, b, bytes(1, c.n)?).map_err(gemm_err)?),
+            None => None,
+        };
+        let linear = Linear::new(c.m, c.n, c.k, x, w, y).with_bias(bias);
+        // SAFETY: every span lies inside a live buffer of this engine (the weights) or of the workspace in use
+        // (checked by `gemm::span`); those buffers outlive the work: the forward synchronizes the stream before
+        // returning, `GpuH3Dit`'s Drop synchronizes it before anything is freed, and a workspace's graph is stored
+        // with (and dropped with) the workspace whose buffers it references.
+        unsafe { self.gemms.run(&linear, &self.stream) }.map_err(gemm_err)
+    }
+
+    fn linear_f32(&self, op: &LinearF32<'_, '_>) -> Result<(), H3Error> {
+        self.kernels
+            .run(&self.stream, plan_linear_f32(op))
+            .map_err(launch)
+    }
+
+    /// The fused residual + RMSNorm (+ modulation) over the text or main rows.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm(
+        &self,
+        ws: &mut Workspace,
+        rows: Rows,
+        residual: Residual,
+        weight: usize,
+        eps: f32,
+        modulate: Modulate,
+        target: Target,
+    ) -> Result<(), H3Error> {
+        let d = &self.dims;
+        let z = ws.sizes;
+        let hp = d.hp;
+        let timesteps = ws.key.timesteps;
+        let table_rows = timesteps * MODALITIES;
+        let row = d.adaln_row();
+        let table_bytes = table_rows * row * BF16;
+        let n = match rows {
+            Rows::Text => z.text_rows,
+            Rows::Main => z.rows,
+        };
+        let wv = self.weight_view(weight, hp * BF16)?;
+        let yv = ws.y.view();
+        let ada_index = ws.adaln_index.view();
+        let t_index = ws.timestep_index.view();
+        let text_index = ws.text_index.view();
+        let gate_view = match residual {
+            Residual::Gated { layer, column } => Some(
+                ws.adaln
+                    .slice(
+                        layer * z.adaln_block + column * BF16,
+                        table_bytes - column * BF16,
+                    )
+                    .map_err(launch)?,
+            ),
+            _ => None,
+        };
+        let mod_view = match modulate {
+            Modulate::Block { layer, .. } => Some(
+                ws.adaln
+                    .slice(layer * z.adaln_block, table_bytes)
+                    .map_err(launch)?,
+            ),
+            Modulate::Output => Some(ws.out_mod.view()),
+            Modulate::None => None,
+        };
+        let (xv, ov) = match (rows, target) {
+            (Rows::Text, Target::H) => (ws.tx.view_mut(), ws.h.view_mut()),
+            (Rows::Text, Target::TextRowsOfX) => (ws.tx.view_mut(), ws.x.view_mut()),
+            (Rows::Main, Target::H) => (ws.x.view_mut(), ws.h.view_mut()),
+            (Rows::Main, Target::TextRowsOfX) => {
+                return Err(H3Error::Backend(
+                    "internal: only the refiner's rows are scattered into x".into(),
+                ))
+            }
+        };
+        let op = ResidualNorm {
+            x: &xv,
+            x_layout: Matrix::dense(n, hp),
+            residual: match residual {
+                Residual::None => None,
+                _ => Some((&yv, hp)),
+            },
+            gate: gate_view.as_ref().map(|g| RowTable {
+                data: g,
+                rows: table_rows,
+                stride: row,
+                index: &ada_index,
+            }),
+            norm_cols: d.hidden,
+            eps,
+            weight: &wv,
+            modulation: match (modulate, mod_view.as_ref()) {
+                (Modulate::Block { scale, shift, .. }, Some(m)) => Some(NormModulation {
+                    table: RowTable {
+                        data: m,
+                        rows: table_rows,
+                        stride: row,
+                        index: &ada_index,
+                    },
+                    scale_offset: scale,
+                    shift_offset: Some(shift),
+                }),
+                (Modulate::Output, Some(m)) => Some(NormModulation {
+                    table: RowTable {
+                        data: m,
+                        rows: timesteps,
+                        stride: 2 * hp,
+                        index: &t_index,
+                    },
+                    scale_offset: hp,
+                    shift_offset: Some(0),
+                }),
+                _ => None,
+            },
+            out: &ov,
+            out_stride: hp,
+            out_index: match target {
+                Target::H => None,
+                Target::TextRowsOfX => Some((&text_index, z.rows)),
+            },
+        };
+        self.kernels
+            .run(&self.stream, plan_residual_norm(&op))
+            .map_err(launch)
+    }
+
+    /// The attention half of a block on the normed rows h: q|k|v, QK norm (+ RoPE on the main rows), attention,
+    /// `to_out` into y.
+    fn attention_half(
+        &self,
+        ws: &mut Workspace,
+        a: &AttnOffsets,
+        rows: Rows,
+    ) -> Result<(), H3Error> {
+        let d = &self.dims;
+        let key = ws.key;
+        let seq = match rows {
+            Rows::Text => key.text,
+            Rows::Main => key.seq,
+        };
+        let m = key.batch * seq;
+        let [qkv_call, out_call, _, _] = self.block_calls(a, m);
+        self.run_gemm(ws, qkv_call)?;
+        {
+            let qkv = ws.qkv.view_mut();
+            let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
+            let qw = self.weight_view(a.norm_q, HEAD_DIM * BF16)?;
+            let kw = self.weight_view(a.norm_k, HEAD_DIM * BF16)?;
+            let op = QkNormRope {
+                qkv: &qkv,
+                qkv_layout: Matrix::dense(m, 3 * d.width),
+                heads: d.heads,
+                q_weight: &qw,
+                k_weight: &kw,
+                norm_dim: d.head_dim,
+                eps: d.qk_eps,
+                rope: match rows {
+                    Rows::Main => Some((&cos, &sin, d.rotated / 2, d.rotated)),
+                    Rows::Text => None,
+                },
+            };
+            self.kernels
+                .run(&self.stream, plan_qk_norm_rope(&op))
+                .map_err(launch)?;
+        }
+        {
+            let qkv = ws.qkv.view();
+            let part = d.width * BF16;
+            let len = qkv.len();
+            let k = qkv.slice(part, len - part).map_err(launch)?;
+            let v = qkv.slice(2 * part, len - 2 * part).map_err(launch)?;
+            let strides = Strides {
+                batch: seq * 3 * d.width,
+                row: 3 * d.width,
+            };
+            let scale = 1.0 / (d.head_dim as f32).sqrt();
+            let inputs = AttentionInputs::self_attention(&qkv, &k, &v, strides, scale);
+            let shape = AttentionShape {
+                batch: key.batch,
+                num_queries: seq,
+                num_keys: seq,
+                prefix_len: 0,
+                num_heads: d.heads,
+                num_kv_heads: d.heads,
+            };
+            let mut o = ws.attn.view_mut();
+            let o_strides = Strides {
+                batch: seq * d.width,
+                row: d.width,
+            };
+            self.kernels
+                .attention_with(&self.stream, self.tile, shape, &inputs, &mut o, o_strides)
+                .map_err(launch)?;
+        }
+        self.run_gemm(ws, out_call)
+    }
+
+    /// The feed-forward half of a block on the normed rows h: `fc1` (`[value | gate]`), SwiGLU, `fc2` into y.
+    fn mlp(&self, ws: &mut Workspace, a: &AttnOffsets, m: usize) -> Result<(), H3Error> {
+        let fp = self.dims.fp;
+        let [_, _, fc1, fc2] = self.block_calls(a, m);
+        self.run_gemm(ws, fc1)?;
+        self.kernels
+            .run(
+                &self.stream,
+                plan_swiglu_ordered(
+                    SwigluOrder::ValueGate,
+                    &ws.ff.view(),
+                    Matrix::dense(m, 2 * fp),
+                    &ws.act.view_mut(),
+                    fp,
+                ),
+            )
+            .map_err(launch)?;
+        self.run_gemm(ws, fc2)
+    }
+
+    /// Enqueues one step on the stream (no host synchronisation).
+    pub(super) fn enqueue_step(&self, ws: &mut Workspace) -> Result<(), H3Error> {
+        let d = self.dims;
+        let o = &self.offsets;
+        let key = ws.key;
+        let z = ws.sizes;
+        let (nt, hp) = (key.timesteps, d.hp);
+        let f32_rows = |rows: usize, stride: usize| RowsOperand {
+            elem: Elem::F32,
+            rows,
+            stride,
+            index: None,
+        };
+
+        // 1. Time embedder (f32): linear_1 + SiLU, linear_2 + SiLU (temb only enters the model through SiLU).
+        self.linear_f32(&LinearF32 {
+            m: nt,
+            n: d.time_hidden,
+            k: d.freq,
+            x: &ws.sinusoid.view(),
+            x_rows: f32_rows(nt, d.freq),
+            w: &self.weight_view(o.time1_w, d.time_hidden * d.freq * 4)?,
+            bias: Some(&self.weight_view(o.time1_b, d.time_hidden * 4)?),
+            y: &ws.time_hidden.view_mut(),
+            y_rows: f32_rows(nt, d.time_hidden),
+            silu: true,
+        })?;
+        self.linear_f32(&LinearF32 {
+            m: nt,
+            n: d.temb_p,
+            k: d.time_hidden,
+            x: &ws.time_hidden.view(),
+            x_rows: f32_rows(nt, d.time_hidden),
+            w: &self.weight_view(o.time2_w, d.temb_p * d.time_hidden * 4)?,
+            bias: Some(&self.weight_view(o.time2_b, d.temb_p * 4)?),
+            y: &ws.temb.view_mut(),
+            y_rows: RowsOperand {
+                elem: Elem::Bf16,
+                rows: nt,
+                stride: d.temb_p,
+                index: None,
+            },
+            silu: true,
+        })?;
+
+        // 2. The adaLN tables of every block and the output modulation.
+        for layer in 0..o.blocks.len() {
+            if let Some(call) = self.adaln_call(&z, nt, layer) {
+                self.run_gemm(ws, call)?;
+            }
+        }
+        self.run_gemm(ws, self.norm_out_call(nt))?;
+
+        // 3. Video and audio rows (f32 projections) straight into their rows of x.
+        let heads_in = [
+            (key.video, d.video, o.proj_in_w, o.proj_in_b, true),
+            (key.audio, d.audio, o.audio_in_w, o.audio_in_b, false),
+        ];
+        for (per_item, channels, w, b, video) in heads_in {
+            let m = key.batch * per_item;
+            if m == 0 {
+                continue;
+            }
+            let (input, index) = if video {
+                (ws.video_in.view(), ws.video_index.view())
+            } else {
+                (ws.audio_in.view(), ws.audio_index.view())
+            };
+            self.linear_f32(&LinearF32 {
+                m,
+                n: hp,
+                k: channels,
+                x: &input,
+                x_rows: f32_rows(m, channels),
+                w: &self.weight_view(w, hp * channels * 4)?,
+                bias: Some(&self.weight_view(b, hp * 4)?),
+                y: &ws.x.view_mut(),
+                y_rows: RowsOperand {
+                    elem: Elem::Bf16,
+                    rows: z.rows,
+                    stride: hp,
+                    index: Some(&index),
+                },
+                silu: false,
+            })?;
+        }
+
+        // 4. Text rows: context_embedder, the token refiner, its final norm written into x.
+        let text = z.text_rows;
+        if text > 0 {
+            self.run_gemm(ws, self.context_call(text))?;
+            let refiner = &o.refiner;
+            if let Some(first) = refiner.first() {
+                self.residual_norm(
+                    ws,
+                    Rows::Text,
+                    Residual::None,
+                    first.norm1,
+                    d.norm_eps,
+                    Modulate::None,
+                    Target::H,
+                )?;
+            }
+            for (j, a) in refiner.iter().enumerate() {
+                self.attention_half(ws, a, Rows::Text)?;
+                self.residual_norm(
+                    ws,
+                    Rows::Text,
+                    Residual::Plain,
+                    a.norm2,
+                    d.norm_eps,
+                    Modulate::None,
+                    Target::H,
+                )?;
+                self.mlp(ws, a, text)?;
+                match refiner.get(j + 1) {
+                    Some(next) => self.residual_norm(
+                        ws,
+                        Rows::Text,
+                        Residual::Plain,
+                        next.norm1,
+                        d.norm_eps,
+                        Modulate::None,
+                        Target::H,
+                    )?,
+                    None => self.residual_norm(
+                        ws,
+                        Rows::Text,
+                        Residual::Plain,
+                        o.refiner_norm,
+                        d.final_eps,
+                        Modulate::None,
+                        Target::TextRowsOfX,
+                    )?,
+                }
+            }
+            if refiner.is_empty() {
+                self.residual_norm(
+                    ws,
+                    Rows::Text,
+                    Residual::None,
+                    o.refiner_norm,
+                    d.final_eps,
+                    Modulate::None,
+                    Target::TextRowsOfX,
+                )?;
+            }
+        }
+
+        // 5. The blocks; each norm after the first is fused with the gated residual before it.
+        let (shift1, scale1, gate1) = (0, hp, 2 * hp);
+        let (shift2, scale2, gate2) = (3 * hp, 4 * hp, 5 * hp);
+        match o.blocks.first() {
+            Some(first) => self.residual_norm(
+                ws,
+                Rows::Main,
+                Residual::None,
+                first.attn.norm1,
+                d.norm_eps,
+                Modulate::Block {
+                    layer: 0,
+                    scale: scale1,
+                    shift: shift1,
+                },
+                Target::H,
+            )?,
+            None => self.residual_norm(
+                ws,
+                Rows::Main,
+                Residual::None,
+                o.norm_out,
+                d.final_eps,
+                Modulate::Output,
+                Target::H,
+            )?,
+        }
+        for (layer, b) in o.blocks.iter().enumerate() {
+            self.attention_half(ws, &b.attn, Rows::Main)?;
+            self.residual_norm(
+                ws,
+                Rows::Main,
+                Residual::Gated {
+                    layer,
+                    column: gate1,
+                },
+                b.attn.norm2,
+                d.norm_eps,
+                Modulate::Block {
+                    layer,
+                    scale: scale2,
+                    shift: shift2,
+                },
+                Target::H,
+            )?;
+            self.mlp(ws, &b.attn, z.rows)?;
+            let gate = Residual::Gated {
+                layer,
+                column: gate2,
+            };
+            match o.blocks.get(layer + 1) {
+                Some(next) => self.residual_norm(
+                    ws,
+                    Rows::Main,
+                    gate,
+                    next.attn.norm1,
+                    d.norm_eps,
+                    Modulate::Block {
+                        layer: layer + 1,
+                        scale: scale1,
+                        shift: shift1,
+                    },
+                    Target::H,
+                )?,
+                None => self.residual_norm(
+                    ws,
+                    Rows::Main,
+                    gate,
+                    o.norm_out,
+                    d.final_eps,
+                    Modulate::Output,
+                    Target::H,
+                )?,
+            }
+        }
+
+        // 6. The f32 heads over the rows they select (norm_out's bf16 rows read as f32).
+        let heads_out = [
+            (key.video, d.video, o.proj_out_w, o.proj_out_b, true),
+            (key.audio, d.audio, o.audio_out_w, o.audio_out_b, false),
+        ];
+        for (per_item, channels, w, b, video) in heads_out {
+            let m = key.batch * per_item;
+            if m == 0 {
+                continue;
+            }
+            let index = if video {
+                ws.video_index.view()
+            } else {
+                ws.audio_index.view()
+            };
+            let hv = ws.h.view();
+            let out = if video {
+                ws.sample.view_mut()
+            } else {
+                ws.audio_sample.view_mut()
+            };
+            self.linear_f32(&LinearF32 {
+                m,
+                n: channels,
+                k: hp,
+                x: &hv,
+                x_rows: RowsOperand {
+                    elem: Elem::Bf16,
+                    rows: z.rows,
+                    stride: hp,
+                    index: Some(&index),
+                },
+                w: &self.weight_view(w, channels * hp * 4)?,
+                bias: Some(&self.weight_view(b, channels * 4)?),
+                y: &out,
+                y_rows: f32_rows(m, channels),
+                silu: false,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Captures the step of this workspace unless it is captured, then replays it on the stream.
+    pub(super) fn replay(&self, ws: &mut Workspace) -> Result<(), H3Error> {
+        let key = ws.key;
+        // The graph cache lives in the workspace whose buffers the capture records; it is out of it while capturing.
+        let mut graphs = std::mem::replace(&mut ws.graphs, GraphCache::new(1));
+        let result = graphs
+            .capture(
+                key,
+                &self.stream,
+                || self.enqueue_step(ws),
+                |what, e| cuda_err(what)(e),
+            )
+            .and_then(|graph| {
+                graph
+                    .launch(&self.stream)
+                    .map_err(cuda_err("replaying the step graph"))
+            });
+        ws.graphs = graphs;
+        result
+    }
+}

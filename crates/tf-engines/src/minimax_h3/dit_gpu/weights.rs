@@ -1,0 +1,1216 @@
+//! The H3 DiT's device weights: the dimensions the kernels run at (every width padded to a multiple of 8, heads
+//! zero-padded to 128 channels), the fused device layout (`q|k|v` as one `[3 * heads * 128, H]` weight, `fc1` as
+//! `[value; gate]`, the f32 modules kept f32), the placement plan that maps every source tensor (diffusers or
+//! original release names) onto it, and the upload through the one pinned ring (or a seeded fill for timing
+//! runs without a checkpoint).
+//!
+//! A placement is a run of consecutive source elements written to consecutive device elements; the plan merges
+//! runs, so an unpadded diffusers folder uploads one piece per tensor and the original release's per-head
+//! interleaved `qkv_proj` one piece per head and part. Padding (tiny test models only) is zero: the allocation is
+//! cleared before the pieces land.
+
+use std::collections::HashMap;
+
+use tf_cuda::{Context, DeviceBuffer, Stream};
+
+use super::kernels::H3Kernels;
+use super::{cuda_err, gpu_err};
+use crate::minimax_h3::checkpoint::{self, QkvLayout};
+use crate::minimax_h3::config::{MiniMaxH3Config, MODALITIES, MODULATION_CHUNKS};
+use crate::minimax_h3::dit::H3Error;
+use crate::nn::gpu::{plan_fill_uniform, HEAD_DIM, MAX_NORM_COLS};
+use crate::nn::upload::{
+    upload_pieces, ChunkTransform, Piece, StagingConfig, Transform, UploadError, UploadStats,
+};
+use crate::nn::weights::{Dtype, LayoutPlanner, ModelDir, BF16};
+
+const F32: usize = 4;
+
+/// `v` rounded up to a multiple of 8 (16-byte bf16 rows).
+fn pad8(v: usize) -> usize {
+    v.div_ceil(8) * 8
+}
+
+/// The sizes the GPU forward runs at: the config's, with every width a multiple of 8 (`*_p`) and heads padded to
+/// 128 channels. For the released model nothing is padded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Dims {
+    pub hidden: usize,
+    pub hp: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// heads x 128: the q, k, v and attention widths on the device.
+    pub width: usize,
+    pub ffn: usize,
+    pub fp: usize,
+    /// Video row channels (`in_channels * prod(patch)`) and audio channels (f32 layers: no padding).
+    pub video: usize,
+    pub audio: usize,
+    pub text: usize,
+    pub text_p: usize,
+    pub freq: usize,
+    pub time_hidden: usize,
+    pub temb: usize,
+    pub temb_p: usize,
+    pub layers: usize,
+    pub refiner_layers: usize,
+    /// Rotated channels per head (`6 * rope_freq_dim`) and frequencies per axis.
+    pub rotated: usize,
+    pub rope_freq: usize,
+    pub rope_theta: f32,
+    pub norm_eps: f32,
+    pub qk_eps: f32,
+    pub final_eps: f32,
+}
+
+impl Dims {
+    /// The dimensions of a validated config, or why the GPU kernels cannot run it.
+    pub(super) fn of(config: &MiniMaxH3Config) -> Result<Dims, H3Error> {
+        let unsupported = |why: String| {
+            Err(H3Error::Backend(format!(
+                "the GPU backend cannot run this config: {why}"
+            )))
+        };
+        if config.attention_head_dim > HEAD_DIM {
+            return unsupported(format!(
+                "`attention_head_dim` {} > {HEAD_DIM} (the attention kernels take heads of at most {HEAD_DIM} channels)",
+                config.attention_head_dim
+            ));
+        }
+        let hp = pad8(config.hidden_size);
+        if hp > MAX_NORM_COLS {
+            return unsupported(format!(
+                "`hidden_size` {} exceeds the {MAX_NORM_COLS} columns the norm kernels hold per row",
+                config.hidden_size
+            ));
+        }
+        let width = config.num_attention_heads * HEAD_DIM;
+        // The kernels take row widths and counts as 32-bit ints; the widest row is the fused fc1 output.
+        let widest = [
+            3 * width,
+            2 * pad8(config.ffn_dim),
+            MODALITIES * MODULATION_CHUNKS * hp,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        if widest > i32::MAX as usize / 2 {
+            return unsupported(format!("a row of {widest} elements is too wide"));
+        }
+        Ok(Dims {
+            hidden: config.hidden_size,
+            hp,
+            heads: config.num_attention_heads,
+            head_dim: config.attention_head_dim,
+            width,
+            ffn: config.ffn_dim,
+            fp: pad8(config.ffn_dim),
+            video: config.video_patch_dim(),
+            audio: config.audio_in_channels,
+            text: config.text_dim,
+            text_p: pad8(config.text_dim),
+            freq: config.freq_dim,
+            time_hidden: config.time_embed_hidden_dim,
+            temb: config.time_embed_dim,
+            temb_p: pad8(config.time_embed_dim),
+            layers: config.num_layers,
+            refiner_layers: config.num_refiner_layers,
+            rotated: config.rotary_dim(),
+            rope_freq: config.rope_freq_dim,
+            rope_theta: config.rope_theta as f32,
+            norm_eps: config.norm_eps as f32,
+            qk_eps: config.qk_norm_eps as f32,
+            final_eps: config.final_norm_eps as f32,
+        })
+    }
+
+    /// Whether any width is padded (the allocation is then cleared before the upload).
+    pub(super) fn padded(&self) -> bool {
+        self.hp != self.hidden
+            || self.fp != self.ffn
+            || self.text_p != self.text
+            || self.temb_p != self.temb
+            || self.head_dim != HEAD_DIM
+    }
+
+    /// Columns of one adaLN table row: 6 chunks of the padded hidden width.
+    pub(super) fn adaln_row(&self) -> usize {
+        MODULATION_CHUNKS * self.hp
+    }
+}
+
+/// Device offsets (bytes) of one attention block's weights (refiner and main blocks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct AttnOffsets {
+    pub norm1: usize,
+    /// `[3 * width, hp]`: q, k, v.
+    pub qkv: usize,
+    pub norm_q: usize,
+    pub norm_k: usize,
+    /// `[hp, width]`.
+    pub to_out: usize,
+    pub norm2: usize,
+    /// `[2 * fp, hp]`: value rows, then gate rows.
+    pub fc1: usize,
+    /// `[hp, fp]`.
+    pub fc2: usize,
+}
+
+/// Device offsets (bytes) of one main block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BlockOffsets {
+    pub attn: AttnOffsets,
+    /// bf16 `[3 * 6 * hp, temb_p]` and its bias `[3 * 6 * hp]`.
+    pub ada_w: usize,
+    pub ada_b: usize,
+}
+
+/// Device offsets (bytes) of every weight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct WeightOffsets {
+    /// f32 `[hp, video]`, `[hp]`.
+    pub proj_in_w: usize,
+    pub proj_in_b: usize,
+    /// f32 `[hp, audio]`, `[hp]`.
+    pub audio_in_w: usize,
+    pub audio_in_b: usize,
+    /// bf16 `[hp, text_p]`, `[hp]`.
+    pub ctx_w: usize,
+    pub ctx_b: usize,
+    /// f32 `[time_hidden, freq]`, `[time_hidden]`.
+    pub time1_w: usize,
+    pub time1_b: usize,
+    /// f32 `[temb_p, time_hidden]`, `[temb_p]`.
+    pub time2_w: usize,
+    pub time2_b: usize,
+    /// bf16 `[hp]`.
+    pub refiner_norm: usize,
+    pub norm_out: usize,
+    /// bf16 `[2 * hp, temb_p]` (shift rows, then scale rows), `[2 * hp]`.
+    pub norm_out_w: usize,
+    pub norm_out_b: usize,
+    /// f32 `[video, hp]`, `[video]`.
+    pub proj_out_w: usize,
+    pub proj_out_b: usize,
+    /// f32 `[audio, hp]`, `[audio]`.
+    pub audio_out_w: usize,
+    pub audio_out_b: usize,
+    pub refiner: Vec<AttnOffsets>,
+    pub blocks: Vec<BlockOffsets>,
+}
+
+/// Element type of a weight on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Device {
+    Bf16,
+    F32,
+}
+
+impl Device {
+    fn bytes(self) -> usize {
+        match self {
+            Device::Bf16 => BF16,
+            Device::F32 => F32,
+        }
+    }
+}
+
+/// How a timing run without a checkpoint fills a weight.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Init {
+    /// Uniform in `[-bound, bound)` (PyTorch's default for a linear layer of fan-in `1 / bound^2`).
+    Uniform(f32),
+    /// A norm weight: `1 +- 0.05`.
+    Norm,
+}
+
+impl Init {
+    /// `(offset, scale)` of the uniform fill.
+    pub(super) fn range(self) -> (f32, f32) {
+        match self {
+            Init::Uniform(bound) => (0.0, bound),
+            Init::Norm => (1.0, 0.05),
+        }
+    }
+
+    fn fan_in(fan_in: usize) -> Init {
+        Init::Uniform(1.0 / (fan_in.max(1) as f32).sqrt())
+    }
+}
+
+/// One run of consecutive source elements written to consecutive device elements.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Placement {
+    /// Index into [`WeightPlan::names`].
+    pub tensor: usize,
+    /// First source element.
+    pub src_first: usize,
+    /// Elements.
+    pub len: usize,
+    /// Device byte offset.
+    pub dst: usize,
+    pub device: Device,
+    pub init: Init,
+}
+
+/// Which names the source tensors have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Source {
+    /// diffusers names (also used for the seeded fill).
+    Diffusers,
+    /// The original release names, `qkv_proj` in the given row order.
+    Original(QkvLayout),
+}
+
+/// The device layout and every placement onto it.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct WeightPlan {
+    pub offsets: WeightOffsets,
+    /// Source tensor names (in the folder's naming).
+    pub names: Vec<String>,
+    pub placements: Vec<Placement>,
+    /// Bytes of the allocation.
+    pub total: usize,
+    /// Whether any weight is padded (the allocation must be cleared first).
+    pub padded: bool,
+}
+
+/// Where each column run of a source row goes: `(source column, device column, length)`.
+type Segments = Vec<(usize, usize, usize)>;
+
+/// Builds the placements, merging runs that continue each other in the source and on the device.
+struct Placer {
+    source: Source,
+    /// diffusers name -> original name (original sources only).
+    original: HashMap<String, String>,
+    names: Vec<String>,
+    out: Vec<Placement>,
+}
+
+impl Placer {
+    fn name_of(&self, diffusers: &str) -> Result<String, H3Error> {
+        match self.source {
+            Source::Diffusers => Ok(diffusers.to_string()),
+            Source::Original(_) => self.original.get(diffusers).cloned().ok_or_else(|| {
+                H3Error::Backend(format!(
+                    "internal: no original-layout tensor stands for {diffusers:?}"
+                ))
+            }),
+        }
+    }
+
+    fn push(&mut self, p: Placement) {
+        if let Some(last) = self.out.last_mut() {
+            if last.tensor == p.tensor
+                && last.device == p.device
+                && last.init == p.init
+                && last.src_first + last.len == p.src_first
+                && last.dst + last.len * p.device.bytes() == p.dst
+            {
+                last.len += p.len;
+                return;
+            }
+        }
+        self.out.push(p);
+    }
+
+    /// A `[rows, cols]` source tensor (by its source name): row `r`'s column runs `segments` go to device row
+    /// `row_map(r)` of a `[.., dst_cols]` matrix at byte `base`. Every index stays inside the region the layout
+    /// planner reserved (rows map below the region's rows, segments end within `dst_cols`), whose size it checked.
+    #[allow(clippy::too_many_arguments)]
+    fn matrix_named(
+        &mut self,
+        name: String,
+        rows: usize,
+        cols: usize,
+        row_map: &dyn Fn(usize) -> usize,
+        segments: &[(usize, usize, usize)],
+        base: usize,
+        dst_cols: usize,
+        device: Device,
+        init: Init,
+    ) {
+        let tensor = self.names.len();
+        self.names.push(name);
+        let es = device.bytes();
+        for r in 0..rows {
+            let dr = row_map(r);
+            for &(sc, dc, len) in segments {
+                self.push(Placement {
+                    tensor,
+                    src_first: r * cols + sc,
+                    len,
+                    dst: base + (dr * dst_cols + dc) * es,
+                    device,
+                    init,
+                });
+            }
+        }
+    }
+
+    /// [`Placer::matrix_named`] for a tensor given by its diffusers name.
+    #[allow(clippy::too_many_arguments)]
+    fn matrix(
+        &mut self,
+        diffusers: &str,
+        rows: usize,
+        cols: usize,
+        row_map: &dyn Fn(usize) -> usize,
+        segments: &[(usize, usize, usize)],
+        base: usize,
+        dst_cols: usize,
+        device: Device,
+        init: Init,
+    ) -> Result<(), H3Error> {
+        let name = self.name_of(diffusers)?;
+        self.matrix_named(
+            name, rows, cols, row_map, segments, base, dst_cols, device, init,
+        );
+        Ok(())
+    }
+
+    /// A `[n]` vector whose element `i` goes to device element `map(i)` at `base`.
+    fn vector(
+        &mut self,
+        diffusers: &str,
+        n: usize,
+        map: &dyn Fn(usize) -> usize,
+        base: usize,
+        device: Device,
+        init: Init,
+    ) -> Result<(), H3Error> {
+        self.matrix(diffusers, n, 1, map, &[(0, 0, 1)], base, 1, device, init)
+    }
+}
+
+/// Column runs of a `[.., heads * head_dim]` source row in a `[.., heads * 128]` device row (one run when the
+/// heads are not padded).
+fn head_segments(heads: usize, head_dim: usize) -> Segments {
+    if head_dim == HEAD_DIM {
+        return vec![(0, 0, heads * HEAD_DIM)];
+    }
+    (0..heads)
+        .map(|h| (h * head_dim, h * HEAD_DIM, head_dim))
+        .collect()
+}
+
+/// The diffusers -> original name map of every tensor that maps one to one.
+fn original_names(config: &MiniMaxH3Config) -> HashMap<String, String> {
+    checkpoint::original_tensor_specs(config, false)
+        .into_iter()
+        .filter_map(|s| checkpoint::diffusers_name(&s.name).map(|d| (d, s.name)))
+        .collect()
+}
+
+/// Plans the device layout of `config` and the placement of every source tensor onto it.
+pub(super) fn plan(
+    config: &MiniMaxH3Config,
+    dims: &Dims,
+    source: Source,
+) -> Result<WeightPlan, H3Error> {
+    let d = dims;
+    let (hp, w, fp) = (d.hp, d.width, d.fp);
+    let mut l = LayoutPlanner::default();
+    let proj_in_w = l.one(hp * d.video * F32)?;
+    let proj_in_b = l.one(hp * F32)?;
+    let audio_in_w = l.one(hp * d.audio * F32)?;
+    let audio_in_b = l.one(hp * F32)?;
+    let ctx_w = l.one(hp * d.text_p * BF16)?;
+    let ctx_b = l.one(hp * BF16)?;
+    let time1_w = l.one(d.time_hidden * d.freq * F32)?;
+    let time1_b = l.one(d.time_hidden * F32)?;
+    let time2_w = l.one(d.temb_p * d.time_hidden * F32)?;
+    let time2_b = l.one(d.temb_p * F32)?;
+    let refiner_norm = l.one(hp * BF16)?;
+    let norm_out = l.one(hp * BF16)?;
+    let norm_out_w = l.one(2 * hp * d.temb_p * BF16)?;
+    let norm_out_b = l.one(2 * hp * BF16)?;
+    let proj_out_w = l.one(d.video * hp * F32)?;
+    let proj_out_b = l.one(d.video * F32)?;
+    let audio_out_w = l.one(d.audio * hp * F32)?;
+    let audio_out_b = l.one(d.audio * F32)?;
+    let attn = |l: &mut LayoutPlanner| -> Result<AttnOffsets, H3Error> {
+        let norm1 = l.one(hp * BF16)?;
+        let qkv = l.group(&[w * hp * BF16, w * hp * BF16, w * hp * BF16])?[0];
+        let norm_q = l.one(HEAD_DIM * BF16)?;
+        let norm_k = l.one(HEAD_DIM * BF16)?;
+        let to_out = l.one(hp * w * BF16)?;
+        let norm2 = l.one(hp * BF16)?;
+        let fc1 = l.one(2 * fp * hp * BF16)?;
+        let fc2 = l.one(hp * fp * BF16)?;
+        Ok(AttnOffsets {
+            norm1,
+            qkv,
+            norm_q,
+            norm_k,
+            to_out,
+            norm2,
+            fc1,
+            fc2,
+        })
+    };
+    let mut refiner = Vec::with_capacity(d.refiner_layers);
+    for _ in 0..d.refiner_layers {
+        refiner.push(attn(&mut l)?);
+    }
+    let ada_rows = MODALITIES * MODULATION_CHUNKS * hp;
+    let mut blocks = Vec::with_capacity(d.layers);
+    for _ in 0..d.layers {
+        let a = attn(&mut l)?;
+        let ada_w = l.one(ada_rows * d.temb_p * BF16)?;
+        let ada_b = l.one(ada_rows * BF16)?;
+        blocks.push(BlockOffsets {
+            attn: a,
+            ada_w,
+            ada_b,
+        });
+    }
+    let total = l.total()?;
+    let offsets = WeightOffsets {
+        proj_in_w,
+        proj_in_b,
+        audio_in_w,
+        audio_in_b,
+        ctx_w,
+        ctx_b,
+        time1_w,
+        time1_b,
+        time2_w,
+        time2_b,
+        refiner_norm,
+        norm_out,
+        norm_out_w,
+        norm_out_b,
+        proj_out_w,
+        proj_out_b,
+        audio_out_w,
+        audio_out_b,
+        refiner,
+        blocks,
+    };
+
+    let mut p = Placer {
+        source,
+        original: match source {
+            Source::Diffusers => HashMap::new(),
+            Source::Original(_) => original_names(config),
+        },
+        names: Vec::new(),
+        out: Vec::new(),
+    };
+    let (h, hd, f) = (d.hidden, d.head_dim, d.ffn);
+    let id = |r: usize| r;
+    // Chunked rows: chunk c of `h` rows lands at chunk c of `hp` rows.
+    let chunked = |r: usize| (r / h) * hp + r % h;
+    let o = &offsets;
+    let (bf, fl) = (Device::Bf16, Device::F32);
+    let norm = Init::Norm;
+    p.matrix(
+        "proj_in.weight",
+        h,
+        d.video,
+        &id,
+        &[(0, 0, d.video)],
+        o.proj_in_w,
+        d.video,
+        fl,
+        Init::fan_in(d.video),
+    )?;
+    p.vector(
+        "proj_in.bias",
+        h,
+        &id,
+        o.proj_in_b,
+        fl,
+        Init::fan_in(d.video),
+    )?;
+    p.matrix(
+        "audio_proj_in.weight",
+        h,
+        d.audio,
+        &id,
+        &[(0, 0, d.audio)],
+        o.audio_in_w,
+        d.audio,
+        fl,
+        Init::fan_in(d.audio),
+    )?;
+    p.vector(
+        "audio_proj_in.bias",
+        h,
+        &id,
+        o.audio_in_b,
+        fl,
+        Init::fan_in(d.audio),
+    )?;
+    p.matrix(
+        "context_embedder.weight",
+        h,
+        d.text,
+        &id,
+        &[(0, 0, d.text)],
+        o.ctx_w,
+        d.text_p,
+        bf,
+        Init::fan_in(d.text),
+    )?;
+    p.vector(
+        "context_embedder.bias",
+        h,
+        &id,
+        o.ctx_b,
+        bf,
+        Init::fan_in(d.text),
+    )?;
+    p.matrix(
+        "time_embedder.linear_1.weight",
+        d.time_hidden,
+        d.freq,
+        &id,
+        &[(0, 0, d.freq)],
+        o.time1_w,
+        d.freq,
+        fl,
+        Init::fan_in(d.freq),
+    )?;
+    p.vector(
+        "time_embedder.linear_1.bias",
+        d.time_hidden,
+        &id,
+        o.time1_b,
+        fl,
+        Init::fan_in(d.freq),
+    )?;
+    p.matrix(
+        "time_embedder.linear_2.weight",
+        d.temb,
+        d.time_hidden,
+        &id,
+        &[(0, 0, d.time_hidden)],
+        o.time2_w,
+        d.time_hidden,
+        fl,
+        Init::fan_in(d.time_hidden),
+    )?;
+    p.vector(
+        "time_embedder.linear_2.bias",
+        d.temb,
+        &id,
+        o.time2_b,
+        fl,
+        Init::fan_in(d.time_hidden),
+    )?;
+    p.vector(
+        "token_refiner.final_norm.weight",
+        h,
+        &id,
+        o.refiner_norm,
+        bf,
+        norm,
+    )?;
+    p.vector("norm_out.norm.weight", h, &id, o.norm_out, bf, norm)?;
+    p.matrix(
+        "norm_out.linear.weight",
+        2 * h,
+        d.temb,
+        &chunked,
+        &[(0, 0, d.temb)],
+        o.norm_out_w,
+        d.temb_p,
+        bf,
+        Init::fan_in(d.temb),
+    )?;
+    p.vector(
+        "norm_out.linear.bias",
+        2 * h,
+        &chunked,
+        o.norm_out_b,
+        bf,
+        Init::fan_in(d.temb),
+    )?;
+    p.matrix(
+        "proj_out.weight",
+        d.video,
+        h,
+        &id,
+        &[(0, 0, h)],
+        o.proj_out_w,
+        hp,
+        fl,
+        Init::fan_in(h),
+    )?;
+    p.vector(
+        "proj_out.bias",
+        d.video,
+        &id,
+        o.proj_out_b,
+        fl,
+        Init::fan_in(h),
+    )?;
+    p.matrix(
+        "audio_proj_out.weight",
+        d.audio,
+        h,
+        &id,
+        &[(0, 0, h)],
+        o.audio_out_w,
+        hp,
+        fl,
+        Init::fan_in(h),
+    )?;
+    p.vector(
+        "audio_proj_out.bias",
+        d.audio,
+        &id,
+        o.audio_out_b,
+        fl,
+        Init::fan_in(h),
+    )?;
+
+    let head_rows = |r: usize| (r / hd) * HEAD_DIM + r % hd;
+    let inner = d.heads * hd;
+    let out_segments = head_segments(d.heads, hd);
+    let attn_block =
+        |p: &mut Placer, prefix: &str, original: &str, a: &AttnOffsets| -> Result<(), H3Error> {
+            p.vector(&format!("{prefix}norm1.weight"), h, &id, a.norm1, bf, norm)?;
+            match source {
+                Source::Diffusers => {
+                    for (part, name) in ["to_q", "to_k", "to_v"].iter().enumerate() {
+                        p.matrix(
+                            &format!("{prefix}attn.{name}.weight"),
+                            inner,
+                            h,
+                            &head_rows,
+                            &[(0, 0, h)],
+                            a.qkv + part * w * hp * BF16,
+                            hp,
+                            bf,
+                            Init::fan_in(h),
+                        )?;
+                    }
+                }
+                Source::Original(layout) => {
+                    // Fused rows: (head, part, i) interleaved, or (part, head, i) stacked, to part * width + head * 128 + i.
+                    let fused = move |r: usize| {
+                        let (part, head) = match layout {
+                            QkvLayout::Interleaved => ((r / hd) % 3, r / (3 * hd)),
+                            QkvLayout::Stacked => (r / inner, (r % inner) / hd),
+                        };
+                        part * w + head * HEAD_DIM + r % hd
+                    };
+                    p.matrix_named(
+                        format!("{original}attn.qkv_proj.weight"),
+                        3 * inner,
+                        h,
+                        &fused,
+                        &[(0, 0, h)],
+                        a.qkv,
+                        hp,
+                        bf,
+                        Init::fan_in(h),
+                    );
+                }
+            }
+            p.vector(
+                &format!("{prefix}attn.norm_q.weight"),
+                hd,
+                &id,
+                a.norm_q,
+                bf,
+                norm,
+            )?;
+            p.vector(
+                &format!("{prefix}attn.norm_k.weight"),
+                hd,
+                &id,
+                a.norm_k,
+                bf,
+                norm,
+            )?;
+            p.matrix(
+                &format!("{prefix}attn.to_out.0.weight"),
+                h,
+                inner,
+                &id,
+                &out_segments,
+                a.to_out,
+                w,
+                bf,
+                Init::fan_in(inner),
+            )?;
+            p.vector(&format!("{prefix}norm2.weight"), h, &id, a.norm2, bf, norm)?;
+            // diffusers stores [value; gate], the release [gate; value]; the device holds [value; gate].
+            let fc1_rows = move |r: usize| match source {
+                Source::Diffusers => (r / f) * fp + r % f,
+                Source::Original(_) if r < f => fp + r,
+                Source::Original(_) => r - f,
+            };
+            p.matrix(
+                &format!("{prefix}ff.net.0.proj.weight"),
+                2 * f,
+                h,
+                &fc1_rows,
+                &[(0, 0, h)],
+                a.fc1,
+                hp,
+                bf,
+                Init::fan_in(h),
+            )?;
+            p.matrix(
+                &format!("{prefix}ff.net.2.weight"),
+                h,
+                f,
+                &id,
+                &[(0, 0, f)],
+                a.fc2,
+                fp,
+                bf,
+                Init::fan_in(f),
+            )?;
+            Ok(())
+        };
+    for (j, a) in o.refiner.iter().enumerate() {
+        attn_block(
+            &mut p,
+            &format!("token_refiner.refiner_blocks.{j}."),
+            &format!("token_refiner.blocks.{j}."),
+            a,
+        )?;
+    }
+    let ada_rows_src = MODALITIES * MODULATION_CHUNKS * h;
+    for (i, b) in o.blocks.iter().enumerate() {
+        let prefix = format!("transformer_blocks.{i}.");
+        attn_block(&mut p, &prefix, &format!("blocks.{i}."), &b.attn)?;
+        p.matrix(
+            &format!("{prefix}adaln_proj.linear.weight"),
+            ada_rows_src,
+            d.temb,
+            &chunked,
+            &[(0, 0, d.temb)],
+            b.ada_w,
+            d.temb_p,
+            bf,
+            Init::fan_in(d.temb),
+        )?;
+        p.vector(
+            &format!("{prefix}adaln_proj.linear.bias"),
+            ada_rows_src,
+            &chunked,
+            b.ada_b,
+            bf,
+            Init::fan_in(d.temb),
+        )?;
+    }
+    Ok(WeightPlan {
+        offsets,
+        names: p.names,
+        placements: p.out,
+        total,
+        padded: dims.padded(),
+    })
+}
+
+/// Source elements of `from` (BF16 or F16) widened to f32 on their way to the device.
+struct ToF32 {
+    from: Dtype,
+}
+
+impl ChunkTransform for ToF32 {
+    fn name(&self) -> &'static str {
+        "f32"
+    }
+    fn src_elem_bytes(&self) -> usize {
+        self.from.size_bytes()
+    }
+    fn dst_elem_bytes(&self) -> usize {
+        F32
+    }
+    fn apply(&self, _first: usize, src: &[u8], dst: &mut [u8]) -> Result<(), UploadError> {
+        for (out, v) in dst.chunks_exact_mut(F32).zip(src.chunks_exact(2)) {
+            let bits = u16::from_le_bytes([v[0], v[1]]);
+            let x = match self.from {
+                Dtype::F16 => half::f16::from_bits(bits).to_f32(),
+                _ => half::bf16::from_bits(bits).to_f32(),
+            };
+            out.copy_from_slice(&x.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+static BF16_TO_F32: ToF32 = ToF32 { from: Dtype::BF16 };
+static F16_TO_F32: ToF32 = ToF32 { from: Dtype::F16 };
+
+/// The weights on the device and what the upload measured.
+pub(super) struct DeviceWeights {
+    pub buffer: DeviceBuffer,
+    pub upload: Option<UploadStats>,
+}
+
+/// Allocates the plan's buffer, cleared when anything is padded.
+fn allocate(ctx: &Context, stream: &Stream, plan: &WeightPlan) -> Result<DeviceBuffer, H3Error> {
+    let mut buffer =
+        DeviceBuffer::alloc(ctx, plan.total).map_err(cuda_err("allocating the weights"))?;
+    if plan.padded {
+        // Padding must read as zeros.
+        buffer
+            .fill_u8(0, Some(stream))
+            .map_err(cuda_err("clearing the weights"))?;
+    }
+    Ok(buffer)
+}
+
+/// Uploads every placement of `plan` from `model` (already checked against its tensor specs) through the pinned
+/// ring: bf16 weights converted on the way, f32 modules kept (or widened to) f32.
+pub(super) fn upload(
+    ctx: &Context,
+    stream: &Stream,
+    model: &ModelDir,
+    plan: &WeightPlan,
+    staging: StagingConfig,
+) -> Result<DeviceWeights, H3Error> {
+    let mut pieces = Vec::with_capacity(plan.placements.len());
+    for pl in &plan.placements {
+        let name = plan
+            .names
+            .get(pl.tensor)
+            .ok_or_else(|| H3Error::Backend("internal: a placement names no tensor".into()))?;
+        let file = model.file_of(name)?;
+        let info = file.info(name)?;
+        let bytes = file.bytes(name)?;
+        let es = info.dtype.size_bytes();
+        let range = pl
+            .src_first
+            .checked_mul(es)
+            .and_then(|start| Some(start..start.checked_add(pl.len.checked_mul(es)?)?));
+        let src = range
+            .and_then(|r| bytes.get(r))
+            .ok_or_else(|| H3Error::Checkpoint {
+                file: file.path().display().to_string(),
+                tensor: name.clone(),
+                why: format!(
+                    "elements {}..+{} lie outside the tensor's {} bytes (shape {:?})",
+                    pl.src_first,
+                    pl.len,
+                    bytes.len(),
+                    info.shape
+                ),
+            })?;
+        let transform = match (pl.device, info.dtype) {
+            (Device::Bf16, from) => Transform::ToBf16 { from },
+            (Device::F32, Dtype::F32) => Transform::Copy,
+            (Device::F32, Dtype::BF16) => Transform::Custom(&BF16_TO_F32),
+            (Device::F32, Dtype::F16) => Transform::Custom(&F16_TO_F32),
+            (Device::F32, other) => {
+                return Err(H3Error::Checkpoint {
+                    file: file.path().display().to_string(),
+                    tensor: name.clone(),
+                    why: format!("stored as {other}; the f32 modules read F32, BF16 or F16"),
+                })
+            }
+        };
+        pieces.push(Piece {
+            src,
+            transform,
+            dst_offset: pl.dst,
+        });
+    }
+    let mut buffer = allocate(ctx, stream, plan)?;
+    let stats = upload_pieces(ctx, stream, &mut buffer, &pieces, staging)
+        .map_err(gpu_err("uploading the H3 DiT weights"))?;
+    Ok(DeviceWeights {
+        buffer,
+        upload: Some(stats),
+    })
+}
+
+/// SplitMix64.
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The 32-bit seed of placement `index` under the run's `seed`.
+fn placement_seed(seed: u64, index: usize) -> u32 {
+    (splitmix64(seed ^ splitmix64(index as u64)) >> 32) as u32
+}
+
+/// `n` values `offset + scale * u`, `u` uniform in `[-1, 1)` from `(seed, i)` (the f32 twin of nn_fill_uniform).
+fn host_uniform(n: usize, seed: u32, offset: f32, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let bits = splitmix64((u64::from(seed) << 32).wrapping_add(i as u64));
+            let u = (bits >> 40) as f32 * (1.0 / 8_388_608.0) - 1.0;
+            offset + scale * u
+        })
+        .collect()
+}
+
+/// Fills every placement of `plan` from `seed` (bf16 weights on the device with nn_fill_uniform, the f32 modules
+/// on the host through the ring): a timing model with a default-like init, no checkpoint.
+pub(super) fn random(
+    ctx: &Context,
+    stream: &Stream,
+    kernels: &H3Kernels,
+    plan: &WeightPlan,
+    seed: u64,
+) -> Result<DeviceWeights, H3Error> {
+    let mut buffer = allocate(ctx, stream, plan)?;
+    let mut host: Vec<(usize, Vec<u8>)> = Vec::new();
+    for (i, pl) in plan.placements.iter().enumerate() {
+        let (offset, scale) = pl.init.range();
+        let s = placement_seed(seed, i);
+        match pl.device {
+            Device::Bf16 => {
+                let view = buffer
+                    .slice_mut(pl.dst, pl.len * BF16)
+                    .map_err(cuda_err("addressing a weight"))?;
+                kernels
+                    .run(stream, plan_fill_uniform(&view, pl.len, s, offset, scale))
+                    .map_err(cuda_err("filling a weight"))?;
+            }
+            Device::F32 => {
+                let values = host_uniform(pl.len, s, offset, scale);
+                host.push((
+                    pl.dst,
+                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ));
+            }
+        }
+    }
+    let pieces: Vec<Piece<'_>> = host
+        .iter()
+        .map(|(dst, bytes)| Piece::copy(bytes, *dst))
+        .collect();
+    upload_pieces(ctx, stream, &mut buffer, &pieces, StagingConfig::default())
+        .map_err(gpu_err("uploading the f32 modules"))?;
+    Ok(DeviceWeights {
+        buffer,
+        upload: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::minimax_h3::checkpoint::to_diffusers;
+    use crate::nn::tensor::TensorF32;
+
+    /// The fixtures' odd config: hidden 20, ffn 28, 3 heads of 8, text 20, temb 12 (everything padded).
+    fn odd() -> MiniMaxH3Config {
+        MiniMaxH3Config {
+            num_attention_heads: 3,
+            attention_head_dim: 8,
+            hidden_size: 20,
+            num_layers: 2,
+            num_refiner_layers: 1,
+            ffn_dim: 28,
+            in_channels: 4,
+            audio_in_channels: 6,
+            text_dim: 20,
+            freq_dim: 16,
+            time_embed_hidden_dim: 32,
+            time_embed_dim: 12,
+            rope_freq_dim: 1,
+            ..MiniMaxH3Config::default_full_size()
+        }
+    }
+
+    /// Device byte of every placed source element: (tensor name, element) -> byte offset.
+    fn destinations(plan: &WeightPlan) -> HashMap<(String, usize), usize> {
+        let mut out = HashMap::new();
+        let mut seen = std::collections::HashSet::new();
+        for pl in &plan.placements {
+            for k in 0..pl.len {
+                let dst = pl.dst + k * pl.device.bytes();
+                assert!(dst + pl.device.bytes() <= plan.total);
+                assert!(seen.insert(dst), "device byte {dst} written twice");
+                let key = (plan.names[pl.tensor].clone(), pl.src_first + k);
+                assert!(out.insert(key, dst).is_none());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn dims_pad_widths_and_refuse_what_the_kernels_cannot_run() {
+        let full = Dims::of(&MiniMaxH3Config::default_full_size()).unwrap();
+        assert!(!full.padded());
+        assert_eq!(
+            (full.hp, full.width, full.fp, full.rotated),
+            (5376, 7168, 14336, 96)
+        );
+        let odd = Dims::of(&odd()).unwrap();
+        assert!(odd.padded());
+        assert_eq!(
+            (odd.hp, odd.fp, odd.text_p, odd.temb_p, odd.width),
+            (24, 32, 24, 16, 384)
+        );
+        let mut wide = MiniMaxH3Config::default_full_size();
+        wide.attention_head_dim = 256;
+        wide.rope_freq_dim = 16;
+        assert!(Dims::of(&wide)
+            .unwrap_err()
+            .to_string()
+            .contains("attention_head_dim"));
+        wide.attention_head_dim = 128;
+        wide.hidden_size = 8200;
+        assert!(Dims::of(&wide)
+            .unwrap_err()
+            .to_string()
+            .contains("hidden_size"));
+    }
+
+    #[test]
+    fn the_full_size_diffusers_plan_is_one_piece_per_tensor() {
+        let config = MiniMaxH3Config::default_full_size();
+        let dims = Dims::of(&config).unwrap();
+        let plan = plan(&config, &dims, Source::Diffusers).unwrap();
+        assert!(!plan.padded);
+        let specs = config.tensor_specs();
+        assert_eq!(plan.placements.len(), specs.len());
+        for (pl, spec) in plan.placements.iter().zip(&specs) {
+            assert_eq!(plan.names[pl.tensor], spec.name);
+            assert_eq!(pl.src_first, 0);
+            assert_eq!(
+                pl.len,
+                spec.shape.iter().product::<usize>(),
+                "{}",
+                spec.name
+            );
+        }
+        // The f32 modules (about 17.3M values) at 4 bytes, the rest at 2, plus alignment.
+        let f32_elems: usize = plan
+            .placements
+            .iter()
+            .filter(|p| p.device == Device::F32)
+            .map(|p| p.len)
+            .sum();
+        let all = config.parameter_count();
+        let bytes = 2 * all + 2 * f32_elems;
+        assert!(
+            plan.total >= bytes && plan.total < bytes + 256 * 2000,
+            "{} vs {bytes}",
+            plan.total
+        );
+        // q, k and v are one contiguous [3 * 7168, 5376] group.
+        let b = &plan.offsets.blocks[7].attn;
+        let k = plan
+            .placements
+            .iter()
+            .find(|p| plan.names[p.tensor] == "transformer_blocks.7.attn.to_k.weight")
+            .unwrap();
+        assert_eq!(k.dst, b.qkv + 7168 * 5376 * 2);
+    }
+
+    #[test]
+    fn the_original_layout_lands_where_the_diffusers_layout_does() {
+        for config in [
+            odd(),
+            MiniMaxH3Config {
+                num_attention_heads: 2,
+                attention_head_dim: 16,
+                hidden_size: 24,
+                ffn_dim: 40,
+                rope_freq_dim: 2,
+                ..odd()
+            },
+        ] {
+            let dims = Dims::of(&config).unwrap();
+            let diffusers = destinations(&plan(&config, &dims, Source::Diffusers).unwrap());
+            let total: usize = config
+                .tensor_specs()
+                .iter()
+                .map(|s| s.shape.iter().product::<usize>())
+                .sum();
+            assert_eq!(
+                diffusers.len(),
+                total,
+                "every diffusers element placed once"
+            );
+            for qkv in [QkvLayout::Interleaved, QkvLayout::Stacked] {
+                let original = destinations(&plan(&config, &dims, Source::Original(qkv)).unwrap());
+                assert_eq!(original.len(), total);
+                // Each original tensor with its element indices as values, mapped by the checkpoint converter: an
+                // original element must land where the diffusers element it becomes lands.
+                for spec in checkpoint::original_tensor_specs(&config, false) {
+                    let n: usize = spec.shape.iter().product();
+                    let t = TensorF32::new(spec.shape.clone(), (0..n).map(|v| v as f32).collect())
+                        .unwrap();
+                    for (name, mapped) in to_diffusers(&config, qkv, &spec.name, t).unwrap() {
+                        for (j, &v) in mapped.data().iter().enumerate() {
+                            assert_eq!(
+                                original[&(spec.name.clone(), v as usize)],
+                                diffusers[&(name.clone(), j)],
+                                "{} element {v} -> {name} element {j}",
+                                spec.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn padded_heads_and_chunks_keep_their_places() {
+        let config = odd();
+        let dims = Dims::of(&config).unwrap();
+        let plan = plan(&config, &dims, Source::Diffusers).unwrap();
+        let dst = destinations(&plan);
+        let o = &plan.offsets;
+        // Head 2, channel 5 of to_k (row 2 * 8 + 5, column 3) sits at k-part row 2 * 128 + 5, column 3.
+        let at = dst[&("transformer_blocks.1.attn.to_k.weight".into(), 21 * 20 + 3)];
+        assert_eq!(
+            at,
+            o.blocks[1].attn.qkv + ((dims.width + 2 * 128 + 5) * 24 + 3) * 2
+        );
+        // to_out row 4, head 1 channel 2 (column 10) -> device column 128 + 2.
+        let at = dst[&(
+            "transformer_blocks.0.attn.to_out.0.weight".into(),
+            4 * 24 + 10,
+        )];
+        assert_eq!(at, o.blocks[0].attn.to_out + (4 * dims.width + 130) * 2);
+        // adaLN row of modality 2, chunk 4 (gate... scale_mlp), column 7: source row (2 * 6 + 4) * 20 + 7.
+        let at = dst[&(
+            "transformer_blocks.0.adaln_proj.linear.weight".into(),
+            ((2 * 6 + 4) * 20 + 7) * 12 + 5,
+        )];
+        assert_eq!(
+            at,
+            o.blocks[0].ada_w + (((2 * 6 + 4) * 24 + 7) * 16 + 5) * 2
+        );
+        // fc1 gate row 3 (source row 28 + 3) -> device row 32 + 3.
+        let at = dst[&(
+            "token_refiner.refiner_blocks.0.ff.net.0.proj.weight".into(),
+            31 * 20,
+        )];
+        assert_eq!(at, o.refiner[0].fc1 + 35 * 24 * 2);
+        // The f32 time embedder keeps f32: linear_2 row 11 column 31.
+        let at = dst[&("time_embedder.linear_2.weight".into(), 11 * 32 + 31)];
+        assert_eq!(at, o.time2_w + (11 * 32 + 31) * 4);
+    }
+
+    #[test]
+    fn seeds_and_host_fills_are_deterministic_and_bounded() {
+        assert_eq!(placement_seed(7, 3), placement_seed(7, 3));
+        assert_ne!(placement_seed(7, 3), placement_seed(7, 4));
+        assert_ne!(placement_seed(7, 3), placement_seed(8, 3));
+        let v = host_uniform(1000, 5, 1.0, 0.05);
+        assert!(v.iter().all(|x| (0.95..1.05).contains(x)));
+        assert_eq!(v, host_uniform(1000, 5, 1.0, 0.05));
+        let spread = v.iter().fold(0f32, |m, x| m.max((x - 1.0).abs()));
+        assert!(spread > 0.04);
+        let mut out = vec![0u8; 8];
+        let bf = [
+            half::bf16::from_f32(1.5).to_bits(),
+            half::bf16::from_f32(-2.0).to_bits(),
+        ];
+        let src: Vec<u8> = bf.iter().flat_map(|b| b.to_le_bytes()).collect();
+        BF16_TO_F32.apply(0, &src, &mut out).unwrap();
+        assert_eq!(&out[..4], &1.5f32.to_le_bytes());
+        assert_eq!(&out[4..], &(-2.0f32).to_le_bytes());
+    }
+}
