@@ -1,5 +1,5 @@
 //! `tf forward`: one Qwen-Image 2.1 DiT forward from an input bundle, or one MiniMax H3 DiT forward when the
-//! folder's `config.json` names `MiniMaxH3Transformer3DModel` (host reference; outputs `sample` and
+//! folder's `config.json` names `MiniMaxH3Transformer3DModel` (host reference or GPU; outputs `sample` and
 //! `audio_sample`).
 //!
 //! The bundle holds the diffusers forward arguments by name (`hidden_states`, `encoder_hidden_states`,
@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
+use tf_engines::minimax_h3::dit::{H3DitBackend, H3Error, H3Inputs};
+use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
 use tf_engines::nn::tensor::TensorF32;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvMode, KvStep};
@@ -125,26 +127,61 @@ fn forward(args: &Args) -> Result<(), DitError> {
     Ok(())
 }
 
-/// A MiniMax H3 folder: the host reference on the bundle's forward arguments (by name), `sample` and
-/// `audio_sample` written to --out.
+/// A MiniMax H3 folder: the host reference or the GPU backend on the bundle's forward arguments (by name),
+/// `sample` and `audio_sample` written to --out.
 fn forward_minimax_h3(args: &Args, model: &ModelDir) -> Result<(), DitError> {
-    if args.backend != Backend::Host || args.kv_cache != KvCacheArg::None {
+    if args.kv_cache != KvCacheArg::None {
         return Err(DitError::Backend(
-            "MiniMax H3 runs on the host reference (--backend host) without a KV cache (--kv-cache none)"
-                .into(),
+            "MiniMax H3 has no prefix KV cache: run it with --kv-cache none".into(),
         ));
     }
-    let report = tf_engines::minimax_h3::dit_host::forward_files(model, &args.inputs, &args.out)
-        .map_err(|e| DitError::Backend(format!("MiniMax H3: {e}")))?;
+    let h3 = |e: H3Error| DitError::Backend(format!("MiniMax H3: {e}"));
+    if args.backend == Backend::Host {
+        let report =
+            tf_engines::minimax_h3::dit_host::forward_files(model, &args.inputs, &args.out)
+                .map_err(h3)?;
+        eprintln!(
+            "tf forward: MiniMax H3 {} ({:?} layout, {}): sample {:?}, audio_sample {:?} -> {} (forward {:.3} s)",
+            args.model.display(),
+            report.layout,
+            report.load,
+            report.sample_shape,
+            report.audio_sample_shape,
+            args.out.display(),
+            report.forward_seconds
+        );
+        return Ok(());
+    }
+    let mut dit = GpuH3Dit::load(model).map_err(h3)?;
     eprintln!(
-        "tf forward: MiniMax H3 {} ({:?} layout, {}): sample {:?}, audio_sample {:?} -> {} (forward {:.3} s)",
+        "tf forward: loaded MiniMax H3 {} on the GPU ({:?} layout, {})",
         args.model.display(),
-        report.layout,
-        report.load,
-        report.sample_shape,
-        report.audio_sample_shape,
-        args.out.display(),
-        report.forward_seconds
+        dit.checkpoint_layout(),
+        dit.upload_stats()
+            .map_or_else(|| "no upload".to_string(), |s| s.to_string())
+    );
+    let inputs = H3Inputs::from_bundle(&SafetensorsFile::open(&args.inputs)?).map_err(h3)?;
+    // Plan this step's GEMMs before it runs (reusing the persistent plan cache), never inside it.
+    let report = dit.prepare_gemms(&[&inputs], GEMM_BUDGET).map_err(h3)?;
+    eprintln!(
+        "tf forward: {} GEMM shapes planned ({} from the plan cache, {} timed, {} heuristic)",
+        report.shapes, report.stored, report.timed, report.heuristic
+    );
+    let start = Instant::now();
+    let output = dit.forward(&inputs).map_err(h3)?;
+    let seconds = start.elapsed().as_secs_f64();
+    write_safetensors(
+        &args.out,
+        &[
+            ("sample", AnyTensor::F32(&output.sample)),
+            ("audio_sample", AnyTensor::F32(&output.audio_sample)),
+        ],
+    )?;
+    eprintln!(
+        "tf forward: MiniMax H3 sample {:?}, audio_sample {:?} -> {} (forward {seconds:.3} s)",
+        output.sample.shape(),
+        output.audio_sample.shape(),
+        args.out.display()
     );
     Ok(())
 }
