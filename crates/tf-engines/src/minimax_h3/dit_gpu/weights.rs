@@ -924,12 +924,9 @@ pub(super) fn upload(
     })
 }
 
-/// SplitMix64.
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// SplitMix64 of one counter value (the golden-gamma step, then the output function), as nn_fill_uniform mixes.
+fn splitmix64(z: u64) -> u64 {
+    crate::nn::sampling::noise::splitmix64(z.wrapping_add(0x9E37_79B9_7F4A_7C15))
 }
 
 /// The 32-bit seed of placement `index` under the run's `seed`.

@@ -1,0 +1,940 @@
+//! The MiniMax H3 GPU DiT ([`GpuH3Dit`]) on an NVIDIA GPU: each H3 kernel against the host reference ops, the whole
+//! forward on every committed diffusers fixture (tests/fixtures/minimax_h3_dit, the original-layout twin included),
+//! the original-layout twin bit-equal to its diffusers folder, CUDA graph replay bit-equal to the eager step (also
+//! after new input values of the same shape), batch 2 against two batch-1 runs, a seeded reduced-size model giving
+//! finite outputs, and a load cycle that gives its device memory back.
+//!
+//! Tolerance of the whole forward against the fp32 reference: the backend stores weights and activations in bf16
+//! (unit roundoff 2^-9, relative error up to 0.2% per rounding) and accumulates in f32. A tiny fixture chains about
+//! twenty rounding points (projections, norms, q/k/v, RoPE tables, attention, gates, SwiGLU, heads) over the token
+//! refiner and two blocks; independent errors of that size compound to about 1e-2 relative L2, which is what the
+//! Qwen-Image GPU DiT measures on its tiny fixtures (2.3e-2). `REL_L2_MAX` = 4e-2 with `COSINE_MIN` = 0.999 leaves
+//! that margin while a wrong row index, gate, table row, head layout or half order gives errors of order 1. Kernel
+//! tests use tighter bounds: bf16 outputs within 4e-3 relative L2 (one rounding of the output and of its bf16
+//! inputs), f32 outputs within 1e-5.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_engines::minimax_h3::config::MiniMaxH3Config;
+use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs};
+use tf_engines::minimax_h3::dit_gpu::kernels::{
+    plan_linear_f32, plan_qk_norm_rope, plan_residual_norm, Elem, H3Kernels, LinearF32,
+    NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
+};
+use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
+use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
+use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, StepTimesteps};
+use tf_engines::nn::gpu::{Matrix, HEAD_DIM};
+use tf_engines::nn::host as ops;
+use tf_engines::nn::sampling::seeded::SplitMix64;
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
+use tf_engines::nn::upload::StagingConfig;
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
+
+const REL_L2_MAX: f64 = 4e-2;
+const COSINE_MIN: f64 = 0.999;
+const BF16_KERNEL_MAX: f64 = 4e-3;
+const F32_KERNEL_MAX: f64 = 1e-5;
+
+fn context() -> Context {
+    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
+    Context::new(driver, 0).expect("create a context on device 0")
+}
+
+fn fixtures() -> PathBuf {
+    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
+        let p = PathBuf::from(bundle).join("tests/fixtures/minimax_h3_dit");
+        if p.is_dir() {
+            return p;
+        }
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/minimax_h3_dit")
+}
+
+fn manifest() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
+        .unwrap()
+}
+
+fn cases() -> Vec<String> {
+    let cases: Vec<String> = manifest()["cases"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert!(
+        cases.len() >= 5,
+        "expected at least 5 fixture cases, found {cases:?}"
+    );
+    cases
+}
+
+fn model_dir(case: &str) -> ModelDir {
+    ModelDir::open(&fixtures().join(case).join("model")).unwrap()
+}
+
+fn inputs(case: &str) -> H3Inputs {
+    H3Inputs::from_bundle(
+        &SafetensorsFile::open(&fixtures().join(case).join("inputs.safetensors")).unwrap(),
+    )
+    .unwrap()
+}
+
+fn expected(case: &str, name: &str) -> TensorF32 {
+    SafetensorsFile::open(&fixtures().join(case).join("expected.safetensors"))
+        .unwrap()
+        .to_f32(name)
+        .unwrap()
+}
+
+fn load(ctx: &Context, case: &str) -> GpuH3Dit {
+    // Small slots so the tiny models still go through several pinned staging slots.
+    let staging = StagingConfig {
+        slot_bytes: 8192,
+        slots: 2,
+        threads: 3,
+    };
+    GpuH3Dit::load_with(ctx, &model_dir(case), LoadOptions::default(), staging)
+        .unwrap_or_else(|e| panic!("{case}: load on the GPU: {e}"))
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        ab += f64::from(x) * f64::from(y);
+        aa += f64::from(x) * f64::from(x);
+        bb += f64::from(y) * f64::from(y);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
+}
+
+fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {
+    assert_eq!(actual.shape(), reference.shape(), "{case}/{what}: shape");
+    assert!(
+        actual.data().iter().all(|v| v.is_finite()),
+        "{case}/{what}: non-finite output"
+    );
+    let err = relative_l2(actual.data(), reference.data()).unwrap();
+    let cos = cosine(actual.data(), reference.data());
+    println!(
+        "{case}/{what}: shape {:?}, relative L2 {err:.3e} (max {REL_L2_MAX:e}), cosine {cos:.6} (min {COSINE_MIN})",
+        actual.shape()
+    );
+    assert!(
+        err <= REL_L2_MAX,
+        "{case}/{what}: relative L2 {err:.3e} > {REL_L2_MAX:e}"
+    );
+    assert!(
+        cos >= COSINE_MIN,
+        "{case}/{what}: cosine {cos:.6} < {COSINE_MIN}"
+    );
+}
+
+fn round_bf16(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+        .collect()
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn i32_bytes(values: &[i32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn device(ctx: &Context, bytes: &[u8]) -> DeviceBuffer {
+    DeviceBuffer::from_bytes(ctx, bytes).unwrap()
+}
+
+fn read_bf16(buf: &DeviceBuffer) -> Vec<f32> {
+    buf.to_vec::<u16>()
+        .unwrap()
+        .into_iter()
+        .map(|b| half::bf16::from_bits(b).to_f32())
+        .collect()
+}
+
+/// `n` bf16-exact values in `[lo, hi)`.
+fn bf16_values(rng: &mut SplitMix64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| round_bf16(rng.uniform(lo, hi))).collect()
+}
+
+/// `rows` x `padded` values whose columns past `width` are zero.
+fn padded(
+    rng: &mut SplitMix64,
+    rows: usize,
+    width: usize,
+    padded: usize,
+    lo: f32,
+    hi: f32,
+) -> Vec<f32> {
+    let mut out = vec![0f32; rows * padded];
+    for r in 0..rows {
+        for c in 0..width {
+            out[r * padded + c] = round_bf16(rng.uniform(lo, hi));
+        }
+    }
+    out
+}
+
+fn columns(values: &[f32], stride: usize, first: usize, width: usize) -> Vec<f32> {
+    values
+        .chunks_exact(stride)
+        .flat_map(|row| row[first..first + width].iter().copied())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn residual_norm_matches_the_host_ops() {
+    let ctx = context();
+    let kernels = H3Kernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut rng = SplitMix64::new(11);
+    // 37 rows of width 20 padded to 24; two timesteps x three modalities of [shift|scale|gate|shift|scale|gate].
+    let (rows, width, cols, table_rows) = (37, 20, 24, 6);
+    let stride = 6 * cols;
+    let x = padded(&mut rng, rows, width, cols, -2.0, 2.0);
+    let y = padded(&mut rng, rows, width, cols, -1.0, 1.0);
+    let table = padded(&mut rng, table_rows * 6, width, cols, -0.5, 0.5);
+    let weight = padded(&mut rng, 1, width, cols, 0.8, 1.2);
+    let index: Vec<i32> = (0..rows).map(|_| rng.below(table_rows) as i32).collect();
+    let scatter: Vec<i32> = (0..rows as i32).map(|r| 2 * r + 1).collect();
+    let sentinel = vec![7.0f32; 2 * rows * cols];
+    let mut xd = device(&ctx, &bf16_bytes(&x));
+    let yd = device(&ctx, &bf16_bytes(&y));
+    let td = device(&ctx, &bf16_bytes(&table));
+    let wd = device(&ctx, &bf16_bytes(&weight));
+    let id = device(&ctx, &i32_bytes(&index));
+    let sd = device(&ctx, &i32_bytes(&scatter));
+    let mut od = device(&ctx, &bf16_bytes(&sentinel));
+    {
+        let (xv, yv, tv, wv, iv, sv, ov) = (
+            xd.view_mut(),
+            yd.view(),
+            td.view(),
+            wd.view(),
+            id.view(),
+            sd.view(),
+            od.view_mut(),
+        );
+        let gate_view = tv.slice(2 * cols * 2, tv.len() - 2 * cols * 2).unwrap();
+        let op = ResidualNorm {
+            x: &xv,
+            x_layout: Matrix::dense(rows, cols),
+            residual: Some((&yv, cols)),
+            gate: Some(RowTable {
+                data: &gate_view,
+                rows: table_rows,
+                stride,
+                index: &iv,
+            }),
+            norm_cols: width,
+            eps: 1e-5,
+            weight: &wv,
+            modulation: Some(NormModulation {
+                table: RowTable {
+                    data: &tv,
+                    rows: table_rows,
+                    stride,
+                    index: &iv,
+                },
+                scale_offset: 4 * cols,
+                shift_offset: Some(3 * cols),
+            }),
+            out: &ov,
+            out_stride: cols,
+            out_index: Some((&sv, 2 * rows)),
+        };
+        kernels.run(&stream, plan_residual_norm(&op)).unwrap();
+    }
+    stream.synchronize().unwrap();
+
+    // Host: x += gate * y in f32, stored as bf16; then RMSNorm * weight * (1 + scale) + shift over the true width.
+    let mut xh = columns(&x, cols, 0, width);
+    let yh = columns(&y, cols, 0, width);
+    let gate = columns(&table, stride, 2 * cols, width);
+    let row_mod: Vec<usize> = index.iter().map(|&i| i as usize).collect();
+    ops::gate_residual(&mut xh, rows, width, &yh, &gate, table_rows, &row_mod).unwrap();
+    xh.iter_mut().for_each(|v| *v = round_bf16(*v));
+    let x_gpu = read_bf16(&xd);
+    let x_gpu_used = columns(&x_gpu, cols, 0, width);
+    for (i, (&g, &h)) in x_gpu_used.iter().zip(&xh).enumerate() {
+        assert!(
+            (g - h).abs() <= h.abs() * 2f32.powi(-8) + 1e-6,
+            "x[{i}]: {g} vs {h}"
+        );
+    }
+    assert!(columns(&x_gpu, cols, width, cols - width)
+        .iter()
+        .all(|&v| v == 0.0));
+    let (scale, shift) = (
+        columns(&table, stride, 4 * cols, width),
+        columns(&table, stride, 3 * cols, width),
+    );
+    let mut expected = vec![0f32; rows * width];
+    ops::norm_modulate(
+        &xh,
+        rows,
+        width,
+        ops::NormKind::RmsNorm,
+        ops::NormModulation {
+            weight: Some(&weight[..width]),
+            bias: None,
+            scale: Some(&scale),
+            shift: Some(&shift),
+            n_mod: table_rows,
+            row_mod: &row_mod,
+        },
+        1e-5,
+        &mut expected,
+    )
+    .unwrap();
+    let out = read_bf16(&od);
+    let mut written = Vec::with_capacity(rows * width);
+    for r in 0..rows {
+        let row = &out[(2 * r + 1) * cols..(2 * r + 2) * cols];
+        written.extend_from_slice(&row[..width]);
+        assert!(
+            row[width..].iter().all(|&v| v == 0.0),
+            "row {r}: padding not zero"
+        );
+        assert!(
+            out[2 * r * cols..(2 * r + 1) * cols]
+                .iter()
+                .all(|&v| v == 7.0),
+            "row {}: written",
+            2 * r
+        );
+    }
+    let err = relative_l2(&written, &expected).unwrap();
+    println!("residual_norm: relative L2 {err:.3e}");
+    assert!(err <= BF16_KERNEL_MAX, "residual_norm: {err:e}");
+
+    // Plain residual, no modulation, into h (the token refiner's form).
+    let mut xd = device(&ctx, &bf16_bytes(&x));
+    let mut hd = device(&ctx, &vec![0u8; rows * cols * 2]);
+    {
+        let (xv, yv, wv, hv) = (xd.view_mut(), yd.view(), wd.view(), hd.view_mut());
+        let op = ResidualNorm {
+            x: &xv,
+            x_layout: Matrix::dense(rows, cols),
+            residual: Some((&yv, cols)),
+            gate: None,
+            norm_cols: width,
+            eps: 1e-5,
+            weight: &wv,
+            modulation: None,
+            out: &hv,
+            out_stride: cols,
+            out_index: None,
+        };
+        kernels.run(&stream, plan_residual_norm(&op)).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let mut xh = columns(&x, cols, 0, width);
+    xh.iter_mut()
+        .zip(&yh)
+        .for_each(|(a, b)| *a = round_bf16(*a + b));
+    let mut plain = vec![0f32; rows * width];
+    ops::rms_norm(&xh, rows, width, &weight[..width], 1e-5, &mut plain).unwrap();
+    let err = relative_l2(&columns(&read_bf16(&hd), cols, 0, width), &plain).unwrap();
+    println!("residual_norm (plain): relative L2 {err:.3e}");
+    assert!(err <= BF16_KERNEL_MAX, "plain residual_norm: {err:e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn qk_norm_rope_matches_the_host_ops() {
+    let ctx = context();
+    let kernels = H3Kernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut rng = SplitMix64::new(12);
+    // (heads, true head dim, rotated): the released shape, a padded tiny one, and the norm alone.
+    for (heads, hd, rotated) in [(3usize, 128usize, 96usize), (2, 16, 12), (2, 128, 0)] {
+        let rows = 19;
+        let width = heads * HEAD_DIM;
+        let mut qkv = vec![0f32; rows * 3 * width];
+        for r in 0..rows {
+            for head in 0..3 * heads {
+                for c in 0..hd {
+                    qkv[r * 3 * width + head * HEAD_DIM + c] = round_bf16(rng.uniform(-3.0, 3.0));
+                }
+            }
+        }
+        let mut weights = vec![0f32; 2 * HEAD_DIM];
+        for c in 0..hd {
+            weights[c] = round_bf16(rng.uniform(0.7, 1.3));
+            weights[HEAD_DIM + c] = round_bf16(rng.uniform(0.7, 1.3));
+        }
+        let half = rotated / 2;
+        let angles: Vec<f32> = (0..rows * half.max(1))
+            .map(|_| rng.uniform(-6.0, 6.0))
+            .collect();
+        let cos: Vec<f32> = angles.iter().map(|a| round_bf16(a.cos())).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| round_bf16(a.sin())).collect();
+        let mut qd = device(&ctx, &bf16_bytes(&qkv));
+        let wd = device(&ctx, &bf16_bytes(&weights));
+        let (cd, sd) = (
+            device(&ctx, &bf16_bytes(&cos)),
+            device(&ctx, &bf16_bytes(&sin)),
+        );
+        {
+            let qv = qd.view_mut();
+            let (qw, kw) = (
+                wd.slice(0, HEAD_DIM * 2).unwrap(),
+                wd.slice(HEAD_DIM * 2, HEAD_DIM * 2).unwrap(),
+            );
+            let (cv, sv) = (cd.view(), sd.view());
+            let op = QkNormRope {
+                qkv: &qv,
+                qkv_layout: Matrix::dense(rows, 3 * width),
+                heads,
+                q_weight: &qw,
+                k_weight: &kw,
+                norm_dim: hd,
+                eps: 1e-5,
+                rope: (rotated > 0).then_some((&cv, &sv, half, rotated)),
+            };
+            kernels.run(&stream, plan_qk_norm_rope(&op)).unwrap();
+        }
+        stream.synchronize().unwrap();
+        let out = read_bf16(&qd);
+        for part in 0..3 {
+            // [rows, heads, hd] of the part, before and after.
+            let take = |v: &[f32]| -> Vec<f32> {
+                let mut o = Vec::with_capacity(rows * heads * hd);
+                for r in 0..rows {
+                    for head in 0..heads {
+                        let at = r * 3 * width + part * width + head * HEAD_DIM;
+                        o.extend_from_slice(&v[at..at + hd]);
+                    }
+                }
+                o
+            };
+            let (before, after) = (take(&qkv), take(&out));
+            if part == 2 {
+                assert_eq!(before, after, "value heads must be left as they are");
+                continue;
+            }
+            let w = &weights[part * HEAD_DIM..part * HEAD_DIM + hd];
+            let mut expected = vec![0f32; rows * heads * hd];
+            ops::rms_norm(&before, rows * heads, hd, w, 1e-5, &mut expected).unwrap();
+            if rotated > 0 {
+                ops::rope_rotate_half_partial(
+                    &mut expected,
+                    rows,
+                    heads,
+                    hd,
+                    rotated,
+                    &cos,
+                    &sin,
+                    RopeTables::Bf16,
+                )
+                .unwrap();
+            }
+            let err = relative_l2(&after, &expected).unwrap();
+            println!("qk_norm_rope heads {heads} x {hd}, rotated {rotated}, part {part}: relative L2 {err:.3e}");
+            assert!(
+                err <= BF16_KERNEL_MAX,
+                "{heads}x{hd}/{rotated} part {part}: {err:e}"
+            );
+        }
+        // Padding channels stay zero.
+        for r in 0..rows {
+            for head in 0..3 * heads {
+                let at = r * 3 * width + head * HEAD_DIM;
+                assert!(out[at + hd..at + HEAD_DIM].iter().all(|&v| v == 0.0));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn linear_f32_matches_the_host_ops() {
+    let ctx = context();
+    let kernels = H3Kernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut rng = SplitMix64::new(13);
+    struct Case {
+        m: usize,
+        n: usize,
+        k: usize,
+        x_bf16: bool,
+        y_bf16: bool,
+        gather: bool,
+        scatter: bool,
+        silu: bool,
+    }
+    let cases = [
+        // proj_in: f32 rows scattered into bf16 rows of x.
+        Case {
+            m: 150,
+            n: 70,
+            k: 96,
+            x_bf16: false,
+            y_bf16: true,
+            gather: false,
+            scatter: true,
+            silu: false,
+        },
+        // proj_out: bf16 rows gathered, f32 out.
+        Case {
+            m: 90,
+            n: 33,
+            k: 40,
+            x_bf16: true,
+            y_bf16: false,
+            gather: true,
+            scatter: false,
+            silu: false,
+        },
+        // time embedder: a few f32 rows, SiLU, f32 and bf16 out.
+        Case {
+            m: 3,
+            n: 50,
+            k: 300,
+            x_bf16: false,
+            y_bf16: false,
+            gather: false,
+            scatter: false,
+            silu: true,
+        },
+        Case {
+            m: 5,
+            n: 24,
+            k: 64,
+            x_bf16: false,
+            y_bf16: true,
+            gather: false,
+            scatter: false,
+            silu: true,
+        },
+        // Few rows gathered from bf16, and a tile case with every option.
+        Case {
+            m: 7,
+            n: 9,
+            k: 33,
+            x_bf16: true,
+            y_bf16: false,
+            gather: true,
+            scatter: true,
+            silu: false,
+        },
+        Case {
+            m: 65,
+            n: 65,
+            k: 17,
+            x_bf16: true,
+            y_bf16: true,
+            gather: true,
+            scatter: true,
+            silu: true,
+        },
+    ];
+    for c in cases {
+        let x_rows = if c.gather { 2 * c.m + 3 } else { c.m };
+        let y_rows = if c.scatter { 2 * c.m + 1 } else { c.m };
+        let x_stride = c.k + 5;
+        let x: Vec<f32> = bf16_values(&mut rng, x_rows * x_stride, -1.0, 1.0);
+        let w: Vec<f32> = (0..c.n * c.k).map(|_| rng.uniform(-0.3, 0.3)).collect();
+        let bias: Vec<f32> = (0..c.n).map(|_| rng.uniform(-0.5, 0.5)).collect();
+        let gather: Vec<i32> = (0..c.m).map(|r| (x_rows - 1 - 2 * r) as i32).collect();
+        let scatter: Vec<i32> = (0..c.m).map(|r| (2 * r + 1) as i32).collect();
+        let xd = device(
+            &ctx,
+            &if c.x_bf16 {
+                bf16_bytes(&x)
+            } else {
+                f32_bytes(&x)
+            },
+        );
+        let wd = device(&ctx, &f32_bytes(&w));
+        let bd = device(&ctx, &f32_bytes(&bias));
+        let gd = device(&ctx, &i32_bytes(&gather));
+        let sd = device(&ctx, &i32_bytes(&scatter));
+        let y_bytes = y_rows * c.n * if c.y_bf16 { 2 } else { 4 };
+        let sentinel = if c.y_bf16 {
+            bf16_bytes(&vec![5.0; y_rows * c.n])
+        } else {
+            f32_bytes(&vec![5.0; y_rows * c.n])
+        };
+        assert_eq!(sentinel.len(), y_bytes);
+        let mut yd = device(&ctx, &sentinel);
+        {
+            let (xv, wv, bv, gv, sv, yv) = (
+                xd.view(),
+                wd.view(),
+                bd.view(),
+                gd.view(),
+                sd.view(),
+                yd.view_mut(),
+            );
+            let op = LinearF32 {
+                m: c.m,
+                n: c.n,
+                k: c.k,
+                x: &xv,
+                x_rows: RowsOperand {
+                    elem: if c.x_bf16 { Elem::Bf16 } else { Elem::F32 },
+                    rows: x_rows,
+                    stride: x_stride,
+                    index: c.gather.then_some(&gv),
+                },
+                w: &wv,
+                bias: Some(&bv),
+                y: &yv,
+                y_rows: RowsOperand {
+                    elem: if c.y_bf16 { Elem::Bf16 } else { Elem::F32 },
+                    rows: y_rows,
+                    stride: c.n,
+                    index: c.scatter.then_some(&sv),
+                },
+                silu: c.silu,
+            };
+            kernels.run(&stream, plan_linear_f32(&op)).unwrap();
+        }
+        stream.synchronize().unwrap();
+        // Host: gather, linear, bias, SiLU.
+        let mut xs = Vec::with_capacity(c.m * c.k);
+        for r in 0..c.m {
+            let src = if c.gather { gather[r] as usize } else { r };
+            xs.extend_from_slice(&x[src * x_stride..src * x_stride + c.k]);
+        }
+        let mut expected = vec![0f32; c.m * c.n];
+        ops::linear(&xs, c.m, c.k, &w, c.n, &mut expected).unwrap();
+        ops::add_bias(&mut expected, c.m, c.n, &bias).unwrap();
+        if c.silu {
+            ops::silu_inplace(&mut expected);
+        }
+        let all: Vec<f32> = if c.y_bf16 {
+            read_bf16(&yd)
+        } else {
+            yd.to_vec::<f32>().unwrap()
+        };
+        let mut got = Vec::with_capacity(c.m * c.n);
+        for r in 0..c.m {
+            let dst = if c.scatter { scatter[r] as usize } else { r };
+            got.extend_from_slice(&all[dst * c.n..(dst + 1) * c.n]);
+        }
+        if c.scatter {
+            for r in (0..y_rows).step_by(2) {
+                assert!(
+                    all[r * c.n..(r + 1) * c.n].iter().all(|&v| v == 5.0),
+                    "row {r} written"
+                );
+            }
+        }
+        let err = relative_l2(&got, &expected).unwrap();
+        let max = if c.y_bf16 {
+            BF16_KERNEL_MAX
+        } else {
+            F32_KERNEL_MAX
+        };
+        println!(
+            "linear_f32 {}x{}x{} (x bf16 {}, y bf16 {}): relative L2 {err:.3e}",
+            c.m, c.n, c.k, c.x_bf16, c.y_bf16
+        );
+        assert!(err <= max, "{}x{}x{}: {err:e} > {max:e}", c.m, c.n, c.k);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn every_fixture_case_matches_diffusers() {
+    let ctx = context();
+    let mut ran = 0;
+    for case in cases() {
+        let mut dit = load(&ctx, &case);
+        dit.set_graphs(false);
+        let inputs = inputs(&case);
+        let out = dit
+            .forward(&inputs)
+            .unwrap_or_else(|e| panic!("{case}: forward: {e}"));
+        // For reference: the host f32 forward with bf16 RoPE tables, as the GPU uses them.
+        let mut host = HostH3Dit::load(&model_dir(&case)).unwrap();
+        host.set_rope_tables(RopeTables::Bf16);
+        let host_out = host.forward(&inputs).unwrap();
+        println!(
+            "{case}: GPU against the host reference with bf16 tables: sample {:.3e}, audio_sample {:.3e}",
+            relative_l2(out.sample.data(), host_out.sample.data()).unwrap(),
+            relative_l2(out.audio_sample.data(), host_out.audio_sample.data()).unwrap()
+        );
+        assert_close(&case, "sample", &out.sample, &expected(&case, "sample"));
+        assert_close(
+            &case,
+            "audio_sample",
+            &out.audio_sample,
+            &expected(&case, "audio_sample"),
+        );
+        ran += 1;
+    }
+    assert!(ran >= 5, "expected at least five fixture cases, ran {ran}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn the_original_layout_twin_is_bit_equal_to_its_diffusers_folder() {
+    let ctx = context();
+    let m = manifest();
+    let (twin, of) = m["cases"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find_map(|(k, v)| v["twin_of"].as_str().map(|of| (k.clone(), of.to_string())))
+        .expect("an original-layout twin");
+    let mut original = load(&ctx, &twin);
+    let mut diffusers = load(&ctx, &of);
+    assert!(matches!(
+        original.checkpoint_layout(),
+        Some(tf_engines::minimax_h3::checkpoint::CheckpointLayout::Original(_))
+    ));
+    // The same inputs through both: the device images of the weights are the same, so are the outputs.
+    let a = original.forward(&inputs(&of)).unwrap();
+    let b = diffusers.forward(&inputs(&of)).unwrap();
+    assert_eq!(
+        a.sample.data(),
+        b.sample.data(),
+        "{twin} against {of}: sample"
+    );
+    assert_eq!(
+        a.audio_sample.data(),
+        b.audio_sample.data(),
+        "{twin} against {of}: audio_sample"
+    );
+}
+
+/// The same shape with other values: hidden states and text halved, every timestep scaled by 0.9.
+fn perturbed(inputs: &H3Inputs) -> H3Inputs {
+    let mut p = inputs.clone();
+    for t in [
+        &mut p.hidden_states,
+        &mut p.audio_hidden_states,
+        &mut p.encoder_hidden_states,
+    ] {
+        t.data_mut().iter_mut().for_each(|v| *v *= 0.5);
+    }
+    p.timestep.data_mut().iter_mut().for_each(|v| *v *= 0.9);
+    p
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn graph_replay_is_bit_equal_to_eager() {
+    let ctx = context();
+    for case in cases() {
+        let mut eager = load(&ctx, &case);
+        eager.set_graphs(false);
+        let mut graphed = load(&ctx, &case);
+        let step = inputs(&case);
+        let reference = eager.forward(&step).unwrap();
+        let first = graphed.forward(&step).unwrap(); // eager: builds the plans
+        let replay = graphed.forward(&step).unwrap(); // captured, then replayed
+        let again = graphed.forward(&step).unwrap(); // replayed
+        for (what, out) in [
+            ("first", &first),
+            ("replay", &replay),
+            ("second replay", &again),
+        ] {
+            assert_eq!(
+                out.sample.data(),
+                reference.sample.data(),
+                "{case}: {what} sample"
+            );
+            assert_eq!(
+                out.audio_sample.data(),
+                reference.audio_sample.data(),
+                "{case}: {what} audio_sample"
+            );
+        }
+        // New values of the same shape reach the captured graph through the per-forward uploads.
+        let other = perturbed(&step);
+        let reference = eager.forward(&other).unwrap();
+        let replay = graphed.forward(&other).unwrap();
+        assert_eq!(
+            replay.sample.data(),
+            reference.sample.data(),
+            "{case}: perturbed sample"
+        );
+        assert_eq!(
+            replay.audio_sample.data(),
+            reference.audio_sample.data(),
+            "{case}: perturbed audio_sample"
+        );
+        assert_ne!(
+            replay.sample.data(),
+            first.sample.data(),
+            "{case}: the perturbed inputs changed nothing"
+        );
+        println!("{case}: graph replay bit-equal to the eager step (two input sets)");
+    }
+}
+
+/// Two batch items: the case's inputs and their perturbed twin (same layout, other rows), stacked.
+fn stacked(a: &H3Inputs, b: &H3Inputs) -> H3Inputs {
+    let cat = |x: &TensorF32, y: &TensorF32| {
+        let mut shape = x.shape().to_vec();
+        shape[0] += y.shape()[0];
+        TensorF32::new(shape, x.data().iter().chain(y.data()).copied().collect()).unwrap()
+    };
+    H3Inputs {
+        hidden_states: cat(&a.hidden_states, &b.hidden_states),
+        audio_hidden_states: cat(&a.audio_hidden_states, &b.audio_hidden_states),
+        encoder_hidden_states: cat(&a.encoder_hidden_states, &b.encoder_hidden_states),
+        ..a.clone()
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn batch_two_matches_two_single_runs() {
+    let ctx = context();
+    let case = "fl2va_first";
+    let mut dit = load(&ctx, case);
+    let one = inputs(case);
+    assert_eq!(one.batch(), 1);
+    let mut two = perturbed(&one);
+    two.timestep = one.timestep.clone(); // batch items share the timesteps
+    let both = dit.forward(&stacked(&one, &two)).unwrap();
+    assert_eq!(both.sample.shape()[0], 2);
+    for (item, single_inputs) in [(0usize, &one), (1, &two)] {
+        let single = dit.forward(single_inputs).unwrap();
+        for (what, batched, alone) in [
+            ("sample", &both.sample, &single.sample),
+            ("audio_sample", &both.audio_sample, &single.audio_sample),
+        ] {
+            let n = alone.data().len();
+            let part = &batched.data()[item * n..(item + 1) * n];
+            let err = relative_l2(part, alone.data()).unwrap();
+            println!("{case}: batch item {item} {what} against its own run: relative L2 {err:.3e}");
+            // The batched GEMMs may pick other algorithms than the single ones: close, not bit-equal.
+            assert!(err <= 5e-3, "item {item} {what}: {err:e}");
+        }
+    }
+    // Item 0 is the fixture's own case.
+    let n = expected(case, "sample").data().len();
+    let first = TensorF32::new(
+        vec![1, both.sample.shape()[1], both.sample.shape()[2]],
+        both.sample.data()[..n].to_vec(),
+    )
+    .unwrap();
+    assert_close(
+        case,
+        "sample (batch item 0)",
+        &first,
+        &expected(case, "sample"),
+    );
+}
+
+/// A reduced model: 4 heads of 128, hidden 512, 3 blocks, the released channel counts and RoPE width.
+fn reduced_config() -> MiniMaxH3Config {
+    MiniMaxH3Config {
+        num_attention_heads: 4,
+        hidden_size: 512,
+        num_layers: 3,
+        num_refiner_layers: 1,
+        ffn_dim: 1024,
+        text_dim: 256,
+        time_embed_hidden_dim: 512,
+        time_embed_dim: 256,
+        ..MiniMaxH3Config::default_full_size()
+    }
+}
+
+/// Inputs of `config` over a 22-frame, 8x8-latent layout with 16 text rows (one keyframe block at the start).
+fn layout_inputs(config: &MiniMaxH3Config, seed: u64) -> H3Inputs {
+    let tags = [1u8; 16];
+    let layout = PackedLayout::build(&LayoutRequest {
+        text_tags: &tags,
+        geometry: Geometry::from_latents(22, 8, 8).unwrap(),
+        patch: config.patch_size,
+        keyframes: &[tf_engines::minimax_h3::layout::KeyframeAnchor::First],
+    })
+    .unwrap();
+    let t = layout
+        .row_timesteps(StepTimesteps::pipeline(0.4, 0.3))
+        .unwrap();
+    let mut rng = SplitMix64::new(seed);
+    let (nv, na) = (layout.video_indices.len(), layout.audio_indices.len());
+    let mut rows = |n: usize, c: usize| {
+        TensorF32::new(vec![1, n, c], rng.uniform_vec(n * c, -1.0, 1.0)).unwrap()
+    };
+    let video = rows(nv, config.video_patch_dim());
+    let audio = rows(na, config.audio_in_channels);
+    let text = rows(tags.len(), config.text_dim);
+    H3Inputs::from_layout(&layout, &t, video, audio, text).unwrap()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn random_weights_at_a_reduced_size_give_finite_outputs() {
+    let ctx = context();
+    let config = reduced_config();
+    let mut dit = GpuH3Dit::random_on(&ctx, &config, 5).unwrap();
+    assert!(dit.checkpoint_layout().is_none());
+    let inputs = layout_inputs(&config, 9);
+    let out = dit.forward(&inputs).unwrap();
+    for (what, t) in [("sample", &out.sample), ("audio_sample", &out.audio_sample)] {
+        assert!(t.data().iter().all(|v| v.is_finite()), "{what}: non-finite");
+        let rms = (t.data().iter().map(|v| f64::from(*v).powi(2)).sum::<f64>()
+            / t.data().len() as f64)
+            .sqrt();
+        println!("random reduced model: {what} {:?}, rms {rms:.4}", t.shape());
+        assert!(rms > 1e-4, "{what}: all zero");
+    }
+    // The same seed gives the same model.
+    let mut again = GpuH3Dit::random_on(&ctx, &config, 5).unwrap();
+    assert_eq!(
+        again.forward(&inputs).unwrap().sample.data(),
+        out.sample.data()
+    );
+    assert!(dit.weight_bytes() > 0 && dit.workspace_bytes() > 0);
+    #[cfg(feature = "bench")]
+    {
+        let times = dit.time_step(&inputs, 1, 3).unwrap();
+        println!("random reduced model: {times:?}");
+        assert!(times.eager_ms > 0.0 && times.graph_ms > 0.0);
+        assert!(times.peak_device_bytes >= dit.weight_bytes());
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn a_load_cycle_gives_its_device_memory_back() {
+    let ctx = context();
+    let case = "t2va_b2_full_rotary";
+    let cycle = || {
+        let mut dit = load(&ctx, case);
+        dit.forward(&inputs(case)).unwrap();
+        dit.forward(&inputs(case)).unwrap();
+        assert!(tf_cuda::usage().device > 0);
+    };
+    // The first cycle may leave the runtime's pinned copy pools warm; the second must return to the same usage.
+    cycle();
+    ctx.synchronize().unwrap();
+    let before = tf_cuda::usage();
+    cycle();
+    ctx.synchronize().unwrap();
+    let after = tf_cuda::usage();
+    assert_eq!(
+        after.device, before.device,
+        "device bytes held after the model was dropped"
+    );
+    assert_eq!(
+        after.host, before.host,
+        "pinned bytes held after the model was dropped"
+    );
+}
