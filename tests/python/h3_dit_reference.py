@@ -25,8 +25,9 @@ made on the GPU (bf16, the release's fp32 modules in fp32; no file), one step at
 torch.compile (--compile-scope blocks: diffusers' compile_repeated_blocks, or model: torch.compile of the whole
 model; --compile-mode default or max-autotune-no-cudagraphs), and one eager step at the pipeline's default canvas,
 768 high x 1344 wide, 5 s (124 frames, 37 latent frames, S = 37838 with 128 text rows). Times are medians of
-per-iteration CUDA event times after warm-up; peak memory is torch.cuda.max_memory_allocated / _reserved over the
-case (weights included).
+per-iteration CUDA event times after warm-up (eager_ms, compiled_ms; the means beside them); peak memory is
+torch.cuda.max_memory_allocated / _reserved over the case (weights included). The --tiny smoke run compiles on the
+CPU too (inductor's C++ backend).
 
 --out/reference.json is rewritten after every stage, so a stage stopped by a time limit keeps the earlier ones.
 Each speed case is named WIDTHxHEIGHT_FRAMESf_TEXTt (e.g. 768x448_56f_128t), as `tf bench h3-dit` looks it up.
@@ -377,7 +378,7 @@ def speed(args, summary, summary_path):
         warmup = args.warmup if main_case else args.canvas_warmup
         reset_peaks()
         ms, times = time_forward(model, inp, warmup, iters)
-        case.update(eager_ms=ms, eager_times_ms=times, eager_tflops=flops / (ms * 1e-3) / 1e12,
+        case.update(eager_ms=ms, eager_mean_ms=statistics.mean(times), eager_times_ms=times, eager_tflops=flops / (ms * 1e-3) / 1e12,
                     eager_warmup=warmup, eager_iters=iters, **{f"eager_{k}": v for k, v in peaks().items()})
         print(f"{name} (S = {seq}): eager {ms:.2f} ms ({case['eager_tflops']:.1f} TFLOP/s), peak "
               f"{case.get('eager_peak_allocated_bytes', 0) / 2**30:.2f} GiB allocated", flush=True)
@@ -389,7 +390,7 @@ def speed(args, summary, summary_path):
             del inp
         free_cuda()
 
-    if not args.skip_compile and DEVICE == "cuda":
+    if not args.skip_compile:
         (inp, case), = inputs.values()
         mode = None if args.compile_mode == "default" else args.compile_mode
         case["compile_mode"] = args.compile_mode
@@ -407,7 +408,7 @@ def speed(args, summary, summary_path):
             case["compile_s"] = time.time() - t0
             reset_peaks()
             ms, times = time_forward(compiled, inp, args.warmup, args.iters)
-            case.update(compiled_ms=ms, compiled_times_ms=times, compiled_tflops=case["flops"] / (ms * 1e-3) / 1e12,
+            case.update(compiled_ms=ms, compiled_mean_ms=statistics.mean(times), compiled_times_ms=times, compiled_tflops=case["flops"] / (ms * 1e-3) / 1e12,
                         **{f"compiled_{k}": v for k, v in peaks().items()})
             print(f"{case['name']}: torch.compile ({args.compile_scope}, mode {args.compile_mode}) {ms:.2f} ms after "
                   f"{case['compile_s']:.0f}s of compilation", flush=True)
