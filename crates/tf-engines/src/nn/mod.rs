@@ -2,6 +2,7 @@
 //!
 //! - [`weights`]: safetensors files and diffusers-format model folders, validated before any GPU work.
 //! - [`upload`]: the pinned upload ring that streams checked host tensors to the device.
+//! - [`fp8`]: the FP8 e4m3 format on the host, per-row quantization and the load-time weight quantizer.
 //! - [`tensor`]: host tensors (f32 and raw) and the error measures the parity tests use.
 //! - [`host`]: plain f32 reference ops; every GPU kernel is checked against them.
 //! - [`config`]: typed config parsing that names the failing key, and the bound and product checks.
@@ -17,6 +18,7 @@
 //! Invariant (checked by the tidy test): nothing under `nn/` imports a model folder.
 pub mod backend_error;
 pub mod config;
+pub mod fp8;
 pub mod gpu;
 pub mod host;
 pub mod kernels;

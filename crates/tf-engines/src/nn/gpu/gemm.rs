@@ -2,7 +2,8 @@
 //! [`GemmRunner`] that owns the component's cuBLASLt handle.
 //!
 //! `Y[m, n] = alpha · X[m, k] · W[n, k]ᵀ (+ bias[n]) + beta · Y`, bf16 inputs, f32 accumulation, bf16 or f32
-//! output. [`Linear::gemm`] is exactly the [`Gemm`] the components built by hand before (same fields, so the
+//! output; or [`Fp8Linear`]: e4m3 inputs with row-wise scales (per token, per output channel), run by
+//! [`GemmRunner::run_fp8`]. [`Linear::gemm`] is exactly the [`Gemm`] the components built by hand before (same fields, so the
 //! same plan key and the same algorithm). [`Linear::shape`] is what a plan depends on without the addresses:
 //! each component lists the shapes of its GEMMs with it ([`GemmShape`]), so planning them ahead (a plan cache
 //! or `prepare` at load) is one call per component.
@@ -19,8 +20,8 @@ use std::time::Duration;
 use tf_cuda::cublaslt::plan::alignment_of;
 pub use tf_cuda::cublaslt::GemmShape;
 use tf_cuda::cublaslt::{
-    AlgoSelection, CublasLt, CublasLtError, DeviceSpan, Gemm, LtLibrary, OutputType, PlanCache,
-    PlanChoice, PrepareReport,
+    AlgoSelection, CublasLt, CublasLtError, DeviceSpan, Fp8Scales, Gemm, LtLibrary, OutputType,
+    PlanCache, PlanChoice, PrepareReport,
 };
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use thiserror::Error;
@@ -181,6 +182,111 @@ impl Linear {
     }
 }
 
+/// One FP8 linear layer call with row-wise scales: `y[m, n] = (x_scale[r] · x[m, k]) · (w_scale[c] · w[n, k])ᵀ
+/// (+ beta · y)`, e4m3 `x` and `w`, f32 accumulation, bf16 (or f32) output. `x` and its scales (one per row, per
+/// token) come from a quantizing kernel ([`super::quant`]); `w` and its scales (one per output channel) from the
+/// load-time quantizer ([`crate::nn::fp8::Fp8RowQuantizer`]). cuBLASLt runs it on sm_90 (12.9 and newer).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fp8Linear {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// e4m3 `[m, k]`, rows of `k` bytes.
+    pub x: DeviceSpan,
+    /// f32 `[m]`.
+    pub x_scale: DeviceSpan,
+    /// e4m3 `[n, k]`.
+    pub w: DeviceSpan,
+    /// f32 `[n]`.
+    pub w_scale: DeviceSpan,
+    pub y: DeviceSpan,
+    pub beta: f32,
+    pub output: OutputType,
+}
+
+impl Fp8Linear {
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ` with row-wise scales, bf16 output.
+    pub fn new(
+        (m, n, k): (usize, usize, usize),
+        (x, x_scale): (DeviceSpan, DeviceSpan),
+        (w, w_scale): (DeviceSpan, DeviceSpan),
+        y: DeviceSpan,
+    ) -> Fp8Linear {
+        Fp8Linear {
+            m,
+            n,
+            k,
+            x,
+            x_scale,
+            w,
+            w_scale,
+            y,
+            beta: 0.0,
+            output: OutputType::Bf16,
+        }
+    }
+
+    /// Adds to what `y` holds (`beta = 1`).
+    pub fn accumulate(self, on: bool) -> Fp8Linear {
+        Fp8Linear {
+            beta: if on { 1.0 } else { 0.0 },
+            ..self
+        }
+    }
+
+    /// f32 output when `on`.
+    pub fn f32_output(self, on: bool) -> Fp8Linear {
+        Fp8Linear {
+            output: if on {
+                OutputType::F32
+            } else {
+                OutputType::Bf16
+            },
+            ..self
+        }
+    }
+
+    /// The cuBLASLt description.
+    pub fn gemm(&self) -> Gemm {
+        let scales = Fp8Scales {
+            x_scale: self.x_scale,
+            w_scale: self.w_scale,
+        };
+        let mut gemm =
+            Gemm::fp8_e4m3_row_wise(self.m, self.n, self.k, self.x, self.w, self.y, scales)
+                .with_scaling(1.0, self.beta);
+        if self.output == OutputType::F32 {
+            gemm = gemm.with_f32_output();
+        }
+        gemm
+    }
+
+    /// What the call's plan depends on, without the addresses.
+    pub fn shape(&self) -> GemmShape {
+        GemmShape::of(&self.gemm())
+    }
+}
+
+/// A row-wise FP8 GEMM shape with operands at these byte offsets `(x, w, y)` of 256-byte aligned allocations.
+pub fn fp8_shape_at_offsets(
+    m: usize,
+    n: usize,
+    k: usize,
+    (x, w, y): (usize, usize, usize),
+    f32_out: bool,
+) -> GemmShape {
+    let shape = GemmShape::fp8_e4m3_row_wise(m, n, k).with_alignment(
+        offset_alignment(w),
+        offset_alignment(x),
+        offset_alignment(y),
+    );
+    if f32_out {
+        shape.with_f32_output()
+    } else {
+        shape
+    }
+}
+
 /// The alignment cuBLASLt records for an operand at byte `offset` of a 256-byte aligned allocation.
 pub fn offset_alignment(offset: usize) -> u32 {
     alignment_of(u64::try_from(offset).unwrap_or(0))
@@ -324,6 +430,24 @@ impl GemmRunner {
         self.lt.workspace_bytes()
     }
 
+    /// Enqueues the FP8 `linear` on `stream`; a call with no rows (`m == 0`) is nothing to do.
+    ///
+    /// # Safety
+    /// As [`GemmRunner::run`]: every span (operands and scales) must lie in live device memory of the handle's
+    /// context until the stream has run the GEMM.
+    pub unsafe fn run_fp8(&self, linear: &Fp8Linear, stream: &Stream) -> Result<(), GemmError> {
+        if linear.m == 0 {
+            return Ok(());
+        }
+        // SAFETY: this function's contract is `matmul`'s.
+        unsafe { self.lt.matmul(&linear.gemm(), stream) }.map_err(|source| GemmError::Run {
+            m: linear.m,
+            n: linear.n,
+            k: linear.k,
+            source,
+        })
+    }
+
     /// Enqueues `linear` on `stream`; a call with no rows (`m == 0`) is nothing to do.
     ///
     /// # Safety
@@ -346,6 +470,7 @@ impl GemmRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tf_cuda::cublaslt::Fp8ScaleMode;
 
     fn s(addr: u64, bytes: usize) -> DeviceSpan {
         DeviceSpan::new(addr, bytes)
@@ -403,6 +528,39 @@ mod tests {
             }
         );
         assert_eq!(distinct(vec![shape, shape]).len(), 1);
+    }
+
+    #[test]
+    fn fp8_linear_is_a_row_wise_gemm_and_its_shape_matches() {
+        let (x, xs, w, ws, y) = (
+            s(0x1000, 4096),
+            s(0x2000, 64),
+            s(0x3000, 4096),
+            s(0x4000, 256),
+            s(0x8000, 8192),
+        );
+        let l = Fp8Linear::new((16, 64, 32), (x, xs), (w, ws), y);
+        let g = l.gemm();
+        assert_eq!(g.scale_mode, Fp8ScaleMode::RowWise);
+        assert_eq!(
+            g.scales,
+            Some(Fp8Scales {
+                x_scale: xs,
+                w_scale: ws
+            })
+        );
+        assert_eq!((g.alpha, g.beta), (1.0, 0.0));
+        let key = g.plan().unwrap().key;
+        assert_eq!(l.shape().key().unwrap(), key);
+        assert_eq!(
+            fp8_shape_at_offsets(16, 64, 32, (0x1000, 0x3000, 0x8000), false),
+            l.shape()
+        );
+        let acc = l.accumulate(true).f32_output(true).gemm();
+        assert_eq!((acc.beta, acc.output), (1.0, OutputType::F32));
+        // Scales too short for the rows are refused before the library.
+        let short = Fp8Linear::new((32, 64, 32), (x, xs), (w, ws), y);
+        assert!(short.gemm().plan().is_err());
     }
 
     #[test]

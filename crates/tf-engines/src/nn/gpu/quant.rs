@@ -1,0 +1,744 @@
+//! Launchers of the FP8 quantizing kernels (`kernels/nn/quant.cu`, kernel set `nn_quant`): each writes an FP8
+//! GEMM's input as e4m3 codes with one f32 scale per row, computed inside the kernel that produces the row, so
+//! the activations are never read a second time to be quantized.
+//!
+//! - [`plan_norm_modulate_fp8`]: LayerNorm / RMSNorm, affine or not, optionally `* (1 + scale) (+ shift)`: the
+//!   [`NormModulate`] of `nn_norm_modulate` with an FP8 output (the adaLN before a QKV or MLP-in GEMM).
+//! - [`plan_gated_residual_norm_modulate_fp8`]: `x += g * y` (`g = tanh(gate)` or `gate`), stored in bf16, then the
+//!   same norm with an FP8 output, in one pass (a block's residual fused with the next norm).
+//! - [`plan_swiglu_fp8`]: SwiGLU of a fused GEMM output with an FP8 output (the MLP-out GEMM's input).
+//! - [`plan_quantize_rows_fp8`]: a bf16 matrix as FP8 rows (where the producer cannot quantize: the attention
+//!   output before the output projection).
+//!
+//! The scale rule is [`crate::nn::fp8`]'s: `amax / 448` per row, codes `e4m3(value * (1 / scale))`; an FP8 GEMM
+//! with row-wise scales ([`super::gemm::Fp8Linear`]) multiplies them back. Codes are written with a row stride in
+//! bytes (a multiple of 16, the FP8 GEMM's alignment); scales are f32, 16-byte aligned.
+//!
+//! [`QuantKernels`] holds the loaded set on its own (a model loads it only when it runs FP8), and submits.
+
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
+
+use super::launch::{
+    check_aligned_to, check_bytes, check_matrix, invalid, to_i32, to_u32, Launch, LoadKernelsError,
+    LoadedSet, Matrix, Operand, ROW_THREADS,
+};
+use super::norm::{
+    check_modulation, check_norm_cols, push_select, Modulation, ModulationRows, NormKind,
+    NormModulate,
+};
+use super::SwigluOrder;
+
+/// Name of the kernel set holding the quantizing kernels.
+pub const QUANT_SET: &str = "nn_quant";
+
+/// The kernels of [`QUANT_SET`].
+pub const QUANT_KERNELS: &[&str] = &[
+    "nn_quantize_rows_fp8",
+    "nn_norm_modulate_fp8",
+    "nn_gated_residual_norm_modulate_fp8",
+    "nn_swiglu_fp8",
+];
+
+/// Most columns the SwiGLU and plain row quantizers hold in registers (256 threads x 8 x 8). The norm variants
+/// hold [`super::MAX_NORM_COLS`].
+pub const MAX_QUANT_COLS: usize = 16384;
+
+/// Alignment (bytes) of the code rows and the scales: the FP8 GEMM's operand alignment.
+pub const FP8_ALIGN: usize = 16;
+
+/// Where a quantizing kernel writes: e4m3 codes, `stride` bytes from one row to the next (a multiple of 16), and
+/// one f32 scale per row in `scales`.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Rows<'v, 'a> {
+    pub codes: &'v DeviceViewMut<'a>,
+    pub stride: usize,
+    pub scales: &'v DeviceViewMut<'a>,
+}
+
+/// Checks an FP8 output of `rows` x `cols` (cols already checked as a multiple of 8 by the input's matrix).
+fn check_fp8_rows(
+    op: &str,
+    out: &Fp8Rows<'_, '_>,
+    rows: usize,
+    cols: usize,
+) -> Result<(), tf_cuda::Error> {
+    if out.stride < cols || !out.stride.is_multiple_of(FP8_ALIGN) {
+        return Err(invalid(
+            op,
+            format!(
+                "FP8 codes: row stride {} B must be at least the {cols} columns and a multiple of {FP8_ALIGN}",
+                out.stride
+            ),
+        ));
+    }
+    let codes = Operand::of_mut(out.codes);
+    let scales = Operand::of_mut(out.scales);
+    check_aligned_to(op, "FP8 codes", codes, FP8_ALIGN as u64)?;
+    check_aligned_to(op, "FP8 scales", scales, FP8_ALIGN as u64)?;
+    let code_bytes = match rows {
+        0 => 0,
+        _ => (rows - 1)
+            .checked_mul(out.stride)
+            .and_then(|b| b.checked_add(cols))
+            .ok_or_else(|| invalid(op, "FP8 codes size overflows"))?,
+    };
+    let scale_bytes = rows
+        .checked_mul(4)
+        .ok_or_else(|| invalid(op, "FP8 scales size overflows"))?;
+    check_bytes(op, "FP8 codes", codes, code_bytes)?;
+    check_bytes(op, "FP8 scales", scales, scale_bytes)?;
+    let end = |o: Operand, len: usize| o.addr.saturating_add(len as u64);
+    if code_bytes > 0
+        && scale_bytes > 0
+        && codes.addr < end(scales, scale_bytes)
+        && scales.addr < end(codes, code_bytes)
+    {
+        return Err(invalid(op, "FP8 codes and scales overlap"));
+    }
+    Ok(())
+}
+
+fn push_fp8_rows(args: &mut Args, op: &str, out: &Fp8Rows<'_, '_>) -> Result<(), tf_cuda::Error> {
+    args.push_addr(out.codes.addr())
+        .push(to_i32(op, "FP8 code stride", out.stride)?)
+        .push_addr(out.scales.addr());
+    Ok(())
+}
+
+/// Checks and packs a [`NormModulate`]'s tail, `(weight, bias, rows, cols, eps, layer_norm, mod, mod_stride,
+/// mod_rows, scale_offset, shift_offset, seq_len, target_begin, prefix_row, row_index)`, exactly as
+/// `nn_norm_modulate` takes it. Without modulation the selection slots get `unmodulated` (rule, row index
+/// address): a gate may still need them.
+fn push_norm(
+    args: &mut Args,
+    op: &str,
+    x_layout: Matrix,
+    norm: &NormModulate<'_, '_>,
+    unmodulated: (ModulationRows, u64),
+) -> Result<(), tf_cuda::Error> {
+    let cols = x_layout.cols;
+    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
+        return Err(invalid(
+            op,
+            format!("eps {} must be finite and >= 0", norm.eps),
+        ));
+    }
+    if norm.bias.is_some() && norm.weight.is_none() {
+        return Err(invalid(op, "a bias needs a weight (affine norm)"));
+    }
+    for (name, view) in [("weight", norm.weight), ("bias", norm.bias)] {
+        if let Some(view) = view {
+            check_matrix(op, name, Operand::of(view), Matrix::dense(1, cols))?;
+        }
+    }
+    args.push_addr(norm.weight.map_or(0, |w| w.addr()))
+        .push_addr(norm.bias.map_or(0, |b| b.addr()))
+        .push(to_i32(op, "rows", x_layout.rows)?)
+        .push(to_i32(op, "cols", cols)?)
+        .push(norm.eps)
+        .push(i32::from(norm.kind == NormKind::LayerNorm));
+    let Some(m) = &norm.modulation else {
+        args.push_addr(0)
+            .push(0i32)
+            .push(0i32)
+            .push(0i32)
+            .push(-1i32);
+        push_select(args, op, unmodulated.0)?;
+        args.push_addr(unmodulated.1);
+        return Ok(());
+    };
+    if m.rows == 0 {
+        return Err(invalid(op, "modulation needs at least one row"));
+    }
+    let block = |offset: usize| Modulation {
+        data: m.data,
+        rows: m.rows,
+        stride: m.stride,
+        offset,
+    };
+    let index = match m.row_index {
+        Some(index) => Some(check_row_index(op, index, x_layout.rows)?),
+        None => None,
+    };
+    let select = if index.is_some() {
+        ModulationRows::targets_only(1)
+    } else {
+        m.select
+    };
+    for offset in std::iter::once(m.scale_offset).chain(m.shift_offset) {
+        if index.is_some() {
+            // Any row may be chosen: the whole table must be there.
+            check_modulation(op, &block(offset), cols, m.rows, select)?;
+        } else {
+            check_modulation(op, &block(offset), cols, x_layout.rows, select)?;
+        }
+    }
+    let shift = match m.shift_offset {
+        Some(offset) => to_i32(op, "shift offset", offset)?,
+        None => -1,
+    };
+    args.push_addr(m.data.addr())
+        .push(to_i32(op, "modulation stride", m.stride)?)
+        .push(to_i32(op, "modulation rows", m.rows)?)
+        .push(to_i32(op, "scale offset", m.scale_offset)?)
+        .push(shift);
+    push_select(args, op, select)?;
+    args.push_addr(index.unwrap_or(0));
+    Ok(())
+}
+
+/// Checks an i32 row index of `rows` entries; returns its address.
+fn check_row_index(op: &str, index: &DeviceView<'_>, rows: usize) -> Result<u64, tf_cuda::Error> {
+    check_aligned_to(op, "row_index", Operand::of(index), 4)?;
+    let bytes = rows
+        .checked_mul(4)
+        .ok_or_else(|| invalid(op, "row_index size overflows"))?;
+    check_bytes(op, "row_index", Operand::of(index), bytes)?;
+    Ok(index.addr())
+}
+
+fn row_config(op: &str, rows: usize) -> Result<LaunchConfig, tf_cuda::Error> {
+    Ok(LaunchConfig::new(
+        to_u32(op, "rows", rows.max(1))?,
+        ROW_THREADS,
+    ))
+}
+
+fn check_wide_cols(op: &str, cols: usize) -> Result<(), tf_cuda::Error> {
+    if cols == 0 || cols > MAX_QUANT_COLS {
+        return Err(invalid(
+            op,
+            format!("rows of {cols} columns: the kernel quantizes 8..={MAX_QUANT_COLS} columns"),
+        ));
+    }
+    Ok(())
+}
+
+/// Builds `codes, scales = quantize(x)` row by row (kernel nn_quantize_rows_fp8), `cols <= 16384`.
+pub fn plan_quantize_rows_fp8<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "quantize_rows_fp8";
+    check_wide_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of(x), x_layout)?;
+    check_fp8_rows(OP, out, x_layout.rows, x_layout.cols)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?);
+    push_fp8_rows(&mut args, OP, out)?;
+    args.push(to_i32(OP, "rows", x_layout.rows)?)
+        .push(to_i32(OP, "cols", x_layout.cols)?);
+    Ok(Launch::new(
+        "nn_quantize_rows_fp8",
+        row_config(OP, x_layout.rows)?,
+        args,
+    ))
+}
+
+/// Builds a [`NormModulate`] of `x` with an FP8 output (kernel nn_norm_modulate_fp8): the f32 values
+/// `nn_norm_modulate` would round to bf16, quantized per row instead. `cols <= 8192`.
+pub fn plan_norm_modulate_fp8<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "norm_modulate_fp8";
+    check_norm_cols(OP, x_layout.cols)?;
+    check_matrix(OP, "x", Operand::of(x), x_layout)?;
+    check_fp8_rows(OP, out, x_layout.rows, x_layout.cols)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?);
+    push_fp8_rows(&mut args, OP, out)?;
+    push_norm(
+        &mut args,
+        OP,
+        x_layout,
+        norm,
+        (ModulationRows::targets_only(1), 0),
+    )?;
+    Ok(Launch::new(
+        "nn_norm_modulate_fp8",
+        row_config(OP, x_layout.rows)?,
+        args,
+    ))
+}
+
+/// The gate of a gated residual `x += g * y`: a column block of a modulation-style table (`rows` rows of
+/// `stride` bf16), `g = tanh(gate)` when `tanh` (Qwen-Image) else the gate itself (MiniMax H3). Row `r` uses the
+/// table row its [`ModulationRows`] rule (or `row_index`) selects, clamped to the table.
+#[derive(Clone, Copy, Debug)]
+pub struct ResidualGate<'v, 'a> {
+    pub data: &'v DeviceView<'a>,
+    pub rows: usize,
+    pub stride: usize,
+    pub offset: usize,
+    pub tanh: bool,
+    pub select: ModulationRows,
+    /// One i32 table row per activation row; when given it decides (for the norm's modulation too).
+    pub row_index: Option<&'v DeviceView<'a>>,
+}
+
+/// Builds the gated residual `x += g * y` (in place on `x`, stored rounded to bf16) followed by the
+/// [`NormModulate`] of the stored `x` with an FP8 output (kernel nn_gated_residual_norm_modulate_fp8), in one
+/// pass. The norm's modulation, if any, must select rows the way the gate does (the same rule, or the same
+/// row index); its table may differ from the gate's. With tanh gates and `LayerNorm * (1 + scale)` the residual
+/// is bit-identical to Qwen-Image's `qi_gated_residual_adaln`. `cols <= 8192`.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_gated_residual_norm_modulate_fp8<'a>(
+    x: &'a DeviceViewMut<'_>,
+    x_layout: Matrix,
+    y: &'a DeviceView<'_>,
+    y_stride: usize,
+    gate: &ResidualGate<'a, '_>,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "gated_residual_norm_modulate_fp8";
+    let cols = x_layout.cols;
+    check_norm_cols(OP, cols)?;
+    check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
+    check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
+    check_fp8_rows(OP, out, x_layout.rows, cols)?;
+    if gate.rows == 0 {
+        return Err(invalid(OP, "the gate table needs at least one row"));
+    }
+    let gate_block = Modulation {
+        data: gate.data,
+        rows: gate.rows,
+        stride: gate.stride,
+        offset: gate.offset,
+    };
+    let gate_index = match gate.row_index {
+        Some(index) => {
+            check_modulation(
+                OP,
+                &gate_block,
+                cols,
+                gate.rows,
+                ModulationRows::targets_only(1),
+            )?;
+            Some(check_row_index(OP, index, x_layout.rows)?)
+        }
+        None => {
+            check_modulation(OP, &gate_block, cols, x_layout.rows, gate.select)?;
+            None
+        }
+    };
+    if let Some(m) = &norm.modulation {
+        let same = match (gate_index, m.row_index) {
+            (Some(g), Some(n)) => g == n.addr(),
+            (None, None) => m.select == gate.select,
+            _ => false,
+        };
+        if !same {
+            return Err(invalid(
+                OP,
+                "the norm's modulation must select rows as the gate does (the same rule, or the same row index)",
+            ));
+        }
+    }
+    let mut args = Args::new();
+    args.push_addr(x.addr())
+        .push(to_i32(OP, "x stride", x_layout.stride)?)
+        .push_addr(y.addr())
+        .push(to_i32(OP, "y stride", y_stride)?)
+        .push_addr(gate.data.addr())
+        .push(to_i32(OP, "gate stride", gate.stride)?)
+        .push(to_i32(OP, "gate rows", gate.rows)?)
+        .push(to_i32(OP, "gate offset", gate.offset)?)
+        .push(i32::from(gate.tanh));
+    push_fp8_rows(&mut args, OP, out)?;
+    push_norm(
+        &mut args,
+        OP,
+        x_layout,
+        norm,
+        (gate.select, gate_index.unwrap_or(0)),
+    )?;
+    Ok(Launch::new(
+        "nn_gated_residual_norm_modulate_fp8",
+        row_config(OP, x_layout.rows)?,
+        args,
+    ))
+}
+
+/// Builds SwiGLU of a fused matrix of `2 * hidden` columns (halves in `order`) with an FP8 output (kernel
+/// nn_swiglu_fp8): `silu(gate) * value` in f32, quantized per row. `hidden <= 16384`.
+pub fn plan_swiglu_fp8<'a>(
+    order: SwigluOrder,
+    fused: &'a DeviceView<'_>,
+    fused_layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "swiglu_fp8";
+    if !fused_layout.cols.is_multiple_of(16) {
+        return Err(invalid(
+            OP,
+            format!(
+                "the fused input has {} columns: it must be 2 * hidden with hidden a multiple of 8",
+                fused_layout.cols
+            ),
+        ));
+    }
+    let hidden = fused_layout.cols / 2;
+    check_wide_cols(OP, hidden)?;
+    check_matrix(OP, "fused", Operand::of(fused), fused_layout)?;
+    check_fp8_rows(OP, out, fused_layout.rows, hidden)?;
+    let mut args = Args::new();
+    args.push_addr(fused.addr())
+        .push(to_i32(OP, "fused stride", fused_layout.stride)?);
+    push_fp8_rows(&mut args, OP, out)?;
+    args.push(to_i32(OP, "rows", fused_layout.rows)?)
+        .push(to_i32(OP, "hidden", hidden)?)
+        .push(i32::from(order == SwigluOrder::GateValue));
+    Ok(Launch::new(
+        "nn_swiglu_fp8",
+        row_config(OP, fused_layout.rows)?,
+        args,
+    ))
+}
+
+/// The loaded `nn_quant` set of one context.
+pub struct QuantKernels {
+    set: LoadedSet,
+}
+
+impl std::fmt::Debug for QuantKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuantKernels")
+            .field("set", &self.set)
+            .finish()
+    }
+}
+
+impl QuantKernels {
+    /// Loads the `nn_quant` set into `ctx`.
+    pub fn load(ctx: &Context) -> Result<QuantKernels, LoadKernelsError> {
+        Ok(QuantKernels {
+            set: LoadedSet::load(ctx, QUANT_SET, QUANT_KERNELS)?,
+        })
+    }
+
+    /// Submits a launch built by one of this module's `plan_*` functions.
+    pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
+        self.set.submit(stream, launch)
+    }
+
+    /// Submits the launch a `plan_*` function built, or passes its error on.
+    pub fn run(
+        &self,
+        stream: &Stream,
+        plan: Result<Launch<'_>, tf_cuda::Error>,
+    ) -> Result<(), tf_cuda::Error> {
+        self.submit(stream, &plan?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::gpu::test_support::{buffer, context, BF16};
+    use crate::nn::gpu::RowModulation;
+    use tf_testdriver::test_lock;
+
+    #[test]
+    fn quantize_rows_packs_codes_and_scales_and_checks_them() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, cols) = (5, 96);
+        let x = buffer(&ctx, rows * cols * BF16);
+        let mut codes = buffer(&ctx, rows * 112);
+        let mut scales = buffer(&ctx, rows * 4 + 12);
+        let (xv, cv, sv) = (x.view(), codes.view_mut(), scales.view_mut());
+        let _ = (&cv, &sv);
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: 112,
+            scales: &sv,
+        };
+        let launch = plan_quantize_rows_fp8(&xv, Matrix::dense(rows, cols), &out).unwrap();
+        assert_eq!(launch.kernel(), "nn_quantize_rows_fp8");
+        assert_eq!(launch.args().len(), 7);
+        assert_eq!(launch.args().get::<u64>(2), Some(cv.addr()));
+        assert_eq!(launch.args().get::<i32>(3), Some(112));
+        assert_eq!(launch.args().get::<u64>(4), Some(sv.addr()));
+        assert_eq!(launch.args().get::<i32>(6), Some(cols as i32));
+        assert_eq!(launch.config().grid.x, rows as u32);
+        assert_eq!(launch.config().block.x, ROW_THREADS);
+        // A stride that is not a multiple of 16, or shorter than the row: refused.
+        for stride in [100, 80] {
+            let bad = Fp8Rows { stride, ..out };
+            let err = plan_quantize_rows_fp8(&xv, Matrix::dense(rows, cols), &bad)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("row stride"), "{err}");
+        }
+        // Too few codes or scales for the rows, misaligned scales.
+        let mut short_codes = buffer(&ctx, 4 * 112 + 95);
+        let short = short_codes.view_mut();
+        let err = plan_quantize_rows_fp8(
+            &xv,
+            Matrix::dense(rows, cols),
+            &Fp8Rows {
+                codes: &short,
+                ..out
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("FP8 codes: needs 544 B"), "{err}");
+        let mut few_scales = buffer(&ctx, 64);
+        let few = few_scales.slice_mut(0, 16).unwrap();
+        assert!(plan_quantize_rows_fp8(
+            &xv,
+            Matrix::dense(rows, cols),
+            &Fp8Rows {
+                scales: &few,
+                ..out
+            }
+        )
+        .is_err());
+        let odd = few_scales.slice_mut(4, 32).unwrap();
+        let err = plan_quantize_rows_fp8(
+            &xv,
+            Matrix::dense(rows, cols),
+            &Fp8Rows {
+                scales: &odd,
+                ..out
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("16-byte aligned"), "{err}");
+        // Wider than the kernel holds.
+        let wide = buffer(&ctx, (MAX_QUANT_COLS + 8) * BF16);
+        let err = plan_quantize_rows_fp8(&wide.view(), Matrix::dense(1, MAX_QUANT_COLS + 8), &out)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("16384"), "{err}");
+    }
+
+    #[test]
+    fn norm_modulate_fp8_packs_as_the_bf16_kernel_with_an_fp8_output() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, cols) = (6, 64);
+        let x = buffer(&ctx, rows * cols * BF16);
+        let mut codes = buffer(&ctx, rows * cols);
+        let mut scales = buffer(&ctx, rows * 4);
+        let table = buffer(&ctx, 3 * 2 * cols * BF16);
+        let w = buffer(&ctx, cols * BF16);
+        let (xv, cv, sv, tv, wv) = (
+            x.view(),
+            codes.view_mut(),
+            scales.view_mut(),
+            table.view(),
+            w.view(),
+        );
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: cols,
+            scales: &sv,
+        };
+        let modulation = RowModulation {
+            data: &tv,
+            rows: 3,
+            stride: 2 * cols,
+            scale_offset: cols,
+            shift_offset: Some(0),
+            select: ModulationRows::targets_only(2),
+            row_index: None,
+        };
+        let norm = NormModulate {
+            kind: NormKind::RmsNorm,
+            weight: Some(&wv),
+            bias: None,
+            eps: 1e-6,
+            modulation: Some(modulation),
+        };
+        let launch = plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &norm).unwrap();
+        assert_eq!(launch.kernel(), "nn_norm_modulate_fp8");
+        // nn_norm_modulate's 19 arguments with (q, q_stride, scales) in place of (y, y_stride).
+        assert_eq!(launch.args().len(), 20);
+        assert_eq!(launch.args().get::<u64>(5), Some(wv.addr()));
+        assert_eq!(launch.args().get::<i32>(10), Some(0)); // RMSNorm
+        assert_eq!(launch.args().get::<u64>(11), Some(tv.addr()));
+        assert_eq!(launch.args().get::<i32>(13), Some(3));
+        assert_eq!(launch.args().get::<i32>(14), Some(cols as i32));
+        assert_eq!(launch.args().get::<i32>(15), Some(0));
+        assert_eq!(launch.args().get::<i32>(16), Some(2));
+        // Samples of one row need 6 modulation rows: refused.
+        let per_row = NormModulate {
+            modulation: Some(RowModulation {
+                select: ModulationRows::targets_only(1),
+                ..modulation
+            }),
+            ..norm
+        };
+        assert!(plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &per_row).is_err());
+        let plain = NormModulate {
+            kind: NormKind::LayerNorm,
+            weight: None,
+            bias: None,
+            eps: 1e-6,
+            modulation: None,
+        };
+        let launch = plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &plain).unwrap();
+        assert_eq!(launch.args().get::<i32>(10), Some(1));
+        assert_eq!(launch.args().get::<u64>(11), Some(0));
+        assert!(plan_norm_modulate_fp8(
+            &xv,
+            Matrix::dense(rows, cols),
+            &out,
+            &NormModulate {
+                eps: f32::NAN,
+                ..plain
+            }
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn gated_residual_fp8_checks_the_gate_and_the_shared_row_selection() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, cols) = (4, 32);
+        let mut x = buffer(&ctx, rows * cols * BF16);
+        let y = buffer(&ctx, rows * cols * BF16);
+        let mut codes = buffer(&ctx, rows * cols);
+        let mut scales = buffer(&ctx, rows * 4);
+        let table = buffer(&ctx, 3 * 5 * cols * BF16);
+        let index = buffer(&ctx, rows * 4);
+        let (xv, yv, cv, sv, tv, iv) = (
+            x.view_mut(),
+            y.view(),
+            codes.view_mut(),
+            scales.view_mut(),
+            table.view(),
+            index.view(),
+        );
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: cols,
+            scales: &sv,
+        };
+        let select = ModulationRows {
+            seq_len: 2,
+            target_begin: 1,
+            prefix_row: 2,
+        };
+        let gate = ResidualGate {
+            data: &tv,
+            rows: 3,
+            stride: 5 * cols,
+            offset: cols,
+            tanh: true,
+            select,
+            row_index: None,
+        };
+        let norm = NormModulate {
+            kind: NormKind::LayerNorm,
+            weight: None,
+            bias: None,
+            eps: 1e-6,
+            modulation: Some(RowModulation {
+                data: &tv,
+                rows: 3,
+                stride: 5 * cols,
+                scale_offset: 2 * cols,
+                shift_offset: None,
+                select,
+                row_index: None,
+            }),
+        };
+        let layout = Matrix::dense(rows, cols);
+        let launch =
+            plan_gated_residual_norm_modulate_fp8(&xv, layout, &yv, cols, &gate, &out, &norm)
+                .unwrap();
+        assert_eq!(launch.kernel(), "nn_gated_residual_norm_modulate_fp8");
+        assert_eq!(launch.args().len(), 27);
+        assert_eq!(launch.args().get::<i32>(6), Some(3));
+        assert_eq!(launch.args().get::<i32>(7), Some(cols as i32));
+        assert_eq!(launch.args().get::<i32>(8), Some(1)); // tanh
+        assert_eq!(launch.args().get::<i32>(22), Some(-1)); // no shift
+        assert_eq!(launch.args().get::<i32>(23), Some(2)); // seq_len
+        assert_eq!(launch.args().get::<i32>(25), Some(2)); // prefix row
+                                                           // A norm selecting rows differently from the gate: refused.
+        let other = NormModulate {
+            modulation: Some(RowModulation {
+                select: ModulationRows::targets_only(2),
+                ..norm.modulation.unwrap()
+            }),
+            ..norm
+        };
+        let err =
+            plan_gated_residual_norm_modulate_fp8(&xv, layout, &yv, cols, &gate, &out, &other)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("select rows as the gate does"), "{err}");
+        // A gate block past the table's row stride: refused.
+        let wide_gate = ResidualGate {
+            offset: 4 * cols + 8,
+            ..gate
+        };
+        assert!(plan_gated_residual_norm_modulate_fp8(
+            &xv, layout, &yv, cols, &wide_gate, &out, &norm
+        )
+        .is_err());
+        // No modulation, plain gates, a row index: the gate's selection is packed.
+        let indexed = ResidualGate {
+            tanh: false,
+            row_index: Some(&iv),
+            ..gate
+        };
+        let unmodulated = NormModulate {
+            modulation: None,
+            ..norm
+        };
+        let launch = plan_gated_residual_norm_modulate_fp8(
+            &xv,
+            layout,
+            &yv,
+            cols,
+            &indexed,
+            &out,
+            &unmodulated,
+        )
+        .unwrap();
+        assert_eq!(launch.args().len(), 27);
+        assert_eq!(launch.args().get::<i32>(8), Some(0));
+        assert_eq!(launch.args().get::<u64>(18), Some(0)); // no modulation table
+        assert_eq!(launch.args().get::<u64>(26), Some(iv.addr()));
+    }
+
+    #[test]
+    fn swiglu_fp8_takes_either_half_order() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, hidden) = (3, 48);
+        let fused = buffer(&ctx, rows * 2 * hidden * BF16);
+        let mut codes = buffer(&ctx, rows * 64);
+        let mut scales = buffer(&ctx, rows * 4);
+        let (fv, cv, sv) = (fused.view(), codes.view_mut(), scales.view_mut());
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: 64,
+            scales: &sv,
+        };
+        let layout = Matrix::dense(rows, 2 * hidden);
+        let gv = plan_swiglu_fp8(SwigluOrder::GateValue, &fv, layout, &out).unwrap();
+        let vg = plan_swiglu_fp8(SwigluOrder::ValueGate, &fv, layout, &out).unwrap();
+        assert_eq!(gv.kernel(), "nn_swiglu_fp8");
+        assert_eq!(gv.args().get::<i32>(6), Some(hidden as i32));
+        assert_eq!(gv.args().get::<i32>(7), Some(1));
+        assert_eq!(vg.args().get::<i32>(7), Some(0));
+        assert!(
+            plan_swiglu_fp8(SwigluOrder::GateValue, &fv, Matrix::dense(rows, 88), &out).is_err()
+        );
+    }
+}

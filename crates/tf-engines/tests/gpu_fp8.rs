@@ -1,0 +1,1151 @@
+//! GPU checks of the FP8 pieces of the shared layer: the quantizing kernels (`tf_engines::nn::gpu::quant`) against
+//! the host's quantization (`tf_engines::nn::fp8`) of the host reference ops (`tf_engines::nn::host`), the FP8
+//! linear layer (`Fp8Linear`, row-wise scales) against the host product of its dequantized operands, and the
+//! kernels' and GEMMs' times beside their bf16 counterparts at the Qwen-Image DiT's sizes.
+//!
+//! How codes are compared: the plain row quantizer reads bf16 and does nothing a host cannot repeat, so its codes and
+//! scales must be bit-identical. The fused kernels quantize f32 values they computed (norms, SwiGLU) in an order the
+//! host does not follow; their values differ from the host's by f32 rounding, so a code may land one step away
+//! where a value sits on a rounding boundary: at most 0.5% of the codes may differ, each by one step, and each
+//! row's scale must agree to 1e-5 relative. The dequantized values are also held against the host's f32 values:
+//! e4m3 keeps 3 mantissa bits, a relative L2 error of about 2.5% on these inputs (bound 3.5%).
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_engines::nn::fp8;
+use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear};
+use tf_engines::nn::gpu::quant::{
+    plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
+    plan_swiglu_fp8, Fp8Rows, QuantKernels, ResidualGate,
+};
+use tf_engines::nn::gpu::{
+    Matrix, Modulation, ModulationRows, NnKernels, NormKind, NormModulate, RowModulation,
+    SwigluOrder,
+};
+use tf_engines::nn::host;
+use tf_engines::qwen_image::ops::{plan_adaln_modulate, plan_gated_residual_adaln, DitKernels};
+
+const EPS: f32 = 1e-6;
+
+struct Gpu {
+    ctx: Context,
+    stream: Stream,
+    quant: QuantKernels,
+    dit: DitKernels,
+}
+
+fn gpu() -> Gpu {
+    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
+    let ctx = Context::new(driver, 0).expect("create a context on device 0");
+    let stream = Stream::new(&ctx, true).expect("create a stream");
+    let quant = QuantKernels::load(&ctx).expect("load the nn_quant kernel set");
+    let dit = DitKernels::load(&ctx).expect("load the shared and qwen_image_dit kernel sets");
+    Gpu {
+        ctx,
+        stream,
+        quant,
+        dit,
+    }
+}
+
+fn nn(g: &Gpu) -> &NnKernels {
+    g.dit.nn()
+}
+
+/// splitmix64: seeded, reproducible inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        lo + (hi - lo) * unit
+    }
+}
+
+fn to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+fn from_bf16(b: u16) -> f32 {
+    half::bf16::from_bits(b).to_f32()
+}
+
+/// `n` random bf16 values in [lo, hi): the device bits and the exact f32 values.
+fn random_bf16(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> (Vec<u16>, Vec<f32>) {
+    let bits: Vec<u16> = (0..n).map(|_| to_bf16(rng.uniform(lo, hi))).collect();
+    let values = bits.iter().map(|&b| from_bf16(b)).collect();
+    (bits, values)
+}
+
+/// Rows whose magnitudes differ by powers of two (row r times 2^(r mod 7 - 3)), some outliers, and an all-zero
+/// row: what makes per-row scales matter.
+fn uneven_bf16(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u16>, Vec<f32>) {
+    let mut values = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        let mag = 2f32.powi((r % 7) as i32 - 3);
+        for c in 0..cols {
+            let v = if r == 1 {
+                0.0
+            } else if c == (r * 131) % cols {
+                mag * 40.0 // an outlier
+            } else {
+                rng.uniform(-mag, mag)
+            };
+            values.push(v);
+        }
+    }
+    let bits: Vec<u16> = values.iter().map(|&v| to_bf16(v)).collect();
+    let values = bits.iter().map(|&b| from_bf16(b)).collect();
+    (bits, values)
+}
+
+fn upload<T: tf_cuda::Pod>(g: &Gpu, data: &[T]) -> DeviceBuffer {
+    DeviceBuffer::from_slice(&g.ctx, data).expect("upload")
+}
+
+fn sync(g: &Gpu) {
+    g.stream
+        .synchronize()
+        .expect("stream synchronize after the kernels");
+}
+
+/// The device's FP8 rows: (codes `[rows, cols]` out of rows of `stride` bytes, scales).
+fn download_fp8(
+    g: &Gpu,
+    codes: &DeviceBuffer,
+    scales: &DeviceBuffer,
+    rows: usize,
+    cols: usize,
+    stride: usize,
+) -> (Vec<u8>, Vec<f32>) {
+    sync(g);
+    let all: Vec<u8> = codes.to_vec().expect("download codes");
+    let codes = (0..rows)
+        .flat_map(|r| all[r * stride..r * stride + cols].iter().copied())
+        .collect();
+    let scales: Vec<f32> = scales.to_vec().expect("download scales");
+    (codes, scales[..rows].to_vec())
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let (mut e2, mut r2) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        assert!(g.is_finite(), "non-finite value {g} (reference {w})");
+        e2 += (f64::from(g) - f64::from(w)).powi(2);
+        r2 += f64::from(w).powi(2);
+    }
+    if r2 > 0.0 {
+        (e2 / r2).sqrt()
+    } else {
+        e2.sqrt()
+    }
+}
+
+/// Distance in code steps between two e4m3 codes of finite values (codes are ordered by magnitude within a sign).
+fn code_steps(a: u8, b: u8) -> u32 {
+    let signed = |c: u8| -> i32 {
+        let m = i32::from(c & 0x7f);
+        if c & 0x80 != 0 {
+            -m
+        } else {
+            m
+        }
+    };
+    signed(a).abs_diff(signed(b))
+}
+
+/// Holds the device's FP8 rows against the host's quantization of `want` (the host reference's f32 values):
+/// scales within 1e-5, codes equal but for at most 0.5% one step away, dequantized values within 3.5% (rel L2).
+fn check_fp8(op: &str, case: &str, (codes, scales): (&[u8], &[f32]), want: &[f32], cols: usize) {
+    let (want_codes, want_scales) = fp8::quantize_rows(want, cols);
+    assert_eq!(codes.len(), want_codes.len(), "{op} {case}: code count");
+    let mut worst_scale = 0f64;
+    for (r, (&s, &w)) in scales.iter().zip(&want_scales).enumerate() {
+        let e = (f64::from(s) - f64::from(w)).abs() / f64::from(w).abs().max(1e-30);
+        assert!(
+            e <= 1e-5,
+            "{op} {case}: row {r} scale {s} vs host {w} ({e:.2e} relative)"
+        );
+        worst_scale = worst_scale.max(e);
+    }
+    let mut differing = 0usize;
+    for (i, (&c, &w)) in codes.iter().zip(&want_codes).enumerate() {
+        if c != w {
+            differing += 1;
+            assert!(
+                code_steps(c, w) <= 1,
+                "{op} {case}: code {i} is {c:#04x}, host {w:#04x} ({} vs {})",
+                fp8::e4m3_decode(c),
+                fp8::e4m3_decode(w)
+            );
+        }
+    }
+    let deq = fp8::dequantize_rows(codes, scales, cols);
+    let err = rel_l2(&deq, want);
+    let share = differing as f64 / codes.len().max(1) as f64;
+    println!(
+        "{op} [{case}]: {} codes, {differing} one step from the host's ({:.3}%), worst scale {worst_scale:.1e}; \
+         dequantized vs host f32 rel L2 {err:.3e} (bound 3.5e-2)",
+        codes.len(),
+        share * 100.0
+    );
+    assert!(
+        share <= 0.005,
+        "{op} {case}: {differing} codes differ from the host's"
+    );
+    assert!(
+        err <= 0.035,
+        "{op} {case}: dequantized rel L2 {err:.3e} > 3.5e-2"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn quantize_rows_is_bit_identical_to_the_host() {
+    let g = gpu();
+    let mut rng = Rng(1);
+    // (rows, cols, input stride, code stride): tiny, the attention output (4096, H3's 7168), the widest.
+    for (rows, cols, x_stride, q_stride) in [
+        (3, 8, 8, 16),
+        (37, 4096, 4104, 4096),
+        (9, 7168, 7168, 7184),
+        (5, 16384, 16384, 16384),
+    ] {
+        let (bits, _) = uneven_bf16(&mut rng, rows, x_stride);
+        let values: Vec<f32> = (0..rows)
+            .flat_map(|r| {
+                bits[r * x_stride..r * x_stride + cols]
+                    .iter()
+                    .map(|&b| from_bf16(b))
+            })
+            .collect();
+        let x = upload(&g, &bits);
+        let mut codes = upload(&g, &vec![0xa5u8; rows * q_stride]);
+        let mut scales = upload(&g, &vec![0f32; rows]);
+        {
+            let (cv, sv) = (codes.view_mut(), scales.view_mut());
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: q_stride,
+                scales: &sv,
+            };
+            g.quant
+                .run(
+                    &g.stream,
+                    plan_quantize_rows_fp8(
+                        &x.view(),
+                        Matrix {
+                            rows,
+                            cols,
+                            stride: x_stride,
+                        },
+                        &out,
+                    ),
+                )
+                .expect("launch quantize_rows_fp8");
+        }
+        sync(&g);
+        let all: Vec<u8> = codes.to_vec().unwrap();
+        let got_scales: Vec<f32> = scales.to_vec().unwrap();
+        let (want_codes, want_scales) = fp8::quantize_rows(&values, cols);
+        let got_codes: Vec<u8> = (0..rows)
+            .flat_map(|r| all[r * q_stride..r * q_stride + cols].iter().copied())
+            .collect();
+        let padding_kept = (0..rows).all(|r| {
+            all[r * q_stride + cols..(r + 1) * q_stride]
+                .iter()
+                .all(|&b| b == 0xa5)
+        });
+        let differing = got_codes
+            .iter()
+            .zip(&want_codes)
+            .filter(|(a, b)| a != b)
+            .count();
+        println!(
+            "quantize_rows_fp8 [{rows}x{cols}, strides {x_stride}/{q_stride}]: {differing} codes differ, scales equal: {}, row 1 (zeros) scale {}",
+            got_scales == want_scales,
+            got_scales[1]
+        );
+        assert_eq!(differing, 0, "codes differ from the host's");
+        assert_eq!(got_scales, want_scales, "scales differ from the host's");
+        assert!(padding_kept, "bytes past each code row were written");
+        assert_eq!(got_scales[1], 1.0, "an all-zero row gets scale 1");
+    }
+}
+
+/// Modulation rows `[n_mod, 5 * cols]` like the Qwen-Image DiT's (scale1 | gate1 | scale2 | gate2 | out_scale):
+/// the device bits and the f32 values of column block `block` as `[n_mod, cols]`.
+fn modulation_block(
+    values: &[f32],
+    n_mod: usize,
+    stride: usize,
+    offset: usize,
+    cols: usize,
+) -> Vec<f32> {
+    (0..n_mod)
+        .flat_map(|m| {
+            values[m * stride + offset..m * stride + offset + cols]
+                .iter()
+                .copied()
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn norm_modulate_fp8_matches_the_host_quantization() {
+    let g = gpu();
+    let mut rng = Rng(2);
+    // Qwen-Image's adaLN: LayerNorm without affine times (1 + scale), modulation rows by the DiT rule.
+    for (samples, seq_len, target_begin, cols) in [(2, 24, 5, 256), (1, 4176, 80, 4096)] {
+        let rows = samples * seq_len;
+        let n_mod = samples + 1;
+        let (x_bits, x) = random_bf16(&mut rng, rows * cols, -3.0, 5.0);
+        let stride = 5 * cols;
+        let (m_bits, m) = random_bf16(&mut rng, n_mod * stride, -1.0, 1.0);
+        let select = ModulationRows {
+            seq_len,
+            target_begin,
+            prefix_row: samples,
+        };
+        let row_mod: Vec<usize> = (0..rows).map(|r| select.row_of(r)).collect();
+        let scale = modulation_block(&m, n_mod, stride, 2 * cols, cols);
+        let (x_dev, m_dev) = (upload(&g, &x_bits), upload(&g, &m_bits));
+        let mut codes = upload(&g, &vec![0u8; rows * cols]);
+        let mut scales = upload(&g, &vec![0f32; rows]);
+        {
+            let (mv, cv, sv) = (m_dev.view(), codes.view_mut(), scales.view_mut());
+            let norm = NormModulate {
+                kind: NormKind::LayerNorm,
+                weight: None,
+                bias: None,
+                eps: EPS,
+                modulation: Some(RowModulation {
+                    data: &mv,
+                    rows: n_mod,
+                    stride,
+                    scale_offset: 2 * cols,
+                    shift_offset: None,
+                    select,
+                    row_index: None,
+                }),
+            };
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: cols,
+                scales: &sv,
+            };
+            g.quant
+                .run(
+                    &g.stream,
+                    plan_norm_modulate_fp8(&x_dev.view(), Matrix::dense(rows, cols), &out, &norm),
+                )
+                .expect("launch norm_modulate_fp8");
+        }
+        let mut want = vec![0f32; rows * cols];
+        host::layer_norm_modulate(&x, rows, cols, &scale, n_mod, &row_mod, EPS, &mut want)
+            .expect("host reference");
+        let (c, s) = download_fp8(&g, &codes, &scales, rows, cols, cols);
+        check_fp8(
+            "norm_modulate_fp8",
+            &format!("LayerNorm * (1 + scale), {rows}x{cols}"),
+            (&c, &s),
+            &want,
+            cols,
+        );
+    }
+    // MiniMax H3's norm: RMSNorm with its weight, (1 + scale) + shift, modulation rows by index; 5376 columns.
+    let (rows, cols, n_mod) = (40, 5376, 6);
+    let (x_bits, x) = random_bf16(&mut rng, rows * cols, -2.0, 2.0);
+    let (w_bits, w) = random_bf16(&mut rng, cols, 0.5, 1.5);
+    let (m_bits, m) = random_bf16(&mut rng, n_mod * 2 * cols, -0.5, 0.5);
+    let index: Vec<i32> = (0..rows).map(|r| ((r * 5) % n_mod) as i32).collect();
+    let row_mod: Vec<usize> = index.iter().map(|&i| i as usize).collect();
+    let (x_dev, w_dev, m_dev, i_dev) = (
+        upload(&g, &x_bits),
+        upload(&g, &w_bits),
+        upload(&g, &m_bits),
+        upload(&g, &index),
+    );
+    let mut codes = upload(&g, &vec![0u8; rows * cols]);
+    let mut scales = upload(&g, &vec![0f32; rows]);
+    {
+        let (wv, mv, iv, cv, sv) = (
+            w_dev.view(),
+            m_dev.view(),
+            i_dev.view(),
+            codes.view_mut(),
+            scales.view_mut(),
+        );
+        let norm = NormModulate {
+            kind: NormKind::RmsNorm,
+            weight: Some(&wv),
+            bias: None,
+            eps: EPS,
+            modulation: Some(RowModulation {
+                data: &mv,
+                rows: n_mod,
+                stride: 2 * cols,
+                scale_offset: cols,
+                shift_offset: Some(0),
+                select: ModulationRows::targets_only(1),
+                row_index: Some(&iv),
+            }),
+        };
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: cols,
+            scales: &sv,
+        };
+        g.quant
+            .run(
+                &g.stream,
+                plan_norm_modulate_fp8(&x_dev.view(), Matrix::dense(rows, cols), &out, &norm),
+            )
+            .expect("launch norm_modulate_fp8 (RMSNorm)");
+    }
+    let shift = modulation_block(&m, n_mod, 2 * cols, 0, cols);
+    let scale = modulation_block(&m, n_mod, 2 * cols, cols, cols);
+    let parts = host::NormModulation {
+        weight: Some(&w),
+        bias: None,
+        scale: Some(&scale),
+        shift: Some(&shift),
+        n_mod,
+        row_mod: &row_mod,
+    };
+    let mut want = vec![0f32; rows * cols];
+    host::norm_modulate(
+        &x,
+        rows,
+        cols,
+        host::NormKind::RmsNorm,
+        parts,
+        EPS,
+        &mut want,
+    )
+    .expect("host reference");
+    let (c, s) = download_fp8(&g, &codes, &scales, rows, cols, cols);
+    check_fp8(
+        "norm_modulate_fp8",
+        &format!("RMSNorm * w * (1 + scale) + shift by row index, {rows}x{cols}"),
+        (&c, &s),
+        &want,
+        cols,
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn gated_residual_fp8_keeps_the_bf16_residual_and_quantizes_the_norm() {
+    let g = gpu();
+    let mut rng = Rng(3);
+    // Qwen-Image: tanh gates, LayerNorm * (1 + scale): the residual must be bit-identical to
+    // qi_gated_residual_adaln's.
+    for (samples, seq_len, target_begin, cols) in [(2, 16, 3, 512), (1, 4176, 80, 4096)] {
+        let rows = samples * seq_len;
+        let n_mod = samples + 1;
+        let stride = 5 * cols;
+        let (x_bits, _) = random_bf16(&mut rng, rows * cols, -4.0, 4.0);
+        let (y_bits, _) = random_bf16(&mut rng, rows * cols, -2.0, 2.0);
+        let (m_bits, m) = random_bf16(&mut rng, n_mod * stride, -1.0, 1.0);
+        let select = ModulationRows {
+            seq_len,
+            target_begin,
+            prefix_row: samples,
+        };
+        let row_mod: Vec<usize> = (0..rows).map(|r| select.row_of(r)).collect();
+        let (y_dev, m_dev) = (upload(&g, &y_bits), upload(&g, &m_bits));
+        let mut x_ours = upload(&g, &x_bits);
+        let mut x_bf16 = upload(&g, &x_bits);
+        let mut normed_bf16 = upload(&g, &vec![0u16; rows * cols]);
+        let mut codes = upload(&g, &vec![0u8; rows * cols]);
+        let mut scales = upload(&g, &vec![0f32; rows]);
+        let layout = Matrix::dense(rows, cols);
+        {
+            let (yv, mv) = (y_dev.view(), m_dev.view());
+            let block = |offset| Modulation {
+                data: &mv,
+                rows: n_mod,
+                stride,
+                offset,
+            };
+            g.dit
+                .run(
+                    &g.stream,
+                    plan_gated_residual_adaln(
+                        &x_bf16.view_mut(),
+                        layout,
+                        &yv,
+                        cols,
+                        &normed_bf16.view_mut(),
+                        cols,
+                        &block(cols),
+                        &block(2 * cols),
+                        select,
+                        EPS,
+                    ),
+                )
+                .expect("launch qi_gated_residual_adaln");
+            let (xv, cv, sv) = (x_ours.view_mut(), codes.view_mut(), scales.view_mut());
+            let gate = ResidualGate {
+                data: &mv,
+                rows: n_mod,
+                stride,
+                offset: cols,
+                tanh: true,
+                select,
+                row_index: None,
+            };
+            let norm = NormModulate {
+                kind: NormKind::LayerNorm,
+                weight: None,
+                bias: None,
+                eps: EPS,
+                modulation: Some(RowModulation {
+                    data: &mv,
+                    rows: n_mod,
+                    stride,
+                    scale_offset: 2 * cols,
+                    shift_offset: None,
+                    select,
+                    row_index: None,
+                }),
+            };
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: cols,
+                scales: &sv,
+            };
+            g.quant
+                .run(
+                    &g.stream,
+                    plan_gated_residual_norm_modulate_fp8(
+                        &xv, layout, &yv, cols, &gate, &out, &norm,
+                    ),
+                )
+                .expect("launch gated_residual_norm_modulate_fp8");
+        }
+        sync(&g);
+        let ours: Vec<u16> = x_ours.to_vec().unwrap();
+        let theirs: Vec<u16> = x_bf16.to_vec().unwrap();
+        let x_diff = ours.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+        println!("gated_residual_norm_modulate_fp8 [{rows}x{cols}]: residual values differing from qi_gated_residual_adaln: {x_diff}");
+        assert_eq!(
+            x_diff, 0,
+            "the FP8 kernel's residual differs from the bf16 kernel's"
+        );
+        // The norm of the stored residual, on the host, quantized.
+        let x_new: Vec<f32> = ours.iter().map(|&b| from_bf16(b)).collect();
+        let scale = modulation_block(&m, n_mod, stride, 2 * cols, cols);
+        let mut want = vec![0f32; rows * cols];
+        host::layer_norm_modulate(&x_new, rows, cols, &scale, n_mod, &row_mod, EPS, &mut want)
+            .expect("host reference");
+        let (c, s) = download_fp8(&g, &codes, &scales, rows, cols, cols);
+        check_fp8(
+            "gated_residual_norm_modulate_fp8",
+            &format!("tanh gate, LayerNorm * (1 + scale), {rows}x{cols}"),
+            (&c, &s),
+            &want,
+            cols,
+        );
+        drop(normed_bf16);
+    }
+    // MiniMax H3: plain gates from one table, RMSNorm * w * (1 + scale) + shift from another, rows by index.
+    let (rows, cols, n_mod) = (24, 5376, 4);
+    let (x_bits, x) = random_bf16(&mut rng, rows * cols, -4.0, 4.0);
+    let (y_bits, y) = random_bf16(&mut rng, rows * cols, -2.0, 2.0);
+    let (g_bits, gates) = random_bf16(&mut rng, n_mod * cols, -1.0, 1.0);
+    let (w_bits, w) = random_bf16(&mut rng, cols, 0.5, 1.5);
+    let (m_bits, m) = random_bf16(&mut rng, n_mod * 2 * cols, -0.5, 0.5);
+    let index: Vec<i32> = (0..rows).map(|r| ((r * 3 + 1) % n_mod) as i32).collect();
+    let row_mod: Vec<usize> = index.iter().map(|&i| i as usize).collect();
+    let (y_dev, gt_dev, w_dev, m_dev, i_dev) = (
+        upload(&g, &y_bits),
+        upload(&g, &g_bits),
+        upload(&g, &w_bits),
+        upload(&g, &m_bits),
+        upload(&g, &index),
+    );
+    let mut x_dev = upload(&g, &x_bits);
+    let mut codes = upload(&g, &vec![0u8; rows * cols]);
+    let mut scales = upload(&g, &vec![0f32; rows]);
+    {
+        let (yv, gv, wv, mv, iv) = (
+            y_dev.view(),
+            gt_dev.view(),
+            w_dev.view(),
+            m_dev.view(),
+            i_dev.view(),
+        );
+        let (xv, cv, sv) = (x_dev.view_mut(), codes.view_mut(), scales.view_mut());
+        let gate = ResidualGate {
+            data: &gv,
+            rows: n_mod,
+            stride: cols,
+            offset: 0,
+            tanh: false,
+            select: ModulationRows::targets_only(1),
+            row_index: Some(&iv),
+        };
+        let norm = NormModulate {
+            kind: NormKind::RmsNorm,
+            weight: Some(&wv),
+            bias: None,
+            eps: EPS,
+            modulation: Some(RowModulation {
+                data: &mv,
+                rows: n_mod,
+                stride: 2 * cols,
+                scale_offset: cols,
+                shift_offset: Some(0),
+                select: ModulationRows::targets_only(1),
+                row_index: Some(&iv),
+            }),
+        };
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: cols,
+            scales: &sv,
+        };
+        g.quant
+            .run(
+                &g.stream,
+                plan_gated_residual_norm_modulate_fp8(
+                    &xv,
+                    Matrix::dense(rows, cols),
+                    &yv,
+                    cols,
+                    &gate,
+                    &out,
+                    &norm,
+                ),
+            )
+            .expect("launch gated_residual_norm_modulate_fp8 (plain gates)");
+    }
+    sync(&g);
+    let got_x: Vec<f32> = x_dev
+        .to_vec::<u16>()
+        .unwrap()
+        .into_iter()
+        .map(from_bf16)
+        .collect();
+    let mut want_x = x.clone();
+    host::gate_residual(&mut want_x, rows, cols, &y, &gates, n_mod, &row_mod)
+        .expect("host residual");
+    // One f32 fma rounded once to bf16 against an f64 reference: within one bf16 step.
+    let worst = got_x
+        .iter()
+        .zip(&want_x)
+        .map(|(&a, &b)| (f64::from(a) - f64::from(b)).abs() / f64::from(b).abs().max(1e-3))
+        .fold(0f64, f64::max);
+    println!("gated_residual_norm_modulate_fp8 [plain gates, {rows}x{cols}]: residual worst relative error {worst:.2e} (bound 2^-8)");
+    assert!(worst <= 1.0 / 256.0, "plain-gate residual off: {worst}");
+    let shift = modulation_block(&m, n_mod, 2 * cols, 0, cols);
+    let scale = modulation_block(&m, n_mod, 2 * cols, cols, cols);
+    let parts = host::NormModulation {
+        weight: Some(&w),
+        bias: None,
+        scale: Some(&scale),
+        shift: Some(&shift),
+        n_mod,
+        row_mod: &row_mod,
+    };
+    let mut want = vec![0f32; rows * cols];
+    host::norm_modulate(
+        &got_x,
+        rows,
+        cols,
+        host::NormKind::RmsNorm,
+        parts,
+        EPS,
+        &mut want,
+    )
+    .expect("host reference");
+    let (c, s) = download_fp8(&g, &codes, &scales, rows, cols, cols);
+    check_fp8(
+        "gated_residual_norm_modulate_fp8",
+        &format!("plain gate, RMSNorm * w * (1 + scale) + shift, {rows}x{cols}"),
+        (&c, &s),
+        &want,
+        cols,
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn swiglu_fp8_matches_the_host_quantization() {
+    let g = gpu();
+    let mut rng = Rng(4);
+    // (rows, hidden, order): tiny, Qwen-Image's 12288 ([gate | up]), H3's 14336 ([value | gate]), the widest.
+    for (rows, hidden, order) in [
+        (3, 96, SwigluOrder::GateValue),
+        (64, 12288, SwigluOrder::GateValue),
+        (33, 14336, SwigluOrder::ValueGate),
+        (4, 16384, SwigluOrder::GateValue),
+    ] {
+        let (bits, values) = random_bf16(&mut rng, rows * 2 * hidden, -4.0, 4.0);
+        let fused = upload(&g, &bits);
+        let mut codes = upload(&g, &vec![0u8; rows * hidden]);
+        let mut scales = upload(&g, &vec![0f32; rows]);
+        {
+            let (cv, sv) = (codes.view_mut(), scales.view_mut());
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: hidden,
+                scales: &sv,
+            };
+            g.quant
+                .run(
+                    &g.stream,
+                    plan_swiglu_fp8(order, &fused.view(), Matrix::dense(rows, 2 * hidden), &out),
+                )
+                .expect("launch swiglu_fp8");
+        }
+        let mut want = vec![0f32; rows * hidden];
+        host::swiglu_fused(
+            &values,
+            rows,
+            hidden,
+            order == SwigluOrder::GateValue,
+            &mut want,
+        )
+        .expect("host reference");
+        let (c, s) = download_fp8(&g, &codes, &scales, rows, hidden, hidden);
+        check_fp8(
+            "swiglu_fp8",
+            &format!("{order:?} {rows}x{hidden}"),
+            (&c, &s),
+            &want,
+            hidden,
+        );
+    }
+}
+
+/// Times `f` (which enqueues work on the stream) over `iters` runs after 3 warm-up runs; ms per run.
+fn time_ms(g: &Gpu, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let start = Event::new(&g.ctx, true).expect("event");
+    let end = Event::new(&g.ctx, true).expect("event");
+    start.record(&g.stream).expect("record");
+    for _ in 0..iters {
+        f();
+    }
+    end.record(&g.stream).expect("record");
+    end.synchronize().expect("synchronize");
+    f64::from(Event::elapsed_ms(&start, &end).expect("elapsed")) / iters as f64
+}
+
+fn span_of(buf: &DeviceBuffer) -> DeviceSpan {
+    DeviceSpan::new(buf.addr(), buf.len())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fp8_linear_of_quantized_rows_matches_the_host_product() {
+    let g = gpu();
+    let info = g.ctx.device_info().expect("device info");
+    if info.compute_capability != (9, 0) {
+        println!(
+            "FP8 linear skipped: row-wise scales need sm_90 ({} is sm_{}{})",
+            info.name, info.compute_capability.0, info.compute_capability.1
+        );
+        return;
+    }
+    let gemms =
+        GemmRunner::new(&g.ctx, tf_cuda::cublaslt::AlgoSelection::Heuristic).expect("cuBLASLt");
+    let mut rng = Rng(5);
+    for (m, n, k) in [(48, 64, 128), (333, 512, 4096), (128, 256, 12288)] {
+        let (x_bits, x) = uneven_bf16(&mut rng, m, k);
+        let (w_bits, w) = random_bf16(&mut rng, n * k, -0.05, 0.05);
+        // The weight as the upload ring quantizes it: per output channel, from bf16.
+        let (w_codes, w_scales) = fp8::quantize_rows(&w, k);
+        let x_dev = upload(&g, &x_bits);
+        let w_dev = upload(&g, &w_codes);
+        let ws_dev = upload(&g, &w_scales);
+        let wb_dev = upload(&g, &w_bits);
+        let mut xq = upload(&g, &vec![0u8; m * k]);
+        let mut xs = upload(&g, &vec![0f32; m]);
+        let y = upload(&g, &vec![0u16; m * n]);
+        let y_bf16 = upload(&g, &vec![0u16; m * n]);
+        {
+            let (cv, sv) = (xq.view_mut(), xs.view_mut());
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: k,
+                scales: &sv,
+            };
+            g.quant
+                .run(
+                    &g.stream,
+                    plan_quantize_rows_fp8(&x_dev.view(), Matrix::dense(m, k), &out),
+                )
+                .expect("quantize X");
+        }
+        let linear = Fp8Linear::new(
+            (m, n, k),
+            (span_of(&xq), span_of(&xs)),
+            (span_of(&w_dev), span_of(&ws_dev)),
+            span_of(&y),
+        );
+        let bf16 = Linear::new(m, n, k, span_of(&x_dev), span_of(&wb_dev), span_of(&y_bf16));
+        // SAFETY: every span is a live buffer above, kept until the synchronize.
+        unsafe {
+            gemms.run_fp8(&linear, &g.stream).expect("FP8 linear");
+            gemms.run(&bf16, &g.stream).expect("bf16 linear");
+        }
+        sync(&g);
+        let got: Vec<f32> = y
+            .to_vec::<u16>()
+            .unwrap()
+            .into_iter()
+            .map(from_bf16)
+            .collect();
+        let got_bf16: Vec<f32> = y_bf16
+            .to_vec::<u16>()
+            .unwrap()
+            .into_iter()
+            .map(from_bf16)
+            .collect();
+        let (x_codes, x_scales) = fp8::quantize_rows(&x, k);
+        let xd = fp8::dequantize_rows(&x_codes, &x_scales, k);
+        let wd = fp8::dequantize_rows(&w_codes, &w_scales, k);
+        // Sampled elements against f64 products of the dequantized and of the exact operands.
+        let mut state = Rng(77);
+        let (mut g8, mut want8, mut exact, mut g16) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..2048 {
+            let r = (state.next_u64() % m as u64) as usize;
+            let c = (state.next_u64() % n as u64) as usize;
+            let dot = |a: &[f32], b: &[f32]| -> f32 {
+                (0..k)
+                    .map(|l| f64::from(a[r * k + l]) * f64::from(b[c * k + l]))
+                    .sum::<f64>() as f32
+            };
+            g8.push(got[r * n + c]);
+            g16.push(got_bf16[r * n + c]);
+            want8.push(dot(&xd, &wd));
+            exact.push(dot(&x, &w));
+        }
+        let vs_deq = rel_l2(&g8, &want8);
+        let vs_exact = rel_l2(&g8, &exact);
+        let bf16_vs_exact = rel_l2(&g16, &exact);
+        println!(
+            "fp8 linear {m}x{n}x{k}: vs the dequantized product rel L2 {vs_deq:.3e} (bound 8e-3); vs the exact product \
+             {vs_exact:.3e} (the bf16 GEMM: {bf16_vs_exact:.3e})"
+        );
+        assert!(
+            vs_deq <= 8e-3,
+            "FP8 linear off its dequantized product: {vs_deq:.3e}"
+        );
+        assert!(
+            vs_exact <= 0.05,
+            "FP8 linear off the exact product: {vs_exact:.3e}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
+    let g = gpu();
+    let sm90 = g
+        .ctx
+        .device_info()
+        .map(|i| i.compute_capability == (9, 0))
+        .unwrap_or(false);
+    let gemms = GemmRunner::new(
+        &g.ctx,
+        tf_engines::qwen_image::dit_gpu::DEFAULT_GEMM_SELECTION,
+    )
+    .expect("cuBLASLt");
+    // The cached step of Qwen-Image 2.1 at 1024x1024: 4096 image rows, hidden 4096, MLP 12288.
+    let (rows, d, f) = (4096usize, 4096usize, 12288usize);
+    let n_mod = 2;
+    let stride = 5 * d;
+    let mut rng = Rng(6);
+    let (x_bits, _) = random_bf16(&mut rng, rows * d, -3.0, 3.0);
+    let (m_bits, _) = random_bf16(&mut rng, n_mod * stride, -1.0, 1.0);
+    let (gu_bits, _) = random_bf16(&mut rng, rows * 2 * f, -3.0, 3.0);
+    let (x_dev, m_dev, gu_dev) = (
+        upload(&g, &x_bits),
+        upload(&g, &m_bits),
+        upload(&g, &gu_bits),
+    );
+    let mut x_mut = upload(&g, &x_bits);
+    let y_dev = upload(&g, &x_bits);
+    let mut normed = upload(&g, &vec![0u16; rows * d]);
+    let mut act = upload(&g, &vec![0u16; rows * f]);
+    let mut codes = upload(&g, &vec![0u8; rows * f]);
+    let mut scales = upload(&g, &vec![0f32; rows]);
+    let select = ModulationRows::targets_only(rows);
+    let layout = Matrix::dense(rows, d);
+    let bytes_gb = |b: usize, ms: f64| b as f64 / (ms * 1e-3) / 1e9;
+    let mv = m_dev.view();
+    let block = |offset| Modulation {
+        data: &mv,
+        rows: n_mod,
+        stride,
+        offset,
+    };
+    let norm = NormModulate {
+        kind: NormKind::LayerNorm,
+        weight: None,
+        bias: None,
+        eps: EPS,
+        modulation: Some(RowModulation {
+            data: &mv,
+            rows: n_mod,
+            stride,
+            scale_offset: 2 * d,
+            shift_offset: None,
+            select,
+            row_index: None,
+        }),
+    };
+    let adaln_bf16 = time_ms(&g, 20, || {
+        g.dit
+            .run(
+                &g.stream,
+                plan_adaln_modulate(
+                    &x_dev.view(),
+                    layout,
+                    &normed.view_mut(),
+                    d,
+                    &block(2 * d),
+                    select,
+                    EPS,
+                ),
+            )
+            .expect("adaln");
+    });
+    let adaln_fp8 = time_ms(&g, 20, || {
+        let (cv, sv) = (codes.view_mut(), scales.view_mut());
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: d,
+            scales: &sv,
+        };
+        g.quant
+            .run(
+                &g.stream,
+                plan_norm_modulate_fp8(&x_dev.view(), layout, &out, &norm),
+            )
+            .expect("adaln fp8");
+    });
+    let residual_bf16 = time_ms(&g, 20, || {
+        g.dit
+            .run(
+                &g.stream,
+                plan_gated_residual_adaln(
+                    &x_mut.view_mut(),
+                    layout,
+                    &y_dev.view(),
+                    d,
+                    &normed.view_mut(),
+                    d,
+                    &block(d),
+                    &block(2 * d),
+                    select,
+                    EPS,
+                ),
+            )
+            .expect("residual + adaln");
+    });
+    let residual_fp8 = time_ms(&g, 20, || {
+        let (xv, cv, sv) = (x_mut.view_mut(), codes.view_mut(), scales.view_mut());
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: d,
+            scales: &sv,
+        };
+        let gate = ResidualGate {
+            data: &mv,
+            rows: n_mod,
+            stride,
+            offset: d,
+            tanh: true,
+            select,
+            row_index: None,
+        };
+        g.quant
+            .run(
+                &g.stream,
+                plan_gated_residual_norm_modulate_fp8(
+                    &xv,
+                    layout,
+                    &y_dev.view(),
+                    d,
+                    &gate,
+                    &out,
+                    &norm,
+                ),
+            )
+            .expect("residual + adaln fp8");
+    });
+    let swiglu_bf16 = time_ms(&g, 20, || {
+        nn(&g)
+            .swiglu(
+                &g.stream,
+                &gu_dev.view(),
+                Matrix::dense(rows, 2 * f),
+                &mut act.view_mut(),
+                f,
+            )
+            .expect("swiglu");
+    });
+    let swiglu_fp8 = time_ms(&g, 20, || {
+        let (cv, sv) = (codes.view_mut(), scales.view_mut());
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: f,
+            scales: &sv,
+        };
+        g.quant
+            .run(
+                &g.stream,
+                plan_swiglu_fp8(
+                    SwigluOrder::GateValue,
+                    &gu_dev.view(),
+                    Matrix::dense(rows, 2 * f),
+                    &out,
+                ),
+            )
+            .expect("swiglu fp8");
+    });
+    let quantize = time_ms(&g, 20, || {
+        let (cv, sv) = (codes.view_mut(), scales.view_mut());
+        let out = Fp8Rows {
+            codes: &cv,
+            stride: d,
+            scales: &sv,
+        };
+        g.quant
+            .run(
+                &g.stream,
+                plan_quantize_rows_fp8(&x_dev.view(), layout, &out),
+            )
+            .expect("quantize rows");
+    });
+    let e = rows * d;
+    println!("kernels at {rows} rows (ms, GB/s of bytes read + written):");
+    println!(
+        "  adaLN:            bf16 {adaln_bf16:.4} ({:.0})  fp8 {adaln_fp8:.4} ({:.0})",
+        bytes_gb(4 * e, adaln_bf16),
+        bytes_gb(3 * e, adaln_fp8)
+    );
+    println!(
+        "  residual + adaLN: bf16 {residual_bf16:.4} ({:.0})  fp8 {residual_fp8:.4} ({:.0})",
+        bytes_gb(8 * e, residual_bf16),
+        bytes_gb(7 * e, residual_fp8)
+    );
+    println!(
+        "  SwiGLU:           bf16 {swiglu_bf16:.4} ({:.0})  fp8 {swiglu_fp8:.4} ({:.0})",
+        bytes_gb(6 * rows * f, swiglu_bf16),
+        bytes_gb(5 * rows * f, swiglu_fp8)
+    );
+    println!(
+        "  quantize rows (attention output, a pass of its own): {quantize:.4} ({:.0})",
+        bytes_gb(3 * e, quantize)
+    );
+    // A quantizing kernel writes half the bytes of its bf16 twin: it must not be much slower.
+    for (name, bf16, fp8_ms) in [
+        ("adaLN", adaln_bf16, adaln_fp8),
+        ("residual + adaLN", residual_bf16, residual_fp8),
+        ("SwiGLU", swiglu_bf16, swiglu_fp8),
+    ] {
+        assert!(
+            fp8_ms <= 1.5 * bf16 + 0.005,
+            "{name}: the FP8 kernel takes {fp8_ms:.4} ms against {bf16:.4} ms in bf16"
+        );
+    }
+    if !sm90 {
+        println!("FP8 GEMM timings skipped: row-wise scales need sm_90");
+        return;
+    }
+    // The out projection two ways: bf16 attention output into a bf16 GEMM, or quantized (a pass of its own) into
+    // an FP8 GEMM; and the other three block GEMMs in both precisions.
+    let w8 = upload(&g, &vec![0x30u8; 2 * f * d]);
+    let ws = upload(&g, &vec![1.0f32 / 64.0; 2 * f]);
+    let wb = upload(&g, &vec![to_bf16(0.01); 2 * f * d]);
+    let yb = upload(&g, &vec![0u16; rows * 2 * f]);
+    let xb = upload(&g, &vec![to_bf16(0.5); rows * f]);
+    let x8 = upload(&g, &vec![0x38u8; rows * f]);
+    let xs = upload(&g, &vec![1.0f32 / 64.0; rows]);
+    let sub = |buf: &DeviceBuffer, bytes: usize| DeviceSpan::new(buf.addr(), bytes);
+    let mut rows_out = Vec::new();
+    let mut total = (0.0, 0.0);
+    for (name, n, k) in [
+        ("qkv", 3 * d, d),
+        ("out", d, d),
+        ("gate+up", 2 * f, d),
+        ("down", d, f),
+    ] {
+        let bf16 = Linear::new(
+            rows,
+            n,
+            k,
+            sub(&xb, rows * k * 2),
+            sub(&wb, n * k * 2),
+            sub(&yb, rows * n * 2),
+        );
+        let fp8_linear = Fp8Linear::new(
+            (rows, n, k),
+            (sub(&x8, rows * k), sub(&xs, rows * 4)),
+            (sub(&w8, n * k), sub(&ws, n * 4)),
+            sub(&yb, rows * n * 2),
+        );
+        gemms
+            .prepare(
+                &[bf16.shape(), fp8_linear.shape()],
+                std::time::Duration::from_secs(20),
+                &g.stream,
+            )
+            .expect("plan the GEMMs");
+        let b_ms = time_ms(&g, 20, || {
+            // SAFETY: the spans lie in the live buffers above, kept until after the timing synchronizes.
+            unsafe { gemms.run(&bf16, &g.stream) }.expect("bf16 GEMM")
+        });
+        let f_ms = time_ms(&g, 20, || {
+            // SAFETY: as above.
+            unsafe { gemms.run_fp8(&fp8_linear, &g.stream) }.expect("FP8 GEMM")
+        });
+        total.0 += b_ms;
+        total.1 += f_ms;
+        rows_out.push((name, n, k, b_ms, f_ms));
+    }
+    for (name, n, k, b_ms, f_ms) in &rows_out {
+        println!(
+            "  {name:>8} GEMM {rows}x{n}x{k}: bf16 {b_ms:.4} ms, fp8 row-wise {f_ms:.4} ms ({:.2}x)",
+            b_ms / f_ms
+        );
+    }
+    let out_b = rows_out[1].3;
+    let out_f = rows_out[1].4;
+    println!(
+        "  out projection with its input quantized in a pass of its own: {:.4} ms vs bf16 {out_b:.4} ms ({:.2}x)",
+        out_f + quantize,
+        out_b / (out_f + quantize)
+    );
+    println!(
+        "  per block: GEMMs bf16 {:.3} ms, fp8 {:.3} ms; the producers' difference {:+.4} ms",
+        total.0,
+        total.1,
+        (adaln_fp8 - adaln_bf16) + (residual_fp8 - residual_bf16) + (swiglu_fp8 - swiglu_bf16)
+    );
+}
