@@ -24,6 +24,10 @@ pub enum Bench {
     /// The whole Qwen-Image 2.1 DiT step (full/extract and cached) at one image size, eager and CUDA-graph
     /// replay, with the diffusers eager / torch.compile times of the same run (reference.json) beside them.
     QwenDit(QwenDitArgs),
+    /// The whole MiniMax H3 DiT step at one geometry (768x448, 56 frames, 128 text rows: S = 6026, or the
+    /// default canvas), eager and CUDA-graph replay, with the diffusers eager / torch.compile times of the same run
+    /// (reference.json) beside them.
+    H3Dit(H3DitArgs),
     /// MiniMax H3's text conditioning: Qwen3-VL-32B width, random weights made on the device, a forward to
     /// hidden_states[50] timed (or, with --model, the accuracy case on a saved H3 folder), beside transformers.
     H3Text(H3TextArgs),
@@ -56,6 +60,52 @@ pub struct H3TextArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// reference.json written by tests/python/h3_text_reference.py in the same run.
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct H3DitArgs {
+    /// Diffusers (or original-layout) transformer folder.
+    #[arg(long, required_unless_present = "random_weights")]
+    model: Option<PathBuf>,
+    /// The full default config (33.1B) with random weights made on the device from --seed: speed only.
+    #[arg(long, conflicts_with = "model")]
+    random_weights: bool,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Canvas width in pixels (a multiple of 32).
+    #[arg(long, default_value_t = 768)]
+    width: usize,
+    /// Canvas height in pixels (a multiple of 32).
+    #[arg(long, default_value_t = 448)]
+    height: usize,
+    /// Frames, of the form 17n+5.
+    #[arg(long, default_value_t = 56)]
+    frames: usize,
+    /// The pipeline's default canvas instead: 1344x768, 5 s (124 frames).
+    #[arg(long, conflicts_with_all = ["width", "height", "frames"])]
+    canvas_default: bool,
+    /// Text rows before the video.
+    #[arg(long, default_value_t = 128)]
+    text_rows: usize,
+    /// Step of the pipeline's grids whose video (shift 12) and audio (shift 3) timesteps the inputs take.
+    #[arg(long, default_value_t = 30)]
+    step: usize,
+    /// Points of those grids (the pipeline's default 50: 49 steps).
+    #[arg(long, default_value_t = 50)]
+    grid_points: usize,
+    /// Untimed steps before each measurement.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed steps per measurement (the reported time is their mean).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// reference.json written by tests/python/h3_dit_reference.py in the same run (diffusers timings).
     #[arg(long)]
     reference: Option<PathBuf>,
     /// Write the results as JSON to this file.
@@ -133,6 +183,7 @@ pub fn run(b: Bench) -> ExitCode {
     let result = match b {
         Bench::Attention(args) => bench_attention(&args),
         Bench::QwenDit(args) => qwen_dit::run(&args),
+        Bench::H3Dit(args) => h3_dit::run(&args),
         Bench::H3Text(args) => h3_text::run(&args),
     };
     match result {
@@ -146,6 +197,7 @@ pub fn run(b: Bench) -> ExitCode {
 
 type BoxError = Box<dyn std::error::Error>;
 
+mod h3_dit;
 mod h3_text;
 mod qwen_dit;
 
