@@ -18,6 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use tf_cuda::cublaslt::AlgoSelection;
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
 use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs};
@@ -702,7 +703,11 @@ fn the_original_layout_twin_is_bit_equal_to_its_diffusers_folder() {
         original.checkpoint_layout(),
         Some(tf_engines::minimax_h3::checkpoint::CheckpointLayout::Original(_))
     ));
-    // The same inputs through both: the device images of the weights are the same, so are the outputs.
+    // The heuristic's algorithms in both (no dependence on a plan cache), the same inputs through both: the device
+    // images of the weights are the same, so are the outputs, bit for bit.
+    for dit in [&original, &diffusers] {
+        dit.set_gemm_selection(AlgoSelection::Heuristic).unwrap();
+    }
     let a = original.forward(&inputs(&of)).unwrap();
     let b = diffusers.forward(&inputs(&of)).unwrap();
     assert_eq!(
@@ -736,47 +741,51 @@ fn perturbed(inputs: &H3Inputs) -> H3Inputs {
 fn graph_replay_is_bit_equal_to_eager() {
     let ctx = context();
     for case in cases() {
-        let mut eager = load(&ctx, &case);
-        eager.set_graphs(false);
-        let mut graphed = load(&ctx, &case);
+        // One instance, so eager and replayed steps run the same GEMM plans.
+        let mut dit = load(&ctx, &case);
         let step = inputs(&case);
-        let reference = eager.forward(&step).unwrap();
-        let first = graphed.forward(&step).unwrap(); // eager: builds the plans
-        let replay = graphed.forward(&step).unwrap(); // captured, then replayed
-        let again = graphed.forward(&step).unwrap(); // replayed
-        for (what, out) in [
-            ("first", &first),
-            ("replay", &replay),
-            ("second replay", &again),
-        ] {
+        dit.set_graphs(false);
+        let eager = dit.forward(&step).unwrap();
+        let eager_again = dit.forward(&step).unwrap();
+        assert_eq!(
+            eager.sample.data(),
+            eager_again.sample.data(),
+            "{case}: eager steps differ"
+        );
+        dit.set_graphs(true);
+        let replay = dit.forward(&step).unwrap(); // captured, then replayed
+        let again = dit.forward(&step).unwrap(); // replayed
+        for (what, out) in [("replay", &replay), ("second replay", &again)] {
             assert_eq!(
                 out.sample.data(),
-                reference.sample.data(),
+                eager.sample.data(),
                 "{case}: {what} sample"
             );
             assert_eq!(
                 out.audio_sample.data(),
-                reference.audio_sample.data(),
+                eager.audio_sample.data(),
                 "{case}: {what} audio_sample"
             );
         }
         // New values of the same shape reach the captured graph through the per-forward uploads.
         let other = perturbed(&step);
-        let reference = eager.forward(&other).unwrap();
-        let replay = graphed.forward(&other).unwrap();
+        dit.set_graphs(false);
+        let eager_other = dit.forward(&other).unwrap();
+        dit.set_graphs(true);
+        let replay_other = dit.forward(&other).unwrap();
         assert_eq!(
-            replay.sample.data(),
-            reference.sample.data(),
+            replay_other.sample.data(),
+            eager_other.sample.data(),
             "{case}: perturbed sample"
         );
         assert_eq!(
-            replay.audio_sample.data(),
-            reference.audio_sample.data(),
+            replay_other.audio_sample.data(),
+            eager_other.audio_sample.data(),
             "{case}: perturbed audio_sample"
         );
         assert_ne!(
-            replay.sample.data(),
-            first.sample.data(),
+            replay_other.sample.data(),
+            eager.sample.data(),
             "{case}: the perturbed inputs changed nothing"
         );
         println!("{case}: graph replay bit-equal to the eager step (two input sets)");
@@ -820,8 +829,9 @@ fn batch_two_matches_two_single_runs() {
             let part = &batched.data()[item * n..(item + 1) * n];
             let err = relative_l2(part, alone.data()).unwrap();
             println!("{case}: batch item {item} {what} against its own run: relative L2 {err:.3e}");
-            // The batched GEMMs may pick other algorithms than the single ones: close, not bit-equal.
-            assert!(err <= 5e-3, "item {item} {what}: {err:e}");
+            // The batched GEMMs (twice the rows) may pick other algorithms than the single ones, which moves
+            // some bf16 roundings by one unit: close (a row mix-up would be of order 1), not bit-equal.
+            assert!(err <= 1e-2, "item {item} {what}: {err:e}");
         }
     }
     // Item 0 is the fixture's own case.

@@ -266,6 +266,16 @@ impl GpuH3Dit {
         self.use_graphs = enabled;
     }
 
+    /// How the GEMM algorithm of a new shape is chosen ([`DEFAULT_GEMM_SELECTION`] unless set); shapes already
+    /// planned keep theirs. `AlgoSelection::Heuristic` gives every process (and every model instance) the same
+    /// algorithms without a plan cache.
+    pub fn set_gemm_selection(&self, selection: AlgoSelection) -> Result<(), H3Error> {
+        self.engine
+            .gemms
+            .set_algo_selection(selection)
+            .map_err(gpu_err("setting the GEMM selection"))
+    }
+
     /// Bytes of the device weight allocation.
     pub fn weight_bytes(&self) -> u64 {
         self.engine.weights.len() as u64
