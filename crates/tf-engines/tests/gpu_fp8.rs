@@ -1149,3 +1149,213 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
         (adaln_fp8 - adaln_bf16) + (residual_fp8 - residual_bf16) + (swiglu_fp8 - swiglu_bf16)
     );
 }
+
+// --- The Qwen-Image DiT in FP8 on the tiny diffusers fixtures ---------------------------------------------
+
+#[path = "common/qwen_fixtures.rs"]
+mod qwen_fixtures;
+
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
+use tf_engines::nn::upload::StagingConfig;
+use tf_engines::qwen_image::dit::{DitBackend, KvStep};
+use tf_engines::qwen_image::dit_gpu::{DitPrecision, Fp8Groups, Fp8Layers, GpuDit};
+
+/// Every group in FP8 in every block: the tiny fixtures have two blocks, which the default (the first and last
+/// block kept in bf16) would leave all bf16.
+const ALL_FP8: DitPrecision = DitPrecision::Fp8(Fp8Layers {
+    groups: Fp8Groups::ALL,
+    bf16_ends: 0,
+});
+
+/// The tiny models' FP8 outputs against the fp32 reference: their bf16 error is already 2-3e-2 (gpu_qwen_dit),
+/// e4m3 adds about 2.5% per quantized operand. A wrong scale, row or mask gives errors of order 1; these bounds
+/// guard the structure, the accuracy criterion is the full-size one (`qwen21-fp8-compare` in the GPU bundle).
+const FP8_REL_L2_MAX: f64 = 0.15;
+const FP8_COSINE_MIN: f64 = 0.99;
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        ab += f64::from(x) * f64::from(y);
+        aa += f64::from(x) * f64::from(x);
+        bb += f64::from(y) * f64::from(y);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
+}
+
+fn load_dit(ctx: &Context, case: &str, precision: DitPrecision) -> GpuDit {
+    let staging = StagingConfig {
+        slot_bytes: 8192,
+        slots: 2,
+        threads: 3,
+    };
+    let dit = GpuDit::load_on_with(ctx, &qwen_fixtures::model(case), staging, precision)
+        .unwrap_or_else(|e| panic!("{case}: load in {precision}: {e}"));
+    println!("{case}: loaded ({})", dit.load_stats());
+    dit
+}
+
+/// Holds the FP8 and bf16 outputs against the reference; returns (fp8 rel L2, bf16 rel L2).
+fn compare_precisions(
+    case: &str,
+    what: &str,
+    fp8_out: &TensorF32,
+    bf16_out: &TensorF32,
+    reference: &TensorF32,
+) -> (f64, f64) {
+    assert_eq!(fp8_out.shape(), reference.shape(), "{case}/{what}: shape");
+    assert!(
+        fp8_out.data().iter().all(|v| v.is_finite()),
+        "{case}/{what}: non-finite FP8 output"
+    );
+    let e8 = relative_l2(fp8_out.data(), reference.data()).unwrap();
+    let e16 = relative_l2(bf16_out.data(), reference.data()).unwrap();
+    let c8 = cosine(fp8_out.data(), reference.data());
+    let c16 = cosine(bf16_out.data(), reference.data());
+    println!(
+        "{case}/{what}: vs fp32 reference: fp8 rel L2 {e8:.3e} cosine {c8:.6}; bf16 rel L2 {e16:.3e} cosine {c16:.6}; \
+         fp8 / bf16 = {:.2}",
+        e8 / e16.max(f64::MIN_POSITIVE)
+    );
+    assert!(
+        e8 <= FP8_REL_L2_MAX,
+        "{case}/{what}: FP8 relative L2 {e8:.3e} > {FP8_REL_L2_MAX}"
+    );
+    assert!(
+        c8 >= FP8_COSINE_MIN,
+        "{case}/{what}: FP8 cosine {c8:.6} < {FP8_COSINE_MIN}"
+    );
+    (e8, e16)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn qwen_dit_fp8_runs_every_fixture_path_near_the_reference() {
+    let g = gpu();
+    if g.ctx.device_info().map(|i| i.compute_capability).ok() != Some((9, 0)) {
+        println!("Qwen DiT FP8 skipped: row-wise FP8 GEMMs need sm_90");
+        return;
+    }
+    let mut covered = 0;
+    for case in qwen_fixtures::cases() {
+        let reference = qwen_fixtures::expected(&case);
+        let mut fp8_dit = load_dit(&g.ctx, &case, ALL_FP8);
+        let mut bf16_dit = load_dit(&g.ctx, &case, DitPrecision::Bf16);
+        assert_eq!(fp8_dit.precision(), ALL_FP8);
+        assert!(fp8_dit.load_stats().to_string().contains("fp8 e4m3"));
+        assert!(
+            fp8_dit.load_stats().weight_bytes < bf16_dit.load_stats().weight_bytes,
+            "{case}: FP8 weights take no less room than bf16"
+        );
+        let step0 = qwen_fixtures::inputs(&case, "step0");
+        for dit in [&mut fp8_dit, &mut bf16_dit] {
+            dit.set_graphs(false);
+        }
+        let a = fp8_dit.forward(&step0, KvStep::None).unwrap();
+        let b = bf16_dit.forward(&step0, KvStep::None).unwrap();
+        compare_precisions(
+            &case,
+            "sample_full",
+            &a.sample,
+            &b.sample,
+            &reference.to_f32("sample_full").unwrap(),
+        );
+        if reference.contains("sample_cached") {
+            covered += 1;
+            let ex8 = fp8_dit.forward(&step0, KvStep::Extract).unwrap();
+            let ex16 = bf16_dit.forward(&step0, KvStep::Extract).unwrap();
+            compare_precisions(
+                &case,
+                "sample_extract",
+                &ex8.sample,
+                &ex16.sample,
+                &reference.to_f32("sample_extract").unwrap(),
+            );
+            let (c8, c16) = (ex8.kv_cache.unwrap(), ex16.kv_cache.unwrap());
+            let step1 = qwen_fixtures::inputs(&case, "step1");
+            let cached8 = fp8_dit.forward(&step1, KvStep::Cached(&c8)).unwrap();
+            let cached16 = bf16_dit.forward(&step1, KvStep::Cached(&c16)).unwrap();
+            compare_precisions(
+                &case,
+                "sample_cached",
+                &cached8.sample,
+                &cached16.sample,
+                &reference.to_f32("sample_cached").unwrap(),
+            );
+        }
+    }
+    assert!(
+        covered >= 3,
+        "expected at least three cases with a KV cache"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
+    let g = gpu();
+    if g.ctx.device_info().map(|i| i.compute_capability).ok() != Some((9, 0)) {
+        println!("Qwen DiT FP8 skipped: row-wise FP8 GEMMs need sm_90");
+        return;
+    }
+    let case = "t2i";
+    let step = qwen_fixtures::inputs(case, "step0");
+    let reference = qwen_fixtures::expected(case).to_f32("sample_full").unwrap();
+    let same = |a: &TensorF32, b: &TensorF32| {
+        a.data()
+            .iter()
+            .zip(b.data())
+            .all(|(x, y)| x.to_bits() == y.to_bits())
+    };
+    let mut eager = load_dit(&g.ctx, case, ALL_FP8);
+    eager.set_graphs(false);
+    let want = eager.forward(&step, KvStep::None).unwrap();
+    let again = eager.forward(&step, KvStep::None).unwrap();
+    assert!(
+        same(&want.sample, &again.sample),
+        "two eager FP8 steps differ"
+    );
+    let mut graphed = load_dit(&g.ctx, case, ALL_FP8);
+    for round in 0..3 {
+        let got = graphed.forward(&step, KvStep::None).unwrap();
+        assert!(
+            same(&want.sample, &got.sample),
+            "FP8 step {round} (graph capture/replay) differs from eager"
+        );
+    }
+    // Each group alone, and the first block alone, in FP8: every mix of producers and consumers runs, and each
+    // lands between bf16 and all-FP8 in error (each adds its own quantization).
+    let mut bf16 = load_dit(&g.ctx, case, DitPrecision::Bf16);
+    let floor = relative_l2(
+        bf16.forward(&step, KvStep::None).unwrap().sample.data(),
+        reference.data(),
+    )
+    .unwrap();
+    let all = relative_l2(want.sample.data(), reference.data()).unwrap();
+    println!("{case}: bf16 rel L2 {floor:.3e}, all FP8 {all:.3e}");
+    for spec in [
+        "fp8:qkv,ends=0",
+        "fp8:out,ends=0",
+        "fp8:mlp_in,ends=0",
+        "fp8:mlp_out,ends=0",
+        "fp8:qkv,mlp_out,ends=0",
+    ] {
+        let precision: DitPrecision = spec.parse().unwrap();
+        let mut dit = load_dit(&g.ctx, case, precision);
+        let out = dit.forward(&step, KvStep::None).unwrap();
+        let e = relative_l2(out.sample.data(), reference.data()).unwrap();
+        println!("{case}: {spec}: rel L2 {e:.3e}");
+        assert!(
+            e.is_finite() && e <= FP8_REL_L2_MAX,
+            "{case}: {spec}: relative L2 {e:.3e}"
+        );
+    }
+    // The default mode keeps both blocks of this two-block model in bf16: bit-equal to the bf16 backend.
+    let mut default = load_dit(&g.ctx, case, DitPrecision::FP8);
+    let d = default.forward(&step, KvStep::None).unwrap();
+    let b = bf16.forward(&step, KvStep::None).unwrap();
+    assert!(
+        same(&d.sample, &b.sample),
+        "the default FP8 mode on a two-block model should run every block in bf16"
+    );
+}

@@ -14,11 +14,17 @@
 //! - Masks: block-causal as per-query key limits, padded text rows as one key range per sample; padding in several
 //!   ranges (full and extract steps) runs attention over the valid keys gathered per sample.
 //!
+//! - Precision ([`DitPrecision`]): bf16 by default; with FP8 the chosen block GEMM groups hold e4m3 weights with
+//!   per-output-channel scales (quantized at load on the upload ring) and read e4m3 activations with per-token
+//!   scales written by the kernel that produces them (`nn_quant`), through cuBLASLt's row-wise scaled FP8 GEMM
+//!   (sm_90, cuBLASLt 12.9+). Everything else stays bf16.
+//!
 //! Invariant: no host synchronisation inside a step; the only syncs are after the step, before reading results.
 //!
-//! Submodules: `weights` (fused layout, head padding, upload), `kv` (the device KV cache and its host
-//! conversion), `workspace` (per-layout buffers, mask and RoPE tables, key compaction), `step` (the enqueued
-//! step and its graph replay) and, with the `bench` feature, `bench` (step and phase timers).
+//! Submodules: `weights` (fused layout, head padding, upload, FP8 quantization), `precision` (which GEMMs run
+//! in FP8), `kv` (the device KV cache and its host conversion), `workspace` (per-layout buffers, mask and RoPE
+//! tables, key compaction), `step` (the enqueued step and its graph replay) and, with the `bench` feature,
+//! `bench` (step and phase timers).
 //!
 //! ```no_run
 //! use std::path::Path;
@@ -43,6 +49,7 @@ use super::dit::{
 use super::ops::DitKernels;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape};
+use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::AttentionTile;
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
@@ -51,6 +58,7 @@ use crate::nn::weights::{le_bytes, ModelDir, BF16};
 #[cfg(feature = "bench")]
 mod bench;
 mod kv;
+mod precision;
 mod step;
 mod weights;
 mod workspace;
@@ -58,6 +66,7 @@ mod workspace;
 #[cfg(feature = "bench")]
 pub use bench::{PhaseTimes, PhaseTotal, StepTimes};
 pub use kv::GpuKvCache;
+pub use precision::{DitPrecision, Fp8Groups, Fp8Layers};
 use weights::{Dims, WeightOffsets};
 use workspace::{runs, Workspace};
 
@@ -95,11 +104,20 @@ pub struct GpuLoadStats {
     pub upload: UploadStats,
     /// Bytes of the device weight allocation.
     pub weight_bytes: usize,
+    /// The GEMM precision the weights were loaded for.
+    pub precision: DitPrecision,
+    /// Blocks of the model (what [`DitPrecision::describe`] needs).
+    pub layers: usize,
 }
 
 impl std::fmt::Display for GpuLoadStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.upload)
+        write!(
+            f,
+            "{}; precision {}",
+            self.upload,
+            self.precision.describe(self.layers)
+        )
     }
 }
 
@@ -198,6 +216,11 @@ struct Engine {
     gemms: GemmRunner,
     weights: DeviceBuffer,
     offsets: WeightOffsets,
+    precision: DitPrecision,
+    /// Per block, the GEMM groups in FP8.
+    fp8_groups: Vec<Fp8Groups>,
+    /// The quantizing kernels, loaded when some block runs in FP8.
+    quant: Option<QuantKernels>,
 }
 
 /// The GPU DiT backend.
@@ -234,11 +257,30 @@ impl GpuDit {
         GpuDit::load_on(&ctx, model, StagingConfig::default())
     }
 
+    /// [`GpuDit::load`] in the given GEMM precision.
+    pub fn load_with(model: &ModelDir, precision: DitPrecision) -> Result<GpuDit, DitError> {
+        let driver = tf_cuda::open_driver().map_err(cuda_err("opening the CUDA driver"))?;
+        let ctx = Context::new(driver, 0).map_err(cuda_err("creating a context on device 0"))?;
+        GpuDit::load_on_with(&ctx, model, StagingConfig::default(), precision)
+    }
+
     /// Loads `model` into `ctx`: validates the folder, uploads fused bf16 weights, loads kernels and cuBLASLt.
     pub fn load_on(
         ctx: &Context,
         model: &ModelDir,
         staging: StagingConfig,
+    ) -> Result<GpuDit, DitError> {
+        GpuDit::load_on_with(ctx, model, staging, DitPrecision::Bf16)
+    }
+
+    /// [`GpuDit::load_on`] in the given GEMM precision: with FP8, the chosen block GEMM groups are quantized on
+    /// the way to the device (and the quantizing kernels loaded). FP8 needs an sm_90 GPU, cuBLASLt 12.9 or newer
+    /// and GEMM dimensions that are multiples of 16; anything else is refused here, naming what is missing.
+    pub fn load_on_with(
+        ctx: &Context,
+        model: &ModelDir,
+        staging: StagingConfig,
+        precision: DitPrecision,
     ) -> Result<GpuDit, DitError> {
         let config = QwenImageDitConfig::from_json(model.config_json())?;
         model.check(&config.tensor_specs())?;
@@ -247,8 +289,17 @@ impl GpuDit {
         let kernels = DitKernels::load(ctx).map_err(gpu_err("loading the DiT kernels"))?;
         let gemms =
             GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;
+        let fp8_groups: Vec<Fp8Groups> = (0..dims.layers)
+            .map(|l| precision.groups_of(l, dims.layers))
+            .collect();
+        let quant = if fp8_groups.iter().any(|g| g.any()) {
+            check_fp8_support(ctx, &gemms, &dims)?;
+            Some(QuantKernels::load(ctx).map_err(gpu_err("loading the FP8 quantizing kernels"))?)
+        } else {
+            None
+        };
 
-        let weights = weights::upload(ctx, &stream, model, &dims, staging)?;
+        let weights = weights::upload(ctx, &stream, model, &dims, staging, &precision)?;
         Ok(GpuDit {
             engine: Engine {
                 config,
@@ -260,14 +311,24 @@ impl GpuDit {
                 gemms,
                 weights: weights.buffer,
                 offsets: weights.offsets,
+                precision,
+                fp8_groups,
+                quant,
             },
             workspaces: Vec::new(),
             use_graphs: true,
             load_stats: GpuLoadStats {
                 upload: weights.upload,
                 weight_bytes: weights.bytes,
+                precision,
+                layers: dims.layers,
             },
         })
+    }
+
+    /// The GEMM precision the model was loaded in.
+    pub fn precision(&self) -> DitPrecision {
+        self.engine.precision
     }
 
     /// What the load moved and how fast.
@@ -452,18 +513,60 @@ impl GpuDit {
                 });
             }
         }
-        for bo in &o.blocks {
+        for (bo, fp8) in o.blocks.iter().zip(&engine.fp8_groups) {
+            // A group in FP8 reads its input from the workspace's FP8 rows (offset 0).
+            type ShapeAt = fn(usize, usize, usize, (usize, usize, usize), bool) -> GemmShape;
+            let pick = |on: bool| -> ShapeAt {
+                if on {
+                    gemm::fp8_shape_at_offsets
+                } else {
+                    shape
+                }
+            };
             out.extend([
-                shape(total, 3 * w, d, (0, bo.qkv, 0), false),
-                shape(total, d, w, (0, bo.to_out, 0), false),
-                shape(total, 2 * f, d, (0, bo.gate_up, 0), false),
-                shape(total, d, f, (0, bo.mlp_out, 0), false),
+                pick(fp8.qkv)(total, 3 * w, d, (0, bo.qkv, 0), false),
+                pick(fp8.out)(total, d, w, (0, bo.to_out, 0), false),
+                pick(fp8.mlp_in)(total, 2 * f, d, (0, bo.gate_up, 0), false),
+                pick(fp8.mlp_out)(total, d, f, (0, bo.mlp_out, 0), false),
             ]);
         }
         out.push(shape(total, dims.out_ch, d, (0, o.proj_out, 0), true));
         out.retain(|s| s.m > 0);
         Ok(gemm::distinct(out))
     }
+}
+
+/// Refuses FP8 where it cannot run: cuBLASLt's row-wise scaled FP8 GEMM needs sm_90 and version 12.9, and every
+/// FP8 GEMM dimension (hidden, attention width, MLP width) must be a multiple of 16.
+fn check_fp8_support(ctx: &Context, gemms: &GemmRunner, dims: &Dims) -> Result<(), DitError> {
+    let info = ctx
+        .device_info()
+        .map_err(cuda_err("reading the device's compute capability"))?;
+    if info.compute_capability != (9, 0) {
+        return Err(DitError::Backend(format!(
+            "FP8 needs an sm_90 GPU (cuBLASLt runs row-wise scaled FP8 GEMMs there only); {} is sm_{}{}:              use --precision bf16",
+            info.name, info.compute_capability.0, info.compute_capability.1
+        )));
+    }
+    let version = gemms.lt().library().version();
+    let needed = tf_cuda::cublaslt::Fp8ScaleMode::RowWise.min_cublaslt_version();
+    if version < needed {
+        return Err(DitError::Backend(format!(
+            "FP8 needs cuBLASLt {needed} or newer (row-wise scales); the loaded library is {version}: point              TF_CUBLASLT at a newer libcublasLt or use --precision bf16"
+        )));
+    }
+    for (name, v) in [
+        ("hidden size", dims.d),
+        ("attention width", dims.width),
+        ("MLP width", dims.ffn),
+    ] {
+        if v % 16 != 0 {
+            return Err(DitError::Backend(format!(
+                "FP8 GEMMs need dimensions that are multiples of 16; the {name} is {v}: use --precision bf16"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `bytes` at `offset` of `buf` as a GEMM operand, checked.

@@ -39,7 +39,7 @@ use thiserror::Error;
 use super::components::{TextEncoderBackend, VaeBackend};
 use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
 use super::dit::{DitBackend, DitError, DitInputs, KvMode, KvStep};
-use super::dit_gpu::GpuDit;
+use super::dit_gpu::{DitPrecision, GpuDit};
 use super::dit_host::HostDit;
 use super::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
@@ -188,6 +188,8 @@ pub struct LoadOptions {
     /// unlimited) against the cap. `None`: no cap. A cap below the sum of the components selects the sequential
     /// mode (each request loads, runs and frees them in turn); one below the largest component is refused.
     pub device_budget: Option<u64>,
+    /// GEMM precision of the GPU DiT (bf16 unless set; FP8 runs on the GPU only).
+    pub dit_precision: DitPrecision,
 }
 
 impl LoadOptions {
@@ -198,6 +200,7 @@ impl LoadOptions {
             latent_dtype: None,
             limits: Limits::default(),
             device_budget: None,
+            dit_precision: DitPrecision::Bf16,
         }
     }
 }
@@ -387,6 +390,8 @@ pub struct LoadReport {
     pub te_vae_on_device: bool,
     /// How the components are held ([`Pipeline::memory_plan`] has the figures).
     pub residency: Residency,
+    /// GEMM precision of the DiT.
+    pub dit_precision: DitPrecision,
 }
 
 enum DitEngine {
@@ -426,6 +431,7 @@ struct Sequential {
     te_config: TextEncoderConfig,
     dit_config: QwenImageDitConfig,
     vae_config: VaeConfig,
+    dit_precision: DitPrecision,
 }
 
 impl Components {
@@ -599,6 +605,12 @@ impl Pipeline {
     /// freed in turn by every request (then only the folders are opened here and their headers checked).
     pub fn load(dir: &Path, options: &LoadOptions) -> Result<Pipeline, PipelineError> {
         let started = Instant::now();
+        if options.backend == Backend::Host && options.dit_precision != DitPrecision::Bf16 {
+            return Err(invalid(format!(
+                "DiT precision {} runs on the GPU only; the host reference computes in f32",
+                options.dit_precision
+            )));
+        }
         let layout = FolderLayout::read(dir)?;
         let scheduler = SchedulerConfig::from_model_folder(dir)?;
         let tokenizer = Tokenizer::from_file(&layout.tokenizer_json)?;
@@ -650,15 +662,17 @@ impl Pipeline {
                         options.device_budget,
                     )?;
                     if plan.residency() == Residency::Sequential {
-                        let parts = Sequential::open(te_dir, dit_dir, vae_dir)?;
+                        let mut parts = Sequential::open(te_dir, dit_dir, vae_dir)?;
+                        parts.dit_precision = options.dit_precision;
                         let te_on_device = check_supported(&parts.te_config).is_ok();
                         let parts = Components::Sequential(Box::new(parts));
                         (parts, Some(ctx), 0, (te_on_device, true), plan)
                     } else {
-                        let dit = DitEngine::Gpu(Box::new(GpuDit::load_on(
+                        let dit = DitEngine::Gpu(Box::new(GpuDit::load_on_with(
                             &ctx,
                             &dit_dir,
                             StagingConfig::default(),
+                            options.dit_precision,
                         )?));
                         let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
                         ctx.synchronize()
@@ -713,6 +727,7 @@ impl Pipeline {
                 te_on_device,
                 vae_on_device,
                 te_vae_on_device: te_on_device && vae_on_device,
+                dit_precision: options.dit_precision,
             },
             dir: dir.to_path_buf(),
             memory_plan,
@@ -1138,6 +1153,7 @@ impl Sequential {
             te_config,
             dit_config,
             vae_config,
+            dit_precision: DitPrecision::Bf16,
         })
     }
 
@@ -1161,7 +1177,12 @@ impl Sequential {
         match ctx {
             None => Ok(DitEngine::Host(Box::new(HostDit::load(&self.dit_dir)?))),
             Some(ctx) => {
-                let dit = GpuDit::load_on(ctx, &self.dit_dir, StagingConfig::default())?;
+                let dit = GpuDit::load_on_with(
+                    ctx,
+                    &self.dit_dir,
+                    StagingConfig::default(),
+                    self.dit_precision,
+                )?;
                 uploads_done(ctx)?;
                 Ok(DitEngine::Gpu(Box::new(dit)))
             }

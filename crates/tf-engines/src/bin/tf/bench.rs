@@ -144,6 +144,9 @@ pub struct QwenDitArgs {
     /// candidates, measured on the first call of each shape) or `heuristic` (its first result).
     #[arg(long, default_value = "timed", value_parser = ["timed", "heuristic"])]
     gemm_selection: String,
+    /// GEMM precision of the DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
+    #[arg(long, default_value = "bf16")]
+    precision: tf_engines::qwen_image::dit_gpu::DitPrecision,
 }
 
 #[derive(clap::Args)]

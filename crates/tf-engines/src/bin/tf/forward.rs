@@ -15,7 +15,7 @@ use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
 use tf_engines::nn::tensor::TensorF32;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::dit::{DitBackend, DitError, DitInputs, HostKvCache, KvMode, KvStep};
-use tf_engines::qwen_image::dit_gpu::GpuDit;
+use tf_engines::qwen_image::dit_gpu::{DitPrecision, GpuDit};
 use tf_engines::qwen_image::dit_host::HostDit;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -54,6 +54,9 @@ pub struct Args {
     /// KV cache file: written by --kv-cache extract, read by --kv-cache cached.
     #[arg(long = "kv-file")]
     kv_file: Option<PathBuf>,
+    /// GEMM precision of the Qwen-Image GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
+    #[arg(long, default_value = "bf16")]
+    precision: DitPrecision,
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -82,7 +85,19 @@ fn forward(args: &Args) -> Result<(), DitError> {
     let started = Instant::now();
     let model = ModelDir::open(&args.model)?;
     if tf_engines::minimax_h3::config::names_this_class(model.config_json()) {
+        if args.precision != DitPrecision::Bf16 {
+            return Err(DitError::Backend(
+                "--precision applies to the Qwen-Image DiT; run MiniMax H3 with --precision bf16"
+                    .into(),
+            ));
+        }
         return forward_minimax_h3(args, &model);
+    }
+    if args.backend == Backend::Host && args.precision != DitPrecision::Bf16 {
+        return Err(DitError::Backend(format!(
+            "--precision {} runs on the GPU only (--backend gpu); the host reference computes in f32",
+            args.precision
+        )));
     }
     let inputs = DitInputs::from_bundle(&SafetensorsFile::open(&args.inputs)?)?;
     let output = match args.backend {
@@ -96,7 +111,7 @@ fn forward(args: &Args) -> Result<(), DitError> {
             run_backend(&mut dit, &inputs, args)?
         }
         Backend::Gpu => {
-            let mut dit = GpuDit::load(&model)?;
+            let mut dit = GpuDit::load_with(&model, args.precision)?;
             eprintln!(
                 "tf forward: loaded {} on the GPU ({})",
                 args.model.display(),

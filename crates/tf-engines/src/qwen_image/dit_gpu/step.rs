@@ -1,19 +1,28 @@
 //! One DiT step enqueued on the stream: timestep embedding and modulation, the text and image projections into
 //! the joint sequence, every block (fused QKV GEMM, QK-norm with RoPE, attention, gated residuals fused with the
 //! next adaLN, SwiGLU MLP) and the output projection; and the step's capture into a graph and its replay.
+//!
+//! A block GEMM group in FP8 reads the workspace's FP8 rows, written by the FP8 twin of the kernel that produces
+//! its input: the adaLN (`nn_norm_modulate_fp8`), the gated residual + adaLN (`nn_gated_residual_norm_modulate_fp8`),
+//! SwiGLU (`nn_swiglu_fp8`); the attention output is quantized by a pass of its own (`nn_quantize_rows_fp8`).
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::DeviceBuffer;
 
 use super::kv::GpuKvCache;
-use super::workspace::Workspace;
+use super::precision::Fp8Groups;
+use super::workspace::{Fp8Rows, Workspace};
 use super::{cuda_err, span, Engine, NoProbe, PhaseWork, StepProbe, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
-use crate::nn::gpu::gemm::Linear;
+use crate::nn::gpu::gemm::{Fp8Linear, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
+use crate::nn::gpu::quant::{
+    plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
+    plan_swiglu_fp8, Fp8Rows as Fp8Out, QuantKernels, ResidualGate,
+};
 use crate::nn::gpu::{
-    attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows,
-    QkvInputs, QkvOutputs, Strides, HEAD_DIM,
+    attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows, NormKind,
+    NormModulate, QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
 use crate::nn::weights::BF16;
 use crate::qwen_image::config::TIMESTEP_DIM;
@@ -31,6 +40,44 @@ impl Engine {
         // `span`); those buffers outlive the step: the forward synchronizes the stream before returning, and
         // graphs are stored with (and dropped before reuse of) the workspace whose buffers they reference.
         Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
+    }
+
+    /// Enqueues the FP8 GEMM `y[m, n] = x · wᵀ` with `x` the workspace's FP8 rows (rows of `k` bytes, with their
+    /// scales) and the e4m3 weight at `w_offset` with its per-output-channel scales at `scales`.
+    fn gemm_fp8(
+        &self,
+        x: &Fp8Rows,
+        (m, n, k): (usize, usize, usize),
+        w_offset: usize,
+        scales: Option<usize>,
+        y: DeviceSpan,
+    ) -> Result<(), DitError> {
+        let scales = scales.ok_or_else(|| {
+            DitError::Backend("internal: an FP8 GEMM group without weight scales".into())
+        })?;
+        let linear = Fp8Linear::new(
+            (m, n, k),
+            (span(&x.codes, 0, m * k)?, span(&x.scales, 0, m * 4)?),
+            (self.weight(w_offset, n * k)?, self.weight(scales, n * 4)?),
+            y,
+        );
+        // SAFETY: as `gemm`: every span lies in a live buffer of this engine or of the workspace in use.
+        Ok(unsafe { self.gemms.run_fp8(&linear, &self.stream) }?)
+    }
+
+    /// The quantizing kernels (loaded whenever some block runs in FP8).
+    fn quant(&self) -> Result<&QuantKernels, DitError> {
+        self.quant.as_ref().ok_or_else(|| {
+            DitError::Backend("internal: an FP8 block without the quantizing kernels".into())
+        })
+    }
+
+    /// The GEMM groups block `layer` runs in FP8.
+    fn fp8_of(&self, layer: usize) -> Fp8Groups {
+        self.fp8_groups
+            .get(layer)
+            .copied()
+            .unwrap_or(Fp8Groups::NONE)
     }
 
     /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group.
@@ -210,32 +257,86 @@ impl Engine {
         let limits_view = ws.key_limits.view();
         let pad_view = ws.key_pad.as_ref().map(DeviceBuffer::view);
 
-        // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
-        k_.run(
-            st,
-            plan_adaln_modulate(
-                &ws.x.view(),
-                x_layout,
-                &ws.normed.view_mut(),
-                d,
-                &modulation(0),
+        // The FP8 twins of the adaLN and of the gated residual + adaLN: LayerNorm without affine times
+        // (1 + scale), tanh gates, the same modulation rows.
+        let adaln_fp8 = |scale_offset: usize| NormModulate {
+            kind: NormKind::LayerNorm,
+            weight: None,
+            bias: None,
+            eps: dims.eps,
+            modulation: Some(RowModulation {
+                data: &mod_view,
+                rows: n_t,
+                stride: 5 * d,
+                scale_offset,
+                shift_offset: None,
                 select,
-                dims.eps,
-            ),
-        )
-        .map_err(launch)?;
+                row_index: None,
+            }),
+        };
+        let tanh_gate = |offset: usize| ResidualGate {
+            data: &mod_view,
+            rows: n_t,
+            stride: 5 * d,
+            offset,
+            tanh: true,
+            select,
+            row_index: None,
+        };
+
+        // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
+        if self.fp8_of(0).qkv {
+            let rows8 = fp8_rows(&mut ws.fp8)?;
+            let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+            let out = Fp8Out {
+                codes: &cv,
+                stride: d,
+                scales: &sv,
+            };
+            self.quant()?
+                .run(
+                    st,
+                    plan_norm_modulate_fp8(&ws.x.view(), x_layout, &out, &adaln_fp8(0)),
+                )
+                .map_err(launch)?;
+        } else {
+            k_.run(
+                st,
+                plan_adaln_modulate(
+                    &ws.x.view(),
+                    x_layout,
+                    &ws.normed.view_mut(),
+                    d,
+                    &modulation(0),
+                    select,
+                    dims.eps,
+                ),
+            )
+            .map_err(launch)?;
+        }
         phase!("adaln1 (block 0)", Bytes, 2 * total * d * BF16);
         let last_layer = o.blocks.len().saturating_sub(1);
         for (layer, bo) in o.blocks.iter().enumerate() {
+            let fp8 = self.fp8_of(layer);
             // Attention half (its adaLN ran at the end of the previous block).
-            self.gemm(Linear::new(
-                total,
-                3 * w,
-                d,
-                (&ws.normed).into(),
-                self.weight(bo.qkv, 3 * w * d * BF16)?,
-                (&ws.qkv).into(),
-            ))?;
+            if fp8.qkv {
+                self.gemm_fp8(
+                    fp8_ref(&ws.fp8)?,
+                    (total, 3 * w, d),
+                    bo.qkv,
+                    bo.scales.qkv,
+                    (&ws.qkv).into(),
+                )?;
+            } else {
+                self.gemm(Linear::new(
+                    total,
+                    3 * w,
+                    d,
+                    (&ws.normed).into(),
+                    self.weight(bo.qkv, 3 * w * d * BF16)?,
+                    (&ws.qkv).into(),
+                ))?;
+            }
             phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
             {
                 let qkv_view = ws.qkv.view();
@@ -370,79 +471,195 @@ impl Engine {
                 .map_err(launch)?;
                 phase!("attention", Flops, attention_flops(shape));
             }
-            self.gemm(Linear::new(
-                total,
-                d,
-                w,
-                (&ws.attn).into(),
-                self.weight(bo.to_out, d * w * BF16)?,
-                (&ws.proj).into(),
-            ))?;
+            if fp8.out {
+                // The attention kernel writes bf16: its output is quantized by a pass of its own.
+                let rows8 = fp8_rows(&mut ws.fp8)?;
+                {
+                    let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+                    let out = Fp8Out {
+                        codes: &cv,
+                        stride: w,
+                        scales: &sv,
+                    };
+                    self.quant()?
+                        .run(
+                            st,
+                            plan_quantize_rows_fp8(&ws.attn.view(), Matrix::dense(total, w), &out),
+                        )
+                        .map_err(launch)?;
+                }
+                phase!("attention quantize", Bytes, 3 * total * w);
+                self.gemm_fp8(
+                    rows8,
+                    (total, d, w),
+                    bo.to_out,
+                    bo.scales.to_out,
+                    (&ws.proj).into(),
+                )?;
+            } else {
+                self.gemm(Linear::new(
+                    total,
+                    d,
+                    w,
+                    (&ws.attn).into(),
+                    self.weight(bo.to_out, d * w * BF16)?,
+                    (&ws.proj).into(),
+                ))?;
+            }
             phase!("out GEMM", Flops, 2 * total * d * w);
-            k_.run(
-                st,
-                plan_gated_residual_adaln(
-                    &ws.x.view_mut(),
-                    x_layout,
-                    &ws.proj.view(),
-                    d,
-                    &ws.normed.view_mut(),
-                    d,
-                    &modulation(d),
-                    &modulation(2 * d),
-                    select,
-                    dims.eps,
-                ),
-            )
-            .map_err(launch)?;
+            if fp8.mlp_in {
+                let rows8 = fp8_rows(&mut ws.fp8)?;
+                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+                let out = Fp8Out {
+                    codes: &cv,
+                    stride: d,
+                    scales: &sv,
+                };
+                self.quant()?
+                    .run(
+                        st,
+                        plan_gated_residual_norm_modulate_fp8(
+                            &ws.x.view_mut(),
+                            x_layout,
+                            &ws.proj.view(),
+                            d,
+                            &tanh_gate(d),
+                            &out,
+                            &adaln_fp8(2 * d),
+                        ),
+                    )
+                    .map_err(launch)?;
+            } else {
+                k_.run(
+                    st,
+                    plan_gated_residual_adaln(
+                        &ws.x.view_mut(),
+                        x_layout,
+                        &ws.proj.view(),
+                        d,
+                        &ws.normed.view_mut(),
+                        d,
+                        &modulation(d),
+                        &modulation(2 * d),
+                        select,
+                        dims.eps,
+                    ),
+                )
+                .map_err(launch)?;
+            }
             phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
 
             // MLP half.
-            self.gemm(Linear::new(
-                total,
-                2 * f,
-                d,
-                (&ws.normed).into(),
-                self.weight(bo.gate_up, 2 * f * d * BF16)?,
-                (&ws.gate_up).into(),
-            ))?;
+            if fp8.mlp_in {
+                self.gemm_fp8(
+                    fp8_ref(&ws.fp8)?,
+                    (total, 2 * f, d),
+                    bo.gate_up,
+                    bo.scales.gate_up,
+                    (&ws.gate_up).into(),
+                )?;
+            } else {
+                self.gemm(Linear::new(
+                    total,
+                    2 * f,
+                    d,
+                    (&ws.normed).into(),
+                    self.weight(bo.gate_up, 2 * f * d * BF16)?,
+                    (&ws.gate_up).into(),
+                ))?;
+            }
             phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
-            k_.swiglu(
-                st,
-                &ws.gate_up.view(),
-                Matrix::dense(total, 2 * f),
-                &mut ws.act.view_mut(),
-                f,
-            )
-            .map_err(launch)?;
+            if fp8.mlp_out {
+                let rows8 = fp8_rows(&mut ws.fp8)?;
+                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+                let out = Fp8Out {
+                    codes: &cv,
+                    stride: f,
+                    scales: &sv,
+                };
+                self.quant()?
+                    .run(
+                        st,
+                        plan_swiglu_fp8(
+                            SwigluOrder::GateValue,
+                            &ws.gate_up.view(),
+                            Matrix::dense(total, 2 * f),
+                            &out,
+                        ),
+                    )
+                    .map_err(launch)?;
+            } else {
+                k_.swiglu(
+                    st,
+                    &ws.gate_up.view(),
+                    Matrix::dense(total, 2 * f),
+                    &mut ws.act.view_mut(),
+                    f,
+                )
+                .map_err(launch)?;
+            }
             phase!("swiglu", Bytes, 3 * total * f * BF16);
-            self.gemm(Linear::new(
-                total,
-                d,
-                f,
-                (&ws.act).into(),
-                self.weight(bo.mlp_out, d * f * BF16)?,
-                (&ws.proj).into(),
-            ))?;
+            if fp8.mlp_out {
+                self.gemm_fp8(
+                    fp8_ref(&ws.fp8)?,
+                    (total, d, f),
+                    bo.mlp_out,
+                    bo.scales.mlp_out,
+                    (&ws.proj).into(),
+                )?;
+            } else {
+                self.gemm(Linear::new(
+                    total,
+                    d,
+                    f,
+                    (&ws.act).into(),
+                    self.weight(bo.mlp_out, d * f * BF16)?,
+                    (&ws.proj).into(),
+                ))?;
+            }
             phase!("down GEMM", Flops, 2 * total * d * f);
-            // The next block's adaLN, or norm_out after the last block.
-            let next_scale = if layer == last_layer { 4 * d } else { 0 };
-            k_.run(
-                st,
-                plan_gated_residual_adaln(
-                    &ws.x.view_mut(),
-                    x_layout,
-                    &ws.proj.view(),
-                    d,
-                    &ws.normed.view_mut(),
-                    d,
-                    &modulation(3 * d),
-                    &modulation(next_scale),
-                    select,
-                    dims.eps,
-                ),
-            )
-            .map_err(launch)?;
+            // The next block's adaLN (FP8 when its qkv GEMM is), or norm_out after the last block.
+            if layer != last_layer && self.fp8_of(layer + 1).qkv {
+                let rows8 = fp8_rows(&mut ws.fp8)?;
+                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+                let out = Fp8Out {
+                    codes: &cv,
+                    stride: d,
+                    scales: &sv,
+                };
+                self.quant()?
+                    .run(
+                        st,
+                        plan_gated_residual_norm_modulate_fp8(
+                            &ws.x.view_mut(),
+                            x_layout,
+                            &ws.proj.view(),
+                            d,
+                            &tanh_gate(3 * d),
+                            &out,
+                            &adaln_fp8(0),
+                        ),
+                    )
+                    .map_err(launch)?;
+            } else {
+                let next_scale = if layer == last_layer { 4 * d } else { 0 };
+                k_.run(
+                    st,
+                    plan_gated_residual_adaln(
+                        &ws.x.view_mut(),
+                        x_layout,
+                        &ws.proj.view(),
+                        d,
+                        &ws.normed.view_mut(),
+                        d,
+                        &modulation(3 * d),
+                        &modulation(next_scale),
+                        select,
+                        dims.eps,
+                    ),
+                )
+                .map_err(launch)?;
+            }
             phase!("residual2+adaln1", Bytes, 4 * total * d * BF16);
         }
         if o.blocks.is_empty() {
@@ -501,4 +718,18 @@ impl Engine {
         ws.graphs = graphs;
         result
     }
+}
+
+/// The workspace's FP8 rows, to be written.
+fn fp8_rows(fp8: &mut Option<Fp8Rows>) -> Result<&mut Fp8Rows, DitError> {
+    fp8.as_mut().ok_or_else(missing_fp8_rows)
+}
+
+/// The workspace's FP8 rows, to be read by a GEMM.
+fn fp8_ref(fp8: &Option<Fp8Rows>) -> Result<&Fp8Rows, DitError> {
+    fp8.as_ref().ok_or_else(missing_fp8_rows)
+}
+
+fn missing_fp8_rows() -> DitError {
+    DitError::Backend("internal: an FP8 block in a workspace without FP8 rows".into())
 }

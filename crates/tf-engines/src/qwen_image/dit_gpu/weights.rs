@@ -1,11 +1,19 @@
 //! The DiT's device weights: the fused layout (`q|k|v`, `gate|up`, modulation with the output norm), the padding
 //! of heads narrower than the kernels' 128, and the upload through the pinned ring into one allocation.
+//!
+//! Block GEMM groups that run in FP8 ([`DitPrecision`]) are stored as e4m3 codes, quantized per output channel on
+//! the ring itself ([`Fp8RowQuantizer`]: the staging slot receives the codes, no second host copy), with their f32
+//! scales (one per output row, in the fused order) uploaded beside them once the ring is done.
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
+use super::precision::DitPrecision;
 use super::{cuda_err, gpu_err};
+use crate::nn::fp8::Fp8RowQuantizer;
 use crate::nn::gpu::HEAD_DIM;
-use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
+use crate::nn::upload::{
+    upload_pieces, Piece, StagingConfig, Transform as RingTransform, UploadStats,
+};
 use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, BF16};
 use crate::qwen_image::config::{QwenImageDitConfig, TIMESTEP_DIM};
 use crate::qwen_image::dit::DitError;
@@ -23,6 +31,17 @@ pub(super) struct BlockOffsets {
     pub(super) norm_k: usize,
     pub(super) gate_up: usize,
     pub(super) mlp_out: usize,
+    /// Where the f32 per-output-channel scales of each group stored in FP8 lie (`None`: the group is bf16).
+    pub(super) scales: GroupScales,
+}
+
+/// Device offsets (bytes) of the FP8 scales of a block's GEMM groups; `None` for a group stored in bf16.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct GroupScales {
+    pub(super) qkv: Option<usize>,
+    pub(super) to_out: Option<usize>,
+    pub(super) gate_up: Option<usize>,
+    pub(super) mlp_out: Option<usize>,
 }
 
 /// Device offsets (bytes) of every weight group.
@@ -138,13 +157,23 @@ pub(super) struct DeviceWeights {
     pub(super) bytes: usize,
 }
 
-/// Plans the fused layout of `model` and uploads it (bf16) into one fresh allocation of `ctx`, on `stream`.
+/// An FP8 source tensor: `[rows, cols]`, its scales at `scale_at` (bytes) in the allocation.
+#[derive(Debug, Clone, Copy)]
+struct Fp8Target {
+    rows: usize,
+    cols: usize,
+    scale_at: usize,
+}
+
+/// Plans the fused layout of `model` and uploads it into one fresh allocation of `ctx`, on `stream`: bf16, and
+/// e4m3 codes with f32 scales for the block GEMM groups `precision` runs in FP8.
 pub(super) fn upload(
     ctx: &Context,
     stream: &Stream,
     model: &ModelDir,
     dims: &Dims,
     staging: StagingConfig,
+    precision: &DitPrecision,
 ) -> Result<DeviceWeights, DitError> {
     // Device layout of the fused groups.
     let (d, w, f) = (dims.d, dims.width, dims.ffn);
@@ -159,13 +188,31 @@ pub(super) fn upload(
     let proj_out = layout.one(dims.out_ch * d * BF16)?;
     let mut blocks = Vec::with_capacity(dims.layers);
     let mut block_parts = Vec::with_capacity(dims.layers);
-    for _ in 0..dims.layers {
-        let qkv = layout.group(&[w * d * BF16, w * d * BF16, w * d * BF16])?;
-        let to_out = layout.one(d * w * BF16)?;
+    for layer in 0..dims.layers {
+        let fp8 = precision.groups_of(layer, dims.layers);
+        // Bytes per weight element of a group, and its scales (one f32 per output row) when in FP8.
+        let elem = |on: bool| if on { 1 } else { BF16 };
+        let mut scales_of = |on: bool, rows: usize| -> Result<Option<usize>, DitError> {
+            Ok(if on {
+                Some(layout.one(rows * 4)?)
+            } else {
+                None
+            })
+        };
+        let scales = GroupScales {
+            qkv: scales_of(fp8.qkv, 3 * w)?,
+            to_out: scales_of(fp8.out, d)?,
+            gate_up: scales_of(fp8.mlp_in, 2 * f)?,
+            mlp_out: scales_of(fp8.mlp_out, d)?,
+        };
+        let e = elem(fp8.qkv);
+        let qkv = layout.group(&[w * d * e, w * d * e, w * d * e])?;
+        let to_out = layout.one(d * w * elem(fp8.out))?;
         let norm_q = layout.one(HEAD_DIM * BF16)?;
         let norm_k = layout.one(HEAD_DIM * BF16)?;
-        let gate_up = layout.group(&[f * d * BF16, f * d * BF16])?;
-        let mlp_out = layout.one(d * f * BF16)?;
+        let e = elem(fp8.mlp_in);
+        let gate_up = layout.group(&[f * d * e, f * d * e])?;
+        let mlp_out = layout.one(d * f * elem(fp8.mlp_out))?;
         blocks.push(BlockOffsets {
             qkv: qkv[0],
             to_out,
@@ -173,6 +220,7 @@ pub(super) fn upload(
             norm_k,
             gate_up: gate_up[0],
             mlp_out,
+            scales,
         });
         block_parts.push((qkv, gate_up));
     }
@@ -189,29 +237,20 @@ pub(super) fn upload(
         blocks,
     };
 
-    // Source tensor -> (device offset, transform).
-    let mut placements: Vec<(String, usize, Transform)> = vec![
-        ("img_in.weight".into(), img_in, Transform::Plain),
-        ("txt_in.text_norm.weight".into(), txt_norm, Transform::Plain),
-        ("txt_in.in_layer.weight".into(), txt_in, Transform::Plain),
-        ("txt_in.out_layer.weight".into(), txt_out, Transform::Plain),
-        (
-            "time_text_embed.timestep_embedder.linear_1.weight".into(),
-            time1,
-            Transform::Plain,
-        ),
-        (
-            "time_text_embed.timestep_embedder.linear_2.weight".into(),
-            time2,
-            Transform::Plain,
-        ),
-        ("modulation.1.weight".into(), mod_out[0], Transform::Plain),
-        (
-            "norm_out.linear.weight".into(),
-            mod_out[1],
-            Transform::Plain,
-        ),
-        ("proj_out.weight".into(), proj_out, Transform::Plain),
+    // Source tensor -> (device offset, transform, FP8 target when quantized).
+    type Placement = (String, usize, Transform, Option<Fp8Target>);
+    let plain =
+        |name: &str, offset: usize| -> Placement { (name.into(), offset, Transform::Plain, None) };
+    let mut placements: Vec<Placement> = vec![
+        plain("img_in.weight", img_in),
+        plain("txt_in.text_norm.weight", txt_norm),
+        plain("txt_in.in_layer.weight", txt_in),
+        plain("txt_in.out_layer.weight", txt_out),
+        plain("time_text_embed.timestep_embedder.linear_1.weight", time1),
+        plain("time_text_embed.timestep_embedder.linear_2.weight", time2),
+        plain("modulation.1.weight", mod_out[0]),
+        plain("norm_out.linear.weight", mod_out[1]),
+        plain("proj_out.weight", proj_out),
     ];
     let padded = dims.padded();
     let s = dims.qk_scale();
@@ -229,39 +268,81 @@ pub(super) fn upload(
             Transform::Plain
         }
     };
+    // An FP8 tensor of `rows` output rows of `cols`, its scales `first_row` rows into the group's scales.
+    let fp8_at = |scales: Option<usize>, rows: usize, cols: usize, first_row: usize| {
+        scales.map(|at| Fp8Target {
+            rows,
+            cols,
+            scale_at: at + first_row * 4,
+        })
+    };
     for (i, (b, (qkv, gate_up))) in offsets.blocks.iter().zip(&block_parts).enumerate() {
         let p = format!("transformer_blocks.{i}.");
-        placements.push((format!("{p}attn.to_q.weight"), qkv[0], rows_t(s)));
-        placements.push((format!("{p}attn.to_k.weight"), qkv[1], rows_t(s)));
-        placements.push((format!("{p}attn.to_v.weight"), qkv[2], rows_t(1.0)));
+        let sc = b.scales;
+        placements.push((
+            format!("{p}attn.to_q.weight"),
+            qkv[0],
+            rows_t(s),
+            fp8_at(sc.qkv, w, d, 0),
+        ));
+        placements.push((
+            format!("{p}attn.to_k.weight"),
+            qkv[1],
+            rows_t(s),
+            fp8_at(sc.qkv, w, d, w),
+        ));
+        placements.push((
+            format!("{p}attn.to_v.weight"),
+            qkv[2],
+            rows_t(1.0),
+            fp8_at(sc.qkv, w, d, 2 * w),
+        ));
         let cols_t = if padded {
             Transform::PadCols { rows: d }
         } else {
             Transform::Plain
         };
-        placements.push((format!("{p}attn.to_out.0.weight"), b.to_out, cols_t));
-        placements.push((format!("{p}attn.norm_q.weight"), b.norm_q, vec_t(1.0 / s)));
-        placements.push((format!("{p}attn.norm_k.weight"), b.norm_k, vec_t(1.0 / s)));
+        placements.push((
+            format!("{p}attn.to_out.0.weight"),
+            b.to_out,
+            cols_t,
+            fp8_at(sc.to_out, d, w, 0),
+        ));
+        placements.push((
+            format!("{p}attn.norm_q.weight"),
+            b.norm_q,
+            vec_t(1.0 / s),
+            None,
+        ));
+        placements.push((
+            format!("{p}attn.norm_k.weight"),
+            b.norm_k,
+            vec_t(1.0 / s),
+            None,
+        ));
         placements.push((
             format!("{p}img_mlp.gate_layer.weight"),
             gate_up[0],
             Transform::Plain,
+            fp8_at(sc.gate_up, f, d, 0),
         ));
         placements.push((
             format!("{p}img_mlp.proj.weight"),
             gate_up[1],
             Transform::Plain,
+            fp8_at(sc.gate_up, f, d, f),
         ));
         placements.push((
             format!("{p}img_mlp.out.weight"),
             b.mlp_out,
             Transform::Plain,
+            fp8_at(sc.mlp_out, d, f, 0),
         ));
     }
 
     // Reshaped tensors are built in host memory first (small models only); the rest stream from the map.
     let mut owned: Vec<(usize, Vec<u8>)> = Vec::new();
-    for (i, (name, _, transform)) in placements.iter().enumerate() {
+    for (i, (name, _, transform, _)) in placements.iter().enumerate() {
         if !matches!(transform, Transform::Plain) {
             let values = model.to_f32(name)?.into_data();
             owned.push((
@@ -270,16 +351,34 @@ pub(super) fn upload(
             ));
         }
     }
+    // Each tensor's source bytes and their dtype (the reshaped ones are f32).
+    let mut sources: Vec<(&[u8], Dtype)> = Vec::with_capacity(placements.len());
+    for (i, (name, _, _, _)) in placements.iter().enumerate() {
+        sources.push(match owned.iter().find(|(j, _)| *j == i) {
+            Some((_, bytes)) => (bytes.as_slice(), Dtype::F32),
+            None => (model.bytes(name)?, model.info(name)?.dtype),
+        });
+    }
+    // One quantizer per FP8 tensor; it keeps the scales of the rows the ring hands it.
+    let mut quantizers: Vec<Option<Fp8RowQuantizer>> = Vec::with_capacity(placements.len());
+    for ((name, _, _, target), (_, dtype)) in placements.iter().zip(&sources) {
+        quantizers.push(match target {
+            Some(t) => Some(Fp8RowQuantizer::new(*dtype, t.rows, t.cols).map_err(gpu_err(name))?),
+            None => None,
+        });
+    }
     let mut pieces = Vec::with_capacity(placements.len());
-    for (i, (name, offset, _)) in placements.iter().enumerate() {
-        match owned.iter().find(|(j, _)| *j == i) {
-            Some((_, bytes)) => pieces.push(Piece::bf16(bytes, Dtype::F32, *offset)),
-            None => pieces.push(Piece::bf16(
-                model.bytes(name)?,
-                model.info(name)?.dtype,
-                *offset,
-            )),
-        }
+    for (((_, offset, _, _), (src, dtype)), quantizer) in
+        placements.iter().zip(&sources).zip(&quantizers)
+    {
+        pieces.push(match quantizer {
+            Some(q) => Piece {
+                src,
+                transform: RingTransform::Custom(q),
+                dst_offset: *offset,
+            },
+            None => Piece::bf16(src, *dtype, *offset),
+        });
     }
     let mut weights =
         DeviceBuffer::alloc(ctx, total).map_err(cuda_err("allocating the weights"))?;
@@ -289,8 +388,32 @@ pub(super) fn upload(
             .fill_u8(0, Some(stream))
             .map_err(cuda_err("clearing the weights"))?;
     }
-    let upload = upload_pieces(ctx, stream, &mut weights, &pieces, staging)
+    let mut upload = upload_pieces(ctx, stream, &mut weights, &pieces, staging)
         .map_err(gpu_err("uploading the DiT weights"))?;
+    // The FP8 tensors' scales, now that every row went through its quantizer.
+    let mut scale_images: Vec<(usize, Vec<u8>)> = Vec::new();
+    for ((name, _, _, target), quantizer) in placements.iter().zip(&quantizers) {
+        if let (Some(t), Some(q)) = (target, quantizer) {
+            let scales = q.scales();
+            if scales.len() != t.rows || scales.iter().any(|v| !v.is_finite() || *v <= 0.0) {
+                return Err(DitError::Backend(format!(
+                    "{name}: the FP8 quantizer did not produce a finite scale for every one of its {} rows                      (non-finite weights in the checkpoint?)",
+                    t.rows
+                )));
+            }
+            scale_images.push((t.scale_at, le_bytes(&scales, f32::to_le_bytes)));
+        }
+    }
+    if !scale_images.is_empty() {
+        let scale_pieces: Vec<Piece<'_>> = scale_images
+            .iter()
+            .map(|(at, bytes)| Piece::copy(bytes, *at))
+            .collect();
+        let scales_upload = upload_pieces(ctx, stream, &mut weights, &scale_pieces, staging)
+            .map_err(gpu_err("uploading the DiT's FP8 weight scales"))?;
+        upload.device_bytes += scales_upload.device_bytes;
+        upload.seconds += scales_upload.seconds;
+    }
     Ok(DeviceWeights {
         buffer: weights,
         offsets,
@@ -425,6 +548,136 @@ mod tests {
         assert_eq!(norm.len(), HEAD_DIM);
         assert!((norm[0] - 2.0 / s).abs() < 1e-6 && norm[16] == 0.0);
         assert!(reshape(&[1.0; 5], Transform::PadVec { scale: 1.0 }, &dims).is_err());
+    }
+
+    #[test]
+    fn fp8_groups_upload_as_per_channel_codes_with_their_scales() {
+        use super::super::precision::{Fp8Groups, Fp8Layers};
+        use crate::nn::fp8;
+        use crate::nn::gpu::test_support::context;
+        let _serial = tf_testdriver::test_lock();
+        let ctx = context();
+        let stream = Stream::new(&ctx, false).unwrap();
+        let model = ModelDir::open(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/qwen_dit/t2i/model"),
+        )
+        .unwrap();
+        let config = QwenImageDitConfig::from_json(model.config_json()).unwrap();
+        let dims = Dims::of(&config).unwrap();
+        assert!(
+            dims.padded(),
+            "the fixture has 16-wide heads, padded to 128"
+        );
+        // Small slots: the quantizer sees rows split over many chunks and threads.
+        let staging = StagingConfig {
+            slot_bytes: 8192,
+            slots: 2,
+            threads: 3,
+        };
+        let groups = Fp8Groups {
+            out: false,
+            ..Fp8Groups::ALL
+        };
+        let precision = DitPrecision::Fp8(Fp8Layers {
+            groups,
+            bf16_ends: 0,
+        });
+        let fp8_up = upload(&ctx, &stream, &model, &dims, staging, &precision).unwrap();
+        let bf16_up = upload(&ctx, &stream, &model, &dims, staging, &DitPrecision::Bf16).unwrap();
+        assert!(fp8_up.bytes < bf16_up.bytes);
+        let image: Vec<u8> = fp8_up.buffer.to_vec().unwrap();
+        let bf16_image: Vec<u8> = bf16_up.buffer.to_vec().unwrap();
+        let (d, w, f) = (dims.d, dims.width, dims.ffn);
+        let s = dims.qk_scale();
+        let f32s = |bytes: &[u8]| -> Vec<f32> {
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        // The device image of a tensor before quantization, as bf16 values (what the ring converts first).
+        let device_values = |name: &str, transform: Transform| -> Vec<f32> {
+            let values = model.to_f32(name).unwrap().into_data();
+            f32s(&reshape(&values, transform, &dims).unwrap())
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_f32())
+                .collect()
+        };
+        for (layer, (b8, b16)) in fp8_up
+            .offsets
+            .blocks
+            .iter()
+            .zip(&bf16_up.offsets.blocks)
+            .enumerate()
+        {
+            let p = format!("transformer_blocks.{layer}.");
+            // q|k|v in FP8: each projection's rows quantized, the scales in fused order.
+            let mut want_codes = Vec::new();
+            let mut want_scales = Vec::new();
+            for (name, scale) in [("to_q", s), ("to_k", s), ("to_v", 1.0)] {
+                let v = device_values(
+                    &format!("{p}attn.{name}.weight"),
+                    Transform::PadRows { cols: d, scale },
+                );
+                // Quantized from the checkpoint's f32 values (the fixture stores f32), not from bf16.
+                let raw = model.to_f32(&format!("{p}attn.{name}.weight")).unwrap();
+                let exact = f32s(
+                    &reshape(raw.data(), Transform::PadRows { cols: d, scale }, &dims).unwrap(),
+                );
+                assert_eq!(v.len(), exact.len());
+                let (codes, scales) = fp8::quantize_rows(&exact, d);
+                want_codes.extend(codes);
+                want_scales.extend(scales);
+            }
+            assert_eq!(
+                &image[b8.qkv..b8.qkv + 3 * w * d],
+                &want_codes[..],
+                "layer {layer} qkv codes"
+            );
+            let at = b8.scales.qkv.unwrap();
+            assert_eq!(
+                f32s(&image[at..at + 3 * w * 4]),
+                want_scales,
+                "layer {layer} qkv scales"
+            );
+            // The output projection stayed bf16: the same bytes as the bf16 upload.
+            assert_eq!(b8.scales.to_out, None);
+            assert_eq!(
+                &image[b8.to_out..b8.to_out + d * w * BF16],
+                &bf16_image[b16.to_out..b16.to_out + d * w * BF16]
+            );
+            // gate|up and the down projection in FP8.
+            for (offset, scales, names, rows, cols) in [
+                (
+                    b8.gate_up,
+                    b8.scales.gate_up,
+                    vec!["gate_layer", "proj"],
+                    f,
+                    d,
+                ),
+                (b8.mlp_out, b8.scales.mlp_out, vec!["out"], d, f),
+            ] {
+                let mut codes_all = Vec::new();
+                let mut scales_all = Vec::new();
+                for n in names {
+                    let raw = model.to_f32(&format!("{p}img_mlp.{n}.weight")).unwrap();
+                    let (codes, scales) = fp8::quantize_rows(raw.data(), cols);
+                    codes_all.extend(codes);
+                    scales_all.extend(scales);
+                }
+                let at = scales.unwrap();
+                let n_rows = codes_all.len() / cols;
+                assert_eq!(n_rows % rows, 0);
+                assert_eq!(&image[offset..offset + codes_all.len()], &codes_all[..]);
+                assert_eq!(f32s(&image[at..at + n_rows * 4]), scales_all);
+            }
+            // The norms are untouched.
+            assert_eq!(
+                &image[b8.norm_q..b8.norm_q + HEAD_DIM * BF16],
+                &bf16_image[b16.norm_q..b16.norm_q + HEAD_DIM * BF16]
+            );
+        }
     }
 
     #[test]

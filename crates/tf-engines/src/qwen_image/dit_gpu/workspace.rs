@@ -77,6 +77,10 @@ pub(super) struct Workspace {
     pub(super) proj: DeviceBuffer,
     pub(super) gate_up: DeviceBuffer,
     pub(super) act: DeviceBuffer,
+    /// FP8 GEMM inputs (e4m3 rows up to the widest GEMM input, and one f32 scale per row), when some block runs
+    /// in FP8. One pair serves every FP8 GEMM of the step: each producer writes it after the previous consumer
+    /// ran (stream order).
+    pub(super) fp8: Option<Fp8Rows>,
     pub(super) out: DeviceBuffer,
     pub(super) rope_cos: DeviceBuffer,
     pub(super) rope_sin: DeviceBuffer,
@@ -90,6 +94,12 @@ pub(super) struct Workspace {
     pub(super) warmed: bool,
     /// The step captured per KV cache used with this workspace (key: the cache id, 0 for none).
     pub(super) graphs: GraphCache<u64>,
+}
+
+/// The FP8 input of a GEMM: e4m3 codes (rows of the GEMM's K bytes, dense) and per-row f32 scales.
+pub(super) struct Fp8Rows {
+    pub(super) codes: DeviceBuffer,
+    pub(super) scales: DeviceBuffer,
 }
 
 /// Attention over the valid keys only, for padding in several ranges: invalid keys are never visible, so dropping
@@ -273,6 +283,15 @@ impl Engine {
             None
         };
         let text_rows = if cached { 0 } else { b * l_vlm };
+        let fp8 = if self.quant.is_some() {
+            let widest = d.max(w).max(f);
+            Some(Fp8Rows {
+                codes: alloc(ctx, (total * widest).max(16), "FP8 activation")?,
+                scales: alloc(ctx, (total * 4).next_multiple_of(16).max(16), "FP8 scale")?,
+            })
+        } else {
+            None
+        };
         Ok(Workspace {
             mode,
             rows,
@@ -301,6 +320,7 @@ impl Engine {
             proj: alloc(ctx, total * d * BF16, "activation")?,
             gate_up: alloc(ctx, total * 2 * f * BF16, "mlp")?,
             act: alloc(ctx, total * f * BF16, "mlp")?,
+            fp8,
             out: alloc(ctx, total * dims.out_ch * 4, "output")?,
             rope_cos,
             rope_sin,

@@ -169,11 +169,16 @@ fn report_gemm_choices(dit: &GpuDit) -> serde_json::Value {
 pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     let model = ModelDir::open(&args.model)?;
     let before = tf_cuda::usage();
-    let mut dit = GpuDit::load(&model)?;
+    let mut dit = GpuDit::load_with(&model, args.precision)?;
     if args.gemm_selection == "heuristic" {
         dit.set_gemm_selection(AlgoSelection::Heuristic)?;
     }
     println!("GEMM algorithm selection: {:?}", args.gemm_selection);
+    println!(
+        "precision: {} ({})",
+        args.precision,
+        dit.precision().describe(dit.config().num_layers)
+    );
     let load = dit.load_stats();
     println!("weights: {load}");
     let info = dit.context().device_info()?;
@@ -295,6 +300,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     if let Some(path) = &args.json {
         let json = serde_json::json!({
             "case": name,
+            "precision": args.precision.to_string(),
             "text_rows": args.text_rows,
             "seq_len": seq,
             "full_eager_ms": full.eager_ms,

@@ -1,0 +1,291 @@
+//! The GPU DiT's GEMM precision: bf16 everywhere, or FP8 e4m3 in chosen groups of the blocks' GEMMs.
+//!
+//! A block has four GEMM groups: `qkv` (the fused q|k|v projection), `out` (the attention output projection),
+//! `mlp_in` (the fused gate|up projection) and `mlp_out` (the MLP's down projection). In FP8 a group's weight is
+//! quantized at load per output channel and its input per token by the kernel that produces it (the adaLN before
+//! `qkv`, the gated residual + adaLN before `mlp_in`, SwiGLU before `mlp_out`; the attention output, whose kernel
+//! writes bf16, by a quantizing pass of its own before `out`), and the GEMM multiplies both scales back
+//! (cuBLASLt's row-wise scales). The timestep embedding, the modulation, the input projections, `norm_out` and
+//! `proj_out` stay in bf16 always, and so do the first and last `ends` blocks.
+//!
+//! Spelled on the command line (`--precision`) as `bf16`, `fp8` ([`Fp8Layers::DEFAULT`]), or
+//! `fp8:GROUP[,GROUP...][,ends=N]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `all`, `none`.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Which of a block's GEMM groups run in FP8.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Fp8Groups {
+    pub qkv: bool,
+    pub out: bool,
+    pub mlp_in: bool,
+    pub mlp_out: bool,
+}
+
+impl Fp8Groups {
+    /// Every group in bf16.
+    pub const NONE: Fp8Groups = Fp8Groups {
+        qkv: false,
+        out: false,
+        mlp_in: false,
+        mlp_out: false,
+    };
+    /// Every group in FP8.
+    pub const ALL: Fp8Groups = Fp8Groups {
+        qkv: true,
+        out: true,
+        mlp_in: true,
+        mlp_out: true,
+    };
+
+    /// True when some group runs in FP8.
+    pub fn any(self) -> bool {
+        self.qkv || self.out || self.mlp_in || self.mlp_out
+    }
+
+    /// The groups' names, in block order.
+    pub fn names(self) -> Vec<&'static str> {
+        [
+            ("qkv", self.qkv),
+            ("out", self.out),
+            ("mlp_in", self.mlp_in),
+            ("mlp_out", self.mlp_out),
+        ]
+        .into_iter()
+        .filter_map(|(name, on)| on.then_some(name))
+        .collect()
+    }
+}
+
+/// Where FP8 runs: the groups, in every block but the first and last `bf16_ends`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8Layers {
+    pub groups: Fp8Groups,
+    /// Blocks kept in bf16 at each end of the stack.
+    pub bf16_ends: usize,
+}
+
+impl Fp8Layers {
+    /// The default FP8 mode: all four groups, the first and the last block in bf16 (the blocks other FP8 DiT
+    /// deployments keep in bf16; see docs/ENGINES.md for the measured error per group).
+    pub const DEFAULT: Fp8Layers = Fp8Layers {
+        groups: Fp8Groups::ALL,
+        bf16_ends: 1,
+    };
+
+    /// The groups block `layer` of `layers` runs in FP8.
+    pub fn groups_of(&self, layer: usize, layers: usize) -> Fp8Groups {
+        let inside = layer >= self.bf16_ends && layer + self.bf16_ends < layers;
+        if inside {
+            self.groups
+        } else {
+            Fp8Groups::NONE
+        }
+    }
+}
+
+/// The GEMM precision of the GPU DiT.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DitPrecision {
+    /// bf16 weights and activations everywhere (f32 accumulation).
+    #[default]
+    Bf16,
+    /// FP8 e4m3 in the given blocks' groups, bf16 elsewhere.
+    Fp8(Fp8Layers),
+}
+
+impl DitPrecision {
+    /// FP8 with [`Fp8Layers::DEFAULT`].
+    pub const FP8: DitPrecision = DitPrecision::Fp8(Fp8Layers::DEFAULT);
+
+    /// The groups block `layer` of `layers` runs in FP8 ([`Fp8Groups::NONE`] in bf16).
+    pub fn groups_of(&self, layer: usize, layers: usize) -> Fp8Groups {
+        match self {
+            DitPrecision::Bf16 => Fp8Groups::NONE,
+            DitPrecision::Fp8(l) => l.groups_of(layer, layers),
+        }
+    }
+
+    /// True when some block of `layers` runs a GEMM in FP8.
+    pub fn uses_fp8(&self, layers: usize) -> bool {
+        (0..layers).any(|l| self.groups_of(l, layers).any())
+    }
+
+    /// What a load report says: the precision and, for FP8, where it runs in a stack of `layers` blocks.
+    pub fn describe(&self, layers: usize) -> String {
+        match self {
+            DitPrecision::Bf16 => "bf16".into(),
+            DitPrecision::Fp8(l) => {
+                let fp8_blocks = (0..layers)
+                    .filter(|&b| l.groups_of(b, layers).any())
+                    .count();
+                if fp8_blocks == 0 {
+                    return format!(
+                        "bf16 (fp8 asked for, but no block of {layers} is inside the {} bf16 blocks kept at each end)",
+                        l.bf16_ends
+                    );
+                }
+                format!(
+                    "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
+                     per-output-channel weight scales, per-token activation scales; \
+                     embedders, modulation, norm_out and proj_out in bf16",
+                    l.groups.names().join(", "),
+                    l.bf16_ends
+                )
+            }
+        }
+    }
+}
+
+impl fmt::Display for DitPrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DitPrecision::Bf16 => f.write_str("bf16"),
+            DitPrecision::Fp8(l) => {
+                let names = l.groups.names();
+                let groups = if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(",")
+                };
+                write!(f, "fp8:{groups},ends={}", l.bf16_ends)
+            }
+        }
+    }
+}
+
+/// Most blocks kept in bf16 at each end a spec may ask for (far above any real model's depth).
+const MAX_ENDS: usize = 1 << 16;
+
+impl FromStr for DitPrecision {
+    type Err = String;
+
+    /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N]`.
+    fn from_str(text: &str) -> Result<DitPrecision, String> {
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] with GROUP one of qkv, out, mlp_in, mlp_out, all, none";
+        let text = text.trim();
+        match text {
+            "bf16" => return Ok(DitPrecision::Bf16),
+            "fp8" => return Ok(DitPrecision::FP8),
+            _ => {}
+        }
+        let Some(spec) = text.strip_prefix("fp8:") else {
+            return Err(format!("precision {text:?}: {usage}"));
+        };
+        let mut groups = Fp8Groups::NONE;
+        let mut named = false;
+        let mut ends = Fp8Layers::DEFAULT.bf16_ends;
+        for item in spec.split(',').map(str::trim) {
+            if let Some(n) = item.strip_prefix("ends=") {
+                ends = n
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n <= MAX_ENDS)
+                    .ok_or_else(|| {
+                        format!(
+                            "precision {text:?}: ends={n} is not a block count (0..={MAX_ENDS})"
+                        )
+                    })?;
+                continue;
+            }
+            named = true;
+            match item {
+                "qkv" => groups.qkv = true,
+                "out" => groups.out = true,
+                "mlp_in" => groups.mlp_in = true,
+                "mlp_out" => groups.mlp_out = true,
+                "all" => groups = Fp8Groups::ALL,
+                "none" => {}
+                other => {
+                    return Err(format!(
+                        "precision {text:?}: unknown group {other:?}; {usage}"
+                    ))
+                }
+            }
+        }
+        if !named {
+            groups = Fp8Layers::DEFAULT.groups;
+        }
+        Ok(DitPrecision::Fp8(Fp8Layers {
+            groups,
+            bf16_ends: ends,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_print_back() {
+        assert_eq!("bf16".parse::<DitPrecision>(), Ok(DitPrecision::Bf16));
+        assert_eq!("fp8".parse::<DitPrecision>(), Ok(DitPrecision::FP8));
+        assert_eq!(
+            "fp8:qkv,mlp_in,ends=0".parse::<DitPrecision>(),
+            Ok(DitPrecision::Fp8(Fp8Layers {
+                groups: Fp8Groups {
+                    qkv: true,
+                    mlp_in: true,
+                    ..Fp8Groups::NONE
+                },
+                bf16_ends: 0
+            }))
+        );
+        assert_eq!(
+            "fp8:ends=3".parse::<DitPrecision>(),
+            Ok(DitPrecision::Fp8(Fp8Layers {
+                groups: Fp8Groups::ALL,
+                bf16_ends: 3
+            }))
+        );
+        for spec in [
+            "bf16",
+            "fp8:qkv,out,mlp_in,mlp_out,ends=1",
+            "fp8:out,ends=0",
+            "fp8:none,ends=2",
+        ] {
+            let p: DitPrecision = spec.parse().unwrap();
+            assert_eq!(p.to_string(), spec);
+            assert_eq!(p.to_string().parse::<DitPrecision>(), Ok(p));
+        }
+        assert_eq!(
+            DitPrecision::FP8.to_string(),
+            "fp8:qkv,out,mlp_in,mlp_out,ends=1"
+        );
+        for bad in [
+            "fp16",
+            "fp8:",
+            "fp8:qkv,attn",
+            "fp8:ends=-1",
+            "fp8:ends=x",
+            "fp8:ends=99999999",
+        ] {
+            let err = bad.parse::<DitPrecision>().unwrap_err();
+            assert!(err.contains("precision"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_ends_stay_bf16() {
+        let p = DitPrecision::FP8;
+        let per_block: Vec<bool> = (0..5).map(|l| p.groups_of(l, 5).any()).collect();
+        assert_eq!(per_block, [false, true, true, true, false]);
+        assert!(p.uses_fp8(5));
+        // Two blocks with one kept at each end: nothing runs in FP8, and the report says so.
+        assert!(!p.uses_fp8(2));
+        assert!(p.describe(2).starts_with("bf16 (fp8 asked for"));
+        let all = DitPrecision::Fp8(Fp8Layers {
+            groups: Fp8Groups::ALL,
+            bf16_ends: 0,
+        });
+        assert!(all.uses_fp8(2));
+        assert!(all.describe(32).contains("in 32 of 32 blocks"));
+        assert_eq!(DitPrecision::Bf16.groups_of(3, 5), Fp8Groups::NONE);
+        assert_eq!(DitPrecision::Bf16.describe(32), "bf16");
+        assert!(DitPrecision::FP8
+            .describe(32)
+            .contains("in 30 of 32 blocks"));
+    }
+}
