@@ -397,7 +397,8 @@ pub(super) fn upload(
             let scales = q.scales();
             if scales.len() != t.rows || scales.iter().any(|v| !v.is_finite() || *v <= 0.0) {
                 return Err(DitError::Backend(format!(
-                    "{name}: the FP8 quantizer did not produce a finite scale for every one of its {} rows                      (non-finite weights in the checkpoint?)",
+                    "{name}: the FP8 quantizer did not produce a finite scale for every one of its {} rows \
+                     (non-finite weights in the checkpoint?)",
                     t.rows
                 )));
             }
