@@ -78,10 +78,7 @@ fn load(layer: usize, markup: PromptMarkup) -> H3TextEncoder {
 fn assert_close(what: &str, actual: &TensorF32, reference: &TensorF32) -> f64 {
     assert_eq!(actual.shape(), reference.shape(), "{what}: shape");
     let err = relative_l2(actual.data(), reference.data()).unwrap();
-    println!(
-        "{what}: shape {:?}, relative L2 {err:.3e}",
-        actual.shape()
-    );
+    println!("{what}: shape {:?}, relative L2 {err:.3e}", actual.shape());
     assert!(
         err <= TOLERANCE,
         "{what}: relative L2 {err:.3e} > {TOLERANCE:e}"
@@ -127,15 +124,26 @@ fn ids_equal_the_verbatim_reference_except_where_the_rules_differ() {
         // H3's rules change the ids only through `\(` / `\)`, a whitespace-led `embedding:`, an empty prompt, or
         // the forbidden markup on a prompt that spells added tokens.
         let escapes = prompt.contains("\\(") || prompt.contains("\\)");
-        let split = prompt
-            .match_indices("embedding:")
-            .any(|(at, _)| prompt[..at].chars().next_back().is_some_and(char::is_whitespace));
+        let split = prompt.match_indices("embedding:").any(|(at, _)| {
+            prompt[..at]
+                .chars()
+                .next_back()
+                .is_some_and(char::is_whitespace)
+        });
         let differs = escapes
             || split
             || prompt.is_empty()
             || (markup == PromptMarkup::Forbidden && prompt.contains('<'));
-        assert_eq!(ours != verbatim, differs, "{case}: {ours:?} vs {verbatim:?}");
-        assert_eq!(m["cases"][i]["same_as_diffusers"].as_bool().unwrap(), !differs, "{case}");
+        assert_eq!(
+            ours != verbatim,
+            differs,
+            "{case}: {ours:?} vs {verbatim:?}"
+        );
+        assert_eq!(
+            m["cases"][i]["same_as_diffusers"].as_bool().unwrap(),
+            !differs,
+            "{case}"
+        );
     }
 }
 
@@ -162,7 +170,14 @@ fn the_layer_must_be_inside_the_encoder() {
     let err = H3TextEncoder::load_host(&dir, H3TextOptions::default()).unwrap_err();
     let text = err.to_string();
     println!("default layer: {text}");
-    assert!(matches!(err, H3TextError::Layer { layers: 6, layer: DEFAULT_LAYER, .. }));
+    assert!(matches!(
+        err,
+        H3TextError::Layer {
+            layers: 6,
+            layer: DEFAULT_LAYER,
+            ..
+        }
+    ));
     assert!(
         text.contains(LAYERS_KEY) && text.contains("is 6") && text.contains("config.json"),
         "{text}"
@@ -229,7 +244,9 @@ fn prompts_over_the_bounds_are_refused_with_the_limit() {
 #[test]
 fn vision_placeholders_are_refused_unless_plain_text() {
     let allowed = load(4, PromptMarkup::Allowed);
-    let err = allowed.tokenize("a cat <|image_pad|> on a mat").unwrap_err();
+    let err = allowed
+        .tokenize("a cat <|image_pad|> on a mat")
+        .unwrap_err();
     println!("vision placeholder: {err}");
     assert!(matches!(err, H3TextError::VisionToken { id: 151_655, .. }));
     assert!(err.is_invalid_request());
@@ -277,9 +294,14 @@ fn broken_folders_name_what_is_wrong() {
     // No tokenizer anywhere: the error lists the places tried.
     let s = Scratch::new("no_tokenizer");
     std::fs::remove_dir_all(s.0.join("tokenizer")).unwrap();
-    let err = H3TextEncoder::load_host(&s.0, opts()).unwrap_err().to_string();
+    let err = H3TextEncoder::load_host(&s.0, opts())
+        .unwrap_err()
+        .to_string();
     println!("no tokenizer: {err}");
-    assert!(err.contains("tokenizer/tokenizer.json") && err.contains("processor"), "{err}");
+    assert!(
+        err.contains("tokenizer/tokenizer.json") && err.contains("processor"),
+        "{err}"
+    );
     // A tokenizer in processor/ (where a saved processor keeps it) is found.
     let s = Scratch::new("processor");
     std::fs::rename(s.0.join("tokenizer"), s.0.join("processor")).unwrap();
@@ -294,9 +316,14 @@ fn broken_folders_name_what_is_wrong() {
         .unwrap()
         .retain(|t| t["id"].as_u64().unwrap() < 151_669);
     std::fs::write(&path, json.to_string()).unwrap();
-    let err = H3TextEncoder::load_host(&s.0, opts()).unwrap_err().to_string();
+    let err = H3TextEncoder::load_host(&s.0, opts())
+        .unwrap_err()
+        .to_string();
     println!("not H3's tokenizer: {err}");
-    assert!(err.contains("151669") && err.contains("tokenizer.json"), "{err}");
+    assert!(
+        err.contains("151669") && err.contains("tokenizer.json"),
+        "{err}"
+    );
     // An encoder whose vocabulary is smaller than the tokenizer's ids.
     let s = Scratch::new("vocab");
     let path = s.0.join("text_encoder/config.json");
@@ -304,12 +331,19 @@ fn broken_folders_name_what_is_wrong() {
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     json["text_config"]["vocab_size"] = serde_json::json!(4096);
     std::fs::write(&path, json.to_string()).unwrap();
-    let err = H3TextEncoder::load_host(&s.0, opts()).unwrap_err().to_string();
+    let err = H3TextEncoder::load_host(&s.0, opts())
+        .unwrap_err()
+        .to_string();
     println!("small vocabulary: {err}");
-    assert!(err.contains("vocab_size") && err.contains("4096") && err.contains("151675"), "{err}");
+    assert!(
+        err.contains("vocab_size") && err.contains("4096") && err.contains("151675"),
+        "{err}"
+    );
     // No text encoder.
     let s = Scratch::new("no_encoder");
     std::fs::remove_dir_all(s.0.join("text_encoder")).unwrap();
-    let err = H3TextEncoder::load_host(&s.0, opts()).unwrap_err().to_string();
+    let err = H3TextEncoder::load_host(&s.0, opts())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("text_encoder/config.json"), "{err}");
 }

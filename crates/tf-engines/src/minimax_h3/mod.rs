@@ -17,6 +17,8 @@
 //! - [`vae_audio`]: `AutoencoderKLMiniMaxH3Audio` decode: its validated config, the decoder's tensors and the f32
 //!   host reference (latent de-normalization, `dec_in_proj`, BigVGAN with anti-aliased SnakeBeta, stereo as a
 //!   batch of 2).
+//! - [`vae_audio_gpu`]: the same decode on the GPU in f32 (implicit-GEMM 1-D convolutions, transposed ones as
+//!   phase convolutions, the fused anti-aliased SnakeBeta), behind the shared [`vae_audio::AudioVaeDecoder`].
 //! - [`vae_video`]: `AutoencoderKLMiniMaxH3` decode: its validated config, the chunk and tile geometry, the
 //!   [`vae_video::VideoVaeBackend`] trait with its 8-bit [`vae_video::VideoFrames`], and the f32 host reference
 //!   (ViT decoder with register tokens and partial RoPE, temporal cross-fade, blended spatial tiles).
@@ -30,4 +32,5 @@ pub mod noise;
 pub mod scheduler;
 pub mod text;
 pub mod vae_audio;
+pub mod vae_audio_gpu;
 pub mod vae_video;

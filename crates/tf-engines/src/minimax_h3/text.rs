@@ -531,7 +531,9 @@ mod tests {
         assert!(check_layer(&config(51), 50, file).is_ok());
         let err = check_layer(&config(50), 50, file).unwrap_err().to_string();
         assert!(
-            err.contains(LAYERS_KEY) && err.contains("is 50") && err.contains("text_encoder/config.json"),
+            err.contains(LAYERS_KEY)
+                && err.contains("is 50")
+                && err.contains("text_encoder/config.json"),
             "{err}"
         );
         assert!(check_layer(&config(6), 50, file).is_err());

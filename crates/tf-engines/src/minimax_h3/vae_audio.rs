@@ -20,6 +20,7 @@ use std::path::Path;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::nn::backend_error::GpuError;
 use crate::nn::config::{checked_product, in_range, parse_object};
 use crate::nn::host::{
     conv1d, conv_transpose1d, pad_replicate_1d, snake_beta, weight_norm, Conv1dGeometry,
@@ -86,6 +87,58 @@ pub enum AudioVaeError {
     },
     #[error("invalid MiniMax H3 audio VAE input: {0}")]
     Input(String),
+    /// A GPU call failed; the cause stays in the source chain (a lost context is visible there).
+    #[error("MiniMax H3 audio VAE GPU backend: {0}")]
+    Gpu(#[from] GpuError),
+}
+
+impl AudioVaeError {
+    /// True when the request itself is at fault (its shape or size), not the decoder.
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(self, AudioVaeError::Input(_))
+    }
+}
+
+/// The audio VAE decode as a pipeline drives it: the f32 host reference ([`HostAudioVae`]) and the GPU backend
+/// (`super::vae_audio_gpu::GpuAudioVae`) implement it, so a pipeline picks either.
+pub trait AudioVaeDecoder {
+    /// The validated config.
+    fn config(&self) -> &AudioVaeConfig;
+
+    /// Output samples per item for `frames` latent frames.
+    fn output_len(&self, frames: usize) -> Result<usize, AudioVaeError>;
+
+    /// Normalized latents `[batch, latent_channels, frames]` (the DiT's; stereo is batch 2) to the clamped waveform
+    /// `[batch, 1, samples]`: `z * latents_std + latents_mean` per channel, then the decoder.
+    fn decode(&mut self, latents: &TensorF32) -> Result<TensorF32, AudioVaeError>;
+
+    /// The model's `decode` on de-normalized latents.
+    fn decode_denormalized(&mut self, latents: &TensorF32) -> Result<TensorF32, AudioVaeError>;
+
+    /// A short name for reports ("host", "gpu").
+    fn name(&self) -> &'static str;
+}
+
+impl AudioVaeDecoder for HostAudioVae {
+    fn config(&self) -> &AudioVaeConfig {
+        HostAudioVae::config(self)
+    }
+
+    fn output_len(&self, frames: usize) -> Result<usize, AudioVaeError> {
+        HostAudioVae::output_len(self, frames)
+    }
+
+    fn decode(&mut self, latents: &TensorF32) -> Result<TensorF32, AudioVaeError> {
+        HostAudioVae::decode(self, latents)
+    }
+
+    fn decode_denormalized(&mut self, latents: &TensorF32) -> Result<TensorF32, AudioVaeError> {
+        HostAudioVae::decode_denormalized(self, latents)
+    }
+
+    fn name(&self) -> &'static str {
+        "host"
+    }
 }
 
 fn d_encoder_dim() -> usize {
@@ -455,31 +508,31 @@ fn activation_specs(specs: &mut Vec<TensorSpec>, p: &str, c: usize) {
 
 /// A convolution with its effective (weight-normalized) weight.
 #[derive(Debug, Clone)]
-struct Conv {
-    geo: Conv1dGeometry,
-    weight: Vec<f32>,
-    bias: Option<Vec<f32>>,
+pub(super) struct Conv {
+    pub(super) geo: Conv1dGeometry,
+    pub(super) weight: Vec<f32>,
+    pub(super) bias: Option<Vec<f32>>,
 }
 
 /// The anti-aliased SnakeBeta: parameters and both resampling filters.
 #[derive(Debug, Clone)]
-struct Activation {
-    alpha: Vec<f32>,
-    beta: Vec<f32>,
-    up: Vec<f32>,
-    down: Vec<f32>,
+pub(super) struct Activation {
+    pub(super) alpha: Vec<f32>,
+    pub(super) beta: Vec<f32>,
+    pub(super) up: Vec<f32>,
+    pub(super) down: Vec<f32>,
 }
 
 #[derive(Debug, Clone)]
-struct AmpBlock {
+pub(super) struct AmpBlock {
     /// `(conv1, conv2, act1, act2)` per dilation.
-    units: Vec<(Conv, Conv, Activation, Activation)>,
+    pub(super) units: Vec<(Conv, Conv, Activation, Activation)>,
 }
 
 #[derive(Debug, Clone)]
-struct Stage {
-    up: Conv,
-    blocks: Vec<AmpBlock>,
+pub(super) struct Stage {
+    pub(super) up: Conv,
+    pub(super) blocks: Vec<AmpBlock>,
 }
 
 /// A `[batch, channels, len]` activation.
@@ -494,13 +547,13 @@ struct Signal {
 #[derive(Debug, Clone)]
 pub struct HostAudioVae {
     config: AudioVaeConfig,
-    mean: Vec<f32>,
-    std: Vec<f32>,
-    dec_in: Conv,
-    conv_pre: Conv,
-    stages: Vec<Stage>,
-    act_post: Activation,
-    conv_post: Conv,
+    pub(super) mean: Vec<f32>,
+    pub(super) std: Vec<f32>,
+    pub(super) dec_in: Conv,
+    pub(super) conv_pre: Conv,
+    pub(super) stages: Vec<Stage>,
+    pub(super) act_post: Activation,
+    pub(super) conv_post: Conv,
 }
 
 struct Take<'a> {
