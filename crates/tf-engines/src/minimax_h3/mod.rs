@@ -22,6 +22,8 @@
 //! - [`vae_video`]: `AutoencoderKLMiniMaxH3` decode: its validated config, the chunk and tile geometry, the
 //!   [`vae_video::VideoVaeBackend`] trait with its 8-bit [`vae_video::VideoFrames`], and the f32 host reference
 //!   (ViT decoder with register tokens and partial RoPE, temporal cross-fade, blended spatial tiles).
+//! - [`vae_video_gpu`]: the same decode on the GPU: bf16 GEMMs and the shared RoPE / attention (head dim 64) /
+//!   SwiGLU kernels over batches of tiles, the residual stream, norms, blends and frames in f32.
 pub mod checkpoint;
 pub mod config;
 pub mod dit;
@@ -34,3 +36,4 @@ pub mod text;
 pub mod vae_audio;
 pub mod vae_audio_gpu;
 pub mod vae_video;
+pub mod vae_video_gpu;
