@@ -31,6 +31,35 @@ pub enum Bench {
     /// MiniMax H3's text conditioning: Qwen3-VL-32B width, random weights made on the device, a forward to
     /// hidden_states[50] timed (or, with --model, the accuracy case on a saved H3 folder), beside transformers.
     H3Text(H3TextArgs),
+    /// The MiniMax H3 audio VAE decode on the GPU (f32) over a saved audio_vae/ folder, 5 s of stereo by default,
+    /// with diffusers' fp32 / default / bf16 times, peaks and outputs of the same run (reference.json) beside it.
+    H3AudioVae(H3AudioVaeArgs),
+}
+
+#[derive(clap::Args)]
+pub struct H3AudioVaeArgs {
+    /// Diffusers audio_vae/ folder (config.json with latents_mean / latents_std, safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// safetensors holding `latents` [batch, latent_channels, frames], normalized as the DiT produces them
+    /// (default: seeded random stereo latents of --frames frames).
+    #[arg(long)]
+    latents: Option<PathBuf>,
+    /// Latent frames per channel without --latents (40 per second).
+    #[arg(long, default_value_t = 200)]
+    frames: usize,
+    /// Timed decodes (after one warm-up).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// reference.json written by tests/python/h3_audio_vae_reference.py in the same run.
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// Write our waveform (`sample`) here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -188,6 +217,7 @@ pub fn run(b: Bench) -> ExitCode {
         Bench::QwenDit(args) => qwen_dit::run(&args),
         Bench::H3Dit(args) => h3_dit::run(&args),
         Bench::H3Text(args) => h3_text::run(&args),
+        Bench::H3AudioVae(args) => h3_audio_vae::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -201,6 +231,7 @@ pub fn run(b: Bench) -> ExitCode {
 type BoxError = Box<dyn std::error::Error>;
 
 mod h3_dit;
+mod h3_audio_vae;
 mod h3_text;
 mod qwen_dit;
 
