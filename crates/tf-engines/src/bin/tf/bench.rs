@@ -230,8 +230,8 @@ pub fn run(b: Bench) -> ExitCode {
 
 type BoxError = Box<dyn std::error::Error>;
 
-mod h3_dit;
 mod h3_audio_vae;
+mod h3_dit;
 mod h3_text;
 mod qwen_dit;
 
