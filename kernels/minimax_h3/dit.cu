@@ -317,7 +317,8 @@ __device__ __forceinline__ void linear_f32_rows(const XT* __restrict__ x, int x_
 
 }  // namespace
 
-// f32 linear layers: `tile` for many rows, `rows` for a few; x in f32 (xf) or bf16 (xb), y in f32 (yf) or bf16 (yb).
+// f32 linear layers: `tile` for many rows, `rows` for a few; x in f32 (xf) or bf16 (xb), y in f32 (yf) or bf16 (yb);
+// the step uses f32 -> f32 (time embedder), f32 -> bf16 (input projections, SiLU(temb)) and bf16 -> f32 (heads).
 // Arguments: (x, x_stride, x_index, x_rows, w, k, bias, y, y_stride, y_index, y_rows, m, n, act); see
 // linear_f32_tile.
 #define H3_LINEAR_F32(NAME, BODY, XT, YT, THREADS)                                                                   \
@@ -331,8 +332,6 @@ __device__ __forceinline__ void linear_f32_rows(const XT* __restrict__ x, int x_
 H3_LINEAR_F32(h3_linear_f32_tile_xf_yf, linear_f32_tile, float, float, 256)
 H3_LINEAR_F32(h3_linear_f32_tile_xf_yb, linear_f32_tile, float, bf16, 256)
 H3_LINEAR_F32(h3_linear_f32_tile_xb_yf, linear_f32_tile, bf16, float, 256)
-H3_LINEAR_F32(h3_linear_f32_tile_xb_yb, linear_f32_tile, bf16, bf16, 256)
 H3_LINEAR_F32(h3_linear_f32_rows_xf_yf, linear_f32_rows, float, float, 256)
 H3_LINEAR_F32(h3_linear_f32_rows_xf_yb, linear_f32_rows, float, bf16, 256)
 H3_LINEAR_F32(h3_linear_f32_rows_xb_yf, linear_f32_rows, bf16, float, 256)
-H3_LINEAR_F32(h3_linear_f32_rows_xb_yb, linear_f32_rows, bf16, bf16, 256)

@@ -23,11 +23,9 @@ const H3_KERNELS: &[&str] = &[
     "h3_linear_f32_tile_xf_yf",
     "h3_linear_f32_tile_xf_yb",
     "h3_linear_f32_tile_xb_yf",
-    "h3_linear_f32_tile_xb_yb",
     "h3_linear_f32_rows_xf_yf",
     "h3_linear_f32_rows_xf_yb",
     "h3_linear_f32_rows_xb_yf",
-    "h3_linear_f32_rows_xb_yb",
 ];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
@@ -442,8 +440,8 @@ fn check_rows_operand(
     check_bytes(op, name, operand, bytes)
 }
 
-/// Builds one f32 linear layer (kernels h3_linear_f32_{tile,rows}_x{f,b}_y{f,b}): the few-rows kernel up to
-/// [`FEW_ROWS`] rows, 64x64 tiles above.
+/// Builds one f32 linear layer (kernels h3_linear_f32_{tile,rows}_{xf_yf,xf_yb,xb_yf}): the few-rows kernel up to
+/// [`FEW_ROWS`] rows, 64x64 tiles above. f32 weights and bias; x or y (or both) f32.
 pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "linear_f32";
     if op.m == 0 || op.n == 0 || op.k == 0 {
@@ -472,11 +470,15 @@ pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda
         (false, Elem::F32, Elem::F32) => "h3_linear_f32_tile_xf_yf",
         (false, Elem::F32, Elem::Bf16) => "h3_linear_f32_tile_xf_yb",
         (false, Elem::Bf16, Elem::F32) => "h3_linear_f32_tile_xb_yf",
-        (false, Elem::Bf16, Elem::Bf16) => "h3_linear_f32_tile_xb_yb",
         (true, Elem::F32, Elem::F32) => "h3_linear_f32_rows_xf_yf",
         (true, Elem::F32, Elem::Bf16) => "h3_linear_f32_rows_xf_yb",
         (true, Elem::Bf16, Elem::F32) => "h3_linear_f32_rows_xb_yf",
-        (true, Elem::Bf16, Elem::Bf16) => "h3_linear_f32_rows_xb_yb",
+        (_, Elem::Bf16, Elem::Bf16) => {
+            return Err(invalid(
+                OP,
+                "bf16 in and bf16 out is not built (use the bf16 GEMMs); the f32 layers read or write f32",
+            ))
+        }
     };
     let grid = if few {
         (
@@ -792,5 +794,16 @@ mod tests {
         assert!(plan_linear_f32(&short_x).is_err());
         let empty = LinearF32 { n: 0, ..op };
         assert!(plan_linear_f32(&empty).is_err());
+        let both_bf16 = LinearF32 {
+            x_rows: RowsOperand {
+                elem: Elem::Bf16,
+                ..op.x_rows
+            },
+            ..op
+        };
+        assert!(plan_linear_f32(&both_bf16)
+            .unwrap_err()
+            .to_string()
+            .contains("bf16"));
     }
 }
