@@ -232,12 +232,14 @@ fn values(model: &ModelDir, name: &str) -> Result<Vec<f32>, VideoVaeError> {
     Ok(model.to_f32(name)?.into_data())
 }
 
-/// The global tensors, then the blocks in groups of at most [`UPLOAD_GROUP_BYTES`] of host-built bytes.
+/// The global tensors, then the blocks in groups of at most [`UPLOAD_GROUP_BYTES`] of host-built bytes, each group
+/// handed to `each` as soon as it is built (the host holds one group at a time).
 fn upload_groups(
     model: &ModelDir,
     config: &VideoVaeConfig,
     net: &Net,
-) -> Result<Vec<UploadGroup>, VideoVaeError> {
+    mut each: impl FnMut(UploadGroup) -> Result<(), VideoVaeError>,
+) -> Result<(), VideoVaeError> {
     let (c, d, inner) = (config.latent_channels, config.dim(), config.ffn_inner());
     let proj_in = values(model, "decoder.proj_in.weight")?;
     let mut proj_in_t = vec![0f32; c * d];
@@ -247,7 +249,7 @@ fn upload_groups(
         }
     }
     let host = |name: &str| values(model, name).map(|v| Source::Host(f32_bytes(&v), false));
-    let mut groups = vec![UploadGroup(vec![
+    each(UploadGroup(vec![
         (Source::Host(f32_bytes(&proj_in_t), false), net.proj_in_wt),
         (host("decoder.proj_in.bias")?, net.proj_in_b),
         (host("decoder.register_tokens")?, net.registers),
@@ -258,7 +260,7 @@ fn upload_groups(
             net.proj_out_w,
         ),
         (host("decoder.proj_out.bias")?, net.proj_out_b),
-    ])];
+    ]))?;
     let mut group = UploadGroup(Vec::new());
     for (i, b) in net.blocks.iter().enumerate() {
         let p = format!("decoder.transformer_blocks.{i}");
@@ -300,13 +302,13 @@ fn upload_groups(
             (Source::Host(f32_bytes(&ff2_b), false), b.ff2_b),
         ]);
         if group.host_bytes() >= UPLOAD_GROUP_BYTES {
-            groups.push(std::mem::replace(&mut group, UploadGroup(Vec::new())));
+            each(std::mem::replace(&mut group, UploadGroup(Vec::new())))?;
         }
     }
     if !group.0.is_empty() {
-        groups.push(group);
+        each(group)?;
     }
-    Ok(groups)
+    Ok(())
 }
 
 /// One batch of tiles run through the blocks together.
@@ -452,6 +454,30 @@ fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, V
     Ok(gemm::span(buf, offset, bytes)?)
 }
 
+/// Host side of a decode: pads the de-normalized latents `[1, C, F, h, w]` by repeating the last frame and applies
+/// `post_quant_conv` (`(weight [C, C], bias)`) in f32, channels-last `[padded frames, h, w, C]`.
+fn post_quant_latents(
+    (weight, bias): &(Vec<f32>, Vec<f32>),
+    latents: &TensorF32,
+    plan: &DecodePlan,
+) -> Result<Vec<f32>, VideoVaeError> {
+    let c = bias.len();
+    let (f, h, w) = plan.latents;
+    let plane = h * w;
+    let voxels = plan.padded_frames * plane;
+    let mut tokens = vec![0f32; voxels * c];
+    for (ch, data) in latents.data().chunks_exact(f * plane).enumerate() {
+        for v in 0..voxels {
+            let frame = (v / plane).min(f - 1);
+            tokens[v * c + ch] = data[frame * plane + v % plane];
+        }
+    }
+    let mut out = vec![0f32; voxels * c];
+    linear(&tokens, voxels, c, weight, c, &mut out)?;
+    crate::nn::host::add_bias(&mut out, voxels, c, bias)?;
+    Ok(out)
+}
+
 /// The video VAE decoder on the GPU.
 pub struct GpuVideoVae {
     config: VideoVaeConfig,
@@ -519,7 +545,7 @@ impl GpuVideoVae {
         weights
             .fill_u8(0, Some(&stream))
             .map_err(|e| backend("clearing the weights", e))?;
-        for group in upload_groups(model, &config, &net)? {
+        upload_groups(model, &config, &net, |group| {
             let pieces = group.pieces(model)?;
             upload_pieces(
                 ctx,
@@ -529,7 +555,8 @@ impl GpuVideoVae {
                 StagingConfig::default(),
             )
             .map_err(|e| backend(&format!("uploading {total} B of weights"), e))?;
-        }
+            Ok(())
+        })?;
         stream
             .synchronize()
             .map_err(|e| backend("uploading the weights", e))?;
@@ -817,34 +844,10 @@ impl GpuVideoVae {
         Ok(gemm::distinct(shapes))
     }
 
-    /// Host side of a decode: pads the de-normalized latents `[1, C, F, h, w]` by repeating the last frame and
-    /// applies `post_quant_conv` in f32, channels-last `[padded frames, h, w, C]`.
-    fn post_quant_latents(
-        &self,
-        latents: &TensorF32,
-        plan: &DecodePlan,
-    ) -> Result<Vec<f32>, VideoVaeError> {
-        let c = self.config.latent_channels;
-        let (f, h, w) = plan.latents;
-        let plane = h * w;
-        let voxels = plan.padded_frames * plane;
-        let mut tokens = vec![0f32; voxels * c];
-        for (ch, data) in latents.data().chunks_exact(f * plane).enumerate() {
-            for v in 0..voxels {
-                let frame = (v / plane).min(f - 1);
-                tokens[v * c + ch] = data[frame * plane + v % plane];
-            }
-        }
-        let mut out = vec![0f32; voxels * c];
-        linear(&tokens, voxels, c, &self.post_quant.0, c, &mut out)?;
-        crate::nn::host::add_bias(&mut out, voxels, c, &self.post_quant.1)?;
-        Ok(out)
-    }
-
     /// Enqueues the decode of de-normalized latents into the workspace's f32 video (not synchronized).
     fn enqueue(&mut self, latents: &TensorF32) -> Result<(), VideoVaeError> {
         let plan = DecodePlan::new(&self.config, latents.shape(), &self.tiling, self.budget)?;
-        let z = self.post_quant_latents(latents, &plan)?;
+        let z = post_quant_latents(&self.post_quant, latents, &plan)?;
         self.ensure_workspace(plan)?;
         // A shape not planned ahead takes a stored choice, else cuBLASLt's first: no GEMM is timed in a decode.
         let shapes = self.gemm_shapes()?;
