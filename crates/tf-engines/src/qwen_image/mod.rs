@@ -9,3 +9,4 @@ pub mod pipeline;
 pub mod vae;
 pub mod vae_gpu;
 pub mod vae_ops;
+pub mod variant;

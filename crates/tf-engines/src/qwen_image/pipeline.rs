@@ -12,6 +12,11 @@
 //! and reused after when the DiT has `causal_condition`, timestep rounded to the latent dtype, Euler, optional true
 //! CFG), and the VAE decode to 8-bit RGBA. Each phase is timed.
 //!
+//! The folder's [`Variant`] is found at load as diffusers finds it (non-empty `sample_sigmas`: Turbo) unless
+//! [`LoadOptions::variant`] names one. Turbo samples its `sample_sigmas` (8 steps without them), runs no guidance,
+//! and reports a negative prompt or guidance scale sent to it as [`Ignored`] rather than using it, as the
+//! reference does ([`super::variant`]).
+//!
 //! Invariants: a request is validated completely before the first model call, and request-shaped errors are
 //! [`PipelineError::InvalidRequest`] ([`PipelineError::is_invalid_request`]); nothing here panics on input.
 //!
@@ -43,6 +48,7 @@ use super::dit_gpu::{DitPrecision, GpuDit};
 use super::dit_host::HostDit;
 use super::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
+use super::variant::{Ignored, Variant};
 use crate::nn::backend_error::GpuError;
 use crate::nn::config::parse_object;
 use crate::nn::memory_plan::{Component, MemoryPlan, MemoryPlanError, Residency};
@@ -188,6 +194,9 @@ pub struct LoadOptions {
     /// unlimited) against the cap. `None`: no cap. A cap below the sum of the components selects the sequential
     /// mode (each request loads, runs and frees them in turn); one below the largest component is refused.
     pub device_budget: Option<u64>,
+    /// The checkpoint variant to run the folder as; `None`: the one its `model_index.json` says
+    /// ([`Variant::detect`]).
+    pub variant: Option<Variant>,
     /// GEMM precision of the GPU DiT (bf16 unless set; FP8 runs on the GPU only).
     pub dit_precision: DitPrecision,
 }
@@ -200,6 +209,7 @@ impl LoadOptions {
             latent_dtype: None,
             limits: Limits::default(),
             device_budget: None,
+            variant: None,
             dit_precision: DitPrecision::Bf16,
         }
     }
@@ -211,13 +221,16 @@ pub struct Request {
     /// The prompt; empty becomes a single space, as in the reference.
     pub prompt: String,
     /// With `true_cfg_scale > 1`, the negative prompt of true classifier-free guidance (empty becomes a space).
+    /// Turbo ignores it ([`Ignored`]).
     pub negative_prompt: Option<String>,
     /// True CFG scale; guidance runs only when it is above 1 and a negative prompt is given (reference default 1).
+    /// Turbo ignores it ([`Ignored`]).
     pub true_cfg_scale: f32,
     /// Pixels; floored to a multiple of 32 like the reference.
     pub width: usize,
     pub height: usize,
-    /// Sampling steps; `None` = the checkpoint's `sample_sigmas` if it has them, else 40.
+    /// Sampling steps; `None` = the checkpoint's `sample_sigmas` if it has them, else the variant's default (40,
+    /// Turbo 8). With `sample_sigmas`, only their count is accepted.
     pub steps: Option<usize>,
     /// Seed of the portable noise generator.
     pub seed: u64,
@@ -256,7 +269,12 @@ pub struct Plan {
     pub prompt_drop: usize,
     /// The negative prompt's, when true CFG runs.
     pub negative: Option<(Vec<u32>, usize)>,
+    /// The scale guidance runs at (1 when it does not).
     pub true_cfg_scale: f32,
+    /// The variant the request runs as.
+    pub variant: Variant,
+    /// Request fields that variant does not use (the run goes on without them).
+    pub ignored: Vec<Ignored>,
 }
 
 /// Where the run is.
@@ -372,6 +390,8 @@ pub struct Generation {
     pub seed: u64,
     pub plan_steps: usize,
     pub timings: Timings,
+    /// Request fields the loaded variant did not use ([`Plan::ignored`]).
+    pub ignored: Vec<Ignored>,
 }
 
 /// Load figures.
@@ -390,6 +410,8 @@ pub struct LoadReport {
     pub te_vae_on_device: bool,
     /// How the components are held ([`Pipeline::memory_plan`] has the figures).
     pub residency: Residency,
+    /// The checkpoint variant the folder runs as.
+    pub variant: Variant,
     /// GEMM precision of the DiT.
     pub dit_precision: DitPrecision,
 }
@@ -456,6 +478,7 @@ pub struct Pipeline {
     components: Components,
     scheduler: SchedulerConfig,
     sample_sigmas: Option<Vec<f64>>,
+    variant: Variant,
     latent_dtype: LatentDtype,
     limits: Limits,
     keep_step_latents: bool,
@@ -498,6 +521,8 @@ pub struct FolderLayout {
     pub tokenizer_json: PathBuf,
     /// `sample_sigmas` of `model_index.json`, when the checkpoint fixes its grid.
     pub sample_sigmas: Option<Vec<f64>>,
+    /// The variant diffusers loads the folder as ([`Variant::detect`] of `sample_sigmas`).
+    pub variant: Variant,
 }
 
 impl FolderLayout {
@@ -575,6 +600,7 @@ impl FolderLayout {
             text_encoder: sub("text_encoder")?,
             vae: sub("vae")?,
             tokenizer_json,
+            variant: Variant::detect(sample_sigmas.as_deref()),
             sample_sigmas,
         })
     }
@@ -710,11 +736,13 @@ impl Pipeline {
             Backend::Host => LatentDtype::F32,
             Backend::Gpu => LatentDtype::Bf16,
         });
+        let variant = options.variant.unwrap_or(layout.variant);
         Ok(Pipeline {
             tokenizer,
             components,
             scheduler,
             sample_sigmas: layout.sample_sigmas,
+            variant,
             latent_dtype,
             limits: options.limits,
             keep_step_latents: false,
@@ -727,6 +755,7 @@ impl Pipeline {
                 te_on_device,
                 vae_on_device,
                 te_vae_on_device: te_on_device && vae_on_device,
+                variant,
                 dit_precision: options.dit_precision,
             },
             dir: dir.to_path_buf(),
@@ -743,6 +772,16 @@ impl Pipeline {
     /// Load figures.
     pub fn load_report(&self) -> LoadReport {
         self.report
+    }
+
+    /// The checkpoint variant the folder runs as.
+    pub fn variant(&self) -> Variant {
+        self.variant
+    }
+
+    /// The folder's `sample_sigmas` (its own sigma grid), if it has them.
+    pub fn sample_sigmas(&self) -> Option<&[f64]> {
+        self.sample_sigmas.as_deref()
     }
 
     /// The latent dtype of the run.
@@ -769,7 +808,13 @@ impl Pipeline {
     pub fn plan(&self, request: &Request) -> Result<Plan, PipelineError> {
         let limits = &self.limits;
         let (width, height) = checked_size(limits, request)?;
-        let source = sigma_source(self.sample_sigmas.as_deref(), request.steps, limits)?;
+        let variant = self.variant;
+        let source = sigma_source(
+            variant,
+            self.sample_sigmas.as_deref(),
+            request.steps,
+            limits,
+        )?;
         let (latent_rows, latent_cols) = latent_grid(height, width);
         let schedule = Schedule::new(&self.scheduler, source, latent_rows * latent_cols)
             .map_err(|e| invalid(format!("no schedule for this request: {e}")))?;
@@ -796,8 +841,10 @@ impl Pipeline {
             Ok((encoded.ids, encoded.drop))
         };
         let (prompt_ids, prompt_drop) = encode(&request.prompt, "prompt")?;
+        let ignored = variant.ignored(request.negative_prompt.as_deref(), request.true_cfg_scale);
+        let guided = variant.guidance() && request.true_cfg_scale > 1.0;
         let negative = match &request.negative_prompt {
-            Some(neg) if request.true_cfg_scale > 1.0 => Some(encode(neg, "negative prompt")?),
+            Some(neg) if guided => Some(encode(neg, "negative prompt")?),
             _ => None,
         };
 
@@ -822,7 +869,9 @@ impl Pipeline {
             prompt_ids,
             prompt_drop,
             negative,
-            true_cfg_scale: request.true_cfg_scale,
+            true_cfg_scale: if guided { request.true_cfg_scale } else { 1.0 },
+            variant,
+            ignored,
         })
     }
 
@@ -863,8 +912,16 @@ impl Pipeline {
         let mut request = Request::new(WARM_UP_PROMPT);
         request.width = width;
         request.height = height;
-        request.steps = Some(2);
-        let generation = self.generate_planned(&request, &mut |_| {}, gemm_budget)?;
+        // Two steps (the extract step and a cached one) whatever grid the folder fixes: `steps` stays unset so a
+        // checkpoint's own `sample_sigmas` pass the request check, and the schedule is then cut to two steps.
+        let mut plan = self.plan(&request)?;
+        plan.schedule = Schedule::new(
+            &self.scheduler,
+            SigmaSource::Steps(WARM_UP_STEPS),
+            plan.latent_rows * plan.latent_cols,
+        )
+        .map_err(|e| invalid(format!("no warm-up schedule: {e}")))?;
+        let generation = self.run_planned(plan, &request, &mut |_| {}, gemm_budget)?;
         Ok(WarmUp {
             width,
             height,
@@ -890,6 +947,17 @@ impl Pipeline {
         gemm_budget: Duration,
     ) -> Result<Generation, PipelineError> {
         let plan = self.plan(request)?;
+        self.run_planned(plan, request, progress, gemm_budget)
+    }
+
+    /// Runs `plan` (made from `request` by [`Self::plan`]).
+    fn run_planned(
+        &mut self,
+        plan: Plan,
+        request: &Request,
+        progress: &mut dyn FnMut(Progress),
+        gemm_budget: Duration,
+    ) -> Result<Generation, PipelineError> {
         let started = Instant::now();
         let mut timings = Timings::default();
         let run = Run {
@@ -966,9 +1034,13 @@ impl Pipeline {
             seed: request.seed,
             plan_steps: plan.schedule.steps(),
             timings,
+            ignored: plan.ignored.clone(),
         })
     }
 }
+
+/// Steps of [`Pipeline::warm_up`]'s request.
+const WARM_UP_STEPS: usize = 2;
 
 /// [`WarmUp::skipped`] in the sequential mode.
 pub const WARM_UP_SKIPPED_SEQUENTIAL: &str =
@@ -1245,6 +1317,9 @@ pub struct Preflight {
     pub latent_channels: usize,
     /// Sampling steps the request will run.
     pub steps: usize,
+    /// The variant the folder runs as, and the request fields it will not use.
+    pub variant: Variant,
+    pub ignored: Vec<Ignored>,
 }
 
 impl Pipeline {
@@ -1267,7 +1342,13 @@ impl Pipeline {
             .map_err(|e| folder_err(&config_path, format!("not valid JSON: {e}")))?;
         let dit = QwenImageDitConfig::from_json(&value)
             .map_err(|e| folder_err(&config_path, e.to_string()))?;
-        let source = sigma_source(layout.sample_sigmas.as_deref(), request.steps, limits)?;
+        let variant = options.variant.unwrap_or(layout.variant);
+        let source = sigma_source(
+            variant,
+            layout.sample_sigmas.as_deref(),
+            request.steps,
+            limits,
+        )?;
         let (latent_rows, latent_cols) = latent_grid(height, width);
         let schedule = Schedule::new(&scheduler, source, latent_rows * latent_cols)
             .map_err(|e| invalid(format!("no schedule for this request: {e}")))?;
@@ -1278,6 +1359,8 @@ impl Pipeline {
             latent_cols,
             latent_channels: dit.in_channels,
             steps: schedule.steps(),
+            variant,
+            ignored: variant.ignored(request.negative_prompt.as_deref(), request.true_cfg_scale),
         })
     }
 }
@@ -1316,8 +1399,10 @@ fn checked_size(limits: &Limits, request: &Request) -> Result<(usize, usize), Pi
     Ok((width, height))
 }
 
-/// Where the request's sigmas come from: the checkpoint's fixed grid, the asked step count, or the default.
+/// Where the request's sigmas come from: the checkpoint's fixed grid, the asked step count, or the variant's
+/// default.
 fn sigma_source<'a>(
+    variant: Variant,
     sample_sigmas: Option<&'a [f64]>,
     steps: Option<usize>,
     limits: &Limits,
@@ -1340,7 +1425,7 @@ fn sigma_source<'a>(
         }
         (Some(fixed), _) => SigmaSource::Explicit(fixed),
         (None, Some(n)) => SigmaSource::Steps(n),
-        (None, None) => SigmaSource::Steps(DEFAULT_STEPS),
+        (None, None) => SigmaSource::Steps(variant.default_steps()),
     })
 }
 

@@ -4,6 +4,10 @@
 //!
 //! Sizes must be multiples of 32 here: the reference pipeline floors other sizes, which would hand back an
 //! image smaller than the one asked for, so the worker refuses them instead (as LocalRouter does).
+//!
+//! The load log names the checkpoint variant (base or Turbo, as the folder says). A Turbo checkpoint runs without
+//! guidance: a job's `negative_prompt` or `guidance` is ignored, as the reference ignores them, and the log says
+//! so for that job.
 
 use std::path::PathBuf;
 
@@ -13,6 +17,8 @@ use crate::qwen_image::pipeline::{
     Backend, LoadOptions, Pipeline, PipelineError, Progress as PipelineProgress, Request,
     SIDE_MULTIPLE,
 };
+
+use crate::qwen_image::variant::Ignored;
 
 use super::{EngineError, ImageJob, Progress, RgbaImage, WorkerEngine};
 
@@ -71,7 +77,8 @@ impl WorkerEngine for QwenImageEngine {
             .map_err(|e| classify(&e, false))?;
         let report = pipeline.load_report();
         log!(
-            "tf worker: loaded in {:.2} s; text encoder and VAE on the device: {}",
+            "tf worker: loaded {} in {:.2} s; text encoder and VAE on the device: {}",
+            report.variant,
             report.seconds,
             report.te_vae_on_device
         );
@@ -133,6 +140,9 @@ impl WorkerEngine for QwenImageEngine {
                 return Err(classify(&e, lost));
             }
         };
+        for ignored in &generation.ignored {
+            log!("tf worker: {}", ignored.message(job_field(*ignored)));
+        }
         let t = &generation.timings;
         log!(
             "tf worker: encode {:.3} s, {} steps {:.3} s, decode {:.3} s, total {:.3} s",
@@ -172,6 +182,14 @@ impl WorkerEngine for QwenImageEngine {
                 usage.device, usage.device_allocs
             );
         }
+    }
+}
+
+/// The job field (LocalRouter's name) of a request field the variant ignores.
+fn job_field(ignored: Ignored) -> &'static str {
+    match ignored {
+        Ignored::NegativePrompt => "`negative_prompt`",
+        Ignored::GuidanceScale => "`guidance`",
     }
 }
 

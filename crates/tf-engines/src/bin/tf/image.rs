@@ -13,6 +13,7 @@ use tf_engines::nn::weights::{write_safetensors, AnyTensor};
 use tf_engines::qwen_image::pipeline::{
     Backend, LoadOptions, Pipeline, PipelineError, Progress, Request,
 };
+use tf_engines::qwen_image::variant::{Ignored, Variant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendArg {
@@ -33,16 +34,16 @@ pub struct Args {
     /// The prompt.
     #[arg(long)]
     prompt: String,
-    /// Negative prompt for true classifier-free guidance (needs --cfg above 1).
+    /// Negative prompt for true classifier-free guidance (needs --cfg above 1; a Turbo checkpoint ignores it).
     #[arg(long)]
     negative: Option<String>,
-    /// True CFG scale; guidance runs when it is above 1 and --negative is given.
+    /// True CFG scale; guidance runs when it is above 1 and --negative is given (a Turbo checkpoint ignores it).
     #[arg(long, default_value_t = 1.0)]
     cfg: f32,
     /// Image size WIDTHxHEIGHT in pixels (each side floored to a multiple of 32).
     #[arg(long, default_value = "1024x1024", value_parser = parse_size)]
     size: (usize, usize),
-    /// Sampling steps (default: the checkpoint's sample_sigmas, else 40).
+    /// Sampling steps (default: the checkpoint's sample_sigmas, else 40, Turbo 8).
     #[arg(long)]
     steps: Option<usize>,
     /// Seed of the portable noise generator.
@@ -54,6 +55,10 @@ pub struct Args {
     noise: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendArg,
+    /// Checkpoint variant: auto (the folder says: a non-empty `sample_sigmas` in model_index.json is Turbo),
+    /// base, or turbo (the folder's sample_sigmas, else 8 steps; no guidance).
+    #[arg(long, value_enum, default_value = "auto")]
+    variant: VariantArg,
     /// Output PNG.
     #[arg(short = 'o', long = "out", default_value = "image.png")]
     out: PathBuf,
@@ -78,6 +83,51 @@ pub struct Args {
     /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::qwen_image::dit_gpu::DitPrecision,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum VariantArg {
+    /// As the folder's model_index.json says (diffusers' rule).
+    Auto,
+    /// The base checkpoint (QwenImage21Pipeline).
+    Base,
+    /// The few-step Turbo checkpoint (QwenImage21TurboModularPipeline).
+    Turbo,
+}
+
+impl VariantArg {
+    fn choice(self) -> Option<Variant> {
+        match self {
+            VariantArg::Auto => None,
+            VariantArg::Base => Some(Variant::Base),
+            VariantArg::Turbo => Some(Variant::Turbo),
+        }
+    }
+}
+
+/// This command's name for a request field the variant ignores.
+fn flag_of(ignored: Ignored) -> &'static str {
+    match ignored {
+        Ignored::NegativePrompt => "--negative",
+        Ignored::GuidanceScale => "--cfg",
+    }
+}
+
+/// How the loaded variant samples, for the log.
+fn variant_line(variant: Variant, sample_sigmas: Option<&[f64]>, steps: usize) -> String {
+    let grid = match sample_sigmas {
+        Some(sigmas) => format!(
+            "{} sigmas from model_index.json's sample_sigmas",
+            sigmas.len()
+        ),
+        None => "evenly spaced sigmas".to_string(),
+    };
+    let guidance = if variant.guidance() {
+        "true CFG on request"
+    } else {
+        "no guidance"
+    };
+    format!("{variant}: {steps} steps on {grid}, {guidance}")
 }
 
 fn parse_size(text: &str) -> Result<(usize, usize), String> {
@@ -136,6 +186,10 @@ fn image(args: &Args) -> Result<(), ImageError> {
         dit_precision: args.precision,
         ..LoadOptions::new(backend)
     };
+    let options = LoadOptions {
+        variant: args.variant.choice(),
+        ..options
+    };
     let mut request = Request::new(args.prompt.clone());
     request.negative_prompt = args.negative.clone();
     request.true_cfg_scale = args.cfg;
@@ -145,6 +199,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
     request.seed = args.seed;
     // Size, steps, guidance and the noise file are checked against the folder's configs before the (slow) load.
     let preflight = Pipeline::preflight(&args.model, &options, &request)?;
+    for ignored in &preflight.ignored {
+        eprintln!("tf image: {}", ignored.message(flag_of(*ignored)));
+    }
     if let Some(path) = &args.noise {
         let file = tf_engines::nn::weights::SafetensorsFile::open(path)
             .map_err(tf_engines::nn::sampling::noise::NoiseError::from)?;
@@ -167,8 +224,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
         )?);
     }
     eprintln!(
-        "tf image: loading {} on the {}",
+        "tf image: loading {} ({}) on the {}",
         args.model.display(),
+        preflight.variant,
         backend.name()
     );
     if args.reset_plan_cache {
@@ -192,6 +250,10 @@ fn image(args: &Args) -> Result<(), ImageError> {
     eprintln!(
         "tf image: DiT precision {} (text encoder and VAE in bf16)",
         load.dit_precision
+    );
+    eprintln!(
+        "tf image: {}",
+        variant_line(load.variant, pipeline.sample_sigmas(), preflight.steps)
     );
     eprintln!("tf image: {}", pipeline.memory_plan());
     let warm_up = if pipeline.context().is_some() && !args.no_warm_up {
@@ -312,6 +374,8 @@ fn image(args: &Args) -> Result<(), ImageError> {
             "seed": result.seed,
             "steps": result.plan_steps,
             "backend": backend.name(),
+            "variant": load.variant.name(),
+            "ignored": result.ignored.iter().map(|i| i.field()).collect::<Vec<_>>(),
             "peak_device_bytes": peak_device_bytes,
             "load": {
                 "seconds": load.seconds,
@@ -346,6 +410,24 @@ fn image(args: &Args) -> Result<(), ImageError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_variant_line_says_how_it_samples() {
+        let turbo = variant_line(Variant::Turbo, Some(&[1.0; 8]), 8);
+        assert!(
+            turbo.contains("Turbo: 8 steps on 8 sigmas from model_index.json's sample_sigmas"),
+            "{turbo}"
+        );
+        assert!(turbo.ends_with("no guidance"), "{turbo}");
+        let base = variant_line(Variant::Base, None, 40);
+        assert!(
+            base.contains("40 steps on evenly spaced sigmas, true CFG"),
+            "{base}"
+        );
+        assert_eq!(VariantArg::Auto.choice(), None);
+        assert_eq!(VariantArg::Turbo.choice(), Some(Variant::Turbo));
+        assert_eq!(flag_of(Ignored::GuidanceScale), "--cfg");
+    }
 
     #[test]
     fn sizes_parse() {
