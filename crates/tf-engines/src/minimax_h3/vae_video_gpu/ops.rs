@@ -332,18 +332,13 @@ pub fn plan_assemble(
         bytes_of(OP, "out", &[t.tiles_held, t.tokens, t.patch, F32])?,
         4,
     )?;
-    let values = bytes_of(
+    // The kernel indexes the video and the tiles in 64 bits.
+    let video_bytes = bytes_of(
         OP,
         "video",
-        &[video.frames, video.height, video.width, t.channels],
+        &[video.frames, video.height, video.width, t.channels, F32],
     )?;
-    check_span(OP, "video", video.data, values * F32, 4)?;
-    to_i32(OP, "video values", values)?;
-    to_i32(
-        OP,
-        "out values",
-        bytes_of(OP, "out", &[t.tiles_held, t.tokens, t.patch])?,
-    )?;
+    check_span(OP, "video", video.data, video_bytes, 4)?;
     let f = frames;
     if f.chunk_frames > f.clip_frames || f.pre > f.chunk_frames || f.blend > f.tail.max(f.head) {
         return Err(invalid(OP, format!("inconsistent clip frames {f:?}")));
@@ -393,7 +388,13 @@ pub fn plan_frames(
 ) -> Result<Launch<'static>, tf_cuda::Error> {
     const OP: &str = "h3 video frames";
     let values = bytes_of(OP, "values", &[pixels, 3])?;
-    check_span(OP, "video", video, values * F32, 4)?;
+    check_span(
+        OP,
+        "video",
+        video,
+        bytes_of(OP, "video", &[values, F32])?,
+        4,
+    )?;
     check_span(OP, "rgb", rgb, values, 1)?;
     let mut args = Args::new();
     args.push_addr(video.addr)
