@@ -247,9 +247,18 @@ fn image(args: &Args) -> Result<(), ImageError> {
         if load.te_on_device { "device" } else { "host" },
         if load.vae_on_device { "device" } else { "host" },
     );
+    let precision_of = |on_device: bool| {
+        if on_device {
+            "bf16"
+        } else {
+            "f32 (host reference)"
+        }
+    };
     eprintln!(
-        "tf image: DiT precision {} (text encoder and VAE in bf16)",
-        load.dit_precision
+        "tf image: precision: DiT {}, text encoder {}, VAE {}",
+        load.dit_precision,
+        precision_of(load.te_on_device),
+        precision_of(load.vae_on_device)
     );
     eprintln!(
         "tf image: {}",
