@@ -20,6 +20,10 @@ OUTDIR="$(cd "$OUTDIR" && pwd)"
 export OUTDIR
 LOG="$OUTDIR/bundle.log"
 SUMMARY="$OUTDIR/summary.json"
+# The executables travel packed (bin.tar.xz keeps the bundle under its size limit); unpack them once.
+if [ ! -d "$BUNDLE/bin" ] && [ -f "$BUNDLE/bin.tar.xz" ]; then
+  tar -C "$BUNDLE" -xJf "$BUNDLE/bin.tar.xz" || { echo "run.sh: cannot unpack $BUNDLE/bin.tar.xz (needs tar and xz)" >&2; exit 2; }
+fi
 export PATH="$BUNDLE/bin:$PATH"
 export TF_BUNDLE_DIR="$BUNDLE"
 export RUST_BACKTRACE=1
