@@ -611,8 +611,8 @@ fn linear_f32_matches_the_host_ops() {
         stream.synchronize().unwrap();
         // Host: gather, linear, bias, SiLU.
         let mut xs = Vec::with_capacity(c.m * c.k);
-        for r in 0..c.m {
-            let src = if c.gather { gather[r] as usize } else { r };
+        for (r, &g) in gather.iter().enumerate() {
+            let src = if c.gather { g as usize } else { r };
             xs.extend_from_slice(&x[src * x_stride..src * x_stride + c.k]);
         }
         let mut expected = vec![0f32; c.m * c.n];
@@ -627,8 +627,8 @@ fn linear_f32_matches_the_host_ops() {
             yd.to_vec::<f32>().unwrap()
         };
         let mut got = Vec::with_capacity(c.m * c.n);
-        for r in 0..c.m {
-            let dst = if c.scatter { scatter[r] as usize } else { r };
+        for (r, &to) in scatter.iter().enumerate() {
+            let dst = if c.scatter { to as usize } else { r };
             got.extend_from_slice(&all[dst * c.n..(dst + 1) * c.n]);
         }
         if c.scatter {

@@ -232,7 +232,7 @@ impl Engine {
         ))
     }
 
-    fn buffer<'w>(ws: &'w Workspace, buf: Buf) -> &'w DeviceBuffer {
+    fn buffer(ws: &Workspace, buf: Buf) -> &DeviceBuffer {
         match buf {
             Buf::Temb => &ws.temb,
             Buf::Adaln => &ws.adaln,
