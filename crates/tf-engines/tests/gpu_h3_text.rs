@@ -7,7 +7,10 @@
 //! - `full_width_layers_match_the_host`: Qwen3-VL-32B's width (hidden 5120, 64 query and 8 key/value heads of 128,
 //!   MLP 25600) with 4 random layers written by the test as bf16 (so both sides read identical weights), 1, 37 and
 //!   150 rows, hidden states 1, 2 and 4 of the GPU backend against the host backend through `H3TextBackend`; device
-//!   time of a 128-row forward to layer 4 printed.
+//!   time of a 128-row forward to layer 4 printed; there, an encoder capped at 2 layers against the uncapped one.
+//! - `capped_loads_match_the_full_load_bit_for_bit`: the fixture's encoder loaded as H3's component loads it
+//!   (capped at the layer read, 4 and 5 of 6) against the uncapped load: every reachable hidden state identical
+//!   bit for bit, smaller weight and resident bytes, a layer past the cap refused naming both numbers.
 //!
 //! Bounds: the GPU keeps activations in bf16 (unit roundoff 2^-9, rounded about ten times per layer), so a few
 //! layers land around 1e-2 relative L2 from the f32 reference; a wrong head mapping, RoPE pairing or causal mask
@@ -20,11 +23,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tf_cuda::{Context, Driver};
-use tf_engines::minimax_h3::text::{H3TextBackend, H3TextEncoder, H3TextOptions};
+use tf_engines::minimax_h3::text::{load_gpu_backend, H3TextBackend, H3TextEncoder, H3TextOptions};
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use tf_engines::nn::tensor::relative_l2;
+use tf_engines::nn::upload::StagingConfig;
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
-use tf_engines::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig};
+use tf_engines::qwen3_vl::text_encoder::{HostTextEncoder, LoadOptions, TextEncoderConfig};
 use tf_engines::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use tf_tokenizer::templates::PromptMarkup;
 
@@ -317,6 +321,92 @@ fn full_width_layers_match_the_host() {
         "128 rows to hidden_states[4] at full width: {ms:.3} ms device ({:.3} ms per layer)",
         ms / 4.0
     );
+    // Capped at 2 layers: hidden states 0..=2 are the uncapped encoder's bit for bit, with 2 layers fewer held.
+    let mut capped = GpuTextEncoder::load_with_options(
+        &ctx,
+        &model,
+        StagingConfig::default(),
+        LoadOptions::up_to_layer(2),
+    )
+    .expect("capped GPU load");
+    assert_eq!(capped.loaded_layers(), 2);
+    let layer_bytes = (gpu.weight_bytes() - capped.weight_bytes()) / 2;
+    println!(
+        "capped at 2 of 4 layers: {:.2} GB of weights instead of {:.2} GB ({:.3} GB a layer)",
+        capped.weight_bytes() as f64 / 1e9,
+        gpu.weight_bytes() as f64 / 1e9,
+        layer_bytes as f64 / 1e9
+    );
+    assert!(
+        layer_bytes > 400_000_000,
+        "{layer_bytes} B a full-width layer"
+    );
+    for layer in 0..=2 {
+        assert_eq!(
+            capped.features_at(&ids, layer).expect("capped"),
+            gpu.features_at(&ids, layer).expect("uncapped"),
+            "full width, hidden_states[{layer}]"
+        );
+    }
+    assert!(capped.resident_bytes() < gpu.resident_bytes());
+    assert!(capped.features_at(&ids, 3).is_err());
+    drop(capped);
     drop(gpu);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn capped_loads_match_the_full_load_bit_for_bit() {
+    let ctx = context();
+    let baseline = tf_cuda::usage().device;
+    let model = ModelDir::open(&fixtures().join("model/text_encoder")).unwrap();
+    let mut full = GpuTextEncoder::load_on(&ctx, &model).expect("GPU load");
+    let layers = full.config().num_hidden_layers;
+    assert_eq!(full.loaded_layers(), layers);
+    let mut rng = Rng::new(11);
+    let vocab = full.config().vocab_size;
+    let ids: Vec<u32> = (0..77).map(|_| rng.below(vocab) as u32).collect();
+    let reference: Vec<_> = (0..=layers)
+        .map(|layer| full.features_at(&ids, layer).expect("uncapped features"))
+        .collect();
+    for layer in [4usize, 5] {
+        let mut capped = load_gpu_backend(&ctx, &model, layer).expect("capped GPU load");
+        assert_eq!(capped.loaded_layers(), layer);
+        assert_eq!(capped.config(), full.config());
+        for (k, want) in reference.iter().enumerate().take(layer + 1) {
+            let got = capped.features_at(&ids, k).expect("capped features");
+            assert!(got.data().iter().all(|v| v.is_finite()));
+            assert_eq!(&got, want, "capped at {layer}: hidden_states[{k}]");
+        }
+        println!(
+            "capped at {layer} of {layers}: weights {} B (uncapped {} B), resident {} B (uncapped {} B)",
+            capped.weight_bytes(),
+            full.weight_bytes(),
+            capped.resident_bytes(),
+            full.resident_bytes()
+        );
+        assert!(capped.weight_bytes() < full.weight_bytes());
+        assert!(capped.resident_bytes() < full.resident_bytes());
+        let err = capped.features_at(&ids, layer + 1).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("hidden_states[{}]", layer + 1))
+                && err.contains(&format!("0..{layer}"))
+                && err.contains(&format!("{layers}")),
+            "{err}"
+        );
+        // The component loads with the same cap.
+        let options = H3TextOptions {
+            layer,
+            ..H3TextOptions::default()
+        };
+        let text = H3TextEncoder::load_gpu(&ctx, &fixtures().join("model"), options).expect("load");
+        assert_eq!(text.weight_bytes(), capped.weight_bytes());
+    }
+    drop(full);
+    assert_eq!(
+        tf_cuda::usage().device,
+        baseline,
+        "every encoder must free its device buffers"
+    );
 }

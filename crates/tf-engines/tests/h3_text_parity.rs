@@ -4,17 +4,20 @@
 //! (allowed and forbidden), `\(` / `\)` / `embedding:`, unicode, an empty prompt and a long one, at layer 4 and at
 //! layer 5 (the last a 6-layer encoder has before its final norm); and the refusals: a layer the encoder cannot
 //! give (naming the config key and its value), prompts over the bounds, vision placeholders, a tokenizer without
-//! H3's tokens, a folder without its components. Features within relative L2 1e-5 of transformers' fp32.
+//! H3's tokens, a folder without its components; and that the component holds decoder layers `0..layer` only
+//! (bit-identical features, fewer tensors read, a folder without the later layers still serves). Features within
+//! relative L2 1e-5 of transformers' fp32.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 
 use tf_engines::minimax_h3::text::{
-    H3TextEncoder, H3TextError, H3TextOptions, DEFAULT_LAYER, LAYERS_KEY,
+    load_host_backend, H3TextEncoder, H3TextError, H3TextOptions, DEFAULT_LAYER, LAYERS_KEY,
 };
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
-use tf_engines::nn::weights::SafetensorsFile;
+use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
+use tf_engines::qwen3_vl::text_encoder::HostTextEncoder;
 use tf_tokenizer::templates::PromptMarkup;
 
 const TOLERANCE: f64 = 1e-5;
@@ -346,4 +349,72 @@ fn broken_folders_name_what_is_wrong() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("text_encoder/config.json"), "{err}");
+}
+
+#[test]
+fn the_component_holds_only_the_layers_it_reads() {
+    let te = fixtures().join("model/text_encoder");
+    let model = ModelDir::open(&te).unwrap();
+    let full = HostTextEncoder::load(&model).unwrap();
+    let layers = full.config().num_hidden_layers;
+    let (_, prompt, _) = cases().into_iter().next().unwrap();
+    for layer in [4usize, 5] {
+        // hidden_states[layer] is decoder layer `layer`'s output: the component keeps layers 0..layer.
+        let mut text = load(layer, PromptMarkup::Allowed);
+        let encoded = text.encode(&prompt).unwrap();
+        assert_eq!(
+            encoded.features,
+            full.features_at(&encoded.ids, layer).unwrap(),
+            "hidden_states[{layer}]: capped and uncapped loads agree bit for bit"
+        );
+        let capped = load_host_backend(&model, layer).unwrap();
+        assert_eq!(capped.loaded_layers(), layer);
+        assert_eq!(capped.tensors_read(), 1 + 11 * layer);
+        assert!(full.tensors_read() > capped.tensors_read());
+        assert_eq!(text.weight_bytes(), capped.weight_bytes());
+        assert!(text.weight_bytes() < full.weight_bytes());
+        println!(
+            "layer {layer}: {} of {} B of f32 weights held ({} of {} tensors read)",
+            text.weight_bytes(),
+            full.weight_bytes(),
+            capped.tensors_read(),
+            full.tensors_read()
+        );
+        // The backend refuses a layer past its cap, naming both.
+        let err = text
+            .backend_mut()
+            .features_at(&encoded.ids, layer + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("hidden_states[{}]", layer + 1))
+                && err.contains(&format!("0..{layer}"))
+                && err.contains(&format!("{layers}")),
+            "{err}"
+        );
+    }
+    // A folder without the layers past 4 and the final norm serves layer 4, and refuses layer 5 by naming the
+    // missing tensor.
+    let s = Scratch::new("capped");
+    let te_copy = s.0.join("text_encoder");
+    let tensors: Vec<(String, TensorF32)> = model
+        .names()
+        .filter(|n| {
+            !n.contains("layers.4.") && !n.contains("layers.5.") && !n.ends_with(".norm.weight")
+        })
+        .map(|n| (n.to_string(), model.to_f32(n).unwrap()))
+        .collect();
+    let refs: Vec<(&str, AnyTensor<'_>)> = tensors
+        .iter()
+        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
+        .collect();
+    std::fs::remove_file(te_copy.join("model.safetensors")).unwrap();
+    write_safetensors(&te_copy.join("model.safetensors"), &refs).unwrap();
+    let mut text = H3TextEncoder::load_host(&s.0, options(4, PromptMarkup::Allowed)).unwrap();
+    let encoded = text.encode(&prompt).unwrap();
+    assert_eq!(encoded.features, full.features_at(&encoded.ids, 4).unwrap());
+    let err = H3TextEncoder::load_host(&s.0, options(5, PromptMarkup::Allowed))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layers.4."), "{err}");
 }

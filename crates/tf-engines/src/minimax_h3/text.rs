@@ -23,8 +23,10 @@
 //!   change it ([`H3TextError::is_invalid_request`] tells them from load failures).
 //!
 //! Backends implement [`H3TextBackend`]: the f32 host reference ([`HostTextEncoder`]) and the GPU encoder
-//! ([`GpuTextEncoder`], bf16 storage). The GPU encoder holds every decoder layer of the checkpoint, the ones past
-//! `layer` included (they never run).
+//! ([`GpuTextEncoder`], bf16 storage). Both load with their layer cap at `layer` ([`LoadOptions::layers`]):
+//! `hidden_states[layer]` is the output of decoder layer `layer` (1-based; index `layer - 1`), so layers
+//! `0..layer` are read and held and the checkpoint's later layers and final norm are never read (at layer 50 of
+//! Qwen3-VL-32B's 64, about 14 GB of bf16 weights the GPU does not hold).
 //!
 //! ```no_run
 //! use std::path::Path;
@@ -44,8 +46,11 @@ use tf_tokenizer::{Tokenizer, TokenizerError};
 use thiserror::Error;
 
 use crate::nn::tensor::TensorF32;
+use crate::nn::upload::StagingConfig;
 use crate::nn::weights::{ModelDir, WeightsError};
-use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
+use crate::qwen3_vl::text_encoder::{
+    HostTextEncoder, LoadOptions, TextEncoderConfig, TextEncoderError,
+};
 use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 
 /// The hidden state H3 conditions on: the output of decoder layer 50.
@@ -192,6 +197,9 @@ pub trait H3TextBackend {
 
     /// A short name for reports ("host", "gpu").
     fn name(&self) -> &'static str;
+
+    /// Bytes of the weights held (f32 on the host, bf16 on the GPU).
+    fn weight_bytes(&self) -> usize;
 }
 
 impl H3TextBackend for HostTextEncoder {
@@ -206,6 +214,10 @@ impl H3TextBackend for HostTextEncoder {
     fn name(&self) -> &'static str {
         "host"
     }
+
+    fn weight_bytes(&self) -> usize {
+        HostTextEncoder::weight_bytes(self)
+    }
 }
 
 impl H3TextBackend for GpuTextEncoder {
@@ -219,6 +231,10 @@ impl H3TextBackend for GpuTextEncoder {
 
     fn name(&self) -> &'static str {
         "gpu"
+    }
+
+    fn weight_bytes(&self) -> usize {
+        GpuTextEncoder::weight_bytes(self)
     }
 }
 
@@ -427,12 +443,35 @@ fn check_vocabulary(
     Ok(())
 }
 
+/// The encoder load options for reading `hidden_states[layer]`: decoder layers `0..layer` only.
+pub fn load_options(layer: usize) -> LoadOptions {
+    LoadOptions::up_to_layer(layer)
+}
+
+/// The host encoder of `model` holding only what `hidden_states[layer]` needs (see [`load_options`]).
+pub fn load_host_backend(
+    model: &ModelDir,
+    layer: usize,
+) -> Result<HostTextEncoder, TextEncoderError> {
+    HostTextEncoder::load_with(model, load_options(layer))
+}
+
+/// The GPU encoder of `model` in `ctx` holding only what `hidden_states[layer]` needs (see [`load_options`]).
+pub fn load_gpu_backend(
+    ctx: &Context,
+    model: &ModelDir,
+    layer: usize,
+) -> Result<GpuTextEncoder, TextEncoderError> {
+    GpuTextEncoder::load_with_options(ctx, model, StagingConfig::default(), load_options(layer))
+}
+
 impl H3TextEncoder {
-    /// Loads the text components of the H3 folder `dir` on the host (f32 reference). The options, the tokenizer and
-    /// the encoder's config are checked before any weight is read.
+    /// Loads the text components of the H3 folder `dir` on the host (f32 reference), decoder layers
+    /// `0..options.layer` only. The options, the tokenizer and the encoder's config are checked before any weight
+    /// is read.
     pub fn load_host(dir: &Path, options: H3TextOptions) -> Result<H3TextEncoder, H3TextError> {
         let (tokenizer, model) = open_checked(dir, &options)?;
-        let backend = HostTextEncoder::load(&model)?;
+        let backend = load_host_backend(&model, options.layer)?;
         Ok(H3TextEncoder {
             tokenizer,
             backend: Box::new(backend),
@@ -440,16 +479,16 @@ impl H3TextEncoder {
         })
     }
 
-    /// Loads the text components of the H3 folder `dir` onto the GPU of `ctx` (bf16 weights, every decoder layer
-    /// of the checkpoint). The options, the tokenizer and the encoder's config are checked before any weight is
-    /// read.
+    /// Loads the text components of the H3 folder `dir` onto the GPU of `ctx` (bf16 weights, decoder layers
+    /// `0..options.layer` only). The options, the tokenizer and the encoder's config are checked before any
+    /// weight is read.
     pub fn load_gpu(
         ctx: &Context,
         dir: &Path,
         options: H3TextOptions,
     ) -> Result<H3TextEncoder, H3TextError> {
         let (tokenizer, model) = open_checked(dir, &options)?;
-        let backend = GpuTextEncoder::load_on(ctx, &model)?;
+        let backend = load_gpu_backend(ctx, &model, options.layer)?;
         Ok(H3TextEncoder {
             tokenizer,
             backend: Box::new(backend),
@@ -488,6 +527,11 @@ impl H3TextEncoder {
     /// The backend's name ("host", "gpu").
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
+    }
+
+    /// Bytes of the encoder weights the backend holds (a load keeps decoder layers `0..options().layer` only).
+    pub fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
     }
 
     /// The tokenizer.

@@ -18,7 +18,9 @@
 //! to rounding).
 //!
 //! Weights are read as f32 from a transformers folder (`config.json` with a `text_config`, or a text-only Qwen3
-//! config). The vision tower is not loaded.
+//! config). The vision tower is not loaded. [`LoadOptions::layers`] caps the decoder layers kept: an engine that
+//! reads `hidden_states[n]` loads with a cap of `n`, and the tensors of layers `n..` and the final norm are never
+//! read (MiniMax H3 reads layer 50 of 64).
 //!
 //! ```no_run
 //! use std::path::Path;
@@ -58,6 +60,17 @@ pub enum TextEncoderError {
     /// A backend condition with no underlying error (an unsupported shape, a missing workspace).
     #[error("text encoder backend: {0}")]
     Backend(String),
+    /// A hidden state past the decoder layers this encoder was loaded with ([`LoadOptions::layers`]).
+    #[error(
+        "hidden_states[{layer}] is past this encoder's cap: it was loaded with decoder layers 0..{cap} of the \
+         model's {layers} (LoadOptions::layers = {cap}), so hidden states 0..={cap} are reachable; load it with a \
+         cap of at least {layer}"
+    )]
+    BeyondCap {
+        layer: usize,
+        cap: usize,
+        layers: usize,
+    },
 }
 
 fn config_err(why: impl Into<String>) -> TextEncoderError {
@@ -289,6 +302,57 @@ impl TextEncoderConfig {
     }
 }
 
+/// What a load keeps of the checkpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Keep only decoder layers `0..n`, so `hidden_states[0..=n]` stay reachable: the tensors of later layers and
+    /// the final norm are neither read nor held. `None` (the default) keeps every layer, and the host encoder the
+    /// final norm too. `n` may not exceed `num_hidden_layers`.
+    pub layers: Option<usize>,
+}
+
+impl LoadOptions {
+    /// Keeps decoder layers `0..n`: enough for `hidden_states[n]`.
+    pub fn up_to_layer(n: usize) -> LoadOptions {
+        LoadOptions { layers: Some(n) }
+    }
+
+    /// The decoder layers a load of `config` keeps; a cap above the model's layer count is refused, naming both.
+    pub fn kept_layers(&self, config: &TextEncoderConfig) -> Result<usize, TextEncoderError> {
+        let total = config.num_hidden_layers;
+        match self.layers {
+            None => Ok(total),
+            Some(cap) if cap <= total => Ok(cap),
+            Some(cap) => Err(config_err(format!(
+                "LoadOptions::layers = {cap} exceeds the model's {total} decoder layers (`num_hidden_layers`); \
+                 cap at {total} or below"
+            ))),
+        }
+    }
+}
+
+/// Checks that `hidden_states[layer]` is reachable with `kept` of the model's `total` decoder layers loaded.
+pub(crate) fn check_reachable(
+    layer: usize,
+    kept: usize,
+    total: usize,
+) -> Result<(), TextEncoderError> {
+    if layer > total {
+        return Err(TextEncoderError::Input(format!(
+            "layer {layer} does not exist: hidden states run from 0 (the embeddings) to {total} (the last decoder \
+             layer)"
+        )));
+    }
+    if layer > kept {
+        return Err(TextEncoderError::BeyondCap {
+            layer,
+            cap: kept,
+            layers: total,
+        });
+    }
+    Ok(())
+}
+
 struct Layer {
     input_norm: Vec<f32>,
     q_proj: Vec<f32>,
@@ -311,22 +375,35 @@ const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "
 pub struct HostTextEncoder {
     config: TextEncoderConfig,
     embed_tokens: Vec<f32>,
+    /// Decoder layers `0..layers.len()` (all of them unless the load was capped).
     layers: Vec<Layer>,
-    final_norm: Vec<f32>,
+    /// `None` when the load was capped.
+    final_norm: Option<Vec<f32>>,
+    /// Checkpoint tensors read at load.
+    tensors_read: usize,
 }
 
 impl std::fmt::Debug for HostTextEncoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostTextEncoder")
             .field("config", &self.config)
+            .field("loaded_layers", &self.layers.len())
             .finish_non_exhaustive()
     }
 }
 
 impl HostTextEncoder {
-    /// Loads the language model of a transformers folder (its config and weights), checking every shape.
+    /// Loads the language model of a transformers folder (its config and weights, every layer and the final
+    /// norm), checking every shape.
     pub fn load(model: &ModelDir) -> Result<Self, TextEncoderError> {
+        HostTextEncoder::load_with(model, LoadOptions::default())
+    }
+
+    /// [`Self::load`] keeping what `options` says: with a cap of `n`, only the embeddings and decoder layers
+    /// `0..n` are read (no final norm), and [`Self::features_at`] refuses a layer past `n`.
+    pub fn load_with(model: &ModelDir, options: LoadOptions) -> Result<Self, TextEncoderError> {
         let config = TextEncoderConfig::from_json(model.config_json())?;
+        let kept = options.kept_layers(&config)?;
         let prefix = PREFIXES
             .iter()
             .find(|p| model.info(&format!("{p}embed_tokens.weight")).is_ok())
@@ -341,8 +418,10 @@ impl HostTextEncoder {
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
+        let tensors_read = std::cell::Cell::new(0usize);
         let load = |name: &str, shape: &[usize]| -> Result<Vec<f32>, TextEncoderError> {
             let full = format!("{prefix}{name}");
+            tensors_read.set(tensors_read.get() + 1);
             let t = model.to_f32(&full)?;
             if t.shape() != shape {
                 return Err(TextEncoderError::Weights(WeightsError::ShapeMismatch {
@@ -354,8 +433,8 @@ impl HostTextEncoder {
             }
             Ok(t.into_data())
         };
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for i in 0..c.num_hidden_layers {
+        let mut layers = Vec::with_capacity(kept);
+        for i in 0..kept {
             let l = |n: &str| format!("layers.{i}.{n}");
             layers.push(Layer {
                 input_norm: load(&l("input_layernorm.weight"), &[h])?,
@@ -371,12 +450,55 @@ impl HostTextEncoder {
                 down_proj: load(&l("mlp.down_proj.weight"), &[h, c.intermediate_size])?,
             });
         }
+        let embed_tokens = load("embed_tokens.weight", &[c.vocab_size, h])?;
+        let final_norm = match options.layers {
+            None => Some(load("norm.weight", &[h])?),
+            Some(_) => None,
+        };
         Ok(HostTextEncoder {
-            embed_tokens: load("embed_tokens.weight", &[c.vocab_size, h])?,
-            final_norm: load("norm.weight", &[h])?,
+            embed_tokens,
+            final_norm,
             layers,
+            tensors_read: tensors_read.get(),
             config,
         })
+    }
+
+    /// Decoder layers held: `num_hidden_layers`, or the cap of a capped load. `hidden_states[0..=loaded_layers()]`
+    /// are reachable.
+    pub fn loaded_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Checkpoint tensors the load read.
+    pub fn tensors_read(&self) -> usize {
+        self.tensors_read
+    }
+
+    /// Bytes of the f32 weights held.
+    pub fn weight_bytes(&self) -> usize {
+        let layer_values = |l: &Layer| {
+            [
+                &l.input_norm,
+                &l.q_proj,
+                &l.k_proj,
+                &l.v_proj,
+                &l.o_proj,
+                &l.q_norm,
+                &l.k_norm,
+                &l.post_norm,
+                &l.gate_proj,
+                &l.up_proj,
+                &l.down_proj,
+            ]
+            .iter()
+            .map(|v| v.len())
+            .sum::<usize>()
+        };
+        let values = self.embed_tokens.len()
+            + self.final_norm.as_ref().map_or(0, Vec::len)
+            + self.layers.iter().map(layer_values).sum::<usize>();
+        values * std::mem::size_of::<f32>()
     }
 
     /// The parsed config.
@@ -385,7 +507,8 @@ impl HostTextEncoder {
     }
 
     /// Hidden states `[ids.len(), hidden]` after the last decoder layer, before the final norm. Token `i` sits at
-    /// rotary position `position_offset + i`. The same as [`Self::features_at_offset`] at the last layer.
+    /// rotary position `position_offset + i`. The same as [`Self::features_at_offset`] at the last layer (so a
+    /// capped encoder refuses it).
     pub fn forward<I: Copy + Into<i64>>(
         &self,
         ids: &[I],
@@ -396,7 +519,8 @@ impl HostTextEncoder {
 
     /// `hidden_states[layer]` `[ids.len(), hidden]` from position 0: 0 = the embedding rows, `k` = the output of
     /// decoder layer `k` (so `num_hidden_layers` is the last layer's output), never the final norm. No layer past
-    /// `layer` is computed. Qwen-Image reads the last layer; MiniMax H3 reads layer 50.
+    /// `layer` is computed. Qwen-Image reads the last layer; MiniMax H3 reads layer 50. A layer past the cap of a
+    /// capped load is refused ([`TextEncoderError::BeyondCap`], naming both).
     pub fn features_at<I: Copy + Into<i64>>(
         &self,
         ids: &[I],
@@ -412,20 +536,14 @@ impl HostTextEncoder {
         position_offset: usize,
         layer: usize,
     ) -> Result<TensorF32, TextEncoderError> {
-        let layers = self.config.num_hidden_layers;
-        if layer > layers {
-            return Err(TextEncoderError::Input(format!(
-                "layer {layer} does not exist: hidden states run from 0 (the embeddings) to {layers} (the last \
-                 decoder layer)"
-            )));
-        }
+        check_reachable(layer, self.layers.len(), self.config.num_hidden_layers)?;
         let mut x = self.embed(ids)?;
         self.run_layers(&mut x, ids.len(), position_offset, layer, &mut |_, _| {})?;
         Ok(Tensor::new(vec![ids.len(), self.config.hidden_size], x)?)
     }
 
     /// Every hidden state, as transformers' `output_hidden_states` minus the final norm: entry `k` is
-    /// [`Self::features_at_offset`] at layer `k`, for `k` in `0..=num_hidden_layers`.
+    /// [`Self::features_at_offset`] at layer `k`, for `k` in `0..=num_hidden_layers` (`0..=cap` when capped).
     pub fn hidden_states<I: Copy + Into<i64>>(
         &self,
         ids: &[I],
@@ -439,7 +557,7 @@ impl HostTextEncoder {
             &mut x,
             rows,
             position_offset,
-            self.config.num_hidden_layers,
+            self.layers.len(),
             &mut |_, state| match Tensor::new(vec![rows, h], state.to_vec()) {
                 Ok(t) => states.push(t),
                 Err(e) => shape_error = Some(e),
@@ -590,15 +708,21 @@ impl HostTextEncoder {
     }
 
     /// Applies the model's final RMSNorm to `[rows, hidden]` states (what a plain `last_hidden_state` holds; the
-    /// pipeline does NOT use it).
+    /// pipeline does NOT use it). A capped load has no final norm: refused.
     pub fn final_norm(&self, hidden: &TensorF32) -> Result<TensorF32, TextEncoderError> {
+        let Some(norm) = self.final_norm.as_ref() else {
+            return Err(TextEncoderError::Input(format!(
+                "this encoder was loaded with LoadOptions::layers = {} and holds no final norm; load it uncapped",
+                self.layers.len()
+            )));
+        };
         let [rows, h] = hidden.dims::<2>("text encoder hidden states")?;
         let mut out = vec![0f32; rows * h];
         host::rms_norm(
             hidden.data(),
             rows,
             h,
-            &self.final_norm,
+            norm,
             self.config.rms_norm_eps,
             &mut out,
         )?;

@@ -8,7 +8,9 @@
 //!   one `[2 * intermediate, hidden]`. The final norm is not loaded: [`GpuTextEncoder::features_at`] returns
 //!   `hidden_states[layer]` as the host reference does, running no layer past `layer` (Qwen-Image reads the last
 //!   layer's output before the norm; MiniMax H3 reads layer 50). Prompt templates (the rows Qwen-Image drops) are
-//!   the engines' own.
+//!   the engines' own. A load capped at `n` layers ([`LoadOptions::layers`], [`GpuTextEncoder::load_with_options`])
+//!   reads, uploads and allocates decoder layers `0..n` only (H3 at 50 of Qwen3-VL-32B's 64 layers holds about
+//!   14 GB less) and refuses a hidden state past `n`.
 //! - A layer is: RMSNorm, fused qkv GEMM, in-place per-head QK RMSNorm + rotate-half RoPE on the q and k columns,
 //!   causal grouped-query attention reading q, k, v straight from the fused rows, o-proj GEMM accumulating into
 //!   the residual stream (`beta = 1`), RMSNorm, gate|up GEMM, SwiGLU, down GEMM accumulating into the residual.
@@ -34,7 +36,7 @@
 use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan};
 use tf_cuda::{Context, DeviceBuffer, Event, Stream};
 
-use super::text_encoder::{TextEncoderConfig, TextEncoderError};
+use super::text_encoder::{check_reachable, LoadOptions, TextEncoderConfig, TextEncoderError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, Linear};
 use crate::nn::gpu::{
@@ -123,19 +125,20 @@ struct Dims {
     ffn: usize,
     q_heads: usize,
     kv_heads: usize,
+    /// Decoder layers held: `num_hidden_layers`, or the load's cap.
     layers: usize,
     vocab: usize,
 }
 
 impl Dims {
-    fn of(config: &TextEncoderConfig) -> Result<Dims, TextEncoderError> {
+    fn of(config: &TextEncoderConfig, options: LoadOptions) -> Result<Dims, TextEncoderError> {
         check_supported(config)?;
         Ok(Dims {
             hidden: config.hidden_size,
             ffn: config.intermediate_size,
             q_heads: config.num_attention_heads,
             kv_heads: config.num_key_value_heads,
-            layers: config.num_hidden_layers,
+            layers: options.kept_layers(config)?,
             vocab: config.vocab_size,
         })
     }
@@ -390,8 +393,20 @@ impl GpuTextEncoder {
         model: &ModelDir,
         staging: StagingConfig,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
+        GpuTextEncoder::load_with_options(ctx, model, staging, LoadOptions::default())
+    }
+
+    /// [`Self::load_with`] keeping what `options` says: with a cap of `n`, the tensors of decoder layers `n..`
+    /// are neither checked, read nor uploaded, the device allocation holds layers `0..n` only, and
+    /// [`Self::features_at`] refuses a layer past `n`.
+    pub fn load_with_options(
+        ctx: &Context,
+        model: &ModelDir,
+        staging: StagingConfig,
+        options: LoadOptions,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
         let config = TextEncoderConfig::from_json(model.config_json())?;
-        let dims = Dims::of(&config)?;
+        let dims = Dims::of(&config, options)?;
         let prefix = PREFIXES
             .iter()
             .find(|p| model.info(&format!("{p}embed_tokens.weight")).is_ok())
@@ -446,7 +461,18 @@ impl GpuTextEncoder {
         config: TextEncoderConfig,
         seed: u32,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
-        let dims = Dims::of(&config)?;
+        GpuTextEncoder::random_with(ctx, config, seed, LoadOptions::default())
+    }
+
+    /// [`Self::random_on`] holding only the layers `options` keeps (the kept layers get the same weights as an
+    /// uncapped encoder of the same seed).
+    pub fn random_with(
+        ctx: &Context,
+        config: TextEncoderConfig,
+        seed: u32,
+        options: LoadOptions,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let dims = Dims::of(&config, options)?;
         let layout = WeightLayout::plan(&dims)?;
         let placements = layout.placements(&dims);
         let mut encoder = GpuTextEncoder::with_layout(ctx, config, dims, layout)?;
@@ -515,6 +541,20 @@ impl GpuTextEncoder {
     /// Bytes of the device weight allocation.
     pub fn weight_bytes(&self) -> usize {
         self.weights.len()
+    }
+
+    /// Bytes of the device weight allocation a load of `config` with `options` makes (nothing is allocated).
+    pub fn planned_weight_bytes(
+        config: &TextEncoderConfig,
+        options: LoadOptions,
+    ) -> Result<usize, TextEncoderError> {
+        Ok(WeightLayout::plan(&Dims::of(config, options)?)?.total)
+    }
+
+    /// Decoder layers held: `num_hidden_layers`, or the cap of a capped load. `hidden_states[0..=loaded_layers()]`
+    /// are reachable.
+    pub fn loaded_layers(&self) -> usize {
+        self.layout.layers.len()
     }
 
     /// Device bytes this encoder holds: weights, the current workspace and the cuBLASLt workspace.
@@ -873,19 +913,18 @@ impl GpuTextEncoder {
 
     /// `hidden_states[layer]` `[ids.len(), hidden]` from position 0, as the host reference's
     /// [`super::text_encoder::HostTextEncoder::features_at`]: 0 = the embedding rows, `k` = decoder layer `k`'s
-    /// output (`num_hidden_layers`: the last layer's), never the final norm. No layer past `layer` runs.
+    /// output (`num_hidden_layers`: the last layer's), never the final norm. No layer past `layer` runs. A layer
+    /// past the cap of a capped load is refused ([`TextEncoderError::BeyondCap`], naming both).
     pub fn features_at(
         &mut self,
         ids: &[u32],
         layer: usize,
     ) -> Result<TensorF32, TextEncoderError> {
-        let layers = self.layout.layers.len();
-        if layer > layers {
-            return Err(TextEncoderError::Input(format!(
-                "layer {layer} does not exist: hidden states run from 0 (the embeddings) to {layers} (the last \
-                 decoder layer)"
-            )));
-        }
+        check_reachable(
+            layer,
+            self.layout.layers.len(),
+            self.config.num_hidden_layers,
+        )?;
         if ids.is_empty() {
             return Ok(Tensor::new(vec![0, self.dims.hidden], Vec::new())?);
         }
@@ -968,7 +1007,7 @@ mod tests {
 
     #[test]
     fn full_size_layout_holds_the_8b_text_weights() {
-        let d = Dims::of(&full_size()).unwrap();
+        let d = Dims::of(&full_size(), LoadOptions::default()).unwrap();
         assert_eq!(
             (d.q_width(), d.kv_width(), d.qkv_width()),
             (4096, 1024, 6144)
@@ -995,7 +1034,7 @@ mod tests {
             rms_norm_eps: 1e-6,
             rope_theta: 1e6,
         };
-        let d = Dims::of(&config).unwrap();
+        let d = Dims::of(&config, LoadOptions::default()).unwrap();
         let layout = WeightLayout::plan(&d).unwrap();
         let mut placed: Vec<(usize, usize, String)> = layout
             .placements(&d)
@@ -1044,6 +1083,56 @@ mod tests {
                 assert!(offset.is_multiple_of(ALIGN), "{name} at {offset}");
             }
         }
+    }
+
+    /// Qwen3-VL-32B's text path (what MiniMax H3 reads layer 50 of).
+    fn qwen3_vl_32b() -> TextEncoderConfig {
+        TextEncoderConfig {
+            hidden_size: 5120,
+            intermediate_size: 25_600,
+            num_hidden_layers: 64,
+            num_attention_heads: 64,
+            ..full_size()
+        }
+    }
+
+    #[test]
+    fn a_capped_layout_holds_only_the_kept_layers() {
+        let config = qwen3_vl_32b();
+        let full = GpuTextEncoder::planned_weight_bytes(&config, LoadOptions::default()).unwrap();
+        let capped =
+            GpuTextEncoder::planned_weight_bytes(&config, LoadOptions::up_to_layer(50)).unwrap();
+        let all =
+            GpuTextEncoder::planned_weight_bytes(&config, LoadOptions::up_to_layer(64)).unwrap();
+        assert_eq!(all, full);
+        // One 32B layer: norms, q|k|v (8192 + 2 x 1024 rows), q/k norms, o_proj, gate|up and down, in bf16, each
+        // group rounded up to ALIGN.
+        let per_layer = (2 * 5120 + 10_240 * 5120 + 256 + 5120 * 8192 + 3 * 25_600 * 5120) * BF16;
+        let saved = full - capped;
+        assert!(
+            saved >= 14 * per_layer && saved <= 14 * (per_layer + 7 * ALIGN),
+            "{saved} B saved for 14 layers of {per_layer} B"
+        );
+        println!(
+            "Qwen3-VL-32B text weights: {:.2} GB for 64 layers, {:.2} GB capped at 50",
+            full as f64 / 1e9,
+            capped as f64 / 1e9
+        );
+        // The kept layers sit where an uncapped load puts them, and nothing of layer 50 or the norm is placed.
+        let d = Dims::of(&config, LoadOptions::up_to_layer(50)).unwrap();
+        let layout = WeightLayout::plan(&d).unwrap();
+        let full_layout =
+            WeightLayout::plan(&Dims::of(&config, LoadOptions::default()).unwrap()).unwrap();
+        assert_eq!(layout.layers[..], full_layout.layers[..50]);
+        let placements = layout.placements(&d);
+        assert_eq!(placements.len(), 1 + 50 * 11);
+        assert!(placements
+            .iter()
+            .all(|p| !p.name.starts_with("layers.50.") && !p.name.starts_with("norm")));
+        let err = GpuTextEncoder::planned_weight_bytes(&config, LoadOptions::up_to_layer(65))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("65") && err.contains("64"), "{err}");
     }
 
     #[test]
@@ -1142,6 +1231,20 @@ mod tests {
             .to_string();
         println!("valid folder on the test driver: {err}");
         assert!(err.contains("GPU backend"), "{err}");
+        // Capped at 0 layers, the bad folder's layer-0 tensors are never looked at: the load gets as far as the
+        // valid one did.
+        let err = GpuTextEncoder::load_with_options(
+            &ctx,
+            &ModelDir::open(&bad).unwrap(),
+            StagingConfig::default(),
+            LoadOptions::up_to_layer(0),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("GPU backend") && !err.contains("k_proj"),
+            "{err}"
+        );
         assert_eq!(
             tf_cuda::usage().device,
             before,

@@ -2,14 +2,16 @@
 //! (reference.json from tests/python/h3_text_reference.py).
 //!
 //! Two modes:
-//! - timing (default): Qwen3-VL-32B's text width (hidden 5120, 64 query and 8 key/value heads of 128, MLP 25600,
-//!   vocabulary 151936) with `--layers` decoder layers of seeded random bf16 weights **made on the device** (no
-//!   checkpoint is read), one forward of `--tokens` random ids to `hidden_states[layers]` timed with events (the
-//!   mean of `--iters` after a warm-up), the wall time of a whole `features_at` call (ids up, features back), and
-//!   the device bytes held at the peak.
+//! - timing (default): Qwen3-VL-32B's text path (hidden 5120, 64 query and 8 key/value heads of 128, MLP 25600,
+//!   vocabulary 151936, 64 layers) capped at `--layers` decoder layers as H3's text component loads it, with
+//!   seeded random bf16 weights **made on the device** (no checkpoint is read; the weight bytes reported are the
+//!   capped ones, beside what all 64 layers would take), one forward of `--tokens` random ids to
+//!   `hidden_states[layers]` timed with events (the mean of `--iters` after a warm-up), the wall time of a whole
+//!   `features_at` call (ids up, features back), and the device bytes held at the peak.
 //! - accuracy (`--model DIR`): the H3 text component on the GPU over a saved H3 folder (text_encoder/ +
-//!   tokenizer/), one prompt to `hidden_states[--layer]`; the ids are compared with the reference's, the features
-//!   with the reference's fp32 and bf16 features (relative L2), and optionally written out.
+//!   tokenizer/), one prompt to `hidden_states[--layer]` (the encoder capped at that layer; its weight bytes are
+//!   reported beside the uncapped figure); the ids are compared with the reference's, the features with the
+//!   reference's fp32 and bf16 features (relative L2), and optionally written out.
 //!
 //! The body needs tf-engines' `bench` feature (the GPU bundle builds `tf` with it).
 
@@ -26,10 +28,13 @@ mod imp {
     use tf_engines::minimax_h3::text::{H3TextEncoder, H3TextOptions};
     use tf_engines::nn::tensor::{relative_l2, Tensor};
     use tf_engines::nn::weights::{write_safetensors, AnyTensor, SafetensorsFile};
-    use tf_engines::qwen3_vl::text_encoder::TextEncoderConfig;
+    use tf_engines::qwen3_vl::text_encoder::{LoadOptions, TextEncoderConfig};
     use tf_engines::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 
     use super::super::{BoxError, H3TextArgs};
+
+    /// Decoder layers of Qwen3-VL-32B's text path.
+    const QWEN3_VL_32B_LAYERS: usize = 64;
 
     /// Qwen3-VL-32B's text path with `layers` decoder layers.
     fn qwen3_vl_32b(layers: usize) -> TextEncoderConfig {
@@ -101,18 +106,24 @@ mod imp {
         let info = ctx.device_info()?;
         let baseline = Baseline::capture(&ctx)?;
         tf_cuda::usage::reset_peaks();
-        let config = qwen3_vl_32b(args.layers);
+        // The model's layers (more if --layers asks for more), capped at --layers as H3's component loads it.
+        let total_layers = QWEN3_VL_32B_LAYERS.max(args.layers);
+        let config = qwen3_vl_32b(total_layers);
+        let options = LoadOptions::up_to_layer(args.layers);
+        let uncapped = GpuTextEncoder::planned_weight_bytes(&config, LoadOptions::default())?;
         let started = Instant::now();
-        let mut encoder = GpuTextEncoder::random_on(&ctx, config.clone(), 42)?;
+        let mut encoder = GpuTextEncoder::random_with(&ctx, config.clone(), 42, options)?;
         let made_s = started.elapsed().as_secs_f64();
         println!(
-            "tf bench h3-text on {} (cc {}.{}): Qwen3-VL-32B text width, {} layers of RANDOM bf16 weights made on \
-             the device ({:.2} GB in {made_s:.1} s; no checkpoint read)",
+            "tf bench h3-text on {} (cc {}.{}): Qwen3-VL-32B text path capped at {} of its {total_layers} layers, \
+             RANDOM bf16 weights made on the device ({:.2} GB in {made_s:.1} s, {:.2} GB less than all \
+             {total_layers} layers; no checkpoint read)",
             info.name,
             info.compute_capability.0,
             info.compute_capability.1,
-            args.layers,
-            gb(encoder.weight_bytes() as f64)
+            encoder.loaded_layers(),
+            gb(encoder.weight_bytes() as f64),
+            gb(uncapped.saturating_sub(encoder.weight_bytes()) as f64)
         );
         let ids = random_ids(args.tokens, 7);
         let features = encoder.features_at(&ids, args.layers)?;
@@ -145,12 +156,14 @@ mod imp {
             "gpu": info.name,
             "weights": "random bf16 made on the device",
             "layers": args.layers,
+            "model_layers": total_layers,
             "tokens": args.tokens,
             "ours": {
                 "device_ms": device_ms,
                 "features_at_ms": wall_ms,
                 "peak_device_buffer_bytes": peak,
                 "weight_bytes": encoder.weight_bytes(),
+                "weight_bytes_uncapped": uncapped,
                 "resident_bytes": resident.resident,
             },
         });
@@ -207,6 +220,8 @@ mod imp {
         let encode_ms = started.elapsed().as_secs_f64() * 1e3;
         let peak = tf_cuda::usage().device_peak;
         let resident = baseline.report(&ctx)?;
+        let weight_bytes = text.weight_bytes();
+        let uncapped = GpuTextEncoder::planned_weight_bytes(text.config(), LoadOptions::default())?;
         println!(
             "tf bench h3-text (accuracy): {} loaded on the GPU in {load_s:.1} s; {} tokens to hidden_states[{}] in \
              {encode_ms:.1} ms (first call); peak {:.2} GB in DeviceBuffers, {:.2} GB resident",
@@ -216,6 +231,13 @@ mod imp {
             gb(peak as f64),
             gb(resident.resident as f64)
         );
+        println!(
+            "  weights: {:.2} GB for decoder layers 0..{} (all {} layers would take {:.2} GB)",
+            gb(weight_bytes as f64),
+            args.layer,
+            text.config().num_hidden_layers,
+            gb(uncapped as f64)
+        );
         let mut summary = serde_json::json!({
             "mode": "accuracy",
             "model": model.display().to_string(),
@@ -224,6 +246,9 @@ mod imp {
             "load_s": load_s,
             "encode_ms": encode_ms,
             "peak_device_buffer_bytes": peak,
+            "weight_bytes": weight_bytes,
+            "weight_bytes_uncapped": uncapped,
+            "resident_bytes": resident.resident,
         });
         if let Some(out) = &args.out {
             let ids = Tensor::new(
