@@ -854,7 +854,7 @@ fn fp8_linear_of_quantized_rows_matches_the_host_product() {
             "FP8 linear off its dequantized product: {vs_deq:.3e}"
         );
         assert!(
-            vs_exact <= 0.05,
+            vs_exact <= 0.08,
             "FP8 linear off the exact product: {vs_exact:.3e}"
         );
     }
