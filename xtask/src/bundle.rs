@@ -323,11 +323,15 @@ pub fn check_size(dir: &Path) -> Result<u64, Error> {
 /// Packs `bin/` into `bin.tar.xz` (run.sh unpacks it on the GPU machine). The executables each embed every
 /// kernel set and are over 100 MiB together, but compress about 5x, which keeps the bundle under [`SIZE_LIMIT`].
 fn pack_executables(out: &Path) -> Result<(), Error> {
+    // tar opens the archive relative to its own working directory, not to -C: give it the full path.
+    let archive = out.join("bin.tar.xz");
     let mut command = Command::new("tar");
     command
+        .arg("-cJf")
+        .arg(&archive)
         .arg("-C")
         .arg(out)
-        .args(["-cJf", "bin.tar.xz", "bin"])
+        .arg("bin")
         .env("XZ_OPT", "-6 -T0");
     let output = command.output().map_err(|e| Error::CommandFailed {
         command: "tar -cJf bin.tar.xz bin".into(),
