@@ -11,8 +11,18 @@
 // with 16-byte aligned rows (the row stride a multiple of 16 bytes); f32 scales, one per row. Arithmetic f32, no
 // fast-math: the scale and its reciprocal are IEEE divisions (correctly rounded) and the codes one f32 multiply
 // each, so a host reference computes the same codes from the same f32 values.
-// Every kernel runs one block of NN_ROW_THREADS threads per row and holds the row in registers: CHUNKS of 8
-// columns per thread (the norm kernels 4, up to 8192 columns; SwiGLU and the plain row quantizer 8, up to 16384).
+// Every kernel runs one block per row and holds the row in registers, chunk c of thread t being the 8 columns from
+// (t + c * blockDim.x) * 8:
+// - the norm kernels: NN_ROW_THREADS threads, CHUNKS chunks each (the `_c2` entry points 2, up to 4096 columns;
+//   the plain ones 4, up to 8192), the chunk order of nn_norm_modulate's sums: chunks past the row add nothing,
+//   so both variants give the same statistics bit for bit and the launcher takes the narrowest that fits;
+// - SwiGLU and the plain row quantizer: NN_WIDE_CHUNKS (2) chunks per thread and as many threads as the row
+//   needs (ceil(cols / 16) rounded up to a warp, at most 1024: up to 16384 columns), the launcher's block size.
+//   16 values a thread keep the kernel within 32 registers, so two such blocks share an SM (48 warps at 12288
+//   columns, 56 at 14336) and each thread has its four 16-byte loads in flight at once: the memory system stays
+//   busy while other rows compute (silu costs about as much time as the row's bytes) and reduce.
+// The codes depend only on each value and its row's scale, and the scale only on the row's max, so the block
+// shape never changes an output.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
@@ -21,7 +31,16 @@
 
 #define NN_ROW_THREADS 256
 #define NN_NORM_CHUNKS 4
-#define NN_WIDE_CHUNKS 8
+#define NN_WIDE_CHUNKS 2
+#define NN_WIDE_MAX_THREADS 1024
+// Registers of nn_swiglu_fp8: on sm_80..sm_100 its 16 held values, the loads and silu's division fit in 40 without
+// a stack frame (32 would need one for the division's slow path); at 40, two 768-thread blocks (12288 columns)
+// share an SM. sm_12x's code needs 48.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define NN_WIDE_REGISTERS 48
+#else
+#define NN_WIDE_REGISTERS 40
+#endif
 
 using nn::bf16;
 
@@ -32,8 +51,9 @@ constexpr float kE4m3Max = 448.0f;
 
 __device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + expf(-x)); }
 
-// Max over the whole block (blockDim.x a multiple of 32), returned to every thread. `scratch` holds 32 floats.
-// A max is exact, so its order does not matter.
+// Max over the whole block (blockDim.x a multiple of 32), returned to every thread. `scratch` holds 32 floats and
+// serves this one reduction only (no other reduction of the kernel reads it), so one barrier suffices. A max is
+// exact, so its order does not matter.
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -42,7 +62,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
     }
-    __syncthreads();  // scratch may still be read by a previous reduction
     if (lane == 0) {
         scratch[warp] = v;
     }
@@ -54,13 +73,13 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return total;
 }
 
-// This thread's max |value| over its loaded columns.
+// This thread's max |value| over its loaded columns (`threads` per row).
 template <int CHUNKS>
-__device__ __forceinline__ float chunk_amax(const float (&v)[CHUNKS][8], int cols) {
+__device__ __forceinline__ float chunk_amax(const float (&v)[CHUNKS][8], int cols, int threads) {
     float amax = 0.0f;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
+        const int col = (threadIdx.x + c * threads) * 8;
         if (col < cols) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[c][i]));
@@ -87,17 +106,19 @@ __device__ __forceinline__ void store8_e4m3(uint8_t* out, const float (&v)[8], f
     *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
 }
 
-// Quantizes the row held in `v` (this thread's chunks) into `q_row` and writes its scale: the block's max first,
-// then the codes. Every thread of the block must call it.
+// Quantizes the row held in `v` (this thread's chunks, `threads` per row) into `q_row` and writes its scale: the
+// block's max first, then the codes. Every thread of the block must call it, once; `max_scratch` (32 floats) is
+// used by nothing else.
 template <int CHUNKS>
-__device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int cols, uint8_t* __restrict__ q_row,
-                                              float* __restrict__ scale_out, float* scratch) {
-    const float amax = block_max(chunk_amax<CHUNKS>(v, cols), scratch);
+__device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int cols, int threads,
+                                              uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
+                                              float* max_scratch) {
+    const float amax = block_max(chunk_amax<CHUNKS>(v, cols, threads), max_scratch);
     const float scale = row_scale(amax);
     const float inv = 1.0f / scale;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
+        const int col = (threadIdx.x + c * threads) * 8;
         if (col < cols) store8_e4m3(q_row + col, v[c], inv);
     }
     if (threadIdx.x == 0) *scale_out = scale;
@@ -105,7 +126,8 @@ __device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int c
 
 // The norm-then-modulate body nn_norm_modulate computes, on values already in registers (overwritten with the
 // result): LayerNorm or RMSNorm, optional affine, optional (1 + scale) (+ shift) from modulation row `mod_row`.
-__device__ __forceinline__ void norm_modulate_row(float (&v)[NN_NORM_CHUNKS][8], float total, int cols, float eps,
+template <int CHUNKS>
+__device__ __forceinline__ void norm_modulate_row(float (&v)[CHUNKS][8], float total, int cols, float eps,
                                                   int layer_norm, const bf16* __restrict__ weight,
                                                   const bf16* __restrict__ bias, const bf16* mod_row,
                                                   int scale_offset, int shift_offset, float* scratch) {
@@ -114,19 +136,19 @@ __device__ __forceinline__ void norm_modulate_row(float (&v)[NN_NORM_CHUNKS][8],
     float rstd;
     if (layer_norm != 0) {
         mean = nn::block_sum(total, scratch) * inv_cols;
-        const float sq = nn::centred_square_sum<NN_ROW_THREADS, NN_NORM_CHUNKS>(v, cols, mean);
+        const float sq = nn::centred_square_sum<NN_ROW_THREADS, CHUNKS>(v, cols, mean);
         rstd = rsqrtf(nn::block_sum(sq, scratch) * inv_cols + eps);
     } else {
         float sq = 0.0f;
 #pragma unroll
-        for (int c = 0; c < NN_NORM_CHUNKS; ++c) {
+        for (int c = 0; c < CHUNKS; ++c) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
         }
         rstd = rsqrtf(nn::block_sum(sq, scratch) / static_cast<float>(cols) + eps);
     }
 #pragma unroll
-    for (int c = 0; c < NN_NORM_CHUNKS; ++c) {
+    for (int c = 0; c < CHUNKS; ++c) {
         const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
         if (col < cols) {
 #pragma unroll
@@ -167,75 +189,77 @@ __device__ __forceinline__ int select_row(int row, const int* __restrict__ row_i
     return min(max(m, 0), mod_rows - 1);
 }
 
-}  // namespace
-
-// q, scales = quantize(x): a bf16 matrix as e4m3 rows with one scale per row (the attention output before the
-// output projection, or any bf16 GEMM input). cols <= NN_ROW_THREADS * 8 * NN_WIDE_CHUNKS (16384).
-// Grid: `rows` blocks of NN_ROW_THREADS threads.
-extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
-    nn_quantize_rows_fp8(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q, int q_stride,
-                         float* __restrict__ scales, int rows, int cols) {
-    __shared__ float scratch[32];
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    float v[NN_WIDE_CHUNKS][8];
-    nn::load_row<NN_ROW_THREADS, NN_WIDE_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, v);
-    store_row_fp8<NN_WIDE_CHUNKS>(v, cols, q + static_cast<int64_t>(row) * q_stride, scales + row, scratch);
+// Loads chunks of 8 bf16 values as raw 16-byte words, all issued before any is used (chunk c of this thread: the
+// 8 columns from (threadIdx.x + c * blockDim.x) * 8; columns past `cols` are not read).
+template <int CHUNKS>
+__device__ __forceinline__ void load_raw(const bf16* __restrict__ row, int cols, uint4 (&raw)[CHUNKS]) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * blockDim.x) * 8;
+        raw[c] = col < cols ? *reinterpret_cast<const uint4*>(row + col) : make_uint4(0u, 0u, 0u, 0u);
+    }
 }
 
-// nn_norm_modulate with an FP8 output: n = norm(x) (* weight (+ bias)) (* (1 + scale) (+ shift)) in f32, as
-// nn_norm_modulate computes it, then quantized per row into q / scales instead of rounded to bf16. Arguments as
-// nn_norm_modulate's with (q, q_stride, scales) in place of (y, y_stride). cols <= 8192.
-// Grid: `rows` blocks of NN_ROW_THREADS threads.
-extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
-    nn_norm_modulate_fp8(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q, int q_stride,
-                         float* __restrict__ scales, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
-                         int rows, int cols, float eps, int layer_norm, const bf16* __restrict__ mod, int mod_stride,
-                         int mod_rows, int scale_offset, int shift_offset, int seq_len, int target_begin,
-                         int prefix_row, const int* __restrict__ row_index) {
-    __shared__ float scratch[32];
+// The eight f32 values of a raw 16-byte word of bf16 (exact).
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&out)[8]) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(words[i] << 16);
+        out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+// The body of nn_norm_modulate_fp8 with CHUNKS chunks per thread (cols <= NN_ROW_THREADS * 8 * CHUNKS).
+template <int CHUNKS>
+__device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x, int x_stride,
+                                                      uint8_t* __restrict__ q, int q_stride,
+                                                      float* __restrict__ scales, const bf16* __restrict__ weight,
+                                                      const bf16* __restrict__ bias, int rows, int cols, float eps,
+                                                      int layer_norm, const bf16* __restrict__ mod, int mod_stride,
+                                                      int mod_rows, int scale_offset, int shift_offset, int seq_len,
+                                                      int target_begin, int prefix_row,
+                                                      const int* __restrict__ row_index, float* scratch,
+                                                      float* max_scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
-    float v[NN_NORM_CHUNKS][8];
-    const float total =
-        nn::load_row<NN_ROW_THREADS, NN_NORM_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, v);
+    float v[CHUNKS][8];
+    const float total = nn::load_row<NN_ROW_THREADS, CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, v);
     const bf16* mod_row = nullptr;
     if (mod != nullptr) {
         const int m = select_row(row, row_index, seq_len, target_begin, prefix_row, mod_rows);
         mod_row = mod + static_cast<int64_t>(m) * mod_stride;
     }
-    norm_modulate_row(v, total, cols, eps, layer_norm, weight, bias, mod_row, scale_offset, shift_offset, scratch);
-    store_row_fp8<NN_NORM_CHUNKS>(v, cols, q + static_cast<int64_t>(row) * q_stride, scales + row, scratch);
+    norm_modulate_row<CHUNKS>(v, total, cols, eps, layer_norm, weight, bias, mod_row, scale_offset, shift_offset,
+                              scratch);
+    store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
+                          max_scratch);
 }
 
-// A gated residual, then the next norm with an FP8 output, in one pass over the row:
-//   x += g * y with g = tanh(gate) (gate_tanh != 0) or gate, one fma in f32, stored rounded to bf16;
-//   then nn_norm_modulate_fp8 of the stored (rounded) x.
-// The gate of row r is gate_table[m * gate_stride + gate_offset + col] and the scale/shift come from
-// mod[m * mod_stride + ...], m the row's modulation row (row_index, else the rule) clamped to each table's rows:
-// the two tables may differ (a block's gate and the next block's modulation) but share the row selection.
-// For Qwen-Image's tanh gates and LayerNorm * (1 + scale) the residual is bit-identical to
-// qi_gated_residual_adaln's. cols <= 8192. Grid: `rows` blocks of NN_ROW_THREADS threads.
-extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
-    nn_gated_residual_norm_modulate_fp8(bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride,
-                                        const bf16* __restrict__ gate_table, int gate_stride, int gate_rows,
-                                        int gate_offset, int gate_tanh, uint8_t* __restrict__ q, int q_stride,
-                                        float* __restrict__ scales, const bf16* __restrict__ weight,
-                                        const bf16* __restrict__ bias, int rows, int cols, float eps, int layer_norm,
-                                        const bf16* __restrict__ mod, int mod_stride, int mod_rows, int scale_offset,
-                                        int shift_offset, int seq_len, int target_begin, int prefix_row,
-                                        const int* __restrict__ row_index) {
-    __shared__ float scratch[32];
+// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread.
+template <int CHUNKS>
+__device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
+    bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride, const bf16* __restrict__ gate_table,
+    int gate_stride, int gate_rows, int gate_offset, int gate_tanh, uint8_t* __restrict__ q, int q_stride,
+    float* __restrict__ scales, const bf16* __restrict__ weight, const bf16* __restrict__ bias, int rows, int cols,
+    float eps, int layer_norm, const bf16* __restrict__ mod, int mod_stride, int mod_rows, int scale_offset,
+    int shift_offset, int seq_len, int target_begin, int prefix_row, const int* __restrict__ row_index,
+    float* scratch, float* max_scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     const int gm = select_row(row, row_index, seq_len, target_begin, prefix_row, gate_rows);
     const bf16* gate_row = gate_table + static_cast<int64_t>(gm) * gate_stride + gate_offset;
     bf16* x_row = x + static_cast<int64_t>(row) * x_stride;
     const bf16* y_row = y + static_cast<int64_t>(row) * y_stride;
-    float v[NN_NORM_CHUNKS][8];
+    const bf16* mod_row = nullptr;
+    if (mod != nullptr) {
+        const int m = select_row(row, row_index, seq_len, target_begin, prefix_row, mod_rows);
+        mod_row = mod + static_cast<int64_t>(m) * mod_stride;
+    }
+    float v[CHUNKS][8];
     float total = 0.0f;
 #pragma unroll
-    for (int c = 0; c < NN_NORM_CHUNKS; ++c) {
+    for (int c = 0; c < CHUNKS; ++c) {
         const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
         if (col < cols) {
             float g[8], b[8];
@@ -255,41 +279,116 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
             for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
         }
     }
-    const bf16* mod_row = nullptr;
-    if (mod != nullptr) {
-        const int m = select_row(row, row_index, seq_len, target_begin, prefix_row, mod_rows);
-        mod_row = mod + static_cast<int64_t>(m) * mod_stride;
-    }
-    norm_modulate_row(v, total, cols, eps, layer_norm, weight, bias, mod_row, scale_offset, shift_offset, scratch);
-    store_row_fp8<NN_NORM_CHUNKS>(v, cols, q + static_cast<int64_t>(row) * q_stride, scales + row, scratch);
+    norm_modulate_row<CHUNKS>(v, total, cols, eps, layer_norm, weight, bias, mod_row, scale_offset, shift_offset,
+                              scratch);
+    store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
+                          max_scratch);
+}
+
+}  // namespace
+
+// q, scales = quantize(x): a bf16 matrix as e4m3 rows with one scale per row (the attention output before the
+// output projection, or any bf16 GEMM input). cols <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384).
+// Grid: `rows` blocks of ceil(cols / 16) threads rounded up to a multiple of 32.
+extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
+    nn_quantize_rows_fp8(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q, int q_stride,
+                         float* __restrict__ scales, int rows, int cols) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    uint4 raw[NN_WIDE_CHUNKS];
+    load_raw<NN_WIDE_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, raw);
+    float v[NN_WIDE_CHUNKS][8];
+#pragma unroll
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
+    store_row_fp8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
+                                  scratch);
+}
+
+// nn_norm_modulate with an FP8 output: n = norm(x) (* weight (+ bias)) (* (1 + scale) (+ shift)) in f32, as
+// nn_norm_modulate computes it, then quantized per row into q / scales instead of rounded to bf16. Arguments as
+// nn_norm_modulate's with (q, q_stride, scales) in place of (y, y_stride). cols <= 8192; the `_c2` entry point
+// (same arguments, same results) cols <= 4096, in fewer registers. Grid: `rows` blocks of NN_ROW_THREADS threads.
+#define NN_NORM_MODULATE_FP8_ARGS                                                                                   \
+    const bf16 *__restrict__ x, int x_stride, uint8_t *__restrict__ q, int q_stride, float *__restrict__ scales,    \
+        const bf16 *__restrict__ weight, const bf16 *__restrict__ bias, int rows, int cols, float eps,             \
+        int layer_norm, const bf16 *__restrict__ mod, int mod_stride, int mod_rows, int scale_offset,               \
+        int shift_offset, int seq_len, int target_begin, int prefix_row, const int *__restrict__ row_index
+#define NN_NORM_MODULATE_FP8_PASS                                                                                   \
+    x, x_stride, q, q_stride, scales, weight, bias, rows, cols, eps, layer_norm, mod, mod_stride, mod_rows,         \
+        scale_offset, shift_offset, seq_len, target_begin, prefix_row, row_index, scratch, max_scratch
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp8(NN_NORM_MODULATE_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    norm_modulate_fp8_row<NN_NORM_CHUNKS>(NN_NORM_MODULATE_FP8_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp8_c2(NN_NORM_MODULATE_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    norm_modulate_fp8_row<2>(NN_NORM_MODULATE_FP8_PASS);
+}
+
+// A gated residual, then the next norm with an FP8 output, in one pass over the row:
+//   x += g * y with g = tanh(gate) (gate_tanh != 0) or gate, one fma in f32, stored rounded to bf16;
+//   then nn_norm_modulate_fp8 of the stored (rounded) x.
+// The gate of row r is gate_table[m * gate_stride + gate_offset + col] and the scale/shift come from
+// mod[m * mod_stride + ...], m the row's modulation row (row_index, else the rule) clamped to each table's rows:
+// the two tables may differ (a block's gate and the next block's modulation) but share the row selection.
+// For Qwen-Image's tanh gates and LayerNorm * (1 + scale) the residual is bit-identical to
+// qi_gated_residual_adaln's. cols <= 8192; the `_c2` entry point (same arguments, same results) cols <= 4096.
+// Grid: `rows` blocks of NN_ROW_THREADS threads.
+#define NN_GATED_RESIDUAL_FP8_ARGS                                                                                  \
+    bf16 *__restrict__ x, int x_stride, const bf16 *__restrict__ y, int y_stride,                                   \
+        const bf16 *__restrict__ gate_table, int gate_stride, int gate_rows, int gate_offset, int gate_tanh,        \
+        uint8_t *__restrict__ q, int q_stride, float *__restrict__ scales, const bf16 *__restrict__ weight,         \
+        const bf16 *__restrict__ bias, int rows, int cols, float eps, int layer_norm, const bf16 *__restrict__ mod, \
+        int mod_stride, int mod_rows, int scale_offset, int shift_offset, int seq_len, int target_begin,            \
+        int prefix_row, const int *__restrict__ row_index
+#define NN_GATED_RESIDUAL_FP8_PASS                                                                                  \
+    x, x_stride, y, y_stride, gate_table, gate_stride, gate_rows, gate_offset, gate_tanh, q, q_stride, scales,      \
+        weight, bias, rows, cols, eps, layer_norm, mod, mod_stride, mod_rows, scale_offset, shift_offset, seq_len,  \
+        target_begin, prefix_row, row_index, scratch, max_scratch
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_gated_residual_norm_modulate_fp8(NN_GATED_RESIDUAL_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS>(NN_GATED_RESIDUAL_FP8_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_gated_residual_norm_modulate_fp8_c2(NN_GATED_RESIDUAL_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<2>(NN_GATED_RESIDUAL_FP8_PASS);
 }
 
 // SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a fused GEMM output row of 2 * hidden
 // columns ([gate | value] when gate_first != 0, else [value | gate]), quantized per row into q / scales.
-// hidden <= 16384. Grid: `rows` blocks of NN_ROW_THREADS threads.
-extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+// hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of ceil(hidden / 16) threads
+// rounded up to a multiple of 32. Every load of the row is issued before the first silu.
+extern "C" __global__ void __maxnreg__(NN_WIDE_REGISTERS)
     nn_swiglu_fp8(const bf16* __restrict__ fused, int fused_stride, uint8_t* __restrict__ q, int q_stride,
                   float* __restrict__ scales, int rows, int hidden, int gate_first) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
     const bf16* in_row = fused + static_cast<int64_t>(row) * fused_stride;
-    const bf16* gate = in_row + (gate_first != 0 ? 0 : hidden);
-    const bf16* value = in_row + (gate_first != 0 ? hidden : 0);
+    uint4 gate_raw[NN_WIDE_CHUNKS];
+    uint4 value_raw[NN_WIDE_CHUNKS];
+    load_raw<NN_WIDE_CHUNKS>(in_row + (gate_first != 0 ? 0 : hidden), hidden, gate_raw);
+    load_raw<NN_WIDE_CHUNKS>(in_row + (gate_first != 0 ? hidden : 0), hidden, value_raw);
     float v[NN_WIDE_CHUNKS][8];
 #pragma unroll
     for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
-        if (col < hidden) {
-            float g[8], u[8];
-            nn::load8(gate + col, g);
-            nn::load8(value + col, u);
+        float g[8];
+        unpack8(gate_raw[c], g);
+        unpack8(value_raw[c], v[c]);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) v[c][i] = silu_f32(g[i]) * u[i];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
-        }
+        for (int i = 0; i < 8; ++i) v[c][i] = silu_f32(g[i]) * v[c][i];
     }
-    store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, q + static_cast<int64_t>(row) * q_stride, scales + row, scratch);
+    store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
+                                  scratch);
 }

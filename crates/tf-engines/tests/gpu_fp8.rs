@@ -1063,15 +1063,17 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
         "  quantize rows (attention output, a pass of its own): {quantize:.4} ({:.0})",
         bytes_gb(3 * e, quantize)
     );
-    // A quantizing kernel writes half the bytes of its bf16 twin: it must not be much slower.
+    // A quantizing kernel reads what its bf16 twin reads and writes half the bytes; the amax costs one block
+    // reduction more. It replaces the bf16 kernel, so it must not be slower: at most 5% over the bf16 time (the
+    // allowance for the extra reduction and timing noise).
     for (name, bf16, fp8_ms) in [
         ("adaLN", adaln_bf16, adaln_fp8),
         ("residual + adaLN", residual_bf16, residual_fp8),
         ("SwiGLU", swiglu_bf16, swiglu_fp8),
     ] {
         assert!(
-            fp8_ms <= 1.5 * bf16 + 0.005,
-            "{name}: the FP8 kernel takes {fp8_ms:.4} ms against {bf16:.4} ms in bf16"
+            fp8_ms <= 1.05 * bf16,
+            "{name}: the FP8 kernel takes {fp8_ms:.4} ms against {bf16:.4} ms in bf16 (bound 1.05x)"
         );
     }
     if !sm90 {

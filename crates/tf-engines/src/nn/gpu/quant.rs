@@ -36,13 +36,31 @@ pub const QUANT_SET: &str = "nn_quant";
 pub const QUANT_KERNELS: &[&str] = &[
     "nn_quantize_rows_fp8",
     "nn_norm_modulate_fp8",
+    "nn_norm_modulate_fp8_c2",
     "nn_gated_residual_norm_modulate_fp8",
+    "nn_gated_residual_norm_modulate_fp8_c2",
     "nn_swiglu_fp8",
 ];
 
-/// Most columns the SwiGLU and plain row quantizers hold in registers (256 threads x 8 x 8). The norm variants
-/// hold [`super::MAX_NORM_COLS`].
+/// Most columns the SwiGLU and plain row quantizers hold in registers (up to 1024 threads x 16 values). The norm
+/// variants hold [`super::MAX_NORM_COLS`].
 pub const MAX_QUANT_COLS: usize = 16384;
+
+/// Columns each thread of the SwiGLU and plain row quantizers holds (NN_WIDE_CHUNKS x 8 in kernels/nn/quant.cu).
+const WIDE_VALUES_PER_THREAD: usize = 16;
+
+/// Most columns the norm kernels' `_c2` entry points hold (256 threads x 2 chunks of 8): the same results as the
+/// plain entry points in fewer registers, so more rows share an SM.
+const NARROW_NORM_COLS: usize = 4096;
+
+/// The norm kernel for rows of `cols` columns: its `_c2` entry point when the row fits it.
+fn norm_kernel(plain: &'static str, narrow: &'static str, cols: usize) -> &'static str {
+    if cols <= NARROW_NORM_COLS {
+        narrow
+    } else {
+        plain
+    }
+}
 
 /// Alignment (bytes) of the code rows and the scales: the FP8 GEMM's operand alignment.
 pub const FP8_ALIGN: usize = 16;
@@ -205,6 +223,16 @@ fn row_config(op: &str, rows: usize) -> Result<LaunchConfig, tf_cuda::Error> {
     ))
 }
 
+/// One block per row of `ceil(cols / 16)` threads rounded up to a warp: the SwiGLU and plain row quantizers'
+/// grid (`cols <= MAX_QUANT_COLS`, checked first, so at most 1024 threads).
+fn wide_config(op: &str, rows: usize, cols: usize) -> Result<LaunchConfig, tf_cuda::Error> {
+    let threads = cols.div_ceil(WIDE_VALUES_PER_THREAD).next_multiple_of(32);
+    Ok(LaunchConfig::new(
+        to_u32(op, "rows", rows.max(1))?,
+        to_u32(op, "threads", threads)?,
+    ))
+}
+
 fn check_wide_cols(op: &str, cols: usize) -> Result<(), tf_cuda::Error> {
     if cols == 0 || cols > MAX_QUANT_COLS {
         return Err(invalid(
@@ -233,7 +261,7 @@ pub fn plan_quantize_rows_fp8<'a>(
         .push(to_i32(OP, "cols", x_layout.cols)?);
     Ok(Launch::new(
         "nn_quantize_rows_fp8",
-        row_config(OP, x_layout.rows)?,
+        wide_config(OP, x_layout.rows, x_layout.cols)?,
         args,
     ))
 }
@@ -262,7 +290,11 @@ pub fn plan_norm_modulate_fp8<'a>(
         (ModulationRows::targets_only(1), 0),
     )?;
     Ok(Launch::new(
-        "nn_norm_modulate_fp8",
+        norm_kernel(
+            "nn_norm_modulate_fp8",
+            "nn_norm_modulate_fp8_c2",
+            x_layout.cols,
+        ),
         row_config(OP, x_layout.rows)?,
         args,
     ))
@@ -361,7 +393,11 @@ pub fn plan_gated_residual_norm_modulate_fp8<'a>(
         (gate.select, gate_index.unwrap_or(0)),
     )?;
     Ok(Launch::new(
-        "nn_gated_residual_norm_modulate_fp8",
+        norm_kernel(
+            "nn_gated_residual_norm_modulate_fp8",
+            "nn_gated_residual_norm_modulate_fp8_c2",
+            cols,
+        ),
         row_config(OP, x_layout.rows)?,
         args,
     ))
@@ -398,7 +434,7 @@ pub fn plan_swiglu_fp8<'a>(
         .push(i32::from(order == SwigluOrder::GateValue));
     Ok(Launch::new(
         "nn_swiglu_fp8",
-        row_config(OP, fused_layout.rows)?,
+        wide_config(OP, fused_layout.rows, hidden)?,
         args,
     ))
 }
@@ -469,7 +505,8 @@ mod tests {
         assert_eq!(launch.args().get::<u64>(4), Some(sv.addr()));
         assert_eq!(launch.args().get::<i32>(6), Some(cols as i32));
         assert_eq!(launch.config().grid.x, rows as u32);
-        assert_eq!(launch.config().block.x, ROW_THREADS);
+        // 96 columns, 16 a thread: 6 threads, one warp.
+        assert_eq!(launch.config().block.x, 32);
         // A stride that is not a multiple of 16, or shorter than the row: refused.
         for stride in [100, 80] {
             let bad = Fp8Rows { stride, ..out };
@@ -562,7 +599,7 @@ mod tests {
             modulation: Some(modulation),
         };
         let launch = plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &norm).unwrap();
-        assert_eq!(launch.kernel(), "nn_norm_modulate_fp8");
+        assert_eq!(launch.kernel(), "nn_norm_modulate_fp8_c2");
         // nn_norm_modulate's 19 arguments with (q, q_stride, scales) in place of (y, y_stride).
         assert_eq!(launch.args().len(), 20);
         assert_eq!(launch.args().get::<u64>(5), Some(wv.addr()));
@@ -660,7 +697,7 @@ mod tests {
         let launch =
             plan_gated_residual_norm_modulate_fp8(&xv, layout, &yv, cols, &gate, &out, &norm)
                 .unwrap();
-        assert_eq!(launch.kernel(), "nn_gated_residual_norm_modulate_fp8");
+        assert_eq!(launch.kernel(), "nn_gated_residual_norm_modulate_fp8_c2");
         assert_eq!(launch.args().len(), 27);
         assert_eq!(launch.args().get::<i32>(6), Some(3));
         assert_eq!(launch.args().get::<i32>(7), Some(cols as i32));
@@ -734,6 +771,16 @@ mod tests {
         let gv = plan_swiglu_fp8(SwigluOrder::GateValue, &fv, layout, &out).unwrap();
         let vg = plan_swiglu_fp8(SwigluOrder::ValueGate, &fv, layout, &out).unwrap();
         assert_eq!(gv.kernel(), "nn_swiglu_fp8");
+        // 48 columns, 16 a thread, rounded up to a warp; 12288 (Qwen-Image) takes 768 threads, 16384 1024.
+        assert_eq!(gv.config().block.x, 32);
+        assert_eq!(wide_config("t", 1, 12288).unwrap().block.x, 768);
+        assert_eq!(wide_config("t", 1, 16384).unwrap().block.x, 1024);
+        assert_eq!(
+            norm_kernel("plain", "narrow", 4096),
+            "narrow",
+            "rows that fit two chunks a thread take the _c2 entry point"
+        );
+        assert_eq!(norm_kernel("plain", "narrow", 4104), "plain");
         assert_eq!(gv.args().get::<i32>(6), Some(hidden as i32));
         assert_eq!(gv.args().get::<i32>(7), Some(1));
         assert_eq!(vg.args().get::<i32>(7), Some(0));
