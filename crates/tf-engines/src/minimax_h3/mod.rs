@@ -24,6 +24,9 @@
 //!   (ViT decoder with register tokens and partial RoPE, temporal cross-fade, blended spatial tiles).
 //! - [`vae_video_gpu`]: the same decode on the GPU: bf16 GEMMs and the shared RoPE / attention (head dim 64) /
 //!   SwiGLU kernels over batches of tiles, the residual stream, norms, blends and frames in f32.
+//! - [`pipeline`]: the whole text-to-video-with-audio pipeline over a diffusers MiniMax H3 folder: the memory plan
+//!   (resident, or loaded, run and freed in turn), requests checked before any model runs, the prompt features, the
+//!   noise, the steps under both schedules, the video and audio decodes, per-phase timings.
 pub mod checkpoint;
 pub mod config;
 pub mod dit;
@@ -31,6 +34,7 @@ pub mod dit_gpu;
 pub mod dit_host;
 pub mod layout;
 pub mod noise;
+pub mod pipeline;
 pub mod scheduler;
 pub mod text;
 pub mod vae_audio;

@@ -45,6 +45,7 @@ macro_rules! log {
 }
 
 pub mod client;
+pub mod minimax_h3;
 pub mod qwen;
 pub mod request;
 pub mod testpattern;

@@ -11,16 +11,24 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use serde_json::json;
+use tf_engines::minimax_h3::noise::{H3Noise, VIDEO_NOISE};
+use tf_engines::minimax_h3::pipeline::{
+    Backend, H3Pipeline, LoadOptions, PipelineError, Progress, Request,
+};
 use tf_engines::nn::media::mp4::{
     find_ffmpeg, write_mp4, AudioInput, Mp4Error, Mp4Report, PixelLayout, VideoInput,
 };
 use tf_engines::nn::media::png::{ColorType, PngError};
 use tf_engines::nn::media::wav::{write_wav, WavError};
+use tf_engines::nn::sampling::noise::NoiseError;
 use tf_engines::worker::testpattern::TestPattern;
 use tf_engines::worker::{EngineOutput, VideoJob, WorkerEngine};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineArg {
+    /// MiniMax H3 from a diffusers-format folder (--model).
+    #[value(name = "minimax_h3")]
+    MinimaxH3,
     /// Deterministic test frames and a stereo tone, no model (checks the MP4 path on any machine).
     Testpattern,
 }
@@ -38,29 +46,39 @@ pub enum BackendArg {
 #[derive(clap::Args)]
 pub struct Args {
     /// What makes the video.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, default_value = "minimax_h3")]
     engine: EngineArg,
+    /// Diffusers MiniMax H3 folder (modular_model_index.json, transformer/, text_encoder/, tokenizer/, vae/,
+    /// audio_vae/, scheduler/, audio_scheduler/).
+    #[arg(long)]
+    model: Option<PathBuf>,
     /// The prompt.
     #[arg(long)]
     prompt: String,
-    /// Frame size WIDTHxHEIGHT in pixels.
-    #[arg(long, default_value = "64x64", value_parser = parse_size)]
+    /// Frame size WIDTHxHEIGHT in pixels (MiniMax H3: multiples of 32 as released).
+    #[arg(long, default_value = "768x448", value_parser = parse_size)]
     size: (u32, u32),
-    /// Length in seconds.
-    #[arg(long, default_value_t = 1.0)]
+    /// Length in seconds; MiniMax H3 snaps round(seconds * 24) frames up to 17n+5.
+    #[arg(long, default_value_t = 5.0)]
     seconds: f32,
-    /// Frames per second.
+    /// Frames per second (MiniMax H3 makes 24).
     #[arg(long, default_value_t = 24)]
     fps: u32,
-    /// Sampling steps.
+    /// Sampling steps. MiniMax H3: grid points of its schedules, the final 0 included (the reference's
+    /// num_inference_steps; N points make N - 1 model calls), default 50.
     #[arg(long)]
     steps: Option<u32>,
     /// Noise seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Make no audio track.
+    /// Make no audio track (MiniMax H3 still samples the audio rows, one sequence holds both, but skips the audio
+    /// decode).
     #[arg(long = "no-audio")]
     no_audio: bool,
+    /// Initial noise from a safetensors file (`video_noise` [1, C, F, H, W], `audio_noise` [2 A, C]) instead of the
+    /// seeded draw.
+    #[arg(long)]
+    noise: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendArg,
     /// Output MP4.
@@ -104,6 +122,10 @@ pub fn run(args: Args) -> ExitCode {
 enum VideoError {
     #[error("{0}")]
     Usage(String),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error(transparent)]
+    Noise(#[from] NoiseError),
     #[error("{0}")]
     Engine(String),
     #[error(transparent)]
@@ -184,9 +206,119 @@ fn video(args: &Args) -> Result<(), VideoError> {
     };
     let started = Instant::now();
     let made = match args.engine {
+        EngineArg::MinimaxH3 => minimax_h3(args, &reporter)?,
         EngineArg::Testpattern => testpattern(args, &reporter)?,
     };
     finish(args, made, ffmpeg, started)
+}
+
+fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
+    let Some(model) = &args.model else {
+        return Err(VideoError::Usage(
+            "--engine minimax_h3 needs --model DIR (a diffusers MiniMax H3 folder)".into(),
+        ));
+    };
+    let backend = match args.backend {
+        BackendArg::Auto => Backend::detect(),
+        BackendArg::Host => Backend::Host,
+        BackendArg::Gpu => Backend::Gpu,
+    };
+    let options = LoadOptions::new(backend);
+    let (width, height) = args.size;
+    let mut request = Request::new(args.prompt.clone());
+    request.width = width as usize;
+    request.height = height as usize;
+    request.seconds = f64::from(args.seconds);
+    request.fps = args.fps;
+    request.seed = args.seed;
+    request.steps = args.steps.map(|s| s as usize);
+    request.audio = !args.no_audio;
+    // Size, length, rate, steps and the noise file are checked against the folder's configs before the load.
+    let preflight = H3Pipeline::preflight(model, &options, &request)?;
+    if let Some(path) = &args.noise {
+        request.noise = Some(H3Noise::load(path, &preflight.noise_shape)?);
+        eprintln!(
+            "tf video: noise from {} ({VIDEO_NOISE} {:?})",
+            path.display(),
+            preflight.noise_shape.video_dims()
+        );
+    }
+    if preflight.geometry.num_frames != preflight.requested_frames {
+        eprintln!(
+            "tf video: {} frames snap up to {} (17 n + 5), {:.3} s",
+            preflight.requested_frames,
+            preflight.geometry.num_frames,
+            preflight.geometry.num_frames as f64 / 24.0
+        );
+    }
+    eprintln!(
+        "tf video: loading {} on the {}",
+        model.display(),
+        backend.name()
+    );
+    tf_cuda::usage::reset_peaks();
+    let mut pipeline = H3Pipeline::load(model, &options)?;
+    let load = pipeline.load_report().clone();
+    eprintln!(
+        "tf video: loaded in {:.2} s, {:.1} MiB resident",
+        load.seconds,
+        load.resident_bytes as f64 / f64::from(1u32 << 20)
+    );
+    eprintln!("tf video: {}", pipeline.memory_plan());
+    let made = pipeline.generate(&request, &mut |p| match p {
+        Progress::Encoded { seconds } => reporter.phase("prompt encoded and noise drawn", seconds),
+        Progress::Step {
+            step,
+            steps,
+            seconds,
+        } => reporter.step(step, steps, seconds),
+        Progress::DecodedVideo { seconds } => reporter.phase("frames decoded", seconds),
+        Progress::DecodedAudio { seconds } => reporter.phase("audio decoded", seconds),
+    })?;
+    let peak_device_bytes = tf_cuda::usage().device_peak;
+    let f = &made.frames;
+    let plane = f.width * f.height * 3;
+    let frames: Vec<Vec<u8>> = f
+        .rgb
+        .chunks_exact(plane.max(1))
+        .map(<[u8]>::to_vec)
+        .collect();
+    let t = &made.timings;
+    Ok(Made {
+        width: u32::try_from(f.width).unwrap_or(u32::MAX),
+        height: u32::try_from(f.height).unwrap_or(u32::MAX),
+        fps: made.fps,
+        layout: PixelLayout::Rgb,
+        frames,
+        audio: made
+            .audio
+            .as_ref()
+            .map(|a| (a.sample_rate, 2, a.interleaved())),
+        phases: vec![
+            ("encode", t.encode),
+            ("decode_video", t.decode_video),
+            ("decode_audio", t.decode_audio),
+            ("component_loads", t.loads.total()),
+        ],
+        steps: t.steps.clone(),
+        load_seconds: load.seconds,
+        extra: json!({
+            "name": "minimax_h3",
+            "backend": backend.name(),
+            "requested_frames": made.requested_frames,
+            "tokens": made.prompt_ids.len(),
+            "resident_bytes": load.resident_bytes,
+            "residency": load.residency.name(),
+            "peak_device_bytes": peak_device_bytes,
+            "pipeline_total_s": t.total,
+            "component_loads_s": {
+                "text_encoder": t.loads.text_encoder,
+                "dit": t.loads.dit,
+                "video_vae": t.loads.video_vae,
+                "audio_vae": t.loads.audio_vae,
+            },
+        }),
+    })
 }
 
 fn testpattern(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
@@ -247,7 +379,7 @@ fn testpattern(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         phases: vec![("render", render)],
         steps,
         load_seconds: 0.0,
-        extra: json!({}),
+        extra: json!({"name": "testpattern"}),
     })
 }
 

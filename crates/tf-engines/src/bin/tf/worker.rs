@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use tf_engines::worker::log_line;
+use tf_engines::worker::minimax_h3::MiniMaxH3Engine;
 use tf_engines::worker::qwen::{self, QwenImageEngine};
 use tf_engines::worker::testpattern::TestPattern;
 use tf_engines::worker::{Worker, WorkerEngine, WorkerLimits};
@@ -26,6 +27,9 @@ pub enum EngineName {
     /// Qwen-Image 2.1 from a diffusers-format model folder (`--model`).
     #[value(name = "qwen_image")]
     QwenImage,
+    /// MiniMax H3 (text to video with stereo audio) from a diffusers-format model folder (`--model`).
+    #[value(name = "minimax_h3")]
+    MinimaxH3,
     /// Deterministic CPU test pattern: no model, no GPU (protocol and set-up checks).
     Testpattern,
 }
@@ -77,6 +81,21 @@ pub fn run(args: Args) -> ExitCode {
                 }
             }
         }
+        EngineName::MinimaxH3 => {
+            let Some(model) = args.model else {
+                say!("tf worker: --engine minimax_h3 needs --model DIR (a diffusers-format MiniMax H3 folder)");
+                return ExitCode::from(2);
+            };
+            if !model.is_dir() {
+                say!(
+                    "tf worker: --model {} is not a folder; give the diffusers-format MiniMax H3 folder \
+                     (modular_model_index.json, transformer/, text_encoder/, vae/, audio_vae/, ...)",
+                    model.display()
+                );
+                return ExitCode::from(2);
+            }
+            Box::new(MiniMaxH3Engine::new(model, backend_choice(args.backend)))
+        }
     };
     say!(
         "tf worker: serving {:?} (pid {}); waiting for JSON lines on stdin",
@@ -105,12 +124,18 @@ fn qwen_engine(model: PathBuf, backend: BackendChoice) -> Result<Box<dyn WorkerE
             model.display()
         ));
     }
-    let backend = match backend {
+    Ok(Box::new(QwenImageEngine::new(
+        model,
+        backend_choice(backend),
+    )))
+}
+
+fn backend_choice(backend: BackendChoice) -> qwen::BackendChoice {
+    match backend {
         BackendChoice::Auto => qwen::BackendChoice::Auto,
         BackendChoice::Host => qwen::BackendChoice::Host,
         BackendChoice::Gpu => qwen::BackendChoice::Gpu,
-    };
-    Ok(Box::new(QwenImageEngine::new(model, backend)))
+    }
 }
 
 /// Asks Linux to SIGKILL this process when its parent dies, then checks the parent is still the one that

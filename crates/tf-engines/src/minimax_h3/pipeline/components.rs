@@ -1,0 +1,193 @@
+//! The pipeline's four model components behind their backend traits, where they run, and how they are held: all
+//! resident, or loaded, run and freed in turn by every request ([`Residency::Sequential`]).
+//!
+//! - text encoder: [`H3TextBackend`] (the host reference, or the GPU Qwen3-VL encoder), decoder layers
+//!   `0..layer` only (what `hidden_states[layer]` needs);
+//! - DiT: [`H3DitBackend`] (the host reference, or [`GpuH3Dit`]);
+//! - video VAE: [`VideoVaeBackend`] (the host reference, or [`GpuVideoVae`]);
+//! - audio VAE: [`AudioVaeDecoder`] (the host reference, or [`GpuAudioVae`]).
+//!
+//! The weight bytes the memory plan decides with are each component's tensors at the dtype its backend keeps
+//! them in: f32 on the host; on the GPU bf16 for the text encoder, the DiT and the video VAE, f32 for the audio
+//! VAE (the reference pins it to fp32). Workspaces are covered by the device reserve.
+//!
+//! [`Residency::Sequential`]: crate::nn::memory_plan::Residency::Sequential
+
+use super::{folder::folder_err, Backend, PipelineError};
+use crate::minimax_h3::dit::H3DitBackend;
+use crate::minimax_h3::dit_gpu::GpuH3Dit;
+use crate::minimax_h3::dit_host::HostH3Dit;
+use crate::minimax_h3::text::{load_gpu_backend, load_host_backend, H3TextBackend};
+use crate::minimax_h3::vae_audio::{self, AudioVaeDecoder, HostAudioVae};
+use crate::minimax_h3::vae_audio_gpu::GpuAudioVae;
+use crate::minimax_h3::vae_video::{self, HostVideoVae, VideoVaeBackend};
+use crate::minimax_h3::vae_video_gpu::GpuVideoVae;
+use crate::nn::memory_plan::Component;
+use crate::nn::weights::ModelDir;
+
+/// The component names of the memory plan and the load report, in pipeline order.
+pub const TEXT_ENCODER: &str = "text encoder";
+pub const DIT: &str = "DiT";
+pub const VIDEO_VAE: &str = "video VAE";
+pub const AUDIO_VAE: &str = "audio VAE";
+
+/// The four components, loaded.
+pub(super) struct Resident {
+    pub text: Box<dyn H3TextBackend>,
+    pub dit: Box<dyn H3DitBackend>,
+    pub video_vae: Box<dyn VideoVaeBackend>,
+    pub audio_vae: Box<dyn AudioVaeDecoder>,
+}
+
+/// The opened folders (headers and file mappings, nothing on the device) that the sequential mode loads from.
+pub(super) struct Folders {
+    /// The hidden state the text encoder is read at (its layers past that are not loaded).
+    pub text_layer: usize,
+    pub text_encoder: ModelDir,
+    pub dit: ModelDir,
+    pub video_vae: ModelDir,
+    pub audio_vae: ModelDir,
+}
+
+/// How the components are held.
+pub(super) enum Components {
+    /// Loaded once and kept.
+    Resident(Box<Resident>),
+    /// Loaded, run and freed in turn by every request.
+    Sequential(Box<Folders>),
+}
+
+impl Folders {
+    pub fn text_encoder(
+        &self,
+        ctx: Option<&tf_cuda::Context>,
+    ) -> Result<Box<dyn H3TextBackend>, PipelineError> {
+        Ok(match ctx {
+            None => Box::new(load_host_backend(&self.text_encoder, self.text_layer)?),
+            Some(ctx) => {
+                let te = load_gpu_backend(ctx, &self.text_encoder, self.text_layer)?;
+                uploads_done(ctx)?;
+                Box::new(te)
+            }
+        })
+    }
+
+    pub fn dit(
+        &self,
+        ctx: Option<&tf_cuda::Context>,
+    ) -> Result<Box<dyn H3DitBackend>, PipelineError> {
+        Ok(match ctx {
+            None => Box::new(HostH3Dit::load(&self.dit)?),
+            Some(ctx) => {
+                let dit = GpuH3Dit::load_on(ctx, &self.dit)?;
+                uploads_done(ctx)?;
+                Box::new(dit)
+            }
+        })
+    }
+
+    pub fn video_vae(
+        &self,
+        ctx: Option<&tf_cuda::Context>,
+    ) -> Result<Box<dyn VideoVaeBackend>, PipelineError> {
+        Ok(match ctx {
+            None => Box::new(HostVideoVae::load(&self.video_vae)?),
+            Some(ctx) => {
+                let vae = GpuVideoVae::load_on(ctx, &self.video_vae)?;
+                uploads_done(ctx)?;
+                Box::new(vae)
+            }
+        })
+    }
+
+    pub fn audio_vae(
+        &self,
+        ctx: Option<&tf_cuda::Context>,
+    ) -> Result<Box<dyn AudioVaeDecoder>, PipelineError> {
+        Ok(match ctx {
+            None => Box::new(HostAudioVae::load(&self.audio_vae)?),
+            Some(ctx) => {
+                let vae = GpuAudioVae::load_on(ctx, &self.audio_vae)?;
+                uploads_done(ctx)?;
+                Box::new(vae)
+            }
+        })
+    }
+
+    /// All four, loaded now.
+    pub fn load_all(&self, ctx: Option<&tf_cuda::Context>) -> Result<Resident, PipelineError> {
+        Ok(Resident {
+            text: self.text_encoder(ctx)?,
+            dit: self.dit(ctx)?,
+            video_vae: self.video_vae(ctx)?,
+            audio_vae: self.audio_vae(ctx)?,
+        })
+    }
+
+    /// The memory plan's components: each one's weights at its backend's dtype.
+    pub fn plan_components(&self, backend: Backend) -> Vec<Component> {
+        let text_layer = self.text_layer;
+        let device = |model: &ModelDir, skip: &[&str], bytes_per_value: u64| {
+            let values = values_of(model, skip, text_layer);
+            match backend {
+                Backend::Host => values.saturating_mul(4),
+                Backend::Gpu => values.saturating_mul(bytes_per_value),
+            }
+        };
+        vec![
+            Component::new(TEXT_ENCODER, device(&self.text_encoder, &[], 2)),
+            Component::new(DIT, device(&self.dit, &[], 2)),
+            Component::new(
+                VIDEO_VAE,
+                device(&self.video_vae, &vae_video::ENCODER_PREFIXES, 2),
+            ),
+            Component::new(
+                AUDIO_VAE,
+                device(&self.audio_vae, &vae_audio::ENCODER_PREFIXES, 4),
+            ),
+        ]
+    }
+
+    /// Opens the four component folders (headers checked, nothing converted or uploaded); the text encoder will
+    /// be read at `text_layer`.
+    pub fn open(
+        layout: &super::folder::FolderLayout,
+        text_layer: usize,
+    ) -> Result<Folders, PipelineError> {
+        let open = |path: &std::path::Path| {
+            ModelDir::open(path).map_err(|e| folder_err(path, e.to_string()))
+        };
+        Ok(Folders {
+            text_layer,
+            text_encoder: open(&layout.text_encoder)?,
+            dit: open(&layout.transformer)?,
+            video_vae: open(&layout.vae)?,
+            audio_vae: open(&layout.audio_vae)?,
+        })
+    }
+}
+
+/// Values of the tensors of `model` a load keeps: names starting with none of `skip`, and no decoder layer at or
+/// past `text_layer` (`...layers.{i}.`; only the text encoder's names have that form), nor a vision tower.
+fn values_of(model: &ModelDir, skip: &[&str], text_layer: usize) -> u64 {
+    model
+        .names()
+        .filter(|n| !skip.iter().any(|p| n.starts_with(p)))
+        .filter(|n| !n.contains("visual."))
+        .filter(|n| layer_index(n).is_none_or(|i| i < text_layer))
+        .filter_map(|n| model.info(n).ok())
+        .map(|i| i.elements() as u64)
+        .fold(0u64, u64::saturating_add)
+}
+
+/// The `i` of a `...language_model.layers.{i}....` tensor name.
+fn layer_index(name: &str) -> Option<usize> {
+    let rest = name.split_once("language_model.layers.")?.1;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// Waits for a component's uploads, so its load time is the whole load.
+fn uploads_done(ctx: &tf_cuda::Context) -> Result<(), PipelineError> {
+    ctx.synchronize()
+        .map_err(|e| super::gpu("waiting for the uploads", e))
+}
