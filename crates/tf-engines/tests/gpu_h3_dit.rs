@@ -918,6 +918,33 @@ fn random_weights_at_a_reduced_size_give_finite_outputs() {
         println!("random reduced model: {times:?}");
         assert!(times.eager_ms > 0.0 && times.graph_ms > 0.0);
         assert!(times.peak_device_bytes >= dit.weight_bytes());
+        let phases = dit.time_phases(&inputs).unwrap();
+        for p in &phases.phases {
+            println!(
+                "  {:<32} {:>3}x {:>9.4} ms  {:>7.2} TFLOP/s  {:>7.1} GB/s",
+                p.name,
+                p.count,
+                p.ms,
+                p.tflops(),
+                p.gb_per_s()
+            );
+        }
+        let sum: f64 = phases.phases.iter().map(|p| p.ms).sum();
+        let marks: usize = phases.phases.iter().map(|p| p.count).sum();
+        assert!(
+            (sum - phases.step_ms).abs() <= 2e-3 * marks as f64,
+            "phases sum to {sum} ms, the step took {} ms",
+            phases.step_ms
+        );
+        for name in [
+            "attention",
+            "qkv GEMM",
+            "SwiGLU",
+            "residual + norm (feed-forward)",
+        ] {
+            let p = phases.phases.iter().find(|p| p.name == name).unwrap();
+            assert_eq!(p.count, config.num_layers, "{name}");
+        }
     }
 }
 

@@ -18,7 +18,7 @@
 //!
 //! Submodules: [`kernels`] (the H3 kernel launchers), `weights` (dimensions, device layout, placement plan, upload
 //! and seeded fill), `workspace` (per-shape buffers and per-forward tables), `step` (the enqueued step, its GEMM
-//! list and graph replay) and, with the `bench` feature, `bench` (step timing).
+//! list, phase probe and graph replay) and, with the `bench` feature, `bench` (step and phase timing).
 //!
 //! ```no_run
 //! use std::path::Path;
@@ -56,6 +56,8 @@ mod step;
 mod weights;
 mod workspace;
 
+#[cfg(feature = "bench")]
+pub use bench::{H3Phase, H3PhaseTimes};
 use kernels::H3Kernels;
 use weights::{Dims, Source, WeightOffsets};
 use workspace::{ShapeKey, Workspace};
@@ -362,7 +364,7 @@ impl H3DitBackend for GpuH3Dit {
         if self.use_graphs && ws.warmed {
             engine.replay(ws)?;
         } else {
-            engine.enqueue_step(ws)?;
+            engine.enqueue_step(ws, &mut step::NoProbe)?;
             ws.warmed = true;
         }
         engine

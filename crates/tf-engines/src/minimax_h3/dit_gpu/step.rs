@@ -14,7 +14,7 @@
 //! plans, so planning ahead sees exactly the shapes the step runs. Nothing here synchronizes with the host.
 
 use tf_cuda::cublaslt::DeviceSpan;
-use tf_cuda::{DeviceBuffer, DeviceView};
+use tf_cuda::{DeviceBuffer, DeviceView, Stream};
 
 use super::kernels::{
     plan_linear_f32, plan_qk_norm_rope, plan_residual_norm, Elem, LinearF32, NormModulation,
@@ -29,12 +29,39 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::gemm::{self, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::{
-    plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, Strides, SwigluOrder, HEAD_DIM,
+    attention_flops, plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, Strides,
+    SwigluOrder, HEAD_DIM,
 };
 use crate::nn::weights::BF16;
 
 fn launch(e: tf_cuda::Error) -> H3Error {
     H3Error::Gpu(gpu_error("kernel launch", e))
+}
+
+/// A hook the step calls after each launch group of an eager step (never while a graph is captured). The
+/// production step runs with [`NoProbe`], whose marks compile to nothing; the benchmarks (`bench` feature) pass a
+/// timer that records an event per mark.
+pub(super) trait StepProbe {
+    /// Ends the phase `name` (everything enqueued since the previous mark), which did `flops` floating-point
+    /// operations (GEMMs, attention) or moved `bytes` (elementwise kernels; 0 where not counted).
+    fn mark(
+        &mut self,
+        stream: &Stream,
+        name: &'static str,
+        flops: f64,
+        bytes: f64,
+    ) -> Result<(), H3Error>;
+}
+
+/// The production step's probe: marks nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct NoProbe;
+
+impl StepProbe for NoProbe {
+    #[inline(always)]
+    fn mark(&mut self, _: &Stream, _: &'static str, _: f64, _: f64) -> Result<(), H3Error> {
+        Ok(())
+    }
 }
 
 /// A workspace buffer a GEMM reads or writes.
@@ -69,6 +96,11 @@ pub(super) struct GemmCall {
 }
 
 impl GemmCall {
+    /// Floating-point operations of the call.
+    fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+
     /// The plan this call needs.
     pub(super) fn shape(&self) -> GemmShape {
         let shape = gemm::shape_at_offsets(
@@ -392,11 +424,12 @@ impl Engine {
 
     /// The attention half of a block on the normed rows h: q|k|v, QK norm (+ RoPE on the main rows), attention,
     /// `to_out` into y.
-    fn attention_half(
+    fn attention_half<P: StepProbe>(
         &self,
         ws: &mut Workspace,
         a: &AttnOffsets,
         rows: Rows,
+        probe: &mut P,
     ) -> Result<(), H3Error> {
         let d = &self.dims;
         let key = ws.key;
@@ -404,9 +437,19 @@ impl Engine {
             Rows::Text => key.text,
             Rows::Main => key.seq,
         };
+        let (qkv_name, qk_name, attention_name, out_name) = match rows {
+            Rows::Text => (
+                "refiner qkv GEMM",
+                "refiner QK norm",
+                "refiner attention",
+                "refiner out GEMM",
+            ),
+            Rows::Main => ("qkv GEMM", "QK norm + RoPE", "attention", "out GEMM"),
+        };
         let m = key.batch * seq;
         let [qkv_call, out_call, _, _] = self.block_calls(a, m);
         self.run_gemm(ws, qkv_call)?;
+        probe.mark(&self.stream, qkv_name, qkv_call.flops(), 0.0)?;
         {
             let qkv = ws.qkv.view_mut();
             let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
@@ -429,6 +472,7 @@ impl Engine {
                 .run(&self.stream, plan_qk_norm_rope(&op))
                 .map_err(launch)?;
         }
+        probe.mark(&self.stream, qk_name, 0.0, (4 * m * d.width * BF16) as f64)?;
         {
             let qkv = ws.qkv.view();
             let part = d.width * BF16;
@@ -457,15 +501,32 @@ impl Engine {
             self.kernels
                 .attention_with(&self.stream, self.tile, shape, &inputs, &mut o, o_strides)
                 .map_err(launch)?;
+            probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }
-        self.run_gemm(ws, out_call)
+        self.run_gemm(ws, out_call)?;
+        probe.mark(&self.stream, out_name, out_call.flops(), 0.0)
     }
 
     /// The feed-forward half of a block on the normed rows h: `fc1` (`[value | gate]`), SwiGLU, `fc2` into y.
-    fn mlp(&self, ws: &mut Workspace, a: &AttnOffsets, m: usize) -> Result<(), H3Error> {
+    fn mlp<P: StepProbe>(
+        &self,
+        ws: &mut Workspace,
+        a: &AttnOffsets,
+        rows: Rows,
+        probe: &mut P,
+    ) -> Result<(), H3Error> {
         let fp = self.dims.fp;
+        let m = match rows {
+            Rows::Text => ws.sizes.text_rows,
+            Rows::Main => ws.sizes.rows,
+        };
+        let (fc1_name, act_name, fc2_name) = match rows {
+            Rows::Text => ("refiner fc1 GEMM", "refiner SwiGLU", "refiner fc2 GEMM"),
+            Rows::Main => ("fc1 GEMM", "SwiGLU", "fc2 GEMM"),
+        };
         let [_, _, fc1, fc2] = self.block_calls(a, m);
         self.run_gemm(ws, fc1)?;
+        probe.mark(&self.stream, fc1_name, fc1.flops(), 0.0)?;
         self.kernels
             .run(
                 &self.stream,
@@ -478,11 +539,17 @@ impl Engine {
                 ),
             )
             .map_err(launch)?;
-        self.run_gemm(ws, fc2)
+        probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
+        self.run_gemm(ws, fc2)?;
+        probe.mark(&self.stream, fc2_name, fc2.flops(), 0.0)
     }
 
-    /// Enqueues one step on the stream (no host synchronisation).
-    pub(super) fn enqueue_step(&self, ws: &mut Workspace) -> Result<(), H3Error> {
+    /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group.
+    pub(super) fn enqueue_step<P: StepProbe>(
+        &self,
+        ws: &mut Workspace,
+        probe: &mut P,
+    ) -> Result<(), H3Error> {
         let d = self.dims;
         let o = &self.offsets;
         let key = ws.key;
@@ -494,6 +561,9 @@ impl Engine {
             stride,
             index: None,
         };
+        // Bytes a norm over the main or text rows moves: `passes` row-sized reads and writes.
+        let norm_bytes = |passes: usize| (passes * z.rows * hp * BF16) as f64;
+        let text_norm_bytes = |passes: usize| (passes * z.text_rows * hp * BF16) as f64;
 
         // 1. Time embedder (f32): linear_1 + SiLU, linear_2 + SiLU (temb only enters the model through SiLU).
         self.linear_f32(&LinearF32 {
@@ -525,14 +595,20 @@ impl Engine {
             },
             silu: true,
         })?;
+        let time_flops = 2.0 * nt as f64 * d.time_hidden as f64 * (d.freq + d.temb_p) as f64;
+        probe.mark(&self.stream, "time embedder", time_flops, 0.0)?;
 
         // 2. The adaLN tables of every block and the output modulation.
+        let mut table_bytes = 0.0;
         for layer in 0..o.blocks.len() {
             if let Some(call) = self.adaln_call(&z, nt, layer) {
                 self.run_gemm(ws, call)?;
+                table_bytes += (call.n * call.k * BF16) as f64;
             }
         }
         self.run_gemm(ws, self.norm_out_call(nt))?;
+        // Memory-bound (a few rows): the weights read is the work.
+        probe.mark(&self.stream, "adaLN tables", 0.0, table_bytes)?;
 
         // 3. Video and audio rows (f32 projections) straight into their rows of x.
         let heads_in = [
@@ -568,10 +644,19 @@ impl Engine {
             })?;
         }
 
+        probe.mark(
+            &self.stream,
+            "input projections",
+            2.0 * (key.batch * (key.video * d.video + key.audio * d.audio) * hp) as f64,
+            0.0,
+        )?;
+
         // 4. Text rows: context_embedder, the token refiner, its final norm written into x.
         let text = z.text_rows;
         if text > 0 {
-            self.run_gemm(ws, self.context_call(text))?;
+            let context = self.context_call(text);
+            self.run_gemm(ws, context)?;
+            probe.mark(&self.stream, "context embedder", context.flops(), 0.0)?;
             let refiner = &o.refiner;
             if let Some(first) = refiner.first() {
                 self.residual_norm(
@@ -583,9 +668,10 @@ impl Engine {
                     Modulate::None,
                     Target::H,
                 )?;
+                probe.mark(&self.stream, "refiner norms", 0.0, text_norm_bytes(2))?;
             }
             for (j, a) in refiner.iter().enumerate() {
-                self.attention_half(ws, a, Rows::Text)?;
+                self.attention_half(ws, a, Rows::Text, probe)?;
                 self.residual_norm(
                     ws,
                     Rows::Text,
@@ -595,7 +681,8 @@ impl Engine {
                     Modulate::None,
                     Target::H,
                 )?;
-                self.mlp(ws, a, text)?;
+                probe.mark(&self.stream, "refiner norms", 0.0, text_norm_bytes(4))?;
+                self.mlp(ws, a, Rows::Text, probe)?;
                 match refiner.get(j + 1) {
                     Some(next) => self.residual_norm(
                         ws,
@@ -616,6 +703,7 @@ impl Engine {
                         Target::TextRowsOfX,
                     )?,
                 }
+                probe.mark(&self.stream, "refiner norms", 0.0, text_norm_bytes(4))?;
             }
             if refiner.is_empty() {
                 self.residual_norm(
@@ -627,6 +715,7 @@ impl Engine {
                     Modulate::None,
                     Target::TextRowsOfX,
                 )?;
+                probe.mark(&self.stream, "refiner norms", 0.0, text_norm_bytes(2))?;
             }
         }
 
@@ -657,8 +746,9 @@ impl Engine {
                 Target::H,
             )?,
         }
+        probe.mark(&self.stream, "norm (block 0)", 0.0, norm_bytes(2))?;
         for (layer, b) in o.blocks.iter().enumerate() {
-            self.attention_half(ws, &b.attn, Rows::Main)?;
+            self.attention_half(ws, &b.attn, Rows::Main, probe)?;
             self.residual_norm(
                 ws,
                 Rows::Main,
@@ -675,7 +765,13 @@ impl Engine {
                 },
                 Target::H,
             )?;
-            self.mlp(ws, &b.attn, z.rows)?;
+            probe.mark(
+                &self.stream,
+                "residual + norm (attention)",
+                0.0,
+                norm_bytes(4),
+            )?;
+            self.mlp(ws, &b.attn, Rows::Main, probe)?;
             let gate = Residual::Gated {
                 layer,
                 column: gate2,
@@ -704,6 +800,12 @@ impl Engine {
                     Target::H,
                 )?,
             }
+            probe.mark(
+                &self.stream,
+                "residual + norm (feed-forward)",
+                0.0,
+                norm_bytes(4),
+            )?;
         }
 
         // 6. The f32 heads over the rows they select (norm_out's bf16 rows read as f32).
@@ -745,7 +847,12 @@ impl Engine {
                 silu: false,
             })?;
         }
-        Ok(())
+        probe.mark(
+            &self.stream,
+            "heads",
+            2.0 * (key.batch * (key.video * d.video + key.audio * d.audio) * hp) as f64,
+            0.0,
+        )
     }
 
     /// Captures the step of this workspace unless it is captured, then replays it on the stream.
@@ -757,7 +864,7 @@ impl Engine {
             .capture(
                 key,
                 &self.stream,
-                || self.enqueue_step(ws),
+                || self.enqueue_step(ws, &mut NoProbe),
                 |what, e| cuda_err(what)(e),
             )
             .and_then(|graph| {
