@@ -119,6 +119,9 @@ pub struct H3DitArgs {
     /// The pipeline's default canvas instead: 1344x768, 5 s (124 frames).
     #[arg(long, conflicts_with_all = ["width", "height", "frames"])]
     canvas_default: bool,
+    /// Also time each phase of one eager step (events between launch groups), summed over the blocks.
+    #[arg(long)]
+    phases: bool,
     /// Text rows before the video.
     #[arg(long, default_value_t = 128)]
     text_rows: usize,
