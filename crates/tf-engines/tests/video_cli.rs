@@ -175,3 +175,177 @@ fn a_missing_output_folder_is_refused_before_anything_runs() {
     assert!(!stderr.contains("step"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn h3() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/minimax_h3_pipeline")
+}
+
+/// `tf video` on the tiny MiniMax H3 folder (host reference) with the `short` case's prompt, size and noise: the
+/// MP4 reads back as 22 frames at 24 fps with an 8 kHz stereo AAC track, and the frames it kept as PNGs are the
+/// diffusers pipeline's frames rounded to 8 bits.
+#[test]
+fn tf_video_on_the_tiny_h3_folder_writes_the_reference_frames() {
+    let dir = scratch("h3");
+    let out = dir.join("fox.mp4");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(h3().join("manifest.json")).unwrap())
+            .unwrap();
+    let case = &manifest["cases"][1];
+    assert_eq!(case["case"], "short");
+    let size = format!("{}x{}", case["width"], case["height"]);
+    let steps = case["num_inference_steps"].to_string();
+    let res = Command::new(tf())
+        .args([
+            "video",
+            "--backend",
+            "host",
+            "--prompt",
+            case["prompt"].as_str().unwrap(),
+            "--size",
+            &size,
+        ])
+        .args(["--seconds", "0.9", "--steps", &steps, "--json", "--model"])
+        .arg(h3().join("model"))
+        .arg("--noise")
+        .arg(h3().join("noise_short.safetensors"))
+        .arg("--frames-dir")
+        .arg(dir.join("frames"))
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{stderr}");
+    assert!(stderr.contains("step 4/4"), "progress per step: {stderr}");
+    assert!(stderr.contains("memory plan"), "{stderr}");
+    let summary: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
+    assert_eq!(summary["frames"], 22);
+    assert_eq!(summary["engine"]["requested_frames"], 22);
+    for phase in ["encode_s", "decode_video_s", "decode_audio_s"] {
+        assert!(
+            summary["timings"]["phases"][phase].as_f64().unwrap() > 0.0,
+            "{phase}: {summary}"
+        );
+    }
+    assert_eq!(summary["timings"]["steps_s"].as_array().unwrap().len(), 4);
+
+    let p = media_probe::probe(&out);
+    assert_eq!(
+        (p.video_codec.as_str(), p.pix_fmt.as_str()),
+        ("h264", "yuv420p")
+    );
+    assert_eq!(
+        (p.width, p.height, p.frames, p.frame_rate.as_str()),
+        (16, 24, 22, "24/1")
+    );
+    assert!((p.duration - 22.0 / 24.0).abs() < 0.06, "{p:?}");
+    let a = p.audio.clone().expect("a stereo track");
+    assert_eq!(
+        (a.codec.as_str(), a.channels, a.sample_rate),
+        ("aac", 2, 8000)
+    );
+
+    let expected =
+        tf_engines::nn::weights::SafetensorsFile::open(&h3().join("expected.safetensors"))
+            .unwrap()
+            .to_f32("short.frames")
+            .unwrap();
+    let plane = 16 * 24 * 3;
+    let mut worst = 0i32;
+    for i in 0..22 {
+        let png = tf_engines::nn::media::png::read_png(
+            &dir.join("frames").join(format!("frame_{i:05}.png")),
+        )
+        .unwrap();
+        assert_eq!((png.width, png.height, png.color.channels()), (16, 24, 3));
+        for (got, want) in png
+            .pixels
+            .iter()
+            .zip(&expected.data()[i * plane..(i + 1) * plane])
+        {
+            worst = worst.max((i32::from(*got) - (want * 255.0).round() as i32).abs());
+        }
+    }
+    assert!(
+        worst <= 1,
+        "a frame differs from the reference by {worst} levels"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn h3_requests_the_model_cannot_serve_are_refused_before_loading() {
+    let dir = scratch("h3-refused");
+    let model = h3().join("model");
+    for (size, seconds, extra, needle) in [
+        ("20x24", "0.9", vec![], "`width` 20"),
+        ("16x24", "0.9", vec!["--fps", "30"], "`fps` 30"),
+        ("16x24", "16", vec![], "`seconds`"),
+        ("16x24", "0.9", vec!["--steps", "1"], "`steps` 1"),
+    ] {
+        let res = Command::new(tf())
+            .args([
+                "video",
+                "--backend",
+                "host",
+                "--prompt",
+                "x",
+                "--size",
+                size,
+                "--seconds",
+                seconds,
+            ])
+            .args(&extra)
+            .arg("--model")
+            .arg(&model)
+            .arg("-o")
+            .arg(dir.join("x.mp4"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(
+            res.status.code(),
+            Some(1),
+            "{size} {seconds} {extra:?}: {stderr}"
+        );
+        assert!(stderr.contains(needle), "expected {needle:?} in {stderr}");
+        assert!(
+            !stderr.contains("loading"),
+            "the model was loaded first: {stderr}"
+        );
+    }
+    // A noise file of another request's shape.
+    let res = Command::new(tf())
+        .args([
+            "video",
+            "--backend",
+            "host",
+            "--prompt",
+            "x",
+            "--size",
+            "16x24",
+            "--seconds",
+            "0.9",
+            "--model",
+        ])
+        .arg(&model)
+        .arg("--noise")
+        .arg(h3().join("noise_five_seconds.safetensors"))
+        .arg("-o")
+        .arg(dir.join("x.mp4"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("video_noise"), "{stderr}");
+    assert!(!stderr.contains("loading"), "{stderr}");
+    // --model is required for the H3 engine.
+    let res = Command::new(tf())
+        .args(["video", "--prompt", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(res.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("needs --model DIR"));
+    assert!(names(&dir).is_empty(), "{:?}", names(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}

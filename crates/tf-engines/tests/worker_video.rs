@@ -426,3 +426,156 @@ fn without_ffmpeg_the_raw_output_is_kept() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn h3_model() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/minimax_h3_pipeline/model")
+}
+
+/// `tf worker --engine minimax_h3` on the tiny folder (host reference): a good request makes an MP4 of 24 fps with
+/// a stereo track; requests the model cannot serve are each refused as `invalid_request_error` naming the field,
+/// before anything runs, and the worker keeps serving; `exit` reports no device memory held.
+#[test]
+fn the_h3_worker_serves_good_and_refuses_bad_video_requests() {
+    use tf_engines::worker::minimax_h3::MiniMaxH3Engine;
+    use tf_engines::worker::qwen::BackendChoice;
+    let dir = temp_dir("h3");
+    let d = dir.display().to_string();
+    let video = |fields: Value| json!({"op": "generate", "dir": d, "request": {"video": fields}});
+    let good = json!({"prompt": "waves break on the rocks", "width": 16, "height": 32, "seconds": 0.9,
+        "steps": 3, "seed": 11, "audio": true});
+    let with = |key: &str, value: Value| {
+        let mut v = good.clone();
+        v[key] = value;
+        video(v)
+    };
+    let bad: Vec<(Value, &str)> = vec![
+        (with("fps", json!(30)), "`fps` 30"),
+        (with("seconds", json!(20)), "`seconds`"),
+        (with("seconds", json!(0.1)), "`seconds`"),
+        (
+            {
+                let mut v = good.clone();
+                v["width"] = json!(2048);
+                v["height"] = json!(2048);
+                video(v)
+            },
+            "`width` x `height`",
+        ),
+        (with("first_frame", json!("start.png")), "`first_frame`"),
+        (
+            with("negative_prompt", json!("blurry")),
+            "`negative_prompt`",
+        ),
+        (with("guidance", json!(4.5)), "`guidance`"),
+        (with("steps", json!(1)), "`steps` 1"),
+        (with("prompt", json!("<|video_pad|>")), "`prompt`"),
+        (
+            json!({"op": "generate", "dir": d, "request": {"image": {"prompt": "a still"}}}),
+            "makes videos",
+        ),
+    ];
+    let mut lines = vec![json!({"op": "load"}), video(good.clone())];
+    lines.extend(bad.iter().map(|(l, _)| l.clone()));
+    let mut silent = good.clone();
+    silent["audio"] = json!(false);
+    lines.push(json!({"op": "generate", "dir": dir.join("silent"), "request": {"video": silent}}));
+    lines.push(json!({"op": "exit"}));
+    let replies = serve(
+        MiniMaxH3Engine::new(h3_model(), BackendChoice::Host),
+        &lines,
+    );
+    let done = finals(&replies);
+    assert_eq!(done.len(), lines.len(), "{replies:#?}");
+    assert!(done[0]["resident"].as_u64().unwrap() > 0);
+    assert_eq!(done[1]["files"], json!(["video.mp4"]), "{replies:#?}");
+    assert_eq!(done[1]["seed"], 11);
+    for ((line, needle), reply) in bad.iter().zip(&done[2..]) {
+        assert_eq!(reply["type"], "invalid_request_error", "{line}: {reply}");
+        let message = reply["error"].as_str().unwrap();
+        assert!(
+            message.contains(needle),
+            "{line}: expected {needle:?} in {message:?}"
+        );
+    }
+    let n = done.len();
+    assert_eq!(
+        done[n - 2]["files"],
+        json!(["video.mp4"]),
+        "the worker served on: {replies:#?}"
+    );
+    assert_eq!(done[n - 1]["device_bytes"], 0);
+    // Progress of the first job: encode, 2 steps (3 grid points), decode video then audio.
+    let loaded = replies
+        .iter()
+        .position(|r| r.get("resident").is_some())
+        .unwrap();
+    let first: Vec<(String, u64, u64)> = replies[loaded + 1..]
+        .iter()
+        .take_while(|r| r.get("ok").is_none())
+        .map(|r| {
+            let p = &r["progress"];
+            (
+                p["phase"].as_str().unwrap().to_string(),
+                p["step"].as_u64().unwrap(),
+                p["of"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let expect: Vec<(String, u64, u64)> = [
+        ("encode", 1, 1),
+        ("denoise", 1, 2),
+        ("denoise", 2, 2),
+        ("decode", 1, 2),
+        ("decode", 2, 2),
+    ]
+    .iter()
+    .map(|(p, s, o)| (p.to_string(), *s, *o))
+    .collect();
+    assert_eq!(first, expect);
+
+    let p = media_probe::probe(&dir.join("video.mp4"));
+    assert_eq!(
+        (p.video_codec.as_str(), p.pix_fmt.as_str()),
+        ("h264", "yuv420p")
+    );
+    // 0.9 s at 24 fps = 22 frames (17 n + 5).
+    assert_eq!(
+        (p.width, p.height, p.frames, p.frame_rate.as_str()),
+        (16, 32, 22, "24/1")
+    );
+    let a = p.audio.clone().expect("a stereo track");
+    assert_eq!(
+        (a.codec.as_str(), a.channels, a.sample_rate),
+        ("aac", 2, 8000)
+    );
+    assert!((p.duration - 22.0 / 24.0).abs() < 0.06, "{p:?}");
+    let silent = media_probe::probe(&dir.join("silent").join("video.mp4"));
+    assert!(silent.audio.is_none(), "{silent:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tf_worker_minimax_h3_needs_a_model_folder() {
+    for args in [
+        vec!["worker", "--engine", "minimax_h3"],
+        vec![
+            "worker",
+            "--engine",
+            "minimax_h3",
+            "--model",
+            "/nonexistent/h3",
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tf"))
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("MiniMax H3"),
+            "{args:?}"
+        );
+    }
+}
