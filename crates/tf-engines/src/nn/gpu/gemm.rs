@@ -275,16 +275,7 @@ pub fn fp8_shape_at_offsets(
     (x, w, y): (usize, usize, usize),
     f32_out: bool,
 ) -> GemmShape {
-    let shape = GemmShape::fp8_e4m3_row_wise(m, n, k).with_alignment(
-        offset_alignment(w),
-        offset_alignment(x),
-        offset_alignment(y),
-    );
-    if f32_out {
-        shape.with_f32_output()
-    } else {
-        shape
-    }
+    at_offsets(GemmShape::fp8_e4m3_row_wise(m, n, k), (x, w, y), f32_out)
 }
 
 /// The alignment cuBLASLt records for an operand at byte `offset` of a 256-byte aligned allocation.
@@ -300,7 +291,13 @@ pub fn shape_at_offsets(
     (x, w, y): (usize, usize, usize),
     f32_out: bool,
 ) -> GemmShape {
-    let shape = GemmShape::bf16(m, n, k).with_alignment(
+    at_offsets(GemmShape::bf16(m, n, k), (x, w, y), f32_out)
+}
+
+/// `shape` with the alignments of operands at byte offsets `(x, w, y)` of 256-byte aligned allocations, and an
+/// f32 output when `f32_out`.
+fn at_offsets(shape: GemmShape, (x, w, y): (usize, usize, usize), f32_out: bool) -> GemmShape {
+    let shape = shape.with_alignment(
         offset_alignment(w),
         offset_alignment(x),
         offset_alignment(y),
