@@ -304,6 +304,102 @@ pub struct NormModulate<'v, 'a> {
     pub modulation: Option<RowModulation<'v, 'a>>,
 }
 
+/// Checks and packs a [`NormModulate`]'s tail, `(weight, bias, rows, cols, eps, layer_norm, mod, mod_stride,
+/// mod_rows, scale_offset, shift_offset, seq_len, target_begin, prefix_row, row_index)`, exactly as
+/// `nn_norm_modulate` takes it. Without modulation the selection slots get `unmodulated` (rule, row index
+/// address): a gate may still need them.
+pub(crate) fn push_norm(
+    args: &mut Args,
+    op: &str,
+    x_layout: Matrix,
+    norm: &NormModulate<'_, '_>,
+    unmodulated: (ModulationRows, u64),
+) -> Result<(), tf_cuda::Error> {
+    let cols = x_layout.cols;
+    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
+        return Err(invalid(
+            op,
+            format!("eps {} must be finite and >= 0", norm.eps),
+        ));
+    }
+    if norm.bias.is_some() && norm.weight.is_none() {
+        return Err(invalid(op, "a bias needs a weight (affine norm)"));
+    }
+    for (name, view) in [("weight", norm.weight), ("bias", norm.bias)] {
+        if let Some(view) = view {
+            check_matrix(op, name, Operand::of(view), Matrix::dense(1, cols))?;
+        }
+    }
+    args.push_addr(norm.weight.map_or(0, |w| w.addr()))
+        .push_addr(norm.bias.map_or(0, |b| b.addr()))
+        .push(to_i32(op, "rows", x_layout.rows)?)
+        .push(to_i32(op, "cols", cols)?)
+        .push(norm.eps)
+        .push(i32::from(norm.kind == NormKind::LayerNorm));
+    let Some(m) = &norm.modulation else {
+        args.push_addr(0)
+            .push(0i32)
+            .push(0i32)
+            .push(0i32)
+            .push(-1i32);
+        push_select(args, op, unmodulated.0)?;
+        args.push_addr(unmodulated.1);
+        return Ok(());
+    };
+    if m.rows == 0 {
+        return Err(invalid(op, "modulation needs at least one row"));
+    }
+    let block = |offset: usize| Modulation {
+        data: m.data,
+        rows: m.rows,
+        stride: m.stride,
+        offset,
+    };
+    let index = match m.row_index {
+        Some(index) => Some(check_row_index(op, index, x_layout.rows)?),
+        None => None,
+    };
+    let select = if index.is_some() {
+        ModulationRows::targets_only(1)
+    } else {
+        m.select
+    };
+    for offset in std::iter::once(m.scale_offset).chain(m.shift_offset) {
+        if index.is_some() {
+            // Any row may be chosen: the whole table must be there.
+            check_modulation(op, &block(offset), cols, m.rows, select)?;
+        } else {
+            check_modulation(op, &block(offset), cols, x_layout.rows, select)?;
+        }
+    }
+    let shift = match m.shift_offset {
+        Some(offset) => to_i32(op, "shift offset", offset)?,
+        None => -1,
+    };
+    args.push_addr(m.data.addr())
+        .push(to_i32(op, "modulation stride", m.stride)?)
+        .push(to_i32(op, "modulation rows", m.rows)?)
+        .push(to_i32(op, "scale offset", m.scale_offset)?)
+        .push(shift);
+    push_select(args, op, select)?;
+    args.push_addr(index.unwrap_or(0));
+    Ok(())
+}
+
+/// Checks an i32 row index of `rows` entries; returns its address.
+pub(crate) fn check_row_index(
+    op: &str,
+    index: &DeviceView<'_>,
+    rows: usize,
+) -> Result<u64, tf_cuda::Error> {
+    check_aligned_to(op, "row_index", Operand::of(index), 4)?;
+    let bytes = rows
+        .checked_mul(4)
+        .ok_or_else(|| invalid(op, "row_index size overflows"))?;
+    check_bytes(op, "row_index", Operand::of(index), bytes)?;
+    Ok(index.addr())
+}
+
 /// Builds a [`NormModulate`] over `x` into `y` (kernel nn_norm_modulate).
 pub fn plan_norm_modulate<'a>(
     x: &'a DeviceView<'_>,
@@ -313,103 +409,21 @@ pub fn plan_norm_modulate<'a>(
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "norm_modulate";
-    let cols = x_layout.cols;
-    check_norm_cols(OP, cols)?;
-    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
-        return Err(invalid(
-            OP,
-            format!("eps {} must be finite and >= 0", norm.eps),
-        ));
-    }
+    check_norm_cols(OP, x_layout.cols)?;
     check_matrix(OP, "x", Operand::of(x), x_layout)?;
     check_matrix(OP, "y", Operand::of_mut(y), x_layout.with_stride(y_stride))?;
-    if norm.bias.is_some() && norm.weight.is_none() {
-        return Err(invalid(OP, "a bias needs a weight (affine norm)"));
-    }
-    for (name, view) in [("weight", norm.weight), ("bias", norm.bias)] {
-        if let Some(view) = view {
-            check_matrix(OP, name, Operand::of(view), Matrix::dense(1, cols))?;
-        }
-    }
     let mut args = Args::new();
     args.push_addr(x.addr())
         .push(to_i32(OP, "x stride", x_layout.stride)?)
         .push_addr(y.addr())
-        .push(to_i32(OP, "y stride", y_stride)?)
-        .push_addr(norm.weight.map_or(0, |w| w.addr()))
-        .push_addr(norm.bias.map_or(0, |b| b.addr()))
-        .push(to_i32(OP, "rows", x_layout.rows)?)
-        .push(to_i32(OP, "cols", cols)?)
-        .push(norm.eps)
-        .push(i32::from(norm.kind == NormKind::LayerNorm));
-    match &norm.modulation {
-        None => {
-            args.push_addr(0)
-                .push(0i32)
-                .push(0i32)
-                .push(0i32)
-                .push(-1i32);
-            push_select(&mut args, OP, ModulationRows::targets_only(1))?;
-            args.push_addr(0);
-        }
-        Some(m) => {
-            let block = |offset: usize| Modulation {
-                data: m.data,
-                rows: m.rows,
-                stride: m.stride,
-                offset,
-            };
-            let select = if m.row_index.is_some() {
-                // The index decides; the rule is not used but must describe a valid layout.
-                ModulationRows::targets_only(1)
-            } else {
-                m.select
-            };
-            if m.row_index.is_none() {
-                check_modulation(OP, &block(m.scale_offset), cols, x_layout.rows, select)?;
-                if let Some(shift) = m.shift_offset {
-                    check_modulation(OP, &block(shift), cols, x_layout.rows, select)?;
-                }
-            } else {
-                for offset in std::iter::once(m.scale_offset).chain(m.shift_offset) {
-                    // A whole-tensor check: any row may be chosen.
-                    check_modulation(
-                        OP,
-                        &block(offset),
-                        cols,
-                        m.rows,
-                        ModulationRows::targets_only(1),
-                    )?;
-                }
-            }
-            if m.rows == 0 {
-                return Err(invalid(OP, "modulation needs at least one row"));
-            }
-            let shift = match m.shift_offset {
-                Some(offset) => to_i32(OP, "shift offset", offset)?,
-                None => -1,
-            };
-            args.push_addr(m.data.addr())
-                .push(to_i32(OP, "modulation stride", m.stride)?)
-                .push(to_i32(OP, "modulation rows", m.rows)?)
-                .push(to_i32(OP, "scale offset", m.scale_offset)?)
-                .push(shift);
-            push_select(&mut args, OP, select)?;
-            let index = match m.row_index {
-                Some(index) => {
-                    check_aligned_to(OP, "row_index", Operand::of(index), 4)?;
-                    let bytes = x_layout
-                        .rows
-                        .checked_mul(4)
-                        .ok_or_else(|| invalid(OP, "row_index size overflows"))?;
-                    check_bytes(OP, "row_index", Operand::of(index), bytes)?;
-                    index.addr()
-                }
-                None => 0,
-            };
-            args.push_addr(index);
-        }
-    }
+        .push(to_i32(OP, "y stride", y_stride)?);
+    push_norm(
+        &mut args,
+        OP,
+        x_layout,
+        norm,
+        (ModulationRows::targets_only(1), 0),
+    )?;
     Ok(Launch::new(
         "nn_norm_modulate",
         LaunchConfig::new(to_u32(OP, "rows", x_layout.rows.max(1))?, ROW_THREADS),

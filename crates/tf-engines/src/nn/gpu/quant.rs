@@ -24,7 +24,7 @@ use super::launch::{
     LoadedSet, Matrix, Operand, ROW_THREADS,
 };
 use super::norm::{
-    check_modulation, check_norm_cols, push_select, Modulation, ModulationRows, NormKind,
+    check_modulation, check_norm_cols, check_row_index, push_norm, Modulation, ModulationRows,
     NormModulate,
 };
 use super::SwigluOrder;
@@ -122,98 +122,6 @@ fn push_fp8_rows(args: &mut Args, op: &str, out: &Fp8Rows<'_, '_>) -> Result<(),
         .push(to_i32(op, "FP8 code stride", out.stride)?)
         .push_addr(out.scales.addr());
     Ok(())
-}
-
-/// Checks and packs a [`NormModulate`]'s tail, `(weight, bias, rows, cols, eps, layer_norm, mod, mod_stride,
-/// mod_rows, scale_offset, shift_offset, seq_len, target_begin, prefix_row, row_index)`, exactly as
-/// `nn_norm_modulate` takes it. Without modulation the selection slots get `unmodulated` (rule, row index
-/// address): a gate may still need them.
-fn push_norm(
-    args: &mut Args,
-    op: &str,
-    x_layout: Matrix,
-    norm: &NormModulate<'_, '_>,
-    unmodulated: (ModulationRows, u64),
-) -> Result<(), tf_cuda::Error> {
-    let cols = x_layout.cols;
-    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
-        return Err(invalid(
-            op,
-            format!("eps {} must be finite and >= 0", norm.eps),
-        ));
-    }
-    if norm.bias.is_some() && norm.weight.is_none() {
-        return Err(invalid(op, "a bias needs a weight (affine norm)"));
-    }
-    for (name, view) in [("weight", norm.weight), ("bias", norm.bias)] {
-        if let Some(view) = view {
-            check_matrix(op, name, Operand::of(view), Matrix::dense(1, cols))?;
-        }
-    }
-    args.push_addr(norm.weight.map_or(0, |w| w.addr()))
-        .push_addr(norm.bias.map_or(0, |b| b.addr()))
-        .push(to_i32(op, "rows", x_layout.rows)?)
-        .push(to_i32(op, "cols", cols)?)
-        .push(norm.eps)
-        .push(i32::from(norm.kind == NormKind::LayerNorm));
-    let Some(m) = &norm.modulation else {
-        args.push_addr(0)
-            .push(0i32)
-            .push(0i32)
-            .push(0i32)
-            .push(-1i32);
-        push_select(args, op, unmodulated.0)?;
-        args.push_addr(unmodulated.1);
-        return Ok(());
-    };
-    if m.rows == 0 {
-        return Err(invalid(op, "modulation needs at least one row"));
-    }
-    let block = |offset: usize| Modulation {
-        data: m.data,
-        rows: m.rows,
-        stride: m.stride,
-        offset,
-    };
-    let index = match m.row_index {
-        Some(index) => Some(check_row_index(op, index, x_layout.rows)?),
-        None => None,
-    };
-    let select = if index.is_some() {
-        ModulationRows::targets_only(1)
-    } else {
-        m.select
-    };
-    for offset in std::iter::once(m.scale_offset).chain(m.shift_offset) {
-        if index.is_some() {
-            // Any row may be chosen: the whole table must be there.
-            check_modulation(op, &block(offset), cols, m.rows, select)?;
-        } else {
-            check_modulation(op, &block(offset), cols, x_layout.rows, select)?;
-        }
-    }
-    let shift = match m.shift_offset {
-        Some(offset) => to_i32(op, "shift offset", offset)?,
-        None => -1,
-    };
-    args.push_addr(m.data.addr())
-        .push(to_i32(op, "modulation stride", m.stride)?)
-        .push(to_i32(op, "modulation rows", m.rows)?)
-        .push(to_i32(op, "scale offset", m.scale_offset)?)
-        .push(shift);
-    push_select(args, op, select)?;
-    args.push_addr(index.unwrap_or(0));
-    Ok(())
-}
-
-/// Checks an i32 row index of `rows` entries; returns its address.
-fn check_row_index(op: &str, index: &DeviceView<'_>, rows: usize) -> Result<u64, tf_cuda::Error> {
-    check_aligned_to(op, "row_index", Operand::of(index), 4)?;
-    let bytes = rows
-        .checked_mul(4)
-        .ok_or_else(|| invalid(op, "row_index size overflows"))?;
-    check_bytes(op, "row_index", Operand::of(index), bytes)?;
-    Ok(index.addr())
 }
 
 fn row_config(op: &str, rows: usize) -> Result<LaunchConfig, tf_cuda::Error> {
@@ -478,6 +386,7 @@ impl QuantKernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::gpu::norm::NormKind;
     use crate::nn::gpu::test_support::{buffer, context, BF16};
     use crate::nn::gpu::RowModulation;
     use tf_testdriver::test_lock;
