@@ -21,7 +21,9 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::nn::backend_error::GpuError;
-use crate::nn::config::{checked_product, in_range, parse_object};
+use crate::nn::config::{
+    check_class_name, check_per_channel, checked_product, in_range, names_class, parse_validated,
+};
 use crate::nn::host::{
     conv1d, conv_transpose1d, pad_replicate_1d, snake_beta, weight_norm, Conv1dGeometry,
 };
@@ -217,7 +219,7 @@ pub struct AudioVaeConfig {
 
 /// Whether a parsed `config.json` names this class (`_class_name`).
 pub fn names_this_class(config_json: &serde_json::Value) -> bool {
-    config_json.get("_class_name").and_then(|v| v.as_str()) == Some(CLASS_NAME)
+    names_class(config_json, CLASS_NAME)
 }
 
 impl Default for AudioVaeConfig {
@@ -252,15 +254,8 @@ impl AudioVaeConfig {
         value: &serde_json::Value,
         file: &Path,
     ) -> Result<Self, AudioVaeConfigError> {
-        let file = file.display().to_string();
-        let config: AudioVaeConfig = parse_object(value).map_err(|why| AudioVaeConfigError {
-            file: file.clone(),
-            why: format!("{why} (fix the key or remove it to take the diffusers default)"),
-        })?;
-        config
-            .validate()
-            .map_err(|why| AudioVaeConfigError { file, why })?;
-        Ok(config)
+        parse_validated(value, file, AudioVaeConfig::validate)
+            .map_err(|(file, why)| AudioVaeConfigError { file, why })
     }
 
     /// Checks the class name, every size against its upper bound, the rules the reference enforces (the decoder
@@ -269,13 +264,11 @@ impl AudioVaeConfig {
     /// halving, `latents_mean` / `latents_std` one finite value per channel), and the parameter count, with
     /// checked arithmetic. The error names the key and the rule.
     pub fn validate(&self) -> Result<(), String> {
-        if let Some(name) = &self.class_name {
-            if name != CLASS_NAME {
-                return Err(format!(
-                    "`_class_name` is {name:?}; this loader is for {CLASS_NAME} (the audio_vae/ folder of a MiniMax H3 model)"
-                ));
-            }
-        }
+        check_class_name(
+            self.class_name.as_deref(),
+            CLASS_NAME,
+            "the audio_vae/ folder of a MiniMax H3 model",
+        )?;
         for (key, value, max) in [
             ("encoder_dim", self.encoder_dim, MAX_WIDTH),
             ("latent_dim", self.latent_dim, MAX_WIDTH),
@@ -380,16 +373,7 @@ impl AudioVaeConfig {
             ("latents_std", &self.latents_std),
         ] {
             if let Some(v) = values {
-                if v.len() != self.latent_channels {
-                    return Err(format!(
-                        "`{key}` has {} values; it needs one per latent channel ({})",
-                        v.len(),
-                        self.latent_channels
-                    ));
-                }
-                if let Some(bad) = v.iter().find(|x| !(x.is_finite() && x.abs() <= 1e30)) {
-                    return Err(format!("`{key}` holds {bad}; every value must be finite"));
-                }
+                check_per_channel(key, v, self.latent_channels, false)?;
             }
         }
         let params = self.parameter_count_checked()?;
@@ -972,6 +956,9 @@ impl HostAudioVae {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::config::test_support::{
+        assert_each_key_under_hostile_values, assert_refused_naming_key,
+    };
 
     fn parse(value: serde_json::Value) -> Result<AudioVaeConfig, AudioVaeConfigError> {
         AudioVaeConfig::from_json(&value)
@@ -991,65 +978,64 @@ mod tests {
 
     #[test]
     fn hostile_configs_name_the_key() {
-        for (bad, key) in [
-            (serde_json::json!({"latent_dim": 0}), "latent_dim"),
-            (serde_json::json!({"latent_dim": "wide"}), "latent_dim"),
-            (serde_json::json!({"decoder_dim": u64::MAX}), "decoder_dim"),
-            (serde_json::json!({"latent_channels": 30}), "latent_dim"),
-            (
-                serde_json::json!({"decoder_rates": [5, 5, 2, 2, 2, 2, 4]}),
-                "decoder_rates",
-            ),
-            (
-                serde_json::json!({"decoder_rates": [0, 5], "decoder_kernel_sizes": [9, 9]}),
-                "decoder_rates[0]",
-            ),
-            (
-                serde_json::json!({"decoder_kernel_sizes": [9, 9]}),
-                "decoder_kernel_sizes",
-            ),
-            (
-                serde_json::json!({"decoder_kernel_sizes": [9, 4, 4, 4, 4, 4, 4]}),
-                "decoder_kernel_sizes[1]",
-            ),
-            (
-                serde_json::json!({"resblock_kernel_sizes": [3, 4, 11]}),
-                "resblock_kernel_sizes[1]",
-            ),
-            (
-                serde_json::json!({"resblock_kernel_sizes": [3]}),
-                "resblock_dilation_sizes",
-            ),
-            (
-                serde_json::json!({"resblock_dilation_sizes": [[1], [], [1]]}),
-                "resblock_dilation_sizes[1]",
-            ),
-            (
-                serde_json::json!({"resblock_dilation_sizes": [[1], [1, 100000], [1]]}),
-                "resblock_dilation_sizes[1][1]",
-            ),
-            (serde_json::json!({"decoder_dim": 64}), "decoder_dim"),
-            (
-                serde_json::json!({"latents_mean": [0.0, 1.0]}),
-                "latents_mean",
-            ),
-            (serde_json::json!({"latents_std": "one"}), "latents_std"),
-            (serde_json::json!({"encoder_rates": []}), "encoder_rates"),
-            (
-                serde_json::json!({"_class_name": "AutoencoderKLMiniMaxH3"}),
-                "_class_name",
-            ),
-            (
-                serde_json::json!({"latent_dim": 16384, "decoder_dim": 16384,
+        assert_refused_naming_key(
+            parse,
+            &[
+                (serde_json::json!({"latent_dim": 0}), "latent_dim"),
+                (serde_json::json!({"latent_dim": "wide"}), "latent_dim"),
+                (serde_json::json!({"decoder_dim": u64::MAX}), "decoder_dim"),
+                (serde_json::json!({"latent_channels": 30}), "latent_dim"),
+                (
+                    serde_json::json!({"decoder_rates": [5, 5, 2, 2, 2, 2, 4]}),
+                    "decoder_rates",
+                ),
+                (
+                    serde_json::json!({"decoder_rates": [0, 5], "decoder_kernel_sizes": [9, 9]}),
+                    "decoder_rates[0]",
+                ),
+                (
+                    serde_json::json!({"decoder_kernel_sizes": [9, 9]}),
+                    "decoder_kernel_sizes",
+                ),
+                (
+                    serde_json::json!({"decoder_kernel_sizes": [9, 4, 4, 4, 4, 4, 4]}),
+                    "decoder_kernel_sizes[1]",
+                ),
+                (
+                    serde_json::json!({"resblock_kernel_sizes": [3, 4, 11]}),
+                    "resblock_kernel_sizes[1]",
+                ),
+                (
+                    serde_json::json!({"resblock_kernel_sizes": [3]}),
+                    "resblock_dilation_sizes",
+                ),
+                (
+                    serde_json::json!({"resblock_dilation_sizes": [[1], [], [1]]}),
+                    "resblock_dilation_sizes[1]",
+                ),
+                (
+                    serde_json::json!({"resblock_dilation_sizes": [[1], [1, 100000], [1]]}),
+                    "resblock_dilation_sizes[1][1]",
+                ),
+                (serde_json::json!({"decoder_dim": 64}), "decoder_dim"),
+                (
+                    serde_json::json!({"latents_mean": [0.0, 1.0]}),
+                    "latents_mean",
+                ),
+                (serde_json::json!({"latents_std": "one"}), "latents_std"),
+                (serde_json::json!({"encoder_rates": []}), "encoder_rates"),
+                (
+                    serde_json::json!({"_class_name": "AutoencoderKLMiniMaxH3"}),
+                    "_class_name",
+                ),
+                (
+                    serde_json::json!({"latent_dim": 16384, "decoder_dim": 16384,
                     "resblock_kernel_sizes": [127, 127, 127, 127, 127, 127, 127, 127],
                     "resblock_dilation_sizes": [[1,1,1,1,1,1,1,1],[1],[1],[1],[1],[1],[1],[1]]}),
-                "parameters",
-            ),
-        ] {
-            let err = parse(bad.clone()).unwrap_err().to_string();
-            assert!(err.contains(key), "{bad}: {err}");
-            assert!(err.starts_with("config.json: "), "{err}");
-        }
+                    "parameters",
+                ),
+            ],
+        );
         assert!(names_this_class(
             &serde_json::json!({"_class_name": CLASS_NAME})
         ));
@@ -1073,29 +1059,8 @@ mod tests {
             "latents_std",
             "_class_name",
         ];
-        let values = [
-            serde_json::json!(0),
-            serde_json::json!(-1),
-            serde_json::json!(u64::MAX),
-            serde_json::json!(1e308),
-            serde_json::json!(null),
-            serde_json::json!("7"),
-            serde_json::json!([]),
-            serde_json::json!([0]),
-            serde_json::json!([u64::MAX, 2]),
-            serde_json::json!([[1, 3, 5], [0]]),
-            serde_json::json!([1e308, -1e308]),
-            serde_json::json!({}),
-        ];
-        for key in keys {
-            for value in &values {
-                let mut c = serde_json::Map::new();
-                c.insert(key.to_string(), value.clone());
-                match parse(serde_json::Value::Object(c)) {
-                    Ok(config) => assert!(config.parameter_count() <= MAX_PARAMETERS),
-                    Err(e) => assert!(e.to_string().contains(key), "{key}={value}: {e}"),
-                }
-            }
-        }
+        assert_each_key_under_hostile_values(&keys, parse, |config| {
+            assert!(config.parameter_count() <= MAX_PARAMETERS)
+        });
     }
 }

@@ -34,7 +34,10 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::nn::backend_error::GpuError;
-use crate::nn::config::{at_most, checked_product, in_range, parse_object};
+use crate::nn::config::{
+    at_most, check_class_name, check_per_channel, checked_product, in_range, names_class,
+    parse_validated,
+};
 use crate::nn::host::{
     add_bias, attention, linear, norm_modulate, rope_rotate_half_partial, swiglu_fused,
     AttentionMask, NormKind, NormModulation, RopeTableRounding,
@@ -248,7 +251,7 @@ pub struct VideoVaeConfig {
 
 /// Whether a parsed `config.json` names this class (`_class_name`).
 pub fn names_this_class(config_json: &serde_json::Value) -> bool {
-    config_json.get("_class_name").and_then(|v| v.as_str()) == Some(CLASS_NAME)
+    names_class(config_json, CLASS_NAME)
 }
 
 impl Default for VideoVaeConfig {
@@ -300,15 +303,8 @@ impl VideoVaeConfig {
         value: &serde_json::Value,
         file: &Path,
     ) -> Result<Self, VideoVaeConfigError> {
-        let file = file.display().to_string();
-        let config: VideoVaeConfig = parse_object(value).map_err(|why| VideoVaeConfigError {
-            file: file.clone(),
-            why: format!("{why} (fix the key or remove it to take the diffusers default)"),
-        })?;
-        config
-            .validate()
-            .map_err(|why| VideoVaeConfigError { file, why })?;
-        Ok(config)
+        parse_validated(value, file, VideoVaeConfig::validate)
+            .map_err(|(file, why)| VideoVaeConfigError { file, why })
     }
 
     /// Checks the class name, every size against its upper bound, the rules the reference enforces (RoPE width a
@@ -316,13 +312,11 @@ impl VideoVaeConfig {
     /// `latents_std` one finite value per channel, with a non-zero std), and the parameter count, with checked
     /// arithmetic. The error names the key and the rule.
     pub fn validate(&self) -> Result<(), String> {
-        if let Some(name) = &self.class_name {
-            if name != CLASS_NAME {
-                return Err(format!(
-                    "`_class_name` is {name:?}; this loader is for {CLASS_NAME} (the vae/ folder of a MiniMax H3 model)"
-                ));
-            }
-        }
+        check_class_name(
+            self.class_name.as_deref(),
+            CLASS_NAME,
+            "the vae/ folder of a MiniMax H3 model",
+        )?;
         for (key, value, max) in [
             ("in_channels", self.in_channels, MAX_CHANNELS),
             ("latent_channels", self.latent_channels, MAX_CHANNELS),
@@ -437,22 +431,7 @@ impl VideoVaeConfig {
             ("latents_mean", &self.latents_mean, false),
             ("latents_std", &self.latents_std, true),
         ] {
-            if values.len() != self.latent_channels {
-                return Err(format!(
-                    "`{key}` has {} values; it needs one per latent channel ({})",
-                    values.len(),
-                    self.latent_channels
-                ));
-            }
-            if let Some(bad) = values
-                .iter()
-                .find(|x| !(x.is_finite() && x.abs() <= 1e30) || (nonzero && **x == 0.0))
-            {
-                return Err(format!(
-                    "`{key}` holds {bad}; every value must be finite{}",
-                    if nonzero { " and non-zero" } else { "" }
-                ));
-            }
+            check_per_channel(key, values, self.latent_channels, nonzero)?;
         }
         let params = self.parameter_count_checked()?;
         if params > MAX_PARAMETERS {

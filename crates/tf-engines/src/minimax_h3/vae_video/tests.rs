@@ -2,6 +2,9 @@
 //! is `tests/h3_video_vae_parity.rs`).
 
 use super::*;
+use crate::nn::config::test_support::{
+    assert_each_key_under_hostile_values, assert_refused_naming_key,
+};
 
 fn parse(value: serde_json::Value) -> Result<VideoVaeConfig, VideoVaeConfigError> {
     VideoVaeConfig::from_json(&value)
@@ -191,68 +194,67 @@ fn finalize_rounds_half_to_even() {
 
 #[test]
 fn hostile_configs_name_the_key() {
-    for (bad, key) in [
-        (serde_json::json!({"latent_channels": 0}), "latent_channels"),
-        (
-            serde_json::json!({"latent_channels": "24"}),
-            "latent_channels",
-        ),
-        (
-            serde_json::json!({"decoder_num_layers": u64::MAX}),
-            "decoder_num_layers",
-        ),
-        (
-            serde_json::json!({"decoder_attention_head_dim": 60}),
-            "decoder_attention_head_dim",
-        ),
-        (
-            serde_json::json!({"decoder_rope_dim_ratio": 0.0}),
-            "decoder_rope_dim_ratio",
-        ),
-        (
-            serde_json::json!({"decoder_rope_theta": -1.0}),
-            "decoder_rope_theta",
-        ),
-        (
-            serde_json::json!({"decoder_norm_eps": 1e308}),
-            "decoder_norm_eps",
-        ),
-        (serde_json::json!({"token_drop": 5}), "token_drop"),
-        (serde_json::json!({"clip_length": 0}), "clip_length"),
-        (serde_json::json!({"out_channels": 4}), "out_channels"),
-        (
-            serde_json::json!({"spatial_downsample_factors": [2, 2, 2, 2, 2, 2, 2]}),
-            "spatial_downsample_factors",
-        ),
-        (
-            serde_json::json!({"temporal_downsample_factors": [0]}),
-            "temporal_downsample_factors[0]",
-        ),
-        (
-            serde_json::json!({"latents_mean": [0.0, 1.0]}),
-            "latents_mean",
-        ),
-        (
-            serde_json::json!({"latents_std": vec![0.0; 24]}),
-            "latents_std",
-        ),
-        (
-            serde_json::json!({"_class_name": "AutoencoderKLMiniMaxH3Audio"}),
-            "_class_name",
-        ),
-        (
-            serde_json::json!({"decoder_num_attention_heads": 1024, "decoder_attention_head_dim": 1024}),
-            "decoder_num_attention_heads",
-        ),
-        (
-            serde_json::json!({"decoder_num_layers": 1024, "decoder_ffn_mult": 64}),
-            "parameters",
-        ),
-    ] {
-        let err = parse(bad.clone()).unwrap_err().to_string();
-        assert!(err.contains(key), "{bad}: {err}");
-        assert!(err.starts_with("config.json: "), "{err}");
-    }
+    assert_refused_naming_key(
+        parse,
+        &[
+            (serde_json::json!({"latent_channels": 0}), "latent_channels"),
+            (
+                serde_json::json!({"latent_channels": "24"}),
+                "latent_channels",
+            ),
+            (
+                serde_json::json!({"decoder_num_layers": u64::MAX}),
+                "decoder_num_layers",
+            ),
+            (
+                serde_json::json!({"decoder_attention_head_dim": 60}),
+                "decoder_attention_head_dim",
+            ),
+            (
+                serde_json::json!({"decoder_rope_dim_ratio": 0.0}),
+                "decoder_rope_dim_ratio",
+            ),
+            (
+                serde_json::json!({"decoder_rope_theta": -1.0}),
+                "decoder_rope_theta",
+            ),
+            (
+                serde_json::json!({"decoder_norm_eps": 1e308}),
+                "decoder_norm_eps",
+            ),
+            (serde_json::json!({"token_drop": 5}), "token_drop"),
+            (serde_json::json!({"clip_length": 0}), "clip_length"),
+            (serde_json::json!({"out_channels": 4}), "out_channels"),
+            (
+                serde_json::json!({"spatial_downsample_factors": [2, 2, 2, 2, 2, 2, 2]}),
+                "spatial_downsample_factors",
+            ),
+            (
+                serde_json::json!({"temporal_downsample_factors": [0]}),
+                "temporal_downsample_factors[0]",
+            ),
+            (
+                serde_json::json!({"latents_mean": [0.0, 1.0]}),
+                "latents_mean",
+            ),
+            (
+                serde_json::json!({"latents_std": vec![0.0; 24]}),
+                "latents_std",
+            ),
+            (
+                serde_json::json!({"_class_name": "AutoencoderKLMiniMaxH3Audio"}),
+                "_class_name",
+            ),
+            (
+                serde_json::json!({"decoder_num_attention_heads": 1024, "decoder_attention_head_dim": 1024}),
+                "decoder_num_attention_heads",
+            ),
+            (
+                serde_json::json!({"decoder_num_layers": 1024, "decoder_ffn_mult": 64}),
+                "parameters",
+            ),
+        ],
+    );
     assert!(names_this_class(
         &serde_json::json!({"_class_name": CLASS_NAME})
     ));
@@ -285,33 +287,10 @@ fn every_key_under_hostile_values_parses_or_fails_cleanly() {
         "latents_std",
         "_class_name",
     ];
-    let values = [
-        serde_json::json!(0),
-        serde_json::json!(-1),
-        serde_json::json!(u64::MAX),
-        serde_json::json!(1e308),
-        serde_json::json!(f64::MIN_POSITIVE),
-        serde_json::json!(null),
-        serde_json::json!("7"),
-        serde_json::json!([]),
-        serde_json::json!([0]),
-        serde_json::json!([u64::MAX, 2]),
-        serde_json::json!([1e308, -1e308]),
-        serde_json::json!({}),
-    ];
-    for key in keys {
-        for value in &values {
-            let mut c = serde_json::Map::new();
-            c.insert(key.to_string(), value.clone());
-            match parse(serde_json::Value::Object(c)) {
-                Ok(config) => {
-                    assert!(config.parameter_count() <= MAX_PARAMETERS);
-                    assert!(config.rope_dim() > 0 && config.dim() > 0);
-                }
-                Err(e) => assert!(e.to_string().contains(key), "{key}={value}: {e}"),
-            }
-        }
-    }
+    assert_each_key_under_hostile_values(&keys, parse, |config| {
+        assert!(config.parameter_count() <= MAX_PARAMETERS);
+        assert!(config.rope_dim() > 0 && config.dim() > 0);
+    });
 }
 
 #[test]
