@@ -23,8 +23,8 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, Stream};
 
-use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
-use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Operand};
+use crate::nn::gpu::launch::{bytes_of, check_span, stride_grid};
+use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet};
 
 /// Name of the kernel set.
 pub const VAE_SET: &str = "qwen_image_vae";
@@ -32,8 +32,6 @@ pub const VAE_SET: &str = "qwen_image_vae";
 const THREADS: u32 = 256;
 /// Pixels per block of the norm kernel (one warp each).
 const NORM_PIXELS_PER_BLOCK: usize = (THREADS / 32) as usize;
-/// Most blocks a grid-stride kernel is launched with.
-const MAX_STRIDE_BLOCKS: usize = 65_535;
 const BF16: usize = 2;
 const F32: usize = 4;
 
@@ -51,30 +49,6 @@ pub fn padded_channels(channels: usize) -> usize {
     channels.div_ceil(8) * 8
 }
 
-/// `a * b * c` in bytes, or an error naming the operand.
-fn bytes_of(op: &str, name: &str, factors: &[usize]) -> Result<usize, tf_cuda::Error> {
-    factors
-        .iter()
-        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
-        .ok_or_else(|| invalid(op, format!("{name}: size {factors:?} overflows")))
-}
-
-/// The span holds `needed` bytes and starts on an `align`-byte boundary (the shared launch checks, on a span).
-fn check_span(
-    op: &str,
-    name: &str,
-    span: DeviceSpan,
-    needed: usize,
-    align: u64,
-) -> Result<(), tf_cuda::Error> {
-    let operand = Operand {
-        addr: span.addr,
-        bytes: span.bytes,
-    };
-    check_aligned_to(op, name, operand, align)?;
-    check_bytes(op, name, operand, needed)
-}
-
 fn check_padded(op: &str, name: &str, cp: usize) -> Result<(), tf_cuda::Error> {
     if cp == 0 || !cp.is_multiple_of(8) {
         return Err(invalid(
@@ -83,12 +57,6 @@ fn check_padded(op: &str, name: &str, cp: usize) -> Result<(), tf_cuda::Error> {
         ));
     }
     Ok(())
-}
-
-/// Blocks for a grid-stride kernel over `work` items.
-fn stride_grid(op: &str, work: usize) -> Result<LaunchConfig, tf_cuda::Error> {
-    let blocks = work.div_ceil(THREADS as usize).clamp(1, MAX_STRIDE_BLOCKS);
-    Ok(LaunchConfig::new(to_u32(op, "blocks", blocks)?, THREADS))
 }
 
 /// Unpacks one image's packed latents `[pixels, z]` f32 into bf16 `[pixels, zp]`: `z * std + mean` per channel,
@@ -133,7 +101,7 @@ pub fn plan_denormalize(
         .push(to_i32(OP, "zp", zp)?);
     Ok(Launch::from_spans(
         "qv_denormalize",
-        stride_grid(OP, pixels * zp)?,
+        stride_grid(OP, pixels * zp, THREADS)?,
         args,
     ))
 }
@@ -259,7 +227,7 @@ pub fn plan_im2col3x3(
         .push_addr(cols.addr);
     Ok(Launch::from_spans(
         "qv_im2col3x3",
-        stride_grid(OP, elements / 8)?,
+        stride_grid(OP, elements / 8, THREADS)?,
         args,
     ))
 }
@@ -334,7 +302,7 @@ pub fn plan_dup_up(
         .push_addr(y.addr);
     Ok(Launch::from_spans(
         "qv_dup_up",
-        stride_grid(OP, out_elems)?,
+        stride_grid(OP, out_elems, THREADS)?,
         args,
     ))
 }
@@ -410,7 +378,7 @@ pub fn plan_planes_clamp(
         .push_addr(out.addr);
     Ok(Launch::from_spans(
         "qv_planes_clamp",
-        stride_grid(OP, pixels * channels)?,
+        stride_grid(OP, pixels * channels, THREADS)?,
         args,
     ))
 }
@@ -681,8 +649,8 @@ mod tests {
         /// The grid-stride launch never asks for more than the cap and always at least one block.
         #[test]
         fn stride_grid_is_bounded(work in 0usize..1usize << 40) {
-            let g = stride_grid("t", work).unwrap();
-            prop_assert!(g.grid.x >= 1 && g.grid.x as usize <= MAX_STRIDE_BLOCKS);
+            let g = stride_grid("t", work, THREADS).unwrap();
+            prop_assert!(g.grid.x >= 1 && g.grid.x as usize <= crate::nn::gpu::launch::MAX_STRIDE_BLOCKS);
         }
     }
 }

@@ -9,8 +9,8 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, Stream};
 
-use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
-use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Operand};
+use crate::nn::gpu::launch::{bytes_of, check_span, stride_grid};
+use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet};
 
 /// Name of the kernel set.
 pub const VIDEO_VAE_SET: &str = "minimax_h3_vae_video";
@@ -18,42 +18,10 @@ pub const VIDEO_VAE_SET: &str = "minimax_h3_vae_video";
 const THREADS: u32 = 256;
 /// Most latent channels the token kernel caches (H3V_MAX_CHANNELS).
 pub const MAX_TOKEN_CHANNELS: usize = 1024;
-/// Most blocks a grid-stride kernel is launched with.
-const MAX_STRIDE_BLOCKS: usize = 65_535;
 const F32: usize = 4;
 const BF16: usize = 2;
 
 const KERNELS: &[&str] = &["h3v_tokens", "h3v_norm", "h3v_assemble", "h3v_frames"];
-
-/// The product of `factors` in bytes, or an error naming the operand.
-fn bytes_of(op: &str, name: &str, factors: &[usize]) -> Result<usize, tf_cuda::Error> {
-    factors
-        .iter()
-        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
-        .ok_or_else(|| invalid(op, format!("{name}: size {factors:?} overflows")))
-}
-
-/// The span holds `needed` bytes and starts on an `align`-byte boundary.
-fn check_span(
-    op: &str,
-    name: &str,
-    span: DeviceSpan,
-    needed: usize,
-    align: u64,
-) -> Result<(), tf_cuda::Error> {
-    let operand = Operand {
-        addr: span.addr,
-        bytes: span.bytes,
-    };
-    check_aligned_to(op, name, operand, align)?;
-    check_bytes(op, name, operand, needed)
-}
-
-/// Blocks for a grid-stride kernel over `work` items.
-fn stride_grid(op: &str, work: usize) -> Result<LaunchConfig, tf_cuda::Error> {
-    let blocks = work.div_ceil(THREADS as usize).clamp(1, MAX_STRIDE_BLOCKS);
-    Ok(LaunchConfig::new(to_u32(op, "blocks", blocks)?, THREADS))
-}
 
 /// The latent volume a batch of tiles reads: channels-last `[frames][height][width][channels]` f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -372,7 +340,7 @@ pub fn plan_assemble(
     let work = bytes_of(OP, "pixels", &[f.clip_frames, video.height, video.width])?;
     Ok(Launch::from_spans(
         "h3v_assemble",
-        stride_grid(OP, work)?,
+        stride_grid(OP, work, THREADS)?,
         args,
     ))
 }
@@ -408,7 +376,7 @@ pub fn plan_frames(
         .push(std[2]);
     Ok(Launch::from_spans(
         "h3v_frames",
-        stride_grid(OP, values)?,
+        stride_grid(OP, values, THREADS)?,
         args,
     ))
 }

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::marker::PhantomData;
 
+use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Function, Module, Stream};
 
@@ -253,6 +254,45 @@ pub(crate) fn check_bytes(
         ));
     }
     Ok(())
+}
+
+/// Refuses a raw span smaller than `needed` bytes or not starting on an `align`-byte boundary (the operand
+/// checks, on a span).
+pub(crate) fn check_span(
+    op: &str,
+    name: &str,
+    span: DeviceSpan,
+    needed: usize,
+    align: u64,
+) -> Result<(), tf_cuda::Error> {
+    let operand = Operand {
+        addr: span.addr,
+        bytes: span.bytes,
+    };
+    check_aligned_to(op, name, operand, align)?;
+    check_bytes(op, name, operand, needed)
+}
+
+/// The product of `factors` (an operand's size), or an error naming the operand when it overflows.
+pub(crate) fn bytes_of(op: &str, name: &str, factors: &[usize]) -> Result<usize, tf_cuda::Error> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| invalid(op, format!("{name}: size {factors:?} overflows")))
+}
+
+/// Most blocks a grid-stride kernel is launched with.
+pub(crate) const MAX_STRIDE_BLOCKS: usize = 65_535;
+
+/// Blocks of `threads` for a grid-stride kernel over `work` items: one item a thread, at least one block and at
+/// most [`MAX_STRIDE_BLOCKS`].
+pub(crate) fn stride_grid(
+    op: &str,
+    work: usize,
+    threads: u32,
+) -> Result<LaunchConfig, tf_cuda::Error> {
+    let blocks = work.div_ceil(threads as usize).clamp(1, MAX_STRIDE_BLOCKS);
+    Ok(LaunchConfig::new(to_u32(op, "blocks", blocks)?, threads))
 }
 
 /// One block row per matrix row, one thread per 8 columns: the grid of the elementwise row kernels.
