@@ -15,11 +15,16 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+#[path = "common/gpu.rs"]
+mod gpu_support;
+use gpu_support::{context, cosine};
+#[path = "common/fixture_dir.rs"]
+mod fixture_dir;
+
+use std::path::PathBuf;
 
 use tf_cuda::cublaslt::AlgoSelection;
-use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
 use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs};
 use tf_engines::minimax_h3::dit_gpu::kernels::{
@@ -41,38 +46,16 @@ const COSINE_MIN: f64 = 0.999;
 const BF16_KERNEL_MAX: f64 = 4e-3;
 const F32_KERNEL_MAX: f64 = 1e-5;
 
-fn context() -> Context {
-    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
-    Context::new(driver, 0).expect("create a context on device 0")
-}
-
 fn fixtures() -> PathBuf {
-    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
-        let p = PathBuf::from(bundle).join("tests/fixtures/minimax_h3_dit");
-        if p.is_dir() {
-            return p;
-        }
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/minimax_h3_dit")
+    fixture_dir::find("minimax_h3_dit")
 }
 
 fn manifest() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-        .unwrap()
+    fixture_dir::manifest(&fixtures())
 }
 
 fn cases() -> Vec<String> {
-    let cases: Vec<String> = manifest()["cases"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .cloned()
-        .collect();
-    assert!(
-        cases.len() >= 5,
-        "expected at least 5 fixture cases, found {cases:?}"
-    );
-    cases
+    fixture_dir::manifest_cases(&fixtures(), 5)
 }
 
 fn model_dir(case: &str) -> ModelDir {
@@ -102,16 +85,6 @@ fn load(ctx: &Context, case: &str) -> GpuH3Dit {
     };
     GpuH3Dit::load_with(ctx, &model_dir(case), LoadOptions::default(), staging)
         .unwrap_or_else(|e| panic!("{case}: load on the GPU: {e}"))
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        ab += f64::from(x) * f64::from(y);
-        aa += f64::from(x) * f64::from(x);
-        bb += f64::from(y) * f64::from(y);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
 }
 
 fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {

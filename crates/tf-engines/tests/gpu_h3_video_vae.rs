@@ -13,12 +13,17 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "common/gpu.rs"]
+mod gpu_support;
+use gpu_support::{context, cosine};
+#[path = "common/fixture_dir.rs"]
+mod fixture_dir;
+
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tf_cuda::{Context, Driver};
+use tf_cuda::Context;
 use tf_engines::minimax_h3::vae_video::{
     denormalize_latents, HostVideoVae, TilingOptions, VideoVaeBackend, VideoVaeConfig,
 };
@@ -32,44 +37,10 @@ const COSINE_MIN: f64 = 0.999;
 const MAX_MEAN_BYTE_DIFF: f64 = 1.0;
 const FLOOR_RATIO_MAX: f64 = 1.5;
 
-fn context() -> Context {
-    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
-    Context::new(driver, 0).expect("create a context on device 0")
-}
-
 /// tests/fixtures/minimax_h3_video_vae: in the GPU bundle (`TF_BUNDLE_DIR`), in the checkout, or next to the
 /// test binary.
 fn fixture_dir() -> PathBuf {
-    const REL: &str = "tests/fixtures/minimax_h3_video_vae";
-    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
-        let p = PathBuf::from(bundle).join(REL);
-        if p.is_dir() {
-            return p;
-        }
-    }
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(REL);
-    if here.is_dir() {
-        return here;
-    }
-    let exe = std::env::current_exe().expect("current exe");
-    exe.ancestors()
-        .skip(1)
-        .take(5)
-        .map(|d| d.join(REL))
-        .find(|p| p.is_dir())
-        .expect("tests/fixtures/minimax_h3_video_vae not found in TF_BUNDLE_DIR, the checkout or next to the test binary")
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        ab += f64::from(x) * f64::from(y);
-        aa += f64::from(x) * f64::from(x);
-        bb += f64::from(y) * f64::from(y);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
+    fixture_dir::find("minimax_h3_video_vae")
 }
 
 /// Relative L2 and cosine of `actual` against `reference`, printed.

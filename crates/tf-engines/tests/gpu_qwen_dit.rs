@@ -12,9 +12,11 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
+#[path = "common/gpu.rs"]
+mod gpu_support;
+use gpu_support::{context, cosine};
 
-use tf_cuda::{Context, Driver};
+use tf_cuda::Context;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::upload::StagingConfig;
 use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
@@ -28,11 +30,6 @@ const COSINE_MIN: f64 = 0.9995;
 mod qwen_fixtures;
 use qwen_fixtures::{cases, expected, inputs, model};
 
-fn context() -> Context {
-    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
-    Context::new(driver, 0).expect("create a context on device 0")
-}
-
 fn load(ctx: &Context, case: &str) -> GpuDit {
     // Small slots so even the tiny models exercise the ring of pinned staging slots.
     let staging = StagingConfig {
@@ -43,16 +40,6 @@ fn load(ctx: &Context, case: &str) -> GpuDit {
     let dit = GpuDit::load_on(ctx, &model(case), staging).expect("load the model on the GPU");
     println!("{case}: loaded ({})", dit.load_stats());
     dit
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        ab += f64::from(x) * f64::from(y);
-        aa += f64::from(x) * f64::from(x);
-        bb += f64::from(y) * f64::from(y);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
 }
 
 fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {

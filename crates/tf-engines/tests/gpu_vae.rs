@@ -9,13 +9,18 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "common/gpu.rs"]
+mod gpu_support;
+use gpu_support::{context, cosine};
+#[path = "common/fixture_dir.rs"]
+mod fixture_dir;
+
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 
 use serde_json::Value;
-use tf_cuda::{Context, Driver};
+use tf_cuda::Context;
 use tf_engines::nn::tensor::{relative_l2, Tensor, TensorF32};
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::components::VaeBackend;
@@ -25,43 +30,9 @@ use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
 const REL_L2_MAX: f64 = 5e-2;
 const COSINE_MIN: f64 = 0.998;
 
-fn context() -> Context {
-    let driver = Arc::new(Driver::open().expect("open the CUDA driver (libcuda.so.1)"));
-    Context::new(driver, 0).expect("create a context on device 0")
-}
-
 /// tests/fixtures/qwen_vae: in the GPU bundle (`TF_BUNDLE_DIR`), in the checkout, or next to the test binary.
 fn fixture_dir() -> PathBuf {
-    const REL: &str = "tests/fixtures/qwen_vae";
-    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
-        let p = PathBuf::from(bundle).join(REL);
-        if p.is_dir() {
-            return p;
-        }
-    }
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(REL);
-    if here.is_dir() {
-        return here;
-    }
-    let exe = std::env::current_exe().expect("current exe");
-    exe.ancestors()
-        .skip(1)
-        .take(5)
-        .map(|d| d.join(REL))
-        .find(|p| p.is_dir())
-        .expect("tests/fixtures/qwen_vae not found in TF_BUNDLE_DIR, the checkout or next to the test binary")
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        ab += f64::from(x) * f64::from(y);
-        aa += f64::from(x) * f64::from(x);
-        bb += f64::from(y) * f64::from(y);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
+    fixture_dir::find("qwen_vae")
 }
 
 fn assert_close(what: &str, actual: &TensorF32, reference: &TensorF32) {

@@ -4,7 +4,10 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
+#[path = "common/fixture_dir.rs"]
+mod fixture_dir;
+
+use std::path::PathBuf;
 
 #[path = "common/scratch_model.rs"]
 mod scratch_model;
@@ -21,32 +24,15 @@ use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 const TOLERANCE: f64 = 1e-5;
 
 fn fixtures() -> PathBuf {
-    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
-        let p = PathBuf::from(bundle).join("tests/fixtures/minimax_h3_dit");
-        if p.is_dir() {
-            return p;
-        }
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/minimax_h3_dit")
+    fixture_dir::find("minimax_h3_dit")
 }
 
 fn manifest() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-        .unwrap()
+    fixture_dir::manifest(&fixtures())
 }
 
 fn cases() -> Vec<String> {
-    let cases: Vec<String> = manifest()["cases"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .cloned()
-        .collect();
-    assert!(
-        cases.len() >= 5,
-        "expected at least 5 fixture cases, found {cases:?}"
-    );
-    cases
+    fixture_dir::manifest_cases(&fixtures(), 5)
 }
 
 fn open(case: &str, file: &str) -> SafetensorsFile {

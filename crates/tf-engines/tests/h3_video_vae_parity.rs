@@ -6,7 +6,10 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
+#[path = "common/fixture_dir.rs"]
+mod fixture_dir;
+
+use std::path::PathBuf;
 
 #[path = "common/scratch_model.rs"]
 mod scratch_model;
@@ -22,18 +25,11 @@ const TOLERANCE: f64 = 1e-5;
 const CASES: [&str; 4] = ["tiled", "untiled_3chunks", "min_frames", "no_tiling"];
 
 fn fixtures() -> PathBuf {
-    if let Some(bundle) = std::env::var_os("TF_BUNDLE_DIR") {
-        let p = PathBuf::from(bundle).join("tests/fixtures/minimax_h3_video_vae");
-        if p.is_dir() {
-            return p;
-        }
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/minimax_h3_video_vae")
+    fixture_dir::find("minimax_h3_video_vae")
 }
 
 fn manifest() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-        .unwrap()
+    fixture_dir::manifest(&fixtures())
 }
 
 fn load() -> HostVideoVae {
