@@ -27,6 +27,7 @@ use tf_engines::nn::gpu::{
     SwigluOrder,
 };
 use tf_engines::nn::host;
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use tf_engines::qwen_image::ops::{plan_adaln_modulate, plan_gated_residual_adaln, DitKernels};
 
 const EPS: f32 = 1e-6;
@@ -54,23 +55,6 @@ fn gpu() -> Gpu {
 
 fn nn(g: &Gpu) -> &NnKernels {
     g.dit.nn()
-}
-
-/// splitmix64: seeded, reproducible inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * unit
-    }
 }
 
 fn to_bf16(x: f32) -> u16 {
@@ -216,7 +200,7 @@ fn check_fp8(op: &str, case: &str, (codes, scales): (&[u8], &[f32]), want: &[f32
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn quantize_rows_is_bit_identical_to_the_host() {
     let g = gpu();
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     // (rows, cols, input stride, code stride): tiny, the attention output (4096, H3's 7168), the widest.
     for (rows, cols, x_stride, q_stride) in [
         (3, 8, 8, 16),
@@ -304,11 +288,45 @@ fn modulation_block(
         .collect()
 }
 
+/// The host `RMSNorm(x) * w * (1 + scale) + shift` of `rows` x `cols` values, with shift and scale the column
+/// blocks `[0, cols)` and `[cols, 2 * cols)` of the `[n_mod, 2 * cols]` table `m`, row `r` using table row
+/// `row_mod[r]`.
+fn host_rms_modulate(
+    x: &[f32],
+    (rows, cols): (usize, usize),
+    w: &[f32],
+    (m, n_mod): (&[f32], usize),
+    row_mod: &[usize],
+) -> Vec<f32> {
+    let shift = modulation_block(m, n_mod, 2 * cols, 0, cols);
+    let scale = modulation_block(m, n_mod, 2 * cols, cols, cols);
+    let parts = host::NormModulation {
+        weight: Some(w),
+        bias: None,
+        scale: Some(&scale),
+        shift: Some(&shift),
+        n_mod,
+        row_mod,
+    };
+    let mut want = vec![0f32; rows * cols];
+    host::norm_modulate(
+        x,
+        rows,
+        cols,
+        host::NormKind::RmsNorm,
+        parts,
+        EPS,
+        &mut want,
+    )
+    .expect("host reference");
+    want
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn norm_modulate_fp8_matches_the_host_quantization() {
     let g = gpu();
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     // Qwen-Image's adaLN: LayerNorm without affine times (1 + scale), modulation rows by the DiT rule.
     for (samples, seq_len, target_begin, cols) in [(2, 24, 5, 256), (1, 4176, 80, 4096)] {
         let rows = samples * seq_len;
@@ -417,27 +435,7 @@ fn norm_modulate_fp8_matches_the_host_quantization() {
             )
             .expect("launch norm_modulate_fp8 (RMSNorm)");
     }
-    let shift = modulation_block(&m, n_mod, 2 * cols, 0, cols);
-    let scale = modulation_block(&m, n_mod, 2 * cols, cols, cols);
-    let parts = host::NormModulation {
-        weight: Some(&w),
-        bias: None,
-        scale: Some(&scale),
-        shift: Some(&shift),
-        n_mod,
-        row_mod: &row_mod,
-    };
-    let mut want = vec![0f32; rows * cols];
-    host::norm_modulate(
-        &x,
-        rows,
-        cols,
-        host::NormKind::RmsNorm,
-        parts,
-        EPS,
-        &mut want,
-    )
-    .expect("host reference");
+    let want = host_rms_modulate(&x, (rows, cols), &w, (&m, n_mod), &row_mod);
     let (c, s) = download_fp8(&g, &codes, &scales, rows, cols, cols);
     check_fp8(
         "norm_modulate_fp8",
@@ -452,7 +450,7 @@ fn norm_modulate_fp8_matches_the_host_quantization() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn gated_residual_fp8_keeps_the_bf16_residual_and_quantizes_the_norm() {
     let g = gpu();
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     // Qwen-Image: tanh gates, LayerNorm * (1 + scale): the residual must be bit-identical to
     // qi_gated_residual_adaln's.
     for (samples, seq_len, target_begin, cols) in [(2, 16, 3, 512), (1, 4176, 80, 4096)] {
@@ -654,27 +652,7 @@ fn gated_residual_fp8_keeps_the_bf16_residual_and_quantizes_the_norm() {
         .fold(0f64, f64::max);
     println!("gated_residual_norm_modulate_fp8 [plain gates, {rows}x{cols}]: residual worst relative error {worst:.2e} (bound 2^-8)");
     assert!(worst <= 1.0 / 256.0, "plain-gate residual off: {worst}");
-    let shift = modulation_block(&m, n_mod, 2 * cols, 0, cols);
-    let scale = modulation_block(&m, n_mod, 2 * cols, cols, cols);
-    let parts = host::NormModulation {
-        weight: Some(&w),
-        bias: None,
-        scale: Some(&scale),
-        shift: Some(&shift),
-        n_mod,
-        row_mod: &row_mod,
-    };
-    let mut want = vec![0f32; rows * cols];
-    host::norm_modulate(
-        &got_x,
-        rows,
-        cols,
-        host::NormKind::RmsNorm,
-        parts,
-        EPS,
-        &mut want,
-    )
-    .expect("host reference");
+    let want = host_rms_modulate(&got_x, (rows, cols), &w, (&m, n_mod), &row_mod);
     let (c, s) = download_fp8(&g, &codes, &scales, rows, cols, cols);
     check_fp8(
         "gated_residual_norm_modulate_fp8",
@@ -689,7 +667,7 @@ fn gated_residual_fp8_keeps_the_bf16_residual_and_quantizes_the_norm() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn swiglu_fp8_matches_the_host_quantization() {
     let g = gpu();
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     // (rows, hidden, order): tiny, Qwen-Image's 12288 ([gate | up]), H3's 14336 ([value | gate]), the widest.
     for (rows, hidden, order) in [
         (3, 96, SwigluOrder::GateValue),
@@ -769,7 +747,7 @@ fn fp8_linear_of_quantized_rows_matches_the_host_product() {
     }
     let gemms =
         GemmRunner::new(&g.ctx, tf_cuda::cublaslt::AlgoSelection::Heuristic).expect("cuBLASLt");
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     for (m, n, k) in [(48, 64, 128), (333, 512, 4096), (128, 256, 12288)] {
         let (x_bits, x) = uneven_bf16(&mut rng, m, k);
         let (w_bits, w) = random_bf16(&mut rng, n * k, -0.05, 0.05);
@@ -826,7 +804,7 @@ fn fp8_linear_of_quantized_rows_matches_the_host_product() {
         let xd = fp8::dequantize_rows(&x_codes, &x_scales, k);
         let wd = fp8::dequantize_rows(&w_codes, &w_scales, k);
         // Sampled elements against f64 products of the dequantized and of the exact operands.
-        let mut state = Rng(77);
+        let mut state = Rng::new(77);
         let (mut g8, mut want8, mut exact, mut g16) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..2048 {
@@ -878,7 +856,7 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
     let (rows, d, f) = (4096usize, 4096usize, 12288usize);
     let n_mod = 2;
     let stride = 5 * d;
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     let (x_bits, _) = random_bf16(&mut rng, rows * d, -3.0, 3.0);
     let (m_bits, _) = random_bf16(&mut rng, n_mod * stride, -1.0, 1.0);
     let (gu_bits, _) = random_bf16(&mut rng, rows * 2 * f, -3.0, 3.0);

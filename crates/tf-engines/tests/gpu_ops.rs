@@ -17,6 +17,7 @@ use tf_engines::nn::gpu::{
     RopeNorm, RopeTable, RowModulation, Strides, SwigluOrder,
 };
 use tf_engines::nn::host;
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use tf_engines::qwen_image::ops::{
     plan_adaln_modulate, plan_gated_residual, plan_gated_residual_adaln, DitKernels,
 };
@@ -48,23 +49,6 @@ fn gpu() -> Gpu {
         ctx,
         stream,
         kernels,
-    }
-}
-
-/// splitmix64: seeded, reproducible inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * unit
     }
 }
 
@@ -185,7 +169,7 @@ fn modulation(rng: &mut Rng, n_mod: usize, cols: usize, block: usize) -> (Vec<u1
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn adaln_modulate_matches_host() {
     let g = gpu();
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     // (samples, seq_len, target_begin, cols, output stride)
     for (samples, seq_len, target_begin, cols, y_stride) in
         [(2, 16, 5, 256, 264), (1, 4176, 80, 4096, 4096)]
@@ -242,7 +226,7 @@ fn adaln_modulate_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn rms_norm_zero_centred_matches_host() {
     let g = gpu();
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     for (rows, cols) in [(3, 4096), (80, 4096), (5, 136)] {
         let (x_bits, x) = random_bf16(&mut rng, rows * cols, -4.0, 4.0);
         let (w_bits, w) = random_bf16(&mut rng, cols, -0.5, 0.5);
@@ -275,7 +259,7 @@ fn rms_norm_zero_centred_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn gated_residual_matches_host() {
     let g = gpu();
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     for (samples, seq_len, target_begin, cols) in
         [(2, 9, 4, 64), (1, 4096, 0, 4096), (1, 4176, 80, 4096)]
     {
@@ -330,7 +314,7 @@ fn gated_residual_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn fused_residual_adaln_equals_the_two_kernels() {
     let g = gpu();
-    let mut rng = Rng(13);
+    let mut rng = Rng::new(13);
     // Narrow, DiT-wide (4096) and the widest rows the kernel takes (8192).
     for (samples, seq_len, target_begin, cols) in
         [(2, 9, 4, 64), (1, 4176, 80, 4096), (2, 24, 8, 8192)]
@@ -433,7 +417,7 @@ fn fused_residual_adaln_equals_the_two_kernels() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn swiglu_matches_host() {
     let g = gpu();
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     // (rows, hidden, input stride): a padded input stride exercises strided reads.
     for (rows, hidden, stride) in [(5, 64, 136), (16, 12288, 24576)] {
         let (bits, values) = random_bf16(&mut rng, rows * stride, -6.0, 6.0);
@@ -473,7 +457,7 @@ fn swiglu_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn gelu_and_silu_match_host() {
     let g = gpu();
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     for n in [1003usize, 80 * 4096] {
         let (bits, x) = random_bf16(&mut rng, n, -8.0, 8.0);
         let mut want_gelu = x.clone();
@@ -544,7 +528,7 @@ fn timestep_embedding_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn qk_norm_rope_matches_host() {
     let g = gpu();
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     // (text rows, image height, image width, heads, extra qkv columns)
     for (text, h, w, heads, extra) in [(7, 5, 6, 3, 8), (80, 64, 64, 32, 0)] {
         let rows = text + h * w;
@@ -655,7 +639,7 @@ fn qk_norm_rope_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn copy_rows_and_transpose_are_exact() {
     let g = gpu();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     // Copy an 80 x 4096 prefix block into rows of a wider buffer.
     let (rows, cols, dst_stride) = (80, 4096, 4096 + 64);
     let (bits, values) = random_bf16(&mut rng, rows * cols, -1.0, 1.0);
@@ -1039,7 +1023,7 @@ fn joint_blocks(text1: usize, image: usize, text2: usize, target: usize) -> Vec<
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn attention_small_shapes_match_host() {
     let g = gpu();
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     let cases = [
         // Full (extract) pass over a joint sequence: text causal, a condition image and the target bidirectional;
         // sample 0 padded inside the text, sample 1 padded from key 0 (its first queries see nothing: zeros).
@@ -1100,7 +1084,7 @@ fn spread_rows(num_queries: usize, extra: &[usize]) -> Vec<usize> {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn attention_real_shapes_match_host() {
     let g = gpu();
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     // The 1024x1024 cached step: 4096 target queries over 80 cached text keys (10 of them padding) + 4096.
     let cached = AttentionCase {
         name: "cached step 4096 x (80 + 4096), 32 heads",
@@ -1135,7 +1119,7 @@ fn attention_real_shapes_match_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn norm_modulate_matches_host() {
     let g = gpu();
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     let (rows, cols, n_mod) = (12, 3072, 3);
     let (x_bits, x) = random_bf16(&mut rng, rows * cols, -3.0, 3.0);
     let (w_bits, w) = random_bf16(&mut rng, 2 * cols, -1.5, 1.5);
@@ -1223,7 +1207,7 @@ fn norm_modulate_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn partial_rope_matches_host() {
     let g = gpu();
-    let mut rng = Rng(22);
+    let mut rng = Rng::new(22);
     // (head_dim, rotated): the H3 DiT and its VAE; the whole head as a check of the full-width case.
     for (head_dim, rotated) in [(128usize, 96usize), (64, 48), (128, 128)] {
         let (rows, q_heads, kv_heads) = (9, 4, 2);
@@ -1302,7 +1286,7 @@ fn partial_rope_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn swiglu_value_gate_matches_host() {
     let g = gpu();
-    let mut rng = Rng(23);
+    let mut rng = Rng::new(23);
     let (rows, hidden) = (7, 2048);
     let (bits, values) = random_bf16(&mut rng, rows * 2 * hidden, -6.0, 6.0);
     let in_dev = upload(&g, &bits);
@@ -1336,7 +1320,7 @@ fn swiglu_value_gate_matches_host() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn attention_d64_matches_host() {
     let g = gpu();
-    let mut rng = Rng(24);
+    let mut rng = Rng::new(24);
     // The H3 video VAE: 32 heads of 64, no mask; an odd token count exercises the partial tiles.
     let (heads, tokens) = (32usize, 333usize);
     let width = heads * 64;
