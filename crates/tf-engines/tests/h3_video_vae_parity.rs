@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 #[path = "common/scratch_model.rs"]
 mod scratch_model;
-use scratch_model::{rewrite, ScratchModel};
+use scratch_model::{assert_bad_tensors_named, rewrite, ScratchModel};
 use tf_engines::minimax_h3::vae_video::{
     denormalize_latents, split_tiles, HostVideoVae, TilingOptions, VideoVaeBackend, VideoVaeError,
     PIXEL_MEAN, PIXEL_STD,
@@ -343,31 +343,12 @@ fn hostile_configs_are_refused_with_the_file_and_key() {
 
 #[test]
 fn malformed_checkpoints_name_the_tensor() {
-    let missing = "decoder.transformer_blocks.1.attn.to_k.bias";
-    let s = scratch("missing");
-    rewrite(&s.weights(), |t| t.retain(|(n, _, _)| n != missing));
-    let err = load_scratch(&s).unwrap_err().to_string();
-    assert!(err.contains(missing), "{err}");
-
-    let misshapen = "decoder.proj_out.weight";
-    let s = scratch("shape");
-    rewrite(&s.weights(), |t| {
-        for (n, shape, data) in t.iter_mut() {
-            if n == misshapen {
-                shape[0] -= 1;
-                data.truncate(shape.iter().product());
-            }
-        }
-    });
-    let err = load_scratch(&s).unwrap_err().to_string();
-    assert!(err.contains(misshapen) && err.contains("shape"), "{err}");
-
-    let s = scratch("extra");
-    rewrite(&s.weights(), |t| {
-        t.push(("decoder.stray.weight".into(), vec![2], vec![0.0; 2]))
-    });
-    let err = load_scratch(&s).unwrap_err().to_string();
-    assert!(err.contains("decoder.stray.weight"), "{err}");
+    assert_bad_tensors_named(
+        scratch,
+        load_scratch,
+        "decoder.transformer_blocks.1.attn.to_k.bias",
+        ("decoder.proj_out.weight", 0),
+    );
 
     // The encoder side is not read, whatever it holds.
     let s = scratch("encoder");

@@ -77,3 +77,41 @@ pub fn rewrite(path: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<
         .collect();
     tf_engines::nn::weights::write_safetensors(path, &refs).unwrap();
 }
+
+/// The checkpoint refusals a decoder loader shares, each error naming the tensor: `missing` left out, `misshapen`
+/// one element shorter along dimension `dim`, and a stray `decoder.stray.weight` added. `scratch` makes a fresh
+/// copy of the fixture model for a tag; `load` loads such a copy.
+pub fn assert_bad_tensors_named<T, E: std::fmt::Display>(
+    scratch: impl Fn(&str) -> ScratchModel,
+    load: impl Fn(&ScratchModel) -> Result<T, E>,
+    missing: &str,
+    (misshapen, dim): (&str, usize),
+) {
+    let refusal = |s: &ScratchModel, what: &str| match load(s) {
+        Ok(_) => panic!("{what}: the checkpoint loaded"),
+        Err(e) => e.to_string(),
+    };
+    let s = scratch("missing");
+    rewrite(&s.weights(), |t| t.retain(|(n, _, _)| n != missing));
+    let err = refusal(&s, missing);
+    assert!(err.contains(missing), "{err}");
+
+    let s = scratch("shape");
+    rewrite(&s.weights(), |t| {
+        for (n, shape, data) in t.iter_mut() {
+            if n == misshapen {
+                shape[dim] -= 1;
+                data.truncate(shape.iter().product());
+            }
+        }
+    });
+    let err = refusal(&s, misshapen);
+    assert!(err.contains(misshapen) && err.contains("shape"), "{err}");
+
+    let s = scratch("extra");
+    rewrite(&s.weights(), |t| {
+        t.push(("decoder.stray.weight".into(), vec![2], vec![0.0; 2]))
+    });
+    let err = refusal(&s, "decoder.stray.weight");
+    assert!(err.contains("decoder.stray.weight"), "{err}");
+}
