@@ -17,7 +17,7 @@
 
 #[path = "common/gpu.rs"]
 mod gpu_support;
-use gpu_support::{context, cosine};
+use gpu_support::{assert_close_within, context};
 #[path = "common/fixture_dir.rs"]
 mod fixture_dir;
 
@@ -88,24 +88,12 @@ fn load(ctx: &Context, case: &str) -> GpuH3Dit {
 }
 
 fn assert_close(case: &str, what: &str, actual: &TensorF32, reference: &TensorF32) {
-    assert_eq!(actual.shape(), reference.shape(), "{case}/{what}: shape");
-    assert!(
-        actual.data().iter().all(|v| v.is_finite()),
-        "{case}/{what}: non-finite output"
-    );
-    let err = relative_l2(actual.data(), reference.data()).unwrap();
-    let cos = cosine(actual.data(), reference.data());
-    println!(
-        "{case}/{what}: shape {:?}, relative L2 {err:.3e} (max {REL_L2_MAX:e}), cosine {cos:.6} (min {COSINE_MIN})",
-        actual.shape()
-    );
-    assert!(
-        err <= REL_L2_MAX,
-        "{case}/{what}: relative L2 {err:.3e} > {REL_L2_MAX:e}"
-    );
-    assert!(
-        cos >= COSINE_MIN,
-        "{case}/{what}: cosine {cos:.6} < {COSINE_MIN}"
+    assert_close_within(
+        &format!("{case}/{what}"),
+        actual,
+        reference,
+        REL_L2_MAX,
+        COSINE_MIN,
     );
 }
 

@@ -1,10 +1,12 @@
-//! What the GPU tests share: a context on device 0 and the cosine similarity they print beside the relative L2.
+//! What the GPU tests share: a context on device 0, the cosine similarity they print beside the relative L2, and
+//! the assertion that bounds both.
 
 #![allow(dead_code)]
 
 use std::sync::Arc;
 
 use tf_cuda::{Context, Driver};
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
 
 /// A context on device 0.
 pub fn context() -> Context {
@@ -21,4 +23,31 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
         bb += f64::from(y) * f64::from(y);
     }
     ab / (aa.sqrt() * bb.sqrt()).max(f64::MIN_POSITIVE)
+}
+
+/// Asserts `actual` has `reference`'s shape, finite values, a relative L2 error at most `rel_l2_max` and a cosine
+/// at least `cosine_min`, printing both figures and their bounds under the label `what`.
+pub fn assert_close_within(
+    what: &str,
+    actual: &TensorF32,
+    reference: &TensorF32,
+    rel_l2_max: f64,
+    cosine_min: f64,
+) {
+    assert_eq!(actual.shape(), reference.shape(), "{what}: shape");
+    assert!(
+        actual.data().iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
+    let err = relative_l2(actual.data(), reference.data()).unwrap();
+    let cos = cosine(actual.data(), reference.data());
+    println!(
+        "{what}: shape {:?}, relative L2 {err:.3e} (max {rel_l2_max:e}), cosine {cos:.6} (min {cosine_min})",
+        actual.shape()
+    );
+    assert!(
+        err <= rel_l2_max,
+        "{what}: relative L2 {err:.3e} > {rel_l2_max:e}"
+    );
+    assert!(cos >= cosine_min, "{what}: cosine {cos:.6} < {cosine_min}");
 }
