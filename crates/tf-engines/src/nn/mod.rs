@@ -3,6 +3,7 @@
 //! - [`weights`]: safetensors files and diffusers-format model folders, validated before any GPU work.
 //! - [`upload`]: the pinned upload ring that streams checked host tensors to the device.
 //! - [`fp8`]: the FP8 e4m3 format on the host, per-row quantization and the load-time weight quantizer.
+//! - [`fp8_checkpoint`]: FP8 checkpoints that carry their scales (scaled-FP8 safetensors), read into that layout.
 //! - [`tensor`]: host tensors (f32 and raw) and the error measures the parity tests use.
 //! - [`host`]: plain f32 reference ops; every GPU kernel is checked against them.
 //! - [`config`]: typed config parsing that names the failing key, and the bound and product checks.
@@ -19,6 +20,7 @@
 pub mod backend_error;
 pub mod config;
 pub mod fp8;
+pub mod fp8_checkpoint;
 pub mod gpu;
 pub mod host;
 pub mod kernels;

@@ -15,8 +15,9 @@ use thiserror::Error;
 
 use super::config::{ConfigError, QwenImageDitConfig, TOKENS_PER_SLOT};
 use crate::nn::backend_error::GpuError;
+use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CheckpointError};
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
-use crate::nn::weights::{write_safetensors, AnyTensor, SafetensorsFile, WeightsError};
+use crate::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile, WeightsError};
 
 /// Errors of a DiT forward.
 #[derive(Debug, Error)]
@@ -25,6 +26,9 @@ pub enum DitError {
     Weights(#[from] WeightsError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// An FP8 checkpoint (weights stored as e4m3 with their scales) that does not follow an accepted layout.
+    #[error(transparent)]
+    Fp8Checkpoint(#[from] Fp8CheckpointError),
     #[error("shape mismatch: {0}")]
     Shape(#[from] ShapeError),
     #[error("invalid DiT inputs: {0}")]
@@ -38,6 +42,18 @@ pub enum DitError {
     /// A backend condition with no underlying error (an unsupported config, a missing workspace).
     #[error("backend: {0}")]
     Backend(String),
+}
+
+/// Checks a DiT folder against `config` before anything is loaded: finds the weights stored in FP8 with their
+/// scales (a scaled-FP8 checkpoint; none in an ordinary one), validates them, then checks every tensor's name,
+/// shape and dtype, FP8 allowed where the file has it and the scale tensors declared.
+pub fn check_folder(
+    model: &ModelDir,
+    config: &QwenImageDitConfig,
+) -> Result<Fp8Checkpoint, DitError> {
+    let checkpoint = Fp8Checkpoint::scan(model)?;
+    model.check(&checkpoint.model_specs(&config.tensor_specs()))?;
+    Ok(checkpoint)
 }
 
 fn input_err(why: impl Into<String>) -> DitError {

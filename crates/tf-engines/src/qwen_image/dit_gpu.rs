@@ -44,7 +44,8 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::config::{QwenImageDitConfig, TIMESTEP_DIM};
 use super::dit::{
-    DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvMode, KvStep,
+    check_folder, DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvMode,
+    KvStep,
 };
 use super::ops::DitKernels;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
@@ -108,6 +109,10 @@ pub struct GpuLoadStats {
     pub precision: DitPrecision,
     /// Blocks of the model (what [`DitPrecision::describe`] needs).
     pub layers: usize,
+    /// Weights the checkpoint stores in FP8 with their scales (0 for a bf16/f32 checkpoint).
+    pub checkpoint_fp8: usize,
+    /// Of those, the ones whose codes went to the device as stored; the rest were dequantized to bf16.
+    pub checkpoint_fp8_as_stored: usize,
 }
 
 impl std::fmt::Display for GpuLoadStats {
@@ -117,7 +122,17 @@ impl std::fmt::Display for GpuLoadStats {
             "{}; precision {}",
             self.upload,
             self.precision.describe(self.layers)
-        )
+        )?;
+        if self.checkpoint_fp8 > 0 {
+            write!(
+                f,
+                "; FP8 checkpoint: {} weights stored in e4m3, {} used as stored, {} dequantized to bf16",
+                self.checkpoint_fp8,
+                self.checkpoint_fp8_as_stored,
+                self.checkpoint_fp8 - self.checkpoint_fp8_as_stored
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -283,7 +298,7 @@ impl GpuDit {
         precision: DitPrecision,
     ) -> Result<GpuDit, DitError> {
         let config = QwenImageDitConfig::from_json(model.config_json())?;
-        model.check(&config.tensor_specs())?;
+        let checkpoint = check_folder(model, &config)?;
         let dims = Dims::of(&config)?;
         let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
         let kernels = DitKernels::load(ctx).map_err(gpu_err("loading the DiT kernels"))?;
@@ -299,7 +314,8 @@ impl GpuDit {
             None
         };
 
-        let weights = weights::upload(ctx, &stream, model, &dims, staging, &precision)?;
+        let weights =
+            weights::upload(ctx, &stream, model, &checkpoint, &dims, staging, &precision)?;
         Ok(GpuDit {
             engine: Engine {
                 config,
@@ -322,6 +338,8 @@ impl GpuDit {
                 weight_bytes: weights.bytes,
                 precision,
                 layers: dims.layers,
+                checkpoint_fp8: weights.checkpoint_fp8,
+                checkpoint_fp8_as_stored: weights.checkpoint_fp8_as_stored,
             },
         })
     }

@@ -9,7 +9,8 @@
 
 use super::config::{QwenImageDitConfig, ROPE_THETA, TIMESTEP_DIM};
 use super::dit::{
-    DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvStep, TokenSource,
+    check_folder, DitBackend, DitError, DitInputs, DitOutput, HostKvCache, JointLayout, KvStep,
+    TokenSource,
 };
 use crate::nn::host as ops;
 use crate::nn::tensor::{Tensor, TensorF32};
@@ -59,10 +60,11 @@ impl HostDit {
     /// Validates the folder against its config (every tensor, shape and dtype) and converts the weights to f32.
     pub fn load(model: &ModelDir) -> Result<HostDit, DitError> {
         let config = QwenImageDitConfig::from_json(model.config_json())?;
+        let checkpoint = check_folder(model, &config)?;
         let specs = config.tensor_specs();
-        model.check(&specs)?;
         let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-        let (mut tensors, load_stats) = model.load_f32(&names)?;
+        // Weights stored in FP8 are dequantized (code times the scale of its row).
+        let (mut tensors, load_stats) = checkpoint.load_f32(model, &names)?;
         let mut take = |name: &str| -> Result<Vec<f32>, DitError> {
             tensors.remove(name).map(Tensor::into_data).ok_or_else(|| {
                 DitError::Weights(crate::nn::weights::WeightsError::MissingTensor {

@@ -1216,7 +1216,7 @@ impl Sequential {
         let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
         let dit_config =
             QwenImageDitConfig::from_json(dit_dir.config_json()).map_err(DitError::from)?;
-        dit_dir.check(&dit_config.tensor_specs())?;
+        crate::qwen_image::dit::check_folder(&dit_dir, &dit_config)?;
         let vae_config = VaeConfig::from_json(vae_dir.config_json())?;
         Ok(Sequential {
             te_dir,

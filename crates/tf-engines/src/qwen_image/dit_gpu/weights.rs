@@ -4,12 +4,18 @@
 //! Block GEMM groups that run in FP8 ([`DitPrecision`]) are stored as e4m3 codes, quantized per output channel on
 //! the ring itself ([`Fp8RowQuantizer`]: the staging slot receives the codes, no second host copy), with their f32
 //! scales (one per output row, in the fused order) uploaded beside them once the ring is done.
+//!
+//! A checkpoint that already stores weights in FP8 with their scales ([`Fp8Checkpoint`]) feeds those codes to
+//! the FP8 groups as they are (a per-tensor scale repeated per row; no re-quantization), and is dequantized to
+//! bf16 on the ring wherever the precision keeps a weight in bf16 (`--precision bf16`, the bf16 end blocks, the
+//! groups left out, the embedders).
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::precision::DitPrecision;
 use super::{cuda_err, gpu_err};
 use crate::nn::fp8::Fp8RowQuantizer;
+use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CodeCheck, Fp8Dequantizer};
 use crate::nn::gpu::HEAD_DIM;
 use crate::nn::upload::{
     upload_pieces, Piece, StagingConfig, Transform as RingTransform, UploadStats,
@@ -155,6 +161,36 @@ pub(super) struct DeviceWeights {
     pub(super) upload: UploadStats,
     /// Bytes of the allocation.
     pub(super) bytes: usize,
+    /// Weights the checkpoint stores in FP8, and how many of them went to the device as stored (the rest were
+    /// dequantized to bf16).
+    pub(super) checkpoint_fp8: usize,
+    pub(super) checkpoint_fp8_as_stored: usize,
+}
+
+/// A reshaped tensor built in host memory.
+enum Staged {
+    /// f32 little-endian values.
+    Values(Vec<u8>),
+    /// A checkpoint's e4m3 codes and their per-row scales.
+    Codes(Vec<u8>, Vec<f32>),
+}
+
+/// How one source tensor reaches the device.
+enum Feed<'a> {
+    /// Converted to bf16 (from F32, BF16 or F16).
+    Bf16 { src: &'a [u8], dtype: Dtype },
+    /// Quantized per output row on the ring.
+    Quantize {
+        src: &'a [u8],
+        quantizer: Fp8RowQuantizer,
+    },
+    /// A checkpoint's e4m3 codes as stored (NaN codes refused on the way), with their per-row scales.
+    Codes { src: &'a [u8], scales: Vec<f32> },
+    /// A checkpoint's e4m3 codes dequantized to bf16 on the ring.
+    Dequantize {
+        src: &'a [u8],
+        dequantizer: Fp8Dequantizer,
+    },
 }
 
 /// An FP8 source tensor: `[rows, cols]`, its scales at `scale_at` (bytes) in the allocation.
@@ -166,11 +202,13 @@ struct Fp8Target {
 }
 
 /// Plans the fused layout of `model` and uploads it into one fresh allocation of `ctx`, on `stream`: bf16, and
-/// e4m3 codes with f32 scales for the block GEMM groups `precision` runs in FP8.
+/// e4m3 codes with f32 scales for the block GEMM groups `precision` runs in FP8. `checkpoint` names the weights
+/// the folder already stores in FP8 (empty for an ordinary checkpoint).
 pub(super) fn upload(
     ctx: &Context,
     stream: &Stream,
     model: &ModelDir,
+    checkpoint: &Fp8Checkpoint,
     dims: &Dims,
     staging: StagingConfig,
     precision: &DitPrecision,
@@ -340,44 +378,91 @@ pub(super) fn upload(
         ));
     }
 
-    // Reshaped tensors are built in host memory first (small models only); the rest stream from the map.
-    let mut owned: Vec<(usize, Vec<u8>)> = Vec::new();
-    for (i, (name, _, transform, _)) in placements.iter().enumerate() {
-        if !matches!(transform, Transform::Plain) {
-            let values = model.to_f32(name)?.into_data();
-            owned.push((
-                i,
+    // Reshaped tensors are built in host memory first (small models only); the rest stream from the map. A
+    // checkpoint's FP8 weight bound for an FP8 group is padded as codes (its scales carried along); any other
+    // reshaped tensor goes through f32 (an FP8 one dequantized).
+    let mut owned: Vec<Option<Staged>> = Vec::with_capacity(placements.len());
+    for (name, _, transform, target) in &placements {
+        owned.push(if matches!(transform, Transform::Plain) {
+            None
+        } else if let (Some(w), Some(_)) = (checkpoint.get(name), target) {
+            let codes = checkpoint.codes(model, name)?;
+            let (codes, scales) =
+                reshape_fp8(codes, &w.scales, *transform, dims).map_err(backend(name))?;
+            Some(Staged::Codes(codes, scales))
+        } else {
+            let values = checkpoint.to_f32(model, name)?.into_data();
+            Some(Staged::Values(
                 reshape(&values, *transform, dims).map_err(backend(name))?,
-            ));
-        }
-    }
-    // Each tensor's source bytes and their dtype (the reshaped ones are f32).
-    let mut sources: Vec<(&[u8], Dtype)> = Vec::with_capacity(placements.len());
-    for (i, (name, _, _, _)) in placements.iter().enumerate() {
-        sources.push(match owned.iter().find(|(j, _)| *j == i) {
-            Some((_, bytes)) => (bytes.as_slice(), Dtype::F32),
-            None => (model.bytes(name)?, model.info(name)?.dtype),
+            ))
         });
     }
-    // One quantizer per FP8 tensor; it keeps the scales of the rows the ring hands it.
-    let mut quantizers: Vec<Option<Fp8RowQuantizer>> = Vec::with_capacity(placements.len());
-    for ((name, _, _, target), (_, dtype)) in placements.iter().zip(&sources) {
-        quantizers.push(match target {
-            Some(t) => Some(Fp8RowQuantizer::new(*dtype, t.rows, t.cols).map_err(gpu_err(name))?),
-            None => None,
-        });
-    }
-    let mut pieces = Vec::with_capacity(placements.len());
-    for (((_, offset, _, _), (src, dtype)), quantizer) in
-        placements.iter().zip(&sources).zip(&quantizers)
-    {
-        pieces.push(match quantizer {
-            Some(q) => Piece {
-                src,
-                transform: RingTransform::Custom(q),
-                dst_offset: *offset,
+    let mut feeds: Vec<Feed<'_>> = Vec::with_capacity(placements.len());
+    let mut checkpoint_fp8 = 0;
+    let mut checkpoint_fp8_as_stored = 0;
+    for ((name, _, _, target), owned) in placements.iter().zip(&owned) {
+        let stored = checkpoint.get(name);
+        checkpoint_fp8 += usize::from(stored.is_some());
+        let feed = match (owned, stored, target) {
+            (Some(Staged::Codes(codes, scales)), _, _) => Feed::Codes {
+                src: codes,
+                scales: scales.clone(),
             },
-            None => Piece::bf16(src, *dtype, *offset),
+            (Some(Staged::Values(f32_bytes)), _, Some(t)) => Feed::Quantize {
+                src: f32_bytes,
+                quantizer: Fp8RowQuantizer::new(Dtype::F32, t.rows, t.cols)
+                    .map_err(gpu_err(name))?,
+            },
+            (Some(Staged::Values(f32_bytes)), _, None) => Feed::Bf16 {
+                src: f32_bytes,
+                dtype: Dtype::F32,
+            },
+            (None, Some(w), Some(_)) => Feed::Codes {
+                src: checkpoint.codes(model, name)?,
+                scales: w.scales.clone(),
+            },
+            (None, Some(w), None) => Feed::Dequantize {
+                src: checkpoint.codes(model, name)?,
+                dequantizer: Fp8Dequantizer::new(w),
+            },
+            (None, None, Some(t)) => Feed::Quantize {
+                src: model.bytes(name)?,
+                quantizer: Fp8RowQuantizer::new(model.info(name)?.dtype, t.rows, t.cols)
+                    .map_err(gpu_err(name))?,
+            },
+            (None, None, None) => Feed::Bf16 {
+                src: model.bytes(name)?,
+                dtype: model.info(name)?.dtype,
+            },
+        };
+        if let (Feed::Codes { src, scales }, Some(t)) = (&feed, target) {
+            checkpoint_fp8_as_stored += 1;
+            if scales.len() != t.rows || Some(src.len()) != t.rows.checked_mul(t.cols) {
+                return Err(DitError::Backend(format!(
+                    "{name}: the checkpoint's FP8 weight gives {} codes and {} scales, the device layout wants \
+                     [{}, {}]",
+                    src.len(),
+                    scales.len(),
+                    t.rows,
+                    t.cols
+                )));
+            }
+        }
+        feeds.push(feed);
+    }
+    let code_check = Fp8CodeCheck;
+    let mut pieces = Vec::with_capacity(placements.len());
+    for ((_, offset, _, _), feed) in placements.iter().zip(&feeds) {
+        let (src, transform) = match feed {
+            Feed::Bf16 { src, dtype } => (*src, RingTransform::ToBf16 { from: *dtype }),
+            Feed::Quantize { src, quantizer } => (*src, RingTransform::Custom(quantizer)),
+            Feed::Codes { src, .. } => (*src, RingTransform::Custom(&code_check)),
+            Feed::Dequantize { src, dequantizer } => (*src, RingTransform::Custom(dequantizer)),
+        };
+        pieces.push(Piece {
+            src,
+            transform,
+            dst_offset: *offset,
         });
     }
     let mut weights =
@@ -392,9 +477,17 @@ pub(super) fn upload(
         .map_err(gpu_err("uploading the DiT weights"))?;
     // The FP8 tensors' scales, now that every row went through its quantizer.
     let mut scale_images: Vec<(usize, Vec<u8>)> = Vec::new();
-    for ((name, _, _, target), quantizer) in placements.iter().zip(&quantizers) {
-        if let (Some(t), Some(q)) = (target, quantizer) {
-            let scales = q.scales();
+    for ((name, _, _, target), feed) in placements.iter().zip(&feeds) {
+        if let Some(t) = target {
+            let scales = match feed {
+                Feed::Quantize { quantizer, .. } => quantizer.scales(),
+                Feed::Codes { scales, .. } => scales.clone(),
+                Feed::Bf16 { .. } | Feed::Dequantize { .. } => {
+                    return Err(DitError::Backend(format!(
+                        "{name}: an FP8 group's weight was planned as bf16"
+                    )))
+                }
+            };
             if scales.len() != t.rows || scales.iter().any(|v| !v.is_finite() || *v <= 0.0) {
                 return Err(DitError::Backend(format!(
                     "{name}: the FP8 quantizer did not produce a finite scale for every one of its {} rows \
@@ -420,7 +513,63 @@ pub(super) fn upload(
         offsets,
         upload,
         bytes: total,
+        checkpoint_fp8,
+        checkpoint_fp8_as_stored,
     })
+}
+
+/// Pads a checkpoint's FP8 weight (e4m3 `codes`, one scale per row) into its 128-wide device image, as
+/// [`reshape`] does for values: padded rows and columns are zero codes (padded rows get scale 1), and a row
+/// factor multiplies the row's scale rather than the codes, so no code changes.
+fn reshape_fp8(
+    codes: &[u8],
+    scales: &[f32],
+    transform: Transform,
+    dims: &Dims,
+) -> Result<(Vec<u8>, Vec<f32>), String> {
+    let (heads, hd) = (dims.heads, dims.head_dim);
+    match transform {
+        Transform::Plain => Ok((codes.to_vec(), scales.to_vec())),
+        Transform::PadRows { cols, scale } => {
+            if codes.len() != heads * hd * cols || scales.len() != heads * hd {
+                return Err(format!(
+                    "{} codes and {} scales, expected {heads} x {hd} rows of {cols}",
+                    codes.len(),
+                    scales.len()
+                ));
+            }
+            let mut out = vec![0u8; heads * HEAD_DIM * cols];
+            let mut out_scales = vec![1f32; heads * HEAD_DIM];
+            for h in 0..heads {
+                for i in 0..hd {
+                    let (src_row, dst_row) = (h * hd + i, h * HEAD_DIM + i);
+                    out[dst_row * cols..(dst_row + 1) * cols]
+                        .copy_from_slice(&codes[src_row * cols..(src_row + 1) * cols]);
+                    out_scales[dst_row] = scales[src_row] * scale;
+                }
+            }
+            Ok((out, out_scales))
+        }
+        Transform::PadCols { rows } => {
+            if codes.len() != rows * heads * hd || scales.len() != rows {
+                return Err(format!(
+                    "{} codes and {} scales, expected {rows} rows of {heads} x {hd}",
+                    codes.len(),
+                    scales.len()
+                ));
+            }
+            let mut out = vec![0u8; rows * heads * HEAD_DIM];
+            for r in 0..rows {
+                for h in 0..heads {
+                    let src = &codes[r * heads * hd + h * hd..r * heads * hd + (h + 1) * hd];
+                    let at = r * heads * HEAD_DIM + h * HEAD_DIM;
+                    out[at..at + hd].copy_from_slice(src);
+                }
+            }
+            Ok((out, scales.to_vec()))
+        }
+        Transform::PadVec { .. } => Err("a 1-D tensor cannot be an FP8 weight".into()),
+    }
 }
 
 /// Reshapes a padded-head tensor (f32 values) into its 128-wide device image (f32 little-endian bytes).
@@ -584,8 +733,26 @@ mod tests {
             groups,
             bf16_ends: 0,
         });
-        let fp8_up = upload(&ctx, &stream, &model, &dims, staging, &precision).unwrap();
-        let bf16_up = upload(&ctx, &stream, &model, &dims, staging, &DitPrecision::Bf16).unwrap();
+        let fp8_up = upload(
+            &ctx,
+            &stream,
+            &model,
+            &Fp8Checkpoint::default(),
+            &dims,
+            staging,
+            &precision,
+        )
+        .unwrap();
+        let bf16_up = upload(
+            &ctx,
+            &stream,
+            &model,
+            &Fp8Checkpoint::default(),
+            &dims,
+            staging,
+            &DitPrecision::Bf16,
+        )
+        .unwrap();
         assert!(fp8_up.bytes < bf16_up.bytes);
         let image: Vec<u8> = fp8_up.buffer.to_vec().unwrap();
         let bf16_image: Vec<u8> = bf16_up.buffer.to_vec().unwrap();
@@ -677,6 +844,142 @@ mod tests {
             assert_eq!(
                 &image[b8.norm_q..b8.norm_q + HEAD_DIM * BF16],
                 &bf16_image[b16.norm_q..b16.norm_q + HEAD_DIM * BF16]
+            );
+        }
+    }
+
+    #[test]
+    fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_where_bf16() {
+        use super::super::precision::{Fp8Groups, Fp8Layers};
+        use crate::nn::fp8::e4m3_decode;
+        use crate::nn::gpu::test_support::context;
+        use crate::qwen_image::dit::check_folder;
+        let _serial = tf_testdriver::test_lock();
+        let ctx = context();
+        let stream = Stream::new(&ctx, false).unwrap();
+        let staging = StagingConfig {
+            slot_bytes: 4096,
+            slots: 2,
+            threads: 3,
+        };
+        let bf16_of = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
+        let bf16_image =
+            |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|&v| bf16_of(v)).collect() };
+        for variant in ["per_tensor", "per_channel"] {
+            let model = ModelDir::open(
+                &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../tests/fixtures/qwen_fp8")
+                    .join(variant),
+            )
+            .unwrap();
+            let config = QwenImageDitConfig::from_json(model.config_json()).unwrap();
+            let ck = check_folder(&model, &config).unwrap();
+            assert_eq!(ck.weights().len(), 16);
+            let dims = Dims::of(&config).unwrap();
+            let (d, w, f, hd) = (dims.d, dims.width, dims.ffn, dims.head_dim);
+            // q|k|v and the MLP from the file's codes; the output projection (and img_in, txt_in) in bf16.
+            let precision = DitPrecision::Fp8(Fp8Layers {
+                groups: Fp8Groups {
+                    out: false,
+                    ..Fp8Groups::ALL
+                },
+                bf16_ends: 0,
+            });
+            let up = upload(&ctx, &stream, &model, &ck, &dims, staging, &precision).unwrap();
+            assert_eq!((up.checkpoint_fp8, up.checkpoint_fp8_as_stored), (16, 12));
+            let image: Vec<u8> = up.buffer.to_vec().unwrap();
+            let f32s = |bytes: &[u8]| -> Vec<f32> {
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            };
+            let s = dims.qk_scale();
+            for (layer, b) in up.offsets.blocks.iter().enumerate() {
+                let p = format!("transformer_blocks.{layer}.");
+                let scales = f32s(&image[b.scales.qkv.unwrap()..][..3 * w * 4]);
+                for (k, (name, factor)) in [("to_q", s), ("to_k", s), ("to_v", 1.0)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let name = format!("{p}attn.{name}.weight");
+                    let fw = ck.get(&name).unwrap();
+                    let codes = model.bytes(&name).unwrap();
+                    for head in 0..dims.heads {
+                        for i in 0..HEAD_DIM {
+                            let row = k * w + head * HEAD_DIM + i;
+                            let got = &image[b.qkv + row * d..][..d];
+                            if i < hd {
+                                let src = head * hd + i;
+                                assert_eq!(
+                                    got,
+                                    &codes[src * d..(src + 1) * d],
+                                    "{variant} {name} row {row}"
+                                );
+                                assert_eq!(
+                                    scales[row],
+                                    fw.scales[src] * factor,
+                                    "{variant} {name} scale {row}"
+                                );
+                            } else {
+                                assert!(
+                                    got.iter().all(|&c| c == 0),
+                                    "{variant} {name}: padding row {row}"
+                                );
+                                assert_eq!(scales[row], 1.0);
+                            }
+                        }
+                    }
+                }
+                // gate|up: the two files' codes and scales back to back.
+                let gate = format!("{p}img_mlp.gate_layer.weight");
+                let proj = format!("{p}img_mlp.proj.weight");
+                let mut codes = model.bytes(&gate).unwrap().to_vec();
+                codes.extend_from_slice(model.bytes(&proj).unwrap());
+                assert_eq!(&image[b.gate_up..][..2 * f * d], &codes[..]);
+                let mut want = ck.get(&gate).unwrap().scales.clone();
+                want.extend_from_slice(&ck.get(&proj).unwrap().scales);
+                assert_eq!(f32s(&image[b.scales.gate_up.unwrap()..][..2 * f * 4]), want);
+                // The output projection in bf16: dequantized, its head columns padded to 128.
+                assert_eq!(b.scales.to_out, None);
+                let out = ck
+                    .to_f32(&model, &format!("{p}attn.to_out.0.weight"))
+                    .unwrap();
+                let padded =
+                    f32s(&reshape(out.data(), Transform::PadCols { rows: d }, &dims).unwrap());
+                assert_eq!(&image[b.to_out..][..d * w * BF16], &bf16_image(&padded)[..]);
+            }
+            // img_in, never FP8 on the device: dequantized on the ring, code times its row's scale, as bf16.
+            let fw = ck.get("img_in.weight").unwrap();
+            let codes = model.bytes("img_in.weight").unwrap();
+            let want: Vec<f32> = codes
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| e4m3_decode(c) * fw.scales[i / fw.cols])
+                .collect();
+            assert_eq!(
+                &image[up.offsets.img_in..][..d * dims.in_ch * BF16],
+                &bf16_image(&want)[..]
+            );
+            // In bf16 everything is dequantized.
+            let bf16 = upload(
+                &ctx,
+                &stream,
+                &model,
+                &ck,
+                &dims,
+                staging,
+                &DitPrecision::Bf16,
+            )
+            .unwrap();
+            assert_eq!(
+                (bf16.checkpoint_fp8, bf16.checkpoint_fp8_as_stored),
+                (16, 0)
+            );
+            let image16: Vec<u8> = bf16.buffer.to_vec().unwrap();
+            assert_eq!(
+                &image16[bf16.offsets.img_in..][..d * dims.in_ch * BF16],
+                &bf16_image(&want)[..]
             );
         }
     }
