@@ -1339,3 +1339,71 @@ fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
         "the default FP8 mode on a two-block model should run every block in bf16"
     );
 }
+
+// --- Scaled-FP8 checkpoints (tests/fixtures/qwen_fp8: the t2i fixture stored in e4m3 with its scales) -------
+
+#[path = "common/fixture_dir.rs"]
+mod fixture_dir;
+
+use tf_engines::nn::weights::ModelDir;
+use tf_engines::qwen_image::dit_host::HostDit;
+
+/// The GPU in bf16 on a dequantized FP8 checkpoint against the host's f32 forward on the same dequantized
+/// weights: only bf16 rounding separates them (the tiny models' bf16 floor is 2-3e-2, gpu_qwen_dit).
+const BF16_ON_FP8_FILE_REL_L2_MAX: f64 = 0.06;
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn qwen_dit_runs_scaled_fp8_checkpoints_from_their_own_codes() {
+    let g = gpu();
+    if g.ctx.device_info().map(|i| i.compute_capability).ok() != Some((9, 0)) {
+        println!("Qwen DiT on FP8 checkpoints skipped: row-wise FP8 GEMMs need sm_90");
+        return;
+    }
+    let step = qwen_fixtures::inputs("t2i", "step0");
+    let staging = StagingConfig {
+        slot_bytes: 8192,
+        slots: 2,
+        threads: 3,
+    };
+    for variant in ["per_tensor", "per_channel"] {
+        let model = ModelDir::open(&fixture_dir::find("qwen_fp8").join(variant)).unwrap();
+        // What the file's weights give in f32: the yardstick for both precisions.
+        let host = HostDit::load(&model)
+            .unwrap()
+            .forward(&step, KvStep::None)
+            .unwrap()
+            .sample;
+        // All 14 block weights feed the FP8 GEMMs as stored; img_in and txt_in.out_layer are dequantized.
+        for (precision, as_stored, bound) in [
+            (ALL_FP8, 14, FP8_REL_L2_MAX),
+            (DitPrecision::Bf16, 0, BF16_ON_FP8_FILE_REL_L2_MAX),
+        ] {
+            let mut dit = GpuDit::load_on_with(&g.ctx, &model, staging, precision)
+                .unwrap_or_else(|e| panic!("{variant}: load in {precision}: {e}"));
+            let stats = dit.load_stats();
+            println!("{variant} in {precision}: loaded ({stats})");
+            assert_eq!(
+                (stats.checkpoint_fp8, stats.checkpoint_fp8_as_stored),
+                (16, as_stored),
+                "{variant} in {precision}"
+            );
+            dit.set_graphs(false);
+            let out = dit.forward(&step, KvStep::None).unwrap().sample;
+            assert!(out.data().iter().all(|v| v.is_finite()));
+            let e = relative_l2(out.data(), host.data()).unwrap();
+            let c = cosine(out.data(), host.data());
+            println!(
+                "{variant} in {precision}: vs the host forward on the same checkpoint: rel L2 {e:.3e}, cosine {c:.6}"
+            );
+            assert!(
+                e <= bound,
+                "{variant} in {precision}: relative L2 {e:.3e} > {bound}"
+            );
+            assert!(
+                c >= FP8_COSINE_MIN,
+                "{variant} in {precision}: cosine {c:.6}"
+            );
+        }
+    }
+}
