@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use tf_engines::nn::fp8::{e4m3_decode, e4m3_encode};
-use tf_engines::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CheckpointError, ScaleLayout};
+use tf_engines::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CheckpointError, ScaleLayout, WeightFeed};
 use tf_engines::nn::tensor::relative_l2;
 use tf_engines::nn::weights::{Dtype, ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::config::QwenImageDitConfig;
@@ -139,6 +139,44 @@ fn both_layouts_load_exactly_the_files_codes_and_scales() {
             source.to_f32("proj_out.weight").unwrap().data()
         );
     }
+}
+
+#[test]
+fn weight_feeds_take_codes_dequantize_quantize_or_convert() {
+    let model = ModelDir::open(&fp8_dir("per_channel")).unwrap();
+    let ck = Fp8Checkpoint::scan(&model).unwrap();
+    let q = "transformer_blocks.0.attn.to_q.weight";
+    // A checkpoint FP8 weight the model runs in FP8: its codes as stored, its scales.
+    let feed = WeightFeed::of(&model, &ck, q, Some((32, 32))).unwrap();
+    assert!(feed.is_fp8() && feed.is_as_stored());
+    assert_eq!(feed.scales().unwrap(), ck.get(q).unwrap().scales);
+    let piece = feed.piece(64);
+    assert_eq!(piece.src, model.bytes(q).unwrap());
+    assert_eq!(
+        (piece.dst_offset, piece.device_bytes().unwrap()),
+        (64, 32 * 32)
+    );
+    // ... in bf16: dequantized, two bytes an element, no scales.
+    let feed = WeightFeed::of(&model, &ck, q, None).unwrap();
+    assert!(!feed.is_fp8() && feed.scales().is_none());
+    assert_eq!(feed.piece(0).device_bytes().unwrap(), 2 * 32 * 32);
+    // ... in FP8 at another shape: refused, naming it.
+    match WeightFeed::of(&model, &ck, q, Some((64, 16))) {
+        Err(e @ Fp8CheckpointError::Layout { .. }) => assert!(e.to_string().contains(q), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    // A float weight: converted, or quantized on the ring.
+    let p = "proj_out.weight";
+    assert!(matches!(
+        WeightFeed::of(&model, &ck, p, None).unwrap(),
+        WeightFeed::Bf16 {
+            dtype: Dtype::F32,
+            ..
+        }
+    ));
+    let feed = WeightFeed::of(&model, &ck, p, Some((16, 32))).unwrap();
+    assert!(feed.is_fp8() && !feed.is_as_stored());
+    assert_eq!(feed.piece(0).device_bytes().unwrap(), 16 * 32);
 }
 
 #[test]

@@ -40,9 +40,12 @@
 //!
 //! A model loader scans its folder once ([`Fp8Checkpoint::scan`]), checks the folder with
 //! [`Fp8Checkpoint::model_specs`] (its own specs, with FP8 allowed for the scanned weights and the companion
-//! tensors declared), then for each weight either uploads the codes as they are ([`Fp8CodeCheck`] on the upload
-//! ring, with [`Fp8Weight::scales`]) or, where it runs that layer in bf16, dequantizes them on the ring
-//! ([`Fp8Dequantizer`]). Host code reads any weight as f32 through [`Fp8Checkpoint::to_f32`].
+//! tensors declared), then asks [`WeightFeed::of`] how each weight reaches the device: a checkpoint's FP8 weight
+//! bound for an FP8 GEMM goes as its codes ([`Fp8CodeCheck`] on the upload ring) with [`Fp8Weight::scales`], one
+//! the model runs in bf16 is dequantized on the ring ([`Fp8Dequantizer`]), and a float weight is converted to bf16
+//! or quantized per row ([`Fp8RowQuantizer`]). [`WeightFeed::piece`] is its upload piece and
+//! [`WeightFeed::scales`] its per-row scales once the ring is done. Host code reads any weight as f32 through
+//! [`Fp8Checkpoint::to_f32`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -51,9 +54,9 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::nn::fp8::e4m3_decode;
+use crate::nn::fp8::{e4m3_decode, Fp8RowQuantizer};
 use crate::nn::tensor::{Tensor, TensorF32};
-use crate::nn::upload::{ChunkTransform, UploadError};
+use crate::nn::upload::{ChunkTransform, Piece, Transform, UploadError};
 use crate::nn::weights::{bytes_to_f32, Dtype, LoadStats, ModelDir, TensorSpec, WeightsError};
 
 /// The legacy marker tensor.
@@ -145,6 +148,21 @@ pub enum Fp8CheckpointError {
         name: String,
         index: usize,
         code: u8,
+    },
+    #[error("{path}: FP8 weight {name:?} is [{rows}, {cols}], the model wants it as [{want_rows}, {want_cols}]")]
+    Layout {
+        path: PathBuf,
+        name: String,
+        rows: usize,
+        cols: usize,
+        want_rows: usize,
+        want_cols: usize,
+    },
+    #[error("{name}: {source}")]
+    Feed {
+        name: String,
+        #[source]
+        source: Box<UploadError>,
     },
 }
 
@@ -811,6 +829,110 @@ impl ChunkTransform for Fp8Dequantizer {
             }
         }
         Ok(())
+    }
+}
+
+/// How one weight reaches the device on the upload ring, for a loader that may hold a checkpoint's FP8 weights.
+#[derive(Debug)]
+pub enum WeightFeed<'a> {
+    /// A float tensor (F32, BF16 or F16) converted to bf16.
+    Bf16 { src: &'a [u8], dtype: Dtype },
+    /// A float tensor quantized per output row on the ring.
+    Quantize {
+        src: &'a [u8],
+        quantizer: Fp8RowQuantizer,
+    },
+    /// A checkpoint's e4m3 codes as stored, with one scale per row.
+    Codes { src: &'a [u8], scales: Vec<f32> },
+    /// A checkpoint's e4m3 codes dequantized to bf16.
+    Dequantize {
+        src: &'a [u8],
+        dequantizer: Fp8Dequantizer,
+    },
+}
+
+/// The one NaN-checking copy every [`WeightFeed::Codes`] piece shares.
+static CODE_CHECK: Fp8CodeCheck = Fp8CodeCheck;
+
+impl<'a> WeightFeed<'a> {
+    /// The feed of tensor `name` of `model`, stored as the folder stores it. `fp8` is the `[rows, cols]` the model
+    /// runs in FP8 (`None`: bf16). A checkpoint FP8 weight bound for FP8 must have exactly that shape.
+    pub fn of(
+        model: &'a ModelDir,
+        checkpoint: &Fp8Checkpoint,
+        name: &str,
+        fp8: Option<(usize, usize)>,
+    ) -> Result<WeightFeed<'a>, Fp8CheckpointError> {
+        let feed_err = |source| Fp8CheckpointError::Feed {
+            name: name.to_string(),
+            source: Box::new(source),
+        };
+        Ok(match (checkpoint.get(name), fp8) {
+            (Some(w), Some((rows, cols))) => {
+                if (w.rows, w.cols) != (rows, cols) {
+                    return Err(Fp8CheckpointError::Layout {
+                        path: w.file.clone(),
+                        name: name.into(),
+                        rows: w.rows,
+                        cols: w.cols,
+                        want_rows: rows,
+                        want_cols: cols,
+                    });
+                }
+                WeightFeed::Codes {
+                    src: model.bytes(name)?,
+                    scales: w.scales.clone(),
+                }
+            }
+            (Some(w), None) => WeightFeed::Dequantize {
+                src: model.bytes(name)?,
+                dequantizer: Fp8Dequantizer::new(w),
+            },
+            (None, Some((rows, cols))) => WeightFeed::Quantize {
+                src: model.bytes(name)?,
+                quantizer: Fp8RowQuantizer::new(model.info(name)?.dtype, rows, cols)
+                    .map_err(feed_err)?,
+            },
+            (None, None) => WeightFeed::Bf16 {
+                src: model.bytes(name)?,
+                dtype: model.info(name)?.dtype,
+            },
+        })
+    }
+
+    /// The upload piece writing this feed's device image at `dst_offset`.
+    pub fn piece(&self, dst_offset: usize) -> Piece<'_> {
+        let (src, transform) = match self {
+            WeightFeed::Bf16 { src, dtype } => (*src, Transform::ToBf16 { from: *dtype }),
+            WeightFeed::Quantize { src, quantizer } => (*src, Transform::Custom(quantizer)),
+            WeightFeed::Codes { src, .. } => (*src, Transform::Custom(&CODE_CHECK)),
+            WeightFeed::Dequantize { src, dequantizer } => (*src, Transform::Custom(dequantizer)),
+        };
+        Piece {
+            src,
+            transform,
+            dst_offset,
+        }
+    }
+
+    /// True for a feed whose device image is e4m3 codes (quantized or as stored).
+    pub fn is_fp8(&self) -> bool {
+        matches!(self, WeightFeed::Quantize { .. } | WeightFeed::Codes { .. })
+    }
+
+    /// True for a checkpoint's codes used as stored.
+    pub fn is_as_stored(&self) -> bool {
+        matches!(self, WeightFeed::Codes { .. })
+    }
+
+    /// The per-row scales of an FP8 feed (for a quantized one, once the ring is done: a row it never handed
+    /// over reads NaN); `None` for a bf16 feed.
+    pub fn scales(&self) -> Option<Vec<f32>> {
+        match self {
+            WeightFeed::Quantize { quantizer, .. } => Some(quantizer.scales()),
+            WeightFeed::Codes { scales, .. } => Some(scales.clone()),
+            WeightFeed::Bf16 { .. } | WeightFeed::Dequantize { .. } => None,
+        }
     }
 }
 

@@ -15,11 +15,9 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 use super::precision::DitPrecision;
 use super::{cuda_err, gpu_err};
 use crate::nn::fp8::Fp8RowQuantizer;
-use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CodeCheck, Fp8Dequantizer};
+use crate::nn::fp8_checkpoint::{Fp8Checkpoint, WeightFeed};
 use crate::nn::gpu::HEAD_DIM;
-use crate::nn::upload::{
-    upload_pieces, Piece, StagingConfig, Transform as RingTransform, UploadStats,
-};
+use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
 use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, BF16};
 use crate::qwen_image::config::{QwenImageDitConfig, TIMESTEP_DIM};
 use crate::qwen_image::dit::DitError;
@@ -173,24 +171,6 @@ enum Staged {
     Values(Vec<u8>),
     /// A checkpoint's e4m3 codes and their per-row scales.
     Codes(Vec<u8>, Vec<f32>),
-}
-
-/// How one source tensor reaches the device.
-enum Feed<'a> {
-    /// Converted to bf16 (from F32, BF16 or F16).
-    Bf16 { src: &'a [u8], dtype: Dtype },
-    /// Quantized per output row on the ring.
-    Quantize {
-        src: &'a [u8],
-        quantizer: Fp8RowQuantizer,
-    },
-    /// A checkpoint's e4m3 codes as stored (NaN codes refused on the way), with their per-row scales.
-    Codes { src: &'a [u8], scales: Vec<f32> },
-    /// A checkpoint's e4m3 codes dequantized to bf16 on the ring.
-    Dequantize {
-        src: &'a [u8],
-        dequantizer: Fp8Dequantizer,
-    },
 }
 
 /// An FP8 source tensor: `[rows, cols]`, its scales at `scale_at` (bytes) in the allocation.
@@ -397,45 +377,30 @@ pub(super) fn upload(
             ))
         });
     }
-    let mut feeds: Vec<Feed<'_>> = Vec::with_capacity(placements.len());
+    let mut feeds: Vec<WeightFeed<'_>> = Vec::with_capacity(placements.len());
     let mut checkpoint_fp8 = 0;
     let mut checkpoint_fp8_as_stored = 0;
     for ((name, _, _, target), owned) in placements.iter().zip(&owned) {
-        let stored = checkpoint.get(name);
-        checkpoint_fp8 += usize::from(stored.is_some());
-        let feed = match (owned, stored, target) {
-            (Some(Staged::Codes(codes, scales)), _, _) => Feed::Codes {
+        checkpoint_fp8 += usize::from(checkpoint.get(name).is_some());
+        let feed = match (owned, target) {
+            (Some(Staged::Codes(codes, scales)), _) => WeightFeed::Codes {
                 src: codes,
                 scales: scales.clone(),
             },
-            (Some(Staged::Values(f32_bytes)), _, Some(t)) => Feed::Quantize {
+            (Some(Staged::Values(f32_bytes)), Some(t)) => WeightFeed::Quantize {
                 src: f32_bytes,
                 quantizer: Fp8RowQuantizer::new(Dtype::F32, t.rows, t.cols)
                     .map_err(gpu_err(name))?,
             },
-            (Some(Staged::Values(f32_bytes)), _, None) => Feed::Bf16 {
+            (Some(Staged::Values(f32_bytes)), None) => WeightFeed::Bf16 {
                 src: f32_bytes,
                 dtype: Dtype::F32,
             },
-            (None, Some(w), Some(_)) => Feed::Codes {
-                src: checkpoint.codes(model, name)?,
-                scales: w.scales.clone(),
-            },
-            (None, Some(w), None) => Feed::Dequantize {
-                src: checkpoint.codes(model, name)?,
-                dequantizer: Fp8Dequantizer::new(w),
-            },
-            (None, None, Some(t)) => Feed::Quantize {
-                src: model.bytes(name)?,
-                quantizer: Fp8RowQuantizer::new(model.info(name)?.dtype, t.rows, t.cols)
-                    .map_err(gpu_err(name))?,
-            },
-            (None, None, None) => Feed::Bf16 {
-                src: model.bytes(name)?,
-                dtype: model.info(name)?.dtype,
-            },
+            (None, target) => {
+                WeightFeed::of(model, checkpoint, name, target.map(|t| (t.rows, t.cols)))?
+            }
         };
-        if let (Feed::Codes { src, scales }, Some(t)) = (&feed, target) {
+        if let (WeightFeed::Codes { src, scales }, Some(t)) = (&feed, target) {
             checkpoint_fp8_as_stored += 1;
             if scales.len() != t.rows || Some(src.len()) != t.rows.checked_mul(t.cols) {
                 return Err(DitError::Backend(format!(
@@ -450,21 +415,11 @@ pub(super) fn upload(
         }
         feeds.push(feed);
     }
-    let code_check = Fp8CodeCheck;
-    let mut pieces = Vec::with_capacity(placements.len());
-    for ((_, offset, _, _), feed) in placements.iter().zip(&feeds) {
-        let (src, transform) = match feed {
-            Feed::Bf16 { src, dtype } => (*src, RingTransform::ToBf16 { from: *dtype }),
-            Feed::Quantize { src, quantizer } => (*src, RingTransform::Custom(quantizer)),
-            Feed::Codes { src, .. } => (*src, RingTransform::Custom(&code_check)),
-            Feed::Dequantize { src, dequantizer } => (*src, RingTransform::Custom(dequantizer)),
-        };
-        pieces.push(Piece {
-            src,
-            transform,
-            dst_offset: *offset,
-        });
-    }
+    let pieces: Vec<Piece<'_>> = placements
+        .iter()
+        .zip(&feeds)
+        .map(|((_, offset, _, _), feed)| feed.piece(*offset))
+        .collect();
     let mut weights =
         DeviceBuffer::alloc(ctx, total).map_err(cuda_err("allocating the weights"))?;
     if padded {
@@ -479,15 +434,9 @@ pub(super) fn upload(
     let mut scale_images: Vec<(usize, Vec<u8>)> = Vec::new();
     for ((name, _, _, target), feed) in placements.iter().zip(&feeds) {
         if let Some(t) = target {
-            let scales = match feed {
-                Feed::Quantize { quantizer, .. } => quantizer.scales(),
-                Feed::Codes { scales, .. } => scales.clone(),
-                Feed::Bf16 { .. } | Feed::Dequantize { .. } => {
-                    return Err(DitError::Backend(format!(
-                        "{name}: an FP8 group's weight was planned as bf16"
-                    )))
-                }
-            };
+            let scales = feed.scales().ok_or_else(|| {
+                DitError::Backend(format!("{name}: an FP8 group's weight was planned as bf16"))
+            })?;
             if scales.len() != t.rows || scales.iter().any(|v| !v.is_finite() || *v <= 0.0) {
                 return Err(DitError::Backend(format!(
                     "{name}: the FP8 quantizer did not produce a finite scale for every one of its {} rows \
