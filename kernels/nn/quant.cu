@@ -126,9 +126,11 @@ __device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int c
 
 // The norm-then-modulate body nn_norm_modulate computes, on values already in registers (overwritten with the
 // result): LayerNorm or RMSNorm, optional affine, optional (1 + scale) (+ shift) from modulation row `mod_row`.
+// RMSNorm divides the sum of squares by `norm_cols`, the model's width: a row padded with zero columns up to
+// `cols` (MiniMax H3's tiny models) keeps its mean square; `norm_cols == cols` is nn_norm_modulate's statistic.
 template <int CHUNKS>
-__device__ __forceinline__ void norm_modulate_row(float (&v)[CHUNKS][8], float total, int cols, float eps,
-                                                  int layer_norm, const bf16* __restrict__ weight,
+__device__ __forceinline__ void norm_modulate_row(float (&v)[CHUNKS][8], float total, int cols, int norm_cols,
+                                                  float eps, int layer_norm, const bf16* __restrict__ weight,
                                                   const bf16* __restrict__ bias, const bf16* mod_row,
                                                   int scale_offset, int shift_offset, float* scratch) {
     const float inv_cols = 1.0f / static_cast<float>(cols);
@@ -145,7 +147,7 @@ __device__ __forceinline__ void norm_modulate_row(float (&v)[CHUNKS][8], float t
 #pragma unroll
             for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
         }
-        rstd = rsqrtf(nn::block_sum(sq, scratch) / static_cast<float>(cols) + eps);
+        rstd = rsqrtf(nn::block_sum(sq, scratch) / static_cast<float>(norm_cols) + eps);
     }
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
@@ -219,8 +221,8 @@ __device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x
                                                       int layer_norm, const bf16* __restrict__ mod, int mod_stride,
                                                       int mod_rows, int scale_offset, int shift_offset, int seq_len,
                                                       int target_begin, int prefix_row,
-                                                      const int* __restrict__ row_index, float* scratch,
-                                                      float* max_scratch) {
+                                                      const int* __restrict__ row_index, int norm_cols,
+                                                      float* scratch, float* max_scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     float v[CHUNKS][8];
@@ -230,8 +232,8 @@ __device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x
         const int m = select_row(row, row_index, seq_len, target_begin, prefix_row, mod_rows);
         mod_row = mod + static_cast<int64_t>(m) * mod_stride;
     }
-    norm_modulate_row<CHUNKS>(v, total, cols, eps, layer_norm, weight, bias, mod_row, scale_offset, shift_offset,
-                              scratch);
+    norm_modulate_row<CHUNKS>(v, total, cols, norm_cols, eps, layer_norm, weight, bias, mod_row, scale_offset,
+                              shift_offset, scratch);
     store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
                           max_scratch);
 }
@@ -244,7 +246,7 @@ __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
     float* __restrict__ scales, const bf16* __restrict__ weight, const bf16* __restrict__ bias, int rows, int cols,
     float eps, int layer_norm, const bf16* __restrict__ mod, int mod_stride, int mod_rows, int scale_offset,
     int shift_offset, int seq_len, int target_begin, int prefix_row, const int* __restrict__ row_index,
-    float* scratch, float* max_scratch) {
+    int norm_cols, float* scratch, float* max_scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     const int gm = select_row(row, row_index, seq_len, target_begin, prefix_row, gate_rows);
@@ -279,8 +281,8 @@ __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
             for (int i = 0; i < 8; ++i) v[c][i] = 0.0f;
         }
     }
-    norm_modulate_row<CHUNKS>(v, total, cols, eps, layer_norm, weight, bias, mod_row, scale_offset, shift_offset,
-                              scratch);
+    norm_modulate_row<CHUNKS>(v, total, cols, norm_cols, eps, layer_norm, weight, bias, mod_row, scale_offset,
+                              shift_offset, scratch);
     store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
                           max_scratch);
 }
@@ -307,16 +309,18 @@ extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
 
 // nn_norm_modulate with an FP8 output: n = norm(x) (* weight (+ bias)) (* (1 + scale) (+ shift)) in f32, as
 // nn_norm_modulate computes it, then quantized per row into q / scales instead of rounded to bf16. Arguments as
-// nn_norm_modulate's with (q, q_stride, scales) in place of (y, y_stride). cols <= 8192; the `_c2` entry point
+// nn_norm_modulate's with (q, q_stride, scales) in place of (y, y_stride), then norm_cols: the width an RMSNorm
+// divides by (cols, or the model's width when the row is zero-padded past it; LayerNorm takes cols). cols <= 8192; the `_c2` entry point
 // (same arguments, same results) cols <= 4096, in fewer registers. Grid: `rows` blocks of NN_ROW_THREADS threads.
 #define NN_NORM_MODULATE_FP8_ARGS                                                                                   \
     const bf16 *__restrict__ x, int x_stride, uint8_t *__restrict__ q, int q_stride, float *__restrict__ scales,    \
         const bf16 *__restrict__ weight, const bf16 *__restrict__ bias, int rows, int cols, float eps,             \
         int layer_norm, const bf16 *__restrict__ mod, int mod_stride, int mod_rows, int scale_offset,               \
-        int shift_offset, int seq_len, int target_begin, int prefix_row, const int *__restrict__ row_index
+        int shift_offset, int seq_len, int target_begin, int prefix_row, const int *__restrict__ row_index,         \
+        int norm_cols
 #define NN_NORM_MODULATE_FP8_PASS                                                                                   \
     x, x_stride, q, q_stride, scales, weight, bias, rows, cols, eps, layer_norm, mod, mod_stride, mod_rows,         \
-        scale_offset, shift_offset, seq_len, target_begin, prefix_row, row_index, scratch, max_scratch
+        scale_offset, shift_offset, seq_len, target_begin, prefix_row, row_index, norm_cols, scratch, max_scratch
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp8(NN_NORM_MODULATE_FP8_ARGS) {
     __shared__ float scratch[32];
@@ -337,7 +341,9 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
 // mod[m * mod_stride + ...], m the row's modulation row (row_index, else the rule) clamped to each table's rows:
 // the two tables may differ (a block's gate and the next block's modulation) but share the row selection.
 // For Qwen-Image's tanh gates and LayerNorm * (1 + scale) the residual is bit-identical to
-// qi_gated_residual_adaln's. cols <= 8192; the `_c2` entry point (same arguments, same results) cols <= 4096.
+// qi_gated_residual_adaln's; MiniMax H3's plain gates and RMSNorm * weight * (1 + scale) + shift over rows
+// zero-padded past norm_cols (the last argument, as in nn_norm_modulate_fp8) match h3_residual_norm.
+// cols <= 8192; the `_c2` entry point (same arguments, same results) cols <= 4096.
 // Grid: `rows` blocks of NN_ROW_THREADS threads.
 #define NN_GATED_RESIDUAL_FP8_ARGS                                                                                  \
     bf16 *__restrict__ x, int x_stride, const bf16 *__restrict__ y, int y_stride,                                   \
@@ -345,11 +351,11 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
         uint8_t *__restrict__ q, int q_stride, float *__restrict__ scales, const bf16 *__restrict__ weight,         \
         const bf16 *__restrict__ bias, int rows, int cols, float eps, int layer_norm, const bf16 *__restrict__ mod, \
         int mod_stride, int mod_rows, int scale_offset, int shift_offset, int seq_len, int target_begin,            \
-        int prefix_row, const int *__restrict__ row_index
+        int prefix_row, const int *__restrict__ row_index, int norm_cols
 #define NN_GATED_RESIDUAL_FP8_PASS                                                                                  \
     x, x_stride, y, y_stride, gate_table, gate_stride, gate_rows, gate_offset, gate_tanh, q, q_stride, scales,      \
         weight, bias, rows, cols, eps, layer_norm, mod, mod_stride, mod_rows, scale_offset, shift_offset, seq_len,  \
-        target_begin, prefix_row, row_index, scratch, max_scratch
+        target_begin, prefix_row, row_index, norm_cols, scratch, max_scratch
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_gated_residual_norm_modulate_fp8(NN_GATED_RESIDUAL_FP8_ARGS) {

@@ -31,15 +31,22 @@ use tf_engines::minimax_h3::dit_gpu::kernels::{
     plan_linear_f32, plan_qk_norm_rope, plan_residual_norm, Elem, H3Kernels, LinearF32,
     NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
-use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
+use tf_engines::minimax_h3::dit_gpu::{DitPrecision, GpuH3Dit};
 use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
 use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, StepTimesteps};
-use tf_engines::nn::gpu::{Matrix, HEAD_DIM};
+use tf_engines::nn::fp8;
+use tf_engines::nn::gpu::quant::{
+    plan_gated_residual_norm_modulate_fp8_padded, plan_norm_modulate_fp8_padded, Fp8Rows,
+    QuantKernels, ResidualGate,
+};
+use tf_engines::nn::gpu::{
+    Matrix, ModulationRows, NormKind, NormModulate, RowModulation, HEAD_DIM,
+};
 use tf_engines::nn::host as ops;
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::upload::StagingConfig;
-use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
+use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
 
 const REL_L2_MAX: f64 = 4e-2;
 const COSINE_MIN: f64 = 0.999;
@@ -935,4 +942,580 @@ fn a_load_cycle_gives_its_device_memory_back() {
         after.host, before.host,
         "pinned bytes held after the model was dropped"
     );
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 (DitPrecision::Fp8): the fused quantizing norm against h3_residual_norm and the host, the whole forward
+// of every fixture in FP8 against the bf16 GPU forward and the fp32 reference, a checkpoint whose FP8 weights
+// are quantized on the upload ring, graph replay, and the resident bytes of a seeded FP8 model.
+//
+// Bounds of the whole forward in FP8: e4m3 keeps three mantissa bits, about 2.5% relative error per quantized
+// operand (tests/gpu_fp8.rs), on top of the bf16 path's 1-3e-2 on these tiny models; every block GEMM of the
+// two blocks runs in FP8 (`fp8:all,ends=0`). `FP8_REL_L2_MAX` = 0.15 with `FP8_COSINE_MIN` = 0.99 (the
+// Qwen-Image FP8 fixture bounds) guard the structure: a wrong scale, row, table row or half order gives errors
+// of order 1. The accuracy criterion is the full-size one (`h3-fp8-compare` in the GPU bundle: 4x the floor).
+
+const FP8_REL_L2_MAX: f64 = 0.15;
+const FP8_COSINE_MIN: f64 = 0.99;
+
+/// Every block GEMM of every block in FP8: the tiny fixtures have two blocks, which the default mode keeps bf16.
+fn fp8_everywhere() -> DitPrecision {
+    "fp8:all,ends=0".parse().unwrap()
+}
+
+/// A context when the GPU runs row-wise scaled FP8 GEMMs (sm_90); otherwise says why the test is skipped.
+fn fp8_context(test: &str) -> Option<Context> {
+    let ctx = context();
+    let cc = ctx.device_info().map(|i| i.compute_capability).ok();
+    if cc != Some((9, 0)) {
+        println!(
+            "{test}: SKIPPED: FP8 GEMMs with row-wise scales need an sm_90 GPU (this one: {cc:?})"
+        );
+        return None;
+    }
+    Some(ctx)
+}
+
+fn load_in(ctx: &Context, case: &str, precision: DitPrecision) -> GpuH3Dit {
+    let staging = StagingConfig {
+        slot_bytes: 8192,
+        slots: 2,
+        threads: 3,
+    };
+    let dit = GpuH3Dit::load_in(
+        ctx,
+        &model_dir(case),
+        LoadOptions::default(),
+        staging,
+        precision,
+    )
+    .unwrap_or_else(|e| panic!("{case}: load in {precision}: {e}"));
+    println!(
+        "{case}: loaded in {} ({}), {} B resident",
+        dit.precision(),
+        dit.describe_precision(),
+        dit.weight_bytes()
+    );
+    dit
+}
+
+/// Holds an FP8 output against the fp32 reference (FP8 bounds) and prints it beside the bf16 GPU output's error;
+/// returns the FP8 relative L2 error.
+fn compare_fp8(
+    case: &str,
+    what: &str,
+    fp8: &TensorF32,
+    bf16: &TensorF32,
+    reference: &TensorF32,
+) -> f64 {
+    let e16 = relative_l2(bf16.data(), reference.data()).unwrap();
+    let e8_bf16 = relative_l2(fp8.data(), bf16.data()).unwrap();
+    assert_close_within(
+        &format!("{case}/{what} fp8 vs fp32 (bf16 vs fp32 {e16:.3e}, fp8 vs bf16 {e8_bf16:.3e})"),
+        fp8,
+        reference,
+        FP8_REL_L2_MAX,
+        FP8_COSINE_MIN,
+    );
+    assert!(
+        e8_bf16 <= FP8_REL_L2_MAX,
+        "{case}/{what}: FP8 vs the bf16 GPU forward {e8_bf16:.3e}"
+    );
+    relative_l2(fp8.data(), reference.data()).unwrap()
+}
+
+/// The host `RMSNorm(v) * weight * (1 + scale) + shift` of rows of `cols` padded past `width` (the mean square
+/// over `width`), row `r` taking table row `index[r]` of `table` (rows of `stride`, scale and shift at columns
+/// `scale_at`, `shift_at`).
+#[allow(clippy::too_many_arguments)]
+fn host_h3_norm(
+    v: &[f32],
+    cols: usize,
+    width: usize,
+    weight: &[f32],
+    table: &[f32],
+    stride: usize,
+    (scale_at, shift_at): (usize, usize),
+    index: &[i32],
+    eps: f32,
+) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    for (r, (row, o)) in v
+        .chunks_exact(cols)
+        .zip(out.chunks_exact_mut(cols))
+        .enumerate()
+    {
+        let ms: f64 = row
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum::<f64>()
+            / width as f64;
+        let rstd = 1.0 / (ms + f64::from(eps)).sqrt();
+        let t = &table[index[r] as usize * stride..];
+        for c in 0..cols {
+            let n = f64::from(row[c]) * rstd * f64::from(weight[c]);
+            o[c] = (n * (1.0 + f64::from(t[scale_at + c])) + f64::from(t[shift_at + c])) as f32;
+        }
+    }
+    out
+}
+
+/// Holds FP8 rows (codes and scales) against the host quantization of `want`: scales within 1e-5, at most 0.5%
+/// of the codes one step away (f32 rounding of the norm on a boundary), dequantized within 3.5% relative L2.
+fn check_fp8_rows(what: &str, codes: &[u8], scales: &[f32], want: &[f32], cols: usize) {
+    let (want_codes, want_scales) = fp8::quantize_rows(want, cols);
+    for (r, (&s, &w)) in scales.iter().zip(&want_scales).enumerate() {
+        let e = (f64::from(s) - f64::from(w)).abs() / f64::from(w).abs().max(1e-30);
+        assert!(e <= 1e-5, "{what}: row {r} scale {s} vs host {w}");
+    }
+    let mut differing = 0;
+    for (i, (&c, &w)) in codes.iter().zip(&want_codes).enumerate() {
+        if c != w {
+            differing += 1;
+            let step = |c: u8| i32::from(c & 0x7f) * if c & 0x80 != 0 { -1 } else { 1 };
+            assert!(
+                step(c).abs_diff(step(w)) <= 1,
+                "{what}: code {i} {c:#04x} vs host {w:#04x}"
+            );
+        }
+    }
+    let deq = fp8::dequantize_rows(codes, scales, cols);
+    let err = relative_l2(&deq, want).unwrap();
+    println!(
+        "{what}: {differing} of {} codes one step from the host's; dequantized vs host f32 rel L2 {err:.3e}",
+        codes.len()
+    );
+    assert!(
+        differing * 200 <= codes.len(),
+        "{what}: {differing} codes differ"
+    );
+    assert!(err <= 0.035, "{what}: dequantized rel L2 {err:.3e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fp8_norms_match_h3_residual_norm_and_the_host() {
+    let ctx = context();
+    let kernels = H3Kernels::load(&ctx).unwrap();
+    let quant = QuantKernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut rng = SplitMix64::new(21);
+    // 37 rows of width 20 padded to 32 (FP8 rows are multiples of 16 bytes), and 5376 columns (the release);
+    // two timesteps x three modalities of [shift|scale|gate|shift|scale|gate], rows picked per row by an index.
+    for (rows, width, cols) in [(37usize, 20usize, 32usize), (9, 5376, 5376)] {
+        let table_rows = 6;
+        let stride = 6 * cols;
+        let eps = 1e-5f32;
+        let x = padded(&mut rng, rows, width, cols, -2.0, 2.0);
+        let y = padded(&mut rng, rows, width, cols, -1.0, 1.0);
+        let table = padded(&mut rng, table_rows * 6, width, cols, -0.5, 0.5);
+        let weight = padded(&mut rng, 1, width, cols, 0.8, 1.2);
+        let index: Vec<i32> = (0..rows).map(|_| rng.below(table_rows) as i32).collect();
+        let (scale_at, shift_at, gate_at) = (4 * cols, 3 * cols, 2 * cols);
+        let yd = device(&ctx, &bf16_bytes(&y));
+        let td = device(&ctx, &bf16_bytes(&table));
+        let wd = device(&ctx, &bf16_bytes(&weight));
+        let id = device(&ctx, &i32_bytes(&index));
+        let mut x_bf16 = device(&ctx, &bf16_bytes(&x));
+        let mut x_fp8 = device(&ctx, &bf16_bytes(&x));
+        let mut normed = device(&ctx, &bf16_bytes(&vec![0f32; rows * cols]));
+        let mut codes = device(&ctx, &vec![0u8; rows * cols]);
+        let mut scales = device(&ctx, &f32_bytes(&vec![0f32; rows]));
+        let mut codes_plain = device(&ctx, &vec![0u8; rows * cols]);
+        let mut scales_plain = device(&ctx, &f32_bytes(&vec![0f32; rows]));
+        {
+            let (yv, tv, wv, iv) = (yd.view(), td.view(), wd.view(), id.view());
+            let gate_view = tv.slice(gate_at * 2, tv.len() - gate_at * 2).unwrap();
+            let (xv, ov) = (x_bf16.view_mut(), normed.view_mut());
+            let op = ResidualNorm {
+                x: &xv,
+                x_layout: Matrix::dense(rows, cols),
+                residual: Some((&yv, cols)),
+                gate: Some(RowTable {
+                    data: &gate_view,
+                    rows: table_rows,
+                    stride,
+                    index: &iv,
+                }),
+                norm_cols: width,
+                eps,
+                weight: &wv,
+                modulation: Some(NormModulation {
+                    table: RowTable {
+                        data: &tv,
+                        rows: table_rows,
+                        stride,
+                        index: &iv,
+                    },
+                    scale_offset: scale_at,
+                    shift_offset: Some(shift_at),
+                }),
+                out: &ov,
+                out_stride: cols,
+                out_index: None,
+            };
+            kernels.run(&stream, plan_residual_norm(&op)).unwrap();
+            let select = ModulationRows::targets_only(1);
+            let norm = NormModulate {
+                kind: NormKind::RmsNorm,
+                weight: Some(&wv),
+                bias: None,
+                eps,
+                modulation: Some(RowModulation {
+                    data: &tv,
+                    rows: table_rows,
+                    stride,
+                    scale_offset: scale_at,
+                    shift_offset: Some(shift_at),
+                    select,
+                    row_index: Some(&iv),
+                }),
+            };
+            let gate = ResidualGate {
+                data: &tv,
+                rows: table_rows,
+                stride,
+                offset: gate_at,
+                tanh: false,
+                select,
+                row_index: Some(&iv),
+            };
+            let (xf, cv, sv) = (x_fp8.view_mut(), codes.view_mut(), scales.view_mut());
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: cols,
+                scales: &sv,
+            };
+            quant
+                .run(
+                    &stream,
+                    plan_gated_residual_norm_modulate_fp8_padded(
+                        &xf,
+                        Matrix::dense(rows, cols),
+                        width,
+                        (&yv, cols),
+                        &gate,
+                        &out,
+                        &norm,
+                    ),
+                )
+                .unwrap();
+            // No residual (the first block's norm): the input as it is.
+            let x0 = device(&ctx, &bf16_bytes(&x));
+            let x0v = x0.view();
+            let (cp, sp) = (codes_plain.view_mut(), scales_plain.view_mut());
+            let plain_out = Fp8Rows {
+                codes: &cp,
+                stride: cols,
+                scales: &sp,
+            };
+            quant
+                .run(
+                    &stream,
+                    plan_norm_modulate_fp8_padded(
+                        &x0v,
+                        Matrix::dense(rows, cols),
+                        width,
+                        &plain_out,
+                        &norm,
+                    ),
+                )
+                .unwrap();
+            stream.synchronize().unwrap();
+        }
+        let case = format!("{rows}x{width} (padded to {cols})");
+        // The residual stream: bit-equal to h3_residual_norm's.
+        let stored_bf16 = read_bf16(&x_bf16);
+        let stored_fp8 = read_bf16(&x_fp8);
+        assert_eq!(
+            stored_fp8, stored_bf16,
+            "{case}: the FP8 kernel's residual differs"
+        );
+        let codes_of = |buf: &DeviceBuffer| buf.to_vec::<u8>().unwrap();
+        let scales_of = |buf: &DeviceBuffer| buf.to_vec::<f32>().unwrap();
+        for (what, v, c, s) in [
+            (
+                "gated residual + RMSNorm + modulation",
+                &stored_fp8,
+                &codes,
+                &scales,
+            ),
+            ("RMSNorm + modulation", &x, &codes_plain, &scales_plain),
+        ] {
+            let want = host_h3_norm(
+                v,
+                cols,
+                width,
+                &weight,
+                &table,
+                stride,
+                (scale_at, shift_at),
+                &index,
+                eps,
+            );
+            let codes = codes_of(c);
+            // The padding columns are zero codes.
+            for r in 0..rows {
+                assert!(codes[r * cols + width..(r + 1) * cols]
+                    .iter()
+                    .all(|&b| b == 0));
+            }
+            check_fp8_rows(
+                &format!("{what} [{case}]"),
+                &codes,
+                &scales_of(s),
+                &want,
+                cols,
+            );
+        }
+        // And the dequantized FP8 rows sit where h3_residual_norm's bf16 rows do.
+        let deq = fp8::dequantize_rows(&codes_of(&codes), &scales_of(&scales), cols);
+        let err = relative_l2(&deq, &read_bf16(&normed)).unwrap();
+        println!("{case}: FP8 rows vs h3_residual_norm's bf16 rows: rel L2 {err:.3e}");
+        assert!(err <= 0.035, "{case}: {err:.3e}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
+    let Some(ctx) = fp8_context("fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference")
+    else {
+        return;
+    };
+    let mut worst: f64 = 0.0;
+    for case in cases() {
+        let step = inputs(&case);
+        let bf16 = load(&ctx, &case).forward(&step).unwrap();
+        let mut dit = load_in(&ctx, &case, fp8_everywhere());
+        assert_eq!(dit.precision(), fp8_everywhere());
+        let fp8_out = dit.forward(&step).unwrap();
+        for (what, ours, base) in [
+            ("sample", &fp8_out.sample, &bf16.sample),
+            ("audio_sample", &fp8_out.audio_sample, &bf16.audio_sample),
+        ] {
+            worst = worst.max(compare_fp8(&case, what, ours, base, &expected(&case, what)));
+        }
+        // The default mode keeps the first and last block in bf16: on two blocks that is the bf16 path.
+        let mut default_mode = load_in(&ctx, &case, DitPrecision::FP8);
+        assert_eq!(
+            default_mode.forward(&step).unwrap().sample.data(),
+            bf16.sample.data(),
+            "{case}: fp8 with both blocks kept bf16 differs from bf16"
+        );
+    }
+    println!("FP8 fixtures: worst relative L2 against fp32 {worst:.3e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
+    let Some(ctx) = fp8_context("fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix") else {
+        return;
+    };
+    let case = "first_last_odd";
+    let step = inputs(case);
+    for spec in [
+        "fp8:all,ends=0",
+        "fp8:qkv,ends=0",
+        "fp8:out,ends=0",
+        "fp8:mlp_in,ends=0",
+        "fp8:mlp_out,ends=0",
+        "fp8:qkv,mlp_out,ends=0",
+    ] {
+        let precision: DitPrecision = spec.parse().unwrap();
+        let mut dit = load_in(&ctx, case, precision);
+        dit.set_graphs(false);
+        let eager = dit.forward(&step).unwrap();
+        dit.set_graphs(true);
+        let replay = dit.forward(&step).unwrap(); // captured, then replayed
+        let again = dit.forward(&step).unwrap(); // replayed
+        for (what, out) in [("replay", &replay), ("second replay", &again)] {
+            assert_eq!(
+                out.sample.data(),
+                eager.sample.data(),
+                "{spec}: {what} sample"
+            );
+            assert_eq!(
+                out.audio_sample.data(),
+                eager.audio_sample.data(),
+                "{spec}: {what} audio_sample"
+            );
+        }
+        let other = perturbed(&step);
+        dit.set_graphs(false);
+        let eager_other = dit.forward(&other).unwrap();
+        dit.set_graphs(true);
+        assert_eq!(
+            dit.forward(&other).unwrap().sample.data(),
+            eager_other.sample.data(),
+            "{spec}: perturbed sample"
+        );
+        let e = relative_l2(eager.sample.data(), expected(case, "sample").data()).unwrap();
+        println!(
+            "{case} in {spec}: graph replay bit-equal to eager; sample vs fp32 rel L2 {e:.3e}"
+        );
+        assert!(e <= FP8_REL_L2_MAX, "{spec}: {e:.3e}");
+    }
+}
+
+/// A folder of `reduced_config()` with seeded f32 weights (nothing padded: the FP8 weights are quantized on the
+/// upload ring), removed when dropped.
+struct ReducedFolder(PathBuf);
+
+impl ReducedFolder {
+    fn write(seed: u64) -> ReducedFolder {
+        let dir = std::env::temp_dir().join(format!("h3_fp8_ring_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = reduced_config();
+        let mut json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(model_dir("fl2va_first").dir().join("config.json")).unwrap(),
+        )
+        .unwrap();
+        for (key, value) in [
+            ("num_attention_heads", config.num_attention_heads),
+            ("attention_head_dim", config.attention_head_dim),
+            ("hidden_size", config.hidden_size),
+            ("num_layers", config.num_layers),
+            ("num_refiner_layers", config.num_refiner_layers),
+            ("ffn_dim", config.ffn_dim),
+            ("text_dim", config.text_dim),
+            ("time_embed_hidden_dim", config.time_embed_hidden_dim),
+            ("time_embed_dim", config.time_embed_dim),
+            ("freq_dim", config.freq_dim),
+            ("in_channels", config.in_channels),
+            ("audio_in_channels", config.audio_in_channels),
+            ("rope_freq_dim", config.rope_freq_dim),
+        ] {
+            json[key] = serde_json::json!(value);
+        }
+        json["patch_size"] = serde_json::json!(config.patch_size);
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+        let mut rng = SplitMix64::new(seed);
+        let tensors: Vec<(String, TensorF32)> = config
+            .tensor_specs()
+            .into_iter()
+            .map(|spec| {
+                let n: usize = spec.shape.iter().product();
+                let values = if spec.name.contains("norm") && spec.shape.len() == 1 {
+                    rng.uniform_vec(n, 0.95, 1.05)
+                } else {
+                    let bound = 1.0 / (*spec.shape.last().unwrap() as f32).sqrt();
+                    rng.uniform_vec(n, -bound, bound)
+                };
+                (spec.name, TensorF32::new(spec.shape, values).unwrap())
+            })
+            .collect();
+        let refs: Vec<(&str, AnyTensor<'_>)> = tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
+            .collect();
+        write_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &refs).unwrap();
+        ReducedFolder(dir)
+    }
+}
+
+impl Drop for ReducedFolder {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fp8_weights_quantized_on_the_upload_ring_run_near_bf16() {
+    let Some(ctx) = fp8_context("fp8_weights_quantized_on_the_upload_ring_run_near_bf16") else {
+        return;
+    };
+    let folder = ReducedFolder::write(17);
+    let model = ModelDir::open(&folder.0).unwrap();
+    // Small slots: each FP8 weight crosses several staging slots, whole rows at a time.
+    let staging = StagingConfig {
+        slot_bytes: 16384,
+        slots: 2,
+        threads: 3,
+    };
+    let load = |precision: DitPrecision| {
+        GpuH3Dit::load_in(&ctx, &model, LoadOptions::default(), staging, precision)
+            .unwrap_or_else(|e| panic!("load in {precision}: {e}"))
+    };
+    let mut bf16 = load(DitPrecision::Bf16);
+    let mut fp8_dit = load(fp8_everywhere());
+    let inputs = layout_inputs(bf16.config(), 3);
+    let base = bf16.forward(&inputs).unwrap();
+    fp8_dit.set_graphs(false);
+    let eager = fp8_dit.forward(&inputs).unwrap();
+    fp8_dit.set_graphs(true);
+    fp8_dit.forward(&inputs).unwrap();
+    let replay = fp8_dit.forward(&inputs).unwrap();
+    assert_eq!(
+        replay.sample.data(),
+        eager.sample.data(),
+        "replay differs from eager"
+    );
+    for (what, ours, theirs) in [
+        ("sample", &eager.sample, &base.sample),
+        ("audio_sample", &eager.audio_sample, &base.audio_sample),
+    ] {
+        assert_close_within(
+            &format!("ring-quantized reduced model {what}: fp8 vs bf16"),
+            ours,
+            theirs,
+            FP8_REL_L2_MAX,
+            FP8_COSINE_MIN,
+        );
+    }
+    let ratio = fp8_dit.weight_bytes() as f64 / bf16.weight_bytes() as f64;
+    println!(
+        "ring-quantized reduced model: {} B resident in FP8, {} B in bf16 ({ratio:.3}); {}",
+        fp8_dit.weight_bytes(),
+        bf16.weight_bytes(),
+        fp8_dit.describe_precision()
+    );
+    assert!(ratio < 0.8, "FP8 resident bytes {ratio:.3} of bf16");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes() {
+    let Some(ctx) =
+        fp8_context("seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes")
+    else {
+        return;
+    };
+    let config = MiniMaxH3Config {
+        num_layers: 6,
+        ..reduced_config()
+    };
+    let inputs = layout_inputs(&config, 9);
+    let mut bf16 = GpuH3Dit::random_on(&ctx, &config, 5).unwrap();
+    let base = bf16.forward(&inputs).unwrap();
+    let mut fp8_dit = GpuH3Dit::random_in(&ctx, &config, 5, DitPrecision::FP8).unwrap();
+    let out = fp8_dit.forward(&inputs).unwrap();
+    assert_close_within(
+        "seeded reduced model, fp8 (default mode) vs bf16 from the same seed",
+        &out.sample,
+        &base.sample,
+        FP8_REL_L2_MAX,
+        FP8_COSINE_MIN,
+    );
+    let again = GpuH3Dit::random_in(&ctx, &config, 5, DitPrecision::FP8)
+        .unwrap()
+        .forward(&inputs)
+        .unwrap();
+    assert_eq!(
+        again.sample.data(),
+        out.sample.data(),
+        "the same seed gives another FP8 model"
+    );
+    let ratio = fp8_dit.weight_bytes() as f64 / bf16.weight_bytes() as f64;
+    println!(
+        "seeded reduced model: {} B resident in FP8 ({}), {} B in bf16: {ratio:.3}",
+        fp8_dit.weight_bytes(),
+        fp8_dit.describe_precision(),
+        bf16.weight_bytes()
+    );
+    // Four of six blocks in FP8 at this size (the adaLN and embedders stay bf16): clearly below bf16.
+    assert!(ratio < 0.85, "{ratio:.3}");
 }

@@ -15,6 +15,14 @@
 //!   shape. Batch items share the layout and run as one sequence of `batch * seq` rows (attention per item).
 //! - No host synchronisation inside a step; the forward synchronizes once, before reading the outputs. `Drop`
 //!   synchronizes the stream before anything is freed.
+//! - Precision ([`DitPrecision`], shared with Qwen-Image): bf16 by default; with FP8 the chosen GEMM groups of
+//!   the main blocks (`qkv`, `out`, `mlp_in` = `fc1`, `mlp_out` = `fc2`; the first and last `ends` blocks and the
+//!   token refiner stay bf16) hold e4m3 weights with one f32 scale per output channel, quantized at load (on the
+//!   upload ring, or from a bf16 scratch matrix on the device for zero-padded tiny models and seeded timing
+//!   models), and read e4m3 activations with one scale per row written by the kernel that produces them
+//!   (`nn_quant`: the gated residual + RMSNorm + modulation, SwiGLU, and a quantizing pass over the attention
+//!   output), through cuBLASLt's row-wise scaled FP8 GEMM (sm_90, cuBLASLt 12.9+). The hidden and feed-forward
+//!   widths are then padded to multiples of 16 (the released model's already are).
 //!
 //! Submodules: [`kernels`] (the H3 kernel launchers), `weights` (dimensions, device layout, placement plan, upload
 //! and seeded fill), `workspace` (per-shape buffers and per-forward tables), `step` (the enqueued step, its GEMM
@@ -44,7 +52,9 @@ use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use super::dit_host::LoadOptions;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmRunner};
+use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::AttentionTile;
+pub use crate::nn::precision::{DitPrecision, Fp8Groups, Fp8Layers};
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
 use crate::nn::weights::ModelDir;
@@ -101,6 +111,11 @@ struct Engine {
     gemms: GemmRunner,
     weights: DeviceBuffer,
     offsets: WeightOffsets,
+    precision: DitPrecision,
+    /// Per main block, the GEMM groups in FP8.
+    fp8_groups: Vec<Fp8Groups>,
+    /// The quantizing kernels, loaded when some block runs in FP8.
+    quant: Option<QuantKernels>,
 }
 
 /// The GPU DiT backend.
@@ -148,25 +163,69 @@ fn check_original(model: &ModelDir, config: &MiniMaxH3Config) -> Result<(), H3Er
     Ok(())
 }
 
+/// Refuses FP8 where it cannot run: cuBLASLt's row-wise scaled FP8 GEMM needs sm_90 and cuBLASLt 12.9.
+fn check_fp8_support(ctx: &Context, gemms: &GemmRunner) -> Result<(), H3Error> {
+    let info = ctx
+        .device_info()
+        .map_err(cuda_err("reading the device's compute capability"))?;
+    if info.compute_capability != (9, 0) {
+        return Err(H3Error::Backend(format!(
+            "FP8 needs an sm_90 GPU (cuBLASLt runs row-wise scaled FP8 GEMMs there only); {} is sm_{}{}: \
+             use --precision bf16",
+            info.name, info.compute_capability.0, info.compute_capability.1
+        )));
+    }
+    let version = gemms.lt().library().version();
+    let needed = tf_cuda::cublaslt::Fp8ScaleMode::RowWise.min_cublaslt_version();
+    if version < needed {
+        return Err(H3Error::Backend(format!(
+            "FP8 needs cuBLASLt {needed} or newer (row-wise scales); the loaded library is {version}: point \
+             TF_CUBLASLT at a newer libcublasLt or use --precision bf16"
+        )));
+    }
+    Ok(())
+}
+
+/// What a weights maker gets from the engine under construction.
+struct Makers<'e> {
+    stream: &'e Stream,
+    kernels: &'e H3Kernels,
+    quant: Option<&'e QuantKernels>,
+    plan: &'e weights::WeightPlan,
+}
+
 impl Engine {
-    /// The engine of `config` on `ctx` around weights made by `make`.
+    /// The engine of `config` on `ctx` in `precision` around weights made by `make`.
     fn new(
         ctx: &Context,
         config: MiniMaxH3Config,
         source: Source,
-        make: impl FnOnce(
-            &Stream,
-            &H3Kernels,
-            &weights::WeightPlan,
-        ) -> Result<weights::DeviceWeights, H3Error>,
+        precision: DitPrecision,
+        make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
     ) -> Result<(Engine, Option<UploadStats>), H3Error> {
-        let dims = Dims::of(&config)?;
-        let plan = weights::plan(&config, &dims, source)?;
+        let layers = config.num_layers;
+        let fp8_groups: Vec<Fp8Groups> = (0..layers)
+            .map(|l| precision.groups_of(l, layers))
+            .collect();
+        let fp8 = fp8_groups.iter().any(|g| g.any());
+        let dims = Dims::of_for(&config, fp8)?;
+        let plan = weights::plan(&config, &dims, source, &fp8_groups)?;
         let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
         let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;
         let gemms =
             GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;
-        let made = make(&stream, &kernels, &plan)?;
+        let quant = if fp8 {
+            check_fp8_support(ctx, &gemms)?;
+            Some(QuantKernels::load(ctx).map_err(gpu_err("loading the FP8 quantizing kernels"))?)
+        } else {
+            None
+        };
+        let made = make(&Makers {
+            stream: &stream,
+            kernels: &kernels,
+            quant: quant.as_ref(),
+            plan: &plan,
+        })?;
         Ok((
             Engine {
                 config,
@@ -178,6 +237,9 @@ impl Engine {
                 gemms,
                 weights: made.buffer,
                 offsets: plan.offsets,
+                precision,
+                fp8_groups,
+                quant,
             },
             made.upload,
         ))
@@ -206,6 +268,19 @@ impl GpuH3Dit {
         options: LoadOptions,
         staging: StagingConfig,
     ) -> Result<GpuH3Dit, H3Error> {
+        GpuH3Dit::load_in(ctx, model, options, staging, DitPrecision::Bf16)
+    }
+
+    /// [`GpuH3Dit::load_with`] in the given GEMM precision: with FP8 the chosen block GEMM groups are quantized on
+    /// their way to the device (and the quantizing kernels loaded). FP8 needs an sm_90 GPU and cuBLASLt 12.9 or
+    /// newer; anything else is refused here, naming what is missing.
+    pub fn load_in(
+        ctx: &Context,
+        model: &ModelDir,
+        options: LoadOptions,
+        staging: StagingConfig,
+        precision: DitPrecision,
+    ) -> Result<GpuH3Dit, H3Error> {
         let config =
             MiniMaxH3Config::from_json_file(model.config_json(), &model.dir().join("config.json"))?;
         let layout = checkpoint::detect(model, options.qkv);
@@ -219,8 +294,8 @@ impl GpuH3Dit {
                 Source::Original(qkv)
             }
         };
-        let (engine, upload) = Engine::new(ctx, config, source, |stream, _, plan| {
-            weights::upload(ctx, stream, model, plan, staging)
+        let (engine, upload) = Engine::new(ctx, config, source, precision, |m| {
+            weights::upload(ctx, m.stream, m.quant, model, m.plan, staging)
         })?;
         Ok(GpuH3Dit {
             engine,
@@ -239,16 +314,24 @@ impl GpuH3Dit {
         config: &MiniMaxH3Config,
         seed: u64,
     ) -> Result<GpuH3Dit, H3Error> {
+        GpuH3Dit::random_in(ctx, config, seed, DitPrecision::Bf16)
+    }
+
+    /// [`GpuH3Dit::random_on`] in the given GEMM precision: each FP8 matrix is seeded in bf16 (the values its bf16
+    /// twin holds) in one scratch matrix on the device and quantized from there, so the bf16 model never exists.
+    pub fn random_in(
+        ctx: &Context,
+        config: &MiniMaxH3Config,
+        seed: u64,
+        precision: DitPrecision,
+    ) -> Result<GpuH3Dit, H3Error> {
         config.validate().map_err(|why| ConfigError {
             file: "config".into(),
             why,
         })?;
-        let (engine, _) = Engine::new(
-            ctx,
-            config.clone(),
-            Source::Diffusers,
-            |stream, kernels, plan| weights::random(ctx, stream, kernels, plan, seed),
-        )?;
+        let (engine, _) = Engine::new(ctx, config.clone(), Source::Diffusers, precision, |m| {
+            weights::random(ctx, m.stream, m.kernels, m.quant, m.plan, seed)
+        })?;
         Ok(GpuH3Dit {
             engine,
             workspaces: Vec::new(),
@@ -278,9 +361,21 @@ impl GpuH3Dit {
             .map_err(gpu_err("setting the GEMM selection"))
     }
 
-    /// Bytes of the device weight allocation.
+    /// Bytes of the device weight allocation (resident weights: e4m3 codes and their scales where FP8).
     pub fn weight_bytes(&self) -> u64 {
         self.engine.weights.len() as u64
+    }
+
+    /// The GEMM precision the model was loaded in.
+    pub fn precision(&self) -> DitPrecision {
+        self.engine.precision
+    }
+
+    /// What a load report says about the precision: where FP8 runs, or bf16.
+    pub fn describe_precision(&self) -> String {
+        self.engine
+            .precision
+            .describe(self.engine.config.num_layers)
     }
 
     /// Device bytes of the workspaces held now (one per shape seen, at most two).

@@ -64,6 +64,7 @@ use super::vae_audio::AudioVaeError;
 use super::vae_video::{VideoFrames, VideoVaeError};
 use crate::nn::backend_error::GpuError;
 use crate::nn::memory_plan::{MemoryPlan, MemoryPlanError, Residency};
+use crate::nn::precision::DitPrecision;
 use crate::nn::sampling::flow_match::{SamplerError, SigmaSource};
 use crate::nn::sampling::noise::NoiseError;
 use crate::nn::sampling::scheduler::Scheduler;
@@ -239,6 +240,9 @@ pub struct LoadOptions {
     /// `min(free - DEVICE_RESERVE_BYTES, cap)`, the host against the cap. `None`: no cap. A cap below the sum of
     /// the components selects the sequential mode; one below the largest component is refused.
     pub device_budget: Option<u64>,
+    /// The GEMM precision of the GPU DiT (bf16, or FP8 in chosen block groups); the host runs f32 and refuses
+    /// anything but bf16 here.
+    pub dit_precision: DitPrecision,
 }
 
 impl LoadOptions {
@@ -249,6 +253,7 @@ impl LoadOptions {
             limits: Limits::default(),
             text: H3TextOptions::default(),
             device_budget: None,
+            dit_precision: DitPrecision::Bf16,
         }
     }
 }
@@ -444,6 +449,8 @@ pub struct LoadReport {
     pub residency: Residency,
     /// Where each component runs: (name, "host" or "gpu").
     pub placement: Vec<(&'static str, &'static str)>,
+    /// The precision each component computes in: (name, description).
+    pub precision: Vec<(&'static str, String)>,
 }
 
 /// The loaded pipeline. Components drop before the device context (field order).
@@ -509,7 +516,13 @@ impl H3Pipeline {
                 ),
             ));
         }
-        let folders = Folders::open(&layout, options.text.layer)?;
+        if options.backend == Backend::Host && options.dit_precision != DitPrecision::Bf16 {
+            return Err(PipelineError::InvalidRequest(format!(
+                "DiT precision {} runs on the GPU only; the host reference computes in f32",
+                options.dit_precision
+            )));
+        }
+        let folders = Folders::open(&layout, options.text.layer, options.dit_precision)?;
         let parts = folders.plan_components(options.backend);
         let (context, available, free_before) = match options.backend {
             Backend::Host => (None, None, 0),
@@ -555,6 +568,11 @@ impl H3Pipeline {
         .into_iter()
         .map(|c| (c, options.backend.name()))
         .collect();
+        let precision = components::precisions(
+            options.backend,
+            options.dit_precision,
+            configs.dit.num_layers,
+        );
         Ok(H3Pipeline {
             tokenizer,
             components,
@@ -567,6 +585,7 @@ impl H3Pipeline {
                 seconds: started.elapsed().as_secs_f64(),
                 residency: memory_plan.residency(),
                 placement,
+                precision,
             },
             memory_plan,
             dir: dir.to_path_buf(),

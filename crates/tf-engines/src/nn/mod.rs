@@ -27,6 +27,7 @@ pub mod kernels;
 pub mod media;
 pub mod memory_plan;
 pub mod parallel;
+pub mod precision;
 pub mod sampling;
 pub mod tensor;
 pub mod upload;

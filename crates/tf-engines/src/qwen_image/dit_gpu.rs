@@ -21,8 +21,8 @@
 //!
 //! Invariant: no host synchronisation inside a step; the only syncs are after the step, before reading results.
 //!
-//! Submodules: `weights` (fused layout, head padding, upload, FP8 quantization), `precision` (which GEMMs run
-//! in FP8), `kv` (the device KV cache and its host conversion), `workspace` (per-layout buffers, mask and RoPE
+//! Submodules: `weights` (fused layout, head padding, upload, FP8 quantization; which GEMMs run in FP8 is
+//! [`crate::nn::precision`]), `kv` (the device KV cache and its host conversion), `workspace` (per-layout buffers, mask and RoPE
 //! tables, key compaction), `step` (the enqueued step and its graph replay) and, with the `bench` feature,
 //! `bench` (step and phase timers).
 //!
@@ -59,15 +59,14 @@ use crate::nn::weights::{le_bytes, ModelDir, BF16};
 #[cfg(feature = "bench")]
 mod bench;
 mod kv;
-mod precision;
 mod step;
 mod weights;
 mod workspace;
 
+pub use crate::nn::precision::{DitPrecision, Fp8Groups, Fp8Layers};
 #[cfg(feature = "bench")]
 pub use bench::{PhaseTimes, PhaseTotal, StepTimes};
 pub use kv::GpuKvCache;
-pub use precision::{DitPrecision, Fp8Groups, Fp8Layers};
 use weights::{Dims, WeightOffsets};
 use workspace::{runs, Workspace};
 

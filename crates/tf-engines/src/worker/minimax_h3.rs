@@ -79,6 +79,9 @@ impl WorkerEngine for MiniMaxH3Engine {
             report.seconds,
             report.resident_bytes
         );
+        for (component, precision) in &report.precision {
+            log!("tf worker: {component} precision: {precision}");
+        }
         log!("tf worker: {}", pipeline.memory_plan());
         let resident = report.resident_bytes;
         self.pipeline = Some(pipeline);

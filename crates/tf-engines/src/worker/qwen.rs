@@ -37,6 +37,7 @@ pub enum BackendChoice {
 pub struct QwenImageEngine {
     model: PathBuf,
     backend: BackendChoice,
+    dit_precision: crate::nn::precision::DitPrecision,
     pipeline: Option<Pipeline>,
 }
 
@@ -46,7 +47,19 @@ impl QwenImageEngine {
         QwenImageEngine {
             model,
             backend,
+            dit_precision: crate::nn::precision::DitPrecision::Bf16,
             pipeline: None,
+        }
+    }
+
+    /// The same engine loading its DiT in `precision` (GPU only; the host refuses anything but bf16).
+    pub fn with_dit_precision(
+        self,
+        precision: crate::nn::precision::DitPrecision,
+    ) -> QwenImageEngine {
+        QwenImageEngine {
+            dit_precision: precision,
+            ..self
         }
     }
 
@@ -73,14 +86,21 @@ impl WorkerEngine for QwenImageEngine {
             self.model.display(),
             backend.name()
         );
-        let pipeline = Pipeline::load(&self.model, &LoadOptions::new(backend))
-            .map_err(|e| classify(&e, false))?;
+        let options = LoadOptions {
+            dit_precision: self.dit_precision,
+            ..LoadOptions::new(backend)
+        };
+        let pipeline = Pipeline::load(&self.model, &options).map_err(|e| classify(&e, false))?;
         let report = pipeline.load_report();
         log!(
-            "tf worker: loaded {} in {:.2} s; text encoder and VAE on the device: {}",
+            "tf worker: loaded {} in {:.2} s; text encoder and VAE on the device: {}; DiT precision {}",
             report.variant,
             report.seconds,
-            report.te_vae_on_device
+            report.te_vae_on_device,
+            match backend {
+                Backend::Host => "f32 (host)".to_string(),
+                Backend::Gpu => report.dit_precision.to_string(),
+            }
         );
         log!("tf worker: {}", pipeline.memory_plan());
         let mut pipeline = pipeline;

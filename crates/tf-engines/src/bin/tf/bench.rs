@@ -107,6 +107,9 @@ pub struct H3DitArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// GEMM precision of the DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
+    #[arg(long, default_value = "bf16")]
+    precision: tf_engines::minimax_h3::dit_gpu::DitPrecision,
     /// Canvas width in pixels (a multiple of 32).
     #[arg(long, default_value_t = 768)]
     width: usize,

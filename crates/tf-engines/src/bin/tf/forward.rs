@@ -54,7 +54,8 @@ pub struct Args {
     /// KV cache file: written by --kv-cache extract, read by --kv-cache cached.
     #[arg(long = "kv-file")]
     kv_file: Option<PathBuf>,
-    /// GEMM precision of the Qwen-Image GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
+    /// GEMM precision of the GPU DiT (Qwen-Image or MiniMax H3): bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N]
+    /// (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: DitPrecision,
 }
@@ -84,13 +85,13 @@ const GEMM_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 fn forward(args: &Args) -> Result<(), DitError> {
     let started = Instant::now();
     let model = ModelDir::open(&args.model)?;
+    if args.backend == Backend::Host && args.precision != DitPrecision::Bf16 {
+        return Err(DitError::Backend(format!(
+            "--precision {} runs on the GPU only (--backend gpu); the host reference computes in f32",
+            args.precision
+        )));
+    }
     if tf_engines::minimax_h3::config::names_this_class(model.config_json()) {
-        if args.precision != DitPrecision::Bf16 {
-            return Err(DitError::Backend(
-                "--precision applies to the Qwen-Image DiT; run MiniMax H3 with --precision bf16"
-                    .into(),
-            ));
-        }
         return forward_minimax_h3(args, &model);
     }
     if args.backend == Backend::Host && args.precision != DitPrecision::Bf16 {
@@ -167,13 +168,26 @@ fn forward_minimax_h3(args: &Args, model: &ModelDir) -> Result<(), DitError> {
         );
         return Ok(());
     }
-    let mut dit = GpuH3Dit::load(model).map_err(h3)?;
+    let driver = tf_cuda::open_driver()
+        .map_err(|e| DitError::Backend(format!("opening the CUDA driver: {e}")))?;
+    let ctx = tf_cuda::Context::new(driver, 0)
+        .map_err(|e| DitError::Backend(format!("creating a context on device 0: {e}")))?;
+    let mut dit = GpuH3Dit::load_in(
+        &ctx,
+        model,
+        tf_engines::minimax_h3::dit_host::LoadOptions::default(),
+        tf_engines::nn::upload::StagingConfig::default(),
+        args.precision,
+    )
+    .map_err(h3)?;
     eprintln!(
-        "tf forward: loaded MiniMax H3 {} on the GPU ({:?} layout, {})",
+        "tf forward: loaded MiniMax H3 {} on the GPU ({:?} layout, {}; precision {}; {:.3} GB resident)",
         args.model.display(),
         dit.checkpoint_layout(),
         dit.upload_stats()
-            .map_or_else(|| "no upload".to_string(), |s| s.to_string())
+            .map_or_else(|| "no upload".to_string(), |s| s.to_string()),
+        dit.describe_precision(),
+        dit.weight_bytes() as f64 / 1e9
     );
     let inputs = H3Inputs::from_bundle(&SafetensorsFile::open(&args.inputs)?).map_err(h3)?;
     // Plan this step's GEMMs before it runs (reusing the persistent plan cache), never inside it.

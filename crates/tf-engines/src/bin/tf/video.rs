@@ -81,6 +81,9 @@ pub struct Args {
     noise: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendArg,
+    /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
+    #[arg(long, default_value = "bf16")]
+    precision: tf_engines::nn::precision::DitPrecision,
     /// Output MP4.
     #[arg(short = 'o', long = "out", default_value = "video.mp4")]
     out: PathBuf,
@@ -223,7 +226,10 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         BackendArg::Host => Backend::Host,
         BackendArg::Gpu => Backend::Gpu,
     };
-    let options = LoadOptions::new(backend);
+    let options = LoadOptions {
+        dit_precision: args.precision,
+        ..LoadOptions::new(backend)
+    };
     let (width, height) = args.size;
     let mut request = Request::new(args.prompt.clone());
     request.width = width as usize;
@@ -264,6 +270,9 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         load.seconds,
         load.resident_bytes as f64 / f64::from(1u32 << 20)
     );
+    for (component, precision) in &load.precision {
+        eprintln!("tf video: {component} precision: {precision}");
+    }
     eprintln!("tf video: {}", pipeline.memory_plan());
     let made = pipeline.generate(&request, &mut |p| match p {
         Progress::Encoded { seconds } => reporter.phase("prompt encoded and noise drawn", seconds),
@@ -309,6 +318,12 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
             "tokens": made.prompt_ids.len(),
             "resident_bytes": load.resident_bytes,
             "residency": load.residency.name(),
+            "precision": load
+                .precision
+                .iter()
+                .map(|(component, p)| (component.to_string(), json!(p)))
+                .collect::<serde_json::Map<String, serde_json::Value>>(),
+            "dit_precision": args.precision.to_string(),
             "peak_device_bytes": peak_device_bytes,
             "pipeline_total_s": t.total,
             "component_loads_s": {

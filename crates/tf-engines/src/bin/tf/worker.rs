@@ -9,6 +9,8 @@ use std::io::{self, BufWriter};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use tf_engines::minimax_h3::pipeline::{Backend, LoadOptions};
+use tf_engines::nn::precision::DitPrecision;
 use tf_engines::worker::log_line;
 use tf_engines::worker::minimax_h3::MiniMaxH3Engine;
 use tf_engines::worker::qwen::{self, QwenImageEngine};
@@ -58,6 +60,10 @@ pub struct Args {
     /// Largest image side accepted, in pixels.
     #[arg(long, default_value_t = 2048)]
     pub max_side: u32,
+    /// GEMM precision of the engine's GPU DiT (qwen_image or minimax_h3): bf16, fp8, or
+    /// fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
+    #[arg(long, default_value = "bf16")]
+    pub precision: DitPrecision,
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -73,7 +79,7 @@ pub fn run(args: Args) -> ExitCode {
                 say!("tf worker: --engine qwen_image needs --model DIR (a diffusers-format Qwen-Image folder)");
                 return ExitCode::from(2);
             };
-            match qwen_engine(model, args.backend) {
+            match qwen_engine(model, args.backend, args.precision) {
                 Ok(e) => e,
                 Err(message) => {
                     say!("tf worker: {message}");
@@ -94,7 +100,12 @@ pub fn run(args: Args) -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            Box::new(MiniMaxH3Engine::new(model, backend_choice(args.backend)))
+            let backend = backend_choice(args.backend);
+            let options = LoadOptions {
+                dit_precision: args.precision,
+                ..LoadOptions::new(Backend::Host)
+            };
+            Box::new(MiniMaxH3Engine::with_options(model, backend, options))
         }
     };
     say!(
@@ -117,17 +128,20 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-fn qwen_engine(model: PathBuf, backend: BackendChoice) -> Result<Box<dyn WorkerEngine>, String> {
+fn qwen_engine(
+    model: PathBuf,
+    backend: BackendChoice,
+    precision: DitPrecision,
+) -> Result<Box<dyn WorkerEngine>, String> {
     if !model.is_dir() {
         return Err(format!(
             "--model {} is not a folder; give the diffusers-format Qwen-Image folder (model_index.json, transformer/, ...)",
             model.display()
         ));
     }
-    Ok(Box::new(QwenImageEngine::new(
-        model,
-        backend_choice(backend),
-    )))
+    Ok(Box::new(
+        QwenImageEngine::new(model, backend_choice(backend)).with_dit_precision(precision),
+    ))
 }
 
 fn backend_choice(backend: BackendChoice) -> qwen::BackendChoice {

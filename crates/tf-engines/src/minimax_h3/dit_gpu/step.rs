@@ -12,6 +12,11 @@
 //!
 //! Every GEMM of a step is described once ([`GemmCall`]): the step runs them and [`Engine::gemm_shapes`] lists their
 //! plans, so planning ahead sees exactly the shapes the step runs. Nothing here synchronizes with the host.
+//!
+//! A main-block GEMM group in FP8 reads e4m3 rows with per-row scales from the workspace's `q8` buffers, written
+//! by the kernel that produces its input (the shared `nn_quant` kernels): the gated residual + RMSNorm +
+//! modulation before `qkv` and `fc1`, SwiGLU before `fc2`, a quantizing pass over the attention output before
+//! `to_out`. The normed rows are then never written in bf16.
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::{DeviceBuffer, DeviceView, Stream};
@@ -26,12 +31,17 @@ use super::{cuda_err, Engine};
 use crate::minimax_h3::config::MODALITIES;
 use crate::minimax_h3::dit::H3Error;
 use crate::nn::backend_error::gpu_error;
-use crate::nn::gpu::gemm::{self, GemmShape, Linear};
+use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
-use crate::nn::gpu::{
-    attention_flops, plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, Strides,
-    SwigluOrder, HEAD_DIM,
+use crate::nn::gpu::quant::{
+    plan_gated_residual_norm_modulate_fp8_padded, plan_norm_modulate_fp8_padded,
+    plan_quantize_rows_fp8, plan_swiglu_fp8, Fp8Rows, QuantKernels, ResidualGate,
 };
+use crate::nn::gpu::{
+    attention_flops, plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, ModulationRows,
+    NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
+};
+use crate::nn::precision::Fp8Groups;
 use crate::nn::weights::BF16;
 
 fn launch(e: tf_cuda::Error) -> H3Error {
@@ -78,6 +88,8 @@ pub(super) enum Buf {
     Y,
     Ff,
     Act,
+    /// The e4m3 rows of an FP8 GEMM (their scales in `q8_scales`).
+    Q8,
 }
 
 /// One bf16 GEMM of the step: `y[m, n] = x[m, k] w[n, k]^T (+ bias)`, operands at byte offsets of workspace
@@ -93,6 +105,9 @@ pub(super) struct GemmCall {
     pub y: Buf,
     pub y_off: usize,
     pub bias: Option<usize>,
+    /// FP8: the byte offset of the weight's per-output-row f32 scales (the weight at `w` is then e4m3 and `x` is
+    /// [`Buf::Q8`]).
+    pub fp8: Option<usize>,
 }
 
 impl GemmCall {
@@ -103,6 +118,15 @@ impl GemmCall {
 
     /// The plan this call needs.
     pub(super) fn shape(&self) -> GemmShape {
+        if self.fp8.is_some() {
+            return gemm::fp8_shape_at_offsets(
+                self.m,
+                self.n,
+                self.k,
+                (self.x_off, self.w, self.y_off),
+                false,
+            );
+        }
         let shape = gemm::shape_at_offsets(
             self.m,
             self.n,
@@ -157,6 +181,8 @@ enum Target {
     H,
     /// Into x at the text rows (the refiner's final norm).
     TextRowsOfX,
+    /// As e4m3 rows with per-row scales into the workspace's `q8` buffers (the input of an FP8 GEMM).
+    Fp8,
 }
 
 impl Engine {
@@ -184,6 +210,7 @@ impl Engine {
             y: Buf::Adaln,
             y_off: layer * sizes.adaln_block,
             bias: Some(b.ada_b),
+            fp8: None,
         })
     }
 
@@ -199,6 +226,7 @@ impl Engine {
             y: Buf::OutMod,
             y_off: 0,
             bias: Some(self.offsets.norm_out_b),
+            fp8: None,
         }
     }
 
@@ -214,29 +242,162 @@ impl Engine {
             y: Buf::Tx,
             y_off: 0,
             bias: Some(self.offsets.ctx_b),
+            fp8: None,
         }
     }
 
-    /// The four GEMMs of one attention block over `m` rows: q|k|v, `to_out`, `fc1`, `fc2`.
+    /// The four GEMMs of one attention block over `m` rows: q|k|v, `to_out`, `fc1`, `fc2` (an FP8 group reads
+    /// its e4m3 input rows from [`Buf::Q8`]).
     fn block_calls(&self, a: &AttnOffsets, m: usize) -> [GemmCall; 4] {
         let d = &self.dims;
-        let call = |n, k, x, w, y| GemmCall {
+        let call = |n, k, x, w, y, fp8: Option<usize>| GemmCall {
             m,
             n,
             k,
-            x,
+            x: if fp8.is_some() { Buf::Q8 } else { x },
             x_off: 0,
             w,
             y,
             y_off: 0,
             bias: None,
+            fp8,
         };
+        let s = a.fp8;
         [
-            call(3 * d.width, d.hp, Buf::H, a.qkv, Buf::Qkv),
-            call(d.hp, d.width, Buf::Attn, a.to_out, Buf::Y),
-            call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff),
-            call(d.hp, d.fp, Buf::Act, a.fc2, Buf::Y),
+            call(3 * d.width, d.hp, Buf::H, a.qkv, Buf::Qkv, s.qkv),
+            call(d.hp, d.width, Buf::Attn, a.to_out, Buf::Y, s.to_out),
+            call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, s.fc1),
+            call(d.hp, d.fp, Buf::Act, a.fc2, Buf::Y, s.fc2),
         ]
+    }
+
+    /// Where the norm before main block `layer`'s GEMM group goes: e4m3 rows when `group` of that block runs in
+    /// FP8, else the bf16 rows h.
+    fn block_norm_target(&self, layer: usize, group: fn(&Fp8Groups) -> bool) -> Target {
+        match self.fp8_groups.get(layer) {
+            Some(g) if group(g) => Target::Fp8,
+            _ => Target::H,
+        }
+    }
+
+    /// The quantizing kernels (loaded when some block runs in FP8).
+    fn quant(&self) -> Result<&QuantKernels, H3Error> {
+        self.quant.as_ref().ok_or_else(|| {
+            H3Error::Backend("internal: an FP8 step without the quantizing kernels".into())
+        })
+    }
+
+    /// The workspace's FP8 rows (`cols` bytes each) and their scales, as a quantizing kernel's output.
+    fn q8_out<'v, 'a>(
+        codes: &'v tf_cuda::DeviceViewMut<'a>,
+        scales: &'v tf_cuda::DeviceViewMut<'a>,
+        cols: usize,
+    ) -> Fp8Rows<'v, 'a> {
+        Fp8Rows {
+            codes,
+            stride: cols,
+            scales,
+        }
+    }
+
+    /// The gated residual (or none) + RMSNorm + block modulation over the main rows with an FP8 output into the
+    /// workspace's `q8` buffers (the shared `nn_quant` kernels; the residual stream is updated in bf16 as
+    /// h3_residual_norm updates it).
+    fn residual_norm_fp8(
+        &self,
+        ws: &mut Workspace,
+        residual: Residual,
+        weight: usize,
+        eps: f32,
+        modulate: Modulate,
+    ) -> Result<(), H3Error> {
+        let d = &self.dims;
+        let z = ws.sizes;
+        let hp = d.hp;
+        let table_rows = ws.key.timesteps * MODALITIES;
+        let row = d.adaln_row();
+        let table_bytes = table_rows * row * BF16;
+        let Modulate::Block {
+            layer: mod_layer,
+            scale,
+            shift,
+        } = modulate
+        else {
+            return Err(H3Error::Backend(
+                "internal: only a block's modulated norm writes FP8 rows".into(),
+            ));
+        };
+        let wv = self.weight_view(weight, hp * BF16)?;
+        let ada_index = ws.adaln_index.view();
+        let mod_view = ws
+            .adaln
+            .slice(mod_layer * z.adaln_block, table_bytes)
+            .map_err(launch)?;
+        let select = ModulationRows::targets_only(1);
+        let norm = NormModulate {
+            kind: NormKind::RmsNorm,
+            weight: Some(&wv),
+            bias: None,
+            eps,
+            modulation: Some(RowModulation {
+                data: &mod_view,
+                rows: table_rows,
+                stride: row,
+                scale_offset: scale,
+                shift_offset: Some(shift),
+                select,
+                row_index: Some(&ada_index),
+            }),
+        };
+        let layout = Matrix::dense(z.rows, hp);
+        let codes = ws.q8.view_mut();
+        let scales = ws.q8_scales.view_mut();
+        let out = Self::q8_out(&codes, &scales, hp);
+        match residual {
+            Residual::None => {
+                let xv = ws.x.view();
+                self.quant()?
+                    .run(
+                        &self.stream,
+                        plan_norm_modulate_fp8_padded(&xv, layout, d.hidden, &out, &norm),
+                    )
+                    .map_err(launch)
+            }
+            Residual::Gated { layer, column } => {
+                let gate_view = ws
+                    .adaln
+                    .slice(layer * z.adaln_block, table_bytes)
+                    .map_err(launch)?;
+                let gate = ResidualGate {
+                    data: &gate_view,
+                    rows: table_rows,
+                    stride: row,
+                    offset: column,
+                    tanh: false,
+                    select,
+                    row_index: Some(&ada_index),
+                };
+                let xv = ws.x.view_mut();
+                let yv = ws.y.view();
+                self.quant()?
+                    .run(
+                        &self.stream,
+                        plan_gated_residual_norm_modulate_fp8_padded(
+                            &xv,
+                            layout,
+                            d.hidden,
+                            (&yv, hp),
+                            &gate,
+                            &out,
+                            &norm,
+                        ),
+                    )
+                    .map_err(launch)
+            }
+            Residual::Plain => Err(H3Error::Backend(
+                "internal: the refiner's plain residual has no FP8 output".into(),
+            )),
+        }
     }
 
     /// Every GEMM plan a step of `key` runs, one entry per distinct plan in first-call order.
@@ -277,6 +438,7 @@ impl Engine {
             Buf::Y => &ws.y,
             Buf::Ff => &ws.ff,
             Buf::Act => &ws.act,
+            Buf::Q8 => &ws.q8,
         }
     }
 
@@ -291,6 +453,24 @@ impl Engine {
                 .and_then(|v| v.checked_mul(BF16))
                 .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
         };
+        if let Some(w_scales) = c.fp8 {
+            // e4m3 operands (one byte each) with f32 row scales: x's per row, w's per output channel.
+            let codes = |a: usize, b: usize| {
+                a.checked_mul(b).ok_or_else(|| {
+                    H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k))
+                })
+            };
+            let x = gemm::span(&ws.q8, 0, codes(c.m, c.k)?).map_err(gemm_err)?;
+            let x_scale = gemm::span(&ws.q8_scales, 0, codes(c.m, 4)?).map_err(gemm_err)?;
+            let w = gemm::span(&self.weights, c.w, codes(c.n, c.k)?).map_err(gemm_err)?;
+            let w_scale = gemm::span(&self.weights, w_scales, codes(c.n, 4)?).map_err(gemm_err)?;
+            let y =
+                gemm::span(Self::buffer(ws, c.y), c.y_off, bytes(c.m, c.n)?).map_err(gemm_err)?;
+            let linear = Fp8Linear::new((c.m, c.n, c.k), (x, x_scale), (w, w_scale), y);
+            // SAFETY: as for the bf16 GEMM below: every span (operands and scales) lies inside the engine's
+            // weights or the workspace in use, both of which outlive the enqueued work.
+            return unsafe { self.gemms.run_fp8(&linear, &self.stream) }.map_err(gemm_err);
+        }
         let x: DeviceSpan =
             gemm::span(Self::buffer(ws, c.x), c.x_off, bytes(c.m, c.k)?).map_err(gemm_err)?;
         let w = gemm::span(&self.weights, c.w, bytes(c.n, c.k)?).map_err(gemm_err)?;
@@ -325,6 +505,14 @@ impl Engine {
         modulate: Modulate,
         target: Target,
     ) -> Result<(), H3Error> {
+        if target == Target::Fp8 {
+            if rows != Rows::Main {
+                return Err(H3Error::Backend(
+                    "internal: only the main rows feed FP8 GEMMs".into(),
+                ));
+            }
+            return self.residual_norm_fp8(ws, residual, weight, eps, modulate);
+        }
         let d = &self.dims;
         let z = ws.sizes;
         let hp = d.hp;
@@ -370,6 +558,11 @@ impl Engine {
                     "internal: only the refiner's rows are scattered into x".into(),
                 ))
             }
+            (_, Target::Fp8) => {
+                return Err(H3Error::Backend(
+                    "internal: FP8 norms run in residual_norm_fp8".into(),
+                ))
+            }
         };
         let op = ResidualNorm {
             x: &xv,
@@ -413,7 +606,7 @@ impl Engine {
             out: &ov,
             out_stride: hp,
             out_index: match target {
-                Target::H => None,
+                Target::H | Target::Fp8 => None,
                 Target::TextRowsOfX => Some((&text_index, z.rows)),
             },
         };
@@ -503,6 +696,28 @@ impl Engine {
                 .map_err(launch)?;
             probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }
+        if out_call.fp8.is_some() {
+            // The attention kernel writes bf16: one quantizing pass over its rows feeds the FP8 out GEMM.
+            let av = ws.attn.view();
+            let codes = ws.q8.view_mut();
+            let scales = ws.q8_scales.view_mut();
+            self.quant()?
+                .run(
+                    &self.stream,
+                    plan_quantize_rows_fp8(
+                        &av,
+                        Matrix::dense(m, d.width),
+                        &Self::q8_out(&codes, &scales, d.width),
+                    ),
+                )
+                .map_err(launch)?;
+            probe.mark(
+                &self.stream,
+                "attention output to FP8",
+                0.0,
+                (m * d.width * (BF16 + 1)) as f64,
+            )?;
+        }
         self.run_gemm(ws, out_call)?;
         probe.mark(&self.stream, out_name, out_call.flops(), 0.0)
     }
@@ -527,18 +742,34 @@ impl Engine {
         let [_, _, fc1, fc2] = self.block_calls(a, m);
         self.run_gemm(ws, fc1)?;
         probe.mark(&self.stream, fc1_name, fc1.flops(), 0.0)?;
-        self.kernels
-            .run(
-                &self.stream,
-                plan_swiglu_ordered(
-                    SwigluOrder::ValueGate,
-                    &ws.ff.view(),
-                    Matrix::dense(m, 2 * fp),
-                    &ws.act.view_mut(),
-                    fp,
-                ),
-            )
-            .map_err(launch)?;
+        if fc2.fp8.is_some() {
+            let codes = ws.q8.view_mut();
+            let scales = ws.q8_scales.view_mut();
+            self.quant()?
+                .run(
+                    &self.stream,
+                    plan_swiglu_fp8(
+                        SwigluOrder::ValueGate,
+                        &ws.ff.view(),
+                        Matrix::dense(m, 2 * fp),
+                        &Self::q8_out(&codes, &scales, fp),
+                    ),
+                )
+                .map_err(launch)?;
+        } else {
+            self.kernels
+                .run(
+                    &self.stream,
+                    plan_swiglu_ordered(
+                        SwigluOrder::ValueGate,
+                        &ws.ff.view(),
+                        Matrix::dense(m, 2 * fp),
+                        &ws.act.view_mut(),
+                        fp,
+                    ),
+                )
+                .map_err(launch)?;
+        }
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
         self.run_gemm(ws, fc2)?;
         probe.mark(&self.stream, fc2_name, fc2.flops(), 0.0)
@@ -734,7 +965,7 @@ impl Engine {
                     scale: scale1,
                     shift: shift1,
                 },
-                Target::H,
+                self.block_norm_target(0, |g| g.qkv),
             )?,
             None => self.residual_norm(
                 ws,
@@ -763,7 +994,7 @@ impl Engine {
                     scale: scale2,
                     shift: shift2,
                 },
-                Target::H,
+                self.block_norm_target(layer, |g| g.mlp_in),
             )?;
             probe.mark(
                 &self.stream,
@@ -788,7 +1019,7 @@ impl Engine {
                         scale: scale1,
                         shift: shift1,
                     },
-                    Target::H,
+                    self.block_norm_target(layer + 1, |g| g.qkv),
                 )?,
                 None => self.residual_norm(
                     ws,

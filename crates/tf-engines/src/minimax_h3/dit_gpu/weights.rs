@@ -18,7 +18,10 @@ use super::{cuda_err, gpu_err};
 use crate::minimax_h3::checkpoint::{self, QkvLayout};
 use crate::minimax_h3::config::{MiniMaxH3Config, MODALITIES, MODULATION_CHUNKS};
 use crate::minimax_h3::dit::H3Error;
-use crate::nn::gpu::{plan_fill_uniform, HEAD_DIM, MAX_NORM_COLS};
+use crate::nn::fp8::Fp8RowQuantizer;
+use crate::nn::gpu::quant::{plan_quantize_rows_fp8, Fp8Rows, QuantKernels};
+use crate::nn::gpu::{plan_fill_uniform, Matrix, HEAD_DIM, MAX_NORM_COLS};
+use crate::nn::precision::Fp8Groups;
 use crate::nn::upload::{
     upload_pieces, ChunkTransform, Piece, StagingConfig, Transform, UploadError, UploadStats,
 };
@@ -30,6 +33,10 @@ const F32: usize = 4;
 fn pad8(v: usize) -> usize {
     v.div_ceil(8) * 8
 }
+
+/// Column multiple of the hidden and feed-forward widths when some GEMM runs in FP8: cuBLASLt's FP8 GEMM needs
+/// every dimension a multiple of 16 (16-byte e4m3 rows).
+pub(super) const FP8_WIDTH_MULTIPLE: usize = 16;
 
 /// The sizes the GPU forward runs at: the config's, with every width a multiple of 8 (`*_p`) and heads padded to
 /// 128 channels. For the released model nothing is padded.
@@ -61,11 +68,27 @@ pub(super) struct Dims {
     pub norm_eps: f32,
     pub qk_eps: f32,
     pub final_eps: f32,
+    /// Whether some GEMM runs in FP8 (the workspace then holds the e4m3 activation rows).
+    pub fp8: bool,
 }
 
 impl Dims {
     /// The dimensions of a validated config, or why the GPU kernels cannot run it.
+    #[cfg(test)]
     pub(super) fn of(config: &MiniMaxH3Config) -> Result<Dims, H3Error> {
+        Dims::of_for(config, false)
+    }
+
+    /// [`Dims::of`] for a model that runs some GEMM in FP8 (`fp8`): the hidden and feed-forward widths are then
+    /// padded to multiples of [`FP8_WIDTH_MULTIPLE`] (the released model's already are).
+    pub(super) fn of_for(config: &MiniMaxH3Config, fp8: bool) -> Result<Dims, H3Error> {
+        let pad = |v: usize| {
+            if fp8 {
+                v.div_ceil(FP8_WIDTH_MULTIPLE) * FP8_WIDTH_MULTIPLE
+            } else {
+                pad8(v)
+            }
+        };
         let unsupported = |why: String| {
             Err(H3Error::Backend(format!(
                 "the GPU backend cannot run this config: {why}"
@@ -77,7 +100,7 @@ impl Dims {
                 config.attention_head_dim
             ));
         }
-        let hp = pad8(config.hidden_size);
+        let hp = pad(config.hidden_size);
         if hp > MAX_NORM_COLS {
             return unsupported(format!(
                 "`hidden_size` {} exceeds the {MAX_NORM_COLS} columns the norm kernels hold per row",
@@ -88,7 +111,7 @@ impl Dims {
         // The kernels take row widths and counts as 32-bit ints; the widest row is the fused fc1 output.
         let widest = [
             3 * width,
-            2 * pad8(config.ffn_dim),
+            2 * pad(config.ffn_dim),
             MODALITIES * MODULATION_CHUNKS * hp,
         ]
         .into_iter()
@@ -104,7 +127,7 @@ impl Dims {
             head_dim: config.attention_head_dim,
             width,
             ffn: config.ffn_dim,
-            fp: pad8(config.ffn_dim),
+            fp: pad(config.ffn_dim),
             video: config.video_patch_dim(),
             audio: config.audio_in_channels,
             text: config.text_dim,
@@ -121,6 +144,7 @@ impl Dims {
             norm_eps: config.norm_eps as f32,
             qk_eps: config.qk_norm_eps as f32,
             final_eps: config.final_norm_eps as f32,
+            fp8,
         })
     }
 
@@ -154,6 +178,28 @@ pub(super) struct AttnOffsets {
     pub fc1: usize,
     /// `[hp, fp]`.
     pub fc2: usize,
+    /// Where the f32 per-output-channel scales of the groups stored in FP8 lie (e4m3 codes at the offsets above).
+    pub fp8: GroupScales,
+}
+
+/// Device offsets (bytes) of the f32 weight scales of a block's GEMM groups stored as e4m3 codes (one scale per
+/// output row); `None`: the group is bf16.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct GroupScales {
+    pub qkv: Option<usize>,
+    pub to_out: Option<usize>,
+    pub fc1: Option<usize>,
+    pub fc2: Option<usize>,
+}
+
+/// One weight matrix stored as e4m3 codes `[rows, cols]` (rows of `cols` bytes) at `codes`, with one f32 scale per
+/// row at `scales`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Fp8Matrix {
+    pub codes: usize,
+    pub scales: usize,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 /// Device offsets (bytes) of one main block.
@@ -204,6 +250,10 @@ pub(super) struct WeightOffsets {
 pub(super) enum Device {
     Bf16,
     F32,
+    /// An e4m3 code of [`WeightPlan::fp8`]'s matrix `matrix`.
+    Fp8 {
+        matrix: usize,
+    },
 }
 
 impl Device {
@@ -211,6 +261,7 @@ impl Device {
         match self {
             Device::Bf16 => BF16,
             Device::F32 => F32,
+            Device::Fp8 { .. } => 1,
         }
     }
 }
@@ -273,6 +324,8 @@ pub(super) struct WeightPlan {
     pub total: usize,
     /// Whether any weight is padded (the allocation must be cleared first).
     pub padded: bool,
+    /// The matrices stored in FP8 (main blocks' GEMM groups the precision picks).
+    pub fp8: Vec<Fp8Matrix>,
 }
 
 /// Where each column run of a source row goes: `(source column, device column, length)`.
@@ -402,11 +455,13 @@ fn original_names(config: &MiniMaxH3Config) -> HashMap<String, String> {
         .collect()
 }
 
-/// Plans the device layout of `config` and the placement of every source tensor onto it.
+/// Plans the device layout of `config` and the placement of every source tensor onto it: main block `i`'s GEMM
+/// groups `fp8_groups[i]` (none past the list's end) as e4m3 codes with per-output-row scales, the rest as today.
 pub(super) fn plan(
     config: &MiniMaxH3Config,
     dims: &Dims,
     source: Source,
+    fp8_groups: &[Fp8Groups],
 ) -> Result<WeightPlan, H3Error> {
     let d = dims;
     let (hp, w, fp) = (d.hp, d.width, d.fp);
@@ -429,15 +484,35 @@ pub(super) fn plan(
     let proj_out_b = l.one(d.video * F32)?;
     let audio_out_w = l.one(d.audio * hp * F32)?;
     let audio_out_b = l.one(d.audio * F32)?;
-    let attn = |l: &mut LayoutPlanner| -> Result<AttnOffsets, H3Error> {
+    let mut fp8 = Vec::new();
+    // A `[rows, cols]` weight: bf16, or (`on`) e4m3 codes after their f32 row scales.
+    let mut matrix = |l: &mut LayoutPlanner,
+                      rows: usize,
+                      cols: usize,
+                      on: bool|
+     -> Result<(usize, Option<usize>), H3Error> {
+        if !on {
+            return Ok((l.one(rows * cols * BF16)?, None));
+        }
+        let scales = l.one(rows * F32)?;
+        let codes = l.one(rows * cols)?;
+        fp8.push(Fp8Matrix {
+            codes,
+            scales,
+            rows,
+            cols,
+        });
+        Ok((codes, Some(scales)))
+    };
+    let mut attn = |l: &mut LayoutPlanner, groups: Fp8Groups| -> Result<AttnOffsets, H3Error> {
         let norm1 = l.one(hp * BF16)?;
-        let qkv = l.group(&[w * hp * BF16, w * hp * BF16, w * hp * BF16])?[0];
+        let (qkv, qkv_scales) = matrix(l, 3 * w, hp, groups.qkv)?;
         let norm_q = l.one(HEAD_DIM * BF16)?;
         let norm_k = l.one(HEAD_DIM * BF16)?;
-        let to_out = l.one(hp * w * BF16)?;
+        let (to_out, to_out_scales) = matrix(l, hp, w, groups.out)?;
         let norm2 = l.one(hp * BF16)?;
-        let fc1 = l.one(2 * fp * hp * BF16)?;
-        let fc2 = l.one(hp * fp * BF16)?;
+        let (fc1, fc1_scales) = matrix(l, 2 * fp, hp, groups.mlp_in)?;
+        let (fc2, fc2_scales) = matrix(l, hp, fp, groups.mlp_out)?;
         Ok(AttnOffsets {
             norm1,
             qkv,
@@ -447,16 +522,23 @@ pub(super) fn plan(
             norm2,
             fc1,
             fc2,
+            fp8: GroupScales {
+                qkv: qkv_scales,
+                to_out: to_out_scales,
+                fc1: fc1_scales,
+                fc2: fc2_scales,
+            },
         })
     };
     let mut refiner = Vec::with_capacity(d.refiner_layers);
     for _ in 0..d.refiner_layers {
-        refiner.push(attn(&mut l)?);
+        refiner.push(attn(&mut l, Fp8Groups::NONE)?);
     }
     let ada_rows = MODALITIES * MODULATION_CHUNKS * hp;
     let mut blocks = Vec::with_capacity(d.layers);
-    for _ in 0..d.layers {
-        let a = attn(&mut l)?;
+    for layer in 0..d.layers {
+        let groups = fp8_groups.get(layer).copied().unwrap_or(Fp8Groups::NONE);
+        let a = attn(&mut l, groups)?;
         let ada_w = l.one(ada_rows * d.temb_p * BF16)?;
         let ada_b = l.one(ada_rows * BF16)?;
         blocks.push(BlockOffsets {
@@ -466,6 +548,18 @@ pub(super) fn plan(
         });
     }
     let total = l.total()?;
+    let fp8_matrices = fp8;
+    // The device element of a weight: bf16, or the e4m3 codes of the FP8 matrix at `codes`.
+    let device_of = |codes: usize, scales: Option<usize>| -> Result<Device, H3Error> {
+        match scales {
+            None => Ok(Device::Bf16),
+            Some(_) => fp8_matrices
+                .iter()
+                .position(|m| m.codes == codes)
+                .map(|matrix| Device::Fp8 { matrix })
+                .ok_or_else(|| H3Error::Backend("internal: an FP8 weight has no matrix".into())),
+        }
+    };
     let offsets = WeightOffsets {
         proj_in_w,
         proj_in_b,
@@ -673,6 +767,7 @@ pub(super) fn plan(
     let attn_block =
         |p: &mut Placer, prefix: &str, original: &str, a: &AttnOffsets| -> Result<(), H3Error> {
             p.vector(&format!("{prefix}norm1.weight"), h, &id, a.norm1, bf, norm)?;
+            let qkv_device = device_of(a.qkv, a.fp8.qkv)?;
             match source {
                 Source::Diffusers => {
                     for (part, name) in ["to_q", "to_k", "to_v"].iter().enumerate() {
@@ -682,9 +777,9 @@ pub(super) fn plan(
                             h,
                             &head_rows,
                             &[(0, 0, h)],
-                            a.qkv + part * w * hp * BF16,
+                            a.qkv + part * w * hp * qkv_device.bytes(),
                             hp,
-                            bf,
+                            qkv_device,
                             Init::fan_in(h),
                         )?;
                     }
@@ -706,7 +801,7 @@ pub(super) fn plan(
                         &[(0, 0, h)],
                         a.qkv,
                         hp,
-                        bf,
+                        qkv_device,
                         Init::fan_in(h),
                     );
                 }
@@ -735,7 +830,7 @@ pub(super) fn plan(
                 &out_segments,
                 a.to_out,
                 w,
-                bf,
+                device_of(a.to_out, a.fp8.to_out)?,
                 Init::fan_in(inner),
             )?;
             p.vector(&format!("{prefix}norm2.weight"), h, &id, a.norm2, bf, norm)?;
@@ -753,7 +848,7 @@ pub(super) fn plan(
                 &[(0, 0, h)],
                 a.fc1,
                 hp,
-                bf,
+                device_of(a.fc1, a.fp8.fc1)?,
                 Init::fan_in(h),
             )?;
             p.matrix(
@@ -764,7 +859,7 @@ pub(super) fn plan(
                 &[(0, 0, f)],
                 a.fc2,
                 fp,
-                bf,
+                device_of(a.fc2, a.fp8.fc2)?,
                 Init::fan_in(f),
             )?;
             Ok(())
@@ -807,6 +902,7 @@ pub(super) fn plan(
         placements: p.out,
         total,
         padded: dims.padded(),
+        fp8: fp8_matrices,
     })
 }
 
@@ -860,54 +956,125 @@ fn allocate(ctx: &Context, stream: &Stream, plan: &WeightPlan) -> Result<DeviceB
     Ok(buffer)
 }
 
+/// The source bytes of placement `pl` (checked against its tensor) and their dtype.
+fn source_of<'m>(
+    model: &'m ModelDir,
+    plan: &WeightPlan,
+    pl: &Placement,
+) -> Result<(&'m [u8], Dtype, String), H3Error> {
+    let name = plan
+        .names
+        .get(pl.tensor)
+        .ok_or_else(|| H3Error::Backend("internal: a placement names no tensor".into()))?;
+    let file = model.file_of(name)?;
+    let info = file.info(name)?;
+    let bytes = file.bytes(name)?;
+    let es = info.dtype.size_bytes();
+    let range = pl
+        .src_first
+        .checked_mul(es)
+        .and_then(|start| Some(start..start.checked_add(pl.len.checked_mul(es)?)?));
+    let src = range
+        .and_then(|r| bytes.get(r))
+        .ok_or_else(|| H3Error::Checkpoint {
+            file: file.path().display().to_string(),
+            tensor: name.clone(),
+            why: format!(
+                "elements {}..+{} lie outside the tensor's {} bytes (shape {:?})",
+                pl.src_first,
+                pl.len,
+                bytes.len(),
+                info.shape
+            ),
+        })?;
+    if matches!(pl.device, Device::F32 | Device::Fp8 { .. })
+        && !matches!(info.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16)
+    {
+        return Err(H3Error::Checkpoint {
+            file: file.path().display().to_string(),
+            tensor: name.clone(),
+            why: format!(
+                "stored as {}; the f32 modules and FP8 weights read F32, BF16 or F16",
+                info.dtype
+            ),
+        });
+    }
+    Ok((src, info.dtype, name.clone()))
+}
+
+/// The FP8 matrix of placement `pl`, if it is stored in FP8.
+fn fp8_matrix<'p>(plan: &'p WeightPlan, pl: &Placement) -> Result<Option<&'p Fp8Matrix>, H3Error> {
+    match pl.device {
+        Device::Fp8 { matrix } => plan
+            .fp8
+            .get(matrix)
+            .map(Some)
+            .ok_or_else(|| H3Error::Backend("internal: a placement names no FP8 matrix".into())),
+        _ => Ok(None),
+    }
+}
+
+/// How the ring writes one FP8 placement: whole device rows of its matrix (`first_row`, `rows` of them), when
+/// the placement covers whole rows with nothing padded (every full-size checkpoint); `None` otherwise.
+pub(super) fn whole_rows(m: &Fp8Matrix, pl: &Placement) -> Option<(usize, usize)> {
+    let at = pl.dst.checked_sub(m.codes)?;
+    let cols = m.cols.max(1);
+    let rows = pl.len / cols;
+    let first_row = at / cols;
+    let whole = at.is_multiple_of(cols)
+        && pl.len.is_multiple_of(cols)
+        && pl.src_first.is_multiple_of(cols)
+        && rows > 0
+        && first_row + rows <= m.rows;
+    whole.then_some((first_row, rows))
+}
+
 /// Uploads every placement of `plan` from `model` (already checked against its tensor specs) through the pinned
-/// ring: bf16 weights converted on the way, f32 modules kept (or widened to) f32.
+/// ring: bf16 weights converted on the way, f32 modules kept (or widened to) f32, and the FP8 matrices quantized
+/// per output row: on the ring itself (the staging slot receives the e4m3 codes, no second host copy; their
+/// scales are uploaded once the ring is done) when every placement is whole rows, else (zero-padded tiny models)
+/// through a bf16 scratch matrix on the device that `quant` quantizes.
 pub(super) fn upload(
     ctx: &Context,
     stream: &Stream,
+    quant: Option<&QuantKernels>,
     model: &ModelDir,
     plan: &WeightPlan,
     staging: StagingConfig,
 ) -> Result<DeviceWeights, H3Error> {
-    let mut pieces = Vec::with_capacity(plan.placements.len());
+    let on_ring = !plan.padded;
+    // One row quantizer per FP8 placement the ring quantizes; it keeps the scales of the rows it is handed.
+    let mut quantizers: Vec<Option<(Fp8RowQuantizer, usize)>> =
+        Vec::with_capacity(plan.placements.len());
+    let mut sources = Vec::with_capacity(plan.placements.len());
     for pl in &plan.placements {
-        let name = plan
-            .names
-            .get(pl.tensor)
-            .ok_or_else(|| H3Error::Backend("internal: a placement names no tensor".into()))?;
-        let file = model.file_of(name)?;
-        let info = file.info(name)?;
-        let bytes = file.bytes(name)?;
-        let es = info.dtype.size_bytes();
-        let range = pl
-            .src_first
-            .checked_mul(es)
-            .and_then(|start| Some(start..start.checked_add(pl.len.checked_mul(es)?)?));
-        let src = range
-            .and_then(|r| bytes.get(r))
-            .ok_or_else(|| H3Error::Checkpoint {
-                file: file.path().display().to_string(),
-                tensor: name.clone(),
-                why: format!(
-                    "elements {}..+{} lie outside the tensor's {} bytes (shape {:?})",
-                    pl.src_first,
-                    pl.len,
-                    bytes.len(),
-                    info.shape
-                ),
-            })?;
-        let transform = match (pl.device, info.dtype) {
-            (Device::Bf16, from) => Transform::ToBf16 { from },
-            (Device::F32, Dtype::F32) => Transform::Copy,
-            (Device::F32, Dtype::BF16) => Transform::Custom(&BF16_TO_F32),
-            (Device::F32, Dtype::F16) => Transform::Custom(&F16_TO_F32),
-            (Device::F32, other) => {
-                return Err(H3Error::Checkpoint {
-                    file: file.path().display().to_string(),
-                    tensor: name.clone(),
-                    why: format!("stored as {other}; the f32 modules read F32, BF16 or F16"),
-                })
+        let (src, dtype, name) = source_of(model, plan, pl)?;
+        let quantizer = match fp8_matrix(plan, pl)? {
+            Some(m) if on_ring => {
+                let (first_row, rows) = whole_rows(m, pl).ok_or_else(|| {
+                    H3Error::Backend(format!(
+                        "internal: {name}: an FP8 placement of {} elements at byte {} is not whole rows of {}",
+                        pl.len, pl.dst, m.cols
+                    ))
+                })?;
+                let q = Fp8RowQuantizer::new(dtype, rows, m.cols).map_err(gpu_err(&name))?;
+                Some((q, m.scales + first_row * F32))
             }
+            _ => None,
+        };
+        quantizers.push(quantizer);
+        sources.push((src, dtype));
+    }
+    let mut pieces = Vec::with_capacity(plan.placements.len());
+    for ((pl, (src, dtype)), quantizer) in plan.placements.iter().zip(&sources).zip(&quantizers) {
+        let transform = match (pl.device, *dtype, quantizer) {
+            (Device::Fp8 { .. }, _, Some((q, _))) => Transform::Custom(q),
+            // Quantized on the device below.
+            (Device::Fp8 { .. }, _, None) => continue,
+            (Device::Bf16, from, _) => Transform::ToBf16 { from },
+            (Device::F32, Dtype::F32, _) => Transform::Copy,
+            (Device::F32, Dtype::F16, _) => Transform::Custom(&F16_TO_F32),
+            (Device::F32, _, _) => Transform::Custom(&BF16_TO_F32),
         };
         pieces.push(Piece {
             src,
@@ -916,12 +1083,152 @@ pub(super) fn upload(
         });
     }
     let mut buffer = allocate(ctx, stream, plan)?;
-    let stats = upload_pieces(ctx, stream, &mut buffer, &pieces, staging)
+    let mut stats = upload_pieces(ctx, stream, &mut buffer, &pieces, staging)
         .map_err(gpu_err("uploading the H3 DiT weights"))?;
+    // The ring's FP8 scales, now that every row went through its quantizer.
+    let mut scale_images: Vec<(usize, Vec<u8>)> = Vec::new();
+    for ((q, at), pl) in quantizers
+        .iter()
+        .zip(&plan.placements)
+        .filter_map(|(q, pl)| q.as_ref().map(|q| (q, pl)))
+    {
+        let scales = q.scales();
+        if scales.iter().any(|v| !v.is_finite() || *v <= 0.0) {
+            let name = plan.names.get(pl.tensor).map_or("?", String::as_str);
+            return Err(H3Error::Backend(format!(
+                "{name}: the FP8 quantizer did not produce a finite scale for every row (non-finite weights in the \
+                 checkpoint?)"
+            )));
+        }
+        scale_images.push((*at, scales.iter().flat_map(|v| v.to_le_bytes()).collect()));
+    }
+    if !scale_images.is_empty() {
+        let scale_pieces: Vec<Piece<'_>> = scale_images
+            .iter()
+            .map(|(at, bytes)| Piece::copy(bytes, *at))
+            .collect();
+        let more = upload_pieces(ctx, stream, &mut buffer, &scale_pieces, staging)
+            .map_err(gpu_err("uploading the FP8 weight scales"))?;
+        stats.device_bytes += more.device_bytes;
+        stats.seconds += more.seconds;
+    }
+    if !on_ring && !plan.fp8.is_empty() {
+        // Each FP8 matrix as bf16 into a scratch matrix (zero padding included), then quantized on the device.
+        let quant = quant.ok_or_else(|| {
+            H3Error::Backend("internal: FP8 weights without the quantizing kernels".into())
+        })?;
+        let mut scratch = Scratch::new(ctx, plan)?;
+        for (index, m) in plan.fp8.iter().enumerate() {
+            let mut matrix_pieces = Vec::new();
+            for (pl, (src, dtype)) in plan.placements.iter().zip(&sources) {
+                if pl.device == (Device::Fp8 { matrix: index }) {
+                    let at = pl.dst.checked_sub(m.codes).ok_or_else(|| {
+                        H3Error::Backend("internal: an FP8 placement before its matrix".into())
+                    })?;
+                    matrix_pieces.push(Piece::bf16(src, *dtype, at * BF16));
+                }
+            }
+            scratch.clear(stream)?;
+            let more = upload_pieces(ctx, stream, &mut scratch.buffer, &matrix_pieces, staging)
+                .map_err(gpu_err("uploading an FP8 weight for quantization"))?;
+            stats.device_bytes += more.device_bytes;
+            stats.seconds += more.seconds;
+            scratch.quantize_into(&mut buffer, m, quant, stream)?;
+        }
+        stream
+            .synchronize()
+            .map_err(cuda_err("quantizing the FP8 weights"))?;
+    }
     Ok(DeviceWeights {
         buffer,
         upload: Some(stats),
     })
+}
+
+/// A bf16 matrix on the device as large as the largest FP8 matrix: where one weight is made (uploaded or
+/// seeded) before it is quantized into its resident e4m3 codes, so bf16 copies of the whole model never exist;
+/// and the row scales of one matrix, copied beside its codes.
+struct Scratch {
+    buffer: DeviceBuffer,
+    scales: DeviceBuffer,
+}
+
+impl Scratch {
+    fn new(ctx: &Context, plan: &WeightPlan) -> Result<Scratch, H3Error> {
+        let elems = plan
+            .fp8
+            .iter()
+            .map(|m| m.rows.saturating_mul(m.cols))
+            .max()
+            .unwrap_or(0);
+        let bytes = elems
+            .checked_mul(BF16)
+            .ok_or_else(|| H3Error::Backend("an FP8 weight is too large".into()))?;
+        let rows = plan.fp8.iter().map(|m| m.rows).max().unwrap_or(0);
+        let scale_bytes = rows
+            .checked_mul(F32)
+            .ok_or_else(|| H3Error::Backend("an FP8 weight is too large".into()))?;
+        Ok(Scratch {
+            buffer: DeviceBuffer::alloc(ctx, bytes.max(16))
+                .map_err(cuda_err("allocating the FP8 quantization scratch"))?,
+            scales: DeviceBuffer::alloc(ctx, scale_bytes.max(16))
+                .map_err(cuda_err("allocating the FP8 quantization scratch"))?,
+        })
+    }
+
+    /// Zeros (the padding of the next matrix), on the stream.
+    fn clear(&mut self, stream: &Stream) -> Result<(), H3Error> {
+        self.buffer
+            .fill_u8(0, Some(stream))
+            .map_err(cuda_err("clearing the FP8 quantization scratch"))
+    }
+
+    /// Quantizes the scratch's first `m.rows x m.cols` bf16 values into `m`'s codes and scales in `weights`, one
+    /// scale per row (nn_quantize_rows_fp8 writes the scales into the scratch, then they are copied), on the
+    /// stream.
+    fn quantize_into(
+        &mut self,
+        weights: &mut DeviceBuffer,
+        m: &Fp8Matrix,
+        quant: &QuantKernels,
+        stream: &Stream,
+    ) -> Result<(), H3Error> {
+        let code_bytes = m.rows * m.cols;
+        let x = self
+            .buffer
+            .slice(0, code_bytes * BF16)
+            .map_err(cuda_err("addressing the FP8 quantization scratch"))?;
+        let scale_bytes = m.rows * F32;
+        {
+            let codes = weights
+                .slice_mut(m.codes, code_bytes)
+                .map_err(cuda_err("addressing an FP8 weight"))?;
+            let scales = self
+                .scales
+                .slice_mut(0, scale_bytes)
+                .map_err(cuda_err("addressing the FP8 quantization scratch"))?;
+            let out = Fp8Rows {
+                codes: &codes,
+                stride: m.cols,
+                scales: &scales,
+            };
+            quant
+                .run(
+                    stream,
+                    plan_quantize_rows_fp8(&x, Matrix::dense(m.rows, m.cols), &out),
+                )
+                .map_err(cuda_err("quantizing an FP8 weight"))?;
+        }
+        let scales = self
+            .scales
+            .slice(0, scale_bytes)
+            .map_err(cuda_err("addressing the FP8 quantization scratch"))?;
+        weights
+            .slice_mut(m.scales, scale_bytes)
+            .map_err(cuda_err("addressing an FP8 weight"))?
+            .copy_from(0, scales, Some(stream))
+            .map_err(cuda_err("quantizing an FP8 weight"))
+    }
 }
 
 /// SplitMix64 of one counter value (the golden-gamma step, then the output function), as nn_fill_uniform mixes.
@@ -946,11 +1253,14 @@ fn host_uniform(n: usize, seed: u32, offset: f32, scale: f32) -> Vec<f32> {
 }
 
 /// Fills every placement of `plan` from `seed` (bf16 weights on the device with nn_fill_uniform, the f32 modules
-/// on the host through the ring): a timing model with a default-like init, no checkpoint.
+/// on the host through the ring): a timing model with a default-like init, no checkpoint. An FP8 matrix is made
+/// the same way as bf16 in a scratch matrix (the same values its bf16 twin would hold) and quantized from there
+/// into its resident codes, one matrix at a time.
 pub(super) fn random(
     ctx: &Context,
     stream: &Stream,
     kernels: &H3Kernels,
+    quant: Option<&QuantKernels>,
     plan: &WeightPlan,
     seed: u64,
 ) -> Result<DeviceWeights, H3Error> {
@@ -975,7 +1285,43 @@ pub(super) fn random(
                     values.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 ));
             }
+            Device::Fp8 { .. } => {}
         }
+    }
+    if !plan.fp8.is_empty() {
+        let quant = quant.ok_or_else(|| {
+            H3Error::Backend("internal: FP8 weights without the quantizing kernels".into())
+        })?;
+        let mut scratch = Scratch::new(ctx, plan)?;
+        for (index, m) in plan.fp8.iter().enumerate() {
+            if plan.padded {
+                scratch.clear(stream)?;
+            }
+            for (i, pl) in plan.placements.iter().enumerate() {
+                if pl.device != (Device::Fp8 { matrix: index }) {
+                    continue;
+                }
+                let (offset, scale) = pl.init.range();
+                let at = pl.dst.checked_sub(m.codes).ok_or_else(|| {
+                    H3Error::Backend("internal: an FP8 placement before its matrix".into())
+                })?;
+                let view = scratch
+                    .buffer
+                    .slice_mut(at * BF16, pl.len * BF16)
+                    .map_err(cuda_err("addressing the FP8 quantization scratch"))?;
+                kernels
+                    .run(
+                        stream,
+                        plan_fill_uniform(&view, pl.len, placement_seed(seed, i), offset, scale),
+                    )
+                    .map_err(cuda_err("filling a weight"))?;
+            }
+            scratch.quantize_into(&mut buffer, m, quant, stream)?;
+        }
+        // The scratch is freed on return: the work that reads it must be done.
+        stream
+            .synchronize()
+            .map_err(cuda_err("quantizing the FP8 weights"))?;
     }
     let pieces: Vec<Piece<'_>> = host
         .iter()
@@ -1064,7 +1410,7 @@ mod tests {
     fn the_full_size_diffusers_plan_is_one_piece_per_tensor() {
         let config = MiniMaxH3Config::default_full_size();
         let dims = Dims::of(&config).unwrap();
-        let plan = plan(&config, &dims, Source::Diffusers).unwrap();
+        let plan = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
         assert!(!plan.padded);
         let specs = config.tensor_specs();
         assert_eq!(plan.placements.len(), specs.len());
@@ -1116,7 +1462,7 @@ mod tests {
             },
         ] {
             let dims = Dims::of(&config).unwrap();
-            let diffusers = destinations(&plan(&config, &dims, Source::Diffusers).unwrap());
+            let diffusers = destinations(&plan(&config, &dims, Source::Diffusers, &[]).unwrap());
             let total: usize = config
                 .tensor_specs()
                 .iter()
@@ -1128,7 +1474,8 @@ mod tests {
                 "every diffusers element placed once"
             );
             for qkv in [QkvLayout::Interleaved, QkvLayout::Stacked] {
-                let original = destinations(&plan(&config, &dims, Source::Original(qkv)).unwrap());
+                let original =
+                    destinations(&plan(&config, &dims, Source::Original(qkv), &[]).unwrap());
                 assert_eq!(original.len(), total);
                 // Each original tensor with its element indices as values, mapped by the checkpoint converter: an
                 // original element must land where the diffusers element it becomes lands.
@@ -1155,7 +1502,7 @@ mod tests {
     fn padded_heads_and_chunks_keep_their_places() {
         let config = odd();
         let dims = Dims::of(&config).unwrap();
-        let plan = plan(&config, &dims, Source::Diffusers).unwrap();
+        let plan = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
         let dst = destinations(&plan);
         let o = &plan.offsets;
         // Head 2, channel 5 of to_k (row 2 * 8 + 5, column 3) sits at k-part row 2 * 128 + 5, column 3.
@@ -1188,6 +1535,126 @@ mod tests {
         // The f32 time embedder keeps f32: linear_2 row 11 column 31.
         let at = dst[&("time_embedder.linear_2.weight".into(), 11 * 32 + 31)];
         assert_eq!(at, o.time2_w + (11 * 32 + 31) * 4);
+    }
+
+    #[test]
+    fn fp8_groups_are_codes_with_row_scales_in_whole_rows() {
+        use crate::nn::precision::DitPrecision;
+        let config = MiniMaxH3Config::default_full_size();
+        let layers = config.num_layers;
+        let groups: Vec<Fp8Groups> = (0..layers)
+            .map(|l| DitPrecision::FP8.groups_of(l, layers))
+            .collect();
+        // Nothing is padded at full size: the FP8 dimensions are the bf16 ones.
+        let dims = Dims::of_for(&config, true).unwrap();
+        assert_eq!(
+            dims,
+            Dims {
+                fp8: true,
+                ..Dims::of(&config).unwrap()
+            }
+        );
+        let bf16 = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+        let fp8 = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+        assert!(bf16.fp8.is_empty());
+        assert_eq!(fp8.fp8.len(), 4 * (layers - 2));
+        assert_eq!(fp8.placements.len(), bf16.placements.len());
+        // The first and last block and the refiner stay bf16; block 1 holds all four groups in FP8.
+        let o = &fp8.offsets;
+        assert_eq!(o.blocks[0].attn.fp8, GroupScales::default());
+        assert_eq!(o.blocks[layers - 1].attn.fp8, GroupScales::default());
+        assert_eq!(o.refiner[0].fp8, GroupScales::default());
+        let b1 = o.blocks[1].attn;
+        for scales in [b1.fp8.qkv, b1.fp8.to_out, b1.fp8.fc1, b1.fp8.fc2] {
+            assert!(scales.is_some());
+        }
+        // One byte a weight plus a 4-byte scale per row: the saving is one byte per FP8 weight, less the scales.
+        let (codes, rows): (usize, usize) = fp8
+            .fp8
+            .iter()
+            .fold((0, 0), |(c, r), m| (c + m.rows * m.cols, r + m.rows));
+        let saved = bf16.total - fp8.total;
+        assert!(
+            saved + 4 * rows <= codes + 2 * 256 * fp8.fp8.len()
+                && saved + 4 * rows + 2 * 256 * fp8.fp8.len() >= codes,
+            "saved {saved}, FP8 weights {codes}, scale rows {rows}"
+        );
+        println!(
+            "full size: {:.2} GB bf16, {:.2} GB in the default FP8 mode ({:.3})",
+            bf16.total as f64 / 1e9,
+            fp8.total as f64 / 1e9,
+            fp8.total as f64 / bf16.total as f64
+        );
+        // Every FP8 placement is whole rows of its matrix (the ring quantizes them), each row covered once, the
+        // scales before the codes; the same values land as in bf16 (placement for placement).
+        let mut covered = vec![0usize; fp8.fp8.len()];
+        for (pl, twin) in fp8.placements.iter().zip(&bf16.placements) {
+            assert_eq!(
+                (pl.tensor, pl.src_first, pl.len, pl.init),
+                (twin.tensor, twin.src_first, twin.len, twin.init)
+            );
+            if let Device::Fp8 { matrix } = pl.device {
+                let m = &fp8.fp8[matrix];
+                let (first_row, rows) = whole_rows(m, pl).unwrap();
+                assert_eq!(pl.dst, m.codes + first_row * m.cols);
+                covered[matrix] += rows;
+                assert!(m.scales + 4 * m.rows <= m.codes);
+                assert_eq!(m.scales % 16, 0);
+                assert_eq!(m.codes % 16, 0);
+                assert_eq!(m.cols % FP8_WIDTH_MULTIPLE, 0);
+            }
+        }
+        for (c, m) in covered.iter().zip(&fp8.fp8) {
+            assert_eq!(*c, m.rows);
+        }
+        // The original release's interleaved qkv_proj: one placement per head and part, still whole rows.
+        let original = plan(
+            &config,
+            &dims,
+            Source::Original(QkvLayout::Interleaved),
+            &groups,
+        )
+        .unwrap();
+        let qkv = original
+            .placements
+            .iter()
+            .filter(|p| p.device == (Device::Fp8 { matrix: 0 }))
+            .collect::<Vec<_>>();
+        assert_eq!(qkv.len(), 3 * config.num_attention_heads);
+        assert!(qkv.iter().all(|p| whole_rows(&original.fp8[0], p)
+            == Some(((p.dst - original.fp8[0].codes) / 5376, 128))));
+    }
+
+    #[test]
+    fn fp8_pads_the_tiny_widths_to_sixteen_and_those_go_through_the_device() {
+        let config = odd();
+        let dims = Dims::of_for(&config, true).unwrap();
+        assert_eq!(
+            (dims.hp, dims.fp, dims.width, dims.text_p),
+            (32, 32, 384, 24)
+        );
+        let groups = vec![Fp8Groups::ALL; config.num_layers];
+        let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+        assert!(p.padded);
+        assert_eq!(p.fp8.len(), 4 * config.num_layers);
+        // Padded rows are not whole rows of their matrix: the ring cannot quantize them, the device does.
+        let fp8_placements: Vec<&Placement> = p
+            .placements
+            .iter()
+            .filter(|pl| matches!(pl.device, Device::Fp8 { .. }))
+            .collect();
+        assert!(!fp8_placements.is_empty());
+        assert!(fp8_placements.iter().any(|pl| match pl.device {
+            Device::Fp8 { matrix } => whole_rows(&p.fp8[matrix], pl).is_none(),
+            _ => false,
+        }));
+        // Every FP8 element lands inside its matrix.
+        for pl in fp8_placements {
+            if let Device::Fp8 { matrix } = pl.device {
+                let m = &p.fp8[matrix];
+                assert!(pl.dst >= m.codes && pl.dst + pl.len <= m.codes + m.rows * m.cols);
+            }
+        }
     }
 
     #[test]

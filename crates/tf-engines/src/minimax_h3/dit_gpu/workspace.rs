@@ -84,6 +84,10 @@ pub(super) struct WorkspaceSizes {
     pub act: usize,
     pub sample: usize,
     pub audio_sample: usize,
+    /// FP8 runs only: the e4m3 rows a quantizing kernel writes for the next FP8 GEMM (`[rows, widest input]`,
+    /// one buffer serves every group: each is read by the GEMM right after it) and their f32 row scales.
+    pub q8: usize,
+    pub q8_scales: usize,
 }
 
 impl WorkspaceSizes {
@@ -130,6 +134,16 @@ impl WorkspaceSizes {
             act: product("feed-forward activation", &[rows, dims.fp, BF16])?,
             sample: product("video output", &[video_rows, dims.video, 4])?,
             audio_sample: product("audio output", &[audio_rows, dims.audio, 4])?,
+            q8: if dims.fp8 {
+                product("FP8 rows", &[rows, dims.hp.max(dims.width).max(dims.fp)])?
+            } else {
+                0
+            },
+            q8_scales: if dims.fp8 {
+                product("FP8 row scales", &[rows, 4])?
+            } else {
+                0
+            },
         })
     }
 
@@ -158,6 +172,8 @@ impl WorkspaceSizes {
             self.act,
             self.sample,
             self.audio_sample,
+            self.q8,
+            self.q8_scales,
         ]
         .iter()
         .map(|&b| up(b))
@@ -274,6 +290,9 @@ pub(super) struct Workspace {
     pub act: DeviceBuffer,
     pub sample: DeviceBuffer,
     pub audio_sample: DeviceBuffer,
+    /// FP8 runs: the quantized GEMM input rows and their scales (empty otherwise).
+    pub q8: DeviceBuffer,
+    pub q8_scales: DeviceBuffer,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub warmed: bool,
     /// The captured step.
@@ -320,6 +339,8 @@ impl Workspace {
             act: alloc(ctx, z.act, "feed-forward")?,
             sample: alloc(ctx, z.sample, "output")?,
             audio_sample: alloc(ctx, z.audio_sample, "output")?,
+            q8: alloc(ctx, z.q8, "FP8 activation")?,
+            q8_scales: alloc(ctx, z.q8_scales, "FP8 activation")?,
             sizes: z,
             warmed: false,
             graphs: GraphCache::new(MAX_GRAPHS),

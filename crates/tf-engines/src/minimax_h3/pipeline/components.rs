@@ -23,6 +23,8 @@ use crate::minimax_h3::vae_audio_gpu::GpuAudioVae;
 use crate::minimax_h3::vae_video::{self, HostVideoVae, VideoVaeBackend};
 use crate::minimax_h3::vae_video_gpu::GpuVideoVae;
 use crate::nn::memory_plan::Component;
+use crate::nn::precision::DitPrecision;
+use crate::nn::upload::StagingConfig;
 use crate::nn::weights::ModelDir;
 
 /// The component names of the memory plan and the load report, in pipeline order.
@@ -43,6 +45,8 @@ pub(super) struct Resident {
 pub(super) struct Folders {
     /// The hidden state the text encoder is read at (its layers past that are not loaded).
     pub text_layer: usize,
+    /// The GEMM precision the GPU DiT is loaded in.
+    pub dit_precision: DitPrecision,
     pub text_encoder: ModelDir,
     pub dit: ModelDir,
     pub video_vae: ModelDir,
@@ -79,7 +83,13 @@ impl Folders {
         Ok(match ctx {
             None => Box::new(HostH3Dit::load(&self.dit)?),
             Some(ctx) => {
-                let dit = GpuH3Dit::load_on(ctx, &self.dit)?;
+                let dit = GpuH3Dit::load_in(
+                    ctx,
+                    &self.dit,
+                    crate::minimax_h3::dit_host::LoadOptions::default(),
+                    StagingConfig::default(),
+                    self.dit_precision,
+                )?;
                 uploads_done(ctx)?;
                 Box::new(dit)
             }
@@ -134,9 +144,15 @@ impl Folders {
                 Backend::Gpu => values.saturating_mul(bytes_per_value),
             }
         };
+        // FP8 blocks hold one byte a weight (the scales and the bf16 end blocks are within the device reserve).
+        let dit_bytes = if self.dit_precision == DitPrecision::Bf16 {
+            2
+        } else {
+            1
+        };
         vec![
             Component::new(TEXT_ENCODER, device(&self.text_encoder, &[], 2)),
-            Component::new(DIT, device(&self.dit, &[], 2)),
+            Component::new(DIT, device(&self.dit, &[], dit_bytes)),
             Component::new(
                 VIDEO_VAE,
                 device(&self.video_vae, &vae_video::ENCODER_PREFIXES, 2),
@@ -153,18 +169,39 @@ impl Folders {
     pub fn open(
         layout: &super::folder::FolderLayout,
         text_layer: usize,
+        dit_precision: DitPrecision,
     ) -> Result<Folders, PipelineError> {
         let open = |path: &std::path::Path| {
             ModelDir::open(path).map_err(|e| folder_err(path, e.to_string()))
         };
         Ok(Folders {
             text_layer,
+            dit_precision,
             text_encoder: open(&layout.text_encoder)?,
             dit: open(&layout.transformer)?,
             video_vae: open(&layout.vae)?,
             audio_vae: open(&layout.audio_vae)?,
         })
     }
+}
+
+/// What each component computes in on `backend` (the load report's precision lines): the host runs f32; on the
+/// GPU the text encoder and the video VAE run bf16, the DiT `dit` (over its `layers` blocks), the audio VAE f32.
+pub(super) fn precisions(
+    backend: Backend,
+    dit: DitPrecision,
+    layers: usize,
+) -> Vec<(&'static str, String)> {
+    let on_gpu = |gpu: String| match backend {
+        Backend::Host => "f32".to_string(),
+        Backend::Gpu => gpu,
+    };
+    vec![
+        (TEXT_ENCODER, on_gpu("bf16".into())),
+        (DIT, on_gpu(dit.describe(layers))),
+        (VIDEO_VAE, on_gpu("bf16".into())),
+        (AUDIO_VAE, "f32".into()),
+    ]
 }
 
 /// Values of the tensors of `model` a load keeps: names starting with none of `skip`, and no decoder layer at or

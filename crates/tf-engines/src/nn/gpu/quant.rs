@@ -25,7 +25,7 @@ use super::launch::{
 };
 use super::norm::{
     check_modulation, check_norm_cols, check_row_index, push_norm, Modulation, ModulationRows,
-    NormModulate,
+    NormKind, NormModulate,
 };
 use super::SwigluOrder;
 
@@ -182,8 +182,45 @@ pub fn plan_norm_modulate_fp8<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_norm_modulate_fp8_padded(x, x_layout, x_layout.cols, out, norm)
+}
+
+/// Checks the width an RMSNorm divides by: the row's columns, or fewer when the columns past the model's width
+/// are zero padding (RMSNorm only: a LayerNorm's mean would see the padding).
+fn check_norm_width(
+    op: &str,
+    norm: &NormModulate<'_, '_>,
+    cols: usize,
+    norm_cols: usize,
+) -> Result<(), tf_cuda::Error> {
+    if norm_cols == 0 || norm_cols > cols {
+        return Err(invalid(
+            op,
+            format!("the norm's width {norm_cols} must be 1..={cols} (the row's columns)"),
+        ));
+    }
+    if norm_cols != cols && norm.kind == NormKind::LayerNorm {
+        return Err(invalid(
+            op,
+            "a LayerNorm over zero-padded rows is not supported (only RMSNorm divides by the model's width)",
+        ));
+    }
+    Ok(())
+}
+
+/// [`plan_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols`: an RMSNorm divides the sum of
+/// squares by `norm_cols` (the padding columns must hold zeros in `x` and in the weight and modulation, so their
+/// codes are zero).
+pub fn plan_norm_modulate_fp8_padded<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "norm_modulate_fp8";
     check_norm_cols(OP, x_layout.cols)?;
+    check_norm_width(OP, norm, x_layout.cols, norm_cols)?;
     check_matrix(OP, "x", Operand::of(x), x_layout)?;
     check_fp8_rows(OP, out, x_layout.rows, x_layout.cols)?;
     let mut args = Args::new();
@@ -197,6 +234,7 @@ pub fn plan_norm_modulate_fp8<'a>(
         norm,
         (ModulationRows::targets_only(1), 0),
     )?;
+    args.push(to_i32(OP, "norm width", norm_cols)?);
     Ok(Launch::new(
         norm_kernel(
             "nn_norm_modulate_fp8",
@@ -238,9 +276,32 @@ pub fn plan_gated_residual_norm_modulate_fp8<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_gated_residual_norm_modulate_fp8_padded(
+        x,
+        x_layout,
+        x_layout.cols,
+        (y, y_stride),
+        gate,
+        out,
+        norm,
+    )
+}
+
+/// [`plan_gated_residual_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (as
+/// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros).
+pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
+    x: &'a DeviceViewMut<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    (y, y_stride): (&'a DeviceView<'_>, usize),
+    gate: &ResidualGate<'a, '_>,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual_norm_modulate_fp8";
     let cols = x_layout.cols;
     check_norm_cols(OP, cols)?;
+    check_norm_width(OP, norm, cols, norm_cols)?;
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
     check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
     check_fp8_rows(OP, out, x_layout.rows, cols)?;
@@ -300,6 +361,7 @@ pub fn plan_gated_residual_norm_modulate_fp8<'a>(
         norm,
         (gate.select, gate_index.unwrap_or(0)),
     )?;
+    args.push(to_i32(OP, "norm width", norm_cols)?);
     Ok(Launch::new(
         norm_kernel(
             "nn_gated_residual_norm_modulate_fp8",
@@ -509,8 +571,9 @@ mod tests {
         };
         let launch = plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &norm).unwrap();
         assert_eq!(launch.kernel(), "nn_norm_modulate_fp8_c2");
-        // nn_norm_modulate's 19 arguments with (q, q_stride, scales) in place of (y, y_stride).
-        assert_eq!(launch.args().len(), 20);
+        // nn_norm_modulate's 19 arguments with (q, q_stride, scales) in place of (y, y_stride), then the width.
+        assert_eq!(launch.args().len(), 21);
+        assert_eq!(launch.args().get::<i32>(20), Some(cols as i32));
         assert_eq!(launch.args().get::<u64>(5), Some(wv.addr()));
         assert_eq!(launch.args().get::<i32>(10), Some(0)); // RMSNorm
         assert_eq!(launch.args().get::<u64>(11), Some(tv.addr()));
@@ -534,6 +597,24 @@ mod tests {
             eps: 1e-6,
             modulation: None,
         };
+        // An RMSNorm over rows zero-padded past the model's width divides by that width; a LayerNorm cannot.
+        let padded =
+            plan_norm_modulate_fp8_padded(&xv, Matrix::dense(rows, cols), 60, &out, &norm).unwrap();
+        assert_eq!(padded.args().get::<i32>(20), Some(60));
+        for bad in [0, cols + 8] {
+            assert!(plan_norm_modulate_fp8_padded(
+                &xv,
+                Matrix::dense(rows, cols),
+                bad,
+                &out,
+                &norm
+            )
+            .is_err());
+        }
+        let err = plan_norm_modulate_fp8_padded(&xv, Matrix::dense(rows, cols), 60, &out, &plain)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("LayerNorm"), "{err}");
         let launch = plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &plain).unwrap();
         assert_eq!(launch.args().get::<i32>(10), Some(1));
         assert_eq!(launch.args().get::<u64>(11), Some(0));
@@ -607,7 +688,8 @@ mod tests {
             plan_gated_residual_norm_modulate_fp8(&xv, layout, &yv, cols, &gate, &out, &norm)
                 .unwrap();
         assert_eq!(launch.kernel(), "nn_gated_residual_norm_modulate_fp8_c2");
-        assert_eq!(launch.args().len(), 27);
+        assert_eq!(launch.args().len(), 28);
+        assert_eq!(launch.args().get::<i32>(27), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(6), Some(3));
         assert_eq!(launch.args().get::<i32>(7), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(8), Some(1)); // tanh
@@ -656,7 +738,7 @@ mod tests {
             &unmodulated,
         )
         .unwrap();
-        assert_eq!(launch.args().len(), 27);
+        assert_eq!(launch.args().len(), 28);
         assert_eq!(launch.args().get::<i32>(8), Some(0));
         assert_eq!(launch.args().get::<u64>(18), Some(0)); // no modulation table
         assert_eq!(launch.args().get::<u64>(26), Some(iv.addr()));

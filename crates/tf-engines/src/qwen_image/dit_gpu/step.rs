@@ -10,7 +10,6 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::DeviceBuffer;
 
 use super::kv::GpuKvCache;
-use super::precision::Fp8Groups;
 use super::workspace::{Fp8Rows, Workspace};
 use super::{cuda_err, span, Engine, NoProbe, PhaseWork, StepProbe, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
@@ -24,6 +23,7 @@ use crate::nn::gpu::{
     attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows, NormKind,
     NormModulate, QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
+use crate::nn::precision::Fp8Groups;
 use crate::nn::weights::BF16;
 use crate::qwen_image::config::TIMESTEP_DIM;
 use crate::qwen_image::dit::{DitError, KvMode};

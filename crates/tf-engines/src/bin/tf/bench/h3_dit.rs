@@ -8,6 +8,9 @@
 //! from the layout builder, with the video and audio timesteps of one step of the pipeline's grids and seeded
 //! noise rows. Times are device times of the engine's step timer after a warm-up.
 //!
+//! `--precision` picks the DiT's GEMM precision (bf16, or FP8 in chosen block groups; a seeded FP8 model is made
+//! in bf16 one matrix at a time and quantized on the device); the output names it and the resident weight bytes.
+//!
 //! The timers are benchmark-only library code behind tf-engines' `bench` feature; without it this command says
 //! how to rebuild.
 
@@ -186,14 +189,20 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
         (Some(dir), false) => {
             let model = ModelDir::open(dir)?;
             (
-                GpuH3Dit::load_on(&ctx, &model)?,
+                GpuH3Dit::load_in(
+                    &ctx,
+                    &model,
+                    tf_engines::minimax_h3::dit_host::LoadOptions::default(),
+                    tf_engines::nn::upload::StagingConfig::default(),
+                    args.precision,
+                )?,
                 format!("loaded from {}", dir.display()),
             )
         }
         (None, true) => {
             let config = MiniMaxH3Config::default_full_size();
             (
-                GpuH3Dit::random_on(&ctx, &config, args.seed)?,
+                GpuH3Dit::random_in(&ctx, &config, args.seed, args.precision)?,
                 format!(
                     "RANDOM, made on the device from seed {} (full default config; speed figures only)",
                     args.seed
@@ -205,12 +214,16 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
     let load_s = load_start.elapsed().as_secs_f64();
     let config = dit.config().clone();
     let weight_bytes = dit.weight_bytes();
+    let precision = dit.describe_precision();
     println!(
-        "weights: {weights}; {} blocks, {} refiner blocks, {:.2} GiB on the device, ready in {load_s:.1} s",
+        "weights: {weights}; {} blocks, {} refiner blocks, {:.2} GiB resident on the device ({:.2} GB), ready in \
+         {load_s:.1} s",
         config.num_layers,
         config.num_refiner_layers,
-        gib(weight_bytes as f64)
+        gib(weight_bytes as f64),
+        weight_bytes as f64 / 1e9
     );
+    println!("precision: {} ({precision})", args.precision);
     dit.set_graphs(true);
 
     let (width, height, frames) = geometry(args);
@@ -236,7 +249,8 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
     let times = dit.time_step(&inputs, args.warmup, args.iters)?;
     let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
     println!(
-        "  ours: eager {:.2} ms ({:.1} TFLOP/s), graph replay {:.2} ms ({:.1} TFLOP/s)",
+        "  ours ({}): eager {:.2} ms ({:.1} TFLOP/s), graph replay {:.2} ms ({:.1} TFLOP/s)",
+        args.precision,
         times.eager_ms,
         tflops(times.eager_ms),
         times.graph_ms,
@@ -344,7 +358,10 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
             "random_weights": args.random_weights,
             "num_layers": config.num_layers,
             "num_refiner_layers": config.num_refiner_layers,
+            "precision": args.precision.to_string(),
+            "precision_description": precision,
             "weight_bytes": weight_bytes,
+            "resident_weight_bytes": weight_bytes,
             "load_s": load_s,
             "flops": flops,
             "warmup": args.warmup,

@@ -1,12 +1,14 @@
-//! The GPU DiT's GEMM precision: bf16 everywhere, or FP8 e4m3 in chosen groups of the blocks' GEMMs.
+//! The GEMM precision of a GPU DiT (Qwen-Image and MiniMax H3 share it): bf16 everywhere, or FP8 e4m3 in chosen
+//! groups of the transformer blocks' GEMMs.
 //!
 //! A block has four GEMM groups: `qkv` (the fused q|k|v projection), `out` (the attention output projection),
-//! `mlp_in` (the fused gate|up projection) and `mlp_out` (the MLP's down projection). In FP8 a group's weight is
-//! quantized at load per output channel and its input per token by the kernel that produces it (the adaLN before
-//! `qkv`, the gated residual + adaLN before `mlp_in`, SwiGLU before `mlp_out`; the attention output, whose kernel
-//! writes bf16, by a quantizing pass of its own before `out`), and the GEMM multiplies both scales back
-//! (cuBLASLt's row-wise scales). The timestep embedding, the modulation, the input projections, `norm_out` and
-//! `proj_out` stay in bf16 always, and so do the first and last `ends` blocks.
+//! `mlp_in` (the fused gate|up, or value|gate, projection) and `mlp_out` (the MLP's down projection). In FP8 a
+//! group's weight is quantized at load per output channel and its input per token by the kernel that produces it
+//! (the norm + modulation before `qkv`, the gated residual + norm + modulation before `mlp_in`, SwiGLU before
+//! `mlp_out`; the attention output, whose kernel writes bf16, by a quantizing pass of its own before `out`), and
+//! the GEMM multiplies both scales back (cuBLASLt's row-wise scales). Everything outside the blocks' four groups
+//! (embedders, timestep and modulation layers, output norm and heads, a token refiner) keeps its bf16 (or f32)
+//! path, and so do the first and last `ends` blocks.
 //!
 //! Spelled on the command line (`--precision`) as `bf16`, `fp8` ([`Fp8Layers::DEFAULT`]), or
 //! `fp8:GROUP[,GROUP...][,ends=N]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `all`, `none`.
@@ -129,7 +131,7 @@ impl DitPrecision {
                 format!(
                     "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
                      per-output-channel weight scales, per-token activation scales; \
-                     embedders, modulation, norm_out and proj_out in bf16",
+                     every layer outside those groups as in bf16 mode",
                     l.groups.names().join(", "),
                     l.bf16_ends
                 )
