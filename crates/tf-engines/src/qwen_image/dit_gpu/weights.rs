@@ -12,11 +12,11 @@
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
-use super::precision::DitPrecision;
 use super::{cuda_err, gpu_err};
 use crate::nn::fp8::Fp8RowQuantizer;
 use crate::nn::fp8_checkpoint::{Fp8Checkpoint, WeightFeed};
 use crate::nn::gpu::HEAD_DIM;
+use crate::nn::precision::DitPrecision;
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
 use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, BF16};
 use crate::qwen_image::config::{QwenImageDitConfig, TIMESTEP_DIM};
@@ -651,9 +651,9 @@ mod tests {
 
     #[test]
     fn fp8_groups_upload_as_per_channel_codes_with_their_scales() {
-        use super::super::precision::{Fp8Groups, Fp8Layers};
         use crate::nn::fp8;
         use crate::nn::gpu::test_support::context;
+        use crate::nn::precision::{Fp8Groups, Fp8Layers};
         let _serial = tf_testdriver::test_lock();
         let ctx = context();
         let stream = Stream::new(&ctx, false).unwrap();
@@ -799,9 +799,9 @@ mod tests {
 
     #[test]
     fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_where_bf16() {
-        use super::super::precision::{Fp8Groups, Fp8Layers};
         use crate::nn::fp8::e4m3_decode;
         use crate::nn::gpu::test_support::context;
+        use crate::nn::precision::{Fp8Groups, Fp8Layers};
         use crate::qwen_image::dit::check_folder;
         let _serial = tf_testdriver::test_lock();
         let ctx = context();
