@@ -202,6 +202,13 @@ pub struct Fp8Weight {
     pub file: PathBuf,
 }
 
+impl Fp8Weight {
+    /// The scales of rows `first_row..first_row + rows`, or `None` when they run past the weight.
+    pub fn row_scales(&self, first_row: usize, rows: usize) -> Option<&[f32]> {
+        self.scales.get(first_row..first_row.checked_add(rows)?)
+    }
+}
+
 /// The FP8 weights of a model folder and the tensors that describe them.
 #[derive(Debug, Clone, Default)]
 pub struct Fp8Checkpoint {
@@ -770,6 +777,15 @@ impl Fp8Dequantizer {
             cols: weight.cols.max(1),
         }
     }
+
+    /// A dequantizer of the piece of `weight` that starts at row `first_row` and spans `rows` rows (a loader that
+    /// places a weight in row blocks: per-head pieces, swapped halves); `None` when the rows run past the weight.
+    pub fn for_rows(weight: &Fp8Weight, first_row: usize, rows: usize) -> Option<Fp8Dequantizer> {
+        Some(Fp8Dequantizer {
+            scales: weight.row_scales(first_row, rows)?.to_vec(),
+            cols: weight.cols.max(1),
+        })
+    }
 }
 
 impl ChunkTransform for Fp8Dequantizer {
@@ -994,5 +1010,17 @@ mod tests {
         // Rows past the end, and chunks that are not whole rows.
         assert!(dq.apply(12, &codes[..4], &mut [0u8; 8]).is_err());
         assert!(dq.apply(2, &codes[..4], &mut [0u8; 8]).is_err());
+        // A row block of the weight: its own rows' scales, counted from the block's first row.
+        assert_eq!(weight.row_scales(1, 2), Some(&[2.0, 0.25][..]));
+        assert!(weight.row_scales(2, 2).is_none() && weight.row_scales(usize::MAX, 2).is_none());
+        assert!(Fp8Dequantizer::for_rows(&weight, 2, 2).is_none());
+        let block = Fp8Dequantizer::for_rows(&weight, 1, 2).unwrap();
+        let mut out = vec![0u8; 16];
+        block.apply(0, &codes[4..12], &mut out).unwrap();
+        for (i, pair) in out.chunks_exact(2).enumerate() {
+            let got = half::bf16::from_bits(u16::from_le_bytes([pair[0], pair[1]])).to_f32();
+            let want = half::bf16::from_f32(e4m3_decode(codes[4 + i]) * weight.scales[1 + i / 4]);
+            assert_eq!(got, want.to_f32(), "block element {i}");
+        }
     }
 }
