@@ -51,6 +51,7 @@ use super::vae_gpu::GpuVaeDecoder;
 use super::variant::{Ignored, Variant};
 use crate::nn::backend_error::GpuError;
 use crate::nn::config::parse_object;
+use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::memory_plan::{Component, MemoryPlan, MemoryPlanError, Residency};
 use crate::nn::sampling::flow_match::{
     cfg_combine, latent_grid, LatentDtype, SamplerError, Schedule, SchedulerConfig, SigmaSource,
@@ -414,6 +415,9 @@ pub struct LoadReport {
     pub variant: Variant,
     /// GEMM precision of the DiT.
     pub dit_precision: DitPrecision,
+    /// Weights the DiT checkpoint stores in FP8 e4m3 with their scales (0 for a bf16/f32 checkpoint): used as
+    /// stored where the DiT runs FP8, dequantized elsewhere.
+    pub dit_checkpoint_fp8: usize,
 }
 
 enum DitEngine {
@@ -641,6 +645,11 @@ impl Pipeline {
         let scheduler = SchedulerConfig::from_model_folder(dir)?;
         let tokenizer = Tokenizer::from_file(&layout.tokenizer_json)?;
         let dit_dir = ModelDir::open(&layout.transformer)?;
+        // A scaled-FP8 checkpoint is validated here, before any component loads, and counted for the report.
+        let dit_checkpoint_fp8 = Fp8Checkpoint::scan(&dit_dir)
+            .map_err(DitError::from)?
+            .weights()
+            .len();
         let te_dir = ModelDir::open(&layout.text_encoder)?;
         let vae_dir = ModelDir::open(&layout.vae)?;
 
@@ -757,6 +766,7 @@ impl Pipeline {
                 te_vae_on_device: te_on_device && vae_on_device,
                 variant,
                 dit_precision: options.dit_precision,
+                dit_checkpoint_fp8,
             },
             dir: dir.to_path_buf(),
             memory_plan,

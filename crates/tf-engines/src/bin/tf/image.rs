@@ -254,8 +254,17 @@ fn image(args: &Args) -> Result<(), ImageError> {
             "f32 (host reference)"
         }
     };
+    let checkpoint = if load.dit_checkpoint_fp8 > 0 {
+        format!(
+            " (its checkpoint stores {} weights in FP8 e4m3 with their scales: used as stored where the DiT runs \
+             FP8, dequantized to bf16 elsewhere)",
+            load.dit_checkpoint_fp8
+        )
+    } else {
+        String::new()
+    };
     eprintln!(
-        "tf image: precision: DiT {}, text encoder {}, VAE {}",
+        "tf image: precision: DiT {}{checkpoint}, text encoder {}, VAE {}",
         load.dit_precision,
         precision_of(load.te_on_device),
         precision_of(load.vae_on_device)
@@ -393,6 +402,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 "vae_on_device": load.vae_on_device,
                 "residency": load.residency.name(),
                 "dit_precision": load.dit_precision.to_string(),
+                "dit_checkpoint_fp8_weights": load.dit_checkpoint_fp8,
                 "warm_up_s": warm_up.as_ref().map(|w| w.seconds),
             },
             "gemm_plans": pipeline.gemm_plan_summary().map(|g| json!({
