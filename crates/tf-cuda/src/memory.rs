@@ -556,6 +556,25 @@ impl<'a> DeviceViewMut<'a> {
         }
     }
 
+    /// Two writable views, `..mid` and `mid..`, consuming this one (disjoint, so both may be held at once:
+    /// e.g. the per-item receive ranges of one grouped collective).
+    pub fn split_at(self, mid: usize) -> Result<(DeviceViewMut<'a>, DeviceViewMut<'a>), Error> {
+        checked_range(self.len, 0, mid, "DeviceViewMut::split_at")?;
+        let head = DeviceViewMut {
+            ctx: self.ctx,
+            addr: self.addr,
+            len: mid,
+            _owner: PhantomData,
+        };
+        let tail = DeviceViewMut {
+            ctx: self.ctx,
+            addr: self.addr + mid as u64,
+            len: self.len - mid,
+            _owner: PhantomData,
+        };
+        Ok((head, tail))
+    }
+
     /// A sub-range, consuming this view.
     pub fn into_slice(self, offset: usize, len: usize) -> Result<DeviceViewMut<'a>, Error> {
         checked_range(self.len, offset, len, "DeviceViewMut::slice")?;

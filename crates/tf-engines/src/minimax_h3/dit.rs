@@ -343,6 +343,18 @@ pub trait H3DitBackend {
 
     /// One forward over the packed sequence.
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error>;
+
+    /// Runs later forwards sequence-parallel over `sp`'s ranks (a no-op when already so). Only the GPU backend
+    /// can; the others refuse.
+    fn attach_sequence_parallel(
+        &mut self,
+        sp: &super::dit_gpu::parallel::SequenceParallel,
+    ) -> Result<(), H3Error> {
+        Err(H3Error::Backend(format!(
+            "this DiT backend runs in one process; sequence parallelism over {} GPUs needs the GPU backend",
+            sp.comm.world_size()
+        )))
+    }
 }
 
 #[cfg(test)]

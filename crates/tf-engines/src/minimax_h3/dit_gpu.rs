@@ -41,6 +41,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tf_cuda::cublaslt::{AlgoSelection, PrepareReport};
@@ -62,6 +63,7 @@ use crate::nn::weights::ModelDir;
 #[cfg(feature = "bench")]
 mod bench;
 pub mod kernels;
+pub mod parallel;
 mod step;
 mod weights;
 mod workspace;
@@ -105,7 +107,8 @@ struct Engine {
     config: MiniMaxH3Config,
     dims: Dims,
     ctx: Context,
-    stream: Stream,
+    /// Shared with the communicator of a sequence-parallel run, whose collectives run on it.
+    stream: Arc<Stream>,
     kernels: H3Kernels,
     tile: AttentionTile,
     gemms: GemmRunner,
@@ -116,6 +119,8 @@ struct Engine {
     fp8_groups: Vec<Fp8Groups>,
     /// The quantizing kernels, loaded when some block runs in FP8.
     quant: Option<QuantKernels>,
+    /// This rank's communicator when the step runs sequence-parallel ([`parallel`]).
+    parallel: Option<parallel::SpState>,
 }
 
 /// The GPU DiT backend.
@@ -210,7 +215,7 @@ impl Engine {
         let fp8 = fp8_groups.iter().any(|g| g.any());
         let dims = Dims::of_for(&config, fp8)?;
         let plan = weights::plan(&config, &dims, source, &fp8_groups)?;
-        let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
+        let stream = Arc::new(Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?);
         let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;
         let gemms =
             GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;
@@ -240,6 +245,7 @@ impl Engine {
                 precision,
                 fp8_groups,
                 quant,
+                parallel: None,
             },
             made.upload,
         ))
@@ -452,7 +458,14 @@ impl H3DitBackend for GpuH3Dit {
         &self.engine.config
     }
 
+    fn attach_sequence_parallel(&mut self, sp: &parallel::SequenceParallel) -> Result<(), H3Error> {
+        self.attach(sp)
+    }
+
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error> {
+        if self.engine.parallel.is_some() {
+            return self.forward_parallel(inputs);
+        }
         let index = self.prepare(inputs)?;
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];

@@ -233,6 +233,9 @@ impl Limits {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadOptions {
     pub backend: Backend,
+    /// This process's rank of a multi-GPU job (`tf video --gpus N`): its device is the communicator's, and the
+    /// DiT runs sequence-parallel over the ranks. `None`: one GPU, device 0.
+    pub sequence_parallel: Option<super::dit_gpu::parallel::SequenceParallel>,
     pub limits: Limits,
     /// The text conditioning: the hidden state read (50), the prompt bounds, the markup rule.
     pub text: H3TextOptions,
@@ -250,6 +253,7 @@ impl LoadOptions {
     pub fn new(backend: Backend) -> Self {
         LoadOptions {
             backend,
+            sequence_parallel: None,
             limits: Limits::default(),
             text: H3TextOptions::default(),
             device_budget: None,
@@ -529,8 +533,12 @@ impl H3Pipeline {
             Backend::Gpu => {
                 let driver =
                     tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
-                let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
-                    .map_err(|e| gpu("creating a context on device 0", e))?;
+                let device = options
+                    .sequence_parallel
+                    .as_ref()
+                    .map_or(0, |sp| sp.device());
+                let ctx = tf_cuda::Context::new(Arc::clone(&driver), device)
+                    .map_err(|e| gpu(&format!("creating a context on device {device}"), e))?;
                 let free = ctx
                     .memory_info()
                     .map_err(|e| gpu("reading free memory", e))?

@@ -63,6 +63,13 @@ pub enum GpuFailure {
         source: UploadError,
     },
     /// A backend condition with no underlying error (an unsupported shape, a missing workspace).
+    /// A collective of a multi-GPU communicator (the communicator is aborted; a lost context stays findable).
+    #[error("{what}: {source}")]
+    Collective {
+        what: String,
+        #[source]
+        source: tf_nccl::NcclError,
+    },
     #[error("{what}: {why}")]
     Message { what: String, why: String },
 }
@@ -143,6 +150,12 @@ impl IntoGpuError for LoadKernelsError {
 impl IntoGpuError for UploadError {
     fn into_gpu_error(self, what: String) -> GpuError {
         GpuFailure::Upload { what, source: self }.into()
+    }
+}
+
+impl IntoGpuError for tf_nccl::NcclError {
+    fn into_gpu_error(self, what: String) -> GpuError {
+        GpuFailure::Collective { what, source: self }.into()
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`media`]: PNG files (through the `png` crate), WAV audio, MP4 video through an `ffmpeg` child process.
 //! - [`memory_plan`]: whether a pipeline's components stay resident or run in turn on the device.
 //! - [`parallel`]: sequence parallelism over GPUs: row blocks, head groups, the Ulysses and K/V-gather exchange plans.
+//! - [`launcher`]: one process per GPU: the degree check, starting and watching the ranks, request agreement.
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!
 //! Invariant (checked by the tidy test): nothing under `nn/` imports a model folder.
@@ -24,6 +25,7 @@ pub mod fp8_checkpoint;
 pub mod gpu;
 pub mod host;
 pub mod kernels;
+pub mod launcher;
 pub mod media;
 pub mod memory_plan;
 pub mod parallel;

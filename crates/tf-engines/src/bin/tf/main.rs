@@ -8,6 +8,7 @@ mod bench;
 mod doctor;
 mod forward;
 mod image;
+mod ranks;
 mod tokenize;
 mod video;
 mod worker;
@@ -36,6 +37,9 @@ enum Command {
     Bench(bench::Bench),
     /// Serve an engine over LocalRouter's worker protocol (JSON lines on stdin/stdout).
     Worker(worker::Args),
+    /// One rank of a multi-GPU job, started by rank 0 (`tf video --gpus N`); not for direct use.
+    #[command(hide = true)]
+    Rank(ranks::RankCommand),
 }
 
 fn main() -> ExitCode {
@@ -48,5 +52,26 @@ fn main() -> ExitCode {
         Command::Video(a) => video::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Worker(a) => worker::run(a),
+        Command::Rank(a) => rank(a),
+    }
+}
+
+/// A child rank: joins the job, then runs its command (`video ...`) as that rank.
+fn rank(args: ranks::RankCommand) -> ExitCode {
+    let failed = |e: String| {
+        eprintln!("tf rank: {e}");
+        let _ = ranks::end(Err(e));
+        ExitCode::FAILURE
+    };
+    let command = match ranks::run_child(args) {
+        Ok(c) => c,
+        Err(e) => return failed(e),
+    };
+    match Cli::try_parse_from(command) {
+        Ok(Cli {
+            command: Command::Video(a),
+        }) => video::run(a),
+        Ok(_) => failed("only `tf video` runs as a rank of a multi-GPU job".into()),
+        Err(e) => failed(e.to_string()),
     }
 }

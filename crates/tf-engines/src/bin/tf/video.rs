@@ -96,6 +96,8 @@ pub struct Args {
     /// Print a JSON summary on stdout.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    gpu: super::ranks::GpuArgs,
 }
 
 pub(crate) fn parse_size(text: &str) -> Result<(u32, u32), String> {
@@ -111,7 +113,8 @@ pub(crate) fn parse_size(text: &str) -> Result<(u32, u32), String> {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    match video(&args) {
+    // A multi-GPU job ends on every rank: rank 0 waits for the others after success, stops them after a failure.
+    match super::ranks::end(video(&args).map_err(|e| e.to_string())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tf video: {e}");
@@ -210,8 +213,17 @@ fn video(args: &Args) -> Result<(), VideoError> {
     let started = Instant::now();
     let made = match args.engine {
         EngineArg::MinimaxH3 => minimax_h3(args, &reporter)?,
+        EngineArg::Testpattern if args.gpu.gpus > 1 || args.gpu.force_nccl => {
+            return Err(VideoError::Usage(format!(
+                "--gpus {} spreads the MiniMax H3 DiT over GPUs; the testpattern engine runs in one process",
+                args.gpu.gpus
+            )))
+        }
         EngineArg::Testpattern => testpattern(args, &reporter)?,
     };
+    if !super::ranks::writes_output() {
+        return Ok(());
+    }
     finish(args, made, ffmpeg, started)
 }
 
@@ -257,6 +269,11 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
             preflight.geometry.num_frames as f64 / 24.0
         );
     }
+    // One GPU, or this process's rank of a `--gpus N` job (rank 0 starts the others here).
+    let mut options = options;
+    let agreed = format!("{options:?}");
+    options.sequence_parallel = super::ranks::begin(&args.gpu, model, backend, &request, &agreed)
+        .map_err(VideoError::Engine)?;
     eprintln!(
         "tf video: loading {} on the {}",
         model.display(),

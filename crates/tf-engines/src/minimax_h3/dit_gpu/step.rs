@@ -666,7 +666,8 @@ impl Engine {
                 .map_err(launch)?;
         }
         probe.mark(&self.stream, qk_name, 0.0, (4 * m * d.width * BF16) as f64)?;
-        {
+        // A sequence-parallel rank's main rows attend across the ranks instead (super::parallel).
+        if !self.sequence_parallel_attention(ws, rows == Rows::Main)? {
             let qkv = ws.qkv.view();
             let part = d.width * BF16;
             let len = qkv.len();

@@ -227,6 +227,13 @@ impl RowTables {
     }
 }
 
+/// The input rows of one forward as uploaded: video, audio and text rows, f32, row-major.
+pub(super) struct InputRows<'a> {
+    pub video: &'a [f32],
+    pub audio: &'a [f32],
+    pub text: &'a [f32],
+}
+
 /// The RoPE cos/sin tables of every row over the batch, bf16 bits `[batch * seq, 3 * rope_freq]`: for axis `a` and
 /// frequency `j`, the angle `f32(position[a]) * inv_freq[j]` in f32, its cosine and sine rounded to f32 and then
 /// to bf16 (as a bfloat16 run of the reference casts its tables to the activations' dtype).
@@ -297,6 +304,8 @@ pub(super) struct Workspace {
     pub warmed: bool,
     /// The captured step.
     pub graphs: GraphCache<ShapeKey>,
+    /// A sequence-parallel rank's plan and exchange buffers (`None` on one GPU).
+    pub parallel: Option<super::parallel::SpBuffers>,
 }
 
 fn alloc(ctx: &Context, bytes: usize, what: &str) -> Result<DeviceBuffer, H3Error> {
@@ -344,6 +353,7 @@ impl Workspace {
             sizes: z,
             warmed: false,
             graphs: GraphCache::new(MAX_GRAPHS),
+            parallel: None,
         })
     }
 }
@@ -376,6 +386,24 @@ impl Engine {
         rows: &H3Rows,
         inputs: &H3Inputs,
     ) -> Result<(), H3Error> {
+        let tables = RowTables::of(rows)?;
+        let parts = InputRows {
+            video: inputs.hidden_states.data(),
+            audio: inputs.audio_hidden_states.data(),
+            text: inputs.encoder_hidden_states.data(),
+        };
+        self.upload_parts(ws, rows, &tables, &parts)
+    }
+
+    /// [`Engine::upload_inputs`] from its parts: `rows` gives the sinusoid and the RoPE tables, `tables` the row
+    /// indices (a sequence-parallel rank passes its own rows and tables, see [`super::parallel`]).
+    pub(super) fn upload_parts(
+        &self,
+        ws: &mut Workspace,
+        rows: &H3Rows,
+        tables: &RowTables,
+        inputs: &InputRows<'_>,
+    ) -> Result<(), H3Error> {
         let d = &self.dims;
         let st = &self.stream;
         let mut sinusoid = vec![0f32; rows.timesteps.len() * d.freq];
@@ -386,7 +414,6 @@ impl Engine {
             st,
             "uploading the sinusoid",
         )?;
-        let tables = RowTables::of(rows)?;
         let i32s = |v: &[i32]| le_bytes(v, i32::to_le_bytes);
         put(
             &mut ws.video_index,
@@ -434,19 +461,19 @@ impl Engine {
         )?;
         put(
             &mut ws.video_in,
-            &le_bytes(inputs.hidden_states.data(), f32::to_le_bytes),
+            &le_bytes(inputs.video, f32::to_le_bytes),
             st,
             "uploading hidden_states",
         )?;
         put(
             &mut ws.audio_in,
-            &le_bytes(inputs.audio_hidden_states.data(), f32::to_le_bytes),
+            &le_bytes(inputs.audio, f32::to_le_bytes),
             st,
             "uploading audio_hidden_states",
         )?;
         put(
             &mut ws.text_in,
-            &padded_bf16(inputs.encoder_hidden_states.data(), d.text, d.text_p),
+            &padded_bf16(inputs.text, d.text, d.text_p),
             st,
             "uploading encoder_hidden_states",
         )?;

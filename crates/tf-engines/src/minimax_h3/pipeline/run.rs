@@ -38,6 +38,7 @@ pub(super) fn generate(
     let mut timings = Timings::default();
     let layer = pipeline.options.text.layer;
     let keep = pipeline.keep_step_latents;
+    let parallel = pipeline.options.sequence_parallel.clone();
     let ctx = pipeline.context.as_ref();
     let (prompt_embeds, denoised, frames, audio) = match &mut pipeline.components {
         Components::Resident(held) => {
@@ -53,6 +54,9 @@ pub(super) fn generate(
             progress(Progress::Encoded {
                 seconds: timings.encode,
             });
+            if let Some(sp) = &parallel {
+                dit.attach_sequence_parallel(sp)?;
+            }
             let denoised = denoise(
                 &mut **dit,
                 plan,
@@ -95,6 +99,9 @@ pub(super) fn generate(
 
             let t = Instant::now();
             let mut dit = folders.dit(ctx)?;
+            if let Some(sp) = &parallel {
+                dit.attach_sequence_parallel(sp)?;
+            }
             timings.loads.dit = secs(t.elapsed());
             let denoised = denoise(&mut *dit, plan, &embeds, rows, keep, &mut timings, progress)?;
             timings.loads.dit += free_timed(dit);
