@@ -14,6 +14,7 @@
 //! [`Residency::Sequential`]: crate::nn::memory_plan::Residency::Sequential
 
 use super::{folder::folder_err, Backend, PipelineError};
+use crate::minimax_h3::config::MiniMaxH3Config;
 use crate::minimax_h3::dit::H3DitBackend;
 use crate::minimax_h3::dit_gpu::GpuH3Dit;
 use crate::minimax_h3::dit_host::HostH3Dit;
@@ -144,15 +145,15 @@ impl Folders {
                 Backend::Gpu => values.saturating_mul(bytes_per_value),
             }
         };
-        // FP8 blocks hold one byte a weight (the scales and the bf16 end blocks are within the device reserve).
-        let dit_bytes = if self.dit_precision == DitPrecision::Bf16 {
-            2
-        } else {
-            1
+        // A GEMM group in FP8 holds one byte a weight instead of two (its row scales are within the reserve).
+        let dit = device(&self.dit, &[], 2);
+        let dit = match backend {
+            Backend::Host => dit,
+            Backend::Gpu => dit.saturating_sub(fp8_weights(&self.dit, self.dit_precision)),
         };
         vec![
             Component::new(TEXT_ENCODER, device(&self.text_encoder, &[], 2)),
-            Component::new(DIT, device(&self.dit, &[], dit_bytes)),
+            Component::new(DIT, dit),
             Component::new(
                 VIDEO_VAE,
                 device(&self.video_vae, &vae_video::ENCODER_PREFIXES, 2),
@@ -204,6 +205,31 @@ pub(super) fn precisions(
     ]
 }
 
+/// Weights of the DiT folder `dit` that `precision` stores in FP8 (the chosen GEMM groups of the blocks it runs in
+/// FP8); 0 in bf16 or when the config cannot be read (the load refuses it then).
+fn fp8_weights(dit: &ModelDir, precision: DitPrecision) -> u64 {
+    let Ok(config) = MiniMaxH3Config::from_json(dit.config_json()) else {
+        return 0;
+    };
+    let (h, f) = (config.hidden_size as u64, config.ffn_dim as u64);
+    let inner = (config.num_attention_heads * config.attention_head_dim) as u64;
+    (0..config.num_layers)
+        .map(|layer| {
+            let g = precision.groups_of(layer, config.num_layers);
+            [
+                (g.qkv, 3 * inner * h),
+                (g.out, h * inner),
+                (g.mlp_in, 2 * f * h),
+                (g.mlp_out, h * f),
+            ]
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .sum::<u64>()
+        })
+        .sum()
+}
+
 /// Values of the tensors of `model` a load keeps: names starting with none of `skip`, and no decoder layer at or
 /// past `text_layer` (`...layers.{i}.`; only the text encoder's names have that form), nor a vision tower.
 fn values_of(model: &ModelDir, skip: &[&str], text_layer: usize) -> u64 {
@@ -227,4 +253,24 @@ fn layer_index(name: &str) -> Option<usize> {
 fn uploads_done(ctx: &tf_cuda::Context) -> Result<(), PipelineError> {
     ctx.synchronize()
         .map_err(|e| super::gpu("waiting for the uploads", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_weights_count_the_chosen_groups_of_the_fp8_blocks() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/minimax_h3_dit/fl2va_first/model");
+        let model = ModelDir::open(&dir).unwrap();
+        // Hidden 24, two heads of 16, ffn 40, two blocks.
+        let (qkv, out, fc1, fc2) = (3 * 32 * 24, 24 * 32, 2 * 40 * 24, 24 * 40);
+        let of = |spec: &str| fp8_weights(&model, spec.parse().unwrap());
+        assert_eq!(fp8_weights(&model, DitPrecision::Bf16), 0);
+        // The default keeps the first and last block in bf16: both of these.
+        assert_eq!(fp8_weights(&model, DitPrecision::FP8), 0);
+        assert_eq!(of("fp8:all,ends=0"), 2 * (qkv + out + fc1 + fc2));
+        assert_eq!(of("fp8:qkv,mlp_out,ends=0"), 2 * (qkv + fc2));
+    }
 }
