@@ -22,6 +22,9 @@
 //!
 //! In every case the real weight is `decode_e4m3(code) * scale`, the scale broadcast over the row (per output
 //! channel) or over the whole tensor. Layers left in bf16, f16 or f32 carry no scale and load as they are.
+//! Per-channel producers write `[out, 1]` so that a plain broadcasting multiply scales rows; a 1-D `[out]` scale is
+//! read per output row as well (no producer scales input columns), which for a square weight is the one reading
+//! that cannot be told from the shape.
 //!
 //! # What is accepted, and what is refused
 //!
