@@ -744,6 +744,121 @@ mod tests {
         assert_eq!(launch.args().get::<u64>(26), Some(iv.addr()));
     }
 
+    /// The launches MiniMax H3's FP8 step makes, at its sizes (hidden 5376, or 24 padded to 32; attention width
+    /// 7168; ffn 14336), with its argument pattern: one adaLN table slice per block (`[timesteps * 3, 6 * hidden]`),
+    /// gate and modulation from column blocks of it, rows picked by one per-row index.
+    #[test]
+    fn h3_shaped_fp8_launches_pass_their_checks() {
+        let _serial = test_lock();
+        let ctx = context();
+        let rows = 37;
+        let table_rows = 9;
+        for (cols, width) in [(5376, 5376), (32, 24)] {
+            let stride = 6 * cols;
+            let mut x = buffer(&ctx, rows * cols * BF16);
+            let y = buffer(&ctx, rows * cols * BF16);
+            let w = buffer(&ctx, cols * BF16);
+            let table = buffer(&ctx, table_rows * stride * BF16);
+            let next_table = buffer(&ctx, table_rows * stride * BF16);
+            let index = buffer(&ctx, rows * 4);
+            let mut q8 = buffer(&ctx, rows * 14336);
+            let mut scales = buffer(&ctx, rows * 4);
+            let (xv, yv, wv, tv, nv, iv, cv, sv) = (
+                x.view_mut(),
+                y.view(),
+                w.view(),
+                table.view(),
+                next_table.view(),
+                index.view(),
+                q8.view_mut(),
+                scales.view_mut(),
+            );
+            let select = ModulationRows::targets_only(1);
+            let norm = NormModulate {
+                kind: NormKind::RmsNorm,
+                weight: Some(&wv),
+                bias: None,
+                eps: 1e-5,
+                modulation: Some(RowModulation {
+                    data: &nv,
+                    rows: table_rows,
+                    stride,
+                    scale_offset: cols,
+                    shift_offset: Some(0),
+                    select,
+                    row_index: Some(&iv),
+                }),
+            };
+            let gate = ResidualGate {
+                data: &tv,
+                rows: table_rows,
+                stride,
+                offset: 5 * cols,
+                tanh: false,
+                select,
+                row_index: Some(&iv),
+            };
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: cols,
+                scales: &sv,
+            };
+            let layout = Matrix::dense(rows, cols);
+            let launch = plan_gated_residual_norm_modulate_fp8_padded(
+                &xv,
+                layout,
+                width,
+                (&yv, cols),
+                &gate,
+                &out,
+                &norm,
+            )
+            .unwrap();
+            let wide = cols > NARROW_NORM_COLS;
+            assert_eq!(
+                launch.kernel(),
+                if wide {
+                    "nn_gated_residual_norm_modulate_fp8"
+                } else {
+                    "nn_gated_residual_norm_modulate_fp8_c2"
+                }
+            );
+            assert_eq!(launch.config().grid.x, rows as u32);
+            assert_eq!(launch.args().get::<i32>(8), Some(0)); // plain gates
+            assert_eq!(launch.args().get::<i32>(17), Some(0)); // RMSNorm
+            assert_eq!(launch.args().get::<i32>(27), Some(width as i32));
+            let x_in = xv.as_view();
+            assert!(plan_norm_modulate_fp8_padded(&x_in, layout, width, &out, &norm).is_ok());
+            // The attention output (heads x 128 columns) and SwiGLU of the [value | gate] fc1 rows.
+            let attn = buffer(&ctx, rows * 7168 * BF16);
+            let attn = attn.view();
+            let launch = plan_quantize_rows_fp8(
+                &attn,
+                Matrix::dense(rows, 7168),
+                &Fp8Rows {
+                    stride: 7168,
+                    ..out
+                },
+            )
+            .unwrap();
+            assert_eq!(launch.config().block.x, 448);
+            let ff = buffer(&ctx, rows * 2 * 14336 * BF16);
+            let ff = ff.view();
+            let launch = plan_swiglu_fp8(
+                SwigluOrder::ValueGate,
+                &ff,
+                Matrix::dense(rows, 2 * 14336),
+                &Fp8Rows {
+                    stride: 14336,
+                    ..out
+                },
+            )
+            .unwrap();
+            assert_eq!(launch.config().block.x, 896);
+            assert_eq!(launch.args().get::<i32>(7), Some(0));
+        }
+    }
+
     #[test]
     fn swiglu_fp8_takes_either_half_order() {
         let _serial = test_lock();
