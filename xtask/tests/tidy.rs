@@ -101,7 +101,8 @@ fn crate_dependencies_run_one_way() {
         ("tf-copysource", &[][..]),
         ("tf-tokenizer", &[][..]),
         ("tf-cuda", &["tf-sys", "tf-copysource"][..]),
-        ("tf-engines", &["tf-cuda", "tf-tokenizer"][..]),
+        // tf-nccl: the MiniMax H3 DiT across GPUs (`--gpus N`); NCCL itself is opened only then.
+        ("tf-engines", &["tf-cuda", "tf-tokenizer", "tf-nccl"][..]),
         // NCCL on tf-cuda's contexts and streams; engines opt into it, nothing below depends on it.
         ("tf-nccl", &["tf-cuda"][..]),
         ("tf-testdriver", &["tf-sys"][..]),

@@ -125,3 +125,42 @@ fn the_testpattern_engine_refuses_several_gpus() {
         .unwrap();
     refused(&out, &["--gpus 2 spreads the MiniMax H3 DiT"]);
 }
+
+#[test]
+fn the_worker_refuses_what_cannot_run_on_several_gpus() {
+    let worker = |extra: &[&str]| {
+        Command::new(tf())
+            .args(["worker", "--engine"])
+            .args(extra)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let model = model();
+    let model = model.to_str().unwrap();
+    for (extra, needle) in [
+        (
+            vec!["minimax_h3", "--model", model, "--gpus", "3"],
+            "--gpus 3: ",
+        ),
+        (
+            vec![
+                "minimax_h3",
+                "--model",
+                model,
+                "--gpus",
+                "2",
+                "--backend",
+                "host",
+            ],
+            "--gpus 2 needs the GPU backend",
+        ),
+        (vec!["testpattern", "--gpus", "2"], "runs in one process"),
+    ] {
+        let out = worker(&extra);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.contains(needle), "{needle:?} missing from: {stderr}");
+        assert!(out.stdout.is_empty(), "{extra:?} answered on stdout");
+    }
+}

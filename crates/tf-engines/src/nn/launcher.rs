@@ -19,9 +19,10 @@
 //!   children still running, so a failed rank 0 leaves no orphans.
 
 use std::ffi::{OsStr, OsString};
+use std::io::{BufRead, Read, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
@@ -290,34 +291,114 @@ fn describe(status: ExitStatus) -> String {
 pub struct RankGroup {
     /// `(rank, child)`, the children not reaped yet.
     children: Vec<(usize, Child)>,
+    /// Their stdin pipes, until taken.
+    stdins: Vec<(usize, ChildStdin)>,
+}
+
+/// How [`RankGroup::spawn`] starts the children.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SpawnOptions<'a> {
+    /// Variables set in every child.
+    pub env: &'a [(&'a OsStr, &'a OsStr)],
+    /// Variables removed from every child's environment (e.g. a supervisor's parent check meant for rank 0).
+    pub env_remove: &'a [&'a str],
+    /// Give every child a stdin pipe ([`RankGroup::take_stdins`]); otherwise stdin is closed.
+    pub piped_stdin: bool,
+    /// Send the children's stdout to /dev/null (when rank 0's stdout is a protocol channel).
+    pub null_stdout: bool,
+}
+
+/// A reader that copies every byte its user consumes to the children's stdin pipes: rank 0 of a multi-GPU worker
+/// reads its requests through it, so every rank sees the same lines in the same order. A pipe that fails (its
+/// child died) is dropped; the watchdog reports the child.
+#[derive(Debug)]
+pub struct Tee<R> {
+    inner: R,
+    outs: Vec<(usize, ChildStdin)>,
+}
+
+impl<R: BufRead> Tee<R> {
+    pub fn new(inner: R, outs: Vec<(usize, ChildStdin)>) -> Tee<R> {
+        Tee { inner, outs }
+    }
+}
+
+impl<R: BufRead> Read for Tee<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = {
+            let available = self.fill_buf()?;
+            let n = available.len().min(buf.len());
+            buf[..n].copy_from_slice(&available[..n]);
+            n
+        };
+        self.consume(n);
+        Ok(n)
+    }
+}
+
+impl<R: BufRead> BufRead for Tee<R> {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        self.inner.fill_buf()
+    }
+
+    fn consume(&mut self, amt: usize) {
+        if amt > 0 && !self.outs.is_empty() {
+            if let Ok(buf) = self.inner.fill_buf() {
+                let bytes = &buf[..amt.min(buf.len())];
+                self.outs
+                    .retain_mut(|(_, out)| out.write_all(bytes).and_then(|()| out.flush()).is_ok());
+            }
+        }
+        self.inner.consume(amt);
+    }
 }
 
 impl RankGroup {
-    /// Starts `program` once per rank of `ranks` with `args(rank)`, stdin closed and stdout/stderr inherited. A
-    /// failed start kills the children already started.
+    /// Starts `program` once per rank of `ranks` with `args(rank)`, stderr inherited and stdin and stdout as
+    /// `options` say. A failed start kills the children already started.
     pub fn spawn(
         program: &Path,
         ranks: Range<usize>,
         args: impl Fn(usize) -> Vec<OsString>,
-        env: &[(&OsStr, &OsStr)],
+        options: &SpawnOptions<'_>,
     ) -> Result<RankGroup, LaunchError> {
         let mut group = RankGroup {
             children: Vec::new(),
+            stdins: Vec::new(),
         };
         for rank in ranks {
             let mut cmd = Command::new(program);
-            cmd.args(args(rank)).stdin(Stdio::null());
-            for (k, v) in env {
+            cmd.args(args(rank));
+            cmd.stdin(if options.piped_stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+            if options.null_stdout {
+                cmd.stdout(Stdio::null());
+            }
+            for (k, v) in options.env {
                 cmd.env(k, v);
             }
-            let child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            for k in options.env_remove {
+                cmd.env_remove(k);
+            }
+            let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
                 rank,
                 program: program.to_path_buf(),
                 source,
             })?;
+            if let Some(stdin) = child.stdin.take() {
+                group.stdins.push((rank, stdin));
+            }
             group.children.push((rank, child));
         }
         Ok(group)
+    }
+
+    /// The children's stdin pipes (when started with [`SpawnOptions::piped_stdin`]), handed out once.
+    pub fn take_stdins(&mut self) -> Vec<(usize, ChildStdin)> {
+        std::mem::take(&mut self.stdins)
     }
 
     /// The ranks still running.
@@ -632,7 +713,13 @@ mod tests {
     fn a_failing_rank_is_named_and_the_others_are_killed() {
         // Rank 2 fails at once; ranks 1 and 3 would run for a minute.
         let script = "if [ \"$1\" = 2 ]; then exit 3; fi; sleep 60";
-        let group = RankGroup::spawn(Path::new("/bin/sh"), 1..4, sh(script), &[]).unwrap();
+        let group = RankGroup::spawn(
+            Path::new("/bin/sh"),
+            1..4,
+            sh(script),
+            &SpawnOptions::default(),
+        )
+        .unwrap();
         let group = Arc::new(Mutex::new(group));
         let registry = CommRegistry::default();
         let seen = registry.clone();
@@ -663,7 +750,7 @@ mod tests {
             Path::new("/bin/sh"),
             1..3,
             sh("echo $$ > /dev/null; sleep 60"),
-            &[],
+            &SpawnOptions::default(),
         )
         .unwrap();
         let pids: Vec<u32> = group.children.iter().map(|(_, c)| c.id()).collect();
@@ -681,13 +768,19 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn ranks_that_finish_are_waited_for_and_a_late_failure_is_reported() {
-        let mut ok = RankGroup::spawn(Path::new("/bin/sh"), 1..3, sh("exit 0"), &[]).unwrap();
+        let mut ok = RankGroup::spawn(
+            Path::new("/bin/sh"),
+            1..3,
+            sh("exit 0"),
+            &SpawnOptions::default(),
+        )
+        .unwrap();
         ok.wait_all(Duration::from_secs(10)).unwrap();
         let mut bad = RankGroup::spawn(
             Path::new("/bin/sh"),
             1..3,
             sh("[ \"$1\" = 1 ] && exit 0; exit 5"),
-            &[],
+            &SpawnOptions::default(),
         )
         .unwrap();
         let err = bad
@@ -695,7 +788,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("rank 2 failed (exit status 5)"), "{err}");
-        let mut stuck = RankGroup::spawn(Path::new("/bin/sh"), 1..2, sh("sleep 60"), &[]).unwrap();
+        let mut stuck = RankGroup::spawn(
+            Path::new("/bin/sh"),
+            1..2,
+            sh("sleep 60"),
+            &SpawnOptions::default(),
+        )
+        .unwrap();
         let err = stuck
             .wait_all(Duration::from_millis(200))
             .unwrap_err()
@@ -715,11 +814,51 @@ mod tests {
         assert!(why.contains("rank 0 (process"), "{why}");
     }
 
+    #[cfg(unix)]
+    #[test]
+    fn the_tee_gives_every_child_the_lines_rank_0_reads() {
+        // Each child copies its stdin to a file of its own; rank 0 reads two lines through the tee.
+        let dir = std::env::temp_dir().join(format!("tf-tee-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!("cat > {}/rank$1", dir.display());
+        let options = SpawnOptions {
+            piped_stdin: true,
+            null_stdout: true,
+            env_remove: &["LOCALROUTER_PARENT"],
+            ..SpawnOptions::default()
+        };
+        let mut group =
+            RankGroup::spawn(Path::new("/bin/sh"), 1..3, sh(&script), &options).unwrap();
+        let outs = group.take_stdins();
+        assert_eq!(outs.len(), 2);
+        assert!(group.take_stdins().is_empty(), "handed out once");
+        let input: &[u8] = b"{\"load\":1}\n{\"exit\":1}\n";
+        let mut tee = Tee::new(std::io::BufReader::new(input), outs);
+        let mut lines = Vec::new();
+        let mut line = String::new();
+        while tee.read_line(&mut line).unwrap() > 0 {
+            lines.push(std::mem::take(&mut line));
+        }
+        assert_eq!(lines.len(), 2);
+        drop(tee); // closes the pipes: the children's cat ends
+        group.wait_all(Duration::from_secs(10)).unwrap();
+        for rank in 1..3 {
+            let got = std::fs::read(dir.join(format!("rank{rank}"))).unwrap();
+            assert_eq!(got, input, "rank {rank}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn a_missing_program_is_a_spawn_error_naming_the_rank() {
-        let err = RankGroup::spawn(Path::new("/nonexistent/tf"), 1..3, |_| Vec::new(), &[])
-            .unwrap_err()
-            .to_string();
+        let err = RankGroup::spawn(
+            Path::new("/nonexistent/tf"),
+            1..3,
+            |_| Vec::new(),
+            &SpawnOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.starts_with("starting rank 1 (/nonexistent/tf)"),
             "{err}"

@@ -37,7 +37,8 @@ enum Command {
     Bench(bench::Bench),
     /// Serve an engine over LocalRouter's worker protocol (JSON lines on stdin/stdout).
     Worker(worker::Args),
-    /// One rank of a multi-GPU job, started by rank 0 (`tf video --gpus N`); not for direct use.
+    /// One rank of a multi-GPU job, started by rank 0 (`tf video --gpus N`, `tf worker --gpus N`); not for
+    /// direct use.
     #[command(hide = true)]
     Rank(ranks::RankCommand),
 }
@@ -56,7 +57,7 @@ fn main() -> ExitCode {
     }
 }
 
-/// A child rank: joins the job, then runs its command (`video ...`) as that rank.
+/// A child rank: joins the job, then runs its command (`video ...` or `worker ...`) as that rank.
 fn rank(args: ranks::RankCommand) -> ExitCode {
     let failed = |e: String| {
         eprintln!("tf rank: {e}");
@@ -71,7 +72,10 @@ fn rank(args: ranks::RankCommand) -> ExitCode {
         Ok(Cli {
             command: Command::Video(a),
         }) => video::run(a),
-        Ok(_) => failed("only `tf video` runs as a rank of a multi-GPU job".into()),
+        Ok(Cli {
+            command: Command::Worker(a),
+        }) => worker::run(a),
+        Ok(_) => failed("only `tf video` and `tf worker` run as a rank of a multi-GPU job".into()),
         Err(e) => failed(e.to_string()),
     }
 }

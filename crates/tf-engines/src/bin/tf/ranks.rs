@@ -22,7 +22,8 @@ use tf_engines::minimax_h3::dit_gpu::parallel::{SequenceParallel, SpAttention};
 use tf_engines::minimax_h3::pipeline::{Backend, Request};
 use tf_engines::nn::launcher::{
     check_agreement, check_gpus, child_args, from_hex, request_digest, strip_flags, CommRegistry,
-    LaunchError, RankArgs, RankGroup, Watchdog, EXIT_TIMEOUT, MAX_GPUS, WATCH_INTERVAL,
+    LaunchError, RankArgs, RankGroup, SpawnOptions, Tee, Watchdog, EXIT_TIMEOUT, MAX_GPUS,
+    WATCH_INTERVAL,
 };
 use tf_nccl::{Comm, CommOptions, DataType, Nccl, UniqueId};
 
@@ -144,8 +145,18 @@ fn open_nccl() -> Result<Arc<Nccl>, String> {
     })
 }
 
+/// What the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// One `tf video` request.
+    Video,
+    /// `tf worker`: rank 0 forwards its stdin to the children, whose stdout goes nowhere; a dead rank ends the
+    /// worker (the supervisor restarts it).
+    Worker,
+}
+
 /// Rank 0 of a `gpus`-rank job: checks, starts the children, joins.
-fn launch(gpu: &GpuArgs, model: &Path) -> Result<Ranked, String> {
+fn launch(gpu: &GpuArgs, model: &Path, mode: Mode) -> Result<Ranked, String> {
     let heads = heads_of(model)?;
     let driver = tf_cuda::open_driver().map_err(cuda_err("--gpus: opening the CUDA driver"))?;
     let visible = driver
@@ -175,15 +186,29 @@ fn launch(gpu: &GpuArgs, model: &Path) -> Result<Ranked, String> {
             };
             child_args(&me, &command)
         };
-        let group = RankGroup::spawn(&program, 1..gpu.gpus, args, &[]).map_err(launch_err)?;
+        let options = SpawnOptions {
+            // The children's parent is rank 0, not the supervisor that started it.
+            env_remove: &["LOCALROUTER_PARENT"],
+            piped_stdin: mode == Mode::Worker,
+            null_stdout: mode == Mode::Worker,
+            ..SpawnOptions::default()
+        };
+        let group = RankGroup::spawn(&program, 1..gpu.gpus, args, &options).map_err(launch_err)?;
         let group = Arc::new(Mutex::new(group));
         let seen = registry.clone();
+        let held = Arc::clone(&group);
         let watchdog = Watchdog::start(
             WATCH_INTERVAL,
             Watchdog::children_check(Arc::clone(&group)),
             move |why| {
                 eprintln!("tf: {why}");
                 seen.abort_all(&why);
+                if mode == Mode::Worker {
+                    // A worker serves many requests; with a rank gone none of them can run. End it, and the
+                    // other ranks, so the supervisor starts a fresh one.
+                    held.lock().unwrap_or_else(|p| p.into_inner()).kill_all();
+                    std::process::exit(3);
+                }
             },
         );
         eprintln!(
@@ -272,7 +297,7 @@ pub fn begin(
                 gpu.gpus
             ));
         }
-        *slot = Some(launch(gpu, model)?);
+        *slot = Some(launch(gpu, model, Mode::Video)?);
     }
     let ranked = slot.as_ref().ok_or("internal: no job")?;
     ranked.agree(request_digest(&canonical(request, options)))?;
@@ -284,6 +309,52 @@ pub fn begin(
         comm: Arc::clone(&ranked.dit),
         attention: gpu.sp_attention,
     }))
+}
+
+/// For the MiniMax H3 worker: `None` for one GPU; otherwise this rank's sequence-parallel setup (rank 0
+/// launches the other ranks here), after every rank agreed on `options` (the load options' text). Requests reach
+/// the other ranks through [`tee_stdin`].
+pub fn begin_worker(
+    gpu: &GpuArgs,
+    model: &Path,
+    host: bool,
+    options: &str,
+) -> Result<Option<SequenceParallel>, String> {
+    let mut slot = job();
+    if slot.is_none() {
+        if gpu.gpus == 1 && !gpu.force_nccl {
+            return Ok(None);
+        }
+        check_gpus("--gpus", gpu.gpus, heads_of(model)?, None).map_err(launch_err)?;
+        if host {
+            return Err(format!(
+                "--gpus {} needs the GPU backend (--backend gpu or auto on a GPU machine)",
+                gpu.gpus
+            ));
+        }
+        *slot = Some(launch(gpu, model, Mode::Worker)?);
+    }
+    let ranked = slot.as_ref().ok_or("internal: no job")?;
+    ranked.agree(request_digest(options.as_bytes()))?;
+    Ok(Some(SequenceParallel {
+        comm: Arc::clone(&ranked.dit),
+        attention: gpu.sp_attention,
+    }))
+}
+
+/// True in a child rank (`tf rank`).
+pub fn is_child() -> bool {
+    job().as_ref().is_some_and(|r| r.rank != 0)
+}
+
+/// Rank 0's stdin for the worker: every line it reads also goes to the other ranks (none on one GPU).
+pub fn tee_stdin<R: std::io::BufRead>(input: R) -> Tee<R> {
+    let outs = job()
+        .as_ref()
+        .and_then(|r| r.group.as_ref())
+        .map(|g| g.lock().unwrap_or_else(|p| p.into_inner()).take_stdins())
+        .unwrap_or_default();
+    Tee::new(input, outs)
 }
 
 /// Whether this process writes the job's output (one GPU, or rank 0).

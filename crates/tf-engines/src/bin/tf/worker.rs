@@ -64,10 +64,20 @@ pub struct Args {
     /// fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     pub precision: DitPrecision,
+    #[command(flatten)]
+    pub gpu: super::ranks::GpuArgs,
 }
 
 pub fn run(args: Args) -> ExitCode {
     die_with_parent();
+    if (args.gpu.gpus > 1 || args.gpu.force_nccl) && args.engine != EngineName::MinimaxH3 {
+        say!(
+            "tf worker: --gpus {} spreads the MiniMax H3 DiT over GPUs; {:?} runs in one process",
+            args.gpu.gpus,
+            args.engine
+        );
+        return ExitCode::from(2);
+    }
     let limits = WorkerLimits {
         max_side: args.max_side,
         ..WorkerLimits::default()
@@ -105,6 +115,17 @@ pub fn run(args: Args) -> ExitCode {
                 dit_precision: args.precision,
                 ..LoadOptions::new(Backend::Host)
             };
+            // One GPU, or this process's rank of a `--gpus N` worker (rank 0 starts the others here).
+            let mut options = options;
+            let host = args.backend == BackendChoice::Host;
+            match super::ranks::begin_worker(&args.gpu, &model, host, &format!("{options:?}")) {
+                Ok(parallel) => options.sequence_parallel = parallel,
+                Err(message) => {
+                    say!("tf worker: {message}");
+                    let _ = super::ranks::end(Err(message));
+                    return ExitCode::from(2);
+                }
+            }
             Box::new(MiniMaxH3Engine::with_options(model, backend, options))
         }
     };
@@ -116,7 +137,17 @@ pub fn run(args: Args) -> ExitCode {
     let mut worker = Worker::new(engine, limits);
     let stdin = io::stdin().lock();
     let stdout = BufWriter::new(io::stdout().lock());
-    match worker.serve(stdin, stdout) {
+    // A child rank of a multi-GPU worker reads the lines rank 0 forwards and answers nobody; rank 0 forwards every
+    // line it reads. The job then ends on every rank (rank 0 waits for the others).
+    let served = if super::ranks::is_child() {
+        worker.serve(stdin, io::sink())
+    } else {
+        worker.serve(super::ranks::tee_stdin(stdin), stdout)
+    };
+    if let Err(e) = super::ranks::end(Ok(())) {
+        say!("tf worker: {e}");
+    }
+    match served {
         Ok(ending) => {
             say!("tf worker: {ending:?}; exiting with {}", ending.exit_code());
             ExitCode::from(ending.exit_code())
