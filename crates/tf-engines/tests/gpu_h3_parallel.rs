@@ -6,7 +6,11 @@
 //!   choices;
 //! - two ranks (only where two GPUs are visible; otherwise the test says it skipped): each rank's output within
 //!   bf16 tolerance of the one-GPU output (relative L2 <= 1e-2, cosine >= 0.9999: the ranks' GEMMs run over other
-//!   row counts, so their algorithms and sums may differ in the last bf16 bit), and the step-time ratio printed.
+//!   row counts, so their algorithms and sums may differ in the last bf16 bit), and the step-time ratio printed;
+//! - at the pipeline's default canvas (1344x768, 5 s: S = 37838) with the released widths and depth (seeded
+//!   weights), on every degree of 2, 4 and 8 the machine has GPUs for: the forward time against one GPU beside
+//!   the goals (1.8x on 2, 3.4x on 4, 6.5x on 8) for both attention choices, which is the measurement
+//!   that picks the default, and the same tolerance. Long: its own bundle step runs it (`h3-sp-canvas`).
 //!
 //! NCCL is found through `TF_NCCL`, `libnccl.so.2` or the Python package folders (the nvidia-nccl-cu13 wheel); a
 //! machine without it prints why the test skipped. Run through `cargo xtask gpu-bundle` (step `gpu_h3_parallel`).
@@ -29,10 +33,10 @@ use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs, H3Output};
 use tf_engines::minimax_h3::dit_gpu::parallel::SpAttention;
 use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
 use tf_engines::minimax_h3::layout::{
-    Geometry, KeyframeAnchor, LayoutRequest, PackedLayout, StepTimesteps,
+    Geometry, KeyframeAnchor, LayoutRequest, PackedLayout, SizeRules, StepTimesteps, TEXT_TAG,
 };
 use tf_engines::nn::sampling::seeded::SplitMix64;
-use tf_engines::nn::tensor::TensorF32;
+use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_nccl::{Comm, CommOptions, Nccl};
 
@@ -186,6 +190,47 @@ fn one_rank_through_nccl_equals_one_gpu_at_full_width() {
     one_rank_equals_one_gpu("full width, 2 blocks", &nccl, &mut dit, &inputs);
 }
 
+/// What every rank of a threaded multi-GPU run shares: the driver, NCCL, the model (seeded weights) and inputs.
+struct Job<'a> {
+    driver: &'a Arc<Driver>,
+    nccl: &'a Arc<Nccl>,
+    config: &'a MiniMaxH3Config,
+    seed: u64,
+    inputs: &'a H3Inputs,
+}
+
+impl Job<'_> {
+    /// The forward on devices `0..world`, each rank in a thread of its own: every rank's output and its fastest
+    /// forward of `repeats` after a warm-up.
+    fn ranks(
+        &self,
+        world: usize,
+        attention: SpAttention,
+        repeats: usize,
+    ) -> Vec<(H3Output, Duration)> {
+        let id = self.nccl.unique_id().unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let id = &id;
+                    s.spawn(move || {
+                        let ctx = Context::new(Arc::clone(self.driver), rank as i32).unwrap();
+                        let mut dit = GpuH3Dit::random_on(&ctx, self.config, self.seed).unwrap();
+                        let options = CommOptions::default();
+                        let comm =
+                            Comm::init_rank(self.nccl, dit.stream(), id, rank, world, options)
+                                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        dit.set_sequence_parallel(Arc::new(comm), attention)
+                            .unwrap();
+                        best_of(repeats, || dit.forward(self.inputs).unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+}
+
 /// The fastest of `n` forwards after a warm-up.
 fn best_of(n: usize, mut forward: impl FnMut() -> H3Output) -> (H3Output, Duration) {
     let mut out = forward();
@@ -225,31 +270,14 @@ fn two_ranks_match_one_gpu_within_bf16_tolerance() {
         single_time.as_secs_f64() * 1e3
     );
     for attention in ATTENTION {
-        let id = nccl.unique_id().unwrap();
-        let results: Vec<(H3Output, Duration)> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (driver, nccl, config, inputs) = (&driver, &nccl, &config, &inputs);
-                    s.spawn(move || {
-                        let ctx = Context::new(Arc::clone(driver), rank as i32).unwrap();
-                        let mut dit = GpuH3Dit::random_on(&ctx, config, seed).unwrap();
-                        let comm = Comm::init_rank(
-                            nccl,
-                            dit.stream(),
-                            &id,
-                            rank,
-                            2,
-                            CommOptions::default(),
-                        )
-                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                        dit.set_sequence_parallel(Arc::new(comm), attention)
-                            .unwrap();
-                        best_of(3, || dit.forward(inputs).unwrap())
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let job = Job {
+            driver: &driver,
+            nccl: &nccl,
+            config: &config,
+            seed,
+            inputs: &inputs,
+        };
+        let results = job.ranks(2, attention, 3);
         for (rank, (out, time)) in results.iter().enumerate() {
             let what = format!("2 ranks ({}), rank {rank}", attention.name());
             assert_close_within(
@@ -279,4 +307,105 @@ fn two_ranks_match_one_gpu_within_bf16_tolerance() {
             &results[0].0,
         );
     }
+}
+
+/// Seeded inputs over the pipeline's default canvas: 1344x768, 124 frames (5 s snapped up), 128 text rows.
+fn canvas_inputs(config: &MiniMaxH3Config) -> H3Inputs {
+    let geometry = Geometry::for_request(768, 1344, 124, &SizeRules::TRANSFORMER).unwrap();
+    let tags = vec![TEXT_TAG; 128];
+    let layout = PackedLayout::build(&LayoutRequest {
+        text_tags: &tags,
+        geometry,
+        patch: config.patch_size,
+        keyframes: &[],
+    })
+    .unwrap();
+    let t = layout
+        .row_timesteps(StepTimesteps::pipeline(0.4, 0.3))
+        .unwrap();
+    let mut rng = SplitMix64::new(29);
+    let (nv, na) = (layout.video_indices.len(), layout.audio_indices.len());
+    let mut rows = |n: usize, c: usize| {
+        TensorF32::new(vec![1, n, c], rng.uniform_vec(n * c, -1.0, 1.0)).unwrap()
+    };
+    let video = rows(nv, config.video_patch_dim());
+    let audio = rows(na, config.audio_in_channels);
+    let text = rows(tags.len(), config.text_dim);
+    println!("default canvas: {} rows", layout.seq_len);
+    H3Inputs::from_layout(&layout, &t, video, audio, text).unwrap()
+}
+
+#[test]
+#[ignore = "needs two or more NVIDIA GPUs and NCCL, and minutes: bundle step h3-sp-canvas"]
+fn zz_several_ranks_at_the_default_canvas() {
+    let test = "zz_several_ranks_at_the_default_canvas";
+    let driver = driver();
+    let visible = usize::try_from(driver.device_count().unwrap()).unwrap_or(0);
+    let degrees: Vec<usize> = [2, 4, 8].into_iter().filter(|&d| d <= visible).collect();
+    if degrees.is_empty() {
+        println!("SKIPPED {test}: {visible} GPU(s) visible, two or more needed");
+        return;
+    }
+    let Some(nccl) = nccl(test) else {
+        return;
+    };
+    let config = MiniMaxH3Config::default_full_size();
+    let inputs = canvas_inputs(&config);
+    let seed = 23;
+    let (single, single_time) = {
+        let ctx = Context::new(Arc::clone(&driver), 0).unwrap();
+        let mut dit = GpuH3Dit::random_on(&ctx, &config, seed).unwrap();
+        dit.set_graphs(false);
+        best_of(2, || dit.forward(&inputs).unwrap())
+    };
+    let one = single_time.as_secs_f64();
+    println!(
+        "default canvas, one GPU: {:.1} ms a forward (eager)",
+        one * 1e3
+    );
+    let mut failures = Vec::new();
+    for &world in &degrees {
+        let goal = match world {
+            2 => 1.8,
+            4 => 3.4,
+            _ => 6.5,
+        };
+        for attention in ATTENTION {
+            let job = Job {
+                driver: &driver,
+                nccl: &nccl,
+                config: &config,
+                seed,
+                inputs: &inputs,
+            };
+            let results = job.ranks(world, attention, 2);
+            // The job's forward takes as long as its slowest rank.
+            let slowest = results
+                .iter()
+                .map(|(_, t)| t.as_secs_f64())
+                .fold(0.0, f64::max);
+            println!(
+                "default canvas, {world} GPUs ({}): {:.1} ms a forward, {:.2}x one GPU (goal {goal}x)",
+                attention.name(),
+                slowest * 1e3,
+                one / slowest
+            );
+            let out = &results[0].0;
+            for (name, a, b) in [
+                ("sample", &out.sample, &single.sample),
+                ("audio_sample", &out.audio_sample, &single.audio_sample),
+            ] {
+                let err = relative_l2(a.data(), b.data()).unwrap();
+                let cos = gpu_support::cosine(a.data(), b.data());
+                println!("  {name}: relative L2 {err:.3e} (max {REL_L2_MAX:e}), cosine {cos:.6} (min {COSINE_MIN})");
+                if err > REL_L2_MAX || cos < COSINE_MIN {
+                    failures.push(format!("{world} GPUs ({}): {name}", attention.name()));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "outside the bf16 tolerance: {failures:?}"
+    );
 }
