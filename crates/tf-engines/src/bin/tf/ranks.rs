@@ -15,6 +15,7 @@
 use std::ffi::OsString;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
@@ -26,6 +27,13 @@ use tf_engines::nn::launcher::{
     WATCH_INTERVAL,
 };
 use tf_nccl::{Comm, CommOptions, DataType, Nccl, UniqueId};
+
+/// How long a rank waits at the control communicator (the request agreement, the barrier after loading): other
+/// ranks may still be loading a model of tens of GB. A dead rank is noticed by the watchdogs long before.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// How long one DiT collective (and the wait for a step) may take: covers a rank that loads its DiT later than the
+/// others (the sequential memory plan loads it per request) and a new shape's GEMM planning.
+const DIT_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 
 /// The launcher's options of `tf video` (and `tf worker`).
 #[derive(clap::Args, Clone, Debug)]
@@ -125,11 +133,18 @@ fn connect(
         "rank {rank}: a context on device {device}"
     )))?;
     let mut comms = Vec::with_capacity(2);
-    for (what, id) in [("control", ids.0), ("DiT", ids.1)] {
+    for (what, id, op_timeout) in [
+        ("control", ids.0, CONTROL_TIMEOUT),
+        ("DiT", ids.1, DIT_TIMEOUT),
+    ] {
         let stream = Arc::new(Stream::new(&ctx, false).map_err(cuda_err("creating a stream"))?);
-        let comm = Comm::init_rank(nccl, stream, id, rank, world, CommOptions::default()).map_err(
-            nccl_err(&format!("rank {rank}: joining the {what} communicator")),
-        )?;
+        let options = CommOptions {
+            op_timeout,
+            ..CommOptions::default()
+        };
+        let comm = Comm::init_rank(nccl, stream, id, rank, world, options).map_err(nccl_err(
+            &format!("rank {rank}: joining the {what} communicator"),
+        ))?;
         comms.push(Arc::new(comm));
     }
     let dit = comms.pop().ok_or("internal: no DiT communicator")?;
@@ -355,6 +370,24 @@ pub fn tee_stdin<R: std::io::BufRead>(input: R) -> Tee<R> {
         .map(|g| g.lock().unwrap_or_else(|p| p.into_inner()).take_stdins())
         .unwrap_or_default();
     Tee::new(input, outs)
+}
+
+/// After the pipeline loaded: waits until every rank has (a broadcast of one byte on the control communicator), so
+/// the DiT's first collective does not wait out another rank's load. Nothing on one GPU.
+pub fn ready() -> Result<(), String> {
+    let slot = job();
+    let Some(ranked) = slot.as_ref() else {
+        return Ok(());
+    };
+    let comm = &ranked.control;
+    let ctx = comm.stream().context();
+    let mut flag =
+        DeviceBuffer::from_slice(&ctx, &[1u8]).map_err(cuda_err("the barrier's buffer"))?;
+    // SAFETY: the buffer was made in the communicator's context and lives past the synchronize below.
+    unsafe { comm.broadcast_in_place(flag.view_mut(), 1, DataType::U8, 0) }
+        .map_err(nccl_err("waiting for every rank to load the model"))?;
+    comm.synchronize()
+        .map_err(nccl_err("waiting for every rank to load the model"))
 }
 
 /// Whether this process writes the job's output (one GPU, or rank 0).

@@ -281,6 +281,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     );
     tf_cuda::usage::reset_peaks();
     let mut pipeline = H3Pipeline::load(model, &options)?;
+    super::ranks::ready().map_err(VideoError::Engine)?;
     let load = pipeline.load_report().clone();
     eprintln!(
         "tf video: loaded in {:.2} s, {:.1} MiB resident",
