@@ -16,6 +16,10 @@
 //!   rows for NCCL's fixed-count all-gather, then compacted) and attends with its own queries over all heads.
 //!   More bytes per rank than Ulysses, fewer and larger transfers; any degree works.
 //!
+//! Every copy between the step's buffers and the exchange buffers, and every byte range a collective sends and
+//! receives, is planned in `moves` (pure arithmetic); its tests run those plans on host arrays through
+//! `nn::parallel`'s model of the exchanges for degrees 1 to 8, uneven blocks and two batch items.
+//!
 //! The text path is replicated: every rank runs the token refiner over all text rows (a few hundred rows, a
 //! fraction of a percent of a step), and its final norm writes only the text rows in the rank's block (the
 //! others carry index -1, which the scatter skips). Replicating costs less than a broadcast would, and each row
@@ -37,6 +41,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use tf_cuda::{copy_2d, DeviceBuffer, DeviceViewMut, Stream};
+
+mod moves;
+use moves::{KvBytes, OutputBytes, RowCopy, UlyssesBytes};
 use tf_nccl::{AllToAllCounts, Comm, DataType};
 
 use super::step::NoProbe;
@@ -375,55 +382,85 @@ fn alloc(ctx: &tf_cuda::Context, bytes: usize, what: &str) -> Result<DeviceBuffe
     })
 }
 
-/// Copies `height` rows of `width` bytes from `src` at `src_off` (rows `src_pitch` apart) to `dst` at `dst_off`
-/// (rows `dst_pitch` apart), on `stream`.
-#[allow(clippy::too_many_arguments)]
+/// Runs one planned copy ([`moves::RowCopy`]) from `src` into `dst` on `stream`.
 fn copy_rows(
     dst: &mut DeviceBuffer,
-    dst_off: usize,
-    dst_pitch: usize,
     src: &DeviceBuffer,
-    src_off: usize,
-    src_pitch: usize,
-    width: usize,
-    height: usize,
+    c: &RowCopy,
     stream: &Stream,
 ) -> Result<(), H3Error> {
-    if width == 0 || height == 0 {
+    if c.width == 0 || c.height == 0 {
         return Ok(());
     }
     let span = |pitch: usize| {
-        (height - 1)
+        (c.height - 1)
             .checked_mul(pitch)
-            .and_then(|v| v.checked_add(width))
+            .and_then(|v| v.checked_add(c.width))
             .ok_or_else(|| overflow("row copy"))
     };
     let what = "copying rows between the step and the exchange buffers";
-    let src = src
-        .slice(src_off, span(src_pitch)?)
+    let from = src
+        .slice(c.src, span(c.src_pitch)?)
         .map_err(cuda_err(what))?;
-    let mut dst = dst
-        .slice_mut(dst_off, span(dst_pitch)?)
+    let mut to = dst
+        .slice_mut(c.dst, span(c.dst_pitch)?)
         .map_err(cuda_err(what))?;
-    copy_2d(&mut dst, dst_pitch, src, src_pitch, width, height, stream).map_err(cuda_err(what))
+    copy_2d(
+        &mut to,
+        c.dst_pitch,
+        from,
+        c.src_pitch,
+        c.width,
+        c.height,
+        stream,
+    )
+    .map_err(cuda_err(what))
 }
 
-/// `count` consecutive writable views of `size` bytes from the start of `buf`.
-fn pieces(
+/// Runs every copy of `copies`.
+fn copy_all(
+    dst: &mut DeviceBuffer,
+    src: &DeviceBuffer,
+    copies: &[RowCopy],
+    stream: &Stream,
+) -> Result<(), H3Error> {
+    copies
+        .iter()
+        .try_for_each(|c| copy_rows(dst, src, c, stream))
+}
+
+/// Writable views of the byte ranges `ranges` of `buf`, which must be ascending and disjoint.
+fn views_mut(
     buf: &mut DeviceBuffer,
-    size: usize,
-    count: usize,
+    ranges: impl Iterator<Item = Range<usize>>,
 ) -> Result<Vec<DeviceViewMut<'_>>, H3Error> {
     let what = "splitting an exchange buffer";
-    let total = mul("exchange buffer", &[size, count])?;
-    let mut rest = buf.slice_mut(0, total).map_err(cuda_err(what))?;
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        let (head, tail) = rest.split_at(size).map_err(cuda_err(what))?;
-        out.push(head);
+    let mut rest = buf.view_mut();
+    let mut at = 0;
+    let mut out = Vec::new();
+    for r in ranges {
+        let skip = r
+            .start
+            .checked_sub(at)
+            .ok_or_else(|| internal("overlapping receive ranges"))?;
+        let (_, tail) = rest.split_at(skip).map_err(cuda_err(what))?;
+        let (piece, tail) = tail.split_at(r.len()).map_err(cuda_err(what))?;
+        out.push(piece);
         rest = tail;
+        at = r.end;
     }
     Ok(out)
+}
+
+/// Read-only views of the byte ranges `ranges` of `buf`.
+fn views(
+    buf: &DeviceBuffer,
+    ranges: impl Iterator<Item = Range<usize>>,
+) -> Result<Vec<tf_cuda::DeviceView<'_>>, H3Error> {
+    ranges
+        .map(|r| buf.slice(r.start, r.len()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(cuda_err("addressing an exchange buffer"))
 }
 
 fn counts(x: &Exchange) -> AllToAllCounts {
@@ -452,22 +489,21 @@ impl SpBuffers {
             SpAttention::Ulysses => {
                 let u = UlyssesPlan::new(&plan.rows, d.heads, HEAD_DIM).map_err(planned)?;
                 let group = u.heads().count() * HEAD_DIM;
+                // The checked products first; the layout's lengths below are then in range.
+                mul("Ulysses send", &[3, batch, world, n, group, BF16])?;
+                mul("Ulysses receive", &[3, batch, s, group, BF16])?;
+                let m = UlyssesBytes {
+                    batch,
+                    world,
+                    rows: n,
+                    seq: s,
+                    width: d.width * BF16,
+                    group: group * BF16,
+                };
                 ExchangeBuffers::Ulysses {
-                    send: alloc(
-                        ctx,
-                        mul("Ulysses send", &[3, batch, world, n, group, BF16])?,
-                        "Ulysses send",
-                    )?,
-                    recv: alloc(
-                        ctx,
-                        mul("Ulysses receive", &[3, batch, s, group, BF16])?,
-                        "Ulysses receive",
-                    )?,
-                    out: alloc(
-                        ctx,
-                        mul("Ulysses output", &[batch, s, group, BF16])?,
-                        "Ulysses output",
-                    )?,
+                    send: alloc(ctx, m.send_len(), "Ulysses send")?,
+                    recv: alloc(ctx, m.recv_len(), "Ulysses receive")?,
+                    out: alloc(ctx, m.plane_len(), "Ulysses output")?,
                     plan: u,
                 }
             }
@@ -557,30 +593,26 @@ impl Engine {
         batch: usize,
     ) -> Result<(), H3Error> {
         let d = &self.dims;
-        let (world, n, s) = (plan.world, plan.block.len(), plan.global.seq);
+        let s = plan.global.seq;
         let heads = u.heads().count();
         let group = heads * HEAD_DIM;
-        let (gb, wb) = (group * BF16, d.width * BF16);
+        let m = UlyssesBytes {
+            batch,
+            world: plan.world,
+            rows: plan.block.len(),
+            seq: s,
+            width: d.width * BF16,
+            group: group * BF16,
+        };
         let st = &self.stream;
-        // [rows, q|k|v, all heads] -> [q|k|v][item][peer][rows][its heads].
-        for c in 0..3 {
-            for b in 0..batch {
-                for p in 0..world {
-                    let dst = ((c * batch + b) * world + p) * n * gb;
-                    let src = (b * n * 3 + c) * wb + p * gb;
-                    copy_rows(send, dst, gb, qkv, src, 3 * wb, gb, n, st)?;
-                }
-            }
-        }
+        copy_all(send, qkv, &m.pack(), st)?;
         let to_heads = u
             .to_heads(plan.rank)
             .ok_or_else(|| internal("no Ulysses exchange for this rank"))?;
         {
-            let sends = (0..3 * batch)
-                .map(|i| send.slice(i * world * n * gb, world * n * gb))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(cuda_err("addressing the Ulysses send buffer"))?;
-            let recvs = pieces(recv, s * gb, 3 * batch)?;
+            let ranges = m.heads_exchange();
+            let sends = views(send, ranges.iter().map(|(s, _)| s.clone()))?;
+            let recvs = views_mut(recv, ranges.iter().map(|(_, r)| r.clone()))?;
             let mut pairs: Vec<_> = sends.into_iter().zip(recvs).collect();
             // SAFETY: every view lies in buffers of this engine's context, the communicator's (its stream is the
             // engine's stream); the buffers live in the workspace, which outlives the queued work (the forward
@@ -590,7 +622,7 @@ impl Engine {
         }
         {
             let what = "addressing the head-sharded Q, K, V";
-            let plane = batch * s * gb;
+            let plane = m.plane_len();
             let q = recv.slice(0, plane).map_err(cuda_err(what))?;
             let k = recv.slice(plane, plane).map_err(cuda_err(what))?;
             let v = recv.slice(2 * plane, plane).map_err(cuda_err(what))?;
@@ -617,25 +649,15 @@ impl Engine {
             .to_rows(plan.rank)
             .ok_or_else(|| internal("no Ulysses exchange for this rank"))?;
         {
-            let sends = (0..batch)
-                .map(|b| out.slice(b * s * gb, s * gb))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(cuda_err("addressing the attention output"))?;
-            let recvs = pieces(send, world * n * gb, batch)?;
+            let ranges = m.rows_exchange();
+            let sends = views(out, ranges.iter().map(|(s, _)| s.clone()))?;
+            let recvs = views_mut(send, ranges.iter().map(|(_, r)| r.clone()))?;
             let mut pairs: Vec<_> = sends.into_iter().zip(recvs).collect();
             // SAFETY: as for the exchange to head groups.
             unsafe { comm.all_to_all(&mut pairs, &counts(&to_rows), DataType::Bf16) }
                 .map_err(collective("Ulysses all-to-all back to row blocks"))?;
         }
-        // [item][peer][rows][its heads] -> [rows, all heads].
-        for b in 0..batch {
-            for p in 0..world {
-                let src = (b * world + p) * n * gb;
-                let dst = b * n * wb + p * gb;
-                copy_rows(attn, dst, wb, send, src, gb, gb, n, st)?;
-            }
-        }
-        Ok(())
+        copy_all(attn, send, &m.unpack(), st)
     }
 
     /// K/V all-gather: pack this block's K and V (padded), gather every rank's, compact them into the whole
@@ -654,33 +676,24 @@ impl Engine {
         batch: usize,
     ) -> Result<(), H3Error> {
         let d = &self.dims;
-        let (world, n, s) = (plan.world, plan.block.len(), plan.global.seq);
-        let padded = g.padded_rows();
-        let wb = d.width * BF16;
+        let (n, s) = (plan.block.len(), plan.global.seq);
+        let m = KvBytes {
+            batch,
+            world: plan.world,
+            rows: n,
+            seq: s,
+            padded: g.padded_rows(),
+            width: d.width * BF16,
+        };
         let st = &self.stream;
-        for c in 0..2 {
-            for b in 0..batch {
-                let dst = (c * batch + b) * padded * wb;
-                let src = (b * n * 3 + c + 1) * wb;
-                copy_rows(send, dst, wb, qkv, src, 3 * wb, wb, n, st)?;
-            }
-        }
-        let count = 2 * batch * padded * d.width;
+        copy_all(send, qkv, &m.pack(), st)?;
+        let count = m.send_len() / BF16;
         // SAFETY: as for the Ulysses exchange: buffers of the engine's context, alive past the queued work.
         unsafe { comm.all_gather(send.view(), gathered.view_mut(), count, DataType::Bf16) }
             .map_err(collective("all-gather of K and V"))?;
-        for q in 0..world {
-            let rows = plan.rows.rows(q);
-            for c in 0..2 {
-                for b in 0..batch {
-                    let src = ((q * 2 + c) * batch + b) * padded * wb;
-                    let dst = ((c * batch + b) * s + rows.start) * wb;
-                    copy_rows(full, dst, wb, gathered, src, wb, wb, rows.len(), st)?;
-                }
-            }
-        }
+        copy_all(full, gathered, &m.compact(&plan.rows), st)?;
         let what = "addressing the gathered K and V";
-        let plane = batch * s * wb;
+        let plane = m.plane_len();
         let q = qkv.view();
         let k = full.slice(0, plane).map_err(cuda_err(what))?;
         let v = full.slice(plane, plane).map_err(cuda_err(what))?;
@@ -849,36 +862,18 @@ impl GpuH3Dit {
             .as_mut()
             .ok_or_else(|| internal("a sequence-parallel workspace without its buffers"))?;
         let plan = &bufs.plan;
-        let batch = plan.global.batch;
-        let (mv, ma) = (plan.max_video(), plan.max_audio());
-        let (nv, na) = (plan.local.video, plan.local.audio);
-        let (vb, ab) = (d.video * 4, d.audio * 4);
+        let m = OutputBytes {
+            batch: plan.global.batch,
+            video_rows: plan.local.video,
+            audio_rows: plan.local.audio,
+            max_video: plan.max_video(),
+            max_audio: plan.max_audio(),
+            video_row: d.video * 4,
+            audio_row: d.audio * 4,
+        };
         let st = &engine.stream;
-        for b in 0..batch {
-            copy_rows(
-                &mut bufs.out_send,
-                b * mv * vb,
-                vb,
-                sample,
-                b * nv * vb,
-                vb,
-                vb,
-                nv,
-                st,
-            )?;
-            let audio_at = batch * mv * vb + b * ma * ab;
-            copy_rows(
-                &mut bufs.out_send,
-                audio_at,
-                ab,
-                audio_sample,
-                b * na * ab,
-                ab,
-                ab,
-                na,
-                st,
-            )?;
-        }
+        copy_all(&mut bufs.out_send, sample, &m.video(), st)?;
+        copy_all(&mut bufs.out_send, audio_sample, &m.audio(), st)?;
         let slot = plan.gather_slot(d.video, d.audio)?;
         // SAFETY: both buffers belong to this workspace (the communicator's context); the wait below precedes any
         // drop.
