@@ -1,7 +1,8 @@
 // MiniMax H3 DiT kernels (kernel set minimax_h3_dit, symbols h3_*): the gated residual fused with the next
 // RMSNorm and its adaLN modulation (per-row table rows from an index), the per-head QK RMSNorm with rotate-half RoPE
-// over the first `rotated` channels (bf16 tables), and the f32 linear layers of the modules the reference keeps in
-// f32 (input projections, time embedder, output heads), with row gather and scatter.
+// over the first `rotated` channels (bf16 tables), the f32 linear layers of the modules the reference keeps in
+// f32 (input projections, time embedder, output heads), with row gather and scatter, and the weight-only FP8
+// linear layer of the adaLN projections over the few timestep rows.
 //
 // Storage is bf16 (activations, modulation tables) or f32 (the f32 modules), arithmetic f32. Reductions run in a
 // fixed order (warp butterflies, then warp totals in ascending order; GEMM sums in ascending k), so results are
@@ -9,6 +10,7 @@
 // long sequences). The row kernels need 16-byte aligned rows: pointers aligned to 16 bytes, row strides and column
 // counts multiples of 8 elements.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "common/common.cuh"
@@ -335,3 +337,70 @@ H3_LINEAR_F32(h3_linear_f32_tile_xb_yf, linear_f32_tile, bf16, float, 256)
 H3_LINEAR_F32(h3_linear_f32_rows_xf_yf, linear_f32_rows, float, float, 256)
 H3_LINEAR_F32(h3_linear_f32_rows_xf_yb, linear_f32_rows, float, bf16, 256)
 H3_LINEAR_F32(h3_linear_f32_rows_xb_yf, linear_f32_rows, bf16, float, 256)
+
+namespace {
+
+// The values of 16 e4m3 codes (a 16-byte word), exact: e4m3 -> half is exact, half -> float too.
+__device__ __forceinline__ void decode16_e4m3(const uint4& raw, float (&out)[16]) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * h)) & 0xffffu);
+            const __half2 v(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+            const float2 f = __half22float2(v);
+            out[4 * i + 2 * h] = f.x;
+            out[4 * i + 2 * h + 1] = f.y;
+        }
+    }
+}
+
+}  // namespace
+
+// Weight-only FP8 linear layer for a few rows (the adaLN projections over the timestep rows):
+//   y[r, c] = bf16(sum_k x[r, k] * value(w[c, k]) * scale[c] + bias[c])      for r < m, c < n
+// x bf16 rows of x_stride; w e4m3 [n, k] (rows of k bytes, k a multiple of 16) with one f32 scale per row (per output
+// channel, nn::fp8's rule); bias (or null) and y bf16, y rows of y_stride. The sum is f32 over exact products (the
+// bf16 x times the e4m3 value), in lane-strided order then a warp butterfly, scaled once. One warp per output column
+// c and 4 rows; lane l reads the 16 codes at (l + 32 j) * 16, each weight byte read once. Grid: (ceil(n / 8),
+// ceil(m / 4)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    h3_linear_fp8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
+                        const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
+                        bf16* __restrict__ y, int y_stride, int m, int n) {
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (c >= n) return;
+    const int r0 = blockIdx.y * 4;
+    const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
+        float wv[16];
+        decode16_e4m3(*reinterpret_cast<const uint4*>(w_row + k0), wv);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + i;
+            if (r < m) {
+                const bf16* x_at = x + static_cast<int64_t>(r) * x_stride + k0;
+                float lo[8], hi[8];
+                nn::load8(x_at, lo);
+                nn::load8(x_at + 8, hi);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i] = fmaf(lo[j], wv[j], acc[i]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i] = fmaf(hi[j], wv[8 + j], acc[i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = nn::warp_sum(acc[i]);
+    if (lane != 0) return;
+    const float scale = w_scale[c];
+    const float b = bias != nullptr ? __bfloat162float(bias[c]) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + i;
+        if (r < m) y[static_cast<int64_t>(r) * y_stride + c] = __float2bfloat16_rn(fmaf(acc[i], scale, b));
+    }
+}

@@ -28,8 +28,8 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
 use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs};
 use tf_engines::minimax_h3::dit_gpu::kernels::{
-    plan_linear_f32, plan_qk_norm_rope, plan_residual_norm, Elem, H3Kernels, LinearF32,
-    NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
+    plan_linear_f32, plan_linear_fp8w, plan_qk_norm_rope, plan_residual_norm, Elem, H3Kernels,
+    LinearF32, LinearFp8W, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
 use tf_engines::minimax_h3::dit_gpu::{DitPrecision, GpuH3Dit};
 use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
@@ -1318,6 +1318,24 @@ fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
         ] {
             worst = worst.max(compare_fp8(&case, what, ours, base, &expected(&case, what)));
         }
+        // The adaLN projections in FP8 too (weight-only), and alone.
+        for spec in ["fp8:all,adaln,ends=0", "fp8:adaln,ends=0"] {
+            let precision: DitPrecision = spec.parse().unwrap();
+            let out = load_in(&ctx, &case, precision).forward(&step).unwrap();
+            for (what, ours, base) in [
+                ("sample", &out.sample, &bf16.sample),
+                ("audio_sample", &out.audio_sample, &bf16.audio_sample),
+            ] {
+                let e = compare_fp8(
+                    &case,
+                    &format!("{what} in {spec}"),
+                    ours,
+                    base,
+                    &expected(&case, what),
+                );
+                worst = worst.max(e);
+            }
+        }
         // The default mode keeps the first and last block in bf16: on two blocks that is the bf16 path.
         let mut default_mode = load_in(&ctx, &case, DitPrecision::FP8);
         default_mode
@@ -1342,6 +1360,8 @@ fn fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
     let step = inputs(case);
     for spec in [
         "fp8:all,ends=0",
+        "fp8:all,adaln,ends=0",
+        "fp8:adaln,ends=0",
         "fp8:qkv,ends=0",
         "fp8:out,ends=0",
         "fp8:mlp_in,ends=0",
@@ -1546,4 +1566,74 @@ fn seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes() {
     // Four of six blocks' groups in FP8 at this size (about 0.84 of bf16: the adaLN projections, the refiner and
     // the embedders stay as they are).
     assert!(ratio < 0.9, "{ratio:.3}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn linear_fp8w_matches_the_host_product_of_its_dequantized_weights() {
+    let ctx = context();
+    let kernels = H3Kernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let mut rng = SplitMix64::new(31);
+    // The tiny fixtures' adaLN (18 x 32 rows of 16), the release's (k 2688) over 1, 3 and 6 timestep rows (two row
+    // groups of four), outputs written into rows wider than n.
+    for (m, n, k, y_stride) in [
+        (3usize, 576usize, 16usize, 584usize),
+        (1, 1024, 2688, 1024),
+        (6, 968, 2688, 976),
+    ] {
+        let x = bf16_values(&mut rng, m * k, -1.5, 1.5);
+        let weights: Vec<f32> = (0..n * k)
+            .map(|i| rng.uniform(-1.0, 1.0) * 2f32.powi((i / k % 5) as i32 - 6))
+            .collect();
+        let (codes, scales) = fp8::quantize_rows(&weights, k);
+        let bias = bf16_values(&mut rng, n, -0.5, 0.5);
+        let xd = device(&ctx, &bf16_bytes(&x));
+        let wd = device(&ctx, &codes);
+        let sd = device(&ctx, &f32_bytes(&scales));
+        let bd = device(&ctx, &bf16_bytes(&bias));
+        let mut yd = device(&ctx, &bf16_bytes(&vec![7.0f32; m * y_stride]));
+        {
+            let (xv, wv, sv, bv, yv) = (xd.view(), wd.view(), sd.view(), bd.view(), yd.view_mut());
+            kernels
+                .run(
+                    &stream,
+                    plan_linear_fp8w(&LinearFp8W {
+                        m,
+                        n,
+                        k,
+                        x: &xv,
+                        x_stride: k,
+                        w: &wv,
+                        w_scale: &sv,
+                        bias: Some(&bv),
+                        y: &yv,
+                        y_stride,
+                    }),
+                )
+                .unwrap();
+            stream.synchronize().unwrap();
+        }
+        let got = read_bf16(&yd);
+        let deq = fp8::dequantize_rows(&codes, &scales, k);
+        let mut want = vec![0f32; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|j| f64::from(x[r * k + j]) * f64::from(deq[c * k + j]))
+                    .sum();
+                want[r * n + c] = (dot + f64::from(bias[c])) as f32;
+            }
+        }
+        let ours = columns(&got, y_stride, 0, n);
+        let err = relative_l2(&ours, &want).unwrap();
+        println!("linear_fp8w [{m}x{n}x{k}]: rel L2 against the host product {err:.3e} (bound {BF16_KERNEL_MAX})");
+        assert!(err <= BF16_KERNEL_MAX, "{m}x{n}x{k}: {err:.3e}");
+        // The columns past n are not written.
+        for r in 0..m {
+            assert!(got[r * y_stride + n..(r + 1) * y_stride]
+                .iter()
+                .all(|&v| v == 7.0));
+        }
+    }
 }

@@ -10,8 +10,13 @@
 //! (embedders, timestep and modulation layers, output norm and heads, a token refiner) keeps its bf16 (or f32)
 //! path, and so do the first and last `ends` blocks.
 //!
+//! A fifth group, `adaln`, is MiniMax H3's per-block modulation projection (the adaLN weights, 39% of the model)
+//! stored as e4m3 with per-output-channel scales and read weight-only (its few timestep rows stay bf16); it is never
+//! implied by `all` or the default, and the Qwen-Image DiT, whose modulation is not per block, refuses it.
+//!
 //! Spelled on the command line (`--precision`) as `bf16`, `fp8` ([`Fp8Layers::DEFAULT`]), or
-//! `fp8:GROUP[,GROUP...][,ends=N]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `all`, `none`.
+//! `fp8:GROUP[,GROUP...][,ends=N]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `adaln`, `all` (the four
+//! GEMM groups), `none`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -23,6 +28,8 @@ pub struct Fp8Groups {
     pub out: bool,
     pub mlp_in: bool,
     pub mlp_out: bool,
+    /// The block's adaLN projection, weight-only (MiniMax H3).
+    pub adaln: bool,
 }
 
 impl Fp8Groups {
@@ -32,17 +39,24 @@ impl Fp8Groups {
         out: false,
         mlp_in: false,
         mlp_out: false,
+        adaln: false,
     };
-    /// Every group in FP8.
+    /// The four GEMM groups in FP8 (not `adaln`, which is named on its own).
     pub const ALL: Fp8Groups = Fp8Groups {
         qkv: true,
         out: true,
         mlp_in: true,
         mlp_out: true,
+        adaln: false,
     };
 
     /// True when some group runs in FP8.
     pub fn any(self) -> bool {
+        self.qkv || self.out || self.mlp_in || self.mlp_out || self.adaln
+    }
+
+    /// True when one of the four GEMM groups runs in FP8 (their activations are quantized too).
+    pub fn any_gemm(self) -> bool {
         self.qkv || self.out || self.mlp_in || self.mlp_out
     }
 
@@ -53,6 +67,7 @@ impl Fp8Groups {
             ("out", self.out),
             ("mlp_in", self.mlp_in),
             ("mlp_out", self.mlp_out),
+            ("adaln", self.adaln),
         ]
         .into_iter()
         .filter_map(|(name, on)| on.then_some(name))
@@ -130,10 +145,15 @@ impl DitPrecision {
                 }
                 format!(
                     "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
-                     per-output-channel weight scales, per-token activation scales; \
+                     per-output-channel weight scales, per-token activation scales{}; \
                      every layer outside those groups as in bf16 mode",
                     l.groups.names().join(", "),
-                    l.bf16_ends
+                    l.bf16_ends,
+                    if l.groups.adaln {
+                        " (adaln weight-only)"
+                    } else {
+                        ""
+                    }
                 )
             }
         }
@@ -165,7 +185,7 @@ impl FromStr for DitPrecision {
 
     /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] with GROUP one of qkv, out, mlp_in, mlp_out, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] with GROUP one of qkv, out, mlp_in, mlp_out, adaln, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -197,7 +217,13 @@ impl FromStr for DitPrecision {
                 "out" => groups.out = true,
                 "mlp_in" => groups.mlp_in = true,
                 "mlp_out" => groups.mlp_out = true,
-                "all" => groups = Fp8Groups::ALL,
+                "adaln" => groups.adaln = true,
+                "all" => {
+                    groups = Fp8Groups {
+                        adaln: groups.adaln,
+                        ..Fp8Groups::ALL
+                    }
+                }
                 "none" => {}
                 other => {
                     return Err(format!(
@@ -242,8 +268,29 @@ mod tests {
                 bf16_ends: 3
             }))
         );
+        assert_eq!(
+            "fp8:adaln,all".parse::<DitPrecision>(),
+            "fp8:all,adaln".parse::<DitPrecision>()
+        );
+        assert_eq!(
+            "fp8:all,adaln,ends=2".parse::<DitPrecision>(),
+            Ok(DitPrecision::Fp8(Fp8Layers {
+                groups: Fp8Groups {
+                    adaln: true,
+                    ..Fp8Groups::ALL
+                },
+                bf16_ends: 2
+            }))
+        );
+        assert!(!Fp8Groups {
+            adaln: true,
+            ..Fp8Groups::NONE
+        }
+        .any_gemm());
         for spec in [
             "bf16",
+            "fp8:qkv,out,mlp_in,mlp_out,adaln,ends=1",
+            "fp8:adaln,ends=0",
             "fp8:qkv,out,mlp_in,mlp_out,ends=1",
             "fp8:out,ends=0",
             "fp8:none,ends=2",

@@ -296,6 +296,15 @@ impl GpuDit {
         staging: StagingConfig,
         precision: DitPrecision,
     ) -> Result<GpuDit, DitError> {
+        if let DitPrecision::Fp8(layers) = precision {
+            if layers.groups.adaln {
+                return Err(DitError::Backend(
+                    "the fp8 group `adaln` is MiniMax H3's per-block modulation; Qwen-Image's modulation is one \
+                     shared layer and stays bf16: leave `adaln` out of --precision"
+                        .into(),
+                ));
+            }
+        }
         let config = QwenImageDitConfig::from_json(model.config_json())?;
         let checkpoint = check_folder(model, &config)?;
         let dims = Dims::of(&config)?;

@@ -26,6 +26,7 @@ const H3_KERNELS: &[&str] = &[
     "h3_linear_f32_rows_xf_yf",
     "h3_linear_f32_rows_xf_yb",
     "h3_linear_f32_rows_xb_yf",
+    "h3_linear_fp8w_rows",
 ];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
@@ -507,6 +508,94 @@ pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda
         .push(to_i32(OP, "n", op.n)?)
         .push(i32::from(op.silu));
     Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
+}
+
+/// Operands of [`plan_linear_fp8w`]: `y[r, c] = bf16(sum_k x[r, k] * w[c, k] * w_scale[c] + bias[c])` for
+/// `r < m`, `c < n`: bf16 rows in and out, e4m3 weights with one f32 scale per output channel (weight-only FP8: the
+/// adaLN projections over the few timestep rows).
+#[derive(Debug)]
+pub struct LinearFp8W<'v, 'a> {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// bf16 rows of `x_stride`.
+    pub x: &'v DeviceView<'a>,
+    pub x_stride: usize,
+    /// e4m3 `[n, k]`, rows of `k` bytes.
+    pub w: &'v DeviceView<'a>,
+    /// f32 `[n]`.
+    pub w_scale: &'v DeviceView<'a>,
+    /// bf16 `[n]`.
+    pub bias: Option<&'v DeviceView<'a>>,
+    /// bf16 rows of `y_stride`.
+    pub y: &'v DeviceViewMut<'a>,
+    pub y_stride: usize,
+}
+
+/// Builds the weight-only FP8 linear layer (kernel h3_linear_fp8w_rows): one warp per output column and 4 rows,
+/// each weight byte read once. `k` a multiple of 16 (16-byte rows of codes).
+pub fn plan_linear_fp8w<'a>(op: &LinearFp8W<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "linear_fp8w";
+    if op.m == 0 || op.n == 0 || op.k == 0 || !op.k.is_multiple_of(16) {
+        return Err(invalid(
+            OP,
+            format!(
+                "m = {}, n = {}, k = {}: all at least 1, k a multiple of 16",
+                op.m, op.n, op.k
+            ),
+        ));
+    }
+    check_matrix(
+        OP,
+        "x",
+        Operand::of(op.x),
+        Matrix {
+            rows: op.m,
+            cols: op.k,
+            stride: op.x_stride,
+        },
+    )?;
+    check_matrix(
+        OP,
+        "y",
+        Operand::of_mut(op.y),
+        Matrix {
+            rows: op.m,
+            cols: op.n,
+            stride: op.y_stride,
+        },
+    )?;
+    let w_bytes =
+        op.n.checked_mul(op.k)
+            .ok_or_else(|| invalid(OP, "w size overflows"))?;
+    check_aligned_to(OP, "w", Operand::of(op.w), 16)?;
+    check_bytes(OP, "w", Operand::of(op.w), w_bytes)?;
+    check_aligned_to(OP, "w_scale", Operand::of(op.w_scale), 4)?;
+    check_bytes(OP, "w_scale", Operand::of(op.w_scale), op.n * 4)?;
+    if let Some(bias) = op.bias {
+        check_aligned_to(OP, "bias", Operand::of(bias), 2)?;
+        check_bytes(OP, "bias", Operand::of(bias), op.n * 2)?;
+    }
+    let grid = (
+        to_u32(OP, "column groups", op.n.div_ceil(8))?,
+        to_u32(OP, "row groups", op.m.div_ceil(4))?,
+    );
+    let mut args = Args::new();
+    args.push_addr(op.x.addr())
+        .push(to_i32(OP, "x stride", op.x_stride)?)
+        .push_addr(op.w.addr())
+        .push_addr(op.w_scale.addr())
+        .push(to_i32(OP, "k", op.k)?)
+        .push_addr(op.bias.map_or(0, |b| b.addr()))
+        .push_addr(op.y.addr())
+        .push(to_i32(OP, "y stride", op.y_stride)?)
+        .push(to_i32(OP, "m", op.m)?)
+        .push(to_i32(OP, "n", op.n)?);
+    Ok(Launch::new(
+        "h3_linear_fp8w_rows",
+        LaunchConfig::new(grid, 256),
+        args,
+    ))
 }
 
 /// The H3 DiT's kernels of one context: the `minimax_h3_dit` set beside the shared [`NnKernels`] (reachable

@@ -22,8 +22,8 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::{DeviceBuffer, DeviceView, Stream};
 
 use super::kernels::{
-    plan_linear_f32, plan_qk_norm_rope, plan_residual_norm, Elem, LinearF32, NormModulation,
-    QkNormRope, ResidualNorm, RowTable, RowsOperand,
+    plan_linear_f32, plan_linear_fp8w, plan_qk_norm_rope, plan_residual_norm, Elem, LinearF32,
+    LinearFp8W, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
 use super::weights::AttnOffsets;
 use super::workspace::{ShapeKey, Workspace, WorkspaceSizes};
@@ -192,6 +192,8 @@ impl Engine {
             .map_err(cuda_err("addressing a weight"))
     }
 
+    /// Block `layer`'s adaLN table as a bf16 GEMM; `None` when its projection is stored in FP8 (the `adaln` group:
+    /// [`Engine::adaln_fp8`] makes the table).
     fn adaln_call(
         &self,
         sizes: &WorkspaceSizes,
@@ -200,6 +202,9 @@ impl Engine {
     ) -> Option<GemmCall> {
         let d = &self.dims;
         let b = self.offsets.blocks.get(layer)?;
+        if b.ada_scales.is_some() {
+            return None;
+        }
         Some(GemmCall {
             m: timesteps,
             n: MODALITIES * d.adaln_row(),
@@ -212,6 +217,47 @@ impl Engine {
             bias: Some(b.ada_b),
             fp8: None,
         })
+    }
+
+    /// Block `layer`'s adaLN table from its FP8 projection (weight-only: the bf16 timestep rows times the e4m3
+    /// weights, one f32 scale per output row, plus the bias); the weight bytes it reads, or `None` when the block's
+    /// projection is bf16.
+    fn adaln_fp8(&self, ws: &mut Workspace, layer: usize) -> Result<Option<f64>, H3Error> {
+        let d = &self.dims;
+        let Some(b) = self.offsets.blocks.get(layer) else {
+            return Ok(None);
+        };
+        let Some(scales) = b.ada_scales else {
+            return Ok(None);
+        };
+        let (m, n, k) = (ws.key.timesteps, MODALITIES * d.adaln_row(), d.temb_p);
+        let z = ws.sizes;
+        let w = self.weight_view(b.ada_w, n * k)?;
+        let w_scale = self.weight_view(scales, n * 4)?;
+        let bias = self.weight_view(b.ada_b, n * BF16)?;
+        let x = ws.temb.view();
+        let y = ws
+            .adaln
+            .slice_mut(layer * z.adaln_block, m * n * BF16)
+            .map_err(launch)?;
+        self.kernels
+            .run(
+                &self.stream,
+                plan_linear_fp8w(&LinearFp8W {
+                    m,
+                    n,
+                    k,
+                    x: &x,
+                    x_stride: k,
+                    w: &w,
+                    w_scale: &w_scale,
+                    bias: Some(&bias),
+                    y: &y,
+                    y_stride: n,
+                }),
+            )
+            .map_err(launch)?;
+        Ok(Some((n * k) as f64))
     }
 
     fn norm_out_call(&self, timesteps: usize) -> GemmCall {
@@ -836,6 +882,8 @@ impl Engine {
             if let Some(call) = self.adaln_call(&z, nt, layer) {
                 self.run_gemm(ws, call)?;
                 table_bytes += (call.n * call.k * BF16) as f64;
+            } else if let Some(bytes) = self.adaln_fp8(ws, layer)? {
+                table_bytes += bytes;
             }
         }
         self.run_gemm(ws, self.norm_out_call(nt))?;

@@ -79,8 +79,8 @@ impl Dims {
         Dims::of_for(config, false)
     }
 
-    /// [`Dims::of`] for a model that runs some GEMM in FP8 (`fp8`): the hidden and feed-forward widths are then
-    /// padded to multiples of [`FP8_WIDTH_MULTIPLE`] (the released model's already are).
+    /// [`Dims::of`] for a model that runs some GEMM in FP8 (`fp8`): the hidden, feed-forward and time-embedding
+    /// widths are then padded to multiples of [`FP8_WIDTH_MULTIPLE`] (the released model's already are).
     pub(super) fn of_for(config: &MiniMaxH3Config, fp8: bool) -> Result<Dims, H3Error> {
         let pad = |v: usize| {
             if fp8 {
@@ -135,7 +135,7 @@ impl Dims {
             freq: config.freq_dim,
             time_hidden: config.time_embed_hidden_dim,
             temb: config.time_embed_dim,
-            temb_p: pad8(config.time_embed_dim),
+            temb_p: pad(config.time_embed_dim),
             layers: config.num_layers,
             refiner_layers: config.num_refiner_layers,
             rotated: config.rotary_dim(),
@@ -206,9 +206,11 @@ pub(super) struct Fp8Matrix {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct BlockOffsets {
     pub attn: AttnOffsets,
-    /// bf16 `[3 * 6 * hp, temb_p]` and its bias `[3 * 6 * hp]`.
+    /// bf16 `[3 * 6 * hp, temb_p]` (or e4m3 codes, see `ada_scales`) and its bias `[3 * 6 * hp]`.
     pub ada_w: usize,
     pub ada_b: usize,
+    /// The f32 per-output-row scales when `ada_w` is stored in FP8 (the `adaln` group, weight-only).
+    pub ada_scales: Option<usize>,
 }
 
 /// Device offsets (bytes) of every weight.
@@ -486,10 +488,11 @@ pub(super) fn plan(
     let audio_out_b = l.one(d.audio * F32)?;
     let mut fp8 = Vec::new();
     // A `[rows, cols]` weight: bf16, or (`on`) e4m3 codes after their f32 row scales.
-    let mut matrix = |l: &mut LayoutPlanner,
-                      rows: usize,
-                      cols: usize,
-                      on: bool|
+    let matrix = |l: &mut LayoutPlanner,
+                  fp8: &mut Vec<Fp8Matrix>,
+                  rows: usize,
+                  cols: usize,
+                  on: bool|
      -> Result<(usize, Option<usize>), H3Error> {
         if !on {
             return Ok((l.one(rows * cols * BF16)?, None));
@@ -504,15 +507,18 @@ pub(super) fn plan(
         });
         Ok((codes, Some(scales)))
     };
-    let mut attn = |l: &mut LayoutPlanner, groups: Fp8Groups| -> Result<AttnOffsets, H3Error> {
+    let attn = |l: &mut LayoutPlanner,
+                fp8: &mut Vec<Fp8Matrix>,
+                groups: Fp8Groups|
+     -> Result<AttnOffsets, H3Error> {
         let norm1 = l.one(hp * BF16)?;
-        let (qkv, qkv_scales) = matrix(l, 3 * w, hp, groups.qkv)?;
+        let (qkv, qkv_scales) = matrix(l, fp8, 3 * w, hp, groups.qkv)?;
         let norm_q = l.one(HEAD_DIM * BF16)?;
         let norm_k = l.one(HEAD_DIM * BF16)?;
-        let (to_out, to_out_scales) = matrix(l, hp, w, groups.out)?;
+        let (to_out, to_out_scales) = matrix(l, fp8, hp, w, groups.out)?;
         let norm2 = l.one(hp * BF16)?;
-        let (fc1, fc1_scales) = matrix(l, 2 * fp, hp, groups.mlp_in)?;
-        let (fc2, fc2_scales) = matrix(l, hp, fp, groups.mlp_out)?;
+        let (fc1, fc1_scales) = matrix(l, fp8, 2 * fp, hp, groups.mlp_in)?;
+        let (fc2, fc2_scales) = matrix(l, fp8, hp, fp, groups.mlp_out)?;
         Ok(AttnOffsets {
             norm1,
             qkv,
@@ -532,19 +538,20 @@ pub(super) fn plan(
     };
     let mut refiner = Vec::with_capacity(d.refiner_layers);
     for _ in 0..d.refiner_layers {
-        refiner.push(attn(&mut l, Fp8Groups::NONE)?);
+        refiner.push(attn(&mut l, &mut fp8, Fp8Groups::NONE)?);
     }
     let ada_rows = MODALITIES * MODULATION_CHUNKS * hp;
     let mut blocks = Vec::with_capacity(d.layers);
     for layer in 0..d.layers {
         let groups = fp8_groups.get(layer).copied().unwrap_or(Fp8Groups::NONE);
-        let a = attn(&mut l, groups)?;
-        let ada_w = l.one(ada_rows * d.temb_p * BF16)?;
+        let a = attn(&mut l, &mut fp8, groups)?;
+        let (ada_w, ada_scales) = matrix(&mut l, &mut fp8, ada_rows, d.temb_p, groups.adaln)?;
         let ada_b = l.one(ada_rows * BF16)?;
         blocks.push(BlockOffsets {
             attn: a,
             ada_w,
             ada_b,
+            ada_scales,
         });
     }
     let total = l.total()?;
@@ -884,7 +891,7 @@ pub(super) fn plan(
             &[(0, 0, d.temb)],
             b.ada_w,
             d.temb_p,
-            bf,
+            device_of(b.ada_w, b.ada_scales)?,
             Init::fan_in(d.temb),
         )?;
         p.vector(
@@ -1623,6 +1630,40 @@ mod tests {
         assert_eq!(qkv.len(), 3 * config.num_attention_heads);
         assert!(qkv.iter().all(|p| whole_rows(&original.fp8[0], p)
             == Some(((p.dst - original.fp8[0].codes) / 5376, 128))));
+    }
+
+    #[test]
+    fn the_adaln_group_stores_the_modulation_projections_in_fp8_at_about_half_the_bytes() {
+        use crate::nn::precision::DitPrecision;
+        let config = MiniMaxH3Config::default_full_size();
+        let layers = config.num_layers;
+        let precision: DitPrecision = "fp8:all,adaln,ends=1".parse().unwrap();
+        let groups: Vec<Fp8Groups> = (0..layers)
+            .map(|l| precision.groups_of(l, layers))
+            .collect();
+        let dims = Dims::of_for(&config, true).unwrap();
+        let bf16 = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+        let fp8 = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+        assert_eq!(fp8.fp8.len(), 5 * (layers - 2));
+        let o = &fp8.offsets;
+        assert!(o.blocks[0].ada_scales.is_none() && o.blocks[layers - 1].ada_scales.is_none());
+        let b1 = o.blocks[1];
+        let ada = fp8.fp8.iter().find(|m| m.codes == b1.ada_w).unwrap();
+        assert_eq!((ada.rows, ada.cols), (18 * 5376, 2688));
+        assert_eq!(b1.ada_scales, Some(ada.scales));
+        // Its placement is whole rows (the ring quantizes it), and about half the model stays resident.
+        for pl in &fp8.placements {
+            if let Device::Fp8 { matrix } = pl.device {
+                assert!(whole_rows(&fp8.fp8[matrix], pl).is_some());
+            }
+        }
+        let ratio = fp8.total as f64 / bf16.total as f64;
+        println!(
+            "full size with adaln: {:.2} GB of {:.2} ({ratio:.3})",
+            fp8.total as f64 / 1e9,
+            bf16.total as f64 / 1e9
+        );
+        assert!(ratio > 0.5 && ratio < 0.55, "{ratio}");
     }
 
     #[test]

@@ -213,6 +213,10 @@ fn fp8_weights(dit: &ModelDir, precision: DitPrecision) -> u64 {
     };
     let (h, f) = (config.hidden_size as u64, config.ffn_dim as u64);
     let inner = (config.num_attention_heads * config.attention_head_dim) as u64;
+    let adaln = (crate::minimax_h3::config::MODALITIES
+        * crate::minimax_h3::config::MODULATION_CHUNKS) as u64
+        * h
+        * config.time_embed_dim as u64;
     (0..config.num_layers)
         .map(|layer| {
             let g = precision.groups_of(layer, config.num_layers);
@@ -221,6 +225,7 @@ fn fp8_weights(dit: &ModelDir, precision: DitPrecision) -> u64 {
                 (g.out, h * inner),
                 (g.mlp_in, 2 * f * h),
                 (g.mlp_out, h * f),
+                (g.adaln, adaln),
             ]
             .iter()
             .filter(|(on, _)| *on)
@@ -272,5 +277,7 @@ mod tests {
         assert_eq!(fp8_weights(&model, DitPrecision::FP8), 0);
         assert_eq!(of("fp8:all,ends=0"), 2 * (qkv + out + fc1 + fc2));
         assert_eq!(of("fp8:qkv,mlp_out,ends=0"), 2 * (qkv + fc2));
+        // The adaLN projection: 3 modalities x 6 chunks x hidden rows of time_embed_dim (12).
+        assert_eq!(of("fp8:adaln,ends=0"), 2 * 18 * 24 * 12);
     }
 }
