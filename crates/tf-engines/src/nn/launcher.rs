@@ -271,7 +271,7 @@ pub fn check_agreement(rank: usize, mine: u64, root: u64) -> Result<(), LaunchEr
 
 fn describe(status: ExitStatus) -> String {
     match status.code() {
-        Some(0) => "exited (status 0) before the job ended".into(),
+        Some(0) => "exited (status 0)".into(),
         Some(code) => format!("failed (exit status {code})"),
         None => {
             #[cfg(unix)]
@@ -406,14 +406,19 @@ impl RankGroup {
         self.children.iter().map(|(r, _)| *r).collect()
     }
 
-    /// Looks at every child without waiting: a child that ended (any status: the job is not over while rank 0
-    /// still runs it) is an error naming it.
+    /// Looks at every child without waiting: a child that failed (a non-zero status, a signal) is an error naming
+    /// it. A child that exited with status 0 finished its part (ranks end at about the same time as rank 0, which
+    /// may still be writing the output) and is reaped quietly; had it left early, rank 0's next collective fails.
     pub fn poll(&mut self) -> Result<(), LaunchError> {
-        for i in 0..self.children.len() {
+        let mut i = 0;
+        while i < self.children.len() {
             let (rank, child) = &mut self.children[i];
             let rank = *rank;
             match child.try_wait() {
-                Ok(None) => {}
+                Ok(None) => i += 1,
+                Ok(Some(status)) if status.success() => {
+                    self.children.remove(i);
+                }
                 Ok(Some(status)) => {
                     self.children.remove(i);
                     return Err(LaunchError::RankEnded {
@@ -741,6 +746,24 @@ mod tests {
         assert_eq!(g.running(), vec![1, 3]);
         g.kill_all();
         assert!(g.running().is_empty());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_rank_that_finished_is_reaped_quietly() {
+        let mut group = RankGroup::spawn(
+            Path::new("/bin/sh"),
+            1..3,
+            sh("[ \"$1\" = 1 ] && exit 0; sleep 60"),
+            &SpawnOptions::default(),
+        )
+        .unwrap();
+        let started = Instant::now();
+        while group.running().len() == 2 && started.elapsed() < Duration::from_secs(10) {
+            group.poll().unwrap();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(group.running(), vec![2]);
     }
 
     #[cfg(unix)]
