@@ -60,6 +60,17 @@ use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
 use crate::nn::weights::ModelDir;
 
+/// H3's `fp8` (the default FP8 mode): `qkv`, `out` and `mlp_out` in FP8, `mlp_in` in bf16, the first and last block
+/// in bf16. Chosen from the error of each group alone against the bf16 floor at full width (docs/ENGINES.md,
+/// "MiniMax H3 DiT in FP8"): `mlp_in` alone costs 4.5x the floor, more than the three others together.
+pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
+    groups: Fp8Groups {
+        mlp_in: false,
+        ..Fp8Groups::ALL
+    },
+    bf16_ends: 1,
+};
+
 #[cfg(feature = "bench")]
 mod bench;
 pub mod kernels;
@@ -208,6 +219,7 @@ impl Engine {
         precision: DitPrecision,
         make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
     ) -> Result<(Engine, Option<UploadStats>), H3Error> {
+        let precision = precision.resolve(DEFAULT_FP8);
         let layers = config.num_layers;
         let fp8_groups: Vec<Fp8Groups> = (0..layers)
             .map(|l| precision.groups_of(l, layers))

@@ -14,7 +14,8 @@
 //! stored as e4m3 with per-output-channel scales and read weight-only (its few timestep rows stay bf16); it is never
 //! implied by `all` or the default, and the Qwen-Image DiT, whose modulation is not per block, refuses it.
 //!
-//! Spelled on the command line (`--precision`) as `bf16`, `fp8` ([`Fp8Layers::DEFAULT`]), or
+//! Spelled on the command line (`--precision`) as `bf16`, `fp8` (the model's own default mode,
+//! [`DitPrecision::Fp8ModelDefault`], which each model's loader resolves with [`DitPrecision::resolve`]), or
 //! `fp8:GROUP[,GROUP...][,ends=N]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `adaln`, `all` (the four
 //! GEMM groups), `none`.
 
@@ -110,17 +111,30 @@ pub enum DitPrecision {
     Bf16,
     /// FP8 e4m3 in the given blocks' groups, bf16 elsewhere.
     Fp8(Fp8Layers),
+    /// `fp8` as typed: the model's default FP8 mode, chosen per model from its measured error per group (Qwen-Image:
+    /// [`Fp8Layers::DEFAULT`]; MiniMax H3 keeps its sensitive `mlp_in` group in bf16). A loader turns it into
+    /// [`DitPrecision::Fp8`] with [`DitPrecision::resolve`]; unresolved, it reads as [`Fp8Layers::DEFAULT`].
+    Fp8ModelDefault,
 }
 
 impl DitPrecision {
-    /// FP8 with [`Fp8Layers::DEFAULT`].
-    pub const FP8: DitPrecision = DitPrecision::Fp8(Fp8Layers::DEFAULT);
+    /// `fp8` as typed: the model's default FP8 mode.
+    pub const FP8: DitPrecision = DitPrecision::Fp8ModelDefault;
+
+    /// This precision with `fp8` (the model default) replaced by `model_default`.
+    pub fn resolve(self, model_default: Fp8Layers) -> DitPrecision {
+        match self {
+            DitPrecision::Fp8ModelDefault => DitPrecision::Fp8(model_default),
+            other => other,
+        }
+    }
 
     /// The groups block `layer` of `layers` runs in FP8 ([`Fp8Groups::NONE`] in bf16).
     pub fn groups_of(&self, layer: usize, layers: usize) -> Fp8Groups {
         match self {
             DitPrecision::Bf16 => Fp8Groups::NONE,
             DitPrecision::Fp8(l) => l.groups_of(layer, layers),
+            DitPrecision::Fp8ModelDefault => Fp8Layers::DEFAULT.groups_of(layer, layers),
         }
     }
 
@@ -131,8 +145,8 @@ impl DitPrecision {
 
     /// What a load report says: the precision and, for FP8, where it runs in a stack of `layers` blocks.
     pub fn describe(&self, layers: usize) -> String {
-        match self {
-            DitPrecision::Bf16 => "bf16".into(),
+        match self.resolve(Fp8Layers::DEFAULT) {
+            DitPrecision::Bf16 | DitPrecision::Fp8ModelDefault => "bf16".into(),
             DitPrecision::Fp8(l) => {
                 let fp8_blocks = (0..layers)
                     .filter(|&b| l.groups_of(b, layers).any())
@@ -164,6 +178,7 @@ impl fmt::Display for DitPrecision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DitPrecision::Bf16 => f.write_str("bf16"),
+            DitPrecision::Fp8ModelDefault => f.write_str("fp8"),
             DitPrecision::Fp8(l) => {
                 let names = l.groups.names();
                 let groups = if names.is_empty() {
@@ -299,10 +314,26 @@ mod tests {
             assert_eq!(p.to_string(), spec);
             assert_eq!(p.to_string().parse::<DitPrecision>(), Ok(p));
         }
+        assert_eq!(DitPrecision::FP8.to_string(), "fp8");
         assert_eq!(
-            DitPrecision::FP8.to_string(),
+            DitPrecision::FP8.resolve(Fp8Layers::DEFAULT).to_string(),
             "fp8:qkv,out,mlp_in,mlp_out,ends=1"
         );
+        let keep_mlp_in = Fp8Layers {
+            groups: Fp8Groups {
+                mlp_in: false,
+                ..Fp8Groups::ALL
+            },
+            bf16_ends: 1,
+        };
+        assert_eq!(
+            DitPrecision::FP8.resolve(keep_mlp_in).to_string(),
+            "fp8:qkv,out,mlp_out,ends=1"
+        );
+        // An explicit spec is never replaced by a model's default.
+        let explicit: DitPrecision = "fp8:all,ends=1".parse().unwrap();
+        assert_eq!(explicit.resolve(keep_mlp_in), explicit);
+        assert_eq!(DitPrecision::Bf16.resolve(keep_mlp_in), DitPrecision::Bf16);
         for bad in [
             "fp16",
             "fp8:",

@@ -296,6 +296,7 @@ impl GpuDit {
         staging: StagingConfig,
         precision: DitPrecision,
     ) -> Result<GpuDit, DitError> {
+        let precision = precision.resolve(Fp8Layers::DEFAULT);
         if let DitPrecision::Fp8(layers) = precision {
             if layers.groups.adaln {
                 return Err(DitError::Backend(

@@ -1546,11 +1546,11 @@ mod tests {
 
     #[test]
     fn fp8_groups_are_codes_with_row_scales_in_whole_rows() {
-        use crate::nn::precision::DitPrecision;
+        use crate::nn::precision::{DitPrecision, Fp8Layers};
         let config = MiniMaxH3Config::default_full_size();
         let layers = config.num_layers;
         let groups: Vec<Fp8Groups> = (0..layers)
-            .map(|l| DitPrecision::FP8.groups_of(l, layers))
+            .map(|l| DitPrecision::Fp8(Fp8Layers::DEFAULT).groups_of(l, layers))
             .collect();
         // Nothing is padded at full size: the FP8 dimensions are the bf16 ones.
         let dims = Dims::of_for(&config, true).unwrap();

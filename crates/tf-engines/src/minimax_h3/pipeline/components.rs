@@ -177,7 +177,7 @@ impl Folders {
         };
         Ok(Folders {
             text_layer,
-            dit_precision,
+            dit_precision: dit_precision.resolve(crate::minimax_h3::dit_gpu::DEFAULT_FP8),
             text_encoder: open(&layout.text_encoder)?,
             dit: open(&layout.transformer)?,
             video_vae: open(&layout.vae)?,
@@ -197,6 +197,7 @@ pub(super) fn precisions(
         Backend::Host => "f32".to_string(),
         Backend::Gpu => gpu,
     };
+    let dit = dit.resolve(crate::minimax_h3::dit_gpu::DEFAULT_FP8);
     vec![
         (TEXT_ENCODER, on_gpu("bf16".into())),
         (DIT, on_gpu(dit.describe(layers))),

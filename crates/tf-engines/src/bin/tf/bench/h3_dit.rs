@@ -223,7 +223,9 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
         gib(weight_bytes as f64),
         weight_bytes as f64 / 1e9
     );
-    println!("precision: {} ({precision})", args.precision);
+    // `fp8` as typed is H3's default FP8 mode: report the groups it resolved to.
+    let resolved = dit.precision();
+    println!("precision: {resolved} ({precision})");
     dit.set_graphs(true);
 
     let (width, height, frames) = geometry(args);
@@ -250,7 +252,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
     let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
     println!(
         "  ours ({}): eager {:.2} ms ({:.1} TFLOP/s), graph replay {:.2} ms ({:.1} TFLOP/s)",
-        args.precision,
+        resolved,
         times.eager_ms,
         tflops(times.eager_ms),
         times.graph_ms,
@@ -358,7 +360,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
             "random_weights": args.random_weights,
             "num_layers": config.num_layers,
             "num_refiner_layers": config.num_refiner_layers,
-            "precision": args.precision.to_string(),
+            "precision": resolved.to_string(),
             "precision_description": precision,
             "weight_bytes": weight_bytes,
             "resident_weight_bytes": weight_bytes,
