@@ -184,20 +184,8 @@ fn check_fp8_support(ctx: &Context, gemms: &GemmRunner) -> Result<(), H3Error> {
     let info = ctx
         .device_info()
         .map_err(cuda_err("reading the device's compute capability"))?;
-    if info.compute_capability != (9, 0) {
-        return Err(H3Error::Backend(format!(
-            "FP8 needs an sm_90 GPU (cuBLASLt runs row-wise scaled FP8 GEMMs there only); {} is sm_{}{}: \
-             use --precision bf16",
-            info.name, info.compute_capability.0, info.compute_capability.1
-        )));
-    }
-    let version = gemms.lt().library().version();
-    let needed = tf_cuda::cublaslt::Fp8ScaleMode::RowWise.min_cublaslt_version();
-    if version < needed {
-        return Err(H3Error::Backend(format!(
-            "FP8 needs cuBLASLt {needed} or newer (row-wise scales); the loaded library is {version}: point \
-             TF_CUBLASLT at a newer libcublasLt or use --precision bf16"
-        )));
+    if let Some(why) = gemms.fp8_refusal(&info.name, info.compute_capability) {
+        return Err(H3Error::Backend(why));
     }
     Ok(())
 }

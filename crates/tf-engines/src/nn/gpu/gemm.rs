@@ -407,6 +407,26 @@ impl GemmRunner {
         &self.lt
     }
 
+    /// Why FP8 GEMMs cannot run on a device of `name` and `compute_capability` with this cuBLASLt (`None` when they
+    /// can): the row-wise scaled FP8 GEMM needs sm_90 and cuBLASLt 12.9. The message names the fix.
+    pub fn fp8_refusal(&self, name: &str, compute_capability: (i32, i32)) -> Option<String> {
+        if compute_capability != (9, 0) {
+            return Some(format!(
+                "FP8 needs an sm_90 GPU (cuBLASLt runs row-wise scaled FP8 GEMMs there only); {name} is sm_{}{}: \
+                 use --precision bf16",
+                compute_capability.0, compute_capability.1
+            ));
+        }
+        let version = self.lt.library().version();
+        let needed = tf_cuda::cublaslt::Fp8ScaleMode::RowWise.min_cublaslt_version();
+        (version < needed).then(|| {
+            format!(
+                "FP8 needs cuBLASLt {needed} or newer (row-wise scales); the loaded library is {version}: point \
+                 TF_CUBLASLT at a newer libcublasLt or use --precision bf16"
+            )
+        })
+    }
+
     /// How new plans pick their algorithm.
     pub fn set_algo_selection(&self, selection: AlgoSelection) -> Result<(), GemmError> {
         self.lt
