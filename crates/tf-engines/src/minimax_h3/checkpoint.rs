@@ -13,8 +13,15 @@
 //!
 //! [`detect`] tells the layouts apart by name; [`original_tensor_specs`] lists what an original folder must hold;
 //! [`to_diffusers`] turns one original tensor into the diffusers tensors it stands for.
+//!
+//! Either layout may store weights in FP8 with their scales (a scaled-FP8 checkpoint, read by
+//! [`crate::nn::fp8_checkpoint`]): [`check_folder`] finds and validates them before the names and shapes are
+//! checked. The host reference dequantizes them to f32; the GPU loader feeds the codes of its FP8 GEMM weights as
+//! stored and dequantizes the rest.
 
 use super::config::MiniMaxH3Config;
+use super::dit::H3Error;
+use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::tensor::TensorF32;
 use crate::nn::weights::{ModelDir, TensorSpec, FLOAT_DTYPES};
 
@@ -57,6 +64,34 @@ pub fn detect(model: &ModelDir, qkv: QkvLayout) -> CheckpointLayout {
     } else {
         CheckpointLayout::Diffusers
     }
+}
+
+/// The tensors a folder of `layout` must hold (diffusers specs, or the original ones with the optional rotary
+/// buffer when the folder has it).
+pub fn folder_specs(
+    model: &ModelDir,
+    config: &MiniMaxH3Config,
+    layout: CheckpointLayout,
+) -> Vec<TensorSpec> {
+    match layout {
+        CheckpointLayout::Diffusers => config.tensor_specs(),
+        CheckpointLayout::Original(_) => {
+            original_tensor_specs(config, model.names().any(|n| n == ROPE_BUFFER))
+        }
+    }
+}
+
+/// Checks a transformer folder of `layout` before anything is loaded: finds the weights stored in FP8 with their
+/// scales (none in an ordinary checkpoint) and validates them, then checks every tensor's name, shape and dtype,
+/// `F8_E4M3` allowed where the file stores it and the scale tensors declared. Returns the FP8 weights found.
+pub fn check_folder(
+    model: &ModelDir,
+    config: &MiniMaxH3Config,
+    layout: CheckpointLayout,
+) -> Result<Fp8Checkpoint, H3Error> {
+    let fp8 = Fp8Checkpoint::scan(model)?;
+    model.check(&fp8.model_specs(&folder_specs(model, config, layout)))?;
+    Ok(fp8)
 }
 
 fn spec(name: String, shape: Vec<usize>) -> TensorSpec {

@@ -30,6 +30,10 @@ pub enum H3Error {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// A transformer folder storing weights in FP8 with their scales (a scaled-FP8 checkpoint) that does not
+    /// follow an accepted layout; the error names the file and tensor.
+    #[error(transparent)]
+    Fp8Checkpoint(#[from] crate::nn::fp8_checkpoint::Fp8CheckpointError),
     #[error("shape mismatch: {0}")]
     Shape(#[from] ShapeError),
     /// An original-layout tensor that cannot be mapped onto the diffusers layout.

@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use super::checkpoint::{self, CheckpointLayout, QkvLayout, ROPE_BUFFER};
+use super::checkpoint::{self, CheckpointLayout, QkvLayout};
 use super::config::{MiniMaxH3Config, MODALITIES, MODULATION_CHUNKS};
 use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use crate::nn::host as ops;
@@ -97,50 +97,45 @@ impl std::fmt::Debug for HostH3Dit {
     }
 }
 
-/// Converts every tensor of `model` to f32 under its diffusers name, checking the folder first.
+/// Converts every tensor of `model` to f32 under its diffusers name, checking the folder first. Weights stored in
+/// FP8 with their scales are dequantized (`decode(code) * scale` of their row).
 fn load_tensors(
     model: &ModelDir,
     config: &MiniMaxH3Config,
     layout: CheckpointLayout,
 ) -> Result<(BTreeMap<String, TensorF32>, LoadStats), H3Error> {
-    match layout {
-        CheckpointLayout::Diffusers => {
-            let specs = config.tensor_specs();
-            model.check(&specs)?;
-            let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-            Ok(model.load_f32(&names)?)
-        }
-        CheckpointLayout::Original(qkv) => {
-            if let Ok(info) = model.info(checkpoint::PRUNED_TABLE) {
-                return Err(H3Error::Checkpoint {
-                    file: model.dir().display().to_string(),
-                    tensor: checkpoint::PRUNED_TABLE.into(),
-                    why: format!(
-                        "a pruned checkpoint (shape {:?} instead of the time embedder) is not supported; use the unpruned release",
-                        info.shape
-                    ),
-                });
-            }
-            let with_rope = model.names().any(|n| n == ROPE_BUFFER);
-            let specs = checkpoint::original_tensor_specs(config, with_rope);
-            model.check(&specs)?;
-            let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-            let (original, stats) = model.load_f32(&names)?;
-            let mut out = BTreeMap::new();
-            for (name, tensor) in original {
-                let file = model.file_of(&name)?.path().display().to_string();
-                let mapped = checkpoint::to_diffusers(config, qkv, &name, tensor).map_err(|e| {
-                    H3Error::Checkpoint {
-                        file: file.clone(),
-                        tensor: e.tensor,
-                        why: e.why,
-                    }
-                })?;
-                out.extend(mapped);
-            }
-            Ok((out, stats))
+    if let CheckpointLayout::Original(_) = layout {
+        if let Ok(info) = model.info(checkpoint::PRUNED_TABLE) {
+            return Err(H3Error::Checkpoint {
+                file: model.dir().display().to_string(),
+                tensor: checkpoint::PRUNED_TABLE.into(),
+                why: format!(
+                    "a pruned checkpoint (shape {:?} instead of the time embedder) is not supported; use the unpruned release",
+                    info.shape
+                ),
+            });
         }
     }
+    let fp8 = checkpoint::check_folder(model, config, layout)?;
+    let specs = checkpoint::folder_specs(model, config, layout);
+    let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    let (loaded, stats) = fp8.load_f32(model, &names)?;
+    let CheckpointLayout::Original(qkv) = layout else {
+        return Ok((loaded, stats));
+    };
+    let mut out = BTreeMap::new();
+    for (name, tensor) in loaded {
+        let file = model.file_of(&name)?.path().display().to_string();
+        let mapped = checkpoint::to_diffusers(config, qkv, &name, tensor).map_err(|e| {
+            H3Error::Checkpoint {
+                file: file.clone(),
+                tensor: e.tensor,
+                why: e.why,
+            }
+        })?;
+        out.extend(mapped);
+    }
+    Ok((out, stats))
 }
 
 /// Per-row `(1 + scale) + shift` from `[n_mod, hidden]` tables, row `r` reading table row `row_mod[r]`.
