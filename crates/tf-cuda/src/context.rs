@@ -310,6 +310,13 @@ impl Context {
         self.inner.ordinal
     }
 
+    /// True when `other` is this context (a clone, or the context of a stream made in it). Two
+    /// `Context::new` calls on one device give two contexts here, though the driver hands both the
+    /// device's primary context: a stream of one is refused with buffers and libraries of the other.
+    pub fn same_as(&self, other: &Context) -> bool {
+        self.inner.id() == other.inner.id()
+    }
+
     /// The raw `CUcontext` (for libraries such as cuBLASLt that take it).
     pub fn raw(&self) -> CUcontext {
         self.inner.handle

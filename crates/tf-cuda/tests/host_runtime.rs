@@ -121,6 +121,25 @@ fn upload_download_round_trip_and_fill() {
 }
 
 #[test]
+fn two_contexts_of_one_device_are_distinct_and_refuse_each_others_streams() {
+    let f = Fixture::new();
+    let first = f.context();
+    let second = f.context();
+    // The driver hands both the device's primary context; to tf-cuda they are two contexts.
+    assert_eq!(first.raw(), second.raw());
+    assert!(!first.same_as(&second));
+    assert!(first.same_as(&first.clone()));
+    let stream = Stream::new(&first, false).unwrap();
+    assert!(stream.context().same_as(&first));
+    let mut buf = DeviceBuffer::alloc(&second, 8).unwrap();
+    let e = buf.upload_async(0, &[1; 8], &stream).unwrap_err();
+    assert!(e.to_string().contains("another context"), "{e}");
+    let mut own = DeviceBuffer::alloc(&first, 8).unwrap();
+    own.upload_async(0, &[1; 8], &stream).unwrap();
+    stream.synchronize().unwrap();
+}
+
+#[test]
 fn async_upload_delivers_the_bytes_of_the_call_even_if_the_caller_overwrites_them() {
     let f = Fixture::new();
     let ctx = f.context();

@@ -45,7 +45,6 @@ pub mod folder;
 mod run;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -233,8 +232,8 @@ impl Limits {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadOptions {
     pub backend: Backend,
-    /// This process's rank of a multi-GPU job (`tf video --gpus N`): its device is the communicator's, and the
-    /// DiT runs sequence-parallel over the ranks. `None`: one GPU, device 0.
+    /// This process's rank of a multi-GPU job (`tf video --gpus N`): the pipeline loads into the communicator's
+    /// context (its device), and the DiT runs sequence-parallel over the ranks. `None`: one GPU, device 0.
     pub sequence_parallel: Option<super::dit_gpu::parallel::SequenceParallel>,
     pub limits: Limits,
     /// The text conditioning: the hidden state read (50), the prompt bounds, the markup rule.
@@ -479,6 +478,17 @@ impl std::fmt::Debug for H3Pipeline {
     }
 }
 
+/// The process's one device context for the GPU pipeline: a rank of a multi-GPU job loads into its
+/// communicator's context (the DiT's step moves onto the communicator's stream, which tf-cuda refuses with the
+/// buffers and GEMM plans of any other context, even one of the same device); one GPU opens device 0's.
+fn device_context(options: &LoadOptions) -> Result<tf_cuda::Context, PipelineError> {
+    if let Some(sp) = &options.sequence_parallel {
+        return Ok(sp.context());
+    }
+    let driver = tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
+    tf_cuda::Context::new(driver, 0).map_err(|e| gpu("creating a context on device 0", e))
+}
+
 /// The budget the memory plan decides against: what the device offers (`None` on the host: unlimited), capped
 /// by [`LoadOptions::device_budget`].
 fn decide_residency(
@@ -531,14 +541,7 @@ impl H3Pipeline {
         let (context, available, free_before) = match options.backend {
             Backend::Host => (None, None, 0),
             Backend::Gpu => {
-                let driver =
-                    tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
-                let device = options
-                    .sequence_parallel
-                    .as_ref()
-                    .map_or(0, |sp| sp.device());
-                let ctx = tf_cuda::Context::new(Arc::clone(&driver), device)
-                    .map_err(|e| gpu(&format!("creating a context on device {device}"), e))?;
+                let ctx = device_context(options)?;
                 let free = ctx
                     .memory_info()
                     .map_err(|e| gpu("reading free memory", e))?

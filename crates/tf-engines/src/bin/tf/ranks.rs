@@ -119,7 +119,9 @@ fn heads_of(model: &Path) -> Result<usize, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Joins both communicators of rank `rank` on device `device`, control first (every rank in the same order).
+/// Joins both communicators of rank `rank` on device `device`, control first (every rank in the same order). The
+/// context made here is the process's one context: the pipeline loads into the DiT communicator's context
+/// ([`SequenceParallel::context`]) rather than opening another.
 fn connect(
     nccl: &Arc<Nccl>,
     rank: usize,

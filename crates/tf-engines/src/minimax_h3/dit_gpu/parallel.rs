@@ -98,6 +98,12 @@ impl SequenceParallel {
     pub fn device(&self) -> i32 {
         self.comm.stream().context().ordinal()
     }
+
+    /// The context of this rank's communicator: the process's one context, which the pipeline loads into, since
+    /// the DiT's step runs on the communicator's stream.
+    pub fn context(&self) -> tf_cuda::Context {
+        self.comm.stream().context()
+    }
 }
 
 impl PartialEq for SequenceParallel {
@@ -750,12 +756,21 @@ impl GpuH3Dit {
         comm: Arc<Comm>,
         attention: SpAttention,
     ) -> Result<(), H3Error> {
-        let device = comm.stream().context().ordinal();
+        let comm_ctx = comm.stream().context();
+        let device = comm_ctx.ordinal();
         if device != self.engine.ctx.ordinal() {
             return Err(H3Error::Backend(format!(
                 "the sequence-parallel communicator lives on device {device}, the DiT on device {}",
                 self.engine.ctx.ordinal()
             )));
+        }
+        // The step's GEMMs and buffers belong to the DiT's context; the communicator's stream must too.
+        if !comm_ctx.same_as(&self.engine.ctx) {
+            return Err(H3Error::Backend(
+                "the sequence-parallel communicator's stream was made in another context than the DiT's; \
+                 load the DiT into the communicator's context (one context per process)"
+                    .into(),
+            ));
         }
         let world = comm.world_size();
         if attention == SpAttention::Ulysses {
