@@ -47,7 +47,7 @@ use std::time::Duration;
 use tf_cuda::cublaslt::{AlgoSelection, PrepareReport};
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
-use super::checkpoint::{self, CheckpointLayout, PRUNED_TABLE, ROPE_BUFFER};
+use super::checkpoint::{self, CheckpointLayout, PRUNED_TABLE};
 use super::config::{ConfigError, MiniMaxH3Config};
 use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use super::dit_host::LoadOptions;
@@ -82,6 +82,7 @@ mod workspace;
 #[cfg(feature = "bench")]
 pub use bench::{H3Phase, H3PhaseTimes};
 use kernels::H3Kernels;
+pub use weights::CheckpointFp8Use;
 use weights::{Dims, Source, WeightOffsets};
 use workspace::{ShapeKey, Workspace};
 
@@ -141,6 +142,8 @@ pub struct GpuH3Dit {
     use_graphs: bool,
     layout: Option<CheckpointLayout>,
     upload: Option<UploadStats>,
+    /// The checkpoint's FP8 weights: how many, used as stored, dequantized.
+    checkpoint_fp8: CheckpointFp8Use,
 }
 
 impl std::fmt::Debug for GpuH3Dit {
@@ -162,8 +165,8 @@ impl Drop for GpuH3Dit {
     }
 }
 
-/// Checks an original-layout folder against its specs (a pruned checkpoint is refused, naming the table).
-fn check_original(model: &ModelDir, config: &MiniMaxH3Config) -> Result<(), H3Error> {
+/// Refuses a pruned original-layout checkpoint, naming the table.
+fn check_pruned(model: &ModelDir) -> Result<(), H3Error> {
     if let Ok(info) = model.info(PRUNED_TABLE) {
         return Err(H3Error::Checkpoint {
             file: model.file_of(PRUNED_TABLE)?.path().display().to_string(),
@@ -174,8 +177,6 @@ fn check_original(model: &ModelDir, config: &MiniMaxH3Config) -> Result<(), H3Er
             ),
         });
     }
-    let with_rope = model.names().any(|n| n == ROPE_BUFFER);
-    model.check(&checkpoint::original_tensor_specs(config, with_rope))?;
     Ok(())
 }
 
@@ -188,6 +189,12 @@ fn check_fp8_support(ctx: &Context, gemms: &GemmRunner) -> Result<(), H3Error> {
         return Err(H3Error::Backend(why));
     }
     Ok(())
+}
+
+/// What making the device weights reported: the upload's measurements and the checkpoint's FP8 weights' fate.
+struct DeviceWeightsReport {
+    upload: Option<UploadStats>,
+    checkpoint_fp8: CheckpointFp8Use,
 }
 
 /// What a weights maker gets from the engine under construction.
@@ -206,7 +213,7 @@ impl Engine {
         source: Source,
         precision: DitPrecision,
         make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
-    ) -> Result<(Engine, Option<UploadStats>), H3Error> {
+    ) -> Result<(Engine, DeviceWeightsReport), H3Error> {
         let precision = precision.resolve(DEFAULT_FP8);
         let layers = config.num_layers;
         let fp8_groups: Vec<Fp8Groups> = (0..layers)
@@ -247,7 +254,10 @@ impl Engine {
                 quant,
                 parallel: None,
             },
-            made.upload,
+            DeviceWeightsReport {
+                upload: made.upload,
+                checkpoint_fp8: made.checkpoint_fp8,
+            },
         ))
     }
 }
@@ -291,24 +301,32 @@ impl GpuH3Dit {
             MiniMaxH3Config::from_json_file(model.config_json(), &model.dir().join("config.json"))?;
         let layout = checkpoint::detect(model, options.qkv);
         let source = match layout {
-            CheckpointLayout::Diffusers => {
-                model.check(&config.tensor_specs())?;
-                Source::Diffusers
-            }
+            CheckpointLayout::Diffusers => Source::Diffusers,
             CheckpointLayout::Original(qkv) => {
-                check_original(model, &config)?;
+                check_pruned(model)?;
                 Source::Original(qkv)
             }
         };
-        let (engine, upload) = Engine::new(ctx, config, source, precision, |m| {
-            weights::upload(ctx, m.stream, m.quant, model, m.plan, staging)
+        // Weights stored in FP8 with their scales are found and checked with the names and shapes.
+        let fp8_checkpoint = checkpoint::check_folder(model, &config, layout)?;
+        let (engine, report) = Engine::new(ctx, config, source, precision, |m| {
+            weights::upload(
+                ctx,
+                m.stream,
+                m.quant,
+                model,
+                &fp8_checkpoint,
+                m.plan,
+                staging,
+            )
         })?;
         Ok(GpuH3Dit {
             engine,
             workspaces: Vec::new(),
             use_graphs: true,
             layout: Some(layout),
-            upload,
+            upload: report.upload,
+            checkpoint_fp8: report.checkpoint_fp8,
         })
     }
 
@@ -344,6 +362,7 @@ impl GpuH3Dit {
             use_graphs: true,
             layout: None,
             upload: None,
+            checkpoint_fp8: CheckpointFp8Use::default(),
         })
     }
 
@@ -377,11 +396,24 @@ impl GpuH3Dit {
         self.engine.precision
     }
 
-    /// What a load report says about the precision: where FP8 runs, or bf16.
+    /// What a load report says about the precision: where FP8 runs, or bf16; and, for a checkpoint that stores
+    /// weights in FP8 with their scales, how many there are, how many went to the device as stored and how many
+    /// were dequantized.
     pub fn describe_precision(&self) -> String {
-        self.engine
+        let precision = self
+            .engine
             .precision
-            .describe(self.engine.config.num_layers)
+            .describe(self.engine.config.num_layers);
+        if self.checkpoint_fp8.stored == 0 {
+            return precision;
+        }
+        format!("{precision}; {}", self.checkpoint_fp8.describe())
+    }
+
+    /// The checkpoint's FP8 weights: how many the folder stores, used as stored, dequantized (zeros for a float
+    /// checkpoint or a seeded model).
+    pub fn checkpoint_fp8(&self) -> CheckpointFp8Use {
+        self.checkpoint_fp8
     }
 
     /// Device bytes of the workspaces held now (one per shape seen, at most two).

@@ -19,6 +19,7 @@ use crate::minimax_h3::checkpoint::{self, QkvLayout};
 use crate::minimax_h3::config::{MiniMaxH3Config, MODALITIES, MODULATION_CHUNKS};
 use crate::minimax_h3::dit::H3Error;
 use crate::nn::fp8::Fp8RowQuantizer;
+use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CodeCheck, Fp8Dequantizer, Fp8Weight};
 use crate::nn::gpu::quant::{plan_quantize_rows_fp8, Fp8Rows, QuantKernels};
 use crate::nn::gpu::{plan_fill_uniform, Matrix, HEAD_DIM, MAX_NORM_COLS};
 use crate::nn::precision::Fp8Groups;
@@ -948,6 +949,37 @@ static F16_TO_F32: ToF32 = ToF32 { from: Dtype::F16 };
 pub(super) struct DeviceWeights {
     pub buffer: DeviceBuffer,
     pub upload: Option<UploadStats>,
+    /// What became of the checkpoint's own FP8 weights (all zero for a float checkpoint or a seeded model).
+    pub checkpoint_fp8: CheckpointFp8Use,
+}
+
+/// How many weights the folder stored in FP8 with their scales, and how many of those went to the device as the
+/// file's codes (the rest were dequantized: to bf16 on the ring, or through f32 on the host where a placement
+/// splits a row or lands in an f32 module).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CheckpointFp8Use {
+    pub stored: usize,
+    pub as_stored: usize,
+}
+
+impl CheckpointFp8Use {
+    /// Weights dequantized.
+    pub fn dequantized(&self) -> usize {
+        self.stored - self.as_stored
+    }
+
+    /// A phrase for load reports (empty when the checkpoint stores nothing in FP8).
+    pub fn describe(&self) -> String {
+        if self.stored == 0 {
+            return String::new();
+        }
+        format!(
+            "FP8 checkpoint: {} weights stored in e4m3, {} used as stored, {} dequantized",
+            self.stored,
+            self.as_stored,
+            self.dequantized()
+        )
+    }
 }
 
 /// Allocates the plan's buffer, cleared when anything is padded.
@@ -963,11 +995,13 @@ fn allocate(ctx: &Context, stream: &Stream, plan: &WeightPlan) -> Result<DeviceB
     Ok(buffer)
 }
 
-/// The source bytes of placement `pl` (checked against its tensor) and their dtype.
+/// The source bytes of placement `pl` (checked against its tensor) and their dtype. `fp8` says the folder stores
+/// the tensor as e4m3 codes with scales (one byte per element, read by the caller as codes).
 fn source_of<'m>(
     model: &'m ModelDir,
     plan: &WeightPlan,
     pl: &Placement,
+    fp8: bool,
 ) -> Result<(&'m [u8], Dtype, String), H3Error> {
     let name = plan
         .names
@@ -994,14 +1028,18 @@ fn source_of<'m>(
                 info.shape
             ),
         })?;
-    if matches!(pl.device, Device::F32 | Device::Fp8 { .. })
-        && !matches!(info.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16)
-    {
+    let float = matches!(info.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16);
+    let readable = if fp8 {
+        info.dtype == Dtype::F8E4M3
+    } else {
+        float || pl.device == Device::Bf16
+    };
+    if !readable {
         return Err(H3Error::Checkpoint {
             file: file.path().display().to_string(),
             tensor: name.clone(),
             why: format!(
-                "stored as {}; the f32 modules and FP8 weights read F32, BF16 or F16",
+                "stored as {}; the f32 modules and FP8 weights read F32, BF16 or F16, or e4m3 codes with their scales",
                 info.dtype
             ),
         });
@@ -1036,52 +1074,196 @@ pub(super) fn whole_rows(m: &Fp8Matrix, pl: &Placement) -> Option<(usize, usize)
     whole.then_some((first_row, rows))
 }
 
-/// Uploads every placement of `plan` from `model` (already checked against its tensor specs) through the pinned
-/// ring: bf16 weights converted on the way, f32 modules kept (or widened to) f32, and the FP8 matrices quantized
-/// per output row: on the ring itself (the staging slot receives the e4m3 codes, no second host copy; their
-/// scales are uploaded once the ring is done) when every placement is whole rows, else (zero-padded tiny models)
-/// through a bf16 scratch matrix on the device that `quant` quantizes.
+/// The device rows of FP8 matrix `m` that placement `pl` of a checkpoint FP8 weight `w` writes, each with the scale
+/// of the source row it comes from. A placement may cover several whole rows or a piece of one (a head's columns);
+/// a source row's run must stay inside one device row.
+pub(super) fn code_row_scales(
+    w: &Fp8Weight,
+    m: &Fp8Matrix,
+    pl: &Placement,
+) -> Result<Vec<(usize, f32)>, String> {
+    let (wc, mc) = (w.cols.max(1), m.cols.max(1));
+    let at = pl
+        .dst
+        .checked_sub(m.codes)
+        .ok_or("the placement lies before its matrix")?;
+    let last = pl
+        .src_first
+        .checked_add(pl.len)
+        .and_then(|e| e.checked_sub(1))
+        .ok_or("an empty placement")?;
+    let mut out = Vec::new();
+    for r in pl.src_first / wc..=last / wc {
+        let first_elem = (r * wc).max(pl.src_first) - pl.src_first;
+        let last_elem = ((r + 1) * wc - 1).min(last) - pl.src_first;
+        let row = (at + first_elem) / mc;
+        if (at + last_elem) / mc != row || row >= m.rows {
+            return Err(format!(
+                "source row {r} does not land inside one of the {} device rows",
+                m.rows
+            ));
+        }
+        let scale = *w
+            .scales
+            .get(r)
+            .ok_or_else(|| format!("source row {r} has no scale"))?;
+        out.push((row, scale));
+    }
+    Ok(out)
+}
+
+/// How one placement's elements reach the device.
+enum Feed<'a> {
+    /// Float elements: the file's, or a checkpoint FP8 weight dequantized to f32 on the host.
+    Float(&'a [u8], Dtype),
+    /// A checkpoint's e4m3 codes as stored, bound for an FP8 matrix.
+    Codes(&'a [u8]),
+    /// A checkpoint's e4m3 codes dequantized to bf16 on the ring (whole source rows).
+    Dequantize(&'a [u8], Fp8Dequantizer),
+}
+
+/// Whether every placement of FP8 matrix `index` reads a weight the checkpoint stores in FP8.
+fn all_stored(plan: &WeightPlan, checkpoint: &Fp8Checkpoint, index: usize) -> bool {
+    plan.placements
+        .iter()
+        .filter(|pl| pl.device == (Device::Fp8 { matrix: index }))
+        .all(|pl| {
+            plan.names
+                .get(pl.tensor)
+                .is_some_and(|n| checkpoint.get(n).is_some())
+        })
+}
+
+/// Uploads every placement of `plan` from `model` (already checked against its tensor specs, FP8 weights found
+/// by `checkpoint`) through the pinned ring: bf16 weights converted on the way, f32 modules kept (or widened to)
+/// f32, and the FP8 matrices quantized per output row: on the ring itself (the staging slot receives the e4m3
+/// codes, no second host copy; their scales are uploaded once the ring is done) when every placement is whole
+/// rows, else (zero-padded tiny models) through a bf16 scratch matrix on the device that `quant` quantizes.
+///
+/// A weight the checkpoint stores in FP8 with its scales goes to an FP8 matrix as the file's codes, its row
+/// scales beside them (no re-quantization; padding rows read code 0 with scale 1), whenever the ring can write the
+/// matrix (every full-size checkpoint) or every weight of the matrix is stored in FP8 (tiny padded models). Every
+/// other placement of it is dequantized: to bf16 on the ring when it is whole source rows, else through f32 on
+/// the host (split rows of padded models, the f32 modules, a padded matrix that mixes stored and float weights,
+/// which is then quantized on the device).
 pub(super) fn upload(
     ctx: &Context,
     stream: &Stream,
     quant: Option<&QuantKernels>,
     model: &ModelDir,
+    checkpoint: &Fp8Checkpoint,
     plan: &WeightPlan,
     staging: StagingConfig,
 ) -> Result<DeviceWeights, H3Error> {
     let on_ring = !plan.padded;
-    // One row quantizer per FP8 placement the ring quantizes; it keeps the scales of the rows it is handed.
+    let stored_matrices: Vec<bool> = (0..plan.fp8.len())
+        .map(|i| on_ring || all_stored(plan, checkpoint, i))
+        .collect();
+    // Checkpoint FP8 weights read through f32 on the host, by tensor index.
+    let mut host_f32: HashMap<usize, Vec<u8>> = HashMap::new();
+    for pl in &plan.placements {
+        let name = plan.names.get(pl.tensor).map_or("", String::as_str);
+        let Some(w) = checkpoint.get(name) else {
+            continue;
+        };
+        let whole_source_rows =
+            pl.src_first.is_multiple_of(w.cols.max(1)) && pl.len.is_multiple_of(w.cols.max(1));
+        let needs_host = match pl.device {
+            Device::F32 => true,
+            Device::Bf16 => !whole_source_rows,
+            Device::Fp8 { matrix } => !stored_matrices.get(matrix).copied().unwrap_or(false),
+        };
+        if needs_host && !host_f32.contains_key(&pl.tensor) {
+            let values = checkpoint.to_f32(model, name)?;
+            host_f32.insert(
+                pl.tensor,
+                values.data().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            );
+        }
+    }
+    // What each placement reads, and which checkpoint FP8 tensors went entirely as codes.
+    let mut feeds: Vec<Feed<'_>> = Vec::with_capacity(plan.placements.len());
+    let mut as_codes: HashMap<usize, bool> = HashMap::new();
+    for pl in &plan.placements {
+        let name = plan.names.get(pl.tensor).map_or("", String::as_str);
+        let feed = match (checkpoint.get(name), host_f32.get(&pl.tensor)) {
+            (Some(_), Some(image)) => {
+                let range = pl
+                    .src_first
+                    .checked_mul(F32)
+                    .and_then(|start| Some(start..start.checked_add(pl.len.checked_mul(F32)?)?));
+                let src = range.and_then(|r| image.get(r)).ok_or_else(|| {
+                    H3Error::Backend(format!("internal: {name}: a placement past the tensor"))
+                })?;
+                Feed::Float(src, Dtype::F32)
+            }
+            (Some(w), None) => {
+                let (src, _, _) = source_of(model, plan, pl, true)?;
+                match pl.device {
+                    Device::Fp8 { .. } => Feed::Codes(src),
+                    _ => {
+                        let cols = w.cols.max(1);
+                        let dq = Fp8Dequantizer::for_rows(w, pl.src_first / cols, pl.len / cols)
+                            .ok_or_else(|| {
+                                H3Error::Backend(format!(
+                                    "internal: {name}: a placement past the weight's rows"
+                                ))
+                            })?;
+                        Feed::Dequantize(src, dq)
+                    }
+                }
+            }
+            (None, _) => {
+                let (src, dtype, _) = source_of(model, plan, pl, false)?;
+                Feed::Float(src, dtype)
+            }
+        };
+        if checkpoint.get(name).is_some() {
+            let codes = matches!(feed, Feed::Codes(_));
+            *as_codes.entry(pl.tensor).or_insert(true) &= codes;
+        }
+        feeds.push(feed);
+    }
+    // One row quantizer per float FP8 placement the ring quantizes; it keeps the scales of the rows it is handed.
     let mut quantizers: Vec<Option<(Fp8RowQuantizer, usize)>> =
         Vec::with_capacity(plan.placements.len());
-    let mut sources = Vec::with_capacity(plan.placements.len());
-    for pl in &plan.placements {
-        let (src, dtype, name) = source_of(model, plan, pl)?;
-        let quantizer = match fp8_matrix(plan, pl)? {
-            Some(m) if on_ring => {
+    for (pl, feed) in plan.placements.iter().zip(&feeds) {
+        let quantizer = match (fp8_matrix(plan, pl)?, feed) {
+            (Some(m), Feed::Float(_, dtype)) if on_ring => {
+                let name = plan.names.get(pl.tensor).map_or("?", String::as_str);
                 let (first_row, rows) = whole_rows(m, pl).ok_or_else(|| {
                     H3Error::Backend(format!(
                         "internal: {name}: an FP8 placement of {} elements at byte {} is not whole rows of {}",
                         pl.len, pl.dst, m.cols
                     ))
                 })?;
-                let q = Fp8RowQuantizer::new(dtype, rows, m.cols).map_err(gpu_err(&name))?;
+                let q = Fp8RowQuantizer::new(*dtype, rows, m.cols).map_err(gpu_err(name))?;
                 Some((q, m.scales + first_row * F32))
             }
             _ => None,
         };
         quantizers.push(quantizer);
-        sources.push((src, dtype));
     }
+    static CODE_CHECK: Fp8CodeCheck = Fp8CodeCheck;
     let mut pieces = Vec::with_capacity(plan.placements.len());
-    for ((pl, (src, dtype)), quantizer) in plan.placements.iter().zip(&sources).zip(&quantizers) {
-        let transform = match (pl.device, *dtype, quantizer) {
-            (Device::Fp8 { .. }, _, Some((q, _))) => Transform::Custom(q),
+    for ((pl, feed), quantizer) in plan.placements.iter().zip(&feeds).zip(&quantizers) {
+        let (src, transform) = match (pl.device, feed, quantizer) {
+            (Device::Fp8 { .. }, Feed::Codes(src), _) => (*src, Transform::Custom(&CODE_CHECK)),
+            (Device::Fp8 { .. }, Feed::Float(src, _), Some((q, _))) => (*src, Transform::Custom(q)),
             // Quantized on the device below.
-            (Device::Fp8 { .. }, _, None) => continue,
-            (Device::Bf16, from, _) => Transform::ToBf16 { from },
-            (Device::F32, Dtype::F32, _) => Transform::Copy,
-            (Device::F32, Dtype::F16, _) => Transform::Custom(&F16_TO_F32),
-            (Device::F32, _, _) => Transform::Custom(&BF16_TO_F32),
+            (Device::Fp8 { .. }, _, _) => continue,
+            (Device::Bf16, Feed::Dequantize(src, dq), _) => (*src, Transform::Custom(dq)),
+            (Device::Bf16, Feed::Float(src, from), _) => (*src, Transform::ToBf16 { from: *from }),
+            (Device::F32, Feed::Float(src, Dtype::F32), _) => (*src, Transform::Copy),
+            (Device::F32, Feed::Float(src, Dtype::F16), _) => {
+                (*src, Transform::Custom(&F16_TO_F32))
+            }
+            (Device::F32, Feed::Float(src, _), _) => (*src, Transform::Custom(&BF16_TO_F32)),
+            (_, Feed::Codes(_) | Feed::Dequantize(..), _) => {
+                return Err(H3Error::Backend(
+                    "internal: checkpoint FP8 codes fed to a float placement".into(),
+                ))
+            }
         };
         pieces.push(Piece {
             src,
@@ -1092,7 +1274,28 @@ pub(super) fn upload(
     let mut buffer = allocate(ctx, stream, plan)?;
     let mut stats = upload_pieces(ctx, stream, &mut buffer, &pieces, staging)
         .map_err(gpu_err("uploading the H3 DiT weights"))?;
-    // The ring's FP8 scales, now that every row went through its quantizer.
+    // The FP8 scales, now that every row went through the ring: one image per matrix that holds checkpoint codes
+    // (padding rows 1), else one per ring-quantized placement.
+    let mut code_scales: HashMap<usize, Vec<f32>> = HashMap::new();
+    for (pl, feed) in plan.placements.iter().zip(&feeds) {
+        let (Device::Fp8 { matrix }, Feed::Codes(_)) = (pl.device, feed) else {
+            continue;
+        };
+        let name = plan.names.get(pl.tensor).map_or("?", String::as_str);
+        let (Some(m), Some(w)) = (plan.fp8.get(matrix), checkpoint.get(name)) else {
+            return Err(H3Error::Backend(format!(
+                "internal: {name}: FP8 codes without their matrix or scales"
+            )));
+        };
+        let image = code_scales
+            .entry(matrix)
+            .or_insert_with(|| vec![1.0; m.rows]);
+        for (row, scale) in code_row_scales(w, m, pl)
+            .map_err(|why| H3Error::Backend(format!("internal: {name}: {why}")))?
+        {
+            image[row] = scale;
+        }
+    }
     let mut scale_images: Vec<(usize, Vec<u8>)> = Vec::new();
     for ((q, at), pl) in quantizers
         .iter()
@@ -1100,14 +1303,38 @@ pub(super) fn upload(
         .filter_map(|(q, pl)| q.as_ref().map(|q| (q, pl)))
     {
         let scales = q.scales();
+        let name = plan.names.get(pl.tensor).map_or("?", String::as_str);
         if scales.iter().any(|v| !v.is_finite() || *v <= 0.0) {
-            let name = plan.names.get(pl.tensor).map_or("?", String::as_str);
             return Err(H3Error::Backend(format!(
                 "{name}: the FP8 quantizer did not produce a finite scale for every row (non-finite weights in the \
                  checkpoint?)"
             )));
         }
-        scale_images.push((*at, scales.iter().flat_map(|v| v.to_le_bytes()).collect()));
+        let matrix = match pl.device {
+            Device::Fp8 { matrix } => matrix,
+            _ => usize::MAX,
+        };
+        match (code_scales.get_mut(&matrix), plan.fp8.get(matrix)) {
+            // A matrix mixing the file's codes and quantized float weights: one image for both.
+            (Some(image), Some(m)) => {
+                let first = (at - m.scales) / F32;
+                image
+                    .get_mut(first..first + scales.len())
+                    .ok_or_else(|| {
+                        H3Error::Backend(format!("internal: {name}: scales past the matrix"))
+                    })?
+                    .copy_from_slice(&scales);
+            }
+            _ => scale_images.push((*at, scales.iter().flat_map(|v| v.to_le_bytes()).collect())),
+        }
+    }
+    for (matrix, image) in &code_scales {
+        if let Some(m) = plan.fp8.get(*matrix) {
+            scale_images.push((
+                m.scales,
+                image.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ));
+        }
     }
     if !scale_images.is_empty() {
         let scale_pieces: Vec<Piece<'_>> = scale_images
@@ -1119,19 +1346,30 @@ pub(super) fn upload(
         stats.device_bytes += more.device_bytes;
         stats.seconds += more.seconds;
     }
-    if !on_ring && !plan.fp8.is_empty() {
-        // Each FP8 matrix as bf16 into a scratch matrix (zero padding included), then quantized on the device.
+    let device_quantized: Vec<usize> = (0..plan.fp8.len())
+        .filter(|&i| !stored_matrices.get(i).copied().unwrap_or(false))
+        .collect();
+    if !device_quantized.is_empty() {
+        // Each such FP8 matrix as bf16 into a scratch matrix (zero padding included), then quantized on the device.
         let quant = quant.ok_or_else(|| {
             H3Error::Backend("internal: FP8 weights without the quantizing kernels".into())
         })?;
         let mut scratch = Scratch::new(ctx, plan)?;
-        for (index, m) in plan.fp8.iter().enumerate() {
+        for index in device_quantized {
+            let Some(m) = plan.fp8.get(index) else {
+                continue;
+            };
             let mut matrix_pieces = Vec::new();
-            for (pl, (src, dtype)) in plan.placements.iter().zip(&sources) {
+            for (pl, feed) in plan.placements.iter().zip(&feeds) {
                 if pl.device == (Device::Fp8 { matrix: index }) {
                     let at = pl.dst.checked_sub(m.codes).ok_or_else(|| {
                         H3Error::Backend("internal: an FP8 placement before its matrix".into())
                     })?;
+                    let Feed::Float(src, dtype) = feed else {
+                        return Err(H3Error::Backend(
+                            "internal: checkpoint codes in a matrix quantized on the device".into(),
+                        ));
+                    };
                     matrix_pieces.push(Piece::bf16(src, *dtype, at * BF16));
                 }
             }
@@ -1146,9 +1384,12 @@ pub(super) fn upload(
             .synchronize()
             .map_err(cuda_err("quantizing the FP8 weights"))?;
     }
+    let stored = as_codes.len();
+    let as_stored = as_codes.values().filter(|&&c| c).count();
     Ok(DeviceWeights {
         buffer,
         upload: Some(stats),
+        checkpoint_fp8: CheckpointFp8Use { stored, as_stored },
     })
 }
 
@@ -1339,6 +1580,7 @@ pub(super) fn random(
     Ok(DeviceWeights {
         buffer,
         upload: None,
+        checkpoint_fp8: CheckpointFp8Use::default(),
     })
 }
 
@@ -1694,6 +1936,114 @@ mod tests {
             if let Device::Fp8 { matrix } = pl.device {
                 let m = &p.fp8[matrix];
                 assert!(pl.dst >= m.codes && pl.dst + pl.len <= m.codes + m.rows * m.cols);
+            }
+        }
+    }
+
+    #[test]
+    fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
+        use crate::minimax_h3::checkpoint::{check_folder, detect};
+        use crate::nn::gpu::test_support::context;
+        let _serial = tf_testdriver::test_lock();
+        let ctx = context();
+        let stream = Stream::new(&ctx, false).unwrap();
+        let staging = StagingConfig {
+            slot_bytes: 4096,
+            slots: 2,
+            threads: 3,
+        };
+        let f32s = |bytes: &[u8]| -> Vec<f32> {
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        // q|k|v, the feed-forward pair and the adaLN projection from the file's codes; the output projection
+        // (split per head on the device) and everything outside the main blocks dequantized.
+        let groups = Fp8Groups {
+            out: false,
+            adaln: true,
+            ..Fp8Groups::ALL
+        };
+        for (variant, as_stored) in [("per_channel", 12), ("original_per_channel", 8)] {
+            let model = ModelDir::open(
+                &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../tests/fixtures/minimax_h3_fp8")
+                    .join(variant),
+            )
+            .unwrap();
+            let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
+            let layout = detect(&model, QkvLayout::Interleaved);
+            let source = match layout {
+                checkpoint::CheckpointLayout::Diffusers => Source::Diffusers,
+                checkpoint::CheckpointLayout::Original(q) => Source::Original(q),
+            };
+            let ck = check_folder(&model, &config, layout).unwrap();
+            for fp8 in [true, false] {
+                let dims = Dims::of_for(&config, fp8).unwrap();
+                let layer_groups =
+                    vec![if fp8 { groups } else { Fp8Groups::NONE }; config.num_layers];
+                let p = plan(&config, &dims, source, &layer_groups).unwrap();
+                assert!(p.padded, "the fixture's heads are padded to 128");
+                let up = upload(&ctx, &stream, None, &model, &ck, &p, staging).unwrap();
+                let want = CheckpointFp8Use {
+                    stored: ck.weights().len(),
+                    as_stored: if fp8 { as_stored } else { 0 },
+                };
+                assert_eq!(up.checkpoint_fp8, want, "{variant} fp8={fp8}");
+                let image: Vec<u8> = up.buffer.to_vec().unwrap();
+                let mut covered: HashMap<usize, Vec<bool>> = HashMap::new();
+                for pl in &p.placements {
+                    let name = &p.names[pl.tensor];
+                    let Some(w) = ck.get(name) else {
+                        continue;
+                    };
+                    let values = ck.to_f32(&model, name).unwrap().into_data();
+                    let values = &values[pl.src_first..pl.src_first + pl.len];
+                    match pl.device {
+                        Device::Fp8 { matrix } => {
+                            // The file's codes, byte for byte, and each row's scale from the file.
+                            let m = &p.fp8[matrix];
+                            let codes = &model.bytes(name).unwrap()[pl.src_first..][..pl.len];
+                            assert_eq!(&image[pl.dst..][..pl.len], codes, "{variant} {name}");
+                            let scales = f32s(&image[m.scales..][..m.rows * F32]);
+                            let rows = covered.entry(matrix).or_insert_with(|| vec![false; m.rows]);
+                            for (row, scale) in code_row_scales(w, m, pl).unwrap() {
+                                assert_eq!(scales[row], scale, "{variant} {name} row {row}");
+                                rows[row] = true;
+                            }
+                        }
+                        Device::Bf16 => {
+                            let got = &image[pl.dst..][..pl.len * BF16];
+                            let want: Vec<u8> = values
+                                .iter()
+                                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                                .collect();
+                            assert_eq!(got, &want[..], "{variant} {name}: dequantized to bf16");
+                        }
+                        Device::F32 => {
+                            assert_eq!(
+                                f32s(&image[pl.dst..][..pl.len * F32]),
+                                values,
+                                "{variant} {name}: dequantized to f32"
+                            );
+                        }
+                    }
+                }
+                // Padding rows of the stored matrices: code 0 with scale 1.
+                for (matrix, rows) in &covered {
+                    let m = &p.fp8[*matrix];
+                    let scales = f32s(&image[m.scales..][..m.rows * F32]);
+                    for (row, _) in rows.iter().enumerate().filter(|(_, c)| !**c) {
+                        assert_eq!(scales[row], 1.0, "{variant}: padding row {row}");
+                        assert!(image[m.codes + row * m.cols..][..m.cols]
+                            .iter()
+                            .all(|&c| c == 0));
+                    }
+                }
+                // q|k|v, fc1, fc2 and adaLN of every main block; nothing in bf16.
+                let matrices = if fp8 { 4 * config.num_layers } else { 0 };
+                assert_eq!(covered.len(), matrices, "{variant} fp8={fp8}");
             }
         }
     }
