@@ -235,7 +235,7 @@ fn refused(scratch: &ScratchModel, names: &[&str]) -> Fp8CheckpointError {
     let model = scratch.open().unwrap();
     let err = match HostH3Dit::load(&model) {
         Ok(_) => panic!("{names:?}: the host DiT loaded"),
-        Err(H3Error::Fp8Checkpoint(e)) => e,
+        Err(H3Error::Fp8Checkpoint(e)) => *e,
         Err(other) => panic!("{names:?}: another error: {other}"),
     };
     let text = err.to_string();

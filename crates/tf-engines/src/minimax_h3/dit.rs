@@ -31,9 +31,9 @@ pub enum H3Error {
     #[error(transparent)]
     Layout(#[from] LayoutError),
     /// A transformer folder storing weights in FP8 with their scales (a scaled-FP8 checkpoint) that does not
-    /// follow an accepted layout; the error names the file and tensor.
+    /// follow an accepted layout; the error names the file and tensor. Boxed: the error is large and rare.
     #[error(transparent)]
-    Fp8Checkpoint(#[from] crate::nn::fp8_checkpoint::Fp8CheckpointError),
+    Fp8Checkpoint(Box<crate::nn::fp8_checkpoint::Fp8CheckpointError>),
     #[error("shape mismatch: {0}")]
     Shape(#[from] ShapeError),
     /// An original-layout tensor that cannot be mapped onto the diffusers layout.
@@ -51,6 +51,12 @@ pub enum H3Error {
     /// A GPU backend call failed (the typed cause stays in the chain, so a lost context is findable).
     #[error(transparent)]
     Gpu(#[from] crate::nn::backend_error::GpuError),
+}
+
+impl From<crate::nn::fp8_checkpoint::Fp8CheckpointError> for H3Error {
+    fn from(e: crate::nn::fp8_checkpoint::Fp8CheckpointError) -> H3Error {
+        H3Error::Fp8Checkpoint(Box::new(e))
+    }
 }
 
 fn input_err<T>(why: impl Into<String>) -> Result<T, H3Error> {
