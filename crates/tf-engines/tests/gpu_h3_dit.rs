@@ -1639,3 +1639,89 @@ fn linear_fp8w_matches_the_host_product_of_its_dequantized_weights() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Scaled-FP8 checkpoints (tests/fixtures/minimax_h3_fp8, tests/python/h3_fp8_checkpoint_fixtures.py): the
+// fl2va_first weights stored as e4m3 with per-tensor or per-channel scales, diffusers and original names. In FP8
+// the main blocks' GEMM weights go to the device as the file's codes; everything else is dequantized. Both modes
+// are held against the host forward on the same file (its weights dequantized to f32, bf16 RoPE tables as the
+// GPU uses them): bf16 within the bf16 bounds, FP8 within the FP8 bounds (the weights are exactly the host's, so
+// only the activations' e4m3 rounding adds to the bf16 error).
+
+fn h3_fp8_checkpoint(variant: &str) -> ModelDir {
+    ModelDir::open(&fixture_dir::find("minimax_h3_fp8").join(variant)).unwrap()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
+    let test = "fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward";
+    let Some(ctx) = fp8_context(test) else {
+        return;
+    };
+    let staging = StagingConfig {
+        slot_bytes: 8192,
+        slots: 2,
+        threads: 3,
+    };
+    let step = inputs("fl2va_first");
+    let fp8_mode: DitPrecision = "fp8:all,adaln,ends=0".parse().unwrap();
+    let mut per_channel_fp8 = None;
+    // (variant, weights stored in FP8, of those used as stored in FP8 mode: q|k|v, out, fc1, fc2, adaLN per block)
+    for (variant, stored, as_stored) in [
+        ("per_tensor", 27, 14),
+        ("per_channel", 27, 14),
+        ("original_per_channel", 19, 10),
+    ] {
+        let model = h3_fp8_checkpoint(variant);
+        let mut host = HostH3Dit::load(&model).unwrap();
+        host.set_rope_tables(RopeTables::Bf16);
+        let host_out = host.forward(&step).unwrap();
+        for (precision, want_as_stored, rel, cos) in [
+            (DitPrecision::Bf16, 0, REL_L2_MAX, COSINE_MIN),
+            (fp8_mode, as_stored, FP8_REL_L2_MAX, FP8_COSINE_MIN),
+        ] {
+            let mut dit =
+                GpuH3Dit::load_in(&ctx, &model, LoadOptions::default(), staging, precision)
+                    .unwrap_or_else(|e| panic!("{variant}: load in {precision}: {e}"));
+            let used = dit.checkpoint_fp8();
+            println!(
+                "{variant} in {precision}: {}, {} B resident",
+                dit.describe_precision(),
+                dit.weight_bytes()
+            );
+            assert_eq!(
+                (used.stored, used.as_stored),
+                (stored, want_as_stored),
+                "{variant} in {precision}"
+            );
+            assert!(dit.describe_precision().contains("used as stored"));
+            dit.set_graphs(false);
+            let out = dit.forward(&step).unwrap();
+            for (what, ours, theirs) in [
+                ("sample", &out.sample, &host_out.sample),
+                ("audio_sample", &out.audio_sample, &host_out.audio_sample),
+            ] {
+                assert_close_within(
+                    &format!("{variant}/{what} in {precision} vs the host on the same file"),
+                    ours,
+                    theirs,
+                    rel,
+                    cos,
+                );
+            }
+            // The original names hold the same codes and row scales: the same device image, the same output.
+            if precision == fp8_mode {
+                match variant {
+                    "per_channel" => per_channel_fp8 = Some(out),
+                    "original_per_channel" => {
+                        let diffusers = per_channel_fp8.as_ref().unwrap();
+                        assert_eq!(out.sample.data(), diffusers.sample.data());
+                        assert_eq!(out.audio_sample.data(), diffusers.audio_sample.data());
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
