@@ -1,0 +1,485 @@
+//! Unit tests of the H3 DiT's device weights: the dimensions, the placement plans of both name layouts, padding,
+//! the FP8 groups, and the upload of checkpoint FP8 weights on the test driver.
+
+use super::*;
+use crate::minimax_h3::checkpoint::to_diffusers;
+use crate::nn::tensor::TensorF32;
+
+/// The fixtures' odd config: hidden 20, ffn 28, 3 heads of 8, text 20, temb 12 (everything padded).
+fn odd() -> MiniMaxH3Config {
+    MiniMaxH3Config {
+        num_attention_heads: 3,
+        attention_head_dim: 8,
+        hidden_size: 20,
+        num_layers: 2,
+        num_refiner_layers: 1,
+        ffn_dim: 28,
+        in_channels: 4,
+        audio_in_channels: 6,
+        text_dim: 20,
+        freq_dim: 16,
+        time_embed_hidden_dim: 32,
+        time_embed_dim: 12,
+        rope_freq_dim: 1,
+        ..MiniMaxH3Config::default_full_size()
+    }
+}
+
+/// Device byte of every placed source element: (tensor name, element) -> byte offset.
+fn destinations(plan: &WeightPlan) -> HashMap<(String, usize), usize> {
+    let mut out = HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for pl in &plan.placements {
+        for k in 0..pl.len {
+            let dst = pl.dst + k * pl.device.bytes();
+            assert!(dst + pl.device.bytes() <= plan.total);
+            assert!(seen.insert(dst), "device byte {dst} written twice");
+            let key = (plan.names[pl.tensor].clone(), pl.src_first + k);
+            assert!(out.insert(key, dst).is_none());
+        }
+    }
+    out
+}
+
+#[test]
+fn dims_pad_widths_and_refuse_what_the_kernels_cannot_run() {
+    let full = Dims::of(&MiniMaxH3Config::default_full_size()).unwrap();
+    assert!(!full.padded());
+    assert_eq!(
+        (full.hp, full.width, full.fp, full.rotated),
+        (5376, 7168, 14336, 96)
+    );
+    let odd = Dims::of(&odd()).unwrap();
+    assert!(odd.padded());
+    assert_eq!(
+        (odd.hp, odd.fp, odd.text_p, odd.temb_p, odd.width),
+        (24, 32, 24, 16, 384)
+    );
+    let mut wide = MiniMaxH3Config::default_full_size();
+    wide.attention_head_dim = 256;
+    wide.rope_freq_dim = 16;
+    assert!(Dims::of(&wide)
+        .unwrap_err()
+        .to_string()
+        .contains("attention_head_dim"));
+    wide.attention_head_dim = 128;
+    wide.hidden_size = 8200;
+    assert!(Dims::of(&wide)
+        .unwrap_err()
+        .to_string()
+        .contains("hidden_size"));
+}
+
+#[test]
+fn the_full_size_diffusers_plan_is_one_piece_per_tensor() {
+    let config = MiniMaxH3Config::default_full_size();
+    let dims = Dims::of(&config).unwrap();
+    let plan = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+    assert!(!plan.padded);
+    let specs = config.tensor_specs();
+    assert_eq!(plan.placements.len(), specs.len());
+    for (pl, spec) in plan.placements.iter().zip(&specs) {
+        assert_eq!(plan.names[pl.tensor], spec.name);
+        assert_eq!(pl.src_first, 0);
+        assert_eq!(
+            pl.len,
+            spec.shape.iter().product::<usize>(),
+            "{}",
+            spec.name
+        );
+    }
+    // The f32 modules (about 17.3M values) at 4 bytes, the rest at 2, plus alignment.
+    let f32_elems: usize = plan
+        .placements
+        .iter()
+        .filter(|p| p.device == Device::F32)
+        .map(|p| p.len)
+        .sum();
+    let all = config.parameter_count();
+    let bytes = 2 * all + 2 * f32_elems;
+    assert!(
+        plan.total >= bytes && plan.total < bytes + 256 * 2000,
+        "{} vs {bytes}",
+        plan.total
+    );
+    // q, k and v are one contiguous [3 * 7168, 5376] group.
+    let b = &plan.offsets.blocks[7].attn;
+    let k = plan
+        .placements
+        .iter()
+        .find(|p| plan.names[p.tensor] == "transformer_blocks.7.attn.to_k.weight")
+        .unwrap();
+    assert_eq!(k.dst, b.qkv + 7168 * 5376 * 2);
+}
+
+#[test]
+fn the_original_layout_lands_where_the_diffusers_layout_does() {
+    for config in [
+        odd(),
+        MiniMaxH3Config {
+            num_attention_heads: 2,
+            attention_head_dim: 16,
+            hidden_size: 24,
+            ffn_dim: 40,
+            rope_freq_dim: 2,
+            ..odd()
+        },
+    ] {
+        let dims = Dims::of(&config).unwrap();
+        let diffusers = destinations(&plan(&config, &dims, Source::Diffusers, &[]).unwrap());
+        let total: usize = config
+            .tensor_specs()
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
+        assert_eq!(
+            diffusers.len(),
+            total,
+            "every diffusers element placed once"
+        );
+        for qkv in [QkvLayout::Interleaved, QkvLayout::Stacked] {
+            let original = destinations(&plan(&config, &dims, Source::Original(qkv), &[]).unwrap());
+            assert_eq!(original.len(), total);
+            // Each original tensor with its element indices as values, mapped by the checkpoint converter: an
+            // original element must land where the diffusers element it becomes lands.
+            for spec in checkpoint::original_tensor_specs(&config, false) {
+                let n: usize = spec.shape.iter().product();
+                let t =
+                    TensorF32::new(spec.shape.clone(), (0..n).map(|v| v as f32).collect()).unwrap();
+                for (name, mapped) in to_diffusers(&config, qkv, &spec.name, t).unwrap() {
+                    for (j, &v) in mapped.data().iter().enumerate() {
+                        assert_eq!(
+                            original[&(spec.name.clone(), v as usize)],
+                            diffusers[&(name.clone(), j)],
+                            "{} element {v} -> {name} element {j}",
+                            spec.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn padded_heads_and_chunks_keep_their_places() {
+    let config = odd();
+    let dims = Dims::of(&config).unwrap();
+    let plan = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+    let dst = destinations(&plan);
+    let o = &plan.offsets;
+    // Head 2, channel 5 of to_k (row 2 * 8 + 5, column 3) sits at k-part row 2 * 128 + 5, column 3.
+    let at = dst[&("transformer_blocks.1.attn.to_k.weight".into(), 21 * 20 + 3)];
+    assert_eq!(
+        at,
+        o.blocks[1].attn.qkv + ((dims.width + 2 * 128 + 5) * 24 + 3) * 2
+    );
+    // to_out row 4, head 1 channel 2 (column 10) -> device column 128 + 2.
+    let at = dst[&(
+        "transformer_blocks.0.attn.to_out.0.weight".into(),
+        4 * 24 + 10,
+    )];
+    assert_eq!(at, o.blocks[0].attn.to_out + (4 * dims.width + 130) * 2);
+    // adaLN row of modality 2, chunk 4 (gate... scale_mlp), column 7: source row (2 * 6 + 4) * 20 + 7.
+    let at = dst[&(
+        "transformer_blocks.0.adaln_proj.linear.weight".into(),
+        ((2 * 6 + 4) * 20 + 7) * 12 + 5,
+    )];
+    assert_eq!(
+        at,
+        o.blocks[0].ada_w + (((2 * 6 + 4) * 24 + 7) * 16 + 5) * 2
+    );
+    // fc1 gate row 3 (source row 28 + 3) -> device row 32 + 3.
+    let at = dst[&(
+        "token_refiner.refiner_blocks.0.ff.net.0.proj.weight".into(),
+        31 * 20,
+    )];
+    assert_eq!(at, o.refiner[0].fc1 + 35 * 24 * 2);
+    // The f32 time embedder keeps f32: linear_2 row 11 column 31.
+    let at = dst[&("time_embedder.linear_2.weight".into(), 11 * 32 + 31)];
+    assert_eq!(at, o.time2_w + (11 * 32 + 31) * 4);
+}
+
+#[test]
+fn fp8_groups_are_codes_with_row_scales_in_whole_rows() {
+    use crate::nn::precision::{DitPrecision, Fp8Layers};
+    let config = MiniMaxH3Config::default_full_size();
+    let layers = config.num_layers;
+    let groups: Vec<Fp8Groups> = (0..layers)
+        .map(|l| DitPrecision::Fp8(Fp8Layers::DEFAULT).groups_of(l, layers))
+        .collect();
+    // Nothing is padded at full size: the FP8 dimensions are the bf16 ones.
+    let dims = Dims::of_for(&config, true).unwrap();
+    assert_eq!(
+        dims,
+        Dims {
+            fp8: true,
+            ..Dims::of(&config).unwrap()
+        }
+    );
+    let bf16 = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+    let fp8 = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+    assert!(bf16.fp8.is_empty());
+    assert_eq!(fp8.fp8.len(), 4 * (layers - 2));
+    assert_eq!(fp8.placements.len(), bf16.placements.len());
+    // The first and last block and the refiner stay bf16; block 1 holds all four groups in FP8.
+    let o = &fp8.offsets;
+    assert_eq!(o.blocks[0].attn.fp8, GroupScales::default());
+    assert_eq!(o.blocks[layers - 1].attn.fp8, GroupScales::default());
+    assert_eq!(o.refiner[0].fp8, GroupScales::default());
+    let b1 = o.blocks[1].attn;
+    for scales in [b1.fp8.qkv, b1.fp8.to_out, b1.fp8.fc1, b1.fp8.fc2] {
+        assert!(scales.is_some());
+    }
+    // One byte a weight plus a 4-byte scale per row: the saving is one byte per FP8 weight, less the scales.
+    let (codes, rows): (usize, usize) = fp8
+        .fp8
+        .iter()
+        .fold((0, 0), |(c, r), m| (c + m.rows * m.cols, r + m.rows));
+    let saved = bf16.total - fp8.total;
+    assert!(
+        saved + 4 * rows <= codes + 2 * 256 * fp8.fp8.len()
+            && saved + 4 * rows + 2 * 256 * fp8.fp8.len() >= codes,
+        "saved {saved}, FP8 weights {codes}, scale rows {rows}"
+    );
+    println!(
+        "full size: {:.2} GB bf16, {:.2} GB in the default FP8 mode ({:.3})",
+        bf16.total as f64 / 1e9,
+        fp8.total as f64 / 1e9,
+        fp8.total as f64 / bf16.total as f64
+    );
+    // Every FP8 placement is whole rows of its matrix (the ring quantizes them), each row covered once, the
+    // scales before the codes; the same values land as in bf16 (placement for placement).
+    let mut covered = vec![0usize; fp8.fp8.len()];
+    for (pl, twin) in fp8.placements.iter().zip(&bf16.placements) {
+        assert_eq!(
+            (pl.tensor, pl.src_first, pl.len, pl.init),
+            (twin.tensor, twin.src_first, twin.len, twin.init)
+        );
+        if let Device::Fp8 { matrix } = pl.device {
+            let m = &fp8.fp8[matrix];
+            let (first_row, rows) = whole_rows(m, pl).unwrap();
+            assert_eq!(pl.dst, m.codes + first_row * m.cols);
+            covered[matrix] += rows;
+            assert!(m.scales + 4 * m.rows <= m.codes);
+            assert_eq!(m.scales % 16, 0);
+            assert_eq!(m.codes % 16, 0);
+            assert_eq!(m.cols % FP8_WIDTH_MULTIPLE, 0);
+        }
+    }
+    for (c, m) in covered.iter().zip(&fp8.fp8) {
+        assert_eq!(*c, m.rows);
+    }
+    // The original release's interleaved qkv_proj: one placement per head and part, still whole rows.
+    let original = plan(
+        &config,
+        &dims,
+        Source::Original(QkvLayout::Interleaved),
+        &groups,
+    )
+    .unwrap();
+    let qkv = original
+        .placements
+        .iter()
+        .filter(|p| p.device == (Device::Fp8 { matrix: 0 }))
+        .collect::<Vec<_>>();
+    assert_eq!(qkv.len(), 3 * config.num_attention_heads);
+    assert!(qkv
+        .iter()
+        .all(|p| whole_rows(&original.fp8[0], p)
+            == Some(((p.dst - original.fp8[0].codes) / 5376, 128))));
+}
+
+#[test]
+fn the_adaln_group_stores_the_modulation_projections_in_fp8_at_about_half_the_bytes() {
+    use crate::nn::precision::DitPrecision;
+    let config = MiniMaxH3Config::default_full_size();
+    let layers = config.num_layers;
+    let precision: DitPrecision = "fp8:all,adaln,ends=1".parse().unwrap();
+    let groups: Vec<Fp8Groups> = (0..layers)
+        .map(|l| precision.groups_of(l, layers))
+        .collect();
+    let dims = Dims::of_for(&config, true).unwrap();
+    let bf16 = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+    let fp8 = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+    assert_eq!(fp8.fp8.len(), 5 * (layers - 2));
+    let o = &fp8.offsets;
+    assert!(o.blocks[0].ada_scales.is_none() && o.blocks[layers - 1].ada_scales.is_none());
+    let b1 = o.blocks[1];
+    let ada = fp8.fp8.iter().find(|m| m.codes == b1.ada_w).unwrap();
+    assert_eq!((ada.rows, ada.cols), (18 * 5376, 2688));
+    assert_eq!(b1.ada_scales, Some(ada.scales));
+    // Its placement is whole rows (the ring quantizes it), and about half the model stays resident.
+    for pl in &fp8.placements {
+        if let Device::Fp8 { matrix } = pl.device {
+            assert!(whole_rows(&fp8.fp8[matrix], pl).is_some());
+        }
+    }
+    let ratio = fp8.total as f64 / bf16.total as f64;
+    println!(
+        "full size with adaln: {:.2} GB of {:.2} ({ratio:.3})",
+        fp8.total as f64 / 1e9,
+        bf16.total as f64 / 1e9
+    );
+    assert!(ratio > 0.5 && ratio < 0.55, "{ratio}");
+}
+
+#[test]
+fn fp8_pads_the_tiny_widths_to_sixteen_and_those_go_through_the_device() {
+    let config = odd();
+    let dims = Dims::of_for(&config, true).unwrap();
+    assert_eq!(
+        (dims.hp, dims.fp, dims.width, dims.text_p),
+        (32, 32, 384, 24)
+    );
+    let groups = vec![Fp8Groups::ALL; config.num_layers];
+    let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+    assert!(p.padded);
+    assert_eq!(p.fp8.len(), 4 * config.num_layers);
+    // Padded rows are not whole rows of their matrix: the ring cannot quantize them, the device does.
+    let fp8_placements: Vec<&Placement> = p
+        .placements
+        .iter()
+        .filter(|pl| matches!(pl.device, Device::Fp8 { .. }))
+        .collect();
+    assert!(!fp8_placements.is_empty());
+    assert!(fp8_placements.iter().any(|pl| match pl.device {
+        Device::Fp8 { matrix } => whole_rows(&p.fp8[matrix], pl).is_none(),
+        _ => false,
+    }));
+    // Every FP8 element lands inside its matrix.
+    for pl in fp8_placements {
+        if let Device::Fp8 { matrix } = pl.device {
+            let m = &p.fp8[matrix];
+            assert!(pl.dst >= m.codes && pl.dst + pl.len <= m.codes + m.rows * m.cols);
+        }
+    }
+}
+
+#[test]
+fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
+    use crate::minimax_h3::checkpoint::{check_folder, detect};
+    use crate::nn::gpu::test_support::context;
+    let _serial = tf_testdriver::test_lock();
+    let ctx = context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let staging = StagingConfig {
+        slot_bytes: 4096,
+        slots: 2,
+        threads: 3,
+    };
+    let f32s = |bytes: &[u8]| -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    // q|k|v, the feed-forward pair and the adaLN projection from the file's codes; the output projection
+    // (split per head on the device) and everything outside the main blocks dequantized.
+    let groups = Fp8Groups {
+        out: false,
+        adaln: true,
+        ..Fp8Groups::ALL
+    };
+    for (variant, as_stored) in [("per_channel", 12), ("original_per_channel", 8)] {
+        let model = ModelDir::open(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/minimax_h3_fp8")
+                .join(variant),
+        )
+        .unwrap();
+        let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
+        let layout = detect(&model, QkvLayout::Interleaved);
+        let source = match layout {
+            checkpoint::CheckpointLayout::Diffusers => Source::Diffusers,
+            checkpoint::CheckpointLayout::Original(q) => Source::Original(q),
+        };
+        let ck = check_folder(&model, &config, layout).unwrap();
+        for fp8 in [true, false] {
+            let dims = Dims::of_for(&config, fp8).unwrap();
+            let layer_groups = vec![if fp8 { groups } else { Fp8Groups::NONE }; config.num_layers];
+            let p = plan(&config, &dims, source, &layer_groups).unwrap();
+            assert!(p.padded, "the fixture's heads are padded to 128");
+            let up = upload(&ctx, &stream, None, &model, &ck, &p, staging).unwrap();
+            let want = CheckpointFp8Use {
+                stored: ck.weights().len(),
+                as_stored: if fp8 { as_stored } else { 0 },
+            };
+            assert_eq!(up.checkpoint_fp8, want, "{variant} fp8={fp8}");
+            let image: Vec<u8> = up.buffer.to_vec().unwrap();
+            let mut covered: HashMap<usize, Vec<bool>> = HashMap::new();
+            for pl in &p.placements {
+                let name = &p.names[pl.tensor];
+                let Some(w) = ck.get(name) else {
+                    continue;
+                };
+                let values = ck.to_f32(&model, name).unwrap().into_data();
+                let values = &values[pl.src_first..pl.src_first + pl.len];
+                match pl.device {
+                    Device::Fp8 { matrix } => {
+                        // The file's codes, byte for byte, and each row's scale from the file.
+                        let m = &p.fp8[matrix];
+                        let codes = &model.bytes(name).unwrap()[pl.src_first..][..pl.len];
+                        assert_eq!(&image[pl.dst..][..pl.len], codes, "{variant} {name}");
+                        let scales = f32s(&image[m.scales..][..m.rows * F32]);
+                        let rows = covered.entry(matrix).or_insert_with(|| vec![false; m.rows]);
+                        for (row, scale) in code_row_scales(w, m, pl).unwrap() {
+                            assert_eq!(scales[row], scale, "{variant} {name} row {row}");
+                            rows[row] = true;
+                        }
+                    }
+                    Device::Bf16 => {
+                        let got = &image[pl.dst..][..pl.len * BF16];
+                        let want: Vec<u8> = values
+                            .iter()
+                            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                            .collect();
+                        assert_eq!(got, &want[..], "{variant} {name}: dequantized to bf16");
+                    }
+                    Device::F32 => {
+                        assert_eq!(
+                            f32s(&image[pl.dst..][..pl.len * F32]),
+                            values,
+                            "{variant} {name}: dequantized to f32"
+                        );
+                    }
+                }
+            }
+            // Padding rows of the stored matrices: code 0 with scale 1.
+            for (matrix, rows) in &covered {
+                let m = &p.fp8[*matrix];
+                let scales = f32s(&image[m.scales..][..m.rows * F32]);
+                for (row, _) in rows.iter().enumerate().filter(|(_, c)| !**c) {
+                    assert_eq!(scales[row], 1.0, "{variant}: padding row {row}");
+                    assert!(image[m.codes + row * m.cols..][..m.cols]
+                        .iter()
+                        .all(|&c| c == 0));
+                }
+            }
+            // q|k|v, fc1, fc2 and adaLN of every main block; nothing in bf16.
+            let matrices = if fp8 { 4 * config.num_layers } else { 0 };
+            assert_eq!(covered.len(), matrices, "{variant} fp8={fp8}");
+        }
+    }
+}
+
+#[test]
+fn seeds_and_host_fills_are_deterministic_and_bounded() {
+    assert_eq!(placement_seed(7, 3), placement_seed(7, 3));
+    assert_ne!(placement_seed(7, 3), placement_seed(7, 4));
+    assert_ne!(placement_seed(7, 3), placement_seed(8, 3));
+    let v = host_uniform(1000, 5, 1.0, 0.05);
+    assert!(v.iter().all(|x| (0.95..1.05).contains(x)));
+    assert_eq!(v, host_uniform(1000, 5, 1.0, 0.05));
+    let spread = v.iter().fold(0f32, |m, x| m.max((x - 1.0).abs()));
+    assert!(spread > 0.04);
+    let mut out = vec![0u8; 8];
+    let bf = [
+        half::bf16::from_f32(1.5).to_bits(),
+        half::bf16::from_f32(-2.0).to_bits(),
+    ];
+    let src: Vec<u8> = bf.iter().flat_map(|b| b.to_le_bytes()).collect();
+    BF16_TO_F32.apply(0, &src, &mut out).unwrap();
+    assert_eq!(&out[..4], &1.5f32.to_le_bytes());
+    assert_eq!(&out[4..], &(-2.0f32).to_le_bytes());
+}
