@@ -80,6 +80,12 @@ pub enum LaunchError {
         mine: String,
         root: String,
     },
+    /// A rank could not load the model; every rank drops what it loaded, and rank 0 answers with this.
+    #[error(
+        "rank(s) {ranks:?} could not load the model (each rank's own error is in its log); the model is not \
+         loaded on any rank"
+    )]
+    LoadFailed { ranks: Vec<usize> },
     /// Waiting for the other ranks to exit took too long; they were killed.
     #[error(
         "ranks {ranks:?} did not exit within {waited:?} after the job ended; they were killed"
@@ -267,6 +273,26 @@ pub fn check_agreement(rank: usize, mine: u64, root: u64) -> Result<(), LaunchEr
         });
     }
     Ok(())
+}
+
+/// Status bytes of the after-load barrier: what each rank contributes to the all-gather.
+pub const LOADED: u8 = 1;
+pub const NOT_LOADED: u8 = 0;
+
+/// The verdict of the after-load barrier from every rank's status byte (rank order, as the all-gather lays them
+/// out): every rank loaded, or the ranks that did not, named. Any byte but [`LOADED`] counts as a failure.
+pub fn check_loaded(statuses: &[u8]) -> Result<(), LaunchError> {
+    let ranks: Vec<usize> = statuses
+        .iter()
+        .enumerate()
+        .filter(|&(_, &s)| s != LOADED)
+        .map(|(r, _)| r)
+        .collect();
+    if ranks.is_empty() {
+        Ok(())
+    } else {
+        Err(LaunchError::LoadFailed { ranks })
+    }
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -706,6 +732,21 @@ mod tests {
         assert!(err.contains("differs from rank 0's"), "{err}");
         // FNV-1a's published value for the empty input.
         assert_eq!(request_digest(b""), 0xcbf2_9ce4_8422_2325);
+    }
+
+    #[test]
+    fn the_load_barrier_names_every_rank_that_failed() {
+        check_loaded(&[LOADED]).unwrap();
+        check_loaded(&[LOADED; MAX_GPUS]).unwrap();
+        let err = check_loaded(&[LOADED, NOT_LOADED, LOADED, NOT_LOADED]).unwrap_err();
+        assert!(
+            matches!(&err, LaunchError::LoadFailed { ranks } if ranks == &[1, 3]),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("[1, 3]"), "{err}");
+        // A byte that is neither status (a torn buffer) is a failure too, and rank 0's own failure is named.
+        let err = check_loaded(&[7, LOADED]).unwrap_err();
+        assert!(matches!(&err, LaunchError::LoadFailed { ranks } if ranks == &[0]));
     }
 
     #[cfg(unix)]

@@ -24,7 +24,12 @@ pub struct MiniMaxH3Engine {
     backend: BackendChoice,
     options: Option<LoadOptions>,
     pipeline: Option<H3Pipeline>,
+    /// A multi-GPU job's after-load barrier: told whether this rank loaded, it answers whether every rank did.
+    load_barrier: Option<LoadBarrier>,
 }
+
+/// See [`MiniMaxH3Engine::with_load_barrier`].
+pub type LoadBarrier = Box<dyn FnMut(bool) -> Result<(), String>>;
 
 impl MiniMaxH3Engine {
     /// An engine for the model folder `model` (nothing is read until `load`).
@@ -34,7 +39,20 @@ impl MiniMaxH3Engine {
             backend,
             options: None,
             pipeline: None,
+            load_barrier: None,
         }
+    }
+
+    /// Makes every `load` wait at `barrier` (one rank of a multi-GPU job): it is told whether this rank's load
+    /// succeeded and answers whether every rank's did. A rank that loaded drops its pipeline when another did not,
+    /// and the load fails with the barrier's answer (the ranks that failed, named); this rank's own load error
+    /// comes first.
+    pub fn with_load_barrier(
+        mut self,
+        barrier: impl FnMut(bool) -> Result<(), String> + 'static,
+    ) -> MiniMaxH3Engine {
+        self.load_barrier = Some(Box::new(barrier));
+        self
     }
 
     /// The same, with load options of the caller's (limits, budget); their backend is replaced by `backend`'s.
@@ -72,7 +90,14 @@ impl WorkerEngine for MiniMaxH3Engine {
             .clone()
             .unwrap_or_else(|| LoadOptions::new(backend));
         options.backend = backend;
-        let pipeline = H3Pipeline::load(&self.model, &options).map_err(|e| classify(&e, false))?;
+        let loaded = H3Pipeline::load(&self.model, &options);
+        if let Some(barrier) = self.load_barrier.as_mut() {
+            let verdict = barrier(loaded.is_ok());
+            if let (Ok(_), Err(why)) = (&loaded, verdict) {
+                return Err(EngineError::Failed(why));
+            }
+        }
+        let pipeline = loaded.map_err(|e| classify(&e, false))?;
         let report = pipeline.load_report();
         log!(
             "tf worker: loaded in {:.2} s, {} B resident",
@@ -297,6 +322,48 @@ mod tests {
             &mut d,
         );
         assert_eq!((v.step, v.of), (1, 1));
+    }
+
+    #[test]
+    fn a_failed_load_still_reports_at_the_barrier_and_keeps_its_own_error() {
+        let told = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let seen = std::rc::Rc::clone(&told);
+        let mut engine = MiniMaxH3Engine::new(PathBuf::from("/nonexistent"), BackendChoice::Host)
+            .with_load_barrier(move |loaded| {
+                seen.borrow_mut().push(loaded);
+                Err("rank(s) [0] could not load the model".into())
+            });
+        let err = engine.load().unwrap_err().to_string();
+        assert_eq!(*told.borrow(), vec![false]);
+        assert!(err.contains("/nonexistent"), "{err}");
+        assert!(engine.pipeline().is_none());
+    }
+
+    #[test]
+    fn a_rank_that_loaded_drops_its_pipeline_when_another_rank_failed() {
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/minimax_h3_pipeline/model");
+        let told = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let seen = std::rc::Rc::clone(&told);
+        let mut verdicts = vec![
+            Ok(()),
+            Err("rank(s) [1] could not load the model".to_string()),
+        ];
+        let mut engine =
+            MiniMaxH3Engine::new(model, BackendChoice::Host).with_load_barrier(move |loaded| {
+                seen.borrow_mut().push(loaded);
+                verdicts.pop().unwrap_or(Ok(()))
+            });
+        let err = engine.load().unwrap_err();
+        assert!(
+            matches!(&err, EngineError::Failed(m) if m.contains("rank(s) [1]")),
+            "{err}"
+        );
+        assert!(engine.pipeline().is_none());
+        // Every rank loaded the second time: the pipeline is kept.
+        engine.load().unwrap();
+        assert!(engine.pipeline().is_some());
+        assert_eq!(*told.borrow(), vec![true, true]);
     }
 
     #[test]

@@ -22,9 +22,9 @@ use tf_engines::minimax_h3::config::MiniMaxH3Config;
 use tf_engines::minimax_h3::dit_gpu::parallel::{SequenceParallel, SpAttention};
 use tf_engines::minimax_h3::pipeline::{Backend, Request};
 use tf_engines::nn::launcher::{
-    check_agreement, check_gpus, child_args, from_hex, request_digest, strip_flags, CommRegistry,
-    LaunchError, RankArgs, RankGroup, SpawnOptions, Tee, Watchdog, EXIT_TIMEOUT, MAX_GPUS,
-    WATCH_INTERVAL,
+    check_agreement, check_gpus, check_loaded, child_args, from_hex, request_digest, strip_flags,
+    CommRegistry, LaunchError, RankArgs, RankGroup, SpawnOptions, Tee, Watchdog, EXIT_TIMEOUT,
+    LOADED, MAX_GPUS, NOT_LOADED, WATCH_INTERVAL,
 };
 use tf_nccl::{Comm, CommOptions, DataType, Nccl, UniqueId};
 
@@ -374,22 +374,28 @@ pub fn tee_stdin<R: std::io::BufRead>(input: R) -> Tee<R> {
     Tee::new(input, outs)
 }
 
-/// After the pipeline loaded: waits until every rank has (a broadcast of one byte on the control communicator), so
-/// the DiT's first collective does not wait out another rank's load. Nothing on one GPU.
-pub fn ready() -> Result<(), String> {
+/// After the pipeline's load, successful or not (`loaded`): every rank's status byte is all-gathered on the control
+/// communicator (its deadline), so the DiT's first collective does not wait out another rank's load and every rank
+/// learns whether all of them loaded. Rank 0 answers with the ranks that failed, named; every rank gets the same
+/// verdict, so all of them keep the model or none does. Nothing on one GPU.
+pub fn ready(loaded: bool) -> Result<(), String> {
     let slot = job();
     let Some(ranked) = slot.as_ref() else {
         return Ok(());
     };
+    let what = "waiting for every rank to load the model";
     let comm = &ranked.control;
     let ctx = comm.stream().context();
-    let mut flag =
-        DeviceBuffer::from_slice(&ctx, &[1u8]).map_err(cuda_err("the barrier's buffer"))?;
-    // SAFETY: the buffer was made in the communicator's context and lives past the synchronize below.
-    unsafe { comm.broadcast_in_place(flag.view_mut(), 1, DataType::U8, 0) }
-        .map_err(nccl_err("waiting for every rank to load the model"))?;
-    comm.synchronize()
-        .map_err(nccl_err("waiting for every rank to load the model"))
+    let mine = if loaded { LOADED } else { NOT_LOADED };
+    let send = DeviceBuffer::from_slice(&ctx, &[mine]).map_err(cuda_err("the barrier's buffer"))?;
+    let mut all =
+        DeviceBuffer::alloc(&ctx, ranked.world.max(1)).map_err(cuda_err("the barrier's buffer"))?;
+    // SAFETY: both buffers were made in the communicator's context and live past the synchronize below.
+    unsafe { comm.all_gather(send.view(), all.view_mut(), 1, DataType::U8) }
+        .map_err(nccl_err(what))?;
+    comm.synchronize().map_err(nccl_err(what))?;
+    let statuses: Vec<u8> = all.to_vec().map_err(cuda_err(what))?;
+    check_loaded(&statuses).map_err(launch_err)
 }
 
 /// Whether this process writes the job's output (one GPU, or rank 0).

@@ -280,8 +280,12 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         backend.name()
     );
     tf_cuda::usage::reset_peaks();
-    let mut pipeline = H3Pipeline::load(model, &options)?;
-    super::ranks::ready().map_err(VideoError::Engine)?;
+    // Every rank reports its load at the barrier, failed or not, so no rank waits out a failed one; a rank's own
+    // load error comes first.
+    let loaded = H3Pipeline::load(model, &options);
+    let barrier = super::ranks::ready(loaded.is_ok());
+    let mut pipeline = loaded?;
+    barrier.map_err(VideoError::Engine)?;
     let load = pipeline.load_report().clone();
     eprintln!(
         "tf video: loaded in {:.2} s, {:.1} MiB resident",
