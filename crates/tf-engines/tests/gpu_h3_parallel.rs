@@ -12,6 +12,10 @@
 //!   the goals (1.8x on 2, 3.4x on 4, 6.5x on 8) for both attention choices, which is the measurement
 //!   that picks the default, and the same tolerance. Long: its own bundle step runs it (`h3-sp-canvas`).
 //!
+//! - the video VAE decode spread over the ranks (`GpuVideoVae::decode_spread`): one rank equals the one-GPU decode
+//!   bit for bit on the tiny pipeline's decoder, with one group of clips and with a group per clip; two ranks
+//!   (where two GPUs are visible, else it says it skipped) give rank 0 the same frames bit for bit.
+//!
 //! NCCL is found through `TF_NCCL`, `libnccl.so.2` or the Python package folders (the nvidia-nccl-cu13 wheel); a
 //! machine without it prints why the test skipped. Run through `cargo xtask gpu-bundle` (step `gpu_h3_parallel`).
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
@@ -27,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tf_cuda::cublaslt::AlgoSelection;
-use tf_cuda::{Context, Driver};
+use tf_cuda::{Context, Driver, Stream};
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
 use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs, H3Output};
 use tf_engines::minimax_h3::dit_gpu::parallel::SpAttention;
@@ -35,6 +39,8 @@ use tf_engines::minimax_h3::dit_gpu::GpuH3Dit;
 use tf_engines::minimax_h3::layout::{
     Geometry, KeyframeAnchor, LayoutRequest, PackedLayout, SizeRules, StepTimesteps, TEXT_TAG,
 };
+use tf_engines::minimax_h3::vae_video::{TilingOptions, VideoFrames};
+use tf_engines::minimax_h3::vae_video_gpu::{GpuVideoVae, GpuVideoVaeBudget};
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
@@ -306,6 +312,124 @@ fn two_ranks_match_one_gpu_within_bf16_tolerance() {
             &results[1].0,
             &results[0].0,
         );
+    }
+}
+
+/// The tiny pipeline's video VAE on `ctx`, tiled into 2 x 3 tiles of 16 px, and seeded latents of 17 frames (three
+/// chunks): with `max_rows` 1 every clip is a group of its own (three decode units), by default they share one.
+fn tiny_video_vae(ctx: &Context, max_rows: Option<usize>) -> (GpuVideoVae, TensorF32) {
+    let dir = fixture_dir::find("minimax_h3_pipeline")
+        .join("model")
+        .join("vae");
+    let mut vae = GpuVideoVae::load_on(ctx, &ModelDir::open(&dir).unwrap()).unwrap();
+    vae.set_tiling(TilingOptions {
+        enabled: true,
+        tile_height: 16,
+        tile_width: 16,
+        min_overlap_height: 4,
+        min_overlap_width: 4,
+    })
+    .unwrap();
+    if let Some(max_rows) = max_rows {
+        vae.set_budget(GpuVideoVaeBudget { max_rows });
+    }
+    let c = vae.config().latent_channels;
+    let shape = vec![1, c, 17, 6, 10];
+    let n: usize = shape.iter().product();
+    let latents = TensorF32::new(shape, SplitMix64::new(41).uniform_vec(n, -2.0, 2.0)).unwrap();
+    (vae, latents)
+}
+
+fn assert_frames_bit_equal(what: &str, got: &VideoFrames, want: &VideoFrames) {
+    assert_eq!(
+        (got.frames, got.height, got.width),
+        (want.frames, want.height, want.width),
+        "{what}: size"
+    );
+    assert!(got.rgb == want.rgb, "{what}: the 8-bit frames differ");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&got.pixels) == bits(&want.pixels),
+        "{what}: the f32 frames differ"
+    );
+}
+
+/// The video decode spread over one rank (the pipeline's `--gpus 1 --force-nccl` path) equals the one-GPU decode
+/// bit for bit, with one group and with a group per clip.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run through cargo xtask gpu-bundle"]
+fn one_rank_spread_video_decode_equals_one_gpu() {
+    let test = "one_rank_spread_video_decode_equals_one_gpu";
+    let Some(nccl) = nccl(test) else {
+        return;
+    };
+    let ctx = Context::new(driver(), 0).unwrap();
+    for max_rows in [None, Some(1)] {
+        let (mut vae, latents) = tiny_video_vae(&ctx, max_rows);
+        let single = vae.decode(&latents).unwrap();
+        let stream = Arc::new(Stream::new(&ctx, false).unwrap());
+        let id = nccl.unique_id().unwrap();
+        let comm = Comm::init_rank(&nccl, stream, &id, 0, 1, CommOptions::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let spread = vae
+            .decode_spread(&latents, &comm)
+            .unwrap()
+            .expect("rank 0 holds the frames");
+        let what = format!("1 rank, max_rows {max_rows:?}");
+        assert_frames_bit_equal(&what, &spread, &single);
+        println!(
+            "{what}: {} frames of {}x{} bit-equal to one GPU",
+            single.frames, single.width, single.height
+        );
+    }
+}
+
+/// Two ranks (where two GPUs are visible; otherwise the test says it skipped): rank 0's frames of the spread decode
+/// equal the one-GPU decode bit for bit (both ranks run the one-GPU batches with the same GEMM choices), for one
+/// group (rank 1 decodes nothing) and a group per clip (rank 1 decodes every second clip); rank 1 gets no frames.
+#[test]
+#[ignore = "needs two NVIDIA GPUs and NCCL: run through cargo xtask gpu-bundle"]
+fn two_ranks_spread_video_decode_equals_one_gpu() {
+    let test = "two_ranks_spread_video_decode_equals_one_gpu";
+    let driver = driver();
+    let visible = driver.device_count().unwrap();
+    if visible < 2 {
+        println!("SKIPPED {test}: {visible} GPU(s) visible, two needed");
+        return;
+    }
+    let Some(nccl) = nccl(test) else {
+        return;
+    };
+    for max_rows in [None, Some(1)] {
+        let single = {
+            let ctx = Context::new(Arc::clone(&driver), 0).unwrap();
+            let (mut vae, latents) = tiny_video_vae(&ctx, max_rows);
+            vae.decode(&latents).unwrap()
+        };
+        let id = nccl.unique_id().unwrap();
+        let results: Vec<Option<VideoFrames>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (id, driver, nccl) = (&id, &driver, &nccl);
+                    s.spawn(move || {
+                        let ctx = Context::new(Arc::clone(driver), rank as i32).unwrap();
+                        let (mut vae, latents) = tiny_video_vae(&ctx, max_rows);
+                        let stream = Arc::new(Stream::new(&ctx, false).unwrap());
+                        let comm =
+                            Comm::init_rank(nccl, stream, id, rank, 2, CommOptions::default())
+                                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        vae.decode_spread(&latents, &comm)
+                            .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let what = format!("2 ranks, max_rows {max_rows:?}");
+        let rank0 = results[0].as_ref().expect("rank 0 holds the frames");
+        assert_frames_bit_equal(&what, rank0, &single);
+        assert!(results[1].is_none(), "{what}: rank 1 got frames");
+        println!("{what}: rank 0's frames bit-equal to one GPU");
     }
 }
 

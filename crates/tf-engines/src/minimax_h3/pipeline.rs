@@ -420,7 +420,8 @@ pub struct StepLatents {
 /// What a generate produced.
 #[derive(Debug, Clone)]
 pub struct Generation {
-    /// 8-bit RGB frames (and the `[0, 1]` values they were rounded from).
+    /// 8-bit RGB frames (and the `[0, 1]` values they were rounded from). On a rank other than 0 of a multi-GPU
+    /// job none (0 frames) and no audio: rank 0 holds the output.
     pub frames: VideoFrames,
     /// Frames per second (24).
     pub fps: u32,

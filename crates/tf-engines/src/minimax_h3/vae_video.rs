@@ -593,6 +593,21 @@ pub trait VideoVaeBackend {
     /// 8-bit frames: `z * latents_std + latents_mean`, the model's decode, `x * std + mean` (ImageNet), the clamp
     /// to `[0, 1]` and the 8-bit rounding.
     fn decode(&mut self, latents: &TensorF32) -> Result<VideoFrames, VideoVaeError>;
+
+    /// [`Self::decode`] spread over the ranks of a multi-GPU job (`comm`: the job's DiT communicator): every rank
+    /// calls it with the same latents; rank 0 gets the frames, the other ranks `None`. Only the GPU backend can;
+    /// the others refuse.
+    fn decode_spread(
+        &mut self,
+        latents: &TensorF32,
+        comm: &tf_nccl::Comm,
+    ) -> Result<Option<VideoFrames>, VideoVaeError> {
+        let _ = latents;
+        Err(VideoVaeError::Input(format!(
+            "this video VAE backend decodes in one process; spreading the decode over {} ranks needs the GPU backend",
+            comm.world_size()
+        )))
+    }
 }
 
 /// Checks decode latents `[1, latent_channels, frames, h, w]` and the output they make before anything is

@@ -24,13 +24,17 @@
 //! released model); other configs are refused at load.
 //!
 //! Invariant: a decode enqueues everything on one stream and synchronizes once, before reading the video back.
+//! A decode spread over the ranks of a multi-GPU job ([`GpuVideoVae::decode_spread`], module [`spread`]) also
+//! synchronizes around each transfer of decoded tiles to rank 0, which runs on the communicator's stream.
 
 pub mod ops;
+pub mod spread;
 
 use std::time::Duration;
 
 use tf_cuda::cublaslt::{DeviceSpan, GemmShape};
 use tf_cuda::{Context, DeviceBuffer, Stream};
+use tf_nccl::{AllToAllCounts, Comm, DataType};
 
 use super::vae_video::{
     check_latents, check_model, denormalize_latents, rope_tables, ChunkPlan, TilePlan,
@@ -846,6 +850,16 @@ impl GpuVideoVae {
 
     /// Enqueues the decode of de-normalized latents into the workspace's f32 video (not synchronized).
     fn enqueue(&mut self, latents: &TensorF32) -> Result<(), VideoVaeError> {
+        self.enqueue_spread(latents, None)
+    }
+
+    /// [`Self::enqueue`], the groups spread over the ranks of `spread` when given (rank 0's video is the whole
+    /// decode; the other ranks' is not written).
+    fn enqueue_spread(
+        &mut self,
+        latents: &TensorF32,
+        spread: Option<&Comm>,
+    ) -> Result<(), VideoVaeError> {
         let plan = DecodePlan::new(&self.config, latents.shape(), &self.tiling, self.budget)?;
         let z = post_quant_latents(&self.post_quant, latents, &plan)?;
         self.ensure_workspace(plan)?;
@@ -862,42 +876,102 @@ impl GpuVideoVae {
             .latents
             .upload_async(0, &f32_bytes(&z), &self.stream)
             .map_err(|e| backend("uploading the latents", e))
-            .and_then(|()| self.enqueue_in(&mut ws));
+            .and_then(|()| self.enqueue_in(&mut ws, spread));
         self.workspace = Some(ws);
         result
     }
 
-    fn enqueue_in(&self, ws: &mut Workspace) -> Result<(), VideoVaeError> {
+    /// The plan's groups in order: a group's batches run through the ViT into tile slots from 0, then its clips
+    /// are placed into the video. Spread over `spread`'s ranks, each group is decoded by its owner and moved to
+    /// rank 0, which alone places clips ([`spread::unit_role`]); one rank runs exactly the one-GPU sequence.
+    fn enqueue_in(&self, ws: &mut Workspace, spread: Option<&Comm>) -> Result<(), VideoVaeError> {
         let plan = ws.plan.clone();
         let geo = self.config.chunk_geometry();
-        let mut slot = 0;
-        let mut first_clip = 0;
-        for batch in plan.batches() {
-            let origins: Vec<[i32; 3]> = batch
-                .tiles
-                .iter()
-                .map(|&(c, i, j)| {
-                    let (y0, x0) = plan.tiles.latent_origin(i, j);
-                    [c * geo.tokens_chunk_size, y0, x0]
-                        .map(|v| i32::try_from(v).unwrap_or(i32::MAX))
-                })
-                .collect();
-            let flat: Vec<i32> = origins.iter().flatten().copied().collect();
-            ws.origins
-                .upload_async(0, &le_bytes(&flat, i32::to_le_bytes), &self.stream)
-                .map_err(|e| backend("uploading tile origins", e))?;
-            self.run_batch(ws, &origins, slot)?;
-            slot += batch.tiles.len();
-            if batch.ends_group {
-                let clips = slot / plan.tiles_per_clip;
-                for k in 0..clips {
-                    self.assemble(ws, first_clip + k, k * plan.tiles_per_clip)?;
+        let batches = plan.batches();
+        let units = spread::decode_units(&batches, plan.tiles_per_clip)
+            .ok_or_else(|| backend("internal", "the plan's batches do not make whole groups"))?;
+        let (rank, world) = spread.map_or((0, 1), |c| (c.rank(), c.world_size()));
+        for (u, unit) in units.iter().enumerate() {
+            let role = spread::unit_role(u, world, rank);
+            if role.decode {
+                let slots = spread::batch_slots(unit, &batches);
+                for (batch, slot) in batches[unit.batches.clone()].iter().zip(slots) {
+                    let origins: Vec<[i32; 3]> = batch
+                        .tiles
+                        .iter()
+                        .map(|&(c, i, j)| {
+                            let (y0, x0) = plan.tiles.latent_origin(i, j);
+                            [c * geo.tokens_chunk_size, y0, x0]
+                                .map(|v| i32::try_from(v).unwrap_or(i32::MAX))
+                        })
+                        .collect();
+                    let flat: Vec<i32> = origins.iter().flatten().copied().collect();
+                    ws.origins
+                        .upload_async(0, &le_bytes(&flat, i32::to_le_bytes), &self.stream)
+                        .map_err(|e| backend("uploading tile origins", e))?;
+                    self.run_batch(ws, &origins, slot)?;
                 }
-                first_clip += clips;
-                slot = 0;
+            }
+            if let Some(comm) = spread {
+                if role.send_to_root || role.receive_from.is_some() {
+                    self.move_unit(ws, comm, unit, role)?;
+                }
+            }
+            if role.blend {
+                for (k, clip) in unit.clips.clone().enumerate() {
+                    self.assemble(ws, clip, k * plan.tiles_per_clip)?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// Moves one group's decoded tile slots from its owner to rank 0 (the same slots on both), on the
+    /// communicator's stream with its deadline. The decoder's stream is drained first (the owner's batches wrote
+    /// the slots; rank 0's blends of the previous group read them) and the transfer is waited for before the
+    /// decoder's stream touches them again.
+    fn move_unit(
+        &self,
+        ws: &mut Workspace,
+        comm: &Comm,
+        unit: &spread::DecodeUnit,
+        role: spread::UnitRole,
+    ) -> Result<(), VideoVaeError> {
+        let slot_values = ws.plan.tokens * self.config.patch_values();
+        let values = spread::unit_values(unit, slot_values)
+            .ok_or_else(|| backend("internal", "a group's tiles overflow"))?
+            .len();
+        let world = comm.world_size();
+        let mut counts = AllToAllCounts {
+            send_counts: vec![0; world],
+            send_offsets: vec![0; world],
+            recv_counts: vec![0; world],
+            recv_offsets: vec![0; world],
+        };
+        if role.send_to_root {
+            counts.send_counts[0] = values;
+        }
+        if let Some(owner) = role.receive_from {
+            counts.recv_counts[owner] = values;
+        }
+        let what = format!(
+            "moving the decoded tiles of clips {:?} to rank 0",
+            unit.clips
+        );
+        self.stream
+            .synchronize()
+            .map_err(|e| backend(&format!("{what}: waiting for the decode"), e))?;
+        // The side that moves nothing is a buffer of this workspace with a count of 0: NCCL never touches it.
+        let (send, recv) = if role.send_to_root {
+            (ws.out.view(), ws.origins.view_mut())
+        } else {
+            (ws.origins.view(), ws.out.view_mut())
+        };
+        // SAFETY: both views are buffers of this decoder's workspace, in the decoder's context, which is the
+        // communicator's (checked by `decode_spread`); they stay alive until the synchronize below returns.
+        unsafe { comm.all_to_all(&mut [(send, recv)], &counts, DataType::F32) }
+            .and_then(|()| comm.synchronize())
+            .map_err(|e| backend(&what, e))
     }
 
     /// The ViT over one batch of tiles, its decoded rows into tile slots `slot..` of the output buffer.
@@ -1145,6 +1219,38 @@ impl GpuVideoVae {
     pub fn decode(&mut self, latents: &TensorF32) -> Result<VideoFrames, VideoVaeError> {
         let z = denormalize_latents(&self.config, latents)?;
         self.enqueue(&z)?;
+        self.frames()
+    }
+
+    /// The pipeline's decode spread over the ranks of a multi-GPU job (`comm`, in this decoder's context; module
+    /// [`spread`]): every rank calls it with the same latents; rank 0 gets the frames, bit for bit those of
+    /// [`GpuVideoVae::decode`] where the ranks run the same GEMM algorithms, and the other ranks `None`.
+    pub fn decode_spread(
+        &mut self,
+        latents: &TensorF32,
+        comm: &Comm,
+    ) -> Result<Option<VideoFrames>, VideoVaeError> {
+        if !comm.stream().context().same_as(&self.ctx) {
+            return Err(VideoVaeError::Input(format!(
+                "rank {}: the communicator belongs to another context than the video decoder; load the decoder \
+                 into the communicator's context",
+                comm.rank()
+            )));
+        }
+        let z = denormalize_latents(&self.config, latents)?;
+        self.enqueue_spread(&z, Some(comm))?;
+        if comm.rank() != 0 {
+            self.stream
+                .synchronize()
+                .map_err(|e| backend("running the decode", e))?;
+            return Ok(None);
+        }
+        self.frames().map(Some)
+    }
+
+    /// The 8-bit frames of the decoded video in the workspace: the de-normalization and rounding on the device,
+    /// then both read back.
+    fn frames(&self) -> Result<VideoFrames, VideoVaeError> {
         let ws = self
             .workspace
             .as_ref()
@@ -1201,6 +1307,14 @@ impl VideoVaeBackend for GpuVideoVae {
 
     fn decode(&mut self, latents: &TensorF32) -> Result<VideoFrames, VideoVaeError> {
         GpuVideoVae::decode(self, latents)
+    }
+
+    fn decode_spread(
+        &mut self,
+        latents: &TensorF32,
+        comm: &Comm,
+    ) -> Result<Option<VideoFrames>, VideoVaeError> {
+        GpuVideoVae::decode_spread(self, latents, comm)
     }
 }
 

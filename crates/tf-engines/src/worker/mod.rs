@@ -354,6 +354,8 @@ pub struct Worker<E: WorkerEngine> {
     engine: E,
     limits: WorkerLimits,
     resident: Option<u64>,
+    /// Whether video jobs write their files (false on the ranks other than 0 of a multi-GPU worker).
+    writes_files: bool,
 }
 
 impl<E: WorkerEngine> Worker<E> {
@@ -363,7 +365,15 @@ impl<E: WorkerEngine> Worker<E> {
             engine,
             limits,
             resident: None,
+            writes_files: true,
         }
+    }
+
+    /// A worker whose video jobs write no file (their reply lists none): a rank other than 0 of a multi-GPU worker,
+    /// which runs every job with rank 0 while rank 0 holds the frames and writes them.
+    pub fn without_files(mut self) -> Worker<E> {
+        self.writes_files = false;
+        self
     }
 
     /// Whether the engine is loaded.
@@ -667,7 +677,12 @@ impl<E: WorkerEngine> Worker<E> {
             Ok(Err(e)) => return self.job_failed(e, output),
             Err(payload) => return self.panicked("generate", payload, output),
         };
-        let files = match write_video(&command.dir, &made) {
+        let written = if self.writes_files {
+            write_video(&command.dir, &made)
+        } else {
+            Ok(Vec::new())
+        };
+        let files = match written {
             Ok(files) => files,
             Err(message) => {
                 self.reply_error(output, &message, ErrorType::Server)?;

@@ -126,7 +126,14 @@ pub fn run(args: Args) -> ExitCode {
                     return ExitCode::from(2);
                 }
             }
-            Box::new(MiniMaxH3Engine::with_options(model, backend, options))
+            let ranked = options.sequence_parallel.is_some();
+            let engine = MiniMaxH3Engine::with_options(model, backend, options);
+            if ranked {
+                // Every rank confirms its load before rank 0 answers the load request.
+                Box::new(engine.with_load_barrier(super::ranks::ready))
+            } else {
+                Box::new(engine)
+            }
         }
     };
     say!(
@@ -140,6 +147,8 @@ pub fn run(args: Args) -> ExitCode {
     // A child rank of a multi-GPU worker reads the lines rank 0 forwards and answers nobody; rank 0 forwards every
     // line it reads. The job then ends on every rank (rank 0 waits for the others).
     let served = if super::ranks::is_child() {
+        // Rank 0 holds the decoded frames and writes them; this rank's jobs write nothing.
+        let mut worker = worker.without_files();
         worker.serve(stdin, io::sink())
     } else {
         worker.serve(super::ranks::tee_stdin(stdin), stdout)

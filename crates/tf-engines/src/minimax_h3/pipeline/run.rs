@@ -3,6 +3,11 @@
 //! the audio rows down the audio schedule), the unpacking of the rows into latents, the video decode and the audio
 //! decode. Resident components run in place; in the sequential mode each one is loaded, run and freed before the
 //! next is loaded.
+//!
+//! On a multi-GPU job (`LoadOptions::sequence_parallel`) the DiT runs sequence-parallel, the video decode is
+//! spread over the ranks (each decodes its groups of clips and rank 0 blends them all, `GpuVideoVae::decode_spread`),
+//! and the audio decode (a small part of a request) runs on rank 0 only: rank 0's [`Generation`] holds the frames
+//! and the audio, the other ranks' hold no frame and no audio.
 
 use std::time::Instant;
 
@@ -12,6 +17,7 @@ use super::{
     Timings,
 };
 use crate::minimax_h3::dit::{H3DitBackend, H3Inputs};
+use crate::minimax_h3::dit_gpu::parallel::SequenceParallel;
 use crate::minimax_h3::layout::{StepTimesteps, AUDIO_CHANNELS};
 use crate::minimax_h3::noise::{patchify, H3Noise};
 use crate::minimax_h3::text::H3TextBackend;
@@ -39,6 +45,8 @@ pub(super) fn generate(
     let layer = pipeline.options.text.layer;
     let keep = pipeline.keep_step_latents;
     let parallel = pipeline.options.sequence_parallel.clone();
+    // Rank 0 (or the one GPU) holds the output; the audio is decoded there only.
+    let holds_output = parallel.as_ref().is_none_or(|sp| sp.comm.rank() == 0);
     let ctx = pipeline.context.as_ref();
     let (prompt_embeds, denoised, frames, audio) = match &mut pipeline.components {
         Components::Resident(held) => {
@@ -70,10 +78,11 @@ pub(super) fn generate(
                 &mut **video_vae,
                 plan,
                 &denoised.video,
+                parallel.as_ref(),
                 &mut timings,
                 progress,
             )?;
-            let audio = if plan.audio {
+            let audio = if plan.audio && holds_output {
                 Some(decode_audio(
                     &mut **audio_vae,
                     &denoised.audio,
@@ -109,10 +118,17 @@ pub(super) fn generate(
             let t = Instant::now();
             let mut vae = folders.video_vae(ctx)?;
             timings.loads.video_vae = secs(t.elapsed());
-            let frames = decode_video(&mut *vae, plan, &denoised.video, &mut timings, progress)?;
+            let frames = decode_video(
+                &mut *vae,
+                plan,
+                &denoised.video,
+                parallel.as_ref(),
+                &mut timings,
+                progress,
+            )?;
             timings.loads.video_vae += free_timed(vae);
 
-            let audio = if plan.audio {
+            let audio = if plan.audio && holds_output {
                 let t = Instant::now();
                 let mut vae = folders.audio_vae(ctx)?;
                 timings.loads.audio_vae = secs(t.elapsed());
@@ -332,16 +348,37 @@ fn unpack_audio(rows: &[f32], a: usize, c: usize) -> Result<TensorF32, PipelineE
     Ok(TensorF32::new(vec![AUDIO_CHANNELS, c, a], out)?)
 }
 
+/// The video decode: on one GPU whole; on a multi-GPU job spread over the ranks, and a rank other than 0 returns
+/// no frame (of the video's size).
 fn decode_video(
     vae: &mut dyn VideoVaeBackend,
     plan: &Plan,
     latents: &TensorF32,
+    parallel: Option<&SequenceParallel>,
     timings: &mut Timings,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<VideoFrames, PipelineError> {
     let t = Instant::now();
-    let frames = vae.decode(latents)?;
     let g = &plan.sizes.geometry;
+    let frames = match parallel {
+        None => vae.decode(latents)?,
+        Some(sp) => match vae.decode_spread(latents, &sp.comm)? {
+            Some(frames) => frames,
+            None => {
+                timings.decode_video = secs(t.elapsed());
+                progress(Progress::DecodedVideo {
+                    seconds: timings.decode_video,
+                });
+                return Ok(VideoFrames {
+                    frames: 0,
+                    height: plan.sizes.height,
+                    width: plan.sizes.width,
+                    rgb: Vec::new(),
+                    pixels: Vec::new(),
+                });
+            }
+        },
+    };
     if (frames.frames, frames.height, frames.width)
         != (g.num_frames, plan.sizes.height, plan.sizes.width)
     {
