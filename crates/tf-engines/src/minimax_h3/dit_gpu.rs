@@ -288,7 +288,8 @@ impl GpuH3Dit {
     }
 
     /// [`GpuH3Dit::load_with`] in the given GEMM precision: with FP8 the chosen block GEMM groups are quantized on
-    /// their way to the device (and the quantizing kernels loaded). FP8 needs an sm_90 GPU and cuBLASLt 12.9 or
+    /// their way to the device (and the quantizing kernels loaded), or taken as stored where the folder already
+    /// holds them in e4m3 with their scales (a scaled-FP8 checkpoint; its other FP8 weights are dequantized). FP8 needs an sm_90 GPU and cuBLASLt 12.9 or
     /// newer; anything else is refused here, naming what is missing.
     pub fn load_in(
         ctx: &Context,

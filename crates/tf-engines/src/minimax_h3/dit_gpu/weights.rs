@@ -8,6 +8,10 @@
 //! runs, so an unpadded diffusers folder uploads one piece per tensor and the original release's per-head
 //! interleaved `qkv_proj` one piece per head and part. Padding (tiny test models only) is zero: the allocation is
 //! cleared before the pieces land.
+//!
+//! A checkpoint that stores weights in e4m3 with their scales ([`Fp8Checkpoint`]) feeds its codes as stored to the
+//! FP8 matrices, each row with its file scale ([`code_row_scales`]); every other placement of such a weight is
+//! dequantized (see [`upload`]).
 
 use std::collections::HashMap;
 
