@@ -146,32 +146,7 @@ fn gpu(what: &str, e: tf_cuda::Error) -> PipelineError {
     PipelineError::Gpu(crate::nn::backend_error::gpu_error(what, e))
 }
 
-/// Where the models run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// The f32 host references (any machine; slow at full size).
-    Host,
-    /// The GPU backends on device 0.
-    Gpu,
-}
-
-impl Backend {
-    /// The GPU when a CUDA driver opens and sees a device, else the host.
-    pub fn detect() -> Backend {
-        match tf_cuda::open_driver().and_then(|d| tf_cuda::driver_info(&d)) {
-            Ok(info) if info.device_count > 0 => Backend::Gpu,
-            _ => Backend::Host,
-        }
-    }
-
-    /// `"host"` or `"gpu"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Host => "host",
-            Backend::Gpu => "gpu",
-        }
-    }
-}
+pub use crate::nn::backend::Backend;
 
 /// What a request may ask for (the model's own rules come on top: 24 fps, `17 n + 5` frames, canvas multiples).
 #[derive(Debug, Clone, Copy, PartialEq)]

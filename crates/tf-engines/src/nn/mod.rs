@@ -18,6 +18,7 @@
 //! - [`kernels`]: the kernel images built by `cargo xtask kernels`, embedded at build time.
 //!
 //! Invariant (checked by the tidy test): nothing under `nn/` imports a model folder.
+pub mod backend;
 pub mod backend_error;
 pub mod config;
 pub mod fp8;

@@ -131,32 +131,7 @@ fn folder_err(path: &Path, why: impl Into<String>) -> PipelineError {
     }
 }
 
-/// Where the models run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// The f32 host references (any machine; slow at full size).
-    Host,
-    /// The GPU engines on device 0.
-    Gpu,
-}
-
-impl Backend {
-    /// The GPU when a CUDA driver opens and sees a device, else the host.
-    pub fn detect() -> Backend {
-        match tf_cuda::open_driver().and_then(|d| tf_cuda::driver_info(&d)) {
-            Ok(info) if info.device_count > 0 => Backend::Gpu,
-            _ => Backend::Host,
-        }
-    }
-
-    /// `"host"` or `"gpu"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Host => "host",
-            Backend::Gpu => "gpu",
-        }
-    }
-}
+pub use crate::nn::backend::Backend;
 
 /// What a request may ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
