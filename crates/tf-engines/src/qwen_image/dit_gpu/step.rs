@@ -42,6 +42,33 @@ impl Engine {
         Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
     }
 
+    /// A block GEMM `y[m, n] = x · wᵀ`: in FP8 when `fp8` (`x` the workspace's FP8 rows `x8`, the e4m3 weight at
+    /// `w_offset` with its scales), else in bf16 (`x` = `x_bf16`, the bf16 weight at `w_offset`).
+    #[allow(clippy::too_many_arguments)]
+    fn block_gemm(
+        &self,
+        fp8: bool,
+        x8: &Option<Fp8Rows>,
+        x_bf16: DeviceSpan,
+        (m, n, k): (usize, usize, usize),
+        w_offset: usize,
+        scales: Option<usize>,
+        y: DeviceSpan,
+    ) -> Result<(), DitError> {
+        if fp8 {
+            self.gemm_fp8(fp8_ref(x8)?, (m, n, k), w_offset, scales, y)
+        } else {
+            self.gemm(Linear::new(
+                m,
+                n,
+                k,
+                x_bf16,
+                self.weight(w_offset, n * k * BF16)?,
+                y,
+            ))
+        }
+    }
+
     /// Enqueues the FP8 GEMM `y[m, n] = x · wᵀ` with `x` the workspace's FP8 rows (rows of `k` bytes, with their
     /// scales) and the e4m3 weight at `w_offset` with its per-output-channel scales at `scales`.
     fn gemm_fp8(
@@ -319,24 +346,15 @@ impl Engine {
         for (layer, bo) in o.blocks.iter().enumerate() {
             let fp8 = self.fp8_of(layer);
             // Attention half (its adaLN ran at the end of the previous block).
-            if fp8.qkv {
-                self.gemm_fp8(
-                    fp8_ref(&ws.fp8)?,
-                    (total, 3 * w, d),
-                    bo.qkv,
-                    bo.scales.qkv,
-                    (&ws.qkv).into(),
-                )?;
-            } else {
-                self.gemm(Linear::new(
-                    total,
-                    3 * w,
-                    d,
-                    (&ws.normed).into(),
-                    self.weight(bo.qkv, 3 * w * d * BF16)?,
-                    (&ws.qkv).into(),
-                ))?;
-            }
+            self.block_gemm(
+                fp8.qkv,
+                &ws.fp8,
+                (&ws.normed).into(),
+                (total, 3 * w, d),
+                bo.qkv,
+                bo.scales.qkv,
+                (&ws.qkv).into(),
+            )?;
             phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
             {
                 let qkv_view = ws.qkv.view();
@@ -550,24 +568,15 @@ impl Engine {
             phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
 
             // MLP half.
-            if fp8.mlp_in {
-                self.gemm_fp8(
-                    fp8_ref(&ws.fp8)?,
-                    (total, 2 * f, d),
-                    bo.gate_up,
-                    bo.scales.gate_up,
-                    (&ws.gate_up).into(),
-                )?;
-            } else {
-                self.gemm(Linear::new(
-                    total,
-                    2 * f,
-                    d,
-                    (&ws.normed).into(),
-                    self.weight(bo.gate_up, 2 * f * d * BF16)?,
-                    (&ws.gate_up).into(),
-                ))?;
-            }
+            self.block_gemm(
+                fp8.mlp_in,
+                &ws.fp8,
+                (&ws.normed).into(),
+                (total, 2 * f, d),
+                bo.gate_up,
+                bo.scales.gate_up,
+                (&ws.gate_up).into(),
+            )?;
             phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
             if fp8.mlp_out {
                 let rows8 = fp8_rows(&mut ws.fp8)?;
@@ -599,24 +608,15 @@ impl Engine {
                 .map_err(launch)?;
             }
             phase!("swiglu", Bytes, 3 * total * f * BF16);
-            if fp8.mlp_out {
-                self.gemm_fp8(
-                    fp8_ref(&ws.fp8)?,
-                    (total, d, f),
-                    bo.mlp_out,
-                    bo.scales.mlp_out,
-                    (&ws.proj).into(),
-                )?;
-            } else {
-                self.gemm(Linear::new(
-                    total,
-                    d,
-                    f,
-                    (&ws.act).into(),
-                    self.weight(bo.mlp_out, d * f * BF16)?,
-                    (&ws.proj).into(),
-                ))?;
-            }
+            self.block_gemm(
+                fp8.mlp_out,
+                &ws.fp8,
+                (&ws.act).into(),
+                (total, d, f),
+                bo.mlp_out,
+                bo.scales.mlp_out,
+                (&ws.proj).into(),
+            )?;
             phase!("down GEMM", Flops, 2 * total * d * f);
             // The next block's adaLN (FP8 when its qkv GEMM is), or norm_out after the last block.
             if layer != last_layer && self.fp8_of(layer + 1).qkv {
