@@ -9,6 +9,10 @@
 //!   protocol client: load, two generates, one invalid request, exit; the replies, the files, no device bytes held
 //!   after unload, and the device's free memory back to its level from before the worker started.
 //!
+//! - `gpu_h3_pipeline_with_random_weights_reads_no_dit_or_text_weights`: the tiny folder with the DiT's and the
+//!   text encoder's weight files deleted loads with `random_weights` (and only with it), generates finite frames
+//!   and audio, and the same seed gives the same output resident and sequential.
+//!
 //! Runs only on a GPU machine (through `cargo xtask gpu-bundle`); ignored elsewhere.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -311,4 +315,92 @@ fn gpu_h3_worker_session_returns_all_device_memory() {
         "{missing} bytes did not come back"
     );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Copies the folder tree `from` into `to`, leaving out the `*.safetensors` files of the sub-folders in `strip`.
+fn copy_without_weights(from: &Path, to: &Path, strip: &[&str]) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        if src.is_dir() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            copy_dir(&src, &dst, strip.contains(&name.as_str()));
+        } else {
+            std::fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path, drop_weights: bool) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let src = entry.unwrap().path();
+        let dst = to.join(src.file_name().unwrap());
+        if src.is_dir() {
+            copy_dir(&src, &dst, drop_weights);
+        } else if !(drop_weights && src.to_string_lossy().contains(".safetensors")) {
+            std::fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn gpu_h3_pipeline_with_random_weights_reads_no_dit_or_text_weights() {
+    let dir = std::env::temp_dir().join(format!("tf-h3-random-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    copy_without_weights(
+        &fixtures().join("model"),
+        &dir,
+        &["transformer", "text_encoder"],
+    );
+    let Err(refused) = H3Pipeline::load(&dir, &LoadOptions::new(Backend::Gpu)) else {
+        panic!("a folder without DiT weights loads only with random weights");
+    };
+    println!("without random weights: {refused}");
+    let options = LoadOptions {
+        random_weights: Some(3),
+        ..LoadOptions::new(Backend::Gpu)
+    };
+    let mut resident = H3Pipeline::load(&dir, &options).unwrap();
+    println!(
+        "load: {:?}\n{}",
+        resident.load_report(),
+        resident.memory_plan()
+    );
+    let made = resident.generate(&short_request(), &mut |_| {}).unwrap();
+    assert_eq!(
+        (made.frames.frames, made.frames.height, made.frames.width),
+        (22, 24, 16)
+    );
+    assert!(made.frames.pixels.iter().all(|v| v.is_finite()));
+    let audio = made.audio.clone().unwrap();
+    assert!(audio.left.iter().chain(&audio.right).all(|v| v.is_finite()));
+    assert!(
+        made.prompt_embeds.data().iter().any(|v| *v != 0.0),
+        "random text features are not all zero"
+    );
+    let largest = resident
+        .memory_plan()
+        .components()
+        .iter()
+        .map(|c| c.bytes)
+        .max()
+        .unwrap();
+    drop(resident);
+    let sequential_options = LoadOptions {
+        device_budget: Some(largest),
+        ..options.clone()
+    };
+    let mut sequential = H3Pipeline::load(&dir, &sequential_options).unwrap();
+    assert_eq!(sequential.load_report().residency, Residency::Sequential);
+    let again = sequential.generate(&short_request(), &mut |_| {}).unwrap();
+    assert_eq!(
+        again.frames, made.frames,
+        "the same seed makes the same weights"
+    );
+    assert_eq!(again.audio, made.audio);
+    drop(sequential);
+    let _ = std::fs::remove_dir_all(&dir);
 }

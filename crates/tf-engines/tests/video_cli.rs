@@ -210,6 +210,8 @@ fn tf_video_on_the_tiny_h3_folder_writes_the_reference_frames() {
         .arg(h3().join("noise_short.safetensors"))
         .arg("--frames-dir")
         .arg(dir.join("frames"))
+        .arg("--dump-steps")
+        .arg(dir.join("steps.safetensors"))
         .arg("-o")
         .arg(&out)
         .output()
@@ -217,6 +219,7 @@ fn tf_video_on_the_tiny_h3_folder_writes_the_reference_frames() {
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert!(res.status.success(), "{stderr}");
     assert!(stderr.contains("step 4/4"), "progress per step: {stderr}");
+    dump_matches_the_reference(&dir.join("steps.safetensors"), "short", 4);
     assert!(stderr.contains("memory plan"), "{stderr}");
     let summary: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
     assert_eq!(summary["frames"], 22);
@@ -270,6 +273,71 @@ fn tf_video_on_the_tiny_h3_folder_writes_the_reference_frames() {
         worst <= 1,
         "a frame differs from the reference by {worst} levels"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The `--dump-steps` file holds the reference's names, and its tensors are the diffusers pipeline's (relative L2
+/// at most 1e-4): the prompt features, the rows after each of `steps` steps, the frames and the audio.
+fn dump_matches_the_reference(path: &Path, case: &str, steps: usize) {
+    let ours = tf_engines::nn::weights::SafetensorsFile::open(path).unwrap();
+    let expected =
+        tf_engines::nn::weights::SafetensorsFile::open(&h3().join("expected.safetensors")).unwrap();
+    let mut names = vec![
+        ("prompt_embeds".to_string(), "prompt_embeds".to_string()),
+        ("frames".into(), "frames".into()),
+        ("audio".into(), "audio".into()),
+    ];
+    for i in 0..steps {
+        names.push((format!("latents.{i}"), format!("latents.{i}")));
+        names.push((format!("audio_latents.{i}"), format!("audio_latents.{i}")));
+    }
+    assert!(
+        ours.to_f32(&format!("latents.{steps}")).is_err(),
+        "one entry a step"
+    );
+    for (name, reference) in names {
+        let got = ours.to_f32(&name).unwrap();
+        let want = expected.to_f32(&format!("{case}.{reference}")).unwrap();
+        assert_eq!(got.shape(), want.shape(), "{name}");
+        let (mut diff, mut norm) = (0f64, 0f64);
+        for (a, b) in got.data().iter().zip(want.data()) {
+            diff += f64::from(a - b).powi(2);
+            norm += f64::from(*b).powi(2);
+        }
+        let rel = (diff / norm.max(1e-30)).sqrt();
+        assert!(
+            rel <= 1e-4,
+            "{name}: relative L2 {rel:.3e} against the reference"
+        );
+    }
+}
+
+#[test]
+fn random_weights_are_refused_on_the_host_with_the_reason() {
+    let dir = scratch("h3-random-host");
+    let res = Command::new(tf())
+        .args(["video", "--backend", "host", "--random-weights", "0"])
+        .args([
+            "--prompt",
+            "x",
+            "--size",
+            "16x24",
+            "--seconds",
+            "0.9",
+            "--model",
+        ])
+        .arg(h3().join("model"))
+        .arg("-o")
+        .arg(dir.join("x.mp4"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("random weights are made on the GPU"),
+        "{stderr}"
+    );
+    assert!(names(&dir).is_empty(), "{:?}", names(&dir));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

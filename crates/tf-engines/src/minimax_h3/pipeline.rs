@@ -220,6 +220,10 @@ pub struct LoadOptions {
     /// The GEMM precision of the GPU DiT (bf16, or FP8 in chosen block groups); the host runs f32 and refuses
     /// anything but bf16 here.
     pub dit_precision: DitPrecision,
+    /// Timing only: make the text encoder's and the DiT's weights on the device from this seed instead of reading
+    /// them (their folders then need only `config.json`; the VAEs are still read). For full-size runs where the
+    /// checkpoints do not fit a disk; the output says nothing about the model. GPU only.
+    pub random_weights: Option<u32>,
 }
 
 impl LoadOptions {
@@ -232,6 +236,7 @@ impl LoadOptions {
             text: H3TextOptions::default(),
             device_budget: None,
             dit_precision: DitPrecision::Bf16,
+            random_weights: None,
         }
     }
 }
@@ -512,7 +517,20 @@ impl H3Pipeline {
                 options.dit_precision
             )));
         }
-        let folders = Folders::open(&layout, options.text.layer, options.dit_precision)?;
+        if options.backend == Backend::Host && options.random_weights.is_some() {
+            return Err(PipelineError::InvalidRequest(
+                "random weights are made on the GPU; the host reference reads the folder's weights (drop the \
+                 random weights or run on the GPU)"
+                    .into(),
+            ));
+        }
+        let folders = Folders::open(
+            &layout,
+            &configs,
+            options.text.layer,
+            options.dit_precision,
+            options.random_weights,
+        )?;
         let parts = folders.plan_components(options.backend);
         let (context, available, free_before) = match options.backend {
             Backend::Host => (None, None, 0),

@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde_json::json;
 use tf_engines::minimax_h3::noise::{H3Noise, VIDEO_NOISE};
 use tf_engines::minimax_h3::pipeline::{
-    Backend, H3Pipeline, LoadOptions, PipelineError, Progress, Request,
+    Backend, Generation, H3Pipeline, LoadOptions, PipelineError, Progress, Request,
 };
 use tf_engines::nn::media::mp4::{
     find_ffmpeg, write_mp4, AudioInput, Mp4Error, Mp4Report, PixelLayout, VideoInput,
@@ -21,6 +21,8 @@ use tf_engines::nn::media::mp4::{
 use tf_engines::nn::media::png::{ColorType, PngError};
 use tf_engines::nn::media::wav::{write_wav, WavError};
 use tf_engines::nn::sampling::noise::NoiseError;
+use tf_engines::nn::tensor::TensorF32;
+use tf_engines::nn::weights::{write_safetensors, AnyTensor};
 use tf_engines::worker::testpattern::TestPattern;
 use tf_engines::worker::{EngineOutput, VideoJob, WorkerEngine};
 
@@ -96,6 +98,15 @@ pub struct Args {
     /// Print a JSON summary on stdout.
     #[arg(long)]
     json: bool,
+    /// Write the prompt features, the latent rows after every step, the decoded frames (f32 in [0, 1]) and the
+    /// audio samples to this safetensors file (`prompt_embeds`, `latents.{i}`, `audio_latents.{i}`, `frames`,
+    /// `audio`), for comparisons with a reference.
+    #[arg(long = "dump-steps")]
+    dump_steps: Option<PathBuf>,
+    /// Timing only: make the text encoder's and the DiT's weights on the GPU from this seed instead of reading
+    /// them (their folders need only config.json; the VAEs are still read). The video shows nothing.
+    #[arg(long = "random-weights", value_name = "SEED")]
+    random_weights: Option<u32>,
     #[command(flatten)]
     gpu: super::ranks::GpuArgs,
 }
@@ -240,8 +251,15 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     };
     let options = LoadOptions {
         dit_precision: args.precision,
+        random_weights: args.random_weights,
         ..LoadOptions::new(backend)
     };
+    if let Some(seed) = args.random_weights {
+        eprintln!(
+            "tf video: RANDOM text-encoder and DiT weights made on the device from seed {seed} (timing only; the \
+             video shows nothing)"
+        );
+    }
     let (width, height) = args.size;
     let mut request = Request::new(args.prompt.clone());
     request.width = width as usize;
@@ -296,6 +314,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         eprintln!("tf video: {component} precision: {precision}");
     }
     eprintln!("tf video: {}", pipeline.memory_plan());
+    pipeline.keep_step_latents(args.dump_steps.is_some());
     let made = pipeline.generate(&request, &mut |p| match p {
         Progress::Encoded { seconds } => reporter.phase("prompt encoded and noise drawn", seconds),
         Progress::Step {
@@ -307,6 +326,11 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         Progress::DecodedAudio { seconds } => reporter.phase("audio decoded", seconds),
     })?;
     let peak_device_bytes = tf_cuda::usage().device_peak;
+    if let Some(path) = &args.dump_steps {
+        if super::ranks::writes_output() {
+            dump_steps(path, &made)?;
+        }
+    }
     let f = &made.frames;
     let plane = f.width * f.height * 3;
     let frames: Vec<Vec<u8>> = f
@@ -346,6 +370,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
                 .map(|(component, p)| (component.to_string(), json!(p)))
                 .collect::<serde_json::Map<String, serde_json::Value>>(),
             "dit_precision": args.precision.to_string(),
+            "random_weights": args.random_weights,
             "peak_device_bytes": peak_device_bytes,
             "pipeline_total_s": t.total,
             "component_loads_s": {
@@ -356,6 +381,50 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
             },
         }),
     })
+}
+
+/// Writes what `--dump-steps` promises (the names a reference comparison reads).
+fn dump_steps(path: &Path, made: &Generation) -> Result<(), VideoError> {
+    let f = &made.frames;
+    let frames = TensorF32::new(vec![f.frames, f.height, f.width, 3], f.pixels.clone())
+        .map_err(|e| VideoError::Engine(format!("the decoded frames: {e}")))?;
+    let audio = match &made.audio {
+        Some(a) => {
+            let samples = a.left.len();
+            let mut both = a.left.clone();
+            both.extend_from_slice(&a.right);
+            Some(
+                TensorF32::new(vec![2, samples], both)
+                    .map_err(|e| VideoError::Engine(format!("the decoded audio: {e}")))?,
+            )
+        }
+        None => None,
+    };
+    let names: Vec<(String, String)> = (0..made.step_latents.len())
+        .map(|i| (format!("latents.{i}"), format!("audio_latents.{i}")))
+        .collect();
+    let mut tensors: Vec<(&str, AnyTensor<'_>)> =
+        vec![("prompt_embeds", AnyTensor::F32(&made.prompt_embeds))];
+    for ((video_name, audio_name), step) in names.iter().zip(&made.step_latents) {
+        tensors.push((video_name, AnyTensor::F32(&step.video)));
+        tensors.push((audio_name, AnyTensor::F32(&step.audio)));
+    }
+    if let Some(init) = &made.initial_latents {
+        tensors.push(("latents.init", AnyTensor::F32(&init.video)));
+        tensors.push(("audio_latents.init", AnyTensor::F32(&init.audio)));
+    }
+    tensors.push(("frames", AnyTensor::F32(&frames)));
+    if let Some(audio) = &audio {
+        tensors.push(("audio", AnyTensor::F32(audio)));
+    }
+    write_safetensors(path, &tensors)
+        .map_err(|e| VideoError::Engine(format!("writing {}: {e}", path.display())))?;
+    eprintln!(
+        "tf video: wrote the prompt features, {} steps of latents, the frames and the audio to {}",
+        made.step_latents.len(),
+        path.display()
+    );
+    Ok(())
 }
 
 fn testpattern(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {

@@ -18,7 +18,7 @@ use crate::minimax_h3::config::MiniMaxH3Config;
 use crate::minimax_h3::dit::H3DitBackend;
 use crate::minimax_h3::dit_gpu::GpuH3Dit;
 use crate::minimax_h3::dit_host::HostH3Dit;
-use crate::minimax_h3::text::{load_gpu_backend, load_host_backend, H3TextBackend};
+use crate::minimax_h3::text::{load_gpu_backend, load_host_backend, load_options, H3TextBackend};
 use crate::minimax_h3::vae_audio::{self, AudioVaeDecoder, HostAudioVae};
 use crate::minimax_h3::vae_audio_gpu::GpuAudioVae;
 use crate::minimax_h3::vae_video::{self, HostVideoVae, VideoVaeBackend};
@@ -27,6 +27,8 @@ use crate::nn::memory_plan::Component;
 use crate::nn::precision::DitPrecision;
 use crate::nn::upload::StagingConfig;
 use crate::nn::weights::ModelDir;
+use crate::qwen3_vl::text_encoder::TextEncoderConfig;
+use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 
 /// The component names of the memory plan and the load report, in pipeline order.
 pub const TEXT_ENCODER: &str = "text encoder";
@@ -42,14 +44,26 @@ pub(super) struct Resident {
     pub audio_vae: Box<dyn AudioVaeDecoder>,
 }
 
+/// Where the weights of one of the two large components (text encoder, DiT) come from.
+pub(super) enum WeightSource {
+    /// The folder's safetensors (headers checked, files mapped).
+    Files(ModelDir),
+    /// Made on the device from a seed, at the config's full size: timing only (the folder needs its
+    /// `config.json` alone). See [`super::LoadOptions::random_weights`].
+    Random { seed: u32 },
+}
+
 /// The opened folders (headers and file mappings, nothing on the device) that the sequential mode loads from.
 pub(super) struct Folders {
     /// The hidden state the text encoder is read at (its layers past that are not loaded).
     pub text_layer: usize,
     /// The GEMM precision the GPU DiT is loaded in.
     pub dit_precision: DitPrecision,
-    pub text_encoder: ModelDir,
-    pub dit: ModelDir,
+    /// The configs the random sources are made from (and the DiT's FP8 byte count).
+    pub text_config: TextEncoderConfig,
+    pub dit_config: MiniMaxH3Config,
+    pub text_encoder: WeightSource,
+    pub dit: WeightSource,
     pub video_vae: ModelDir,
     pub audio_vae: ModelDir,
 }
@@ -67,13 +81,22 @@ impl Folders {
         &self,
         ctx: Option<&tf_cuda::Context>,
     ) -> Result<Box<dyn H3TextBackend>, PipelineError> {
-        Ok(match ctx {
-            None => Box::new(load_host_backend(&self.text_encoder, self.text_layer)?),
-            Some(ctx) => {
-                let te = load_gpu_backend(ctx, &self.text_encoder, self.text_layer)?;
+        Ok(match (ctx, &self.text_encoder) {
+            (None, WeightSource::Files(model)) => {
+                Box::new(load_host_backend(model, self.text_layer)?)
+            }
+            (Some(ctx), WeightSource::Files(model)) => {
+                let te = load_gpu_backend(ctx, model, self.text_layer)?;
                 uploads_done(ctx)?;
                 Box::new(te)
             }
+            (Some(ctx), WeightSource::Random { seed }) => Box::new(GpuTextEncoder::random_with(
+                ctx,
+                self.text_config.clone(),
+                *seed,
+                load_options(self.text_layer),
+            )?),
+            (None, WeightSource::Random { .. }) => return Err(random_on_host()),
         })
     }
 
@@ -81,12 +104,12 @@ impl Folders {
         &self,
         ctx: Option<&tf_cuda::Context>,
     ) -> Result<Box<dyn H3DitBackend>, PipelineError> {
-        Ok(match ctx {
-            None => Box::new(HostH3Dit::load(&self.dit)?),
-            Some(ctx) => {
+        Ok(match (ctx, &self.dit) {
+            (None, WeightSource::Files(model)) => Box::new(HostH3Dit::load(model)?),
+            (Some(ctx), WeightSource::Files(model)) => {
                 let dit = GpuH3Dit::load_in(
                     ctx,
-                    &self.dit,
+                    model,
                     crate::minimax_h3::dit_host::LoadOptions::default(),
                     StagingConfig::default(),
                     self.dit_precision,
@@ -94,6 +117,13 @@ impl Folders {
                 uploads_done(ctx)?;
                 Box::new(dit)
             }
+            (Some(ctx), WeightSource::Random { seed }) => Box::new(GpuH3Dit::random_in(
+                ctx,
+                &self.dit_config,
+                u64::from(*seed),
+                self.dit_precision,
+            )?),
+            (None, WeightSource::Random { .. }) => return Err(random_on_host()),
         })
     }
 
@@ -146,13 +176,26 @@ impl Folders {
             }
         };
         // A GEMM group in FP8 holds one byte a weight instead of two (its row scales are within the reserve).
-        let dit = device(&self.dit, &[], 2);
+        let dit = match &self.dit {
+            WeightSource::Files(model) => device(model, &[], 2),
+            WeightSource::Random { .. } => {
+                (self.dit_config.parameter_count() as u64).saturating_mul(2)
+            }
+        };
         let dit = match backend {
             Backend::Host => dit,
-            Backend::Gpu => dit.saturating_sub(fp8_weights(&self.dit, self.dit_precision)),
+            Backend::Gpu => dit.saturating_sub(fp8_weights(&self.dit_config, self.dit_precision)),
+        };
+        let text_encoder = match &self.text_encoder {
+            WeightSource::Files(model) => device(model, &[], 2),
+            WeightSource::Random { .. } => GpuTextEncoder::planned_weight_bytes(
+                &self.text_config,
+                load_options(self.text_layer),
+            )
+            .map_or(u64::MAX, |b| b as u64),
         };
         vec![
-            Component::new(TEXT_ENCODER, device(&self.text_encoder, &[], 2)),
+            Component::new(TEXT_ENCODER, text_encoder),
             Component::new(DIT, dit),
             Component::new(
                 VIDEO_VAE,
@@ -166,20 +209,31 @@ impl Folders {
     }
 
     /// Opens the four component folders (headers checked, nothing converted or uploaded); the text encoder will
-    /// be read at `text_layer`.
+    /// be read at `text_layer`. With `random_weights`, the text encoder and the DiT are not opened: their weights
+    /// will be made on the device from that seed.
     pub fn open(
         layout: &super::folder::FolderLayout,
+        configs: &super::folder::Configs,
         text_layer: usize,
         dit_precision: DitPrecision,
+        random_weights: Option<u32>,
     ) -> Result<Folders, PipelineError> {
         let open = |path: &std::path::Path| {
             ModelDir::open(path).map_err(|e| folder_err(path, e.to_string()))
         };
+        let source = |path: &std::path::Path| -> Result<WeightSource, PipelineError> {
+            Ok(match random_weights {
+                Some(seed) => WeightSource::Random { seed },
+                None => WeightSource::Files(open(path)?),
+            })
+        };
         Ok(Folders {
             text_layer,
             dit_precision: dit_precision.resolve(crate::minimax_h3::dit_gpu::DEFAULT_FP8),
-            text_encoder: open(&layout.text_encoder)?,
-            dit: open(&layout.transformer)?,
+            text_config: configs.text_encoder.clone(),
+            dit_config: configs.dit.clone(),
+            text_encoder: source(&layout.text_encoder)?,
+            dit: source(&layout.transformer)?,
             video_vae: open(&layout.vae)?,
             audio_vae: open(&layout.audio_vae)?,
         })
@@ -206,12 +260,16 @@ pub(super) fn precisions(
     ]
 }
 
-/// Weights of the DiT folder `dit` that `precision` stores in FP8 (the chosen GEMM groups of the blocks it runs in
-/// FP8); 0 in bf16 or when the config cannot be read (the load refuses it then).
-fn fp8_weights(dit: &ModelDir, precision: DitPrecision) -> u64 {
-    let Ok(config) = MiniMaxH3Config::from_json(dit.config_json()) else {
-        return 0;
-    };
+/// The error of a random-weight source asked for on the host (the load refuses that combination first).
+fn random_on_host() -> PipelineError {
+    PipelineError::InvalidRequest(
+        "random weights are made on the GPU; the host reference reads the folder's weights".into(),
+    )
+}
+
+/// Weights of a DiT of `config` that `precision` stores in FP8 (the chosen GEMM groups of the blocks it runs in
+/// FP8); 0 in bf16.
+fn fp8_weights(config: &MiniMaxH3Config, precision: DitPrecision) -> u64 {
     let (h, f) = (config.hidden_size as u64, config.ffn_dim as u64);
     let inner = (config.num_attention_heads * config.attention_head_dim) as u64;
     let adaln = (crate::minimax_h3::config::MODALITIES
@@ -270,12 +328,13 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/minimax_h3_dit/fl2va_first/model");
         let model = ModelDir::open(&dir).unwrap();
+        let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
         // Hidden 24, two heads of 16, ffn 40, two blocks.
         let (qkv, out, fc1, fc2) = (3 * 32 * 24, 24 * 32, 2 * 40 * 24, 24 * 40);
-        let of = |spec: &str| fp8_weights(&model, spec.parse().unwrap());
-        assert_eq!(fp8_weights(&model, DitPrecision::Bf16), 0);
+        let of = |spec: &str| fp8_weights(&config, spec.parse().unwrap());
+        assert_eq!(fp8_weights(&config, DitPrecision::Bf16), 0);
         // The default keeps the first and last block in bf16: both of these.
-        assert_eq!(fp8_weights(&model, DitPrecision::FP8), 0);
+        assert_eq!(fp8_weights(&config, DitPrecision::FP8), 0);
         assert_eq!(of("fp8:all,ends=0"), 2 * (qkv + out + fc1 + fc2));
         assert_eq!(of("fp8:qkv,mlp_out,ends=0"), 2 * (qkv + fc2));
         // The adaLN projection: 3 modalities x 6 chunks x hidden rows of time_embed_dim (12).
