@@ -29,11 +29,22 @@ per-iteration CUDA event times after warm-up (eager_ms, compiled_ms; the means b
 torch.cuda.max_memory_allocated / _reserved over the case (weights included). The --tiny smoke run compiles on the
 CPU too (inductor's C++ backend).
 
+Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for H3's default, qkv,out,mlp_out,ends=1, or
+GROUP[,GROUP...][,ends=N]): the chosen nn.Linear layers of the blocks between the first and last N become e4m3 GEMMs
+quantized as ours are (tests/python/torch_fp8.py: per-output-channel weight scales, per-token activation scales
+computed on the fly, torch._scaled_mm row-wise, bf16 output; qkv = attn.to_q/to_k/to_v, out = attn.to_out.0, mlp_in
+= ff.net.0.proj, mlp_out = ff.net.2, adaln = adaln_proj.linear, its activation rows quantized too where ours reads
+them in bf16). The accuracy set adds an FP8 run of the bf16 model (accuracy.fp8_torch: rel L2, cosine and ratio to
+the floor against fp32 per output; the outputs in fp8_torch.safetensors); the speed run converts the 50-block model
+after its bf16 timings and times the main case eager and compiled again (fp8_eager_ms, fp8_compiled_ms and their
+peaks in the case). On the CPU the GEMMs are an f32 emulation of the same codes and scales.
+
 --out/reference.json is rewritten after every stage, so a stage stopped by a time limit keeps the earlier ones.
 Each speed case is named WIDTHxHEIGHT_FRAMESf_TEXTt (e.g. 768x448_56f_128t), as `tf bench h3-dit` looks it up.
 
 Usage (GPU machine, diffusers on PYTHONPATH):
-    python3 tests/python/h3_dit_reference.py --out /tmp/h3dit [--skip-speed] [--skip-compile] [--skip-canvas]
+    python3 tests/python/h3_dit_reference.py --out /tmp/h3dit [--skip-speed] [--skip-compile] [--skip-canvas] \
+        [--fp8 qkv,out,mlp_out,ends=1]
 Smoke run of the script itself (CPU, tiny config and geometry, a few seconds):
     python3 tests/python/h3_dit_reference.py --tiny --out /tmp/h3dit-tiny
 """
@@ -49,6 +60,8 @@ import time
 
 import torch
 from safetensors.torch import save_file
+
+import torch_fp8
 
 import diffusers
 from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
@@ -75,6 +88,16 @@ TINY = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=24, ffn_di
             rope_freq_dim=2)
 
 DEVICE = "cuda"
+
+# Our FP8 groups on a MiniMaxH3TransformerBlock's modules (docs/ENGINES.md, "MiniMax H3 DiT in FP8"); H3's `fp8`.
+H3_FP8_MODULES = {
+    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "out": ("attn.to_out.0",),
+    "mlp_in": ("ff.net.0.proj",),
+    "mlp_out": ("ff.net.2",),
+    "adaln": ("adaln_proj.linear",),
+}
+H3_FP8_DEFAULT = "qkv,out,mlp_out,ends=1"
 
 
 def sync():
@@ -188,6 +211,18 @@ def forward(model, inp):
         return model(**inp, return_dict=False)
 
 
+def convert_fp8(model, spec):
+    """Swaps the blocks' layers that `spec` names for FP8 ones in place; what was converted, for the JSON."""
+    groups, ends = torch_fp8.parse_spec(spec, H3_FP8_DEFAULT)
+    select = torch_fp8.block_selector("transformer_blocks", len(model.transformer_blocks), H3_FP8_MODULES, groups,
+                                      ends)
+    done = torch_fp8.convert(model, select)
+    return {"precision": torch_fp8.spec_string(groups, ends), "converted_layers": len(done["converted"]),
+            "skipped_layers": done["skipped"],
+            "gemm": ("torch._scaled_mm, row-wise scales, bf16 out" if DEVICE == "cuda"
+                     else "CPU emulation (dequantized codes, f32 matmul, bf16 out)")}
+
+
 def write_summary(path, summary):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -265,11 +300,41 @@ def accuracy(args, summary, summary_path):
             "fp32_rms": float(fp32.double().pow(2).mean().sqrt()),
             "finite": bool(torch.isfinite(fp32).all() and torch.isfinite(bf16).all()),
         }
+    if args.fp8:
+        result["fp8_torch"] = accuracy_fp8(args, model_dir, inp, outputs, result["outputs"])
     summary["accuracy"] = result
     write_summary(summary_path, summary)
     print(json.dumps({"accuracy": {k: result[k] for k in ("case", "seq_len", "timesteps", "outputs")}}), flush=True)
     del inp, outputs
     free_cuda()
+
+
+def accuracy_fp8(args, model_dir, inp, outputs, floors):
+    """The bf16 model with its blocks' chosen layers in FP8, against fp32 beside the bf16 floor."""
+    try:
+        t0 = time.time()
+        m = MiniMaxH3Transformer3DModel.from_pretrained(model_dir, torch_dtype=torch.bfloat16, device_map=DEVICE).eval()
+        res = convert_fp8(m, args.fp8)
+        sample, audio = forward(m, inp)
+        sync()
+        res["load_and_forward_s"] = time.time() - t0
+        got = {"sample": sample.float().cpu(), "audio_sample": audio.float().cpu()}
+        del m, sample, audio
+        free_cuda()
+    except Exception as exc:  # report and carry on: the bf16 / fp32 set still stands
+        print(f"torch FP8 accuracy run failed: {exc!r}"[:800], flush=True)
+        return {"error": repr(exc)[:800]}
+    save_file({f"{k}_fp8_torch": v.contiguous() for k, v in got.items()},
+              os.path.join(args.out, "fp8_torch.safetensors"))
+    res["outputs"] = {}
+    for out, o in got.items():
+        fp32, bf16 = outputs[f"{out}_fp32"], outputs[f"{out}_bf16"]
+        err, floor = rel_l2(o, fp32), floors[out]["floor_rel_l2"]
+        res["outputs"][out] = {"rel_l2": err, "cosine": cosine(o, fp32), "floor_rel_l2": floor,
+                               "ratio_to_floor": err / floor if floor > 0 else float("inf"),
+                               "rel_l2_vs_bf16": rel_l2(o, bf16), "finite": bool(torch.isfinite(o).all())}
+    print(json.dumps({"fp8_torch": res}), flush=True)
+    return res
 
 
 # ------------------------------------------------------------------------------------------------------- speed
@@ -416,8 +481,65 @@ def speed(args, summary, summary_path):
             case["compile_error"] = repr(exc)[:800]
             print(f"torch.compile failed: {case['compile_error']}", flush=True)
         write_summary(summary_path, summary)
+    if args.fp8:
+        speed_fp8(args, model, inputs, summary_path, summary)
     del model, inputs
     free_cuda()
+
+
+def speed_fp8(args, model, inputs, summary_path, summary):
+    """The speed model with its blocks' chosen layers in FP8: the main case eager, then compiled as the bf16 run."""
+    (inp, case), = inputs.values()
+    try:
+        t0 = time.time()
+        info = convert_fp8(model, args.fp8)
+        sync()
+        free_cuda()
+        case.update(fp8_precision=info["precision"], fp8_gemm=info["gemm"], fp8_converted_layers=info["converted_layers"],
+                    fp8_skipped_layers=info["skipped_layers"], fp8_convert_s=time.time() - t0,
+                    fp8_weight_bytes=torch_fp8.module_bytes(model))
+        # Eager again: undo compile_repeated_blocks' per-block compiled call (nn.Module.compile).
+        for m in model.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None:
+                m._compiled_call_impl = None
+        reset_peaks()
+        ms, times = time_forward(model, inp, args.warmup, args.iters)
+        case.update(fp8_eager_ms=ms, fp8_eager_mean_ms=statistics.mean(times), fp8_eager_times_ms=times,
+                    fp8_eager_tflops=case["flops"] / (ms * 1e-3) / 1e12,
+                    **{f"fp8_eager_{k}": v for k, v in peaks().items()})
+        print(f"{case['name']}: torch FP8 ({info['precision']}, {info['converted_layers']} layers) eager {ms:.2f} ms, "
+              f"peak {case.get('fp8_eager_peak_allocated_bytes', 0) / 2**30:.2f} GiB allocated", flush=True)
+    except Exception as exc:  # report and carry on: the bf16 figures still stand
+        case["fp8_error"] = repr(exc)[:800]
+        print(f"torch FP8 speed run failed: {case['fp8_error']}", flush=True)
+        write_summary(summary_path, summary)
+        return
+    write_summary(summary_path, summary)
+    if args.skip_compile:
+        return
+    mode = None if args.compile_mode == "default" else args.compile_mode
+    try:
+        torch._dynamo.reset()
+        t0 = time.time()
+        if args.compile_scope == "blocks":
+            model.compile_repeated_blocks(mode=mode)
+            compiled = model
+        else:
+            compiled = torch.compile(model, mode=mode)
+        forward(compiled, inp)
+        sync()
+        case["fp8_compile_s"] = time.time() - t0
+        reset_peaks()
+        ms, times = time_forward(compiled, inp, args.warmup, args.iters)
+        case.update(fp8_compiled_ms=ms, fp8_compiled_mean_ms=statistics.mean(times), fp8_compiled_times_ms=times,
+                    fp8_compiled_tflops=case["flops"] / (ms * 1e-3) / 1e12,
+                    **{f"fp8_compiled_{k}": v for k, v in peaks().items()})
+        print(f"{case['name']}: torch FP8 torch.compile ({args.compile_scope}, mode {args.compile_mode}) {ms:.2f} ms "
+              f"after {case['fp8_compile_s']:.0f}s of compilation", flush=True)
+    except Exception as exc:  # report and carry on: the eager figures still stand
+        case["fp8_compile_error"] = repr(exc)[:800]
+        print(f"torch FP8 torch.compile failed: {case['fp8_compile_error']}", flush=True)
+    write_summary(summary_path, summary)
 
 
 def main():
@@ -449,7 +571,15 @@ def main():
     ap.add_argument("--canvas-iters", type=int, default=3)
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     ap.add_argument("--compile-scope", default="blocks", choices=["blocks", "model"])
+    ap.add_argument("--fp8", default=None, metavar="SPEC",
+                    help="also run torch FP8: fp8 (H3's default, " + H3_FP8_DEFAULT + ") or GROUP[,GROUP...][,ends=N] "
+                         "with GROUP one of qkv, out, mlp_in, mlp_out, adaln, all")
     args = ap.parse_args()
+    if args.fp8:
+        try:
+            torch_fp8.parse_spec(args.fp8, H3_FP8_DEFAULT)
+        except ValueError as exc:
+            raise SystemExit(f"--fp8: {exc}")
 
     global DEVICE
     DEVICE = args.device or ("cpu" if args.tiny else "cuda")
