@@ -7,8 +7,20 @@ fp32 compute (the accuracy reference) and bf16 compute (whose distance to fp32 i
 judged against). It also times the reference: eager bf16 full and cached steps, and the cached step under
 torch.compile. Everything lands under --out; a JSON summary goes to --out/reference.json and stdout.
 
+Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for Qwen-Image's default,
+qkv,out,mlp_in,mlp_out,ends=1, or GROUP[,GROUP...][,ends=N]): once the bf16 and fp32 runs of every size are done, the
+chosen nn.Linear layers of the blocks between the first and last N become e4m3 GEMMs quantized as ours are
+(tests/python/torch_fp8.py: per-output-channel weight scales, per-token activation scales computed on the fly,
+torch._scaled_mm row-wise, bf16 output; qkv = attn.to_q/to_k/to_v, out = attn.to_out.0, mlp_in = img_mlp.proj and
+img_mlp.gate_layer, mlp_out = img_mlp.out). Each case gets `fp8_torch`: the extract (all and target rows) and
+cached outputs against fp32 beside the floor, as compare_outputs.py reports ours, and at 1024x1024 on the GPU the
+eager full / cached and compiled cached times again (fp8_eager_full_ms, fp8_eager_cached_ms, fp8_compiled_cached_ms,
+fp8_eager_peak_bytes). --no-save skips writing the model (a run that only wants the figures).
+
 Usage (GPU machine, diffusers on PYTHONPATH):
-    python3 tests/python/qwen_dit_reference.py --out /tmp/qwen21 [--seed 0] [--sizes 1024x1024,1280x768]
+    python3 tests/python/qwen_dit_reference.py --out /tmp/qwen21 [--seed 0] [--sizes 1024x1024,1280x768] [--fp8 fp8]
+Smoke run of the script itself (CPU, three blocks, a small canvas):
+    python3 tests/python/qwen_dit_reference.py --device cpu --layers 3 --sizes 64x64 --text-len 8 --out /tmp/q --fp8 fp8
 """
 
 import argparse
@@ -20,11 +32,23 @@ import time
 import torch
 from safetensors.torch import save_file
 
+import torch_fp8
+
 from diffusers import QwenImage21Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 
 DEVICE = "cuda"
+
+# Our FP8 groups on a QwenImage21TransformerBlock's modules (docs/ENGINES.md, "The Qwen-Image DiT in FP8"); no
+# `adaln`: the modulation is one shared layer outside the blocks. Qwen-Image's `fp8`:
+QWEN_FP8_MODULES = {
+    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "out": ("attn.to_out.0",),
+    "mlp_in": ("img_mlp.proj", "img_mlp.gate_layer"),
+    "mlp_out": ("img_mlp.out",),
+}
+QWEN_FP8_DEFAULT = "qkv,out,mlp_in,mlp_out,ends=1"
 
 
 def rel_l2(a, b):
@@ -119,6 +143,83 @@ def quantized_timestep(sigma, dtype):
     return t
 
 
+def fp8_views(ext, cached, ref):
+    """Ours-style rows (compare_outputs.py): extract all rows, extract target rows, cached; against fp32, beside the
+    floor (bf16 against fp32)."""
+    n = ref["cached_fp32"].shape[1]
+    views = (("extract", "all rows", ext, "extract", None), ("extract", "target rows", ext, "extract", n),
+             ("cached", "all rows", cached, "cached", None))
+    rows = []
+    for step, label, o, key, tail in views:
+        r, f = ref[f"{key}_fp32"], ref[f"{key}_bf16"]
+        if tail is not None:
+            o, r, f = o[:, -tail:], r[:, -tail:], f[:, -tail:]
+        err, floor = rel_l2(o, r), rel_l2(f, r)
+        rows.append({"step": step, "rows": label, "rel_l2": err, "cosine": cosine(o, r), "floor_rel_l2": floor,
+                     "ratio_to_floor": err / floor if floor > 0 else float("inf"),
+                     "finite": bool(torch.isfinite(o).all())})
+    return rows
+
+
+def run_fp8(args, model, summary, kept):
+    """Converts `model` in place and runs every case again in FP8 (accuracy; speed at 1024x1024 on the GPU)."""
+    try:
+        t0 = time.time()
+        groups, ends = torch_fp8.parse_spec(args.fp8, QWEN_FP8_DEFAULT)
+        select = torch_fp8.block_selector("transformer_blocks", len(model.transformer_blocks), QWEN_FP8_MODULES,
+                                          groups, ends)
+        done = torch_fp8.convert(model, select)
+        sync()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        summary["fp8_torch"] = {
+            "precision": torch_fp8.spec_string(groups, ends), "converted_layers": len(done["converted"]),
+            "skipped_layers": done["skipped"], "convert_s": time.time() - t0,
+            "weight_bytes": torch_fp8.module_bytes(model),
+            "gemm": ("torch._scaled_mm, row-wise scales, bf16 out" if DEVICE == "cuda"
+                     else "CPU emulation (dequantized codes, f32 matmul, bf16 out)"),
+        }
+    except Exception as exc:  # report and carry on: the bf16 figures still stand
+        summary["fp8_torch"] = {"error": repr(exc)[:800]}
+        print(f"torch FP8 conversion failed: {summary['fp8_torch']['error']}", flush=True)
+        return
+    print(json.dumps(summary["fp8_torch"]), flush=True)
+    for case in summary["cases"]:
+        args_a, args_b, ref = kept[case["name"]]
+        try:
+            cache = QwenImage21KVCache(model.config.num_layers)
+            ext = forward(model, *args_a, cache=cache, mode="extract").float().cpu()
+            cached = forward(model, *args_b, cache=cache, mode="cached").float().cpu()
+            del cache
+            case["fp8_torch"] = fp8_views(ext, cached, ref)
+        except Exception as exc:  # report and carry on
+            case["fp8_torch_error"] = repr(exc)[:800]
+        print(json.dumps({"name": case["name"], "fp8_torch": case.get("fp8_torch", case.get("fp8_torch_error"))}),
+              flush=True)
+        if case["name"] != "1024x1024" or DEVICE != "cuda":
+            continue
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            case["fp8_eager_full_ms"] = time_ms(lambda: forward(model, *args_a), 2, args.iters)
+            cache = QwenImage21KVCache(model.config.num_layers)
+            forward(model, *args_a, cache=cache, mode="extract")
+            case["fp8_eager_cached_ms"] = time_ms(lambda: forward(model, *args_b, cache=cache, mode="cached"), 2,
+                                                  args.iters)
+            case["fp8_eager_peak_bytes"] = torch.cuda.max_memory_allocated()
+            if not args.no_compile:
+                torch._dynamo.reset()
+                t0 = time.time()
+                compiled = torch.compile(model)
+                forward(compiled, *args_b, cache=cache, mode="cached")
+                case["fp8_compile_s"] = time.time() - t0
+                case["fp8_compiled_cached_ms"] = time_ms(
+                    lambda: forward(compiled, *args_b, cache=cache, mode="cached"), 3, args.iters
+                )
+        except Exception as exc:  # report and carry on: the accuracy figures still stand
+            case["fp8_speed_error"] = repr(exc)[:800]
+        print(json.dumps({k: v for k, v in case.items() if k.startswith("fp8_") and k != "fp8_torch"}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -129,7 +230,16 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--device", default="cuda", help="cpu for a smoke run of the script itself")
+    ap.add_argument("--fp8", default=None, metavar="SPEC",
+                    help="also run torch FP8: fp8 (Qwen-Image's default, " + QWEN_FP8_DEFAULT + ") or "
+                         "GROUP[,GROUP...][,ends=N] with GROUP one of qkv, out, mlp_in, mlp_out, all")
+    ap.add_argument("--no-save", action="store_true", help="do not write the model (transformer/) under --out")
     args = ap.parse_args()
+    if args.fp8:
+        try:
+            torch_fp8.parse_spec(args.fp8, QWEN_FP8_DEFAULT)
+        except ValueError as exc:
+            raise SystemExit(f"--fp8: {exc}")
     global DEVICE
     DEVICE = args.device
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -141,10 +251,13 @@ def main():
     model = build_model(args.seed, args.layers)
     summary["build_s"] = time.time() - t0
     t0 = time.time()
-    model.save_pretrained(os.path.join(args.out, "transformer"))
+    if not args.no_save:
+        model.save_pretrained(os.path.join(args.out, "transformer"))
     summary["save_s"] = time.time() - t0
     print(f"built and saved the model in {summary['build_s']:.1f}s + {summary['save_s']:.1f}s", flush=True)
     model32 = None
+    # Per case, what the FP8 run after the loop needs: the bf16 forward arguments and the reference outputs.
+    kept = {}
 
     for size in args.sizes.split(","):
         width, height = (int(v) for v in size.split("x"))
@@ -213,6 +326,10 @@ def main():
                     case["compile_error"] = repr(exc)[:500]
             print(json.dumps(case), flush=True)
         summary["cases"].append(case)
+        if args.fp8:
+            kept[name] = ((hidden, enc, t_a, img_mask, enc_mask, shapes),
+                          (hidden_b, enc, t_b, img_mask, enc_mask, shapes),
+                          {k: v.cpu() for k, v in outputs.items()})
         if model32 is not None:
             del model32
             model32 = None
@@ -221,6 +338,11 @@ def main():
 
     with open(os.path.join(args.out, "reference.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if args.fp8:
+        # The bf16 figures are on disk already; the FP8 run converts the model in place and rewrites the file.
+        run_fp8(args, model, summary, kept)
+        with open(os.path.join(args.out, "reference.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     print(json.dumps(summary), flush=True)
     return 0
 
