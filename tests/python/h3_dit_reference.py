@@ -491,6 +491,8 @@ def speed_fp8(args, model, inputs, summary_path, summary):
     """The speed model with its blocks' chosen layers in FP8: the main case eager, then compiled as the bf16 run."""
     (inp, case), = inputs.values()
     try:
+        # Drop the bf16 compiled code first: nothing it caches may keep the bf16 weights alive.
+        torch._dynamo.reset()
         t0 = time.time()
         info = convert_fp8(model, args.fp8)
         sync()
