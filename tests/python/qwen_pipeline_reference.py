@@ -25,6 +25,8 @@ these files. Layout under --out (see docs/gpu-runs/README.md):
   WxH/stepsN/reference.safetensors   velocity.{i}, latents.{i} [1, h*w, C] f32; image [1, 4, H, W] f32 in [0, 1]
   WxH/stepsN/reference.png       the bf16 reference image (RGBA)
   WxH/stepsN/fp32.safetensors    velocity.{i}, latents.{i} of the fp32 run, i < --fp32-steps
+  WxH/stepsN/fp32_image.png, fp32_image.safetensors   with --fp32-images N: the whole schedule in fp32 (text
+                                 encoder, DiT, VAE), image [1, 4, H, W] f32 in [0, 1]
 
 Usage:
     python3 tests/python/qwen_pipeline_reference.py --out /tmp/qwen21p             # GPU, diffusers on PYTHONPATH
@@ -543,6 +545,55 @@ def euler_check(noise_packed, recorder):
     return worst
 
 
+def fp32_image_runs(pipe32, dev, args, summary, channels, step_counts):
+    """The whole schedule in fp32 for the cases with these step counts: the fp32 image beside the bf16 one.
+
+    The text encoder and DiT are the fp32 copy's; the VAE is an fp32 copy of the bf16 one (the pipeline casts the
+    latents to the VAE's dtype). A failure here is logged and recorded (case["fp32_image"]["error"]), not raised:
+    the bf16 runs and the floor are done by then, and reference.json is still written.
+    """
+    import copy
+
+    try:
+        vae32 = copy.deepcopy(pipe32.vae).to(torch.float32).eval()
+        pipe_img = QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(pipe32.scheduler.config),
+                                       vae=vae32, text_encoder=pipe32.text_encoder, processor=pipe32.processor,
+                                       transformer=pipe32.transformer)
+        pipe_img.set_progress_bar_config(disable=True)
+    except Exception as exc:  # noqa: BLE001 (recorded; the rest of the run stands)
+        summary["fp32_images_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"fp32 images: could not build the fp32 VAE pipeline: {summary['fp32_images_error']}")
+        return
+    for case in summary["cases"]:
+        if case["steps"] not in step_counts:
+            continue
+        width, height, steps = case["width"], case["height"], case["steps"]
+        lat_h, lat_w = height // 16, width // 16
+        size_dir = os.path.join(args.out, f"{width}x{height}")
+        case_dir = os.path.join(size_dir, f"steps{steps}")
+        t0 = time.perf_counter()
+        try:
+            noise = load_file(os.path.join(size_dir, "noise.safetensors"))["noise"]
+            packed = noise.view(1, channels, lat_h * lat_w).transpose(1, 2).float().contiguous().to(dev.name)
+            _, timings, image = run_pipeline(pipe_img, dev, args.prompt, packed, width, height, steps)
+            image = image.float().cpu().contiguous()
+            save_file({"image": image}, os.path.join(case_dir, "fp32_image.safetensors"))
+            to_png(image, os.path.join(case_dir, "fp32_image.png"))
+            bf16 = load_file(os.path.join(case_dir, "reference.safetensors"))["image"].float()
+            mse = float(((bf16.double() - image.double()) ** 2).mean())
+            psnr_bf16 = math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
+            case["fp32_image"] = dict(seconds=time.perf_counter() - t0, timings=timings, image=image_stats(image),
+                                      bf16_vs_fp32_float_psnr_db=psnr_bf16)
+            log(f"{case['name']}: fp32 image in {time.perf_counter() - t0:.1f}s (end to end "
+                f"{timings['total_ms']:.0f} ms); diffusers bf16 against it: PSNR {psnr_bf16:.2f} dB (float)")
+        except Exception as exc:  # noqa: BLE001 (recorded; the rest of the run stands)
+            case["fp32_image"] = dict(error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
+            log(f"{case['name']}: fp32 image failed: {case['fp32_image']['error']}")
+            if dev.cuda:
+                torch.cuda.empty_cache()
+    del pipe_img, vae32
+
+
 def to_png(image01, path):
     from PIL import Image
 
@@ -573,6 +624,10 @@ def main():
     ap.add_argument("--sizes", default=None, help="WxH[,WxH...] (default 1024x1024; tiny 64x64)")
     ap.add_argument("--steps", default=None, help="step counts (default 8,40; tiny 2,3)")
     ap.add_argument("--fp32-steps", type=int, default=2, help="steps of the fp32 floor run per schedule (0: none)")
+    ap.add_argument("--fp32-images", default=None, metavar="N[,N...]",
+                    help="also run the fp32 copy through the whole schedule of these step counts (text encoder, "
+                         "DiT and VAE in fp32) and save its image: WxH/stepsN/fp32_image.png and "
+                         "fp32_image.safetensors (image [1, C, H, W] in [0, 1]); an anchor for image PSNR/SSIM")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
@@ -661,12 +716,13 @@ def main():
                 f"(mean {timings['steps_sum_ms'] / steps:.1f}), decode {timings['decode_ms']:.1f} ms, "
                 f"end to end {timings['total_ms']:.1f} ms; peak {case['memory']}")
 
-    if args.fp32_steps > 0:
+    fp32_images = [int(v) for v in args.fp32_images.split(",")] if args.fp32_images else []
+    if args.fp32_steps > 0 or fp32_images:
         t0 = time.perf_counter()
         pipe32 = fp32_copy(pipe, dev)
         summary["fp32_build_s"] = time.perf_counter() - t0
         log(f"fp32 copy built in {summary['fp32_build_s']:.1f}s; resident {dev.memory()}")
-        for case in summary["cases"]:
+        for case in summary["cases"] if args.fp32_steps > 0 else []:
             width, height, steps = case["width"], case["height"], case["steps"]
             lat_h, lat_w = height // 16, width // 16
             size_dir = os.path.join(args.out, f"{width}x{height}")
@@ -690,6 +746,8 @@ def main():
             case["floor"] = floors
             log(f"{case['name']}: floor (bf16 vs fp32 velocity rel L2 per step) "
                 + ", ".join(f"{f['velocity_rel_l2']:.4g}" for f in floors))
+        if fp32_images:
+            fp32_image_runs(pipe32, dev, args, summary, channels, fp32_images)
         del pipe32
     summary["total_s"] = time.perf_counter() - started
     with open(os.path.join(args.out, "reference.json"), "w") as f:
