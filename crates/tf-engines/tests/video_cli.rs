@@ -162,6 +162,54 @@ fn without_ffmpeg_the_raw_output_is_kept_and_the_error_says_how_to_install() {
 }
 
 #[test]
+fn without_ffmpeg_the_json_report_still_carries_the_timings_and_the_kept_files() {
+    let dir = scratch("no-ffmpeg-json");
+    let out = dir.join("clip.mp4");
+    let res = run(
+        &[
+            "--engine",
+            "testpattern",
+            "--prompt",
+            "bars",
+            "--size",
+            "32x32",
+            "--seconds",
+            "0.25",
+            "--fps",
+            "8",
+            "--json",
+        ],
+        &out,
+        &[("TF_FFMPEG", &dir.join("nowhere").join("ffmpeg"))],
+    );
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&res.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON report ({e}): {stderr}"));
+    assert_eq!(report["ok"], false);
+    assert!(report["file"].is_null());
+    let error = report["error"].as_str().unwrap_or_default();
+    assert!(error.contains("apt-get install -y ffmpeg"), "{error}");
+    assert_eq!(report["frames"], 2);
+    assert_eq!(report["fps"], 8);
+    assert_eq!(
+        report["frames_dir"].as_str(),
+        Some(dir.join("clip_frames").to_string_lossy().as_ref())
+    );
+    assert_eq!(
+        report["wav"].as_str(),
+        Some(dir.join("clip.wav").to_string_lossy().as_ref())
+    );
+    assert!(report["timings"]["total_s"]
+        .as_f64()
+        .is_some_and(|t| t >= 0.0));
+    assert!(report["timings"]["steps_s"]
+        .as_array()
+        .is_some_and(|steps| !steps.is_empty()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_missing_output_folder_is_refused_before_anything_runs() {
     let dir = scratch("no-folder");
     let res = run(

@@ -536,60 +536,79 @@ fn finish(
         write_wav(path, *rate, *channels, samples)?;
         kept.push(format!("the audio in {}", path.display()));
     }
-    let report = match muxed {
-        Ok(report) => report,
-        Err(why) => {
-            return Err(VideoError::RawKept {
-                why,
-                kept: kept.join(", "),
-            })
-        }
-    };
     let total = started.elapsed().as_secs_f64();
     let sampling: f64 = made.steps.iter().sum();
-    let phases: Vec<String> = made
-        .phases
-        .iter()
-        .map(|(name, s)| format!("{name} {s:.3} s"))
-        .collect();
-    eprintln!(
-        "tf video: wrote {} ({}x{}, {} frames at {} fps, {:.3} s{}); {}, {} steps {:.3} s, mux {:.3} s, total {:.3} s",
-        args.out.display(),
-        made.width,
-        made.height,
-        report.frames,
-        report.fps,
-        report.seconds,
-        report
-            .audio
-            .map_or(String::from(", no audio"), |(rate, ch)| format!(
-                ", AAC {ch} ch at {rate} Hz"
-            )),
-        phases.join(", "),
-        made.steps.len(),
-        sampling,
-        mux_seconds,
-        total
-    );
+    // With --json the report is printed even when only the MP4 failed: the timings of a long run are not lost.
+    let outcome = muxed.map_err(|why| VideoError::RawKept {
+        why,
+        kept: kept.join(", "),
+    });
+    match &outcome {
+        Ok(report) => {
+            let phases: Vec<String> = made
+                .phases
+                .iter()
+                .map(|(name, s)| format!("{name} {s:.3} s"))
+                .collect();
+            eprintln!(
+                "tf video: wrote {} ({}x{}, {} frames at {} fps, {:.3} s{}); {}, {} steps {:.3} s, mux {:.3} s, total {:.3} s",
+                args.out.display(),
+                made.width,
+                made.height,
+                report.frames,
+                report.fps,
+                report.seconds,
+                report
+                    .audio
+                    .map_or(String::from(", no audio"), |(rate, ch)| format!(
+                        ", AAC {ch} ch at {rate} Hz"
+                    )),
+                phases.join(", "),
+                made.steps.len(),
+                sampling,
+                mux_seconds,
+                total
+            );
+        }
+        Err(_) => eprintln!(
+            "tf video: made {} frames; {} steps {:.3} s, total {:.3} s (no MP4)",
+            made.frames.len(),
+            made.steps.len(),
+            sampling,
+            total
+        ),
+    }
     if args.json {
         let phase_map: serde_json::Map<String, serde_json::Value> = made
             .phases
             .iter()
             .map(|(name, s)| (format!("{name}_s"), json!(s)))
             .collect();
+        let (frames, fps, seconds) = match &outcome {
+            Ok(report) => (report.frames, report.fps, report.seconds),
+            Err(_) => (
+                made.frames.len(),
+                made.fps,
+                made.frames.len() as f64 / f64::from(made.fps.max(1)),
+            ),
+        };
         let summary = json!({
-            "ok": true,
-            "file": args.out.display().to_string(),
+            "ok": outcome.is_ok(),
+            "error": outcome.as_ref().err().map(|e| e.to_string()),
+            "file": outcome.is_ok().then(|| args.out.display().to_string()),
             "width": made.width,
             "height": made.height,
-            "frames": report.frames,
-            "fps": report.fps,
-            "seconds": report.seconds,
-            "audio": report.audio.map(|(rate, channels)| json!({"sample_rate": rate, "channels": channels})),
-            "audio_trimmed_samples": report.audio_trimmed,
+            "frames": frames,
+            "fps": fps,
+            "seconds": seconds,
+            "audio": match &outcome {
+                Ok(report) => report.audio.map(|(rate, channels)| json!({"sample_rate": rate, "channels": channels})),
+                Err(_) => made.audio.as_ref().map(|(rate, channels, _)| json!({"sample_rate": rate, "channels": channels})),
+            },
+            "audio_trimmed_samples": outcome.as_ref().ok().map(|report| report.audio_trimmed),
             "seed": args.seed,
-            "frames_dir": args.frames_dir.as_ref().map(|p| p.display().to_string()),
-            "wav": args.wav.as_ref().map(|p| p.display().to_string()),
+            "frames_dir": frames_dir.as_ref().map(|p| p.display().to_string()),
+            "wav": wav.as_ref().filter(|_| made.audio.is_some()).map(|p| p.display().to_string()),
             "load_s": made.load_seconds,
             "timings": {
                 "phases": phase_map,
@@ -601,7 +620,7 @@ fn finish(
         });
         println!("{summary}");
     }
-    Ok(())
+    outcome.map(|_| ())
 }
 
 /// Writes every frame as `frame_<i>.png` into `dir` (created).
