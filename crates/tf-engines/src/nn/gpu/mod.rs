@@ -35,6 +35,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod attention_8bit;
 pub mod copy;
 pub mod gemm;
 pub mod graph_cache;
