@@ -354,6 +354,10 @@ pub trait H3DitBackend {
     /// One forward over the packed sequence.
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error>;
 
+    /// Frees the memory a forward works in (the weights stay); the next forward makes it again. A resident
+    /// pipeline calls it after the last step, so the decoders never run beside the DiT's activations.
+    fn release_workspaces(&mut self) {}
+
     /// Runs later forwards sequence-parallel over `sp`'s ranks (a no-op when already so). Only the GPU backend
     /// can; the others refuse.
     fn attach_sequence_parallel(

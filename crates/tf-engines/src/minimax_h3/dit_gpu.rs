@@ -495,6 +495,11 @@ impl H3DitBackend for GpuH3Dit {
         self.attach(sp)
     }
 
+    fn release_workspaces(&mut self) {
+        // Every forward synchronizes its stream before returning, so no queued work reads these buffers.
+        self.clear_workspaces();
+    }
+
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error> {
         if self.engine.parallel.is_some() {
             return self.forward_parallel(inputs);

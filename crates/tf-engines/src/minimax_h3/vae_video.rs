@@ -594,6 +594,10 @@ pub trait VideoVaeBackend {
     /// to `[0, 1]` and the 8-bit rounding.
     fn decode(&mut self, latents: &TensorF32) -> Result<VideoFrames, VideoVaeError>;
 
+    /// Frees the memory a decode works in (the weights stay); the next decode makes it again. A resident
+    /// pipeline calls it after the decode, so the next request's DiT never runs beside it.
+    fn release_workspace(&mut self) {}
+
     /// [`Self::decode`] spread over the ranks of a multi-GPU job (`comm`: the job's DiT communicator): every rank
     /// calls it with the same latents; rank 0 gets the frames, the other ranks `None`. Only the GPU backend can;
     /// the others refuse.

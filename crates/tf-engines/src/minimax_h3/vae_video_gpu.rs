@@ -1293,6 +1293,10 @@ impl VideoVaeBackend for GpuVideoVae {
         GpuVideoVae::config(self)
     }
 
+    fn release_workspace(&mut self) {
+        GpuVideoVae::release_workspace(self);
+    }
+
     fn tiling(&self) -> TilingOptions {
         GpuVideoVae::tiling(self)
     }

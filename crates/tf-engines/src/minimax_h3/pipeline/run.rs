@@ -74,6 +74,9 @@ pub(super) fn generate(
                 &mut timings,
                 progress,
             )?;
+            // The peak is the resident weights plus the largest working set, not the DiT's and the decoder's
+            // together: each frees its buffers after its phase (remaking them costs a graph capture, ~40 ms).
+            dit.release_workspaces();
             let frames = decode_video(
                 &mut **video_vae,
                 plan,
@@ -81,7 +84,9 @@ pub(super) fn generate(
                 parallel.as_ref(),
                 &mut timings,
                 progress,
-            )?;
+            );
+            video_vae.release_workspace();
+            let frames = frames?;
             let audio = if plan.audio && holds_output {
                 Some(decode_audio(
                     &mut **audio_vae,
