@@ -637,6 +637,10 @@ def timing(args):
     summary["model_bytes"] = folder_bytes(model_dir)
     log(f"folder {model_dir} written ({summary['model_bytes'] / 1e9:.2f} GB, no DiT or text weights) in "
         f"{summary['folder_s']:.1f}s")
+    if args.folder_only:
+        write_json(summary_path, summary)
+        log("--folder-only: no diffusers run")
+        return
 
     # The pipeline on the device.
     reset_peaks()
@@ -731,6 +735,9 @@ def main():
         p.add_argument("--tiny", action="store_true", help="toy sizes for a CPU smoke run of the script")
         if name == "accuracy":
             p.add_argument("--steps", type=int, default=8, help="grid points (num_inference_steps)")
+        else:
+            p.add_argument("--folder-only", action="store_true",
+                           help="write the config-only folder and prompt.txt, then stop (for runs of ours alone)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
