@@ -579,3 +579,46 @@ fn tf_worker_minimax_h3_needs_a_model_folder() {
         );
     }
 }
+
+#[test]
+fn tf_worker_random_weights_are_for_minimax_h3_on_the_gpu_only() {
+    // Another engine: refused at start, naming the reason.
+    let out = Command::new(env!("CARGO_BIN_EXE_tf"))
+        .args(["worker", "--engine", "testpattern", "--random-weights", "0"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--random-weights"));
+
+    // MiniMax H3 on the host: the load is answered with the reason and the worker keeps serving until exit.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tf"))
+        .args(["worker", "--engine", "minimax_h3", "--backend", "host"])
+        .arg("--model")
+        .arg(h3_model())
+        .args(["--random-weights", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "{}", json!({"op": "load"})).unwrap();
+        writeln!(stdin, "{}", json!({"op": "exit"})).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let replies: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let load = &replies[0];
+    assert_eq!(load["ok"], false, "{replies:?}");
+    assert!(
+        load["error"].to_string().contains("GPU"),
+        "{replies:?} / {stderr}"
+    );
+    assert!(stderr.contains("RANDOM"), "{stderr}");
+}

@@ -64,12 +64,24 @@ pub struct Args {
     /// fp8:GROUP[,GROUP...][,ends=N] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     pub precision: DitPrecision,
+    /// minimax_h3 on the GPU, timing only: make the text encoder's and the DiT's weights on the device from this
+    /// seed instead of reading them (their folders need only config.json); every video shows nothing.
+    #[arg(long = "random-weights", value_name = "SEED")]
+    pub random_weights: Option<u32>,
     #[command(flatten)]
     pub gpu: super::ranks::GpuArgs,
 }
 
 pub fn run(args: Args) -> ExitCode {
     die_with_parent();
+    if args.random_weights.is_some() && args.engine != EngineName::MinimaxH3 {
+        say!(
+            "tf worker: --random-weights makes MiniMax H3's text-encoder and DiT weights on the GPU; {:?} reads its \
+             weights from --model",
+            args.engine
+        );
+        return ExitCode::from(2);
+    }
     if (args.gpu.gpus > 1 || args.gpu.force_nccl) && args.engine != EngineName::MinimaxH3 {
         say!(
             "tf worker: --gpus {} spreads the MiniMax H3 DiT over GPUs; {:?} runs in one process",
@@ -113,8 +125,15 @@ pub fn run(args: Args) -> ExitCode {
             let backend = backend_choice(args.backend);
             let options = LoadOptions {
                 dit_precision: args.precision,
+                random_weights: args.random_weights,
                 ..LoadOptions::new(Backend::Host)
             };
+            if let Some(seed) = args.random_weights {
+                say!(
+                    "tf worker: RANDOM text-encoder and DiT weights made on the device from seed {seed} (timing \
+                     only; every video shows nothing)"
+                );
+            }
             // One GPU, or this process's rank of a `--gpus N` worker (rank 0 starts the others here).
             let mut options = options;
             let host = args.backend == BackendChoice::Host;
