@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""End to end through a warm `tf worker`: load once, then K identical image requests, timed from the client.
+"""End to end through a warm `tf worker`: load once, then K identical requests, timed from the client.
+
+Two engines (--engine): `qwen_image` (image requests, the default; described first) and `minimax_h3` (video
+requests, described after the image case).
 
 Starts `tf worker --engine qwen_image --backend B --model DIR --precision P`, sends `load`, then K (default 3)
 identical `generate` requests (the same prompt, size, step count and seed; each writes its own PNG under a
@@ -22,6 +25,26 @@ Goals (issue 16, Qwen-Image 2.1 at 1024x1024, 8 steps, warm): end to end bf16 <=
 <= 10 ms; decode <= 60 ms. They are printed met / not met; they do not change the exit code unless
 --require-goals is given.
 
+MiniMax H3 (--engine minimax_h3): each request is a video in the nested shape LocalRouter sends (docs/WORKER.md,
+"generate of a video"): {"op":"generate","id":..,"dir":<a fresh folder per request>,"request":{"video":{"prompt",
+"width","height","seconds","steps","seed","audio":true}}}. --steps counts grid points, the final 0 included, as
+`tf video --steps` and diffusers' num_inference_steps do (N points make N - 1 model calls). The phases:
+
+  worker log    the worker's line "encode X s, N steps Y s, decode video Z s, audio A s, total T s; F frames (R
+                asked)" (N is model calls; logged before the files are written, so it leaves the writing out)
+  progress      encode (sent -> `encode`), steps (`encode` -> last `denoise`), video decode (last `denoise` ->
+                `decode` 1/2), audio decode (`decode` 1/2 -> 2/2), write (last `decode` -> final line: the MP4 muxed
+                by ffmpeg, or the raw frames and WAV written, and the reply sent)
+
+Without ffmpeg a video request runs the whole pipeline, writes the raw frames and audio.wav, and is answered
+`server_error` naming ffmpeg; with --allow-missing-ffmpeg that answer counts as a completed request (recorded with
+"mp4": false and the error's text) when the raw frames are there; any other error still fails. With --reference
+(the timing.json of tests/python/h3_pipeline_reference.py `timing`) it prints diffusers' phases from the LAST run
+there with the same number of grid points (the warm one) beside ours, with ratios. There are no goals for H3.
+
+--extra-worker-arg ARG (repeatable) appends ARG to the worker's command line, e.g. `--extra-worker-arg
+--random-weights --extra-worker-arg 0`.
+
 Exit codes: 0 measured; 1 a goal not met under --require-goals; 2 bad arguments or inputs; 3 the worker failed
 (died, answered an error, timed out, or exited with a code other than 0); the worker's stderr tail is printed.
 
@@ -30,6 +53,12 @@ Usage:
         --reference /tmp/qwen21p/reference.json --json OUT.json
     python3 tests/python/worker_e2e.py --tf target/release/tf --backend host \\
         --model tests/fixtures/qwen_pipeline/model --prompt "a fox" --size 64x64 --steps 3   # smoke run
+    python3 tests/python/worker_e2e.py --engine minimax_h3 --model /tmp/h3t/model --size 768x448 --seconds 5 \\
+        --steps 8 --requests 2 --allow-missing-ffmpeg --extra-worker-arg --random-weights --extra-worker-arg 0 \\
+        --reference /tmp/h3t/timing.json --json OUT.json
+    python3 tests/python/worker_e2e.py --engine minimax_h3 --tf target/release/tf --backend host \\
+        --model tests/fixtures/minimax_h3_pipeline/model --prompt "waves" --size 16x24 --seconds 0.9 --steps 3 \\
+        --requests 2   # smoke run
 """
 
 import argparse
@@ -53,6 +82,16 @@ GOAL_SIZE, GOAL_STEPS = (1024, 1024), 8
 PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, decode ([0-9.]+) s, total ([0-9.]+) s")
 WARM_LINE = re.compile(r"warmed up at (\d+)x(\d+) in ([0-9.]+) s")
 LOADED_LINE = re.compile(r"loaded (.+?) in ([0-9.]+) s; .*DiT precision (.+)$")
+# MiniMax H3: "tf worker: encode 0.120 s, 7 steps 9.800 s, decode video 1.900 s, audio 0.100 s, total 12.000 s;
+# 124 frames (120 asked)"
+VIDEO_PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, decode video ([0-9.]+) s, audio "
+                              r"([0-9.]+) s, total ([0-9.]+) s(?:; (\d+) frames \((\d+) asked\))?")
+# MiniMax H3's load report: "tf worker: loaded in 3.21 s, 123 B resident", "tf worker: dit precision: fp8", and
+# which ffmpeg muxes the videos (or a warning that none was found).
+H3_LOADED_LINE = re.compile(r"tf worker: loaded in ([0-9.]+) s, (\d+) B resident")
+PRECISION_LINE = re.compile(r"tf worker: ([A-Za-z0-9 ]+?) precision: (.+)$")
+FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
+STDERR_EVENTS = (PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE)
 
 
 class WorkerFailed(Exception):
@@ -88,7 +127,7 @@ class Worker:
             now = time.perf_counter()
             with self.stderr_lock:
                 self.stderr_tail.append(line)
-                if PHASE_LINE.search(line) or WARM_LINE.search(line) or LOADED_LINE.search(line):
+                if any(r.search(line) for r in STDERR_EVENTS):
                     self.stderr_events.append((now, line))
 
     def tail(self, n=30):
@@ -201,6 +240,40 @@ def reference_case(path, width, height, steps):
     bad_input(f"{path} has no case {name} (has {have}); run the reference with that size and step count")
 
 
+def h3_reference(path, width, height, steps, seconds):
+    """diffusers' phases from the LAST run with `steps` grid points in an h3_pipeline_reference.py timing.json."""
+    try:
+        with open(path) as f:
+            ref = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        bad_input(f"--reference {path}: {exc}")
+    runs = ref.get("runs")
+    if not isinstance(runs, list) or not runs:
+        bad_input(f"{path} has no runs (written with --folder-only?); run h3_pipeline_reference.py timing without it")
+    matching = [r for r in runs if r.get("steps") == steps]
+    if not matching:
+        bad_input(f"{path} has no run with {steps} grid points (has {[r.get('steps') for r in runs]})")
+    if (ref.get("width"), ref.get("height")) != (width, height):
+        bad_input(f"{path} ran at {ref.get('width')}x{ref.get('height')}, not {width}x{height}")
+    asked = ref.get("num_frames_requested")
+    if asked is not None and asked != max(1, round(seconds * 24)):
+        print(f"worker_e2e: note: the reference asked for {asked} frames; --seconds {seconds} asks for "
+              f"{max(1, round(seconds * 24))}", flush=True)
+    run = matching[-1]
+    phases = run.get("phases", {})
+
+    def ms(key):
+        v = phases.get(key)
+        return None if v is None else float(v) * 1e3
+
+    return dict(path=path, run_index=runs.index(run), steps=steps, model_calls=run.get("model_calls"),
+                dtype="bf16", device=ref.get("device"), diffusers=ref.get("versions", {}).get("diffusers"),
+                attention_backend=ref.get("attention_backend"), frames=run.get("frames"),
+                total_ms=float(run["wall_s"]) * 1e3, encode_ms=ms("text_encode_s"), steps_sum_ms=ms("denoise_s"),
+                dit_forward_ms=ms("dit_forward_s"), video_decode_ms=ms("video_decode_s"),
+                audio_decode_ms=ms("audio_decode_s"), peaks=run.get("peaks"), prompt=ref.get("prompt"))
+
+
 def phase_from_log(events, after, before):
     """The worker's own phase line logged in (after, before]: dict in ms, or None."""
     for t, line in events:
@@ -210,10 +283,22 @@ def phase_from_log(events, after, before):
                 return dict(encode_ms=float(m.group(1)) * 1e3, steps=int(m.group(2)),
                             steps_ms=float(m.group(3)) * 1e3, decode_ms=float(m.group(4)) * 1e3,
                             total_ms=float(m.group(5)) * 1e3)
+            m = VIDEO_PHASE_LINE.search(line)
+            if m:
+                return dict(encode_ms=float(m.group(1)) * 1e3, steps=int(m.group(2)),
+                            steps_ms=float(m.group(3)) * 1e3, video_decode_ms=float(m.group(4)) * 1e3,
+                            audio_decode_ms=float(m.group(5)) * 1e3, total_ms=float(m.group(6)) * 1e3,
+                            frames=None if m.group(7) is None else int(m.group(7)),
+                            frames_asked=None if m.group(8) is None else int(m.group(8)))
     return None
 
 
-def generate(worker, index, request, timeout_s):
+def is_ffmpeg_missing(obj):
+    """A final error line that names ffmpeg (no MP4 could be made; the raw frames and WAV were written instead)."""
+    return obj.get("ok") is False and "ffmpeg" in str(obj.get("error", "")).lower()
+
+
+def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
     t_send = worker.send(request)
     deadline = t_send + timeout_s
     progress = []
@@ -225,15 +310,33 @@ def generate(worker, index, request, timeout_s):
             p = obj["progress"]
             progress.append((t, p.get("phase"), p.get("step"), p.get("of")))
         # Any other line is ignored (the protocol allows only these two shapes; be lenient).
-    if not obj.get("ok"):
+    video = "request" in request
+    missing_ffmpeg = video and allow_missing_ffmpeg and is_ffmpeg_missing(obj)
+    if not obj.get("ok") and not missing_ffmpeg:
         raise WorkerFailed(f"request {index + 1} answered {obj.get('type', 'an error')}: {obj.get('error')}")
     t_final = t
     result = dict(request=index + 1, client_ms=(t_final - t_send) * 1e3, worker_ms=obj.get("ms"),
                   files=obj.get("files"), seed=obj.get("seed"), progress_lines=len(progress))
+    if video:
+        result["mp4"] = bool(obj.get("ok"))
+        if missing_ffmpeg:
+            result["error"] = obj.get("error")
+            result["error_type"] = obj.get("type")
     encode = [t for t, ph, _, _ in progress if ph == "encode"]
     denoise = [t for t, ph, _, _ in progress if ph == "denoise"]
     decode = [t for t, ph, _, _ in progress if ph == "decode"]
-    if encode and denoise and decode:
+    result["denoise_lines"] = len(denoise)
+    if video and encode and denoise and decode:
+        # `decode` 1/2 ends the video decode, 2/2 the audio decode (1/1: video only).
+        result["client_phases_ms"] = dict(
+            encode=(encode[0] - t_send) * 1e3,
+            steps=(denoise[-1] - encode[0]) * 1e3,
+            step_intervals=[(b - a) * 1e3 for a, b in zip([encode[0]] + denoise[:-1], denoise)],
+            video_decode=(decode[0] - denoise[-1]) * 1e3,
+            audio_decode=(decode[1] - decode[0]) * 1e3 if len(decode) > 1 else None,
+            write=(t_final - decode[-1]) * 1e3,
+        )
+    elif encode and denoise and decode:
         result["client_phases_ms"] = dict(
             encode=(encode[0] - t_send) * 1e3,
             steps=(denoise[-1] - encode[0]) * 1e3,
@@ -255,30 +358,126 @@ def fmt_ms(v):
     return "-" if v is None else f"{v:.1f}"
 
 
+def join_worker_args(argv):
+    """`--extra-worker-arg --random-weights` as `--extra-worker-arg=--random-weights` (argparse would take a value
+    that starts with a dash for an option of its own)."""
+    out = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--extra-worker-arg" and i + 1 < len(argv):
+            out.append(f"--extra-worker-arg={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def output_digest(folder):
+    """sha256 over the names and bytes of the files in a job folder, and what is there."""
+    h = hashlib.sha256()
+    names = sorted(os.listdir(folder))
+    for name in names:
+        h.update(name.encode("utf-8") + b"\0")
+        with open(os.path.join(folder, name), "rb") as f:
+            h.update(f.read())
+    frames = sum(1 for n in names if n.startswith("frame_") and n.endswith(".png"))
+    return h.hexdigest(), dict(frame_pngs=frames, audio_wav="audio.wav" in names, video_mp4="video.mp4" in names,
+                               files=len(names))
+
+
+def report_video(summary, requests, reference, args):
+    """MiniMax H3: the figure (the second request), its phases, and diffusers' beside them with --reference."""
+    fig = requests[1] if len(requests) > 1 else requests[0]
+    wp = fig.get("worker_phases_ms") or {}
+    cp = fig.get("client_phases_ms") or {}
+    phases = dict(encode_ms=wp.get("encode_ms", cp.get("encode")), steps_ms=wp.get("steps_ms", cp.get("steps")),
+                  video_decode_ms=wp.get("video_decode_ms", cp.get("video_decode")),
+                  audio_decode_ms=wp.get("audio_decode_ms", cp.get("audio_decode")))
+    summary["figure"] = dict(request=fig["request"], client_ms=fig["client_ms"], worker_ms=fig["worker_ms"],
+                             worker_total_ms=wp.get("total_ms"), write_ms=cp.get("write"), mp4=fig["mp4"],
+                             model_calls=wp.get("steps", fig.get("denoise_lines")), frames=wp.get("frames"),
+                             phases_from="worker log" if wp else "progress lines", **phases)
+    if not fig["mp4"]:
+        summary["figure"]["error"] = fig.get("error")
+    summary["same_output_every_request"] = len({r.get("output_sha256") for r in requests}) == 1
+    width, height = summary["width"], summary["height"]
+    print("", flush=True)
+    print(f"## tf worker minimax_h3, {args.precision}, {width}x{height}, {args.seconds:g} s, {args.steps} grid "
+          f"points: request {fig['request']} of {len(requests)} (warm)", flush=True)
+    print("", flush=True)
+    print("| | ours ms | diffusers bf16 ms | ours / diffusers |", flush=True)
+    print("| --- | --- | --- | --- |", flush=True)
+    ref = reference or {}
+    rows = [("end to end (client wall)", fig["client_ms"], ref.get("total_ms")),
+            ("worker `ms`", fig["worker_ms"], None),
+            ("pipeline total (worker log)", wp.get("total_ms"), ref.get("total_ms")),
+            ("encode", phases["encode_ms"], ref.get("encode_ms")),
+            ("all steps", phases["steps_ms"], ref.get("steps_sum_ms")),
+            ("video decode", phases["video_decode_ms"], ref.get("video_decode_ms")),
+            ("audio decode", phases["audio_decode_ms"], ref.get("audio_decode_ms")),
+            ("write (MP4 or raw frames)", cp.get("write"), None)]
+    ratios = {}
+    for label, ours, theirs in rows:
+        ratio = ours / theirs if ours is not None and theirs else None
+        if ratio is not None:
+            ratios[label] = ratio
+        print(f"| {label} | {fmt_ms(ours)} | {fmt_ms(theirs)} | {'-' if ratio is None else f'{ratio:.3f}'} |",
+              flush=True)
+    if reference:
+        summary["reference"] = reference
+        summary["ratios_to_reference"] = ratios
+        summary["ratio_to_reference"] = fig["client_ms"] / reference["total_ms"]
+        summary["speedup_over_reference"] = reference["total_ms"] / fig["client_ms"]
+        peak = (reference.get("peaks") or {}).get("peak_allocated_bytes")
+        print(f"\nend to end: ours {fig['client_ms']:.1f} ms vs diffusers bf16 {reference['total_ms']:.1f} ms "
+              f"(run {reference['run_index'] + 1} of {reference['path']}, {reference.get('model_calls')} model "
+              f"calls, peak {peak / 2**30 if peak else float('nan'):.1f} GiB): ratio "
+              f"{summary['ratio_to_reference']:.3f} ({summary['speedup_over_reference']:.2f}x faster). The "
+              "reference's figure is its pipeline call to the decoded frames and audio (no files); ours is the "
+              "client's wall time, the files written.", flush=True)
+    mp4 = ("every request wrote video.mp4" if all(r["mp4"] for r in requests) else
+           f"no MP4 (ffmpeg missing; the raw frames and WAV were written): {str(fig.get('error'))[:160]} ...")
+    print(f"phases from the {summary['figure']['phases_from']}; {fig['denoise_lines']} denoise progress lines, "
+          f"{wp.get('frames', '?')} frames; {mp4}; every request "
+          f"wrote the same output: {summary['same_output_every_request']}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="diffusers-format Qwen-Image folder")
+    ap.add_argument("--model", required=True, help="diffusers-format Qwen-Image (or MiniMax H3) folder")
+    ap.add_argument("--engine", default="qwen_image", choices=["qwen_image", "minimax_h3"],
+                    help="the worker's --engine (default qwen_image); minimax_h3 sends video requests")
+    ap.add_argument("--seconds", type=float, default=5.0, help="minimax_h3: the video's length (default 5)")
+    ap.add_argument("--extra-worker-arg", action="append", default=[], metavar="ARG",
+                    help="appended to the worker's command line (repeatable)")
+    ap.add_argument("--allow-missing-ffmpeg", action="store_true",
+                    help="minimax_h3: a final error naming ffmpeg (raw frames written, no MP4) counts as completed")
     ap.add_argument("--tf", default="tf", help="the tf binary (default: tf on PATH)")
     ap.add_argument("--backend", default="gpu", choices=["gpu", "host", "auto"])
     ap.add_argument("--precision", default="bf16", help="bf16, fp8 or fp8:GROUPS (the worker's --precision)")
     ap.add_argument("--prompt", default=None, help="default: the text of MODEL/../prompt.txt")
     ap.add_argument("--size", type=parse_size, default=(1024, 1024), help="WIDTHxHEIGHT (default 1024x1024)")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8, help="minimax_h3: grid points (N - 1 model calls)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", "-k", type=int, default=3, help="identical generate requests (default 3)")
-    ap.add_argument("--reference", default=None, help="reference.json of qwen_pipeline_reference.py")
+    ap.add_argument("--reference", default=None, help="reference.json of qwen_pipeline_reference.py, or for "
+                    "minimax_h3 timing.json of h3_pipeline_reference.py timing")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds for the load reply")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds for each generate reply")
     ap.add_argument("--exit-timeout", type=float, default=60.0, help="seconds for the exit reply and the exit")
     ap.add_argument("--keep-outputs", default=None, metavar="DIR",
-                    help="copy the images here (default: the temporary folder is removed)")
-    ap.add_argument("--require-goals", action="store_true", help="exit 1 when a goal is not met")
-    args = ap.parse_args()
+                    help="copy the outputs here (default: the temporary folder is removed)")
+    ap.add_argument("--require-goals", action="store_true", help="exit 1 when a goal is not met (qwen_image)")
+    args = ap.parse_args(join_worker_args(sys.argv[1:]))
+    video = args.engine == "minimax_h3"
     if args.requests < 1:
         bad_input("--requests must be at least 1")
-    if args.steps < 1:
-        bad_input("--steps must be at least 1")
+    if args.steps < (2 if video else 1):
+        bad_input(f"--steps must be at least {2 if video else 1}")
+    if video and not 0 < args.seconds <= 60:
+        bad_input("--seconds must be above 0 and at most 60")
     if not os.path.isdir(args.model):
         bad_input(f"--model {args.model} is not a folder")
     tf = shutil.which(args.tf) or (args.tf if os.path.exists(args.tf) else None)
@@ -286,18 +485,28 @@ def main():
         bad_input(f"no tf binary at {args.tf!r} (not on PATH, not a file)")
     prompt, prompt_from = read_prompt(args)
     width, height = args.size
-    reference = reference_case(args.reference, width, height, args.steps) if args.reference else None
+    if not args.reference:
+        reference = None
+    elif video:
+        reference = h3_reference(args.reference, width, height, args.steps, args.seconds)
+    else:
+        reference = reference_case(args.reference, width, height, args.steps)
     if reference and reference.get("prompt") is not None and reference["prompt"] != prompt:
         print(f"worker_e2e: note: the prompt differs from the reference's ({prompt_from})", flush=True)
 
-    argv = [tf, "worker", "--engine", "qwen_image", "--backend", args.backend, "--model", args.model,
-            "--precision", args.precision]
+    argv = [tf, "worker", "--engine", args.engine, "--backend", args.backend, "--model", args.model,
+            "--precision", args.precision] + args.extra_worker_arg
     out_dir = tempfile.mkdtemp(prefix="worker_e2e-")
-    summary = dict(argv=argv, backend=args.backend, precision=args.precision, width=width, height=height,
-                   steps=args.steps, seed=args.seed, prompt=prompt, prompt_from=prompt_from, requests=[],
-                   plan_cache=os.environ.get("TF_PLAN_CACHE"))
+    summary = dict(argv=argv, engine=args.engine, backend=args.backend, precision=args.precision, width=width,
+                   height=height, steps=args.steps, seed=args.seed, prompt=prompt, prompt_from=prompt_from,
+                   requests=[], plan_cache=os.environ.get("TF_PLAN_CACHE"))
+    if video:
+        summary.update(seconds=args.seconds, audio=True, extra_worker_args=args.extra_worker_arg,
+                       allow_missing_ffmpeg=args.allow_missing_ffmpeg, ffmpeg_env=os.environ.get("TF_FFMPEG"))
     print(f"worker_e2e: {' '.join(argv)}", flush=True)
-    print(f"worker_e2e: {args.requests} x generate {width}x{height}, {args.steps} steps, seed {args.seed}; "
+    what = (f"video {width}x{height}, {args.seconds:g} s with audio, {args.steps} grid points" if video else
+            f"{width}x{height}, {args.steps} steps")
+    print(f"worker_e2e: {args.requests} x generate {what}, seed {args.seed}; "
           f"prompt from {prompt_from} ({len(prompt)} chars)", flush=True)
     rc = 0
     worker = None
@@ -309,6 +518,11 @@ def main():
             raise WorkerFailed(f"load answered {reply.get('type', 'an error')}: {reply.get('error')}")
         summary["load"] = dict(client_ms=(t_load - t0) * 1e3, worker_ms=reply.get("ms"),
                                resident_bytes=reply.get("resident"))
+        # The worker logs which ffmpeg it will use just before the load reply; stderr is another pipe.
+        wait_until = time.perf_counter() + 2.0
+        while video and time.perf_counter() < wait_until and not any(
+                FFMPEG_LINE.search(line) for _, line in worker.events()):
+            time.sleep(0.01)
         for _, line in worker.events():
             m = WARM_LINE.search(line)
             if m:
@@ -318,30 +532,73 @@ def main():
             if m:
                 summary["load"]["variant"] = m.group(1)
                 summary["load"]["dit_precision"] = m.group(3).strip()
+            if video:
+                m = PRECISION_LINE.search(line)
+                if m:
+                    summary["load"].setdefault("precision", {})[m.group(1)] = m.group(2).strip()
+                    if m.group(1).lower() in ("dit", "transformer"):
+                        summary["load"]["dit_precision"] = m.group(2).strip()
+                m = FFMPEG_LINE.search(line)
+                if m:
+                    summary["load"]["ffmpeg"] = m.group(1) or f"none: {m.group(2)}"
+        if video and "dit_precision" not in summary["load"]:
+            precisions = summary["load"].get("precision", {})
+            if precisions:
+                summary["load"]["dit_precision"] = "; ".join(f"{k} {v}" for k, v in precisions.items())
         resident = reply.get("resident")
         print(f"load: {summary['load']['client_ms']:.0f} ms (worker {reply.get('ms')} ms), resident "
               f"{resident / 2**30 if isinstance(resident, int) else float('nan'):.2f} GiB; "
               f"DiT precision {summary['load'].get('dit_precision', '?')}; warm-up "
               f"{fmt_ms(summary['load'].get('warm_up', {}).get('ms'))} ms", flush=True)
 
-        for i in range(args.requests):
-            request = {"op": "generate", "id": f"e2e_{i + 1}", "prompt": prompt, "width": width, "height": height,
-                       "steps": args.steps, "seed": args.seed, "output": os.path.join(out_dir, f"image_{i}.png")}
-            result, _ = generate(worker, i, request, args.request_timeout)
-            path = request["output"]
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    result["png_sha256"] = hashlib.sha256(f.read()).hexdigest()
-            else:
-                raise WorkerFailed(f"request {i + 1} answered ok but {path} does not exist")
-            summary["requests"].append(result)
-            wp = result.get("worker_phases_ms") or {}
-            cp = result.get("client_phases_ms") or {}
-            print(f"request {i + 1}: client {result['client_ms']:.1f} ms, worker {result['worker_ms']} ms; "
-                  f"worker log: encode {fmt_ms(wp.get('encode_ms'))}, steps {fmt_ms(wp.get('steps_ms'))}, decode "
-                  f"{fmt_ms(wp.get('decode_ms'))}, total {fmt_ms(wp.get('total_ms'))} ms; progress lines: encode "
-                  f"{fmt_ms(cp.get('encode'))}, steps {fmt_ms(cp.get('steps'))}, decode {fmt_ms(cp.get('decode'))}, "
-                  f"write {fmt_ms(cp.get('write'))} ms", flush=True)
+        if video:
+            for i in range(args.requests):
+                job_dir = os.path.join(out_dir, f"video_{i}")
+                os.makedirs(job_dir)
+                request = {"op": "generate", "id": f"e2e_{i + 1}", "dir": job_dir,
+                           "request": {"video": {"prompt": prompt, "width": width, "height": height,
+                                                 "seconds": args.seconds, "steps": args.steps, "seed": args.seed,
+                                                 "audio": True}}}
+                result, _ = generate(worker, i, request, args.request_timeout, args.allow_missing_ffmpeg)
+                digest, found = output_digest(job_dir)
+                result["output_sha256"] = digest
+                result["output"] = found
+                if result["mp4"] and not found["video_mp4"]:
+                    raise WorkerFailed(f"request {i + 1} answered ok but {job_dir}/video.mp4 does not exist")
+                if not result["mp4"] and not found["frame_pngs"]:
+                    raise WorkerFailed(f"request {i + 1} answered {result['error']!r} and wrote no raw frames")
+                summary["requests"].append(result)
+                wp = result.get("worker_phases_ms") or {}
+                cp = result.get("client_phases_ms") or {}
+                made = ("video.mp4" if result["mp4"] else
+                        f"no MP4 (ffmpeg missing): {found['frame_pngs']} frame PNGs"
+                        f"{' + audio.wav' if found['audio_wav'] else ''}")
+                print(f"request {i + 1}: client {result['client_ms']:.1f} ms, worker {fmt_ms(result['worker_ms'])} ms, "
+                      f"{made}; worker log: encode {fmt_ms(wp.get('encode_ms'))}, {wp.get('steps', '?')} steps "
+                      f"{fmt_ms(wp.get('steps_ms'))}, video decode {fmt_ms(wp.get('video_decode_ms'))}, audio decode "
+                      f"{fmt_ms(wp.get('audio_decode_ms'))}, total {fmt_ms(wp.get('total_ms'))} ms, "
+                      f"{wp.get('frames', '?')} frames; progress lines: encode {fmt_ms(cp.get('encode'))}, steps "
+                      f"{fmt_ms(cp.get('steps'))}, video decode {fmt_ms(cp.get('video_decode'))}, audio decode "
+                      f"{fmt_ms(cp.get('audio_decode'))}, write {fmt_ms(cp.get('write'))} ms", flush=True)
+        else:
+            for i in range(args.requests):
+                request = {"op": "generate", "id": f"e2e_{i + 1}", "prompt": prompt, "width": width, "height": height,
+                           "steps": args.steps, "seed": args.seed, "output": os.path.join(out_dir, f"image_{i}.png")}
+                result, _ = generate(worker, i, request, args.request_timeout)
+                path = request["output"]
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        result["png_sha256"] = hashlib.sha256(f.read()).hexdigest()
+                else:
+                    raise WorkerFailed(f"request {i + 1} answered ok but {path} does not exist")
+                summary["requests"].append(result)
+                wp = result.get("worker_phases_ms") or {}
+                cp = result.get("client_phases_ms") or {}
+                print(f"request {i + 1}: client {result['client_ms']:.1f} ms, worker {result['worker_ms']} ms; "
+                      f"worker log: encode {fmt_ms(wp.get('encode_ms'))}, steps {fmt_ms(wp.get('steps_ms'))}, "
+                      f"decode {fmt_ms(wp.get('decode_ms'))}, total {fmt_ms(wp.get('total_ms'))} ms; progress lines: "
+                      f"encode {fmt_ms(cp.get('encode'))}, steps {fmt_ms(cp.get('steps'))}, decode "
+                      f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms", flush=True)
 
         t_exit = worker.send({"op": "exit"})
         _, reply = worker.final(t_exit + args.exit_timeout, "the exit reply")
@@ -371,13 +628,19 @@ def main():
         if args.keep_outputs and os.path.isdir(out_dir):
             os.makedirs(args.keep_outputs, exist_ok=True)
             for name in sorted(os.listdir(out_dir)):
-                shutil.copyfile(os.path.join(out_dir, name), os.path.join(args.keep_outputs, name))
+                src = os.path.join(out_dir, name)
+                if os.path.isdir(src):
+                    shutil.copytree(src, os.path.join(args.keep_outputs, name), dirs_exist_ok=True)
+                else:
+                    shutil.copyfile(src, os.path.join(args.keep_outputs, name))
         shutil.rmtree(out_dir, ignore_errors=True)
 
     # The figure: the second request (the first when only one ran).
     requests = summary["requests"]
     goals = []
-    if requests:
+    if requests and video:
+        report_video(summary, requests, reference, args)
+    elif requests:
         fig = requests[1] if len(requests) > 1 else requests[0]
         wp = fig.get("worker_phases_ms") or {}
         cp = fig.get("client_phases_ms") or {}
