@@ -56,7 +56,7 @@ use crate::nn::memory_plan::{Component, MemoryPlan, MemoryPlanError, Residency};
 use crate::nn::sampling::flow_match::{
     cfg_combine, latent_grid, LatentDtype, SamplerError, Schedule, SchedulerConfig, SigmaSource,
 };
-use crate::nn::sampling::noise::{packed_latents, NoiseError};
+use crate::nn::sampling::noise::{draw_beside, packed_latents, NoiseError};
 use crate::nn::sampling::scheduler::Scheduler;
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::upload::StagingConfig;
@@ -957,9 +957,13 @@ impl Pipeline {
 
         let (prompt_embeds, denoised, decoded) = match &mut self.components {
             Components::Resident(held) => {
-                let (prompt_embeds, negative_embeds) =
-                    encode_phase(&mut *held.text_encoder, &run, &mut timings, progress)?;
-                let latents = initial_latents(request, &run, channels)?;
+                // The seeded noise is drawn on the host while the text encoder runs on the device.
+                let (encoded, latents) = draw_beside(
+                    || initial_latents(request, &run, channels),
+                    || encode_phase(&mut *held.text_encoder, &run, &mut timings, progress),
+                )?;
+                let (prompt_embeds, negative_embeds) = encoded?;
+                let latents = latents?;
                 let denoised = dit_phase(
                     &mut held.dit,
                     &run,

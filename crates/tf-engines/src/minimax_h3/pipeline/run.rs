@@ -23,6 +23,7 @@ use crate::minimax_h3::noise::{patchify, H3Noise};
 use crate::minimax_h3::text::H3TextBackend;
 use crate::minimax_h3::vae_audio::AudioVaeDecoder;
 use crate::minimax_h3::vae_video::{VideoFrames, VideoVaeBackend};
+use crate::nn::sampling::noise::draw_beside;
 use crate::nn::sampling::scheduler::Scheduler;
 use crate::nn::tensor::{Tensor, TensorF32};
 
@@ -56,8 +57,12 @@ pub(super) fn generate(
                 video_vae,
                 audio_vae,
             } = &mut **held;
-            let embeds = encode(&mut **text, plan, layer)?;
-            let rows = initial_rows(plan, request)?;
+            // The seeded noise is drawn on the host while the text encoder runs on the device.
+            let (embeds, rows) = draw_beside(
+                || initial_rows(plan, request),
+                || encode(&mut **text, plan, layer),
+            )?;
+            let (embeds, rows) = (embeds?, rows?);
             timings.encode = secs(started.elapsed());
             progress(Progress::Encoded {
                 seconds: timings.encode,
