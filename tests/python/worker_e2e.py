@@ -358,6 +358,24 @@ def fmt_ms(v):
     return "-" if v is None else f"{v:.1f}"
 
 
+def print_comparison(title, rows):
+    """Prints `title` and a markdown table of (label, ours ms, diffusers ms) rows with their ratios; returns the
+    ratios that exist, by label."""
+    print("", flush=True)
+    print(title, flush=True)
+    print("", flush=True)
+    print("| | ours ms | diffusers bf16 ms | ours / diffusers |", flush=True)
+    print("| --- | --- | --- | --- |", flush=True)
+    ratios = {}
+    for label, ours, theirs in rows:
+        ratio = ours / theirs if ours is not None and theirs else None
+        if ratio is not None:
+            ratios[label] = ratio
+        print(f"| {label} | {fmt_ms(ours)} | {fmt_ms(theirs)} | {'-' if ratio is None else f'{ratio:.3f}'} |",
+              flush=True)
+    return ratios
+
+
 def join_worker_args(argv):
     """`--extra-worker-arg --random-weights` as `--extra-worker-arg=--random-weights` (argparse would take a value
     that starts with a dash for an option of its own)."""
@@ -402,12 +420,6 @@ def report_video(summary, requests, reference, args):
         summary["figure"]["error"] = fig.get("error")
     summary["same_output_every_request"] = len({r.get("output_sha256") for r in requests}) == 1
     width, height = summary["width"], summary["height"]
-    print("", flush=True)
-    print(f"## tf worker minimax_h3, {args.precision}, {width}x{height}, {args.seconds:g} s, {args.steps} grid "
-          f"points: request {fig['request']} of {len(requests)} (warm)", flush=True)
-    print("", flush=True)
-    print("| | ours ms | diffusers bf16 ms | ours / diffusers |", flush=True)
-    print("| --- | --- | --- | --- |", flush=True)
     ref = reference or {}
     rows = [("end to end (client wall)", fig["client_ms"], ref.get("total_ms")),
             ("worker `ms`", fig["worker_ms"], None),
@@ -417,13 +429,9 @@ def report_video(summary, requests, reference, args):
             ("video decode", phases["video_decode_ms"], ref.get("video_decode_ms")),
             ("audio decode", phases["audio_decode_ms"], ref.get("audio_decode_ms")),
             ("write (MP4 or raw frames)", cp.get("write"), None)]
-    ratios = {}
-    for label, ours, theirs in rows:
-        ratio = ours / theirs if ours is not None and theirs else None
-        if ratio is not None:
-            ratios[label] = ratio
-        print(f"| {label} | {fmt_ms(ours)} | {fmt_ms(theirs)} | {'-' if ratio is None else f'{ratio:.3f}'} |",
-              flush=True)
+    ratios = print_comparison(
+        f"## tf worker minimax_h3, {args.precision}, {width}x{height}, {args.seconds:g} s, {args.steps} grid "
+        f"points: request {fig['request']} of {len(requests)} (warm)", rows)
     if reference:
         summary["reference"] = reference
         summary["ratios_to_reference"] = ratios
@@ -433,7 +441,7 @@ def report_video(summary, requests, reference, args):
         print(f"\nend to end: ours {fig['client_ms']:.1f} ms vs diffusers bf16 {reference['total_ms']:.1f} ms "
               f"(run {reference['run_index'] + 1} of {reference['path']}, {reference.get('model_calls')} model "
               f"calls, peak {peak / 2**30 if peak else float('nan'):.1f} GiB): ratio "
-              f"{summary['ratio_to_reference']:.3f} ({summary['speedup_over_reference']:.2f}x faster). The "
+              f"{summary['ratio_to_reference']:.3f} (speed-up {summary['speedup_over_reference']:.2f}x). The "
               "reference's figure is its pipeline call to the decoded frames and audio (no files); ours is the "
               "client's wall time, the files written.", flush=True)
     mp4 = ("every request wrote video.mp4" if all(r["mp4"] for r in requests) else
@@ -663,28 +671,21 @@ def main():
                  met=None if decode is None else decode <= GOALS_MS["decode"]),
         ]
         summary["goals"] = dict(apply=at_goal_shape, items=goals)
-        print("", flush=True)
-        print(f"## tf worker, {args.precision}, {width}x{height}, {args.steps} steps: request {fig['request']} of "
-              f"{len(requests)} (warm)", flush=True)
-        print("", flush=True)
-        print("| | ours ms | diffusers bf16 ms | ours / diffusers |", flush=True)
-        print("| --- | --- | --- | --- |", flush=True)
         ref = reference or {}
         rows = [("end to end (client wall)", fig["client_ms"], ref.get("total_ms")),
                 ("worker `ms`", fig["worker_ms"], None),
                 ("encode", encode, ref.get("encode_ms")),
                 ("all steps", summary["figure"]["steps_ms"], ref.get("steps_sum_ms")),
                 ("decode", decode, ref.get("decode_ms"))]
-        for label, ours, theirs in rows:
-            ratio = f"{ours / theirs:.3f}" if ours is not None and theirs else "-"
-            print(f"| {label} | {fmt_ms(ours)} | {fmt_ms(theirs)} | {ratio} |", flush=True)
+        print_comparison(f"## tf worker, {args.precision}, {width}x{height}, {args.steps} steps: request "
+                         f"{fig['request']} of {len(requests)} (warm)", rows)
         if reference:
             summary["reference"] = reference
             summary["ratio_to_reference"] = fig["client_ms"] / reference["total_ms"]
             summary["speedup_over_reference"] = reference["total_ms"] / fig["client_ms"]
             print(f"\nend to end: ours {fig['client_ms']:.1f} ms vs diffusers {reference['dtype']} "
                   f"{reference['total_ms']:.1f} ms from the same run: ratio {summary['ratio_to_reference']:.3f} "
-                  f"({summary['speedup_over_reference']:.2f}x faster). The reference's figure is its pipeline call "
+                  f"(speed-up {summary['speedup_over_reference']:.2f}x). The reference's figure is its pipeline call "
                   "to the decoded image tensor (no PNG); ours is the client's wall time, the PNG written.",
                   flush=True)
         print(f"phases from the {summary['figure']['phases_from']}; every request wrote the same PNG: "

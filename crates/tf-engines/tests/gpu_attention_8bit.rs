@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 use tf_engines::nn::gpu::attention_8bit::{
     emulation, plan_attention_8bit, Attention8bitKernels, Attention8bitLayout, TILE_BYTES,
     TILE_ROWS,
@@ -29,11 +29,15 @@ use tf_engines::nn::gpu::{
 };
 use tf_engines::nn::host;
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
+use tf_engines::nn::tensor::relative_l2;
 
 const D: usize = 128;
 /// Bounds of the 8-bit output against the f64 reference.
 const MAX_REL_L2: f64 = 5e-2;
 const MIN_COSINE: f64 = 0.998;
+
+#[path = "common/gpu.rs"]
+mod gpu_support;
 
 struct Gpu {
     ctx: Context,
@@ -123,19 +127,14 @@ struct Errors {
 }
 
 fn errors(got: &[f32], want: &[f32]) -> Errors {
-    let (mut d2, mut w2, mut g2, mut dot, mut max_abs) = (0f64, 0f64, 0f64, 0f64, 0f64);
-    for (&a, &b) in got.iter().zip(want) {
-        let (a, b) = (f64::from(a), f64::from(b));
-        d2 += (a - b) * (a - b);
-        w2 += b * b;
-        g2 += a * a;
-        dot += a * b;
-        max_abs = max_abs.max((a - b).abs());
-    }
     Errors {
-        rel_l2: (d2 / w2.max(1e-30)).sqrt(),
-        cosine: dot / (g2.sqrt() * w2.sqrt()).max(1e-30),
-        max_abs,
+        rel_l2: relative_l2(got, want).expect("outputs of one length"),
+        cosine: gpu_support::cosine(got, want),
+        max_abs: got
+            .iter()
+            .zip(want)
+            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).abs())
+            .fold(0.0, f64::max),
     }
 }
 
@@ -601,19 +600,8 @@ fn attention_8bit_real_shapes_match_host() {
     }
 }
 
-fn time_ms(g: &Gpu, iters: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let start = Event::new(&g.ctx, true).expect("event");
-    let end = Event::new(&g.ctx, true).expect("event");
-    start.record(&g.stream).expect("record");
-    for _ in 0..iters {
-        f();
-    }
-    end.record(&g.stream).expect("record");
-    end.synchronize().expect("synchronize");
-    f64::from(Event::elapsed_ms(&start, &end).expect("elapsed")) / iters as f64
+fn time_ms(g: &Gpu, iters: usize, f: impl FnMut()) -> f64 {
+    gpu_support::time_ms(&g.ctx, &g.stream, iters, f)
 }
 
 #[test]

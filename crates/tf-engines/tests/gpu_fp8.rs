@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use tf_cuda::cublaslt::DeviceSpan;
-use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
 use tf_engines::nn::fp8;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear};
 use tf_engines::nn::gpu::quant::{
@@ -31,6 +31,9 @@ use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use tf_engines::qwen_image::ops::{plan_adaln_modulate, plan_gated_residual_adaln, DitKernels};
 
 const EPS: f32 = 1e-6;
+
+#[path = "common/gpu.rs"]
+mod gpu_support;
 
 struct Gpu {
     ctx: Context,
@@ -714,19 +717,8 @@ fn swiglu_fp8_matches_the_host_quantization() {
 }
 
 /// Times `f` (which enqueues work on the stream) over `iters` runs after 3 warm-up runs; ms per run.
-fn time_ms(g: &Gpu, iters: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let start = Event::new(&g.ctx, true).expect("event");
-    let end = Event::new(&g.ctx, true).expect("event");
-    start.record(&g.stream).expect("record");
-    for _ in 0..iters {
-        f();
-    }
-    end.record(&g.stream).expect("record");
-    end.synchronize().expect("synchronize");
-    f64::from(Event::elapsed_ms(&start, &end).expect("elapsed")) / iters as f64
+fn time_ms(g: &Gpu, iters: usize, f: impl FnMut()) -> f64 {
+    gpu_support::time_ms(&g.ctx, &g.stream, iters, f)
 }
 
 fn span_of(buf: &DeviceBuffer) -> DeviceSpan {

@@ -29,6 +29,28 @@ fn run(args: &[&str], out: &Path, env: &[(&str, &Path)]) -> Output {
     cmd.output().unwrap()
 }
 
+/// `tf video --engine testpattern` for two 32x32 frames into `dir/clip.mp4`, with `TF_FFMPEG` naming nothing.
+fn two_test_pattern_frames_without_ffmpeg(dir: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "--engine",
+        "testpattern",
+        "--prompt",
+        "bars",
+        "--size",
+        "32x32",
+        "--seconds",
+        "0.25",
+        "--fps",
+        "8",
+    ];
+    args.extend_from_slice(extra);
+    run(
+        &args,
+        &dir.join("clip.mp4"),
+        &[("TF_FFMPEG", &dir.join("nowhere").join("ffmpeg"))],
+    )
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -131,23 +153,7 @@ fn the_test_pattern_mp4_reads_back_as_asked() {
 #[test]
 fn without_ffmpeg_the_raw_output_is_kept_and_the_error_says_how_to_install() {
     let dir = scratch("no-ffmpeg");
-    let out = dir.join("clip.mp4");
-    let res = run(
-        &[
-            "--engine",
-            "testpattern",
-            "--prompt",
-            "bars",
-            "--size",
-            "32x32",
-            "--seconds",
-            "0.25",
-            "--fps",
-            "8",
-        ],
-        &out,
-        &[("TF_FFMPEG", &dir.join("nowhere").join("ffmpeg"))],
-    );
+    let res = two_test_pattern_frames_without_ffmpeg(&dir, &[]);
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert_eq!(res.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("apt-get install -y ffmpeg"), "{stderr}");
@@ -164,24 +170,7 @@ fn without_ffmpeg_the_raw_output_is_kept_and_the_error_says_how_to_install() {
 #[test]
 fn without_ffmpeg_the_json_report_still_carries_the_timings_and_the_kept_files() {
     let dir = scratch("no-ffmpeg-json");
-    let out = dir.join("clip.mp4");
-    let res = run(
-        &[
-            "--engine",
-            "testpattern",
-            "--prompt",
-            "bars",
-            "--size",
-            "32x32",
-            "--seconds",
-            "0.25",
-            "--fps",
-            "8",
-            "--json",
-        ],
-        &out,
-        &[("TF_FFMPEG", &dir.join("nowhere").join("ffmpeg"))],
-    );
+    let res = two_test_pattern_frames_without_ffmpeg(&dir, &["--json"]);
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert_eq!(res.status.code(), Some(1), "{stderr}");
     let report: serde_json::Value = serde_json::from_slice(&res.stdout)

@@ -41,6 +41,24 @@ fn serve_text(engine: impl WorkerEngine, input: &str) -> Vec<Value> {
 }
 
 /// Final replies only (lines with `ok`).
+/// Starts `worker` (a `tf worker` command line) with piped streams, writes `lines` and closes its input, and returns
+/// what it wrote and how it ended.
+fn session(mut worker: Command, lines: &[Value]) -> std::process::Output {
+    let mut child = worker
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        for line in lines {
+            writeln!(stdin, "{line}").unwrap();
+        }
+    }
+    child.wait_with_output().unwrap()
+}
+
 fn finals(replies: &[Value]) -> Vec<&Value> {
     replies.iter().filter(|r| r.get("ok").is_some()).collect()
 }
@@ -353,28 +371,20 @@ fn a_video_engine_output_is_muxed_and_checked() {
 #[test]
 fn without_ffmpeg_the_raw_output_is_kept() {
     let dir = temp_dir("no-ffmpeg");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tf"))
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_tf"));
+    worker
         .args(["worker", "--engine", "testpattern"])
-        .env("TF_FFMPEG", dir.join("missing-ffmpeg"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = [
-        json!({"op": "load"}),
-        json!({"op": "generate", "dir": dir, "request": {"video": {
-            "prompt": "x", "width": 32, "height": 32, "seconds": 0.25, "fps": 8, "audio": true}}}),
-        json!({"op": "generate", "prompt": "still", "width": 32, "height": 32, "steps": 1, "out_dir": dir}),
-        json!({"op": "exit"}),
-    ];
-    {
-        let mut stdin = child.stdin.take().unwrap();
-        for l in &lines {
-            writeln!(stdin, "{l}").unwrap();
-        }
-    }
-    let out = child.wait_with_output().unwrap();
+        .env("TF_FFMPEG", dir.join("missing-ffmpeg"));
+    let out = session(
+        worker,
+        &[
+            json!({"op": "load"}),
+            json!({"op": "generate", "dir": dir, "request": {"video": {
+                "prompt": "x", "width": 32, "height": 32, "seconds": 0.25, "fps": 8, "audio": true}}}),
+            json!({"op": "generate", "prompt": "still", "width": 32, "height": 32, "steps": 1, "out_dir": dir}),
+            json!({"op": "exit"}),
+        ],
+    );
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -592,22 +602,13 @@ fn tf_worker_random_weights_are_for_minimax_h3_on_the_gpu_only() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--random-weights"));
 
     // MiniMax H3 on the host: the load is answered with the reason and the worker keeps serving until exit.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tf"))
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_tf"));
+    worker
         .args(["worker", "--engine", "minimax_h3", "--backend", "host"])
         .arg("--model")
         .arg(h3_model())
-        .args(["--random-weights", "0"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        let mut stdin = child.stdin.take().unwrap();
-        writeln!(stdin, "{}", json!({"op": "load"})).unwrap();
-        writeln!(stdin, "{}", json!({"op": "exit"})).unwrap();
-    }
-    let out = child.wait_with_output().unwrap();
+        .args(["--random-weights", "0"]);
+    let out = session(worker, &[json!({"op": "load"}), json!({"op": "exit"})]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let replies: Vec<Value> = String::from_utf8_lossy(&out.stdout)

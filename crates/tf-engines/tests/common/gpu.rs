@@ -1,11 +1,11 @@
-//! What the GPU tests share: a context on device 0, the cosine similarity they print beside the relative L2, and
-//! the assertion that bounds both.
+//! What the GPU tests share: a context on device 0, the cosine similarity they print beside the relative L2, the
+//! assertion that bounds both, and the event timing of enqueued work.
 
 #![allow(dead_code)]
 
 use std::sync::Arc;
 
-use tf_cuda::{Context, Driver};
+use tf_cuda::{Context, Driver, Event, Stream};
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
 
 /// A context on device 0.
@@ -50,4 +50,21 @@ pub fn assert_close_within(
         "{what}: relative L2 {err:.3e} > {rel_l2_max:e}"
     );
     assert!(cos >= cosine_min, "{what}: cosine {cos:.6} < {cosine_min}");
+}
+
+/// Times `f` (which enqueues work on `stream`) over `iters` runs after 3 warm-up runs, with events on `stream`;
+/// milliseconds per run.
+pub fn time_ms(ctx: &Context, stream: &Stream, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let start = Event::new(ctx, true).expect("event");
+    let end = Event::new(ctx, true).expect("event");
+    start.record(stream).expect("record");
+    for _ in 0..iters {
+        f();
+    }
+    end.record(stream).expect("record");
+    end.synchronize().expect("synchronize");
+    f64::from(Event::elapsed_ms(&start, &end).expect("elapsed")) / iters as f64
 }
