@@ -44,6 +44,15 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Butterfly maximum over the 32 lanes of a warp; every lane gets it (a maximum is exact in any order).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024), returned to every thread. Fixed
 // order: warp butterflies, then the warp totals in ascending warp order. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

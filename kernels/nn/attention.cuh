@@ -90,6 +90,35 @@ __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
+// One thread's scores of a 64-row x 128-key wgmma tile: s[4 j + e] is row a (e < 2) or b, key
+// key0 + 8 j + 2 quad + (e & 1). Sets to -inf the scores of keys at or past `valid` in the tile, at or past the
+// row's limit, or in [pad_begin, pad_end).
+__device__ __forceinline__ void mask_wgmma_scores(float (&s)[64], int key0, int quad, int valid, int limit_a,
+                                                  int limit_b, int pad_begin, int pad_end) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = j * 8 + quad * 2 + (e & 1);
+            const int key = key0 + row;
+            const int limit = e < 2 ? limit_a : limit_b;
+            const bool seen = row < valid && key < limit && (key < pad_begin || key >= pad_end);
+            if (!seen) s[4 * j + e] = kNegInf;
+        }
+    }
+}
+
+// The maxima of rows a and b over this thread's scores of a wgmma tile (before the quad's reduction).
+__device__ __forceinline__ void wgmma_tile_max(const float (&s)[64], float& max_a, float& max_b) {
+    max_a = kNegInf;
+    max_b = kNegInf;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        max_a = fmaxf(max_a, fmaxf(s[4 * j], s[4 * j + 1]));
+        max_b = fmaxf(max_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+}
+
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
@@ -648,25 +677,9 @@ struct Sm90Rows {
                                                  int valid = kSm90Keys) {
         const bool full = valid == kSm90Keys && key0 + kSm90Keys <= window_min &&
                           (key0 + kSm90Keys <= pad_begin || key0 >= pad_end);
-        if (!full) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = j * 8 + quad * 2 + (e & 1);
-                    const int key = key0 + row;
-                    const int limit = e < 2 ? limit_a : limit_b;
-                    const bool seen = row < valid && key < limit && (key < pad_begin || key >= pad_end);
-                    if (!seen) s[4 * j + e] = kNegInf;
-                }
-            }
-        }
-        float tile_max_a = kNegInf, tile_max_b = kNegInf;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            tile_max_a = fmaxf(tile_max_a, fmaxf(s[4 * j], s[4 * j + 1]));
-            tile_max_b = fmaxf(tile_max_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
+        if (!full) mask_wgmma_scores(s, key0, quad, valid, limit_a, limit_b, pad_begin, pad_end);
+        float tile_max_a, tile_max_b;
+        wgmma_tile_max(s, tile_max_a, tile_max_b);
         const float new_max_a = fmaxf(max_a, quad_max(tile_max_a));
         const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
         const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a * scale_log2;

@@ -80,12 +80,6 @@ __device__ __forceinline__ const bf16* a8_key_row(const bf16* prefix, int64_t pr
            kv_head * 128;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 __device__ __forceinline__ int8_t to_int8(float x, float inv) {
     const int r = __float2int_rn(x * inv);
     return static_cast<int8_t>(max(-127, min(127, r)));
@@ -190,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(256)
             vt[a8_swizzle(chunk * 8 + i, pos)] = code;
         }
     }
-    amax = warp_max(amax);
+    amax = nn::warp_max(amax);
     if ((tid & 31) == 0) warp_amax[tid >> 5] = amax;
     __syncthreads();
     amax = 0.0f;
@@ -243,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(256)
         x[3] = b.y;
     }
     float amax = fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3])));
-    amax = warp_max(amax);
+    amax = nn::warp_max(amax);
     const float inv = amax > 0.0f ? 127.0f / amax : 1.0f;
     uint32_t packed = 0;
 #pragma unroll
@@ -362,24 +356,9 @@ struct A8Rows {
             s[4 * j + 3] = static_cast<float>(si[4 * j + 3]) * fb;
         }
         const bool full = key0 + kA8Keys <= window_min && (key0 + kA8Keys <= pad_begin || key0 >= pad_end);
-        if (!full) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + j * 8 + quad * 2 + (e & 1);
-                    const int limit = e < 2 ? limit_a : limit_b;
-                    const bool seen = key < limit && (key < pad_begin || key >= pad_end);
-                    if (!seen) s[4 * j + e] = kNegInf;
-                }
-            }
-        }
-        float tile_max_a = kNegInf, tile_max_b = kNegInf;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            tile_max_a = fmaxf(tile_max_a, fmaxf(s[4 * j], s[4 * j + 1]));
-            tile_max_b = fmaxf(tile_max_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
+        if (!full) mask_wgmma_scores(s, key0, quad, kA8Keys, limit_a, limit_b, pad_begin, pad_end);
+        float tile_max_a, tile_max_b;
+        wgmma_tile_max(s, tile_max_a, tile_max_b);
         const float new_max_a = fmaxf(max_a, quad_max(tile_max_a));
         const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
         // P = 2^(s - max) * 448 = 2^(s - (max - log2 448)).

@@ -58,10 +58,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    }
+    v = nn::warp_max(v);
     if (lane == 0) {
         scratch[warp] = v;
     }

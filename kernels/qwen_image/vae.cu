@@ -129,8 +129,7 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     bf16* out = p + static_cast<int64_t>(blockIdx.x) * cols;
     float m = -INFINITY;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, row[c]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    m = nn::warp_max(m);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
     __syncthreads();
