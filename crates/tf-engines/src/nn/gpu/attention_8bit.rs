@@ -181,11 +181,6 @@ impl Attention8bitLayout {
     }
 }
 
-/// FLOPs of one call, as [`super::attention_flops`] counts them.
-pub fn attention_8bit_flops(shape: AttentionShape) -> f64 {
-    super::attention_flops(shape)
-}
-
 /// Builds the five launches of one 8-bit attention call (in submission order): the operands are checked as
 /// [`plan_attention`] checks them, the workspace against [`Attention8bitLayout::for_shape`] (at least `total` bytes,
 /// 16-byte aligned: the bulk copies' alignment). `o` gets `[batch][num_queries][num_heads * 128]` bf16 with `o_strides`.
