@@ -900,9 +900,9 @@ fn random_weights_at_a_reduced_size_give_finite_outputs() {
         let sum: f64 = phases.phases.iter().map(|p| p.ms).sum();
         let marks: usize = phases.phases.iter().map(|p| p.count).sum();
         assert!(
-            (sum - phases.step_ms).abs() <= 2e-3 * marks as f64,
+            (sum - phases.total_ms).abs() <= 2e-3 * marks as f64,
             "phases sum to {sum} ms, the step took {} ms",
-            phases.step_ms
+            phases.total_ms
         );
         for name in [
             "attention",

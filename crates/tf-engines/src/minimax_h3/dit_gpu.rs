@@ -79,8 +79,6 @@ mod step;
 mod weights;
 mod workspace;
 
-#[cfg(feature = "bench")]
-pub use bench::{H3Phase, H3PhaseTimes};
 use kernels::H3Kernels;
 pub use weights::CheckpointFp8Use;
 use weights::{Dims, Source, WeightOffsets};

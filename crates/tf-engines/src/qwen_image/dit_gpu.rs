@@ -65,7 +65,7 @@ mod workspace;
 
 pub use crate::nn::precision::{DitPrecision, Fp8Groups, Fp8Layers};
 #[cfg(feature = "bench")]
-pub use bench::{PhaseTimes, PhaseTotal, StepTimes};
+pub use bench::StepTimes;
 pub use kv::GpuKvCache;
 use weights::{Dims, WeightOffsets};
 use workspace::{runs, Workspace};

@@ -31,12 +31,15 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::sync::Mutex;
 use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
+
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
+use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 use crate::nn::gpu::Launch;
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig};
@@ -619,6 +622,16 @@ fn free_index(taken: &[usize]) -> Result<usize, VaeError> {
         .ok_or_else(|| backend("internal", "every activation buffer is in use"))
 }
 
+/// The phase a 3x3 conv GEMM at output width `out_w` is timed in, by its scale against the image width `image_w`.
+fn conv3x3_phase(out_w: usize, image_w: usize) -> &'static str {
+    match image_w.checked_div(out_w) {
+        Some(1) => "conv3x3 GEMM, full size",
+        Some(2) => "conv3x3 GEMM, 1/2 size",
+        Some(4) => "conv3x3 GEMM, 1/4 size",
+        _ => "conv3x3 GEMM, 1/8 size",
+    }
+}
+
 /// The VAE decoder on the GPU.
 pub struct GpuVaeDecoder {
     config: VaeConfig,
@@ -630,6 +643,8 @@ pub struct GpuVaeDecoder {
     net: Net,
     budget: GpuVaeBudget,
     workspace: Option<Workspace>,
+    /// Set only while [`GpuVaeDecoder::time_phases`] runs: an event after each launch.
+    phase_timer: Mutex<Option<PhaseTimer>>,
 }
 
 impl std::fmt::Debug for GpuVaeDecoder {
@@ -698,6 +713,7 @@ impl GpuVaeDecoder {
             net,
             budget: GpuVaeBudget::default(),
             workspace: None,
+            phase_timer: Mutex::new(None),
         })
     }
 
@@ -774,6 +790,37 @@ impl GpuVaeDecoder {
         result
     }
 
+    /// Device time of each phase of one decode of `packed` (after an untimed decode that plans the workspace and
+    /// the GEMMs): an event after every launch, summed per kernel and per GEMM kind (the 3x3 conv GEMMs per scale).
+    /// The events add a little time; the decode itself is the normal one.
+    pub fn time_phases(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<PhaseTimes, VaeError> {
+        self.decode_packed(packed, h, w)?;
+        let timer = PhaseTimer::begin(&self.ctx, &self.stream)
+            .map_err(|e| backend("recording a phase event", e))?;
+        self.set_phase_timer(Some(timer))?;
+        let decoded = self.decode_packed(packed, h, w);
+        let timer = self.set_phase_timer(None)?;
+        decoded?;
+        let timer = timer.ok_or_else(|| backend("phase timer", "it was gone after the decode"))?;
+        timer
+            .totals()
+            .map_err(|e| backend("reading the phase events", e))
+    }
+
+    /// Replaces the phase timer, returning the previous one.
+    fn set_phase_timer(&self, timer: Option<PhaseTimer>) -> Result<Option<PhaseTimer>, VaeError> {
+        let mut slot = self
+            .phase_timer
+            .lock()
+            .map_err(|_| backend("phase timer", "a panic left it poisoned"))?;
+        Ok(std::mem::replace(&mut *slot, timer))
+    }
+
     fn decode_batch(
         &self,
         ws: &mut Workspace,
@@ -825,14 +872,33 @@ impl GpuVaeDecoder {
         let launch = launch.map_err(|e| backend("planning a kernel", e))?;
         // SAFETY: every span a VAE kernel is planned over lies inside a live buffer of this decoder (weights) or
         // of the workspace in use, all in the stream's context; their Drop synchronizes the context before freeing.
-        unsafe { self.kernels.submit(&self.stream, &launch) }.map_err(|e| backend(launch.kernel, e))
+        unsafe { self.kernels.submit(&self.stream, &launch) }
+            .map_err(|e| backend(launch.kernel, e))?;
+        self.mark(launch.kernel, 0.0)
     }
 
-    fn gemm(&self, call: Linear) -> Result<(), VaeError> {
+    /// Enqueues `call`, timed as `phase` by [`GpuVaeDecoder::time_phases`].
+    fn gemm(&self, phase: &'static str, call: Linear) -> Result<(), VaeError> {
         // SAFETY: every span lies inside a live buffer of this decoder (weights) or of the workspace in use
         // (checked by `span`); both outlive the work: the decode synchronizes the stream before returning and
         // before the workspace can be replaced or dropped, and Drop synchronizes first.
-        Ok(unsafe { self.gemms.run(&call, &self.stream) }?)
+        unsafe { self.gemms.run(&call, &self.stream) }?;
+        let flops = 2.0 * call.m as f64 * call.n as f64 * call.k as f64;
+        self.mark(phase, flops)
+    }
+
+    /// Ends the phase `phase` when a phase timer runs (an event on the stream); nothing otherwise.
+    fn mark(&self, phase: &'static str, flops: f64) -> Result<(), VaeError> {
+        let mut timer = self
+            .phase_timer
+            .lock()
+            .map_err(|_| backend("phase timer", "a panic left it poisoned"))?;
+        if let Some(timer) = timer.as_mut() {
+            timer
+                .mark(&self.stream, phase, flops, 0.0)
+                .map_err(|e| backend("recording a phase event", e))?;
+        }
+        Ok(())
     }
 
     /// `y = conv(x) + bias (+ y when accumulate)` for a 1x1 conv over `pixels`.
@@ -844,18 +910,21 @@ impl GpuVaeDecoder {
         y: DeviceSpan,
         accumulate: bool,
     ) -> Result<(), VaeError> {
-        self.gemm(Linear {
-            m: pixels,
-            n: conv.out_cp,
-            k: conv.k(),
-            x,
-            w: self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?,
-            y,
-            bias: Some(self.weight(conv.bias, conv.out_cp * BF16)?),
-            alpha: 1.0,
-            beta: if accumulate { 1.0 } else { 0.0 },
-            output: OutputType::Bf16,
-        })
+        self.gemm(
+            "conv1x1 GEMM",
+            Linear {
+                m: pixels,
+                n: conv.out_cp,
+                k: conv.k(),
+                x,
+                w: self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?,
+                y,
+                bias: Some(self.weight(conv.bias, conv.out_cp * BF16)?),
+                alpha: 1.0,
+                beta: if accumulate { 1.0 } else { 0.0 },
+                output: OutputType::Bf16,
+            },
+        )
     }
 
     /// A 3x3 conv writing an `out_h` x `out_w` map into `y` (bf16, or f32 with `f32_out`), band by band.
@@ -891,22 +960,25 @@ impl GpuVaeDecoder {
             self.submit(plan_im2col3x3(x, band, cols))?;
             let row_bytes = out_w * conv.out_cp * out_size;
             let y_band = gemm::sub_span(y, row0 * row_bytes, rows * row_bytes)?;
-            self.gemm(Linear {
-                m,
-                n: conv.out_cp,
-                k: conv.k(),
-                x: cols,
-                w,
-                y: y_band,
-                bias: Some(bias),
-                alpha: 1.0,
-                beta: if accumulate { 1.0 } else { 0.0 },
-                output: if f32_out {
-                    OutputType::F32
-                } else {
-                    OutputType::Bf16
+            self.gemm(
+                conv3x3_phase(out_w, ws.plan.latent_w * self.config.spatial_factor()),
+                Linear {
+                    m,
+                    n: conv.out_cp,
+                    k: conv.k(),
+                    x: cols,
+                    w,
+                    y: y_band,
+                    bias: Some(bias),
+                    alpha: 1.0,
+                    beta: if accumulate { 1.0 } else { 0.0 },
+                    output: if f32_out {
+                        OutputType::F32
+                    } else {
+                        OutputType::Bf16
+                    },
                 },
-            })?;
+            )?;
             row0 += rows;
         }
         Ok(())
@@ -988,18 +1060,21 @@ impl GpuVaeDecoder {
         self.conv1x1(&a.q, ns, p, q, false)?;
         self.conv1x1(&a.k, ns, p, k, false)?;
         // Vᵀ [cp, p] = Wv . normedᵀ; its bias is added to the output (probability rows sum to one).
-        self.gemm(Linear {
-            m: cp,
-            n: p,
-            k: cp,
-            x: self.weight(a.v.weight, cp * cp * BF16)?,
-            w: ns,
-            y: vt,
-            bias: None,
-            alpha: 1.0,
-            beta: 0.0,
-            output: OutputType::Bf16,
-        })?;
+        self.gemm(
+            "attention GEMM",
+            Linear {
+                m: cp,
+                n: p,
+                k: cp,
+                x: self.weight(a.v.weight, cp * cp * BF16)?,
+                w: ns,
+                y: vt,
+                bias: None,
+                alpha: 1.0,
+                beta: 0.0,
+                output: OutputType::Bf16,
+            },
+        )?;
         let scale = 1.0 / (a.norm.channels as f32).sqrt();
         let v_bias = self.weight(a.v.bias, cp * BF16)?;
         let mut row0 = 0;
@@ -1008,32 +1083,38 @@ impl GpuVaeDecoder {
             let scores = span(&ws.scores, 0, rows * p * F32)?;
             let probs = span(&ws.probs, 0, rows * p * BF16)?;
             let q_rows = gemm::sub_span(q, row0 * cp * BF16, rows * cp * BF16)?;
-            self.gemm(Linear {
-                m: rows,
-                n: p,
-                k: cp,
-                x: q_rows,
-                w: k,
-                y: scores,
-                bias: None,
-                alpha: scale,
-                beta: 0.0,
-                output: OutputType::F32,
-            })?;
+            self.gemm(
+                "attention GEMM",
+                Linear {
+                    m: rows,
+                    n: p,
+                    k: cp,
+                    x: q_rows,
+                    w: k,
+                    y: scores,
+                    bias: None,
+                    alpha: scale,
+                    beta: 0.0,
+                    output: OutputType::F32,
+                },
+            )?;
             self.submit(plan_softmax_rows(scores, rows, p, probs))?;
             let o_rows = gemm::sub_span(o, row0 * cp * BF16, rows * cp * BF16)?;
-            self.gemm(Linear {
-                m: rows,
-                n: cp,
-                k: p,
-                x: probs,
-                w: vt,
-                y: o_rows,
-                bias: Some(v_bias),
-                alpha: 1.0,
-                beta: 0.0,
-                output: OutputType::Bf16,
-            })?;
+            self.gemm(
+                "attention GEMM",
+                Linear {
+                    m: rows,
+                    n: cp,
+                    k: p,
+                    x: probs,
+                    w: vt,
+                    y: o_rows,
+                    bias: Some(v_bias),
+                    alpha: 1.0,
+                    beta: 0.0,
+                    output: OutputType::Bf16,
+                },
+            )?;
             row0 += rows;
         }
         self.conv1x1(&a.proj, o, p, xs, true)

@@ -34,6 +34,35 @@ pub enum Bench {
     /// The MiniMax H3 audio VAE decode on the GPU (f32) over a saved audio_vae/ folder, 5 s of stereo by default,
     /// with diffusers' fp32 / default / bf16 times, peaks and outputs of the same run (reference.json) beside it.
     H3AudioVae(H3AudioVaeArgs),
+    /// The Qwen-Image VAE decode on the GPU over a saved vae/ folder at one size: first and warm decodes, the 8-bit
+    /// conversion, and with --phases the device time of every kernel and GEMM kind, beside diffusers' decode phase
+    /// of the same run (the pipeline reference.json).
+    QwenVae(QwenVaeArgs),
+}
+
+#[derive(clap::Args)]
+pub struct QwenVaeArgs {
+    /// Diffusers vae/ folder (config.json + safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// Image width in pixels.
+    #[arg(long, default_value_t = 1024)]
+    width: usize,
+    /// Image height in pixels.
+    #[arg(long, default_value_t = 1024)]
+    height: usize,
+    /// Timed decodes (after the first).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Also time every kernel and GEMM kind of one decode.
+    #[arg(long)]
+    phases: bool,
+    /// reference.json written by tests/python/qwen_pipeline_reference.py in the same run.
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -224,6 +253,7 @@ pub fn run(b: Bench) -> ExitCode {
         Bench::H3Dit(args) => h3_dit::run(&args),
         Bench::H3Text(args) => h3_text::run(&args),
         Bench::H3AudioVae(args) => h3_audio_vae::run(&args),
+        Bench::QwenVae(args) => qwen_vae::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -236,10 +266,60 @@ pub fn run(b: Bench) -> ExitCode {
 
 type BoxError = Box<dyn std::error::Error>;
 
+/// Prints the per-phase table of one timed run (`label`: what ran, "cached step") and returns it as JSON: per
+/// phase its calls, milliseconds, share, work and rate (TFLOP/s where FLOPs are counted, else GB/s).
+#[cfg(feature = "bench")]
+fn report_phases(
+    label: &str,
+    times: &tf_engines::nn::gpu::phases::PhaseTimes,
+) -> serde_json::Value {
+    println!(
+        "\n  phases of one eager {label}: {:.2} ms between the first and last event",
+        times.total_ms
+    );
+    println!(
+        "  {:<28} {:>6} {:>10} {:>7} {:>16}",
+        "phase", "calls", "total ms", "share", "rate"
+    );
+    let mut rows = Vec::new();
+    for phase in &times.phases {
+        let share = if times.total_ms > 0.0 {
+            phase.ms / times.total_ms
+        } else {
+            0.0
+        };
+        let (rate, unit) = if phase.flops > 0.0 {
+            (phase.tflops(), "TFLOP/s")
+        } else {
+            (phase.gb_per_s(), "GB/s")
+        };
+        println!(
+            "  {:<28} {:>6} {:>10.3} {:>6.1}% {:>8.1} {unit}",
+            phase.name,
+            phase.count,
+            phase.ms,
+            100.0 * share,
+            rate
+        );
+        rows.push(serde_json::json!({
+            "phase": phase.name,
+            "calls": phase.count,
+            "ms": phase.ms,
+            "share": share,
+            "flops": phase.flops,
+            "bytes": phase.bytes,
+            "rate": rate,
+            "rate_unit": unit,
+        }));
+    }
+    serde_json::json!({ "step_ms": times.total_ms, "phases": rows })
+}
+
 mod h3_audio_vae;
 mod h3_dit;
 mod h3_text;
 mod qwen_dit;
+mod qwen_vae;
 
 /// Which model step a benchmark shape comes from (and the flag that selects it).
 #[derive(Clone, Copy, PartialEq, Eq)]

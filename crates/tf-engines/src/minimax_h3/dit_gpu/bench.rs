@@ -4,109 +4,12 @@
 //! through a probe that records an event at each of the step's marks. The production step is the same function,
 //! run with a probe that marks nothing.
 
-use tf_cuda::{Context, Event, Stream};
+use tf_cuda::{Event, Stream};
 
 use super::step::{NoProbe, StepProbe};
 use super::{cuda_err, GpuH3Dit, H3StepTimes};
 use crate::minimax_h3::dit::{H3Error, H3Inputs};
-
-/// One phase summed over a step (over every block for the per-block phases).
-#[derive(Debug, Clone, PartialEq)]
-pub struct H3Phase {
-    pub name: &'static str,
-    /// Device milliseconds between the event before the phase's launches and the one after them.
-    pub ms: f64,
-    /// Times the phase ran in the step (blocks, for the per-block phases).
-    pub count: usize,
-    /// Floating-point operations (GEMMs, attention, f32 layers; 0 for elementwise phases).
-    pub flops: f64,
-    /// Bytes read and written (elementwise phases and the memory-bound adaLN GEMMs; 0 where not counted).
-    pub bytes: f64,
-}
-
-impl H3Phase {
-    /// TFLOP/s of the phase (0 when it counts no FLOPs).
-    pub fn tflops(&self) -> f64 {
-        if self.ms > 0.0 {
-            self.flops / (self.ms * 1e9)
-        } else {
-            0.0
-        }
-    }
-
-    /// GB/s of the phase (0 when it counts no bytes).
-    pub fn gb_per_s(&self) -> f64 {
-        if self.ms > 0.0 {
-            self.bytes / (self.ms * 1e6)
-        } else {
-            0.0
-        }
-    }
-}
-
-/// Per-phase device times of one eager step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct H3PhaseTimes {
-    /// From the first event to the last (the events themselves add a little).
-    pub step_ms: f64,
-    /// In order of first appearance in the step.
-    pub phases: Vec<H3Phase>,
-}
-
-/// Records a timing event after each launch group of an eager step.
-struct PhaseTimer {
-    ctx: Context,
-    start: Option<Event>,
-    marks: Vec<(&'static str, f64, f64, Event)>,
-}
-
-impl PhaseTimer {
-    fn event(&self, stream: &Stream) -> Result<Event, H3Error> {
-        let event = Event::new(&self.ctx, true).map_err(cuda_err("creating a phase event"))?;
-        event
-            .record(stream)
-            .map_err(cuda_err("recording a phase event"))?;
-        Ok(event)
-    }
-
-    /// Sums each phase's time and work; call after the stream reached the last mark.
-    fn totals(&self) -> Result<H3PhaseTimes, H3Error> {
-        let start = self
-            .start
-            .as_ref()
-            .ok_or_else(|| H3Error::Backend("the phase timer was read before it began".into()))?;
-        let elapsed = |a: &Event, b: &Event| {
-            Event::elapsed_ms(a, b)
-                .map(f64::from)
-                .map_err(cuda_err("reading a phase event"))
-        };
-        let mut phases: Vec<H3Phase> = Vec::new();
-        let mut previous = start;
-        for (name, flops, bytes, event) in &self.marks {
-            let ms = elapsed(previous, event)?;
-            previous = event;
-            match phases.iter_mut().find(|p| p.name == *name) {
-                Some(p) => {
-                    p.ms += ms;
-                    p.count += 1;
-                    p.flops += flops;
-                    p.bytes += bytes;
-                }
-                None => phases.push(H3Phase {
-                    name,
-                    ms,
-                    count: 1,
-                    flops: *flops,
-                    bytes: *bytes,
-                }),
-            }
-        }
-        Ok(H3PhaseTimes {
-            step_ms: elapsed(start, previous)?,
-            phases,
-        })
-    }
-}
+use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 
 impl StepProbe for PhaseTimer {
     fn mark(
@@ -116,9 +19,8 @@ impl StepProbe for PhaseTimer {
         flops: f64,
         bytes: f64,
     ) -> Result<(), H3Error> {
-        let event = self.event(stream)?;
-        self.marks.push((name, flops, bytes, event));
-        Ok(())
+        PhaseTimer::mark(self, stream, name, flops, bytes)
+            .map_err(cuda_err("recording a phase event"))
     }
 }
 
@@ -188,23 +90,19 @@ impl GpuH3Dit {
     /// after each launch group: time embedder, adaLN tables, input projections, the token refiner's phases, and per
     /// block the qkv GEMM, QK norm + RoPE, attention, out GEMM, the fused residual + norms, fc1, SwiGLU, fc2, then
     /// the heads. The normal step and its graph are untouched.
-    pub fn time_phases(&mut self, inputs: &H3Inputs) -> Result<H3PhaseTimes, H3Error> {
+    pub fn time_phases(&mut self, inputs: &H3Inputs) -> Result<PhaseTimes, H3Error> {
         let index = self.prepare(inputs)?;
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         engine.enqueue_step(ws, &mut NoProbe)?;
         ws.warmed = true;
-        let mut timer = PhaseTimer {
-            ctx: engine.ctx.clone(),
-            start: None,
-            marks: Vec::new(),
-        };
-        timer.start = Some(timer.event(&engine.stream)?);
+        let mut timer = PhaseTimer::begin(&engine.ctx, &engine.stream)
+            .map_err(cuda_err("recording a phase event"))?;
         engine.enqueue_step(ws, &mut timer)?;
         engine
             .stream
             .synchronize()
             .map_err(cuda_err("running the phase-timed step"))?;
-        timer.totals()
+        timer.totals().map_err(cuda_err("reading the phase events"))
     }
 }

@@ -20,8 +20,8 @@
 //!
 //! Files: [`launch`] (matrices, operands, checks, [`Launch`], loading), [`attention`], [`norm`], [`rope`],
 //! [`act`] (SwiGLU, gelu, silu), [`copy`] (timestep embedding, embedding gather, copies, seeded fill), [`gemm`]
-//! (the cuBLASLt GEMM wrapper, bf16 and FP8), [`quant`] (the FP8 quantizing kernels, their own set) and
-//! [`graph_cache`] (captured step graphs).
+//! (the cuBLASLt GEMM wrapper, bf16 and FP8), [`quant`] (the FP8 quantizing kernels, their own set),
+//! [`graph_cache`] (captured step graphs) and [`phases`] (device time per phase, for the benchmarks).
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::DeviceView<'_>,
@@ -41,6 +41,7 @@ pub mod gemm;
 pub mod graph_cache;
 pub mod launch;
 pub mod norm;
+pub mod phases;
 pub mod quant;
 pub mod rope;
 

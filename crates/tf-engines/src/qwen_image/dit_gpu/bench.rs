@@ -3,9 +3,10 @@
 //! [`StepProbe`] that records an event at each of the step's marks. The production step is the same
 //! function, run with [`NoProbe`].
 
-use tf_cuda::{Context, Event, Stream};
+use tf_cuda::{Event, Stream};
 
 use super::{cuda_err, GpuDit, GpuKvCache, NoProbe, PhaseWork, StepProbe};
+use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 use crate::qwen_image::dit::{DitError, DitInputs, KvStep};
 
 /// Times of one benchmark run (milliseconds per step, device time).
@@ -13,96 +14,6 @@ use crate::qwen_image::dit::{DitError, DitInputs, KvStep};
 pub struct StepTimes {
     pub eager_ms: f64,
     pub graph_ms: f64,
-}
-
-/// One phase summed over the step (over every layer for the per-block phases).
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseTotal {
-    pub name: &'static str,
-    /// Device milliseconds between the event before the phase's launches and the one after them.
-    pub ms: f64,
-    pub work: PhaseWork,
-    /// How many times the phase ran in the step (layers, for per-block phases).
-    pub count: usize,
-}
-
-/// Per-phase device times of one eager step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseTimes {
-    /// From the first event to the last (the events themselves add a little).
-    pub step_ms: f64,
-    /// In order of first appearance in the step.
-    pub phases: Vec<PhaseTotal>,
-}
-
-/// Records a timing event after each launch group of an eager step (never used while capturing a graph).
-struct PhaseTimer {
-    ctx: Context,
-    start: Option<Event>,
-    marks: Vec<(&'static str, PhaseWork, Event)>,
-}
-
-impl PhaseTimer {
-    fn new(ctx: &Context) -> PhaseTimer {
-        PhaseTimer {
-            ctx: ctx.clone(),
-            start: None,
-            marks: Vec::new(),
-        }
-    }
-
-    fn event(&self, stream: &Stream) -> Result<Event, DitError> {
-        let event = Event::new(&self.ctx, true).map_err(cuda_err("creating a phase event"))?;
-        event
-            .record(stream)
-            .map_err(cuda_err("recording a phase event"))?;
-        Ok(event)
-    }
-
-    fn begin(&mut self, stream: &Stream) -> Result<(), DitError> {
-        self.start = Some(self.event(stream)?);
-        Ok(())
-    }
-
-    /// Sums each phase's time and work; call after the stream reached the last mark.
-    fn totals(&self) -> Result<PhaseTimes, DitError> {
-        let start = self
-            .start
-            .as_ref()
-            .ok_or_else(|| DitError::Backend("phase timer read before it began".into()))?;
-        let elapsed = |a: &Event, b: &Event| {
-            Event::elapsed_ms(a, b)
-                .map(f64::from)
-                .map_err(cuda_err("reading a phase event"))
-        };
-        let mut phases: Vec<PhaseTotal> = Vec::new();
-        let mut previous = start;
-        for (name, work, event) in &self.marks {
-            let ms = elapsed(previous, event)?;
-            previous = event;
-            match phases.iter_mut().find(|p| p.name == *name) {
-                Some(p) => {
-                    p.ms += ms;
-                    p.count += 1;
-                    p.work = match (p.work, *work) {
-                        (PhaseWork::Flops(a), PhaseWork::Flops(b)) => PhaseWork::Flops(a + b),
-                        (PhaseWork::Bytes(a), PhaseWork::Bytes(b)) => PhaseWork::Bytes(a + b),
-                        (kept, _) => kept,
-                    };
-                }
-                None => phases.push(PhaseTotal {
-                    name,
-                    ms,
-                    work: *work,
-                    count: 1,
-                }),
-            }
-        }
-        Ok(PhaseTimes {
-            step_ms: elapsed(start, previous)?,
-            phases,
-        })
-    }
 }
 
 impl StepProbe for PhaseTimer {
@@ -113,9 +24,12 @@ impl StepProbe for PhaseTimer {
         name: &'static str,
         work: impl FnOnce() -> PhaseWork,
     ) -> Result<(), DitError> {
-        let event = self.event(stream)?;
-        self.marks.push((name, work(), event));
-        Ok(())
+        let (flops, bytes) = match work() {
+            PhaseWork::Flops(flops) => (flops, 0.0),
+            PhaseWork::Bytes(bytes) => (0.0, bytes),
+        };
+        PhaseTimer::mark(self, stream, name, flops, bytes)
+            .map_err(cuda_err("recording a phase event"))
     }
 }
 
@@ -192,13 +106,13 @@ impl GpuDit {
         let ws = &mut self.workspaces[index];
         engine.enqueue_step(ws, cache, &mut NoProbe)?;
         ws.warmed = true;
-        let mut timer = PhaseTimer::new(&engine.ctx);
-        timer.begin(&engine.stream)?;
+        let mut timer = PhaseTimer::begin(&engine.ctx, &engine.stream)
+            .map_err(cuda_err("recording a phase event"))?;
         engine.enqueue_step(ws, cache, &mut timer)?;
         engine
             .stream
             .synchronize()
             .map_err(cuda_err("running the phase-timed step"))?;
-        timer.totals()
+        timer.totals().map_err(cuda_err("reading the phase events"))
     }
 }

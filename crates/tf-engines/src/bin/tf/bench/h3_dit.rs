@@ -258,23 +258,9 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
         times.graph_ms,
         tflops(times.graph_ms)
     );
+    let mut phases = serde_json::Value::Null;
     if args.phases {
-        let phases = dit.time_phases(&inputs)?;
-        println!(
-            "  phases of one eager step ({:.2} ms between the first and last event):",
-            phases.step_ms
-        );
-        for phase in &phases.phases {
-            println!(
-                "    {:<28} {:>9.3} ms  {:>5.1}%  x{:<4} {:>7.1} TFLOP/s  {:>7.1} GB/s",
-                phase.name,
-                phase.ms,
-                100.0 * phase.ms / phases.step_ms.max(f64::MIN_POSITIVE),
-                phase.count,
-                phase.tflops(),
-                phase.gb_per_s()
-            );
-        }
+        phases = super::report_phases("step", &dit.time_phases(&inputs)?);
     }
     let usage = tf_cuda::usage();
     let buffers_peak = usage.device_peak.saturating_sub(before.device);
@@ -375,6 +361,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
             "peak_device_bytes": times.peak_device_bytes,
             "device_buffers_peak_bytes": buffers_peak,
             "device_used_after_bytes": used,
+            "phases": phases,
             "reference": reference,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;

@@ -21,7 +21,7 @@ use tf_engines::nn::weights::ModelDir;
 #[cfg(feature = "bench")]
 use tf_engines::qwen_image::dit::{DitBackend, DitInputs, KvStep};
 #[cfg(feature = "bench")]
-use tf_engines::qwen_image::dit_gpu::{GpuDit, PhaseTimes, PhaseWork};
+use tf_engines::qwen_image::dit_gpu::GpuDit;
 
 use super::{BoxError, QwenDitArgs};
 
@@ -86,47 +86,6 @@ fn reference_case(path: &Path, name: &str) -> Result<serde_json::Value, BoxError
         })
         .cloned()
         .ok_or_else(|| format!("{}: no case named {name}", path.display()).into())
-}
-
-#[cfg(feature = "bench")]
-/// Prints the per-phase table of one step and returns it as JSON.
-fn report_phases(label: &str, times: &PhaseTimes) -> serde_json::Value {
-    println!(
-        "\n  phases of one eager {label} step: {:.2} ms between the first and last event",
-        times.step_ms
-    );
-    println!(
-        "  {:<22} {:>6} {:>10} {:>7} {:>14}",
-        "phase", "calls", "total ms", "share", "rate"
-    );
-    let mut rows = Vec::new();
-    for phase in &times.phases {
-        let share = if times.step_ms > 0.0 {
-            100.0 * phase.ms / times.step_ms
-        } else {
-            0.0
-        };
-        let seconds = phase.ms * 1e-3;
-        let (rate, unit, work) = match phase.work {
-            PhaseWork::Flops(flops) => (flops / seconds / 1e12, "TFLOP/s", ("flops", flops)),
-            PhaseWork::Bytes(bytes) => (bytes / seconds / 1e9, "GB/s", ("bytes", bytes)),
-        };
-        let rate = if seconds > 0.0 { rate } else { 0.0 };
-        println!(
-            "  {:<22} {:>6} {:>10.3} {:>6.1}% {:>8.1} {unit}",
-            phase.name, phase.count, phase.ms, share, rate
-        );
-        rows.push(serde_json::json!({
-            "phase": phase.name,
-            "calls": phase.count,
-            "ms": phase.ms,
-            "share": share / 100.0,
-            work.0: work.1,
-            "rate": rate,
-            "rate_unit": unit,
-        }));
-    }
-    serde_json::json!({ "step_ms": times.step_ms, "phases": rows })
 }
 
 #[cfg(feature = "bench")]
@@ -241,8 +200,8 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         let full_phases = dit.time_phases(&step0, KvStep::Extract)?;
         let cached_phases = dit.time_phases(&step1, KvStep::Cached(&cache))?;
         phases = serde_json::json!({
-            "full": report_phases("full (extract)", &full_phases),
-            "cached": report_phases("cached", &cached_phases),
+            "full": super::report_phases("full (extract) step", &full_phases),
+            "cached": super::report_phases("cached step", &cached_phases),
         });
         println!();
     }

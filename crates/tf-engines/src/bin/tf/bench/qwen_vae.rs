@@ -1,0 +1,139 @@
+//! `tf bench qwen-vae`: the Qwen-Image VAE decode on the GPU over a saved `vae/` folder at one image size: the
+//! first decode (workspace and GEMM plans included), warm decodes as the pipeline runs them (latents up, the image
+//! back as f32, then 8-bit pixels), and with `--phases` the device time of every kernel and GEMM kind of one decode.
+//! With `--reference` (the reference.json of tests/python/qwen_pipeline_reference.py from the same run) diffusers'
+//! decode phase is printed beside ours, with the ratio.
+//!
+//! The body needs tf-engines' `bench` feature (the GPU bundle builds `tf` with it).
+
+use super::{BoxError, QwenVaeArgs};
+
+#[cfg(feature = "bench")]
+mod imp {
+    use std::time::Instant;
+
+    use tf_engines::nn::sampling::seeded::SplitMix64;
+    use tf_engines::nn::tensor::TensorF32;
+    use tf_engines::nn::weights::ModelDir;
+    use tf_engines::qwen_image::vae::to_u8_hwc;
+    use tf_engines::qwen_image::vae_gpu::GpuVaeDecoder;
+
+    use super::super::{BoxError, QwenVaeArgs};
+
+    /// Diffusers' decode phase (ms) of the first case of a qwen_pipeline_reference.py reference.json, if any.
+    fn reference_decode_ms(path: &std::path::Path) -> Result<Option<f64>, BoxError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            format!(
+                "{}: {e} (run tests/python/qwen_pipeline_reference.py first)",
+                path.display()
+            )
+        })?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(json
+            .pointer("/cases/0/timings/decode_ms")
+            .and_then(|v| v.as_f64()))
+    }
+
+    pub fn run(args: &QwenVaeArgs) -> Result<(), BoxError> {
+        let (width, height) = (args.width, args.height);
+        let started = Instant::now();
+        let mut vae = GpuVaeDecoder::load(&ModelDir::open(&args.model)?)?;
+        let load_s = started.elapsed().as_secs_f64();
+        let f = vae.config().spatial_factor();
+        if f == 0 || width == 0 || height == 0 || width % f != 0 || height % f != 0 {
+            return Err(format!(
+                "--width {width} and --height {height} must be positive multiples of {f}"
+            )
+            .into());
+        }
+        let (rows, cols) = (height / f, width / f);
+        let z = vae.config().z_dim;
+        let tokens = rows
+            .checked_mul(cols)
+            .filter(|t| t.checked_mul(z).is_some_and(|n| n <= 1 << 28))
+            .ok_or("the latent is too large for a benchmark")?;
+        let packed = TensorF32::new(
+            vec![1, tokens, z],
+            SplitMix64::new(3).uniform_vec(tokens * z, -2.0, 2.0),
+        )?;
+        println!(
+            "tf bench qwen-vae: {} loaded in {load_s:.2} s ({:.1} MB of weights); {width}x{height} from a {cols}x{rows} \
+             latent of {z} channels (seeded random)",
+            args.model.display(),
+            vae.weight_bytes() as f64 / 1e6
+        );
+        let started = Instant::now();
+        let first = vae.decode_packed(&packed, rows, cols)?;
+        let first_ms = started.elapsed().as_secs_f64() * 1e3;
+        if !first.data().iter().all(|v| v.is_finite()) {
+            return Err("the decoded image is not finite".into());
+        }
+        let iters = args.iters.max(1);
+        let (mut decode_ms, mut pixels_ms) = (Vec::new(), Vec::new());
+        for _ in 0..iters {
+            let started = Instant::now();
+            let image = vae.decode_packed(&packed, rows, cols)?;
+            decode_ms.push(started.elapsed().as_secs_f64() * 1e3);
+            let started = Instant::now();
+            let pixels = to_u8_hwc(&image, 0)?;
+            pixels_ms.push(started.elapsed().as_secs_f64() * 1e3);
+            if pixels.is_empty() {
+                return Err("no pixels".into());
+            }
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let ours_ms = mean(&decode_ms) + mean(&pixels_ms);
+        println!(
+            "  ours: first decode {first_ms:.1} ms; warm decode call {:.2} ms (min {:.2}) + 8-bit pixels {:.2} ms = \
+             {ours_ms:.2} ms (mean of {iters}); resident {:.1} MiB",
+            mean(&decode_ms),
+            decode_ms.iter().cloned().fold(f64::INFINITY, f64::min),
+            mean(&pixels_ms),
+            vae.resident_bytes() as f64 / (1u64 << 20) as f64
+        );
+        let reference = match &args.reference {
+            Some(path) => reference_decode_ms(path)?,
+            None => None,
+        };
+        if let Some(theirs) = reference {
+            println!(
+                "  diffusers decode phase (same run): {theirs:.2} ms; ours / diffusers {:.3}",
+                ours_ms / theirs
+            );
+        }
+        let mut phases = serde_json::Value::Null;
+        if args.phases {
+            phases = super::super::report_phases("decode", &vae.time_phases(&packed, rows, cols)?);
+        }
+        if let Some(path) = &args.json {
+            let json = serde_json::json!({
+                "model": args.model.display().to_string(),
+                "width": width,
+                "height": height,
+                "load_s": load_s,
+                "first_decode_ms": first_ms,
+                "decode_call_ms": decode_ms,
+                "pixels_ms": pixels_ms,
+                "ours_ms": ours_ms,
+                "reference_decode_ms": reference,
+                "resident_bytes": vae.resident_bytes(),
+                "phases": phases,
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+            println!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "bench")]
+pub fn run(args: &QwenVaeArgs) -> Result<(), BoxError> {
+    imp::run(args)
+}
+
+/// Without the `bench` feature the timers are not compiled in: says how to get them.
+#[cfg(not(feature = "bench"))]
+pub fn run(_args: &QwenVaeArgs) -> Result<(), BoxError> {
+    Err("`tf bench qwen-vae` needs the phase timers: rebuild with `cargo build -p tf-engines --bin tf --features bench`".into())
+}
