@@ -57,6 +57,10 @@ pub struct QwenVaeArgs {
     /// Also time every kernel and GEMM kind of one decode.
     #[arg(long)]
     phases: bool,
+    /// Column-buffer budgets to compare, in MiB (comma-separated; each re-plans the workspace): smaller budgets
+    /// mean more, smaller 3x3 conv bands (default: the decoder's own budget only).
+    #[arg(long, value_delimiter = ',')]
+    cols_mib: Vec<usize>,
     /// reference.json written by tests/python/qwen_pipeline_reference.py in the same run.
     #[arg(long)]
     reference: Option<PathBuf>,

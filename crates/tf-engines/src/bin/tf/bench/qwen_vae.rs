@@ -16,7 +16,7 @@ mod imp {
     use tf_engines::nn::tensor::TensorF32;
     use tf_engines::nn::weights::ModelDir;
     use tf_engines::qwen_image::vae::to_u8_hwc;
-    use tf_engines::qwen_image::vae_gpu::GpuVaeDecoder;
+    use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
 
     use super::super::{BoxError, QwenVaeArgs};
 
@@ -63,17 +63,75 @@ mod imp {
             args.model.display(),
             vae.weight_bytes() as f64 / 1e6
         );
+        let reference = match &args.reference {
+            Some(path) => reference_decode_ms(path)?,
+            None => None,
+        };
+        let default_budget = GpuVaeBudget::default();
+        let budgets: Vec<GpuVaeBudget> = if args.cols_mib.is_empty() {
+            vec![default_budget]
+        } else {
+            args.cols_mib
+                .iter()
+                .map(|&mib| {
+                    mib.checked_mul(1 << 20)
+                        .filter(|&b| b > 0)
+                        .map(|cols_bytes| GpuVaeBudget {
+                            cols_bytes,
+                            ..default_budget
+                        })
+                        .ok_or_else(|| {
+                            format!("--cols-mib {mib}: must be a positive number of MiB")
+                        })
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let mut runs = Vec::new();
+        for budget in budgets {
+            vae.set_budget(budget);
+            runs.push(time_one_budget(
+                &mut vae,
+                args,
+                &packed,
+                (rows, cols),
+                reference,
+            )?);
+        }
+        if let Some(path) = &args.json {
+            let json = serde_json::json!({
+                "model": args.model.display().to_string(),
+                "width": width,
+                "height": height,
+                "load_s": load_s,
+                "reference_decode_ms": reference,
+                "runs": runs,
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+            println!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+
+    /// First and warm decodes (and phases) with the decoder's current budget; prints them and returns them as JSON.
+    fn time_one_budget(
+        vae: &mut GpuVaeDecoder,
+        args: &QwenVaeArgs,
+        packed: &TensorF32,
+        (rows, cols): (usize, usize),
+        reference: Option<f64>,
+    ) -> Result<serde_json::Value, BoxError> {
         let started = Instant::now();
-        let first = vae.decode_packed(&packed, rows, cols)?;
+        let first = vae.decode_packed(packed, rows, cols)?;
         let first_ms = started.elapsed().as_secs_f64() * 1e3;
         if !first.data().iter().all(|v| v.is_finite()) {
             return Err("the decoded image is not finite".into());
         }
+        let plan = vae.buffer_plan().ok_or("no buffer plan after a decode")?;
         let iters = args.iters.max(1);
         let (mut decode_ms, mut pixels_ms) = (Vec::new(), Vec::new());
         for _ in 0..iters {
             let started = Instant::now();
-            let image = vae.decode_packed(&packed, rows, cols)?;
+            let image = vae.decode_packed(packed, rows, cols)?;
             decode_ms.push(started.elapsed().as_secs_f64() * 1e3);
             let started = Instant::now();
             let pixels = to_u8_hwc(&image, 0)?;
@@ -84,18 +142,15 @@ mod imp {
         }
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         let ours_ms = mean(&decode_ms) + mean(&pixels_ms);
+        let cols_mib = plan.cols_elems as f64 * 2.0 / (1u64 << 20) as f64;
         println!(
-            "  ours: first decode {first_ms:.1} ms; warm decode call {:.2} ms (min {:.2}) + 8-bit pixels {:.2} ms = \
-             {ours_ms:.2} ms (mean of {iters}); resident {:.1} MiB",
+            "  column buffer {cols_mib:.1} MiB: first decode {first_ms:.1} ms; warm decode call {:.2} ms (min {:.2}) + \
+             8-bit pixels {:.2} ms = {ours_ms:.2} ms (mean of {iters}); resident {:.1} MiB",
             mean(&decode_ms),
             decode_ms.iter().cloned().fold(f64::INFINITY, f64::min),
             mean(&pixels_ms),
             vae.resident_bytes() as f64 / (1u64 << 20) as f64
         );
-        let reference = match &args.reference {
-            Some(path) => reference_decode_ms(path)?,
-            None => None,
-        };
         if let Some(theirs) = reference {
             println!(
                 "  diffusers decode phase (same run): {theirs:.2} ms; ours / diffusers {:.3}",
@@ -104,26 +159,17 @@ mod imp {
         }
         let mut phases = serde_json::Value::Null;
         if args.phases {
-            phases = super::super::report_phases("decode", &vae.time_phases(&packed, rows, cols)?);
+            phases = super::super::report_phases("decode", &vae.time_phases(packed, rows, cols)?);
         }
-        if let Some(path) = &args.json {
-            let json = serde_json::json!({
-                "model": args.model.display().to_string(),
-                "width": width,
-                "height": height,
-                "load_s": load_s,
-                "first_decode_ms": first_ms,
-                "decode_call_ms": decode_ms,
-                "pixels_ms": pixels_ms,
-                "ours_ms": ours_ms,
-                "reference_decode_ms": reference,
-                "resident_bytes": vae.resident_bytes(),
-                "phases": phases,
-            });
-            std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
-            println!("wrote {}", path.display());
-        }
-        Ok(())
+        Ok(serde_json::json!({
+            "cols_bytes": plan.cols_elems * 2,
+            "first_decode_ms": first_ms,
+            "decode_call_ms": decode_ms,
+            "pixels_ms": pixels_ms,
+            "ours_ms": ours_ms,
+            "resident_bytes": vae.resident_bytes(),
+            "phases": phases,
+        }))
     }
 }
 
