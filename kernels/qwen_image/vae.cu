@@ -32,27 +32,46 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     }
 }
 
+// Lanes per pixel of qv_rms_norm_silu: the 8-channel chunks rounded up to a power of two, at most 32 (the host's
+// norm_lanes_per_pixel computes the same for the grid).
+__device__ __forceinline__ int qv_norm_group(int cp) {
+    const int chunks = cp >> 3;
+    int group = 1;
+    while (group < chunks && group < 32) group <<= 1;
+    return group;
+}
+
 // Channel RMS norm (F.normalize over channels, times sqrt(C) and gamma), optionally followed by SiLU:
 // y[p, :] = act(x[p, :] / max(|x[p, :]|_2, 1e-12) * scale * gamma), scale = sqrt(C) of the true width.
-// One warp per pixel; `y` may be `x` (in place). Grid: ceil(pixels / QV_WARPS) blocks of QV_THREADS.
+// A group of qv_norm_group(cp) lanes per pixel (two pixels per warp at 96 channels); `y` may be `x` (in place).
+// The squares are summed in the same butterfly order as over a whole warp (the lanes past the group add zeros
+// there), so the result does not depend on the group size. Grid: ceil(pixels / pixels per block) blocks of
+// QV_THREADS.
 extern "C" __global__ void __launch_bounds__(QV_THREADS)
     qv_rms_norm_silu(const bf16* x, bf16* y, const float* __restrict__ gamma, int pixels, int cp, float scale,
                      int silu) {
+    const int group = qv_norm_group(cp);
     const int lane = threadIdx.x & 31;
-    const int64_t pixel = static_cast<int64_t>(blockIdx.x) * QV_WARPS + (threadIdx.x >> 5);
-    if (pixel >= pixels) return;
-    const bf16* in_row = x + pixel * cp;
-    bf16* out_row = y + pixel * cp;
+    const int sub = lane & (group - 1);
+    const int64_t pixel =
+        (static_cast<int64_t>(blockIdx.x) * QV_WARPS + (threadIdx.x >> 5)) * (32 / group) + lane / group;
+    const bool valid = pixel < pixels;
+    const bf16* in_row = x + (valid ? pixel : 0) * cp;
+    bf16* out_row = y + (valid ? pixel : 0) * cp;
     float sq = 0.0f;
-    for (int col = lane * 8; col < cp; col += 32 * 8) {
-        float v[8];
-        nn::load8(in_row + col, v);
+    if (valid) {
+        for (int col = sub * 8; col < cp; col += group * 8) {
+            float v[8];
+            nn::load8(in_row + col, v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sq += v[i] * v[i];
+            for (int i = 0; i < 8; ++i) sq += v[i] * v[i];
+        }
     }
-    sq = nn::warp_sum(sq);
+    // Every lane takes part in the shuffles; lanes of a pixel past the end hold zeros.
+    for (int offset = group >> 1; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+    if (!valid) return;
     const float inv = scale / fmaxf(sqrtf(sq), 1e-12f);
-    for (int col = lane * 8; col < cp; col += 32 * 8) {
+    for (int col = sub * 8; col < cp; col += group * 8) {
         float v[8];
         nn::load8(in_row + col, v);
 #pragma unroll
@@ -68,31 +87,36 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
 // Columns of a 3x3 "same" convolution for output rows [row0, row0 + rows) of an out_h x out_w map:
 // cols[(r * out_w + x) * 9 + tap][c] = src(y + ky - 1, x + kx - 1)[c] (zero outside the map), tap = ky * 3 + kx,
 // r = y - row0. With `upsample` = 1 the source is a nearest 2x upsample of x ([out_h / 2, out_w / 2, cp]),
-// read in place. Each thread moves 8 channels. Grid-stride over rows * out_w * 9 * cp / 8.
+// read in place. Each thread moves one 8-channel chunk of one output pixel for all 9 taps: the index arithmetic
+// (32-bit: the launcher bounds rows * out_w * cp / 8) is paid once per 9 copies, and a warp's stores for one tap
+// cover whole runs of cp channels. Grid-stride over rows * out_w * cp / 8.
 extern "C" __global__ void __launch_bounds__(QV_THREADS)
     qv_im2col3x3(const bf16* __restrict__ x, int cp, int out_h, int out_w, int upsample, int row0, int rows,
                  bf16* __restrict__ cols) {
-    const int chunks = cp >> 3;
+    const unsigned chunks = static_cast<unsigned>(cp) >> 3;
+    const unsigned width = static_cast<unsigned>(out_w);
     const int src_w = out_w >> upsample;
-    const int64_t total = static_cast<int64_t>(rows) * out_w * 9 * chunks;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int chunk = static_cast<int>(i % chunks);
-        const int64_t rest = i / chunks;
-        const int tap = static_cast<int>(rest % 9);
-        const int64_t pixel = rest / 9;
-        const int yy = row0 + static_cast<int>(pixel / out_w);
-        const int xx = static_cast<int>(pixel % out_w);
-        const int sy = yy + tap / 3 - 1;
-        const int sx = xx + tap % 3 - 1;
-        nn::Bf16x8* dst = reinterpret_cast<nn::Bf16x8*>(cols + i * 8);
-        if (sy < 0 || sy >= out_h || sx < 0 || sx >= out_w) {
-            const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            nn::store8(reinterpret_cast<bf16*>(dst), zeros);
-            continue;
+    const unsigned total = static_cast<unsigned>(rows) * width * chunks;
+    const uint4* src = reinterpret_cast<const uint4*>(x);
+    uint4* dst_all = reinterpret_cast<uint4*>(cols);
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const unsigned chunk = i % chunks;
+        const unsigned pixel = i / chunks;
+        const int yy = row0 + static_cast<int>(pixel / width);
+        const int xx = static_cast<int>(pixel % width);
+        uint4* dst = dst_all + static_cast<size_t>(pixel) * 9 * chunks + chunk;
+        uint4 v[9];
+#pragma unroll
+        for (int tap = 0; tap < 9; ++tap) {
+            const int sy = yy + tap / 3 - 1;
+            const int sx = xx + tap % 3 - 1;
+            v[tap] = make_uint4(0u, 0u, 0u, 0u);
+            if (sy >= 0 && sy < out_h && sx >= 0 && sx < out_w) {
+                v[tap] = src[(static_cast<size_t>(sy >> upsample) * src_w + (sx >> upsample)) * chunks + chunk];
+            }
         }
-        const int64_t src = (static_cast<int64_t>(sy >> upsample) * src_w + (sx >> upsample)) * cp + chunk * 8;
-        *dst = *reinterpret_cast<const nn::Bf16x8*>(x + src);
+#pragma unroll
+        for (int tap = 0; tap < 9; ++tap) dst[tap * chunks] = v[tap];
     }
 }
 
@@ -102,19 +126,20 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
 extern "C" __global__ void __launch_bounds__(QV_THREADS)
     qv_dup_up(const bf16* __restrict__ x, int h, int w, int in_cp, int out_c, int out_cp, int factor_t, int repeats,
               bf16* __restrict__ y) {
-    const int w2 = 2 * w;
-    const int64_t total = static_cast<int64_t>(4) * h * w * out_cp;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int o = static_cast<int>(i % out_cp);
-        const int64_t pixel = i / out_cp;
-        const int yy = static_cast<int>(pixel / w2);
-        const int xx = static_cast<int>(pixel % w2);
+    // 32-bit index arithmetic: the launcher bounds 4 * h * w * out_cp.
+    const unsigned w2 = 2u * static_cast<unsigned>(w);
+    const unsigned channels = static_cast<unsigned>(out_cp);
+    const unsigned total = 4u * static_cast<unsigned>(h) * static_cast<unsigned>(w) * channels;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const int o = static_cast<int>(i % channels);
+        const unsigned pixel = i / channels;
+        const unsigned yy = pixel / w2;
+        const unsigned xx = pixel % w2;
         bf16 value = __float2bfloat16_rn(0.0f);
         if (o < out_c) {
-            const int sub = ((o * factor_t + factor_t - 1) * 2 + (yy & 1)) * 2 + (xx & 1);
+            const int sub = ((o * factor_t + factor_t - 1) * 2 + static_cast<int>(yy & 1u)) * 2 + static_cast<int>(xx & 1u);
             const int src_c = sub / repeats;
-            value = x[(static_cast<int64_t>(yy >> 1) * w + (xx >> 1)) * in_cp + src_c];
+            value = x[(static_cast<size_t>(yy >> 1) * w + (xx >> 1)) * in_cp + src_c];
         }
         y[i] = value;
     }

@@ -30,8 +30,16 @@ use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSe
 pub const VAE_SET: &str = "qwen_image_vae";
 /// Threads per block of every kernel (QV_THREADS in vae.cu).
 const THREADS: u32 = 256;
-/// Pixels per block of the norm kernel (one warp each).
-const NORM_PIXELS_PER_BLOCK: usize = (THREADS / 32) as usize;
+/// Lanes the norm kernel gives one pixel: its 8-channel chunks rounded up to a power of two, at most a warp
+/// (qv_norm_group in vae.cu), so narrow maps (96 channels: 12 chunks) put two pixels in a warp.
+fn norm_lanes_per_pixel(cp: usize) -> usize {
+    (cp / 8).max(1).next_power_of_two().min(32)
+}
+
+/// Pixels per block of the norm kernel.
+fn norm_pixels_per_block(cp: usize) -> usize {
+    (THREADS as usize / 32) * (32 / norm_lanes_per_pixel(cp))
+}
 const BF16: usize = 2;
 const F32: usize = 4;
 
@@ -137,7 +145,7 @@ pub fn plan_rms_norm_silu(
         .push(to_i32(OP, "cp", cp)?)
         .push((channels as f32).sqrt())
         .push(i32::from(silu));
-    let blocks = pixels.div_ceil(NORM_PIXELS_PER_BLOCK).max(1);
+    let blocks = pixels.div_ceil(norm_pixels_per_block(cp)).max(1);
     Ok(Launch::from_spans(
         "qv_rms_norm_silu",
         LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS),
@@ -225,9 +233,12 @@ pub fn plan_im2col3x3(
         .push(to_i32(OP, "row0", band.row0)?)
         .push(to_i32(OP, "rows", band.rows)?)
         .push_addr(cols.addr);
+    // One thread per 8-channel chunk of an output pixel (all 9 taps); the kernel indexes them in 32 bits.
+    let chunks = elements / 9 / 8;
+    to_i32(OP, "rows * out_w * cp / 8", chunks)?;
     Ok(Launch::from_spans(
         "qv_im2col3x3",
-        stride_grid(OP, elements / 8, THREADS)?,
+        stride_grid(OP, chunks, THREADS)?,
         args,
     ))
 }
@@ -290,6 +301,8 @@ pub fn plan_dup_up(
     )?;
     let out_elems = bytes_of(OP, "y", &[4, shape.h, shape.w, out_cp])?;
     check_span(OP, "y", y, bytes_of(OP, "y", &[out_elems, BF16])?, 16)?;
+    // The kernel indexes the output in 32 bits.
+    to_i32(OP, "4 * h * w * out_cp", out_elems)?;
     let mut args = Args::new();
     args.push_addr(x.addr)
         .push(to_i32(OP, "h", shape.h)?)
@@ -455,7 +468,7 @@ mod tests {
         assert_eq!(launch.kernel, "qv_rms_norm_silu");
         assert_eq!(launch.args.get::<f32>(5), Some(3.0));
         assert_eq!(launch.args.get::<i32>(6), Some(1));
-        assert_eq!(launch.config.grid.x, 2); // 10 pixels, 8 per block
+        assert_eq!(launch.config.grid.x, 1); // 10 pixels of 2 chunks: 2 lanes each, 128 per block
         let short = plan_rms_norm_silu(
             span(0x1000, bytes - 2),
             span(0x1000, bytes),
@@ -501,6 +514,31 @@ mod tests {
     }
 
     #[test]
+    fn norm_lanes_cover_every_chunk_of_a_pixel_within_a_warp() {
+        for (cp, lanes, per_block) in [
+            (8, 1, 256),
+            (16, 2, 128),
+            (96, 16, 16),
+            (192, 32, 8),
+            (384, 32, 8),
+        ] {
+            assert_eq!(norm_lanes_per_pixel(cp), lanes, "cp {cp}");
+            assert_eq!(norm_pixels_per_block(cp), per_block, "cp {cp}");
+        }
+        let launch = plan_rms_norm_silu(
+            span(0x1000, 1000 * 96 * BF16),
+            span(0x1000, 1000 * 96 * BF16),
+            span(0x9000, 96 * F32),
+            1000,
+            96,
+            96,
+            false,
+        )
+        .unwrap();
+        assert_eq!(launch.config.grid.x, 63); // 1000 pixels, 16 per block
+    }
+
+    #[test]
     fn im2col_plan_checks_the_band_and_the_source() {
         let band = Im2colBand {
             out_h: 8,
@@ -515,9 +553,10 @@ mod tests {
         let launch = plan_im2col3x3(src, band, cols).unwrap();
         assert_eq!(launch.args.get::<i32>(4), Some(1));
         assert_eq!(launch.args.get::<i32>(5), Some(2));
+        // One thread per 8-channel chunk of an output pixel, for all 9 taps.
         assert_eq!(
             launch.config.grid.x as usize,
-            (3 * 6 * 9 * 2usize).div_ceil(256)
+            (3 * 6 * 2usize).div_ceil(256)
         );
         // A source too small for the un-upsampled map, a band past the bottom, odd sizes with the upsample.
         let flat = Im2colBand {
