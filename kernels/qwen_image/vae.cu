@@ -32,46 +32,27 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     }
 }
 
-// Lanes per pixel of qv_rms_norm_silu: the 8-channel chunks rounded up to a power of two, at most 32 (the host's
-// norm_lanes_per_pixel computes the same for the grid).
-__device__ __forceinline__ int qv_norm_group(int cp) {
-    const int chunks = cp >> 3;
-    int group = 1;
-    while (group < chunks && group < 32) group <<= 1;
-    return group;
-}
-
 // Channel RMS norm (F.normalize over channels, times sqrt(C) and gamma), optionally followed by SiLU:
 // y[p, :] = act(x[p, :] / max(|x[p, :]|_2, 1e-12) * scale * gamma), scale = sqrt(C) of the true width.
-// A group of qv_norm_group(cp) lanes per pixel (two pixels per warp at 96 channels); `y` may be `x` (in place).
-// The squares are summed in the same butterfly order as over a whole warp (the lanes past the group add zeros
-// there), so the result does not depend on the group size. Grid: ceil(pixels / pixels per block) blocks of
-// QV_THREADS.
+// One warp per pixel; `y` may be `x` (in place). Grid: ceil(pixels / QV_WARPS) blocks of QV_THREADS.
 extern "C" __global__ void __launch_bounds__(QV_THREADS)
     qv_rms_norm_silu(const bf16* x, bf16* y, const float* __restrict__ gamma, int pixels, int cp, float scale,
                      int silu) {
-    const int group = qv_norm_group(cp);
     const int lane = threadIdx.x & 31;
-    const int sub = lane & (group - 1);
-    const int64_t pixel =
-        (static_cast<int64_t>(blockIdx.x) * QV_WARPS + (threadIdx.x >> 5)) * (32 / group) + lane / group;
-    const bool valid = pixel < pixels;
-    const bf16* in_row = x + (valid ? pixel : 0) * cp;
-    bf16* out_row = y + (valid ? pixel : 0) * cp;
+    const int64_t pixel = static_cast<int64_t>(blockIdx.x) * QV_WARPS + (threadIdx.x >> 5);
+    if (pixel >= pixels) return;
+    const bf16* in_row = x + pixel * cp;
+    bf16* out_row = y + pixel * cp;
     float sq = 0.0f;
-    if (valid) {
-        for (int col = sub * 8; col < cp; col += group * 8) {
-            float v[8];
-            nn::load8(in_row + col, v);
+    for (int col = lane * 8; col < cp; col += 32 * 8) {
+        float v[8];
+        nn::load8(in_row + col, v);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) sq += v[i] * v[i];
-        }
+        for (int i = 0; i < 8; ++i) sq += v[i] * v[i];
     }
-    // Every lane takes part in the shuffles; lanes of a pixel past the end hold zeros.
-    for (int offset = group >> 1; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
-    if (!valid) return;
+    sq = nn::warp_sum(sq);
     const float inv = scale / fmaxf(sqrtf(sq), 1e-12f);
-    for (int col = sub * 8; col < cp; col += group * 8) {
+    for (int col = lane * 8; col < cp; col += 32 * 8) {
         float v[8];
         nn::load8(in_row + col, v);
 #pragma unroll

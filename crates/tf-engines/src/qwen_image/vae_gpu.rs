@@ -829,17 +829,13 @@ impl GpuVaeDecoder {
     ) -> Result<TensorF32, VaeError> {
         let plan = ws.plan;
         let per_image = plan.out_pixels * plan.out_channels;
-        let mut out = vec![0f32; batch * per_image];
+        // The first image's download becomes the output as it is (the usual batch of one copies nothing more).
+        let mut out: Vec<f32> = Vec::new();
         let f = self.config.spatial_factor();
-        for (src, dst) in packed
-            .data()
-            .chunks_exact(plan.tokens * plan.z)
-            .zip(out.chunks_exact_mut(per_image))
-        {
-            let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for src in packed.data().chunks_exact(plan.tokens * plan.z).take(batch) {
             // On the decode's stream, so the copy is ordered before the kernels that read it.
             ws.packed
-                .upload_async(0, &bytes, &self.stream)
+                .upload_async(0, &le_bytes(src, f32::to_le_bytes), &self.stream)
                 .map_err(|e| backend("uploading latents", e))?;
             self.enqueue_image(ws)?;
             self.stream
@@ -851,7 +847,14 @@ impl GpuVaeDecoder {
                 .slice(0, per_image * F32)
                 .and_then(|view| view.to_vec())
                 .map_err(|e| backend("downloading the image", e))?;
-            dst.copy_from_slice(&pixels);
+            if out.is_empty() {
+                out = pixels;
+                let rest = batch.saturating_sub(1).saturating_mul(per_image);
+                out.try_reserve_exact(rest)
+                    .map_err(|e| backend("holding the decoded images", e.to_string()))?;
+            } else {
+                out.extend_from_slice(&pixels);
+            }
         }
         Ok(Tensor::new(
             vec![

@@ -30,16 +30,8 @@ use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSe
 pub const VAE_SET: &str = "qwen_image_vae";
 /// Threads per block of every kernel (QV_THREADS in vae.cu).
 const THREADS: u32 = 256;
-/// Lanes the norm kernel gives one pixel: its 8-channel chunks rounded up to a power of two, at most a warp
-/// (qv_norm_group in vae.cu), so narrow maps (96 channels: 12 chunks) put two pixels in a warp.
-fn norm_lanes_per_pixel(cp: usize) -> usize {
-    (cp / 8).max(1).next_power_of_two().min(32)
-}
-
-/// Pixels per block of the norm kernel.
-fn norm_pixels_per_block(cp: usize) -> usize {
-    (THREADS as usize / 32) * (32 / norm_lanes_per_pixel(cp))
-}
+/// Pixels per block of the norm kernel (one warp each).
+const NORM_PIXELS_PER_BLOCK: usize = (THREADS / 32) as usize;
 const BF16: usize = 2;
 const F32: usize = 4;
 
@@ -145,7 +137,7 @@ pub fn plan_rms_norm_silu(
         .push(to_i32(OP, "cp", cp)?)
         .push((channels as f32).sqrt())
         .push(i32::from(silu));
-    let blocks = pixels.div_ceil(norm_pixels_per_block(cp)).max(1);
+    let blocks = pixels.div_ceil(NORM_PIXELS_PER_BLOCK).max(1);
     Ok(Launch::from_spans(
         "qv_rms_norm_silu",
         LaunchConfig::new(to_u32(OP, "blocks", blocks)?, THREADS),
@@ -468,7 +460,7 @@ mod tests {
         assert_eq!(launch.kernel, "qv_rms_norm_silu");
         assert_eq!(launch.args.get::<f32>(5), Some(3.0));
         assert_eq!(launch.args.get::<i32>(6), Some(1));
-        assert_eq!(launch.config.grid.x, 1); // 10 pixels of 2 chunks: 2 lanes each, 128 per block
+        assert_eq!(launch.config.grid.x, 2); // 10 pixels, 8 per block
         let short = plan_rms_norm_silu(
             span(0x1000, bytes - 2),
             span(0x1000, bytes),
@@ -511,31 +503,6 @@ mod tests {
             false
         )
         .is_err());
-    }
-
-    #[test]
-    fn norm_lanes_cover_every_chunk_of_a_pixel_within_a_warp() {
-        for (cp, lanes, per_block) in [
-            (8, 1, 256),
-            (16, 2, 128),
-            (96, 16, 16),
-            (192, 32, 8),
-            (384, 32, 8),
-        ] {
-            assert_eq!(norm_lanes_per_pixel(cp), lanes, "cp {cp}");
-            assert_eq!(norm_pixels_per_block(cp), per_block, "cp {cp}");
-        }
-        let launch = plan_rms_norm_silu(
-            span(0x1000, 1000 * 96 * BF16),
-            span(0x1000, 1000 * 96 * BF16),
-            span(0x9000, 96 * F32),
-            1000,
-            96,
-            96,
-            false,
-        )
-        .unwrap();
-        assert_eq!(launch.config.grid.x, 63); // 1000 pixels, 16 per block
     }
 
     #[test]
