@@ -126,6 +126,23 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     }
 }
 
+// The decoded image as 8-bit pixels, channel-interleaved (HWC): out[p * channels + c] = round(255 * v), v =
+// clamp(clamp(y[p, c], -1, 1) / 2 + 0.5, 0, 1), from the f32 channels-last conv_out result y [pixels, cp]. The
+// same f32 operations in the same order as the host's conversion of the clamped planes, so the bytes are equal.
+// Grid-stride over pixels * channels (32-bit: the launcher bounds it).
+extern "C" __global__ void __launch_bounds__(QV_THREADS)
+    qv_image_u8(const float* __restrict__ y, int pixels, int channels, int cp, unsigned char* __restrict__ out) {
+    const unsigned total = static_cast<unsigned>(pixels) * static_cast<unsigned>(channels);
+    const unsigned n = static_cast<unsigned>(channels);
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const unsigned p = i / n;
+        const unsigned c = i - p * n;
+        const float image = fminf(fmaxf(y[static_cast<size_t>(p) * cp + c], -1.0f), 1.0f);
+        const float v = fminf(fmaxf(__fadd_rn(__fdiv_rn(image, 2.0f), 0.5f), 0.0f), 1.0f);
+        out[i] = static_cast<unsigned char>(roundf(__fmul_rn(v, 255.0f)));
+    }
+}
+
 // Row softmax of attention scores (already scaled): p[r, :] = exp(s[r, :] - max) / sum, f32 math, bf16 out.
 // One block of QV_THREADS per row. Grid: rows.
 extern "C" __global__ void __launch_bounds__(QV_THREADS)

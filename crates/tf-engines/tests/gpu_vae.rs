@@ -24,7 +24,7 @@ use tf_cuda::Context;
 use tf_engines::nn::tensor::{relative_l2, Tensor, TensorF32};
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::components::VaeBackend;
-use tf_engines::qwen_image::vae::{HostVaeDecoder, VaeConfig};
+use tf_engines::qwen_image::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig};
 use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
 
 const REL_L2_MAX: f64 = 5e-2;
@@ -116,6 +116,30 @@ fn tiny_fixture_matches_diffusers_and_the_host_decoder() {
         single.data(),
         &image.data()[per_image..],
         "batch of one vs batch of two"
+    );
+
+    // The pixels made on the device are the host conversion's bytes of the same decode, with or without the f32
+    // images brought back.
+    let expected_pixels = to_u8_hwc(&image, 0).unwrap();
+    let kept = gpu.decode_packed_pixels(&packed, h, w, true).unwrap();
+    let kept_images = kept.images.as_ref().expect("images kept when asked");
+    assert_eq!(
+        kept_images.data(),
+        image.data(),
+        "decode_packed_pixels changed the images"
+    );
+    assert_eq!(kept.pixels, expected_pixels, "device pixels vs to_u8_hwc");
+    let lean = gpu.decode_packed_pixels(&packed, h, w, false).unwrap();
+    assert!(lean.images.is_none(), "images brought back unasked");
+    assert_eq!(lean.pixels, expected_pixels, "pixels without the images");
+    let [_, channels, height, width] = image.dims::<4>("image").unwrap();
+    assert_eq!(
+        (lean.channels, lean.height, lean.width),
+        (channels, height, width)
+    );
+    println!(
+        "device pixels: {} bytes, equal to the host conversion of the f32 image",
+        lean.pixels.len()
     );
 
     // Tiny budgets: conv bands of one row and one query row per score chunk; same result up to GEMM order.
@@ -338,6 +362,29 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
                 "repeated decode differs: relative L2 {drift:e}"
             );
         }
+        // The pipeline's path: the 8-bit pixels made on the device. With the images kept, they are the host
+        // conversion's bytes of the same decode; without (what the pipeline runs), timed.
+        let kept = gpu.decode_packed_pixels(&big, 64, 64, true).unwrap();
+        let kept_images = kept.images.as_ref().expect("images kept when asked");
+        assert!(
+            kept.pixels == to_u8_hwc(kept_images, 0).unwrap(),
+            "1024x1024 device pixels differ from the host conversion of the same decode"
+        );
+        let mut pixel_times = Vec::new();
+        for _ in 0..3 {
+            let started = Instant::now();
+            let lean = gpu.decode_packed_pixels(&big, 64, 64, false).unwrap();
+            pixel_times.push(started.elapsed().as_secs_f64() * 1e3);
+            let worst = lean
+                .pixels
+                .iter()
+                .zip(&kept.pixels)
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap_or(0);
+            assert!(worst <= 1, "repeated decode to pixels differs by {worst}");
+        }
+        println!("1024x1024 decode to 8-bit pixels (no f32 image back): {pixel_times:.1?} ms");
         let after_decode = used_bytes(&ctx);
         let plan = gpu.buffer_plan().unwrap();
         println!(

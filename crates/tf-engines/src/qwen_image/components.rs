@@ -8,7 +8,7 @@
 use crate::nn::tensor::{rows_after_drop, TensorF32};
 use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
 use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
-use crate::qwen_image::vae::{HostVaeDecoder, VaeConfig, VaeError};
+use crate::qwen_image::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig, VaeError};
 use crate::qwen_image::vae_gpu::GpuVaeDecoder;
 
 /// The Qwen3-VL text path as the pipeline uses it.
@@ -43,6 +43,18 @@ pub trait TextEncoderBackend {
     }
 }
 
+/// A decode's 8-bit image, and the f32 images when they were asked for.
+#[derive(Debug, Clone)]
+pub struct DecodedPixels {
+    /// `[batch, channels, height, width]` in [-1, 1], when kept.
+    pub images: Option<TensorF32>,
+    /// The first image's pixels, `[height, width, channels]` (as [`to_u8_hwc`] makes them).
+    pub pixels: Vec<u8>,
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+}
+
 /// The VAE decoder as the pipeline uses it.
 pub trait VaeBackend {
     /// The model config.
@@ -56,6 +68,27 @@ pub trait VaeBackend {
         h: usize,
         w: usize,
     ) -> Result<TensorF32, VaeError>;
+
+    /// [`VaeBackend::decode_packed`] and the first image's 8-bit pixels; the f32 images are returned only when
+    /// `keep_images` (a backend may then skip bringing them back).
+    fn decode_packed_pixels(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+        keep_images: bool,
+    ) -> Result<DecodedPixels, VaeError> {
+        let images = self.decode_packed(packed, h, w)?;
+        let [_, channels, height, width] = images.dims::<4>("decoded images")?;
+        let pixels = to_u8_hwc(&images, 0)?;
+        Ok(DecodedPixels {
+            images: keep_images.then_some(images),
+            pixels,
+            channels,
+            height,
+            width,
+        })
+    }
 }
 
 /// Implements the component traits for encoders and decoders whose inherent methods of the same names are the
@@ -95,4 +128,30 @@ macro_rules! by_inherent_methods {
 }
 
 by_inherent_methods!(TextEncoderBackend for HostTextEncoder, GpuTextEncoder);
-by_inherent_methods!(VaeBackend for HostVaeDecoder, GpuVaeDecoder);
+by_inherent_methods!(VaeBackend for HostVaeDecoder);
+
+/// The GPU decoder makes the pixels on the device and brings back the f32 images only when asked.
+impl VaeBackend for GpuVaeDecoder {
+    fn config(&self) -> &VaeConfig {
+        GpuVaeDecoder::config(self)
+    }
+
+    fn decode_packed(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<TensorF32, VaeError> {
+        GpuVaeDecoder::decode_packed(self, packed, h, w)
+    }
+
+    fn decode_packed_pixels(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+        keep_images: bool,
+    ) -> Result<DecodedPixels, VaeError> {
+        GpuVaeDecoder::decode_packed_pixels(self, packed, h, w, keep_images)
+    }
+}

@@ -46,7 +46,7 @@ use super::config::{QwenImageDitConfig, TOKENS_PER_SLOT};
 use super::dit::{DitBackend, DitError, DitInputs, KvMode, KvStep};
 use super::dit_gpu::{DitPrecision, GpuDit};
 use super::dit_host::HostDit;
-use super::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig, VaeError};
+use super::vae::{HostVaeDecoder, VaeConfig, VaeError};
 use super::vae_gpu::GpuVaeDecoder;
 use super::variant::{Ignored, Variant};
 use crate::nn::backend_error::GpuError;
@@ -354,8 +354,9 @@ pub struct Image {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub image: Image,
-    /// The VAE output `[1, channels, height, width]` in [-1, 1].
-    pub decoded: TensorF32,
+    /// The VAE output `[1, channels, height, width]` in [-1, 1] (kept with the step latents: the GPU decoder
+    /// otherwise brings back only the 8-bit pixels).
+    pub decoded: Option<TensorF32>,
     /// The packed latents after each step, `[1, h * w, channels]` (kept when [`Pipeline::keep_step_latents`]).
     pub step_latents: Vec<TensorF32>,
     /// The velocity of each step (the model output on the target tokens, after CFG, before the Euler step),
@@ -774,7 +775,8 @@ impl Pipeline {
         self.latent_dtype
     }
 
-    /// Keep a copy of the latents after every step in [`Generation::step_latents`] (for parity checks).
+    /// Keep a copy of the latents after every step in [`Generation::step_latents`], and the VAE's f32 output in
+    /// [`Generation::decoded`] (for parity checks).
     pub fn keep_step_latents(&mut self, keep: bool) {
         self.keep_step_latents = keep;
     }
@@ -1155,30 +1157,30 @@ fn dit_phase(
     }
 }
 
-/// The decoded image `[1, channels, height, width]`, its 8-bit pixels and its channel count; timed as `decode`.
+/// The decoded image `[1, channels, height, width]` (when the run keeps it), its 8-bit pixels and its channel
+/// count; timed as `decode`.
 fn decode_phase(
     vae: &mut dyn VaeBackend,
     run: &Run<'_>,
     latents: &TensorF32,
     timings: &mut Timings,
     progress: &mut dyn FnMut(Progress),
-) -> Result<(TensorF32, Vec<u8>, usize), PipelineError> {
+) -> Result<(Option<TensorF32>, Vec<u8>, usize), PipelineError> {
     let plan = run.plan;
     let t = Instant::now();
-    let decoded = vae.decode_packed(latents, plan.latent_rows, plan.latent_cols)?;
-    let [_, image_channels, image_height, image_width] = decoded.dims::<4>("decoded image")?;
-    if (image_height, image_width) != (plan.height, plan.width) {
+    let decoded =
+        vae.decode_packed_pixels(latents, plan.latent_rows, plan.latent_cols, run.keep)?;
+    if (decoded.height, decoded.width) != (plan.height, plan.width) {
         return Err(PipelineError::Internal(format!(
-            "the VAE decoded {image_width}x{image_height} for a {}x{} request",
-            plan.width, plan.height
+            "the VAE decoded {}x{} for a {}x{} request",
+            decoded.width, decoded.height, plan.width, plan.height
         )));
     }
-    let pixels = to_u8_hwc(&decoded, 0)?;
     timings.decode = secs(t.elapsed());
     progress(Progress::Decoded {
         seconds: timings.decode,
     });
-    Ok((decoded, pixels, image_channels))
+    Ok((decoded.images, decoded.pixels, decoded.channels))
 }
 
 /// Runs `load` and times it.

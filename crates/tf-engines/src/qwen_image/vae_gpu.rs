@@ -36,6 +36,7 @@ use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
+use super::components::DecodedPixels;
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
@@ -45,8 +46,8 @@ use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig};
 use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, WeightsError, BF16};
 use crate::qwen_image::vae_ops::{
-    padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_planes_clamp,
-    plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, VaeKernels,
+    padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_image_u8,
+    plan_planes_clamp, plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, VaeKernels,
 };
 
 const F32: usize = 4;
@@ -214,7 +215,7 @@ impl BufferPlan {
             self.score_rows * self.tokens * BF16,
             self.tokens * self.z * F32,
             self.out_pixels * self.out_cp * F32,
-            self.out_pixels * self.out_channels * F32,
+            self.out_pixels * self.out_channels * (F32 + 1),
         ]
     }
 }
@@ -590,7 +591,10 @@ impl Workspace {
             )?,
             packed: alloc("packed latents", plan.tokens * plan.z * F32)?,
             result: alloc("conv_out result", plan.out_pixels * plan.out_cp * F32)?,
-            image: alloc("image", plan.out_pixels * plan.out_channels * F32)?,
+            image: alloc(
+                "image and its pixels",
+                plan.out_pixels * plan.out_channels * (F32 + 1),
+            )?,
         })
     }
 
@@ -620,6 +624,12 @@ fn free_index(taken: &[usize]) -> Result<usize, VaeError> {
     (0..POOL)
         .find(|i| !taken.contains(i))
         .ok_or_else(|| backend("internal", "every activation buffer is in use"))
+}
+
+/// What one GPU decode brought back.
+struct Decoded {
+    images: Option<TensorF32>,
+    pixels: Option<Vec<u8>>,
 }
 
 /// The phase a 3x3 conv GEMM at output width `out_w` is timed in, by its scale against the image width `image_w`.
@@ -761,11 +771,49 @@ impl GpuVaeDecoder {
         h: usize,
         w: usize,
     ) -> Result<TensorF32, VaeError> {
+        self.decode(packed, h, w, true, false)?
+            .images
+            .ok_or_else(|| backend("internal", "the decode kept no images"))
+    }
+
+    /// [`GpuVaeDecoder::decode_packed`], with the first image's 8-bit pixels made on the device (the bytes
+    /// [`super::vae::to_u8_hwc`] gives, a quarter of the f32 image's download); the f32 images are downloaded
+    /// only when `keep_images`.
+    pub fn decode_packed_pixels(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+        keep_images: bool,
+    ) -> Result<DecodedPixels, VaeError> {
+        let decoded = self.decode(packed, h, w, keep_images, true)?;
+        let pixels = decoded
+            .pixels
+            .ok_or_else(|| backend("internal", "the decode made no pixels"))?;
+        let f = self.config.spatial_factor();
+        Ok(DecodedPixels {
+            images: decoded.images,
+            pixels,
+            channels: self.config.out_channels,
+            height: h * f,
+            width: w * f,
+        })
+    }
+
+    fn decode(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+        images: bool,
+        pixels: bool,
+    ) -> Result<Decoded, VaeError> {
         let z = self.config.z_dim;
         let [batch, tokens, channels] = packed.dims::<3>("packed latents")?;
-        if h == 0 || w == 0 || h.checked_mul(w) != Some(tokens) || channels != z {
+        if batch == 0 || h == 0 || w == 0 || h.checked_mul(w) != Some(tokens) || channels != z {
             return Err(VaeError::Input(format!(
-                "packed latents are [{batch}, {tokens}, {channels}]; expected [{batch}, h * w, {z}] for a non-empty {h} x {w} latent"
+                "packed latents are [{batch}, {tokens}, {channels}]; expected [batch >= 1, h * w, {z}] for a non-empty \
+                 {h} x {w} latent"
             )));
         }
         let reuse = self
@@ -785,7 +833,7 @@ impl GpuVaeDecoder {
             .workspace
             .take()
             .ok_or_else(|| backend("internal", "no workspace"))?;
-        let result = self.decode_batch(&mut ws, packed, batch);
+        let result = self.decode_batch(&mut ws, packed, batch, images, pixels);
         self.workspace = Some(ws);
         result
     }
@@ -821,50 +869,100 @@ impl GpuVaeDecoder {
         Ok(std::mem::replace(&mut *slot, timer))
     }
 
+    /// Decodes every image of `packed`, downloading the f32 images when `images` and the first image's 8-bit
+    /// pixels when `pixels`.
     fn decode_batch(
         &self,
         ws: &mut Workspace,
         packed: &TensorF32,
         batch: usize,
-    ) -> Result<TensorF32, VaeError> {
+        images: bool,
+        pixels: bool,
+    ) -> Result<Decoded, VaeError> {
         let plan = ws.plan;
         let per_image = plan.out_pixels * plan.out_channels;
+        let result = span(&ws.result, 0, plan.out_pixels * plan.out_cp * F32)?;
+        let planes = span(&ws.image, 0, per_image * F32)?;
+        let bytes = span(&ws.image, per_image * F32, per_image)?;
         // The first image's download becomes the output as it is (the usual batch of one copies nothing more).
         let mut out: Vec<f32> = Vec::new();
+        let mut out_pixels = None;
         let f = self.config.spatial_factor();
-        for src in packed.data().chunks_exact(plan.tokens * plan.z).take(batch) {
+        for (index, src) in packed
+            .data()
+            .chunks_exact(plan.tokens * plan.z)
+            .take(batch)
+            .enumerate()
+        {
             // On the decode's stream, so the copy is ordered before the kernels that read it.
             ws.packed
                 .upload_async(0, &le_bytes(src, f32::to_le_bytes), &self.stream)
                 .map_err(|e| backend("uploading latents", e))?;
             self.enqueue_image(ws)?;
+            if images {
+                self.submit(plan_planes_clamp(
+                    result,
+                    plan.out_pixels,
+                    plan.out_channels,
+                    plan.out_cp,
+                    planes,
+                ))?;
+            }
+            let first_pixels = pixels && index == 0;
+            if first_pixels {
+                self.submit(plan_image_u8(
+                    result,
+                    plan.out_pixels,
+                    plan.out_channels,
+                    plan.out_cp,
+                    bytes,
+                ))?;
+            }
             self.stream
                 .synchronize()
                 .map_err(|e| backend("running the decode", e))?;
+            if first_pixels {
+                let mut px = vec![0u8; per_image];
+                ws.image
+                    .download(per_image * F32, &mut px)
+                    .map_err(|e| backend("downloading the pixels", e))?;
+                out_pixels = Some(px);
+            }
+            if !images {
+                continue;
+            }
             // Straight into f32 values: no byte copy and no second conversion pass over the image.
-            let pixels: Vec<f32> = ws
+            let image: Vec<f32> = ws
                 .image
                 .slice(0, per_image * F32)
                 .and_then(|view| view.to_vec())
                 .map_err(|e| backend("downloading the image", e))?;
             if out.is_empty() {
-                out = pixels;
+                out = image;
                 let rest = batch.saturating_sub(1).saturating_mul(per_image);
                 out.try_reserve_exact(rest)
                     .map_err(|e| backend("holding the decoded images", e.to_string()))?;
             } else {
-                out.extend_from_slice(&pixels);
+                out.extend_from_slice(&image);
             }
         }
-        Ok(Tensor::new(
-            vec![
-                batch,
-                plan.out_channels,
-                plan.latent_h * f,
-                plan.latent_w * f,
-            ],
-            out,
-        )?)
+        let images = if images {
+            Some(Tensor::new(
+                vec![
+                    batch,
+                    plan.out_channels,
+                    plan.latent_h * f,
+                    plan.latent_w * f,
+                ],
+                out,
+            )?)
+        } else {
+            None
+        };
+        Ok(Decoded {
+            images,
+            pixels: out_pixels,
+        })
     }
 
     fn weight(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, VaeError> {
@@ -1215,14 +1313,7 @@ impl GpuVaeDecoder {
             result,
             false,
             true,
-        )?;
-        self.submit(plan_planes_clamp(
-            result,
-            pixels,
-            plan.out_channels,
-            plan.out_cp,
-            span(&ws.image, 0, pixels * plan.out_channels * F32)?,
-        ))
+        )
     }
 }
 

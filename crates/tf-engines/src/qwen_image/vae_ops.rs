@@ -42,6 +42,7 @@ const VAE_KERNELS: &[&str] = &[
     "qv_dup_up",
     "qv_softmax_rows",
     "qv_planes_clamp",
+    "qv_image_u8",
 ];
 
 /// `channels` rounded up to a multiple of 8 (16-byte rows of bf16).
@@ -388,6 +389,41 @@ pub fn plan_planes_clamp(
     ))
 }
 
+/// One image's 8-bit pixels `[pixels, channels]` (channel-interleaved, as a PNG row holds them) from the
+/// channels-last f32 result `[pixels, cp]`: the bytes [`super::vae::to_u8_hwc`] makes from the clamped planes
+/// (kernel qv_image_u8).
+pub fn plan_image_u8(
+    y: DeviceSpan,
+    pixels: usize,
+    channels: usize,
+    cp: usize,
+    out: DeviceSpan,
+) -> Result<Launch<'static>, tf_cuda::Error> {
+    const OP: &str = "vae image_u8";
+    if channels == 0 || channels > cp {
+        return Err(invalid(
+            OP,
+            format!("channels = {channels} must be in 1..={cp}"),
+        ));
+    }
+    check_span(OP, "y", y, bytes_of(OP, "y", &[pixels, cp, F32])?, 4)?;
+    let bytes = bytes_of(OP, "out", &[pixels, channels])?;
+    check_span(OP, "out", out, bytes, 1)?;
+    // The kernel indexes the bytes in 32 bits.
+    to_i32(OP, "pixels * channels", bytes)?;
+    let mut args = Args::new();
+    args.push_addr(y.addr)
+        .push(to_i32(OP, "pixels", pixels)?)
+        .push(to_i32(OP, "channels", channels)?)
+        .push(to_i32(OP, "cp", cp)?)
+        .push_addr(out.addr);
+    Ok(Launch::from_spans(
+        "qv_image_u8",
+        stride_grid(OP, bytes, THREADS)?,
+        args,
+    ))
+}
+
 /// The loaded `qwen_image_vae` kernels of one context.
 pub struct VaeKernels {
     set: LoadedSet,
@@ -503,6 +539,17 @@ mod tests {
             false
         )
         .is_err());
+    }
+
+    #[test]
+    fn image_u8_plan_checks_channels_and_sizes() {
+        let y = span(0x1000, 10 * 8 * F32);
+        let launch = plan_image_u8(y, 10, 3, 8, span(0x9000, 30)).unwrap();
+        assert_eq!(launch.kernel, "qv_image_u8");
+        assert_eq!(launch.args.get::<i32>(2), Some(3));
+        assert!(plan_image_u8(y, 10, 3, 8, span(0x9000, 29)).is_err());
+        assert!(plan_image_u8(y, 10, 9, 8, span(0x9000, 90)).is_err());
+        assert!(plan_image_u8(y, 11, 3, 8, span(0x9000, 33)).is_err());
     }
 
     #[test]

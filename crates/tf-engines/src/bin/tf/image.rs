@@ -354,7 +354,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
             tensors.push((velocity_name, AnyTensor::F32(velocity)));
             tensors.push((latents_name, AnyTensor::F32(latents)));
         }
-        tensors.push(("image", AnyTensor::F32(&result.decoded)));
+        if let Some(decoded) = &result.decoded {
+            tensors.push(("image", AnyTensor::F32(decoded)));
+        }
         write_safetensors(path, &tensors)?;
         eprintln!(
             "tf image: wrote {} steps of velocities and latents to {}",
