@@ -9,7 +9,6 @@ use crate::nn::tensor::{rows_after_drop, TensorF32};
 use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
 use crate::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use crate::qwen_image::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig, VaeError};
-use crate::qwen_image::vae_gpu::GpuVaeDecoder;
 
 /// The Qwen3-VL text path as the pipeline uses it.
 pub trait TextEncoderBackend {
@@ -129,29 +128,3 @@ macro_rules! by_inherent_methods {
 
 by_inherent_methods!(TextEncoderBackend for HostTextEncoder, GpuTextEncoder);
 by_inherent_methods!(VaeBackend for HostVaeDecoder);
-
-/// The GPU decoder makes the pixels on the device and brings back the f32 images only when asked.
-impl VaeBackend for GpuVaeDecoder {
-    fn config(&self) -> &VaeConfig {
-        GpuVaeDecoder::config(self)
-    }
-
-    fn decode_packed(
-        &mut self,
-        packed: &TensorF32,
-        h: usize,
-        w: usize,
-    ) -> Result<TensorF32, VaeError> {
-        GpuVaeDecoder::decode_packed(self, packed, h, w)
-    }
-
-    fn decode_packed_pixels(
-        &mut self,
-        packed: &TensorF32,
-        h: usize,
-        w: usize,
-        keep_images: bool,
-    ) -> Result<DecodedPixels, VaeError> {
-        GpuVaeDecoder::decode_packed_pixels(self, packed, h, w, keep_images)
-    }
-}

@@ -36,7 +36,7 @@ use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
-use super::components::DecodedPixels;
+use super::components::{DecodedPixels, VaeBackend};
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
@@ -46,8 +46,8 @@ use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig};
 use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, WeightsError, BF16};
 use crate::qwen_image::vae_ops::{
-    padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_image_u8,
-    plan_planes_clamp, plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, VaeKernels,
+    padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_image_out,
+    plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, ImageOut, VaeKernels,
 };
 
 const F32: usize = 4;
@@ -776,30 +776,6 @@ impl GpuVaeDecoder {
             .ok_or_else(|| backend("internal", "the decode kept no images"))
     }
 
-    /// [`GpuVaeDecoder::decode_packed`], with the first image's 8-bit pixels made on the device (the bytes
-    /// [`super::vae::to_u8_hwc`] gives, a quarter of the f32 image's download); the f32 images are downloaded
-    /// only when `keep_images`.
-    pub fn decode_packed_pixels(
-        &mut self,
-        packed: &TensorF32,
-        h: usize,
-        w: usize,
-        keep_images: bool,
-    ) -> Result<DecodedPixels, VaeError> {
-        let decoded = self.decode(packed, h, w, keep_images, true)?;
-        let pixels = decoded
-            .pixels
-            .ok_or_else(|| backend("internal", "the decode made no pixels"))?;
-        let f = self.config.spatial_factor();
-        Ok(DecodedPixels {
-            images: decoded.images,
-            pixels,
-            channels: self.config.out_channels,
-            height: h * f,
-            width: w * f,
-        })
-    }
-
     fn decode(
         &mut self,
         packed: &TensorF32,
@@ -899,24 +875,15 @@ impl GpuVaeDecoder {
                 .upload_async(0, &le_bytes(src, f32::to_le_bytes), &self.stream)
                 .map_err(|e| backend("uploading latents", e))?;
             self.enqueue_image(ws)?;
-            if images {
-                self.submit(plan_planes_clamp(
-                    result,
-                    plan.out_pixels,
-                    plan.out_channels,
-                    plan.out_cp,
-                    planes,
-                ))?;
-            }
             let first_pixels = pixels && index == 0;
-            if first_pixels {
-                self.submit(plan_image_u8(
-                    result,
-                    plan.out_pixels,
-                    plan.out_channels,
-                    plan.out_cp,
-                    bytes,
-                ))?;
+            for (wanted, kind, out) in [
+                (images, ImageOut::Planes, planes),
+                (first_pixels, ImageOut::Pixels, bytes),
+            ] {
+                if wanted {
+                    let dims = (plan.out_pixels, plan.out_channels, plan.out_cp);
+                    self.submit(plan_image_out(kind, result, dims, out))?;
+                }
             }
             self.stream
                 .synchronize()
@@ -1314,6 +1281,44 @@ impl GpuVaeDecoder {
             false,
             true,
         )
+    }
+}
+
+/// The GPU decoder makes the 8-bit pixels on the device (the bytes [`super::vae::to_u8_hwc`] gives, a quarter
+/// of the f32 image's download) and brings the f32 images back only when asked.
+impl VaeBackend for GpuVaeDecoder {
+    fn config(&self) -> &VaeConfig {
+        GpuVaeDecoder::config(self)
+    }
+
+    fn decode_packed(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+    ) -> Result<TensorF32, VaeError> {
+        GpuVaeDecoder::decode_packed(self, packed, h, w)
+    }
+
+    fn decode_packed_pixels(
+        &mut self,
+        packed: &TensorF32,
+        h: usize,
+        w: usize,
+        keep_images: bool,
+    ) -> Result<DecodedPixels, VaeError> {
+        let decoded = self.decode(packed, h, w, keep_images, true)?;
+        let pixels = decoded
+            .pixels
+            .ok_or_else(|| backend("internal", "the decode made no pixels"))?;
+        let f = self.config.spatial_factor();
+        Ok(DecodedPixels {
+            images: decoded.images,
+            pixels,
+            channels: self.config.out_channels,
+            height: h * f,
+            width: w * f,
+        })
     }
 }
 

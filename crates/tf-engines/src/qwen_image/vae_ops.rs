@@ -352,74 +352,78 @@ pub fn plan_softmax_rows(
     ))
 }
 
-/// One image's planes `[channels, pixels]` f32, clamped to [-1, 1], from the channels-last f32 result
-/// `[pixels, cp]` (kernel qv_planes_clamp).
-pub fn plan_planes_clamp(
-    y: DeviceSpan,
-    pixels: usize,
-    channels: usize,
-    cp: usize,
-    out: DeviceSpan,
-) -> Result<Launch<'static>, tf_cuda::Error> {
-    const OP: &str = "vae planes_clamp";
-    if channels == 0 || channels > cp {
-        return Err(invalid(
-            OP,
-            format!("channels = {channels} must be in 1..={cp}"),
-        ));
-    }
-    check_span(OP, "y", y, bytes_of(OP, "y", &[pixels, cp, F32])?, 4)?;
-    check_span(
-        OP,
-        "out",
-        out,
-        bytes_of(OP, "out", &[pixels, channels, F32])?,
-        4,
-    )?;
-    let mut args = Args::new();
-    args.push_addr(y.addr)
-        .push(to_i32(OP, "pixels", pixels)?)
-        .push(to_i32(OP, "channels", channels)?)
-        .push(to_i32(OP, "cp", cp)?)
-        .push_addr(out.addr);
-    Ok(Launch::from_spans(
-        "qv_planes_clamp",
-        stride_grid(OP, pixels * channels, THREADS)?,
-        args,
-    ))
+/// What a decode's last kernel makes of the channels-last f32 result `[pixels, cp]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageOut {
+    /// One image's planes `[channels, pixels]` f32, clamped to [-1, 1] (kernel qv_planes_clamp).
+    Planes,
+    /// One image's 8-bit pixels `[pixels, channels]` (channel-interleaved, as a PNG row holds them): the bytes
+    /// [`super::vae::to_u8_hwc`] makes from the clamped planes (kernel qv_image_u8).
+    Pixels,
 }
 
-/// One image's 8-bit pixels `[pixels, channels]` (channel-interleaved, as a PNG row holds them) from the
-/// channels-last f32 result `[pixels, cp]`: the bytes [`super::vae::to_u8_hwc`] makes from the clamped planes
-/// (kernel qv_image_u8).
-pub fn plan_image_u8(
+/// The launch writing `out` from the result `y` `[pixels, cp]` as `kind` asks.
+pub fn plan_image_out(
+    kind: ImageOut,
     y: DeviceSpan,
-    pixels: usize,
-    channels: usize,
-    cp: usize,
+    (pixels, channels, cp): (usize, usize, usize),
     out: DeviceSpan,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
-    const OP: &str = "vae image_u8";
+    match kind {
+        ImageOut::Planes => plan_from_result(
+            "vae planes_clamp",
+            "qv_planes_clamp",
+            y,
+            (pixels, channels, cp),
+            out,
+            F32,
+        ),
+        ImageOut::Pixels => plan_from_result(
+            "vae image_u8",
+            "qv_image_u8",
+            y,
+            (pixels, channels, cp),
+            out,
+            1,
+        ),
+    }
+}
+
+/// A kernel that reads the channels-last f32 result `y` `[pixels, cp]` and writes `pixels * channels` values of
+/// `out_size` bytes, one thread per value (indexed in 32 bits by the kernel).
+fn plan_from_result(
+    op: &str,
+    kernel: &'static str,
+    y: DeviceSpan,
+    (pixels, channels, cp): (usize, usize, usize),
+    out: DeviceSpan,
+    out_size: usize,
+) -> Result<Launch<'static>, tf_cuda::Error> {
     if channels == 0 || channels > cp {
         return Err(invalid(
-            OP,
+            op,
             format!("channels = {channels} must be in 1..={cp}"),
         ));
     }
-    check_span(OP, "y", y, bytes_of(OP, "y", &[pixels, cp, F32])?, 4)?;
-    let bytes = bytes_of(OP, "out", &[pixels, channels])?;
-    check_span(OP, "out", out, bytes, 1)?;
-    // The kernel indexes the bytes in 32 bits.
-    to_i32(OP, "pixels * channels", bytes)?;
+    check_span(op, "y", y, bytes_of(op, "y", &[pixels, cp, F32])?, 4)?;
+    let values = bytes_of(op, "out", &[pixels, channels])?;
+    check_span(
+        op,
+        "out",
+        out,
+        bytes_of(op, "out", &[values, out_size])?,
+        out_size as u64,
+    )?;
+    to_i32(op, "pixels * channels", values)?;
     let mut args = Args::new();
     args.push_addr(y.addr)
-        .push(to_i32(OP, "pixels", pixels)?)
-        .push(to_i32(OP, "channels", channels)?)
-        .push(to_i32(OP, "cp", cp)?)
+        .push(to_i32(op, "pixels", pixels)?)
+        .push(to_i32(op, "channels", channels)?)
+        .push(to_i32(op, "cp", cp)?)
         .push_addr(out.addr);
     Ok(Launch::from_spans(
-        "qv_image_u8",
-        stride_grid(OP, bytes, THREADS)?,
+        kernel,
+        stride_grid(op, values, THREADS)?,
         args,
     ))
 }
@@ -544,12 +548,24 @@ mod tests {
     #[test]
     fn image_u8_plan_checks_channels_and_sizes() {
         let y = span(0x1000, 10 * 8 * F32);
-        let launch = plan_image_u8(y, 10, 3, 8, span(0x9000, 30)).unwrap();
+        let px = |pixels, channels, bytes| {
+            plan_image_out(
+                ImageOut::Pixels,
+                y,
+                (pixels, channels, 8),
+                span(0x9000, bytes),
+            )
+        };
+        let launch = px(10, 3, 30).unwrap();
         assert_eq!(launch.kernel, "qv_image_u8");
         assert_eq!(launch.args.get::<i32>(2), Some(3));
-        assert!(plan_image_u8(y, 10, 3, 8, span(0x9000, 29)).is_err());
-        assert!(plan_image_u8(y, 10, 9, 8, span(0x9000, 90)).is_err());
-        assert!(plan_image_u8(y, 11, 3, 8, span(0x9000, 33)).is_err());
+        assert!(px(10, 3, 29).is_err());
+        assert!(px(10, 9, 90).is_err());
+        assert!(px(11, 3, 33).is_err());
+        // The planes are f32: four bytes a value.
+        let planes = plan_image_out(ImageOut::Planes, y, (10, 3, 8), span(0x9000, 120)).unwrap();
+        assert_eq!(planes.kernel, "qv_planes_clamp");
+        assert!(plan_image_out(ImageOut::Planes, y, (10, 3, 8), span(0x9000, 119)).is_err());
     }
 
     #[test]
@@ -648,13 +664,17 @@ mod tests {
         )
         .is_err());
         assert!(plan_softmax_rows(span(0x1000, 0), 0, 24, span(0x8000, 0)).is_err());
-        assert!(
-            plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 4, 8, span(0x8000, 16 * 4 * 4)).is_ok()
-        );
-        assert!(
-            plan_planes_clamp(span(0x1000, 16 * 8 * 4), 16, 9, 8, span(0x8000, 16 * 9 * 4))
-                .is_err()
-        );
+        // 4 of 8 padded channels fit; 9 do not.
+        for (channels, fits) in [(4, true), (9, false)] {
+            let out = span(0x8000, 16 * channels * 4);
+            let planes = plan_image_out(
+                ImageOut::Planes,
+                span(0x1000, 16 * 8 * 4),
+                (16, channels, 8),
+                out,
+            );
+            assert_eq!(planes.is_ok(), fits, "{channels} channels");
+        }
         let launch = plan_denormalize(
             span(0x1000, 24 * 4 * 4),
             24,

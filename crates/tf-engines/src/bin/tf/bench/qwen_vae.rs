@@ -16,6 +16,7 @@ mod imp {
     use tf_engines::nn::sampling::seeded::SplitMix64;
     use tf_engines::nn::tensor::TensorF32;
     use tf_engines::nn::weights::ModelDir;
+    use tf_engines::qwen_image::components::VaeBackend;
     use tf_engines::qwen_image::vae::to_u8_hwc;
     use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
 
