@@ -10,9 +10,11 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::Write;
+#[path = "common/worker_session.rs"]
+mod worker_session;
+
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::{json, Value};
 use tf_engines::nn::media::png::{decode_png, read_png, ColorType};
@@ -27,6 +29,7 @@ use tf_engines::qwen_image::vae::HostVaeDecoder;
 use tf_engines::qwen_image::variant::{Ignored, Variant, TURBO_DEFAULT_STEPS};
 use tf_tokenizer::templates::QwenImage21;
 use tf_tokenizer::Tokenizer;
+use worker_session::session;
 
 /// Relative L2 bound for prompt features, velocities and latents (tests/qwen_pipeline.rs's `TOLERANCE`).
 const TOLERANCE: f64 = 1e-4;
@@ -494,7 +497,8 @@ fn tf_worker_names_the_variant_and_what_it_ignores() {
         json!({"op": "generate", "dir": dir, "request": {"image": image}}),
         json!({"op": "exit"}),
     ];
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tf"))
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_tf"));
+    worker
         .args([
             "worker",
             "--engine",
@@ -503,19 +507,8 @@ fn tf_worker_names_the_variant_and_what_it_ignores() {
             "host",
             "--model",
         ])
-        .arg(turbo_dir())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        let mut stdin = child.stdin.take().unwrap();
-        for line in &lines {
-            writeln!(stdin, "{line}").unwrap();
-        }
-    }
-    let output = child.wait_with_output().unwrap();
+        .arg(turbo_dir());
+    let output = session(worker, &lines);
     let stderr = String::from_utf8_lossy(&output.stderr);
     let stdout = String::from_utf8_lossy(&output.stdout);
     println!("stderr:\n{stderr}\nstdout:\n{stdout}");

@@ -6,8 +6,9 @@
 
 #[path = "common/media_probe.rs"]
 mod media_probe;
+#[path = "common/worker_session.rs"]
+mod worker_session;
 
-use std::io::Write;
 use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
@@ -16,6 +17,7 @@ use tf_engines::worker::{
     Audio, EngineError, EngineOutput, ImageJob, Progress, RgbaImage, VideoJob, Worker,
     WorkerEngine, WorkerLimits,
 };
+use worker_session::session;
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("tf-worker-video-{}-{name}", std::process::id()));
@@ -41,24 +43,6 @@ fn serve_text(engine: impl WorkerEngine, input: &str) -> Vec<Value> {
 }
 
 /// Final replies only (lines with `ok`).
-/// Starts `worker` (a `tf worker` command line) with piped streams, writes `lines` and closes its input, and returns
-/// what it wrote and how it ended.
-fn session(mut worker: Command, lines: &[Value]) -> std::process::Output {
-    let mut child = worker
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        let mut stdin = child.stdin.take().unwrap();
-        for line in lines {
-            writeln!(stdin, "{line}").unwrap();
-        }
-    }
-    child.wait_with_output().unwrap()
-}
-
 fn finals(replies: &[Value]) -> Vec<&Value> {
     replies.iter().filter(|r| r.get("ok").is_some()).collect()
 }
