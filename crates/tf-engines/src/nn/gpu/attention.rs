@@ -307,15 +307,28 @@ fn check_attention_operand(
     check_bytes(OP, name, operand, span)
 }
 
-/// Builds one flash-attention launch (kernels nn_attention_d128_*). `o` gets `[batch][num_queries][num_heads *
-/// 128]` with `o_strides`.
-pub fn plan_attention<'a>(
-    tile: AttentionTile,
+/// What an attention call passes to its kernels once [`check_attention_call`] accepted its operands, beside q, o and
+/// the shape: the prefix K/V (the current ones stand in without a prefix: the kernels never read them then), the
+/// key limits and the key pads (address 0: none).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CheckedAttention {
+    prefix_k: u64,
+    prefix_v: u64,
+    prefix_strides: Strides,
+    pub(crate) limit_addr: u64,
+    pub(crate) limit_stride: usize,
+    pub(crate) pad_addr: u64,
+}
+
+/// Checks one attention call of `head_dim`-wide heads (shapes, strides, sizes, alignment, masks): the rules of every
+/// attention kernel.
+pub(crate) fn check_attention_call(
+    head_dim: usize,
     shape: AttentionShape,
-    inputs: &AttentionInputs<'a, '_>,
-    o: &'a DeviceViewMut<'_>,
+    inputs: &AttentionInputs<'_, '_>,
+    o: &DeviceViewMut<'_>,
     o_strides: Strides,
-) -> Result<Launch<'a>, tf_cuda::Error> {
+) -> Result<CheckedAttention, tf_cuda::Error> {
     const OP: &str = "attention";
     let s = shape;
     if s.num_heads == 0 || s.num_kv_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
@@ -342,7 +355,6 @@ pub fn plan_attention<'a>(
     if !inputs.scale.is_finite() {
         return Err(invalid(OP, format!("scale {} is not finite", inputs.scale)));
     }
-    let head_dim = tile.head_dim();
     let q_width = s
         .num_heads
         .checked_mul(head_dim)
@@ -382,7 +394,7 @@ pub fn plan_attention<'a>(
         kv_width,
     )?;
     // Without a prefix the kernel never reads the prefix pointers; pass k/v so they are valid addresses.
-    let (kp, vp, prefix_strides) = match inputs.prefix {
+    let (prefix_k, prefix_v, prefix_strides) = match inputs.prefix {
         Some((kp, vp, strides)) => {
             check_attention_operand(
                 "k_prefix",
@@ -441,29 +453,68 @@ pub fn plan_attention<'a>(
         }
         None => 0,
     };
+    Ok(CheckedAttention {
+        prefix_k,
+        prefix_v,
+        prefix_strides,
+        limit_addr,
+        limit_stride,
+        pad_addr,
+    })
+}
+
+/// Pushes the K/V operands as every attention kernel takes them: the prefix k and v, their batch and row strides,
+/// `prefix_len`, then the current k and v and their strides.
+pub(crate) fn push_kv_operands(
+    args: &mut Args,
+    op: &str,
+    shape: AttentionShape,
+    inputs: &AttentionInputs<'_, '_>,
+    checked: &CheckedAttention,
+) -> Result<(), tf_cuda::Error> {
+    args.push_addr(checked.prefix_k)
+        .push_addr(checked.prefix_v)
+        .push(to_i64(
+            op,
+            "prefix batch stride",
+            checked.prefix_strides.batch,
+        )?)
+        .push(to_i32(op, "prefix row stride", checked.prefix_strides.row)?)
+        .push(to_i32(op, "prefix_len", shape.prefix_len)?)
+        .push_addr(inputs.k.addr())
+        .push_addr(inputs.v.addr())
+        .push(to_i64(op, "kv batch stride", inputs.kv_strides.batch)?)
+        .push(to_i32(op, "kv row stride", inputs.kv_strides.row)?);
+    Ok(())
+}
+
+/// Builds one flash-attention launch (kernels nn_attention_d128_*). `o` gets `[batch][num_queries][num_heads *
+/// 128]` with `o_strides`.
+pub fn plan_attention<'a>(
+    tile: AttentionTile,
+    shape: AttentionShape,
+    inputs: &AttentionInputs<'a, '_>,
+    o: &'a DeviceViewMut<'_>,
+    o_strides: Strides,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "attention";
+    let s = shape;
+    let checked = check_attention_call(tile.head_dim(), shape, inputs, o, o_strides)?;
     let mut args = Args::new();
     args.push_addr(inputs.q.addr())
         .push(to_i64(OP, "q batch stride", inputs.q_strides.batch)?)
-        .push(to_i32(OP, "q row stride", inputs.q_strides.row)?)
-        .push_addr(kp)
-        .push_addr(vp)
-        .push(to_i64(OP, "prefix batch stride", prefix_strides.batch)?)
-        .push(to_i32(OP, "prefix row stride", prefix_strides.row)?)
-        .push(to_i32(OP, "prefix_len", s.prefix_len)?)
-        .push_addr(inputs.k.addr())
-        .push_addr(inputs.v.addr())
-        .push(to_i64(OP, "kv batch stride", inputs.kv_strides.batch)?)
-        .push(to_i32(OP, "kv row stride", inputs.kv_strides.row)?)
-        .push_addr(o.addr())
+        .push(to_i32(OP, "q row stride", inputs.q_strides.row)?);
+    push_kv_operands(&mut args, OP, s, inputs, &checked)?;
+    args.push_addr(o.addr())
         .push(to_i64(OP, "o batch stride", o_strides.batch)?)
         .push(to_i32(OP, "o row stride", o_strides.row)?)
         .push(to_i32(OP, "num_queries", s.num_queries)?)
         .push(to_i32(OP, "num_keys", s.num_keys)?)
         .push(to_i32(OP, "num_heads", s.num_heads)?)
         .push(to_i32(OP, "num_kv_heads", s.num_kv_heads)?)
-        .push_addr(limit_addr)
-        .push(to_i64(OP, "key_limit batch stride", limit_stride)?)
-        .push_addr(pad_addr)
+        .push_addr(checked.limit_addr)
+        .push(to_i64(OP, "key_limit batch stride", checked.limit_stride)?)
+        .push_addr(checked.pad_addr)
         .push(inputs.scale * std::f32::consts::LOG2_E);
     let grid = (
         to_u32(

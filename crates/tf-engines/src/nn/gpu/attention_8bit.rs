@@ -25,7 +25,7 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceViewMut, Stream};
 
 use super::attention::{
-    plan_attention, AttentionInputs, AttentionShape, AttentionTile, Strides, HEAD_DIM,
+    check_attention_call, push_kv_operands, AttentionInputs, AttentionShape, Strides, HEAD_DIM,
 };
 use super::launch::{
     check_aligned_to, check_bytes, invalid, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
@@ -182,7 +182,7 @@ impl Attention8bitLayout {
 }
 
 /// Builds the five launches of one 8-bit attention call (in submission order): the operands are checked as
-/// [`plan_attention`] checks them, the workspace against [`Attention8bitLayout::for_shape`] (at least `total` bytes,
+/// [`super::attention::plan_attention`] checks them, the workspace against [`Attention8bitLayout::for_shape`] (at least `total` bytes,
 /// 16-byte aligned: the bulk copies' alignment). `o` gets `[batch][num_queries][num_heads * 128]` bf16 with `o_strides`.
 pub fn plan_attention_8bit<'a>(
     shape: AttentionShape,
@@ -192,8 +192,8 @@ pub fn plan_attention_8bit<'a>(
     workspace: &'a DeviceViewMut<'_>,
 ) -> Result<[Launch<'a>; 5], tf_cuda::Error> {
     const OP: &str = "attention_8bit";
-    // The operand rules of the bf16 kernels (shapes, strides, sizes, alignment, masks): the launch is dropped.
-    plan_attention(AttentionTile::Sm90Tma, shape, inputs, o, o_strides)?;
+    // The operand rules of every attention kernel (shapes, strides, sizes, alignment, masks).
+    let checked = check_attention_call(HEAD_DIM, shape, inputs, o, o_strides)?;
     let s = shape;
     let layout = Attention8bitLayout::for_shape(s)?;
     let ws = Operand::of_mut(workspace);
@@ -209,27 +209,13 @@ pub fn plan_attention_8bit<'a>(
         ));
     }
     let at = |r: Region| ws.addr + r.offset as u64;
-    let (kp, vp, prefix_strides) = match inputs.prefix {
-        Some((kp, vp, strides)) => (kp.addr(), vp.addr(), strides),
-        None => (inputs.k.addr(), inputs.v.addr(), inputs.kv_strides),
-    };
     let key_tiles = to_i32(OP, "key tiles", layout.key_tiles)?;
     let query_tiles = to_i32(OP, "query tiles", layout.query_tiles)?;
     let num_keys = to_i32(OP, "num_keys", s.num_keys)?;
     let kv_heads = to_i32(OP, "num_kv_heads", s.num_kv_heads)?;
     let kv_args = |args: &mut Args| -> Result<(), tf_cuda::Error> {
-        args.push_addr(kp)
-            .push_addr(vp)
-            .push(to_i64(OP, "prefix batch stride", prefix_strides.batch)?)
-            .push(to_i32(OP, "prefix row stride", prefix_strides.row)?)
-            .push(to_i32(OP, "prefix_len", s.prefix_len)?)
-            .push_addr(inputs.k.addr())
-            .push_addr(inputs.v.addr())
-            .push(to_i64(OP, "kv batch stride", inputs.kv_strides.batch)?)
-            .push(to_i32(OP, "kv row stride", inputs.kv_strides.row)?)
-            .push(num_keys)
-            .push(kv_heads)
-            .push(key_tiles);
+        push_kv_operands(args, OP, s, inputs, &checked)?;
+        args.push(num_keys).push(kv_heads).push(key_tiles);
         Ok(())
     };
     let kv_grid = (
@@ -303,11 +289,6 @@ pub fn plan_attention_8bit<'a>(
         quantize_q,
     );
 
-    let (limit_addr, limit_stride) = match inputs.key_limit {
-        Some((limits, stride)) => (limits.addr(), stride),
-        None => (0, 0),
-    };
-    let pad_addr = inputs.key_pad.map_or(0, |p| p.addr());
     let mut attention = Args::new();
     attention
         .push_addr(at(layout.q8))
@@ -325,9 +306,9 @@ pub fn plan_attention_8bit<'a>(
         .push(kv_heads)
         .push(query_tiles)
         .push(key_tiles)
-        .push_addr(limit_addr)
-        .push(to_i64(OP, "key_limit batch stride", limit_stride)?)
-        .push_addr(pad_addr);
+        .push_addr(checked.limit_addr)
+        .push(to_i64(OP, "key_limit batch stride", checked.limit_stride)?)
+        .push_addr(checked.pad_addr);
     let attention = Launch::new(
         ATTENTION_8BIT_KERNELS[4],
         LaunchConfig::new(
