@@ -132,6 +132,15 @@ fn errors(got: &[f32], want: &[f32]) -> Errors {
     }
 }
 
+/// `n` bf16 values drawn uniformly in [lo, hi) (plus `off[i % off.len()]`): their bits and their f32 values.
+fn gen(rng: &mut Rng, n: usize, lo: f32, hi: f32, off: Option<&[f32]>) -> (Vec<u16>, Vec<f32>) {
+    let bits: Vec<u16> = (0..n)
+        .map(|i| to_bf16(rng.uniform(lo, hi) + off.map_or(0.0, |o| o[i % o.len()])))
+        .collect();
+    let vals = bits.iter().map(|&x| from_bf16(x)).collect();
+    (bits, vals)
+}
+
 /// Runs one case: the 8-bit and the bf16 kernels on the same inputs, against the host.
 fn run_case(g: &Gpu, case: &Case, rng: &mut Rng) {
     let (nq, nk, b) = (case.num_queries, case.num_keys, case.batch);
@@ -146,14 +155,6 @@ fn run_case(g: &Gpu, case: &Case, rng: &mut Rng) {
     let q_offset = nk - nq;
     // K with a per-channel offset (what smoothing removes), V within [-1, 1].
     let offsets: Vec<f32> = (0..kvw).map(|_| rng.uniform(-1.5, 1.5)).collect();
-    let gen =
-        |rng: &mut Rng, n: usize, lo: f32, hi: f32, off: Option<&[f32]>| -> (Vec<u16>, Vec<f32>) {
-            let bits: Vec<u16> = (0..n)
-                .map(|i| to_bf16(rng.uniform(lo, hi) + off.map_or(0.0, |o| o[i % o.len()])))
-                .collect();
-            let vals = bits.iter().map(|&x| from_bf16(x)).collect();
-            (bits, vals)
-        };
     let (q_bits, q) = gen(rng, b * nq * qw, -2.0, 2.0, None);
     let (k_bits, k) = gen(rng, b * nk * kvw, -2.0, 2.0, Some(&offsets));
     let (v_bits, v) = gen(rng, b * nk * kvw, -1.0, 1.0, None);
@@ -615,27 +616,9 @@ fn attention_8bit_speed_beside_bf16() {
         ("MiniMax H3 6026 x 6026, 56 heads", 6026, 6026, 56),
     ] {
         let w = heads * D;
-        let q = upload(
-            &g,
-            &rng.uniform_vec(nq * w, -2.0, 2.0)
-                .into_iter()
-                .map(to_bf16)
-                .collect::<Vec<_>>(),
-        );
-        let k = upload(
-            &g,
-            &rng.uniform_vec(nk * w, -2.0, 2.0)
-                .into_iter()
-                .map(to_bf16)
-                .collect::<Vec<_>>(),
-        );
-        let v = upload(
-            &g,
-            &rng.uniform_vec(nk * w, -1.0, 1.0)
-                .into_iter()
-                .map(to_bf16)
-                .collect::<Vec<_>>(),
-        );
+        let q = upload(&g, &gen(&mut rng, nq * w, -2.0, 2.0, None).0);
+        let k = upload(&g, &gen(&mut rng, nk * w, -2.0, 2.0, None).0);
+        let v = upload(&g, &gen(&mut rng, nk * w, -1.0, 1.0, None).0);
         let mut o = DeviceBuffer::alloc(&g.ctx, nq * w * 2).expect("o");
         let shape = AttentionShape {
             batch: 1,
