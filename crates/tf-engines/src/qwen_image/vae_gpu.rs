@@ -31,15 +31,17 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(feature = "bench")]
 use std::sync::Mutex;
-use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
 
+use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, OutputType};
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::components::{DecodedPixels, VaeBackend};
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
+#[cfg(feature = "bench")]
 use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 use crate::nn::gpu::Launch;
 use crate::nn::tensor::{Tensor, TensorF32};
@@ -653,7 +655,8 @@ pub struct GpuVaeDecoder {
     net: Net,
     budget: GpuVaeBudget,
     workspace: Option<Workspace>,
-    /// Set only while [`GpuVaeDecoder::time_phases`] runs: an event after each launch.
+    /// Set only while `time_phases` (the `bench` feature) runs: an event after each launch.
+    #[cfg(feature = "bench")]
     phase_timer: Mutex<Option<PhaseTimer>>,
 }
 
@@ -723,6 +726,7 @@ impl GpuVaeDecoder {
             net,
             budget: GpuVaeBudget::default(),
             workspace: None,
+            #[cfg(feature = "bench")]
             phase_timer: Mutex::new(None),
         })
     }
@@ -814,9 +818,10 @@ impl GpuVaeDecoder {
         result
     }
 
-    /// Device time of each phase of one decode of `packed` (after an untimed decode that plans the workspace and
+    /// (The `bench` feature.) Device time of each phase of one decode of `packed` (after an untimed decode that plans the workspace and
     /// the GEMMs): an event after every launch, summed per kernel and per GEMM kind (the 3x3 conv GEMMs per scale).
     /// The events add a little time; the decode itself is the normal one.
+    #[cfg(feature = "bench")]
     pub fn time_phases(
         &mut self,
         packed: &TensorF32,
@@ -837,6 +842,7 @@ impl GpuVaeDecoder {
     }
 
     /// Replaces the phase timer, returning the previous one.
+    #[cfg(feature = "bench")]
     fn set_phase_timer(&self, timer: Option<PhaseTimer>) -> Result<Option<PhaseTimer>, VaeError> {
         let mut slot = self
             .phase_timer
@@ -945,7 +951,7 @@ impl GpuVaeDecoder {
         self.mark(launch.kernel, 0.0)
     }
 
-    /// Enqueues `call`, timed as `phase` by [`GpuVaeDecoder::time_phases`].
+    /// Enqueues `call`, timed as `phase` by `time_phases` (the `bench` feature).
     fn gemm(&self, phase: &'static str, call: Linear) -> Result<(), VaeError> {
         // SAFETY: every span lies inside a live buffer of this decoder (weights) or of the workspace in use
         // (checked by `span`); both outlive the work: the decode synchronizes the stream before returning and
@@ -956,6 +962,7 @@ impl GpuVaeDecoder {
     }
 
     /// Ends the phase `phase` when a phase timer runs (an event on the stream); nothing otherwise.
+    #[cfg(feature = "bench")]
     fn mark(&self, phase: &'static str, flops: f64) -> Result<(), VaeError> {
         let mut timer = self
             .phase_timer
@@ -966,6 +973,13 @@ impl GpuVaeDecoder {
                 .mark(&self.stream, phase, flops, 0.0)
                 .map_err(|e| backend("recording a phase event", e))?;
         }
+        Ok(())
+    }
+
+    /// Without the `bench` feature nothing is timed.
+    #[cfg(not(feature = "bench"))]
+    #[inline(always)]
+    fn mark(&self, _phase: &'static str, _flops: f64) -> Result<(), VaeError> {
         Ok(())
     }
 
