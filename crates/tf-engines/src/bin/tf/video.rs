@@ -584,12 +584,23 @@ fn finish(
             .iter()
             .map(|(name, s)| (format!("{name}_s"), json!(s)))
             .collect();
-        let (frames, fps, seconds) = match &outcome {
-            Ok(report) => (report.frames, report.fps, report.seconds),
+        // What the MP4 holds, else what was made (the raw frames and audio).
+        let (frames, fps, seconds, audio, audio_trimmed) = match &outcome {
+            Ok(report) => (
+                report.frames,
+                report.fps,
+                report.seconds,
+                report.audio,
+                Some(report.audio_trimmed),
+            ),
             Err(_) => (
                 made.frames.len(),
                 made.fps,
                 made.frames.len() as f64 / f64::from(made.fps.max(1)),
+                made.audio
+                    .as_ref()
+                    .map(|(rate, channels, _)| (*rate, *channels)),
+                None,
             ),
         };
         let summary = json!({
@@ -601,11 +612,8 @@ fn finish(
             "frames": frames,
             "fps": fps,
             "seconds": seconds,
-            "audio": match &outcome {
-                Ok(report) => report.audio.map(|(rate, channels)| json!({"sample_rate": rate, "channels": channels})),
-                Err(_) => made.audio.as_ref().map(|(rate, channels, _)| json!({"sample_rate": rate, "channels": channels})),
-            },
-            "audio_trimmed_samples": outcome.as_ref().ok().map(|report| report.audio_trimmed),
+            "audio": audio.map(|(rate, channels)| json!({"sample_rate": rate, "channels": channels})),
+            "audio_trimmed_samples": audio_trimmed,
             "seed": args.seed,
             "frames_dir": frames_dir.as_ref().map(|p| p.display().to_string()),
             "wav": wav.as_ref().filter(|_| made.audio.is_some()).map(|p| p.display().to_string()),
