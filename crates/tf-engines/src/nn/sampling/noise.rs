@@ -236,6 +236,7 @@ pub fn load_noise(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn drawing_beside_other_work_gives_the_same_noise() {
@@ -246,7 +247,6 @@ mod tests {
         let (_, beside) = draw_beside(|| latents(3), || ()).unwrap();
         assert_eq!(beside.data(), latents(3).data());
     }
-    use proptest::prelude::*;
 
     #[test]
     fn splitmix_reference_value() {
