@@ -38,8 +38,12 @@
 // share an SM. sm_12x's code needs 48.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 #define NN_WIDE_REGISTERS 48
+#define NN_SWIGLU_REGISTERS 48
 #else
 #define NN_WIDE_REGISTERS 40
+// nn_swiglu_fp8 divides with __fdividef (no slow path), which fits it in 32: at 14336 columns (MiniMax H3) two
+// 896-thread blocks then share an SM, where 40 left room for one and the SM idled while that block reduced and stored.
+#define NN_SWIGLU_REGISTERS 32
 #endif
 
 using nn::bf16;
@@ -49,7 +53,10 @@ namespace {
 // Largest finite e4m3 value.
 constexpr float kE4m3Max = 448.0f;
 
-__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + expf(-x)); }
+// silu with the approximate division (2 ulp; x / inf is 0 for x below about -88, silu's limit there): one reciprocal
+// and a multiply, no IEEE slow path, so the kernel needs no stack frame at 32 registers. Codes may differ from the
+// host's IEEE division where a value sits on a rounding boundary, as they already may from the summation order.
+__device__ __forceinline__ float silu_f32(float x) { return __fdividef(x, 1.0f + expf(-x)); }
 
 // Max over the whole block (blockDim.x a multiple of 32), returned to every thread. `scratch` holds 32 floats and
 // serves this one reduction only (no other reduction of the kernel reads it), so one barrier suffices. A max is
@@ -372,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
 // columns ([gate | value] when gate_first != 0, else [value | gate]), quantized per row into q / scales.
 // hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of ceil(hidden / 16) threads
 // rounded up to a multiple of 32. Every load of the row is issued before the first silu.
-extern "C" __global__ void __maxnreg__(NN_WIDE_REGISTERS)
+extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
     nn_swiglu_fp8(const bf16* __restrict__ fused, int fused_stride, uint8_t* __restrict__ q, int q_stride,
                   float* __restrict__ scales, int rows, int hidden, int gate_first) {
     __shared__ float scratch[32];

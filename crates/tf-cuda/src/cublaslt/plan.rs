@@ -207,6 +207,14 @@ impl Gemm {
         Gemm::fp8_e4m3(m, n, k, x, w, y, scales).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
     }
 
+    /// FP8 only: cuBLASLt's fast accumulation (partial sums kept in the tensor cores' accumulator).
+    pub fn with_fp8_fast_accum(self, on: bool) -> Gemm {
+        Gemm {
+            fp8_fast_accum: on,
+            ..self
+        }
+    }
+
     /// How the FP8 scales apply.
     pub fn with_fp8_scale_mode(self, scale_mode: Fp8ScaleMode) -> Gemm {
         Gemm { scale_mode, ..self }

@@ -55,7 +55,7 @@ use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmRunner};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::AttentionTile;
-pub use crate::nn::precision::{DitPrecision, Fp8Groups, Fp8Layers};
+pub use crate::nn::precision::{DitPrecision, Fp8Accumulation, Fp8Groups, Fp8Layers};
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
 use crate::nn::weights::ModelDir;
@@ -69,6 +69,7 @@ pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
         ..Fp8Groups::ALL
     },
     bf16_ends: 1,
+    accumulation: Fp8Accumulation::Exact,
 };
 
 #[cfg(feature = "bench")]

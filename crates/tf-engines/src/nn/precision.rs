@@ -16,8 +16,12 @@
 //!
 //! Spelled on the command line (`--precision`) as `bf16`, `fp8` (the model's own default mode,
 //! [`DitPrecision::Fp8ModelDefault`], which each model's loader resolves with [`DitPrecision::resolve`]), or
-//! `fp8:GROUP[,GROUP...][,ends=N]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `adaln`, `all` (the four
-//! GEMM groups), `none`.
+//! `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `adaln`,
+//! `all` (the four GEMM groups), `none`.
+//!
+//! `accum` is how the FP8 GEMMs accumulate ([`Fp8Accumulation`]): `exact` promotes the tensor cores' partial sums to
+//! f32 at intervals along `k` (cuBLASLt's default), `fast` lets them accumulate in the tensor cores' own, narrower
+//! accumulator (cuBLASLt's fast-accumulation mode: fewer instructions, a larger rounding error at large `k`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -76,12 +80,38 @@ impl Fp8Groups {
     }
 }
 
-/// Where FP8 runs: the groups, in every block but the first and last `bf16_ends`.
+/// How an FP8 GEMM accumulates its products along `k` (cuBLASLt's `FAST_ACCUM` attribute).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fp8Accumulation {
+    /// Partial sums promoted to f32 at intervals (cuBLASLt's default for FP8).
+    #[default]
+    Exact,
+    /// Partial sums kept in the tensor cores' accumulator for the whole of `k`.
+    Fast,
+}
+
+impl Fp8Accumulation {
+    /// The spelling in a precision spec (`accum=...`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Accumulation::Exact => "exact",
+            Fp8Accumulation::Fast => "fast",
+        }
+    }
+
+    /// True for [`Fp8Accumulation::Fast`].
+    pub fn is_fast(self) -> bool {
+        self == Fp8Accumulation::Fast
+    }
+}
+
+/// Where FP8 runs: the groups, in every block but the first and last `bf16_ends`, and how its GEMMs accumulate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fp8Layers {
     pub groups: Fp8Groups,
     /// Blocks kept in bf16 at each end of the stack.
     pub bf16_ends: usize,
+    pub accumulation: Fp8Accumulation,
 }
 
 impl Fp8Layers {
@@ -90,6 +120,7 @@ impl Fp8Layers {
     pub const DEFAULT: Fp8Layers = Fp8Layers {
         groups: Fp8Groups::ALL,
         bf16_ends: 1,
+        accumulation: Fp8Accumulation::Exact,
     };
 
     /// The groups block `layer` of `layers` runs in FP8.
@@ -138,6 +169,15 @@ impl DitPrecision {
         }
     }
 
+    /// How the FP8 GEMMs accumulate (meaningless, and [`Fp8Accumulation::Exact`], in bf16).
+    pub fn fp8_accumulation(&self) -> Fp8Accumulation {
+        match self {
+            DitPrecision::Bf16 => Fp8Accumulation::Exact,
+            DitPrecision::Fp8(l) => l.accumulation,
+            DitPrecision::Fp8ModelDefault => Fp8Layers::DEFAULT.accumulation,
+        }
+    }
+
     /// True when some block of `layers` runs a GEMM in FP8.
     pub fn uses_fp8(&self, layers: usize) -> bool {
         (0..layers).any(|l| self.groups_of(l, layers).any())
@@ -159,7 +199,7 @@ impl DitPrecision {
                 }
                 format!(
                     "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
-                     per-output-channel weight scales, per-token activation scales{}; \
+                     per-output-channel weight scales, per-token activation scales{}, {} accumulation; \
                      every layer outside those groups as in bf16 mode",
                     l.groups.names().join(", "),
                     l.bf16_ends,
@@ -167,7 +207,8 @@ impl DitPrecision {
                         " (adaln weight-only)"
                     } else {
                         ""
-                    }
+                    },
+                    l.accumulation.name()
                 )
             }
         }
@@ -186,7 +227,11 @@ impl fmt::Display for DitPrecision {
                 } else {
                     names.join(",")
                 };
-                write!(f, "fp8:{groups},ends={}", l.bf16_ends)
+                write!(f, "fp8:{groups},ends={}", l.bf16_ends)?;
+                if l.accumulation != Fp8Layers::DEFAULT.accumulation {
+                    write!(f, ",accum={}", l.accumulation.name())?;
+                }
+                Ok(())
             }
         }
     }
@@ -198,9 +243,9 @@ const MAX_ENDS: usize = 1 << 16;
 impl FromStr for DitPrecision {
     type Err = String;
 
-    /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N]`.
+    /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N] with GROUP one of qkv, out, mlp_in, mlp_out, adaln, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact] with GROUP one of qkv, out, mlp_in, mlp_out, adaln, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -213,7 +258,20 @@ impl FromStr for DitPrecision {
         let mut groups = Fp8Groups::NONE;
         let mut named = false;
         let mut ends = Fp8Layers::DEFAULT.bf16_ends;
+        let mut accumulation = Fp8Layers::DEFAULT.accumulation;
         for item in spec.split(',').map(str::trim) {
+            if let Some(a) = item.strip_prefix("accum=") {
+                accumulation = match a {
+                    "fast" => Fp8Accumulation::Fast,
+                    "exact" => Fp8Accumulation::Exact,
+                    _ => {
+                        return Err(format!(
+                            "precision {text:?}: accum={a} is neither `fast` nor `exact`"
+                        ))
+                    }
+                };
+                continue;
+            }
             if let Some(n) = item.strip_prefix("ends=") {
                 ends = n
                     .parse::<usize>()
@@ -253,6 +311,7 @@ impl FromStr for DitPrecision {
         Ok(DitPrecision::Fp8(Fp8Layers {
             groups,
             bf16_ends: ends,
+            accumulation,
         }))
     }
 }
@@ -273,14 +332,16 @@ mod tests {
                     mlp_in: true,
                     ..Fp8Groups::NONE
                 },
-                bf16_ends: 0
+                bf16_ends: 0,
+                accumulation: Fp8Accumulation::Exact,
             }))
         );
         assert_eq!(
             "fp8:ends=3".parse::<DitPrecision>(),
             Ok(DitPrecision::Fp8(Fp8Layers {
                 groups: Fp8Groups::ALL,
-                bf16_ends: 3
+                bf16_ends: 3,
+                accumulation: Fp8Accumulation::Exact,
             }))
         );
         assert_eq!(
@@ -294,7 +355,8 @@ mod tests {
                     adaln: true,
                     ..Fp8Groups::ALL
                 },
-                bf16_ends: 2
+                bf16_ends: 2,
+                accumulation: Fp8Accumulation::Exact,
             }))
         );
         assert!(!Fp8Groups {
@@ -309,6 +371,7 @@ mod tests {
             "fp8:qkv,out,mlp_in,mlp_out,ends=1",
             "fp8:out,ends=0",
             "fp8:none,ends=2",
+            "fp8:qkv,out,mlp_out,ends=1,accum=fast",
         ] {
             let p: DitPrecision = spec.parse().unwrap();
             assert_eq!(p.to_string(), spec);
@@ -325,6 +388,7 @@ mod tests {
                 ..Fp8Groups::ALL
             },
             bf16_ends: 1,
+            accumulation: Fp8Accumulation::Exact,
         };
         assert_eq!(
             DitPrecision::FP8.resolve(keep_mlp_in).to_string(),
@@ -341,6 +405,7 @@ mod tests {
             "fp8:ends=-1",
             "fp8:ends=x",
             "fp8:ends=99999999",
+            "fp8:all,accum=slow",
         ] {
             let err = bad.parse::<DitPrecision>().unwrap_err();
             assert!(err.contains("precision"), "{bad}: {err}");
@@ -359,9 +424,18 @@ mod tests {
         let all = DitPrecision::Fp8(Fp8Layers {
             groups: Fp8Groups::ALL,
             bf16_ends: 0,
+            accumulation: Fp8Accumulation::Fast,
         });
         assert!(all.uses_fp8(2));
         assert!(all.describe(32).contains("in 32 of 32 blocks"));
+        assert!(all.describe(32).contains("fast accumulation"));
+        assert_eq!(all.fp8_accumulation(), Fp8Accumulation::Fast);
+        assert_eq!(
+            "fp8:accum=fast"
+                .parse::<DitPrecision>()
+                .map(|p| p.fp8_accumulation()),
+            Ok(Fp8Accumulation::Fast)
+        );
         assert_eq!(DitPrecision::Bf16.groups_of(3, 5), Fp8Groups::NONE);
         assert_eq!(DitPrecision::Bf16.describe(32), "bf16");
         assert!(DitPrecision::FP8

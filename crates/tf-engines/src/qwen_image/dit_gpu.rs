@@ -63,7 +63,7 @@ mod step;
 mod weights;
 mod workspace;
 
-pub use crate::nn::precision::{DitPrecision, Fp8Groups, Fp8Layers};
+pub use crate::nn::precision::{DitPrecision, Fp8Accumulation, Fp8Groups, Fp8Layers};
 #[cfg(feature = "bench")]
 pub use bench::StepTimes;
 pub use kv::GpuKvCache;
@@ -542,12 +542,14 @@ impl GpuDit {
         }
         for (bo, fp8) in o.blocks.iter().zip(&engine.fp8_groups) {
             // A group in FP8 reads its input from the workspace's FP8 rows (offset 0).
-            type ShapeAt = fn(usize, usize, usize, (usize, usize, usize), bool) -> GemmShape;
-            let pick = |on: bool| -> ShapeAt {
-                if on {
-                    gemm::fp8_shape_at_offsets
-                } else {
-                    shape
+            let accumulation = engine.precision.fp8_accumulation();
+            let pick = |on: bool| {
+                move |m, n, k, offsets, f32_out| {
+                    if on {
+                        gemm::fp8_shape_at_offsets((m, n, k), offsets, f32_out, accumulation)
+                    } else {
+                        shape(m, n, k, offsets, f32_out)
+                    }
                 }
             };
             out.extend([

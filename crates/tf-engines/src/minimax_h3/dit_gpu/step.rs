@@ -41,7 +41,7 @@ use crate::nn::gpu::{
     attention_flops, plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, ModulationRows,
     NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
-use crate::nn::precision::Fp8Groups;
+use crate::nn::precision::{Fp8Accumulation, Fp8Groups};
 use crate::nn::weights::BF16;
 
 fn launch(e: tf_cuda::Error) -> H3Error {
@@ -116,15 +116,14 @@ impl GemmCall {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
     }
 
-    /// The plan this call needs.
-    pub(super) fn shape(&self) -> GemmShape {
+    /// The plan this call needs (an FP8 call accumulating as `accumulation` says).
+    pub(super) fn shape(&self, accumulation: Fp8Accumulation) -> GemmShape {
         if self.fp8.is_some() {
             return gemm::fp8_shape_at_offsets(
-                self.m,
-                self.n,
-                self.k,
+                (self.m, self.n, self.k),
                 (self.x_off, self.w, self.y_off),
                 false,
+                accumulation,
             );
         }
         let shape = gemm::shape_at_offsets(
@@ -466,7 +465,7 @@ impl Engine {
             calls
                 .iter()
                 .filter(|c| c.m > 0)
-                .map(GemmCall::shape)
+                .map(|c| c.shape(self.precision.fp8_accumulation()))
                 .collect(),
         ))
     }
@@ -512,7 +511,8 @@ impl Engine {
             let w_scale = gemm::span(&self.weights, w_scales, codes(c.n, 4)?).map_err(gemm_err)?;
             let y =
                 gemm::span(Self::buffer(ws, c.y), c.y_off, bytes(c.m, c.n)?).map_err(gemm_err)?;
-            let linear = Fp8Linear::new((c.m, c.n, c.k), (x, x_scale), (w, w_scale), y);
+            let linear = Fp8Linear::new((c.m, c.n, c.k), (x, x_scale), (w, w_scale), y)
+                .accumulation(self.precision.fp8_accumulation());
             // SAFETY: as for the bf16 GEMM below: every span (operands and scales) lies inside the engine's
             // weights or the workspace in use, both of which outlive the enqueued work.
             return unsafe { self.gemms.run_fp8(&linear, &self.stream) }.map_err(gemm_err);

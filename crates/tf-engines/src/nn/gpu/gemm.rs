@@ -26,6 +26,8 @@ use tf_cuda::cublaslt::{
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use thiserror::Error;
 
+use crate::nn::precision::Fp8Accumulation;
+
 /// Why a GEMM could not be described, planned or run.
 #[derive(Debug, Error)]
 pub enum GemmError {
@@ -202,6 +204,7 @@ pub struct Fp8Linear {
     pub y: DeviceSpan,
     pub beta: f32,
     pub output: OutputType,
+    pub accumulation: Fp8Accumulation,
 }
 
 impl Fp8Linear {
@@ -223,6 +226,15 @@ impl Fp8Linear {
             y,
             beta: 0.0,
             output: OutputType::Bf16,
+            accumulation: Fp8Accumulation::Exact,
+        }
+    }
+
+    /// How the products accumulate along `k`.
+    pub fn accumulation(self, accumulation: Fp8Accumulation) -> Fp8Linear {
+        Fp8Linear {
+            accumulation,
+            ..self
         }
     }
 
@@ -254,7 +266,8 @@ impl Fp8Linear {
         };
         let mut gemm =
             Gemm::fp8_e4m3_row_wise(self.m, self.n, self.k, self.x, self.w, self.y, scales)
-                .with_scaling(1.0, self.beta);
+                .with_scaling(1.0, self.beta)
+                .with_fp8_fast_accum(self.accumulation.is_fast());
         if self.output == OutputType::F32 {
             gemm = gemm.with_f32_output();
         }
@@ -267,15 +280,21 @@ impl Fp8Linear {
     }
 }
 
-/// A row-wise FP8 GEMM shape with operands at these byte offsets `(x, w, y)` of 256-byte aligned allocations.
+/// A row-wise FP8 GEMM shape accumulating as `accumulation` says, with operands at these byte offsets `(x, w, y)`
+/// of 256-byte aligned allocations.
 pub fn fp8_shape_at_offsets(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     (x, w, y): (usize, usize, usize),
     f32_out: bool,
+    accumulation: Fp8Accumulation,
 ) -> GemmShape {
-    at_offsets(GemmShape::fp8_e4m3_row_wise(m, n, k), (x, w, y), f32_out)
+    let shape = GemmShape::fp8_e4m3_row_wise(m, n, k);
+    let shape = if accumulation.is_fast() {
+        shape.with_fp8_fast_accum()
+    } else {
+        shape
+    };
+    at_offsets(shape, (x, w, y), f32_out)
 }
 
 /// The alignment cuBLASLt records for an operand at byte `offset` of a 256-byte aligned allocation.
@@ -569,10 +588,17 @@ mod tests {
         assert_eq!((g.alpha, g.beta), (1.0, 0.0));
         let key = g.plan().unwrap().key;
         assert_eq!(l.shape().key().unwrap(), key);
-        assert_eq!(
-            fp8_shape_at_offsets(16, 64, 32, (0x1000, 0x3000, 0x8000), false),
-            l.shape()
-        );
+        let at = |accumulation| {
+            fp8_shape_at_offsets((16, 64, 32), (0x1000, 0x3000, 0x8000), false, accumulation)
+        };
+        assert_eq!(at(Fp8Accumulation::Exact), l.shape());
+        assert!(!g.fp8_fast_accum);
+        // Fast accumulation is part of the plan key, and the shape the plans are prepared for says so too.
+        let fast = l.accumulation(Fp8Accumulation::Fast);
+        assert!(fast.gemm().fp8_fast_accum);
+        assert_eq!(at(Fp8Accumulation::Fast), fast.shape());
+        assert_ne!(fast.shape(), l.shape());
+        assert_eq!(fast.shape().key().unwrap(), fast.gemm().plan().unwrap().key);
         let acc = l.accumulate(true).f32_output(true).gemm();
         assert_eq!((acc.beta, acc.output), (1.0, OutputType::F32));
         // Scales too short for the rows are refused before the library.

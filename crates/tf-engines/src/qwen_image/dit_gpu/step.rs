@@ -87,7 +87,8 @@ impl Engine {
             (span(&x.codes, 0, m * k)?, span(&x.scales, 0, m * 4)?),
             (self.weight(w_offset, n * k)?, self.weight(scales, n * 4)?),
             y,
-        );
+        )
+        .accumulation(self.precision.fp8_accumulation());
         // SAFETY: as `gemm`: every span lies in a live buffer of this engine or of the workspace in use.
         Ok(unsafe { self.gemms.run_fp8(&linear, &self.stream) }?)
     }

@@ -653,7 +653,7 @@ mod tests {
     fn fp8_groups_upload_as_per_channel_codes_with_their_scales() {
         use crate::nn::fp8;
         use crate::nn::gpu::test_support::context;
-        use crate::nn::precision::{Fp8Groups, Fp8Layers};
+        use crate::nn::precision::{Fp8Accumulation, Fp8Groups, Fp8Layers};
         let _serial = tf_testdriver::test_lock();
         let ctx = context();
         let stream = Stream::new(&ctx, false).unwrap();
@@ -681,6 +681,7 @@ mod tests {
         let precision = DitPrecision::Fp8(Fp8Layers {
             groups,
             bf16_ends: 0,
+            accumulation: Fp8Accumulation::Exact,
         });
         let fp8_up = upload(
             &ctx,
@@ -801,7 +802,7 @@ mod tests {
     fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_where_bf16() {
         use crate::nn::fp8::e4m3_decode;
         use crate::nn::gpu::test_support::context;
-        use crate::nn::precision::{Fp8Groups, Fp8Layers};
+        use crate::nn::precision::{Fp8Accumulation, Fp8Groups, Fp8Layers};
         use crate::qwen_image::dit::check_folder;
         let _serial = tf_testdriver::test_lock();
         let ctx = context();
@@ -833,6 +834,7 @@ mod tests {
                     ..Fp8Groups::ALL
                 },
                 bf16_ends: 0,
+                accumulation: Fp8Accumulation::Exact,
             });
             let up = upload(&ctx, &stream, &model, &ck, &dims, staging, &precision).unwrap();
             assert_eq!((up.checkpoint_fp8, up.checkpoint_fp8_as_stored), (16, 12));
