@@ -69,7 +69,7 @@ pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
         ..Fp8Groups::ALL
     },
     bf16_ends: 1,
-    accumulation: Fp8Accumulation::Exact,
+    accumulation: Fp8Accumulation::Fast,
 };
 
 #[cfg(feature = "bench")]
