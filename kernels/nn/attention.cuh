@@ -876,6 +876,11 @@ constexpr int kWsStages = 3;
 constexpr int kWsProducerRegs = 40;
 constexpr int kWsConsumerRegs = 232;  // 40 * 128 + 232 * 256 <= 65536 registers of the SM
 
+// Ends the producer's threads with PTX `exit` rather than a return: a return joins the consumers' path at the
+// function's end, and ptxas then allocates the consumers' code to the launch's 168 registers instead of their
+// setmaxnreg budget (spills, and wgmma serialized with warning C7512).
+__device__ __forceinline__ void exit_thread() { asm volatile("exit;\n" ::: "memory"); }
+
 // Keeps the compiler from reusing the registers of a wgmma A operand before the wgmma that reads them is done.
 __device__ __forceinline__ void fence_fragment(uint32_t (&p)[8][4]) {
 #pragma unroll
@@ -947,7 +952,7 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
         if constexpr (TMA) {
-            if (tid != 0 || num_tiles == 0) return;
+            if (tid != 0 || num_tiles == 0) exit_thread();
             const int kv_col = op.kv_head * kHeadDim;
             tma_tile(smem_q, tm_q, op.head * kHeadDim, q0, op.batch, q_bar);
             for (int tile = 0; tile < num_tiles; ++tile) {
@@ -960,7 +965,7 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
                 tma_tile(smem_k + offset, kt.prefix ? tm_kp : tm_k, kv_col, kt.row, op.batch, bar(0, tile));
                 tma_tile(smem_v + offset, kt.prefix ? tm_vp : tm_v, kv_col, kt.row, op.batch, bar(1, tile));
             }
-            return;
+            exit_thread();
         } else {
             for (int tile = 0; tile < num_tiles; ++tile) {
                 const uint32_t offset = (tile % kWsStages) * kSm90TileBytes;
@@ -976,7 +981,7 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
                 mbar_arrive_on_copies(bar(1, tile));
             }
             cp_async_wait<0>();  // leave no copy in flight behind an exited thread
-            return;
+            exit_thread();
         }
     }
 
@@ -1010,9 +1015,10 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
     auto v_tile = [&](int tile) { return smem_v + (tile % kWsStages) * kSm90TileBytes; };
     if (consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
 
-    // A turn: O += P V of the previous tile, then S = Q K^T of this one, back to back on the tensor cores while the
-    // other warpgroup runs its softmax. Only one of S and P is live at a time, which keeps the registers under the
-    // 168 a 384-thread CTA may hold.
+    // A turn: S = Q K^T of this tile, then O += P V of the previous one, issued back to back. The softmax of this
+    // tile then runs while the previous tile's P V is still on the tensor cores (and while the other warpgroup
+    // issues its own turn); O is rescaled once that P V is done. S, P and O are all live at once: the consumers'
+    // setmaxnreg budget holds them.
     uint32_t p[8][4];
     if (num_tiles > 0) {
         if (TMA) mbar_wait(q_bar, 0);
@@ -1030,23 +1036,23 @@ __device__ __forceinline__ void attention_sm90_ws(const Sm90Operands& op, int ba
         Sm90Rows::pack_probabilities(s, p);
     }
     for (int tile = 1; tile < num_tiles; ++tile) {
-        wait_landed(1, tile - 1);
         wait_landed(0, tile);
-        take_turn();
-        rows.issue_values(p, v_tile(tile - 1));
-        wgmma_wait<0>();
-        fence_accumulators(rows.acc);
-        fence_fragment(p);
-        release(3, tile - 1);
+        wait_landed(1, tile - 1);
         float s[64];
+        take_turn();
         Sm90Rows::issue_scores(s, q_rows, k_tile(tile));
+        rows.issue_values(p, v_tile(tile - 1));
         pass_turn();
-        wgmma_wait<0>();
+        wgmma_wait<1>();  // the scores (committed first) are done; P V may still run
         fence_accumulators(s);
         release(2, tile);
         float corr_a, corr_b;
         const KeyTile kt = tile_at(tile);
         rows.softmax_tile(s, kt.key0, corr_a, corr_b, kt.valid);
+        wgmma_wait<0>();
+        fence_accumulators(rows.acc);
+        fence_fragment(p);
+        release(3, tile - 1);
         rows.rescale(corr_a, corr_b);
         Sm90Rows::pack_probabilities(s, p);
     }
