@@ -116,6 +116,11 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
     }
 }
 
+// (row, q or k head) items one warp of h3_qk_norm_rope handles. A warp issues all of its loads before its first
+// reduction: with one 256-byte item per warp too few bytes were in flight to cover the memory latency (about
+// 1.4 TB/s on the H200).
+#define H3_QK_ITEMS_PER_WARP 4
+
 // Per-head QK RMSNorm and rotate-half RoPE, in place on the q and k heads of a fused q|k|v GEMM output (heads query
 // heads, then heads key heads, then heads value heads, 128 channels each; value heads are left as they are):
 //   n = x * rsqrt(sum(x^2) * inv_norm_dim + eps) * weight     (q_weight for queries, k_weight for keys; f32)
@@ -124,61 +129,85 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
 //     out[j + rotated/2]  = bf16(n[j + rotated/2] * c + n[j] * s)
 //   channels rotated .. 128 (and every channel when cos is null): out = bf16(n).
 // Heads narrower than 128 are zero-padded to 128 (weights included); inv_norm_dim is 1 / the true head dim.
-// One warp per (row, q or k head), lane l holding channels 4l .. 4l+3; the rotation partner comes through shared
-// memory. Grid: ceil(rows * 2 * heads / 8) blocks of 256 threads.
+// One warp per H3_QK_ITEMS_PER_WARP consecutive (row, q or k head) items, lane l holding channels 4l .. 4l+3 of
+// each; the rotation partner comes through shared memory. Grid: ceil(rows * 2 * heads / (8 * H3_QK_ITEMS_PER_WARP))
+// blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     h3_qk_norm_rope(bf16* __restrict__ qkv, int qkv_stride, int rows, int heads, const bf16* __restrict__ q_weight,
                     const bf16* __restrict__ k_weight, float inv_norm_dim, float eps, const bf16* __restrict__ rope_cos,
                     const bf16* __restrict__ rope_sin, int table_stride, int rotated) {
-    __shared__ float staged[8][128];
+    constexpr int K = H3_QK_ITEMS_PER_WARP;
+    // One row of partners per item, so no item waits for another's readers.
+    __shared__ float staged[8][K][128];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int qk_heads = 2 * heads;
-    const int64_t item = static_cast<int64_t>(blockIdx.x) * 8 + warp;
-    if (item >= static_cast<int64_t>(rows) * qk_heads) return;
-    const int64_t row = item / qk_heads;
-    const int head = static_cast<int>(item - row * qk_heads);
+    const int64_t items = static_cast<int64_t>(rows) * qk_heads;
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * K;
     const int dim = lane * 4;
-    bf16* at = qkv + row * qkv_stride + head * 128 + dim;
-    const uint2 raw = *reinterpret_cast<const uint2*>(at);
-    const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    const uint2 wraw = *reinterpret_cast<const uint2*>((head < heads ? q_weight : k_weight) + dim);
-    const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
-    const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
-    const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
-    const float r = rsqrtf(sq * inv_norm_dim + eps);
-    float n[4];
-    n[0] = x01.x * r * w01.x;
-    n[1] = x01.y * r * w01.y;
-    n[2] = x23.x * r * w23.x;
-    n[3] = x23.y * r * w23.y;
-    float o[4] = {n[0], n[1], n[2], n[3]};
-    if (rope_cos != nullptr && rotated > 0) {
+
+    bf16* at[K];
+    int64_t row_of[K];
+    bool query[K];
+    uint2 raw[K];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) staged[warp][dim + i] = n[i];
-        __syncwarp();
-        const int half = rotated / 2;
-        const int64_t table_row = row * table_stride;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int ch = dim + i;
-            if (ch < rotated) {
-                const bool first = ch < half;
-                const int slot = first ? ch : ch - half;
-                const float partner = first ? -staged[warp][ch + half] : staged[warp][ch - half];
-                const float c = __bfloat162float(rope_cos[table_row + slot]);
-                const float s = __bfloat162float(rope_sin[table_row + slot]);
-                o[i] = n[i] * c + partner * s;
-            }
+    for (int k = 0; k < K; ++k) {
+        const int64_t item = first + k;
+        at[k] = nullptr;
+        row_of[k] = 0;
+        query[k] = false;
+        if (item < items) {  // uniform across the warp
+            const int64_t row = item / qk_heads;
+            const int head = static_cast<int>(item - row * qk_heads);
+            row_of[k] = row;
+            query[k] = head < heads;
+            at[k] = qkv + row * qkv_stride + head * 128 + dim;
+            raw[k] = *reinterpret_cast<const uint2*>(at[k]);
         }
     }
-    const __nv_bfloat162 o01 = __floats2bfloat162_rn(o[0], o[1]);
-    const __nv_bfloat162 o23 = __floats2bfloat162_rn(o[2], o[3]);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const uint32_t*>(&o01);
-    packed.y = *reinterpret_cast<const uint32_t*>(&o23);
-    *reinterpret_cast<uint2*>(at) = packed;
+
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (at[k] == nullptr) break;  // the items past the end are the last ones
+        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].x));
+        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].y));
+        const uint2 wraw = *reinterpret_cast<const uint2*>((query[k] ? q_weight : k_weight) + dim);
+        const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
+        const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
+        const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
+        const float r = rsqrtf(sq * inv_norm_dim + eps);
+        float n[4];
+        n[0] = x01.x * r * w01.x;
+        n[1] = x01.y * r * w01.y;
+        n[2] = x23.x * r * w23.x;
+        n[3] = x23.y * r * w23.y;
+        float o[4] = {n[0], n[1], n[2], n[3]};
+        if (rope_cos != nullptr && rotated > 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) staged[warp][k][dim + i] = n[i];
+            __syncwarp();
+            const int half = rotated / 2;
+            const int64_t table_row = row_of[k] * table_stride;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int ch = dim + i;
+                if (ch < rotated) {
+                    const bool first_half = ch < half;
+                    const int slot = first_half ? ch : ch - half;
+                    const float partner = first_half ? -staged[warp][k][ch + half] : staged[warp][k][ch - half];
+                    const float c = __bfloat162float(rope_cos[table_row + slot]);
+                    const float s = __bfloat162float(rope_sin[table_row + slot]);
+                    o[i] = n[i] * c + partner * s;
+                }
+            }
+        }
+        const __nv_bfloat162 o01 = __floats2bfloat162_rn(o[0], o[1]);
+        const __nv_bfloat162 o23 = __floats2bfloat162_rn(o[2], o[3]);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&o01);
+        packed.y = *reinterpret_cast<const uint32_t*>(&o23);
+        *reinterpret_cast<uint2*>(at[k]) = packed;
+    }
 }
 
 namespace {

@@ -139,8 +139,25 @@ namespace {
 __device__ __forceinline__ float table_value(const float* t, int64_t i) { return t[i]; }
 __device__ __forceinline__ float table_value(const bf16* t, int64_t i) { return __bfloat162float(t[i]); }
 
-// One warp per (row, q or k head) of a fused q|k|v row (q_heads query heads, then kv_heads key heads, then kv_heads
-// value heads, D channels each); lane l holds channels E*l .. E*l + E - 1 (E = D / 32).
+// E consecutive bf16 values moved as one load or store (the launcher checks 16-byte aligned rows).
+template <int E>
+struct Bf16Pack;
+template <>
+struct Bf16Pack<4> {
+    using T = uint2;
+};
+template <>
+struct Bf16Pack<2> {
+    using T = uint32_t;
+};
+
+// (row, head) items one warp handles. All of a warp's loads are issued before its first reduction: with one
+// 256-byte item per warp too few bytes were in flight to cover the memory latency (about 1.4 TB/s on the H200).
+constexpr int ROPE_ITEMS_PER_WARP = 4;
+
+// One warp per ROPE_ITEMS_PER_WARP consecutive (row, q or k head) items of a fused q|k|v row (q_heads query
+// heads, then kv_heads key heads, then kv_heads value heads, D channels each); lane l holds channels
+// E*l .. E*l + E - 1 (E = D / 32) of each item.
 //   norm 0: n = x        norm 1: n = bf16(x * rsqrt(mean(x^2) + eps))        norm 2: n = bf16(bf16(...) * weight)
 //   for j < R/2, with c = bf16(cos[r, j]), s = bf16(sin[r, j]) (T = float tables are rounded, bf16 ones are as is):
 //     out[j]       = bf16(bf16(n[j] * c)       + bf16(-n[j + R/2] * s))
@@ -154,49 +171,79 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
                                                   const T* __restrict__ rope_cos, const T* __restrict__ rope_sin,
                                                   int rope_stride, int rotated) {
     constexpr int E = D / 32;
-    __shared__ float staged[8][D];
+    constexpr int K = ROPE_ITEMS_PER_WARP;
+    using Pack = typename Bf16Pack<E>::T;
+    // One row of partners per item, so no item waits for another's readers.
+    __shared__ float staged[8][K][D];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int heads = q_heads + kv_heads;
-    const int64_t item = static_cast<int64_t>(blockIdx.x) * 8 + warp;
-    if (item >= static_cast<int64_t>(rows) * heads) return;
-    const int row = static_cast<int>(item / heads);
-    const int head = static_cast<int>(item - static_cast<int64_t>(row) * heads);
+    const int64_t items = static_cast<int64_t>(rows) * heads;
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * K;
     const int dim = lane * E;
-    bf16* at = qkv + static_cast<int64_t>(row) * qkv_stride + head * D + dim;
-    float n[E];
+
+    bf16* at[K];
+    int row_of[K];
+    bool query[K];
+    Pack raw[K];
 #pragma unroll
-    for (int i = 0; i < E; ++i) n[i] = __bfloat162float(at[i]);
-    if (norm != 0) {
-        float sq = 0.0f;
-#pragma unroll
-        for (int i = 0; i < E; ++i) sq += n[i] * n[i];
-        const float r = rsqrtf(nn::warp_sum(sq) * (1.0f / D) + eps);
-        const bf16* w = (head < q_heads ? q_weight : k_weight) + dim;
-#pragma unroll
-        for (int i = 0; i < E; ++i) {
-            n[i] = nn::round_bf16(n[i] * r);
-            if (norm == 2) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
+    for (int k = 0; k < K; ++k) {
+        const int64_t item = first + k;
+        at[k] = nullptr;
+        row_of[k] = 0;
+        query[k] = false;
+        if (item < items) {  // uniform across the warp
+            const int row = static_cast<int>(item / heads);
+            const int head = static_cast<int>(item - static_cast<int64_t>(row) * heads);
+            row_of[k] = row;
+            query[k] = head < q_heads;
+            at[k] = qkv + static_cast<int64_t>(row) * qkv_stride + head * D + dim;
+            raw[k] = *reinterpret_cast<const Pack*>(at[k]);
         }
     }
-#pragma unroll
-    for (int i = 0; i < E; ++i) staged[warp][dim + i] = n[i];
-    __syncwarp();
+
     const int half = rotated / 2;
-    const int64_t table_row = static_cast<int64_t>(row) * rope_stride;
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const int ch = dim + i;
-        float o = n[i];
-        if (ch < rotated) {
-            const bool first = ch < half;
-            const int slot = first ? ch : ch - half;
-            const float partner = first ? -staged[warp][ch + half] : staged[warp][ch - half];
-            const float c = nn::round_bf16(table_value(rope_cos, table_row + slot));
-            const float s = nn::round_bf16(table_value(rope_sin, table_row + slot));
-            o = nn::round_bf16(n[i] * c) + nn::round_bf16(partner * s);
+    for (int k = 0; k < K; ++k) {
+        if (at[k] == nullptr) break;  // the items past the end are the last ones
+        const bf16* x = reinterpret_cast<const bf16*>(&raw[k]);
+        float n[E];
+#pragma unroll
+        for (int i = 0; i < E; ++i) n[i] = __bfloat162float(x[i]);
+        if (norm != 0) {
+            float sq = 0.0f;
+#pragma unroll
+            for (int i = 0; i < E; ++i) sq += n[i] * n[i];
+            const float r = rsqrtf(nn::warp_sum(sq) * (1.0f / D) + eps);
+            const Pack wraw = *reinterpret_cast<const Pack*>((query[k] ? q_weight : k_weight) + dim);
+            const bf16* w = reinterpret_cast<const bf16*>(&wraw);
+#pragma unroll
+            for (int i = 0; i < E; ++i) {
+                n[i] = nn::round_bf16(n[i] * r);
+                if (norm == 2) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
+            }
         }
-        at[i] = __float2bfloat16_rn(o);
+#pragma unroll
+        for (int i = 0; i < E; ++i) staged[warp][k][dim + i] = n[i];
+        __syncwarp();
+        const int64_t table_row = static_cast<int64_t>(row_of[k]) * rope_stride;
+        Pack out;
+        bf16* o = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+            const int ch = dim + i;
+            float v = n[i];
+            if (ch < rotated) {
+                const bool first_half = ch < half;
+                const int slot = first_half ? ch : ch - half;
+                const float partner = first_half ? -staged[warp][k][ch + half] : staged[warp][k][ch - half];
+                const float c = nn::round_bf16(table_value(rope_cos, table_row + slot));
+                const float s = nn::round_bf16(table_value(rope_sin, table_row + slot));
+                v = nn::round_bf16(n[i] * c) + nn::round_bf16(partner * s);
+            }
+            o[i] = __float2bfloat16_rn(v);
+        }
+        *reinterpret_cast<Pack*>(at[k]) = out;
     }
 }
 
@@ -205,7 +252,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
 // Per-head QK RMSNorm (none, plain, or affine) and rotate-half RoPE over the first `rotated` channels of each head
 // (even, 2 <= rotated <= D), in place on the q and k heads of a fused q|k|v GEMM output; value heads are left as
 // they are. cos/sin: [rows, rotated / 2] tables (f32 or bf16, row stride rope_stride). See rope_half_partial.
-// Grid: ceil(rows * (q_heads + kv_heads) / 8) blocks of 256 threads.
+// Grid: ceil(rows * (q_heads + kv_heads) / (8 * ROPE_ITEMS_PER_WARP)) blocks of 256 threads.
 #define NN_ROPE_HALF_PARTIAL(NAME, D, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(256)                                                         \
         NAME(bf16* __restrict__ qkv, int qkv_stride, int rows, int q_heads, int kv_heads,                     \

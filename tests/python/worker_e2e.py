@@ -90,6 +90,8 @@ VIDEO_PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, dec
 # which ffmpeg muxes the videos (or a warning that none was found).
 H3_LOADED_LINE = re.compile(r"tf worker: loaded in ([0-9.]+) s, (\d+) B resident")
 PRECISION_LINE = re.compile(r"tf worker: ([A-Za-z0-9 ]+?) precision: (.+)$")
+# Both engines end their phase line with "; GEMM plans built in the request: 3 (12.5 ms)".
+PLANS_LINE = re.compile(r"GEMM plans built in the request: (\d+) \(([0-9.]+) ms\)")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
 STDERR_EVENTS = (PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE)
 
@@ -278,19 +280,29 @@ def phase_from_log(events, after, before):
     """The worker's own phase line logged in (after, before]: dict in ms, or None."""
     for t, line in events:
         if after < t <= before:
+            plans = PLANS_LINE.search(line)
+            planned = {} if plans is None else dict(gemm_plans_built=int(plans.group(1)),
+                                                     gemm_planning_ms=float(plans.group(2)))
             m = PHASE_LINE.search(line)
             if m:
                 return dict(encode_ms=float(m.group(1)) * 1e3, steps=int(m.group(2)),
                             steps_ms=float(m.group(3)) * 1e3, decode_ms=float(m.group(4)) * 1e3,
-                            total_ms=float(m.group(5)) * 1e3)
+                            total_ms=float(m.group(5)) * 1e3, **planned)
             m = VIDEO_PHASE_LINE.search(line)
             if m:
-                return dict(encode_ms=float(m.group(1)) * 1e3, steps=int(m.group(2)),
+                return dict(**planned, encode_ms=float(m.group(1)) * 1e3, steps=int(m.group(2)),
                             steps_ms=float(m.group(3)) * 1e3, video_decode_ms=float(m.group(4)) * 1e3,
                             audio_decode_ms=float(m.group(5)) * 1e3, total_ms=float(m.group(6)) * 1e3,
                             frames=None if m.group(7) is None else int(m.group(7)),
                             frames_asked=None if m.group(8) is None else int(m.group(8)))
     return None
+
+
+def plans_text(phases):
+    """The GEMM plans a request built (shapes its load did not plan), as the worker logged them."""
+    if phases.get("gemm_plans_built") is None:
+        return "GEMM plans built: not logged"
+    return f"GEMM plans built: {phases['gemm_plans_built']} ({phases['gemm_planning_ms']:.1f} ms)"
 
 
 def is_ffmpeg_missing(obj):
@@ -587,7 +599,8 @@ def main():
                       f"{fmt_ms(wp.get('audio_decode_ms'))}, total {fmt_ms(wp.get('total_ms'))} ms, "
                       f"{wp.get('frames', '?')} frames; progress lines: encode {fmt_ms(cp.get('encode'))}, steps "
                       f"{fmt_ms(cp.get('steps'))}, video decode {fmt_ms(cp.get('video_decode'))}, audio decode "
-                      f"{fmt_ms(cp.get('audio_decode'))}, write {fmt_ms(cp.get('write'))} ms", flush=True)
+                      f"{fmt_ms(cp.get('audio_decode'))}, write {fmt_ms(cp.get('write'))} ms; "
+                      f"{plans_text(wp)}", flush=True)
         else:
             for i in range(args.requests):
                 request = {"op": "generate", "id": f"e2e_{i + 1}", "prompt": prompt, "width": width, "height": height,
@@ -606,7 +619,8 @@ def main():
                       f"worker log: encode {fmt_ms(wp.get('encode_ms'))}, steps {fmt_ms(wp.get('steps_ms'))}, "
                       f"decode {fmt_ms(wp.get('decode_ms'))}, total {fmt_ms(wp.get('total_ms'))} ms; progress lines: "
                       f"encode {fmt_ms(cp.get('encode'))}, steps {fmt_ms(cp.get('steps'))}, decode "
-                      f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms", flush=True)
+                      f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms; {plans_text(wp)}",
+                      flush=True)
 
         t_exit = worker.send({"op": "exit"})
         _, reply = worker.final(t_exit + args.exit_timeout, "the exit reply")

@@ -168,6 +168,36 @@ pub struct CacheStats {
     pub stored: u64,
 }
 
+/// Plans built by a call's first use of a shape ([`CublasLt::matmul`] outside [`CublasLt::prepare`]), over every
+/// handle of the process, and the wall time spent building them. A request that finds its shapes planned adds
+/// nothing; the difference between two readings says what a request paid for shapes the load did not plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CallPlanning {
+    pub plans: u64,
+    pub seconds: f64,
+}
+
+static CALL_PLANS: AtomicU64 = AtomicU64::new(0);
+static CALL_PLAN_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// The process's [`CallPlanning`] so far. Safe from any thread.
+pub fn call_planning() -> CallPlanning {
+    CallPlanning {
+        plans: CALL_PLANS.load(Ordering::Relaxed),
+        seconds: CALL_PLAN_NANOS.load(Ordering::Relaxed) as f64 * 1e-9,
+    }
+}
+
+impl CallPlanning {
+    /// What was built between `earlier` and this reading.
+    pub fn since(&self, earlier: &CallPlanning) -> CallPlanning {
+        CallPlanning {
+            plans: self.plans.saturating_sub(earlier.plans),
+            seconds: (self.seconds - earlier.seconds).max(0.0),
+        }
+    }
+}
+
 /// Why a plan runs the algorithm it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChosenBy {
@@ -563,6 +593,7 @@ impl CublasLt {
                 hit.into_mut()
             }
             Entry::Vacant(slot) => {
+                let planning_started = Instant::now();
                 let selection = self.algo_selection();
                 let timing = if self.prepared.load(Ordering::Acquire) {
                     Timing::Unprepared
@@ -587,6 +618,10 @@ impl CublasLt {
                     });
                 };
                 self.count_new_plan(chosen_by);
+                CALL_PLANS.fetch_add(1, Ordering::Relaxed);
+                let nanos =
+                    u64::try_from(planning_started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                CALL_PLAN_NANOS.fetch_add(nanos, Ordering::Relaxed);
                 slot.insert(plan)
             }
         };
@@ -1211,6 +1246,29 @@ fn check(lib: &LtLibrary, call: &'static str, code: ffi::Status) -> Result<(), C
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn call_planning_difference_never_goes_negative() {
+        let earlier = CallPlanning {
+            plans: 5,
+            seconds: 0.25,
+        };
+        let later = CallPlanning {
+            plans: 7,
+            seconds: 0.5,
+        };
+        assert_eq!(
+            later.since(&earlier),
+            CallPlanning {
+                plans: 2,
+                seconds: 0.25
+            }
+        );
+        assert_eq!(earlier.since(&later), CallPlanning::default());
+        // Readings only grow: a later reading never reports fewer plans than an earlier one.
+        let first = call_planning();
+        assert!(call_planning().plans >= first.plans);
+    }
 
     fn result(tag: u64, state: ffi::Status, workspace_size: usize) -> HeuristicResult {
         let mut r = HeuristicResult {

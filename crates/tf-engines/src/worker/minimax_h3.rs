@@ -151,9 +151,11 @@ impl WorkerEngine for MiniMaxH3Engine {
         let request = request_of(job);
         let audio = request.audio;
         let mut decode_steps = 0;
+        let planning_before = tf_cuda::cublaslt::call_planning();
         let result = pipeline.generate(&request, &mut |p| {
             progress(translate(p, audio, &mut decode_steps))
         });
+        let planning = tf_cuda::cublaslt::call_planning().since(&planning_before);
         let made = match result {
             Ok(made) => made,
             Err(e) => {
@@ -164,7 +166,7 @@ impl WorkerEngine for MiniMaxH3Engine {
         let t = &made.timings;
         log!(
             "tf worker: encode {:.3} s, {} steps {:.3} s, decode video {:.3} s, audio {:.3} s, total {:.3} s; {} frames \
-             ({} asked)",
+             ({} asked); GEMM plans built in the request: {} ({:.1} ms)",
             t.encode,
             t.steps.len(),
             t.steps.iter().sum::<f64>(),
@@ -172,7 +174,9 @@ impl WorkerEngine for MiniMaxH3Engine {
             t.decode_audio,
             t.total,
             made.frames.frames,
-            made.requested_frames
+            made.requested_frames,
+            planning.plans,
+            planning.seconds * 1e3
         );
         let (w, h) = (made.frames.width, made.frames.height);
         let width = u32::try_from(w).map_err(|_| EngineError::Failed("frame width".into()))?;

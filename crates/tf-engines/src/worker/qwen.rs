@@ -152,7 +152,9 @@ impl WorkerEngine for QwenImageEngine {
             seed: job.seed,
             ..Request::new(job.prompt.clone())
         };
+        let planning_before = tf_cuda::cublaslt::call_planning();
         let result = pipeline.generate(&request, &mut |p| progress(translate(p)));
+        let planning = tf_cuda::cublaslt::call_planning().since(&planning_before);
         let generation = match result {
             Ok(g) => g,
             Err(e) => {
@@ -165,12 +167,15 @@ impl WorkerEngine for QwenImageEngine {
         }
         let t = &generation.timings;
         log!(
-            "tf worker: encode {:.3} s, {} steps {:.3} s, decode {:.3} s, total {:.3} s",
+            "tf worker: encode {:.3} s, {} steps {:.3} s, decode {:.3} s, total {:.3} s; GEMM plans built in the \
+             request: {} ({:.1} ms)",
             t.encode,
             t.steps.len(),
             t.steps.iter().sum::<f64>(),
             t.decode,
-            t.total
+            t.total,
+            planning.plans,
+            planning.seconds * 1e3
         );
         let image = generation.image;
         let pixels = match image.channels {

@@ -259,6 +259,10 @@ pub struct QkNormRope<'v, 'a> {
     pub rope: Option<(&'v DeviceView<'a>, &'v DeviceView<'a>, usize, usize)>,
 }
 
+/// (row, head) items one block of h3_qk_norm_rope handles: 8 warps of `H3_QK_ITEMS_PER_WARP` (4) in
+/// kernels/minimax_h3/dit.cu.
+const QK_ITEMS_PER_BLOCK: usize = 32;
+
 /// Builds the in-place per-head QK RMSNorm (+ partial rotate-half RoPE) (kernel h3_qk_norm_rope).
 pub fn plan_qk_norm_rope<'a>(op: &QkNormRope<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "qk_norm_rope";
@@ -345,7 +349,10 @@ pub fn plan_qk_norm_rope<'a>(op: &QkNormRope<'a, '_>) -> Result<Launch<'a>, tf_c
         .push(to_i32(OP, "rotated", rotated)?);
     Ok(Launch::new(
         "h3_qk_norm_rope",
-        LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+        LaunchConfig::new(
+            to_u32(OP, "blocks", items.div_ceil(QK_ITEMS_PER_BLOCK).max(1))?,
+            256,
+        ),
         args,
     ))
 }
@@ -800,7 +807,7 @@ mod tests {
         assert_eq!(launch.kernel(), "h3_qk_norm_rope");
         assert_eq!(
             launch.config().grid.x,
-            (rows * 2 * heads).div_ceil(8) as u32
+            (rows * 2 * heads).div_ceil(QK_ITEMS_PER_BLOCK) as u32
         );
         assert_eq!(launch.args().get::<i32>(11), Some(96));
         let norm_only = QkNormRope { rope: None, ..op };

@@ -423,10 +423,21 @@ pub fn plan_rope_half_partial<'a>(
         .push(to_i32(OP, "rotated", a.rotated)?);
     Ok(Launch::new(
         kernel,
-        LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
+        LaunchConfig::new(
+            to_u32(
+                OP,
+                "blocks",
+                items.div_ceil(PARTIAL_ROPE_ITEMS_PER_BLOCK).max(1),
+            )?,
+            256,
+        ),
         args,
     ))
 }
+
+/// (row, head) items one block of the partial RoPE kernels handles: 8 warps of `ROPE_ITEMS_PER_WARP` (4) in
+/// kernels/nn/rope.cu.
+const PARTIAL_ROPE_ITEMS_PER_BLOCK: usize = 32;
 
 impl NnKernels {
     /// In-place (QK norm +) partial rotate-half RoPE; see [`plan_rope_half_partial`].
@@ -566,7 +577,10 @@ mod tests {
         assert_eq!(launch.args.len(), 13);
         assert_eq!(launch.args.get::<i32>(8), Some(2));
         assert_eq!(launch.args.get::<i32>(12), Some(96));
-        assert_eq!(launch.config.grid.x, (5 * 6usize).div_ceil(8) as u32);
+        assert_eq!(
+            launch.config.grid.x,
+            (5 * 6usize).div_ceil(PARTIAL_ROPE_ITEMS_PER_BLOCK) as u32
+        );
         // f32 tables are twice as large: these ones are too short.
         args.table = RopeTable::F32;
         assert!(plan_rope_half_partial(&args).is_err());
