@@ -33,6 +33,23 @@ __device__ __forceinline__ void store8(bf16* p, const float (&in)[8]) {
     *reinterpret_cast<Bf16x8*>(p) = v;
 }
 
+// The eight values of a Bf16x8 in f32 (exact), and eight f32 values rounded into one.
+__device__ __forceinline__ void unpack8(const Bf16x8& v, float (&out)[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(v.pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ Bf16x8 pack8(const float (&in)[8]) {
+    Bf16x8 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v.pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    return v;
+}
+
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 // Butterfly sum over the 32 lanes of a warp; every lane gets the same value, in the same order on every run.

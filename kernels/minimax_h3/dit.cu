@@ -49,8 +49,19 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
     const int row = blockIdx.x;
     if (row >= rows) return;
     bf16* x_row = x + static_cast<int64_t>(row) * x_stride;
-    float v[H3_ROW_CHUNKS][8];
-    nn::load_row<H3_ROW_THREADS, H3_ROW_CHUNKS>(x_row, cols, v);
+    // The row is held as the bf16 values it is stored as (v is rounded to bf16 before the norm): half the
+    // registers of f32, so more blocks share an SM and one block's reduction overlaps another's loads.
+    nn::Bf16x8 v[H3_ROW_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
+        if (col < cols) {
+            v[c] = *reinterpret_cast<const nn::Bf16x8*>(x_row + col);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[c].pairs[i] = __floats2bfloat162_rn(0.0f, 0.0f);
+        }
+    }
     if (y != nullptr) {
         const bf16* y_row = y + static_cast<int64_t>(row) * y_stride;
         const bf16* g_row = nullptr;
@@ -62,21 +73,26 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
         for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
             const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
             if (col < cols) {
+                float xv[8];
+                nn::unpack8(v[c], xv);
                 float yv[8];
                 nn::load8(y_row + col, yv);
                 float gv[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
                 if (g_row != nullptr) nn::load8(g_row + col, gv);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[c][i] = nn::round_bf16(v[c][i] + gv[i] * yv[i]);
-                nn::store8(x_row + col, v[c]);
+                for (int i = 0; i < 8; ++i) xv[i] = xv[i] + gv[i] * yv[i];
+                nn::store8(x_row + col, xv);
+                v[c] = nn::pack8(xv);
             }
         }
     }
     float sq = 0.0f;
 #pragma unroll
     for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
+        float vv[8];
+        nn::unpack8(v[c], vv);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sq += v[c][i] * v[c][i];
+        for (int i = 0; i < 8; ++i) sq += vv[i] * vv[i];
     }
     const float rstd = rsqrtf(nn::block_sum(sq, scratch) * inv_norm_cols + eps);
     const bf16* m_row = nullptr;
@@ -94,11 +110,13 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
     for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
         const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
         if (col < cols) {
+            float vv[8];
+            nn::unpack8(v[c], vv);
             float w[8];
             nn::load8(weight + col, w);
             float n[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) n[i] = v[c][i] * rstd * w[i];
+            for (int i = 0; i < 8; ++i) n[i] = vv[i] * rstd * w[i];
             if (m_row != nullptr) {
                 float s[8];
                 nn::load8(m_row + scale_offset + col, s);
