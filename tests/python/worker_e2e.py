@@ -92,8 +92,10 @@ H3_LOADED_LINE = re.compile(r"tf worker: loaded in ([0-9.]+) s, (\d+) B resident
 PRECISION_LINE = re.compile(r"tf worker: ([A-Za-z0-9 ]+?) precision: (.+)$")
 # Both engines end their phase line with "; GEMM plans built in the request: 3 (12.5 ms)".
 PLANS_LINE = re.compile(r"GEMM plans built in the request: (\d+) \(([0-9.]+) ms\)")
+# Qwen-Image: "tf worker: wrote image_0.png (4200123 B): PNG encode 6.5 ms, file write 2.1 ms".
+PNG_LINE = re.compile(r"wrote .* \((\d+) B\): PNG encode ([0-9.]+) ms, file write ([0-9.]+) ms")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
-STDERR_EVENTS = (PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE)
+STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE)
 
 
 class WorkerFailed(Exception):
@@ -362,6 +364,17 @@ def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
     while phases is None and time.perf_counter() < wait_until:
         time.sleep(0.01)
         phases = phase_from_log(worker.events(), t_send, float("inf"))
+    # An image job logs its PNG line after the phase line and before the reply.
+    png_wait = time.perf_counter() + 0.5
+    while phases is not None and "decode_ms" in phases and "png_encode_ms" not in phases:
+        for t, line in worker.events():
+            m = PNG_LINE.search(line) if t > t_send else None
+            if m:
+                phases.update(png_bytes=int(m.group(1)), png_encode_ms=float(m.group(2)),
+                              file_write_ms=float(m.group(3)))
+        if time.perf_counter() > png_wait:
+            break
+        time.sleep(0.01)
     result["worker_phases_ms"] = phases
     return result, t_final
 
@@ -619,8 +632,9 @@ def main():
                       f"worker log: encode {fmt_ms(wp.get('encode_ms'))}, steps {fmt_ms(wp.get('steps_ms'))}, "
                       f"decode {fmt_ms(wp.get('decode_ms'))}, total {fmt_ms(wp.get('total_ms'))} ms; progress lines: "
                       f"encode {fmt_ms(cp.get('encode'))}, steps {fmt_ms(cp.get('steps'))}, decode "
-                      f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms; {plans_text(wp)}",
-                      flush=True)
+                      f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms (PNG encode "
+                      f"{fmt_ms(wp.get('png_encode_ms'))}, file {fmt_ms(wp.get('file_write_ms'))} ms); "
+                      f"{plans_text(wp)}", flush=True)
 
         t_exit = worker.send({"op": "exit"})
         _, reply = worker.final(t_exit + args.exit_timeout, "the exit reply")

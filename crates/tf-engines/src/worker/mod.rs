@@ -587,10 +587,18 @@ impl<E: WorkerEngine> Worker<E> {
                 );
                 return self.job_failed(EngineError::Failed(message), output);
             }
-            if let Err(e) = write_png_atomically(&path, &image) {
-                let message = format!("could not write {}: {e}", path.display());
-                self.reply_error(output, &message, ErrorType::Server)?;
-                return Ok(Flow::Continue);
+            match write_png_atomically(&path, &image) {
+                Ok(written) => log!(
+                    "tf worker: wrote {listed} ({} B): PNG encode {:.1} ms, file write {:.1} ms",
+                    written.bytes,
+                    written.encode_s * 1e3,
+                    written.write_s * 1e3
+                ),
+                Err(e) => {
+                    let message = format!("could not write {}: {e}", path.display());
+                    self.reply_error(output, &message, ErrorType::Server)?;
+                    return Ok(Flow::Continue);
+                }
             }
             files.push(listed);
         }
@@ -908,8 +916,17 @@ pub fn write_raw_video(
     Ok(files)
 }
 
+/// What writing one PNG took: its size, the encoding and the file write.
+#[derive(Clone, Copy, Debug)]
+struct PngWritten {
+    bytes: usize,
+    encode_s: f64,
+    write_s: f64,
+}
+
 /// Writes `image` as a PNG through a temporary file renamed into place, so a reader never sees half a file.
-fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(), String> {
+fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<PngWritten, String> {
+    let started = Instant::now();
     let bytes = crate::nn::media::png::encode_png(
         image.width() as usize,
         image.height() as usize,
@@ -917,7 +934,13 @@ fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<(),
         image.pixels(),
     )
     .map_err(|e| e.to_string())?;
-    crate::nn::media::write_atomically(path, &bytes).map_err(|e| e.to_string())
+    let encoded = Instant::now();
+    crate::nn::media::write_atomically(path, &bytes).map_err(|e| e.to_string())?;
+    Ok(PngWritten {
+        bytes: bytes.len(),
+        encode_s: encoded.duration_since(started).as_secs_f64(),
+        write_s: encoded.elapsed().as_secs_f64(),
+    })
 }
 
 /// One output line; absent fields are left out, present ones keep this order (`ok` first).
