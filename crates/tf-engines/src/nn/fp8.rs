@@ -25,28 +25,39 @@ const MAX_CODE: u8 = 0x7e;
 
 /// The e4m3 code of `v`: round to nearest even, saturating to ±448; NaN becomes `0x7f` (CUDA's
 /// `cvt.rn.satfinite.e4m3x2.f32`).
+///
+/// Written without branches (every case computed, one selected), so that a loop over a row vectorizes: the
+/// load-time weight quantizer runs this for every weight of an FP8 model.
+#[inline]
 pub fn e4m3_encode(v: f32) -> u8 {
-    if v.is_nan() {
-        return 0x7f;
-    }
+    const SMALLEST_NORMAL_BITS: u32 = 0x3c80_0000; // 2^-6, code 8
+    const MAX_BITS: u32 = 0x43e0_0000; // 448
+    const INFINITY_BITS: u32 = 0x7f80_0000;
     let bits = v.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
+    let sign = (bits >> 24) & 0x80;
     let magnitude = bits & 0x7fff_ffff;
-    let a = f32::from_bits(magnitude);
-    if a >= E4M3_MAX {
-        return sign | MAX_CODE;
-    }
-    if a < 2f32.powi(-6) {
-        // Subnormal codes count steps of 2^-9 (code 8, 2^-6, is the smallest normal: the same number).
-        // Scaling by a power of two is exact.
-        return sign | (a * 512.0).round_ties_even() as u8;
-    }
     // Normal: keep 3 of f32's 23 mantissa bits, rounding to nearest even on the exponent|mantissa field (a carry
-    // moves into the exponent), then rebias the exponent from 127 to 7.
+    // moves into the exponent), then rebias the exponent from 127 to 7. No overflow: magnitude < 2^31.
     let round = (1u32 << 19) - 1 + ((magnitude >> 20) & 1);
-    let field = (magnitude + round) >> 20;
-    let code = field - ((127 - 7) << 3);
-    sign | (code.min(u32::from(MAX_CODE)) as u8)
+    let normal = ((magnitude + round) >> 20).wrapping_sub((127 - 7) << 3);
+    // Subnormal codes count steps of 2^-9 (code 8, 2^-6, is the smallest normal: the same number). Scaling by a
+    // power of two is exact, and adding 2^23 rounds a value below 2^22 to an integer, ties to even (f32
+    // arithmetic rounds to nearest even), which the sum's low mantissa bits then hold: the subnormal code.
+    let scaled = f32::from_bits(magnitude.min(SMALLEST_NORMAL_BITS)) * 512.0;
+    let subnormal = (scaled + 8_388_608.0).to_bits().wrapping_sub(0x4b00_0000);
+    let magnitude_code = if magnitude >= MAX_BITS {
+        u32::from(MAX_CODE)
+    } else if magnitude < SMALLEST_NORMAL_BITS {
+        subnormal
+    } else {
+        normal
+    };
+    let code = if magnitude > INFINITY_BITS {
+        0x7f
+    } else {
+        sign | magnitude_code
+    };
+    code as u8
 }
 
 /// The value of e4m3 code `code` (`0x7f` and `0xff` are NaN).
@@ -76,7 +87,21 @@ pub fn row_scale(amax: f32) -> f32 {
 
 /// The largest magnitude of `values` (NaN ignored, as the kernels' `fmaxf` does).
 pub fn amax(values: &[f32]) -> f32 {
-    values.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+    // On magnitudes' bits (sign cleared, so non-negative as i32) the integer order is the order of the values,
+    // infinity included; NaN's bits lie above infinity's and count as 0. Signed integer maxima vectorize (4x
+    // faster than the float fold); the result is the same value.
+    let largest = values
+        .iter()
+        .map(|v| {
+            let magnitude = (v.to_bits() & 0x7fff_ffff) as i32;
+            if magnitude > 0x7f80_0000 {
+                0
+            } else {
+                magnitude
+            }
+        })
+        .fold(0i32, i32::max);
+    f32::from_bits(largest as u32)
 }
 
 /// Quantizes one row into `codes` (same length) and returns its scale.
@@ -165,16 +190,26 @@ impl Fp8RowQuantizer {
         }
     }
 
-    fn value(&self, src: &[u8], i: usize) -> f32 {
+    /// `out.len()` source values of this tensor's dtype from `src`, as f32 (exact for all three). One dtype per
+    /// call keeps the loop free of per-element branches.
+    fn widen(&self, src: &[u8], out: &mut [f32]) {
         match self.from {
             Dtype::F32 => {
-                let b = &src[4 * i..4 * i + 4];
-                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                for (v, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
             }
             Dtype::BF16 => {
-                half::bf16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f32()
+                // bf16 is f32's upper half.
+                for (v, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                }
             }
-            _ => half::f16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f32(),
+            _ => {
+                for (v, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *v = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
         }
     }
 }
@@ -224,11 +259,9 @@ impl ChunkTransform for Fp8RowQuantizer {
         }
         let mut row_values = vec![0f32; cols];
         let mut found = Vec::with_capacity(elements / cols);
-        for (r, out) in dst.chunks_exact_mut(cols).enumerate() {
-            let base = r * cols;
-            for (c, v) in row_values.iter_mut().enumerate() {
-                *v = self.value(src, base + c);
-            }
+        let row_bytes = cols * unit;
+        for (row_src, out) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(cols)) {
+            self.widen(row_src, &mut row_values);
             found.push(quantize_row(&row_values, out));
         }
         let mut scales = self.scales.lock().map_err(|_| UploadError::Worker)?;
@@ -283,6 +316,28 @@ mod tests {
         assert_eq!(e4m3_encode(2f32.powi(-10)), 0);
         assert_eq!(e4m3_encode(2f32.powi(-10) * 1.001), 1);
         assert_eq!(e4m3_encode(-0.0), 0x80);
+    }
+
+    #[test]
+    fn encoding_matches_the_nearest_code_at_every_bf16_value_and_between() {
+        // Every bf16 pattern as an f32, and the f32s just below, at and just above the midpoint to the next bf16:
+        // all the rounding boundaries of e4m3 (3 mantissa bits) lie among these.
+        for high in 0u32..=0xffff {
+            for low in [0u32, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                let v = f32::from_bits((high << 16) | low);
+                let want = if v.is_nan() { 0x7f } else { nearest_code(v) };
+                assert_eq!(e4m3_encode(v), want, "{v:e} ({:#010x})", v.to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn amax_ignores_nan_and_sign() {
+        assert_eq!(amax(&[]), 0.0);
+        assert_eq!(amax(&[-0.0, 0.0]), 0.0);
+        assert_eq!(amax(&[1.0, -3.5, f32::NAN, 2.0]), 3.5);
+        assert_eq!(amax(&[f32::NEG_INFINITY, 7.0]), f32::INFINITY);
+        assert_eq!(amax(&[f32::NAN]), 0.0);
     }
 
     proptest! {

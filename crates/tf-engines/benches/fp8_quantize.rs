@@ -1,0 +1,41 @@
+//! Load-time FP8 weight quantization on the host: one thread running the upload ring's per-row quantizer
+//! (`Fp8RowQuantizer`) over a 4096 x 4096 bf16 weight (32 MiB in, 16 MiB of codes out), the work a loading
+//! `--precision fp8` model does for every quantized layer.
+// A failed check in a benchmark is meant to stop it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use tf_engines::nn::fp8::Fp8RowQuantizer;
+use tf_engines::nn::upload::ChunkTransform;
+use tf_engines::nn::weights::Dtype;
+
+fn quantize(c: &mut Criterion) {
+    const ROWS: usize = 4096;
+    const COLS: usize = 4096;
+    // A weight-like spread of bf16 values (a fixed xorshift sequence, no two rows alike).
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let src: Vec<u8> = (0..ROWS * COLS)
+        .flat_map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            let bits = (unit * 0.04).to_bits();
+            ((bits >> 16) as u16).to_le_bytes()
+        })
+        .collect();
+    let mut dst = vec![0u8; ROWS * COLS];
+    let mut group = c.benchmark_group("fp8_weight_quantize");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(src.len() as u64));
+    group.bench_function("bf16_4096x4096_one_thread", |b| {
+        let quantizer = Fp8RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
+        b.iter(|| quantizer.apply(0, black_box(&src), &mut dst).unwrap())
+    });
+    group.finish();
+}
+
+criterion_group!(benches, quantize);
+criterion_main!(benches);
