@@ -70,6 +70,37 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The K consecutive (row, head) items one warp of a block of 8 warps takes in a kernel over rows x heads_per_row
+// items of D channels each (heads of a fused row, `stride` elements apart from row to row): for each, its row, its
+// head, the address of channel `dim` of the head, and the Pack of channels there, every load issued before any is
+// used. Items past the end get a null address; they are the warp's last ones. The item index is uniform across
+// the warp, so every lane takes the same branches.
+template <int K, int D, typename Pack>
+struct WarpHeadItems {
+    bf16* at[K];
+    int64_t row[K];
+    int head[K];
+    Pack raw[K];
+
+    __device__ __forceinline__ void load(bf16* base, int stride, int rows, int heads_per_row, int dim) {
+        const int64_t items = static_cast<int64_t>(rows) * heads_per_row;
+        const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5)) * K;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t item = first + k;
+            at[k] = nullptr;
+            row[k] = 0;
+            head[k] = 0;
+            if (item < items) {
+                row[k] = item / heads_per_row;
+                head[k] = static_cast<int>(item - row[k] * heads_per_row);
+                at[k] = base + row[k] * stride + head[k] * D + dim;
+                raw[k] = *reinterpret_cast<const Pack*>(at[k]);
+            }
+        }
+    }
+};
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024), returned to every thread. Fixed
 // order: warp butterflies, then the warp totals in ascending warp order. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

@@ -160,36 +160,16 @@ extern "C" __global__ void __launch_bounds__(256)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int qk_heads = 2 * heads;
-    const int64_t items = static_cast<int64_t>(rows) * qk_heads;
-    const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * K;
     const int dim = lane * 4;
-
-    bf16* at[K];
-    int64_t row_of[K];
-    bool query[K];
-    uint2 raw[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int64_t item = first + k;
-        at[k] = nullptr;
-        row_of[k] = 0;
-        query[k] = false;
-        if (item < items) {  // uniform across the warp
-            const int64_t row = item / qk_heads;
-            const int head = static_cast<int>(item - row * qk_heads);
-            row_of[k] = row;
-            query[k] = head < heads;
-            at[k] = qkv + row * qkv_stride + head * 128 + dim;
-            raw[k] = *reinterpret_cast<const uint2*>(at[k]);
-        }
-    }
+    nn::WarpHeadItems<K, 128, uint2> items;
+    items.load(qkv, qkv_stride, rows, qk_heads, dim);
 
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        if (at[k] == nullptr) break;  // the items past the end are the last ones
-        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].x));
-        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].y));
-        const uint2 wraw = *reinterpret_cast<const uint2*>((query[k] ? q_weight : k_weight) + dim);
+        if (items.at[k] == nullptr) break;  // the items past the end are the last ones
+        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&items.raw[k].x));
+        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&items.raw[k].y));
+        const uint2 wraw = *reinterpret_cast<const uint2*>((items.head[k] < heads ? q_weight : k_weight) + dim);
         const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
         const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
         const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
@@ -205,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(256)
             for (int i = 0; i < 4; ++i) staged[warp][k][dim + i] = n[i];
             __syncwarp();
             const int half = rotated / 2;
-            const int64_t table_row = row_of[k] * table_stride;
+            const int64_t table_row = items.row[k] * table_stride;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int ch = dim + i;
@@ -224,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(256)
         uint2 packed;
         packed.x = *reinterpret_cast<const uint32_t*>(&o01);
         packed.y = *reinterpret_cast<const uint32_t*>(&o23);
-        *reinterpret_cast<uint2*>(at[k]) = packed;
+        *reinterpret_cast<uint2*>(items.at[k]) = packed;
     }
 }
 

@@ -178,35 +178,15 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int heads = q_heads + kv_heads;
-    const int64_t items = static_cast<int64_t>(rows) * heads;
-    const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * K;
     const int dim = lane * E;
-
-    bf16* at[K];
-    int row_of[K];
-    bool query[K];
-    Pack raw[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int64_t item = first + k;
-        at[k] = nullptr;
-        row_of[k] = 0;
-        query[k] = false;
-        if (item < items) {  // uniform across the warp
-            const int row = static_cast<int>(item / heads);
-            const int head = static_cast<int>(item - static_cast<int64_t>(row) * heads);
-            row_of[k] = row;
-            query[k] = head < q_heads;
-            at[k] = qkv + static_cast<int64_t>(row) * qkv_stride + head * D + dim;
-            raw[k] = *reinterpret_cast<const Pack*>(at[k]);
-        }
-    }
+    nn::WarpHeadItems<K, D, Pack> items;
+    items.load(qkv, qkv_stride, rows, heads, dim);
 
     const int half = rotated / 2;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        if (at[k] == nullptr) break;  // the items past the end are the last ones
-        const bf16* x = reinterpret_cast<const bf16*>(&raw[k]);
+        if (items.at[k] == nullptr) break;  // the items past the end are the last ones
+        const bf16* x = reinterpret_cast<const bf16*>(&items.raw[k]);
         float n[E];
 #pragma unroll
         for (int i = 0; i < E; ++i) n[i] = __bfloat162float(x[i]);
@@ -215,7 +195,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
 #pragma unroll
             for (int i = 0; i < E; ++i) sq += n[i] * n[i];
             const float r = rsqrtf(nn::warp_sum(sq) * (1.0f / D) + eps);
-            const Pack wraw = *reinterpret_cast<const Pack*>((query[k] ? q_weight : k_weight) + dim);
+            const Pack wraw = *reinterpret_cast<const Pack*>((items.head[k] < q_heads ? q_weight : k_weight) + dim);
             const bf16* w = reinterpret_cast<const bf16*>(&wraw);
 #pragma unroll
             for (int i = 0; i < E; ++i) {
@@ -226,7 +206,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
 #pragma unroll
         for (int i = 0; i < E; ++i) staged[warp][k][dim + i] = n[i];
         __syncwarp();
-        const int64_t table_row = static_cast<int64_t>(row_of[k]) * rope_stride;
+        const int64_t table_row = items.row[k] * rope_stride;
         Pack out;
         bf16* o = reinterpret_cast<bf16*>(&out);
 #pragma unroll
@@ -243,7 +223,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
             }
             o[i] = __float2bfloat16_rn(v);
         }
-        *reinterpret_cast<Pack*>(at[k]) = out;
+        *reinterpret_cast<Pack*>(items.at[k]) = out;
     }
 }
 
