@@ -191,6 +191,9 @@ pub struct StackKey {
     pub cublaslt_version: usize,
     /// The handle's workspace: it bounds which algorithms the heuristic offers.
     pub workspace_bytes: usize,
+    /// The operands prepared shapes are timed on (files written before it existed read as constant).
+    #[serde(default)]
+    pub timing_data: super::TimingData,
 }
 
 /// How a stored choice was made.
@@ -753,6 +756,7 @@ mod tests {
             driver_release: "580.159.04".into(),
             cublaslt_version: 130_100,
             workspace_bytes: 32 << 20,
+            timing_data: super::super::TimingData::Constant,
         }
     }
 
@@ -906,6 +910,11 @@ mod tests {
             ..stack(12080)
         };
         assert_eq!(newer.lookup(&other_ws, &key(64)), None);
+        let other_data = StackKey {
+            timing_data: super::super::TimingData::Random,
+            ..stack(12080)
+        };
+        assert_eq!(newer.lookup(&other_data, &key(64)), None);
         // Another shape: a miss as well.
         assert_eq!(newer.lookup(&stack(12080), &key(65)), None);
         newer.record(

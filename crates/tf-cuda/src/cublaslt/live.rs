@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::ffi::{HeuristicResult, MatmulAlgo};
-use super::plan::{AlgoSelection, ColumnMajorCall, InputType, PlanKey};
+use super::plan::{AlgoSelection, ColumnMajorCall, InputType, PlanKey, TimingData};
 use super::prepare::{GemmShape, OperandBases, Planner};
 use super::{in_context, ChosenBy, CublasLt, CublasLtError, Plan};
 use crate::memory::DeviceBuffer;
@@ -55,7 +55,10 @@ impl<'a> LivePlanner<'a> {
             next_order: first_order,
             current: None,
             done: Vec::new(),
-            scratch: Scratch::default(),
+            scratch: Scratch {
+                data: lt.timing_data(),
+                ..Scratch::default()
+            },
         }
     }
 
@@ -184,6 +187,8 @@ impl Drop for LivePlanner<'_> {
 /// Scratch operands for timing prepared shapes, grown to the largest shape timed.
 #[derive(Default)]
 struct Scratch {
+    /// What the operands hold.
+    data: TimingData,
     x: Option<DeviceBuffer>,
     w: Option<DeviceBuffer>,
     y: Option<DeviceBuffer>,
@@ -195,6 +200,49 @@ struct Scratch {
 const INPUT_FILL: u32 = 0x3c00_3c00;
 /// f32 1.0: unit FP8 scales.
 const SCALE_FILL: u32 = 0x3f80_0000;
+
+/// Bytes of the pattern [`fill_random_operand`] repeats: larger than the L2, so no tile of an operand repeats in it.
+const RANDOM_PATTERN_BYTES: usize = 64 << 20;
+
+/// The 16-bit word `random_operand_word` makes from two random bytes: a bf16 of magnitude 2^-9 to 2^-6 with a random
+/// sign and mantissa whose two bytes are also finite e4m3 codes (magnitudes 1.375 and 1.5 for the high byte, any
+/// non-NaN code for the low one), so one pattern serves bf16 and FP8 shapes as [`INPUT_FILL`] does.
+fn random_operand_word(low: u8, high: u8) -> u16 {
+    // e4m3's NaN codes are 0x7f and 0xff.
+    let low = if low & 0x7f == 0x7f { low ^ 1 } else { low };
+    let high = (high & 0x80) | if high & 1 == 0 { 0x3b } else { 0x3c };
+    u16::from_le_bytes([low, high])
+}
+
+/// The pseudo-random pattern of [`TimingData::Random`] (splitmix64 from a fixed seed: the same bytes in every process).
+fn random_operand_pattern(bytes: usize) -> Vec<u8> {
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut out = Vec::with_capacity(bytes);
+    while out.len() < bytes {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        for pair in z.to_le_bytes().chunks_exact(2) {
+            out.extend_from_slice(&random_operand_word(pair[0], pair[1]).to_le_bytes());
+        }
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// Fills `buffer` with the repeated [`random_operand_pattern`] (a synchronous upload: done before any timing).
+fn fill_random_operand(buffer: &mut DeviceBuffer) -> Result<(), CublasLtError> {
+    let pattern = random_operand_pattern(RANDOM_PATTERN_BYTES.min(buffer.len()));
+    let mut offset = 0;
+    while offset < buffer.len() {
+        let take = pattern.len().min(buffer.len() - offset);
+        buffer.upload(offset, &pattern[..take])?;
+        offset += take;
+    }
+    Ok(())
+}
 
 /// Bytes of the X scales and where the W scales start in one scales buffer (X at 0), for `shape`:
 /// `(w_offset, total)`, both multiples of 256; `(0, 0)` for a bf16 shape.
@@ -249,8 +297,10 @@ impl Scratch {
             let Ok(mut buffer) = DeviceBuffer::alloc(&lt.ctx, len) else {
                 return Ok(None);
             };
-            if let Some(value) = fill {
-                buffer.fill_u32(value, Some(stream))?;
+            match (fill, self.data) {
+                (Some(INPUT_FILL), TimingData::Random) => fill_random_operand(&mut buffer)?,
+                (Some(value), _) => buffer.fill_u32(value, Some(stream))?,
+                (None, _) => {}
             }
             *slot = Some(buffer);
         }
@@ -274,6 +324,42 @@ impl Scratch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bf16_to_f32(bits: u16) -> f32 {
+        f32::from_bits(u32::from(bits) << 16)
+    }
+
+    #[test]
+    fn every_random_operand_word_is_a_small_bf16_and_two_finite_e4m3_codes() {
+        for low in 0..=255u8 {
+            for high in 0..=255u8 {
+                let word = random_operand_word(low, high);
+                let value = bf16_to_f32(word).abs();
+                assert!(
+                    (2f32.powi(-9)..2f32.powi(-5)).contains(&value),
+                    "{low:#x} {high:#x} -> {word:#06x} = {value}"
+                );
+                for byte in word.to_le_bytes() {
+                    assert_ne!(byte & 0x7f, 0x7f, "e4m3 NaN code from {low:#x} {high:#x}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_random_pattern_is_fixed_and_toggles_its_bits() {
+        let a = random_operand_pattern(1 << 16);
+        assert_eq!(a, random_operand_pattern(1 << 16));
+        assert_eq!(random_operand_pattern(7).len(), 7);
+        // Both signs, and words that differ from their neighbours almost always.
+        let words: Vec<u16> = a
+            .chunks_exact(2)
+            .map(|p| u16::from_le_bytes([p[0], p[1]]))
+            .collect();
+        assert!(words.iter().any(|w| w & 0x8000 != 0) && words.iter().any(|w| w & 0x8000 == 0));
+        let same = words.windows(2).filter(|w| w[0] == w[1]).count();
+        assert!(same < words.len() / 100, "{same} repeated neighbours");
+    }
 
     #[test]
     fn scratch_scales_hold_every_vector_of_a_row_wise_shape() {

@@ -95,7 +95,8 @@ pub use cache::{
 pub use loader::{Attempt, LtLibrary};
 pub use plan::{
     choose_candidate, fastest_candidate, Activation, AlgoSelection, ColumnMajorCall, DeviceSpan,
-    Fp8ScaleMode, Fp8Scales, Gemm, InputType, OutputType, PlanKey, SWITCH_MARGIN, TIMING_ROUNDS,
+    Fp8ScaleMode, Fp8Scales, Gemm, InputType, OutputType, PlanKey, TimingData, SWITCH_MARGIN,
+    TIMING_ROUNDS,
 };
 pub use prepare::{Clock, GemmShape, PrepareReport, WallClock};
 
@@ -319,6 +320,7 @@ impl Drop for PartialPlan<'_> {
 pub struct CublasLt {
     plans: Mutex<HashMap<PlanKey, Plan>>,
     selection: parking_lot::Mutex<AlgoSelection>,
+    timing_data: parking_lot::Mutex<TimingData>,
     /// The persistent cache and this handle's stack key, when one is set.
     plan_cache: parking_lot::Mutex<Option<(Arc<PlanCache>, StackKey)>>,
     /// Set by [`CublasLt::prepare`]: from then on no call is timed.
@@ -375,6 +377,7 @@ impl CublasLt {
         Ok(CublasLt {
             plans: Mutex::new(HashMap::new()),
             selection: parking_lot::Mutex::new(AlgoSelection::default()),
+            timing_data: parking_lot::Mutex::new(TimingData::default()),
             plan_cache: parking_lot::Mutex::new(None),
             prepared: AtomicBool::new(false),
             hits: AtomicU64::new(0),
@@ -433,6 +436,22 @@ impl CublasLt {
         *self.selection.lock()
     }
 
+    /// What prepared shapes are timed on from now on ([`TimingData::Constant`] unless set). It is part of the
+    /// stack key under which timed choices are stored, so an attached cache files them apart.
+    pub fn set_timing_data(&self, data: TimingData) -> Result<(), CublasLtError> {
+        *self.timing_data.lock() = data;
+        let mut attached = self.plan_cache.lock();
+        if let Some((_, stack)) = attached.as_mut() {
+            *stack = self.stack_key()?;
+        }
+        Ok(())
+    }
+
+    /// What prepared shapes are timed on.
+    pub fn timing_data(&self) -> TimingData {
+        *self.timing_data.lock()
+    }
+
     /// What every cached plan chose, in the order the shapes were first called.
     pub fn plan_choices(&self) -> Vec<PlanChoice> {
         let Ok(plans) = self.plans.lock() else {
@@ -474,6 +493,7 @@ impl CublasLt {
             driver_release: cache::driver_release(),
             cublaslt_version: self.lib.version(),
             workspace_bytes: self.workspace.len_bytes(),
+            timing_data: self.timing_data(),
         })
     }
 

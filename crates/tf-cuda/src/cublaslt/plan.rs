@@ -545,6 +545,31 @@ pub struct ColumnMajorCall {
     pub key: PlanKey,
 }
 
+/// The operands a prepared shape is timed on (a first call is timed on its own operands; see
+/// [`super::CublasLt::set_timing_data`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TimingData {
+    /// One small value in every element: no bit toggles, so the GEMM draws little power and is timed at the
+    /// highest clock.
+    #[default]
+    Constant,
+    /// Pseudo-random small values whose every byte toggles, as a model's activations and weights do: the GEMM
+    /// draws the power it draws in a model, and a card at its power cap is timed at the clock it runs there.
+    Random,
+}
+
+impl TimingData {
+    /// The names `constant` and `random`.
+    pub fn parse(name: &str) -> Option<TimingData> {
+        match name {
+            "constant" => Some(TimingData::Constant),
+            "random" => Some(TimingData::Random),
+            _ => None,
+        }
+    }
+}
+
 /// How a handle picks the algorithm of a new plan (see [`super::CublasLt::set_algo_selection`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AlgoSelection {

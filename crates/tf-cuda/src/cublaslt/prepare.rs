@@ -500,6 +500,7 @@ mod tests {
             driver_release: String::new(),
             cublaslt_version: 130_100,
             workspace_bytes: 32 << 20,
+            timing_data: crate::cublaslt::TimingData::Constant,
         }
     }
 

@@ -21,7 +21,7 @@ use tf_cuda::cublaslt::plan::alignment_of;
 pub use tf_cuda::cublaslt::GemmShape;
 use tf_cuda::cublaslt::{
     AlgoSelection, CublasLt, CublasLtError, DeviceSpan, Fp8Scales, Gemm, LtLibrary, OutputType,
-    PlanCache, PlanChoice, PrepareReport,
+    PlanCache, PlanChoice, PrepareReport, TimingData,
 };
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use thiserror::Error;
@@ -33,6 +33,8 @@ use crate::nn::precision::Fp8Accumulation;
 pub enum GemmError {
     #[error("{SELECTION_ENV}={value:?} is not a GEMM selection: use `heuristic` or `timed`")]
     Selection { value: String },
+    #[error("{TIMING_DATA_ENV}={value:?} is not GEMM timing data: use `constant` or `random`")]
+    TimingData { value: String },
     #[error("cuBLASLt: {what}: {source}")]
     Library {
         what: &'static str,
@@ -366,6 +368,21 @@ pub fn selection_from_env(default: AlgoSelection) -> Result<AlgoSelection, GemmE
     }
 }
 
+/// The environment variable that sets what prepared GEMM shapes are timed on: `constant` (the default) or `random`
+/// (operands whose bits toggle as a model's do, so a card at its power cap is timed at the clock it runs the model
+/// at; see [`TimingData`]).
+pub const TIMING_DATA_ENV: &str = "TF_GEMM_TIMING_DATA";
+
+/// The timing data [`TIMING_DATA_ENV`] asks for ([`TimingData::Constant`] when it is unset or empty).
+pub fn timing_data_from_env() -> Result<TimingData, GemmError> {
+    match std::env::var(TIMING_DATA_ENV).as_deref() {
+        Err(_) | Ok("") => Ok(TimingData::default()),
+        Ok(name) => TimingData::parse(name).ok_or_else(|| GemmError::TimingData {
+            value: name.to_string(),
+        }),
+    }
+}
+
 /// Timed selection: the fastest of cuBLASLt's first 8 candidates over 3 interleaved rounds (kept only when
 /// clearly faster than its first choice; see [`AlgoSelection::Timed`]).
 pub const TIMED: AlgoSelection = AlgoSelection::Timed {
@@ -392,6 +409,11 @@ impl GemmRunner {
         let lt =
             CublasLt::with_default_workspace(ctx, lib).map_err(|source| GemmError::Library {
                 what: "creating a handle",
+                source,
+            })?;
+        lt.set_timing_data(timing_data_from_env()?)
+            .map_err(|source| GemmError::Library {
+                what: "setting the timing data",
                 source,
             })?;
         lt.set_plan_cache(process_plan_cache())
