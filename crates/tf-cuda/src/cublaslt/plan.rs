@@ -547,7 +547,9 @@ pub struct ColumnMajorCall {
 
 /// The operands a prepared shape is timed on (a first call is timed on its own operands; see
 /// [`super::CublasLt::set_timing_data`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TimingData {
     /// One small value in every element: no bit toggles, so the GEMM draws little power and is timed at the
