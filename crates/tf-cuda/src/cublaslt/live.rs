@@ -204,7 +204,7 @@ const SCALE_FILL: u32 = 0x3f80_0000;
 /// Bytes of the pattern [`fill_random_operand`] repeats: larger than the L2, so no tile of an operand repeats in it.
 const RANDOM_PATTERN_BYTES: usize = 64 << 20;
 
-/// The 16-bit word `random_operand_word` makes from two random bytes: a bf16 of magnitude 2^-9 to 2^-6 with a random
+/// The 16-bit word made from two random bytes: a bf16 of magnitude 2^-9 up to 2^-5 with a random
 /// sign and mantissa whose two bytes are also finite e4m3 codes (magnitudes 1.375 and 1.5 for the high byte, any
 /// non-NaN code for the low one), so one pattern serves bf16 and FP8 shapes as [`INPUT_FILL`] does.
 fn random_operand_word(low: u8, high: u8) -> u16 {
