@@ -195,12 +195,14 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
 #pragma unroll
             for (int i = 0; i < E; ++i) sq += n[i] * n[i];
             const float r = rsqrtf(nn::warp_sum(sq) * (1.0f / D) + eps);
-            const Pack wraw = *reinterpret_cast<const Pack*>((items.head[k] < q_heads ? q_weight : k_weight) + dim);
-            const bf16* w = reinterpret_cast<const bf16*>(&wraw);
 #pragma unroll
-            for (int i = 0; i < E; ++i) {
-                n[i] = nn::round_bf16(n[i] * r);
-                if (norm == 2) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
+            for (int i = 0; i < E; ++i) n[i] = nn::round_bf16(n[i] * r);
+            if (norm == 2) {  // the weights are null pointers for the other norms: never read them there
+                const Pack wraw =
+                    *reinterpret_cast<const Pack*>((items.head[k] < q_heads ? q_weight : k_weight) + dim);
+                const bf16* w = reinterpret_cast<const bf16*>(&wraw);
+#pragma unroll
+                for (int i = 0; i < E; ++i) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
             }
         }
 #pragma unroll
