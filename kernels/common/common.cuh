@@ -101,6 +101,68 @@ struct WarpHeadItems {
     }
 };
 
+// Rotate-half RoPE within one warp, lane l holding channels E*l .. E*l + E - 1 of a head whose first `2 * half`
+// channels rotate. When half is a multiple of E every channel of a lane pairs with the same channel slot of one other
+// lane (l +- half / E), so the partners come through shuffles instead of shared memory (a shared-memory round trip
+// per item, with 4-way bank conflicts, was what bounded the QK norm + RoPE kernels). `rotates_by_shuffle` says
+// whether this applies; every lane of the warp must call `rotate_half_partners`.
+template <int E>
+__device__ __forceinline__ bool rotates_by_shuffle(int half) {
+    return half > 0 && half % E == 0;
+}
+
+// partner[i] = -x[ch + half] for ch < half, x[ch - half] for half <= ch < 2 * half, x[ch] past the rotated width
+// (ch = E * lane + i; needs rotates_by_shuffle<E>(half)).
+template <int E>
+__device__ __forceinline__ void rotate_half_partners(const float (&x)[E], int lane, int half, float (&partner)[E]) {
+    const int off = half / E;
+    const bool first = lane < off;
+    const int src = first ? lane + off : (lane < 2 * off ? lane - off : lane);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const float p = __shfl_sync(0xffffffffu, x[i], src);
+        partner[i] = first ? -p : p;
+    }
+}
+
+// E consecutive entries of a cos or sin table starting at `at` (an element index), in f32: one vector access when
+// `vector` (the caller checked that `at` and the table are aligned to E entries), else E scalar loads.
+__device__ __forceinline__ float table_entry(const float* t, int64_t i) { return t[i]; }
+__device__ __forceinline__ float table_entry(const bf16* t, int64_t i) { return __bfloat162float(t[i]); }
+
+template <int E, typename T>
+__device__ __forceinline__ void load_table(const T* __restrict__ t, int64_t at, bool vector, float (&out)[E]) {
+    if (vector) {
+        if constexpr (sizeof(T) == 2 && E == 4) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(t + at);
+            const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+            const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+            out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+            return;
+        } else if constexpr (sizeof(T) == 2 && E == 2) {
+            const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + at));
+            out[0] = a.x, out[1] = a.y;
+            return;
+        } else if constexpr (sizeof(T) == 4 && E == 4) {
+            const float4 a = *reinterpret_cast<const float4*>(t + at);
+            out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+            return;
+        } else if constexpr (sizeof(T) == 4 && E == 2) {
+            const float2 a = *reinterpret_cast<const float2*>(t + at);
+            out[0] = a.x, out[1] = a.y;
+            return;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) out[i] = table_entry(t, at + i);
+}
+
+// Whether E-entry vector loads of a [rows, stride] table are aligned at every row and every multiple of E.
+template <int E, typename T>
+__device__ __forceinline__ bool table_vectors_aligned(const T* t, int stride) {
+    return stride % E == 0 && reinterpret_cast<uintptr_t>(t) % (E * sizeof(T)) == 0;
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024), returned to every thread. Fixed
 // order: warp butterflies, then the warp totals in ascending warp order. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

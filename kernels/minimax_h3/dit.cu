@@ -148,8 +148,8 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
 //   channels rotated .. 128 (and every channel when cos is null): out = bf16(n).
 // Heads narrower than 128 are zero-padded to 128 (weights included); inv_norm_dim is 1 / the true head dim.
 // One warp per H3_QK_ITEMS_PER_WARP consecutive (row, q or k head) items, lane l holding channels 4l .. 4l+3 of
-// each; the rotation partner comes through shared memory. Grid: ceil(rows * 2 * heads / (8 * H3_QK_ITEMS_PER_WARP))
-// blocks of 256 threads.
+// each; the rotation partner comes through a shuffle when rotated / 2 is a multiple of 4 (shared memory else).
+// Grid: ceil(rows * 2 * heads / (8 * H3_QK_ITEMS_PER_WARP)) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     h3_qk_norm_rope(bf16* __restrict__ qkv, int qkv_stride, int rows, int heads, const bf16* __restrict__ q_weight,
                     const bf16* __restrict__ k_weight, float inv_norm_dim, float eps, const bf16* __restrict__ rope_cos,
@@ -163,6 +163,12 @@ extern "C" __global__ void __launch_bounds__(256)
     const int dim = lane * 4;
     nn::WarpHeadItems<K, 128, uint2> items;
     items.load(qkv, qkv_stride, rows, qk_heads, dim);
+    const bool rope = rope_cos != nullptr && rotated > 0;
+    const int half = rotated / 2;
+    // Partners by shuffle and vector table loads where the widths allow (the model's do); shared memory else.
+    const bool by_shuffle = nn::rotates_by_shuffle<4>(half);
+    const bool vector_tables = rope && by_shuffle && nn::table_vectors_aligned<4>(rope_cos, table_stride) &&
+                               nn::table_vectors_aligned<4>(rope_sin, table_stride);
 
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -180,11 +186,22 @@ extern "C" __global__ void __launch_bounds__(256)
         n[2] = x23.x * r * w23.x;
         n[3] = x23.y * r * w23.y;
         float o[4] = {n[0], n[1], n[2], n[3]};
-        if (rope_cos != nullptr && rotated > 0) {
+        if (rope && by_shuffle) {
+            float partner[4];
+            nn::rotate_half_partners<4>(n, lane, half, partner);
+            const int off = half / 4;
+            if (lane < 2 * off) {
+                float c[4], s[4];
+                const int64_t slot = items.row[k] * table_stride + 4 * (lane < off ? lane : lane - off);
+                nn::load_table<4>(rope_cos, slot, vector_tables, c);
+                nn::load_table<4>(rope_sin, slot, vector_tables, s);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) o[i] = n[i] * c[i] + partner[i] * s[i];
+            }
+        } else if (rope) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) staged[warp][k][dim + i] = n[i];
             __syncwarp();
-            const int half = rotated / 2;
             const int64_t table_row = items.row[k] * table_stride;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {

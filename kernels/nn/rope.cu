@@ -136,9 +136,6 @@ extern "C" __global__ void __launch_bounds__(256)
 
 namespace {
 
-__device__ __forceinline__ float table_value(const float* t, int64_t i) { return t[i]; }
-__device__ __forceinline__ float table_value(const bf16* t, int64_t i) { return __bfloat162float(t[i]); }
-
 // E consecutive bf16 values moved as one load or store (the launcher checks 16-byte aligned rows).
 template <int E>
 struct Bf16Pack;
@@ -173,7 +170,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
     constexpr int E = D / 32;
     constexpr int K = ROPE_ITEMS_PER_WARP;
     using Pack = typename Bf16Pack<E>::T;
-    // One row of partners per item, so no item waits for another's readers.
+    // One row of partners per item, so no item waits for another's readers (the shared-memory path only).
     __shared__ float staged[8][K][D];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -183,6 +180,10 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
     items.load(qkv, qkv_stride, rows, heads, dim);
 
     const int half = rotated / 2;
+    // Partners by shuffle and vector table loads where the widths allow (every model's do); shared memory else.
+    const bool by_shuffle = nn::rotates_by_shuffle<E>(half);
+    const bool vector_tables = by_shuffle && nn::table_vectors_aligned<E>(rope_cos, rope_stride) &&
+                               nn::table_vectors_aligned<E>(rope_sin, rope_stride);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         if (items.at[k] == nullptr) break;  // the items past the end are the last ones
@@ -205,25 +206,46 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
                 for (int i = 0; i < E; ++i) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
             }
         }
-#pragma unroll
-        for (int i = 0; i < E; ++i) staged[warp][k][dim + i] = n[i];
-        __syncwarp();
         const int64_t table_row = items.row[k] * rope_stride;
         Pack out;
         bf16* o = reinterpret_cast<bf16*>(&out);
+        if (by_shuffle) {
+            float partner[E];
+            nn::rotate_half_partners<E>(n, lane, half, partner);
+            const int off = half / E;
+            if (lane < 2 * off) {
+                float c[E], s[E];
+                const int64_t slot = table_row + E * (lane < off ? lane : lane - off);
+                nn::load_table<E>(rope_cos, slot, vector_tables, c);
+                nn::load_table<E>(rope_sin, slot, vector_tables, s);
 #pragma unroll
-        for (int i = 0; i < E; ++i) {
-            const int ch = dim + i;
-            float v = n[i];
-            if (ch < rotated) {
-                const bool first_half = ch < half;
-                const int slot = first_half ? ch : ch - half;
-                const float partner = first_half ? -staged[warp][k][ch + half] : staged[warp][k][ch - half];
-                const float c = nn::round_bf16(table_value(rope_cos, table_row + slot));
-                const float s = nn::round_bf16(table_value(rope_sin, table_row + slot));
-                v = nn::round_bf16(n[i] * c) + nn::round_bf16(partner * s);
+                for (int i = 0; i < E; ++i) {
+                    const float v =
+                        nn::round_bf16(n[i] * nn::round_bf16(c[i])) + nn::round_bf16(partner[i] * nn::round_bf16(s[i]));
+                    o[i] = __float2bfloat16_rn(v);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < E; ++i) o[i] = __float2bfloat16_rn(n[i]);
             }
-            o[i] = __float2bfloat16_rn(v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < E; ++i) staged[warp][k][dim + i] = n[i];
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < E; ++i) {
+                const int ch = dim + i;
+                float v = n[i];
+                if (ch < rotated) {
+                    const bool first_half = ch < half;
+                    const int slot = first_half ? ch : ch - half;
+                    const float partner = first_half ? -staged[warp][k][ch + half] : staged[warp][k][ch - half];
+                    const float c = nn::round_bf16(nn::table_entry(rope_cos, table_row + slot));
+                    const float s = nn::round_bf16(nn::table_entry(rope_sin, table_row + slot));
+                    v = nn::round_bf16(n[i] * c) + nn::round_bf16(partner * s);
+                }
+                o[i] = __float2bfloat16_rn(v);
+            }
         }
         *reinterpret_cast<Pack*>(items.at[k]) = out;
     }

@@ -1208,20 +1208,37 @@ fn norm_modulate_matches_host() {
 fn partial_rope_matches_host() {
     let g = gpu();
     let mut rng = Rng::new(22);
-    // (head_dim, rotated): the H3 DiT and its VAE; the whole head as a check of the full-width case.
-    for (head_dim, rotated) in [(128usize, 96usize), (64, 48), (128, 128)] {
+    // (head_dim, rotated, table padding): the H3 DiT and its VAE; the whole head as a check of the full-width case;
+    // a rotated half that is not a multiple of the lane's channels (the shared-memory path); tables whose row
+    // stride is not a multiple of the lane's channels (the shuffle path with scalar table loads).
+    for (head_dim, rotated, pad) in [
+        (128usize, 96usize, 0usize),
+        (64, 48, 0),
+        (128, 128, 0),
+        (128, 100, 0),
+        (64, 46, 0),
+        (128, 96, 2),
+        (64, 48, 1),
+    ] {
         let (rows, q_heads, kv_heads) = (9, 4, 2);
         let heads = q_heads + kv_heads;
         let cols = (heads + kv_heads) * head_dim;
         let (bits, values) = random_bf16(&mut rng, rows * cols, -3.0, 3.0);
         let half = rotated / 2;
         let (cos, sin) = tf_engines::nn::host::rotate_half_tables(rows, 0, rotated, 10_000.0);
+        let stride = half + pad;
+        let padded = |t: &[f32]| -> Vec<f32> {
+            t.chunks(half)
+                .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(f32::NAN, pad)))
+                .collect()
+        };
+        let (cos_padded, sin_padded) = (padded(&cos), padded(&sin));
         for table in [RopeTable::F32, RopeTable::Bf16] {
             let (cos_dev, sin_dev) = match table {
-                RopeTable::F32 => (upload(&g, &cos), upload(&g, &sin)),
+                RopeTable::F32 => (upload(&g, &cos_padded), upload(&g, &sin_padded)),
                 RopeTable::Bf16 => {
                     let b = |t: &[f32]| t.iter().map(|&v| to_bf16(v)).collect::<Vec<u16>>();
-                    (upload(&g, &b(&cos)), upload(&g, &b(&sin)))
+                    (upload(&g, &b(&cos_padded)), upload(&g, &b(&sin_padded)))
                 }
             };
             let mut qkv = upload(&g, &bits);
@@ -1240,7 +1257,7 @@ fn partial_rope_matches_host() {
                         norm: RopeNorm::Plain { eps: EPS },
                         rope_cos: &cv,
                         rope_sin: &sv,
-                        rope_stride: half,
+                        rope_stride: stride,
                         table,
                     },
                 )
@@ -1272,7 +1289,7 @@ fn partial_rope_matches_host() {
             let bound = 4.0 * U * max_abs(&want);
             check(
                 "rope_half_partial",
-                &format!("d{head_dim} r{rotated} {table:?}"),
+                &format!("d{head_dim} r{rotated} stride {stride} {table:?}"),
                 &got,
                 &want,
                 bound,
