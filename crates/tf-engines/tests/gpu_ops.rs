@@ -1229,7 +1229,11 @@ fn partial_rope_matches_host() {
         let stride = half + pad;
         let padded = |t: &[f32]| -> Vec<f32> {
             t.chunks(half)
-                .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(f32::NAN, pad)))
+                .flat_map(|row| {
+                    row.iter()
+                        .copied()
+                        .chain(std::iter::repeat_n(f32::NAN, pad))
+                })
                 .collect()
         };
         let (cos_padded, sin_padded) = (padded(&cos), padded(&sin));

@@ -217,6 +217,52 @@ fn graph_replay_is_bit_equal_to_eager() {
     }
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn cached_step_graph_is_reused_across_requests() {
+    let ctx = context();
+    let mut dit = load(&ctx, "t2i");
+    dit.set_graphs(true);
+    let mut eager = load(&ctx, "t2i");
+    eager.set_graphs(false);
+    let extract = eager
+        .forward(&inputs("t2i", "step0"), KvStep::Extract)
+        .unwrap();
+    let cache = extract.kv_cache.expect("an extract step returns its cache");
+    let want = eager
+        .forward(&inputs("t2i", "step1"), KvStep::Cached(&cache))
+        .unwrap();
+    // Three requests: extract, then two cached steps, each with a fresh cache dropped at the request's end.
+    let mut graphs_after = Vec::new();
+    for request in 0..3 {
+        let out = dit
+            .forward(&inputs("t2i", "step0"), KvStep::Extract)
+            .unwrap();
+        let cache = out.kv_cache.expect("an extract step returns its cache");
+        for _ in 0..2 {
+            let got = dit
+                .forward(&inputs("t2i", "step1"), KvStep::Cached(&cache))
+                .unwrap();
+            assert!(
+                got.sample
+                    .data()
+                    .iter()
+                    .zip(want.sample.data())
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "request {request}: cached step differs from eager"
+            );
+        }
+        graphs_after.push(dit.captured_graphs());
+    }
+    println!("captured graphs after each request: {graphs_after:?}");
+    // Request 0 captures the cached step, request 1 the extract step (its first use was eager); request 2 finds
+    // both: the driver hands the freed cache's block back at the same address, so no capture is needed.
+    assert_eq!(
+        graphs_after[2], graphs_after[1],
+        "request 2 captured again: {graphs_after:?}"
+    );
+}
+
 /// Loads the model, runs extract, eager cached and graph-replayed cached steps, and drops everything.
 fn load_run_unload(ctx: &Context) {
     let mut dit = load(ctx, "t2i");

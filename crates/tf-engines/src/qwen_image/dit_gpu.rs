@@ -368,6 +368,12 @@ impl GpuDit {
         self.use_graphs = enabled;
     }
 
+    /// Step graphs captured and held across every workspace (a warm worker's count stays put from request to
+    /// request when its KV caches land at the same binding).
+    pub fn captured_graphs(&self) -> usize {
+        self.workspaces.iter().map(|ws| ws.graphs.len()).sum()
+    }
+
     /// The context the model lives in.
     pub fn context(&self) -> &Context {
         &self.engine.ctx

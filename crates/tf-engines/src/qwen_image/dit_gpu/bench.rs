@@ -68,7 +68,7 @@ impl GpuDit {
                 / iters as f64;
         // Captured on first use and replayed once untimed.
         engine.replay(ws, cache)?;
-        let key = cache.map_or(0, |c| c.id);
+        let key = cache.map(GpuKvCache::binding);
         let graph = ws.graphs.get(&key).ok_or_else(|| {
             DitError::Backend("the step graph was not kept after its capture".into())
         })?;

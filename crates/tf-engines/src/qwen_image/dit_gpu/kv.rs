@@ -1,8 +1,6 @@
 //! The DiT's KV cache on the device (`[layer][k|v][batch][prefix][heads * 128]` bf16, post-norm and post-RoPE) and
 //! its conversion to and from the host cache ([`HostKvCache`], true head width).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use tf_cuda::DeviceBuffer;
 
 use super::{bf16_bits, bf16_value, cuda_err, GpuDit};
@@ -14,7 +12,6 @@ use crate::qwen_image::dit::{DitError, HostKvCache};
 /// The prefix K/V of every layer on the device.
 #[derive(Debug)]
 pub struct GpuKvCache {
-    pub(super) id: u64,
     pub(super) batch: usize,
     pub(super) prefix_len: usize,
     /// Padded width per token (heads * 128).
@@ -44,7 +41,33 @@ impl GpuKvCache {
     }
 }
 
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+/// Everything a step captured with a cache bakes into its graph: the buffer's address and size and the shape
+/// that sets every offset into it. Two caches with the same binding (a request's cache freed and the next one
+/// allocated at the same address, as the driver does for equal sizes) replay the same graph, so a warm worker
+/// captures its cached step once instead of once per request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CacheBinding {
+    addr: u64,
+    bytes: usize,
+    batch: usize,
+    prefix_len: usize,
+    width: usize,
+    layers: usize,
+}
+
+impl GpuKvCache {
+    /// The graph key of this cache; see [`CacheBinding`].
+    pub(super) fn binding(&self) -> CacheBinding {
+        CacheBinding {
+            addr: self.buffer.addr(),
+            bytes: self.buffer.len(),
+            batch: self.batch,
+            prefix_len: self.prefix_len,
+            width: self.width,
+            layers: self.layers,
+        }
+    }
+}
 
 impl GpuDit {
     pub(super) fn alloc_cache(
@@ -55,7 +78,6 @@ impl GpuDit {
         let dims = &self.engine.dims;
         let bytes = dims.layers * 2 * batch * prefix_len * dims.width * BF16;
         Ok(GpuKvCache {
-            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             batch,
             prefix_len,
             width: dims.width,

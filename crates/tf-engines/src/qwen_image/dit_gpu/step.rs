@@ -701,7 +701,7 @@ impl Engine {
         ws: &mut Workspace,
         cache: Option<&GpuKvCache>,
     ) -> Result<(), DitError> {
-        let key = cache.map_or(0, |c| c.id);
+        let key = cache.map(GpuKvCache::binding);
         // The cache lives in the workspace whose buffers the capture records; it is out of it while capturing.
         let mut graphs = std::mem::replace(&mut ws.graphs, GraphCache::new(MAX_GRAPHS));
         let result = graphs

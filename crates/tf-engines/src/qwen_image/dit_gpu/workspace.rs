@@ -3,7 +3,7 @@
 
 use tf_cuda::{Context, DeviceBuffer};
 
-use super::kv::GpuKvCache;
+use super::kv::{CacheBinding, GpuKvCache};
 use super::{cuda_err, Engine, StepRows, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::graph_cache::GraphCache;
@@ -92,8 +92,8 @@ pub(super) struct Workspace {
     pub(super) extract: Option<GpuKvCache>,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub(super) warmed: bool,
-    /// The step captured per KV cache used with this workspace (key: the cache id, 0 for none).
-    pub(super) graphs: GraphCache<u64>,
+    /// The step captured per KV cache binding used with this workspace (`None`: no cache).
+    pub(super) graphs: GraphCache<Option<CacheBinding>>,
 }
 
 /// The FP8 input of a GEMM: e4m3 codes (rows of the GEMM's K bytes, dense) and per-row f32 scales.
@@ -272,7 +272,6 @@ impl Engine {
         let extract = if mode == KvMode::Extract {
             let bytes = dims.layers * 2 * b * layout.prefix_len * w * BF16;
             Some(GpuKvCache {
-                id: 0,
                 batch: b,
                 prefix_len: layout.prefix_len,
                 width: w,
