@@ -8,7 +8,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tf_engines::nn::fp8::Fp8RowQuantizer;
-use tf_engines::nn::upload::ChunkTransform;
+use tf_engines::nn::upload::{fill_host, ChunkTransform, Piece, Transform};
 use tf_engines::nn::weights::Dtype;
 
 fn quantize(c: &mut Criterion) {
@@ -33,6 +33,17 @@ fn quantize(c: &mut Criterion) {
     group.bench_function("bf16_4096x4096_one_thread", |b| {
         let quantizer = Fp8RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
         b.iter(|| quantizer.apply(0, black_box(&src), &mut dst).unwrap())
+    });
+    // The same weight through the ring's fill path (64 MiB slots) on every host thread: what a load does.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    group.bench_function(format!("bf16_4096x4096_fill_{threads}_threads"), |b| {
+        let quantizer = Fp8RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
+        let pieces = [Piece {
+            src: &src,
+            transform: Transform::Custom(&quantizer),
+            dst_offset: 0,
+        }];
+        b.iter(|| fill_host(&mut dst, black_box(&pieces), 64 << 20, threads).unwrap())
     });
     group.finish();
 }
