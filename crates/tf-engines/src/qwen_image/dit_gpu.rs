@@ -9,7 +9,8 @@
 //!   the true mean square and the padded channels stay zero. Full-size models (head_dim 128) upload as stored.
 //! - A forward uploads its inputs and the step's scalars (timesteps, in device memory), then runs the step:
 //!   eagerly the first time a workspace is used, afterwards (with graphs on) as a CUDA graph captured once per
-//!   (workspace, KV cache) and replayed. Workspaces are allocated once per joint layout and mode.
+//!   (workspace, KV cache binding: the cache buffer's address, size and shape) and replayed; a later request whose
+//!   cache lands at the same binding replays the same graph. Workspaces are allocated once per joint layout and mode.
 //! - The KV cache is `[layer][k|v][batch][prefix][heads * 128]` bf16 on the device, post-norm and post-RoPE.
 //! - Masks: block-causal as per-query key limits, padded text rows as one key range per sample; padding in several
 //!   ranges (full and extract steps) runs attention over the valid keys gathered per sample.
@@ -70,7 +71,7 @@ pub use kv::GpuKvCache;
 use weights::{Dims, WeightOffsets};
 use workspace::{runs, Workspace};
 
-/// Graphs kept per workspace (one per KV cache used with it).
+/// Graphs kept per workspace (one per KV cache binding used with it).
 const MAX_GRAPHS: usize = 4;
 
 fn cuda_err(what: &str) -> impl FnOnce(tf_cuda::Error) -> DitError + '_ {
