@@ -130,31 +130,38 @@ __device__ __forceinline__ void rotate_half_partners(const float (&x)[E], int la
 __device__ __forceinline__ float table_entry(const float* t, int64_t i) { return t[i]; }
 __device__ __forceinline__ float table_entry(const bf16* t, int64_t i) { return __bfloat162float(t[i]); }
 
+template <int E>
+struct TableEntries {
+    float v[E];
+};
+
 template <int E, typename T>
-__device__ __forceinline__ void load_table(const T* __restrict__ t, int64_t at, bool vector, float (&out)[E]) {
+__device__ __forceinline__ TableEntries<E> load_table(const T* __restrict__ t, int64_t at, bool vector) {
+    TableEntries<E> out;
     if (vector) {
         if constexpr (sizeof(T) == 2 && E == 4) {
             const uint2 raw = *reinterpret_cast<const uint2*>(t + at);
             const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
             const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-            out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
-            return;
+            out.v[0] = a.x, out.v[1] = a.y, out.v[2] = b.x, out.v[3] = b.y;
+            return out;
         } else if constexpr (sizeof(T) == 2 && E == 2) {
             const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + at));
-            out[0] = a.x, out[1] = a.y;
-            return;
+            out.v[0] = a.x, out.v[1] = a.y;
+            return out;
         } else if constexpr (sizeof(T) == 4 && E == 4) {
             const float4 a = *reinterpret_cast<const float4*>(t + at);
-            out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-            return;
+            out.v[0] = a.x, out.v[1] = a.y, out.v[2] = a.z, out.v[3] = a.w;
+            return out;
         } else if constexpr (sizeof(T) == 4 && E == 2) {
             const float2 a = *reinterpret_cast<const float2*>(t + at);
-            out[0] = a.x, out[1] = a.y;
-            return;
+            out.v[0] = a.x, out.v[1] = a.y;
+            return out;
         }
     }
 #pragma unroll
-    for (int i = 0; i < E; ++i) out[i] = table_entry(t, at + i);
+    for (int i = 0; i < E; ++i) out.v[i] = table_entry(t, at + i);
+    return out;
 }
 
 // Whether E-entry vector loads of a [rows, stride] table are aligned at every row and every multiple of E.

@@ -191,12 +191,11 @@ extern "C" __global__ void __launch_bounds__(256)
             nn::rotate_half_partners<4>(n, lane, half, partner);
             const int off = half / 4;
             if (lane < 2 * off) {
-                float c[4], s[4];
                 const int64_t slot = items.row[k] * table_stride + 4 * (lane < off ? lane : lane - off);
-                nn::load_table<4>(rope_cos, slot, vector_tables, c);
-                nn::load_table<4>(rope_sin, slot, vector_tables, s);
+                const nn::TableEntries<4> c = nn::load_table<4>(rope_cos, slot, vector_tables);
+                const nn::TableEntries<4> s = nn::load_table<4>(rope_sin, slot, vector_tables);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) o[i] = n[i] * c[i] + partner[i] * s[i];
+                for (int i = 0; i < 4; ++i) o[i] = n[i] * c.v[i] + partner[i] * s.v[i];
             }
         } else if (rope) {
 #pragma unroll

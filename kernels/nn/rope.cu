@@ -214,14 +214,13 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
             nn::rotate_half_partners<E>(n, lane, half, partner);
             const int off = half / E;
             if (lane < 2 * off) {
-                float c[E], s[E];
                 const int64_t slot = table_row + E * (lane < off ? lane : lane - off);
-                nn::load_table<E>(rope_cos, slot, vector_tables, c);
-                nn::load_table<E>(rope_sin, slot, vector_tables, s);
+                const nn::TableEntries<E> c = nn::load_table<E>(rope_cos, slot, vector_tables);
+                const nn::TableEntries<E> s = nn::load_table<E>(rope_sin, slot, vector_tables);
 #pragma unroll
                 for (int i = 0; i < E; ++i) {
-                    const float v =
-                        nn::round_bf16(n[i] * nn::round_bf16(c[i])) + nn::round_bf16(partner[i] * nn::round_bf16(s[i]));
+                    const float v = nn::round_bf16(n[i] * nn::round_bf16(c.v[i])) +
+                                    nn::round_bf16(partner[i] * nn::round_bf16(s.v[i]));
                     o[i] = __float2bfloat16_rn(v);
                 }
             } else {
