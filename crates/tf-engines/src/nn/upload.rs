@@ -67,6 +67,38 @@ pub enum UploadError {
     },
     #[error("weight upload: a worker thread panicked while filling staging memory")]
     Worker,
+    #[error(
+        "weight upload: {UPLOAD_THREADS_ENV}={value:?} is not a thread count; set it to a whole number from 1 to \
+         {MAX_FILL_THREADS}, or unset it for the default (the machine's cores, at most 8)"
+    )]
+    Threads { value: String },
+}
+
+/// The environment variable that sets how many host threads fill each staging slot (converting or quantizing
+/// the weights), overriding [`StagingConfig::threads`].
+pub const UPLOAD_THREADS_ENV: &str = "TF_UPLOAD_THREADS";
+
+/// Most fill threads [`UPLOAD_THREADS_ENV`] may ask for.
+pub const MAX_FILL_THREADS: usize = 64;
+
+/// The fill threads of an upload: [`UPLOAD_THREADS_ENV`] when set (1 to [`MAX_FILL_THREADS`]), else `configured`.
+pub fn fill_threads(configured: usize) -> Result<usize, UploadError> {
+    parse_fill_threads(
+        std::env::var(UPLOAD_THREADS_ENV).ok().as_deref(),
+        configured,
+    )
+}
+
+fn parse_fill_threads(value: Option<&str>, configured: usize) -> Result<usize, UploadError> {
+    match value {
+        None | Some("") => Ok(configured.max(1)),
+        Some(value) => match value.trim().parse::<usize>() {
+            Ok(n) if (1..=MAX_FILL_THREADS).contains(&n) => Ok(n),
+            _ => Err(UploadError::Threads {
+                value: value.to_string(),
+            }),
+        },
+    }
 }
 
 fn cuda(what: &'static str) -> impl FnOnce(tf_cuda::Error) -> UploadError {
@@ -319,7 +351,7 @@ pub struct StagingConfig {
     pub slot_bytes: usize,
     /// Slots in the ring (2 = double buffering).
     pub slots: usize,
-    /// Host threads that fill a slot.
+    /// Host threads that fill a slot ([`UPLOAD_THREADS_ENV`] overrides it).
     pub threads: usize,
 }
 
@@ -470,6 +502,7 @@ pub fn upload_pieces(
     staging: StagingConfig,
 ) -> Result<UploadStats, UploadError> {
     let started = Instant::now();
+    let threads = fill_threads(staging.threads)?;
     let slot_bytes = (staging.slot_bytes.max(4096) / 16) * 16;
     let plan = plan(pieces, dst.len(), slot_bytes)?;
     let slots = staging.slots.clamp(1, plan.jobs.len().max(1));
@@ -483,7 +516,6 @@ pub fn upload_pieces(
         let event = Event::new(ctx, false).map_err(cuda("creating a staging event"))?;
         ring.slots.push((buffer, event, false));
     }
-    let threads = staging.threads.max(1);
     for (j, job) in plan.jobs.iter().enumerate() {
         let (buffer, event, in_flight) = &mut ring.slots[j % slots];
         if *in_flight {
@@ -619,6 +651,21 @@ fn fill_slot(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn fill_threads_take_the_variable_or_the_configuration() {
+        assert_eq!(parse_fill_threads(None, 8).unwrap(), 8);
+        assert_eq!(parse_fill_threads(Some(""), 0).unwrap(), 1);
+        assert_eq!(parse_fill_threads(Some("16"), 8).unwrap(), 16);
+        assert_eq!(parse_fill_threads(Some(" 3 "), 8).unwrap(), 3);
+        for bad in ["0", "65", "-1", "four", "1e3"] {
+            let err = parse_fill_threads(Some(bad), 8).unwrap_err().to_string();
+            assert!(
+                err.contains(UPLOAD_THREADS_ENV) && err.contains(bad),
+                "{err}"
+            );
+        }
+    }
 
     #[test]
     fn conversion_matches_half() {
