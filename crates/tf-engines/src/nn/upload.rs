@@ -69,7 +69,7 @@ pub enum UploadError {
     Worker,
     #[error(
         "weight upload: {UPLOAD_THREADS_ENV}={value:?} is not a thread count; set it to a whole number from 1 to \
-         {MAX_FILL_THREADS}, or unset it for the default (the machine's cores, at most 8)"
+         {MAX_FILL_THREADS}, or unset it for the default (the machine's cores, at most {DEFAULT_MAX_FILL_THREADS})"
     )]
     Threads { value: String },
 }
@@ -77,6 +77,9 @@ pub enum UploadError {
 /// The environment variable that sets how many host threads fill each staging slot (converting or quantizing
 /// the weights), overriding [`StagingConfig::threads`].
 pub const UPLOAD_THREADS_ENV: &str = "TF_UPLOAD_THREADS";
+
+/// Most fill threads the default [`StagingConfig`] takes (the machine's cores up to this).
+pub const DEFAULT_MAX_FILL_THREADS: usize = 16;
 
 /// Most fill threads [`UPLOAD_THREADS_ENV`] may ask for.
 pub const MAX_FILL_THREADS: usize = 64;
@@ -360,9 +363,11 @@ impl Default for StagingConfig {
         StagingConfig {
             slot_bytes: 64 << 20,
             slots: 3,
+            // Loading scales with fill threads: an FP8 load quantizing 14.2 GB took 19.5 s on 1, 6.7 s on 8 and
+            // 3.6 s on 16 (docs/RESULTS.md, twenty-ninth call).
             threads: std::thread::available_parallelism()
                 .map_or(4, |n| n.get())
-                .clamp(1, 8),
+                .clamp(1, DEFAULT_MAX_FILL_THREADS),
         }
     }
 }
