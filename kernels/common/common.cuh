@@ -125,8 +125,7 @@ __device__ __forceinline__ void rotate_half_partners(const float (&x)[E], int la
     }
 }
 
-// E consecutive entries of a cos or sin table starting at `at` (an element index), in f32: one vector access when
-// `vector` (the caller checked that `at` and the table are aligned to E entries), else E scalar loads.
+// One entry of a cos or sin table, in f32.
 __device__ __forceinline__ float table_entry(const float* t, int64_t i) { return t[i]; }
 __device__ __forceinline__ float table_entry(const bf16* t, int64_t i) { return __bfloat162float(t[i]); }
 
@@ -135,6 +134,8 @@ struct TableEntries {
     float v[E];
 };
 
+// E consecutive entries of a cos or sin table starting at `at` (an element index), in f32: one vector access when
+// `vector` (the caller checked that `at` and the table are aligned to E entries), else E scalar loads.
 template <int E, typename T>
 __device__ __forceinline__ TableEntries<E> load_table(const T* __restrict__ t, int64_t at, bool vector) {
     TableEntries<E> out;

@@ -165,6 +165,14 @@ fn extract_then_cached_matches_diffusers() {
     );
 }
 
+/// Whether two outputs hold the same bits, value for value.
+fn bit_equal(a: &TensorF32, b: &TensorF32) -> bool {
+    a.data()
+        .iter()
+        .zip(b.data())
+        .all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn graph_replay_is_bit_equal_to_eager() {
@@ -180,12 +188,7 @@ fn graph_replay_is_bit_equal_to_eager() {
         let first = graphed.forward(&step, KvStep::None).unwrap(); // eager warm-up
         let replay = graphed.forward(&step, KvStep::None).unwrap(); // capture + replay
         let replay2 = graphed.forward(&step, KvStep::None).unwrap(); // replay
-        let same = |a: &TensorF32, b: &TensorF32| {
-            a.data()
-                .iter()
-                .zip(b.data())
-                .all(|(x, y)| x.to_bits() == y.to_bits())
-        };
+        let same = bit_equal;
         println!(
             "{case}: eager vs graph replay: {} values compared bitwise",
             reference.sample.data().len()
@@ -244,11 +247,7 @@ fn cached_step_graph_is_reused_across_requests() {
                 .forward(&inputs("t2i", "step1"), KvStep::Cached(&cache))
                 .unwrap();
             assert!(
-                got.sample
-                    .data()
-                    .iter()
-                    .zip(want.sample.data())
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                bit_equal(&got.sample, &want.sample),
                 "request {request}: cached step differs from eager"
             );
         }

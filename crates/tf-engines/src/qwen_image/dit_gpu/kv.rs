@@ -39,6 +39,18 @@ impl GpuKvCache {
     pub(super) fn offset(&self, layer: usize, which: usize) -> usize {
         (layer * 2 + which) * self.plane_bytes()
     }
+
+    /// The graph key of this cache; see [`CacheBinding`].
+    pub(super) fn binding(&self) -> CacheBinding {
+        CacheBinding {
+            addr: self.buffer.addr(),
+            bytes: self.buffer.len(),
+            batch: self.batch,
+            prefix_len: self.prefix_len,
+            width: self.width,
+            layers: self.layers,
+        }
+    }
 }
 
 /// Everything a step captured with a cache bakes into its graph: the buffer's address and size and the shape
@@ -53,20 +65,6 @@ pub(super) struct CacheBinding {
     prefix_len: usize,
     width: usize,
     layers: usize,
-}
-
-impl GpuKvCache {
-    /// The graph key of this cache; see [`CacheBinding`].
-    pub(super) fn binding(&self) -> CacheBinding {
-        CacheBinding {
-            addr: self.buffer.addr(),
-            bytes: self.buffer.len(),
-            batch: self.batch,
-            prefix_len: self.prefix_len,
-            width: self.width,
-            layers: self.layers,
-        }
-    }
 }
 
 impl GpuDit {
