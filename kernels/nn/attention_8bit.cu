@@ -306,6 +306,13 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
         : "memory");
 }
 
+// The exact f32 value of an int32 score sum |x| < 2^22 (here |S| <= 127^2 * 128 < 2^21) without a conversion
+// instruction: the integer added to the bits of 1.5 * 2^23 lands in the mantissa of a float whose unit is 1, and
+// subtracting 1.5 * 2^23 again is exact. IADD and FADD issue on the full-rate pipes; the conversion does not.
+__device__ __forceinline__ float int_sum_to_float(int32_t x) {
+    return __int_as_float(x + 0x4B400000) - 12582912.0f;
+}
+
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
@@ -350,10 +357,10 @@ struct A8Rows {
         float s[64];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            s[4 * j] = static_cast<float>(si[4 * j]) * fa;
-            s[4 * j + 1] = static_cast<float>(si[4 * j + 1]) * fa;
-            s[4 * j + 2] = static_cast<float>(si[4 * j + 2]) * fb;
-            s[4 * j + 3] = static_cast<float>(si[4 * j + 3]) * fb;
+            s[4 * j] = int_sum_to_float(si[4 * j]) * fa;
+            s[4 * j + 1] = int_sum_to_float(si[4 * j + 1]) * fa;
+            s[4 * j + 2] = int_sum_to_float(si[4 * j + 2]) * fb;
+            s[4 * j + 3] = int_sum_to_float(si[4 * j + 3]) * fb;
         }
         const bool full = key0 + kA8Keys <= window_min && (key0 + kA8Keys <= pad_begin || key0 >= pad_end);
         if (!full) mask_wgmma_scores(s, key0, quad, kA8Keys, limit_a, limit_b, pad_begin, pad_end);
