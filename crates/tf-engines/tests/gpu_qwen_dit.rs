@@ -1,6 +1,7 @@
 //! The GPU DiT backend against the diffusers 0.42.1 fp32 fixtures (tests/fixtures/qwen_dit): every case, no
 //! cache, extract then cached (also with a cache extracted on the host), CUDA graph replay bit-equal to the
-//! eager step, and a load/unload cycle that leaves no device or pinned memory behind.
+//! eager step, a bounded set of workspaces across prompt lengths, and a load/unload cycle that leaves no device
+//! or pinned memory behind.
 //!
 //! Tolerance: the backend stores bf16 and accumulates in f32, so its distance to the fp32 reference is a few
 //! bf16 unit roundoffs (2^-8 = 0.39%) compounded over every rounding point of the layers. On the tiny
@@ -17,9 +18,9 @@ mod gpu_support;
 use gpu_support::{assert_close_within, context};
 
 use tf_cuda::Context;
-use tf_engines::nn::tensor::TensorF32;
+use tf_engines::nn::tensor::{Tensor, TensorF32};
 use tf_engines::nn::upload::StagingConfig;
-use tf_engines::qwen_image::dit::{DitBackend, HostKvCache, KvStep};
+use tf_engines::qwen_image::dit::{DitBackend, DitInputs, HostKvCache, KvStep};
 use tf_engines::qwen_image::dit_gpu::GpuDit;
 use tf_engines::qwen_image::dit_host::HostDit;
 
@@ -259,6 +260,65 @@ fn cached_step_graph_is_reused_across_requests() {
     assert_eq!(
         graphs_after[2], graphs_after[1],
         "request 2 captured again: {graphs_after:?}"
+    );
+}
+
+/// `base` with only its first `text_rows` text rows (a t2i input: the image mask's first entries are the text).
+fn with_text_rows(base: &DitInputs, text_rows: usize) -> DitInputs {
+    let [batch, rows, width] = base.encoder_hidden_states.dims::<3>("text").unwrap();
+    assert!(batch == 1 && text_rows <= rows);
+    let text = base.encoder_hidden_states.data()[..text_rows * width].to_vec();
+    let mask = base.img_mask.data();
+    assert!(mask[..rows].iter().all(|&m| m == 0), "not a t2i input");
+    let mut img_mask = vec![0u8; text_rows];
+    img_mask.extend_from_slice(&mask[rows..]);
+    let mask_len = img_mask.len();
+    DitInputs {
+        hidden_states: base.hidden_states.clone(),
+        encoder_hidden_states: Tensor::new(vec![1, text_rows, width], text).unwrap(),
+        timestep: base.timestep.clone(),
+        img_mask: Tensor::new(vec![1, mask_len], img_mask).unwrap(),
+        encoder_hidden_states_mask: None,
+        img_shapes: base.img_shapes.clone(),
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn workspaces_stay_bounded_across_prompt_lengths() {
+    let ctx = context();
+    let mut dit = load(&ctx, "t2i");
+    dit.set_graphs(true);
+    let base = inputs("t2i", "step0");
+    let rows = base.encoder_hidden_states.shape()[1];
+    // Every prompt length is a step shape of its own: more lengths than the DiT keeps workspaces for, then two
+    // repeats, one whose workspace was dropped (made again, eager) and one still held (graph capture and replay).
+    let mut lengths: Vec<usize> = (1..=rows).rev().collect();
+    lengths.extend([rows, 2.min(rows)]);
+    let mut first: Vec<(usize, TensorF32)> = Vec::new();
+    for &n in &lengths {
+        let out = dit
+            .forward(&with_text_rows(&base, n), KvStep::None)
+            .unwrap();
+        let (held, capacity) = dit.workspaces_held();
+        println!("{n} text rows: {held} of at most {capacity} workspaces held");
+        assert!(
+            held <= capacity,
+            "{held} workspaces held, more than {capacity}"
+        );
+        match first.iter().find(|(m, _)| *m == n) {
+            Some((_, want)) => assert!(
+                bit_equal(&out.sample, want),
+                "{n} text rows: the repeat differs from the first run"
+            ),
+            None => first.push((n, out.sample)),
+        }
+    }
+    let (held, capacity) = dit.workspaces_held();
+    assert_eq!(
+        held,
+        capacity.min(rows),
+        "workspaces held after {rows} shapes"
     );
 }
 

@@ -519,7 +519,9 @@ impl CublasLt {
     /// - under [`AlgoSelection::Timed`]: a shape with a stored choice in the plan cache that the
     ///   heuristic still offers reuses it (no timing); other shapes are timed on scratch
     ///   operands while `budget` lasts (a shape starts only within the budget), then take the
-    ///   heuristic's first; every choice is stored and the cache saved.
+    ///   heuristic's first; every choice is stored, and the cache file is written when a shape was
+    ///   timed or a stale entry replaced (a request's planning, which never times, does not wait
+    ///   for the file: its heuristic picks go out with the next save or the handle's drop).
     ///
     /// From then on, a call of a shape not prepared takes the heuristic's first result (and
     /// is recorded as such); no call is timed inside a request. Shapes already planned are

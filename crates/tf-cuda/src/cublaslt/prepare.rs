@@ -356,7 +356,7 @@ pub(crate) fn choose_plan(
 }
 
 /// Plans every distinct key of `keys` not `already` planned, timing unseen ones while `clock`
-/// is within `budget`, then saves the cache. A shape starts timing only while the budget lasts;
+/// is within `budget`, then saves the cache when something was timed or a stored entry replaced. A shape starts timing only while the budget lasts;
 /// the one in progress may finish past it.
 pub(crate) fn prepare_keys(
     planner: &mut dyn Planner,
@@ -399,9 +399,15 @@ pub(crate) fn prepare_keys(
         }
     }
     if let Some(slot) = cache {
-        match slot.cache.save() {
-            Ok(saved) => report.saved = saved,
-            Err(warning) => slot.cache.warn(warning),
+        // Written only when this call measured something (or replaced a stale entry): a heuristic pick costs a
+        // later process a heuristic query, while a save reads, merges and rewrites the file with an fsync, which a
+        // request planning a new shape (a zero budget, never timed) must not wait for. What is left recorded goes
+        // out with the next save (a later prepare that times, `save_plan_cache`, or the handle's drop).
+        if report.timed > 0 || report.rejected > 0 {
+            match slot.cache.save() {
+                Ok(saved) => report.saved = saved,
+                Err(warning) => slot.cache.warn(warning),
+            }
         }
         report.warnings = slot.cache.take_warnings();
     }
@@ -728,6 +734,62 @@ mod tests {
         .unwrap();
         assert_eq!((report.timed, report.budget_spent), (0, 3));
         assert!(planner.timed.is_empty());
+    }
+
+    #[test]
+    fn heuristic_picks_are_recorded_but_saved_only_with_a_timed_choice() {
+        let dir = std::env::temp_dir().join(format!("tf-prepare-save-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("plans.json");
+        let cache = PlanCache::open(&path);
+        let stack = stack();
+        let slot = CacheSlot {
+            cache: &cache,
+            stack: &stack,
+        };
+        let clock = FakeClock(Cell::new(Duration::ZERO));
+        let ks = keys(3);
+        // A request's planning: no budget, nothing timed; the picks are recorded, the file is not written.
+        let mut planner = FakePlanner::new(&clock, &ks, 2);
+        let report = prepare_keys(
+            &mut planner,
+            &ks[..2],
+            &never,
+            TIMED,
+            Some(slot),
+            Duration::ZERO,
+            &clock,
+        )
+        .unwrap();
+        assert_eq!((report.timed, report.budget_spent), (0, 2));
+        assert_eq!(report.saved, None);
+        assert!(!path.exists());
+        assert_eq!(
+            cache.lookup(&stack, &ks[0]).unwrap().source,
+            StoredSource::Heuristic
+        );
+        // A load's planning times a shape: the file is written with every choice recorded so far.
+        let mut planner = FakePlanner::new(&clock, &ks, 2);
+        let report = prepare_keys(
+            &mut planner,
+            &ks[2..],
+            &never,
+            TIMED,
+            Some(slot),
+            Duration::from_secs(60),
+            &clock,
+        )
+        .unwrap();
+        assert_eq!(report.timed, 1);
+        assert_eq!(report.saved.as_deref(), Some(path.as_path()));
+        let reread = PlanCache::open(&path);
+        for key in &ks {
+            assert!(
+                reread.lookup(&stack, key).is_some(),
+                "{key:?} not in the saved file"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

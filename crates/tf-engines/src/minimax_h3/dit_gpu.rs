@@ -54,6 +54,7 @@ use super::dit_host::LoadOptions;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmRunner};
 use crate::nn::gpu::quant::QuantKernels;
+use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::AttentionTile;
 pub use crate::nn::precision::{DitPrecision, Fp8Accumulation, Fp8Groups, Fp8Layers};
 use crate::nn::tensor::Tensor;
@@ -87,7 +88,7 @@ use workspace::{ShapeKey, Workspace};
 
 /// Graphs kept per workspace (one: the workspace's shape).
 const MAX_GRAPHS: usize = 1;
-/// Workspaces kept (one per shape, oldest dropped first).
+/// Workspaces kept (one per shape, least recently used dropped first).
 const MAX_WORKSPACES: usize = 2;
 /// Time a new shape may spend timing GEMM algorithms the plan cache does not hold yet, before its first step.
 pub const FIRST_USE_GEMM_BUDGET: Duration = Duration::from_secs(20);
@@ -137,7 +138,7 @@ struct Engine {
 /// The GPU DiT backend.
 pub struct GpuH3Dit {
     engine: Engine,
-    workspaces: Vec<Workspace>,
+    workspaces: RecentSet<Workspace>,
     use_graphs: bool,
     layout: Option<CheckpointLayout>,
     upload: Option<UploadStats>,
@@ -322,7 +323,7 @@ impl GpuH3Dit {
         })?;
         Ok(GpuH3Dit {
             engine,
-            workspaces: Vec::new(),
+            workspaces: RecentSet::new(MAX_WORKSPACES),
             use_graphs: true,
             layout: Some(layout),
             upload: report.upload,
@@ -358,7 +359,7 @@ impl GpuH3Dit {
         })?;
         Ok(GpuH3Dit {
             engine,
-            workspaces: Vec::new(),
+            workspaces: RecentSet::new(MAX_WORKSPACES),
             use_graphs: true,
             layout: None,
             upload: None,
@@ -458,21 +459,20 @@ impl GpuH3Dit {
     /// The workspace of `rows`' shape, made (and its GEMMs planned) on first use.
     fn workspace_index(&mut self, rows: &H3Rows) -> Result<usize, H3Error> {
         let key = ShapeKey::of(rows);
-        if let Some(i) = self.workspaces.iter().position(|w| w.key == key) {
-            return Ok(i);
-        }
-        let shapes = self.engine.gemm_shapes(&key)?;
-        self.engine
-            .gemms
-            .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &self.engine.stream)
-            .map_err(gpu_err("planning the step's GEMMs"))?;
-        if self.workspaces.len() >= MAX_WORKSPACES {
-            // Freed before the new one is allocated (a freed buffer waits for the device first).
-            self.workspaces.remove(0);
-        }
-        let ws = Workspace::new(&self.engine.ctx, &self.engine.dims, key)?;
-        self.workspaces.push(ws);
-        Ok(self.workspaces.len() - 1)
+        let engine = &self.engine;
+        // A full set drops its least recently used workspace before this one is planned and allocated (a freed
+        // buffer waits for the device first).
+        self.workspaces.find_or_make(
+            |w| w.key == key,
+            || {
+                let shapes = engine.gemm_shapes(&key)?;
+                engine
+                    .gemms
+                    .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &engine.stream)
+                    .map_err(gpu_err("planning the step's GEMMs"))?;
+                Workspace::new(&engine.ctx, &engine.dims, key)
+            },
+        )
     }
 
     /// Validates `inputs`, takes their workspace and uploads what depends on their values (on the stream).

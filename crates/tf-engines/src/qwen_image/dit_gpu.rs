@@ -52,6 +52,7 @@ use super::ops::DitKernels;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape};
 use crate::nn::gpu::quant::QuantKernels;
+use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::AttentionTile;
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
@@ -73,6 +74,11 @@ use workspace::{runs, Workspace};
 
 /// Graphs kept per workspace (one per KV cache binding used with it).
 const MAX_GRAPHS: usize = 4;
+/// Workspaces kept (one per step shape: the KV mode and the joint layout, which holds the text length; least
+/// recently used dropped first). A guided request uses four (extract and cached, for the prompt and the negative
+/// prompt), so a warm worker keeps every shape of a repeated request; a new prompt length costs new workspaces,
+/// never more device memory than four of them.
+const MAX_WORKSPACES: usize = 4;
 
 fn cuda_err(what: &str) -> impl FnOnce(tf_cuda::Error) -> DitError + '_ {
     move |e| DitError::Gpu(gpu_error(what, e))
@@ -241,7 +247,7 @@ struct Engine {
 /// The GPU DiT backend.
 pub struct GpuDit {
     engine: Engine,
-    workspaces: Vec<Workspace>,
+    workspaces: RecentSet<Workspace>,
     use_graphs: bool,
     load_stats: GpuLoadStats,
 }
@@ -341,7 +347,7 @@ impl GpuDit {
                 fp8_groups,
                 quant,
             },
-            workspaces: Vec::new(),
+            workspaces: RecentSet::new(MAX_WORKSPACES),
             use_graphs: true,
             load_stats: GpuLoadStats {
                 upload: weights.upload,
@@ -373,6 +379,11 @@ impl GpuDit {
     /// request when its KV caches land at the same binding).
     pub fn captured_graphs(&self) -> usize {
         self.workspaces.iter().map(|ws| ws.graphs.len()).sum()
+    }
+
+    /// Workspaces held now (one per step shape seen recently), and the most it keeps.
+    pub fn workspaces_held(&self) -> (usize, usize) {
+        (self.workspaces.len(), self.workspaces.capacity())
     }
 
     /// The context the model lives in.
@@ -462,19 +473,11 @@ impl GpuDit {
                 )));
             }
         }
-        let index = match self
-            .workspaces
-            .iter()
-            .position(|w| w.mode == mode && w.layout == layout)
-        {
-            Some(i) => i,
-            None => {
-                let ws = self.engine.workspace(layout, mode, inputs)?;
-                self.workspaces.push(ws);
-                self.workspaces.len() - 1
-            }
-        };
         let engine = &self.engine;
+        let index = self.workspaces.find_or_make(
+            |w| w.mode == mode && w.layout == layout,
+            || engine.workspace(layout.clone(), mode, inputs),
+        )?;
         let ws = &mut self.workspaces[index];
         let stream = &engine.stream;
         let mut t = inputs.timestep.data().to_vec();

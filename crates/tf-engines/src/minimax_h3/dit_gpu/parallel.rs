@@ -48,7 +48,7 @@ use tf_nccl::{AllToAllCounts, Comm, DataType};
 
 use super::step::NoProbe;
 use super::workspace::{InputRows, RowTables, ShapeKey, Workspace};
-use super::{cuda_err, gpu_err, Engine, GpuH3Dit, FIRST_USE_GEMM_BUDGET, MAX_WORKSPACES};
+use super::{cuda_err, gpu_err, Engine, GpuH3Dit, FIRST_USE_GEMM_BUDGET};
 use crate::minimax_h3::dit::{H3Error, H3Inputs, H3Output, H3Rows};
 use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::{AttentionInputs, AttentionShape, Strides, HEAD_DIM};
@@ -824,23 +824,20 @@ impl GpuH3Dit {
             .as_ref()
             .map(|sp| sp.attention)
             .ok_or_else(|| internal("no communicator"))?;
-        if let Some(i) = self.workspaces.iter().position(|w| {
-            w.key == plan.local && w.parallel.as_ref().is_some_and(|p| p.plan == plan)
-        }) {
-            return Ok(i);
-        }
-        let shapes = self.engine.gemm_shapes(&plan.local)?;
-        self.engine
-            .gemms
-            .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &self.engine.stream)
-            .map_err(gpu_err("planning the step's GEMMs"))?;
-        if self.workspaces.len() >= MAX_WORKSPACES {
-            self.workspaces.remove(0);
-        }
-        let mut ws = Workspace::new(&self.engine.ctx, &self.engine.dims, plan.local)?;
-        ws.parallel = Some(SpBuffers::new(&self.engine, plan, attention)?);
-        self.workspaces.push(ws);
-        Ok(self.workspaces.len() - 1)
+        let engine = &self.engine;
+        self.workspaces.find_or_make(
+            |w| w.key == plan.local && w.parallel.as_ref().is_some_and(|p| p.plan == plan),
+            || {
+                let shapes = engine.gemm_shapes(&plan.local)?;
+                engine
+                    .gemms
+                    .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &engine.stream)
+                    .map_err(gpu_err("planning the step's GEMMs"))?;
+                let mut ws = Workspace::new(&engine.ctx, &engine.dims, plan.local)?;
+                ws.parallel = Some(SpBuffers::new(engine, plan.clone(), attention)?);
+                Ok(ws)
+            },
+        )
     }
 
     /// One sequence-parallel forward: this rank's rows through the step, attention across ranks, every rank's
