@@ -42,6 +42,9 @@ Without ffmpeg a video request runs the whole pipeline, writes the raw frames an
 (the timing.json of tests/python/h3_pipeline_reference.py `timing`) it prints diffusers' phases from the LAST run
 there with the same number of grid points (the warm one) beside ours, with ratios. There are no goals for H3.
 
+--vary-prompt (image engine) gives request i the prompt with i short clauses appended, so every request is a prompt
+length the worker has not seen: a new step shape, as in real traffic (the PNGs then differ by design).
+
 --extra-worker-arg ARG (repeatable) appends ARG to the worker's command line, e.g. `--extra-worker-arg
 --random-weights --extra-worker-arg 0`.
 
@@ -91,6 +94,8 @@ VIDEO_PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, dec
 H3_LOADED_LINE = re.compile(r"tf worker: loaded in ([0-9.]+) s, (\d+) B resident")
 PRECISION_LINE = re.compile(r"tf worker: ([A-Za-z0-9 ]+?) precision: (.+)$")
 # Both engines end their phase line with "; GEMM plans built in the request: 3 (12.5 ms)".
+# --vary-prompt: the clause request i appends i times (a few tokens each).
+VARY_CLAUSE = ", with more detail"
 PLANS_LINE = re.compile(r"GEMM plans built in the request: (\d+) \(([0-9.]+) ms\)")
 # Qwen-Image: "tf worker: wrote image_0.png (4200123 B): PNG encode 6.5 ms, file write 2.1 ms".
 PNG_LINE = re.compile(r"wrote .* \((\d+) B\): PNG encode ([0-9.]+) ms, file write ([0-9.]+) ms")
@@ -490,6 +495,9 @@ def main():
     ap.add_argument("--backend", default="gpu", choices=["gpu", "host", "auto"])
     ap.add_argument("--precision", default="bf16", help="bf16, fp8 or fp8:GROUPS (the worker's --precision)")
     ap.add_argument("--prompt", default=None, help="default: the text of MODEL/../prompt.txt")
+    ap.add_argument("--vary-prompt", action="store_true",
+                    help="qwen_image: request i appends i short clauses to the prompt, so that every request has a "
+                         "prompt length the worker has not seen (a new step shape), as real traffic does")
     ap.add_argument("--size", type=parse_size, default=(1024, 1024), help="WIDTHxHEIGHT (default 1024x1024)")
     ap.add_argument("--steps", type=int, default=8, help="minimax_h3: grid points (N - 1 model calls)")
     ap.add_argument("--seed", type=int, default=0)
@@ -616,7 +624,9 @@ def main():
                       f"{plans_text(wp)}", flush=True)
         else:
             for i in range(args.requests):
-                request = {"op": "generate", "id": f"e2e_{i + 1}", "prompt": prompt, "width": width, "height": height,
+                # --vary-prompt: request i adds i clauses, so every request is a new prompt length (a new step shape).
+                text = prompt + VARY_CLAUSE * i if args.vary_prompt else prompt
+                request = {"op": "generate", "id": f"e2e_{i + 1}", "prompt": text, "width": width, "height": height,
                            "steps": args.steps, "seed": args.seed, "output": os.path.join(out_dir, f"image_{i}.png")}
                 result, _ = generate(worker, i, request, args.request_timeout)
                 path = request["output"]
@@ -687,6 +697,7 @@ def main():
                                  phases_from="worker log" if wp else "progress lines")
         hashes = {r.get("png_sha256") for r in requests}
         summary["same_png_every_request"] = len(hashes) == 1
+        summary["vary_prompt"] = bool(args.vary_prompt)
         fp8 = args.precision.startswith("fp8")
         e2e_goal = GOALS_MS["end_to_end_fp8" if fp8 else "end_to_end_bf16"]
         at_goal_shape = (width, height) == GOAL_SIZE and args.steps == GOAL_STEPS
