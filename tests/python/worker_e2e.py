@@ -99,8 +99,11 @@ VARY_CLAUSE = ", with more detail"
 PLANS_LINE = re.compile(r"GEMM plans built in the request: (\d+) \(([0-9.]+) ms\)")
 # Qwen-Image: "tf worker: wrote image_0.png (4200123 B): PNG encode 6.5 ms, file write 2.1 ms".
 PNG_LINE = re.compile(r"wrote .* \((\d+) B\): PNG encode ([0-9.]+) ms, file write ([0-9.]+) ms")
+# Every job's last line: "tf worker: job "e2e_2" done in 663 ms; device memory held: 21.84 GiB in 812 allocations".
+HELD_LINE = re.compile(r"done in \d+ ms; device memory held: ([0-9.]+) GiB in (\d+) allocations")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
-STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE)
+STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE,
+                 HELD_LINE)
 
 
 class WorkerFailed(Exception):
@@ -312,6 +315,13 @@ def plans_text(phases):
     return f"GEMM plans built: {phases['gemm_plans_built']} ({phases['gemm_planning_ms']:.1f} ms)"
 
 
+def held_text(result):
+    """The device memory the worker held after the request, as it logged it."""
+    if result.get("device_held_gib") is None:
+        return "device memory held: not logged"
+    return f"device memory held after it: {result['device_held_gib']:.2f} GiB ({result['device_allocs']} allocations)"
+
+
 def is_ffmpeg_missing(obj):
     """A final error line that names ffmpeg (no MP4 could be made; the raw frames and WAV were written instead)."""
     return obj.get("ok") is False and "ffmpeg" in str(obj.get("error", "")).lower()
@@ -381,6 +391,15 @@ def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
             break
         time.sleep(0.01)
     result["worker_phases_ms"] = phases
+    # The job's last log line (written before the reply): the device memory the worker holds after it.
+    held_wait = time.perf_counter() + 0.5
+    while "device_held_gib" not in result and time.perf_counter() < held_wait:
+        for t, line in worker.events():
+            m = HELD_LINE.search(line) if t > t_send else None
+            if m:
+                result.update(device_held_gib=float(m.group(1)), device_allocs=int(m.group(2)))
+        if "device_held_gib" not in result:
+            time.sleep(0.01)
     return result, t_final
 
 
@@ -621,7 +640,7 @@ def main():
                       f"{wp.get('frames', '?')} frames; progress lines: encode {fmt_ms(cp.get('encode'))}, steps "
                       f"{fmt_ms(cp.get('steps'))}, video decode {fmt_ms(cp.get('video_decode'))}, audio decode "
                       f"{fmt_ms(cp.get('audio_decode'))}, write {fmt_ms(cp.get('write'))} ms; "
-                      f"{plans_text(wp)}", flush=True)
+                      f"{plans_text(wp)}; {held_text(result)}", flush=True)
         else:
             for i in range(args.requests):
                 # --vary-prompt: request i adds i clauses, so every request is a new prompt length (a new step shape).
@@ -644,7 +663,7 @@ def main():
                       f"encode {fmt_ms(cp.get('encode'))}, steps {fmt_ms(cp.get('steps'))}, decode "
                       f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms (PNG encode "
                       f"{fmt_ms(wp.get('png_encode_ms'))}, file {fmt_ms(wp.get('file_write_ms'))} ms); "
-                      f"{plans_text(wp)}", flush=True)
+                      f"{plans_text(wp)}; {held_text(result)}", flush=True)
 
         t_exit = worker.send({"op": "exit"})
         _, reply = worker.final(t_exit + args.exit_timeout, "the exit reply")

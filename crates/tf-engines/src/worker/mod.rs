@@ -69,6 +69,20 @@ pub fn log_line(args: std::fmt::Arguments<'_>) {
 
 use request::{Command, GenerateCommand, OutputTarget, VideoCommand};
 
+/// Bytes in a GiB, for log lines.
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The line that ends a job: its wall time and the device memory the process holds afterwards (weights and the
+/// engines' kept workspaces), so that a long run shows whether memory stays put from request to request.
+fn log_job_done(id: &impl std::fmt::Debug, ms: u64) {
+    let held = tf_cuda::usage();
+    log!(
+        "tf worker: job {id:?} done in {ms} ms; device memory held: {:.2} GiB in {} allocations",
+        held.device as f64 / GIB,
+        held.device_allocs
+    );
+}
+
 /// One image to make, validated against [`WorkerLimits`] (the engine may refuse more).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageJob {
@@ -603,7 +617,7 @@ impl<E: WorkerEngine> Worker<E> {
             files.push(listed);
         }
         let ms = millis(started);
-        log!("tf worker: job {:?} done in {ms} ms", command.id);
+        log_job_done(&command.id, ms);
         write_line(
             output,
             &Reply {
@@ -697,12 +711,14 @@ impl<E: WorkerEngine> Worker<E> {
                 return Ok(Flow::Continue);
             }
         };
+        let ms = millis(started);
+        log_job_done(&command.id, ms);
         write_line(
             output,
             &Reply {
                 files: Some(&files),
                 seed: Some(command.job.seed),
-                ms: Some(millis(started)),
+                ms: Some(ms),
                 ..Reply::ok()
             },
         )?;
