@@ -524,6 +524,43 @@ fn the_tf_worker_process_exits_zero_at_end_of_input() {
 }
 
 #[test]
+fn every_job_ends_with_a_log_line_of_the_device_memory_held() {
+    use std::io::Write;
+    let dir = temp_dir("held");
+    let mut child = std::process::Command::new(tf())
+        .args(["worker", "--engine", "testpattern"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    for line in [
+        r#"{"op":"load"}"#.to_string(),
+        json!({"op": "generate", "id": "job1", "dir": dir.join("a"),
+               "request": {"image": {"prompt": "a fox", "width": 64, "height": 32, "steps": 2, "seed": 9}}})
+        .to_string(),
+        r#"{"op":"exit"}"#.to_string(),
+    ] {
+        writeln!(input, "{line}").unwrap();
+    }
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{:?}", out.status);
+    let log = String::from_utf8_lossy(&out.stderr);
+    let done = log
+        .lines()
+        .find(|l| l.contains("\"job1\" done in"))
+        .unwrap_or_else(|| panic!("no done line for job1 in:\n{log}"));
+    println!("{done}");
+    // The test pattern engine holds no device memory.
+    assert!(
+        done.ends_with("ms; device memory held: 0.00 GiB in 0 allocations"),
+        "{done}"
+    );
+}
+
+#[test]
 fn the_tf_worker_refuses_bad_arguments_with_exit_code_2() {
     let out = std::process::Command::new(tf())
         .args(["worker", "--engine", "qwen_image"])
