@@ -738,9 +738,8 @@ mod tests {
 
     #[test]
     fn heuristic_picks_are_recorded_but_saved_only_with_a_timed_choice() {
-        let dir = std::env::temp_dir().join(format!("tf-prepare-save-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let path = dir.join("plans.json");
+        let path = temp_file("save");
+        let _ = std::fs::remove_file(&path);
         let cache = PlanCache::open(&path);
         let stack = stack();
         let slot = CacheSlot {
@@ -789,7 +788,7 @@ mod tests {
                 "{key:?} not in the saved file"
             );
         }
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
