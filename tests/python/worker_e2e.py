@@ -101,9 +101,13 @@ PLANS_LINE = re.compile(r"GEMM plans built in the request: (\d+) \(([0-9.]+) ms\
 PNG_LINE = re.compile(r"wrote .* \((\d+) B\): PNG encode ([0-9.]+) ms, file write ([0-9.]+) ms")
 # Every job's last line: "tf worker: job "e2e_2" done in 663 ms; device memory held: 21.84 GiB in 812 allocations".
 HELD_LINE = re.compile(r"done in \d+ ms; device memory held: ([0-9.]+) GiB in (\d+) allocations")
+# Driver work between progress notes (only logged when there was some): "tf worker: driver work up to denoise 1/8:
+# device allocations 26 (4.1 ms), frees 0 (0.0 ms), graph captures 0 (0.0 ms), instantiations 0 (0.0 ms)".
+DRIVER_LINE = re.compile(r"driver work up to (\w+) (\d+)/(\d+): device allocations (\d+) \(([0-9.]+) ms\), frees (\d+) "
+                         r"\(([0-9.]+) ms\), graph captures (\d+) \(([0-9.]+) ms\), instantiations (\d+) \(([0-9.]+) ms\)")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
 STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE,
-                 HELD_LINE)
+                 HELD_LINE, DRIVER_LINE)
 
 
 class WorkerFailed(Exception):
@@ -322,6 +326,30 @@ def held_text(result):
     return f"device memory held after it: {result['device_held_gib']:.2f} GiB ({result['device_allocs']} allocations)"
 
 
+def driver_work_from_log(events, after):
+    """The driver work lines logged after `after` (this request's), as dicts in ms."""
+    work = []
+    for t, line in events:
+        m = DRIVER_LINE.search(line) if t > after else None
+        if m:
+            g = m.groups()
+            work.append(dict(phase=g[0], step=int(g[1]), of=int(g[2]), allocs=int(g[3]), alloc_ms=float(g[4]),
+                             frees=int(g[5]), free_ms=float(g[6]), captures=int(g[7]), capture_ms=float(g[8]),
+                             instantiations=int(g[9]), instantiate_ms=float(g[10])))
+    return work
+
+
+def detail_text(result):
+    """A request's step intervals (client side) and the driver work the worker logged, one line."""
+    cp = result.get("client_phases_ms") or {}
+    steps = " ".join(f"{v:.1f}" for v in cp.get("step_intervals") or [])
+    work = "; ".join(
+        f"up to {w['phase']} {w['step']}/{w['of']}: allocs {w['allocs']} ({w['alloc_ms']:.1f} ms), frees {w['frees']} "
+        f"({w['free_ms']:.1f} ms), captures {w['captures']} ({w['capture_ms']:.1f} ms), instantiations "
+        f"{w['instantiations']} ({w['instantiate_ms']:.1f} ms)" for w in result.get("driver_work") or [])
+    return f"  step intervals (ms): {steps or '-'}; driver work: {work or 'none logged'}"
+
+
 def is_ffmpeg_missing(obj):
     """A final error line that names ffmpeg (no MP4 could be made; the raw frames and WAV were written instead)."""
     return obj.get("ok") is False and "ffmpeg" in str(obj.get("error", "")).lower()
@@ -400,6 +428,7 @@ def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
                 result.update(device_held_gib=float(m.group(1)), device_allocs=int(m.group(2)))
         if "device_held_gib" not in result:
             time.sleep(0.01)
+    result["driver_work"] = driver_work_from_log(worker.events(), t_send)
     return result, t_final
 
 
@@ -641,6 +670,7 @@ def main():
                       f"{fmt_ms(cp.get('steps'))}, video decode {fmt_ms(cp.get('video_decode'))}, audio decode "
                       f"{fmt_ms(cp.get('audio_decode'))}, write {fmt_ms(cp.get('write'))} ms; "
                       f"{plans_text(wp)}; {held_text(result)}", flush=True)
+                print(detail_text(result), flush=True)
         else:
             for i in range(args.requests):
                 # --vary-prompt: request i adds i clauses, so every request is a new prompt length (a new step shape).
@@ -664,6 +694,7 @@ def main():
                       f"{fmt_ms(cp.get('decode'))}, write {fmt_ms(cp.get('write'))} ms (PNG encode "
                       f"{fmt_ms(wp.get('png_encode_ms'))}, file {fmt_ms(wp.get('file_write_ms'))} ms); "
                       f"{plans_text(wp)}; {held_text(result)}", flush=True)
+                print(detail_text(result), flush=True)
 
         t_exit = worker.send({"op": "exit"})
         _, reply = worker.final(t_exit + args.exit_timeout, "the exit reply")

@@ -10,6 +10,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tf_copysource::{CaptureScope, CapturedSources};
 use tf_sys::{CUgraph, CUgraphExec, CUgraphNode, CaptureMode};
@@ -20,6 +21,7 @@ use crate::error::Error;
 use crate::launch::{Args, LaunchConfig};
 use crate::module::Function;
 use crate::stream::Stream;
+use crate::usage;
 
 /// Which other threads' driver calls a capture refuses (`CUstreamCaptureMode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -47,6 +49,8 @@ impl Mode {
 pub struct Capture<'s> {
     stream: &'s Stream,
     scope: Option<CaptureScope<DriverBackend>>,
+    /// When the capture began (its wall time is counted in [`crate::usage::driver_costs`]).
+    started: Instant,
 }
 
 impl fmt::Debug for Capture<'_> {
@@ -62,6 +66,7 @@ impl Stream {
     /// [`Capture::end`].
     pub fn begin_capture(&self, mode: Mode) -> Result<Capture<'_>, Error> {
         self.ctx.ensure_healthy("cuStreamBeginCapture_v2")?;
+        let started = Instant::now();
         let scope = copy::hub().begin_capture(self.ctx.copy_id, self.key())?;
         let s = self.raw();
         // On failure `scope` drops here and closes itself.
@@ -72,6 +77,7 @@ impl Stream {
         Ok(Capture {
             stream: self,
             scope: Some(scope),
+            started,
         })
     }
 
@@ -104,6 +110,7 @@ impl Capture<'_> {
             unsafe { (api.cuStreamEndCapture)(s, &mut graph) }
         });
         let scope = self.scope.take();
+        usage::CAPTURE_CALLS.record(self.started);
         match result {
             Ok(()) if !graph.is_null() => {
                 let sources = scope.map(CaptureScope::end);
@@ -280,10 +287,13 @@ impl Graph {
     pub fn instantiate(&self) -> Result<GraphExec, Error> {
         let mut exec: CUgraphExec = std::ptr::null_mut();
         let g = self.handle;
+        let started = Instant::now();
         let r = self.ctx.call_raw("cuGraphInstantiateWithFlags", |api| {
             // SAFETY: out-pointer to a local; the graph is live.
             unsafe { (api.cuGraphInstantiateWithFlags)(&mut exec, g, 0) }
-        })?;
+        });
+        usage::INSTANTIATE_CALLS.record(started);
+        let r = r?;
         if r == tf_sys::code::NOT_PERMITTED {
             return Err(Error::GraphNotPermitted {
                 call: "cuGraphInstantiateWithFlags",

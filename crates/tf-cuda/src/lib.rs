@@ -71,7 +71,7 @@ pub use launch::{row_threads, Args, Dim3, KernelArg, LaunchConfig, Pod};
 pub use memory::{copy_2d, DeviceBuffer, DeviceView, DeviceViewMut, HostBuffer};
 pub use module::{Function, Module};
 pub use stream::{Event, Priority, Stream};
-pub use usage::{usage, Usage};
+pub use usage::{driver_costs, usage, DriverCosts, Usage};
 
 /// The driver, re-exported so users need not depend on tf-sys to open it.
 pub use tf_sys::Driver;

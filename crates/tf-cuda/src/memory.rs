@@ -117,10 +117,12 @@ impl DeviceBuffer {
             }
         }
         let mut addr = 0u64;
+        let started = std::time::Instant::now();
         let result = inner.call("cuMemAlloc_v2", |api| {
             // SAFETY: out-pointer to a local; len > 0.
             unsafe { (api.cuMemAlloc_v2)(&mut addr, len) }
         });
+        usage::ALLOC_CALLS.record(started);
         match result {
             Ok(()) => Ok(DeviceBuffer {
                 ctx: inner,
@@ -293,6 +295,7 @@ impl Drop for DeviceBuffer {
                     return;
                 }
                 let addr = self.addr;
+                let started = std::time::Instant::now();
                 // Wait for queued work that may still address this memory (see the invariant above). A failure
                 // (a sticky fault marks the context lost) is not ours to report from Drop; the free below then
                 // either proceeds (cuMemFree_v2 synchronizes on its own) or is skipped for a lost context.
@@ -307,6 +310,7 @@ impl Drop for DeviceBuffer {
                     // SAFETY: the address came from cuMemAlloc_v2 in this context and is freed once.
                     unsafe { (api.cuMemFree_v2)(addr) }
                 });
+                usage::FREE_CALLS.record(started);
                 DEVICE.release(self.len as u64);
             }
         }

@@ -160,6 +160,116 @@ pub fn device_limit() -> Option<u64> {
     }
 }
 
+/// Calls and wall time of one kind of costly driver work (see [`DriverCosts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TimedCalls {
+    /// Calls made.
+    pub calls: u64,
+    /// Wall seconds spent in them, on the calling threads.
+    pub seconds: f64,
+}
+
+impl TimedCalls {
+    fn since(&self, earlier: &TimedCalls) -> TimedCalls {
+        TimedCalls {
+            calls: self.calls.saturating_sub(earlier.calls),
+            seconds: (self.seconds - earlier.seconds).max(0.0),
+        }
+    }
+}
+
+impl std::fmt::Display for TimedCalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({:.1} ms)", self.calls, self.seconds * 1e3)
+    }
+}
+
+/// The driver work that costs wall time outside the kernels themselves, counted since the process started:
+/// what a request spends setting up rather than computing ([`DriverCosts::since`] gives one request's share).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DriverCosts {
+    /// `cuMemAlloc_v2` calls of `DeviceBuffer::alloc` (hook-served allocations are not driver calls).
+    pub device_allocs: TimedCalls,
+    /// Driver frees of `DeviceBuffer`s, each with the context-wide wait that precedes it.
+    pub device_frees: TimedCalls,
+    /// Stream captures, from `begin_capture` to `end` (the enqueueing of the captured work included).
+    pub graph_captures: TimedCalls,
+    /// Graph instantiations.
+    pub graph_instantiations: TimedCalls,
+}
+
+impl DriverCosts {
+    /// What happened between `earlier` and this reading.
+    pub fn since(&self, earlier: &DriverCosts) -> DriverCosts {
+        DriverCosts {
+            device_allocs: self.device_allocs.since(&earlier.device_allocs),
+            device_frees: self.device_frees.since(&earlier.device_frees),
+            graph_captures: self.graph_captures.since(&earlier.graph_captures),
+            graph_instantiations: self
+                .graph_instantiations
+                .since(&earlier.graph_instantiations),
+        }
+    }
+}
+
+impl std::fmt::Display for DriverCosts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "device allocations {}, frees {}, graph captures {}, instantiations {}",
+            self.device_allocs, self.device_frees, self.graph_captures, self.graph_instantiations
+        )
+    }
+}
+
+/// A call count and its summed nanoseconds, lock-free.
+pub(crate) struct CallTimer {
+    calls: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl CallTimer {
+    const fn new() -> Self {
+        CallTimer {
+            calls: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one call that started at `started`.
+    pub(crate) fn record(&self, started: std::time::Instant) {
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let _ = self
+            .nanos
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_add(nanos))
+            });
+    }
+
+    fn read(&self) -> TimedCalls {
+        TimedCalls {
+            calls: self.calls.load(Ordering::Relaxed),
+            seconds: self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
+}
+
+pub(crate) static ALLOC_CALLS: CallTimer = CallTimer::new();
+pub(crate) static FREE_CALLS: CallTimer = CallTimer::new();
+pub(crate) static CAPTURE_CALLS: CallTimer = CallTimer::new();
+pub(crate) static INSTANTIATE_CALLS: CallTimer = CallTimer::new();
+
+/// The costly driver work done so far in this process. Safe from any thread.
+pub fn driver_costs() -> DriverCosts {
+    DriverCosts {
+        device_allocs: ALLOC_CALLS.read(),
+        device_frees: FREE_CALLS.read(),
+        graph_captures: CAPTURE_CALLS.read(),
+        graph_instantiations: INSTANTIATE_CALLS.read(),
+    }
+}
+
 /// A sub-allocator under `DeviceBuffer` (such as the arena).
 ///
 /// Once installed, `DeviceBuffer::alloc` asks it first; `None` falls back to the driver.
@@ -198,6 +308,35 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::sync::Arc;
+
+    #[test]
+    fn call_timers_count_calls_and_time_and_difference_by_reading() {
+        let t = CallTimer::new();
+        assert_eq!(t.read(), TimedCalls::default());
+        let started = std::time::Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.record(started);
+        t.record(std::time::Instant::now());
+        let first = t.read();
+        assert_eq!(first.calls, 2);
+        assert!(first.seconds >= 0.002, "{first:?}");
+        t.record(std::time::Instant::now());
+        let later = t.read().since(&first);
+        assert_eq!(later.calls, 1);
+        assert!(later.seconds < first.seconds, "{later:?} vs {first:?}");
+        // A reading never goes negative, even taken against a later one.
+        assert_eq!(first.since(&t.read()), TimedCalls::default());
+        assert!(format!("{first}").starts_with("2 ("), "{first}");
+        let costs = DriverCosts {
+            device_allocs: first,
+            ..DriverCosts::default()
+        };
+        assert_eq!(costs.since(&costs), DriverCosts::default());
+        assert!(
+            costs.to_string().starts_with("device allocations 2 ("),
+            "{costs}"
+        );
+    }
 
     #[test]
     fn hold_release_and_peak() {

@@ -152,10 +152,12 @@ impl WorkerEngine for MiniMaxH3Engine {
         let audio = request.audio;
         let mut decode_steps = 0;
         let planning_before = tf_cuda::cublaslt::call_planning();
+        let driver_before = tf_cuda::driver_costs();
         let result = pipeline.generate(&request, &mut |p| {
             progress(translate(p, audio, &mut decode_steps))
         });
         let planning = tf_cuda::cublaslt::call_planning().since(&planning_before);
+        let driver = tf_cuda::driver_costs().since(&driver_before);
         let made = match result {
             Ok(made) => made,
             Err(e) => {
@@ -166,7 +168,7 @@ impl WorkerEngine for MiniMaxH3Engine {
         let t = &made.timings;
         log!(
             "tf worker: encode {:.3} s, {} steps {:.3} s, decode video {:.3} s, audio {:.3} s, total {:.3} s; {} frames \
-             ({} asked); GEMM plans built in the request: {} ({:.1} ms)",
+             ({} asked); GEMM plans built in the request: {} ({:.1} ms); {}",
             t.encode,
             t.steps.len(),
             t.steps.iter().sum::<f64>(),
@@ -176,7 +178,8 @@ impl WorkerEngine for MiniMaxH3Engine {
             made.frames.frames,
             made.requested_frames,
             planning.plans,
-            planning.seconds * 1e3
+            planning.seconds * 1e3,
+            driver
         );
         let (w, h) = (made.frames.width, made.frames.height);
         let width = u32::try_from(w).map_err(|_| EngineError::Failed("frame width".into()))?;

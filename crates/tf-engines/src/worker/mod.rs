@@ -83,6 +83,38 @@ fn log_job_done(id: &impl std::fmt::Debug, ms: u64) {
     );
 }
 
+/// Logs the costly driver work (allocations, frees, graph captures and instantiations) done between a job's
+/// progress notes, so a slow first step shows what it spent outside the kernels; quiet when there was none.
+struct DriverWorkTrail {
+    last: tf_cuda::DriverCosts,
+}
+
+impl DriverWorkTrail {
+    fn start() -> Self {
+        DriverWorkTrail {
+            last: tf_cuda::driver_costs(),
+        }
+    }
+
+    fn note(&mut self, p: &Progress) {
+        let now = tf_cuda::driver_costs();
+        let done = now.since(&self.last);
+        self.last = now;
+        let calls = done.device_allocs.calls
+            + done.device_frees.calls
+            + done.graph_captures.calls
+            + done.graph_instantiations.calls;
+        if calls > 0 {
+            log!(
+                "tf worker: driver work up to {} {}/{}: {done}",
+                p.phase,
+                p.step,
+                p.of
+            );
+        }
+    }
+}
+
 /// One image to make, validated against [`WorkerLimits`] (the engine may refuse more).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageJob {
@@ -555,8 +587,10 @@ impl<E: WorkerEngine> Worker<E> {
             job.seed = command.job.seed.wrapping_add(u64::from(index));
             let count = command.count;
             let engine = &mut self.engine;
+            let mut trail = DriverWorkTrail::start();
             let result = catch_unwind(AssertUnwindSafe(|| {
                 engine.generate(&job, &mut |p: Progress| {
+                    trail.note(&p);
                     if progress_failed.is_some() {
                         return;
                     }
@@ -671,8 +705,10 @@ impl<E: WorkerEngine> Worker<E> {
         );
         let mut progress_failed: Option<io::Error> = None;
         let engine = &mut self.engine;
+        let mut trail = DriverWorkTrail::start();
         let result = catch_unwind(AssertUnwindSafe(|| {
             engine.generate_video(&command.job, &mut |p: Progress| {
+                trail.note(&p);
                 if progress_failed.is_some() {
                     return;
                 }

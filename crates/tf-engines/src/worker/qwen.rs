@@ -153,8 +153,10 @@ impl WorkerEngine for QwenImageEngine {
             ..Request::new(job.prompt.clone())
         };
         let planning_before = tf_cuda::cublaslt::call_planning();
+        let driver_before = tf_cuda::driver_costs();
         let result = pipeline.generate(&request, &mut |p| progress(translate(p)));
         let planning = tf_cuda::cublaslt::call_planning().since(&planning_before);
+        let driver = tf_cuda::driver_costs().since(&driver_before);
         let generation = match result {
             Ok(g) => g,
             Err(e) => {
@@ -168,14 +170,15 @@ impl WorkerEngine for QwenImageEngine {
         let t = &generation.timings;
         log!(
             "tf worker: encode {:.3} s, {} steps {:.3} s, decode {:.3} s, total {:.3} s; GEMM plans built in the \
-             request: {} ({:.1} ms)",
+             request: {} ({:.1} ms); {}",
             t.encode,
             t.steps.len(),
             t.steps.iter().sum::<f64>(),
             t.decode,
             t.total,
             planning.plans,
-            planning.seconds * 1e3
+            planning.seconds * 1e3,
+            driver
         );
         let image = generation.image;
         let pixels = match image.channels {
