@@ -275,7 +275,8 @@ impl DeviceBuffer {
 }
 
 /// Freeing waits for the device first. Invariant: a `DeviceBuffer` is released only after every piece of work
-/// queued in its context has finished (`cuCtxSynchronize`, then `cuMemFree_v2`), so a kernel, copy or GEMM that
+/// queued in its context has finished (`cuCtxSynchronize`, then `cuMemFree_v2`, or the allocation hook's `free` for
+/// memory the hook gave out), so a kernel, copy or GEMM that
 /// was enqueued on any stream of the context while the memory was alive never touches freed or reallocated memory.
 /// This is what lets launches over device addresses (`Stream::launch`, `CublasLt::matmul`) state their safety
 /// contract as "alive when enqueued". A lost context calls nothing: the memory is leaked, never freed.
@@ -284,6 +285,19 @@ impl Drop for DeviceBuffer {
         match self.origin {
             Origin::Empty => {}
             Origin::Hook => {
+                // The same wait as a driver free: the hook may hand these bytes to the next allocation at once,
+                // so queued work that addresses them must be done first. A lost context cannot be waited on:
+                // the range is leaked (never reused), its bytes stay counted as held.
+                if self.ctx.lost_code().is_some() {
+                    return;
+                }
+                self.ctx.release_call("cuCtxSynchronize", |api| {
+                    // SAFETY: no arguments; `release_call` makes this buffer's context current first.
+                    unsafe { (api.cuCtxSynchronize)() }
+                });
+                if self.ctx.lost_code().is_some() {
+                    return;
+                }
                 if let Some(hook) = allocation_hook() {
                     hook.free(self.addr, self.len);
                 }
