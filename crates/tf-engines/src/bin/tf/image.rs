@@ -339,7 +339,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
         }
         let _ = err.flush();
     };
+    let driver_before = tf_cuda::driver_costs();
     let result = pipeline.generate(&request, &mut report)?;
+    let driver = tf_cuda::driver_costs().since(&driver_before);
     let peak_device_bytes = tf_cuda::usage().device_peak;
     if let Some(path) = &args.dump_steps {
         let mut names = Vec::new();
@@ -384,6 +386,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
         t.decode,
         t.total
     );
+    if pipeline.context().is_some() {
+        eprintln!("tf image: driver work in the request: {driver}");
+    }
     if args.json {
         let summary = json!({
             "ok": true,
@@ -411,6 +416,16 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 "shapes": g.shapes, "stored": g.stored, "timed": g.timed, "heuristic": g.heuristic,
                 "already_planned": g.already_planned,
             })),
+            "driver_work": {
+                "device_allocs": driver.device_allocs.calls,
+                "device_alloc_s": driver.device_allocs.seconds,
+                "device_frees": driver.device_frees.calls,
+                "device_free_s": driver.device_frees.seconds,
+                "graph_captures": driver.graph_captures.calls,
+                "graph_capture_s": driver.graph_captures.seconds,
+                "graph_instantiations": driver.graph_instantiations.calls,
+                "graph_instantiate_s": driver.graph_instantiations.seconds,
+            },
             "timings": {
                 "encode_s": t.encode,
                 "steps_s": t.steps,

@@ -315,6 +315,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     }
     eprintln!("tf video: {}", pipeline.memory_plan());
     pipeline.keep_step_latents(args.dump_steps.is_some());
+    let driver_before = tf_cuda::driver_costs();
     let made = pipeline.generate(&request, &mut |p| match p {
         Progress::Encoded { seconds } => reporter.phase("prompt encoded and noise drawn", seconds),
         Progress::Step {
@@ -325,6 +326,10 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         Progress::DecodedVideo { seconds } => reporter.phase("frames decoded", seconds),
         Progress::DecodedAudio { seconds } => reporter.phase("audio decoded", seconds),
     })?;
+    eprintln!(
+        "tf video: driver work in the request: {}",
+        tf_cuda::driver_costs().since(&driver_before)
+    );
     let peak_device_bytes = tf_cuda::usage().device_peak;
     if let Some(path) = &args.dump_steps {
         if super::ranks::writes_output() {
