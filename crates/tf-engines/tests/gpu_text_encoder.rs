@@ -524,6 +524,19 @@ fn tiny_encoder_matches_the_host_reference() {
         "130 rows grow the workspace to two quanta"
     );
 
+    // A new prompt length inside a planned row quantum plans no GEMM: the GEMMs run over the quantum's rows.
+    let planning_before = tf_cuda::cublaslt::call_planning();
+    let five = gpu.prompt_features(&prompts[1].0[..5], 0).unwrap();
+    let built = tf_cuda::cublaslt::call_planning()
+        .since(&planning_before)
+        .plans;
+    println!("a 5-row prompt after 7-row ones: {built} GEMM plans built");
+    assert_eq!(five.shape()[0], 5);
+    assert_eq!(
+        built, 0,
+        "a prompt in an already planned row quantum built GEMM plans"
+    );
+
     // A causal encoder: the features of a prefix do not depend on what follows it.
     let (long, _) = &prompts[2];
     let full = gpu.prompt_features(long, 0).unwrap();

@@ -15,7 +15,9 @@
 //!   causal grouped-query attention reading q, k, v straight from the fused rows, o-proj GEMM accumulating into
 //!   the residual stream (`beta = 1`), RMSNorm, gate|up GEMM, SwiGLU, down GEMM accumulating into the residual.
 //! - Workspaces are sized for a row capacity (rounded up to [`ROW_QUANTUM`]) and grow when a longer prompt
-//!   comes; the causal key limits and RoPE tables (positions from 0) are built once per capacity.
+//!   comes; the causal key limits and RoPE tables (positions from 0) are built once per capacity. The GEMMs run
+//!   over the prompt's rows rounded up to the quantum, so prompts of similar length share GEMM plans and a new
+//!   prompt length plans nothing inside a request.
 //! - Only head dim 128 runs (the attention kernel's width): other configs are refused at load.
 //!
 //! Invariant: no host synchronisation inside a forward; the one sync is before reading the features back.
@@ -682,9 +684,10 @@ impl GpuTextEncoder {
         Ok(f64::from(ms) / iters as f64)
     }
 
-    /// The GEMMs a forward over `rows` rows runs, one entry per distinct plan in first-call order: what
-    /// planning the encoder's GEMMs ahead (at load, for the row capacities it will see) takes.
+    /// The GEMMs a forward over `rows` rows runs (over the rows rounded up to [`ROW_QUANTUM`]), one entry per
+    /// distinct plan in first-call order: what planning the encoder's GEMMs ahead takes.
     pub fn gemm_shapes(&self, rows: usize) -> Vec<GemmShape> {
+        let rows = capacity_for(rows);
         let d = self.dims;
         let (h, f) = (d.hidden, d.ffn);
         let (qw, qkvw) = (d.q_width(), d.qkv_width());
@@ -761,12 +764,22 @@ impl GpuTextEncoder {
             )
             .map_err(launch("embedding gather"))?;
 
-        let x_span = span(&ws.x, 0, rows * h * BF16)?;
-        let normed_span = span(&ws.normed, 0, rows * h * BF16)?;
-        let qkv_span = span(&ws.qkv, 0, rows * qkvw * BF16)?;
-        let attn_span = span(&ws.attn, 0, rows * qw * BF16)?;
-        let gate_up_span = span(&ws.gate_up, 0, rows * 2 * f * BF16)?;
-        let act_span = span(&ws.act, 0, rows * f * BF16)?;
+        // The GEMMs run over the rows rounded up to the quantum: every prompt in one quantum runs the same GEMM
+        // shapes (planned once, timed at load by the warm-up) instead of planning new ones inside a request, at no
+        // cost below the compute bound (a weight read serves up to ROW_QUANTUM rows). A GEMM's rows are
+        // independent, so the rows past `rows` (stale, never read back) cannot touch the prompt's.
+        let m = capacity_for(rows);
+        if m > ws.capacity {
+            return Err(TextEncoderError::Backend(
+                "GPU backend: internal: the workspace is smaller than its row quantum".into(),
+            ));
+        }
+        let x_span = span(&ws.x, 0, m * h * BF16)?;
+        let normed_span = span(&ws.normed, 0, m * h * BF16)?;
+        let qkv_span = span(&ws.qkv, 0, m * qkvw * BF16)?;
+        let attn_span = span(&ws.attn, 0, m * qw * BF16)?;
+        let gate_up_span = span(&ws.gate_up, 0, m * 2 * f * BF16)?;
+        let act_span = span(&ws.act, 0, m * f * BF16)?;
         let limits = ws.key_limits.view();
         let scale = 1.0 / (HEAD_DIM as f32).sqrt();
 
@@ -783,7 +796,7 @@ impl GpuTextEncoder {
                 )
                 .map_err(launch("input RMSNorm"))?;
             self.gemm(Linear::new(
-                rows,
+                m,
                 qkvw,
                 h,
                 normed_span,
@@ -854,7 +867,7 @@ impl GpuTextEncoder {
             }
             self.gemm(
                 Linear::new(
-                    rows,
+                    m,
                     h,
                     qw,
                     attn_span,
@@ -875,7 +888,7 @@ impl GpuTextEncoder {
                 )
                 .map_err(launch("post-attention RMSNorm"))?;
             self.gemm(Linear::new(
-                rows,
+                m,
                 2 * f,
                 h,
                 normed_span,
@@ -893,7 +906,7 @@ impl GpuTextEncoder {
                 .map_err(launch("SwiGLU"))?;
             self.gemm(
                 Linear::new(
-                    rows,
+                    m,
                     h,
                     f,
                     act_span,
