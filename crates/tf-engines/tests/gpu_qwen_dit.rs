@@ -296,16 +296,30 @@ fn workspaces_stay_bounded_across_prompt_lengths() {
     let mut lengths: Vec<usize> = (1..=rows).rev().collect();
     lengths.extend([rows, 2.min(rows)]);
     let mut first: Vec<(usize, TensorF32)> = Vec::new();
+    // A new shape met by a full set builds its workspace from the buffers of the one it gives up: only the
+    // exact-size output is allocated (the text rows here only shrink or repeat, so every other part fits).
+    const MOST_NEW_ALLOCATIONS: u64 = 2;
     for &n in &lengths {
+        let full_before = dit.workspaces_held().0 == dit.workspaces_held().1;
+        let seen = first.iter().any(|(m, _)| *m == n);
+        let driver_before = tf_cuda::driver_costs();
         let out = dit
             .forward(&with_text_rows(&base, n), KvStep::None)
             .unwrap();
+        let driver = tf_cuda::driver_costs().since(&driver_before);
         let (held, capacity) = dit.workspaces_held();
-        println!("{n} text rows: {held} of at most {capacity} workspaces held");
+        println!("{n} text rows: {held} of at most {capacity} workspaces held; {driver}");
         assert!(
             held <= capacity,
             "{held} workspaces held, more than {capacity}"
         );
+        if full_before && !seen {
+            assert!(
+                driver.device_allocs.calls <= MOST_NEW_ALLOCATIONS,
+                "{n} text rows: a new shape on a full set made {} device allocations",
+                driver.device_allocs.calls
+            );
+        }
         match first.iter().find(|(m, _)| *m == n) {
             Some((_, want)) => assert!(
                 bit_equal(&out.sample, want),
@@ -320,6 +334,32 @@ fn workspaces_stay_bounded_across_prompt_lengths() {
         capacity.min(rows),
         "workspaces held after {rows} shapes"
     );
+
+    // What a warm-up leaves: every workspace given up, its buffers kept as spares; the next shapes are built from
+    // them and give the same bits as their first runs.
+    dit.recycle_workspaces().unwrap();
+    let (spares, spare_bytes) = dit.spare_buffers();
+    println!("after recycling: {spares} spare buffers, {spare_bytes} B");
+    assert_eq!(dit.workspaces_held().0, 0);
+    assert!(spares > 0, "recycled workspaces left no spare buffers");
+    for n in [rows, 1] {
+        let driver_before = tf_cuda::driver_costs();
+        let out = dit
+            .forward(&with_text_rows(&base, n), KvStep::None)
+            .unwrap();
+        let driver = tf_cuda::driver_costs().since(&driver_before);
+        println!("{n} text rows from spares: {driver}");
+        assert!(
+            driver.device_allocs.calls <= MOST_NEW_ALLOCATIONS,
+            "{n} text rows: a workspace built from spares made {} device allocations",
+            driver.device_allocs.calls
+        );
+        let (_, want) = first.iter().find(|(m, _)| *m == n).unwrap();
+        assert!(
+            bit_equal(&out.sample, want),
+            "{n} text rows: the run on reused buffers differs from the first run"
+        );
+    }
 }
 
 /// Loads the model, runs extract, eager cached and graph-replayed cached steps, and drops everything.

@@ -53,6 +53,7 @@ use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
+use crate::nn::gpu::spare_buffers::SpareBuffers;
 use crate::nn::gpu::AttentionTile;
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
@@ -77,8 +78,12 @@ const MAX_GRAPHS: usize = 4;
 /// Workspaces kept (one per step shape: the KV mode and the joint layout, which holds the text length; least
 /// recently used dropped first). A guided request uses four (extract and cached, for the prompt and the negative
 /// prompt), so a warm worker keeps every shape of a repeated request; a new prompt length costs new workspaces,
-/// never more device memory than four of them.
+/// never more device memory than four of them. The one a full set gives up lends its buffers to the new one
+/// ([`SpareBuffers`]), so a new prompt length allocates almost nothing once the set is full.
 const MAX_WORKSPACES: usize = 4;
+/// Spare buffers kept, in workspaces' worth (of the largest made): the buffers of the workspaces the warm-up leaves
+/// behind, or what a new workspace did not take from the one it replaced.
+const SPARE_WORKSPACES: usize = 2;
 
 fn cuda_err(what: &str) -> impl FnOnce(tf_cuda::Error) -> DitError + '_ {
     move |e| DitError::Gpu(gpu_error(what, e))
@@ -248,6 +253,10 @@ struct Engine {
 pub struct GpuDit {
     engine: Engine,
     workspaces: RecentSet<Workspace>,
+    /// Buffers of given-up workspaces, for the next ones.
+    spares: SpareBuffers<DeviceBuffer>,
+    /// Bytes of the largest workspace made (bounds the spares).
+    largest_workspace: usize,
     use_graphs: bool,
     load_stats: GpuLoadStats,
 }
@@ -348,6 +357,8 @@ impl GpuDit {
                 quant,
             },
             workspaces: RecentSet::new(MAX_WORKSPACES),
+            spares: SpareBuffers::new(0),
+            largest_workspace: 0,
             use_graphs: true,
             load_stats: GpuLoadStats {
                 upload: weights.upload,
@@ -391,9 +402,30 @@ impl GpuDit {
         &self.engine.ctx
     }
 
-    /// Frees every workspace and graph (weights stay).
+    /// Frees every workspace, graph and spare buffer (weights stay).
     pub fn clear_workspaces(&mut self) {
         self.workspaces.clear();
+        self.spares.clear();
+    }
+
+    /// Gives up every workspace and graph but keeps their buffers as spares for the next workspaces (up to
+    /// [`SPARE_WORKSPACES`] of them): what a warm-up leaves for the first request, whose prompt length differs.
+    pub fn recycle_workspaces(&mut self) -> Result<(), DitError> {
+        // Host uploads into a reused buffer must not race a step still running over it.
+        self.engine
+            .stream
+            .synchronize()
+            .map_err(cuda_err("waiting before reusing workspaces"))?;
+        // Most recently used first: the bound keeps the buffers of the latest shapes.
+        for ws in self.workspaces.take_all().into_iter().rev() {
+            self.spares.give_all(ws.into_buffers());
+        }
+        Ok(())
+    }
+
+    /// Spare buffers held (kept from given-up workspaces) and their bytes.
+    pub fn spare_buffers(&self) -> (usize, usize) {
+        (self.spares.len(), self.spares.held_bytes())
     }
 
     /// How the GEMM algorithm of a new shape is chosen ([`DEFAULT_GEMM_SELECTION`] unless set). Shapes already
@@ -474,10 +506,27 @@ impl GpuDit {
             }
         }
         let engine = &self.engine;
-        let index = self.workspaces.find_or_make(
+        let spares = &mut self.spares;
+        let index = self.workspaces.find_or_remake(
             |w| w.mode == mode && w.layout == layout,
-            || engine.workspace(layout.clone(), mode, inputs),
+            |given_up| {
+                if let Some(old) = given_up {
+                    // Host uploads into a reused buffer must not race a step still running over it.
+                    engine
+                        .stream
+                        .synchronize()
+                        .map_err(cuda_err("waiting before reusing a workspace"))?;
+                    spares.give_all(old.into_buffers());
+                }
+                engine.workspace(layout.clone(), mode, inputs, spares)
+            },
         )?;
+        let made = self.workspaces[index].buffer_bytes();
+        if made > self.largest_workspace {
+            self.largest_workspace = made;
+            self.spares
+                .set_max_bytes(made.saturating_mul(SPARE_WORKSPACES));
+        }
         let ws = &mut self.workspaces[index];
         let stream = &engine.stream;
         let mut t = inputs.timestep.data().to_vec();

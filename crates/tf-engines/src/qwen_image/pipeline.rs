@@ -874,8 +874,9 @@ impl Pipeline {
     /// Runs a short request (2 steps, a short prompt) at `width` x `height` so that the first real request of
     /// that size finds everything ready: the DiT's GEMMs of that size planned with up to `gemm_budget` of
     /// timing (stored in the persistent plan cache, so a later process reuses the choices without timing),
-    /// kernels loaded, workspaces allocated, the text encoder's and the VAE's plans built. What a request of
-    /// another size or prompt length needs beyond that is planned without timing.
+    /// kernels loaded, workspaces allocated (kept as the DiT's spare buffers, which the first request's workspaces
+    /// are built from), the text encoder's and the VAE's plans built. What a request of another size or prompt
+    /// length needs beyond that is planned without timing.
     ///
     /// In the sequential mode nothing stays loaded to warm, so this does nothing and says so
     /// ([`WarmUp::skipped`]); every request then plans its own GEMMs without timing.
@@ -909,6 +910,15 @@ impl Pipeline {
         )
         .map_err(|e| invalid(format!("no warm-up schedule: {e}")))?;
         let generation = self.run_planned(plan, &request, &mut |_| {}, gemm_budget)?;
+        // The warm-up's prompt length is not a request's: its workspaces become spare buffers that the first
+        // request's workspaces are built from, instead of new allocations inside that request.
+        if let Components::Resident(Resident {
+            dit: DitEngine::Gpu(dit),
+            ..
+        }) = &mut self.components
+        {
+            dit.recycle_workspaces()?;
+        }
         Ok(WarmUp {
             width,
             height,

@@ -21,7 +21,7 @@
 //! Files: [`launch`] (matrices, operands, checks, [`Launch`], loading), [`attention`], [`norm`], [`rope`],
 //! [`act`] (SwiGLU, gelu, silu), [`copy`] (timestep embedding, embedding gather, copies, seeded fill), [`gemm`]
 //! (the cuBLASLt GEMM wrapper, bf16 and FP8), [`quant`] (the FP8 quantizing kernels, their own set),
-//! [`graph_cache`] (captured step graphs), [`recent_set`] (the bounded per-shape workspaces of a DiT) and [`phases`] (device time per phase, for the benchmarks).
+//! [`graph_cache`] (captured step graphs), [`recent_set`] (the bounded per-shape workspaces of a DiT), [`spare_buffers`] (a dropped workspace's buffers kept for the next) and [`phases`] (device time per phase, for the benchmarks).
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: tf_cuda::DeviceView<'_>,
@@ -45,6 +45,7 @@ pub mod phases;
 pub mod quant;
 pub mod recent_set;
 pub mod rope;
+pub mod spare_buffers;
 
 pub use act::*;
 pub use attention::*;

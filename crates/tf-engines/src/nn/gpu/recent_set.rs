@@ -76,18 +76,39 @@ impl<T> RecentSet<T> {
         matches: impl Fn(&T) -> bool,
         make: impl FnOnce() -> Result<T, E>,
     ) -> Result<usize, E> {
+        self.find_or_remake(matches, |evicted| {
+            // Dropped before the new item is made: the two are never held together.
+            drop(evicted);
+            make()
+        })
+    }
+
+    /// As [`RecentSet::find_or_make`], but the least recently used item a full set gives up is handed to `remake`
+    /// (`None` when the set had room), which may reuse its parts for the new item; the set no longer holds it
+    /// either way.
+    pub fn find_or_remake<E>(
+        &mut self,
+        matches: impl Fn(&T) -> bool,
+        remake: impl FnOnce(Option<T>) -> Result<T, E>,
+    ) -> Result<usize, E> {
         if let Some(i) = self.items.iter().position(matches) {
             let item = self.items.remove(i);
             self.items.push(item);
             return Ok(self.items.len() - 1);
         }
-        if self.items.len() >= self.capacity {
-            // Dropped before the new item is made: the two are never held together.
-            self.items.remove(0);
-        }
-        let item = make()?;
+        let evicted = if self.items.len() >= self.capacity {
+            Some(self.items.remove(0))
+        } else {
+            None
+        };
+        let item = remake(evicted)?;
         self.items.push(item);
         Ok(self.items.len() - 1)
+    }
+
+    /// Removes and returns every item, least recently used first.
+    pub fn take_all(&mut self) -> Vec<T> {
+        std::mem::take(&mut self.items)
     }
 }
 
@@ -143,6 +164,27 @@ mod tests {
         empty.find_or_make(|_| false, || Ok::<_, ()>(7)).unwrap();
         empty.find_or_make(|_| false, || Ok::<_, ()>(8)).unwrap();
         assert_eq!(keys(&empty), [8]);
+    }
+
+    #[test]
+    fn remake_gets_the_least_recent_item_only_when_full() {
+        let mut set = RecentSet::new(2);
+        let mut given = Vec::new();
+        for k in [1u8, 2, 1, 3, 4] {
+            set.find_or_remake(
+                |&x| x == k,
+                |old| {
+                    given.push(old);
+                    Ok::<_, ()>(k)
+                },
+            )
+            .unwrap();
+        }
+        // 1 and 2 had room; 3 evicted 2 (1 was used after it); 4 evicted 1.
+        assert_eq!(given, [None, None, Some(2), Some(1)]);
+        assert_eq!(keys(&set), [3, 4]);
+        assert_eq!(set.take_all(), [3, 4]);
+        assert!(set.is_empty());
     }
 
     proptest! {

@@ -7,6 +7,7 @@ use super::kv::{CacheBinding, GpuKvCache};
 use super::{cuda_err, Engine, StepRows, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::graph_cache::GraphCache;
+use crate::nn::gpu::spare_buffers::{with_headroom, SpareBuffers};
 use crate::nn::gpu::{key_limits_from_blocks, key_pad_from_valid, HEAD_DIM};
 use crate::nn::host;
 use crate::nn::weights::{le_bytes, BF16};
@@ -171,6 +172,133 @@ fn alloc(ctx: &Context, bytes: usize, what: &str) -> Result<DeviceBuffer, DitErr
     })
 }
 
+/// A buffer of at least `bytes` for a part of a workspace that only kernels address (never read back whole or
+/// copied whole): a spare when one fits, else a new one with headroom so a slightly longer prompt fits it later.
+fn reuse_or_alloc(
+    ctx: &Context,
+    spares: &mut SpareBuffers<DeviceBuffer>,
+    bytes: usize,
+    what: &str,
+) -> Result<DeviceBuffer, DitError> {
+    if bytes == 0 {
+        // An empty part stays empty (no allocation), as `alloc` makes it.
+        return alloc(ctx, 0, what);
+    }
+    match spares.take(bytes) {
+        Some(buffer) => Ok(buffer),
+        None => alloc(ctx, with_headroom(bytes), what),
+    }
+}
+
+impl Workspace {
+    /// The buffers a later workspace may reuse (every one [`reuse_or_alloc`] made), graphs dropped first: the
+    /// exact-size ones (the output, the KV extract, the compacted keys) are freed.
+    pub(super) fn into_buffers(self) -> Vec<DeviceBuffer> {
+        let Workspace {
+            graphs,
+            timesteps,
+            sinusoid,
+            temb1,
+            temb2,
+            modulation,
+            hidden_in,
+            text_in,
+            text_normed,
+            text_hidden,
+            x,
+            normed,
+            qkv,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate_up,
+            act,
+            fp8,
+            rope_cos,
+            rope_sin,
+            key_limits,
+            key_pad,
+            ..
+        } = self;
+        drop(graphs);
+        let mut out = vec![
+            timesteps,
+            sinusoid,
+            temb1,
+            temb2,
+            modulation,
+            hidden_in,
+            text_in,
+            text_normed,
+            text_hidden,
+            x,
+            normed,
+            qkv,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate_up,
+            act,
+            rope_cos,
+            rope_sin,
+            key_limits,
+        ];
+        out.extend(key_pad);
+        if let Some(fp8) = fp8 {
+            out.extend([fp8.codes, fp8.scales]);
+        }
+        out.retain(|b| !b.is_empty());
+        out
+    }
+
+    /// Device bytes this workspace holds.
+    pub(super) fn buffer_bytes(&self) -> usize {
+        let fixed = [
+            &self.timesteps,
+            &self.sinusoid,
+            &self.temb1,
+            &self.temb2,
+            &self.modulation,
+            &self.hidden_in,
+            &self.text_in,
+            &self.text_normed,
+            &self.text_hidden,
+            &self.x,
+            &self.normed,
+            &self.qkv,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.attn,
+            &self.proj,
+            &self.gate_up,
+            &self.act,
+            &self.out,
+            &self.rope_cos,
+            &self.rope_sin,
+            &self.key_limits,
+        ]
+        .iter()
+        .map(|b| b.len())
+        .sum::<usize>();
+        let optional = self.key_pad.as_ref().map_or(0, DeviceBuffer::len)
+            + self
+                .fp8
+                .as_ref()
+                .map_or(0, |f| f.codes.len() + f.scales.len())
+            + self
+                .compact
+                .as_ref()
+                .map_or(0, |(_, k, v)| k.len() + v.len())
+            + self.extract.as_ref().map_or(0, |e| e.buffer.len());
+        fixed + optional
+    }
+}
+
 impl Engine {
     /// Allocates the buffers of one (layout, mode) and uploads its layout-dependent tables.
     pub(super) fn workspace(
@@ -178,6 +306,7 @@ impl Engine {
         layout: JointLayout,
         mode: KvMode,
         inputs: &DitInputs,
+        spares: &mut SpareBuffers<DeviceBuffer>,
     ) -> Result<Workspace, DitError> {
         let dims = &self.dims;
         let ctx = &self.ctx;
@@ -249,20 +378,20 @@ impl Engine {
                 sin_t[at..at + half].copy_from_slice(&sin[r * half..(r + 1) * half]);
             }
         }
-        let mut rope_cos = alloc(ctx, cos_t.len() * 4, "rope")?;
+        let mut rope_cos = reuse_or_alloc(ctx, spares, cos_t.len() * 4, "rope")?;
         rope_cos
             .upload(0, &le_bytes(&cos_t, f32::to_le_bytes))
             .map_err(cuda_err("uploading rope tables"))?;
-        let mut rope_sin = alloc(ctx, sin_t.len() * 4, "rope")?;
+        let mut rope_sin = reuse_or_alloc(ctx, spares, sin_t.len() * 4, "rope")?;
         rope_sin
             .upload(0, &le_bytes(&sin_t, f32::to_le_bytes))
             .map_err(cuda_err("uploading rope tables"))?;
-        let mut key_limits = alloc(ctx, limits.len() * 4, "mask")?;
+        let mut key_limits = reuse_or_alloc(ctx, spares, limits.len() * 4, "mask")?;
         key_limits
             .upload(0, &le_bytes(&limits, i32::to_le_bytes))
             .map_err(cuda_err("uploading key limits"))?;
         let key_pad = if any_pad {
-            let mut buf = alloc(ctx, pads.len() * 4, "mask")?;
+            let mut buf = reuse_or_alloc(ctx, spares, pads.len() * 4, "mask")?;
             buf.upload(0, &le_bytes(&pads, i32::to_le_bytes))
                 .map_err(cuda_err("uploading key padding"))?;
             Some(buf)
@@ -285,8 +414,13 @@ impl Engine {
         let fp8 = if self.quant.is_some() {
             let widest = d.max(w).max(f);
             Some(Fp8Rows {
-                codes: alloc(ctx, (total * widest).max(16), "FP8 activation")?,
-                scales: alloc(ctx, (total * 4).next_multiple_of(16).max(16), "FP8 scale")?,
+                codes: reuse_or_alloc(ctx, spares, (total * widest).max(16), "FP8 activation")?,
+                scales: reuse_or_alloc(
+                    ctx,
+                    spares,
+                    (total * 4).next_multiple_of(16).max(16),
+                    "FP8 scale",
+                )?,
             })
         } else {
             None
@@ -300,25 +434,25 @@ impl Engine {
             l_vlm,
             runs: runs(&layout, first_row),
             layout,
-            timesteps: alloc(ctx, n_t * 4, "timestep")?,
-            sinusoid: alloc(ctx, n_t * TIMESTEP_DIM * BF16, "timestep")?,
-            temb1: alloc(ctx, n_t * d * BF16, "timestep")?,
-            temb2: alloc(ctx, n_t * d * BF16, "timestep")?,
-            modulation: alloc(ctx, n_t * 5 * d * BF16, "modulation")?,
-            hidden_in: alloc(ctx, b * n_img * dims.in_ch * BF16, "input")?,
-            text_in: alloc(ctx, text_rows * dims.ctx * BF16, "input")?,
-            text_normed: alloc(ctx, text_rows * dims.ctx * BF16, "text")?,
-            text_hidden: alloc(ctx, text_rows * d * BF16, "text")?,
-            x: alloc(ctx, total * d * BF16, "activation")?,
-            normed: alloc(ctx, total * d * BF16, "activation")?,
-            qkv: alloc(ctx, total * 3 * w * BF16, "qkv")?,
-            q: alloc(ctx, total * w * BF16, "q")?,
-            k: alloc(ctx, total * w * BF16, "k")?,
-            v: alloc(ctx, total * w * BF16, "v")?,
-            attn: alloc(ctx, total * w * BF16, "attention")?,
-            proj: alloc(ctx, total * d * BF16, "activation")?,
-            gate_up: alloc(ctx, total * 2 * f * BF16, "mlp")?,
-            act: alloc(ctx, total * f * BF16, "mlp")?,
+            timesteps: reuse_or_alloc(ctx, spares, n_t * 4, "timestep")?,
+            sinusoid: reuse_or_alloc(ctx, spares, n_t * TIMESTEP_DIM * BF16, "timestep")?,
+            temb1: reuse_or_alloc(ctx, spares, n_t * d * BF16, "timestep")?,
+            temb2: reuse_or_alloc(ctx, spares, n_t * d * BF16, "timestep")?,
+            modulation: reuse_or_alloc(ctx, spares, n_t * 5 * d * BF16, "modulation")?,
+            hidden_in: reuse_or_alloc(ctx, spares, b * n_img * dims.in_ch * BF16, "input")?,
+            text_in: reuse_or_alloc(ctx, spares, text_rows * dims.ctx * BF16, "input")?,
+            text_normed: reuse_or_alloc(ctx, spares, text_rows * dims.ctx * BF16, "text")?,
+            text_hidden: reuse_or_alloc(ctx, spares, text_rows * d * BF16, "text")?,
+            x: reuse_or_alloc(ctx, spares, total * d * BF16, "activation")?,
+            normed: reuse_or_alloc(ctx, spares, total * d * BF16, "activation")?,
+            qkv: reuse_or_alloc(ctx, spares, total * 3 * w * BF16, "qkv")?,
+            q: reuse_or_alloc(ctx, spares, total * w * BF16, "q")?,
+            k: reuse_or_alloc(ctx, spares, total * w * BF16, "k")?,
+            v: reuse_or_alloc(ctx, spares, total * w * BF16, "v")?,
+            attn: reuse_or_alloc(ctx, spares, total * w * BF16, "attention")?,
+            proj: reuse_or_alloc(ctx, spares, total * d * BF16, "activation")?,
+            gate_up: reuse_or_alloc(ctx, spares, total * 2 * f * BF16, "mlp")?,
+            act: reuse_or_alloc(ctx, spares, total * f * BF16, "mlp")?,
             fp8,
             out: alloc(ctx, total * dims.out_ch * 4, "output")?,
             rope_cos,
