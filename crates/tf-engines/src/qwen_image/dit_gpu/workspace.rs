@@ -194,61 +194,33 @@ impl Workspace {
     /// The buffers a later workspace may reuse (every one [`reuse_or_alloc`] made), graphs dropped first: the
     /// exact-size ones (the output, the KV extract, the compacted keys) are freed.
     pub(super) fn into_buffers(self) -> Vec<DeviceBuffer> {
-        let Workspace {
-            graphs,
-            timesteps,
-            sinusoid,
-            temb1,
-            temb2,
-            modulation,
-            hidden_in,
-            text_in,
-            text_normed,
-            text_hidden,
-            x,
-            normed,
-            qkv,
-            q,
-            k,
-            v,
-            attn,
-            proj,
-            gate_up,
-            act,
-            fp8,
-            rope_cos,
-            rope_sin,
-            key_limits,
-            key_pad,
-            ..
-        } = self;
-        drop(graphs);
+        drop(self.graphs);
         let mut out = vec![
-            timesteps,
-            sinusoid,
-            temb1,
-            temb2,
-            modulation,
-            hidden_in,
-            text_in,
-            text_normed,
-            text_hidden,
-            x,
-            normed,
-            qkv,
-            q,
-            k,
-            v,
-            attn,
-            proj,
-            gate_up,
-            act,
-            rope_cos,
-            rope_sin,
-            key_limits,
+            self.timesteps,
+            self.sinusoid,
+            self.temb1,
+            self.temb2,
+            self.modulation,
+            self.hidden_in,
+            self.text_in,
+            self.text_normed,
+            self.text_hidden,
+            self.x,
+            self.normed,
+            self.qkv,
+            self.q,
+            self.k,
+            self.v,
+            self.attn,
+            self.proj,
+            self.gate_up,
+            self.act,
+            self.rope_cos,
+            self.rope_sin,
+            self.key_limits,
         ];
-        out.extend(key_pad);
-        if let Some(fp8) = fp8 {
+        out.extend(self.key_pad);
+        if let Some(fp8) = self.fp8 {
             out.extend([fp8.codes, fp8.scales]);
         }
         out.retain(|b| !b.is_empty());
