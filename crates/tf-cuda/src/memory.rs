@@ -280,22 +280,30 @@ impl DeviceBuffer {
 /// was enqueued on any stream of the context while the memory was alive never touches freed or reallocated memory.
 /// This is what lets launches over device addresses (`Stream::launch`, `CublasLt::matmul`) state their safety
 /// contract as "alive when enqueued". A lost context calls nothing: the memory is leaked, never freed.
+impl DeviceBuffer {
+    /// Waits for every piece of work queued in the buffer's context (see the invariant on `Drop`); false when the
+    /// context is lost (before or during the wait), in which case the memory must be leaked, never reused. A
+    /// failed wait is not ours to report from `Drop`: a sticky fault marks the context lost.
+    fn wait_before_release(&self) -> bool {
+        if self.ctx.lost_code().is_some() {
+            return false;
+        }
+        self.ctx.release_call("cuCtxSynchronize", |api| {
+            // SAFETY: no arguments; `release_call` makes this buffer's context current first.
+            unsafe { (api.cuCtxSynchronize)() }
+        });
+        self.ctx.lost_code().is_none()
+    }
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         match self.origin {
             Origin::Empty => {}
             Origin::Hook => {
-                // The same wait as a driver free: the hook may hand these bytes to the next allocation at once,
-                // so queued work that addresses them must be done first. A lost context cannot be waited on:
-                // the range is leaked (never reused), its bytes stay counted as held.
-                if self.ctx.lost_code().is_some() {
-                    return;
-                }
-                self.ctx.release_call("cuCtxSynchronize", |api| {
-                    // SAFETY: no arguments; `release_call` makes this buffer's context current first.
-                    unsafe { (api.cuCtxSynchronize)() }
-                });
-                if self.ctx.lost_code().is_some() {
+                // The hook may hand these bytes to the next allocation at once: queued work must be done first.
+                // Leaked on a lost context (its bytes stay counted as held).
+                if !self.wait_before_release() {
                     return;
                 }
                 if let Some(hook) = allocation_hook() {
@@ -304,22 +312,12 @@ impl Drop for DeviceBuffer {
                 DEVICE.release(self.len as u64);
             }
             Origin::Driver => {
-                if self.ctx.lost_code().is_some() {
-                    // Leaked: a lost context cannot free; the bytes stay counted as held.
+                let started = std::time::Instant::now();
+                // Leaked on a lost context: it cannot free; the bytes stay counted as held.
+                if !self.wait_before_release() {
                     return;
                 }
                 let addr = self.addr;
-                let started = std::time::Instant::now();
-                // Wait for queued work that may still address this memory (see the invariant above). A failure
-                // (a sticky fault marks the context lost) is not ours to report from Drop; the free below then
-                // either proceeds (cuMemFree_v2 synchronizes on its own) or is skipped for a lost context.
-                self.ctx.release_call("cuCtxSynchronize", |api| {
-                    // SAFETY: no arguments; `release_call` makes this buffer's context current first.
-                    unsafe { (api.cuCtxSynchronize)() }
-                });
-                if self.ctx.lost_code().is_some() {
-                    return;
-                }
                 self.ctx.release_call("cuMemFree_v2", |api| {
                     // SAFETY: the address came from cuMemAlloc_v2 in this context and is freed once.
                     unsafe { (api.cuMemFree_v2)(addr) }
