@@ -243,6 +243,10 @@ pub fn rope_inverse_frequencies(dim: usize, theta: f32) -> Vec<f32> {
 /// Cos/sin tables `[tokens, sum(axes_dims) / 2]` for 3-axis RoPE: pair `j` of axis `a` rotates by
 /// `positions[token][a] * inv_freq_a[j]` (angle rounded to f32 as the reference does). Axes are concatenated in
 /// order (frame, height, width).
+///
+/// Each axis's entries depend only on that axis's position, and positions repeat (an image grid has one frame value
+/// and a row or column value per line), so each distinct value of an axis is computed once and copied: a 1024x1024
+/// step's tables in a fraction of the time of one trigonometric call per entry, with the same bits.
 pub fn rope_tables(
     positions: &[[i64; 3]],
     axes_dims: [usize; 3],
@@ -253,19 +257,81 @@ pub fn rope_tables(
         .map(|&d| rope_inverse_frequencies(d, theta))
         .collect();
     let pairs: usize = inv.iter().map(Vec::len).sum();
+    let axes: Vec<AxisRope> = inv
+        .iter()
+        .enumerate()
+        .map(|(axis, freqs)| AxisRope::new(positions, axis, freqs))
+        .collect();
     let mut cos = Vec::with_capacity(positions.len() * pairs);
     let mut sin = Vec::with_capacity(positions.len() * pairs);
     for pos in positions {
-        for (axis, freqs) in inv.iter().enumerate() {
-            for &f in freqs {
-                let angle = (pos[axis] as f32) * f;
-                let angle = f64::from(angle);
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
+        for (axis, table) in axes.iter().enumerate() {
+            table.extend(pos[axis], &mut cos, &mut sin);
         }
     }
     (cos, sin)
+}
+
+/// One RoPE entry: the angle rounded to f32, its cosine and sine taken in f64 and rounded to f32.
+fn rope_entry(position: i64, freq: f32) -> (f32, f32) {
+    let angle = f64::from((position as f32) * freq);
+    (angle.cos() as f32, angle.sin() as f32)
+}
+
+/// The cos/sin rows of one axis for every position value between the smallest and largest it takes, when that
+/// range is no longer than the tokens (else entries are computed per token).
+struct AxisRope<'f> {
+    freqs: &'f [f32],
+    table: Option<(i64, Vec<f32>, Vec<f32>)>,
+}
+
+impl<'f> AxisRope<'f> {
+    fn new(positions: &[[i64; 3]], axis: usize, freqs: &'f [f32]) -> AxisRope<'f> {
+        let values = positions.iter().map(|p| p[axis]);
+        let table = match (values.clone().min(), values.max()) {
+            (Some(lo), Some(hi)) => hi
+                .checked_sub(lo)
+                .and_then(|span| usize::try_from(span).ok())
+                .filter(|&span| span < positions.len())
+                .map(|span| {
+                    let mut cos = Vec::with_capacity((span + 1) * freqs.len());
+                    let mut sin = Vec::with_capacity((span + 1) * freqs.len());
+                    for offset in 0..=span as i64 {
+                        for &f in freqs {
+                            let (c, s) = rope_entry(lo + offset, f);
+                            cos.push(c);
+                            sin.push(s);
+                        }
+                    }
+                    (lo, cos, sin)
+                }),
+            _ => None,
+        };
+        AxisRope { freqs, table }
+    }
+
+    /// Appends the entries of `position` to the tables.
+    fn extend(&self, position: i64, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+        let n = self.freqs.len();
+        if let Some((lo, c, s)) = &self.table {
+            // In range by construction: `position` is one of the values the table spans.
+            if let Some(at) = position
+                .checked_sub(*lo)
+                .and_then(|d| usize::try_from(d).ok())
+                .map(|row| row * n)
+                .filter(|&at| at + n <= c.len())
+            {
+                cos.extend_from_slice(&c[at..at + n]);
+                sin.extend_from_slice(&s[at..at + n]);
+                return;
+            }
+        }
+        for &f in self.freqs {
+            let (c, s) = rope_entry(position, f);
+            cos.push(c);
+            sin.push(s);
+        }
+    }
 }
 
 /// Interleaved complex RoPE in place: for each token, head and pair `j`, `(x[2j], x[2j+1])` is multiplied as a
@@ -1228,6 +1294,50 @@ mod tests {
             &[0.0, 1f32.sin(), (-2f32).sin(), (-0.02f32).sin()],
             1e-6
         ));
+    }
+
+    /// The tables as one trigonometric call per entry (what the per-axis reuse must equal bit for bit).
+    fn rope_tables_direct(
+        positions: &[[i64; 3]],
+        axes_dims: [usize; 3],
+        theta: f32,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pos in positions {
+            for (axis, &d) in axes_dims.iter().enumerate() {
+                for f in rope_inverse_frequencies(d, theta) {
+                    let (c, s) = rope_entry(pos[axis], f);
+                    cos.push(c);
+                    sin.push(s);
+                }
+            }
+        }
+        (cos, sin)
+    }
+
+    proptest::proptest! {
+        /// Reused per-axis rows give the bits of the direct computation, for grids (ranges shorter than the
+        /// tokens), scattered values (longer ranges) and extreme values (no table).
+        #[test]
+        fn rope_tables_reuse_gives_the_direct_bits(
+            positions in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::array::uniform3(-40i64..40),
+                    proptest::array::uniform3(-100_000i64..100_000),
+                    proptest::array::uniform3(proptest::prelude::any::<i64>()),
+                ],
+                0..200,
+            ),
+            halves in proptest::array::uniform3(0usize..5),
+        ) {
+            let dims = halves.map(|h| 2 * h);
+            let positions: Vec<[i64; 3]> = positions;
+            let fast = rope_tables(&positions, dims, 10000.0);
+            let direct = rope_tables_direct(&positions, dims, 10000.0);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits(&fast.0), bits(&direct.0));
+            proptest::prop_assert_eq!(bits(&fast.1), bits(&direct.1));
+        }
     }
 
     #[test]
