@@ -105,9 +105,13 @@ HELD_LINE = re.compile(r"done in \d+ ms; device memory held: ([0-9.]+) GiB in (\
 # device allocations 26 (4.1 ms), frees 0 (0.0 ms), graph captures 0 (0.0 ms), instantiations 0 (0.0 ms)".
 DRIVER_LINE = re.compile(r"driver work up to (\w+) (\d+)/(\d+): device allocations (\d+) \(([0-9.]+) ms\), frees (\d+) "
                          r"\(([0-9.]+) ms\), graph captures (\d+) \(([0-9.]+) ms\), instantiations (\d+) \(([0-9.]+) ms\)")
+# The engine's host work in the same span, when it built a workspace or ran a step eagerly: "tf worker: host work up
+# to denoise 1/8: workspace builds 1 (2.3 ms), eager step enqueues 1 (4.0 ms), step waits 1 (80.2 ms)".
+HOST_LINE = re.compile(r"host work up to (\w+) (\d+)/(\d+): workspace builds (\d+) \(([0-9.]+) ms\), eager step enqueues "
+                       r"(\d+) \(([0-9.]+) ms\), step waits (\d+) \(([0-9.]+) ms\)")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
 STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE,
-                 HELD_LINE, DRIVER_LINE)
+                 HELD_LINE, DRIVER_LINE, HOST_LINE)
 
 
 class WorkerFailed(Exception):
@@ -339,6 +343,19 @@ def driver_work_from_log(events, after):
     return work
 
 
+def host_work_from_log(events, after):
+    """The engine's host work lines logged after `after` (this request's), as dicts in ms."""
+    work = []
+    for t, line in events:
+        m = HOST_LINE.search(line) if t > after else None
+        if m:
+            g = m.groups()
+            work.append(dict(phase=g[0], step=int(g[1]), of=int(g[2]), workspace_builds=int(g[3]),
+                             workspace_build_ms=float(g[4]), eager_steps=int(g[5]), eager_enqueue_ms=float(g[6]),
+                             step_waits=int(g[7]), step_wait_ms=float(g[8])))
+    return work
+
+
 def detail_text(result):
     """A request's step intervals (client side) and the driver work the worker logged, one line."""
     cp = result.get("client_phases_ms") or {}
@@ -347,7 +364,12 @@ def detail_text(result):
         f"up to {w['phase']} {w['step']}/{w['of']}: allocs {w['allocs']} ({w['alloc_ms']:.1f} ms), frees {w['frees']} "
         f"({w['free_ms']:.1f} ms), captures {w['captures']} ({w['capture_ms']:.1f} ms), instantiations "
         f"{w['instantiations']} ({w['instantiate_ms']:.1f} ms)" for w in result.get("driver_work") or [])
-    return f"  step intervals (ms): {steps or '-'}; driver work: {work or 'none logged'}"
+    host = "; ".join(
+        f"up to {w['phase']} {w['step']}/{w['of']}: workspace builds {w['workspace_builds']} "
+        f"({w['workspace_build_ms']:.1f} ms), eager enqueues {w['eager_steps']} ({w['eager_enqueue_ms']:.1f} ms), "
+        f"step waits {w['step_waits']} ({w['step_wait_ms']:.1f} ms)" for w in result.get("host_work") or [])
+    return (f"  step intervals (ms): {steps or '-'}; driver work: {work or 'none logged'}; "
+            f"host work: {host or 'none logged'}")
 
 
 def is_ffmpeg_missing(obj):
@@ -429,6 +451,7 @@ def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
         if "device_held_gib" not in result:
             time.sleep(0.01)
     result["driver_work"] = driver_work_from_log(worker.events(), t_send)
+    result["host_work"] = host_work_from_log(worker.events(), t_send)
     return result, t_final
 
 

@@ -169,8 +169,15 @@ pub struct TimedCalls {
     pub seconds: f64,
 }
 
+impl Default for CallTimer {
+    fn default() -> Self {
+        CallTimer::new()
+    }
+}
+
 impl TimedCalls {
-    fn since(&self, earlier: &TimedCalls) -> TimedCalls {
+    /// What happened between `earlier` and this reading.
+    pub fn since(&self, earlier: &TimedCalls) -> TimedCalls {
         TimedCalls {
             calls: self.calls.saturating_sub(earlier.calls),
             seconds: (self.seconds - earlier.seconds).max(0.0),
@@ -222,14 +229,16 @@ impl std::fmt::Display for DriverCosts {
     }
 }
 
-/// A call count and its summed nanoseconds, lock-free.
-pub(crate) struct CallTimer {
+/// A call count and its summed nanoseconds, lock-free: a `static` of it counts one kind of work process-wide
+/// (this crate's driver costs; the engines count their own host work the same way).
+pub struct CallTimer {
     calls: AtomicU64,
     nanos: AtomicU64,
 }
 
 impl CallTimer {
-    const fn new() -> Self {
+    /// No calls yet.
+    pub const fn new() -> Self {
         CallTimer {
             calls: AtomicU64::new(0),
             nanos: AtomicU64::new(0),
@@ -237,7 +246,7 @@ impl CallTimer {
     }
 
     /// Counts one call that started at `started`.
-    pub(crate) fn record(&self, started: std::time::Instant) {
+    pub fn record(&self, started: std::time::Instant) {
         let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.calls.fetch_add(1, Ordering::Relaxed);
         let _ = self
@@ -247,7 +256,8 @@ impl CallTimer {
             });
     }
 
-    fn read(&self) -> TimedCalls {
+    /// The calls counted so far and their time.
+    pub fn read(&self) -> TimedCalls {
         TimedCalls {
             calls: self.calls.load(Ordering::Relaxed),
             seconds: self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,

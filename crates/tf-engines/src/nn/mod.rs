@@ -6,6 +6,7 @@
 //! - [`fp8_checkpoint`]: FP8 checkpoints that carry their scales (scaled-FP8 safetensors), read into that layout.
 //! - [`tensor`]: host tensors (f32 and raw) and the error measures the parity tests use.
 //! - [`host`]: plain f32 reference ops; every GPU kernel is checked against them.
+//! - [`host_work`]: host time spent building workspaces, enqueuing eager steps and waiting for steps, process-wide.
 //! - [`config`]: typed config parsing that names the failing key, and the bound and product checks.
 //! - [`backend_error`]: the typed error of a failed GPU backend call, and the lost-context test over a chain.
 //! - [`gpu`]: launch infrastructure, the GEMM wrapper with its plan cache, attention (head dims 64 and 128), the
@@ -25,6 +26,7 @@ pub mod fp8;
 pub mod fp8_checkpoint;
 pub mod gpu;
 pub mod host;
+pub mod host_work;
 pub mod kernels;
 pub mod launcher;
 pub mod media;

@@ -55,6 +55,7 @@ use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
 use crate::nn::gpu::AttentionTile;
+use crate::nn::host_work;
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
 use crate::nn::weights::{le_bytes, ModelDir, BF16};
@@ -518,7 +519,10 @@ impl GpuDit {
                         .map_err(cuda_err("waiting before reusing a workspace"))?;
                     spares.give_all(old.into_buffers());
                 }
-                engine.workspace(layout.clone(), mode, inputs, spares)
+                let started = std::time::Instant::now();
+                let made = engine.workspace(layout.clone(), mode, inputs, spares);
+                host_work::WORKSPACE_BUILDS.record(started);
+                made
             },
         )?;
         let made = self.workspaces[index].buffer_bytes();
@@ -686,7 +690,9 @@ impl DitBackend for GpuDit {
         if self.use_graphs && ws.warmed {
             engine.replay(ws, cache)?;
         } else {
+            let started = std::time::Instant::now();
             engine.enqueue_step(ws, cache, &mut NoProbe)?;
+            host_work::EAGER_STEPS.record(started);
             ws.warmed = true;
         }
         let mut kv_cache = None;
@@ -697,10 +703,12 @@ impl DitBackend for GpuDit {
                 .map_err(cuda_err("copying the extracted KV cache"))?;
             kv_cache = Some(fresh);
         }
+        let waited = std::time::Instant::now();
         engine
             .stream
             .synchronize()
             .map_err(cuda_err("running the DiT step"))?;
+        host_work::STEP_WAITS.record(waited);
         let values: Vec<f32> = ws
             .out
             .to_vec()

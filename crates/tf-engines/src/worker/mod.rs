@@ -85,14 +85,17 @@ fn log_job_done(id: &impl std::fmt::Debug, ms: u64) {
 
 /// Logs the costly driver work (allocations, frees, graph captures and instantiations) done between a job's
 /// progress notes, so a slow first step shows what it spent outside the kernels; quiet when there was none.
+/// With it, the engine's host work ([`crate::nn::host_work`]) when a workspace was built or a step run eagerly.
 struct DriverWorkTrail {
     last: tf_cuda::DriverCosts,
+    last_host: crate::nn::host_work::HostWork,
 }
 
 impl DriverWorkTrail {
     fn start() -> Self {
         DriverWorkTrail {
             last: tf_cuda::driver_costs(),
+            last_host: crate::nn::host_work::read(),
         }
     }
 
@@ -107,6 +110,17 @@ impl DriverWorkTrail {
         if calls > 0 {
             log!(
                 "tf worker: driver work up to {} {}/{}: {done}",
+                p.phase,
+                p.step,
+                p.of
+            );
+        }
+        let host_now = crate::nn::host_work::read();
+        let host = host_now.since(&self.last_host);
+        self.last_host = host_now;
+        if host.is_setup() {
+            log!(
+                "tf worker: host work up to {} {}/{}: {host}",
                 p.phase,
                 p.step,
                 p.of
