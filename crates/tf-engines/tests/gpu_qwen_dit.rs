@@ -186,8 +186,8 @@ fn graph_replay_is_bit_equal_to_eager() {
         let reference = eager.forward(&step, KvStep::None).unwrap();
         let mut graphed = load(&ctx, &case);
         graphed.set_graphs(true);
-        let first = graphed.forward(&step, KvStep::None).unwrap(); // eager warm-up
-        let replay = graphed.forward(&step, KvStep::None).unwrap(); // capture + replay
+        let first = graphed.forward(&step, KvStep::None).unwrap(); // eager, graph captured meanwhile
+        let replay = graphed.forward(&step, KvStep::None).unwrap(); // replay
         let replay2 = graphed.forward(&step, KvStep::None).unwrap(); // replay
         let same = bit_equal;
         println!(
@@ -255,8 +255,13 @@ fn cached_step_graph_is_reused_across_requests() {
         graphs_after.push(dit.captured_graphs());
     }
     println!("captured graphs after each request: {graphs_after:?}");
-    // Request 0 captures the cached step, request 1 the extract step (its first use was eager); request 2 finds
-    // both: the driver hands the freed cache's block back at the same address, so no capture is needed.
+    // Request 0 captures both steps while their eager runs execute (the extract step's graph and the cached
+    // step's, for its cache); requests 1 and 2 find both: the driver hands the freed cache's block back at the
+    // same address, so no capture is needed.
+    assert_eq!(
+        graphs_after[0], 2,
+        "request 0 did not capture both steps ahead: {graphs_after:?}"
+    );
     assert_eq!(
         graphs_after[2], graphs_after[1],
         "request 2 captured again: {graphs_after:?}"

@@ -10,7 +10,9 @@
 //! - A forward uploads its inputs and the step's scalars (timesteps, in device memory), then runs the step:
 //!   eagerly the first time a workspace is used, afterwards (with graphs on) as a CUDA graph captured once per
 //!   (workspace, KV cache binding: the cache buffer's address, size and shape) and replayed; a later request whose
-//!   cache lands at the same binding replays the same graph. Workspaces are allocated once per joint layout and mode.
+//!   cache lands at the same binding replays the same graph. The graph of an eager step is captured while the device
+//!   runs that step (host time that would otherwise be spent waiting); a binding met in a replay is captured then.
+//!   Workspaces are allocated once per joint layout and mode.
 //! - The KV cache is `[layer][k|v][batch][prefix][heads * 128]` bf16 on the device, post-norm and post-RoPE.
 //! - Masks: block-causal as per-query key limits, padded text rows as one key range per sample; padding in several
 //!   ranges (full and extract steps) runs attention over the valid keys gathered per sample.
@@ -694,6 +696,10 @@ impl DitBackend for GpuDit {
             engine.enqueue_step(ws, cache, &mut NoProbe)?;
             host_work::EAGER_STEPS.record(started);
             ws.warmed = true;
+            if self.use_graphs {
+                // The eager step built the GEMM plans; the host would only wait for the device now.
+                engine.capture_ahead(ws, cache)?;
+            }
         }
         let mut kv_cache = None;
         if let (Some(mut fresh), Some(extract)) = (fresh, ws.extract.as_ref()) {

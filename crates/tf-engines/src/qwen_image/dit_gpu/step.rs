@@ -701,6 +701,31 @@ impl Engine {
         ws: &mut Workspace,
         cache: Option<&GpuKvCache>,
     ) -> Result<(), DitError> {
+        self.with_graph(ws, cache, |graph| {
+            graph
+                .launch(&self.stream)
+                .map_err(cuda_err("replaying the step graph"))
+        })
+    }
+
+    /// Captures the graph of this workspace for `cache` unless it is cached, without running it: called right
+    /// after an eager step is enqueued, the capture and instantiation take host time while the device runs that
+    /// step, instead of delaying the next one.
+    pub(super) fn capture_ahead(
+        &self,
+        ws: &mut Workspace,
+        cache: Option<&GpuKvCache>,
+    ) -> Result<(), DitError> {
+        self.with_graph(ws, cache, |_| Ok(()))
+    }
+
+    /// Runs `then` on the graph of this workspace for `cache`, captured first if it is not cached.
+    fn with_graph(
+        &self,
+        ws: &mut Workspace,
+        cache: Option<&GpuKvCache>,
+        then: impl FnOnce(&tf_cuda::GraphExec) -> Result<(), DitError>,
+    ) -> Result<(), DitError> {
         let key = cache.map(GpuKvCache::binding);
         // The cache lives in the workspace whose buffers the capture records; it is out of it while capturing.
         let mut graphs = std::mem::replace(&mut ws.graphs, GraphCache::new(MAX_GRAPHS));
@@ -711,11 +736,7 @@ impl Engine {
                 || self.enqueue_step(ws, cache, &mut NoProbe),
                 |what, e| cuda_err(what)(e),
             )
-            .and_then(|graph| {
-                graph
-                    .launch(&self.stream)
-                    .map_err(cuda_err("replaying the step graph"))
-            });
+            .and_then(then);
         ws.graphs = graphs;
         result
     }
