@@ -109,9 +109,11 @@ DRIVER_LINE = re.compile(r"driver work up to (\w+) (\d+)/(\d+): device allocatio
 # to denoise 1/8: workspace builds 1 (2.3 ms), eager step enqueues 1 (4.0 ms), step waits 1 (80.2 ms)".
 HOST_LINE = re.compile(r"host work up to (\w+) (\d+)/(\d+): workspace builds (\d+) \(([0-9.]+) ms\), eager step enqueues "
                        r"(\d+) \(([0-9.]+) ms\), step waits (\d+) \(([0-9.]+) ms\)")
+# Enqueues that waited: "tf worker: slow enqueues up to denoise 1/8: FP8 GEMM 77x9216x3072 70.2 ms; ...".
+SLOW_LINE = re.compile(r"slow enqueues up to (\w+) (\d+)/(\d+): (.+)$")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
 STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE,
-                 HELD_LINE, DRIVER_LINE, HOST_LINE)
+                 HELD_LINE, DRIVER_LINE, HOST_LINE, SLOW_LINE)
 
 
 class WorkerFailed(Exception):
@@ -368,8 +370,9 @@ def detail_text(result):
         f"up to {w['phase']} {w['step']}/{w['of']}: workspace builds {w['workspace_builds']} "
         f"({w['workspace_build_ms']:.1f} ms), eager enqueues {w['eager_steps']} ({w['eager_enqueue_ms']:.1f} ms), "
         f"step waits {w['step_waits']} ({w['step_wait_ms']:.1f} ms)" for w in result.get("host_work") or [])
+    slow = "; ".join(f"up to {w['phase']} {w['step']}/{w['of']}: {w['calls']}" for w in result.get("slow_enqueues") or [])
     return (f"  step intervals (ms): {steps or '-'}; driver work: {work or 'none logged'}; "
-            f"host work: {host or 'none logged'}")
+            f"host work: {host or 'none logged'}; slow enqueues: {slow or 'none'}")
 
 
 def is_ffmpeg_missing(obj):
@@ -452,6 +455,9 @@ def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
             time.sleep(0.01)
     result["driver_work"] = driver_work_from_log(worker.events(), t_send)
     result["host_work"] = host_work_from_log(worker.events(), t_send)
+    result["slow_enqueues"] = [dict(phase=m.group(1), step=int(m.group(2)), of=int(m.group(3)), calls=m.group(4))
+                               for t, line in worker.events() if t > t_send
+                               for m in [SLOW_LINE.search(line)] if m]
     return result, t_final
 
 

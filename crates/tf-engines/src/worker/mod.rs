@@ -85,7 +85,8 @@ fn log_job_done(id: &impl std::fmt::Debug, ms: u64) {
 
 /// Logs the costly driver work (allocations, frees, graph captures and instantiations) done between a job's
 /// progress notes, so a slow first step shows what it spent outside the kernels; quiet when there was none.
-/// With it, the engine's host work ([`crate::nn::host_work`]) when a workspace was built or a step run eagerly.
+/// With it, the engine's host work ([`crate::nn::host_work`]) when a workspace was built or a step run eagerly, and
+/// any enqueue that waited ([`crate::nn::host_work::SLOW_ENQUEUE`] or longer) by name.
 struct DriverWorkTrail {
     last: tf_cuda::DriverCosts,
     last_host: crate::nn::host_work::HostWork,
@@ -93,6 +94,8 @@ struct DriverWorkTrail {
 
 impl DriverWorkTrail {
     fn start() -> Self {
+        // Slow enqueues of earlier work (the load, a previous job) are not this job's.
+        drop(crate::nn::host_work::take_slow_enqueues());
         DriverWorkTrail {
             last: tf_cuda::driver_costs(),
             last_host: crate::nn::host_work::read(),
@@ -124,6 +127,20 @@ impl DriverWorkTrail {
                 p.phase,
                 p.step,
                 p.of
+            );
+        }
+        let slow = crate::nn::host_work::take_slow_enqueues();
+        if !slow.is_empty() {
+            let list: Vec<String> = slow
+                .iter()
+                .map(|(ms, what)| format!("{what} {ms:.1} ms"))
+                .collect();
+            log!(
+                "tf worker: slow enqueues up to {} {}/{}: {}",
+                p.phase,
+                p.step,
+                p.of,
+                list.join("; ")
             );
         }
     }

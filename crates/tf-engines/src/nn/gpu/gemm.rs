@@ -26,6 +26,7 @@ use tf_cuda::cublaslt::{
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use thiserror::Error;
 
+use crate::nn::host_work;
 use crate::nn::precision::Fp8Accumulation;
 
 /// Why a GEMM could not be described, planned or run.
@@ -497,8 +498,13 @@ impl GemmRunner {
         if linear.m == 0 {
             return Ok(());
         }
+        let started = std::time::Instant::now();
         // SAFETY: this function's contract is `matmul`'s.
-        unsafe { self.lt.matmul(&linear.gemm(), stream) }.map_err(|source| GemmError::Run {
+        let result = unsafe { self.lt.matmul(&linear.gemm(), stream) };
+        host_work::note_enqueue(started, || {
+            format!("FP8 GEMM {}x{}x{}", linear.m, linear.n, linear.k)
+        });
+        result.map_err(|source| GemmError::Run {
             m: linear.m,
             n: linear.n,
             k: linear.k,
@@ -515,8 +521,13 @@ impl GemmRunner {
         if linear.m == 0 {
             return Ok(());
         }
+        let started = std::time::Instant::now();
         // SAFETY: this function's contract is `matmul`'s.
-        unsafe { self.lt.matmul(&linear.gemm(), stream) }.map_err(|source| GemmError::Run {
+        let result = unsafe { self.lt.matmul(&linear.gemm(), stream) };
+        host_work::note_enqueue(started, || {
+            format!("GEMM {}x{}x{}", linear.m, linear.n, linear.k)
+        });
+        result.map_err(|source| GemmError::Run {
             m: linear.m,
             n: linear.n,
             k: linear.k,
