@@ -332,30 +332,34 @@ def held_text(result):
     return f"device memory held after it: {result['device_held_gib']:.2f} GiB ({result['device_allocs']} allocations)"
 
 
-def driver_work_from_log(events, after):
-    """The driver work lines logged after `after` (this request's), as dicts in ms."""
-    work = []
+# Counted work per span: the fields after "phase step/of", as (name, type), in the order the line gives them.
+DRIVER_FIELDS = [("allocs", int), ("alloc_ms", float), ("frees", int), ("free_ms", float), ("captures", int),
+                 ("capture_ms", float), ("instantiations", int), ("instantiate_ms", float)]
+HOST_FIELDS = [("workspace_builds", int), ("workspace_build_ms", float), ("eager_steps", int),
+               ("eager_enqueue_ms", float), ("step_waits", int), ("step_wait_ms", float)]
+
+
+def spans_from_log(events, after, pattern, fields):
+    """The lines `pattern` matches logged after `after` (this request's): dicts of phase, step, of and `fields`."""
+    spans = []
     for t, line in events:
-        m = DRIVER_LINE.search(line) if t > after else None
+        m = pattern.search(line) if t > after else None
         if m:
             g = m.groups()
-            work.append(dict(phase=g[0], step=int(g[1]), of=int(g[2]), allocs=int(g[3]), alloc_ms=float(g[4]),
-                             frees=int(g[5]), free_ms=float(g[6]), captures=int(g[7]), capture_ms=float(g[8]),
-                             instantiations=int(g[9]), instantiate_ms=float(g[10])))
-    return work
+            span = dict(phase=g[0], step=int(g[1]), of=int(g[2]))
+            span.update({name: kind(value) for (name, kind), value in zip(fields, g[3:])})
+            spans.append(span)
+    return spans
+
+
+def driver_work_from_log(events, after):
+    """The driver work lines logged after `after` (this request's), as dicts in ms."""
+    return spans_from_log(events, after, DRIVER_LINE, DRIVER_FIELDS)
 
 
 def host_work_from_log(events, after):
     """The engine's host work lines logged after `after` (this request's), as dicts in ms."""
-    work = []
-    for t, line in events:
-        m = HOST_LINE.search(line) if t > after else None
-        if m:
-            g = m.groups()
-            work.append(dict(phase=g[0], step=int(g[1]), of=int(g[2]), workspace_builds=int(g[3]),
-                             workspace_build_ms=float(g[4]), eager_steps=int(g[5]), eager_enqueue_ms=float(g[6]),
-                             step_waits=int(g[7]), step_wait_ms=float(g[8])))
-    return work
+    return spans_from_log(events, after, HOST_LINE, HOST_FIELDS)
 
 
 def detail_text(result):
