@@ -402,10 +402,13 @@ impl GraphExec {
     /// Launches the executable on `stream`.
     pub fn launch(&self, stream: &Stream) -> Result<(), Error> {
         let (e, s) = (self.handle, stream.raw());
-        self.ctx.call("cuGraphLaunch", |api| {
+        let started = Instant::now();
+        let launched = self.ctx.call("cuGraphLaunch", |api| {
             // SAFETY: both handles are live.
             unsafe { (api.cuGraphLaunch)(e, s) }
-        })?;
+        });
+        usage::note_slow_call(started, || "graph launch".to_string());
+        launched?;
         if let Some(sources) = &self.sources {
             // The captured staging must outlive this launch even if the executable is dropped.
             copy::hub().graph_launched(sources, stream.key())?;

@@ -186,6 +186,7 @@ impl Stream {
             pointers.as_mut_ptr()
         };
         let (f, s) = (function.raw(), self.handle);
+        let started = std::time::Instant::now();
         let result = self.ctx.call("cuLaunchKernel", |api| {
             // SAFETY: `params` points at one pointer per argument into `args`, which outlives
             // the call (the driver copies argument values before returning); the geometry was
@@ -206,6 +207,7 @@ impl Stream {
                 )
             }
         });
+        crate::usage::note_slow_call(started, || format!("kernel {}", function.name()));
         match result {
             Ok(()) => Ok(()),
             Err(e @ tf_sys::Error::ContextLost { .. }) => Err(e.into()),

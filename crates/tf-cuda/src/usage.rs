@@ -280,6 +280,37 @@ pub fn driver_costs() -> DriverCosts {
     }
 }
 
+/// A launch or library call that returns later than this waited for something (an enqueue normally takes
+/// microseconds): such calls are kept by name until read ([`take_slow_calls`]).
+pub const SLOW_CALL: std::time::Duration = std::time::Duration::from_millis(1);
+/// Slow calls kept between two readings (the first ones).
+const MAX_SLOW_CALLS: usize = 16;
+static SLOW_CALLS: std::sync::Mutex<Vec<(f64, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Notes a call that started at `started` if it took [`SLOW_CALL`] or longer, described by `what` (called only
+/// then). Kernel launches and graph launches note themselves; libraries built on this crate note theirs.
+pub fn note_slow_call(started: std::time::Instant, what: impl FnOnce() -> String) {
+    let took = started.elapsed();
+    if took < SLOW_CALL {
+        return;
+    }
+    let mut slow = SLOW_CALLS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if slow.len() < MAX_SLOW_CALLS {
+        slow.push((took.as_secs_f64() * 1e3, what()));
+    }
+}
+
+/// The slow calls noted since the last call (milliseconds, what), oldest first; empties the list.
+pub fn take_slow_calls() -> Vec<(f64, String)> {
+    std::mem::take(
+        &mut *SLOW_CALLS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
+}
+
 /// A sub-allocator under `DeviceBuffer` (such as the arena).
 ///
 /// Once installed, `DeviceBuffer::alloc` asks it first; `None` falls back to the driver.
@@ -318,6 +349,22 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::sync::Arc;
+
+    #[test]
+    fn only_slow_calls_are_kept_by_name() {
+        let now = std::time::Instant::now();
+        drop(take_slow_calls());
+        note_slow_call(now, || "fast".to_string());
+        note_slow_call(now - std::time::Duration::from_millis(3), || {
+            "slow".to_string()
+        });
+        let slow = take_slow_calls();
+        assert!(
+            slow.iter().any(|(ms, what)| *ms >= 3.0 && what == "slow"),
+            "{slow:?}"
+        );
+        assert!(!slow.iter().any(|(_, what)| what == "fast"), "{slow:?}");
+    }
 
     #[test]
     fn call_timers_count_calls_and_time_and_difference_by_reading() {

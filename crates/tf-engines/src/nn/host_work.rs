@@ -17,40 +17,24 @@
 //! assert!(host_work::take_slow_enqueues().iter().any(|(ms, what)| *ms >= 5.0 && what == "a GEMM"));
 //! ```
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tf_cuda::usage::{CallTimer, TimedCalls};
 
 /// An enqueue that returns later than this waited for something (a launch normally takes microseconds): such calls
-/// are kept by name until read ([`take_slow_enqueues`]).
-pub const SLOW_ENQUEUE: Duration = Duration::from_millis(1);
-/// Slow enqueues kept between two readings (the first ones).
-const MAX_SLOW_ENQUEUES: usize = 8;
-static SLOW_ENQUEUES: Mutex<Vec<(f64, String)>> = Mutex::new(Vec::new());
+/// are kept by name until read ([`take_slow_enqueues`]); tf-cuda's own kernel and graph launches are kept the same way.
+pub const SLOW_ENQUEUE: Duration = tf_cuda::usage::SLOW_CALL;
 
 /// Notes an enqueue that started at `started` if it took [`SLOW_ENQUEUE`] or longer, described by `what` (called
 /// only then).
 pub fn note_enqueue(started: Instant, what: impl FnOnce() -> String) {
-    let took = started.elapsed();
-    if took < SLOW_ENQUEUE {
-        return;
-    }
-    let mut slow = SLOW_ENQUEUES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if slow.len() < MAX_SLOW_ENQUEUES {
-        slow.push((took.as_secs_f64() * 1e3, what()));
-    }
+    tf_cuda::usage::note_slow_call(started, what);
 }
 
-/// The slow enqueues noted since the last call (milliseconds, what), oldest first; empties the list.
+/// The slow enqueues noted since the last call (milliseconds, what), oldest first: GEMMs, kernel launches and
+/// graph launches. Empties the list.
 pub fn take_slow_enqueues() -> Vec<(f64, String)> {
-    std::mem::take(
-        &mut *SLOW_ENQUEUES
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    )
+    tf_cuda::usage::take_slow_calls()
 }
 
 /// Workspaces built (allocation or reuse of buffers, tables computed and uploaded).
