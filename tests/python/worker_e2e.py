@@ -109,7 +109,7 @@ DRIVER_LINE = re.compile(r"driver work up to (\w+) (\d+)/(\d+): device allocatio
 # to denoise 1/8: workspace builds 1 (2.3 ms), eager step enqueues 1 (4.0 ms), step waits 1 (80.2 ms)".
 HOST_LINE = re.compile(r"host work up to (\w+) (\d+)/(\d+): workspace builds (\d+) \(([0-9.]+) ms\), eager step enqueues "
                        r"(\d+) \(([0-9.]+) ms\), step waits (\d+) \(([0-9.]+) ms\)")
-# Enqueues that waited: "tf worker: slow enqueues up to denoise 1/8: FP8 GEMM 77x9216x3072 70.2 ms; ...".
+# Enqueues that waited: "tf worker: slow enqueues up to denoise 1/8: cuBLASLt matmul 77x9216x3072 Fp8E4m3 70.2 ms; ...".
 SLOW_LINE = re.compile(r"slow enqueues up to (\w+) (\d+)/(\d+): (.+)$")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
 STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE,

@@ -288,7 +288,7 @@ const MAX_SLOW_CALLS: usize = 16;
 static SLOW_CALLS: std::sync::Mutex<Vec<(f64, String)>> = std::sync::Mutex::new(Vec::new());
 
 /// Notes a call that started at `started` if it took [`SLOW_CALL`] or longer, described by `what` (called only
-/// then). Kernel launches and graph launches note themselves; libraries built on this crate note theirs.
+/// then). Kernel launches, graph launches and cuBLASLt matmuls note themselves.
 pub fn note_slow_call(started: std::time::Instant, what: impl FnOnce() -> String) {
     let took = started.elapsed();
     if took < SLOW_CALL {

@@ -648,11 +648,18 @@ impl CublasLt {
             }
         };
         set_pointers(&self.lib, plan, &call)?;
+        let started = Instant::now();
         // SAFETY: the plan is live under the lock and built for this call; the addresses are
         // the caller's promise.
         let code =
-            unsafe { self.enqueue(plan, &plan.algo, &call, call.c_addr, call.d_addr, stream)? };
-        check(&self.lib, "cublasLtMatmul", code)
+            unsafe { self.enqueue(plan, &plan.algo, &call, call.c_addr, call.d_addr, stream) };
+        crate::usage::note_slow_call(started, || {
+            format!(
+                "cuBLASLt matmul {}x{}x{} {:?}",
+                gemm.m, gemm.n, gemm.k, gemm.input
+            )
+        });
+        check(&self.lib, "cublasLtMatmul", code?)
     }
 
     /// Enqueues `call` with `algo` on `stream`, reading `C` (when beta != 0) at `c_addr` and

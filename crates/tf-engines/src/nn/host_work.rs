@@ -12,30 +12,9 @@
 //! assert_eq!(done.workspace_builds.calls, 1);
 //! assert!(done.is_setup());
 //! # let _: HostWork = done;
-//! // An enqueue that waited shows by name.
-//! host_work::note_enqueue(started - std::time::Duration::from_millis(5), || "a GEMM".to_string());
-//! assert!(host_work::take_slow_enqueues().iter().any(|(ms, what)| *ms >= 5.0 && what == "a GEMM"));
 //! ```
 
-use std::time::{Duration, Instant};
-
 use tf_cuda::usage::{CallTimer, TimedCalls};
-
-/// An enqueue that returns later than this waited for something (a launch normally takes microseconds): such calls
-/// are kept by name until read ([`take_slow_enqueues`]); tf-cuda's own kernel and graph launches are kept the same way.
-pub const SLOW_ENQUEUE: Duration = tf_cuda::usage::SLOW_CALL;
-
-/// Notes an enqueue that started at `started` if it took [`SLOW_ENQUEUE`] or longer, described by `what` (called
-/// only then).
-pub fn note_enqueue(started: Instant, what: impl FnOnce() -> String) {
-    tf_cuda::usage::note_slow_call(started, what);
-}
-
-/// The slow enqueues noted since the last call (milliseconds, what), oldest first: GEMMs, kernel launches and
-/// graph launches. Empties the list.
-pub fn take_slow_enqueues() -> Vec<(f64, String)> {
-    tf_cuda::usage::take_slow_calls()
-}
 
 /// Workspaces built (allocation or reuse of buffers, tables computed and uploaded).
 pub static WORKSPACE_BUILDS: CallTimer = CallTimer::new();

@@ -510,6 +510,7 @@ impl GpuDit {
         }
         let engine = &self.engine;
         let spares = &mut self.spares;
+        let largest = &mut self.largest_workspace;
         let index = self.workspaces.find_or_remake(
             |w| w.mode == mode && w.layout == layout,
             |given_up| {
@@ -524,15 +525,15 @@ impl GpuDit {
                 let started = std::time::Instant::now();
                 let made = engine.workspace(layout.clone(), mode, inputs, spares);
                 host_work::WORKSPACE_BUILDS.record(started);
-                made
+                let made = made?;
+                let bytes = made.buffer_bytes();
+                if bytes > *largest {
+                    *largest = bytes;
+                    spares.set_max_bytes(bytes.saturating_mul(SPARE_WORKSPACES));
+                }
+                Ok::<_, DitError>(made)
             },
         )?;
-        let made = self.workspaces[index].buffer_bytes();
-        if made > self.largest_workspace {
-            self.largest_workspace = made;
-            self.spares
-                .set_max_bytes(made.saturating_mul(SPARE_WORKSPACES));
-        }
         let ws = &mut self.workspaces[index];
         let stream = &engine.stream;
         let mut t = inputs.timestep.data().to_vec();

@@ -86,7 +86,7 @@ fn log_job_done(id: &impl std::fmt::Debug, ms: u64) {
 /// Logs the costly driver work (allocations, frees, graph captures and instantiations) done between a job's
 /// progress notes, so a slow first step shows what it spent outside the kernels; quiet when there was none.
 /// With it, the engine's host work ([`crate::nn::host_work`]) when a workspace was built or a step run eagerly, and
-/// any enqueue that waited ([`crate::nn::host_work::SLOW_ENQUEUE`] or longer) by name.
+/// any launch that waited ([`tf_cuda::usage::SLOW_CALL`] or longer: kernels, graphs, cuBLASLt matmuls) by name.
 struct DriverWorkTrail {
     last: tf_cuda::DriverCosts,
     last_host: crate::nn::host_work::HostWork,
@@ -95,7 +95,7 @@ struct DriverWorkTrail {
 impl DriverWorkTrail {
     fn start() -> Self {
         // Slow enqueues of earlier work (the load, a previous job) are not this job's.
-        drop(crate::nn::host_work::take_slow_enqueues());
+        drop(tf_cuda::usage::take_slow_calls());
         DriverWorkTrail {
             last: tf_cuda::driver_costs(),
             last_host: crate::nn::host_work::read(),
@@ -129,7 +129,7 @@ impl DriverWorkTrail {
                 p.of
             );
         }
-        let slow = crate::nn::host_work::take_slow_enqueues();
+        let slow = tf_cuda::usage::take_slow_calls();
         if !slow.is_empty() {
             let list: Vec<String> = slow
                 .iter()

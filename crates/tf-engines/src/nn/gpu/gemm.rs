@@ -26,7 +26,6 @@ use tf_cuda::cublaslt::{
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use thiserror::Error;
 
-use crate::nn::host_work;
 use crate::nn::precision::Fp8Accumulation;
 
 /// Why a GEMM could not be described, planned or run.
@@ -498,13 +497,8 @@ impl GemmRunner {
         if linear.m == 0 {
             return Ok(());
         }
-        let started = std::time::Instant::now();
         // SAFETY: this function's contract is `matmul`'s.
-        let result = unsafe { self.lt.matmul(&linear.gemm(), stream) };
-        host_work::note_enqueue(started, || {
-            format!("FP8 GEMM {}x{}x{}", linear.m, linear.n, linear.k)
-        });
-        result.map_err(|source| GemmError::Run {
+        unsafe { self.lt.matmul(&linear.gemm(), stream) }.map_err(|source| GemmError::Run {
             m: linear.m,
             n: linear.n,
             k: linear.k,
@@ -521,13 +515,8 @@ impl GemmRunner {
         if linear.m == 0 {
             return Ok(());
         }
-        let started = std::time::Instant::now();
         // SAFETY: this function's contract is `matmul`'s.
-        let result = unsafe { self.lt.matmul(&linear.gemm(), stream) };
-        host_work::note_enqueue(started, || {
-            format!("GEMM {}x{}x{}", linear.m, linear.n, linear.k)
-        });
-        result.map_err(|source| GemmError::Run {
+        unsafe { self.lt.matmul(&linear.gemm(), stream) }.map_err(|source| GemmError::Run {
             m: linear.m,
             n: linear.n,
             k: linear.k,
