@@ -1095,6 +1095,15 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
     println!("second handle: prepare {prepare_ms:.1} ms: {report2:?}");
     assert_eq!(report2.stored, shapes.len(), "every choice reused");
     assert_eq!((report2.timed, report2.rejected), (0, 0));
+    // Nothing timed, so each stored choice's kernel is launched once on scratch here (loaded now, not inside a
+    // later call); shapes that share a kernel prime it once.
+    let stats = second.cache_stats();
+    assert!((1..=shapes.len()).contains(&report2.primed), "{report2:?}");
+    assert_eq!(stats.kernels, report2.primed);
+    let again = second
+        .prepare(&shapes, Duration::ZERO, &g.stream)
+        .expect("prepare again");
+    assert_eq!((again.already_planned, again.primed), (shapes.len(), 0));
     assert!(report2.warnings.is_empty(), "{:?}", report2.warnings);
     assert_eq!(second.cache_stats().timed, 0, "nothing timed");
     let second_choices = second.plan_choices();
@@ -1137,6 +1146,11 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
         second.cache_stats().misses,
         shapes.len() as u64,
         "no plan built in the call"
+    );
+    assert_eq!(
+        second.cache_stats().kernels_first_run_by_calls,
+        0,
+        "the prepared shape's kernel was already loaded"
     );
 
     // After prepare a new shape is never timed inside the call.

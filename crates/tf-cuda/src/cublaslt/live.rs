@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::ffi::{HeuristicResult, MatmulAlgo};
 use super::plan::{AlgoSelection, ColumnMajorCall, InputType, PlanKey, TimingData};
 use super::prepare::{GemmShape, OperandBases, Planner};
-use super::{in_context, ChosenBy, CublasLt, CublasLtError, Plan};
+use super::{ffi, in_context, set_pointers, ChosenBy, CublasLt, CublasLtError, Plan};
 use crate::memory::DeviceBuffer;
 use crate::stream::Stream;
 
@@ -57,9 +57,55 @@ impl<'a> LivePlanner<'a> {
             done: Vec::new(),
             scratch: Scratch {
                 data: lt.timing_data(),
+                fill: true,
                 ..Scratch::default()
             },
         }
+    }
+
+    /// Runs once, on scratch operands, every finished plan whose kernel has not run through the handle yet (so
+    /// that the kernel is loaded now, not inside a request's step); returns how many ran. A plan whose scratch
+    /// cannot be had, or that the library refuses on it, is left to load on its first real call.
+    pub(super) fn prime_new_kernels(&mut self) -> Result<usize, CublasLtError> {
+        // The operands' values do not matter here: nothing reads the output.
+        self.scratch.fill = false;
+        let mut primed = 0;
+        let mut done = std::mem::take(&mut self.done);
+        let result = (|| -> Result<(), CublasLtError> {
+            for plan in &mut done {
+                if self.lt.kernel_has_run(plan) {
+                    plan.ran = true;
+                    continue;
+                }
+                let shape = self.shape(&plan.choice.key)?;
+                let Some(bases) = self.scratch.bases_for(self.lt, &shape, self.stream)? else {
+                    continue;
+                };
+                let call = shape.gemm_at(Some(&bases))?.plan()?;
+                set_pointers(&self.lt.lib, plan, &call)?;
+                // SAFETY: every address lies in this planner's scratch buffers, sized by `bases_for` for this shape
+                // (C = D = the scratch output) and freed only after the device is done with them (a device
+                // buffer's drop waits for its context); the algorithm is the plan's own.
+                let code = unsafe {
+                    self.lt.enqueue(
+                        plan,
+                        &plan.algo,
+                        &call,
+                        call.d_addr,
+                        call.d_addr,
+                        self.stream,
+                    )?
+                };
+                if code == ffi::status::SUCCESS {
+                    plan.ran = true;
+                    self.lt.note_kernel_run(&plan.choice.key, &plan.algo);
+                    primed += 1;
+                }
+            }
+            Ok(())
+        })();
+        self.done = done;
+        result.map(|()| primed)
     }
 
     /// The finished plans, in build order.
@@ -189,6 +235,8 @@ impl Drop for LivePlanner<'_> {
 struct Scratch {
     /// What the operands hold.
     data: TimingData,
+    /// Whether buffers allocated from now on are filled ([`Scratch::data`]); priming leaves them as allocated.
+    fill: bool,
     x: Option<DeviceBuffer>,
     w: Option<DeviceBuffer>,
     y: Option<DeviceBuffer>,
@@ -297,7 +345,7 @@ impl Scratch {
             let Ok(mut buffer) = DeviceBuffer::alloc(&lt.ctx, len) else {
                 return Ok(None);
             };
-            match (fill, self.data) {
+            match (fill.filter(|_| self.fill), self.data) {
                 (Some(INPUT_FILL), TimingData::Random) => fill_random_operand(&mut buffer)?,
                 (Some(value), _) => buffer.fill_u32(value, Some(stream))?,
                 (None, _) => {}

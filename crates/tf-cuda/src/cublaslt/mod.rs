@@ -81,7 +81,7 @@ pub mod plan;
 pub mod prepare;
 
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -167,6 +167,11 @@ pub struct CacheStats {
     pub timed: u64,
     /// Plans that run a re-validated choice of the persistent cache ([`ChosenBy::Stored`]).
     pub stored: u64,
+    /// Distinct kernels launched through the handle (timing, [`CublasLt::prepare`]'s priming, calls).
+    pub kernels: usize,
+    /// Of those, kernels first launched by a call ([`CublasLt::matmul`]) rather than ahead of it by a prepare: each
+    /// such first launch waited for the device to drain while its kernel loaded.
+    pub kernels_first_run_by_calls: u64,
 }
 
 /// Plans built by a call's first use of a shape ([`CublasLt::matmul`] outside [`CublasLt::prepare`]), over every
@@ -276,6 +281,33 @@ struct Plan {
     /// Build order within the handle, so choices are reported in first-call order.
     order: u64,
     choice: PlanChoice,
+    /// The plan's algorithm has run through this handle (its kernel is loaded).
+    ran: bool,
+}
+
+/// What selects the kernel cuBLASLt launches for a plan: the algorithm and every part of the plan key but the sizes
+/// (types, epilogue, alignment, scale mode). A kernel is loaded on its first launch in a context, and that load waits
+/// until the device has drained: launched first in the middle of an enqueued step, it stalls the host for the work
+/// already queued, and the rest of the step reaches an idle GPU. [`CublasLt::prepare`] launches each new kernel once
+/// on scratch operands instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct KernelKey {
+    sizeless: PlanKey,
+    algo: [u64; 8],
+}
+
+impl KernelKey {
+    fn of(key: &PlanKey, algo: &MatmulAlgo) -> KernelKey {
+        KernelKey {
+            sizeless: PlanKey {
+                m: 0,
+                n: 0,
+                k: 0,
+                ..*key
+            },
+            algo: algo.data,
+        }
+    }
 }
 
 impl Plan {
@@ -325,6 +357,10 @@ pub struct CublasLt {
     plan_cache: parking_lot::Mutex<Option<(Arc<PlanCache>, StackKey)>>,
     /// Set by [`CublasLt::prepare`]: from then on no call is timed.
     prepared: AtomicBool,
+    /// Kernels launched through this handle ([`KernelKey`]).
+    kernels_run: parking_lot::Mutex<HashSet<KernelKey>>,
+    /// [`CacheStats::kernels_first_run_by_calls`].
+    kernels_first_run_by_calls: AtomicU64,
     hits: AtomicU64,
     misses: AtomicU64,
     timed: AtomicU64,
@@ -380,6 +416,8 @@ impl CublasLt {
             timing_data: parking_lot::Mutex::new(TimingData::default()),
             plan_cache: parking_lot::Mutex::new(None),
             prepared: AtomicBool::new(false),
+            kernels_run: parking_lot::Mutex::new(HashSet::new()),
+            kernels_first_run_by_calls: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             timed: AtomicU64::new(0),
@@ -419,6 +457,8 @@ impl CublasLt {
             misses: self.misses.load(Ordering::Relaxed),
             timed: self.timed.load(Ordering::Relaxed),
             stored: self.stored.load(Ordering::Relaxed),
+            kernels: self.kernels_run.lock().len(),
+            kernels_first_run_by_calls: self.kernels_first_run_by_calls.load(Ordering::Relaxed),
         }
     }
 
@@ -523,6 +563,12 @@ impl CublasLt {
     ///   timed or a stale entry replaced (a request's planning, which never times, does not wait
     ///   for the file: its heuristic picks go out with the next save or the handle's drop).
     ///
+    /// Then every plan built here whose kernel has not run through this handle yet is run once
+    /// on scratch operands ([`PrepareReport::primed`]): cuBLASLt loads a kernel on its first
+    /// launch, and the load waits for the device to drain, so a kernel first launched inside a
+    /// request's enqueued step would stall it. Prepare a request's new shapes before enqueuing
+    /// its step (a zero budget) and their new kernels load while the device is idle.
+    ///
     /// From then on, a call of a shape not prepared takes the heuristic's first result (and
     /// is recorded as such); no call is timed inside a request. Shapes already planned are
     /// left as they are. Timing synchronizes `stream` and allocates scratch operands the size
@@ -574,12 +620,16 @@ impl CublasLt {
                 clock,
             )?
         };
+        let primed = planner.prime_new_kernels();
         for plan in planner.finish() {
             self.count_new_plan(plan.choice.chosen_by);
             plans.insert(plan.choice.key, plan);
         }
         self.prepared.store(true, Ordering::Release);
-        Ok(report)
+        Ok(PrepareReport {
+            primed: primed?,
+            ..report
+        })
     }
 
     fn count_new_plan(&self, chosen_by: ChosenBy) {
@@ -659,7 +709,29 @@ impl CublasLt {
                 gemm.m, gemm.n, gemm.k, gemm.input
             )
         });
-        check(&self.lib, "cublasLtMatmul", code?)
+        check(&self.lib, "cublasLtMatmul", code?)?;
+        if !plan.ran {
+            plan.ran = true;
+            if self.note_kernel_run(&plan.choice.key, &plan.algo) {
+                self.kernels_first_run_by_calls
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records that `algo`'s kernel for `key` ran; true when it had not run through this handle before.
+    fn note_kernel_run(&self, key: &PlanKey, algo: &MatmulAlgo) -> bool {
+        self.kernels_run.lock().insert(KernelKey::of(key, algo))
+    }
+
+    /// True when `plan`'s kernel has been launched through this handle (by this plan or another of the same kind).
+    fn kernel_has_run(&self, plan: &Plan) -> bool {
+        plan.ran
+            || self
+                .kernels_run
+                .lock()
+                .contains(&KernelKey::of(&plan.choice.key, &plan.algo))
     }
 
     /// Enqueues `call` with `algo` on `stream`, reading `C` (when beta != 0) at `c_addr` and
@@ -764,6 +836,9 @@ impl CublasLt {
                 let code =
                     unsafe { self.enqueue(plan, &candidate.algo, call, c_addr, d_addr, stream)? };
                 *ok = code == status::SUCCESS;
+                if *ok {
+                    self.note_kernel_run(&call.key, &candidate.algo);
+                }
             }
             for _ in 0..TIMING_ROUNDS {
                 for ((candidate, ok), pairs) in candidates
@@ -818,6 +893,7 @@ impl CublasLt {
                 plan.algo = candidate.algo;
                 plan.choice.chosen = index;
                 plan.choice.chosen_by = ChosenBy::Timed;
+                plan.ran = true;
             }
             None => plan.choice.chosen_by = ChosenBy::AllFailed,
         }
@@ -1046,6 +1122,7 @@ impl CublasLt {
                 a_scale_addr: call.a_scale_addr,
                 b_scale_addr: call.b_scale_addr,
                 order,
+                ran: false,
                 choice: PlanChoice {
                     key: call.key,
                     chosen_by: ChosenBy::Heuristic,
@@ -1275,6 +1352,53 @@ fn check(lib: &LtLibrary, call: &'static str, code: ffi::Status) -> Result<(), C
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kernel_is_the_algorithm_and_the_key_without_its_sizes() {
+        let key = PlanKey {
+            m: 4131,
+            n: 64,
+            k: 4096,
+            input: InputType::Bf16,
+            output: OutputType::Bf16,
+            epilogue: 1,
+            align_a: 256,
+            align_b: 256,
+            align_cd: 256,
+            fast_accum: false,
+            scale_mode: plan::Fp8ScaleMode::Tensor,
+        };
+        let algo = MatmulAlgo {
+            data: [7, 0, 0, 0, 0, 0, 0, 1],
+        };
+        let other_sizes = PlanKey {
+            m: 4176,
+            n: 128,
+            k: 3072,
+            ..key
+        };
+        assert_eq!(
+            KernelKey::of(&key, &algo),
+            KernelKey::of(&other_sizes, &algo)
+        );
+        let other_algo = MatmulAlgo {
+            data: [8, 0, 0, 0, 0, 0, 0, 1],
+        };
+        assert_ne!(KernelKey::of(&key, &algo), KernelKey::of(&key, &other_algo));
+        for changed in [
+            PlanKey {
+                align_cd: 16,
+                ..key
+            },
+            PlanKey {
+                output: OutputType::F32,
+                ..key
+            },
+            PlanKey { epilogue: 2, ..key },
+        ] {
+            assert_ne!(KernelKey::of(&key, &algo), KernelKey::of(&changed, &algo));
+        }
+    }
 
     #[test]
     fn call_planning_difference_never_goes_negative() {

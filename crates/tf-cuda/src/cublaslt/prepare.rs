@@ -227,6 +227,9 @@ pub struct PrepareReport {
     pub budget_spent: usize,
     /// Stored choices the heuristic no longer offers (each also a warning).
     pub rejected: usize,
+    /// Plans run once on scratch operands because their kernel had not run through this handle yet (see
+    /// [`super::CublasLt::prepare`]): the kernel is loaded here rather than inside a request's step.
+    pub primed: usize,
     /// Wall time of the whole prepare.
     pub elapsed: Duration,
     /// The cache file written, if one was.

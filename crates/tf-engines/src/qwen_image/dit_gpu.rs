@@ -463,6 +463,11 @@ impl GpuDit {
         self.engine.gemms.plan_choices()
     }
 
+    /// The GEMM handle's counters: plans, and the kernels launched (and how many a step launched first).
+    pub fn gemm_cache_stats(&self) -> tf_cuda::cublaslt::CacheStats {
+        self.engine.gemms.lt().cache_stats()
+    }
+
     /// The attention kernel's tile shape (the preferred one for this GPU unless set).
     pub fn attention_tile(&self) -> AttentionTile {
         self.engine.attention_tile
@@ -523,6 +528,17 @@ impl GpuDit {
                     spares.give_all(old.into_buffers());
                 }
                 let started = std::time::Instant::now();
+                // The new shape's GEMMs are planned before its first step is enqueued: a kernel that has not run
+                // yet is launched once here, while the device has little or nothing queued, instead of stalling
+                // the step's enqueue until the device drains (cuBLASLt loads a kernel on its first launch).
+                engine
+                    .gemms
+                    .prepare(
+                        &engine.gemm_shapes(inputs, mode)?,
+                        std::time::Duration::ZERO,
+                        &engine.stream,
+                    )
+                    .map_err(gpu_err("planning the new shape's GEMMs"))?;
                 let made = engine.workspace(layout.clone(), mode, inputs, spares);
                 host_work::WORKSPACE_BUILDS.record(started);
                 let made = made?;
@@ -566,7 +582,14 @@ impl GpuDit {
         inputs: &DitInputs,
         mode: KvMode,
     ) -> Result<Vec<GemmShape>, DitError> {
-        let engine = &self.engine;
+        self.engine.gemm_shapes(inputs, mode)
+    }
+}
+
+impl Engine {
+    /// [`GpuDit::gemm_shapes`].
+    fn gemm_shapes(&self, inputs: &DitInputs, mode: KvMode) -> Result<Vec<GemmShape>, DitError> {
+        let engine = self;
         let (dims, o) = (&engine.dims, &engine.offsets);
         let layout = JointLayout::build(&engine.config, inputs)?;
         let cached = mode == KvMode::Cached;

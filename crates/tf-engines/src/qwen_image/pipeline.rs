@@ -327,6 +327,8 @@ pub struct GemmPlanSummary {
     pub heuristic: usize,
     /// Planned before.
     pub already_planned: usize,
+    /// Plans run once ahead so that their kernels load outside the steps.
+    pub primed: usize,
 }
 
 impl GemmPlanSummary {
@@ -337,6 +339,7 @@ impl GemmPlanSummary {
             timed: report.timed,
             heuristic: report.heuristic,
             already_planned: report.already_planned,
+            primed: report.primed,
         }
     }
 }

@@ -415,6 +415,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
             "gemm_plans": pipeline.gemm_plan_summary().map(|g| json!({
                 "shapes": g.shapes, "stored": g.stored, "timed": g.timed, "heuristic": g.heuristic,
                 "already_planned": g.already_planned,
+                "primed": g.primed,
             })),
             "driver_work": {
                 "device_allocs": driver.device_allocs.calls,
