@@ -1007,30 +1007,6 @@ struct PngWritten {
     write_s: f64,
 }
 
-/// Encodes and drops one PNG of `width` x `height` (the test pattern, grain included), so that a worker's first
-/// image does not pay the writer's first-use costs (the allocator's first blocks of that size, cold code); the
-/// seconds it took. Engines call it at the end of their warm-up.
-pub(crate) fn warm_png_writer(width: u32, height: u32) -> Result<f64, String> {
-    let started = Instant::now();
-    let image = testpattern::render(&ImageJob {
-        prompt: "warm-up".into(),
-        negative_prompt: None,
-        width,
-        height,
-        steps: None,
-        seed: 0,
-        guidance: None,
-    });
-    crate::nn::media::png::encode_png(
-        image.width() as usize,
-        image.height() as usize,
-        crate::nn::media::png::ColorType::Rgba,
-        image.pixels(),
-    )
-    .map_err(|e| e.to_string())?;
-    Ok(started.elapsed().as_secs_f64())
-}
-
 /// Writes `image` as a PNG through a temporary file renamed into place, so a reader never sees half a file.
 fn write_png_atomically(path: &std::path::Path, image: &RgbaImage) -> Result<PngWritten, String> {
     let started = Instant::now();

@@ -110,18 +110,7 @@ impl WorkerEngine for QwenImageEngine {
             match pipeline.warm_up(w, h, WARM_UP_GEMM_BUDGET) {
                 Ok(warm) => match warm.skipped {
                     Some(why) => log!("tf worker: no warm-up: {why}"),
-                    None => {
-                        log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds);
-                        // WARM_UP_SIZE's sides fit u32 (a constant of 1024).
-                        let png = match (u32::try_from(w), u32::try_from(h)) {
-                            (Ok(pw), Ok(ph)) => super::warm_png_writer(pw, ph),
-                            _ => Err(format!("{w}x{h} does not fit a PNG header")),
-                        };
-                        match png {
-                            Ok(s) => log!("tf worker: PNG writer warmed in {:.1} ms", s * 1e3),
-                            Err(e) => log!("tf worker: PNG writer not warmed: {e}"),
-                        }
-                    }
+                    None => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
                 },
                 Err(e) if e.is_invalid_request() => {
                     log!("tf worker: no warm-up at {w}x{h}, the model's limits refuse it: {e}")
