@@ -760,6 +760,82 @@ fn graph_replay_is_bit_equal_to_eager() {
     }
 }
 
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += f64::from(x - y).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn a_timestep_schedule_makes_the_tables_once() {
+    let ctx = context();
+    for case in cases() {
+        let mut dit = load(&ctx, &case);
+        let a = inputs(&case);
+        let b = perturbed(&a);
+        // Without a schedule every forward makes the tables of its own timesteps.
+        let plain_a = dit.forward(&a).unwrap();
+        let plain_b = dit.forward(&b).unwrap();
+        // A request's schedule: both steps' values and one that no step uses.
+        let mut schedule: Vec<f32> = b.timestep.data().to_vec();
+        schedule.extend_from_slice(a.timestep.data());
+        schedule.push(0.5);
+        assert!(
+            dit.set_timestep_schedule(&schedule).unwrap(),
+            "{case}: schedule refused"
+        );
+        let made_before = dit.timestep_tables_made();
+        let on_a = dit.forward(&a).unwrap(); // eager, makes the schedule's tables
+        let on_b = dit.forward(&b).unwrap(); // the step without its tables, captured and replayed
+        let on_a_again = dit.forward(&a).unwrap(); // replayed
+        assert_eq!(
+            dit.timestep_tables_made() - made_before,
+            1,
+            "{case}: three steps on one schedule made the tables more than once"
+        );
+        assert_eq!(
+            on_a_again.sample.data(),
+            on_a.sample.data(),
+            "{case}: the replayed step without tables differs from the eager step"
+        );
+        assert_eq!(on_a_again.audio_sample.data(), on_a.audio_sample.data());
+        // The same tables made by a GEMM over more rows (cuBLASLt may take another algorithm): close to the
+        // per-step tables' outputs, not necessarily bit-equal.
+        for (what, on, plain) in [("a", &on_a, &plain_a), ("b", &on_b, &plain_b)] {
+            let sample = rel_l2(on.sample.data(), plain.sample.data());
+            let audio = rel_l2(on.audio_sample.data(), plain.audio_sample.data());
+            println!("{case}/{what}: on the schedule vs per-step tables: rel L2 sample {sample:.2e}, audio {audio:.2e}");
+            assert!(
+                sample <= 1e-2 && audio <= 1e-2,
+                "{case}/{what}: {sample} {audio}"
+            );
+        }
+        // Forgotten: back to the per-step workspace, whose tables still hold b's values.
+        assert!(!dit.set_timestep_schedule(&[]).unwrap());
+        let plain_b_again = dit.forward(&b).unwrap();
+        assert_eq!(
+            plain_b_again.sample.data(),
+            plain_b.sample.data(),
+            "{case}: after the schedule"
+        );
+        // A schedule missing a step's value leaves that step on its own tables.
+        assert!(dit.set_timestep_schedule(&[0.25, 0.75]).unwrap());
+        let off_schedule = dit.forward(&a).unwrap();
+        assert_eq!(
+            off_schedule.sample.data(),
+            plain_a.sample.data(),
+            "{case}: off the schedule"
+        );
+        assert!(!dit.set_timestep_schedule(&[]).unwrap());
+        assert!(dit.set_timestep_schedule(&[f32::NAN]).is_err());
+        println!("{case}: tables made once for a 3-step schedule; off-schedule steps unchanged");
+    }
+}
+
 /// Two batch items: the case's inputs and their perturbed twin (same layout, other rows), stacked.
 fn stacked(a: &H3Inputs, b: &H3Inputs) -> H3Inputs {
     let cat = |x: &TensorF32, y: &TensorF32| {

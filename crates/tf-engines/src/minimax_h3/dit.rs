@@ -344,6 +344,36 @@ impl H3Rows {
             positions,
         })
     }
+
+    /// These rows with their timestep tables indexed into `schedule` (distinct values, compared bit for bit)
+    /// instead of this forward's own timesteps: `timesteps` becomes `schedule`, and each row's adaLN and
+    /// `norm_out` rows point at its value's place there. `None` when a timestep of the forward is not in the
+    /// schedule (or the schedule is empty). A backend that keeps the tables of a whole schedule uses it so that
+    /// every step of a request reads the same tables.
+    pub fn on_schedule(&self, schedule: &[f32]) -> Option<H3Rows> {
+        let place: Vec<usize> = self
+            .timesteps
+            .iter()
+            .map(|t| schedule.iter().position(|s| s.to_bits() == t.to_bits()))
+            .collect::<Option<_>>()?;
+        let remap = |own: usize| place.get(own).copied();
+        let adaln_rows = self
+            .adaln_rows
+            .iter()
+            .map(|&r| remap(r / 3).map(|t| t * 3 + r % 3))
+            .collect::<Option<_>>()?;
+        let timestep_rows = self
+            .timestep_rows
+            .iter()
+            .map(|&r| remap(r))
+            .collect::<Option<_>>()?;
+        Some(H3Rows {
+            timesteps: schedule.to_vec(),
+            adaln_rows,
+            timestep_rows,
+            ..self.clone()
+        })
+    }
 }
 
 /// A MiniMax H3 DiT backend.
@@ -353,6 +383,14 @@ pub trait H3DitBackend {
 
     /// One forward over the packed sequence.
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error>;
+
+    /// Tells the backend every timestep value the coming forwards will use (a request's whole schedule), so that
+    /// it can make their timestep-dependent tables once instead of in every step; an empty slice forgets it.
+    /// Forwards stay correct whatever they are given. Returns whether the schedule is used (the default: not).
+    fn set_timestep_schedule(&mut self, timesteps: &[f32]) -> Result<bool, H3Error> {
+        let _ = timesteps;
+        Ok(false)
+    }
 
     /// Frees the memory a forward works in (the weights stay); the next forward makes it again. A resident
     /// pipeline calls it after the last step, so the decoders never run beside the DiT's activations.
@@ -375,6 +413,38 @@ pub trait H3DitBackend {
 mod tests {
     use super::super::layout::{Geometry, KeyframeAnchor, LayoutRequest, StepTimesteps};
     use super::*;
+
+    #[test]
+    fn rows_on_a_schedule_point_at_their_values_there() {
+        let rows = H3Rows::build(&tiny_config(), &inputs()).unwrap();
+        assert!(rows.timesteps.len() >= 2, "{:?}", rows.timesteps);
+        // The forward's values in another order, among others.
+        let mut schedule = vec![0.123f32, 999.0];
+        schedule.extend(rows.timesteps.iter().rev());
+        schedule.push(-7.5);
+        let on = rows
+            .on_schedule(&schedule)
+            .expect("every value is in the schedule");
+        assert_eq!(on.timesteps, schedule);
+        for r in 0..rows.adaln_rows.len() {
+            // The same value and the same tag.
+            let (own, tag) = (rows.adaln_rows[r] / 3, rows.adaln_rows[r] % 3);
+            assert_eq!(on.adaln_rows[r] % 3, tag);
+            assert_eq!(
+                schedule[on.adaln_rows[r] / 3].to_bits(),
+                rows.timesteps[own].to_bits()
+            );
+            assert_eq!(
+                schedule[on.timestep_rows[r]].to_bits(),
+                rows.timesteps[rows.timestep_rows[r]].to_bits()
+            );
+        }
+        assert_eq!(on.positions, rows.positions);
+        assert_eq!(on.video_rows, rows.video_rows);
+        // A value missing from the schedule, or no schedule: the forward keeps its own tables.
+        assert!(rows.on_schedule(&schedule[..schedule.len() - 2]).is_none());
+        assert!(rows.on_schedule(&[]).is_none());
+    }
 
     fn tiny_config() -> MiniMaxH3Config {
         MiniMaxH3Config {

@@ -86,8 +86,12 @@ pub use weights::CheckpointFp8Use;
 use weights::{Dims, Source, WeightOffsets};
 use workspace::{ShapeKey, Workspace};
 
-/// Graphs kept per workspace (one: the workspace's shape).
-const MAX_GRAPHS: usize = 1;
+/// Most distinct timestep values a schedule ([`GpuH3Dit::set_timestep_schedule`]) may hold: its tables take about
+/// 9.7 MB a value at full size (50 blocks), 1.2 GB at this bound. A pipeline's 50 steps need 50 or 51.
+pub const MAX_SCHEDULE_TIMESTEPS: usize = 128;
+/// Graphs kept per workspace: the whole step and the step without its timestep tables (see
+/// [`GpuH3Dit::set_timestep_schedule`]).
+const MAX_GRAPHS: usize = 2;
 /// Workspaces kept (one per shape, least recently used dropped first).
 const MAX_WORKSPACES: usize = 2;
 /// Time a new shape may spend timing GEMM algorithms the plan cache does not hold yet, before its first step.
@@ -112,6 +116,17 @@ pub struct H3StepTimes {
     pub eager_ms: f64,
     pub graph_ms: f64,
     pub peak_device_bytes: u64,
+}
+
+/// Device times of a step on a request's timestep schedule ([`GpuH3Dit::set_timestep_schedule`]), milliseconds:
+/// making the tables of the whole schedule (once per request), and the step without them, eager and replayed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct H3ScheduleTimes {
+    /// Distinct timestep values of the schedule.
+    pub timesteps: usize,
+    pub tables_ms: f64,
+    pub body_eager_ms: f64,
+    pub body_graph_ms: f64,
 }
 
 /// Read-only state a step uses.
@@ -144,6 +159,10 @@ pub struct GpuH3Dit {
     upload: Option<UploadStats>,
     /// The checkpoint's FP8 weights: how many, used as stored, dequantized.
     checkpoint_fp8: CheckpointFp8Use,
+    /// The timestep values of the request under way ([`GpuH3Dit::set_timestep_schedule`]; empty: none).
+    schedule: Vec<f32>,
+    /// Forwards that made their timestep tables ([`GpuH3Dit::timestep_tables_made`]).
+    tables_made: u64,
 }
 
 impl std::fmt::Debug for GpuH3Dit {
@@ -327,6 +346,8 @@ impl GpuH3Dit {
             use_graphs: true,
             layout: Some(layout),
             upload: report.upload,
+            schedule: Vec::new(),
+            tables_made: 0,
             checkpoint_fp8: report.checkpoint_fp8,
         })
     }
@@ -364,6 +385,8 @@ impl GpuH3Dit {
             layout: None,
             upload: None,
             checkpoint_fp8: CheckpointFp8Use::default(),
+            schedule: Vec::new(),
+            tables_made: 0,
         })
     }
 
@@ -476,12 +499,52 @@ impl GpuH3Dit {
     }
 
     /// Validates `inputs`, takes their workspace and uploads what depends on their values (on the stream).
-    fn prepare(&mut self, inputs: &H3Inputs) -> Result<usize, H3Error> {
-        let rows = H3Rows::build(&self.engine.config, inputs)?;
+    /// Also returns the timestep values (f32 bits) whose tables the step reads: the schedule's when it holds every
+    /// timestep of `inputs`, else the forward's own.
+    fn prepare(&mut self, inputs: &H3Inputs) -> Result<(usize, Vec<u32>), H3Error> {
+        let mut rows = H3Rows::build(&self.engine.config, inputs)?;
+        if let Some(on_schedule) = rows.on_schedule(&self.schedule) {
+            rows = on_schedule;
+        }
         let index = self.workspace_index(&rows)?;
         self.engine
             .upload_inputs(&mut self.workspaces[index], &rows, inputs)?;
-        Ok(index)
+        Ok((index, rows.timesteps.iter().map(|t| t.to_bits()).collect()))
+    }
+
+    /// How many forwards made their timestep tables (the others read tables a schedule's first step made).
+    pub fn timestep_tables_made(&self) -> u64 {
+        self.tables_made
+    }
+
+    /// [`H3DitBackend::set_timestep_schedule`]: with a schedule, every step whose timesteps it holds runs on one
+    /// workspace whose timestep tables (the time embedder, 50 blocks' adaLN tables, the output modulation) cover
+    /// the whole schedule. The first such step makes them, in one GEMM per block over all the schedule's values
+    /// (the adaLN weights, 26 GB in bf16 at full size, read once per request instead of once per step); later
+    /// steps skip that phase (their graph leaves it out). Values must be finite; repeats are dropped; more than
+    /// [`MAX_SCHEDULE_TIMESTEPS`] distinct values, or a sequence-parallel DiT, leave the schedule unused (`false`).
+    pub fn set_timestep_schedule(&mut self, timesteps: &[f32]) -> Result<bool, H3Error> {
+        self.schedule.clear();
+        if let Some(bad) = timesteps.iter().find(|t| !t.is_finite()) {
+            return Err(H3Error::Input(format!(
+                "the timestep schedule holds {bad}; timesteps are finite"
+            )));
+        }
+        let mut distinct: Vec<f32> =
+            Vec::with_capacity(timesteps.len().min(MAX_SCHEDULE_TIMESTEPS));
+        for &t in timesteps {
+            if !distinct.iter().any(|d| d.to_bits() == t.to_bits()) {
+                if distinct.len() == MAX_SCHEDULE_TIMESTEPS {
+                    return Ok(false);
+                }
+                distinct.push(t);
+            }
+        }
+        if self.engine.parallel.is_some() || distinct.is_empty() {
+            return Ok(false);
+        }
+        self.schedule = distinct;
+        Ok(true)
     }
 }
 
@@ -499,19 +562,31 @@ impl H3DitBackend for GpuH3Dit {
         self.clear_workspaces();
     }
 
+    fn set_timestep_schedule(&mut self, timesteps: &[f32]) -> Result<bool, H3Error> {
+        GpuH3Dit::set_timestep_schedule(self, timesteps)
+    }
+
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error> {
         if self.engine.parallel.is_some() {
             return self.forward_parallel(inputs);
         }
-        let index = self.prepare(inputs)?;
+        let (index, timesteps) = self.prepare(inputs)?;
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
+        // The tables are made again unless the workspace holds those of these very values (a schedule's).
+        let tables = ws.tables_for.as_ref() != Some(&timesteps);
+        ws.tables_for = None;
+        self.tables_made += u64::from(tables);
         if self.use_graphs && ws.warmed {
-            engine.replay(ws)?;
-        } else {
+            engine.replay(ws, tables)?;
+        } else if tables {
             engine.enqueue_step(ws, &mut step::NoProbe)?;
             ws.warmed = true;
+        } else {
+            engine.enqueue_body(ws, &mut step::NoProbe)?;
+            ws.warmed = true;
         }
+        ws.tables_for = Some(timesteps);
         engine
             .stream
             .synchronize()

@@ -7,7 +7,7 @@
 use tf_cuda::{Event, Stream};
 
 use super::step::{NoProbe, StepProbe};
-use super::{cuda_err, GpuH3Dit, H3StepTimes};
+use super::{cuda_err, GpuH3Dit, H3ScheduleTimes, H3StepTimes};
 use crate::minimax_h3::dit::{H3Error, H3Inputs};
 use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 
@@ -55,7 +55,7 @@ impl GpuH3Dit {
         warmup: usize,
         iters: usize,
     ) -> Result<H3StepTimes, H3Error> {
-        let index = self.prepare(inputs)?;
+        let (index, _) = self.prepare(inputs)?;
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         let iters = iters.max(1);
@@ -70,11 +70,13 @@ impl GpuH3Dit {
             engine.enqueue_step(ws, &mut NoProbe)
         })?;
         // Captured on first use, then replayed `warmup` times untimed.
-        engine.replay(ws)?;
+        engine.replay(ws, true)?;
         for _ in 1..warmup.max(1) {
-            engine.replay(ws)?;
+            engine.replay(ws, true)?;
         }
-        let graph_ms = timed(&start, &end, &engine.stream, iters, || engine.replay(ws))?;
+        let graph_ms = timed(&start, &end, &engine.stream, iters, || {
+            engine.replay(ws, true)
+        })?;
         engine
             .stream
             .synchronize()
@@ -86,12 +88,83 @@ impl GpuH3Dit {
         })
     }
 
+    /// Device times of the step of `inputs` on the timestep schedule `schedule` (which holds the step's values):
+    /// the schedule's tables (one GEMM per block over all its values, as a request's first step makes them), then
+    /// the step without them, eager and as graph replays (what every later step of the request runs). Leaves no
+    /// schedule set.
+    pub fn time_step_on_schedule(
+        &mut self,
+        inputs: &H3Inputs,
+        schedule: &[f32],
+        warmup: usize,
+        iters: usize,
+    ) -> Result<H3ScheduleTimes, H3Error> {
+        if !self.set_timestep_schedule(schedule)? {
+            return Err(H3Error::Backend(format!(
+                "a schedule of {} values is not used by this DiT (at most {} distinct values, one GPU)",
+                schedule.len(),
+                super::MAX_SCHEDULE_TIMESTEPS
+            )));
+        }
+        let times = self.time_scheduled(inputs, warmup, iters.max(1));
+        self.set_timestep_schedule(&[])?;
+        times
+    }
+
+    fn time_scheduled(
+        &mut self,
+        inputs: &H3Inputs,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<H3ScheduleTimes, H3Error> {
+        let (index, timesteps) = self.prepare(inputs)?;
+        if timesteps.len() != self.schedule.len() {
+            return Err(H3Error::Backend(
+                "the step's timesteps are not all in the schedule".into(),
+            ));
+        }
+        let engine = &self.engine;
+        let ws = &mut self.workspaces[index];
+        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        // An eager whole step first: it builds the GEMM plans (the tables' included), so nothing timed plans.
+        engine.enqueue_step(ws, &mut NoProbe)?;
+        ws.warmed = true;
+        let tables_ms = timed(&start, &end, &engine.stream, iters, || {
+            engine.enqueue_tables(ws, &mut NoProbe)
+        })?;
+        ws.tables_for = Some(timesteps);
+        for _ in 0..warmup {
+            engine.enqueue_body(ws, &mut NoProbe)?;
+        }
+        let body_eager_ms = timed(&start, &end, &engine.stream, iters, || {
+            engine.enqueue_body(ws, &mut NoProbe)
+        })?;
+        engine.replay(ws, false)?;
+        for _ in 1..warmup.max(1) {
+            engine.replay(ws, false)?;
+        }
+        let body_graph_ms = timed(&start, &end, &engine.stream, iters, || {
+            engine.replay(ws, false)
+        })?;
+        engine
+            .stream
+            .synchronize()
+            .map_err(cuda_err("finishing the timed steps"))?;
+        Ok(H3ScheduleTimes {
+            timesteps: self.schedule.len(),
+            tables_ms,
+            body_eager_ms,
+            body_graph_ms,
+        })
+    }
+
     /// Device time of each phase of one eager step of `inputs` (after an untimed eager warm-up step), with an event
     /// after each launch group: time embedder, adaLN tables, input projections, the token refiner's phases, and per
     /// block the qkv GEMM, QK norm + RoPE, attention, out GEMM, the fused residual + norms, fc1, SwiGLU, fc2, then
     /// the heads. The normal step and its graph are untouched.
     pub fn time_phases(&mut self, inputs: &H3Inputs) -> Result<PhaseTimes, H3Error> {
-        let index = self.prepare(inputs)?;
+        let (index, _) = self.prepare(inputs)?;
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         engine.enqueue_step(ws, &mut NoProbe)?;

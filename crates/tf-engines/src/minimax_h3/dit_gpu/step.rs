@@ -26,7 +26,7 @@ use super::kernels::{
     LinearFp8W, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
 use super::weights::AttnOffsets;
-use super::workspace::{ShapeKey, Workspace, WorkspaceSizes};
+use super::workspace::{ShapeKey, StepGraph, Workspace, WorkspaceSizes};
 use super::{cuda_err, Engine};
 use crate::minimax_h3::config::MODALITIES;
 use crate::minimax_h3::dit::H3Error;
@@ -822,8 +822,21 @@ impl Engine {
         probe.mark(&self.stream, fc2_name, fc2.flops(), 0.0)
     }
 
-    /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group.
+    /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group: the
+    /// timestep tables ([`Engine::enqueue_tables`]), then the rest ([`Engine::enqueue_body`]).
     pub(super) fn enqueue_step<P: StepProbe>(
+        &self,
+        ws: &mut Workspace,
+        probe: &mut P,
+    ) -> Result<(), H3Error> {
+        self.enqueue_tables(ws, probe)?;
+        self.enqueue_body(ws, probe)
+    }
+
+    /// The step's first two phases, which depend on the timestep values only: the time embedder, every block's
+    /// adaLN table and the output modulation, for all `key.timesteps` rows of the workspace. A workspace laid out
+    /// over a request's whole timestep schedule makes them once for all its steps.
+    pub(super) fn enqueue_tables<P: StepProbe>(
         &self,
         ws: &mut Workspace,
         probe: &mut P,
@@ -832,16 +845,13 @@ impl Engine {
         let o = &self.offsets;
         let key = ws.key;
         let z = ws.sizes;
-        let (nt, hp) = (key.timesteps, d.hp);
+        let nt = key.timesteps;
         let f32_rows = |rows: usize, stride: usize| RowsOperand {
             elem: Elem::F32,
             rows,
             stride,
             index: None,
         };
-        // Bytes a norm over the main or text rows moves: `passes` row-sized reads and writes.
-        let norm_bytes = |passes: usize| (passes * z.rows * hp * BF16) as f64;
-        let text_norm_bytes = |passes: usize| (passes * z.text_rows * hp * BF16) as f64;
 
         // 1. Time embedder (f32): linear_1 + SiLU, linear_2 + SiLU (temb only enters the model through SiLU).
         self.linear_f32(&LinearF32 {
@@ -888,7 +898,29 @@ impl Engine {
         }
         self.run_gemm(ws, self.norm_out_call(nt))?;
         // Memory-bound (a few rows): the weights read is the work.
-        probe.mark(&self.stream, "adaLN tables", 0.0, table_bytes)?;
+        probe.mark(&self.stream, "adaLN tables", 0.0, table_bytes)
+    }
+
+    /// Every phase of the step after the timestep tables, which it reads from the workspace.
+    pub(super) fn enqueue_body<P: StepProbe>(
+        &self,
+        ws: &mut Workspace,
+        probe: &mut P,
+    ) -> Result<(), H3Error> {
+        let d = self.dims;
+        let o = &self.offsets;
+        let key = ws.key;
+        let z = ws.sizes;
+        let hp = d.hp;
+        let f32_rows = |rows: usize, stride: usize| RowsOperand {
+            elem: Elem::F32,
+            rows,
+            stride,
+            index: None,
+        };
+        // Bytes a norm over the main or text rows moves: `passes` row-sized reads and writes.
+        let norm_bytes = |passes: usize| (passes * z.rows * hp * BF16) as f64;
+        let text_norm_bytes = |passes: usize| (passes * z.text_rows * hp * BF16) as f64;
 
         // 3. Video and audio rows (f32 projections) straight into their rows of x.
         let heads_in = [
@@ -1135,16 +1167,26 @@ impl Engine {
         )
     }
 
-    /// Captures the step of this workspace unless it is captured, then replays it on the stream.
-    pub(super) fn replay(&self, ws: &mut Workspace) -> Result<(), H3Error> {
-        let key = ws.key;
+    /// Captures the step of this workspace unless it is captured, then replays it on the stream: the whole step
+    /// with `tables`, else its body alone (the workspace's timestep tables are current).
+    pub(super) fn replay(&self, ws: &mut Workspace, tables: bool) -> Result<(), H3Error> {
+        let key = StepGraph {
+            key: ws.key,
+            tables,
+        };
         // The graph cache lives in the workspace whose buffers the capture records; it is out of it while capturing.
         let mut graphs = std::mem::replace(&mut ws.graphs, GraphCache::new(1));
         let result = graphs
             .capture(
                 key,
                 &self.stream,
-                || self.enqueue_step(ws, &mut NoProbe),
+                || {
+                    if tables {
+                        self.enqueue_step(ws, &mut NoProbe)
+                    } else {
+                        self.enqueue_body(ws, &mut NoProbe)
+                    }
+                },
                 |what, e| cuda_err(what)(e),
             )
             .and_then(|graph| {

@@ -15,6 +15,13 @@ use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::host;
 use crate::nn::weights::{le_bytes, ALIGN, BF16};
 
+/// What a captured step graph records: the workspace's shape, and whether the timestep tables are remade in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepGraph {
+    pub key: ShapeKey,
+    pub tables: bool,
+}
+
 /// The sizes of one forward: what a workspace and its captured step depend on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ShapeKey {
@@ -302,8 +309,11 @@ pub(super) struct Workspace {
     pub q8_scales: DeviceBuffer,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub warmed: bool,
-    /// The captured step.
-    pub graphs: GraphCache<ShapeKey>,
+    /// The timestep values (f32 bits, in table order) whose tables the adaLN and output-modulation buffers hold,
+    /// once a step made them; `None` before, or while a step that remakes them may not have finished enqueuing.
+    pub tables_for: Option<Vec<u32>>,
+    /// The captured step: whole, and without the timestep tables.
+    pub graphs: GraphCache<StepGraph>,
     /// A sequence-parallel rank's plan and exchange buffers (`None` on one GPU).
     pub parallel: Option<super::parallel::SpBuffers>,
 }
@@ -352,6 +362,7 @@ impl Workspace {
             q8_scales: alloc(ctx, z.q8_scales, "FP8 activation")?,
             sizes: z,
             warmed: false,
+            tables_for: None,
             graphs: GraphCache::new(MAX_GRAPHS),
             parallel: None,
         })

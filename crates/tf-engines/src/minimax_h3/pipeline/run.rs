@@ -209,7 +209,8 @@ fn initial_rows(plan: &Plan, request: &Request) -> Result<(TensorF32, TensorF32)
     ))
 }
 
-/// The steps: one forward per step over the packed sequence, then both Euler steps in f32.
+/// The steps: one forward per step over the packed sequence, then both Euler steps in f32. The DiT is told every
+/// timestep value of the request first (so that it can make their tables once), and forgets them after.
 fn denoise(
     dit: &mut dyn H3DitBackend,
     plan: &Plan,
@@ -223,68 +224,77 @@ fn denoise(
     let (vs, aus) = (&plan.video_schedule, &plan.audio_schedule);
     let steps = vs.steps();
     let levels = |k: usize| StepTimesteps::pipeline(vs.timesteps()[k], aus.timesteps()[k]);
-    let first = layout.row_timesteps(levels(0))?;
-    let initial = keep.then(|| rows_of(&video, &audio)).transpose()?;
-    let mut inputs = H3Inputs::from_layout(layout, &first, video, audio, embeds.clone())?;
-    let [_, nv, d] = inputs.hidden_states.dims::<3>("video rows")?;
-    let [_, na, ca] = inputs.audio_hidden_states.dims::<3>("audio rows")?;
-    let cond = layout.condition_video_rows * d;
-    let mut kept = Vec::with_capacity(if keep { steps } else { 0 });
+    let mut schedule = Vec::new();
     for k in 0..steps {
-        let t = Instant::now();
-        if k > 0 {
-            let rt = layout.row_timesteps(levels(k))?;
-            inputs.timestep = Tensor::new(vec![rt.unique.len()], rt.unique)?;
-            let indices: Vec<i64> = rt.indices.iter().map(|&i| i as i64).collect();
-            inputs.timestep_indices = Tensor::new(vec![indices.len()], indices)?;
-        }
-        let out = dit.forward(&inputs)?;
-        if out.sample.shape() != [1, nv, d] || out.audio_sample.shape() != [1, na, ca] {
-            return Err(PipelineError::Internal(format!(
-                "the DiT returned {:?} and {:?} for {:?} and {:?}",
-                out.sample.shape(),
-                out.audio_sample.shape(),
-                [1, nv, d],
-                [1, na, ca]
-            )));
-        }
-        vs.step_f32(
-            k,
-            &mut inputs.hidden_states.data_mut()[cond..],
-            &out.sample.data()[cond..],
-        )?;
-        aus.step_f32(
-            k,
-            inputs.audio_hidden_states.data_mut(),
-            out.audio_sample.data(),
-        )?;
-        if keep {
-            kept.push(rows_of(&inputs.hidden_states, &inputs.audio_hidden_states)?);
-        }
-        let seconds = secs(t.elapsed());
-        timings.steps.push(seconds);
-        progress(Progress::Step {
-            step: k + 1,
-            steps,
-            seconds,
-        });
+        schedule.extend(layout.row_timesteps(levels(k))?.unique);
     }
-    let g = &plan.sizes.geometry;
-    let cond_rows = layout.condition_video_rows;
-    let [_, ph, pw] = plan.patch;
-    let video = unpatchify(
-        &inputs.hidden_states.data()[cond_rows * d..],
-        [g.latent_frames, g.latent_height, g.latent_width],
-        [ph, pw],
-        d,
-    )?;
-    let audio = unpack_audio(inputs.audio_hidden_states.data(), g.audio_latents, ca)?;
-    Ok(Denoised {
-        video,
-        audio,
-        initial,
-        steps: kept,
-    })
+    dit.set_timestep_schedule(&schedule)?;
+    let denoised = (|| -> Result<Denoised, PipelineError> {
+        let first = layout.row_timesteps(levels(0))?;
+        let initial = keep.then(|| rows_of(&video, &audio)).transpose()?;
+        let mut inputs = H3Inputs::from_layout(layout, &first, video, audio, embeds.clone())?;
+        let [_, nv, d] = inputs.hidden_states.dims::<3>("video rows")?;
+        let [_, na, ca] = inputs.audio_hidden_states.dims::<3>("audio rows")?;
+        let cond = layout.condition_video_rows * d;
+        let mut kept = Vec::with_capacity(if keep { steps } else { 0 });
+        for k in 0..steps {
+            let t = Instant::now();
+            if k > 0 {
+                let rt = layout.row_timesteps(levels(k))?;
+                inputs.timestep = Tensor::new(vec![rt.unique.len()], rt.unique)?;
+                let indices: Vec<i64> = rt.indices.iter().map(|&i| i as i64).collect();
+                inputs.timestep_indices = Tensor::new(vec![indices.len()], indices)?;
+            }
+            let out = dit.forward(&inputs)?;
+            if out.sample.shape() != [1, nv, d] || out.audio_sample.shape() != [1, na, ca] {
+                return Err(PipelineError::Internal(format!(
+                    "the DiT returned {:?} and {:?} for {:?} and {:?}",
+                    out.sample.shape(),
+                    out.audio_sample.shape(),
+                    [1, nv, d],
+                    [1, na, ca]
+                )));
+            }
+            vs.step_f32(
+                k,
+                &mut inputs.hidden_states.data_mut()[cond..],
+                &out.sample.data()[cond..],
+            )?;
+            aus.step_f32(
+                k,
+                inputs.audio_hidden_states.data_mut(),
+                out.audio_sample.data(),
+            )?;
+            if keep {
+                kept.push(rows_of(&inputs.hidden_states, &inputs.audio_hidden_states)?);
+            }
+            let seconds = secs(t.elapsed());
+            timings.steps.push(seconds);
+            progress(Progress::Step {
+                step: k + 1,
+                steps,
+                seconds,
+            });
+        }
+        let g = &plan.sizes.geometry;
+        let cond_rows = layout.condition_video_rows;
+        let [_, ph, pw] = plan.patch;
+        let video = unpatchify(
+            &inputs.hidden_states.data()[cond_rows * d..],
+            [g.latent_frames, g.latent_height, g.latent_width],
+            [ph, pw],
+            d,
+        )?;
+        let audio = unpack_audio(inputs.audio_hidden_states.data(), g.audio_latents, ca)?;
+        Ok(Denoised {
+            video,
+            audio,
+            initial,
+            steps: kept,
+        })
+    })();
+    dit.set_timestep_schedule(&[])?;
+    denoised
 }
 
 /// A copy of the rows without the batch axis.

@@ -102,8 +102,21 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
 }
 
 #[cfg(any(feature = "bench", test))]
-/// The inputs of one step over the text-to-video layout of the run's geometry, and the layout's row count.
-fn inputs(args: &H3DitArgs, config: &MiniMaxH3Config) -> Result<(H3Inputs, usize), BoxError> {
+#[derive(Debug)]
+/// One step of the pipeline at the run's geometry: its inputs over the text-to-video layout, and the request
+/// around it.
+struct StepCase {
+    inputs: H3Inputs,
+    /// The layout's rows.
+    seq: usize,
+    /// Every timestep value of the request's steps (step by step, repeats kept): what a request hands the DiT.
+    schedule: Vec<f32>,
+    /// Steps of the request.
+    steps: usize,
+}
+
+#[cfg(any(feature = "bench", test))]
+fn inputs(args: &H3DitArgs, config: &MiniMaxH3Config) -> Result<StepCase, BoxError> {
     let (width, height, frames) = geometry(args);
     let geometry = Geometry::for_request(height, width, frames, &SizeRules::TRANSFORMER)?;
     if geometry.num_frames != frames {
@@ -134,6 +147,10 @@ fn inputs(args: &H3DitArgs, config: &MiniMaxH3Config) -> Result<(H3Inputs, usize
         })
     };
     let t = layout.row_timesteps(StepTimesteps::pipeline(at(&video)?, at(&audio)?))?;
+    let mut schedule = Vec::new();
+    for (&v, &a) in video.timesteps().iter().zip(audio.timesteps()) {
+        schedule.extend(layout.row_timesteps(StepTimesteps::pipeline(v, a))?.unique);
+    }
     let (nv, na) = (layout.video_indices.len(), layout.audio_indices.len());
     let (vp, ac, td) = (
         config.video_patch_dim(),
@@ -147,7 +164,12 @@ fn inputs(args: &H3DitArgs, config: &MiniMaxH3Config) -> Result<(H3Inputs, usize
         TensorF32::new(vec![1, na, ac], noise(na * ac, 2))?,
         TensorF32::new(vec![1, args.text_rows, td], noise(args.text_rows * td, 3))?,
     )?;
-    Ok((inputs, layout.seq_len))
+    Ok(StepCase {
+        inputs,
+        seq: layout.seq_len,
+        schedule,
+        steps: video.timesteps().len(),
+    })
 }
 
 #[cfg(any(feature = "bench", test))]
@@ -230,7 +252,12 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
 
     let (width, height, frames) = geometry(args);
     let name = case_name(width, height, frames, args.text_rows);
-    let (inputs, seq) = inputs(args, &config)?;
+    let StepCase {
+        inputs,
+        seq,
+        schedule,
+        steps,
+    } = inputs(args, &config)?;
     let flops = step_flops(
         config.hidden_size,
         config.num_attention_heads * config.attention_head_dim,
@@ -257,6 +284,20 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
         tflops(times.eager_ms),
         times.graph_ms,
         tflops(times.graph_ms)
+    );
+    // The same step as a request runs it: the tables of its whole schedule made once, every step without them.
+    let on_schedule = dit.time_step_on_schedule(&inputs, &schedule, args.warmup, args.iters)?;
+    let per_step_tables = on_schedule.tables_ms / steps.max(1) as f64;
+    let scheduled_ms = on_schedule.body_graph_ms + per_step_tables;
+    println!(
+        "  ours on the request's schedule ({} timestep values, {steps} steps): tables {:.2} ms once a request \
+         ({per_step_tables:.2} ms a step), the step without them eager {:.2} ms, graph replay {:.2} ms; \
+         per step with the tables spread: {scheduled_ms:.2} ms ({:.1} TFLOP/s)",
+        on_schedule.timesteps,
+        on_schedule.tables_ms,
+        on_schedule.body_eager_ms,
+        on_schedule.body_graph_ms,
+        tflops(scheduled_ms)
     );
     let mut phases = serde_json::Value::Null;
     if args.phases {
@@ -303,11 +344,12 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
                 ] {
                     match get(key) {
                         Some(ms) => println!(
-                            "  {label}: {ms:.2} ms ({:.1} TFLOP/s); ours graph / theirs = {:.3}, ours eager / theirs = {:.3} \
-                             (< 1 means ours is faster)",
+                            "  {label}: {ms:.2} ms ({:.1} TFLOP/s); ours graph / theirs = {:.3}, ours eager / theirs = {:.3}, \
+                             ours on the schedule / theirs = {:.3} (< 1 means ours is faster)",
                             tflops(ms),
                             times.graph_ms / ms,
-                            times.eager_ms / ms
+                            times.eager_ms / ms,
+                            scheduled_ms / ms
                         ),
                         None => println!(
                             "  {label}: not in {} ({key} absent{})",
@@ -361,6 +403,14 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
             "peak_device_bytes": times.peak_device_bytes,
             "device_buffers_peak_bytes": buffers_peak,
             "device_used_after_bytes": used,
+            "schedule": {
+                "timesteps": on_schedule.timesteps,
+                "steps": steps,
+                "tables_ms": on_schedule.tables_ms,
+                "step_eager_ms": on_schedule.body_eager_ms,
+                "step_graph_ms": on_schedule.body_graph_ms,
+                "step_with_tables_spread_ms": scheduled_ms,
+            },
             "phases": phases,
             "reference": reference,
         });
@@ -406,7 +456,26 @@ mod tests {
     fn inputs_are_the_reference_layout_at_both_geometries() {
         use tf_engines::minimax_h3::dit::H3Rows;
         let config = MiniMaxH3Config::default_full_size();
-        let (small, seq) = inputs(&args(&[]), &config).unwrap();
+        let StepCase {
+            inputs: small,
+            seq,
+            schedule,
+            steps,
+        } = inputs(&args(&[]), &config).unwrap();
+        // The request's schedule: the video and audio values of all 49 steps, the bench step's among them.
+        assert_eq!(steps, 49);
+        let mut distinct: Vec<u32> = schedule.iter().map(|t| t.to_bits()).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(
+            (steps..=2 * steps).contains(&schedule.len()),
+            "{}",
+            schedule.len()
+        );
+        assert!(distinct.len() <= tf_engines::minimax_h3::dit_gpu::MAX_SCHEDULE_TIMESTEPS);
+        for t in small.timestep.data() {
+            assert!(distinct.contains(&t.to_bits()), "{t} not in the schedule");
+        }
         assert_eq!(seq, 6026);
         let rows = H3Rows::build(&config, &small).unwrap();
         assert_eq!(
@@ -421,7 +490,11 @@ mod tests {
         // shift 12 and 3): 0.116279125 (video) and 0.34482765 (audio), bit for bit.
         let bits: Vec<u32> = small.timestep.data().iter().map(|t| t.to_bits()).collect();
         assert_eq!(bits, [1039016896, 1051757888]);
-        let (canvas, seq) = inputs(&args(&["--canvas-default"]), &config).unwrap();
+        let StepCase {
+            inputs: canvas,
+            seq,
+            ..
+        } = inputs(&args(&["--canvas-default"]), &config).unwrap();
         assert_eq!(seq, 37838);
         assert_eq!(canvas.hidden_states.shape(), [1, 37 * 24 * 42, 96]);
         assert!(inputs(&args(&["--frames", "60"]), &config)
