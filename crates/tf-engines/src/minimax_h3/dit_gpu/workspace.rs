@@ -4,6 +4,8 @@
 //! inputs' values rather than their sizes is uploaded per forward, so one captured graph serves every request of
 //! its shape.
 
+use std::collections::HashMap;
+
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::weights::Dims;
@@ -246,16 +248,38 @@ pub(super) struct InputRows<'a> {
 /// to bf16 (as a bfloat16 run of the reference casts its tables to the activations' dtype).
 pub(super) fn rope_tables(rows: &H3Rows, rope_freq: usize, theta: f32) -> (Vec<u16>, Vec<u16>) {
     let inv = host::rope_inverse_frequencies(2 * rope_freq, theta);
-    let per_row = 3 * inv.len();
-    let mut cos = Vec::with_capacity(rows.positions.len() * per_row);
-    let mut sin = Vec::with_capacity(rows.positions.len() * per_row);
+    let n = inv.len();
+    let mut cos = Vec::with_capacity(rows.positions.len() * 3 * n);
+    let mut sin = Vec::with_capacity(rows.positions.len() * 3 * n);
+    // An axis's entries depend on that axis's value only, and values repeat from row to row (one frame, line or
+    // column value per row of the grid): each distinct value's entries are computed once (the same bits), and
+    // consecutive rows mostly repeat the previous row's value.
+    let mut first: [HashMap<u32, usize>; 3] = Default::default();
+    let mut last: [Option<(u32, usize)>; 3] = [None; 3];
+    let mut made_cos: [Vec<u16>; 3] = Default::default();
+    let mut made_sin: [Vec<u16>; 3] = Default::default();
     for p in &rows.positions {
-        for &axis in p {
-            for &w in &inv {
-                let angle = f64::from(axis * w);
-                cos.push(half::bf16::from_f32(angle.cos() as f32).to_bits());
-                sin.push(half::bf16::from_f32(angle.sin() as f32).to_bits());
-            }
+        for (axis, &value) in p.iter().enumerate() {
+            let key = value.to_bits();
+            let at = match last[axis] {
+                Some((bits, at)) if bits == key => at,
+                _ => {
+                    let (c, s) = (&mut made_cos[axis], &mut made_sin[axis]);
+                    let at = *first[axis].entry(key).or_insert_with(|| {
+                        let at = c.len();
+                        for &w in &inv {
+                            let angle = f64::from(value * w);
+                            c.push(half::bf16::from_f32(angle.cos() as f32).to_bits());
+                            s.push(half::bf16::from_f32(angle.sin() as f32).to_bits());
+                        }
+                        at
+                    });
+                    last[axis] = Some((key, at));
+                    at
+                }
+            };
+            cos.extend_from_slice(&made_cos[axis][at..at + n]);
+            sin.extend_from_slice(&made_sin[axis][at..at + n]);
         }
     }
     (cos.repeat(rows.batch), sin.repeat(rows.batch))
@@ -309,6 +333,8 @@ pub(super) struct Workspace {
     pub q8_scales: DeviceBuffer,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub warmed: bool,
+    /// The row positions whose RoPE tables `rope_cos` / `rope_sin` hold (the steps of a request share them).
+    pub rope_positions: Option<Vec<[f32; 3]>>,
     /// The timestep values (f32 bits, in table order) whose tables the adaLN and output-modulation buffers hold,
     /// once a step made them; `None` before, or while a step that remakes them may not have finished enqueuing.
     pub tables_for: Option<Vec<u32>>,
@@ -362,6 +388,7 @@ impl Workspace {
             q8_scales: alloc(ctx, z.q8_scales, "FP8 activation")?,
             sizes: z,
             warmed: false,
+            rope_positions: None,
             tables_for: None,
             graphs: GraphCache::new(MAX_GRAPHS),
             parallel: None,
@@ -456,20 +483,25 @@ impl Engine {
             st,
             "uploading the timestep rows",
         )?;
-        let (cos, sin) = rope_tables(rows, d.rope_freq, d.rope_theta);
-        let u16s = |v: &[u16]| le_bytes(v, u16::to_le_bytes);
-        put(
-            &mut ws.rope_cos,
-            &u16s(&cos),
-            st,
-            "uploading the RoPE tables",
-        )?;
-        put(
-            &mut ws.rope_sin,
-            &u16s(&sin),
-            st,
-            "uploading the RoPE tables",
-        )?;
+        // The steps of a request share their rows' positions: their tables are made and uploaded once.
+        if ws.rope_positions.as_deref() != Some(&rows.positions[..]) {
+            ws.rope_positions = None;
+            let (cos, sin) = rope_tables(rows, d.rope_freq, d.rope_theta);
+            let u16s = |v: &[u16]| le_bytes(v, u16::to_le_bytes);
+            put(
+                &mut ws.rope_cos,
+                &u16s(&cos),
+                st,
+                "uploading the RoPE tables",
+            )?;
+            put(
+                &mut ws.rope_sin,
+                &u16s(&sin),
+                st,
+                "uploading the RoPE tables",
+            )?;
+            ws.rope_positions = Some(rows.positions.clone());
+        }
         put(
             &mut ws.video_in,
             &le_bytes(inputs.video, f32::to_le_bytes),
@@ -538,6 +570,37 @@ mod tests {
             .collect();
         all.sort_unstable();
         assert_eq!(all, (0..14).collect::<Vec<i32>>());
+    }
+
+    #[test]
+    fn rope_tables_compute_each_distinct_value_once_with_the_same_bits() {
+        let mut r = rows();
+        // Fractional, repeated and distinct values on every axis, -0.0 beside 0.0.
+        r.positions = (0..40)
+            .map(|i| {
+                [
+                    (i / 7) as f32 * 5.0 / 3.0,
+                    (i % 5) as f32 * 0.37,
+                    if i % 2 == 0 { -0.0 } else { i as f32 * 1.25 },
+                ]
+            })
+            .collect();
+        let (cos, sin) = rope_tables(&r, 8, 10000.0);
+        let inv = host::rope_inverse_frequencies(16, 10000.0);
+        let bits = |v: f64| half::bf16::from_f32(v as f32).to_bits();
+        let mut k = 0;
+        for _ in 0..r.batch {
+            for p in &r.positions {
+                for &axis in p {
+                    for &w in &inv {
+                        let angle = f64::from(axis * w);
+                        assert_eq!((cos[k], sin[k]), (bits(angle.cos()), bits(angle.sin())));
+                        k += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!((k, sin.len()), (cos.len(), cos.len()));
     }
 
     #[test]
