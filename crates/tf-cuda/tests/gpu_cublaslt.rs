@@ -1512,6 +1512,8 @@ fn fp8_row_wise_throughput_beside_bf16_at_the_dit_shapes() {
         plan.push(GemmShape::bf16(m, n, k));
         plan.push(GemmShape::fp8_e4m3(m, n, k));
         plan.push(GemmShape::fp8_e4m3_row_wise(m, n, k));
+        plan.push(GemmShape::fp8_e4m3(m, n, k).with_fp8_fast_accum());
+        plan.push(GemmShape::fp8_e4m3_row_wise(m, n, k).with_fp8_fast_accum());
     }
     let report = lt
         .prepare(&plan, Duration::from_secs(120), &g.stream)
@@ -1526,6 +1528,8 @@ fn fp8_row_wise_throughput_beside_bf16_at_the_dit_shapes() {
     );
     let mut ratio_8192 = 0.0;
     let mut total = [0.0f64; 3];
+    // With fast accumulation (the DiTs' FP8 default): per-tensor and row-wise.
+    let mut total_fast = [0.0f64; 2];
     for &(name, m, n, k) in &shapes {
         let pattern = 0x3C01_3BFF;
         let xb = device_buffer_of(&g.ctx, m * k * 2, pattern);
@@ -1550,6 +1554,17 @@ fn fp8_row_wise_throughput_beside_bf16_at_the_dit_shapes() {
         let (b_ms, b_tf) = throughput_on(&g, &lt, &bf16, 5, 30);
         let (t_ms, t_tf) = throughput_on(&g, &lt, &tensor, 5, 30);
         let (r_ms, r_tf) = throughput_on(&g, &lt, &row_wise, 5, 30);
+        let (tf_ms, _) = throughput_on(&g, &lt, &tensor.with_fp8_fast_accum(true), 5, 30);
+        let (rf_ms, _) = throughput_on(&g, &lt, &row_wise.with_fp8_fast_accum(true), 5, 30);
+        println!(
+            "{name:>8} M={m} N={n} K={k}, fast accumulation: fp8 per-tensor {tf_ms:.3} ms, row-wise {rf_ms:.3} ms \
+             (row-wise / per-tensor speed {:.2}x)",
+            tf_ms / rf_ms
+        );
+        if m == 4176 {
+            total_fast[0] += tf_ms;
+            total_fast[1] += rf_ms;
+        }
         println!(
             "{name:>8} M={m} N={n} K={k}: bf16 {b_ms:.3} ms ({b_tf:.0} TFLOP/s) | fp8 per-tensor {t_ms:.3} ms ({t_tf:.0}) | \
              fp8 row-wise {r_ms:.3} ms ({r_tf:.0}); row-wise / bf16 speed {:.2}x, row-wise / per-tensor {:.2}x",
@@ -1570,6 +1585,10 @@ fn fp8_row_wise_throughput_beside_bf16_at_the_dit_shapes() {
         total[1],
         total[2],
         total[0] / total[2]
+    );
+    println!(
+        "one DiT block's four GEMMs at M=4176 with fast accumulation: fp8 per-tensor {:.3} ms, row-wise {:.3} ms",
+        total_fast[0], total_fast[1]
     );
     for &(_, m, n, k) in &shapes {
         let choice = lt
