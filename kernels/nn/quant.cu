@@ -39,15 +39,11 @@
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 #define NN_WIDE_REGISTERS 48
 #define NN_SWIGLU_REGISTERS 48
-#define NN_SWIGLU_SCALED_REGISTERS 48
 #else
 #define NN_WIDE_REGISTERS 40
 // nn_swiglu_fp8 divides with __fdividef (no slow path), which fits it in 32: at 14336 columns (MiniMax H3) two
 // 896-thread blocks then share an SM, where 40 left room for one and the SM idled while that block reduced and stored.
 #define NN_SWIGLU_REGISTERS 32
-// nn_swiglu_fp8_scaled also reads each column's scale: 40 keeps it free of spills (two 768-thread blocks still share
-// an SM).
-#define NN_SWIGLU_SCALED_REGISTERS 40
 #endif
 
 using nn::bf16;
@@ -383,66 +379,26 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
 // columns ([gate | value] when gate_first != 0, else [value | gate]), quantized per row into q / scales.
 // hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of ceil(hidden / 16) threads
 // rounded up to a multiple of 32. Every load of the row is issued before the first silu.
-//
-// With SCALED, the fused row is a GEMM output whose scales were left out of the GEMM (an FP8 GEMM with unit
-// scalar scales, which cuBLASLt runs faster than one with row and column scale vectors): each fused value is first
-// multiplied by row_scales[row] * col_scales[fused column] in f32 (the GEMM input's per-row scale and the weight's
-// per-output-channel scale).
-// row_scales may be `scales` itself (the GEMM input's row scales, overwritten by this row's new scale): no
-// __restrict__ on either, and the block reads its row's scale before its block_max barrier, ahead of the write.
-template <bool SCALED>
-__device__ __forceinline__ void swiglu_fp8_row(const bf16* __restrict__ fused, int fused_stride,
-                                               uint8_t* __restrict__ q, int q_stride, float* scales, int rows,
-                                               int hidden, int gate_first, const float* row_scales,
-                                               const float* __restrict__ col_scales, float* scratch) {
+extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
+    nn_swiglu_fp8(const bf16* __restrict__ fused, int fused_stride, uint8_t* __restrict__ q, int q_stride,
+                  float* __restrict__ scales, int rows, int hidden, int gate_first) {
+    __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
     const bf16* in_row = fused + static_cast<int64_t>(row) * fused_stride;
-    const int gate_col = gate_first != 0 ? 0 : hidden;
-    const int value_col = gate_first != 0 ? hidden : 0;
     uint4 gate_raw[NN_WIDE_CHUNKS];
     uint4 value_raw[NN_WIDE_CHUNKS];
-    load_raw<NN_WIDE_CHUNKS>(in_row + gate_col, hidden, gate_raw);
-    load_raw<NN_WIDE_CHUNKS>(in_row + value_col, hidden, value_raw);
-    const float row_scale = SCALED ? row_scales[row] : 1.0f;
+    load_raw<NN_WIDE_CHUNKS>(in_row + (gate_first != 0 ? 0 : hidden), hidden, gate_raw);
+    load_raw<NN_WIDE_CHUNKS>(in_row + (gate_first != 0 ? hidden : 0), hidden, value_raw);
     float v[NN_WIDE_CHUNKS][8];
 #pragma unroll
     for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
         float g[8];
         unpack8(gate_raw[c], g);
         unpack8(value_raw[c], v[c]);
-        if (SCALED) {
-            const int col = (threadIdx.x + c * blockDim.x) * 8;
-            if (col < hidden) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    g[i] *= row_scale * col_scales[gate_col + col + i];
-                    v[c][i] *= row_scale * col_scales[value_col + col + i];
-                }
-            }
-        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[c][i] = silu_f32(g[i]) * v[c][i];
     }
     store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
                                   scratch);
-}
-
-extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
-    nn_swiglu_fp8(const bf16* __restrict__ fused, int fused_stride, uint8_t* __restrict__ q, int q_stride,
-                  float* __restrict__ scales, int rows, int hidden, int gate_first) {
-    __shared__ float scratch[32];
-    swiglu_fp8_row<false>(fused, fused_stride, q, q_stride, scales, rows, hidden, gate_first, nullptr, nullptr,
-                          scratch);
-}
-
-// nn_swiglu_fp8 over a GEMM output whose scales are applied here (SCALED above): the same arguments, then
-// row_scales (f32 [rows]; may be `scales`) and col_scales (f32 [2 * hidden], in the fused row's column order).
-extern "C" __global__ void __maxnreg__(NN_SWIGLU_SCALED_REGISTERS)
-    nn_swiglu_fp8_scaled(const bf16* __restrict__ fused, int fused_stride, uint8_t* __restrict__ q, int q_stride,
-                         float* scales, int rows, int hidden, int gate_first, const float* row_scales,
-                         const float* __restrict__ col_scales) {
-    __shared__ float scratch[32];
-    swiglu_fp8_row<true>(fused, fused_stride, q, q_stride, scales, rows, hidden, gate_first, row_scales,
-                         col_scales, scratch);
 }

@@ -20,7 +20,7 @@ use tf_engines::nn::fp8;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear};
 use tf_engines::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
-    plan_swiglu_fp8, DeferredScales, Fp8Rows, QuantKernels, ResidualGate,
+    plan_swiglu_fp8, Fp8Rows, QuantKernels, ResidualGate,
 };
 use tf_engines::nn::gpu::{
     Matrix, Modulation, ModulationRows, NnKernels, NormKind, NormModulate, RowModulation,
@@ -692,13 +692,7 @@ fn swiglu_fp8_matches_the_host_quantization() {
             g.quant
                 .run(
                     &g.stream,
-                    plan_swiglu_fp8(
-                        order,
-                        &fused.view(),
-                        Matrix::dense(rows, 2 * hidden),
-                        &out,
-                        None,
-                    ),
+                    plan_swiglu_fp8(order, &fused.view(), Matrix::dense(rows, 2 * hidden), &out),
                 )
                 .expect("launch swiglu_fp8");
         }
@@ -715,58 +709,6 @@ fn swiglu_fp8_matches_the_host_quantization() {
         check_fp8(
             "swiglu_fp8",
             &format!("{order:?} {rows}x{hidden}"),
-            (&c, &s),
-            &want,
-            hidden,
-        );
-
-        // The fused rows as an FP8 GEMM leaves them without its scales: the kernel applies one per row (read from
-        // the output's own scale buffer, which it then overwrites, as the DiTs run it) and one per fused column.
-        let (_, row_scales) = random_bf16(&mut rng, rows, 0.01, 0.5);
-        let (_, col_scales) = random_bf16(&mut rng, 2 * hidden, 0.001, 0.02);
-        let mut scales = upload(&g, &row_scales);
-        let cols_dev = upload(&g, &col_scales);
-        {
-            let (cv, sv) = (codes.view_mut(), scales.view_mut());
-            let out = Fp8Rows {
-                codes: &cv,
-                stride: hidden,
-                scales: &sv,
-            };
-            let (rows_view, cols_view) = (sv.as_view(), cols_dev.view());
-            g.quant
-                .run(
-                    &g.stream,
-                    plan_swiglu_fp8(
-                        order,
-                        &fused.view(),
-                        Matrix::dense(rows, 2 * hidden),
-                        &out,
-                        Some(DeferredScales {
-                            rows: &rows_view,
-                            cols: &cols_view,
-                        }),
-                    ),
-                )
-                .expect("launch swiglu_fp8_scaled");
-        }
-        let scaled: Vec<f32> = values
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| v * (row_scales[i / (2 * hidden)] * col_scales[i % (2 * hidden)]))
-            .collect();
-        host::swiglu_fused(
-            &scaled,
-            rows,
-            hidden,
-            order == SwigluOrder::GateValue,
-            &mut want,
-        )
-        .expect("host reference");
-        let (c, s) = download_fp8(&g, &codes, &scales, rows, hidden, hidden);
-        check_fp8(
-            "swiglu_fp8_scaled",
-            &format!("{order:?} {rows}x{hidden}, row and column scales applied"),
             (&c, &s),
             &want,
             hidden,
@@ -1066,36 +1008,9 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
                     &gu_dev.view(),
                     Matrix::dense(rows, 2 * f),
                     &out,
-                    None,
                 ),
             )
             .expect("swiglu fp8");
-    });
-    // The same over a GEMM output left without its scales (row scales read from the output's own buffer).
-    let col_scales = upload(&g, &vec![1.0f32 / 64.0; 2 * f]);
-    let swiglu_fp8_scaled = time_ms(&g, 20, || {
-        let (cv, sv) = (codes.view_mut(), scales.view_mut());
-        let out = Fp8Rows {
-            codes: &cv,
-            stride: f,
-            scales: &sv,
-        };
-        let (rv, colv) = (sv.as_view(), col_scales.view());
-        g.quant
-            .run(
-                &g.stream,
-                plan_swiglu_fp8(
-                    SwigluOrder::GateValue,
-                    &gu_dev.view(),
-                    Matrix::dense(rows, 2 * f),
-                    &out,
-                    Some(DeferredScales {
-                        rows: &rv,
-                        cols: &colv,
-                    }),
-                ),
-            )
-            .expect("swiglu fp8, scales applied");
     });
     // MiniMax H3's MLP width, where the FP8 kernel's block holds 14336 columns (896 threads).
     let f_h3 = 14336usize;
@@ -1129,7 +1044,6 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
                     &gu_h3.view(),
                     Matrix::dense(rows, 2 * f_h3),
                     &out,
-                    None,
                 ),
             )
             .expect("swiglu fp8 at H3's width");
@@ -1166,10 +1080,6 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
         bytes_gb(5 * rows * f, swiglu_fp8)
     );
     println!(
-        "  SwiGLU, GEMM scales applied: fp8 {swiglu_fp8_scaled:.4} ({:.0})",
-        bytes_gb(5 * rows * f, swiglu_fp8_scaled)
-    );
-    println!(
         "  SwiGLU at {f_h3}: bf16 {swiglu_h3_bf16:.4} ({:.0})  fp8 {swiglu_h3_fp8:.4} ({:.0})",
         bytes_gb(6 * rows * f_h3, swiglu_h3_bf16),
         bytes_gb(5 * rows * f_h3, swiglu_h3_fp8)
@@ -1186,11 +1096,6 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
         ("adaLN", adaln_bf16, adaln_fp8),
         ("residual + adaLN", residual_bf16, residual_fp8),
         ("SwiGLU", swiglu_bf16, swiglu_fp8),
-        (
-            "SwiGLU, GEMM scales applied",
-            swiglu_bf16,
-            swiglu_fp8_scaled,
-        ),
         ("SwiGLU at H3's width", swiglu_h3_bf16, swiglu_h3_fp8),
     ] {
         assert!(
@@ -1213,7 +1118,7 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
     let xs = upload(&g, &vec![1.0f32 / 64.0; rows]);
     let sub = |buf: &DeviceBuffer, bytes: usize| DeviceSpan::new(buf.addr(), bytes);
     let mut rows_out = Vec::new();
-    let mut total = (0.0, 0.0, 0.0, 0.0);
+    let mut total = (0.0, 0.0, 0.0);
     for (name, n, k) in [
         ("qkv", 3 * d, d),
         ("out", d, d),
@@ -1235,15 +1140,9 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
             sub(&yb, rows * n * 2),
         );
         let fp8_fast = fp8_linear.accumulation(Fp8Accumulation::Fast);
-        let fp8_deferred = fp8_fast.defer_scales(true);
         gemms
             .prepare(
-                &[
-                    bf16.shape(),
-                    fp8_linear.shape(),
-                    fp8_fast.shape(),
-                    fp8_deferred.shape(),
-                ],
+                &[bf16.shape(), fp8_linear.shape(), fp8_fast.shape()],
                 std::time::Duration::from_secs(20),
                 &g.stream,
             )
@@ -1260,28 +1159,21 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
             // SAFETY: as above.
             unsafe { gemms.run_fp8(&fp8_fast, &g.stream) }.expect("FP8 GEMM, fast accumulation")
         });
-        let deferred_ms = time_ms(&g, 20, || {
-            // SAFETY: as above.
-            unsafe { gemms.run_fp8(&fp8_deferred, &g.stream) }.expect("FP8 GEMM, scales deferred")
-        });
         total.0 += b_ms;
         total.1 += f_ms;
         total.2 += fast_ms;
-        total.3 += deferred_ms;
-        rows_out.push((name, n, k, b_ms, f_ms, fast_ms, deferred_ms));
+        rows_out.push((name, n, k, b_ms, f_ms, fast_ms));
     }
     let tflops = |n: usize, k: usize, ms: f64| 2.0 * (rows * n * k) as f64 / (ms * 1e-3) / 1e12;
-    for (name, n, k, b_ms, f_ms, fast_ms, deferred_ms) in &rows_out {
+    for (name, n, k, b_ms, f_ms, fast_ms) in &rows_out {
         println!(
             "  {name:>8} GEMM {rows}x{n}x{k}: bf16 {b_ms:.4} ms ({:.0} TFLOP/s), fp8 row-wise {f_ms:.4} ms ({:.0}, {:.2}x), \
-             fast accumulation {fast_ms:.4} ms ({:.0}, {:.2}x), scales deferred {deferred_ms:.4} ms ({:.0}, {:.2}x)",
+             fast accumulation {fast_ms:.4} ms ({:.0}, {:.2}x)",
             tflops(*n, *k, *b_ms),
             tflops(*n, *k, *f_ms),
             b_ms / f_ms,
             tflops(*n, *k, *fast_ms),
-            b_ms / fast_ms,
-            tflops(*n, *k, *deferred_ms),
-            b_ms / deferred_ms
+            b_ms / fast_ms
         );
     }
     let out_b = rows_out[1].3;
@@ -1292,12 +1184,10 @@ fn quantizing_kernels_and_fp8_gemms_timed_beside_bf16_at_the_dit_sizes() {
         out_b / (out_f + quantize)
     );
     println!(
-        "  per block: GEMMs bf16 {:.3} ms, fp8 {:.3} ms (fast accumulation {:.3} ms, scales deferred {:.3} ms); the \
-         producers' difference {:+.4} ms",
+        "  per block: GEMMs bf16 {:.3} ms, fp8 {:.3} ms (fast accumulation {:.3} ms); the producers' difference {:+.4} ms",
         total.0,
         total.1,
         total.2,
-        total.3,
         (adaln_fp8 - adaln_bf16) + (residual_fp8 - residual_bf16) + (swiglu_fp8 - swiglu_bf16)
     );
 }

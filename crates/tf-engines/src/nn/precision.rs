@@ -57,13 +57,6 @@ impl Fp8Groups {
         adaln: false,
     };
 
-    /// True when the `mlp_in` GEMM leaves its FP8 scales to the SwiGLU that reads its output
-    /// (`nn::gpu::gemm::Fp8Linear::defer_scales`): when both MLP groups run in FP8, so that the SwiGLU is the FP8
-    /// one, which can apply them.
-    pub fn defers_mlp_in(self) -> bool {
-        self.mlp_in && self.mlp_out
-    }
-
     /// True when some group runs in FP8.
     pub fn any(self) -> bool {
         self.qkv || self.out || self.mlp_in || self.mlp_out || self.adaln

@@ -632,20 +632,20 @@ impl Engine {
         for (bo, fp8) in o.blocks.iter().zip(&engine.fp8_groups) {
             // A group in FP8 reads its input from the workspace's FP8 rows (offset 0).
             let accumulation = engine.precision.fp8_accumulation();
-            let pick = |on: bool, defer: bool| {
+            let pick = |on: bool| {
                 move |m, n, k, offsets, f32_out| {
                     if on {
-                        gemm::fp8_shape_with((m, n, k), offsets, f32_out, accumulation, defer)
+                        gemm::fp8_shape_at_offsets((m, n, k), offsets, f32_out, accumulation)
                     } else {
                         shape(m, n, k, offsets, f32_out)
                     }
                 }
             };
             out.extend([
-                pick(fp8.qkv, false)(total, 3 * w, d, (0, bo.qkv, 0), false),
-                pick(fp8.out, false)(total, d, w, (0, bo.to_out, 0), false),
-                pick(fp8.mlp_in, fp8.defers_mlp_in())(total, 2 * f, d, (0, bo.gate_up, 0), false),
-                pick(fp8.mlp_out, false)(total, d, f, (0, bo.mlp_out, 0), false),
+                pick(fp8.qkv)(total, 3 * w, d, (0, bo.qkv, 0), false),
+                pick(fp8.out)(total, d, w, (0, bo.to_out, 0), false),
+                pick(fp8.mlp_in)(total, 2 * f, d, (0, bo.gate_up, 0), false),
+                pick(fp8.mlp_out)(total, d, f, (0, bo.mlp_out, 0), false),
             ]);
         }
         out.push(shape(total, dims.out_ch, d, (0, o.proj_out, 0), true));

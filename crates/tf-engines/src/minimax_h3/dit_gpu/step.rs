@@ -35,7 +35,7 @@ use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8_padded, plan_norm_modulate_fp8_padded,
-    plan_quantize_rows_fp8, plan_swiglu_fp8, DeferredScales, Fp8Rows, QuantKernels, ResidualGate,
+    plan_quantize_rows_fp8, plan_swiglu_fp8, Fp8Rows, QuantKernels, ResidualGate,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, ModulationRows,
@@ -108,8 +108,6 @@ pub(super) struct GemmCall {
     /// FP8: the byte offset of the weight's per-output-row f32 scales (the weight at `w` is then e4m3 and `x` is
     /// [`Buf::Q8`]).
     pub fp8: Option<usize>,
-    /// FP8: the scales are left out of `y` for its reader to apply ([`Fp8Linear::defer_scales`]).
-    pub defer: bool,
 }
 
 impl GemmCall {
@@ -121,12 +119,11 @@ impl GemmCall {
     /// The plan this call needs (an FP8 call accumulating as `accumulation` says).
     pub(super) fn shape(&self, accumulation: Fp8Accumulation) -> GemmShape {
         if self.fp8.is_some() {
-            return gemm::fp8_shape_with(
+            return gemm::fp8_shape_at_offsets(
                 (self.m, self.n, self.k),
                 (self.x_off, self.w, self.y_off),
                 false,
                 accumulation,
-                self.defer,
             );
         }
         let shape = gemm::shape_at_offsets(
@@ -218,7 +215,6 @@ impl Engine {
             y_off: layer * sizes.adaln_block,
             bias: Some(b.ada_b),
             fp8: None,
-            defer: false,
         })
     }
 
@@ -276,7 +272,6 @@ impl Engine {
             y_off: 0,
             bias: Some(self.offsets.norm_out_b),
             fp8: None,
-            defer: false,
         }
     }
 
@@ -293,7 +288,6 @@ impl Engine {
             y_off: 0,
             bias: Some(self.offsets.ctx_b),
             fp8: None,
-            defer: false,
         }
     }
 
@@ -312,17 +306,12 @@ impl Engine {
             y_off: 0,
             bias: None,
             fp8,
-            defer: false,
         };
         let s = a.fp8;
         [
             call(3 * d.width, d.hp, Buf::H, a.qkv, Buf::Qkv, s.qkv),
             call(d.hp, d.width, Buf::Attn, a.to_out, Buf::Y, s.to_out),
-            GemmCall {
-                // fc1's scales go to the FP8 SwiGLU when fc2 runs in FP8 too (the bf16 SwiGLU cannot apply them).
-                defer: s.fc1.is_some() && s.fc2.is_some(),
-                ..call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, s.fc1)
-            },
+            call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, s.fc1),
             call(d.hp, d.fp, Buf::Act, a.fc2, Buf::Y, s.fc2),
         ]
     }
@@ -523,8 +512,7 @@ impl Engine {
             let y =
                 gemm::span(Self::buffer(ws, c.y), c.y_off, bytes(c.m, c.n)?).map_err(gemm_err)?;
             let linear = Fp8Linear::new((c.m, c.n, c.k), (x, x_scale), (w, w_scale), y)
-                .accumulation(self.precision.fp8_accumulation())
-                .defer_scales(c.defer);
+                .accumulation(self.precision.fp8_accumulation());
             // SAFETY: as for the bf16 GEMM below: every span (operands and scales) lies inside the engine's
             // weights or the workspace in use, both of which outlive the enqueued work.
             return unsafe { self.gemms.run_fp8(&linear, &self.stream) }.map_err(gemm_err);
@@ -804,20 +792,6 @@ impl Engine {
         if fc2.fp8.is_some() {
             let codes = ws.q8.view_mut();
             let scales = ws.q8_scales.view_mut();
-            // fc1 left its scales out (`defer`): its input rows' scales, still in q8_scales (each read before the
-            // SwiGLU replaces it), and the weight's per-channel scales.
-            let (x_scales, w_scales);
-            let gemm_scales = match fc1.fp8.filter(|_| fc1.defer) {
-                Some(at) => {
-                    x_scales = scales.as_view();
-                    w_scales = self.weight_view(at, fc1.n * 4)?;
-                    Some(DeferredScales {
-                        rows: &x_scales,
-                        cols: &w_scales,
-                    })
-                }
-                None => None,
-            };
             self.quant()?
                 .run(
                     &self.stream,
@@ -826,7 +800,6 @@ impl Engine {
                         &ws.ff.view(),
                         Matrix::dense(m, 2 * fp),
                         &Self::q8_out(&codes, &scales, fp),
-                        gemm_scales,
                     ),
                 )
                 .map_err(launch)?;

@@ -207,10 +207,6 @@ pub struct Fp8Linear {
     pub beta: f32,
     pub output: OutputType,
     pub accumulation: Fp8Accumulation,
-    /// The scales are left out of the GEMM for the kernel that reads `y` to apply ([`super::quant::DeferredScales`]):
-    /// cuBLASLt runs the FP8 GEMM with unit scalar scales (its per-tensor kernels, 12-15% faster at the DiTs' shapes
-    /// on an H100 than with row and column scale vectors), and `y` holds the unscaled products.
-    pub deferred_scales: bool,
 }
 
 impl Fp8Linear {
@@ -233,15 +229,6 @@ impl Fp8Linear {
             beta: 0.0,
             output: OutputType::Bf16,
             accumulation: Fp8Accumulation::Exact,
-            deferred_scales: false,
-        }
-    }
-
-    /// Leaves the scales out of the GEMM when `on` (see [`Fp8Linear::deferred_scales`]).
-    pub fn defer_scales(self, on: bool) -> Fp8Linear {
-        Fp8Linear {
-            deferred_scales: on,
-            ..self
         }
     }
 
@@ -273,24 +260,16 @@ impl Fp8Linear {
         }
     }
 
-    /// The cuBLASLt description; with deferred scales, `unit` holds the f32 1.0 both scalar scales read.
-    pub fn gemm_with(&self, unit: DeviceSpan) -> Gemm {
-        let gemm = if self.deferred_scales {
-            let scales = Fp8Scales {
-                x_scale: unit,
-                w_scale: unit,
-            };
-            Gemm::fp8_e4m3(self.m, self.n, self.k, self.x, self.w, self.y, scales)
-        } else {
-            let scales = Fp8Scales {
-                x_scale: self.x_scale,
-                w_scale: self.w_scale,
-            };
-            Gemm::fp8_e4m3_row_wise(self.m, self.n, self.k, self.x, self.w, self.y, scales)
+    /// The cuBLASLt description.
+    pub fn gemm(&self) -> Gemm {
+        let scales = Fp8Scales {
+            x_scale: self.x_scale,
+            w_scale: self.w_scale,
         };
-        let mut gemm = gemm
-            .with_scaling(1.0, self.beta)
-            .with_fp8_fast_accum(self.accumulation.is_fast());
+        let mut gemm =
+            Gemm::fp8_e4m3_row_wise(self.m, self.n, self.k, self.x, self.w, self.y, scales)
+                .with_scaling(1.0, self.beta)
+                .with_fp8_fast_accum(self.accumulation.is_fast());
         if self.output == OutputType::F32 {
             gemm = gemm.with_f32_output();
         }
@@ -299,7 +278,7 @@ impl Fp8Linear {
 
     /// What the call's plan depends on, without the addresses.
     pub fn shape(&self) -> GemmShape {
-        GemmShape::of(&self.gemm_with(self.x_scale))
+        GemmShape::of(&self.gemm())
     }
 }
 
@@ -311,22 +290,7 @@ pub fn fp8_shape_at_offsets(
     f32_out: bool,
     accumulation: Fp8Accumulation,
 ) -> GemmShape {
-    fp8_shape_with((m, n, k), (x, w, y), f32_out, accumulation, false)
-}
-
-/// [`fp8_shape_at_offsets`], or with `deferred_scales` the shape of an [`Fp8Linear`] that leaves its scales out.
-pub fn fp8_shape_with(
-    (m, n, k): (usize, usize, usize),
-    (x, w, y): (usize, usize, usize),
-    f32_out: bool,
-    accumulation: Fp8Accumulation,
-    deferred_scales: bool,
-) -> GemmShape {
-    let shape = if deferred_scales {
-        GemmShape::fp8_e4m3(m, n, k)
-    } else {
-        GemmShape::fp8_e4m3_row_wise(m, n, k)
-    };
+    let shape = GemmShape::fp8_e4m3_row_wise(m, n, k);
     let shape = if accumulation.is_fast() {
         shape.with_fp8_fast_accum()
     } else {
@@ -375,8 +339,6 @@ pub fn distinct(shapes: Vec<GemmShape>) -> Vec<GemmShape> {
 /// A component's cuBLASLt handle (with its workspace), through which it runs every [`Linear`].
 pub struct GemmRunner {
     lt: CublasLt,
-    /// f32 1.0: the scalar scales of FP8 GEMMs whose scales are deferred.
-    unit_scale: DeviceBuffer,
 }
 
 impl std::fmt::Debug for GemmRunner {
@@ -459,12 +421,7 @@ impl GemmRunner {
                 what: "attaching the plan cache",
                 source,
             })?;
-        let unit_scale =
-            DeviceBuffer::from_slice(ctx, &[1.0f32]).map_err(|source| GemmError::Library {
-                what: "allocating the unit FP8 scale",
-                source: source.into(),
-            })?;
-        let runner = GemmRunner { lt, unit_scale };
+        let runner = GemmRunner { lt };
         runner.set_algo_selection(selection)?;
         Ok(runner)
     }
@@ -540,9 +497,8 @@ impl GemmRunner {
         if linear.m == 0 {
             return Ok(());
         }
-        let gemm = linear.gemm_with((&self.unit_scale).into());
-        // SAFETY: this function's contract is `matmul`'s; the unit scale lives as long as the runner.
-        unsafe { self.lt.matmul(&gemm, stream) }.map_err(|source| GemmError::Run {
+        // SAFETY: this function's contract is `matmul`'s.
+        unsafe { self.lt.matmul(&linear.gemm(), stream) }.map_err(|source| GemmError::Run {
             m: linear.m,
             n: linear.n,
             k: linear.k,
@@ -641,9 +597,8 @@ mod tests {
             s(0x4000, 256),
             s(0x8000, 8192),
         );
-        let unit = s(0x9000, 4);
         let l = Fp8Linear::new((16, 64, 32), (x, xs), (w, ws), y);
-        let g = l.gemm_with(unit);
+        let g = l.gemm();
         assert_eq!(g.scale_mode, Fp8ScaleMode::RowWise);
         assert_eq!(
             g.scales,
@@ -662,39 +617,15 @@ mod tests {
         assert!(!g.fp8_fast_accum);
         // Fast accumulation is part of the plan key, and the shape the plans are prepared for says so too.
         let fast = l.accumulation(Fp8Accumulation::Fast);
-        assert!(fast.gemm_with(unit).fp8_fast_accum);
+        assert!(fast.gemm().fp8_fast_accum);
         assert_eq!(at(Fp8Accumulation::Fast), fast.shape());
         assert_ne!(fast.shape(), l.shape());
-        assert_eq!(
-            fast.shape().key().unwrap(),
-            fast.gemm_with(unit).plan().unwrap().key
-        );
-        let acc = l.accumulate(true).f32_output(true).gemm_with(unit);
+        assert_eq!(fast.shape().key().unwrap(), fast.gemm().plan().unwrap().key);
+        let acc = l.accumulate(true).f32_output(true).gemm();
         assert_eq!((acc.beta, acc.output), (1.0, OutputType::F32));
         // Scales too short for the rows are refused before the library.
         let short = Fp8Linear::new((32, 64, 32), (x, xs), (w, ws), y);
-        assert!(short.gemm_with(unit).plan().is_err());
-        // Deferred scales: a per-tensor GEMM reading the unit scale for both operands, prepared as such.
-        let deferred = l.accumulation(Fp8Accumulation::Fast).defer_scales(true);
-        let g = deferred.gemm_with(unit);
-        assert_eq!(g.scale_mode, Fp8ScaleMode::Tensor);
-        assert_eq!(
-            g.scales,
-            Some(Fp8Scales {
-                x_scale: unit,
-                w_scale: unit
-            })
-        );
-        let deferred_shape = fp8_shape_with(
-            (16, 64, 32),
-            (0x1000, 0x3000, 0x8000),
-            false,
-            Fp8Accumulation::Fast,
-            true,
-        );
-        assert_eq!(deferred.shape(), deferred_shape);
-        assert_eq!(deferred_shape.key().unwrap(), g.plan().unwrap().key);
-        assert_ne!(deferred.shape(), fast.shape());
+        assert!(short.gemm().plan().is_err());
     }
 
     #[test]

@@ -40,7 +40,6 @@ pub const QUANT_KERNELS: &[&str] = &[
     "nn_gated_residual_norm_modulate_fp8",
     "nn_gated_residual_norm_modulate_fp8_c2",
     "nn_swiglu_fp8",
-    "nn_swiglu_fp8_scaled",
 ];
 
 /// Most columns the SwiGLU and plain row quantizers hold in registers (up to 1024 threads x 16 values). The norm
@@ -374,25 +373,13 @@ pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
     ))
 }
 
-/// The scales an FP8 GEMM left out of its output (run with unit scalar scales, [`super::gemm::Fp8Linear`]'s
-/// `deferred_scales`), for the kernel that reads that output to apply: one f32 per output row (the GEMM input's
-/// row scales) and one per output column (the weight's per-output-channel scales).
-#[derive(Clone, Copy)]
-pub struct DeferredScales<'v, 'a> {
-    pub rows: &'v DeviceView<'a>,
-    pub cols: &'v DeviceView<'a>,
-}
-
 /// Builds SwiGLU of a fused matrix of `2 * hidden` columns (halves in `order`) with an FP8 output (kernel
-/// nn_swiglu_fp8): `silu(gate) * value` in f32, quantized per row. `hidden <= 16384`. With `gemm_scales` the fused
-/// matrix is an FP8 GEMM's output without its scales, applied here first (kernel nn_swiglu_fp8_scaled); their
-/// row scales may be `out`'s scales (each row's is read before it is replaced).
+/// nn_swiglu_fp8): `silu(gate) * value` in f32, quantized per row. `hidden <= 16384`.
 pub fn plan_swiglu_fp8<'a>(
     order: SwigluOrder,
     fused: &'a DeviceView<'_>,
     fused_layout: Matrix,
     out: &Fp8Rows<'a, '_>,
-    gemm_scales: Option<DeferredScales<'_, '_>>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu_fp8";
     if !fused_layout.cols.is_multiple_of(16) {
@@ -415,34 +402,8 @@ pub fn plan_swiglu_fp8<'a>(
     args.push(to_i32(OP, "rows", fused_layout.rows)?)
         .push(to_i32(OP, "hidden", hidden)?)
         .push(i32::from(order == SwigluOrder::GateValue));
-    let kernel = match gemm_scales {
-        None => "nn_swiglu_fp8",
-        Some(scales) => {
-            let f32s = |n: usize| {
-                n.checked_mul(4)
-                    .ok_or_else(|| invalid(OP, "scale size overflows"))
-            };
-            check_bytes(
-                OP,
-                "GEMM row scales",
-                Operand::of(scales.rows),
-                f32s(fused_layout.rows)?,
-            )?;
-            check_bytes(
-                OP,
-                "GEMM column scales",
-                Operand::of(scales.cols),
-                f32s(fused_layout.cols)?,
-            )?;
-            check_aligned_to(OP, "GEMM row scales", Operand::of(scales.rows), 4)?;
-            check_aligned_to(OP, "GEMM column scales", Operand::of(scales.cols), 4)?;
-            args.push_addr(scales.rows.addr())
-                .push_addr(scales.cols.addr());
-            "nn_swiglu_fp8_scaled"
-        }
-    };
     Ok(Launch::new(
-        kernel,
+        "nn_swiglu_fp8",
         wide_config(OP, fused_layout.rows, hidden)?,
         args,
     ))
@@ -891,7 +852,6 @@ mod tests {
                     stride: 14336,
                     ..out
                 },
-                None,
             )
             .unwrap();
             assert_eq!(launch.config().block.x, 896);
@@ -914,8 +874,8 @@ mod tests {
             scales: &sv,
         };
         let layout = Matrix::dense(rows, 2 * hidden);
-        let gv = plan_swiglu_fp8(SwigluOrder::GateValue, &fv, layout, &out, None).unwrap();
-        let vg = plan_swiglu_fp8(SwigluOrder::ValueGate, &fv, layout, &out, None).unwrap();
+        let gv = plan_swiglu_fp8(SwigluOrder::GateValue, &fv, layout, &out).unwrap();
+        let vg = plan_swiglu_fp8(SwigluOrder::ValueGate, &fv, layout, &out).unwrap();
         assert_eq!(gv.kernel(), "nn_swiglu_fp8");
         // 48 columns, 16 a thread, rounded up to a warp; 12288 (Qwen-Image) takes 768 threads, 16384 1024.
         assert_eq!(gv.config().block.x, 32);
@@ -930,42 +890,8 @@ mod tests {
         assert_eq!(gv.args().get::<i32>(6), Some(hidden as i32));
         assert_eq!(gv.args().get::<i32>(7), Some(1));
         assert_eq!(vg.args().get::<i32>(7), Some(0));
-        assert!(plan_swiglu_fp8(
-            SwigluOrder::GateValue,
-            &fv,
-            Matrix::dense(rows, 88),
-            &out,
-            None
-        )
-        .is_err());
-        // The GEMM's scales left to the kernel: one per row, one per fused column, checked.
-        let (row_scales, col_scales) = (buffer(&ctx, rows * 4), buffer(&ctx, 2 * hidden * 4));
-        let (rv, colv) = (row_scales.view(), col_scales.view());
-        let scaled = plan_swiglu_fp8(
-            SwigluOrder::GateValue,
-            &fv,
-            layout,
-            &out,
-            Some(DeferredScales {
-                rows: &rv,
-                cols: &colv,
-            }),
-        )
-        .unwrap();
-        assert_eq!(scaled.kernel(), "nn_swiglu_fp8_scaled");
-        assert_eq!(scaled.args().len(), gv.args().len() + 2);
-        let short = buffer(&ctx, hidden * 4);
-        let shortv = short.view();
-        assert!(plan_swiglu_fp8(
-            SwigluOrder::GateValue,
-            &fv,
-            layout,
-            &out,
-            Some(DeferredScales {
-                rows: &rv,
-                cols: &shortv,
-            }),
-        )
-        .is_err());
+        assert!(
+            plan_swiglu_fp8(SwigluOrder::GateValue, &fv, Matrix::dense(rows, 88), &out).is_err()
+        );
     }
 }

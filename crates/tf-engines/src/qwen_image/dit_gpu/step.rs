@@ -17,7 +17,7 @@ use crate::nn::gpu::gemm::{Fp8Linear, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
-    plan_swiglu_fp8, DeferredScales, Fp8Rows as Fp8Out, QuantKernels, ResidualGate,
+    plan_swiglu_fp8, Fp8Rows as Fp8Out, QuantKernels, ResidualGate,
 };
 use crate::nn::gpu::{
     attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows, NormKind,
@@ -43,12 +43,11 @@ impl Engine {
     }
 
     /// A block GEMM `y[m, n] = x · wᵀ`: in FP8 when `fp8` (`x` the workspace's FP8 rows `x8`, the e4m3 weight at
-    /// `w_offset` with its scales; with `defer`, `y` left without them for its reader), else in bf16 (`x` =
-    /// `x_bf16`, the bf16 weight at `w_offset`).
+    /// `w_offset` with its scales), else in bf16 (`x` = `x_bf16`, the bf16 weight at `w_offset`).
     #[allow(clippy::too_many_arguments)]
     fn block_gemm(
         &self,
-        (fp8, defer): (bool, bool),
+        fp8: bool,
         x8: &Option<Fp8Rows>,
         x_bf16: DeviceSpan,
         (m, n, k): (usize, usize, usize),
@@ -57,7 +56,7 @@ impl Engine {
         y: DeviceSpan,
     ) -> Result<(), DitError> {
         if fp8 {
-            self.gemm_fp8(fp8_ref(x8)?, (m, n, k), w_offset, scales, y, defer)
+            self.gemm_fp8(fp8_ref(x8)?, (m, n, k), w_offset, scales, y)
         } else {
             self.gemm(Linear::new(
                 m,
@@ -71,8 +70,7 @@ impl Engine {
     }
 
     /// Enqueues the FP8 GEMM `y[m, n] = x · wᵀ` with `x` the workspace's FP8 rows (rows of `k` bytes, with their
-    /// scales) and the e4m3 weight at `w_offset` with its per-output-channel scales at `scales`; with `defer`, the
-    /// scales are left for `y`'s reader to apply ([`Fp8Linear::defer_scales`]).
+    /// scales) and the e4m3 weight at `w_offset` with its per-output-channel scales at `scales`.
     fn gemm_fp8(
         &self,
         x: &Fp8Rows,
@@ -80,7 +78,6 @@ impl Engine {
         w_offset: usize,
         scales: Option<usize>,
         y: DeviceSpan,
-        defer: bool,
     ) -> Result<(), DitError> {
         let scales = scales.ok_or_else(|| {
             DitError::Backend("internal: an FP8 GEMM group without weight scales".into())
@@ -91,8 +88,7 @@ impl Engine {
             (self.weight(w_offset, n * k)?, self.weight(scales, n * 4)?),
             y,
         )
-        .accumulation(self.precision.fp8_accumulation())
-        .defer_scales(defer);
+        .accumulation(self.precision.fp8_accumulation());
         // SAFETY: as `gemm`: every span lies in a live buffer of this engine or of the workspace in use.
         Ok(unsafe { self.gemms.run_fp8(&linear, &self.stream) }?)
     }
@@ -352,7 +348,7 @@ impl Engine {
             let fp8 = self.fp8_of(layer);
             // Attention half (its adaLN ran at the end of the previous block).
             self.block_gemm(
-                (fp8.qkv, false),
+                fp8.qkv,
                 &ws.fp8,
                 (&ws.normed).into(),
                 (total, 3 * w, d),
@@ -518,7 +514,6 @@ impl Engine {
                     bo.to_out,
                     bo.scales.to_out,
                     (&ws.proj).into(),
-                    false,
                 )?;
             } else {
                 self.gemm(Linear::new(
@@ -575,7 +570,7 @@ impl Engine {
 
             // MLP half.
             self.block_gemm(
-                (fp8.mlp_in, fp8.defers_mlp_in()),
+                fp8.mlp_in,
                 &ws.fp8,
                 (&ws.normed).into(),
                 (total, 2 * f, d),
@@ -592,28 +587,6 @@ impl Engine {
                     stride: f,
                     scales: &sv,
                 };
-                // The gate_up GEMM left its scales out: its input rows' scales (still in the FP8 rows' scale
-                // buffer, each read before this kernel replaces it) and the weight's per-channel scales.
-                let (x_scales, w_scales);
-                let gemm_scales = match (fp8.defers_mlp_in(), bo.scales.gate_up) {
-                    (true, Some(at)) => {
-                        x_scales = sv.as_view();
-                        w_scales = self
-                            .weights
-                            .slice(at, 2 * f * 4)
-                            .map_err(cuda_err("addressing the gate_up scales"))?;
-                        Some(DeferredScales {
-                            rows: &x_scales,
-                            cols: &w_scales,
-                        })
-                    }
-                    (true, None) => {
-                        return Err(DitError::Backend(
-                            "internal: an FP8 gate_up GEMM without weight scales".into(),
-                        ))
-                    }
-                    (false, _) => None,
-                };
                 self.quant()?
                     .run(
                         st,
@@ -622,7 +595,6 @@ impl Engine {
                             &ws.gate_up.view(),
                             Matrix::dense(total, 2 * f),
                             &out,
-                            gemm_scales,
                         ),
                     )
                     .map_err(launch)?;
@@ -638,7 +610,7 @@ impl Engine {
             }
             phase!("swiglu", Bytes, 3 * total * f * BF16);
             self.block_gemm(
-                (fp8.mlp_out, false),
+                fp8.mlp_out,
                 &ws.fp8,
                 (&ws.act).into(),
                 (total, d, f),
