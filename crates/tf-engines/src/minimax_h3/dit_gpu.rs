@@ -87,7 +87,8 @@ use weights::{Dims, Source, WeightOffsets};
 use workspace::{ShapeKey, Workspace};
 
 /// Most distinct timestep values a schedule ([`GpuH3Dit::set_timestep_schedule`]) may hold: its tables take about
-/// 9.7 MB a value at full size (50 blocks), 1.2 GB at this bound. A pipeline's 50 steps need 50 or 51.
+/// 9.7 MB a value at full size (50 blocks), 1.2 GB at this bound. The pipeline's default 49 steps hold 97 (a video
+/// and an audio value each, one step's two equal).
 pub const MAX_SCHEDULE_TIMESTEPS: usize = 128;
 /// Graphs kept per workspace: the whole step and the step without its timestep tables (see
 /// [`GpuH3Dit::set_timestep_schedule`]).

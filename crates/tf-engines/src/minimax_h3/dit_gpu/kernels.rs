@@ -383,6 +383,18 @@ pub struct RowsOperand<'v, 'a> {
     pub index: Option<&'v DeviceView<'a>>,
 }
 
+impl RowsOperand<'_, '_> {
+    /// `rows` consecutive f32 rows of `stride` values.
+    pub fn f32_rows(rows: usize, stride: usize) -> Self {
+        RowsOperand {
+            elem: Elem::F32,
+            rows,
+            stride,
+            index: None,
+        }
+    }
+}
+
 /// Operands of [`plan_linear_f32`]: `y[yr(r), c] = act(sum_k x[xr(r), k] * w[c, k] + bias[c])` in f32 for
 /// `r < m`, `c < n`.
 #[derive(Debug)]

@@ -846,12 +846,7 @@ impl Engine {
         let key = ws.key;
         let z = ws.sizes;
         let nt = key.timesteps;
-        let f32_rows = |rows: usize, stride: usize| RowsOperand {
-            elem: Elem::F32,
-            rows,
-            stride,
-            index: None,
-        };
+        let f32_rows = RowsOperand::f32_rows;
 
         // 1. Time embedder (f32): linear_1 + SiLU, linear_2 + SiLU (temb only enters the model through SiLU).
         self.linear_f32(&LinearF32 {
@@ -912,12 +907,7 @@ impl Engine {
         let key = ws.key;
         let z = ws.sizes;
         let hp = d.hp;
-        let f32_rows = |rows: usize, stride: usize| RowsOperand {
-            elem: Elem::F32,
-            rows,
-            stride,
-            index: None,
-        };
+        let f32_rows = RowsOperand::f32_rows;
         // Bytes a norm over the main or text rows moves: `passes` row-sized reads and writes.
         let norm_bytes = |passes: usize| (passes * z.rows * hp * BF16) as f64;
         let text_norm_bytes = |passes: usize| (passes * z.text_rows * hp * BF16) as f64;
