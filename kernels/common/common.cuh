@@ -72,32 +72,44 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // The K consecutive (row, head) items one warp of a block of 8 warps takes in a kernel over rows x heads_per_row
 // items of D channels each (heads of a fused row, `stride` elements apart from row to row): for each, its row, its
-// head, the address of channel `dim` of the head, and the Pack of channels there, every load issued before any is
-// used. Items past the end get a null address; they are the warp's last ones. The item index is uniform across
-// the warp, so every lane takes the same branches.
+// head and the Pack of channels at channel `dim` of the head, every load issued before any is used; `at(k)` is that
+// address again (recomputed rather than held, to keep the registers for more warps). Only the first `count` items
+// exist; the others are the warp's last ones. The item index is uniform across the warp, so every lane takes the
+// same branches.
 template <int K, int D, typename Pack>
 struct WarpHeadItems {
-    bf16* at[K];
-    int64_t row[K];
+    bf16* base;
+    int stride;
+    int dim;
+    int count;
+    int row[K];
     int head[K];
     Pack raw[K];
 
-    __device__ __forceinline__ void load(bf16* base, int stride, int rows, int heads_per_row, int dim) {
+    __device__ __forceinline__ void load(bf16* base_, int stride_, int rows, int heads_per_row, int dim_) {
+        base = base_;
+        stride = stride_;
+        dim = dim_;
         const int64_t items = static_cast<int64_t>(rows) * heads_per_row;
         const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5)) * K;
+        count = static_cast<int>(items > first ? (items - first < K ? items - first : K) : 0);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int64_t item = first + k;
-            at[k] = nullptr;
             row[k] = 0;
             head[k] = 0;
             if (item < items) {
-                row[k] = item / heads_per_row;
-                head[k] = static_cast<int>(item - row[k] * heads_per_row);
-                at[k] = base + row[k] * stride + head[k] * D + dim;
-                raw[k] = *reinterpret_cast<const Pack*>(at[k]);
+                const int64_t r = item / heads_per_row;
+                row[k] = static_cast<int>(r);  // r < rows, an int
+                head[k] = static_cast<int>(item - r * heads_per_row);
+                raw[k] = *reinterpret_cast<const Pack*>(at(k));
             }
         }
+    }
+
+    // The address of item k's channel `dim`.
+    __device__ __forceinline__ bf16* at(int k) const {
+        return base + static_cast<int64_t>(row[k]) * stride + head[k] * D + dim;
     }
 };
 

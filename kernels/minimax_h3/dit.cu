@@ -172,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(256)
 
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        if (items.at[k] == nullptr) break;  // the items past the end are the last ones
+        if (k >= items.count) break;  // the items past the end are the last ones
         const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&items.raw[k].x));
         const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&items.raw[k].y));
         const uint2 wraw = *reinterpret_cast<const uint2*>((items.head[k] < heads ? q_weight : k_weight) + dim);
@@ -191,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(256)
             nn::rotate_half_partners<4>(n, lane, half, partner);
             const int off = half / 4;
             if (lane < 2 * off) {
-                const int64_t slot = items.row[k] * table_stride + 4 * (lane < off ? lane : lane - off);
+                const int64_t slot = static_cast<int64_t>(items.row[k]) * table_stride + 4 * (lane < off ? lane : lane - off);
                 const nn::TableEntries<4> c = nn::load_table<4>(rope_cos, slot, vector_tables);
                 const nn::TableEntries<4> s = nn::load_table<4>(rope_sin, slot, vector_tables);
 #pragma unroll
@@ -201,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int i = 0; i < 4; ++i) staged[warp][k][dim + i] = n[i];
             __syncwarp();
-            const int64_t table_row = items.row[k] * table_stride;
+            const int64_t table_row = static_cast<int64_t>(items.row[k]) * table_stride;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int ch = dim + i;
@@ -220,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(256)
         uint2 packed;
         packed.x = *reinterpret_cast<const uint32_t*>(&o01);
         packed.y = *reinterpret_cast<const uint32_t*>(&o23);
-        *reinterpret_cast<uint2*>(items.at[k]) = packed;
+        *reinterpret_cast<uint2*>(items.at(k)) = packed;
     }
 }
 

@@ -186,7 +186,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
                                nn::table_vectors_aligned<E>(rope_sin, rope_stride);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        if (items.at[k] == nullptr) break;  // the items past the end are the last ones
+        if (k >= items.count) break;  // the items past the end are the last ones
         const bf16* x = reinterpret_cast<const bf16*>(&items.raw[k]);
         float n[E];
 #pragma unroll
@@ -206,7 +206,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
                 for (int i = 0; i < E; ++i) n[i] = nn::round_bf16(n[i] * __bfloat162float(w[i]));
             }
         }
-        const int64_t table_row = items.row[k] * rope_stride;
+        const int64_t table_row = static_cast<int64_t>(items.row[k]) * rope_stride;
         Pack out;
         bf16* o = reinterpret_cast<bf16*>(&out);
         if (by_shuffle) {
@@ -246,7 +246,7 @@ __device__ __forceinline__ void rope_half_partial(bf16* __restrict__ qkv, int qk
                 o[i] = __float2bfloat16_rn(v);
             }
         }
-        *reinterpret_cast<Pack*>(items.at[k]) = out;
+        *reinterpret_cast<Pack*>(items.at(k)) = out;
     }
 }
 
