@@ -65,8 +65,13 @@ impl<'a> LivePlanner<'a> {
 
     /// Runs once, on scratch operands, every finished plan whose kernel has not run through the handle yet (so
     /// that the kernel is loaded now, not inside a request's step); returns how many ran. A plan whose scratch
-    /// cannot be had, or that the library refuses on it, is left to load on its first real call.
+    /// cannot be had, that the library refuses on it, or any plan while the stream is being captured, is left to
+    /// load on its first real call.
     pub(super) fn prime_new_kernels(&mut self) -> Result<usize, CublasLtError> {
+        // A launch while the stream is captured would land in the graph: left to the first real call then.
+        if self.stream.is_capturing()? {
+            return Ok(0);
+        }
         // The operands' values do not matter here: nothing reads the output.
         self.scratch.fill = false;
         let mut primed = 0;
