@@ -272,6 +272,47 @@ pub fn rope_tables(
     (cos, sin)
 }
 
+/// Cos/sin tables as bf16 bits `[positions, 3 * freqs.len()]` for 3-axis RoPE at fractional positions (MiniMax H3's
+/// normalised grids): for axis `a` and frequency `j`, the angle `position[a] * freqs[j]` in f32, its cosine and sine
+/// taken in f64, rounded to f32 and then to bf16 (as a bfloat16 run of a reference casts its tables). An axis's
+/// entries depend on that axis's value only, and values repeat from row to row (one frame, line or column value per
+/// row of a grid): each distinct value (bit for bit) is computed once, and a row repeating the previous row's value
+/// takes it without a lookup.
+pub fn rope_tables_bf16(positions: &[[f32; 3]], freqs: &[f32]) -> (Vec<u16>, Vec<u16>) {
+    let n = freqs.len();
+    let mut cos = Vec::with_capacity(positions.len() * 3 * n);
+    let mut sin = Vec::with_capacity(positions.len() * 3 * n);
+    let mut first: [std::collections::HashMap<u32, usize>; 3] = Default::default();
+    let mut last: [Option<(u32, usize)>; 3] = [None; 3];
+    let mut made_cos: [Vec<u16>; 3] = Default::default();
+    let mut made_sin: [Vec<u16>; 3] = Default::default();
+    for p in positions {
+        for (axis, &value) in p.iter().enumerate() {
+            let key = value.to_bits();
+            let at = match last[axis] {
+                Some((bits, at)) if bits == key => at,
+                _ => {
+                    let (c, s) = (&mut made_cos[axis], &mut made_sin[axis]);
+                    let at = *first[axis].entry(key).or_insert_with(|| {
+                        let at = c.len();
+                        for &w in freqs {
+                            let angle = f64::from(value * w);
+                            c.push(half::bf16::from_f32(angle.cos() as f32).to_bits());
+                            s.push(half::bf16::from_f32(angle.sin() as f32).to_bits());
+                        }
+                        at
+                    });
+                    last[axis] = Some((key, at));
+                    at
+                }
+            };
+            cos.extend_from_slice(&made_cos[axis][at..at + n]);
+            sin.extend_from_slice(&made_sin[axis][at..at + n]);
+        }
+    }
+    (cos, sin)
+}
+
 /// One RoPE entry: the angle rounded to f32, its cosine and sine taken in f64 and rounded to f32.
 fn rope_entry(position: i64, freq: f32) -> (f32, f32) {
     let angle = f64::from((position as f32) * freq);

@@ -4,8 +4,6 @@
 //! inputs' values rather than their sizes is uploaded per forward, so one captured graph serves every request of
 //! its shape.
 
-use std::collections::HashMap;
-
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::weights::Dims;
@@ -248,40 +246,7 @@ pub(super) struct InputRows<'a> {
 /// to bf16 (as a bfloat16 run of the reference casts its tables to the activations' dtype).
 pub(super) fn rope_tables(rows: &H3Rows, rope_freq: usize, theta: f32) -> (Vec<u16>, Vec<u16>) {
     let inv = host::rope_inverse_frequencies(2 * rope_freq, theta);
-    let n = inv.len();
-    let mut cos = Vec::with_capacity(rows.positions.len() * 3 * n);
-    let mut sin = Vec::with_capacity(rows.positions.len() * 3 * n);
-    // An axis's entries depend on that axis's value only, and values repeat from row to row (one frame, line or
-    // column value per row of the grid): each distinct value's entries are computed once (the same bits), and
-    // consecutive rows mostly repeat the previous row's value.
-    let mut first: [HashMap<u32, usize>; 3] = Default::default();
-    let mut last: [Option<(u32, usize)>; 3] = [None; 3];
-    let mut made_cos: [Vec<u16>; 3] = Default::default();
-    let mut made_sin: [Vec<u16>; 3] = Default::default();
-    for p in &rows.positions {
-        for (axis, &value) in p.iter().enumerate() {
-            let key = value.to_bits();
-            let at = match last[axis] {
-                Some((bits, at)) if bits == key => at,
-                _ => {
-                    let (c, s) = (&mut made_cos[axis], &mut made_sin[axis]);
-                    let at = *first[axis].entry(key).or_insert_with(|| {
-                        let at = c.len();
-                        for &w in &inv {
-                            let angle = f64::from(value * w);
-                            c.push(half::bf16::from_f32(angle.cos() as f32).to_bits());
-                            s.push(half::bf16::from_f32(angle.sin() as f32).to_bits());
-                        }
-                        at
-                    });
-                    last[axis] = Some((key, at));
-                    at
-                }
-            };
-            cos.extend_from_slice(&made_cos[axis][at..at + n]);
-            sin.extend_from_slice(&made_sin[axis][at..at + n]);
-        }
-    }
+    let (cos, sin) = host::rope_tables_bf16(&rows.positions, &inv);
     (cos.repeat(rows.batch), sin.repeat(rows.batch))
 }
 
