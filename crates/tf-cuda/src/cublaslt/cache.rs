@@ -718,7 +718,7 @@ impl PlanCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::cublaslt::plan::{InputType, OutputType};
 

@@ -1356,17 +1356,9 @@ mod tests {
     #[test]
     fn a_kernel_is_the_algorithm_and_the_key_without_its_sizes() {
         let key = PlanKey {
-            m: 4131,
             n: 64,
             k: 4096,
-            input: InputType::Bf16,
-            output: OutputType::Bf16,
-            epilogue: 1,
-            align_a: 256,
-            align_b: 256,
-            align_cd: 256,
-            fast_accum: false,
-            scale_mode: plan::Fp8ScaleMode::Tensor,
+            ..cache::tests::key(4131)
         };
         let algo = MatmulAlgo {
             data: [7, 0, 0, 0, 0, 0, 0, 1],
