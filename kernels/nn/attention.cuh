@@ -467,11 +467,6 @@ constexpr int kSm90Rows = 128;                           // query rows per CTA, 
 constexpr int kSm90Keys = 128;                           // keys per tile
 constexpr int kSm90Half = 128 * 128;                     // bytes of one 64-column half of a 128-row tile
 constexpr int kSm90TileBytes = 2 * kSm90Half;            // 32 KiB
-// A row's reference maximum in the wgmma kernels moves only when a key tile's maximum passes it by more than this
-// (log2 units of the scaled scores). Below that, P stays under 2^8 (exact in bf16's exponent range, and the f32 sums
-// and O hold it), O needs no rescale, and the final division by the row sum gives the same softmax in exact
-// arithmetic. After a row's first tiles the maximum almost never moves that far, so most tiles skip the rescale.
-constexpr float kSm90RescaleLog2 = 8.0f;
 
 // Byte offset of 16-byte chunk `chunk` (0..15) of row `row` in a 128-row tile kept as two 64-column halves, each
 // in the 128-byte swizzle the wgmma descriptors name: the chunk's low three bits XOR the row's low three bits.
@@ -685,13 +680,8 @@ struct Sm90Rows {
         if (!full) mask_wgmma_scores(s, key0, quad, valid, limit_a, limit_b, pad_begin, pad_end);
         float tile_max_a, tile_max_b;
         wgmma_tile_max(s, tile_max_a, tile_max_b);
-        tile_max_a = quad_max(tile_max_a);
-        tile_max_b = quad_max(tile_max_b);
-        // -inf (no key seen yet) moves to any finite tile maximum; an all-masked tile never moves it.
-        const float new_max_a =
-            tile_max_a * scale_log2 > fmaf(max_a, scale_log2, kSm90RescaleLog2) ? tile_max_a : max_a;
-        const float new_max_b =
-            tile_max_b * scale_log2 > fmaf(max_b, scale_log2, kSm90RescaleLog2) ? tile_max_b : max_b;
+        const float new_max_a = fmaxf(max_a, quad_max(tile_max_a));
+        const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
         const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a * scale_log2;
         const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b * scale_log2;
         corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a * scale_log2 - base_a);
@@ -712,9 +702,7 @@ struct Sm90Rows {
         sum_b = fmaf(sum_b, corr_b, tile_sum_b);
     }
 
-    // Skipped by a whole warp when none of its rows' maxima moved (the common case, kSm90RescaleLog2).
     __device__ __forceinline__ void rescale(float corr_a, float corr_b) {
-        if (!__any_sync(0xffffffffu, corr_a != 1.0f || corr_b != 1.0f)) return;
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
             acc[4 * n] *= corr_a;
