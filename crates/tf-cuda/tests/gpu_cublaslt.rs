@@ -1106,6 +1106,30 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
     assert_eq!((again.already_planned, again.primed), (shapes.len(), 0));
     assert!(report2.warnings.is_empty(), "{:?}", report2.warnings);
     assert_eq!(second.cache_stats().timed, 0, "nothing timed");
+    // A worker's load: a fresh handle loads the stored plans' kernels before it plans any shape of its own, one
+    // stored shape per kernel; its later prepare of the shapes then has no kernel left to load.
+    let third = timed_handle(&g);
+    third
+        .set_plan_cache(Arc::new(PlanCache::open(&path)))
+        .expect("plan cache");
+    let loaded = third
+        .prime_stored_kernels(&g.stream)
+        .expect("load the stored kernels");
+    println!("third handle: stored kernels {loaded:?}");
+    assert!(loaded.primed >= 1, "{loaded:?}");
+    assert_eq!(loaded.primed, loaded.shapes, "one shape per kernel");
+    assert_eq!((loaded.timed, loaded.rejected), (0, 0));
+    assert_eq!(third.cache_stats().kernels, loaded.primed);
+    let after = third
+        .prepare(&shapes, Duration::ZERO, &g.stream)
+        .expect("prepare after loading");
+    assert_eq!(after.primed, 0, "{after:?}");
+    assert_eq!(
+        third.prime_stored_kernels(&g.stream).expect("again").primed,
+        0
+    );
+    drop(third);
+
     let second_choices = second.plan_choices();
     for (a, b) in first_choices.iter().zip(&second_choices) {
         assert_eq!(a.key, b.key);

@@ -640,6 +640,25 @@ impl PlanCache {
         inner.stacks.get(stack)?.get(key).cloned()
     }
 
+    /// Every choice stored for `stack`, ordered by key (the file's order is not kept); empty when disabled.
+    pub fn stored(&self, stack: &StackKey) -> Vec<StoredPlan> {
+        let inner = self.inner.lock();
+        if !inner.enabled {
+            return Vec::new();
+        }
+        let mut plans: Vec<StoredPlan> = inner
+            .stacks
+            .get(stack)
+            .map(|plans| plans.values().cloned().collect())
+            .unwrap_or_default();
+        plans.sort_by(|a, b| {
+            (a.key.m, a.key.n, a.key.k)
+                .cmp(&(b.key.m, b.key.n, b.key.k))
+                .then_with(|| describe_key(&a.key).cmp(&describe_key(&b.key)))
+        });
+        plans
+    }
+
     /// Stores (or replaces) a choice on `stack`; written by the next [`PlanCache::save`].
     pub fn record(&self, stack: &StackKey, plan: StoredPlan) {
         let mut inner = self.inner.lock();
@@ -789,6 +808,30 @@ pub(super) mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| OsString::from(v))
         }
+    }
+
+    #[test]
+    fn stored_lists_one_stack_in_key_order() {
+        let cache = PlanCache::in_memory();
+        let other = stack(13010);
+        for m in [4176, 64, 4096] {
+            cache.record(
+                &stack(13000),
+                StoredPlan::new(key(m), &algo(1), StoredSource::Timed, 0, 8),
+            );
+        }
+        cache.record(
+            &other,
+            StoredPlan::new(key(8), &algo(2), StoredSource::Timed, 0, 8),
+        );
+        let ms: Vec<usize> = cache
+            .stored(&stack(13000))
+            .iter()
+            .map(|p| p.key.m)
+            .collect();
+        assert_eq!(ms, vec![64, 4096, 4176]);
+        assert_eq!(cache.stored(&other).len(), 1);
+        assert!(PlanCache::disabled().stored(&stack(13000)).is_empty());
     }
 
     #[test]

@@ -310,6 +310,34 @@ impl KernelKey {
     }
 }
 
+/// The keys of one stored plan per kernel that `has_run` does not know, the one with the fewest operand elements
+/// (then the first in `stored`'s order); stored entries whose algorithm does not parse are skipped.
+fn stored_kernel_representatives(
+    stored: &[cache::StoredPlan],
+    has_run: impl Fn(&KernelKey) -> bool,
+) -> Vec<PlanKey> {
+    let elements = |key: &PlanKey| {
+        key.m
+            .saturating_mul(key.k)
+            .saturating_add(key.n.saturating_mul(key.k))
+            .saturating_add(key.m.saturating_mul(key.n))
+    };
+    let mut chosen: Vec<(KernelKey, PlanKey)> = Vec::new();
+    for plan in stored {
+        let Some(algo) = plan.algo() else { continue };
+        let kernel = KernelKey::of(&plan.key, &algo);
+        if has_run(&kernel) {
+            continue;
+        }
+        match chosen.iter_mut().find(|(k, _)| *k == kernel) {
+            Some((_, key)) if elements(&plan.key) < elements(key) => *key = plan.key,
+            Some(_) => {}
+            None => chosen.push((kernel, plan.key)),
+        }
+    }
+    chosen.into_iter().map(|(_, key)| key).collect()
+}
+
 impl Plan {
     /// Destroys the descriptors. Errors are ignored: there is nothing to do about them here.
     fn destroy(self, api: &LtApi) {
@@ -581,6 +609,28 @@ impl CublasLt {
         stream: &Stream,
     ) -> Result<PrepareReport, CublasLtError> {
         self.prepare_with_clock(shapes, budget, stream, &WallClock(Instant::now()))
+    }
+
+    /// Loads the kernels of the plans stored in the persistent plan cache for this GPU and library, so that a
+    /// request whose shapes a previous process planned finds their kernels loaded: one stored shape per kernel not
+    /// yet run through this handle (the smallest, for the least scratch) is prepared with a zero budget, which
+    /// reuses its stored choice and runs it once on scratch operands ([`CublasLt::prepare`]; afterwards no call
+    /// is timed, as after any prepare). Without a cache nothing runs. Meant for a worker's load, after its
+    /// warm-up: the report's `primed` counts the kernels loaded.
+    pub fn prime_stored_kernels(&self, stream: &Stream) -> Result<PrepareReport, CublasLtError> {
+        let cache = self.plan_cache.lock().clone();
+        let shapes: Vec<GemmShape> = match cache {
+            Some((cache, stack)) => {
+                let stored = cache.stored(&stack);
+                let run = self.kernels_run.lock();
+                stored_kernel_representatives(&stored, |kernel| run.contains(kernel))
+                    .iter()
+                    .filter_map(GemmShape::from_key)
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        self.prepare(&shapes, Duration::ZERO, stream)
     }
 
     /// [`CublasLt::prepare`] with the budget measured by `clock`.
@@ -1390,6 +1440,39 @@ mod tests {
         ] {
             assert_ne!(KernelKey::of(&key, &algo), KernelKey::of(&changed, &algo));
         }
+    }
+
+    #[test]
+    fn stored_kernels_are_primed_once_each_from_their_smallest_shape() {
+        let algo = |tag: u64| MatmulAlgo {
+            data: [tag, 0, 0, 0, 0, 0, 0, 1],
+        };
+        let stored = |m: usize, tag: u64| {
+            cache::StoredPlan::new(
+                cache::tests::key(m),
+                &algo(tag),
+                cache::StoredSource::Timed,
+                0,
+                8,
+            )
+        };
+        let mut broken = stored(64, 9);
+        broken.algo = "not hex".into();
+        let plans = [
+            stored(4131, 1),
+            stored(4096, 1),
+            stored(8192, 2),
+            broken,
+            stored(4176, 1),
+            stored(128, 3),
+        ];
+        // Kernel 1 from its smallest shape, kernel 2 from its only one; kernel 3 has run; the broken entry is
+        // skipped.
+        let ran = KernelKey::of(&cache::tests::key(128), &algo(3));
+        let keys = stored_kernel_representatives(&plans, |k| *k == ran);
+        assert_eq!(keys, vec![cache::tests::key(4096), cache::tests::key(8192)]);
+        assert!(stored_kernel_representatives(&plans, |_| true).is_empty());
+        assert!(stored_kernel_representatives(&[], |_| false).is_empty());
     }
 
     #[test]

@@ -196,6 +196,33 @@ impl GemmShape {
     pub fn key(&self) -> Result<PlanKey, CublasLtError> {
         Ok(self.gemm_at(None)?.plan()?.key)
     }
+
+    /// The shape whose plan key is `key` (the inverse of [`GemmShape::key`]), or `None` when no shape has that key
+    /// (an entry a newer or older plan-cache file holds, say).
+    pub fn from_key(key: &PlanKey) -> Option<GemmShape> {
+        [
+            (false, Activation::None),
+            (true, Activation::None),
+            (false, Activation::GeluTanh),
+            (true, Activation::GeluTanh),
+        ]
+        .into_iter()
+        .map(|(bias, activation)| GemmShape {
+            m: key.m,
+            n: key.n,
+            k: key.k,
+            input: key.input,
+            output: key.output,
+            bias,
+            activation,
+            fp8_fast_accum: key.fast_accum,
+            fp8_scale_mode: key.scale_mode,
+            align_w: key.align_a,
+            align_x: key.align_b,
+            align_y: key.align_cd,
+        })
+        .find(|shape| shape.key().ok().as_ref() == Some(key))
+    }
 }
 
 /// Device addresses of scratch operands for timing a prepared shape.
@@ -424,6 +451,52 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+
+    proptest::proptest! {
+        /// A plan key maps back to a shape with that key, the same sizes and the same epilogue.
+        #[test]
+        fn a_shape_comes_back_from_its_key(
+            m in 1usize..9000,
+            n in 1usize..9000,
+            k in 1usize..9000,
+            fp8 in proptest::bool::ANY,
+            f32_out in proptest::bool::ANY,
+            bias in proptest::bool::ANY,
+            gelu in proptest::bool::ANY,
+            fast in proptest::bool::ANY,
+            row_wise in proptest::bool::ANY,
+            align in 0u32..9,
+        ) {
+            let mut shape = if fp8 {
+                let shape = if row_wise {
+                    GemmShape::fp8_e4m3_row_wise(m, n, k)
+                } else {
+                    GemmShape::fp8_e4m3(m, n, k)
+                };
+                if fast { shape.with_fp8_fast_accum() } else { shape }
+            } else {
+                GemmShape::bf16(m, n, k)
+            };
+            if f32_out {
+                shape = shape.with_f32_output();
+            }
+            if bias {
+                shape = shape.with_bias();
+            }
+            if gelu {
+                shape = shape.with_gelu_tanh();
+            }
+            let shape = shape.with_alignment(1 << align, 256, 256 >> (align % 4));
+            // Combinations the plan refuses have no key to come back from.
+            let Ok(key) = shape.key() else { return Ok(()) };
+            let back = GemmShape::from_key(&key);
+            proptest::prop_assert!(back.is_some(), "no shape for {key:?}");
+            let back = back.unwrap_or(shape);
+            proptest::prop_assert_eq!(back.key().ok(), Some(key));
+            proptest::prop_assert_eq!((back.m, back.n, back.k), (m, n, k));
+            proptest::prop_assert_eq!((back.bias, back.activation), (shape.bias, shape.activation));
+        }
+    }
 
     /// A fake library: each key has a fixed candidate list and fixed timing results; every
     /// timing advances the fake clock.

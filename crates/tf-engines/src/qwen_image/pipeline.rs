@@ -311,6 +311,9 @@ pub struct WarmUp {
     pub timings: Timings,
     /// How its DiT GEMMs were planned (GPU DiT only).
     pub gemms: Option<GemmPlanSummary>,
+    /// GEMM kernels of the persistent plan cache's other shapes loaded after the warm-up (GPU DiT only): a later
+    /// request of a shape an earlier process planned then loads none inside it.
+    pub stored_kernels_primed: Option<usize>,
     /// Why nothing ran, when the warm-up was skipped (the sequential mode: nothing stays loaded to warm).
     pub skipped: Option<&'static str>,
 }
@@ -896,6 +899,7 @@ impl Pipeline {
                 seconds: 0.0,
                 timings: Timings::default(),
                 gemms: None,
+                stored_kernels_primed: None,
                 skipped: Some(WARM_UP_SKIPPED_SEQUENTIAL),
             });
         }
@@ -914,13 +918,16 @@ impl Pipeline {
         .map_err(|e| invalid(format!("no warm-up schedule: {e}")))?;
         let generation = self.run_planned(plan, &request, &mut |_| {}, gemm_budget)?;
         // The warm-up's prompt length is not a request's: its workspaces become spare buffers that the first
-        // request's workspaces are built from, instead of new allocations inside that request.
+        // request's workspaces are built from, instead of new allocations inside that request. The kernels of
+        // the shapes earlier processes planned (other prompt lengths, other sizes) load now, not in a request.
+        let mut stored_kernels_primed = None;
         if let Components::Resident(Resident {
             dit: DitEngine::Gpu(dit),
             ..
         }) = &mut self.components
         {
             dit.recycle_workspaces()?;
+            stored_kernels_primed = Some(dit.prime_stored_gemm_kernels()?.primed);
         }
         Ok(WarmUp {
             width,
@@ -928,6 +935,7 @@ impl Pipeline {
             seconds: secs(started.elapsed()),
             timings: generation.timings,
             gemms: self.gemm_plan_summary,
+            stored_kernels_primed,
             skipped: None,
         })
     }

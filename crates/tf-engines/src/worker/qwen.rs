@@ -110,7 +110,12 @@ impl WorkerEngine for QwenImageEngine {
             match pipeline.warm_up(w, h, WARM_UP_GEMM_BUDGET) {
                 Ok(warm) => match warm.skipped {
                     Some(why) => log!("tf worker: no warm-up: {why}"),
-                    None => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
+                    None => log!(
+                        "tf worker: warmed up at {w}x{h} in {:.2} s; GEMM kernels of the plan cache's other \
+                         shapes loaded: {}",
+                        warm.seconds,
+                        warm.stored_kernels_primed.unwrap_or(0)
+                    ),
                 },
                 Err(e) if e.is_invalid_request() => {
                     log!("tf worker: no warm-up at {w}x{h}, the model's limits refuse it: {e}")

@@ -443,6 +443,18 @@ impl GemmRunner {
             })
     }
 
+    /// Loads the kernels of the plans the persistent plan cache holds for this GPU (one stored shape run once per
+    /// kernel not yet run; see [`CublasLt::prime_stored_kernels`]): a worker's requests then find the kernels of
+    /// every shape a previous process planned already loaded.
+    pub fn prime_stored_kernels(&self, stream: &Stream) -> Result<PrepareReport, GemmError> {
+        self.lt
+            .prime_stored_kernels(stream)
+            .map_err(|source| GemmError::Library {
+                what: "loading the plan cache's GEMM kernels",
+                source,
+            })
+    }
+
     /// The handle (plan choices, cache statistics).
     pub fn lt(&self) -> &CublasLt {
         &self.lt
