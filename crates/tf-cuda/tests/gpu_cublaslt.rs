@@ -1106,28 +1106,39 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
     assert_eq!((again.already_planned, again.primed), (shapes.len(), 0));
     assert!(report2.warnings.is_empty(), "{:?}", report2.warnings);
     assert_eq!(second.cache_stats().timed, 0, "nothing timed");
-    // A worker's load: a fresh handle loads the stored plans' kernels before it plans any shape of its own, one
-    // stored shape per kernel; its later prepare of the shapes then has no kernel left to load.
+    // A worker's load: a fresh handle plans every stored shape before any of its own and loads their kernels, each
+    // once; its later prepare of the shapes then finds them planned, with no kernel left to load.
     let third = timed_handle(&g);
-    third
+    let stored = third
         .set_plan_cache(Arc::new(PlanCache::open(&path)))
+        .map(|stack| PlanCache::open(&path).stored(&stack).len())
         .expect("plan cache");
+    let t = Instant::now();
     let loaded = third
-        .prime_stored_kernels(&g.stream)
-        .expect("load the stored kernels");
-    println!("third handle: stored kernels {loaded:?}");
-    assert!(loaded.primed >= 1, "{loaded:?}");
-    assert_eq!(loaded.primed, loaded.shapes, "one shape per kernel");
+        .prepare_stored(&g.stream)
+        .expect("plan the stored shapes");
+    println!(
+        "third handle: {stored} stored shapes planned in {:.1} ms: {loaded:?}",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(
+        loaded.shapes,
+        stored.min(tf_cuda::cublaslt::MAX_STORED_SHAPES_PREPARED)
+    );
+    assert_eq!(loaded.stored, loaded.shapes, "every stored choice reused");
     assert_eq!((loaded.timed, loaded.rejected), (0, 0));
+    assert!(loaded.primed >= 1, "{loaded:?}");
     assert_eq!(third.cache_stats().kernels, loaded.primed);
     let after = third
         .prepare(&shapes, Duration::ZERO, &g.stream)
         .expect("prepare after loading");
-    assert_eq!(after.primed, 0, "{after:?}");
     assert_eq!(
-        third.prime_stored_kernels(&g.stream).expect("again").primed,
-        0
+        (after.already_planned, after.primed),
+        (shapes.len(), 0),
+        "{after:?}"
     );
+    let again = third.prepare_stored(&g.stream).expect("again");
+    assert_eq!((again.already_planned, again.primed), (loaded.shapes, 0));
     drop(third);
 
     let second_choices = second.plan_choices();

@@ -310,32 +310,27 @@ impl KernelKey {
     }
 }
 
-/// The keys of one stored plan per kernel that `has_run` does not know, the one with the fewest operand elements
-/// (then the first in `stored`'s order); stored entries whose algorithm does not parse are skipped.
-fn stored_kernel_representatives(
-    stored: &[cache::StoredPlan],
-    has_run: impl Fn(&KernelKey) -> bool,
-) -> Vec<PlanKey> {
+/// Most stored shapes [`CublasLt::prepare_stored`] plans (a bound on a worker's load time for a cache that has
+/// grown over many prompt lengths).
+pub const MAX_STORED_SHAPES_PREPARED: usize = 2048;
+
+/// The keys of the stored plans whose algorithm parses, the fewest operand elements first (ties in `stored`'s
+/// order), at most `limit` of them.
+fn stored_shapes_smallest_first(stored: &[cache::StoredPlan], limit: usize) -> Vec<PlanKey> {
     let elements = |key: &PlanKey| {
         key.m
             .saturating_mul(key.k)
             .saturating_add(key.n.saturating_mul(key.k))
             .saturating_add(key.m.saturating_mul(key.n))
     };
-    let mut chosen: Vec<(KernelKey, PlanKey)> = Vec::new();
-    for plan in stored {
-        let Some(algo) = plan.algo() else { continue };
-        let kernel = KernelKey::of(&plan.key, &algo);
-        if has_run(&kernel) {
-            continue;
-        }
-        match chosen.iter_mut().find(|(k, _)| *k == kernel) {
-            Some((_, key)) if elements(&plan.key) < elements(key) => *key = plan.key,
-            Some(_) => {}
-            None => chosen.push((kernel, plan.key)),
-        }
-    }
-    chosen.into_iter().map(|(_, key)| key).collect()
+    let mut keys: Vec<PlanKey> = stored
+        .iter()
+        .filter(|plan| plan.algo().is_some())
+        .map(|plan| plan.key)
+        .collect();
+    keys.sort_by_key(elements);
+    keys.truncate(limit);
+    keys
 }
 
 impl Plan {
@@ -611,19 +606,17 @@ impl CublasLt {
         self.prepare_with_clock(shapes, budget, stream, &WallClock(Instant::now()))
     }
 
-    /// Loads the kernels of the plans stored in the persistent plan cache for this GPU and library, so that a
-    /// request whose shapes a previous process planned finds their kernels loaded: one stored shape per kernel not
-    /// yet run through this handle (the smallest, for the least scratch) is prepared with a zero budget, which
-    /// reuses its stored choice and runs it once on scratch operands ([`CublasLt::prepare`]; afterwards no call
-    /// is timed, as after any prepare). Without a cache nothing runs. Meant for a worker's load, after its
-    /// warm-up: the report's `primed` counts the kernels loaded.
-    pub fn prime_stored_kernels(&self, stream: &Stream) -> Result<PrepareReport, CublasLtError> {
+    /// Plans every shape the persistent plan cache stores for this GPU and library (at most
+    /// [`MAX_STORED_SHAPES_PREPARED`], the smallest first) with a zero budget, so their stored choices are reused and
+    /// each of their kernels not yet run through this handle runs once on scratch operands ([`CublasLt::prepare`]:
+    /// the smallest shape of a kernel loads it). A request whose shapes an earlier process planned then builds no
+    /// plan and loads no kernel inside it. Without a cache nothing is planned. Afterwards no call is timed, as after
+    /// any prepare. Meant for a worker's load, after its warm-up (planning takes about 0.15 ms a shape).
+    pub fn prepare_stored(&self, stream: &Stream) -> Result<PrepareReport, CublasLtError> {
         let cache = self.plan_cache.lock().clone();
         let shapes: Vec<GemmShape> = match cache {
             Some((cache, stack)) => {
-                let stored = cache.stored(&stack);
-                let run = self.kernels_run.lock();
-                stored_kernel_representatives(&stored, |kernel| run.contains(kernel))
+                stored_shapes_smallest_first(&cache.stored(&stack), MAX_STORED_SHAPES_PREPARED)
                     .iter()
                     .filter_map(GemmShape::from_key)
                     .collect()
@@ -1443,36 +1436,37 @@ mod tests {
     }
 
     #[test]
-    fn stored_kernels_are_primed_once_each_from_their_smallest_shape() {
-        let algo = |tag: u64| MatmulAlgo {
-            data: [tag, 0, 0, 0, 0, 0, 0, 1],
-        };
-        let stored = |m: usize, tag: u64| {
+    fn stored_shapes_are_planned_smallest_first_up_to_the_limit() {
+        let stored = |m: usize| {
             cache::StoredPlan::new(
                 cache::tests::key(m),
-                &algo(tag),
+                &MatmulAlgo {
+                    data: [1, 0, 0, 0, 0, 0, 0, 1],
+                },
                 cache::StoredSource::Timed,
                 0,
                 8,
             )
         };
-        let mut broken = stored(64, 9);
+        let mut broken = stored(64);
         broken.algo = "not hex".into();
         let plans = [
-            stored(4131, 1),
-            stored(4096, 1),
-            stored(8192, 2),
+            stored(4131),
+            stored(128),
             broken,
-            stored(4176, 1),
-            stored(128, 3),
+            stored(8192),
+            stored(4096),
         ];
-        // Kernel 1 from its smallest shape, kernel 2 from its only one; kernel 3 has run; the broken entry is
-        // skipped.
-        let ran = KernelKey::of(&cache::tests::key(128), &algo(3));
-        let keys = stored_kernel_representatives(&plans, |k| *k == ran);
-        assert_eq!(keys, vec![cache::tests::key(4096), cache::tests::key(8192)]);
-        assert!(stored_kernel_representatives(&plans, |_| true).is_empty());
-        assert!(stored_kernel_representatives(&[], |_| false).is_empty());
+        let ms = |limit: usize| -> Vec<usize> {
+            stored_shapes_smallest_first(&plans, limit)
+                .iter()
+                .map(|k| k.m)
+                .collect()
+        };
+        assert_eq!(ms(10), vec![128, 4096, 4131, 8192]);
+        assert_eq!(ms(2), vec![128, 4096]);
+        assert!(ms(0).is_empty());
+        assert!(stored_shapes_smallest_first(&[], 10).is_empty());
     }
 
     #[test]

@@ -458,14 +458,14 @@ impl GpuDit {
             .map_err(gpu_err("planning the GEMMs ahead"))
     }
 
-    /// Loads the GEMM kernels of every plan the persistent plan cache stores for this GPU (at load, after the
-    /// warm-up), so that a request whose shapes an earlier process planned loads no kernel inside it; returns the
-    /// prepare report (`primed`: kernels loaded).
-    pub fn prime_stored_gemm_kernels(&self) -> Result<tf_cuda::cublaslt::PrepareReport, DitError> {
+    /// Plans every GEMM shape the persistent plan cache stores for this GPU and loads their kernels (at load, after
+    /// the warm-up), so that a request whose shapes an earlier process planned builds no plan and loads no kernel
+    /// inside it.
+    pub fn prepare_stored_gemms(&self) -> Result<tf_cuda::cublaslt::PrepareReport, DitError> {
         self.engine
             .gemms
-            .prime_stored_kernels(&self.engine.stream)
-            .map_err(gpu_err("loading the plan cache's GEMM kernels"))
+            .prepare_stored(&self.engine.stream)
+            .map_err(gpu_err("planning the plan cache's stored GEMM shapes"))
     }
 
     /// The GEMM plans built so far and how each algorithm was chosen (per-candidate times when timed).

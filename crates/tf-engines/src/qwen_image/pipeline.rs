@@ -311,11 +311,20 @@ pub struct WarmUp {
     pub timings: Timings,
     /// How its DiT GEMMs were planned (GPU DiT only).
     pub gemms: Option<GemmPlanSummary>,
-    /// GEMM kernels of the persistent plan cache's other shapes loaded after the warm-up (GPU DiT only): a later
-    /// request of a shape an earlier process planned then loads none inside it.
-    pub stored_kernels_primed: Option<usize>,
+    /// After the warm-up, the GEMM shapes the persistent plan cache stores, planned, and the kernels among them
+    /// loaded (GPU DiT only): a later request of a shape an earlier process planned plans and loads nothing.
+    pub stored_gemms: Option<StoredGemms>,
     /// Why nothing ran, when the warm-up was skipped (the sequential mode: nothing stays loaded to warm).
     pub skipped: Option<&'static str>,
+}
+
+/// What [`Pipeline::warm_up`] planned from the persistent plan cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredGemms {
+    /// Stored shapes planned (those planned before included).
+    pub shapes: usize,
+    /// Kernels among them run once on scratch because they had not run yet.
+    pub kernels_loaded: usize,
 }
 
 /// How the DiT's GEMMs of a request were planned ahead (counts of distinct shapes).
@@ -899,7 +908,7 @@ impl Pipeline {
                 seconds: 0.0,
                 timings: Timings::default(),
                 gemms: None,
-                stored_kernels_primed: None,
+                stored_gemms: None,
                 skipped: Some(WARM_UP_SKIPPED_SEQUENTIAL),
             });
         }
@@ -918,16 +927,20 @@ impl Pipeline {
         .map_err(|e| invalid(format!("no warm-up schedule: {e}")))?;
         let generation = self.run_planned(plan, &request, &mut |_| {}, gemm_budget)?;
         // The warm-up's prompt length is not a request's: its workspaces become spare buffers that the first
-        // request's workspaces are built from, instead of new allocations inside that request. The kernels of
-        // the shapes earlier processes planned (other prompt lengths, other sizes) load now, not in a request.
-        let mut stored_kernels_primed = None;
+        // request's workspaces are built from, instead of new allocations inside that request. The shapes earlier
+        // processes planned (other prompt lengths, other sizes) are planned, and their kernels loaded, now.
+        let mut stored_gemms = None;
         if let Components::Resident(Resident {
             dit: DitEngine::Gpu(dit),
             ..
         }) = &mut self.components
         {
             dit.recycle_workspaces()?;
-            stored_kernels_primed = Some(dit.prime_stored_gemm_kernels()?.primed);
+            let report = dit.prepare_stored_gemms()?;
+            stored_gemms = Some(StoredGemms {
+                shapes: report.shapes,
+                kernels_loaded: report.primed,
+            });
         }
         Ok(WarmUp {
             width,
@@ -935,7 +948,7 @@ impl Pipeline {
             seconds: secs(started.elapsed()),
             timings: generation.timings,
             gemms: self.gemm_plan_summary,
-            stored_kernels_primed,
+            stored_gemms,
             skipped: None,
         })
     }

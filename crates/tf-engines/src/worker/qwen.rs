@@ -111,10 +111,12 @@ impl WorkerEngine for QwenImageEngine {
                 Ok(warm) => match warm.skipped {
                     Some(why) => log!("tf worker: no warm-up: {why}"),
                     None => log!(
-                        "tf worker: warmed up at {w}x{h} in {:.2} s; GEMM kernels of the plan cache's other \
-                         shapes loaded: {}",
+                        "tf worker: warmed up at {w}x{h} in {:.2} s; stored GEMM shapes planned: {}",
                         warm.seconds,
-                        warm.stored_kernels_primed.unwrap_or(0)
+                        warm.stored_gemms.map_or("none".to_string(), |g| format!(
+                            "{} ({} kernels loaded)",
+                            g.shapes, g.kernels_loaded
+                        ))
                     ),
                 },
                 Err(e) if e.is_invalid_request() => {

@@ -289,10 +289,12 @@ fn image(args: &Args) -> Result<(), ImageError> {
         match w.skipped {
             Some(why) => eprintln!("tf image: no warm-up: {why}"),
             None => eprintln!(
-                "tf image: warmed up at {width}x{height} in {:.2} s{gemms}; GEMM kernels of the plan cache's \
-                 other shapes loaded: {}",
+                "tf image: warmed up at {width}x{height} in {:.2} s{gemms}; stored GEMM shapes planned: {}",
                 w.seconds,
-                w.stored_kernels_primed.unwrap_or(0)
+                w.stored_gemms.map_or("none".to_string(), |g| format!(
+                    "{} ({} kernels loaded)",
+                    g.shapes, g.kernels_loaded
+                ))
             ),
         }
         Some(w)

@@ -443,14 +443,14 @@ impl GemmRunner {
             })
     }
 
-    /// Loads the kernels of the plans the persistent plan cache holds for this GPU (one stored shape run once per
-    /// kernel not yet run; see [`CublasLt::prime_stored_kernels`]): a worker's requests then find the kernels of
-    /// every shape a previous process planned already loaded.
-    pub fn prime_stored_kernels(&self, stream: &Stream) -> Result<PrepareReport, GemmError> {
+    /// Plans every shape the persistent plan cache stores for this GPU and loads their kernels (see
+    /// [`CublasLt::prepare_stored`]): a worker's requests then find the plans and kernels of every shape an earlier
+    /// process planned ready.
+    pub fn prepare_stored(&self, stream: &Stream) -> Result<PrepareReport, GemmError> {
         self.lt
-            .prime_stored_kernels(stream)
+            .prepare_stored(stream)
             .map_err(|source| GemmError::Library {
-                what: "loading the plan cache's GEMM kernels",
+                what: "planning the plan cache's stored shapes",
                 source,
             })
     }
