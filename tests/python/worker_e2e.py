@@ -84,6 +84,8 @@ GOAL_SIZE, GOAL_STEPS = (1024, 1024), 8
 # "tf worker: encode 0.012 s, 8 steps 0.861 s, decode 0.058 s, total 0.934 s"
 PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, decode ([0-9.]+) s, total ([0-9.]+) s")
 WARM_LINE = re.compile(r"warmed up at (\d+)x(\d+) in ([0-9.]+) s")
+# The Qwen-Image warm-up's tail: "stored GEMM shapes planned: 57 (9 kernels loaded)".
+STORED_GEMMS_LINE = re.compile(r"stored GEMM shapes planned: (\d+) \((\d+) kernels loaded\)")
 LOADED_LINE = re.compile(r"loaded (.+?) in ([0-9.]+) s; .*DiT precision (.+)$")
 # MiniMax H3: "tf worker: encode 0.120 s, 7 steps 9.800 s, decode video 1.900 s, audio 0.100 s, total 12.000 s;
 # 124 frames (120 asked)"
@@ -650,6 +652,11 @@ def main():
             if m:
                 summary["load"]["warm_up"] = dict(width=int(m.group(1)), height=int(m.group(2)),
                                                   ms=float(m.group(3)) * 1e3)
+                stored = STORED_GEMMS_LINE.search(line)
+                if stored:
+                    summary["load"]["warm_up"]["stored_gemm_shapes"] = int(stored.group(1))
+                    summary["load"]["warm_up"]["stored_gemm_kernels_loaded"] = int(stored.group(2))
+                    print(f"warm-up: {stored.group(1)} stored GEMM shapes planned, {stored.group(2)} kernels loaded")
             m = LOADED_LINE.search(line)
             if m:
                 summary["load"]["variant"] = m.group(1)
