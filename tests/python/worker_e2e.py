@@ -60,7 +60,7 @@ Usage:
         --steps 8 --requests 2 --allow-missing-ffmpeg --extra-worker-arg --random-weights --extra-worker-arg 0 \\
         --reference /tmp/h3t/timing.json --json OUT.json
     python3 tests/python/worker_e2e.py --engine minimax_h3 --tf target/release/tf --backend host \\
-        --model tests/fixtures/minimax_h3_pipeline/model --prompt "waves" --size 16x24 --seconds 0.9 --steps 3 \\
+        --model tests/fixtures/minimax_h3_pipeline/model --prompt "waves" --size 32x16 --seconds 0.9 --steps 3 \\
         --requests 2   # smoke run
 """
 
@@ -84,7 +84,8 @@ GOAL_SIZE, GOAL_STEPS = (1024, 1024), 8
 # "tf worker: encode 0.012 s, 8 steps 0.861 s, decode 0.058 s, total 0.934 s"
 PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, decode ([0-9.]+) s, total ([0-9.]+) s")
 WARM_LINE = re.compile(r"warmed up at (\d+)x(\d+) in ([0-9.]+) s")
-# The Qwen-Image warm-up's tail: "stored GEMM shapes planned: 57 (9 kernels loaded)".
+# The load's stored GEMM plans (the Qwen-Image warm-up's tail; a line of its own for MiniMax H3):
+# "stored GEMM shapes planned: 57 (9 kernels loaded)".
 STORED_GEMMS_LINE = re.compile(r"stored GEMM shapes planned: (\d+) \((\d+) kernels loaded\)")
 LOADED_LINE = re.compile(r"loaded (.+?) in ([0-9.]+) s; .*DiT precision (.+)$")
 # MiniMax H3: "tf worker: encode 0.120 s, 7 steps 9.800 s, decode video 1.900 s, audio 0.100 s, total 12.000 s;
@@ -115,7 +116,7 @@ HOST_LINE = re.compile(r"host work up to (\w+) (\d+)/(\d+): workspace builds (\d
 SLOW_LINE = re.compile(r"slow enqueues up to (\w+) (\d+)/(\d+): (.+)$")
 FFMPEG_LINE = re.compile(r"tf worker: (?:videos are muxed by (.+)|warning: (.*ffmpeg.*))$", re.IGNORECASE)
 STDERR_EVENTS = (PNG_LINE, PHASE_LINE, VIDEO_PHASE_LINE, WARM_LINE, LOADED_LINE, H3_LOADED_LINE, PRECISION_LINE, FFMPEG_LINE,
-                 HELD_LINE, DRIVER_LINE, HOST_LINE, SLOW_LINE)
+                 HELD_LINE, DRIVER_LINE, HOST_LINE, SLOW_LINE, STORED_GEMMS_LINE)
 
 
 class WorkerFailed(Exception):
@@ -652,11 +653,11 @@ def main():
             if m:
                 summary["load"]["warm_up"] = dict(width=int(m.group(1)), height=int(m.group(2)),
                                                   ms=float(m.group(3)) * 1e3)
-                stored = STORED_GEMMS_LINE.search(line)
-                if stored:
-                    summary["load"]["warm_up"]["stored_gemm_shapes"] = int(stored.group(1))
-                    summary["load"]["warm_up"]["stored_gemm_kernels_loaded"] = int(stored.group(2))
-                    print(f"warm-up: {stored.group(1)} stored GEMM shapes planned, {stored.group(2)} kernels loaded")
+            m = STORED_GEMMS_LINE.search(line)
+            if m:
+                summary["load"]["stored_gemm_shapes"] = int(m.group(1))
+                summary["load"]["stored_gemm_kernels_loaded"] = int(m.group(2))
+                print(f"load: {m.group(1)} stored GEMM shapes planned, {m.group(2)} kernels loaded")
             m = LOADED_LINE.search(line)
             if m:
                 summary["load"]["variant"] = m.group(1)

@@ -13,6 +13,7 @@ use thiserror::Error;
 
 use super::config::{ConfigError, MiniMaxH3Config, MODALITIES};
 use super::layout::{LayoutError, PackedLayout, RowTimesteps, MAX_SEQUENCE_ROWS};
+use crate::nn::gpu::gemm::StoredGemms;
 use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::weights::{Dtype, SafetensorsFile, WeightsError};
 
@@ -390,6 +391,13 @@ pub trait H3DitBackend {
     fn set_timestep_schedule(&mut self, timesteps: &[f32]) -> Result<bool, H3Error> {
         let _ = timesteps;
         Ok(false)
+    }
+
+    /// Plans every GEMM shape the persistent plan cache stores for this GPU and loads their kernels, so that a
+    /// request of a shape an earlier process planned plans and loads nothing (a worker's load). `None` when the
+    /// backend has no GEMM plans (the default).
+    fn prepare_stored_gemms(&mut self) -> Result<Option<StoredGemms>, H3Error> {
+        Ok(None)
     }
 
     /// Frees the memory a forward works in (the weights stay); the next forward makes it again. A resident

@@ -52,7 +52,7 @@ use super::config::{ConfigError, MiniMaxH3Config};
 use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use super::dit_host::LoadOptions;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
-use crate::nn::gpu::gemm::{self, GemmRunner};
+use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::AttentionTile;
@@ -565,6 +565,14 @@ impl H3DitBackend for GpuH3Dit {
 
     fn set_timestep_schedule(&mut self, timesteps: &[f32]) -> Result<bool, H3Error> {
         GpuH3Dit::set_timestep_schedule(self, timesteps)
+    }
+
+    fn prepare_stored_gemms(&mut self) -> Result<Option<StoredGemms>, H3Error> {
+        self.engine
+            .gemms
+            .prepare_stored(&self.engine.stream)
+            .map(Some)
+            .map_err(gpu_err("planning the plan cache's stored GEMM shapes"))
     }
 
     fn forward(&mut self, inputs: &H3Inputs) -> Result<H3Output, H3Error> {

@@ -633,6 +633,18 @@ impl H3Pipeline {
         self.context.as_ref()
     }
 
+    /// Plans every GEMM shape the persistent plan cache stores for this GPU in the resident DiT and loads their
+    /// kernels (a worker's load), so that a request of a shape an earlier process planned plans and loads nothing
+    /// inside it. `None` in the sequential mode (nothing stays loaded) or on the host backend.
+    pub fn prepare_stored_gemms(
+        &mut self,
+    ) -> Result<Option<crate::nn::gpu::gemm::StoredGemms>, PipelineError> {
+        match &mut self.components {
+            Components::Resident(held) => Ok(held.dit.prepare_stored_gemms()?),
+            Components::Sequential(_) => Ok(None),
+        }
+    }
+
     /// Keep the initial rows and the rows after every step in [`Generation`] (for parity checks).
     pub fn keep_step_latents(&mut self, keep: bool) {
         self.keep_step_latents = keep;

@@ -52,7 +52,7 @@ use super::dit::{
 };
 use super::ops::DitKernels;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
-use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape};
+use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, StoredGemms};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
@@ -461,7 +461,7 @@ impl GpuDit {
     /// Plans every GEMM shape the persistent plan cache stores for this GPU and loads their kernels (at load, after
     /// the warm-up), so that a request whose shapes an earlier process planned builds no plan and loads no kernel
     /// inside it.
-    pub fn prepare_stored_gemms(&self) -> Result<tf_cuda::cublaslt::PrepareReport, DitError> {
+    pub fn prepare_stored_gemms(&self) -> Result<StoredGemms, DitError> {
         self.engine
             .gemms
             .prepare_stored(&self.engine.stream)

@@ -313,18 +313,9 @@ pub struct WarmUp {
     pub gemms: Option<GemmPlanSummary>,
     /// After the warm-up, the GEMM shapes the persistent plan cache stores, planned, and the kernels among them
     /// loaded (GPU DiT only): a later request of a shape an earlier process planned plans and loads nothing.
-    pub stored_gemms: Option<StoredGemms>,
+    pub stored_gemms: Option<crate::nn::gpu::gemm::StoredGemms>,
     /// Why nothing ran, when the warm-up was skipped (the sequential mode: nothing stays loaded to warm).
     pub skipped: Option<&'static str>,
-}
-
-/// What [`Pipeline::warm_up`] planned from the persistent plan cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StoredGemms {
-    /// Stored shapes planned (those planned before included).
-    pub shapes: usize,
-    /// Kernels among them run once on scratch because they had not run yet.
-    pub kernels_loaded: usize,
 }
 
 /// How the DiT's GEMMs of a request were planned ahead (counts of distinct shapes).
@@ -936,11 +927,7 @@ impl Pipeline {
         }) = &mut self.components
         {
             dit.recycle_workspaces()?;
-            let report = dit.prepare_stored_gemms()?;
-            stored_gemms = Some(StoredGemms {
-                shapes: report.shapes,
-                kernels_loaded: report.primed,
-            });
+            stored_gemms = Some(dit.prepare_stored_gemms()?);
         }
         Ok(WarmUp {
             width,

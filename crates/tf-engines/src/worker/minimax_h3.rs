@@ -109,6 +109,18 @@ impl WorkerEngine for MiniMaxH3Engine {
         }
         log!("tf worker: {}", pipeline.memory_plan());
         let resident = report.resident_bytes;
+        let mut pipeline = pipeline;
+        // The first request must not plan or load the GEMM kernels of shapes an earlier process planned.
+        match pipeline.prepare_stored_gemms() {
+            Ok(Some(stored)) => log!("tf worker: stored GEMM shapes planned: {stored}"),
+            Ok(None) => {}
+            Err(e) => {
+                return Err(classify(
+                    &e,
+                    pipeline.context().is_some_and(|c| c.is_lost()),
+                ))
+            }
+        }
         self.pipeline = Some(pipeline);
         Ok(resident)
     }

@@ -113,10 +113,7 @@ impl WorkerEngine for QwenImageEngine {
                     None => log!(
                         "tf worker: warmed up at {w}x{h} in {:.2} s; stored GEMM shapes planned: {}",
                         warm.seconds,
-                        warm.stored_gemms.map_or("none".to_string(), |g| format!(
-                            "{} ({} kernels loaded)",
-                            g.shapes, g.kernels_loaded
-                        ))
+                        warm.stored_gemms.map_or("none".to_string(), |g| g.to_string())
                     ),
                 },
                 Err(e) if e.is_invalid_request() => {

@@ -291,10 +291,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
             None => eprintln!(
                 "tf image: warmed up at {width}x{height} in {:.2} s{gemms}; stored GEMM shapes planned: {}",
                 w.seconds,
-                w.stored_gemms.map_or("none".to_string(), |g| format!(
-                    "{} ({} kernels loaded)",
-                    g.shapes, g.kernels_loaded
-                ))
+                w.stored_gemms.map_or("none".to_string(), |g| g.to_string())
             ),
         }
         Some(w)

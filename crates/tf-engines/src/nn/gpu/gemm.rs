@@ -336,6 +336,25 @@ pub fn distinct(shapes: Vec<GemmShape>) -> Vec<GemmShape> {
     shapes.into_iter().filter(|s| seen.insert(*s)).collect()
 }
 
+/// What [`GemmRunner::prepare_stored`] did at a worker's load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredGemms {
+    /// Stored shapes planned (those planned before included).
+    pub shapes: usize,
+    /// Kernels among them run once on scratch because they had not run yet.
+    pub kernels_loaded: usize,
+}
+
+impl std::fmt::Display for StoredGemms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({} kernels loaded)",
+            self.shapes, self.kernels_loaded
+        )
+    }
+}
+
 /// A component's cuBLASLt handle (with its workspace), through which it runs every [`Linear`].
 pub struct GemmRunner {
     lt: CublasLt,
@@ -446,9 +465,13 @@ impl GemmRunner {
     /// Plans every shape the persistent plan cache stores for this GPU and loads their kernels (see
     /// [`CublasLt::prepare_stored`]): a worker's requests then find the plans and kernels of every shape an earlier
     /// process planned ready.
-    pub fn prepare_stored(&self, stream: &Stream) -> Result<PrepareReport, GemmError> {
+    pub fn prepare_stored(&self, stream: &Stream) -> Result<StoredGemms, GemmError> {
         self.lt
             .prepare_stored(stream)
+            .map(|report| StoredGemms {
+                shapes: report.shapes,
+                kernels_loaded: report.primed,
+            })
             .map_err(|source| GemmError::Library {
                 what: "planning the plan cache's stored shapes",
                 source,
