@@ -1109,10 +1109,10 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
     // A worker's load: a fresh handle plans every stored shape before any of its own and loads their kernels, each
     // once; its later prepare of the shapes then finds them planned, with no kernel left to load.
     let third = timed_handle(&g);
-    let stored = third
+    let third_stack = third
         .set_plan_cache(Arc::new(PlanCache::open(&path)))
-        .map(|stack| PlanCache::open(&path).stored(&stack).len())
         .expect("plan cache");
+    let stored = PlanCache::open(&path).stored(&third_stack).len();
     let t = Instant::now();
     let loaded = third
         .prepare_stored(&g.stream)
@@ -1139,6 +1139,64 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
     );
     let again = third.prepare_stored(&g.stream).expect("again");
     assert_eq!((again.already_planned, again.primed), (loaded.shapes, 0));
+    // A prompt a few tokens longer: the "out" GEMM at M = 4131 has no stored choice but its M = 4096 neighbour's,
+    // which it runs untimed even with a budget to spend; the result is right.
+    let (nm, nn, nk) = (4131usize, 4096usize, 4096usize);
+    let near = third
+        .prepare(
+            &[GemmShape::bf16(nm, nn, nk)],
+            Duration::from_secs(60),
+            &g.stream,
+        )
+        .expect("prepare a neighbour");
+    println!("third handle, M = {nm}: {near:?}");
+    let neighbour_choice = choice_for(&third, nm, nn, nk);
+    let stored_choice = choice_for(&third, 4096, nn, nk);
+    println!("  {}", describe(&neighbour_choice));
+    let near_key = GemmShape::bf16(nm, nn, nk).key().expect("key");
+    if PlanCache::open(&path)
+        .lookup(&third_stack, &near_key)
+        .is_some()
+    {
+        // A cache file given through TF_PLAN_CACHE may hold this very shape already.
+        println!("  the cache file holds M = {nm} itself: its stored choice runs");
+        assert_eq!(neighbour_choice.chosen_by, ChosenBy::Stored);
+    } else {
+        assert_eq!(
+            (near.stored, near.neighbour, near.timed),
+            (1, 1, 0),
+            "{near:?}"
+        );
+        assert_eq!(neighbour_choice.chosen_by, ChosenBy::Neighbour);
+    }
+    let mut rng = Rng(0x4131);
+    let (xb, xf) = bf16_matrix(&mut rng, nm * nk, 1.0);
+    let (wb, wf) = bf16_matrix(&mut rng, nn * nk, 1.0);
+    let x = DeviceBuffer::from_slice(&g.ctx, &xb).expect("X");
+    let w = DeviceBuffer::from_slice(&g.ctx, &wb).expect("W");
+    let y = DeviceBuffer::alloc(&g.ctx, nm * nn * 2).expect("Y");
+    // SAFETY: the buffers live until after the synchronize below.
+    unsafe {
+        third
+            .matmul(
+                &Gemm::bf16(nm, nn, nk, (&x).into(), (&w).into(), (&y).into()),
+                &g.stream,
+            )
+            .expect("GEMM on the neighbour's algorithm");
+    }
+    g.stream.synchronize().expect("synchronize");
+    sampled_check(
+        "out GEMM at M = 4131 on the M = 4096 choice",
+        (nm, nn, nk),
+        &xf,
+        &wf,
+        &bf16_out(&y),
+        1.0,
+        0.0,
+        None,
+        7,
+    );
+    assert_eq!(stored_choice.chosen_by, ChosenBy::Stored);
     drop(third);
 
     let second_choices = second.plan_choices();

@@ -207,6 +207,11 @@ pub enum StoredSource {
     Heuristic,
 }
 
+/// A stored choice stands in for a shape that differs from it only in `m`, by at most `m / NEIGHBOUR_M_FRACTION`
+/// ([`PlanCache::neighbour`]): a prompt length a few rows longer runs the algorithm timed for its neighbour instead
+/// of being timed itself (or taking the heuristic's first) inside a request.
+pub const NEIGHBOUR_M_FRACTION: usize = 8;
+
 /// One stored choice: the algorithm (its raw 64 bytes), where it stood in the heuristic's list,
 /// and how many results were asked for (a later check asks for as many).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -640,6 +645,32 @@ impl PlanCache {
         inner.stacks.get(stack)?.get(key).cloned()
     }
 
+    /// The stored choice for the shape nearest `key` in `m` among those equal to it in everything else (`n`, `k`,
+    /// types, epilogue, alignment, accumulation, scale mode) with `m` within 1/[`NEIGHBOUR_M_FRACTION`] of
+    /// `key.m` (the nearer below on a tie); `None` when there is none (or the cache is disabled). The exact key
+    /// itself is [`PlanCache::lookup`]'s.
+    pub fn neighbour(&self, stack: &StackKey, key: &PlanKey) -> Option<StoredPlan> {
+        let inner = self.inner.lock();
+        if !inner.enabled {
+            return None;
+        }
+        let band = key.m / NEIGHBOUR_M_FRACTION;
+        inner
+            .stacks
+            .get(stack)?
+            .values()
+            .filter(|plan| {
+                plan.key.m != key.m
+                    && plan.key.m.abs_diff(key.m) <= band
+                    && PlanKey {
+                        m: key.m,
+                        ..plan.key
+                    } == *key
+            })
+            .min_by_key(|plan| (plan.key.m.abs_diff(key.m), plan.key.m))
+            .cloned()
+    }
+
     /// Every choice stored for `stack`, ordered by key (the file's order is not kept); empty when disabled.
     pub fn stored(&self, stack: &StackKey) -> Vec<StoredPlan> {
         let inner = self.inner.lock();
@@ -808,6 +839,52 @@ pub(super) mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| OsString::from(v))
         }
+    }
+
+    #[test]
+    fn a_neighbour_differs_only_in_m_and_within_an_eighth() {
+        let cache = PlanCache::in_memory();
+        let s = stack(13000);
+        for m in [4096, 4150, 4400, 8192] {
+            cache.record(
+                &s,
+                StoredPlan::new(key(m), &algo(m as u64), StoredSource::Timed, 0, 8),
+            );
+        }
+        let other_n = PlanKey {
+            n: 4096,
+            ..key(4120)
+        };
+        cache.record(
+            &s,
+            StoredPlan::new(other_n, &algo(1), StoredSource::Timed, 0, 8),
+        );
+        let near = |m: usize| cache.neighbour(&s, &key(m)).map(|p| p.key.m);
+        assert_eq!(near(4131), Some(4150), "the nearest in m");
+        assert_eq!(near(4123), Some(4096), "the nearer below on a tie");
+        assert_eq!(near(4096), Some(4150), "never the key itself");
+        assert_eq!(near(4700), Some(4400));
+        assert_eq!(near(5200), None, "farther than an eighth");
+        assert_eq!(near(7300), Some(8192));
+        // Only n differs: not a neighbour of key(4120)'s shape family, but of its own.
+        assert_eq!(
+            cache
+                .neighbour(
+                    &s,
+                    &PlanKey {
+                        n: 4096,
+                        ..key(4100)
+                    }
+                )
+                .map(|p| p.key.m),
+            Some(4120)
+        );
+        assert_eq!(
+            cache.neighbour(&stack(13010), &key(4131)),
+            None,
+            "another stack"
+        );
+        assert_eq!(PlanCache::disabled().neighbour(&s, &key(4131)), None);
     }
 
     #[test]

@@ -90,7 +90,7 @@ use std::time::{Duration, Instant};
 
 pub use cache::{
     plan_cache_path, reset_plan_cache, PlanCache, PlanCacheError, StackKey, StoredPlan,
-    StoredSource, ENV_PLAN_CACHE,
+    StoredSource, ENV_PLAN_CACHE, NEIGHBOUR_M_FRACTION,
 };
 pub use loader::{Attempt, LtLibrary};
 pub use plan::{
@@ -101,7 +101,7 @@ pub use plan::{
 pub use prepare::{Clock, GemmShape, PrepareReport, WallClock};
 
 use live::LivePlanner;
-use prepare::{choose_plan, prepare_keys, CacheSlot, Timing};
+use prepare::{choose_plan, prepare_keys_with, CacheSlot, Timing};
 
 use crate::context::Context;
 use crate::memory::{DeviceBuffer, DeviceView, DeviceViewMut};
@@ -165,7 +165,8 @@ pub struct CacheStats {
     pub misses: u64,
     /// Plans whose algorithm was chosen by timing ([`ChosenBy::Timed`]).
     pub timed: u64,
-    /// Plans that run a re-validated choice of the persistent cache ([`ChosenBy::Stored`]).
+    /// Plans that run a re-validated choice of the persistent cache ([`ChosenBy::Stored`], or a neighbour's:
+    /// [`ChosenBy::Neighbour`]).
     pub stored: u64,
     /// Distinct kernels launched through the handle (timing, [`CublasLt::prepare`]'s priming, calls).
     pub kernels: usize,
@@ -225,6 +226,10 @@ pub enum ChosenBy {
     /// Timed policy: the persistent plan cache's choice for this stack and shape, found again
     /// among the heuristic's results (nothing timed).
     Stored,
+    /// Timed policy, no stored choice for this shape: the stored choice of a shape that differs only in `m`, by at
+    /// most an eighth ([`PlanCache::neighbour`]), found among the heuristic's results (nothing timed, nothing
+    /// stored: a later process finds the same neighbour).
+    Neighbour,
     /// Timed policy: the persistent cache's choice is no longer among the heuristic's results;
     /// the heuristic's first (a [`PlanCacheError::StoredAlgoRejected`] warning says so).
     StoredRejected,
@@ -592,8 +597,10 @@ impl CublasLt {
     /// request's enqueued step would stall it. Prepare a request's new shapes before enqueuing
     /// its step (a zero budget) and their new kernels load while the device is idle.
     ///
-    /// From then on, a call of a shape not prepared takes the heuristic's first result (and
-    /// is recorded as such); no call is timed inside a request. Shapes already planned are
+    /// From then on, a call of a shape not prepared takes a stored neighbour's choice (the same
+    /// shape but for `m`, within an eighth: [`ChosenBy::Neighbour`]) or else the heuristic's
+    /// first result (recorded as such); no call is timed inside a request. A shape of this
+    /// prepare that cannot be timed (budget spent) takes a neighbour's choice the same way. Shapes already planned are
     /// left as they are. Timing synchronizes `stream` and allocates scratch operands the size
     /// of the largest shape timed (freed before returning; a shape whose scratch does not fit
     /// takes the heuristic's first). Problems with the cache file are warnings in the report.
@@ -626,6 +633,19 @@ impl CublasLt {
         self.prepare(&shapes, Duration::ZERO, stream)
     }
 
+    /// [`CublasLt::prepare`] for a shape's first use inside a request: a shape with no stored
+    /// choice but a stored neighbour (the same shape but for `m`, within an eighth) takes the
+    /// neighbour's choice untimed, and only shapes with neither are timed within `budget`. A
+    /// prompt a few tokens longer than one seen before then costs no timing.
+    pub fn prepare_first_use(
+        &self,
+        shapes: &[GemmShape],
+        budget: Duration,
+        stream: &Stream,
+    ) -> Result<PrepareReport, CublasLtError> {
+        self.prepare_inner(shapes, budget, stream, &WallClock(Instant::now()), true)
+    }
+
     /// [`CublasLt::prepare`] with the budget measured by `clock`.
     pub fn prepare_with_clock(
         &self,
@@ -633,6 +653,17 @@ impl CublasLt {
         budget: Duration,
         stream: &Stream,
         clock: &dyn Clock,
+    ) -> Result<PrepareReport, CublasLtError> {
+        self.prepare_inner(shapes, budget, stream, clock, false)
+    }
+
+    fn prepare_inner(
+        &self,
+        shapes: &[GemmShape],
+        budget: Duration,
+        stream: &Stream,
+        clock: &dyn Clock,
+        neighbours_first: bool,
     ) -> Result<PrepareReport, CublasLtError> {
         stream.same_context(&self.ctx.inner, "CublasLt::prepare")?;
         let mut keys = Vec::with_capacity(shapes.len());
@@ -651,7 +682,7 @@ impl CublasLt {
         planner.shapes = shape_of;
         let report = {
             let planned = |key: &PlanKey| plans.contains_key(key);
-            prepare_keys(
+            prepare_keys_with(
                 &mut planner,
                 &keys,
                 &planned,
@@ -661,6 +692,7 @@ impl CublasLt {
                     .map(|(cache, stack)| CacheSlot { cache, stack }),
                 budget,
                 clock,
+                neighbours_first,
             )?
         };
         let primed = planner.prime_new_kernels();
@@ -679,7 +711,7 @@ impl CublasLt {
         self.misses.fetch_add(1, Ordering::Relaxed);
         match chosen_by {
             ChosenBy::Timed => self.timed.fetch_add(1, Ordering::Relaxed),
-            ChosenBy::Stored => self.stored.fetch_add(1, Ordering::Relaxed),
+            ChosenBy::Stored | ChosenBy::Neighbour => self.stored.fetch_add(1, Ordering::Relaxed),
             _ => 0,
         };
     }

@@ -1,6 +1,6 @@
 //! Choosing GEMM algorithms ahead of the requests: the shapes a model will run, listed at load
 //! ([`GemmShape`]), and the rule that picks each one's algorithm from the persistent cache, by
-//! timing within a budget, or from the heuristic ([`choose_plan`], [`prepare_keys`]).
+//! timing within a budget, or from the heuristic ([`choose_plan`], [`prepare_keys_with`]).
 //!
 //! The rule is written against two small traits, [`Planner`] (build a plan, time it, adopt a
 //! candidate) and [`Clock`], so it runs on the host in tests with fakes; [`super::CublasLt`]
@@ -243,8 +243,11 @@ pub struct PrepareReport {
     pub shapes: usize,
     /// Shapes that already had a plan in the handle (left as they were).
     pub already_planned: usize,
-    /// Shapes whose stored choice was found and re-validated: no timing.
+    /// Shapes whose stored choice (or a stored neighbour's, below) was found and re-validated: no timing.
     pub stored: usize,
+    /// Of those, shapes that took a neighbour's choice ([`super::ChosenBy::Neighbour`]): the same shape but for
+    /// `m`, within an eighth of it.
+    pub neighbour: usize,
     /// Shapes timed now (within the budget).
     pub timed: usize,
     /// Shapes running the heuristic's first result: heuristic policy, the budget spent, a
@@ -314,8 +317,11 @@ pub(crate) struct CacheSlot<'a> {
 /// - timed policy with a stored choice: that choice when the heuristic still offers it
 ///   ([`ChosenBy::Stored`]), else the heuristic's first ([`ChosenBy::StoredRejected`], a
 ///   warning, and the new choice stored);
-/// - timed policy without one: timed when `timing` allows, else the heuristic's first; the
-///   result is stored (unless it came from a transient condition such as a capture).
+/// - timed policy without one: timed when `timing` allows; else the stored choice of a neighbour (the same shape
+///   but for `m`, within an eighth of it: [`PlanCache::neighbour`]) when the heuristic offers its algorithm
+///   ([`ChosenBy::Neighbour`], nothing stored: a later process finds the same neighbour); else the heuristic's
+///   first. A timed or heuristic result is stored (unless it came from a transient condition such as a capture).
+///   [`choose_plan_with`] can put the neighbour before timing.
 pub(crate) fn choose_plan(
     planner: &mut dyn Planner,
     key: &PlanKey,
@@ -323,14 +329,32 @@ pub(crate) fn choose_plan(
     cache: Option<CacheSlot<'_>>,
     timing: Timing,
 ) -> Result<ChosenBy, CublasLtError> {
+    choose_plan_with(planner, key, selection, cache, timing, false)
+}
+
+/// [`choose_plan`], where `neighbours_first` puts a stored neighbour's choice before timing too (a shape's first
+/// use inside a request), not only before the heuristic's first.
+pub(crate) fn choose_plan_with(
+    planner: &mut dyn Planner,
+    key: &PlanKey,
+    selection: AlgoSelection,
+    cache: Option<CacheSlot<'_>>,
+    timing: Timing,
+    neighbours_first: bool,
+) -> Result<ChosenBy, CublasLtError> {
     let AlgoSelection::Timed { candidates, .. } = selection else {
         planner.build(key, 1)?;
         planner.adopt(key, 0, ChosenBy::Heuristic);
         return Ok(ChosenBy::Heuristic);
     };
     let stored = cache.and_then(|slot| slot.cache.lookup(slot.stack, key));
+    let neighbour = match stored {
+        Some(_) => None,
+        None => cache.and_then(|slot| slot.cache.neighbour(slot.stack, key)),
+    };
     let requested = stored
         .as_ref()
+        .or(neighbour.as_ref())
         .map_or(candidates, |s| s.requested.max(candidates))
         .clamp(1, AlgoSelection::MAX_CANDIDATES);
     let algos = planner.build(key, requested)?;
@@ -360,6 +384,13 @@ pub(crate) fn choose_plan(
         record(StoredSource::Heuristic, 0, algos.first());
         return Ok(ChosenBy::StoredRejected);
     }
+    let from_neighbour = neighbour
+        .and_then(|n| n.algo())
+        .and_then(|algo| algos.iter().position(|a| *a == algo));
+    if let Some(index) = from_neighbour.filter(|_| neighbours_first || timing != Timing::Allowed) {
+        planner.adopt(key, index, ChosenBy::Neighbour);
+        return Ok(ChosenBy::Neighbour);
+    }
     let chosen_by = match timing {
         Timing::Allowed => {
             let (chosen_by, index) = planner.time(key)?;
@@ -385,9 +416,8 @@ pub(crate) fn choose_plan(
     Ok(chosen_by)
 }
 
-/// Plans every distinct key of `keys` not `already` planned, timing unseen ones while `clock`
-/// is within `budget`, then saves the cache when something was timed or a stored entry replaced. A shape starts timing only while the budget lasts;
-/// the one in progress may finish past it.
+/// [`prepare_keys_with`] with neighbours after timing (what the tests of the rule mostly use).
+#[cfg(test)]
 pub(crate) fn prepare_keys(
     planner: &mut dyn Planner,
     keys: &[PlanKey],
@@ -396,6 +426,26 @@ pub(crate) fn prepare_keys(
     cache: Option<CacheSlot<'_>>,
     budget: Duration,
     clock: &dyn Clock,
+) -> Result<PrepareReport, CublasLtError> {
+    prepare_keys_with(
+        planner, keys, already, selection, cache, budget, clock, false,
+    )
+}
+
+/// Plans every distinct key of `keys` not `already` planned, timing unseen ones while `clock`
+/// is within `budget`, then saves the cache when something was timed or a stored entry replaced. A shape starts
+/// timing only while the budget lasts; the one in progress may finish past it. With `neighbours_first` a stored
+/// neighbour's choice comes before timing ([`choose_plan_with`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prepare_keys_with(
+    planner: &mut dyn Planner,
+    keys: &[PlanKey],
+    already: &dyn Fn(&PlanKey) -> bool,
+    selection: AlgoSelection,
+    cache: Option<CacheSlot<'_>>,
+    budget: Duration,
+    clock: &dyn Clock,
+    neighbours_first: bool,
 ) -> Result<PrepareReport, CublasLtError> {
     let mut report = PrepareReport::default();
     let mut seen: Vec<PlanKey> = Vec::with_capacity(keys.len());
@@ -414,8 +464,12 @@ pub(crate) fn prepare_keys(
         } else {
             Timing::BudgetSpent
         };
-        match choose_plan(planner, key, selection, cache, timing)? {
+        match choose_plan_with(planner, key, selection, cache, timing, neighbours_first)? {
             ChosenBy::Stored => report.stored += 1,
+            ChosenBy::Neighbour => {
+                report.stored += 1;
+                report.neighbour += 1;
+            }
             ChosenBy::Timed => report.timed += 1,
             ChosenBy::StoredRejected => {
                 report.rejected += 1;
@@ -661,6 +715,70 @@ mod tests {
             GemmShape::of(&call).key().unwrap(),
             call.plan().unwrap().key
         );
+    }
+
+    #[test]
+    fn a_new_m_takes_a_stored_neighbours_choice_instead_of_the_heuristics_or_before_timing() {
+        let clock = FakeClock(Cell::new(Duration::ZERO));
+        let shape = |m: usize| GemmShape::bf16(m, 3072, 3072).key().unwrap();
+        let (stored_key, near, offered_elsewhere, far) =
+            (shape(4096), shape(4131), shape(4000), shape(6000));
+        let keys = [near, offered_elsewhere, far];
+        let stored_algo = algo(&stored_key, 3);
+        // The heuristic offers the neighbour's algorithm for `near` (second) but not for `offered_elsewhere`.
+        let planner_for = |clock| {
+            let mut planner = FakePlanner::new(clock, &keys, 5);
+            planner.candidates.get_mut(&near).unwrap()[1] = stored_algo;
+            planner
+        };
+        let stack = stack();
+        let run = |budget: Duration, neighbours_first: bool| {
+            let cache = PlanCache::in_memory();
+            cache.record(
+                &stack,
+                StoredPlan::new(stored_key, &stored_algo, StoredSource::Timed, 3, 8),
+            );
+            let slot = CacheSlot {
+                cache: &cache,
+                stack: &stack,
+            };
+            let mut planner = planner_for(&clock);
+            let report = prepare_keys_with(
+                &mut planner,
+                &keys,
+                &never,
+                TIMED,
+                Some(slot),
+                budget,
+                &clock,
+                neighbours_first,
+            )
+            .unwrap();
+            let near_stored = cache.lookup(&stack, &near).is_some();
+            (planner.adopted, planner.timed, report, near_stored)
+        };
+        // A request (no budget): the neighbour instead of the heuristic's first; not stored.
+        let (adopted, timed, report, near_stored) = run(Duration::ZERO, false);
+        assert_eq!(adopted[&near], (1, ChosenBy::Neighbour));
+        assert_eq!(adopted[&far], (0, ChosenBy::BudgetSpent));
+        assert_eq!(adopted[&offered_elsewhere], (0, ChosenBy::BudgetSpent));
+        assert!(timed.is_empty());
+        assert_eq!(
+            (report.stored, report.neighbour, report.heuristic),
+            (1, 1, 2)
+        );
+        assert!(!near_stored, "a neighbour's pick is not stored");
+        // A load with a budget: every shape without a stored choice is timed, neighbour or not.
+        let (adopted, timed, report, near_stored) = run(Duration::from_secs(60), false);
+        assert_eq!(timed, keys.to_vec());
+        assert_eq!((report.timed, report.neighbour), (3, 0));
+        assert_eq!(adopted[&near].1, ChosenBy::Timed);
+        assert!(near_stored);
+        // A first use inside a request: the neighbour before timing; the others are timed.
+        let (adopted, timed, report, _) = run(Duration::from_secs(60), true);
+        assert_eq!(adopted[&near], (1, ChosenBy::Neighbour));
+        assert_eq!(timed, vec![offered_elsewhere, far]);
+        assert_eq!((report.stored, report.neighbour, report.timed), (1, 1, 2));
     }
 
     #[test]

@@ -95,7 +95,8 @@ pub const MAX_SCHEDULE_TIMESTEPS: usize = 128;
 const MAX_GRAPHS: usize = 2;
 /// Workspaces kept (one per shape, least recently used dropped first).
 const MAX_WORKSPACES: usize = 2;
-/// Time a new shape may spend timing GEMM algorithms the plan cache does not hold yet, before its first step.
+/// Time a new shape may spend timing GEMM algorithms the plan cache does not hold yet, before its first step (a
+/// shape whose neighbour in `m` is stored takes that choice instead, untimed: a new prompt length is not timed).
 pub const FIRST_USE_GEMM_BUDGET: Duration = Duration::from_secs(20);
 /// GEMM algorithm choice: timed, but only where planned ahead (a new shape is planned before its first step) or
 /// found in the persistent plan cache; `TF_GEMM_SELECTION=heuristic` takes cuBLASLt's first result everywhere.
@@ -492,7 +493,7 @@ impl GpuH3Dit {
                 let shapes = engine.gemm_shapes(&key)?;
                 engine
                     .gemms
-                    .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &engine.stream)
+                    .prepare_first_use(&shapes, FIRST_USE_GEMM_BUDGET, &engine.stream)
                     .map_err(gpu_err("planning the step's GEMMs"))?;
                 Workspace::new(&engine.ctx, &engine.dims, key)
             },

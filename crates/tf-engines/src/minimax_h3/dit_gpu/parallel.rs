@@ -831,7 +831,7 @@ impl GpuH3Dit {
                 let shapes = engine.gemm_shapes(&plan.local)?;
                 engine
                     .gemms
-                    .prepare(&shapes, FIRST_USE_GEMM_BUDGET, &engine.stream)
+                    .prepare_first_use(&shapes, FIRST_USE_GEMM_BUDGET, &engine.stream)
                     .map_err(gpu_err("planning the step's GEMMs"))?;
                 let mut ws = Workspace::new(&engine.ctx, &engine.dims, plan.local)?;
                 ws.parallel = Some(SpBuffers::new(engine, plan.clone(), attention)?);

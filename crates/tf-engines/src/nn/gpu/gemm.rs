@@ -462,6 +462,23 @@ impl GemmRunner {
             })
     }
 
+    /// [`GemmRunner::prepare`] for shapes first used inside a request: a shape with a stored neighbour (the same
+    /// GEMM but for `m`, within an eighth) takes its choice untimed; only shapes with neither are timed within
+    /// `budget` (see [`CublasLt::prepare_first_use`]).
+    pub fn prepare_first_use(
+        &self,
+        shapes: &[GemmShape],
+        budget: Duration,
+        stream: &Stream,
+    ) -> Result<PrepareReport, GemmError> {
+        self.lt
+            .prepare_first_use(shapes, budget, stream)
+            .map_err(|source| GemmError::Library {
+                what: "planning a new shape's GEMMs",
+                source,
+            })
+    }
+
     /// Plans every shape the persistent plan cache stores for this GPU and loads their kernels (see
     /// [`CublasLt::prepare_stored`]): a worker's requests then find the plans and kernels of every shape an earlier
     /// process planned ready.
