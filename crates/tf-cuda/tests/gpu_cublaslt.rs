@@ -1139,35 +1139,44 @@ fn a_fresh_handle_with_the_plan_cache_chooses_the_same_algorithms_without_timing
     );
     let again = third.prepare_stored(&g.stream).expect("again");
     assert_eq!((again.already_planned, again.primed), (loaded.shapes, 0));
-    // A prompt a few tokens longer: the "out" GEMM at M = 4131 has no stored choice but its M = 4096 neighbour's,
-    // which it runs untimed even with a budget to spend; the result is right.
+    // A prompt a few tokens longer: the "out" GEMM at M = 4131 has no stored choice but its M = 4096 neighbour's.
+    // Its first use inside a request (`prepare_first_use`) runs that choice untimed even with a budget to spend,
+    // and a request's zero-budget prepare of M = 4150 takes it instead of the heuristic's first; the result is
+    // right.
     let (nm, nn, nk) = (4131usize, 4096usize, 4096usize);
+    let stored_before = |m: usize| {
+        let key = GemmShape::bf16(m, nn, nk).key().expect("key");
+        PlanCache::open(&path).lookup(&third_stack, &key).is_some()
+    };
+    let expect_for = |m: usize| {
+        // A cache file given through TF_PLAN_CACHE may hold the shape itself: its stored choice runs then.
+        if stored_before(m) {
+            println!("  the cache file holds M = {m} itself: its stored choice runs");
+            ChosenBy::Stored
+        } else {
+            ChosenBy::Neighbour
+        }
+    };
+    let (want_near, want_zero) = (expect_for(nm), expect_for(4150));
     let near = third
-        .prepare(
+        .prepare_first_use(
             &[GemmShape::bf16(nm, nn, nk)],
             Duration::from_secs(60),
             &g.stream,
         )
-        .expect("prepare a neighbour");
-    println!("third handle, M = {nm}: {near:?}");
+        .expect("prepare a neighbour at first use");
+    let zero = third
+        .prepare(&[GemmShape::bf16(4150, nn, nk)], Duration::ZERO, &g.stream)
+        .expect("prepare a neighbour in a request");
+    println!("third handle, M = {nm} at first use: {near:?}; M = 4150, zero budget: {zero:?}");
     let neighbour_choice = choice_for(&third, nm, nn, nk);
     let stored_choice = choice_for(&third, 4096, nn, nk);
     println!("  {}", describe(&neighbour_choice));
-    let near_key = GemmShape::bf16(nm, nn, nk).key().expect("key");
-    if PlanCache::open(&path)
-        .lookup(&third_stack, &near_key)
-        .is_some()
-    {
-        // A cache file given through TF_PLAN_CACHE may hold this very shape already.
-        println!("  the cache file holds M = {nm} itself: its stored choice runs");
-        assert_eq!(neighbour_choice.chosen_by, ChosenBy::Stored);
-    } else {
-        assert_eq!(
-            (near.stored, near.neighbour, near.timed),
-            (1, 1, 0),
-            "{near:?}"
-        );
-        assert_eq!(neighbour_choice.chosen_by, ChosenBy::Neighbour);
+    assert_eq!(neighbour_choice.chosen_by, want_near);
+    assert_eq!(choice_for(&third, 4150, nn, nk).chosen_by, want_zero);
+    assert_eq!((near.stored, near.timed), (1, 0), "{near:?}");
+    if want_near == ChosenBy::Neighbour {
+        assert_eq!(near.neighbour, 1, "{near:?}");
     }
     let mut rng = Rng(0x4131);
     let (xb, xf) = bf16_matrix(&mut rng, nm * nk, 1.0);
