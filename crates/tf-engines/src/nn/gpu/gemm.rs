@@ -57,6 +57,11 @@ pub enum GemmError {
     },
 }
 
+/// The error of a cuBLASLt call made while `what`.
+fn library(what: &'static str) -> impl FnOnce(CublasLtError) -> GemmError {
+    move |source| GemmError::Library { what, source }
+}
+
 /// `bytes` at `offset` of `buf` as a GEMM (or kernel) operand, checked against the buffer.
 pub fn span(buf: &DeviceBuffer, offset: usize, bytes: usize) -> Result<DeviceSpan, GemmError> {
     let bad = || GemmError::Span {
@@ -421,25 +426,13 @@ impl GemmRunner {
     /// `selection` (or [`SELECTION_ENV`]) and filing timed choices in the [`process_plan_cache`].
     pub fn new(ctx: &Context, selection: AlgoSelection) -> Result<GemmRunner, GemmError> {
         let selection = selection_from_env(selection)?;
-        let lib = LtLibrary::open().map_err(|source| GemmError::Library {
-            what: "loading the library",
-            source,
-        })?;
+        let lib = LtLibrary::open().map_err(library("loading the library"))?;
         let lt =
-            CublasLt::with_default_workspace(ctx, lib).map_err(|source| GemmError::Library {
-                what: "creating a handle",
-                source,
-            })?;
+            CublasLt::with_default_workspace(ctx, lib).map_err(library("creating a handle"))?;
         lt.set_timing_data(timing_data_from_env()?)
-            .map_err(|source| GemmError::Library {
-                what: "setting the timing data",
-                source,
-            })?;
+            .map_err(library("setting the timing data"))?;
         lt.set_plan_cache(process_plan_cache())
-            .map_err(|source| GemmError::Library {
-                what: "attaching the plan cache",
-                source,
-            })?;
+            .map_err(library("attaching the plan cache"))?;
         let runner = GemmRunner { lt };
         runner.set_algo_selection(selection)?;
         Ok(runner)
@@ -456,10 +449,7 @@ impl GemmRunner {
     ) -> Result<PrepareReport, GemmError> {
         self.lt
             .prepare(shapes, budget, stream)
-            .map_err(|source| GemmError::Library {
-                what: "planning the GEMMs ahead",
-                source,
-            })
+            .map_err(library("planning the GEMMs ahead"))
     }
 
     /// [`GemmRunner::prepare`] for shapes first used inside a request: a shape with a stored neighbour (the same
@@ -473,10 +463,7 @@ impl GemmRunner {
     ) -> Result<PrepareReport, GemmError> {
         self.lt
             .prepare_first_use(shapes, budget, stream)
-            .map_err(|source| GemmError::Library {
-                what: "planning a new shape's GEMMs",
-                source,
-            })
+            .map_err(library("planning a new shape's GEMMs"))
     }
 
     /// Plans every shape the persistent plan cache stores for this GPU and loads their kernels (see
@@ -489,10 +476,7 @@ impl GemmRunner {
                 shapes: report.shapes,
                 kernels_loaded: report.primed,
             })
-            .map_err(|source| GemmError::Library {
-                what: "planning the plan cache's stored shapes",
-                source,
-            })
+            .map_err(library("planning the plan cache's stored shapes"))
     }
 
     /// The handle (plan choices, cache statistics).
@@ -524,10 +508,7 @@ impl GemmRunner {
     pub fn set_algo_selection(&self, selection: AlgoSelection) -> Result<(), GemmError> {
         self.lt
             .set_algo_selection(selection)
-            .map_err(|source| GemmError::Library {
-                what: "setting the algorithm selection",
-                source,
-            })
+            .map_err(library("setting the algorithm selection"))
     }
 
     /// What every plan built so far chose.
