@@ -84,8 +84,7 @@ GOAL_SIZE, GOAL_STEPS = (1024, 1024), 8
 # "tf worker: encode 0.012 s, 8 steps 0.861 s, decode 0.058 s, total 0.934 s"
 PHASE_LINE = re.compile(r"encode ([0-9.]+) s, (\d+) steps ([0-9.]+) s, decode ([0-9.]+) s, total ([0-9.]+) s")
 WARM_LINE = re.compile(r"warmed up at (\d+)x(\d+) in ([0-9.]+) s")
-# The load's stored GEMM plans (the Qwen-Image warm-up's tail; a line of its own for MiniMax H3):
-# "stored GEMM shapes planned: 57 (9 kernels loaded)".
+# The load's stored GEMM plans: "tf worker: stored GEMM shapes planned: 57 (9 kernels loaded)".
 STORED_GEMMS_LINE = re.compile(r"stored GEMM shapes planned: (\d+) \((\d+) kernels loaded\)")
 LOADED_LINE = re.compile(r"loaded (.+?) in ([0-9.]+) s; .*DiT precision (.+)$")
 # MiniMax H3: "tf worker: encode 0.120 s, 7 steps 9.800 s, decode video 1.900 s, audio 0.100 s, total 12.000 s;

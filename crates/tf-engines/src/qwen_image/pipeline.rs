@@ -311,9 +311,6 @@ pub struct WarmUp {
     pub timings: Timings,
     /// How its DiT GEMMs were planned (GPU DiT only).
     pub gemms: Option<GemmPlanSummary>,
-    /// After the warm-up, the GEMM shapes the persistent plan cache stores, planned, and the kernels among them
-    /// loaded (GPU DiT only): a later request of a shape an earlier process planned plans and loads nothing.
-    pub stored_gemms: Option<crate::nn::gpu::gemm::StoredGemms>,
     /// Why nothing ran, when the warm-up was skipped (the sequential mode: nothing stays loaded to warm).
     pub skipped: Option<&'static str>,
 }
@@ -899,7 +896,6 @@ impl Pipeline {
                 seconds: 0.0,
                 timings: Timings::default(),
                 gemms: None,
-                stored_gemms: None,
                 skipped: Some(WARM_UP_SKIPPED_SEQUENTIAL),
             });
         }
@@ -918,16 +914,13 @@ impl Pipeline {
         .map_err(|e| invalid(format!("no warm-up schedule: {e}")))?;
         let generation = self.run_planned(plan, &request, &mut |_| {}, gemm_budget)?;
         // The warm-up's prompt length is not a request's: its workspaces become spare buffers that the first
-        // request's workspaces are built from, instead of new allocations inside that request. The shapes earlier
-        // processes planned (other prompt lengths, other sizes) are planned, and their kernels loaded, now.
-        let mut stored_gemms = None;
+        // request's workspaces are built from, instead of new allocations inside that request.
         if let Components::Resident(Resident {
             dit: DitEngine::Gpu(dit),
             ..
         }) = &mut self.components
         {
             dit.recycle_workspaces()?;
-            stored_gemms = Some(dit.prepare_stored_gemms()?);
         }
         Ok(WarmUp {
             width,
@@ -935,9 +928,24 @@ impl Pipeline {
             seconds: secs(started.elapsed()),
             timings: generation.timings,
             gemms: self.gemm_plan_summary,
-            stored_gemms,
             skipped: None,
         })
+    }
+
+    /// Plans every GEMM shape the persistent plan cache stores for this GPU in the resident GPU DiT and loads their
+    /// kernels, so that a request whose shapes an earlier process planned (other prompt lengths, other sizes) plans
+    /// and loads nothing inside it: a worker's load, after [`Pipeline::warm_up`] (a one-shot command needs only its
+    /// request's shapes, which the warm-up planned). `None` on the host DiT or in the sequential mode.
+    pub fn prepare_stored_gemms(
+        &mut self,
+    ) -> Result<Option<crate::nn::gpu::gemm::StoredGemms>, PipelineError> {
+        match &mut self.components {
+            Components::Resident(Resident {
+                dit: DitEngine::Gpu(dit),
+                ..
+            }) => Ok(Some(dit.prepare_stored_gemms()?)),
+            _ => Ok(None),
+        }
     }
 
     /// How the last request's DiT GEMMs were planned (GPU DiT only).

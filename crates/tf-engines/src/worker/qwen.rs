@@ -110,15 +110,22 @@ impl WorkerEngine for QwenImageEngine {
             match pipeline.warm_up(w, h, WARM_UP_GEMM_BUDGET) {
                 Ok(warm) => match warm.skipped {
                     Some(why) => log!("tf worker: no warm-up: {why}"),
-                    None => log!(
-                        "tf worker: warmed up at {w}x{h} in {:.2} s; stored GEMM shapes planned: {}",
-                        warm.seconds,
-                        warm.stored_gemms.map_or("none".to_string(), |g| g.to_string())
-                    ),
+                    None => log!("tf worker: warmed up at {w}x{h} in {:.2} s", warm.seconds),
                 },
                 Err(e) if e.is_invalid_request() => {
                     log!("tf worker: no warm-up at {w}x{h}, the model's limits refuse it: {e}")
                 }
+                Err(e) => {
+                    return Err(classify(
+                        &e,
+                        pipeline.context().is_some_and(|c| c.is_lost()),
+                    ))
+                }
+            }
+            // Nor may a request of a prompt length or size an earlier process planned plan or load GEMM kernels.
+            match pipeline.prepare_stored_gemms() {
+                Ok(Some(stored)) => log!("tf worker: stored GEMM shapes planned: {stored}"),
+                Ok(None) => {}
                 Err(e) => {
                     return Err(classify(
                         &e,

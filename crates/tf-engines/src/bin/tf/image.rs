@@ -289,9 +289,8 @@ fn image(args: &Args) -> Result<(), ImageError> {
         match w.skipped {
             Some(why) => eprintln!("tf image: no warm-up: {why}"),
             None => eprintln!(
-                "tf image: warmed up at {width}x{height} in {:.2} s{gemms}; stored GEMM shapes planned: {}",
-                w.seconds,
-                w.stored_gemms.map_or("none".to_string(), |g| g.to_string())
+                "tf image: warmed up at {width}x{height} in {:.2} s{gemms}",
+                w.seconds
             ),
         }
         Some(w)
