@@ -111,16 +111,10 @@ impl WorkerEngine for MiniMaxH3Engine {
         let resident = report.resident_bytes;
         let mut pipeline = pipeline;
         // The first request must not plan or load the GEMM kernels of shapes an earlier process planned.
-        match pipeline.prepare_stored_gemms() {
-            Ok(Some(stored)) => log!("tf worker: stored GEMM shapes planned: {stored}"),
-            Ok(None) => {}
-            Err(e) => {
-                return Err(classify(
-                    &e,
-                    pipeline.context().is_some_and(|c| c.is_lost()),
-                ))
-            }
-        }
+        let stored = pipeline
+            .prepare_stored_gemms()
+            .map_err(|e| classify(&e, pipeline.context().is_some_and(|c| c.is_lost())))?;
+        super::log_stored_gemms(stored);
         self.pipeline = Some(pipeline);
         Ok(resident)
     }

@@ -44,6 +44,14 @@ macro_rules! log {
     };
 }
 
+/// Logs what a load's planning of the plan cache's stored GEMM shapes did (nothing when it did not run: a host
+/// backend, a sequential memory plan).
+pub(crate) fn log_stored_gemms(stored: Option<crate::nn::gpu::gemm::StoredGemms>) {
+    if let Some(stored) = stored {
+        log!("tf worker: stored GEMM shapes planned: {stored}");
+    }
+}
+
 pub mod client;
 pub mod minimax_h3;
 pub mod qwen;

@@ -123,16 +123,10 @@ impl WorkerEngine for QwenImageEngine {
                 }
             }
             // Nor may a request of a prompt length or size an earlier process planned plan or load GEMM kernels.
-            match pipeline.prepare_stored_gemms() {
-                Ok(Some(stored)) => log!("tf worker: stored GEMM shapes planned: {stored}"),
-                Ok(None) => {}
-                Err(e) => {
-                    return Err(classify(
-                        &e,
-                        pipeline.context().is_some_and(|c| c.is_lost()),
-                    ))
-                }
-            }
+            let stored = pipeline
+                .prepare_stored_gemms()
+                .map_err(|e| classify(&e, pipeline.context().is_some_and(|c| c.is_lost())))?;
+            super::log_stored_gemms(stored);
         }
         self.pipeline = Some(pipeline);
         Ok(report.resident_bytes)
