@@ -7,7 +7,8 @@
 use tf_cuda::{Event, Stream};
 
 use super::step::{NoProbe, StepProbe};
-use super::{cuda_err, GpuH3Dit, H3ScheduleTimes, H3StepTimes};
+use super::workspace::Workspace;
+use super::{cuda_err, Engine, GpuH3Dit, H3ScheduleTimes, H3StepTimes};
 use crate::minimax_h3::dit::{H3Error, H3Inputs};
 use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 
@@ -44,6 +45,30 @@ fn timed(
     Ok(f64::from(ms) / iters as f64)
 }
 
+/// Device time of a graph replay of `ws`'s step (whole with `tables`, else without the timestep tables): the first
+/// replay captures the graph, `warmup - 1` more run untimed, then `iters` are timed; the stream is drained after.
+fn time_replays(
+    engine: &Engine,
+    ws: &mut Workspace,
+    tables: bool,
+    (start, end): (&Event, &Event),
+    warmup: usize,
+    iters: usize,
+) -> Result<f64, H3Error> {
+    engine.replay(ws, tables)?;
+    for _ in 1..warmup.max(1) {
+        engine.replay(ws, tables)?;
+    }
+    let ms = timed(start, end, &engine.stream, iters, || {
+        engine.replay(ws, tables)
+    })?;
+    engine
+        .stream
+        .synchronize()
+        .map_err(cuda_err("finishing the timed steps"))?;
+    Ok(ms)
+}
+
 impl GpuH3Dit {
     /// Device time of one forward's step (events; `warmup` then `iters` launches), eager and graph replay. The
     /// inputs are uploaded once; the workspace (and its GEMM planning, on first use) and the graph are the ones
@@ -69,18 +94,7 @@ impl GpuH3Dit {
         let eager_ms = timed(&start, &end, &engine.stream, iters, || {
             engine.enqueue_step(ws, &mut NoProbe)
         })?;
-        // Captured on first use, then replayed `warmup` times untimed.
-        engine.replay(ws, true)?;
-        for _ in 1..warmup.max(1) {
-            engine.replay(ws, true)?;
-        }
-        let graph_ms = timed(&start, &end, &engine.stream, iters, || {
-            engine.replay(ws, true)
-        })?;
-        engine
-            .stream
-            .synchronize()
-            .map_err(cuda_err("finishing the timed steps"))?;
+        let graph_ms = time_replays(engine, ws, true, (&start, &end), warmup, iters)?;
         Ok(H3StepTimes {
             eager_ms,
             graph_ms,
@@ -140,17 +154,7 @@ impl GpuH3Dit {
         let body_eager_ms = timed(&start, &end, &engine.stream, iters, || {
             engine.enqueue_body(ws, &mut NoProbe)
         })?;
-        engine.replay(ws, false)?;
-        for _ in 1..warmup.max(1) {
-            engine.replay(ws, false)?;
-        }
-        let body_graph_ms = timed(&start, &end, &engine.stream, iters, || {
-            engine.replay(ws, false)
-        })?;
-        engine
-            .stream
-            .synchronize()
-            .map_err(cuda_err("finishing the timed steps"))?;
+        let body_graph_ms = time_replays(engine, ws, false, (&start, &end), warmup, iters)?;
         Ok(H3ScheduleTimes {
             timesteps: self.schedule.len(),
             tables_ms,
