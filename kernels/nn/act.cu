@@ -27,18 +27,18 @@ __device__ __forceinline__ float gelu_tanh_f32(float x) {
 
 namespace {
 
-// SwiGLU of one 8-column chunk of a fused GEMM output row: out[r, c] = silu(gate[r, c]) * value[r, c] for c < hidden,
-// the gate half first ([gate | value], GATE_FIRST) or second ([value | gate]).
-template <bool GATE_FIRST>
-__device__ __forceinline__ void swiglu_chunk(const bf16* __restrict__ fused, int fused_stride, bf16* __restrict__ out,
-                                             int out_stride, int rows, int hidden) {
+// SwiGLU of one 8-column chunk of a row: out[r, c] = silu(gate[r, c]) * value[r, c] for c < hidden, the halves read
+// at `gate` and `value` with one row stride (two halves of a fused GEMM output row, or two matrices).
+__device__ __forceinline__ void swiglu_chunk(const bf16* __restrict__ gate, const bf16* __restrict__ value,
+                                             int in_stride, bf16* __restrict__ out, int out_stride, int rows,
+                                             int hidden) {
     const int row = blockIdx.x;
     const int col = (blockIdx.y * NN_ROW_THREADS + threadIdx.x) * 8;
     if (row >= rows || col >= hidden) return;
-    const bf16* in_row = fused + static_cast<int64_t>(row) * fused_stride;
+    const int64_t at = static_cast<int64_t>(row) * in_stride + col;
     float g[8], u[8];
-    nn::load8(in_row + (GATE_FIRST ? 0 : hidden) + col, g);
-    nn::load8(in_row + (GATE_FIRST ? hidden : 0) + col, u);
+    nn::load8(gate + at, g);
+    nn::load8(value + at, u);
 #pragma unroll
     for (int i = 0; i < 8; ++i) g[i] = silu_f32(g[i]) * u[i];
     nn::store8(out + static_cast<int64_t>(row) * out_stride + col, g);
@@ -51,7 +51,7 @@ __device__ __forceinline__ void swiglu_chunk(const bf16* __restrict__ fused, int
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_swiglu(const bf16* __restrict__ gate_up, int gate_up_stride, bf16* __restrict__ out, int out_stride, int rows,
               int hidden) {
-    swiglu_chunk<true>(gate_up, gate_up_stride, out, out_stride, rows, hidden);
+    swiglu_chunk(gate_up, gate_up + hidden, gate_up_stride, out, out_stride, rows, hidden);
 }
 
 // SwiGLU on a fused value|gate GEMM output: out[r, c] = silu(value_gate[r, hidden + c]) * value_gate[r, c], c <
@@ -59,7 +59,15 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_swiglu_value_gate(const bf16* __restrict__ value_gate, int value_gate_stride, bf16* __restrict__ out,
                          int out_stride, int rows, int hidden) {
-    swiglu_chunk<false>(value_gate, value_gate_stride, out, out_stride, rows, hidden);
+    swiglu_chunk(value_gate + hidden, value_gate, value_gate_stride, out, out_stride, rows, hidden);
+}
+
+// SwiGLU on halves held apart (a projection run as two GEMMs): out[r, c] = silu(gate[r, c]) * value[r, c], both
+// inputs with row stride in_stride. Grid as nn_swiglu.
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_swiglu_apart(const bf16* __restrict__ gate, const bf16* __restrict__ value, int in_stride,
+                    bf16* __restrict__ out, int out_stride, int rows, int hidden) {
+    swiglu_chunk(gate, value, in_stride, out, out_stride, rows, hidden);
 }
 
 // Elementwise y = gelu_tanh(x) over n values (y may alias x). Any n; pointers 16-byte aligned.

@@ -375,21 +375,21 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     gated_residual_norm_modulate_fp8_row<2>(NN_GATED_RESIDUAL_FP8_PASS);
 }
 
-// SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a fused GEMM output row of 2 * hidden
-// columns ([gate | value] when gate_first != 0, else [value | gate]), quantized per row into q / scales.
-// hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of ceil(hidden / 16) threads
-// rounded up to a multiple of 32. Every load of the row is issued before the first silu.
+// SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a row's two halves of `hidden` columns,
+// read at `gate` and `value` with one row stride (the halves of a fused GEMM output row, or two matrices), quantized
+// per row into q / scales. hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of
+// ceil(hidden / 16) threads rounded up to a multiple of 32. Every load of the row is issued before the first silu.
 extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
-    nn_swiglu_fp8(const bf16* __restrict__ fused, int fused_stride, uint8_t* __restrict__ q, int q_stride,
-                  float* __restrict__ scales, int rows, int hidden, int gate_first) {
+    nn_swiglu_fp8(const bf16* __restrict__ gate, const bf16* __restrict__ value, int in_stride,
+                  uint8_t* __restrict__ q, int q_stride, float* __restrict__ scales, int rows, int hidden) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= rows) return;
-    const bf16* in_row = fused + static_cast<int64_t>(row) * fused_stride;
+    const int64_t at = static_cast<int64_t>(row) * in_stride;
     uint4 gate_raw[NN_WIDE_CHUNKS];
     uint4 value_raw[NN_WIDE_CHUNKS];
-    load_raw<NN_WIDE_CHUNKS>(in_row + (gate_first != 0 ? 0 : hidden), hidden, gate_raw);
-    load_raw<NN_WIDE_CHUNKS>(in_row + (gate_first != 0 ? hidden : 0), hidden, value_raw);
+    load_raw<NN_WIDE_CHUNKS>(gate + at, hidden, gate_raw);
+    load_raw<NN_WIDE_CHUNKS>(value + at, hidden, value_raw);
     float v[NN_WIDE_CHUNKS][8];
 #pragma unroll
     for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {

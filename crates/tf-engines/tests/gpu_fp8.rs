@@ -20,11 +20,11 @@ use tf_engines::nn::fp8;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear};
 use tf_engines::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
-    plan_swiglu_fp8, Fp8Rows, QuantKernels, ResidualGate,
+    plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels, ResidualGate,
 };
 use tf_engines::nn::gpu::{
-    Matrix, Modulation, ModulationRows, NnKernels, NormKind, NormModulate, RowModulation,
-    SwigluOrder,
+    plan_swiglu_apart, plan_swiglu_ordered, Matrix, Modulation, ModulationRows, NnKernels,
+    NormKind, NormModulate, RowModulation, SwigluOrder,
 };
 use tf_engines::nn::host;
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
@@ -713,6 +713,76 @@ fn swiglu_fp8_matches_the_host_quantization() {
             &want,
             hidden,
         );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn swiglu_of_halves_apart_equals_the_fused_rows() {
+    let g = gpu();
+    let mut rng = Rng::new(9);
+    // (rows, hidden): tiny, and MiniMax H3's 14336 (whose fc1 runs as two GEMMs when one half is FP8).
+    for (rows, hidden) in [(5, 96), (33, 14336)] {
+        let (bits, _) = random_bf16(&mut rng, rows * 2 * hidden, -4.0, 4.0);
+        // The same values as [value | gate] rows, and as the value half's rows followed by the gate half's.
+        let mut apart_bits = Vec::with_capacity(bits.len());
+        for half in 0..2 {
+            for r in 0..rows {
+                let row = &bits[r * 2 * hidden..(r + 1) * 2 * hidden];
+                apart_bits.extend_from_slice(&row[half * hidden..(half + 1) * hidden]);
+            }
+        }
+        let fused_buffer = upload(&g, &bits);
+        let fused = fused_buffer.view();
+        let apart = upload(&g, &apart_bits);
+        let half_bytes = rows * hidden * 2;
+        let value = apart.slice(0, half_bytes).unwrap();
+        let gate = apart.slice(half_bytes, half_bytes).unwrap();
+        let each = Matrix::dense(rows, hidden);
+        let both = Matrix::dense(rows, 2 * hidden);
+        // FP8 output: codes and scales bit-equal.
+        let mut results = Vec::new();
+        for split in [false, true] {
+            let mut codes = upload(&g, &vec![0u8; rows * hidden]);
+            let mut scales = upload(&g, &vec![0f32; rows]);
+            {
+                let (cv, sv) = (codes.view_mut(), scales.view_mut());
+                let out = Fp8Rows {
+                    codes: &cv,
+                    stride: hidden,
+                    scales: &sv,
+                };
+                let plan = if split {
+                    plan_swiglu_fp8_apart(&value, &gate, each, &out)
+                } else {
+                    plan_swiglu_fp8(SwigluOrder::ValueGate, &fused, both, &out)
+                };
+                g.quant.run(&g.stream, plan).expect("launch swiglu_fp8");
+            }
+            results.push(download_fp8(&g, &codes, &scales, rows, hidden, hidden));
+        }
+        assert_eq!(results[0].0, results[1].0, "{rows}x{hidden}: FP8 codes");
+        assert_eq!(results[0].1, results[1].1, "{rows}x{hidden}: FP8 scales");
+        // bf16 output: bit-equal.
+        let mut outs = Vec::new();
+        for split in [false, true] {
+            let mut out = upload(&g, &vec![0u16; rows * hidden]);
+            {
+                let ov = out.view_mut();
+                let plan = if split {
+                    plan_swiglu_apart(&value, &gate, each, &ov, hidden)
+                } else {
+                    plan_swiglu_ordered(SwigluOrder::ValueGate, &fused, both, &ov, hidden)
+                };
+                nn(&g)
+                    .submit(&g.stream, &plan.expect("plan swiglu"))
+                    .expect("launch swiglu");
+            }
+            sync(&g);
+            outs.push(out.to_vec::<u16>().expect("download"));
+        }
+        assert_eq!(outs[0], outs[1], "{rows}x{hidden}: bf16 SwiGLU");
+        println!("SwiGLU {rows}x{hidden}: the halves apart give the fused rows' FP8 codes, scales and bf16 values bit for bit");
     }
 }
 

@@ -1385,8 +1385,13 @@ fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
         ] {
             worst = worst.max(compare_fp8(&case, what, ours, base, &expected(&case, what)));
         }
-        // The adaLN projections in FP8 too (weight-only), and alone.
-        for spec in ["fp8:all,adaln,ends=0", "fp8:adaln,ends=0"] {
+        // The adaLN projections in FP8 too (weight-only), and alone; one half of mlp_in apart from the other.
+        for spec in [
+            "fp8:all,adaln,ends=0",
+            "fp8:adaln,ends=0",
+            "fp8:mlp_value,mlp_out,ends=0",
+            "fp8:mlp_gate,ends=0",
+        ] {
             let precision: DitPrecision = spec.parse().unwrap();
             let out = load_in(&ctx, &case, precision).forward(&step).unwrap();
             for (what, ours, base) in [
@@ -1434,6 +1439,9 @@ fn fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
         "fp8:mlp_in,ends=0",
         "fp8:mlp_out,ends=0",
         "fp8:qkv,mlp_out,ends=0",
+        "fp8:mlp_value,ends=0",
+        "fp8:mlp_gate,ends=0",
+        "fp8:qkv,out,mlp_value,mlp_out,ends=0",
     ] {
         let precision: DitPrecision = spec.parse().unwrap();
         let mut dit = load_in(&ctx, case, precision);

@@ -66,7 +66,8 @@ use crate::nn::weights::ModelDir;
 /// "MiniMax H3 DiT in FP8"): `mlp_in` alone costs 4.5x the floor, more than the three others together.
 pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
     groups: Fp8Groups {
-        mlp_in: false,
+        mlp_value: false,
+        mlp_gate: false,
         ..Fp8Groups::ALL
     },
     bf16_ends: 1,

@@ -2,7 +2,9 @@
 //! groups of the transformer blocks' GEMMs.
 //!
 //! A block has four GEMM groups: `qkv` (the fused q|k|v projection), `out` (the attention output projection),
-//! `mlp_in` (the fused gate|up, or value|gate, projection) and `mlp_out` (the MLP's down projection). In FP8 a
+//! `mlp_in` (the fused gate|up, or value|gate, projection) and `mlp_out` (the MLP's down projection). `mlp_in` is
+//! two halves that may be chosen apart (MiniMax H3 only): `mlp_value` (the rows SwiGLU multiplies) and `mlp_gate`
+//! (the rows it passes through silu); one half alone runs the projection as two GEMMs, one FP8 and one bf16. In FP8 a
 //! group's weight is quantized at load per output channel and its input per token by the kernel that produces it
 //! (the norm + modulation before `qkv`, the gated residual + norm + modulation before `mlp_in`, SwiGLU before
 //! `mlp_out`; the attention output, whose kernel writes bf16, by a quantizing pass of its own before `out`), and
@@ -16,8 +18,8 @@
 //!
 //! Spelled on the command line (`--precision`) as `bf16`, `fp8` (the model's own default mode,
 //! [`DitPrecision::Fp8ModelDefault`], which each model's loader resolves with [`DitPrecision::resolve`]), or
-//! `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_out`, `adaln`,
-//! `all` (the four GEMM groups), `none`.
+//! `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_value`,
+//! `mlp_gate`, `mlp_out`, `adaln`, `all` (the four GEMM groups), `none`.
 //!
 //! `accum` is how the FP8 GEMMs accumulate ([`Fp8Accumulation`]): `exact` promotes the tensor cores' partial sums to
 //! f32 at intervals along `k` (cuBLASLt's default), `fast` lets them accumulate in the tensor cores' own, narrower
@@ -33,7 +35,10 @@ use std::str::FromStr;
 pub struct Fp8Groups {
     pub qkv: bool,
     pub out: bool,
-    pub mlp_in: bool,
+    /// The value half of `mlp_in` (the rows SwiGLU multiplies by silu of the gate).
+    pub mlp_value: bool,
+    /// The gate half of `mlp_in` (the rows SwiGLU passes through silu).
+    pub mlp_gate: bool,
     pub mlp_out: bool,
     /// The block's adaLN projection, weight-only (MiniMax H3).
     pub adaln: bool,
@@ -44,7 +49,8 @@ impl Fp8Groups {
     pub const NONE: Fp8Groups = Fp8Groups {
         qkv: false,
         out: false,
-        mlp_in: false,
+        mlp_value: false,
+        mlp_gate: false,
         mlp_out: false,
         adaln: false,
     };
@@ -52,27 +58,41 @@ impl Fp8Groups {
     pub const ALL: Fp8Groups = Fp8Groups {
         qkv: true,
         out: true,
-        mlp_in: true,
+        mlp_value: true,
+        mlp_gate: true,
         mlp_out: true,
         adaln: false,
     };
 
     /// True when some group runs in FP8.
     pub fn any(self) -> bool {
-        self.qkv || self.out || self.mlp_in || self.mlp_out || self.adaln
+        self.any_gemm() || self.adaln
     }
 
-    /// True when one of the four GEMM groups runs in FP8 (their activations are quantized too).
+    /// True when one of the four GEMM groups (or a half of `mlp_in`) runs in FP8 (their activations are quantized
+    /// too).
     pub fn any_gemm(self) -> bool {
-        self.qkv || self.out || self.mlp_in || self.mlp_out
+        self.qkv || self.out || self.mlp_value || self.mlp_gate || self.mlp_out
     }
 
-    /// The groups' names, in block order.
+    /// Both halves of `mlp_in` in FP8: the projection is one FP8 GEMM.
+    pub fn mlp_in(self) -> bool {
+        self.mlp_value && self.mlp_gate
+    }
+
+    /// Exactly one half of `mlp_in` in FP8: the projection runs as two GEMMs, one per half.
+    pub fn mlp_in_split(self) -> bool {
+        self.mlp_value != self.mlp_gate
+    }
+
+    /// The groups' names, in block order (`mlp_in` when both of its halves are named).
     pub fn names(self) -> Vec<&'static str> {
         [
             ("qkv", self.qkv),
             ("out", self.out),
-            ("mlp_in", self.mlp_in),
+            ("mlp_in", self.mlp_in()),
+            ("mlp_value", self.mlp_in_split() && self.mlp_value),
+            ("mlp_gate", self.mlp_in_split() && self.mlp_gate),
             ("mlp_out", self.mlp_out),
             ("adaln", self.adaln),
         ]
@@ -247,7 +267,7 @@ impl FromStr for DitPrecision {
 
     /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact] with GROUP one of qkv, out, mlp_in, mlp_out, adaln, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_out, adaln, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -290,7 +310,12 @@ impl FromStr for DitPrecision {
             match item {
                 "qkv" => groups.qkv = true,
                 "out" => groups.out = true,
-                "mlp_in" => groups.mlp_in = true,
+                "mlp_in" => {
+                    groups.mlp_value = true;
+                    groups.mlp_gate = true;
+                }
+                "mlp_value" => groups.mlp_value = true,
+                "mlp_gate" => groups.mlp_gate = true,
                 "mlp_out" => groups.mlp_out = true,
                 "adaln" => groups.adaln = true,
                 "all" => {
@@ -331,7 +356,8 @@ mod tests {
             Ok(DitPrecision::Fp8(Fp8Layers {
                 groups: Fp8Groups {
                     qkv: true,
-                    mlp_in: true,
+                    mlp_value: true,
+                    mlp_gate: true,
                     ..Fp8Groups::NONE
                 },
                 bf16_ends: 0,
@@ -374,6 +400,8 @@ mod tests {
             "fp8:out,ends=0",
             "fp8:none,ends=2",
             "fp8:qkv,out,mlp_out,ends=1,accum=exact",
+            "fp8:qkv,out,mlp_value,mlp_out,ends=1",
+            "fp8:mlp_gate,ends=0",
         ] {
             let p: DitPrecision = spec.parse().unwrap();
             assert_eq!(p.to_string(), spec);
@@ -386,7 +414,8 @@ mod tests {
         );
         let keep_mlp_in = Fp8Layers {
             groups: Fp8Groups {
-                mlp_in: false,
+                mlp_value: false,
+                mlp_gate: false,
                 ..Fp8Groups::ALL
             },
             bf16_ends: 1,
@@ -396,6 +425,13 @@ mod tests {
             DitPrecision::FP8.resolve(keep_mlp_in).to_string(),
             "fp8:qkv,out,mlp_out,ends=1"
         );
+        // Both halves named apart are `mlp_in`; one half alone splits the projection.
+        let halves: DitPrecision = "fp8:mlp_value,mlp_gate,ends=0".parse().unwrap();
+        assert_eq!(halves.to_string(), "fp8:mlp_in,ends=0");
+        let value = "fp8:mlp_value".parse::<DitPrecision>().unwrap();
+        let g = value.groups_of(1, 3);
+        assert!(g.mlp_in_split() && !g.mlp_in() && g.any_gemm());
+        assert!(!Fp8Groups::ALL.mlp_in_split() && Fp8Groups::ALL.mlp_in());
         // An explicit spec is never replaced by a model's default.
         let explicit: DitPrecision = "fp8:all,ends=1".parse().unwrap();
         assert_eq!(explicit.resolve(keep_mlp_in), explicit);

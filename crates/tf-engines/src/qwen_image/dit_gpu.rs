@@ -324,6 +324,12 @@ impl GpuDit {
                         .into(),
                 ));
             }
+            if layers.groups.mlp_in_split() {
+                return Err(DitError::Backend(
+                    "the fp8 groups `mlp_value` and `mlp_gate` (one half of the MLP's input projection) are MiniMax                      H3's; Qwen-Image runs its gate|up projection as one GEMM: name `mlp_in`, or neither half"
+                        .into(),
+                ));
+            }
         }
         let config = QwenImageDitConfig::from_json(model.config_json())?;
         let checkpoint = check_folder(model, &config)?;
@@ -654,7 +660,7 @@ impl Engine {
             out.extend([
                 pick(fp8.qkv)(total, 3 * w, d, (0, bo.qkv, 0), false),
                 pick(fp8.out)(total, d, w, (0, bo.to_out, 0), false),
-                pick(fp8.mlp_in)(total, 2 * f, d, (0, bo.gate_up, 0), false),
+                pick(fp8.mlp_in())(total, 2 * f, d, (0, bo.gate_up, 0), false),
                 pick(fp8.mlp_out)(total, d, f, (0, bo.mlp_out, 0), false),
             ]);
         }

@@ -35,11 +35,12 @@ use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8_padded, plan_norm_modulate_fp8_padded,
-    plan_quantize_rows_fp8, plan_swiglu_fp8, Fp8Rows, QuantKernels, ResidualGate,
+    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels,
+    ResidualGate,
 };
 use crate::nn::gpu::{
-    attention_flops, plan_swiglu_ordered, AttentionInputs, AttentionShape, Matrix, ModulationRows,
-    NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
+    attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, AttentionShape,
+    Matrix, ModulationRows, NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
 use crate::nn::precision::{Fp8Accumulation, Fp8Groups};
 use crate::nn::weights::BF16;
@@ -90,6 +91,33 @@ pub(super) enum Buf {
     Act,
     /// The e4m3 rows of an FP8 GEMM (their scales in `q8_scales`).
     Q8,
+}
+
+/// The GEMMs of one attention block over its rows, in the order the block runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BlockCalls {
+    qkv: GemmCall,
+    out: GemmCall,
+    /// `fc1` whole (`[value | gate]` columns of [`Buf::Ff`]), or its value half when `fc1_gate` holds the gate half.
+    fc1: GemmCall,
+    /// The gate half of `fc1` run apart (one half of `mlp_in` in FP8): the value half's `[m, fp]` rows, then the gate
+    /// half's, in [`Buf::Ff`].
+    fc1_gate: Option<GemmCall>,
+    fc2: GemmCall,
+}
+
+impl BlockCalls {
+    fn all(&self) -> impl Iterator<Item = GemmCall> {
+        [
+            Some(self.qkv),
+            Some(self.out),
+            Some(self.fc1),
+            self.fc1_gate,
+            Some(self.fc2),
+        ]
+        .into_iter()
+        .flatten()
+    }
 }
 
 /// One bf16 GEMM of the step: `y[m, n] = x[m, k] w[n, k]^T (+ bias)`, operands at byte offsets of workspace
@@ -291,11 +319,11 @@ impl Engine {
         }
     }
 
-    /// The four GEMMs of one attention block over `m` rows: q|k|v, `to_out`, `fc1`, `fc2` (an FP8 group reads
-    /// its e4m3 input rows from [`Buf::Q8`]).
-    fn block_calls(&self, a: &AttnOffsets, m: usize) -> [GemmCall; 4] {
+    /// The GEMMs of one attention block over `m` rows: q|k|v, `to_out`, `fc1` (one GEMM, or one per half), `fc2`
+    /// (an FP8 group reads its e4m3 input rows from [`Buf::Q8`]).
+    fn block_calls(&self, a: &AttnOffsets, m: usize) -> BlockCalls {
         let d = &self.dims;
-        let call = |n, k, x, w, y, fp8: Option<usize>| GemmCall {
+        let call = |n, k, x, w, y, y_off, fp8: Option<usize>| GemmCall {
             m,
             n,
             k,
@@ -303,17 +331,33 @@ impl Engine {
             x_off: 0,
             w,
             y,
-            y_off: 0,
+            y_off,
             bias: None,
             fp8,
         };
         let s = a.fp8;
-        [
-            call(3 * d.width, d.hp, Buf::H, a.qkv, Buf::Qkv, s.qkv),
-            call(d.hp, d.width, Buf::Attn, a.to_out, Buf::Y, s.to_out),
-            call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, s.fc1),
-            call(d.hp, d.fp, Buf::Act, a.fc2, Buf::Y, s.fc2),
-        ]
+        let (fc1, fc1_gate) = match a.fc1_gate {
+            None => (call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1), None),
+            Some(gate) => (
+                call(d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1),
+                Some(call(
+                    d.fp,
+                    d.hp,
+                    Buf::H,
+                    gate,
+                    Buf::Ff,
+                    m * d.fp * BF16,
+                    s.fc1_gate,
+                )),
+            ),
+        };
+        BlockCalls {
+            qkv: call(3 * d.width, d.hp, Buf::H, a.qkv, Buf::Qkv, 0, s.qkv),
+            out: call(d.hp, d.width, Buf::Attn, a.to_out, Buf::Y, 0, s.to_out),
+            fc1,
+            fc1_gate,
+            fc2: call(d.hp, d.fp, Buf::Act, a.fc2, Buf::Y, 0, s.fc2),
+        }
     }
 
     /// Where the norm before main block `layer`'s GEMM group goes: e4m3 rows when `group` of that block runs in
@@ -455,11 +499,11 @@ impl Engine {
         if sizes.text_rows > 0 {
             calls.push(self.context_call(sizes.text_rows));
             for a in &self.offsets.refiner {
-                calls.extend(self.block_calls(a, sizes.text_rows));
+                calls.extend(self.block_calls(a, sizes.text_rows).all());
             }
         }
         for b in &self.offsets.blocks {
-            calls.extend(self.block_calls(&b.attn, sizes.rows));
+            calls.extend(self.block_calls(&b.attn, sizes.rows).all());
         }
         Ok(gemm::distinct(
             calls
@@ -686,7 +730,8 @@ impl Engine {
             Rows::Main => ("qkv GEMM", "QK norm + RoPE", "attention", "out GEMM"),
         };
         let m = key.batch * seq;
-        let [qkv_call, out_call, _, _] = self.block_calls(a, m);
+        let calls = self.block_calls(a, m);
+        let (qkv_call, out_call) = (calls.qkv, calls.out);
         self.run_gemm(ws, qkv_call)?;
         probe.mark(&self.stream, qkv_name, qkv_call.flops(), 0.0)?;
         {
@@ -745,19 +790,7 @@ impl Engine {
         }
         if out_call.fp8.is_some() {
             // The attention kernel writes bf16: one quantizing pass over its rows feeds the FP8 out GEMM.
-            let av = ws.attn.view();
-            let codes = ws.q8.view_mut();
-            let scales = ws.q8_scales.view_mut();
-            self.quant()?
-                .run(
-                    &self.stream,
-                    plan_quantize_rows_fp8(
-                        &av,
-                        Matrix::dense(m, d.width),
-                        &Self::q8_out(&codes, &scales, d.width),
-                    ),
-                )
-                .map_err(launch)?;
+            self.quantize_rows(ws, Buf::Attn, m, d.width)?;
             probe.mark(
                 &self.stream,
                 "attention output to FP8",
@@ -786,40 +819,99 @@ impl Engine {
             Rows::Text => ("refiner fc1 GEMM", "refiner SwiGLU", "refiner fc2 GEMM"),
             Rows::Main => ("fc1 GEMM", "SwiGLU", "fc2 GEMM"),
         };
-        let [_, _, fc1, fc2] = self.block_calls(a, m);
-        self.run_gemm(ws, fc1)?;
-        probe.mark(&self.stream, fc1_name, fc1.flops(), 0.0)?;
-        if fc2.fp8.is_some() {
-            let codes = ws.q8.view_mut();
-            let scales = ws.q8_scales.view_mut();
-            self.quant()?
-                .run(
+        let calls = self.block_calls(a, m);
+        let fc1_flops: f64 = [Some(calls.fc1), calls.fc1_gate]
+            .iter()
+            .flatten()
+            .map(GemmCall::flops)
+            .sum();
+        if let Some(gate) = calls.fc1_gate {
+            if calls.fc1.fp8.is_some() || gate.fp8.is_some() {
+                // One half of `mlp_in` in FP8: the norm wrote bf16 rows h; one pass quantizes them for that half.
+                self.quantize_rows(ws, Buf::H, m, self.dims.hp)?;
+                probe.mark(
                     &self.stream,
-                    plan_swiglu_fp8(
-                        SwigluOrder::ValueGate,
-                        &ws.ff.view(),
-                        Matrix::dense(m, 2 * fp),
-                        &Self::q8_out(&codes, &scales, fp),
-                    ),
-                )
-                .map_err(launch)?;
-        } else {
-            self.kernels
-                .run(
-                    &self.stream,
-                    plan_swiglu_ordered(
-                        SwigluOrder::ValueGate,
-                        &ws.ff.view(),
-                        Matrix::dense(m, 2 * fp),
-                        &ws.act.view_mut(),
-                        fp,
-                    ),
-                )
-                .map_err(launch)?;
+                    "fc1 input to FP8",
+                    0.0,
+                    (m * self.dims.hp * (BF16 + 1)) as f64,
+                )?;
+            }
         }
+        self.run_gemm(ws, calls.fc1)?;
+        if let Some(gate) = calls.fc1_gate {
+            self.run_gemm(ws, gate)?;
+        }
+        probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
+        self.swiglu(ws, m, calls.fc1_gate.is_some(), calls.fc2.fp8.is_some())?;
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
-        self.run_gemm(ws, fc2)?;
-        probe.mark(&self.stream, fc2_name, fc2.flops(), 0.0)
+        self.run_gemm(ws, calls.fc2)?;
+        probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0)
+    }
+
+    /// One quantizing pass: `rows` x `cols` bf16 rows of `source` into the workspace's e4m3 rows and scales (for an
+    /// FP8 GEMM whose input's producer writes bf16).
+    fn quantize_rows(
+        &self,
+        ws: &mut Workspace,
+        source: Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), H3Error> {
+        let input = match source {
+            Buf::H => ws.h.view(),
+            Buf::Attn => ws.attn.view(),
+            other => {
+                return Err(H3Error::Backend(format!(
+                    "internal: no quantizing pass reads {other:?}"
+                )))
+            }
+        };
+        let codes = ws.q8.view_mut();
+        let scales = ws.q8_scales.view_mut();
+        self.quant()?
+            .run(
+                &self.stream,
+                plan_quantize_rows_fp8(
+                    &input,
+                    Matrix::dense(rows, cols),
+                    &Self::q8_out(&codes, &scales, cols),
+                ),
+            )
+            .map_err(launch)
+    }
+
+    /// SwiGLU of ff's `[m, 2 * fp]` `[value | gate]` rows (or, `apart`, its value half's `[m, fp]` rows, then the
+    /// gate half's) into the next GEMM's input: e4m3 rows (`fp8`) or act.
+    fn swiglu(&self, ws: &mut Workspace, m: usize, apart: bool, fp8: bool) -> Result<(), H3Error> {
+        let fp = self.dims.fp;
+        let codes = ws.q8.view_mut();
+        let scales = ws.q8_scales.view_mut();
+        let q8 = Self::q8_out(&codes, &scales, fp);
+        let act = ws.act.view_mut();
+        let half = m * fp * BF16;
+        let ff = ws.ff.view();
+        let value = ws.ff.slice(0, half).map_err(launch)?;
+        let gate = ws.ff.slice(half, half).map_err(launch)?;
+        let (fused, each) = (Matrix::dense(m, 2 * fp), Matrix::dense(m, fp));
+        let order = SwigluOrder::ValueGate;
+        match (apart, fp8) {
+            (false, true) => self
+                .quant()?
+                .run(&self.stream, plan_swiglu_fp8(order, &ff, fused, &q8)),
+            (true, true) => self.quant()?.run(
+                &self.stream,
+                plan_swiglu_fp8_apart(&value, &gate, each, &q8),
+            ),
+            (false, false) => self.kernels.run(
+                &self.stream,
+                plan_swiglu_ordered(order, &ff, fused, &act, fp),
+            ),
+            (true, false) => self.kernels.run(
+                &self.stream,
+                plan_swiglu_apart(&value, &gate, each, &act, fp),
+            ),
+        }
+        .map_err(launch)
     }
 
     /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group: the
@@ -1065,7 +1157,7 @@ impl Engine {
                     scale: scale2,
                     shift: shift2,
                 },
-                self.block_norm_target(layer, |g| g.mlp_in),
+                self.block_norm_target(layer, |g| g.mlp_in()),
             )?;
             probe.mark(
                 &self.stream,

@@ -179,8 +179,11 @@ pub(super) struct AttnOffsets {
     /// `[hp, width]`.
     pub to_out: usize,
     pub norm2: usize,
-    /// `[2 * fp, hp]`: value rows, then gate rows.
+    /// `[2 * fp, hp]`: value rows, then gate rows; only the value rows `[fp, hp]` when `fc1_gate` holds the gate
+    /// rows apart (one half of `mlp_in` in FP8, the other in bf16: two GEMMs).
     pub fc1: usize,
+    /// `[fp, hp]`: the gate rows, when they are a matrix of their own.
+    pub fc1_gate: Option<usize>,
     /// `[hp, fp]`.
     pub fc2: usize,
     /// Where the f32 per-output-channel scales of the groups stored in FP8 lie (e4m3 codes at the offsets above).
@@ -194,6 +197,8 @@ pub(super) struct GroupScales {
     pub qkv: Option<usize>,
     pub to_out: Option<usize>,
     pub fc1: Option<usize>,
+    /// The gate rows' scales when they are a matrix of their own in FP8 (`AttnOffsets::fc1_gate`).
+    pub fc1_gate: Option<usize>,
     pub fc2: Option<usize>,
 }
 
@@ -390,20 +395,53 @@ impl Placer {
         device: Device,
         init: Init,
     ) {
+        self.matrix_rows(
+            name,
+            (rows, cols),
+            std::slice::from_ref(&(0..rows)),
+            &|r| (base, row_map(r), device),
+            segments,
+            dst_cols,
+            init,
+        );
+    }
+
+    /// [`Placer::matrix_named`] with each source row's destination chosen apart: `row_dst(r)` is the matrix's
+    /// byte offset, the device row in it and the device element type. Each of `parts` (source row ranges, in
+    /// order, covering every row) gets placements of its own, never merged with the part before it.
+    #[allow(clippy::too_many_arguments)]
+    fn matrix_rows(
+        &mut self,
+        name: String,
+        (rows, cols): (usize, usize),
+        parts: &[std::ops::Range<usize>],
+        row_dst: &dyn Fn(usize) -> (usize, usize, Device),
+        segments: &[(usize, usize, usize)],
+        dst_cols: usize,
+        init: Init,
+    ) {
         let tensor = self.names.len();
         self.names.push(name);
-        let es = device.bytes();
-        for r in 0..rows {
-            let dr = row_map(r);
-            for &(sc, dc, len) in segments {
-                self.push(Placement {
-                    tensor,
-                    src_first: r * cols + sc,
-                    len,
-                    dst: base + (dr * dst_cols + dc) * es,
-                    device,
-                    init,
-                });
+        for part in parts {
+            let first_placement = self.out.len();
+            for r in part.clone().filter(|&r| r < rows) {
+                let (base, dr, device) = row_dst(r);
+                let es = device.bytes();
+                for &(sc, dc, len) in segments {
+                    let p = Placement {
+                        tensor,
+                        src_first: r * cols + sc,
+                        len,
+                        dst: base + (dr * dst_cols + dc) * es,
+                        device,
+                        init,
+                    };
+                    if self.out.len() == first_placement {
+                        self.out.push(p);
+                    } else {
+                        self.push(p);
+                    }
+                }
             }
         }
     }
@@ -522,7 +560,15 @@ pub(super) fn plan(
         let norm_k = l.one(HEAD_DIM * BF16)?;
         let (to_out, to_out_scales) = matrix(l, fp8, hp, w, groups.out)?;
         let norm2 = l.one(hp * BF16)?;
-        let (fc1, fc1_scales) = matrix(l, fp8, 2 * fp, hp, groups.mlp_in)?;
+        // One fc1 matrix, or (one half of `mlp_in` in FP8) the value rows and the gate rows apart.
+        let (fc1, fc1_scales, fc1_gate, fc1_gate_scales) = if groups.mlp_in_split() {
+            let (value, value_scales) = matrix(l, fp8, fp, hp, groups.mlp_value)?;
+            let (gate, gate_scales) = matrix(l, fp8, fp, hp, groups.mlp_gate)?;
+            (value, value_scales, Some(gate), gate_scales)
+        } else {
+            let (fc1, scales) = matrix(l, fp8, 2 * fp, hp, groups.mlp_in())?;
+            (fc1, scales, None, None)
+        };
         let (fc2, fc2_scales) = matrix(l, fp8, hp, fp, groups.mlp_out)?;
         Ok(AttnOffsets {
             norm1,
@@ -532,11 +578,13 @@ pub(super) fn plan(
             to_out,
             norm2,
             fc1,
+            fc1_gate,
             fc2,
             fp8: GroupScales {
                 qkv: qkv_scales,
                 to_out: to_out_scales,
                 fc1: fc1_scales,
+                fc1_gate: fc1_gate_scales,
                 fc2: fc2_scales,
             },
         })
@@ -846,23 +894,37 @@ pub(super) fn plan(
                 Init::fan_in(inner),
             )?;
             p.vector(&format!("{prefix}norm2.weight"), h, &id, a.norm2, bf, norm)?;
-            // diffusers stores [value; gate], the release [gate; value]; the device holds [value; gate].
-            let fc1_rows = move |r: usize| match source {
-                Source::Diffusers => (r / f) * fp + r % f,
-                Source::Original(_) if r < f => fp + r,
-                Source::Original(_) => r - f,
+            // diffusers stores [value; gate], the release [gate; value]; the device holds [value; gate], as one
+            // matrix or as two (`fc1_gate`). Each half is placed on its own, so a seeded fill gives every half the
+            // same values whichever precision it is stored in.
+            let value_device = device_of(a.fc1, a.fp8.fc1)?;
+            let gate_device = match a.fc1_gate {
+                Some(gate) => (gate, 0, device_of(gate, a.fp8.fc1_gate)?),
+                None => (a.fc1, fp, value_device),
             };
-            p.matrix(
-                &format!("{prefix}ff.net.0.proj.weight"),
-                2 * f,
-                h,
+            let fc1_rows = move |r: usize| -> (usize, usize, Device) {
+                let (value, device_row) = match source {
+                    Source::Diffusers => (r < f, (r / f) * fp + r % f),
+                    Source::Original(_) if r < f => (false, fp + r),
+                    Source::Original(_) => (true, r - f),
+                };
+                if value {
+                    (a.fc1, device_row, value_device)
+                } else {
+                    let (base, first, device) = gate_device;
+                    (base, device_row - fp + first, device)
+                }
+            };
+            let fc1_name = p.name_of(&format!("{prefix}ff.net.0.proj.weight"))?;
+            p.matrix_rows(
+                fc1_name,
+                (2 * f, h),
+                &[0..f, f..2 * f],
                 &fc1_rows,
                 &[(0, 0, h)],
-                a.fc1,
                 hp,
-                device_of(a.fc1, a.fp8.fc1)?,
                 Init::fan_in(h),
-            )?;
+            );
             p.matrix(
                 &format!("{prefix}ff.net.2.weight"),
                 h,

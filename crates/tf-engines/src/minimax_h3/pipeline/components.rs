@@ -282,7 +282,8 @@ fn fp8_weights(config: &MiniMaxH3Config, precision: DitPrecision) -> u64 {
             [
                 (g.qkv, 3 * inner * h),
                 (g.out, h * inner),
-                (g.mlp_in, 2 * f * h),
+                (g.mlp_value, f * h),
+                (g.mlp_gate, f * h),
                 (g.mlp_out, h * f),
                 (g.adaln, adaln),
             ]

@@ -57,39 +57,122 @@ pub fn plan_swiglu_ordered<'a>(
     out_stride: usize,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu";
-    if !gate_up_layout.cols.is_multiple_of(16) {
-        return Err(invalid(
-            OP,
-            format!(
-                "gate|up has {} columns: it must be 2 * hidden with hidden a multiple of 8",
-                gate_up_layout.cols
-            ),
-        ));
-    }
-    let hidden = gate_up_layout.cols / 2;
-    check_matrix(OP, "gate_up", Operand::of(gate_up), gate_up_layout)?;
+    let halves = SwigluHalves::fused(OP, order, gate_up, gate_up_layout)?;
+    let mut args = Args::new();
+    args.push_addr(gate_up.addr())
+        .push(to_i32(OP, "gate_up stride", gate_up_layout.stride)?);
+    push_swiglu_out(OP, args, order.kernel(), halves, out, out_stride)
+}
+
+/// Builds `out = silu(gate) * value` from the two halves held apart, each `layout` (kernel nn_swiglu_apart): a
+/// projection run as two GEMMs, one per half.
+pub fn plan_swiglu_apart<'a>(
+    value: &'a DeviceView<'_>,
+    gate: &'a DeviceView<'_>,
+    layout: Matrix,
+    out: &'a DeviceViewMut<'_>,
+    out_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "swiglu_apart";
+    let halves = SwigluHalves::apart(OP, value, gate, layout)?;
+    let mut args = Args::new();
+    args.push_addr(halves.gate)
+        .push_addr(halves.value)
+        .push(to_i32(OP, "input stride", layout.stride)?);
+    push_swiglu_out(OP, args, "nn_swiglu_apart", halves, out, out_stride)
+}
+
+/// Checks the bf16 output of a SwiGLU and finishes its launch (output, its stride, rows, hidden).
+fn push_swiglu_out<'a>(
+    op: &'static str,
+    mut args: Args,
+    kernel: &'static str,
+    halves: SwigluHalves,
+    out: &'a DeviceViewMut<'_>,
+    out_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     check_matrix(
-        OP,
+        op,
         "out",
         Operand::of_mut(out),
         Matrix {
-            rows: gate_up_layout.rows,
-            cols: hidden,
+            rows: halves.rows,
+            cols: halves.hidden,
             stride: out_stride,
         },
     )?;
-    let mut args = Args::new();
-    args.push_addr(gate_up.addr())
-        .push(to_i32(OP, "gate_up stride", gate_up_layout.stride)?)
-        .push_addr(out.addr())
-        .push(to_i32(OP, "out stride", out_stride)?)
-        .push(to_i32(OP, "rows", gate_up_layout.rows)?)
-        .push(to_i32(OP, "hidden", hidden)?);
+    args.push_addr(out.addr())
+        .push(to_i32(op, "out stride", out_stride)?)
+        .push(to_i32(op, "rows", halves.rows)?)
+        .push(to_i32(op, "hidden", halves.hidden)?);
     Ok(Launch::new(
-        order.kernel(),
-        row_grid(OP, gate_up_layout.rows, hidden)?,
+        kernel,
+        row_grid(op, halves.rows, halves.hidden)?,
         args,
     ))
+}
+
+/// SwiGLU's two checked input halves: device addresses of each half's first row, the row stride they share (in
+/// elements), the rows and the columns of one half.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SwigluHalves {
+    pub gate: u64,
+    pub value: u64,
+    pub stride: usize,
+    pub rows: usize,
+    pub hidden: usize,
+}
+
+impl SwigluHalves {
+    /// The halves of a fused matrix of `2 * hidden` columns, in `order`.
+    pub(crate) fn fused(
+        op: &str,
+        order: SwigluOrder,
+        fused: &DeviceView<'_>,
+        layout: Matrix,
+    ) -> Result<SwigluHalves, tf_cuda::Error> {
+        if !layout.cols.is_multiple_of(16) {
+            return Err(invalid(
+                op,
+                format!(
+                    "the fused input has {} columns: it must be 2 * hidden with hidden a multiple of 8",
+                    layout.cols
+                ),
+            ));
+        }
+        check_matrix(op, "fused input", Operand::of(fused), layout)?;
+        let hidden = layout.cols / 2;
+        let second = fused.addr() + (hidden * BF16) as u64;
+        let (gate, value) = match order {
+            SwigluOrder::GateValue => (fused.addr(), second),
+            SwigluOrder::ValueGate => (second, fused.addr()),
+        };
+        Ok(SwigluHalves {
+            gate,
+            value,
+            stride: layout.stride,
+            rows: layout.rows,
+            hidden,
+        })
+    }
+
+    /// Two matrices of the same `layout`, one per half.
+    pub(crate) fn apart(
+        op: &str,
+        value: &DeviceView<'_>,
+        gate: &DeviceView<'_>,
+        layout: Matrix,
+    ) -> Result<SwigluHalves, tf_cuda::Error> {
+        check_matrix(op, "value", Operand::of(value), layout)?;
+        check_matrix(op, "gate", Operand::of(gate), layout)?;
+        Ok(SwigluHalves {
+            gate: gate.addr(),
+            value: value.addr(),
+            stride: layout.stride,
+            rows: layout.rows,
+            hidden: layout.cols,
+        })
+    }
 }
 
 /// Builds an elementwise activation over `n` bf16 values (`kernel` is nn_gelu_tanh or nn_silu); `y` may be

@@ -81,6 +81,7 @@ const SHARED_SETS: &[(&str, &[&str])] = &[
         &[
             "nn_swiglu",
             "nn_swiglu_value_gate",
+            "nn_swiglu_apart",
             "nn_gelu_tanh",
             "nn_silu",
         ],

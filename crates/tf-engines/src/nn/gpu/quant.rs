@@ -6,7 +6,8 @@
 //!   [`NormModulate`] of `nn_norm_modulate` with an FP8 output (the adaLN before a QKV or MLP-in GEMM).
 //! - [`plan_gated_residual_norm_modulate_fp8`]: `x += g * y` (`g = tanh(gate)` or `gate`), stored in bf16, then the
 //!   same norm with an FP8 output, in one pass (a block's residual fused with the next norm).
-//! - [`plan_swiglu_fp8`]: SwiGLU of a fused GEMM output with an FP8 output (the MLP-out GEMM's input).
+//! - [`plan_swiglu_fp8`]: SwiGLU of a fused GEMM output with an FP8 output (the MLP-out GEMM's input);
+//!   [`plan_swiglu_fp8_apart`] over the two halves held apart (a projection run as two GEMMs).
 //! - [`plan_quantize_rows_fp8`]: a bf16 matrix as FP8 rows (where the producer cannot quantize: the attention
 //!   output before the output projection).
 //!
@@ -19,6 +20,7 @@
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
+use super::act::SwigluHalves;
 use super::launch::{
     check_aligned_to, check_bytes, check_matrix, invalid, to_i32, to_u32, Launch, LoadKernelsError,
     LoadedSet, Matrix, Operand, ROW_THREADS,
@@ -382,29 +384,41 @@ pub fn plan_swiglu_fp8<'a>(
     out: &Fp8Rows<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu_fp8";
-    if !fused_layout.cols.is_multiple_of(16) {
-        return Err(invalid(
-            OP,
-            format!(
-                "the fused input has {} columns: it must be 2 * hidden with hidden a multiple of 8",
-                fused_layout.cols
-            ),
-        ));
-    }
-    let hidden = fused_layout.cols / 2;
-    check_wide_cols(OP, hidden)?;
-    check_matrix(OP, "fused", Operand::of(fused), fused_layout)?;
-    check_fp8_rows(OP, out, fused_layout.rows, hidden)?;
+    swiglu_fp8(
+        OP,
+        SwigluHalves::fused(OP, order, fused, fused_layout)?,
+        out,
+    )
+}
+
+/// [`plan_swiglu_fp8`] over the two halves held apart, each `layout` (a projection run as two GEMMs, one per half).
+pub fn plan_swiglu_fp8_apart<'a>(
+    value: &'a DeviceView<'_>,
+    gate: &'a DeviceView<'_>,
+    layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "swiglu_fp8_apart";
+    swiglu_fp8(OP, SwigluHalves::apart(OP, value, gate, layout)?, out)
+}
+
+fn swiglu_fp8<'a>(
+    op: &'static str,
+    halves: SwigluHalves,
+    out: &Fp8Rows<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    check_wide_cols(op, halves.hidden)?;
+    check_fp8_rows(op, out, halves.rows, halves.hidden)?;
     let mut args = Args::new();
-    args.push_addr(fused.addr())
-        .push(to_i32(OP, "fused stride", fused_layout.stride)?);
-    push_fp8_rows(&mut args, OP, out)?;
-    args.push(to_i32(OP, "rows", fused_layout.rows)?)
-        .push(to_i32(OP, "hidden", hidden)?)
-        .push(i32::from(order == SwigluOrder::GateValue));
+    args.push_addr(halves.gate)
+        .push_addr(halves.value)
+        .push(to_i32(op, "input stride", halves.stride)?);
+    push_fp8_rows(&mut args, op, out)?;
+    args.push(to_i32(op, "rows", halves.rows)?)
+        .push(to_i32(op, "hidden", halves.hidden)?);
     Ok(Launch::new(
         "nn_swiglu_fp8",
-        wide_config(OP, fused_layout.rows, hidden)?,
+        wide_config(op, halves.rows, halves.hidden)?,
         args,
     ))
 }
@@ -855,7 +869,14 @@ mod tests {
             )
             .unwrap();
             assert_eq!(launch.config().block.x, 896);
-            assert_eq!(launch.args().get::<i32>(7), Some(0));
+            // [value | gate]: the gate half starts 14336 columns into the row.
+            assert_eq!(
+                launch.args().get::<u64>(0),
+                Some(ff.addr() + (14336 * BF16) as u64)
+            );
+            assert_eq!(launch.args().get::<u64>(1), Some(ff.addr()));
+            assert_eq!(launch.args().get::<i32>(2), Some(2 * 14336));
+            assert_eq!(launch.args().get::<i32>(7), Some(14336));
         }
     }
 
@@ -887,11 +908,31 @@ mod tests {
             "rows that fit two chunks a thread take the _c2 entry point"
         );
         assert_eq!(norm_kernel("plain", "narrow", 4104), "plain");
-        assert_eq!(gv.args().get::<i32>(6), Some(hidden as i32));
-        assert_eq!(gv.args().get::<i32>(7), Some(1));
-        assert_eq!(vg.args().get::<i32>(7), Some(0));
+        let second = fv.addr() + (hidden * BF16) as u64;
+        assert_eq!(gv.args().get::<u64>(0), Some(fv.addr()));
+        assert_eq!(gv.args().get::<u64>(1), Some(second));
+        assert_eq!(vg.args().get::<u64>(0), Some(second));
+        assert_eq!(vg.args().get::<u64>(1), Some(fv.addr()));
+        assert_eq!(gv.args().get::<i32>(2), Some(2 * hidden as i32));
+        assert_eq!(gv.args().get::<i32>(6), Some(rows as i32));
+        assert_eq!(gv.args().get::<i32>(7), Some(hidden as i32));
         assert!(
             plan_swiglu_fp8(SwigluOrder::GateValue, &fv, Matrix::dense(rows, 88), &out).is_err()
         );
+        // The halves apart: two [rows, hidden] matrices, each checked on its own.
+        let value = fused.slice(0, rows * hidden * BF16).unwrap();
+        let gate = fused
+            .slice(rows * hidden * BF16, rows * hidden * BF16)
+            .unwrap();
+        let each = Matrix::dense(rows, hidden);
+        let apart = plan_swiglu_fp8_apart(&value, &gate, each, &out).unwrap();
+        assert_eq!(apart.kernel(), "nn_swiglu_fp8");
+        assert_eq!(apart.args().get::<u64>(0), Some(gate.addr()));
+        assert_eq!(apart.args().get::<u64>(1), Some(value.addr()));
+        assert_eq!(apart.args().get::<i32>(2), Some(hidden as i32));
+        assert_eq!(apart.args().get::<i32>(7), Some(hidden as i32));
+        let short = fused.slice(0, rows * hidden * BF16 - 16).unwrap();
+        let err = plan_swiglu_fp8_apart(&value, &short, each, &out).unwrap_err();
+        assert!(err.to_string().contains("gate"), "{err}");
     }
 }

@@ -526,7 +526,7 @@ impl Engine {
                 ))?;
             }
             phase!("out GEMM", Flops, 2 * total * d * w);
-            if fp8.mlp_in {
+            if fp8.mlp_in() {
                 let rows8 = fp8_rows(&mut ws.fp8)?;
                 let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
                 let out = Fp8Out {
@@ -570,7 +570,7 @@ impl Engine {
 
             // MLP half.
             self.block_gemm(
-                fp8.mlp_in,
+                fp8.mlp_in(),
                 &ws.fp8,
                 (&ws.normed).into(),
                 (total, 2 * f, d),

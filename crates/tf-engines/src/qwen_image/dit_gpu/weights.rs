@@ -220,7 +220,7 @@ pub(super) fn upload(
         let scales = GroupScales {
             qkv: scales_of(fp8.qkv, 3 * w)?,
             to_out: scales_of(fp8.out, d)?,
-            gate_up: scales_of(fp8.mlp_in, 2 * f)?,
+            gate_up: scales_of(fp8.mlp_in(), 2 * f)?,
             mlp_out: scales_of(fp8.mlp_out, d)?,
         };
         let e = elem(fp8.qkv);
@@ -228,7 +228,7 @@ pub(super) fn upload(
         let to_out = layout.one(d * w * elem(fp8.out))?;
         let norm_q = layout.one(HEAD_DIM * BF16)?;
         let norm_k = layout.one(HEAD_DIM * BF16)?;
-        let e = elem(fp8.mlp_in);
+        let e = elem(fp8.mlp_in());
         let gate_up = layout.group(&[f * d * e, f * d * e])?;
         let mlp_out = layout.one(d * f * elem(fp8.mlp_out))?;
         blocks.push(BlockOffsets {

@@ -77,16 +77,22 @@ fn the_full_size_diffusers_plan_is_one_piece_per_tensor() {
     let plan = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
     assert!(!plan.padded);
     let specs = config.tensor_specs();
-    assert_eq!(plan.placements.len(), specs.len());
-    for (pl, spec) in plan.placements.iter().zip(&specs) {
-        assert_eq!(plan.names[pl.tensor], spec.name);
-        assert_eq!(pl.src_first, 0);
-        assert_eq!(
-            pl.len,
-            spec.shape.iter().product::<usize>(),
-            "{}",
-            spec.name
-        );
+    // One placement per tensor, but fc1 (`ff.net.0.proj`): its value rows and its gate rows, one each, so a seeded
+    // fill gives each half the same values whether the halves are one matrix or two.
+    let halved = |name: &str| name.ends_with("ff.net.0.proj.weight");
+    let fc1_tensors = specs.iter().filter(|s| halved(&s.name)).count();
+    assert_eq!(fc1_tensors, config.num_layers + config.num_refiner_layers);
+    assert_eq!(plan.placements.len(), specs.len() + fc1_tensors);
+    let mut placements = plan.placements.iter();
+    for spec in &specs {
+        let total = spec.shape.iter().product::<usize>();
+        let pieces = if halved(&spec.name) { 2 } else { 1 };
+        for piece in 0..pieces {
+            let pl = placements.next().unwrap();
+            assert_eq!(plan.names[pl.tensor], spec.name);
+            assert_eq!(pl.src_first, piece * total / pieces);
+            assert_eq!(pl.len, total / pieces, "{}", spec.name);
+        }
     }
     // The f32 modules (about 17.3M values) at 4 bytes, the rest at 2, plus alignment.
     let f32_elems: usize = plan
@@ -482,4 +488,115 @@ fn seeds_and_host_fills_are_deterministic_and_bounded() {
     BF16_TO_F32.apply(0, &src, &mut out).unwrap();
     assert_eq!(&out[..4], &1.5f32.to_le_bytes());
     assert_eq!(&out[4..], &(-2.0f32).to_le_bytes());
+}
+
+#[test]
+fn one_half_of_mlp_in_in_fp8_splits_fc1_into_two_matrices() {
+    use crate::nn::precision::DitPrecision;
+    let config = MiniMaxH3Config::default_full_size();
+    let layers = config.num_layers;
+    let (f, h) = (config.ffn_dim, config.hidden_size);
+    let dims = Dims::of_for(&config, true).unwrap();
+    let bf16 = plan(&config, &dims, Source::Diffusers, &[]).unwrap();
+    for (spec, value_fp8) in [
+        ("fp8:qkv,out,mlp_value,mlp_out,ends=1", true),
+        ("fp8:qkv,out,mlp_gate,mlp_out,ends=1", false),
+    ] {
+        let precision: DitPrecision = spec.parse().unwrap();
+        let groups: Vec<Fp8Groups> = (0..layers)
+            .map(|l| precision.groups_of(l, layers))
+            .collect();
+        let split = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+        // Block 1: the value rows and the gate rows are matrices of their own, one of them e4m3 with row scales.
+        let b1 = split.offsets.blocks[1].attn;
+        let gate = b1.fc1_gate.expect("the gate rows apart");
+        assert_eq!(b1.fp8.fc1.is_some(), value_fp8, "{spec}");
+        assert_eq!(b1.fp8.fc1_gate.is_some(), !value_fp8, "{spec}");
+        // The bf16 ends keep one fc1 matrix.
+        assert_eq!(split.offsets.blocks[0].attn.fc1_gate, None);
+        assert_eq!(split.offsets.refiner[0].fc1_gate, None);
+        let half = split
+            .fp8
+            .iter()
+            .find(|m| m.codes == if value_fp8 { b1.fc1 } else { gate })
+            .unwrap();
+        assert_eq!((half.rows, half.cols), (f, h));
+        // Placement for placement the same source values as in bf16 (a seeded model is its bf16 twin quantized).
+        assert_eq!(split.placements.len(), bf16.placements.len());
+        for (pl, twin) in split.placements.iter().zip(&bf16.placements) {
+            assert_eq!(
+                (pl.tensor, pl.src_first, pl.len, pl.init),
+                (twin.tensor, twin.src_first, twin.len, twin.init)
+            );
+        }
+        // Value row 5 and gate row 7 of block 1 land in their own matrices.
+        let dst = |plan: &WeightPlan, name: &str, element: usize| destination(plan, name, element);
+        let name = "transformer_blocks.1.ff.net.0.proj.weight";
+        let (value_bytes, gate_bytes) = if value_fp8 { (1, 2) } else { (2, 1) };
+        assert_eq!(
+            dst(&split, name, 5 * h + 3),
+            b1.fc1 + (5 * h + 3) * value_bytes
+        );
+        assert_eq!(
+            dst(&split, name, (f + 7) * h + 3),
+            gate + (7 * h + 3) * gate_bytes
+        );
+        // The release's [gate; value] rows reach the same device rows.
+        let original = plan(
+            &config,
+            &dims,
+            Source::Original(QkvLayout::Interleaved),
+            &groups,
+        )
+        .unwrap();
+        let o1 = original.offsets.blocks[1].attn;
+        let name = original
+            .names
+            .iter()
+            .find(|n| n.starts_with("blocks.1.") && n.contains("fc1"))
+            .unwrap()
+            .clone();
+        assert_eq!(
+            dst(&original, &name, 7 * h + 3),
+            o1.fc1_gate.unwrap() + (7 * h + 3) * gate_bytes
+        );
+        assert_eq!(
+            dst(&original, &name, (f + 5) * h + 3),
+            o1.fc1 + (5 * h + 3) * value_bytes
+        );
+    }
+    // Padded rows (the odd fixture: ffn 28 on 32 device rows) stay inside each half's matrix.
+    let odd = odd();
+    let dims = Dims::of_for(&odd, true).unwrap();
+    let groups = vec![
+        Fp8Groups {
+            mlp_value: true,
+            ..Fp8Groups::NONE
+        };
+        odd.num_layers
+    ];
+    let split = plan(&odd, &dims, Source::Diffusers, &groups).unwrap();
+    let b0 = split.offsets.blocks[0].attn;
+    let dst = destinations(&split);
+    let name = "transformer_blocks.0.ff.net.0.proj.weight".to_string();
+    // Gate row 27 (source row 28 + 27) -> row 27 of the bf16 gate matrix ([32, 32] with hidden 20 padded to 32).
+    assert_eq!(dims.hp, 32);
+    assert_eq!(
+        dst[&(name, 55 * 20 + 19)],
+        b0.fc1_gate.unwrap() + (27 * 32 + 19) * 2
+    );
+}
+
+/// The device byte of element `element` of tensor `name` (one scan of the placements: the full-size plans are too
+/// large for [`destinations`]).
+fn destination(plan: &WeightPlan, name: &str, element: usize) -> usize {
+    let pl = plan
+        .placements
+        .iter()
+        .find(|pl| {
+            plan.names[pl.tensor] == name
+                && (pl.src_first..pl.src_first + pl.len).contains(&element)
+        })
+        .unwrap_or_else(|| panic!("{name}[{element}] is not placed"));
+    pl.dst + (element - pl.src_first) * pl.device.bytes()
 }
