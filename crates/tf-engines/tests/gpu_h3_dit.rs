@@ -1613,7 +1613,7 @@ fn seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes() {
     let inputs = layout_inputs(&config, 9);
     let mut bf16 = GpuH3Dit::random_on(&ctx, &config, 5).unwrap();
     let base = bf16.forward(&inputs).unwrap();
-    // Every GEMM group (H3's `fp8` default keeps `mlp_in` in bf16): the most bytes FP8 can save here.
+    // Every GEMM group (H3's `fp8` default keeps the gate half of `mlp_in` in bf16): the most bytes FP8 can save here.
     let all_groups: DitPrecision = "fp8:all,ends=1".parse().unwrap();
     let mut fp8_dit = GpuH3Dit::random_in(&ctx, &config, 5, all_groups).unwrap();
     let out = fp8_dit.forward(&inputs).unwrap();

@@ -165,7 +165,7 @@ pub enum DitPrecision {
     /// FP8 e4m3 in the given blocks' groups, bf16 elsewhere.
     Fp8(Fp8Layers),
     /// `fp8` as typed: the model's default FP8 mode, chosen per model from its measured error per group (Qwen-Image:
-    /// [`Fp8Layers::DEFAULT`]; MiniMax H3 keeps its sensitive `mlp_in` group in bf16). A loader turns it into
+    /// [`Fp8Layers::DEFAULT`]; MiniMax H3 keeps the gate half of its sensitive `mlp_in` group in bf16). A loader turns it into
     /// [`DitPrecision::Fp8`] with [`DitPrecision::resolve`]; unresolved, it reads as [`Fp8Layers::DEFAULT`].
     Fp8ModelDefault,
 }

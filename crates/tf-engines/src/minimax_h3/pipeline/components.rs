@@ -338,6 +338,8 @@ mod tests {
         assert_eq!(fp8_weights(&config, DitPrecision::FP8), 0);
         assert_eq!(of("fp8:all,ends=0"), 2 * (qkv + out + fc1 + fc2));
         assert_eq!(of("fp8:qkv,mlp_out,ends=0"), 2 * (qkv + fc2));
+        assert_eq!(of("fp8:mlp_value,ends=0"), fc1);
+        assert_eq!(of("fp8:mlp_gate,mlp_value,ends=0"), 2 * fc1);
         // The adaLN projection: 3 modalities x 6 chunks x hidden rows of time_embed_dim (12).
         assert_eq!(of("fp8:adaln,ends=0"), 2 * 18 * 24 * 12);
     }
