@@ -29,11 +29,11 @@ per-iteration CUDA event times after warm-up (eager_ms, compiled_ms; the means b
 torch.cuda.max_memory_allocated / _reserved over the case (weights included). The --tiny smoke run compiles on the
 CPU too (inductor's C++ backend).
 
-Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for H3's default, qkv,out,mlp_out,ends=1, or
+Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for H3's default, qkv,out,mlp_value,mlp_out,ends=1, or
 GROUP[,GROUP...][,ends=N]): the chosen nn.Linear layers of the blocks between the first and last N become e4m3 GEMMs
 quantized as ours are (tests/python/torch_fp8.py: per-output-channel weight scales, per-token activation scales
 computed on the fly, torch._scaled_mm row-wise, bf16 output; qkv = attn.to_q/to_k/to_v, out = attn.to_out.0, mlp_in
-= ff.net.0.proj, mlp_out = ff.net.2, adaln = adaln_proj.linear, its activation rows quantized too where ours reads
+= ff.net.0.proj (mlp_value / mlp_gate: its value / gate output rows), mlp_out = ff.net.2, adaln = adaln_proj.linear, its activation rows quantized too where ours reads
 them in bf16). The accuracy set adds an FP8 run of the bf16 model (accuracy.fp8_torch: rel L2, cosine and ratio to
 the floor against fp32 per output; the outputs in fp8_torch.safetensors); the speed run converts the 50-block model
 after its bf16 timings and times the main case eager and compiled again (fp8_eager_ms, fp8_compiled_ms and their
@@ -44,7 +44,7 @@ Each speed case is named WIDTHxHEIGHT_FRAMESf_TEXTt (e.g. 768x448_56f_128t), as 
 
 Usage (GPU machine, diffusers on PYTHONPATH):
     python3 tests/python/h3_dit_reference.py --out /tmp/h3dit [--skip-speed] [--skip-compile] [--skip-canvas] \
-        [--fp8 qkv,out,mlp_out,ends=1]
+        [--fp8 qkv,out,mlp_value,mlp_out,ends=1]
 Smoke run of the script itself (CPU, tiny config and geometry, a few seconds):
     python3 tests/python/h3_dit_reference.py --tiny --out /tmp/h3dit-tiny
 """
@@ -94,10 +94,13 @@ H3_FP8_MODULES = {
     "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "out": ("attn.to_out.0",),
     "mlp_in": ("ff.net.0.proj",),
+    # ff.net.0.proj's output rows are [value; gate]: our mlp_value / mlp_gate halves.
+    "mlp_value": ("ff.net.0.proj@0",),
+    "mlp_gate": ("ff.net.0.proj@1",),
     "mlp_out": ("ff.net.2",),
     "adaln": ("adaln_proj.linear",),
 }
-H3_FP8_DEFAULT = "qkv,out,mlp_out,ends=1"
+H3_FP8_DEFAULT = "qkv,out,mlp_value,mlp_out,ends=1"
 
 
 def sync():

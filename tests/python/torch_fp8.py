@@ -9,7 +9,9 @@
   so the --tiny smoke runs take the FP8 path too.
 
 `convert(model, selector)` swaps the chosen `nn.Linear` modules for `Fp8RowwiseLinear` in place (their bf16 weights
-are dropped). `parse_spec` reads our `--precision fp8:GROUP[,GROUP...][,ends=N]` groups, and `block_selector` maps
+are dropped), or for `Fp8HalfLinear` where the selector names one half of a layer's output rows (our `mlp_value` /
+`mlp_gate`: one half of a fused SwiGLU input projection in FP8, the other in bf16; a module name `NAME@0` or `NAME@1`
+in a group table). `parse_spec` reads our `--precision fp8:GROUP[,GROUP...][,ends=N]` groups, and `block_selector` maps
 them onto a diffusers model's blocks through a per-model table of module names.
 
 Self-check (CPU, a few seconds): python3 tests/python/torch_fp8.py
@@ -22,7 +24,7 @@ from torch import nn
 
 E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
-GROUPS = ("qkv", "out", "mlp_in", "mlp_out", "adaln")
+GROUPS = ("qkv", "out", "mlp_in", "mlp_value", "mlp_gate", "mlp_out", "adaln")
 # The four GEMM groups `all` names (adaln is only ever named on its own, as in our --precision).
 ALL_GEMM_GROUPS = ("qkv", "out", "mlp_in", "mlp_out")
 
@@ -104,6 +106,40 @@ class Fp8RowwiseLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+class Fp8HalfLinear(nn.Module):
+    """An `nn.Linear` whose output rows are two halves, one in FP8 (`Fp8RowwiseLinear`) and one in bf16, the outputs
+    concatenated in the layer's order: half `fp8_half` (0: the first rows) runs in FP8."""
+
+    def __init__(self, fp8, bf16, fp8_half):
+        super().__init__()
+        self.fp8 = fp8
+        self.bf16 = bf16
+        self.fp8_half = fp8_half
+
+    @classmethod
+    def from_linear(cls, linear, fp8_half):
+        n = linear.out_features // 2
+        rows = (slice(0, n), slice(n, 2 * n))
+        halves = []
+        for h in (0, 1):
+            part = nn.Linear(linear.in_features, n, bias=linear.bias is not None, device=linear.weight.device,
+                             dtype=linear.weight.dtype)
+            with torch.no_grad():
+                part.weight.copy_(linear.weight[rows[h]])
+                if linear.bias is not None:
+                    part.bias.copy_(linear.bias[rows[h]])
+            halves.append(part)
+        fp8 = Fp8RowwiseLinear.from_linear(halves[fp8_half])
+        return cls(fp8, halves[1 - fp8_half], fp8_half)
+
+    def extra_repr(self):
+        return f"half {self.fp8_half} of the output rows in e4m3, the other in bf16"
+
+    def forward(self, x):
+        a, b = self.fp8(x), self.bf16(x).to(torch.bfloat16)
+        return torch.cat([a, b] if self.fp8_half == 0 else [b, a], dim=-1)
+
+
 def gemm_shape_ok(linear, device):
     """`_scaled_mm` needs K and N to be multiples of 16 on the GPU; the CPU emulation takes any shape."""
     if torch.device(device).type != "cuda":
@@ -112,24 +148,30 @@ def gemm_shape_ok(linear, device):
 
 
 def convert(model, selector):
-    """Swaps every `nn.Linear` of `model` for which `selector(name, module)` is true for an `Fp8RowwiseLinear`.
+    """Swaps every `nn.Linear` of `model` for which `selector(name, module)` is true for an `Fp8RowwiseLinear`, or,
+    where it returns ("half", h), for an `Fp8HalfLinear` with half `h` in FP8.
 
     Returns {"converted": [names], "skipped": [names whose shape `_scaled_mm` refuses]}. The bf16 weights of the
     converted layers are freed once nothing else holds them.
     """
     # Names only, so each bf16 weight is dropped as soon as its layer is swapped (no second copy of the model).
-    chosen = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and selector(name, m)]
+    chosen = [(name, sel) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and (sel := selector(name, m))]
     converted, skipped = [], []
-    for name in chosen:
+    for name, sel in chosen:
         linear = model.get_submodule(name)
-        if not gemm_shape_ok(linear, linear.weight.device):
+        half = sel[1] if isinstance(sel, tuple) else None
+        if not gemm_shape_ok(linear, linear.weight.device) or (half is not None and linear.out_features % 32):
             skipped.append(name)
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        parent._modules[child] = Fp8RowwiseLinear.from_linear(linear)
+        if half is None:
+            parent._modules[child] = Fp8RowwiseLinear.from_linear(linear)
+        else:
+            parent._modules[child] = Fp8HalfLinear.from_linear(linear, half)
         del linear
-        converted.append(name)
+        converted.append(name if half is None else f"{name}@{half}")
     return {"converted": converted, "skipped": skipped}
 
 
@@ -162,6 +204,10 @@ def parse_spec(spec, default):
             raise ValueError(f"FP8 spec {spec!r}: unknown group {item!r} (one of {', '.join(GROUPS)}, all, none)")
     if not named:
         raise ValueError(f"FP8 spec {spec!r} names no group")
+    # Both halves of mlp_in are mlp_in.
+    if {"mlp_value", "mlp_gate"} <= groups or "mlp_in" in groups:
+        groups -= {"mlp_value", "mlp_gate"}
+        groups.add("mlp_in")
     return tuple(g for g in GROUPS if g in groups), ends
 
 
@@ -175,16 +221,37 @@ def block_selector(blocks_prefix, num_blocks, group_modules, groups, ends):
     for g in groups:
         if g not in group_modules:
             raise ValueError(f"this model has no FP8 group {g!r} (it has {', '.join(group_modules)})")
-    inside = {name for g in groups for name in group_modules[g]}
+    # Module name -> None (the whole layer in FP8) or the set of its output-row halves in FP8 (`NAME@H` entries).
+    inside = {}
+    for g in groups:
+        for entry in group_modules[g]:
+            name, at, half = entry.partition("@")
+            if not at:
+                inside[name] = None
+            elif inside.get(name, set()) is not None:
+                inside.setdefault(name, set()).add(int(half))
+    inside = {n: (None if h is not None and h == {0, 1} else h) for n, h in inside.items()}
     fp8_blocks = set(range(ends, num_blocks - ends))
 
     def select(name, _module):
         if not name.startswith(blocks_prefix + "."):
             return False
         index, _, rest = name[len(blocks_prefix) + 1:].partition(".")
-        return index.isdigit() and int(index) in fp8_blocks and rest in inside
+        if not (index.isdigit() and int(index) in fp8_blocks and rest in inside):
+            return False
+        halves = inside[rest]
+        return True if halves is None else ("half", min(halves))
 
     return select
+
+
+def _rows_of(linear, start, end):
+    """A bias-free `nn.Linear` of rows `start..end` of `linear`'s weight."""
+    part = nn.Linear(linear.in_features, end - start, bias=False, device=linear.weight.device,
+                     dtype=linear.weight.dtype)
+    with torch.no_grad():
+        part.weight.copy_(linear.weight[start:end])
+    return part
 
 
 def module_bytes(model):
@@ -224,7 +291,26 @@ def _self_check():
     groups, ends = parse_spec("fp8:qkv,out,mlp_out,ends=1", "")
     ok = groups == ("qkv", "out", "mlp_out") and ends == 1 and parse_spec("fp8", "all,ends=2") == (ALL_GEMM_GROUPS, 2)
     failures += not ok
+    ok = ok and parse_spec("mlp_value,mlp_gate,ends=0", "") == (("mlp_in",), 0) \
+        and parse_spec("qkv,mlp_gate", "") == (("qkv", "mlp_gate"), 1)
     print(f"spec parsing: {'ok' if ok else 'FAIL'}")
+    # One half of a layer in FP8: that half's rows are the FP8 layer of those rows, the other half's the bf16 layer's.
+    k, n = 128, 64
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) / k ** 0.5)
+    lin = lin.to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, k, generator=g).to(device, torch.bfloat16)
+    with torch.no_grad():
+        y = Fp8HalfLinear.from_linear(lin, 0)(x)
+        first = Fp8RowwiseLinear.from_linear(_rows_of(lin, 0, n // 2))(x)
+        second = _rows_of(lin, n // 2, n)(x)
+    ok = bool(torch.equal(y[..., : n // 2], first)) and bool(torch.equal(y[..., n // 2:], second))
+    select = block_selector("blocks", 3, {"mlp_value": ("ff@0",), "mlp_gate": ("ff@1",), "mlp_in": ("ff",)},
+                            ("mlp_gate",), 0)
+    ok = ok and select("blocks.1.ff", None) == ("half", 1) and not select("blocks.1.other", None)
+    failures += not ok
+    print(f"half of a layer in FP8: {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0
 
 
