@@ -242,15 +242,16 @@ __device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x
                           max_scratch);
 }
 
-// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread.
-template <int CHUNKS>
+// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread; WRITE_H: its _and_bf16 entry points,
+// which also store the normed rows in bf16 to h.
+template <int CHUNKS, bool WRITE_H>
 __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
     bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride, const bf16* __restrict__ gate_table,
     int gate_stride, int gate_rows, int gate_offset, int gate_tanh, uint8_t* __restrict__ q, int q_stride,
     float* __restrict__ scales, const bf16* __restrict__ weight, const bf16* __restrict__ bias, int rows, int cols,
     float eps, int layer_norm, const bf16* __restrict__ mod, int mod_stride, int mod_rows, int scale_offset,
     int shift_offset, int seq_len, int target_begin, int prefix_row, const int* __restrict__ row_index,
-    int norm_cols, float* scratch, float* max_scratch) {
+    int norm_cols, bf16* __restrict__ h, int h_stride, float* scratch, float* max_scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     const int gm = select_row(row, row_index, seq_len, target_begin, prefix_row, gate_rows);
@@ -287,6 +288,14 @@ __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
     }
     norm_modulate_row<CHUNKS>(v, total, cols, norm_cols, eps, layer_norm, weight, bias, mod_row, scale_offset,
                               shift_offset, scratch);
+    if (WRITE_H) {
+        bf16* h_row = h + static_cast<int64_t>(row) * h_stride;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
+            if (col < cols) nn::store8(h_row + col, v[c]);
+        }
+    }
     store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
                           max_scratch);
 }
@@ -340,7 +349,9 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
 
 // A gated residual, then the next norm with an FP8 output, in one pass over the row:
 //   x += g * y with g = tanh(gate) (gate_tanh != 0) or gate, one fma in f32, stored rounded to bf16;
-//   then nn_norm_modulate_fp8 of the stored (rounded) x.
+//   then nn_norm_modulate_fp8 of the stored (rounded) x; the _and_bf16 entry points store the normed rows in bf16 to
+//   h too (h_stride elements apart: the input of a bf16 GEMM beside the FP8 one, MiniMax H3's fc1 halves); the
+//   others ignore h.
 // The gate of row r is gate_table[m * gate_stride + gate_offset + col] and the scale/shift come from
 // mod[m * mod_stride + ...], m the row's modulation row (row_index, else the rule) clamped to each table's rows:
 // the two tables may differ (a block's gate and the next block's modulation) but share the row selection.
@@ -355,24 +366,40 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
         uint8_t *__restrict__ q, int q_stride, float *__restrict__ scales, const bf16 *__restrict__ weight,         \
         const bf16 *__restrict__ bias, int rows, int cols, float eps, int layer_norm, const bf16 *__restrict__ mod, \
         int mod_stride, int mod_rows, int scale_offset, int shift_offset, int seq_len, int target_begin,            \
-        int prefix_row, const int *__restrict__ row_index, int norm_cols
+        int prefix_row, const int *__restrict__ row_index, int norm_cols, bf16 *__restrict__ h, int h_stride
 #define NN_GATED_RESIDUAL_FP8_PASS                                                                                  \
     x, x_stride, y, y_stride, gate_table, gate_stride, gate_rows, gate_offset, gate_tanh, q, q_stride, scales,      \
         weight, bias, rows, cols, eps, layer_norm, mod, mod_stride, mod_rows, scale_offset, shift_offset, seq_len,  \
-        target_begin, prefix_row, row_index, norm_cols, scratch, max_scratch
+        target_begin, prefix_row, row_index, norm_cols, h, h_stride, scratch, max_scratch
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_gated_residual_norm_modulate_fp8(NN_GATED_RESIDUAL_FP8_ARGS) {
     __shared__ float scratch[32];
     __shared__ float max_scratch[32];
-    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS>(NN_GATED_RESIDUAL_FP8_PASS);
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, false>(NN_GATED_RESIDUAL_FP8_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_gated_residual_norm_modulate_fp8_c2(NN_GATED_RESIDUAL_FP8_ARGS) {
     __shared__ float scratch[32];
     __shared__ float max_scratch[32];
-    gated_residual_norm_modulate_fp8_row<2>(NN_GATED_RESIDUAL_FP8_PASS);
+    gated_residual_norm_modulate_fp8_row<2, false>(NN_GATED_RESIDUAL_FP8_PASS);
+}
+
+// A minimum of two blocks an SM (up to 128 registers a thread): with none, ptxas held this entry point to 64 registers
+// and an 8-byte stack frame on sm_100a; with it, 80 registers and no stack.
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS, 2)
+    nn_gated_residual_norm_modulate_fp8_and_bf16(NN_GATED_RESIDUAL_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, true>(NN_GATED_RESIDUAL_FP8_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_gated_residual_norm_modulate_fp8_and_bf16_c2(NN_GATED_RESIDUAL_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<2, true>(NN_GATED_RESIDUAL_FP8_PASS);
 }
 
 // SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a row's two halves of `hidden` columns,

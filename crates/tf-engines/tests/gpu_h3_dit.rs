@@ -36,8 +36,8 @@ use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
 use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, StepTimesteps};
 use tf_engines::nn::fp8;
 use tf_engines::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8_padded, plan_norm_modulate_fp8_padded, Fp8Rows,
-    QuantKernels, ResidualGate,
+    plan_gated_residual_norm_modulate_fp8_and_bf16, plan_gated_residual_norm_modulate_fp8_padded,
+    plan_norm_modulate_fp8_padded, Fp8Rows, QuantKernels, ResidualGate,
 };
 use tf_engines::nn::gpu::{
     Matrix, ModulationRows, NormKind, NormModulate, RowModulation, HEAD_DIM,
@@ -1185,6 +1185,11 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
         let id = device(&ctx, &i32_bytes(&index));
         let mut x_bf16 = device(&ctx, &bf16_bytes(&x));
         let mut x_fp8 = device(&ctx, &bf16_bytes(&x));
+        // The same pass also writing its normed rows in bf16 (fc1 with one half in FP8).
+        let mut x_both = device(&ctx, &bf16_bytes(&x));
+        let mut h_both = device(&ctx, &bf16_bytes(&vec![0f32; rows * cols]));
+        let mut codes_both = device(&ctx, &vec![0u8; rows * cols]);
+        let mut scales_both = device(&ctx, &f32_bytes(&vec![0f32; rows]));
         let mut normed = device(&ctx, &bf16_bytes(&vec![0f32; rows * cols]));
         let mut codes = device(&ctx, &vec![0u8; rows * cols]);
         let mut scales = device(&ctx, &f32_bytes(&vec![0f32; rows]));
@@ -1267,6 +1272,28 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
                     ),
                 )
                 .unwrap();
+            let (xb, hb) = (x_both.view_mut(), h_both.view_mut());
+            let (cb, sb) = (codes_both.view_mut(), scales_both.view_mut());
+            let both_out = Fp8Rows {
+                codes: &cb,
+                stride: cols,
+                scales: &sb,
+            };
+            quant
+                .run(
+                    &stream,
+                    plan_gated_residual_norm_modulate_fp8_and_bf16(
+                        &xb,
+                        Matrix::dense(rows, cols),
+                        width,
+                        (&yv, cols),
+                        &gate,
+                        &both_out,
+                        &norm,
+                        (&hb, cols),
+                    ),
+                )
+                .unwrap();
             // No residual (the first block's norm): the input as it is.
             let x0 = device(&ctx, &bf16_bytes(&x));
             let x0v = x0.view();
@@ -1291,6 +1318,21 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             stream.synchronize().unwrap();
         }
         let case = format!("{rows}x{width} (padded to {cols})");
+        // Writing the bf16 rows too changes nothing else; those rows are h3_residual_norm's within bf16 rounding.
+        assert_eq!(read_bf16(&x_both), read_bf16(&x_fp8), "{case}: residual");
+        assert_eq!(
+            codes_both.to_vec::<u8>().unwrap(),
+            codes.to_vec::<u8>().unwrap(),
+            "{case}: codes"
+        );
+        assert_eq!(
+            scales_both.to_vec::<f32>().unwrap(),
+            scales.to_vec::<f32>().unwrap(),
+            "{case}: scales"
+        );
+        let h_err = relative_l2(&read_bf16(&h_both), &read_bf16(&normed)).unwrap();
+        println!("{case}: the pass's bf16 rows vs h3_residual_norm's: rel L2 {h_err:.3e}");
+        assert!(h_err <= 4e-3, "{case}: {h_err:.3e}");
         // The residual stream: the same f32 fma rounded once to bf16 as h3_residual_norm's, so equal to it (one
         // bf16 step is allowed where a compiler did not contract h3_residual_norm's `x + g * y`; the count is
         // printed, and more than 0.1% of the values or more than one step fails).

@@ -34,9 +34,9 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8_padded, plan_norm_modulate_fp8_padded,
-    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels,
-    ResidualGate,
+    plan_gated_residual_norm_modulate_fp8_and_bf16, plan_gated_residual_norm_modulate_fp8_padded,
+    plan_norm_modulate_fp8_padded, plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart,
+    Fp8Rows, QuantKernels, ResidualGate,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, AttentionShape,
@@ -210,6 +210,8 @@ enum Target {
     TextRowsOfX,
     /// As e4m3 rows with per-row scales into the workspace's `q8` buffers (the input of an FP8 GEMM).
     Fp8,
+    /// Both: e4m3 rows into `q8` and bf16 rows into h, in one pass (`fc1` with one half in FP8).
+    Fp8AndH,
 }
 
 impl Engine {
@@ -369,6 +371,16 @@ impl Engine {
         }
     }
 
+    /// Where the norm before main block `layer`'s `fc1` goes: e4m3 rows for an FP8 `fc1`, both e4m3 and bf16 rows
+    /// when one of its halves runs in FP8, else the bf16 rows h.
+    fn fc1_norm_target(&self, layer: usize) -> Target {
+        match self.fp8_groups.get(layer) {
+            Some(g) if g.mlp_in() => Target::Fp8,
+            Some(g) if g.mlp_in_split() => Target::Fp8AndH,
+            _ => Target::H,
+        }
+    }
+
     /// The quantizing kernels (loaded when some block runs in FP8).
     fn quant(&self) -> Result<&QuantKernels, H3Error> {
         self.quant.as_ref().ok_or_else(|| {
@@ -399,6 +411,7 @@ impl Engine {
         weight: usize,
         eps: f32,
         modulate: Modulate,
+        target: Target,
     ) -> Result<(), H3Error> {
         let d = &self.dims;
         let z = ws.sizes;
@@ -443,6 +456,9 @@ impl Engine {
         let scales = ws.q8_scales.view_mut();
         let out = Self::q8_out(&codes, &scales, hp);
         match residual {
+            Residual::None if target == Target::Fp8AndH => Err(H3Error::Backend(
+                "internal: only a gated residual's norm writes FP8 and bf16 rows together".into(),
+            )),
             Residual::None => {
                 let xv = ws.x.view();
                 self.quant()?
@@ -468,20 +484,30 @@ impl Engine {
                 };
                 let xv = ws.x.view_mut();
                 let yv = ws.y.view();
-                self.quant()?
-                    .run(
-                        &self.stream,
-                        plan_gated_residual_norm_modulate_fp8_padded(
-                            &xv,
-                            layout,
-                            d.hidden,
-                            (&yv, hp),
-                            &gate,
-                            &out,
-                            &norm,
-                        ),
+                let hv = ws.h.view_mut();
+                let plan = if target == Target::Fp8AndH {
+                    plan_gated_residual_norm_modulate_fp8_and_bf16(
+                        &xv,
+                        layout,
+                        d.hidden,
+                        (&yv, hp),
+                        &gate,
+                        &out,
+                        &norm,
+                        (&hv, hp),
                     )
-                    .map_err(launch)
+                } else {
+                    plan_gated_residual_norm_modulate_fp8_padded(
+                        &xv,
+                        layout,
+                        d.hidden,
+                        (&yv, hp),
+                        &gate,
+                        &out,
+                        &norm,
+                    )
+                };
+                self.quant()?.run(&self.stream, plan).map_err(launch)
             }
             Residual::Plain => Err(H3Error::Backend(
                 "internal: the refiner's plain residual has no FP8 output".into(),
@@ -595,13 +621,13 @@ impl Engine {
         modulate: Modulate,
         target: Target,
     ) -> Result<(), H3Error> {
-        if target == Target::Fp8 {
+        if matches!(target, Target::Fp8 | Target::Fp8AndH) {
             if rows != Rows::Main {
                 return Err(H3Error::Backend(
                     "internal: only the main rows feed FP8 GEMMs".into(),
                 ));
             }
-            return self.residual_norm_fp8(ws, residual, weight, eps, modulate);
+            return self.residual_norm_fp8(ws, residual, weight, eps, modulate, target);
         }
         let d = &self.dims;
         let z = ws.sizes;
@@ -648,7 +674,7 @@ impl Engine {
                     "internal: only the refiner's rows are scattered into x".into(),
                 ))
             }
-            (_, Target::Fp8) => {
+            (_, Target::Fp8 | Target::Fp8AndH) => {
                 return Err(H3Error::Backend(
                     "internal: FP8 norms run in residual_norm_fp8".into(),
                 ))
@@ -696,7 +722,7 @@ impl Engine {
             out: &ov,
             out_stride: hp,
             out_index: match target {
-                Target::H | Target::Fp8 => None,
+                Target::H | Target::Fp8 | Target::Fp8AndH => None,
                 Target::TextRowsOfX => Some((&text_index, z.rows)),
             },
         };
@@ -825,18 +851,6 @@ impl Engine {
             .flatten()
             .map(GemmCall::flops)
             .sum();
-        if let Some(gate) = calls.fc1_gate {
-            if calls.fc1.fp8.is_some() || gate.fp8.is_some() {
-                // One half of `mlp_in` in FP8: the norm wrote bf16 rows h; one pass quantizes them for that half.
-                self.quantize_rows(ws, Buf::H, m, self.dims.hp)?;
-                probe.mark(
-                    &self.stream,
-                    "fc1 input to FP8",
-                    0.0,
-                    (m * self.dims.hp * (BF16 + 1)) as f64,
-                )?;
-            }
-        }
         self.run_gemm(ws, calls.fc1)?;
         if let Some(gate) = calls.fc1_gate {
             self.run_gemm(ws, gate)?;
@@ -1157,7 +1171,7 @@ impl Engine {
                     scale: scale2,
                     shift: shift2,
                 },
-                self.block_norm_target(layer, |g| g.mlp_in()),
+                self.fc1_norm_target(layer),
             )?;
             probe.mark(
                 &self.stream,

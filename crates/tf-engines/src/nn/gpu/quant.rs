@@ -41,6 +41,8 @@ pub const QUANT_KERNELS: &[&str] = &[
     "nn_norm_modulate_fp8_c2",
     "nn_gated_residual_norm_modulate_fp8",
     "nn_gated_residual_norm_modulate_fp8_c2",
+    "nn_gated_residual_norm_modulate_fp8_and_bf16",
+    "nn_gated_residual_norm_modulate_fp8_and_bf16_c2",
     "nn_swiglu_fp8",
 ];
 
@@ -300,8 +302,51 @@ pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    gated_residual_norm_modulate_fp8(x, x_layout, norm_cols, (y, y_stride), gate, out, norm, None)
+}
+
+/// [`plan_gated_residual_norm_modulate_fp8_padded`] that also writes the normed rows in bf16 to `h` (`h_stride`
+/// elements apart), in the same pass: the input of a bf16 GEMM beside the FP8 one (MiniMax H3's `fc1` with one half
+/// in FP8).
+#[allow(clippy::too_many_arguments)]
+pub fn plan_gated_residual_norm_modulate_fp8_and_bf16<'a>(
+    x: &'a DeviceViewMut<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    (y, y_stride): (&'a DeviceView<'_>, usize),
+    gate: &ResidualGate<'a, '_>,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+    (h, h_stride): (&'a DeviceViewMut<'_>, usize),
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    gated_residual_norm_modulate_fp8(
+        x,
+        x_layout,
+        norm_cols,
+        (y, y_stride),
+        gate,
+        out,
+        norm,
+        Some((h, h_stride)),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gated_residual_norm_modulate_fp8<'a>(
+    x: &'a DeviceViewMut<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    (y, y_stride): (&'a DeviceView<'_>, usize),
+    gate: &ResidualGate<'a, '_>,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+    also_bf16: Option<(&'a DeviceViewMut<'_>, usize)>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual_norm_modulate_fp8";
     let cols = x_layout.cols;
+    if let Some((h, h_stride)) = also_bf16 {
+        check_matrix(OP, "h", Operand::of_mut(h), x_layout.with_stride(h_stride))?;
+    }
     check_norm_cols(OP, cols)?;
     check_norm_width(OP, norm, cols, norm_cols)?;
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
@@ -364,12 +409,25 @@ pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
         (gate.select, gate_index.unwrap_or(0)),
     )?;
     args.push(to_i32(OP, "norm width", norm_cols)?);
-    Ok(Launch::new(
-        norm_kernel(
+    match also_bf16 {
+        Some((h, h_stride)) => args
+            .push_addr(h.addr())
+            .push(to_i32(OP, "h stride", h_stride)?),
+        None => args.push_addr(0).push(0i32),
+    };
+    let (plain, narrow) = if also_bf16.is_some() {
+        (
+            "nn_gated_residual_norm_modulate_fp8_and_bf16",
+            "nn_gated_residual_norm_modulate_fp8_and_bf16_c2",
+        )
+    } else {
+        (
             "nn_gated_residual_norm_modulate_fp8",
             "nn_gated_residual_norm_modulate_fp8_c2",
-            cols,
-        ),
+        )
+    };
+    Ok(Launch::new(
+        norm_kernel(plain, narrow, cols),
         row_config(OP, x_layout.rows)?,
         args,
     ))
@@ -702,8 +760,43 @@ mod tests {
             plan_gated_residual_norm_modulate_fp8(&xv, layout, &yv, cols, &gate, &out, &norm)
                 .unwrap();
         assert_eq!(launch.kernel(), "nn_gated_residual_norm_modulate_fp8_c2");
-        assert_eq!(launch.args().len(), 28);
+        // The norm width, then no bf16 rows (a null h and stride 0).
+        assert_eq!(launch.args().len(), 30);
         assert_eq!(launch.args().get::<i32>(27), Some(cols as i32));
+        assert_eq!(launch.args().get::<u64>(28), Some(0));
+        assert_eq!(launch.args().get::<i32>(29), Some(0));
+        // The same pass writing its normed rows in bf16 too: its own entry point, h and its stride last.
+        let mut h = buffer(&ctx, rows * cols * BF16);
+        let hv = h.view_mut();
+        let both = plan_gated_residual_norm_modulate_fp8_and_bf16(
+            &xv,
+            layout,
+            cols,
+            (&yv, cols),
+            &gate,
+            &out,
+            &norm,
+            (&hv, cols),
+        )
+        .unwrap();
+        assert_eq!(
+            both.kernel(),
+            "nn_gated_residual_norm_modulate_fp8_and_bf16_c2"
+        );
+        assert_eq!(both.args().get::<u64>(28), Some(hv.addr()));
+        assert_eq!(both.args().get::<i32>(29), Some(cols as i32));
+        let short = h.slice_mut(0, rows * cols * BF16 - 16).unwrap();
+        assert!(plan_gated_residual_norm_modulate_fp8_and_bf16(
+            &xv,
+            layout,
+            cols,
+            (&yv, cols),
+            &gate,
+            &out,
+            &norm,
+            (&short, cols),
+        )
+        .is_err());
         assert_eq!(launch.args().get::<i32>(6), Some(3));
         assert_eq!(launch.args().get::<i32>(7), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(8), Some(1)); // tanh
@@ -752,7 +845,7 @@ mod tests {
             &unmodulated,
         )
         .unwrap();
-        assert_eq!(launch.args().len(), 28);
+        assert_eq!(launch.args().len(), 30);
         assert_eq!(launch.args().get::<i32>(8), Some(0));
         assert_eq!(launch.args().get::<u64>(18), Some(0)); // no modulation table
         assert_eq!(launch.args().get::<u64>(26), Some(iv.addr()));
