@@ -815,8 +815,7 @@ impl Engine {
             probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }
         if out_call.fp8.is_some() {
-            // The attention kernel writes bf16: one quantizing pass over its rows feeds the FP8 out GEMM.
-            self.quantize_rows(ws, Buf::Attn, m, d.width)?;
+            self.quantize_attention_output(ws, m, d.width)?;
             probe.mark(
                 &self.stream,
                 "attention output to FP8",
@@ -862,24 +861,15 @@ impl Engine {
         probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0)
     }
 
-    /// One quantizing pass: `rows` x `cols` bf16 rows of `source` into the workspace's e4m3 rows and scales (for an
-    /// FP8 GEMM whose input's producer writes bf16).
-    fn quantize_rows(
+    /// The quantizing pass over the attention output (`rows` x `cols` bf16, written by a kernel that never holds a
+    /// token's whole row) into the workspace's e4m3 rows and scales, for the FP8 `out` GEMM.
+    fn quantize_attention_output(
         &self,
         ws: &mut Workspace,
-        source: Buf,
         rows: usize,
         cols: usize,
     ) -> Result<(), H3Error> {
-        let input = match source {
-            Buf::H => ws.h.view(),
-            Buf::Attn => ws.attn.view(),
-            other => {
-                return Err(H3Error::Backend(format!(
-                    "internal: no quantizing pass reads {other:?}"
-                )))
-            }
-        };
+        let input = ws.attn.view();
         let codes = ws.q8.view_mut();
         let scales = ws.q8_scales.view_mut();
         self.quant()?
