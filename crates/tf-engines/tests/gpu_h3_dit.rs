@@ -36,7 +36,7 @@ use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
 use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, StepTimesteps};
 use tf_engines::nn::fp8;
 use tf_engines::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8_and_bf16, plan_gated_residual_norm_modulate_fp8_padded,
+    plan_gated_residual_norm_modulate_fp8_padded, plan_gated_residual_norm_modulate_fp8_with,
     plan_norm_modulate_fp8_padded, Fp8Rows, QuantKernels, ResidualGate,
 };
 use tf_engines::nn::gpu::{
@@ -1282,7 +1282,7 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             quant
                 .run(
                     &stream,
-                    plan_gated_residual_norm_modulate_fp8_and_bf16(
+                    plan_gated_residual_norm_modulate_fp8_with(
                         &xb,
                         Matrix::dense(rows, cols),
                         width,
@@ -1290,7 +1290,7 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
                         &gate,
                         &both_out,
                         &norm,
-                        (&hb, cols),
+                        Some((&hb, cols)),
                     ),
                 )
                 .unwrap();

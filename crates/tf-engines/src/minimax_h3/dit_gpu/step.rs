@@ -34,9 +34,9 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8_and_bf16, plan_gated_residual_norm_modulate_fp8_padded,
-    plan_norm_modulate_fp8_padded, plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart,
-    Fp8Rows, QuantKernels, ResidualGate,
+    plan_gated_residual_norm_modulate_fp8_with, plan_norm_modulate_fp8_padded,
+    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels,
+    ResidualGate,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, AttentionShape,
@@ -485,28 +485,16 @@ impl Engine {
                 let xv = ws.x.view_mut();
                 let yv = ws.y.view();
                 let hv = ws.h.view_mut();
-                let plan = if target == Target::Fp8AndH {
-                    plan_gated_residual_norm_modulate_fp8_and_bf16(
-                        &xv,
-                        layout,
-                        d.hidden,
-                        (&yv, hp),
-                        &gate,
-                        &out,
-                        &norm,
-                        (&hv, hp),
-                    )
-                } else {
-                    plan_gated_residual_norm_modulate_fp8_padded(
-                        &xv,
-                        layout,
-                        d.hidden,
-                        (&yv, hp),
-                        &gate,
-                        &out,
-                        &norm,
-                    )
-                };
+                let plan = plan_gated_residual_norm_modulate_fp8_with(
+                    &xv,
+                    layout,
+                    d.hidden,
+                    (&yv, hp),
+                    &gate,
+                    &out,
+                    &norm,
+                    (target == Target::Fp8AndH).then_some((&hv, hp)),
+                );
                 self.quant()?.run(&self.stream, plan).map_err(launch)
             }
             Residual::Plain => Err(H3Error::Backend(

@@ -302,24 +302,7 @@ pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    gated_residual_norm_modulate_fp8(x, x_layout, norm_cols, (y, y_stride), gate, out, norm, None)
-}
-
-/// [`plan_gated_residual_norm_modulate_fp8_padded`] that also writes the normed rows in bf16 to `h` (`h_stride`
-/// elements apart), in the same pass: the input of a bf16 GEMM beside the FP8 one (MiniMax H3's `fc1` with one half
-/// in FP8).
-#[allow(clippy::too_many_arguments)]
-pub fn plan_gated_residual_norm_modulate_fp8_and_bf16<'a>(
-    x: &'a DeviceViewMut<'_>,
-    x_layout: Matrix,
-    norm_cols: usize,
-    (y, y_stride): (&'a DeviceView<'_>, usize),
-    gate: &ResidualGate<'a, '_>,
-    out: &Fp8Rows<'a, '_>,
-    norm: &NormModulate<'a, '_>,
-    (h, h_stride): (&'a DeviceViewMut<'_>, usize),
-) -> Result<Launch<'a>, tf_cuda::Error> {
-    gated_residual_norm_modulate_fp8(
+    plan_gated_residual_norm_modulate_fp8_with(
         x,
         x_layout,
         norm_cols,
@@ -327,12 +310,15 @@ pub fn plan_gated_residual_norm_modulate_fp8_and_bf16<'a>(
         gate,
         out,
         norm,
-        Some((h, h_stride)),
+        None,
     )
 }
 
+/// [`plan_gated_residual_norm_modulate_fp8_padded`] that, given `also_bf16` (`h`, `h_stride`), also writes the normed
+/// rows in bf16 to `h` (`h_stride` elements apart) in the same pass: the input of a bf16 GEMM beside the FP8 one
+/// (MiniMax H3's `fc1` with one half in FP8; kernel nn_gated_residual_norm_modulate_fp8_and_bf16).
 #[allow(clippy::too_many_arguments)]
-fn gated_residual_norm_modulate_fp8<'a>(
+pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
     x: &'a DeviceViewMut<'_>,
     x_layout: Matrix,
     norm_cols: usize,
@@ -768,7 +754,7 @@ mod tests {
         // The same pass writing its normed rows in bf16 too: its own entry point, h and its stride last.
         let mut h = buffer(&ctx, rows * cols * BF16);
         let hv = h.view_mut();
-        let both = plan_gated_residual_norm_modulate_fp8_and_bf16(
+        let both = plan_gated_residual_norm_modulate_fp8_with(
             &xv,
             layout,
             cols,
@@ -776,7 +762,7 @@ mod tests {
             &gate,
             &out,
             &norm,
-            (&hv, cols),
+            Some((&hv, cols)),
         )
         .unwrap();
         assert_eq!(
@@ -786,7 +772,7 @@ mod tests {
         assert_eq!(both.args().get::<u64>(28), Some(hv.addr()));
         assert_eq!(both.args().get::<i32>(29), Some(cols as i32));
         let short = h.slice_mut(0, rows * cols * BF16 - 16).unwrap();
-        assert!(plan_gated_residual_norm_modulate_fp8_and_bf16(
+        assert!(plan_gated_residual_norm_modulate_fp8_with(
             &xv,
             layout,
             cols,
@@ -794,7 +780,7 @@ mod tests {
             &gate,
             &out,
             &norm,
-            (&short, cols),
+            Some((&short, cols)),
         )
         .is_err());
         assert_eq!(launch.args().get::<i32>(6), Some(3));
