@@ -600,3 +600,68 @@ fn destination(plan: &WeightPlan, name: &str, element: usize) -> usize {
         .unwrap_or_else(|| panic!("{name}[{element}] is not placed"));
     pl.dst + (element - pl.src_first) * pl.device.bytes()
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Any choice of FP8 groups per block, `mlp_in`'s halves apart or together, on small padded models in both
+    /// name layouts: placement for placement the bf16 twin's source values, no device byte written twice, and one
+    /// FP8 matrix per FP8 group of each block (one for `fc1` whether it is whole or one half).
+    #[test]
+    fn any_fp8_group_choice_places_the_bf16_twins_values(
+        hidden in 1usize..6,
+        ffn in 1usize..7,
+        layers in 1usize..4,
+        picks in proptest::collection::vec(0u8..64, 3),
+        source_pick in 0u8..3,
+    ) {
+        let config = MiniMaxH3Config {
+            hidden_size: 4 * hidden,
+            ffn_dim: 4 * ffn,
+            num_layers: layers,
+            ..odd()
+        };
+        let groups: Vec<Fp8Groups> = (0..layers)
+            .map(|l| {
+                let bits = picks[l % picks.len()];
+                Fp8Groups {
+                    qkv: bits & 1 != 0,
+                    out: bits & 2 != 0,
+                    mlp_value: bits & 4 != 0,
+                    mlp_gate: bits & 8 != 0,
+                    mlp_out: bits & 16 != 0,
+                    adaln: bits & 32 != 0,
+                }
+            })
+            .collect();
+        let source = match source_pick {
+            0 => Source::Diffusers,
+            1 => Source::Original(QkvLayout::Interleaved),
+            _ => Source::Original(QkvLayout::Stacked),
+        };
+        let dims = Dims::of_for(&config, true).unwrap();
+        let twin = plan(&config, &dims, source, &[]).unwrap();
+        let fp8 = plan(&config, &dims, source, &groups).unwrap();
+        proptest::prop_assert_eq!(fp8.placements.len(), twin.placements.len());
+        for (pl, t) in fp8.placements.iter().zip(&twin.placements) {
+            proptest::prop_assert_eq!(
+                (pl.tensor, pl.src_first, pl.len, pl.init),
+                (t.tensor, t.src_first, t.len, t.init)
+            );
+        }
+        destinations(&fp8);
+        let want: usize = groups
+            .iter()
+            .map(|g| {
+                [g.qkv, g.out, g.mlp_value || g.mlp_gate, g.mlp_out, g.adaln]
+                    .iter()
+                    .filter(|&&on| on)
+                    .count()
+            })
+            .sum();
+        proptest::prop_assert_eq!(fp8.fp8.len(), want);
+        for (g, b) in groups.iter().zip(&fp8.offsets.blocks) {
+            proptest::prop_assert_eq!(b.attn.fc1_gate.is_some(), g.mlp_in_split());
+        }
+    }
+}
