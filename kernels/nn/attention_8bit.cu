@@ -28,9 +28,11 @@
 //   nn_attention_8bit_quantize_kv  per 128-key block: K - mean to INT8 (one scale), V to e4m3 transposed.
 //   nn_attention_8bit_quantize_q   per query row: Q to INT8 (one scale).
 //   nn_attention_8bit_d128         the attention: warp-specialised as nn_attention_d128_sm90_tma (a producer
-//                                  thread, two consumer warpgroups taking turns on the tensor cores), loading each
-//                                  16 KiB tile with one bulk copy: the quantizing passes already wrote every tile
-//                                  in the 128-byte swizzle the wgmma descriptors name, zero-padded to 128 rows.
+//                                  thread, two consumer warpgroups taking turns on the tensor cores, each turn
+//                                  S of one key tile then P V of the previous, the softmax running while P V
+//                                  does), loading each 16 KiB tile with one bulk copy: the quantizing passes
+//                                  already wrote every tile in the 128-byte swizzle the wgmma descriptors name,
+//                                  zero-padded to 128 rows.
 //
 // Workspace tiles, each 128 rows x 128 bytes (16 KiB), row r's 16-byte chunk c at r * 128 + ((c ^ (r & 7)) << 4):
 //   q8 [batch][head][query tile]    rows: queries, bytes: head dim (INT8)
@@ -313,11 +315,25 @@ __device__ __forceinline__ float int_sum_to_float(int32_t x) {
     return __int_as_float(x + 0x4B400000) - 12582912.0f;
 }
 
+// 1.5 * 2^23 and its bits (int_sum_to_float); a masked score's integer, below every real sum (|S| < 2^21).
+constexpr float kIntBias = 12582912.0f;
+constexpr int32_t kIntBiasBits = 0x4B400000;
+constexpr int32_t kMaskedScore = -(1 << 22);
+
+__device__ __forceinline__ int quad_max_int(int v) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
     return lo | (hi << 16);
 }
+
+// The CTA's masks for the consumers: window_min, pad_begin, pad_end, and each consumer thread's two row limits.
+__shared__ int a8_masks[3];
+__shared__ int2 a8_row_limits[256];
 
 // One consumer warpgroup's rows: 64 queries, O in f32, the online softmax in log2 units (the Q scales carry the
 // softmax scale and log2 e). Thread rows a and b are 8 apart, as in Sm90Rows.
@@ -325,8 +341,8 @@ struct A8Rows {
     float acc[64];
     float max_a, max_b, sum_a, sum_b;
     float qs_a, qs_b;
-    int limit_a, limit_b, window_min, pad_begin, pad_end;
-    int quad;
+    // The masks live in shared memory (a8_masks, a8_row_limits), read only for the tiles that need them: with
+    // them in registers, the scores, O and P in flight together exceed what ptxas gives the consumers.
 
     // S = Q K^T of one key tile: four k32 steps over the head dim.
     static __device__ __forceinline__ void issue_scores(int32_t (&s)[64], uint32_t q_rows, uint32_t k_tile) {
@@ -348,45 +364,88 @@ struct A8Rows {
         wgmma_commit();
     }
 
-    // Dequantizes and masks the scores of the tile at key0 (k_scale: the tile's K scale), updates the running
-    // maxima and sums, rescales O, and packs P * 448 as e4m3 in the A-operand order of issue_values.
-    __device__ __forceinline__ void softmax_tile(const int32_t (&si)[64], float k_scale, int key0,
-                                                 uint32_t (&p)[4][4]) {
+    // The softmax of the int32 scores of the tile at key0 (k_scale: the tile's K scale), in place: updates the
+    // running maxima and sums and leaves P * 448 = 2^(s - max + log2 448) in sv as f32 bits. The maxima are taken on
+    // the integers (the dequantizing factor is positive), and each score becomes its exponent in one IADD and one
+    // FFMA: x + 1.5 * 2^23 (exact, see int_sum_to_float) times the factor, less 1.5 * 2^23 times the factor and the
+    // base, folded into one constant per row (its rounding is ~1e-6 of the tile's largest exponent). O is not
+    // touched: the previous tile's P V may still accumulate into it; returns the factors for rescale().
+    __device__ __forceinline__ void softmax_tile(int32_t (&sv)[64], float k_scale, int key0, float& corr_a,
+                                                 float& corr_b) {
         const float fa = qs_a * k_scale;
         const float fb = qs_b * k_scale;
-        float s[64];
+        const bool full = tile_is_full(key0);
+        if (!full) mask_int_scores(sv, key0);
+        int tile_max_a = kMaskedScore, tile_max_b = kMaskedScore;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            s[4 * j] = int_sum_to_float(si[4 * j]) * fa;
-            s[4 * j + 1] = int_sum_to_float(si[4 * j + 1]) * fa;
-            s[4 * j + 2] = int_sum_to_float(si[4 * j + 2]) * fb;
-            s[4 * j + 3] = int_sum_to_float(si[4 * j + 3]) * fb;
+            tile_max_a = max(tile_max_a, max(sv[4 * j], sv[4 * j + 1]));
+            tile_max_b = max(tile_max_b, max(sv[4 * j + 2], sv[4 * j + 3]));
         }
-        const bool full = key0 + kA8Keys <= window_min && (key0 + kA8Keys <= pad_begin || key0 >= pad_end);
-        if (!full) mask_wgmma_scores(s, key0, quad, kA8Keys, limit_a, limit_b, pad_begin, pad_end);
-        float tile_max_a, tile_max_b;
-        wgmma_tile_max(s, tile_max_a, tile_max_b);
-        const float new_max_a = fmaxf(max_a, quad_max(tile_max_a));
-        const float new_max_b = fmaxf(max_b, quad_max(tile_max_b));
+        tile_max_a = quad_max_int(tile_max_a);
+        tile_max_b = quad_max_int(tile_max_b);
+        const float new_max_a = fmaxf(max_a, tile_max_a == kMaskedScore ? kNegInf : int_sum_to_float(tile_max_a) * fa);
+        const float new_max_b = fmaxf(max_b, tile_max_b == kMaskedScore ? kNegInf : int_sum_to_float(tile_max_b) * fb);
         // P = 2^(s - max) * 448 = 2^(s - (max - log2 448)).
         const float base_a = new_max_a == kNegInf ? 0.0f : new_max_a - kLog2Fp8Max;
         const float base_b = new_max_b == kNegInf ? 0.0f : new_max_b - kLog2Fp8Max;
-        const float corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a - new_max_a);
-        const float corr_b = new_max_b == max_b ? 1.0f : exp2_approx(max_b - new_max_b);
+        corr_a = new_max_a == max_a ? 1.0f : exp2_approx(max_a - new_max_a);
+        corr_b = new_max_b == max_b ? 1.0f : exp2_approx(max_b - new_max_b);
         max_a = new_max_a;
         max_b = new_max_b;
+        const float off_a = fmaf(-kIntBias, fa, -base_a);
+        const float off_b = fmaf(-kIntBias, fb, -base_b);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x = __int_as_float(sv[4 * j + e] + kIntBiasBits);
+                sv[4 * j + e] = __float_as_int(exp2_approx(e < 2 ? fmaf(x, fa, off_a) : fmaf(x, fb, off_b)));
+            }
+        }
+        if (!full) zero_masked(sv, key0);
         float tile_sum_a = 0.0f, tile_sum_b = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            s[4 * j] = exp2_approx(s[4 * j] - base_a);
-            s[4 * j + 1] = exp2_approx(s[4 * j + 1] - base_a);
-            s[4 * j + 2] = exp2_approx(s[4 * j + 2] - base_b);
-            s[4 * j + 3] = exp2_approx(s[4 * j + 3] - base_b);
-            tile_sum_a += s[4 * j] + s[4 * j + 1];
-            tile_sum_b += s[4 * j + 2] + s[4 * j + 3];
+            tile_sum_a += __int_as_float(sv[4 * j]) + __int_as_float(sv[4 * j + 1]);
+            tile_sum_b += __int_as_float(sv[4 * j + 2]) + __int_as_float(sv[4 * j + 3]);
         }
         sum_a = fmaf(sum_a, corr_a, tile_sum_a);
         sum_b = fmaf(sum_b, corr_b, tile_sum_b);
+    }
+
+    // Whether every key of the tile at key0 is seen by every row of the CTA (no masking needed).
+    static __device__ __forceinline__ bool tile_is_full(int key0) {
+        const volatile int* m = a8_masks;
+        const int end = key0 + kA8Keys;
+        return end <= m[0] && (end <= m[1] || key0 >= m[2]);
+    }
+    // Whether this thread's score e of column block j is seen by its row (the masks of mask_wgmma_scores).
+    static __device__ __forceinline__ bool seen(int key0, int j, int e) {
+        const volatile int* m = a8_masks;
+        const int2 limits = a8_row_limits[threadIdx.x - 128];
+        const int key = key0 + j * 8 + (threadIdx.x & 3) * 2 + (e & 1);
+        const int limit = e < 2 ? limits.x : limits.y;
+        return key < limit && (key < m[1] || key >= m[2]);
+    }
+    __device__ __forceinline__ void mask_int_scores(int32_t (&sv)[64], int key0) const {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!seen(key0, j, e)) sv[4 * j + e] = kMaskedScore;
+        }
+    }
+    __device__ __forceinline__ void zero_masked(int32_t (&sv)[64], int key0) const {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!seen(key0, j, e)) sv[4 * j + e] = 0;
+        }
+    }
+
+    __device__ __forceinline__ void rescale(float corr_a, float corr_b) {
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
             acc[4 * n] *= corr_a;
@@ -394,15 +453,20 @@ struct A8Rows {
             acc[4 * n + 2] *= corr_b;
             acc[4 * n + 3] *= corr_b;
         }
-        // Keys 32 kk .. 32 kk + 31: column blocks 4 kk .. 4 kk + 3 of S; registers 0 and 2 take blocks 4 kk, 4 kk + 1
-        // (rows a, b), registers 1 and 3 blocks 4 kk + 2, 4 kk + 3.
+    }
+
+    // Packs P (left in sv by softmax_tile) as e4m3 in the A-operand order of issue_values. Keys 32 kk .. 32 kk + 31:
+    // column blocks 4 kk .. 4 kk + 3 of S; registers 0 and 2 take blocks 4 kk, 4 kk + 1 (rows a, b), registers 1
+    // and 3 blocks 4 kk + 2, 4 kk + 3.
+    static __device__ __forceinline__ void pack_probabilities(const int32_t (&sv)[64], uint32_t (&p)[4][4]) {
+        auto s = [&](int i) { return __int_as_float(sv[i]); };
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             const int j = 16 * kk;
-            p[kk][0] = pack_e4m3x4(s[j], s[j + 1], s[j + 4], s[j + 5]);
-            p[kk][1] = pack_e4m3x4(s[j + 2], s[j + 3], s[j + 6], s[j + 7]);
-            p[kk][2] = pack_e4m3x4(s[j + 8], s[j + 9], s[j + 12], s[j + 13]);
-            p[kk][3] = pack_e4m3x4(s[j + 10], s[j + 11], s[j + 14], s[j + 15]);
+            p[kk][0] = pack_e4m3x4(s(j), s(j + 1), s(j + 4), s(j + 5));
+            p[kk][1] = pack_e4m3x4(s(j + 2), s(j + 3), s(j + 6), s(j + 7));
+            p[kk][2] = pack_e4m3x4(s(j + 8), s(j + 9), s(j + 12), s(j + 13));
+            p[kk][3] = pack_e4m3x4(s(j + 10), s(j + 11), s(j + 14), s(j + 15));
         }
     }
 };
@@ -455,7 +519,7 @@ __device__ __forceinline__ void attention_8bit(const int8_t* __restrict__ q8, co
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-        if (tid != 0 || num_tiles == 0) return;
+        if (tid != 0 || num_tiles == 0) exit_thread();
         mbar_expect_bytes(q_bar, kA8TileBytes);
         bulk_copy(smem_q, q8 + (bh * query_tiles + q_tile) * kA8TileBytes, kA8TileBytes, q_bar);
         for (int tile = 0; tile < num_tiles; ++tile) {
@@ -470,7 +534,7 @@ __device__ __forceinline__ void attention_8bit(const int8_t* __restrict__ q8, co
             mbar_expect_bytes(bar(1, tile), kA8TileBytes);
             bulk_copy(smem_v + offset, v8 + t, kA8TileBytes, bar(1, tile));
         }
-        return;
+        exit_thread();
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
@@ -482,22 +546,23 @@ __device__ __forceinline__ void attention_8bit(const int8_t* __restrict__ q8, co
     for (int i = 0; i < 64; ++i) rows.acc[i] = 0.0f;
     rows.max_a = rows.max_b = kNegInf;
     rows.sum_a = rows.sum_b = 0.0f;
-    rows.limit_a = kw.limit_a;
-    rows.limit_b = kw.limit_b;
-    rows.window_min = kw.window_min;
-    rows.pad_begin = kw.pad_begin;
-    rows.pad_end = kw.pad_end;
-    rows.quad = lane & 3;
+    a8_row_limits[tid - 128] = make_int2(kw.limit_a, kw.limit_b);
+    if (tid == 128) {
+        a8_masks[0] = kw.window_min;
+        a8_masks[1] = kw.pad_begin;
+        a8_masks[2] = kw.pad_end;
+    }
+    named_barrier_sync(3, kConsumerThreads);  // the masks are written before any consumer reads them
     const float* qs = q_scale + bh * query_tiles * kA8Rows + q0 + warp_row0 + (lane >> 2);
     rows.qs_a = qs[0];
     rows.qs_b = qs[8];
     const float* ks = k_scale + bkv * key_tiles;
     const uint32_t q_rows = smem_q + consumer * 64 * 128;
-    const int issue_points = num_tiles > 0 ? num_tiles + 1 : 0;
+    // Issue points: tile 0's scores, then one per later tile, then the last tile's values (num_tiles + 1 in all).
     int point = 0;
     auto take_turn = [&]() { named_barrier_sync(my_turn, kConsumerThreads); };
     auto pass_turn = [&]() {
-        if (!(consumer == 1 && point == issue_points - 1)) named_barrier_arrive(other_turn, kConsumerThreads);
+        if (!(consumer == 1 && point == num_tiles)) named_barrier_arrive(other_turn, kConsumerThreads);
         ++point;
     };
     auto release = [&](int kind, int tile) {
@@ -505,8 +570,11 @@ __device__ __forceinline__ void attention_8bit(const int8_t* __restrict__ q8, co
     };
     auto k_tile = [&](int tile) { return smem_k + (tile % kA8Stages) * kA8TileBytes; };
     auto v_tile = [&](int tile) { return smem_v + (tile % kA8Stages) * kA8TileBytes; };
-    if (consumer == 1 && issue_points > 0) named_barrier_arrive(other_turn, kConsumerThreads);
+    if (consumer == 1 && num_tiles > 0) named_barrier_arrive(other_turn, kConsumerThreads);
 
+    // A turn: S = Q K^T of this tile, then O += P V of the previous one, issued back to back. The softmax of this
+    // tile runs while the previous tile's P V is still on the tensor cores (and while the other warpgroup issues
+    // its turn); O is rescaled once that P V is done, then this tile's P is packed.
     uint32_t p[4][4];
     if (num_tiles > 0) {
         mbar_wait(q_bar, 0);
@@ -519,25 +587,30 @@ __device__ __forceinline__ void attention_8bit(const int8_t* __restrict__ q8, co
         wgmma_wait<0>();
         fence_int_accumulators(s);
         release(2, 0);
-        rows.softmax_tile(s, kscale, 0, p);
+        float corr_a, corr_b;
+        rows.softmax_tile(s, kscale, 0, corr_a, corr_b);  // O is zero: nothing to rescale
+        A8Rows::pack_probabilities(s, p);
     }
     for (int tile = 1; tile < num_tiles; ++tile) {
-        mbar_wait(bar(1, tile - 1), parity(tile - 1));
         mbar_wait(bar(0, tile), parity(tile));
+        mbar_wait(bar(1, tile - 1), parity(tile - 1));
         const float kscale = ks[tile];
+        int32_t s[64];
         take_turn();
+        A8Rows::issue_scores(s, q_rows, k_tile(tile));
         rows.issue_values(p, v_tile(tile - 1));
+        pass_turn();
+        wgmma_wait<1>();  // the scores (committed first) are done; P V may still run
+        fence_int_accumulators(s);
+        release(2, tile);
+        float corr_a, corr_b;
+        rows.softmax_tile(s, kscale, tile * kA8Keys, corr_a, corr_b);
         wgmma_wait<0>();
         fence_accumulators(rows.acc);
         fence_fp8_fragment(p);
         release(3, tile - 1);
-        int32_t s[64];
-        A8Rows::issue_scores(s, q_rows, k_tile(tile));
-        pass_turn();
-        wgmma_wait<0>();
-        fence_int_accumulators(s);
-        release(2, tile);
-        rows.softmax_tile(s, kscale, tile * kA8Keys, p);
+        rows.rescale(corr_a, corr_b);
+        A8Rows::pack_probabilities(s, p);
     }
     if (num_tiles > 0) {
         mbar_wait(bar(1, num_tiles - 1), parity(num_tiles - 1));
@@ -550,7 +623,7 @@ __device__ __forceinline__ void attention_8bit(const int8_t* __restrict__ q8, co
         release(3, num_tiles - 1);
     }
     // Normalise with V's per-channel scale folded in: column 8 n + 2 quad + (e & 1).
-    const float* vs = kv_params + bkv * 384 + 128 + 2 * rows.quad;
+    const float* vs = kv_params + bkv * 384 + 128 + 2 * (lane & 3);
     bf16* o_base = o + batch * o_batch_stride + head * kHeadDim;
     store_output_rows<kHeadDim>(
         [&](int n, int e) { return rows.acc[4 * n + e] * vs[8 * n + (e & 1)]; },
