@@ -1280,6 +1280,7 @@ const ALL_FP8: DitPrecision = DitPrecision::Fp8(Fp8Layers {
     groups: Fp8Groups::ALL,
     bf16_ends: 0,
     accumulation: Fp8Accumulation::Exact,
+    attention: tf_engines::nn::precision::AttentionPrecision::Bf16,
 });
 
 /// The tiny models' FP8 outputs against the fp32 reference: their bf16 error is already 2-3e-2 (gpu_qwen_dit),
@@ -1343,6 +1344,101 @@ fn compare_precisions(
     (e8, e16)
 }
 
+/// Runs `case`'s full step, and where the fixture has them its extract and cached steps, on `dit` and on
+/// `bf16_dit` (eager), each held to the fp32 reference by [`compare_precisions`]. True when the KV paths ran.
+fn compare_every_path(
+    case: &str,
+    dit: &mut GpuDit,
+    bf16_dit: &mut GpuDit,
+    reference: &SafetensorsFile,
+) -> bool {
+    let step0 = qwen_fixtures::inputs(case, "step0");
+    for d in [&mut *dit, &mut *bf16_dit] {
+        d.set_graphs(false);
+    }
+    let a = dit.forward(&step0, KvStep::None).unwrap();
+    let b = bf16_dit.forward(&step0, KvStep::None).unwrap();
+    compare_precisions(
+        case,
+        "sample_full",
+        &a.sample,
+        &b.sample,
+        &reference.to_f32("sample_full").unwrap(),
+    );
+    if !reference.contains("sample_cached") {
+        return false;
+    }
+    let ex8 = dit.forward(&step0, KvStep::Extract).unwrap();
+    let ex16 = bf16_dit.forward(&step0, KvStep::Extract).unwrap();
+    compare_precisions(
+        case,
+        "sample_extract",
+        &ex8.sample,
+        &ex16.sample,
+        &reference.to_f32("sample_extract").unwrap(),
+    );
+    let (c8, c16) = (ex8.kv_cache.unwrap(), ex16.kv_cache.unwrap());
+    let step1 = qwen_fixtures::inputs(case, "step1");
+    let cached8 = dit.forward(&step1, KvStep::Cached(&c8)).unwrap();
+    let cached16 = bf16_dit.forward(&step1, KvStep::Cached(&c16)).unwrap();
+    compare_precisions(
+        case,
+        "sample_cached",
+        &cached8.sample,
+        &cached16.sample,
+        &reference.to_f32("sample_cached").unwrap(),
+    );
+    true
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn qwen_dit_with_8bit_attention_runs_every_fixture_path_near_the_reference() {
+    let g = gpu();
+    if g.ctx.device_info().map(|i| i.compute_capability).ok() != Some((9, 0)) {
+        println!("Qwen DiT 8-bit attention skipped: its kernels are built for sm_90a only");
+        return;
+    }
+    for spec in [
+        "fp8:none,ends=0,attn=int8-fp8",
+        "fp8:all,ends=0,attn=int8-fp8",
+    ] {
+        let precision: DitPrecision = spec.parse().unwrap();
+        let mut covered = 0;
+        for case in qwen_fixtures::cases() {
+            let reference = qwen_fixtures::expected(&case);
+            let mut dit = load_dit(&g.ctx, &case, precision);
+            assert!(dit.load_stats().to_string().contains("attention in 8 bits"));
+            let mut bf16_dit = load_dit(&g.ctx, &case, DitPrecision::Bf16);
+            println!("{spec}:");
+            if compare_every_path(&case, &mut dit, &mut bf16_dit, &reference) {
+                covered += 1;
+            }
+        }
+        assert!(
+            covered >= 3,
+            "{spec}: expected at least three cases with a KV cache"
+        );
+        // Graph replay equals the eager step.
+        let step = qwen_fixtures::inputs("t2i", "step0");
+        let mut eager = load_dit(&g.ctx, "t2i", precision);
+        eager.set_graphs(false);
+        let want = eager.forward(&step, KvStep::None).unwrap();
+        let mut graphed = load_dit(&g.ctx, "t2i", precision);
+        for round in 0..2 {
+            let got = graphed.forward(&step, KvStep::None).unwrap();
+            assert!(
+                got.sample
+                    .data()
+                    .iter()
+                    .zip(want.sample.data())
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{spec}: step {round} (graph capture/replay) differs from eager"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn qwen_dit_fp8_runs_every_fixture_path_near_the_reference() {
@@ -1362,41 +1458,8 @@ fn qwen_dit_fp8_runs_every_fixture_path_near_the_reference() {
             fp8_dit.load_stats().weight_bytes < bf16_dit.load_stats().weight_bytes,
             "{case}: FP8 weights take no less room than bf16"
         );
-        let step0 = qwen_fixtures::inputs(&case, "step0");
-        for dit in [&mut fp8_dit, &mut bf16_dit] {
-            dit.set_graphs(false);
-        }
-        let a = fp8_dit.forward(&step0, KvStep::None).unwrap();
-        let b = bf16_dit.forward(&step0, KvStep::None).unwrap();
-        compare_precisions(
-            &case,
-            "sample_full",
-            &a.sample,
-            &b.sample,
-            &reference.to_f32("sample_full").unwrap(),
-        );
-        if reference.contains("sample_cached") {
+        if compare_every_path(&case, &mut fp8_dit, &mut bf16_dit, &reference) {
             covered += 1;
-            let ex8 = fp8_dit.forward(&step0, KvStep::Extract).unwrap();
-            let ex16 = bf16_dit.forward(&step0, KvStep::Extract).unwrap();
-            compare_precisions(
-                &case,
-                "sample_extract",
-                &ex8.sample,
-                &ex16.sample,
-                &reference.to_f32("sample_extract").unwrap(),
-            );
-            let (c8, c16) = (ex8.kv_cache.unwrap(), ex16.kv_cache.unwrap());
-            let step1 = qwen_fixtures::inputs(&case, "step1");
-            let cached8 = fp8_dit.forward(&step1, KvStep::Cached(&c8)).unwrap();
-            let cached16 = bf16_dit.forward(&step1, KvStep::Cached(&c16)).unwrap();
-            compare_precisions(
-                &case,
-                "sample_cached",
-                &cached8.sample,
-                &cached16.sample,
-                &reference.to_f32("sample_cached").unwrap(),
-            );
         }
     }
     assert!(
@@ -1480,7 +1543,7 @@ fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
 #[path = "common/fixture_dir.rs"]
 mod fixture_dir;
 
-use tf_engines::nn::weights::ModelDir;
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::dit_host::HostDit;
 
 /// The GPU in bf16 on a dequantized FP8 checkpoint against the host's f32 forward on the same dequantized

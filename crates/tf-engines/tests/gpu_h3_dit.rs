@@ -1125,6 +1125,8 @@ fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
             "fp8:adaln,ends=0",
             "fp8:mlp_value,mlp_out,ends=0",
             "fp8:mlp_gate,ends=0",
+            "fp8:none,ends=0,attn=int8-fp8",
+            "fp8:all,ends=0,attn=int8-fp8",
         ] {
             let precision: DitPrecision = spec.parse().unwrap();
             let out = load_in(&ctx, &case, precision).forward(&step).unwrap();
@@ -1176,6 +1178,8 @@ fn fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
         "fp8:mlp_value,ends=0",
         "fp8:mlp_gate,ends=0",
         "fp8:qkv,out,mlp_value,mlp_out,ends=0",
+        "fp8:none,ends=0,attn=int8-fp8",
+        "fp8:qkv,out,mlp_value,mlp_out,ends=0,attn=int8-fp8",
     ] {
         let precision: DitPrecision = spec.parse().unwrap();
         let mut dit = load_in(&ctx, case, precision);

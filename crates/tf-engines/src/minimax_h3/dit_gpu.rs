@@ -52,6 +52,7 @@ use super::config::{ConfigError, MiniMaxH3Config};
 use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use super::dit_host::LoadOptions;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
@@ -72,6 +73,7 @@ pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
     },
     bf16_ends: 1,
     accumulation: Fp8Accumulation::Fast,
+    attention: crate::nn::precision::AttentionPrecision::Bf16,
 };
 
 #[cfg(feature = "bench")]
@@ -149,6 +151,8 @@ struct Engine {
     fp8_groups: Vec<Fp8Groups>,
     /// The quantizing kernels, loaded when some block runs in FP8.
     quant: Option<QuantKernels>,
+    /// The 8-bit attention kernels, loaded when some main block runs its attention in 8 bits (`attn=int8-fp8`).
+    attention8: Option<Attention8bitKernels>,
     /// This rank's communicator when the step runs sequence-parallel ([`parallel`]).
     parallel: Option<parallel::SpState>,
 }
@@ -242,7 +246,8 @@ impl Engine {
             .map(|l| precision.groups_of(l, layers))
             .collect();
         let fp8 = fp8_groups.iter().any(|g| g.any());
-        let dims = Dims::of_for(&config, fp8)?;
+        let mut dims = Dims::of_for(&config, fp8)?;
+        dims.attention8 = precision.uses_8bit_attention(layers);
         let plan = weights::plan(&config, &dims, source, &fp8_groups)?;
         let stream = Arc::new(Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?);
         let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;
@@ -251,6 +256,13 @@ impl Engine {
         let quant = if fp8 {
             check_fp8_support(ctx, &gemms)?;
             Some(QuantKernels::load(ctx).map_err(gpu_err("loading the FP8 quantizing kernels"))?)
+        } else {
+            None
+        };
+        let attention8 = if dims.attention8 {
+            Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
+                "loading the 8-bit attention kernels (attn=int8-fp8)",
+            ))?)
         } else {
             None
         };
@@ -274,6 +286,7 @@ impl Engine {
                 precision,
                 fp8_groups,
                 quant,
+                attention8,
                 parallel: None,
             },
             DeviceWeightsReport {

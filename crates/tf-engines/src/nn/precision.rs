@@ -18,8 +18,12 @@
 //!
 //! Spelled on the command line (`--precision`) as `bf16`, `fp8` (the model's own default mode,
 //! [`DitPrecision::Fp8ModelDefault`], which each model's loader resolves with [`DitPrecision::resolve`]), or
-//! `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]` with GROUP one of `qkv`, `out`, `mlp_in`, `mlp_value`,
-//! `mlp_gate`, `mlp_out`, `adaln`, `all` (the four GEMM groups), `none`.
+//! `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]` with GROUP one of `qkv`, `out`,
+//! `mlp_in`, `mlp_value`, `mlp_gate`, `mlp_out`, `adaln`, `all` (the four GEMM groups), `none`.
+//!
+//! `attn=int8-fp8` runs the attention of the blocks inside the ends in 8 bits ([`AttentionPrecision::Int8Fp8`]:
+//! INT8 Q K^T with K smoothed, FP8 P V, sm_90 only; see docs/ENGINES.md, "8-bit attention"); `bf16`, the default,
+//! keeps the production attention.
 //!
 //! `accum` is how the FP8 GEMMs accumulate ([`Fp8Accumulation`]): `exact` promotes the tensor cores' partial sums to
 //! f32 at intervals along `k` (cuBLASLt's default), `fast` lets them accumulate in the tensor cores' own, narrower
@@ -127,13 +131,53 @@ impl Fp8Accumulation {
     }
 }
 
-/// Where FP8 runs: the groups, in every block but the first and last `bf16_ends`, and how its GEMMs accumulate.
+/// The precision of the attention kernels an engine runs: bf16 (the default, `NnKernels::attention`) or the 8-bit
+/// option of `nn::gpu::attention_8bit`. Spelled `bf16` and `int8-fp8`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AttentionPrecision {
+    /// bf16 Q, K, V and P (the production kernels).
+    #[default]
+    Bf16,
+    /// INT8 Q and smoothed K, FP8 e4m3 P and V (sm_90 only).
+    Int8Fp8,
+}
+
+impl fmt::Display for AttentionPrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AttentionPrecision::Bf16 => "bf16",
+            AttentionPrecision::Int8Fp8 => "int8-fp8",
+        })
+    }
+}
+
+/// An attention precision that is not `bf16` or `int8-fp8`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown attention precision {0:?}: expected `bf16` or `int8-fp8`")]
+pub struct ParseAttentionPrecisionError(pub String);
+
+impl FromStr for AttentionPrecision {
+    type Err = ParseAttentionPrecisionError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bf16" => Ok(AttentionPrecision::Bf16),
+            "int8-fp8" | "int8_fp8" => Ok(AttentionPrecision::Int8Fp8),
+            other => Err(ParseAttentionPrecisionError(other.to_string())),
+        }
+    }
+}
+
+/// Where FP8 runs: the groups, in every block but the first and last `bf16_ends`, how its GEMMs accumulate, and
+/// the precision of those blocks' attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fp8Layers {
     pub groups: Fp8Groups,
     /// Blocks kept in bf16 at each end of the stack.
     pub bf16_ends: usize,
     pub accumulation: Fp8Accumulation,
+    /// The attention of the blocks inside the ends (`attn=...`; bf16 unless asked).
+    pub attention: AttentionPrecision,
 }
 
 impl Fp8Layers {
@@ -143,15 +187,29 @@ impl Fp8Layers {
         groups: Fp8Groups::ALL,
         bf16_ends: 1,
         accumulation: Fp8Accumulation::Fast,
+        attention: AttentionPrecision::Bf16,
     };
+
+    /// True when block `layer` of `layers` is inside the bf16 ends.
+    fn inside(&self, layer: usize, layers: usize) -> bool {
+        layer >= self.bf16_ends && layer + self.bf16_ends < layers
+    }
 
     /// The groups block `layer` of `layers` runs in FP8.
     pub fn groups_of(&self, layer: usize, layers: usize) -> Fp8Groups {
-        let inside = layer >= self.bf16_ends && layer + self.bf16_ends < layers;
-        if inside {
+        if self.inside(layer, layers) {
             self.groups
         } else {
             Fp8Groups::NONE
+        }
+    }
+
+    /// The precision of block `layer`'s attention.
+    pub fn attention_of(&self, layer: usize, layers: usize) -> AttentionPrecision {
+        if self.inside(layer, layers) {
+            self.attention
+        } else {
+            AttentionPrecision::Bf16
         }
     }
 }
@@ -200,6 +258,19 @@ impl DitPrecision {
         }
     }
 
+    /// The precision of block `layer`'s attention (bf16 unless an FP8 mode names `attn=int8-fp8`).
+    pub fn attention_of(&self, layer: usize, layers: usize) -> AttentionPrecision {
+        match self {
+            DitPrecision::Fp8(l) => l.attention_of(layer, layers),
+            DitPrecision::Bf16 | DitPrecision::Fp8ModelDefault => AttentionPrecision::Bf16,
+        }
+    }
+
+    /// True when some block of `layers` runs its attention in 8 bits.
+    pub fn uses_8bit_attention(&self, layers: usize) -> bool {
+        (0..layers).any(|l| self.attention_of(l, layers) == AttentionPrecision::Int8Fp8)
+    }
+
     /// True when some block of `layers` runs a GEMM in FP8.
     pub fn uses_fp8(&self, layers: usize) -> bool {
         (0..layers).any(|l| self.groups_of(l, layers).any())
@@ -211,7 +282,10 @@ impl DitPrecision {
             DitPrecision::Bf16 | DitPrecision::Fp8ModelDefault => "bf16".into(),
             DitPrecision::Fp8(l) => {
                 let fp8_blocks = (0..layers)
-                    .filter(|&b| l.groups_of(b, layers).any())
+                    .filter(|&b| {
+                        l.groups_of(b, layers).any()
+                            || l.attention_of(b, layers) != AttentionPrecision::Bf16
+                    })
                     .count();
                 if fp8_blocks == 0 {
                     return format!(
@@ -222,7 +296,7 @@ impl DitPrecision {
                 format!(
                     "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
                      per-output-channel weight scales, per-token activation scales{}, {} accumulation; \
-                     every layer outside those groups as in bf16 mode",
+                     {}every layer outside those groups as in bf16 mode",
                     l.groups.names().join(", "),
                     l.bf16_ends,
                     if l.groups.adaln {
@@ -230,7 +304,12 @@ impl DitPrecision {
                     } else {
                         ""
                     },
-                    l.accumulation.name()
+                    l.accumulation.name(),
+                    if l.attention == AttentionPrecision::Int8Fp8 {
+                        "attention in 8 bits (INT8 Q K^T, FP8 P V) in those blocks; "
+                    } else {
+                        ""
+                    }
                 )
             }
         }
@@ -253,6 +332,9 @@ impl fmt::Display for DitPrecision {
                 if l.accumulation != Fp8Layers::DEFAULT.accumulation {
                     write!(f, ",accum={}", l.accumulation.name())?;
                 }
+                if l.attention != AttentionPrecision::Bf16 {
+                    write!(f, ",attn={}", l.attention)?;
+                }
                 Ok(())
             }
         }
@@ -265,9 +347,9 @@ const MAX_ENDS: usize = 1 << 16;
 impl FromStr for DitPrecision {
     type Err = String;
 
-    /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact]`.
+    /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_out, adaln, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_out, adaln, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -281,7 +363,14 @@ impl FromStr for DitPrecision {
         let mut named = false;
         let mut ends = Fp8Layers::DEFAULT.bf16_ends;
         let mut accumulation = Fp8Layers::DEFAULT.accumulation;
+        let mut attention = Fp8Layers::DEFAULT.attention;
         for item in spec.split(',').map(str::trim) {
+            if let Some(a) = item.strip_prefix("attn=") {
+                attention = a
+                    .parse()
+                    .map_err(|e| format!("precision {text:?}: attn={a}: {e}"))?;
+                continue;
+            }
             if let Some(a) = item.strip_prefix("accum=") {
                 accumulation = match a {
                     "fast" => Fp8Accumulation::Fast,
@@ -339,6 +428,7 @@ impl FromStr for DitPrecision {
             groups,
             bf16_ends: ends,
             accumulation,
+            attention,
         }))
     }
 }
@@ -346,6 +436,52 @@ impl FromStr for DitPrecision {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_precision_is_named_and_kept_inside_the_ends() {
+        let p: DitPrecision = "fp8:attn=int8-fp8".parse().unwrap();
+        let DitPrecision::Fp8(l) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(
+            l.groups,
+            Fp8Layers::DEFAULT.groups,
+            "no group named: the default groups"
+        );
+        assert_eq!(l.attention, AttentionPrecision::Int8Fp8);
+        assert_eq!(
+            p.to_string(),
+            "fp8:qkv,out,mlp_in,mlp_out,ends=1,attn=int8-fp8"
+        );
+        let layers = 4;
+        let per_block: Vec<_> = (0..layers).map(|b| p.attention_of(b, layers)).collect();
+        assert_eq!(
+            per_block,
+            [
+                AttentionPrecision::Bf16,
+                AttentionPrecision::Int8Fp8,
+                AttentionPrecision::Int8Fp8,
+                AttentionPrecision::Bf16
+            ]
+        );
+        assert!(p.uses_8bit_attention(layers));
+        assert!(!p.uses_8bit_attention(2), "both blocks of two are ends");
+        assert!(p.describe(layers).contains("attention in 8 bits"));
+        assert!(!DitPrecision::FP8.uses_8bit_attention(layers));
+        assert!(!DitPrecision::Bf16.uses_8bit_attention(layers));
+        assert_eq!(
+            "fp8:all,attn=bf16".parse::<DitPrecision>(),
+            "fp8:all".parse::<DitPrecision>()
+        );
+        let only_attention: DitPrecision = "fp8:none,ends=0,attn=int8-fp8".parse().unwrap();
+        assert!(!only_attention.uses_fp8(layers));
+        assert!(only_attention.describe(layers).contains("in 4 of 4 blocks"));
+        let err = "fp8:all,attn=fp16".parse::<DitPrecision>().unwrap_err();
+        assert!(
+            err.contains("attn=fp16") && err.contains("int8-fp8"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn specs_parse_and_print_back() {
@@ -362,6 +498,7 @@ mod tests {
                 },
                 bf16_ends: 0,
                 accumulation: Fp8Accumulation::Fast,
+                attention: AttentionPrecision::Bf16,
             }))
         );
         assert_eq!(
@@ -370,6 +507,7 @@ mod tests {
                 groups: Fp8Groups::ALL,
                 bf16_ends: 3,
                 accumulation: Fp8Accumulation::Fast,
+                attention: AttentionPrecision::Bf16,
             }))
         );
         assert_eq!(
@@ -385,6 +523,7 @@ mod tests {
                 },
                 bf16_ends: 2,
                 accumulation: Fp8Accumulation::Fast,
+                attention: AttentionPrecision::Bf16,
             }))
         );
         assert!(!Fp8Groups {
@@ -402,6 +541,9 @@ mod tests {
             "fp8:qkv,out,mlp_out,ends=1,accum=exact",
             "fp8:qkv,out,mlp_value,mlp_out,ends=1",
             "fp8:mlp_gate,ends=0",
+            "fp8:qkv,out,mlp_in,mlp_out,ends=1,attn=int8-fp8",
+            "fp8:none,ends=0,attn=int8-fp8",
+            "fp8:out,ends=2,accum=exact,attn=int8-fp8",
         ] {
             let p: DitPrecision = spec.parse().unwrap();
             assert_eq!(p.to_string(), spec);
@@ -420,6 +562,7 @@ mod tests {
             },
             bf16_ends: 1,
             accumulation: Fp8Accumulation::Fast,
+            attention: AttentionPrecision::Bf16,
         };
         assert_eq!(
             DitPrecision::FP8.resolve(keep_mlp_in).to_string(),
@@ -463,6 +606,7 @@ mod tests {
             groups: Fp8Groups::ALL,
             bf16_ends: 0,
             accumulation: Fp8Accumulation::Fast,
+            attention: AttentionPrecision::Bf16,
         });
         assert!(all.uses_fp8(2));
         assert!(all.describe(32).contains("in 32 of 32 blocks"));

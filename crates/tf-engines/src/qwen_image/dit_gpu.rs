@@ -52,6 +52,7 @@ use super::dit::{
 };
 use super::ops::DitKernels;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, StoredGemms};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
@@ -250,6 +251,8 @@ struct Engine {
     fp8_groups: Vec<Fp8Groups>,
     /// The quantizing kernels, loaded when some block runs in FP8.
     quant: Option<QuantKernels>,
+    /// The 8-bit attention kernels, loaded when some block runs its attention in 8 bits (`attn=int8-fp8`).
+    attention8: Option<Attention8bitKernels>,
 }
 
 /// The GPU DiT backend.
@@ -348,6 +351,13 @@ impl GpuDit {
             None
         };
 
+        let attention8 = if precision.uses_8bit_attention(dims.layers) {
+            Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
+                "loading the 8-bit attention kernels (attn=int8-fp8)",
+            ))?)
+        } else {
+            None
+        };
         let weights =
             weights::upload(ctx, &stream, model, &checkpoint, &dims, staging, &precision)?;
         Ok(GpuDit {
@@ -364,6 +374,7 @@ impl GpuDit {
                 precision,
                 fp8_groups,
                 quant,
+                attention8,
             },
             workspaces: RecentSet::new(MAX_WORKSPACES),
             spares: SpareBuffers::new(0),

@@ -756,6 +756,13 @@ impl GpuH3Dit {
         comm: Arc<Comm>,
         attention: SpAttention,
     ) -> Result<(), H3Error> {
+        if self.engine.dims.attention8 {
+            return Err(H3Error::Backend(
+                "the 8-bit attention (attn=int8-fp8) runs on one GPU only; drop attn=int8-fp8 from the \
+                 precision to run sequence-parallel"
+                    .into(),
+            ));
+        }
         let comm_ctx = comm.stream().context();
         let device = comm_ctx.ordinal();
         if device != self.engine.ctx.ordinal() {

@@ -42,7 +42,7 @@ use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, AttentionShape,
     Matrix, ModulationRows, NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
-use crate::nn::precision::{Fp8Accumulation, Fp8Groups};
+use crate::nn::precision::{AttentionPrecision, Fp8Accumulation, Fp8Groups};
 use crate::nn::weights::BF16;
 
 fn launch(e: tf_cuda::Error) -> H3Error {
@@ -719,13 +719,14 @@ impl Engine {
             .map_err(launch)
     }
 
-    /// The attention half of a block on the normed rows h: q|k|v, QK norm (+ RoPE on the main rows), attention,
-    /// `to_out` into y.
+    /// The attention half of a block on the normed rows h: q|k|v, QK norm (+ RoPE on the main rows), attention
+    /// (at `attention`'s precision), `to_out` into y.
     fn attention_half<P: StepProbe>(
         &self,
         ws: &mut Workspace,
         a: &AttnOffsets,
         rows: Rows,
+        attention: AttentionPrecision,
         probe: &mut P,
     ) -> Result<(), H3Error> {
         let d = &self.dims;
@@ -797,9 +798,30 @@ impl Engine {
                 batch: seq * d.width,
                 row: d.width,
             };
-            self.kernels
-                .attention_with(&self.stream, self.tile, shape, &inputs, &mut o, o_strides)
-                .map_err(launch)?;
+            match (attention, self.attention8.as_ref()) {
+                (AttentionPrecision::Bf16, _) => self.kernels.attention_with(
+                    &self.stream,
+                    self.tile,
+                    shape,
+                    &inputs,
+                    &mut o,
+                    o_strides,
+                ),
+                (AttentionPrecision::Int8Fp8, Some(k8)) => k8.attention(
+                    &self.stream,
+                    shape,
+                    &inputs,
+                    &mut o,
+                    o_strides,
+                    &mut ws.attn8.view_mut(),
+                ),
+                (AttentionPrecision::Int8Fp8, None) => {
+                    return Err(H3Error::Backend(
+                        "internal: an 8-bit attention block without its kernels".into(),
+                    ))
+                }
+            }
+            .map_err(launch)?;
             probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }
         if out_call.fp8.is_some() {
@@ -1057,7 +1079,7 @@ impl Engine {
                 probe.mark(&self.stream, "refiner norms", 0.0, text_norm_bytes(2))?;
             }
             for (j, a) in refiner.iter().enumerate() {
-                self.attention_half(ws, a, Rows::Text, probe)?;
+                self.attention_half(ws, a, Rows::Text, AttentionPrecision::Bf16, probe)?;
                 self.residual_norm(
                     ws,
                     Rows::Text,
@@ -1134,7 +1156,8 @@ impl Engine {
         }
         probe.mark(&self.stream, "norm (block 0)", 0.0, norm_bytes(2))?;
         for (layer, b) in o.blocks.iter().enumerate() {
-            self.attention_half(ws, &b.attn, Rows::Main, probe)?;
+            let attention = self.precision.attention_of(layer, d.layers);
+            self.attention_half(ws, &b.attn, Rows::Main, attention, probe)?;
             self.residual_norm(
                 ws,
                 Rows::Main,

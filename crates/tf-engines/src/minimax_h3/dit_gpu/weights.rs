@@ -75,6 +75,8 @@ pub(super) struct Dims {
     pub final_eps: f32,
     /// Whether some GEMM runs in FP8 (the workspace then holds the e4m3 activation rows).
     pub fp8: bool,
+    /// Whether some main block runs its attention in 8 bits (the workspace then holds its quantized operands).
+    pub attention8: bool,
 }
 
 impl Dims {
@@ -150,6 +152,7 @@ impl Dims {
             qk_eps: config.qk_norm_eps as f32,
             final_eps: config.final_norm_eps as f32,
             fp8,
+            attention8: false,
         })
     }
 

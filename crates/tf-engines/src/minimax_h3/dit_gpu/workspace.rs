@@ -11,7 +11,9 @@ use super::{cuda_err, Engine, MAX_GRAPHS};
 use crate::minimax_h3::config::MODALITIES;
 use crate::minimax_h3::dit::{H3Error, H3Inputs, H3Rows};
 use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::graph_cache::GraphCache;
+use crate::nn::gpu::AttentionShape;
 use crate::nn::host;
 use crate::nn::weights::{le_bytes, ALIGN, BF16};
 
@@ -61,6 +63,18 @@ fn product(what: &str, factors: &[usize]) -> Result<usize, H3Error> {
         .ok_or_else(|| overflow(what))
 }
 
+/// The shape of a main block's self-attention over `key`'s rows.
+pub(super) fn main_attention_shape(dims: &Dims, key: &ShapeKey) -> AttentionShape {
+    AttentionShape {
+        batch: key.batch,
+        num_queries: key.seq,
+        num_keys: key.seq,
+        prefix_len: 0,
+        num_heads: dims.heads,
+        num_kv_heads: dims.heads,
+    }
+}
+
 /// Bytes of every workspace buffer of one shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct WorkspaceSizes {
@@ -95,6 +109,8 @@ pub(super) struct WorkspaceSizes {
     /// one buffer serves every group: each is read by the GEMM right after it) and their f32 row scales.
     pub q8: usize,
     pub q8_scales: usize,
+    /// 8-bit attention runs only: the quantized Q, K, V and their scales of one main-row attention call.
+    pub attn8: usize,
 }
 
 impl WorkspaceSizes {
@@ -151,6 +167,12 @@ impl WorkspaceSizes {
             } else {
                 0
             },
+            attn8: if dims.attention8 {
+                Attention8bitKernels::workspace_bytes(main_attention_shape(dims, key))
+                    .map_err(cuda_err("sizing the 8-bit attention workspace"))?
+            } else {
+                0
+            },
         })
     }
 
@@ -181,6 +203,7 @@ impl WorkspaceSizes {
             self.audio_sample,
             self.q8,
             self.q8_scales,
+            self.attn8,
         ]
         .iter()
         .map(|&b| up(b))
@@ -296,6 +319,8 @@ pub(super) struct Workspace {
     /// FP8 runs: the quantized GEMM input rows and their scales (empty otherwise).
     pub q8: DeviceBuffer,
     pub q8_scales: DeviceBuffer,
+    /// 8-bit attention runs: its quantized operands (empty otherwise).
+    pub attn8: DeviceBuffer,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub warmed: bool,
     /// The row positions whose RoPE tables `rope_cos` / `rope_sin` hold (the steps of a request share them).
@@ -351,6 +376,7 @@ impl Workspace {
             audio_sample: alloc(ctx, z.audio_sample, "output")?,
             q8: alloc(ctx, z.q8, "FP8 activation")?,
             q8_scales: alloc(ctx, z.q8_scales, "FP8 activation")?,
+            attn8: alloc(ctx, z.attn8, "8-bit attention")?,
             sizes: z,
             warmed: false,
             rope_positions: None,

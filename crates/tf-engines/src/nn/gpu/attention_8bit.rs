@@ -19,7 +19,6 @@
 //! gives an attention over the dequantized operands.
 
 use std::fmt;
-use std::str::FromStr;
 
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceViewMut, Stream};
@@ -61,42 +60,7 @@ pub const MAX_WORKSPACE_BYTES: usize = 1 << 36;
 /// Largest grid y and z dimension.
 const MAX_GRID_YZ: usize = 65_535;
 
-/// The precision of the attention kernels an engine runs: bf16 (the default, [`NnKernels::attention`]) or the 8-bit
-/// option of this module. Spelled `bf16` and `int8-fp8`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum AttentionPrecision {
-    /// bf16 Q, K, V and P (the production kernels).
-    #[default]
-    Bf16,
-    /// INT8 Q and smoothed K, FP8 e4m3 P and V (sm_90 only).
-    Int8Fp8,
-}
-
-impl fmt::Display for AttentionPrecision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            AttentionPrecision::Bf16 => "bf16",
-            AttentionPrecision::Int8Fp8 => "int8-fp8",
-        })
-    }
-}
-
-/// An attention precision that is not `bf16` or `int8-fp8`.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown attention precision {0:?}: expected `bf16` or `int8-fp8`")]
-pub struct ParseAttentionPrecisionError(pub String);
-
-impl FromStr for AttentionPrecision {
-    type Err = ParseAttentionPrecisionError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "bf16" => Ok(AttentionPrecision::Bf16),
-            "int8-fp8" | "int8_fp8" => Ok(AttentionPrecision::Int8Fp8),
-            other => Err(ParseAttentionPrecisionError(other.to_string())),
-        }
-    }
-}
+pub use crate::nn::precision::{AttentionPrecision, ParseAttentionPrecisionError};
 
 /// One part of the workspace: `offset` bytes from its start, `bytes` long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -23,7 +23,7 @@ use crate::nn::gpu::{
     attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows, NormKind,
     NormModulate, QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
-use crate::nn::precision::Fp8Groups;
+use crate::nn::precision::{AttentionPrecision, Fp8Groups};
 use crate::nn::weights::BF16;
 use crate::qwen_image::config::TIMESTEP_DIM;
 use crate::qwen_image::dit::{DitError, KvMode};
@@ -479,14 +479,34 @@ impl Engine {
                     num_heads: dims.heads,
                     num_kv_heads: dims.heads,
                 };
-                k_.attention_with(
-                    st,
-                    self.attention_tile,
-                    shape,
-                    &inputs,
-                    &mut ws.attn.view_mut(),
-                    row_strides(rows),
-                )
+                match (
+                    self.precision.attention_of(layer, dims.layers),
+                    self.attention8.as_ref(),
+                    ws.attn8.as_mut(),
+                ) {
+                    (AttentionPrecision::Int8Fp8, Some(k8), Some(buf)) => k8.attention(
+                        st,
+                        shape,
+                        &inputs,
+                        &mut ws.attn.view_mut(),
+                        row_strides(rows),
+                        &mut buf.view_mut(),
+                    ),
+                    (AttentionPrecision::Int8Fp8, ..) => {
+                        return Err(DitError::Backend(
+                            "internal: an 8-bit attention block without its kernels or workspace"
+                                .into(),
+                        ))
+                    }
+                    (AttentionPrecision::Bf16, ..) => k_.attention_with(
+                        st,
+                        self.attention_tile,
+                        shape,
+                        &inputs,
+                        &mut ws.attn.view_mut(),
+                        row_strides(rows),
+                    ),
+                }
                 .map_err(launch)?;
                 phase!("attention", Flops, attention_flops(shape));
             }

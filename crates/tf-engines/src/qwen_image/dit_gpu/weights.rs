@@ -682,6 +682,7 @@ mod tests {
             groups,
             bf16_ends: 0,
             accumulation: Fp8Accumulation::Exact,
+            attention: crate::nn::precision::AttentionPrecision::Bf16,
         });
         let fp8_up = upload(
             &ctx,
@@ -835,6 +836,7 @@ mod tests {
                 },
                 bf16_ends: 0,
                 accumulation: Fp8Accumulation::Exact,
+                attention: crate::nn::precision::AttentionPrecision::Bf16,
             });
             let up = upload(&ctx, &stream, &model, &ck, &dims, staging, &precision).unwrap();
             assert_eq!((up.checkpoint_fp8, up.checkpoint_fp8_as_stored), (16, 12));

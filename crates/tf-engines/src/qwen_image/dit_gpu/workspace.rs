@@ -6,9 +6,10 @@ use tf_cuda::{Context, DeviceBuffer};
 use super::kv::{CacheBinding, GpuKvCache};
 use super::{cuda_err, Engine, StepRows, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::spare_buffers::{with_headroom, SpareBuffers};
-use crate::nn::gpu::{key_limits_from_blocks, key_pad_from_valid, HEAD_DIM};
+use crate::nn::gpu::{key_limits_from_blocks, key_pad_from_valid, AttentionShape, HEAD_DIM};
 use crate::nn::host;
 use crate::nn::weights::{le_bytes, BF16};
 use crate::qwen_image::config::{ROPE_THETA, TIMESTEP_DIM};
@@ -82,6 +83,8 @@ pub(super) struct Workspace {
     /// in FP8. One pair serves every FP8 GEMM of the step: each producer writes it after the previous consumer
     /// ran (stream order).
     pub(super) fp8: Option<Fp8Rows>,
+    /// The 8-bit attention's quantized operands, when some block runs its attention in 8 bits.
+    pub(super) attn8: Option<DeviceBuffer>,
     pub(super) out: DeviceBuffer,
     pub(super) rope_cos: DeviceBuffer,
     pub(super) rope_sin: DeviceBuffer,
@@ -223,6 +226,7 @@ impl Workspace {
         if let Some(fp8) = self.fp8 {
             out.extend([fp8.codes, fp8.scales]);
         }
+        out.extend(self.attn8);
         out.retain(|b| !b.is_empty());
         out
     }
@@ -262,6 +266,7 @@ impl Workspace {
                 .fp8
                 .as_ref()
                 .map_or(0, |f| f.codes.len() + f.scales.len())
+            + self.attn8.as_ref().map_or(0, DeviceBuffer::len)
             + self
                 .compact
                 .as_ref()
@@ -397,6 +402,25 @@ impl Engine {
         } else {
             None
         };
+        let attn8 = if self.attention8.is_some() {
+            // The shape of the step's attention call (enqueue_step): compacted keys, or the prefix read in place.
+            let num_keys = compact
+                .as_ref()
+                .map_or(layout.seq_len, |(plan, _, _)| plan.num_keys);
+            let shape = AttentionShape {
+                batch: b,
+                num_queries: rows,
+                num_keys,
+                prefix_len: if cached { layout.prefix_len } else { 0 },
+                num_heads: dims.heads,
+                num_kv_heads: dims.heads,
+            };
+            let bytes = Attention8bitKernels::workspace_bytes(shape)
+                .map_err(cuda_err("sizing the 8-bit attention workspace"))?;
+            Some(reuse_or_alloc(ctx, spares, bytes, "8-bit attention")?)
+        } else {
+            None
+        };
         Ok(Workspace {
             mode,
             rows,
@@ -426,6 +450,7 @@ impl Engine {
             gate_up: reuse_or_alloc(ctx, spares, total * 2 * f * BF16, "mlp")?,
             act: reuse_or_alloc(ctx, spares, total * f * BF16, "mlp")?,
             fp8,
+            attn8,
             out: alloc(ctx, total * dims.out_ch * 4, "output")?,
             rope_cos,
             rope_sin,
