@@ -297,7 +297,11 @@ impl DitPrecision {
                     "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
                      per-output-channel weight scales, per-token activation scales{}, {} accumulation; \
                      {}every layer outside those groups as in bf16 mode",
-                    l.groups.names().join(", "),
+                    if l.groups.any() {
+                        l.groups.names().join(", ")
+                    } else {
+                        "no GEMM group".to_string()
+                    },
                     l.bf16_ends,
                     if l.groups.adaln {
                         " (adaln weight-only)"
@@ -475,7 +479,8 @@ mod tests {
         );
         let only_attention: DitPrecision = "fp8:none,ends=0,attn=int8-fp8".parse().unwrap();
         assert!(!only_attention.uses_fp8(layers));
-        assert!(only_attention.describe(layers).contains("in 4 of 4 blocks"));
+        let text = only_attention.describe(layers);
+        assert!(text.contains("(no GEMM group) in 4 of 4 blocks"), "{text}");
         let err = "fp8:all,attn=fp16".parse::<DitPrecision>().unwrap_err();
         assert!(
             err.contains("attn=fp16") && err.contains("int8-fp8"),
