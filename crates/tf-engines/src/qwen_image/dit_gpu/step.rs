@@ -20,8 +20,8 @@ use crate::nn::gpu::quant::{
     plan_swiglu_fp8, Fp8Rows as Fp8Out, QuantKernels, ResidualGate,
 };
 use crate::nn::gpu::{
-    attention_flops, AttentionInputs, AttentionShape, Matrix, Modulation, ModulationRows, NormKind,
-    NormModulate, QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
+    attention_flops, AttentionInputs, Matrix, Modulation, ModulationRows, NormKind, NormModulate,
+    QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
 use crate::nn::precision::{AttentionPrecision, Fp8Groups};
 use crate::nn::weights::BF16;
@@ -438,9 +438,9 @@ impl Engine {
                         2 * 2 * plan.runs.iter().flatten().map(|r| r.2).sum::<usize>() * w * BF16
                     );
                 }
-                let (num_keys, limit_stride, kv_rows) = match &ws.compact {
-                    Some((plan, _, _)) => (plan.num_keys, rows, plan.num_keys),
-                    None => (s, 0, rows),
+                let (limit_stride, kv_rows) = match &ws.compact {
+                    Some((plan, _, _)) => (rows, plan.num_keys),
+                    None => (0, rows),
                 };
                 let (kv, vv) = match &ws.compact {
                     Some((_, ck, cv)) => (ck.view(), cv.view()),
@@ -471,14 +471,7 @@ impl Engine {
                     key_pad: pad_view.as_ref(),
                     scale,
                 };
-                let shape = AttentionShape {
-                    batch: b,
-                    num_queries: rows,
-                    num_keys,
-                    prefix_len: if cached { p } else { 0 },
-                    num_heads: dims.heads,
-                    num_kv_heads: dims.heads,
-                };
+                let shape = ws.attention_shape(dims.heads);
                 match (
                     self.precision.attention_of(layer, dims.layers),
                     self.attention8.as_ref(),

@@ -193,7 +193,36 @@ fn reuse_or_alloc(
     }
 }
 
+/// The shape of a block's attention call: the step's query rows against every key (the compacted keys when
+/// padding comes in several ranges), the cached prefix read in place in cached mode.
+pub(super) fn attention_shape(
+    layout: &JointLayout,
+    mode: KvMode,
+    rows: usize,
+    compact_keys: Option<usize>,
+    heads: usize,
+) -> AttentionShape {
+    AttentionShape {
+        batch: layout.batch,
+        num_queries: rows,
+        num_keys: compact_keys.unwrap_or(layout.seq_len),
+        prefix_len: if mode == KvMode::Cached {
+            layout.prefix_len
+        } else {
+            0
+        },
+        num_heads: heads,
+        num_kv_heads: heads,
+    }
+}
+
 impl Workspace {
+    /// The shape of this workspace's attention calls ([`attention_shape`]).
+    pub(super) fn attention_shape(&self, heads: usize) -> AttentionShape {
+        let compact_keys = self.compact.as_ref().map(|(plan, _, _)| plan.num_keys);
+        attention_shape(&self.layout, self.mode, self.rows, compact_keys, heads)
+    }
+
     /// The buffers a later workspace may reuse (every one [`reuse_or_alloc`] made), graphs dropped first: the
     /// exact-size ones (the output, the KV extract, the compacted keys) are freed.
     pub(super) fn into_buffers(self) -> Vec<DeviceBuffer> {
@@ -403,18 +432,8 @@ impl Engine {
             None
         };
         let attn8 = if self.attention8.is_some() {
-            // The shape of the step's attention call (enqueue_step): compacted keys, or the prefix read in place.
-            let num_keys = compact
-                .as_ref()
-                .map_or(layout.seq_len, |(plan, _, _)| plan.num_keys);
-            let shape = AttentionShape {
-                batch: b,
-                num_queries: rows,
-                num_keys,
-                prefix_len: if cached { layout.prefix_len } else { 0 },
-                num_heads: dims.heads,
-                num_kv_heads: dims.heads,
-            };
+            let compact_keys = compact.as_ref().map(|(plan, _, _)| plan.num_keys);
+            let shape = attention_shape(&layout, mode, rows, compact_keys, dims.heads);
             let bytes = Attention8bitKernels::workspace_bytes(shape)
                 .map_err(cuda_err("sizing the 8-bit attention workspace"))?;
             Some(reuse_or_alloc(ctx, spares, bytes, "8-bit attention")?)
@@ -484,6 +503,32 @@ mod tests {
             key_valid: vec![vec![true; seq_len]],
             sources,
         }
+    }
+
+    /// The attention shape both the 8-bit workspace and the step take: the cached prefix only in cached mode,
+    /// compacted keys in place of the sequence when given.
+    #[test]
+    fn attention_shape_follows_the_mode_and_the_compaction() {
+        let layout = layout_of(vec![Text(0), Text(1), Image(0), Image(1), Image(2)], 2);
+        let full = attention_shape(&layout, KvMode::None, 5, None, 3);
+        assert_eq!(
+            (
+                full.batch,
+                full.num_queries,
+                full.num_keys,
+                full.prefix_len,
+                full.num_heads
+            ),
+            (1, 5, 5, 0, 3)
+        );
+        assert_eq!(attention_shape(&layout, KvMode::Extract, 5, None, 3), full);
+        let cached = attention_shape(&layout, KvMode::Cached, 3, None, 3);
+        assert_eq!(
+            (cached.num_queries, cached.num_keys, cached.prefix_len),
+            (3, 5, 2)
+        );
+        let compacted = attention_shape(&layout, KvMode::None, 5, Some(4), 3);
+        assert_eq!((compacted.num_keys, compacted.num_kv_heads), (4, 3));
     }
 
     #[test]
