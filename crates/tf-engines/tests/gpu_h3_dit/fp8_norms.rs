@@ -174,7 +174,7 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             quant
                 .run(
                     &stream,
-                    plan_gated_residual_norm_modulate_fp8_padded(
+                    plan_gated_residual_norm_modulate_fp8_with(
                         &xf,
                         Matrix::dense(rows, cols),
                         width,
@@ -182,6 +182,7 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
                         &gate,
                         &out,
                         &norm,
+                        None,
                     ),
                 )
                 .unwrap();

@@ -280,32 +280,10 @@ pub fn plan_gated_residual_norm_modulate_fp8<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    plan_gated_residual_norm_modulate_fp8_padded(
-        x,
-        x_layout,
-        x_layout.cols,
-        (y, y_stride),
-        gate,
-        out,
-        norm,
-    )
-}
-
-/// [`plan_gated_residual_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (as
-/// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros).
-pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
-    x: &'a DeviceViewMut<'_>,
-    x_layout: Matrix,
-    norm_cols: usize,
-    (y, y_stride): (&'a DeviceView<'_>, usize),
-    gate: &ResidualGate<'a, '_>,
-    out: &Fp8Rows<'a, '_>,
-    norm: &NormModulate<'a, '_>,
-) -> Result<Launch<'a>, tf_cuda::Error> {
     plan_gated_residual_norm_modulate_fp8_with(
         x,
         x_layout,
-        norm_cols,
+        x_layout.cols,
         (y, y_stride),
         gate,
         out,
@@ -314,9 +292,11 @@ pub fn plan_gated_residual_norm_modulate_fp8_padded<'a>(
     )
 }
 
-/// [`plan_gated_residual_norm_modulate_fp8_padded`] that, given `also_bf16` (`h`, `h_stride`), also writes the normed
-/// rows in bf16 to `h` (`h_stride` elements apart) in the same pass: the input of a bf16 GEMM beside the FP8 one
-/// (MiniMax H3's `fc1` with one half in FP8; kernel nn_gated_residual_norm_modulate_fp8_and_bf16).
+/// [`plan_gated_residual_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (as
+/// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros) that, given
+/// `also_bf16` (`h`, `h_stride`), also writes the normed rows in bf16 to `h` (`h_stride` elements apart) in the same
+/// pass: the input of a bf16 GEMM beside the FP8 one (MiniMax H3's `fc1` with one half in FP8; kernel
+/// nn_gated_residual_norm_modulate_fp8_and_bf16).
 #[allow(clippy::too_many_arguments)]
 pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
     x: &'a DeviceViewMut<'_>,
@@ -897,7 +877,7 @@ mod tests {
                 scales: &sv,
             };
             let layout = Matrix::dense(rows, cols);
-            let launch = plan_gated_residual_norm_modulate_fp8_padded(
+            let launch = plan_gated_residual_norm_modulate_fp8_with(
                 &xv,
                 layout,
                 width,
@@ -905,6 +885,7 @@ mod tests {
                 &gate,
                 &out,
                 &norm,
+                None,
             )
             .unwrap();
             let wide = cols > NARROW_NORM_COLS;
