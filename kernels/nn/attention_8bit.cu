@@ -308,16 +308,18 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
         : "memory");
 }
 
+// 1.5 * 2^23 and its bits.
+constexpr float kIntBias = 12582912.0f;
+constexpr int32_t kIntBiasBits = 0x4B400000;
+
 // The exact f32 value of an int32 score sum |x| < 2^22 (here |S| <= 127^2 * 128 < 2^21) without a conversion
 // instruction: the integer added to the bits of 1.5 * 2^23 lands in the mantissa of a float whose unit is 1, and
 // subtracting 1.5 * 2^23 again is exact. IADD and FADD issue on the full-rate pipes; the conversion does not.
 __device__ __forceinline__ float int_sum_to_float(int32_t x) {
-    return __int_as_float(x + 0x4B400000) - 12582912.0f;
+    return __int_as_float(x + kIntBiasBits) - kIntBias;
 }
 
-// 1.5 * 2^23 and its bits (int_sum_to_float); a masked score's integer, below every real sum (|S| < 2^21).
-constexpr float kIntBias = 12582912.0f;
-constexpr int32_t kIntBiasBits = 0x4B400000;
+// A masked score's integer, below every real sum (|S| < 2^21).
 constexpr int32_t kMaskedScore = -(1 << 22);
 
 __device__ __forceinline__ int quad_max_int(int v) {
