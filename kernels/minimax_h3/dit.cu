@@ -134,10 +134,12 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
     }
 }
 
-// (row, q or k head) items one warp of h3_qk_norm_rope handles. A warp issues all of its loads before its first
-// reduction: with one 256-byte item per warp too few bytes were in flight to cover the memory latency (about
-// 1.4 TB/s on the H200).
-#define H3_QK_ITEMS_PER_WARP 4
+// (row, q or k head) items one warp of h3_qk_norm_rope handles: each half-warp takes one item per slot, 16 lanes of
+// 8 channels (16-byte accesses), and a warp issues the loads of all its slots (and their cos/sin entries) before its
+// first reduction. Measured inside the H3 step (50 calls, H100): 8-byte accesses with four items a warp 9.78 ms, two
+// slots 8.8 ms, four slots 10.6 ms (116 registers: two blocks an SM).
+#define H3_QK_SLOTS 2
+#define H3_QK_ITEMS_PER_WARP (2 * H3_QK_SLOTS)
 
 // Per-head QK RMSNorm and rotate-half RoPE, in place on the q and k heads of a fused q|k|v GEMM output (heads query
 // heads, then heads key heads, then heads value heads, 128 channels each; value heads are left as they are):
@@ -147,80 +149,131 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
 //     out[j + rotated/2]  = bf16(n[j + rotated/2] * c + n[j] * s)
 //   channels rotated .. 128 (and every channel when cos is null): out = bf16(n).
 // Heads narrower than 128 are zero-padded to 128 (weights included); inv_norm_dim is 1 / the true head dim.
-// One warp per H3_QK_ITEMS_PER_WARP consecutive (row, q or k head) items, lane l holding channels 4l .. 4l+3 of
-// each; the rotation partner comes through a shuffle when rotated / 2 is a multiple of 4 (shared memory else).
+// Items (row, head) in row-major order; warp w of block b takes items (8 b + w) * H3_QK_ITEMS_PER_WARP + 2 k + h for
+// slot k and half-warp h, lane l of a half holding channels 8 (l & 15) .. + 7. The sum of squares adds the lanes'
+// partial sums by a 16-lane butterfly (fixed order). The rotation partner comes through a shuffle within the half
+// when rotated / 2 is a multiple of 8 (the model's 48), through shared memory else.
 // Grid: ceil(rows * 2 * heads / (8 * H3_QK_ITEMS_PER_WARP)) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     h3_qk_norm_rope(bf16* __restrict__ qkv, int qkv_stride, int rows, int heads, const bf16* __restrict__ q_weight,
                     const bf16* __restrict__ k_weight, float inv_norm_dim, float eps, const bf16* __restrict__ rope_cos,
                     const bf16* __restrict__ rope_sin, int table_stride, int rotated) {
-    constexpr int K = H3_QK_ITEMS_PER_WARP;
-    // One row of partners per item, so no item waits for another's readers.
-    __shared__ float staged[8][K][128];
+    constexpr int K = H3_QK_SLOTS;
+    // The shared-memory partners (other widths): one head per half-warp, reused slot after slot.
+    __shared__ float staged[8][2][128];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int half_id = lane >> 4;
+    const int l16 = lane & 15;
+    const int dim = l16 * 8;
     const int qk_heads = 2 * heads;
-    const int dim = lane * 4;
-    nn::WarpHeadItems<K, 128, uint2> items;
-    items.load(qkv, qkv_stride, rows, qk_heads, dim);
+    const int64_t items = static_cast<int64_t>(rows) * qk_heads;
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * H3_QK_ITEMS_PER_WARP + half_id;
     const bool rope = rope_cos != nullptr && rotated > 0;
     const int half = rotated / 2;
-    // Partners by shuffle and vector table loads where the widths allow (the model's do); shared memory else.
-    const bool by_shuffle = nn::rotates_by_shuffle<4>(half);
-    const bool vector_tables = rope && by_shuffle && nn::table_vectors_aligned<4>(rope_cos, table_stride) &&
-                               nn::table_vectors_aligned<4>(rope_sin, table_stride);
+    const bool by_shuffle = rope && half % 8 == 0;
+    const bool vector_tables = by_shuffle && nn::table_vectors_aligned<8>(rope_cos, table_stride) &&
+                               nn::table_vectors_aligned<8>(rope_sin, table_stride);
+    const int off = half / 8;  // lanes per rotated half (shuffle path)
+    const bool rotates = by_shuffle && l16 < 2 * off;
+    const int slot = 8 * (l16 < off ? l16 : l16 - off);
+
+    int row[K], head[K];
+    bool live[K];
+    uint4 raw[K];
+    uint4 cos_raw[K], sin_raw[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t item = first + 2 * k;
+        live[k] = item < items;
+        row[k] = 0;
+        head[k] = 0;
+        raw[k] = make_uint4(0, 0, 0, 0);
+        if (live[k]) {
+            const int64_t r = item / qk_heads;
+            row[k] = static_cast<int>(r);  // r < rows, an int
+            head[k] = static_cast<int>(item - r * qk_heads);
+            raw[k] = *reinterpret_cast<const uint4*>(qkv + r * qkv_stride + head[k] * 128 + dim);
+        }
+    }
+    if (vector_tables) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (live[k] && rotates) {
+                const int64_t at = static_cast<int64_t>(row[k]) * table_stride + slot;
+                cos_raw[k] = *reinterpret_cast<const uint4*>(rope_cos + at);
+                sin_raw[k] = *reinterpret_cast<const uint4*>(rope_sin + at);
+            }
+        }
+    }
 
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        if (k >= items.count) break;  // the items past the end are the last ones
-        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&items.raw[k].x));
-        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&items.raw[k].y));
-        const uint2 wraw = *reinterpret_cast<const uint2*>((items.head[k] < heads ? q_weight : k_weight) + dim);
-        const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.x));
-        const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wraw.y));
-        const float sq = nn::warp_sum(x01.x * x01.x + x01.y * x01.y + x23.x * x23.x + x23.y * x23.y);
-        const float r = rsqrtf(sq * inv_norm_dim + eps);
-        float n[4];
-        n[0] = x01.x * r * w01.x;
-        n[1] = x01.y * r * w01.y;
-        n[2] = x23.x * r * w23.x;
-        n[3] = x23.y * r * w23.y;
-        float o[4] = {n[0], n[1], n[2], n[3]};
-        if (rope && by_shuffle) {
-            float partner[4];
-            nn::rotate_half_partners<4>(n, lane, half, partner);
-            const int off = half / 4;
-            if (lane < 2 * off) {
-                const int64_t slot = static_cast<int64_t>(items.row[k]) * table_stride + 4 * (lane < off ? lane : lane - off);
-                const nn::TableEntries<4> c = nn::load_table<4>(rope_cos, slot, vector_tables);
-                const nn::TableEntries<4> s = nn::load_table<4>(rope_sin, slot, vector_tables);
+        float x[8];
+        nn::unpack8(*reinterpret_cast<const nn::Bf16x8*>(&raw[k]), x);
+        const uint4 wraw = *reinterpret_cast<const uint4*>((head[k] < heads ? q_weight : k_weight) + dim);
+        float w[8];
+        nn::unpack8(*reinterpret_cast<const nn::Bf16x8*>(&wraw), w);
+        float sq = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) o[i] = n[i] * c.v[i] + partner[i] * s.v[i];
+        for (int i = 0; i < 8; ++i) sq += x[i] * x[i];
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        const float r = rsqrtf(sq * inv_norm_dim + eps);
+        float n[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) n[i] = x[i] * r * w[i];
+        float out[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = n[i];
+        if (by_shuffle) {
+            // Partner lane within the half: l + off for the first rotated half (negated), l - off for the second.
+            const int src = (half_id << 4) + (l16 < off ? l16 + off : (l16 < 2 * off ? l16 - off : l16));
+            float partner[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float p = __shfl_sync(0xffffffffu, n[i], src);
+                partner[i] = l16 < off ? -p : p;
+            }
+            if (rotates) {
+                float c[8], s[8];
+                if (vector_tables) {
+                    nn::unpack8(*reinterpret_cast<const nn::Bf16x8*>(&cos_raw[k]), c);
+                    nn::unpack8(*reinterpret_cast<const nn::Bf16x8*>(&sin_raw[k]), s);
+                } else {
+                    const int64_t at = static_cast<int64_t>(row[k]) * table_stride + slot;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        c[i] = __bfloat162float(rope_cos[at + i]);
+                        s[i] = __bfloat162float(rope_sin[at + i]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i) out[i] = n[i] * c[i] + partner[i] * s[i];
             }
         } else if (rope) {
+            __syncwarp();  // the previous slot's partners are read
 #pragma unroll
-            for (int i = 0; i < 4; ++i) staged[warp][k][dim + i] = n[i];
+            for (int i = 0; i < 8; ++i) staged[warp][half_id][dim + i] = n[i];
             __syncwarp();
-            const int64_t table_row = static_cast<int64_t>(items.row[k]) * table_stride;
+            const int64_t table_row = static_cast<int64_t>(row[k]) * table_stride;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < 8; ++i) {
                 const int ch = dim + i;
                 if (ch < rotated) {
                     const bool first_half = ch < half;
-                    const int slot = first_half ? ch : ch - half;
-                    const float partner = first_half ? -staged[warp][k][ch + half] : staged[warp][k][ch - half];
-                    const float c = __bfloat162float(rope_cos[table_row + slot]);
-                    const float s = __bfloat162float(rope_sin[table_row + slot]);
-                    o[i] = n[i] * c + partner * s;
+                    const int t = first_half ? ch : ch - half;
+                    const float partner =
+                        first_half ? -staged[warp][half_id][ch + half] : staged[warp][half_id][ch - half];
+                    const float c = __bfloat162float(rope_cos[table_row + t]);
+                    const float s = __bfloat162float(rope_sin[table_row + t]);
+                    out[i] = n[i] * c + partner * s;
                 }
             }
         }
-        const __nv_bfloat162 o01 = __floats2bfloat162_rn(o[0], o[1]);
-        const __nv_bfloat162 o23 = __floats2bfloat162_rn(o[2], o[3]);
-        uint2 packed;
-        packed.x = *reinterpret_cast<const uint32_t*>(&o01);
-        packed.y = *reinterpret_cast<const uint32_t*>(&o23);
-        *reinterpret_cast<uint2*>(items.at(k)) = packed;
+        if (live[k]) {
+            nn::store8(qkv + static_cast<int64_t>(row[k]) * qkv_stride + head[k] * 128 + dim, out);
+        }
     }
 }
 

@@ -331,8 +331,15 @@ fn qk_norm_rope_matches_the_host_ops() {
     let kernels = H3Kernels::load(&ctx).unwrap();
     let stream = Stream::new(&ctx, false).unwrap();
     let mut rng = SplitMix64::new(12);
-    // (heads, true head dim, rotated): the released shape, a padded tiny one, and the norm alone.
-    for (heads, hd, rotated) in [(3usize, 128usize, 96usize), (2, 16, 12), (2, 128, 0)] {
+    // (heads, true head dim, rotated, table stride): the released shape (partners by shuffle, vector table loads),
+    // a padded tiny one (partners through shared memory), the norm alone, and a stride that is not a multiple of 8
+    // (partners by shuffle, scalar table loads).
+    for (heads, hd, rotated, stride) in [
+        (3usize, 128usize, 96usize, 48usize),
+        (2, 16, 12, 6),
+        (2, 128, 0, 1),
+        (2, 128, 64, 36),
+    ] {
         let rows = 19;
         let width = heads * HEAD_DIM;
         let mut qkv = vec![0f32; rows * 3 * width];
@@ -349,11 +356,16 @@ fn qk_norm_rope_matches_the_host_ops() {
             weights[HEAD_DIM + c] = round_bf16(rng.uniform(0.7, 1.3));
         }
         let half = rotated / 2;
-        let angles: Vec<f32> = (0..rows * half.max(1))
-            .map(|_| rng.uniform(-6.0, 6.0))
-            .collect();
+        let angles: Vec<f32> = (0..rows * stride).map(|_| rng.uniform(-6.0, 6.0)).collect();
         let cos: Vec<f32> = angles.iter().map(|a| round_bf16(a.cos())).collect();
         let sin: Vec<f32> = angles.iter().map(|a| round_bf16(a.sin())).collect();
+        // The host op reads dense [rows, half] tables.
+        let dense = |t: &[f32]| -> Vec<f32> {
+            (0..rows)
+                .flat_map(|r| t[r * stride..r * stride + half].to_vec())
+                .collect()
+        };
+        let (cos_dense, sin_dense) = (dense(&cos), dense(&sin));
         let mut qd = device(&ctx, &bf16_bytes(&qkv));
         let wd = device(&ctx, &bf16_bytes(&weights));
         let (cd, sd) = (
@@ -375,7 +387,7 @@ fn qk_norm_rope_matches_the_host_ops() {
                 k_weight: &kw,
                 norm_dim: hd,
                 eps: 1e-5,
-                rope: (rotated > 0).then_some((&cv, &sv, half, rotated)),
+                rope: (rotated > 0).then_some((&cv, &sv, stride, rotated)),
             };
             kernels.run(&stream, plan_qk_norm_rope(&op)).unwrap();
         }
@@ -408,8 +420,8 @@ fn qk_norm_rope_matches_the_host_ops() {
                     heads,
                     hd,
                     rotated,
-                    &cos,
-                    &sin,
+                    &cos_dense,
+                    &sin_dense,
                     RopeTables::Bf16,
                 )
                 .unwrap();

@@ -259,8 +259,8 @@ pub struct QkNormRope<'v, 'a> {
     pub rope: Option<(&'v DeviceView<'a>, &'v DeviceView<'a>, usize, usize)>,
 }
 
-/// (row, head) items one block of h3_qk_norm_rope handles: 8 warps of `H3_QK_ITEMS_PER_WARP` (4) in
-/// kernels/minimax_h3/dit.cu.
+/// (row, head) items one block of h3_qk_norm_rope handles: 8 warps of `H3_QK_ITEMS_PER_WARP` (4: two half-warps
+/// of 16 lanes, each taking one item in each of 2 slots) in kernels/minimax_h3/dit.cu.
 const QK_ITEMS_PER_BLOCK: usize = 32;
 
 /// Builds the in-place per-head QK RMSNorm (+ partial rotate-half RoPE) (kernel h3_qk_norm_rope).
