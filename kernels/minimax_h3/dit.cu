@@ -49,26 +49,29 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
     const int row = blockIdx.x;
     if (row >= rows) return;
     bf16* x_row = x + static_cast<int64_t>(row) * x_stride;
+    // Every load that does not depend on another is issued first (the table indices, x and y), so a block waits
+    // on one memory latency before its arithmetic rather than on one per operand.
+    const int gate_row = (y != nullptr && gate != nullptr) ? min(max(gate_index[row], 0), gate_rows - 1) : 0;
+    const int mod_row = mod != nullptr ? min(max(mod_index[row], 0), mod_rows - 1) : 0;
+    const int64_t o = out_index != nullptr ? static_cast<int64_t>(out_index[row]) : row;
     // The row is held as the bf16 values it is stored as (v is rounded to bf16 before the norm): half the
     // registers of f32, so more blocks share an SM and one block's reduction overlaps another's loads.
     nn::Bf16x8 v[H3_ROW_CHUNKS];
+    nn::Bf16x8 yraw[H3_ROW_CHUNKS];
+    const bf16* y_row = y != nullptr ? y + static_cast<int64_t>(row) * y_stride : nullptr;
 #pragma unroll
     for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
         const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
         if (col < cols) {
             v[c] = *reinterpret_cast<const nn::Bf16x8*>(x_row + col);
+            if (y_row != nullptr) yraw[c] = *reinterpret_cast<const nn::Bf16x8*>(y_row + col);
         } else {
 #pragma unroll
             for (int i = 0; i < 4; ++i) v[c].pairs[i] = __floats2bfloat162_rn(0.0f, 0.0f);
         }
     }
-    if (y != nullptr) {
-        const bf16* y_row = y + static_cast<int64_t>(row) * y_stride;
-        const bf16* g_row = nullptr;
-        if (gate != nullptr) {
-            const int g = min(max(gate_index[row], 0), gate_rows - 1);
-            g_row = gate + static_cast<int64_t>(g) * gate_stride;
-        }
+    if (y_row != nullptr) {
+        const bf16* g_row = gate != nullptr ? gate + static_cast<int64_t>(gate_row) * gate_stride : nullptr;
 #pragma unroll
         for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
             const int col = (threadIdx.x + c * H3_ROW_THREADS) * 8;
@@ -76,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
                 float xv[8];
                 nn::unpack8(v[c], xv);
                 float yv[8];
-                nn::load8(y_row + col, yv);
+                nn::unpack8(yraw[c], yv);
                 float gv[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
                 if (g_row != nullptr) nn::load8(g_row + col, gv);
 #pragma unroll
@@ -95,16 +98,8 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
         for (int i = 0; i < 8; ++i) sq += vv[i] * vv[i];
     }
     const float rstd = rsqrtf(nn::block_sum(sq, scratch) * inv_norm_cols + eps);
-    const bf16* m_row = nullptr;
-    if (mod != nullptr) {
-        const int m = min(max(mod_index[row], 0), mod_rows - 1);
-        m_row = mod + static_cast<int64_t>(m) * mod_stride;
-    }
-    int64_t o = row;
-    if (out_index != nullptr) {
-        o = out_index[row];
-        if (o < 0 || o >= out_rows) return;
-    }
+    const bf16* m_row = mod != nullptr ? mod + static_cast<int64_t>(mod_row) * mod_stride : nullptr;
+    if (out_index != nullptr && (o < 0 || o >= out_rows)) return;
     bf16* out_row = out + o * out_stride;
 #pragma unroll
     for (int c = 0; c < H3_ROW_CHUNKS; ++c) {
