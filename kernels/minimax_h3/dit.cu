@@ -166,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * H3_QK_ITEMS_PER_WARP + half_id;
     const bool rope = rope_cos != nullptr && rotated > 0;
     const int half = rotated / 2;
-    const bool by_shuffle = rope && half % 8 == 0;
+    const bool by_shuffle = rope && nn::rotates_by_shuffle<8>(half);
     const bool vector_tables = by_shuffle && nn::table_vectors_aligned<8>(rope_cos, table_stride) &&
                                nn::table_vectors_aligned<8>(rope_sin, table_stride);
     const int off = half / 8;  // lanes per rotated half (shuffle path)
@@ -184,6 +184,8 @@ extern "C" __global__ void __launch_bounds__(256)
         row[k] = 0;
         head[k] = 0;
         raw[k] = make_uint4(0, 0, 0, 0);
+        cos_raw[k] = make_uint4(0, 0, 0, 0);
+        sin_raw[k] = make_uint4(0, 0, 0, 0);
         if (live[k]) {
             const int64_t r = item / qk_heads;
             row[k] = static_cast<int>(r);  // r < rows, an int
