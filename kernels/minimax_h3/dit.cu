@@ -184,8 +184,6 @@ extern "C" __global__ void __launch_bounds__(256)
         row[k] = 0;
         head[k] = 0;
         raw[k] = make_uint4(0, 0, 0, 0);
-        cos_raw[k] = make_uint4(0, 0, 0, 0);
-        sin_raw[k] = make_uint4(0, 0, 0, 0);
         if (live[k]) {
             const int64_t r = item / qk_heads;
             row[k] = static_cast<int>(r);  // r < rows, an int
@@ -232,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(256)
                 const float p = __shfl_sync(0xffffffffu, n[i], src);
                 partner[i] = l16 < off ? -p : p;
             }
-            if (rotates) {
+            if (rotates && live[k]) {  // the table registers hold entries for live items only
                 float c[8], s[8];
                 if (vector_tables) {
                     nn::unpack8(*reinterpret_cast<const nn::Bf16x8*>(&cos_raw[k]), c);
