@@ -1391,6 +1391,59 @@ fn compare_every_path(
     true
 }
 
+/// Whether two outputs are equal bit for bit.
+fn same_bits(a: &TensorF32, b: &TensorF32) -> bool {
+    a.data()
+        .iter()
+        .zip(b.data())
+        .all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Every fixture case in `precision` beside bf16 through [`compare_every_path`], `check` first on each loaded pair;
+/// at least three cases must have run their KV paths (`label` prefixes that assertion's message).
+fn every_fixture_path(
+    ctx: &Context,
+    precision: DitPrecision,
+    label: &str,
+    check: impl Fn(&str, &GpuDit, &GpuDit),
+) {
+    let mut covered = 0;
+    for case in qwen_fixtures::cases() {
+        let reference = qwen_fixtures::expected(&case);
+        let mut dit = load_dit(ctx, &case, precision);
+        let mut bf16_dit = load_dit(ctx, &case, DitPrecision::Bf16);
+        check(&case, &dit, &bf16_dit);
+        if compare_every_path(&case, &mut dit, &mut bf16_dit, &reference) {
+            covered += 1;
+        }
+    }
+    assert!(
+        covered >= 3,
+        "{label}expected at least three cases with a KV cache"
+    );
+}
+
+/// `rounds` graph captures and replays of `case`'s full step in `precision` equal `want`, the eager step, bit for
+/// bit (`label` names the step in the failure message).
+fn assert_graph_replay_equals(
+    ctx: &Context,
+    case: &str,
+    precision: DitPrecision,
+    want: &TensorF32,
+    rounds: usize,
+    label: &str,
+) {
+    let step = qwen_fixtures::inputs(case, "step0");
+    let mut graphed = load_dit(ctx, case, precision);
+    for round in 0..rounds {
+        let got = graphed.forward(&step, KvStep::None).unwrap();
+        assert!(
+            same_bits(&got.sample, want),
+            "{label} {round} (graph capture/replay) differs from eager"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn qwen_dit_with_8bit_attention_runs_every_fixture_path_near_the_reference() {
@@ -1404,38 +1457,23 @@ fn qwen_dit_with_8bit_attention_runs_every_fixture_path_near_the_reference() {
         "fp8:all,ends=0,attn=int8-fp8",
     ] {
         let precision: DitPrecision = spec.parse().unwrap();
-        let mut covered = 0;
-        for case in qwen_fixtures::cases() {
-            let reference = qwen_fixtures::expected(&case);
-            let mut dit = load_dit(&g.ctx, &case, precision);
+        every_fixture_path(&g.ctx, precision, &format!("{spec}: "), |_, dit, _| {
             assert!(dit.load_stats().to_string().contains("attention in 8 bits"));
-            let mut bf16_dit = load_dit(&g.ctx, &case, DitPrecision::Bf16);
             println!("{spec}:");
-            if compare_every_path(&case, &mut dit, &mut bf16_dit, &reference) {
-                covered += 1;
-            }
-        }
-        assert!(
-            covered >= 3,
-            "{spec}: expected at least three cases with a KV cache"
-        );
+        });
         // Graph replay equals the eager step.
         let step = qwen_fixtures::inputs("t2i", "step0");
         let mut eager = load_dit(&g.ctx, "t2i", precision);
         eager.set_graphs(false);
         let want = eager.forward(&step, KvStep::None).unwrap();
-        let mut graphed = load_dit(&g.ctx, "t2i", precision);
-        for round in 0..2 {
-            let got = graphed.forward(&step, KvStep::None).unwrap();
-            assert!(
-                got.sample
-                    .data()
-                    .iter()
-                    .zip(want.sample.data())
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{spec}: step {round} (graph capture/replay) differs from eager"
-            );
-        }
+        assert_graph_replay_equals(
+            &g.ctx,
+            "t2i",
+            precision,
+            &want.sample,
+            2,
+            &format!("{spec}: step"),
+        );
     }
 }
 
@@ -1447,25 +1485,14 @@ fn qwen_dit_fp8_runs_every_fixture_path_near_the_reference() {
         println!("Qwen DiT FP8 skipped: row-wise FP8 GEMMs need sm_90");
         return;
     }
-    let mut covered = 0;
-    for case in qwen_fixtures::cases() {
-        let reference = qwen_fixtures::expected(&case);
-        let mut fp8_dit = load_dit(&g.ctx, &case, ALL_FP8);
-        let mut bf16_dit = load_dit(&g.ctx, &case, DitPrecision::Bf16);
+    every_fixture_path(&g.ctx, ALL_FP8, "", |case, fp8_dit, bf16_dit| {
         assert_eq!(fp8_dit.precision(), ALL_FP8);
         assert!(fp8_dit.load_stats().to_string().contains("fp8 e4m3"));
         assert!(
             fp8_dit.load_stats().weight_bytes < bf16_dit.load_stats().weight_bytes,
             "{case}: FP8 weights take no less room than bf16"
         );
-        if compare_every_path(&case, &mut fp8_dit, &mut bf16_dit, &reference) {
-            covered += 1;
-        }
-    }
-    assert!(
-        covered >= 3,
-        "expected at least three cases with a KV cache"
-    );
+    });
 }
 
 #[test]
@@ -1479,28 +1506,15 @@ fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
     let case = "t2i";
     let step = qwen_fixtures::inputs(case, "step0");
     let reference = qwen_fixtures::expected(case).to_f32("sample_full").unwrap();
-    let same = |a: &TensorF32, b: &TensorF32| {
-        a.data()
-            .iter()
-            .zip(b.data())
-            .all(|(x, y)| x.to_bits() == y.to_bits())
-    };
     let mut eager = load_dit(&g.ctx, case, ALL_FP8);
     eager.set_graphs(false);
     let want = eager.forward(&step, KvStep::None).unwrap();
     let again = eager.forward(&step, KvStep::None).unwrap();
     assert!(
-        same(&want.sample, &again.sample),
+        same_bits(&want.sample, &again.sample),
         "two eager FP8 steps differ"
     );
-    let mut graphed = load_dit(&g.ctx, case, ALL_FP8);
-    for round in 0..3 {
-        let got = graphed.forward(&step, KvStep::None).unwrap();
-        assert!(
-            same(&want.sample, &got.sample),
-            "FP8 step {round} (graph capture/replay) differs from eager"
-        );
-    }
+    assert_graph_replay_equals(&g.ctx, case, ALL_FP8, &want.sample, 3, "FP8 step");
     // Each group alone, and the first block alone, in FP8: every mix of producers and consumers runs, and each
     // lands between bf16 and all-FP8 in error (each adds its own quantization).
     let mut bf16 = load_dit(&g.ctx, case, DitPrecision::Bf16);
@@ -1533,7 +1547,7 @@ fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
     let d = default.forward(&step, KvStep::None).unwrap();
     let b = bf16.forward(&step, KvStep::None).unwrap();
     assert!(
-        same(&d.sample, &b.sample),
+        same_bits(&d.sample, &b.sample),
         "the default FP8 mode on a two-block model should run every block in bf16"
     );
 }
