@@ -26,11 +26,12 @@ use super::kernels::{
     LinearFp8W, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
 use super::weights::AttnOffsets;
-use super::workspace::{ShapeKey, StepGraph, Workspace, WorkspaceSizes};
+use super::workspace::{self_attention_shape, ShapeKey, StepGraph, Workspace, WorkspaceSizes};
 use super::{cuda_err, Engine};
 use crate::minimax_h3::config::MODALITIES;
 use crate::minimax_h3::dit::H3Error;
 use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
@@ -39,8 +40,8 @@ use crate::nn::gpu::quant::{
     ResidualGate,
 };
 use crate::nn::gpu::{
-    attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, AttentionShape,
-    Matrix, ModulationRows, NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
+    attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, Matrix,
+    ModulationRows, NormKind, NormModulate, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
 use crate::nn::precision::{AttentionPrecision, Fp8Accumulation, Fp8Groups};
 use crate::nn::weights::BF16;
@@ -785,42 +786,24 @@ impl Engine {
             };
             let scale = 1.0 / (d.head_dim as f32).sqrt();
             let inputs = AttentionInputs::self_attention(&qkv, &k, &v, strides, scale);
-            let shape = AttentionShape {
-                batch: key.batch,
-                num_queries: seq,
-                num_keys: seq,
-                prefix_len: 0,
-                num_heads: d.heads,
-                num_kv_heads: d.heads,
-            };
+            let shape = self_attention_shape(d, key.batch, seq);
             let mut o = ws.attn.view_mut();
             let o_strides = Strides {
                 batch: seq * d.width,
                 row: d.width,
             };
-            match (attention, self.attention8.as_ref()) {
-                (AttentionPrecision::Bf16, _) => self.kernels.attention_with(
-                    &self.stream,
-                    self.tile,
-                    shape,
-                    &inputs,
-                    &mut o,
-                    o_strides,
-                ),
-                (AttentionPrecision::Int8Fp8, Some(k8)) => k8.attention(
-                    &self.stream,
-                    shape,
-                    &inputs,
-                    &mut o,
-                    o_strides,
-                    &mut ws.attn8.view_mut(),
-                ),
-                (AttentionPrecision::Int8Fp8, None) => {
-                    return Err(H3Error::Backend(
-                        "internal: an 8-bit attention block without its kernels".into(),
-                    ))
-                }
-            }
+            let mut attn8 = ws.attn8.view_mut();
+            attention_at(
+                attention,
+                &self.kernels,
+                self.tile,
+                self.attention8.as_ref().map(|k8| (k8, &mut attn8)),
+                &self.stream,
+                shape,
+                &inputs,
+                &mut o,
+                o_strides,
+            )
             .map_err(launch)?;
             probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }

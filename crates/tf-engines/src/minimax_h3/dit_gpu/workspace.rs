@@ -63,12 +63,13 @@ fn product(what: &str, factors: &[usize]) -> Result<usize, H3Error> {
         .ok_or_else(|| overflow(what))
 }
 
-/// The shape of a main block's self-attention over `key`'s rows.
-pub(super) fn main_attention_shape(dims: &Dims, key: &ShapeKey) -> AttentionShape {
+/// The shape of a block's self-attention over `rows` rows of each of `batch` samples (the main rows, `key.seq`,
+/// or the refiner's text rows): the step runs it, and the 8-bit attention's workspace is sized for the main rows'.
+pub(super) fn self_attention_shape(dims: &Dims, batch: usize, rows: usize) -> AttentionShape {
     AttentionShape {
-        batch: key.batch,
-        num_queries: key.seq,
-        num_keys: key.seq,
+        batch,
+        num_queries: rows,
+        num_keys: rows,
         prefix_len: 0,
         num_heads: dims.heads,
         num_kv_heads: dims.heads,
@@ -168,8 +169,10 @@ impl WorkspaceSizes {
                 0
             },
             attn8: if dims.attention8 {
-                Attention8bitKernels::workspace_bytes(main_attention_shape(dims, key))
-                    .map_err(cuda_err("sizing the 8-bit attention workspace"))?
+                Attention8bitKernels::workspace_bytes(self_attention_shape(
+                    dims, key.batch, key.seq,
+                ))
+                .map_err(cuda_err("sizing the 8-bit attention workspace"))?
             } else {
                 0
             },

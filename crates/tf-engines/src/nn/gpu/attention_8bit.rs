@@ -24,7 +24,8 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceViewMut, Stream};
 
 use super::attention::{
-    check_attention_call, push_kv_operands, AttentionInputs, AttentionShape, Strides, HEAD_DIM,
+    check_attention_call, push_kv_operands, AttentionInputs, AttentionShape, AttentionTile,
+    Strides, HEAD_DIM,
 };
 use super::launch::{
     check_aligned_to, check_bytes, invalid, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
@@ -356,12 +357,14 @@ impl Attention8bitKernels {
     }
 }
 
-/// Runs attention at `precision`: bf16 through `nn` (its preferred tile), or the 8-bit kernels, which need their
-/// loaded set and a workspace of [`Attention8bitKernels::workspace_bytes`].
+/// Runs attention at `precision`: bf16 through `nn` with `tile` (the engine's choice, or
+/// [`NnKernels::preferred_tile`]), or the 8-bit kernels, which need their loaded set and a workspace of
+/// [`Attention8bitKernels::workspace_bytes`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_at(
     precision: AttentionPrecision,
     nn: &NnKernels,
+    tile: AttentionTile,
     eight_bit: Option<(&Attention8bitKernels, &mut DeviceViewMut<'_>)>,
     stream: &Stream,
     shape: AttentionShape,
@@ -370,7 +373,9 @@ pub fn attention_at(
     o_strides: Strides,
 ) -> Result<(), tf_cuda::Error> {
     match (precision, eight_bit) {
-        (AttentionPrecision::Bf16, _) => nn.attention(stream, shape, inputs, o, o_strides),
+        (AttentionPrecision::Bf16, _) => {
+            nn.attention_with(stream, tile, shape, inputs, o, o_strides)
+        }
         (AttentionPrecision::Int8Fp8, Some((kernels, workspace))) => {
             kernels.attention(stream, shape, inputs, o, o_strides, workspace)
         }

@@ -13,6 +13,7 @@ use super::kv::GpuKvCache;
 use super::workspace::{Fp8Rows, Workspace};
 use super::{cuda_err, span, Engine, NoProbe, PhaseWork, StepProbe, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
+use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{Fp8Linear, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
@@ -23,7 +24,7 @@ use crate::nn::gpu::{
     attention_flops, AttentionInputs, Matrix, Modulation, ModulationRows, NormKind, NormModulate,
     QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
-use crate::nn::precision::{AttentionPrecision, Fp8Groups};
+use crate::nn::precision::Fp8Groups;
 use crate::nn::weights::BF16;
 use crate::qwen_image::config::TIMESTEP_DIM;
 use crate::qwen_image::dit::{DitError, KvMode};
@@ -472,34 +473,18 @@ impl Engine {
                     scale,
                 };
                 let shape = ws.attention_shape(dims.heads);
-                match (
+                let mut attn8 = ws.attn8.as_mut().map(DeviceBuffer::view_mut);
+                attention_at(
                     self.precision.attention_of(layer, dims.layers),
-                    self.attention8.as_ref(),
-                    ws.attn8.as_mut(),
-                ) {
-                    (AttentionPrecision::Int8Fp8, Some(k8), Some(buf)) => k8.attention(
-                        st,
-                        shape,
-                        &inputs,
-                        &mut ws.attn.view_mut(),
-                        row_strides(rows),
-                        &mut buf.view_mut(),
-                    ),
-                    (AttentionPrecision::Int8Fp8, ..) => {
-                        return Err(DitError::Backend(
-                            "internal: an 8-bit attention block without its kernels or workspace"
-                                .into(),
-                        ))
-                    }
-                    (AttentionPrecision::Bf16, ..) => k_.attention_with(
-                        st,
-                        self.attention_tile,
-                        shape,
-                        &inputs,
-                        &mut ws.attn.view_mut(),
-                        row_strides(rows),
-                    ),
-                }
+                    k_,
+                    self.attention_tile,
+                    self.attention8.as_ref().zip(attn8.as_mut()),
+                    st,
+                    shape,
+                    &inputs,
+                    &mut ws.attn.view_mut(),
+                    row_strides(rows),
+                )
                 .map_err(launch)?;
                 phase!("attention", Flops, attention_flops(shape));
             }
