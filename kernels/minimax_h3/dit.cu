@@ -447,51 +447,83 @@ __device__ __forceinline__ void decode16_e4m3(const uint4& raw, float (&out)[16]
     }
 }
 
+// The values of 16 INT8 codes (a 16-byte word, two's complement), exact.
+__device__ __forceinline__ void decode16_int8(const uint4& raw, float (&out)[16]) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<float>(static_cast<int8_t>((words[i] >> (8 * b)) & 0xffu));
+    }
+}
+
+// Rows of x one CTA takes, 4 at a time: the weight row a warp reads from memory once is read again from L1 for
+// the next 4 rows, so the weights cross HBM once per 32 rows (a request's whole timestep schedule is ~100 rows).
+#define H3_LINEAR_W8_ROWS 32
+
+// The body of the weight-only linear layers below; DECODE turns 16 codes into their values.
+template <void (*DECODE)(const uint4&, float (&)[16])>
+__device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
+                                               const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
+                                               bf16* __restrict__ y, int y_stride, int m, int n) {
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (c >= n) return;
+    const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
+    const float scale = w_scale[c];
+    const float b = bias != nullptr ? __bfloat162float(bias[c]) : 0.0f;
+    const int r_end = min(m, (blockIdx.y + 1) * H3_LINEAR_W8_ROWS);
+    for (int r0 = blockIdx.y * H3_LINEAR_W8_ROWS; r0 < r_end; r0 += 4) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
+            float wv[16];
+            DECODE(*reinterpret_cast<const uint4*>(w_row + k0), wv);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + i;
+                if (r < r_end) {
+                    const bf16* x_at = x + static_cast<int64_t>(r) * x_stride + k0;
+                    float lo[8], hi[8];
+                    nn::load8(x_at, lo);
+                    nn::load8(x_at + 8, hi);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[i] = fmaf(lo[j], wv[j], acc[i]);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[i] = fmaf(hi[j], wv[8 + j], acc[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = nn::warp_sum(acc[i]);
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + i;
+                if (r < r_end) y[static_cast<int64_t>(r) * y_stride + c] = __float2bfloat16_rn(fmaf(acc[i], scale, b));
+            }
+        }
+    }
+}
+
 }  // namespace
 
-// Weight-only FP8 linear layer for a few rows (the adaLN projections over the timestep rows):
+// Weight-only 8-bit linear layers for a few rows (the adaLN projections over the timestep rows):
 //   y[r, c] = bf16(sum_k x[r, k] * value(w[c, k]) * scale[c] + bias[c])      for r < m, c < n
-// x bf16 rows of x_stride; w e4m3 [n, k] (rows of k bytes, k a multiple of 16) with one f32 scale per row (per output
-// channel, nn::fp8's rule); bias (or null) and y bf16, y rows of y_stride. The sum is f32 over exact products (the
-// bf16 x times the e4m3 value), in lane-strided order then a warp butterfly, scaled once. One warp per output column
-// c and 4 rows; lane l reads the 16 codes at (l + 32 j) * 16, each weight byte read once. Grid: (ceil(n / 8),
-// ceil(m / 4)), 256 threads.
+// x bf16 rows of x_stride; w 8-bit codes [n, k] (rows of k bytes, k a multiple of 16) with one f32 scale per row (per
+// output channel, nn::fp8's rule): e4m3 (h3_linear_fp8w_rows) or INT8 (h3_linear_int8w_rows); bias (or null) and y
+// bf16, y rows of y_stride. The sum is f32 over exact products (the bf16 x times the code's value), in lane-strided
+// order then a warp butterfly, scaled once. One warp per output column c and up to H3_LINEAR_W8_ROWS rows, 4 at a
+// time; lane l reads the 16 codes at (l + 32 j) * 16. Grid: (ceil(n / 8), ceil(m / H3_LINEAR_W8_ROWS)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     h3_linear_fp8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
                         const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
                         bf16* __restrict__ y, int y_stride, int m, int n) {
-    const int lane = threadIdx.x & 31;
-    const int c = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (c >= n) return;
-    const int r0 = blockIdx.y * 4;
-    const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
-        float wv[16];
-        decode16_e4m3(*reinterpret_cast<const uint4*>(w_row + k0), wv);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + i;
-            if (r < m) {
-                const bf16* x_at = x + static_cast<int64_t>(r) * x_stride + k0;
-                float lo[8], hi[8];
-                nn::load8(x_at, lo);
-                nn::load8(x_at + 8, hi);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i] = fmaf(lo[j], wv[j], acc[i]);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i] = fmaf(hi[j], wv[8 + j], acc[i]);
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = nn::warp_sum(acc[i]);
-    if (lane != 0) return;
-    const float scale = w_scale[c];
-    const float b = bias != nullptr ? __bfloat162float(bias[c]) : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + i;
-        if (r < m) y[static_cast<int64_t>(r) * y_stride + c] = __float2bfloat16_rn(fmaf(acc[i], scale, b));
-    }
+    linear_w8_rows<decode16_e4m3>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    h3_linear_int8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
+                         const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
+                         bf16* __restrict__ y, int y_stride, int m, int n) {
+    linear_w8_rows<decode16_int8>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
 }

@@ -128,6 +128,18 @@ __device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int c
     if (threadIdx.x == 0) *scale_out = scale;
 }
 
+// Eight values times `inv` as eight INT8 codes (round to nearest even, saturating to +-127: nn::fp8's
+// int8_encode; NaN becomes 0), stored as 8 bytes at `out`.
+__device__ __forceinline__ void store8_int8(uint8_t* out, const float (&v)[8], float inv) {
+    uint32_t words[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int code = max(-127, min(127, __float2int_rn(v[i] * inv)));
+        words[i / 4] |= (static_cast<uint32_t>(code) & 0xffu) << (8 * (i % 4));
+    }
+    *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+}
+
 // The norm-then-modulate body nn_norm_modulate computes, on values already in registers (overwritten with the
 // result): LayerNorm or RMSNorm, optional affine, optional (1 + scale) (+ shift) from modulation row `mod_row`.
 // RMSNorm divides the sum of squares by `norm_cols`, the model's width: a row padded with zero columns up to
@@ -318,6 +330,32 @@ extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
     for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
     store_row_fp8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
                                   scratch);
+}
+
+// q, scales = quantize(x) in INT8: nn_quantize_rows_fp8 with a row's scale amax / 127 (1 for an all-zero row) and
+// two's-complement codes (the weight-only layers' format, made on the device from a bf16 matrix). Same grid and
+// limits as nn_quantize_rows_fp8.
+extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
+    nn_quantize_rows_int8(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q, int q_stride,
+                          float* __restrict__ scales, int rows, int cols) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    uint4 raw[NN_WIDE_CHUNKS];
+    load_raw<NN_WIDE_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, raw);
+    float v[NN_WIDE_CHUNKS][8];
+#pragma unroll
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
+    const float amax = block_max(chunk_amax<NN_WIDE_CHUNKS>(v, cols, blockDim.x), scratch);
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / scale;
+    uint8_t* q_row = q + static_cast<int64_t>(row) * q_stride;
+#pragma unroll
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * blockDim.x) * 8;
+        if (col < cols) store8_int8(q_row + col, v[c], inv);
+    }
+    if (threadIdx.x == 0) scales[row] = scale;
 }
 
 // nn_norm_modulate with an FP8 output: n = norm(x) (* weight (+ bias)) (* (1 + scale) (+ shift)) in f32, as

@@ -1,5 +1,5 @@
 //! Load-time FP8 weight quantization on the host: one thread running the upload ring's per-row quantizer
-//! (`Fp8RowQuantizer`) over a 4096 x 4096 bf16 weight (32 MiB in, 16 MiB of codes out), the work a loading
+//! (`RowQuantizer`) over a 4096 x 4096 bf16 weight (32 MiB in, 16 MiB of codes out), the work a loading
 //! `--precision fp8` model does for every quantized layer.
 // A failed check in a benchmark is meant to stop it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use tf_engines::nn::fp8::Fp8RowQuantizer;
+use tf_engines::nn::fp8::RowQuantizer;
 use tf_engines::nn::upload::{fill_host, ChunkTransform, Piece, Transform};
 use tf_engines::nn::weights::Dtype;
 
@@ -31,13 +31,13 @@ fn quantize(c: &mut Criterion) {
     group.sample_size(10);
     group.throughput(Throughput::Bytes(src.len() as u64));
     group.bench_function("bf16_4096x4096_one_thread", |b| {
-        let quantizer = Fp8RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
+        let quantizer = RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
         b.iter(|| quantizer.apply(0, black_box(&src), &mut dst).unwrap())
     });
     // The same weight through the ring's fill path (64 MiB slots) on every host thread: what a load does.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     group.bench_function(format!("bf16_4096x4096_fill_{threads}_threads"), |b| {
-        let quantizer = Fp8RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
+        let quantizer = RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
         let pieces = [Piece {
             src: &src,
             transform: Transform::Custom(&quantizer),

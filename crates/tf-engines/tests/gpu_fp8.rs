@@ -16,11 +16,12 @@ use std::sync::Arc;
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
-use tf_engines::nn::fp8;
+use tf_engines::nn::fp8::{self, RowCodes};
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear};
 use tf_engines::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
-    plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels, ResidualGate,
+    plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows,
+    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels,
+    ResidualGate,
 };
 use tf_engines::nn::gpu::{
     plan_swiglu_apart, plan_swiglu_ordered, Matrix, Modulation, ModulationRows, NnKernels,
@@ -205,12 +206,16 @@ fn quantize_rows_is_bit_identical_to_the_host() {
     let g = gpu();
     let mut rng = Rng::new(1);
     // (rows, cols, input stride, code stride): tiny, the attention output (4096, H3's 7168), the widest.
-    for (rows, cols, x_stride, q_stride) in [
+    // In e4m3 and in INT8 (the weight-only rows of H3's `adaln=int8`, made on the device from bf16).
+    for ((rows, cols, x_stride, q_stride), codes_format) in [
         (3, 8, 8, 16),
         (37, 4096, 4104, 4096),
         (9, 7168, 7168, 7184),
         (5, 16384, 16384, 16384),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|shape| [(shape, RowCodes::E4m3), (shape, RowCodes::Int8)])
+    {
         let (bits, _) = uneven_bf16(&mut rng, rows, x_stride);
         let values: Vec<f32> = (0..rows)
             .flat_map(|r| {
@@ -232,7 +237,7 @@ fn quantize_rows_is_bit_identical_to_the_host() {
             g.quant
                 .run(
                     &g.stream,
-                    plan_quantize_rows_fp8(
+                    plan_quantize_rows(
                         &x.view(),
                         Matrix {
                             rows,
@@ -240,14 +245,15 @@ fn quantize_rows_is_bit_identical_to_the_host() {
                             stride: x_stride,
                         },
                         &out,
+                        codes_format,
                     ),
                 )
-                .expect("launch quantize_rows_fp8");
+                .expect("launch quantize_rows");
         }
         sync(&g);
         let all: Vec<u8> = codes.to_vec().unwrap();
         let got_scales: Vec<f32> = scales.to_vec().unwrap();
-        let (want_codes, want_scales) = fp8::quantize_rows(&values, cols);
+        let (want_codes, want_scales) = codes_format.quantize_rows(&values, cols);
         let got_codes: Vec<u8> = (0..rows)
             .flat_map(|r| all[r * q_stride..r * q_stride + cols].iter().copied())
             .collect();
@@ -262,7 +268,8 @@ fn quantize_rows_is_bit_identical_to_the_host() {
             .filter(|(a, b)| a != b)
             .count();
         println!(
-            "quantize_rows_fp8 [{rows}x{cols}, strides {x_stride}/{q_stride}]: {differing} codes differ, scales equal: {}, row 1 (zeros) scale {}",
+            "quantize_rows {} [{rows}x{cols}, strides {x_stride}/{q_stride}]: {differing} codes differ, scales equal: {}, row 1 (zeros) scale {}",
+            codes_format.name(),
             got_scales == want_scales,
             got_scales[1]
         );

@@ -28,13 +28,13 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
 use tf_engines::minimax_h3::dit::{H3DitBackend, H3Inputs};
 use tf_engines::minimax_h3::dit_gpu::kernels::{
-    plan_linear_f32, plan_linear_fp8w, plan_qk_norm_rope, plan_residual_norm, Elem, H3Kernels,
-    LinearF32, LinearFp8W, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
+    plan_linear_f32, plan_linear_w8, plan_qk_norm_rope, plan_residual_norm, Elem, H3Kernels,
+    LinearF32, LinearW8, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
 use tf_engines::minimax_h3::dit_gpu::{DitPrecision, GpuH3Dit};
 use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
 use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, StepTimesteps};
-use tf_engines::nn::fp8;
+use tf_engines::nn::fp8::{self, RowCodes};
 use tf_engines::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8_with, plan_norm_modulate_fp8_padded, Fp8Rows,
     QuantKernels, ResidualGate,
@@ -1135,6 +1135,8 @@ fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
         for spec in [
             "fp8:all,adaln,ends=0",
             "fp8:adaln,ends=0",
+            "fp8:all,adaln=int8,ends=0",
+            "fp8:adaln=int8,ends=0",
             "fp8:mlp_value,mlp_out,ends=0",
             "fp8:mlp_gate,ends=0",
             "fp8:none,ends=0,attn=int8-fp8",
@@ -1182,6 +1184,8 @@ fn fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
         "fp8:all,ends=0",
         "fp8:all,adaln,ends=0",
         "fp8:adaln,ends=0",
+        "fp8:adaln=int8,ends=0",
+        "fp8:qkv,out,mlp_value,mlp_out,adaln=int8,ends=0",
         "fp8:qkv,ends=0",
         "fp8:out,ends=0",
         "fp8:mlp_in,ends=0",
@@ -1397,26 +1401,31 @@ fn seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
-fn linear_fp8w_matches_the_host_product_of_its_dequantized_weights() {
+fn linear_w8_matches_the_host_product_of_its_dequantized_weights() {
     let ctx = context();
     let kernels = H3Kernels::load(&ctx).unwrap();
     let stream = Stream::new(&ctx, false).unwrap();
     let mut rng = SplitMix64::new(31);
-    // The tiny fixtures' adaLN (18 x 32 rows of 16), the release's (k 2688) over 1, 3 and 6 timestep rows (two row
-    // groups of four), outputs written into rows wider than n.
-    for (m, n, k, y_stride) in [
-        (3usize, 576usize, 16usize, 584usize),
-        (1, 1024, 2688, 1024),
-        (6, 968, 2688, 976),
+    // The tiny fixtures' adaLN (18 x 32 rows of 16), the release's (k 2688) over 1, 6 and 97 timestep rows (a
+    // request's schedule: 4 row groups of 32, the last partial), outputs written into rows wider than n; in e4m3 and
+    // in INT8.
+    for (m, n, k, y_stride, codes) in [
+        (3usize, 576usize, 16usize, 584usize, RowCodes::E4m3),
+        (1, 1024, 2688, 1024, RowCodes::E4m3),
+        (6, 968, 2688, 976, RowCodes::E4m3),
+        (97, 264, 2688, 272, RowCodes::E4m3),
+        (3, 576, 16, 584, RowCodes::Int8),
+        (6, 968, 2688, 976, RowCodes::Int8),
+        (97, 264, 2688, 272, RowCodes::Int8),
     ] {
         let x = bf16_values(&mut rng, m * k, -1.5, 1.5);
         let weights: Vec<f32> = (0..n * k)
             .map(|i| rng.uniform(-1.0, 1.0) * 2f32.powi((i / k % 5) as i32 - 6))
             .collect();
-        let (codes, scales) = fp8::quantize_rows(&weights, k);
+        let (w_codes, scales) = codes.quantize_rows(&weights, k);
         let bias = bf16_values(&mut rng, n, -0.5, 0.5);
         let xd = device(&ctx, &bf16_bytes(&x));
-        let wd = device(&ctx, &codes);
+        let wd = device(&ctx, &w_codes);
         let sd = device(&ctx, &f32_bytes(&scales));
         let bd = device(&ctx, &bf16_bytes(&bias));
         let mut yd = device(&ctx, &bf16_bytes(&vec![7.0f32; m * y_stride]));
@@ -1425,10 +1434,11 @@ fn linear_fp8w_matches_the_host_product_of_its_dequantized_weights() {
             kernels
                 .run(
                     &stream,
-                    plan_linear_fp8w(&LinearFp8W {
+                    plan_linear_w8(&LinearW8 {
                         m,
                         n,
                         k,
+                        codes,
                         x: &xv,
                         x_stride: k,
                         w: &wv,
@@ -1442,7 +1452,7 @@ fn linear_fp8w_matches_the_host_product_of_its_dequantized_weights() {
             stream.synchronize().unwrap();
         }
         let got = read_bf16(&yd);
-        let deq = fp8::dequantize_rows(&codes, &scales, k);
+        let deq = codes.dequantize_rows(&w_codes, &scales, k);
         let mut want = vec![0f32; m * n];
         for r in 0..m {
             for c in 0..n {
@@ -1454,8 +1464,15 @@ fn linear_fp8w_matches_the_host_product_of_its_dequantized_weights() {
         }
         let ours = columns(&got, y_stride, 0, n);
         let err = relative_l2(&ours, &want).unwrap();
-        println!("linear_fp8w [{m}x{n}x{k}]: rel L2 against the host product {err:.3e} (bound {BF16_KERNEL_MAX})");
-        assert!(err <= BF16_KERNEL_MAX, "{m}x{n}x{k}: {err:.3e}");
+        println!(
+            "linear_w8 {} [{m}x{n}x{k}]: rel L2 against the host product {err:.3e} (bound {BF16_KERNEL_MAX})",
+            codes.name()
+        );
+        assert!(
+            err <= BF16_KERNEL_MAX,
+            "{} {m}x{n}x{k}: {err:.3e}",
+            codes.name()
+        );
         // The columns past n are not written.
         for r in 0..m {
             assert!(got[r * y_stride + n..(r + 1) * y_stride]
@@ -1491,6 +1508,7 @@ fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
     };
     let step = inputs("fl2va_first");
     let fp8_mode: DitPrecision = "fp8:all,adaln,ends=0".parse().unwrap();
+    let int8_adaln_mode: DitPrecision = "fp8:all,adaln=int8,ends=0".parse().unwrap();
     let mut per_channel_fp8 = None;
     // (variant, weights stored in FP8, of those used as stored in FP8 mode: q|k|v, out, fc1, fc2, adaLN per block)
     for (variant, stored, as_stored) in [
@@ -1502,9 +1520,20 @@ fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
         let mut host = HostH3Dit::load(&model).unwrap();
         host.set_rope_tables(RopeTables::Bf16);
         let host_out = host.forward(&step).unwrap();
+        // With the adaLN projections in INT8, their e4m3 codes (one tensor a block) are dequantized and quantized
+        // again on the device.
+        let blocks = MiniMaxH3Config::from_json(model.config_json())
+            .unwrap()
+            .num_layers;
         for (precision, want_as_stored, rel, cos) in [
             (DitPrecision::Bf16, 0, REL_L2_MAX, COSINE_MIN),
             (fp8_mode, as_stored, FP8_REL_L2_MAX, FP8_COSINE_MIN),
+            (
+                int8_adaln_mode,
+                as_stored - blocks,
+                FP8_REL_L2_MAX,
+                FP8_COSINE_MIN,
+            ),
         ] {
             let mut dit =
                 GpuH3Dit::load_in(&ctx, &model, LoadOptions::default(), staging, precision)

@@ -1,5 +1,5 @@
-//! FP8 e4m3 on the host: the format (encode, decode), the per-row quantization every FP8 path uses, and the
-//! weight quantizer that runs on the upload ring.
+//! 8-bit weight and activation codes on the host: FP8 e4m3 (encode, decode), the per-row quantization every FP8
+//! path uses, INT8 rows for weight-only layers, and the weight quantizer that runs on the upload ring.
 //!
 //! One rule everywhere, shared by the GPU kernels (`kernels/nn/quant.cu`) and the load-time weight quantizer:
 //! a row's scale is `amax / 448` (1 for an all-zero row) and each code is `e4m3(value * (1 / scale))`, rounded to
@@ -8,8 +8,12 @@
 //! the value again, within e4m3's three mantissa bits; an FP8 GEMM multiplies the row scales back in
 //! (`tf_cuda::cublaslt::Fp8ScaleMode::RowWise`).
 //!
-//! [`Fp8RowQuantizer`] is a [`ChunkTransform`]: the pinned upload ring hands it whole rows of a bf16 (or f32,
-//! f16) checkpoint tensor, it writes the e4m3 codes into the staging slot and keeps each row's scale; the caller
+//! INT8 rows ([`RowCodes::Int8`], weight-only layers that never meet a tensor-core GEMM) follow the same rule with
+//! 127 in place of 448 and a two's-complement integer code rounded to nearest even: a uniform grid of 255 steps
+//! over the row's range, about a third of e4m3's relative error on weights spread like a Gaussian's.
+//!
+//! [`RowQuantizer`] is a [`ChunkTransform`]: the pinned upload ring hands it whole rows of a bf16 (or f32,
+//! f16) checkpoint tensor, it writes the codes into the staging slot and keeps each row's scale; the caller
 //! uploads the scales once the ring is done. No second host copy of the model is made.
 
 use std::sync::Mutex;
@@ -78,11 +82,7 @@ pub fn e4m3_decode(code: u8) -> f32 {
 
 /// The scale of a row whose largest magnitude is `amax`: `amax / 448`, or 1 for an all-zero row.
 pub fn row_scale(amax: f32) -> f32 {
-    if amax > 0.0 {
-        amax / E4M3_MAX
-    } else {
-        1.0
-    }
+    RowCodes::E4m3.row_scale(amax)
 }
 
 /// The largest magnitude of `values` (NaN ignored, as the kernels' `fmaxf` does).
@@ -106,82 +106,196 @@ pub fn amax(values: &[f32]) -> f32 {
 
 /// Quantizes one row into `codes` (same length) and returns its scale.
 pub fn quantize_row(values: &[f32], codes: &mut [u8]) -> f32 {
-    let scale = row_scale(amax(values));
-    let inv = 1.0 / scale;
-    for (code, &v) in codes.iter_mut().zip(values) {
-        *code = e4m3_encode(v * inv);
-    }
-    scale
+    RowCodes::E4m3.quantize_row(values, codes)
 }
 
 /// Quantizes `values` as rows of `cols`: the codes (`values.len()` bytes) and one scale per row. A trailing
 /// partial row is quantized as a row of its own.
 pub fn quantize_rows(values: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
-    let cols = cols.max(1);
-    let mut codes = vec![0u8; values.len()];
-    let scales = values
-        .chunks(cols)
-        .zip(codes.chunks_mut(cols))
-        .map(|(row, out)| quantize_row(row, out))
-        .collect();
-    (codes, scales)
+    RowCodes::E4m3.quantize_rows(values, cols)
 }
 
 /// The values `codes` stand for: `decode(code) * scale` of its row (rows of `cols`).
 pub fn dequantize_rows(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f32> {
-    let cols = cols.max(1);
-    codes
-        .chunks(cols)
-        .zip(scales)
-        .flat_map(|(row, &scale)| row.iter().map(move |&c| e4m3_decode(c) * scale))
-        .collect()
+    RowCodes::E4m3.dequantize_rows(codes, scales, cols)
 }
 
-/// Per-output-channel FP8 quantization of a weight `[rows, cols]` on the upload ring: the ring hands it whole
-/// rows (its granule is one row), it writes their e4m3 codes into the staging slot and records each row's scale,
-/// read with [`Fp8RowQuantizer::scales`] once the upload is done.
-pub struct Fp8RowQuantizer {
+/// The largest INT8 code magnitude (codes are symmetric: -127..=127).
+pub const INT8_MAX: f32 = 127.0;
+
+/// The INT8 code of `v`: round to nearest even, saturating to ±127; NaN becomes 0 (CUDA's `__float2int_rn` then a
+/// clamp, as `nn_quantize_rows_int8` computes it).
+#[inline]
+pub fn int8_encode(v: f32) -> u8 {
+    let rounded = if v.is_nan() {
+        0.0
+    } else {
+        v.round_ties_even().clamp(-INT8_MAX, INT8_MAX)
+    };
+    // In range by the clamp: the cast is exact.
+    (rounded as i8) as u8
+}
+
+/// The value of INT8 code `code` (two's complement).
+pub fn int8_decode(code: u8) -> f32 {
+    f32::from(code as i8)
+}
+
+/// The 8-bit code format of a quantized matrix's rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RowCodes {
+    /// FP8 e4m3 (the tensor cores' FP8 operands), scale `amax / 448`.
+    #[default]
+    E4m3,
+    /// INT8 (weight-only layers), scale `amax / 127`.
+    Int8,
+}
+
+impl RowCodes {
+    /// The name a precision spec and a load line use: `fp8` or `int8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RowCodes::E4m3 => "fp8",
+            RowCodes::Int8 => "int8",
+        }
+    }
+
+    /// The largest code magnitude, which a row's largest value maps to.
+    pub fn max(self) -> f32 {
+        match self {
+            RowCodes::E4m3 => E4M3_MAX,
+            RowCodes::Int8 => INT8_MAX,
+        }
+    }
+
+    /// The scale of a row whose largest magnitude is `amax`: `amax / max`, or 1 for an all-zero row.
+    pub fn row_scale(self, amax: f32) -> f32 {
+        if amax > 0.0 {
+            amax / self.max()
+        } else {
+            1.0
+        }
+    }
+
+    /// The code of `v` (already divided by its row's scale).
+    #[inline]
+    pub fn encode(self, v: f32) -> u8 {
+        match self {
+            RowCodes::E4m3 => e4m3_encode(v),
+            RowCodes::Int8 => int8_encode(v),
+        }
+    }
+
+    /// The value of `code`, before its row's scale.
+    pub fn decode(self, code: u8) -> f32 {
+        match self {
+            RowCodes::E4m3 => e4m3_decode(code),
+            RowCodes::Int8 => int8_decode(code),
+        }
+    }
+
+    /// Quantizes one row into `codes` (same length) and returns its scale.
+    pub fn quantize_row(self, values: &[f32], codes: &mut [u8]) -> f32 {
+        let scale = self.row_scale(amax(values));
+        let inv = 1.0 / scale;
+        match self {
+            // One loop per format keeps each free of a per-element branch (and vectorizable).
+            RowCodes::E4m3 => {
+                for (code, &v) in codes.iter_mut().zip(values) {
+                    *code = e4m3_encode(v * inv);
+                }
+            }
+            RowCodes::Int8 => {
+                for (code, &v) in codes.iter_mut().zip(values) {
+                    *code = int8_encode(v * inv);
+                }
+            }
+        }
+        scale
+    }
+
+    /// [`quantize_rows`] in this format.
+    pub fn quantize_rows(self, values: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+        let cols = cols.max(1);
+        let mut codes = vec![0u8; values.len()];
+        let scales = values
+            .chunks(cols)
+            .zip(codes.chunks_mut(cols))
+            .map(|(row, out)| self.quantize_row(row, out))
+            .collect();
+        (codes, scales)
+    }
+
+    /// [`dequantize_rows`] in this format.
+    pub fn dequantize_rows(self, codes: &[u8], scales: &[f32], cols: usize) -> Vec<f32> {
+        let cols = cols.max(1);
+        codes
+            .chunks(cols)
+            .zip(scales)
+            .flat_map(|(row, &scale)| row.iter().map(move |&c| self.decode(c) * scale))
+            .collect()
+    }
+}
+
+/// Per-output-channel 8-bit quantization of a weight `[rows, cols]` on the upload ring: the ring hands it whole
+/// rows (its granule is one row), it writes their codes (e4m3, or INT8 with [`RowQuantizer::with_codes`]) into the
+/// staging slot and records each row's scale, read with [`RowQuantizer::scales`] once the upload is done.
+pub struct RowQuantizer {
     from: Dtype,
     rows: usize,
     cols: usize,
+    codes: RowCodes,
     scales: Mutex<Vec<f32>>,
 }
 
-impl std::fmt::Debug for Fp8RowQuantizer {
+impl std::fmt::Debug for RowQuantizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fp8RowQuantizer")
+        f.debug_struct("RowQuantizer")
             .field("from", &self.from)
             .field("rows", &self.rows)
             .field("cols", &self.cols)
+            .field("codes", &self.codes)
             .finish_non_exhaustive()
     }
 }
 
-impl Fp8RowQuantizer {
-    /// A quantizer of a `[rows, cols]` tensor stored as `from` (F32, BF16 or F16).
-    pub fn new(from: Dtype, rows: usize, cols: usize) -> Result<Fp8RowQuantizer, UploadError> {
+impl RowQuantizer {
+    /// An e4m3 quantizer of a `[rows, cols]` tensor stored as `from` (F32, BF16 or F16).
+    pub fn new(from: Dtype, rows: usize, cols: usize) -> Result<RowQuantizer, UploadError> {
+        RowQuantizer::with_codes(from, rows, cols, RowCodes::E4m3)
+    }
+
+    /// A quantizer of a `[rows, cols]` tensor stored as `from` (F32, BF16 or F16) into `codes`.
+    pub fn with_codes(
+        from: Dtype,
+        rows: usize,
+        cols: usize,
+        codes: RowCodes,
+    ) -> Result<RowQuantizer, UploadError> {
+        let transform = transform_name(codes);
         if !matches!(from, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
             return Err(UploadError::Dtype {
                 dtype: from,
-                transform: "fp8-row",
+                transform,
                 accepts: "F32, BF16 or F16",
             });
         }
         if cols == 0 {
             return Err(UploadError::Transform {
-                transform: "fp8-row",
+                transform,
                 why: "a weight of 0 columns has no rows to quantize".into(),
             });
         }
-        Ok(Fp8RowQuantizer {
+        Ok(RowQuantizer {
             from,
             rows,
             cols,
+            codes,
             scales: Mutex::new(vec![f32::NAN; rows]),
         })
     }
 
-    /// Each row's scale (`amax / 448`), in row order. A row the ring never handed over (an upload that failed
+    /// Each row's scale (`amax / 448`, or `amax / 127` for INT8), in row order. A row the ring never handed over (an upload that failed
     /// part-way) is NaN.
     pub fn scales(&self) -> Vec<f32> {
         match self.scales.lock() {
@@ -214,9 +328,17 @@ impl Fp8RowQuantizer {
     }
 }
 
-impl ChunkTransform for Fp8RowQuantizer {
+/// The transform's name in upload errors.
+fn transform_name(codes: RowCodes) -> &'static str {
+    match codes {
+        RowCodes::E4m3 => "fp8-row",
+        RowCodes::Int8 => "int8-row",
+    }
+}
+
+impl ChunkTransform for RowQuantizer {
     fn name(&self) -> &'static str {
-        "fp8-row"
+        transform_name(self.codes)
     }
 
     fn src_elem_bytes(&self) -> usize {
@@ -240,7 +362,7 @@ impl ChunkTransform for Fp8RowQuantizer {
             || src.len() != elements * unit
         {
             return Err(UploadError::Transform {
-                transform: "fp8-row",
+                transform: self.name(),
                 why: format!(
                     "a chunk of {elements} elements at element {first} is not whole rows of {cols} (or its source is not {unit} bytes each)"
                 ),
@@ -249,7 +371,7 @@ impl ChunkTransform for Fp8RowQuantizer {
         let first_row = first / cols;
         if first_row + elements / cols > self.rows {
             return Err(UploadError::Transform {
-                transform: "fp8-row",
+                transform: self.name(),
                 why: format!(
                     "rows {first_row}..{} run past the weight's {} rows",
                     first_row + elements / cols,
@@ -262,7 +384,7 @@ impl ChunkTransform for Fp8RowQuantizer {
         let row_bytes = cols * unit;
         for (row_src, out) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(cols)) {
             self.widen(row_src, &mut row_values);
-            found.push(quantize_row(&row_values, out));
+            found.push(self.codes.quantize_row(&row_values, out));
         }
         let mut scales = self.scales.lock().map_err(|_| UploadError::Worker)?;
         scales[first_row..first_row + found.len()].copy_from_slice(&found);
@@ -404,7 +526,7 @@ mod tests {
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_f32())
             .collect();
-        let quantizer = Fp8RowQuantizer::new(Dtype::BF16, rows, cols).unwrap();
+        let quantizer = RowQuantizer::new(Dtype::BF16, rows, cols).unwrap();
         let pieces = [Piece {
             src: &bf16,
             transform: Transform::Custom(&quantizer),
@@ -418,7 +540,7 @@ mod tests {
         assert_eq!(quantizer.scales(), want_scales);
         // f32 and f16 sources read the same way.
         let f32_bytes: Vec<u8> = exact.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let q32 = Fp8RowQuantizer::new(Dtype::F32, rows, cols).unwrap();
+        let q32 = RowQuantizer::new(Dtype::F32, rows, cols).unwrap();
         let mut out = vec![0u8; rows * cols];
         fill_host(
             &mut out,
@@ -434,8 +556,8 @@ mod tests {
         assert_eq!(out, want_codes);
         assert_eq!(q32.scales(), want_scales);
         // Refused: a non-float source, a chunk that is not whole rows, rows past the end.
-        assert!(Fp8RowQuantizer::new(Dtype::I64, 2, 2).is_err());
-        let q = Fp8RowQuantizer::new(Dtype::BF16, 2, 4).unwrap();
+        assert!(RowQuantizer::new(Dtype::I64, 2, 2).is_err());
+        let q = RowQuantizer::new(Dtype::BF16, 2, 4).unwrap();
         let mut dst = [0u8; 4];
         assert!(q.apply(2, &[0u8; 8], &mut dst).is_err());
         assert!(q.apply(8, &[0u8; 8], &mut dst).is_err());
@@ -443,5 +565,87 @@ mod tests {
         let scales = q.scales();
         assert_eq!(scales[0], 1.0);
         assert!(scales[1].is_nan(), "a row never quantized reads NaN");
+    }
+
+    #[test]
+    fn int8_codes_round_to_even_and_saturate() {
+        assert_eq!(int8_encode(0.0), 0);
+        assert_eq!(int8_encode(0.5), 0);
+        assert_eq!(int8_encode(1.5), 2);
+        assert_eq!(int8_encode(2.5), 2);
+        assert_eq!(int8_encode(-2.5), (-2i8) as u8);
+        assert_eq!(int8_encode(126.6), 127);
+        assert_eq!(int8_encode(1e9), 127);
+        assert_eq!(int8_encode(-1e9), (-127i8) as u8);
+        assert_eq!(int8_encode(f32::NEG_INFINITY), (-127i8) as u8);
+        assert_eq!(int8_encode(f32::NAN), 0);
+        for code in -127i8..=127 {
+            assert_eq!(int8_encode(int8_decode(code as u8)), code as u8);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn int8_rows_dequantize_within_half_a_step(values in proptest::collection::vec(-1e3f32..1e3, 1..200), cols in 1usize..40) {
+            let (codes, scales) = RowCodes::Int8.quantize_rows(&values, cols);
+            let back = RowCodes::Int8.dequantize_rows(&codes, &scales, cols);
+            for (r, row) in values.chunks(cols).enumerate() {
+                let a = amax(row);
+                prop_assert!(scales[r] > 0.0);
+                for (c, &v) in row.iter().enumerate() {
+                    let got = back[r * cols + c];
+                    // A uniform grid of the row's scale: within half a step (and f32 rounding of v / scale).
+                    let tol = scales[r] * 0.5 + a * 1e-6;
+                    prop_assert!((got - v).abs() <= tol, "row {} col {}: {} -> {}", r, c, v, got);
+                    prop_assert!(codes[r * cols + c] as i8 != i8::MIN, "code -128 is never used");
+                }
+                if a > 0.0 {
+                    let top = row.iter().position(|v| v.abs() == a).unwrap_or(0);
+                    prop_assert_eq!((codes[r * cols + top] as i8).unsigned_abs(), 127);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_ring_quantizes_int8_rows_as_the_host_rule() {
+        let (rows, cols) = (9, 40);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| half::bf16::from_f32(((i * 7919 % 211) as f32 - 105.0) / 17.0).to_f32())
+            .collect();
+        let bf16: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        let quantizer = RowQuantizer::with_codes(Dtype::BF16, rows, cols, RowCodes::Int8).unwrap();
+        assert_eq!(quantizer.name(), "int8-row");
+        let mut device = vec![0u8; rows * cols];
+        fill_host(
+            &mut device,
+            &[Piece {
+                src: &bf16,
+                transform: Transform::Custom(&quantizer),
+                dst_offset: 0,
+            }],
+            2 * cols,
+            2,
+        )
+        .unwrap();
+        let (want_codes, want_scales) = RowCodes::Int8.quantize_rows(&values, cols);
+        assert_eq!(device, want_codes);
+        assert_eq!(quantizer.scales(), want_scales);
+        // INT8's error on a Gaussian-like row is a fraction of e4m3's.
+        let err = |codes: RowCodes| {
+            let (c, s) = codes.quantize_rows(&values, cols);
+            let back = codes.dequantize_rows(&c, &s, cols);
+            let num: f32 = back
+                .iter()
+                .zip(&values)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum();
+            let den: f32 = values.iter().map(|v| v * v).sum();
+            (num / den).sqrt()
+        };
+        assert!(err(RowCodes::Int8) < 0.5 * err(RowCodes::E4m3));
     }
 }

@@ -46,7 +46,7 @@
 //! tensors declared), then asks [`WeightFeed::of`] how each weight reaches the device: a checkpoint's FP8 weight
 //! bound for an FP8 GEMM goes as its codes ([`Fp8CodeCheck`] on the upload ring) with [`Fp8Weight::scales`], one
 //! the model runs in bf16 is dequantized on the ring ([`Fp8Dequantizer`]), and a float weight is converted to bf16
-//! or quantized per row ([`Fp8RowQuantizer`]). [`WeightFeed::piece`] is its upload piece and
+//! or quantized per row ([`RowQuantizer`]). [`WeightFeed::piece`] is its upload piece and
 //! [`WeightFeed::scales`] its per-row scales once the ring is done. Host code reads any weight as f32 through
 //! [`Fp8Checkpoint::to_f32`].
 
@@ -57,7 +57,7 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::nn::fp8::{e4m3_decode, Fp8RowQuantizer};
+use crate::nn::fp8::{e4m3_decode, RowQuantizer};
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{ChunkTransform, Piece, Transform, UploadError};
 use crate::nn::weights::{bytes_to_f32, Dtype, LoadStats, ModelDir, TensorSpec, WeightsError};
@@ -859,7 +859,7 @@ pub enum WeightFeed<'a> {
     /// A float tensor quantized per output row on the ring.
     Quantize {
         src: &'a [u8],
-        quantizer: Fp8RowQuantizer,
+        quantizer: RowQuantizer,
     },
     /// A checkpoint's e4m3 codes as stored, with one scale per row.
     Codes { src: &'a [u8], scales: Vec<f32> },
@@ -909,7 +909,7 @@ impl<'a> WeightFeed<'a> {
             },
             (None, Some((rows, cols))) => WeightFeed::Quantize {
                 src: model.bytes(name)?,
-                quantizer: Fp8RowQuantizer::new(model.info(name)?.dtype, rows, cols)
+                quantizer: RowQuantizer::new(model.info(name)?.dtype, rows, cols)
                     .map_err(feed_err)?,
             },
             (None, None) => WeightFeed::Bf16 {

@@ -13,13 +13,16 @@
 //! path, and so do the first and last `ends` blocks.
 //!
 //! A fifth group, `adaln`, is MiniMax H3's per-block modulation projection (the adaLN weights, 39% of the model)
-//! stored as e4m3 with per-output-channel scales and read weight-only (its few timestep rows stay bf16); it is never
-//! implied by `all` or the default, and the Qwen-Image DiT, whose modulation is not per block, refuses it.
+//! stored in 8 bits with per-output-channel scales and read weight-only (its few timestep rows stay bf16): e4m3
+//! codes (`adaln`, or `adaln=fp8`) or INT8 codes (`adaln=int8`, a third of e4m3's rounding error at the same bytes;
+//! [`crate::nn::fp8::RowCodes`]). It is never implied by `all`, and the Qwen-Image DiT, whose modulation is not per
+//! block, refuses it.
 //!
 //! Spelled on the command line (`--precision`) as `bf16`, `fp8` (the model's own default mode,
 //! [`DitPrecision::Fp8ModelDefault`], which each model's loader resolves with [`DitPrecision::resolve`]), or
 //! `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]` with GROUP one of `qkv`, `out`,
-//! `mlp_in`, `mlp_value`, `mlp_gate`, `mlp_out`, `adaln`, `all` (the four GEMM groups), `none`.
+//! `mlp_in`, `mlp_value`, `mlp_gate`, `mlp_out`, `adaln`, `adaln=fp8|int8|bf16`, `all` (the four GEMM groups),
+//! `none`.
 //!
 //! `attn=int8-fp8` runs the attention of the blocks inside the ends in 8 bits ([`AttentionPrecision::Int8Fp8`]:
 //! INT8 Q K^T with K smoothed, FP8 P V, sm_90 only; see docs/ENGINES.md, "8-bit attention"); `bf16`, the default,
@@ -34,6 +37,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::nn::fp8::RowCodes;
+
 /// Which of a block's GEMM groups run in FP8.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Fp8Groups {
@@ -44,8 +49,8 @@ pub struct Fp8Groups {
     /// The gate half of `mlp_in` (the rows SwiGLU passes through silu).
     pub mlp_gate: bool,
     pub mlp_out: bool,
-    /// The block's adaLN projection, weight-only (MiniMax H3).
-    pub adaln: bool,
+    /// The block's adaLN projection, weight-only (MiniMax H3): its codes (`None`: bf16).
+    pub adaln: Option<RowCodes>,
 }
 
 impl Fp8Groups {
@@ -56,7 +61,7 @@ impl Fp8Groups {
         mlp_value: false,
         mlp_gate: false,
         mlp_out: false,
-        adaln: false,
+        adaln: None,
     };
     /// The four GEMM groups in FP8 (not `adaln`, which is named on its own).
     pub const ALL: Fp8Groups = Fp8Groups {
@@ -65,12 +70,12 @@ impl Fp8Groups {
         mlp_value: true,
         mlp_gate: true,
         mlp_out: true,
-        adaln: false,
+        adaln: None,
     };
 
     /// True when some group runs in FP8.
     pub fn any(self) -> bool {
-        self.any_gemm() || self.adaln
+        self.any_gemm() || self.adaln.is_some()
     }
 
     /// True when one of the four GEMM groups (or a half of `mlp_in`) runs in FP8 (their activations are quantized
@@ -98,7 +103,8 @@ impl Fp8Groups {
             ("mlp_value", self.mlp_in_split() && self.mlp_value),
             ("mlp_gate", self.mlp_in_split() && self.mlp_gate),
             ("mlp_out", self.mlp_out),
-            ("adaln", self.adaln),
+            ("adaln", self.adaln == Some(RowCodes::E4m3)),
+            ("adaln=int8", self.adaln == Some(RowCodes::Int8)),
         ]
         .into_iter()
         .filter_map(|(name, on)| on.then_some(name))
@@ -303,10 +309,10 @@ impl DitPrecision {
                         "no GEMM group".to_string()
                     },
                     l.bf16_ends,
-                    if l.groups.adaln {
-                        " (adaln weight-only)"
-                    } else {
-                        ""
+                    match l.groups.adaln {
+                        Some(RowCodes::E4m3) => " (adaln weight-only, e4m3)",
+                        Some(RowCodes::Int8) => " (adaln weight-only, int8 with per-output-channel scales)",
+                        None => "",
                     },
                     l.accumulation.name(),
                     if l.attention == AttentionPrecision::Int8Fp8 {
@@ -353,7 +359,7 @@ impl FromStr for DitPrecision {
 
     /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_out, adaln, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_out, adaln, adaln=int8, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -400,6 +406,19 @@ impl FromStr for DitPrecision {
                 continue;
             }
             named = true;
+            if let Some(codes) = item.strip_prefix("adaln=") {
+                groups.adaln = match codes {
+                    "bf16" => None,
+                    "fp8" | "e4m3" => Some(RowCodes::E4m3),
+                    "int8" => Some(RowCodes::Int8),
+                    _ => {
+                        return Err(format!(
+                            "precision {text:?}: adaln={codes} is not `bf16`, `fp8` or `int8`"
+                        ))
+                    }
+                };
+                continue;
+            }
             match item {
                 "qkv" => groups.qkv = true,
                 "out" => groups.out = true,
@@ -410,7 +429,7 @@ impl FromStr for DitPrecision {
                 "mlp_value" => groups.mlp_value = true,
                 "mlp_gate" => groups.mlp_gate = true,
                 "mlp_out" => groups.mlp_out = true,
-                "adaln" => groups.adaln = true,
+                "adaln" => groups.adaln = Some(RowCodes::E4m3),
                 "all" => {
                     groups = Fp8Groups {
                         adaln: groups.adaln,
@@ -523,7 +542,7 @@ mod tests {
             "fp8:all,adaln,ends=2".parse::<DitPrecision>(),
             Ok(DitPrecision::Fp8(Fp8Layers {
                 groups: Fp8Groups {
-                    adaln: true,
+                    adaln: Some(RowCodes::E4m3),
                     ..Fp8Groups::ALL
                 },
                 bf16_ends: 2,
@@ -531,15 +550,38 @@ mod tests {
                 attention: AttentionPrecision::Bf16,
             }))
         );
-        assert!(!Fp8Groups {
-            adaln: true,
-            ..Fp8Groups::NONE
+        for codes in [RowCodes::E4m3, RowCodes::Int8] {
+            let adaln_only = Fp8Groups {
+                adaln: Some(codes),
+                ..Fp8Groups::NONE
+            };
+            assert!(!adaln_only.any_gemm());
+            assert!(adaln_only.any());
         }
-        .any_gemm());
+        let int8: DitPrecision = "fp8:qkv,adaln=int8,ends=1".parse().unwrap();
+        assert_eq!(int8.groups_of(1, 4).adaln, Some(RowCodes::Int8));
+        assert_eq!(
+            int8.groups_of(0, 4).adaln,
+            None,
+            "the ends keep their adaLN in bf16"
+        );
+        assert_eq!(
+            "fp8:adaln=fp8,all".parse::<DitPrecision>(),
+            "fp8:all,adaln".parse::<DitPrecision>()
+        );
+        assert_eq!(
+            "fp8:adaln,adaln=bf16,qkv".parse::<DitPrecision>(),
+            "fp8:qkv".parse::<DitPrecision>(),
+            "the last adaln item wins"
+        );
+        let refused = "fp8:adaln=int4".parse::<DitPrecision>().unwrap_err();
+        assert!(refused.contains("adaln=int4"), "{refused}");
         for spec in [
             "bf16",
             "fp8:qkv,out,mlp_in,mlp_out,adaln,ends=1",
             "fp8:adaln,ends=0",
+            "fp8:adaln=int8,ends=0",
+            "fp8:qkv,out,mlp_value,mlp_out,adaln=int8,ends=1",
             "fp8:qkv,out,mlp_in,mlp_out,ends=1",
             "fp8:out,ends=0",
             "fp8:none,ends=2",

@@ -320,7 +320,7 @@ impl GpuDit {
     ) -> Result<GpuDit, DitError> {
         let precision = precision.resolve(Fp8Layers::DEFAULT);
         if let DitPrecision::Fp8(layers) = precision {
-            if layers.groups.adaln {
+            if layers.groups.adaln.is_some() {
                 return Err(DitError::Backend(
                     "the fp8 group `adaln` is MiniMax H3's per-block modulation; Qwen-Image's modulation is one \
                      shared layer and stays bf16: leave `adaln` out of --precision"

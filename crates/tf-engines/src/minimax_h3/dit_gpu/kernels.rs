@@ -8,6 +8,7 @@
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
+use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
 use crate::nn::gpu::{
     check_matrix, invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, NnKernels,
@@ -27,6 +28,7 @@ const H3_KERNELS: &[&str] = &[
     "h3_linear_f32_rows_xf_yb",
     "h3_linear_f32_rows_xb_yf",
     "h3_linear_fp8w_rows",
+    "h3_linear_int8w_rows",
 ];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
@@ -503,7 +505,7 @@ pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda
     let grid = if few {
         (
             to_u32(OP, "column groups", op.n.div_ceil(8))?,
-            to_u32(OP, "row groups", op.m.div_ceil(4))?,
+            to_u32(OP, "row groups", op.m.div_ceil(LINEAR_W8_ROWS))?,
         )
     } else {
         (
@@ -529,18 +531,20 @@ pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda
     Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
 }
 
-/// Operands of [`plan_linear_fp8w`]: `y[r, c] = bf16(sum_k x[r, k] * w[c, k] * w_scale[c] + bias[c])` for
-/// `r < m`, `c < n`: bf16 rows in and out, e4m3 weights with one f32 scale per output channel (weight-only FP8: the
-/// adaLN projections over the few timestep rows).
+/// Operands of [`plan_linear_w8`]: `y[r, c] = bf16(sum_k x[r, k] * w[c, k] * w_scale[c] + bias[c])` for
+/// `r < m`, `c < n`: bf16 rows in and out, 8-bit weights (e4m3 or INT8 codes) with one f32 scale per output channel
+/// (weight-only: the adaLN projections over the timestep rows).
 #[derive(Debug)]
-pub struct LinearFp8W<'v, 'a> {
+pub struct LinearW8<'v, 'a> {
     pub m: usize,
     pub n: usize,
     pub k: usize,
+    /// The format of `w`'s codes.
+    pub codes: RowCodes,
     /// bf16 rows of `x_stride`.
     pub x: &'v DeviceView<'a>,
     pub x_stride: usize,
-    /// e4m3 `[n, k]`, rows of `k` bytes.
+    /// 8-bit codes `[n, k]`, rows of `k` bytes.
     pub w: &'v DeviceView<'a>,
     /// f32 `[n]`.
     pub w_scale: &'v DeviceView<'a>,
@@ -551,10 +555,14 @@ pub struct LinearFp8W<'v, 'a> {
     pub y_stride: usize,
 }
 
-/// Builds the weight-only FP8 linear layer (kernel h3_linear_fp8w_rows): one warp per output column and 4 rows,
-/// each weight byte read once. `k` a multiple of 16 (16-byte rows of codes).
-pub fn plan_linear_fp8w<'a>(op: &LinearFp8W<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
-    const OP: &str = "linear_fp8w";
+/// Rows of `x` one CTA of the weight-only linear layer takes (`H3_LINEAR_W8_ROWS` in `kernels/minimax_h3/dit.cu`):
+/// the weights cross HBM once per this many rows.
+const LINEAR_W8_ROWS: usize = 32;
+
+/// Builds the weight-only 8-bit linear layer (kernel h3_linear_fp8w_rows or h3_linear_int8w_rows by `codes`): one
+/// warp per output column and up to 32 rows, 4 at a time. `k` a multiple of 16 (16-byte rows of codes).
+pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "linear_w8";
     if op.m == 0 || op.n == 0 || op.k == 0 || !op.k.is_multiple_of(16) {
         return Err(invalid(
             OP,
@@ -597,7 +605,7 @@ pub fn plan_linear_fp8w<'a>(op: &LinearFp8W<'a, '_>) -> Result<Launch<'a>, tf_cu
     }
     let grid = (
         to_u32(OP, "column groups", op.n.div_ceil(8))?,
-        to_u32(OP, "row groups", op.m.div_ceil(4))?,
+        to_u32(OP, "row groups", op.m.div_ceil(LINEAR_W8_ROWS))?,
     );
     let mut args = Args::new();
     args.push_addr(op.x.addr())
@@ -610,11 +618,11 @@ pub fn plan_linear_fp8w<'a>(op: &LinearFp8W<'a, '_>) -> Result<Launch<'a>, tf_cu
         .push(to_i32(OP, "y stride", op.y_stride)?)
         .push(to_i32(OP, "m", op.m)?)
         .push(to_i32(OP, "n", op.n)?);
-    Ok(Launch::new(
-        "h3_linear_fp8w_rows",
-        LaunchConfig::new(grid, 256),
-        args,
-    ))
+    let kernel = match op.codes {
+        RowCodes::E4m3 => "h3_linear_fp8w_rows",
+        RowCodes::Int8 => "h3_linear_int8w_rows",
+    };
+    Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
 }
 
 /// The H3 DiT's kernels of one context: the `minimax_h3_dit` set beside the shared [`NnKernels`] (reachable
@@ -786,6 +794,53 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("out"));
+    }
+
+    #[test]
+    fn linear_w8_picks_the_kernel_of_its_codes_and_checks_shapes() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (m, n, k) = (97, 24, 32);
+        let x = buffer(&ctx, m * k * BF16);
+        let w = buffer(&ctx, n * k);
+        let scales = buffer(&ctx, n * 4);
+        let mut y = buffer(&ctx, m * n * BF16);
+        let (xv, wv, sv, yv) = (x.view(), w.view(), scales.view(), y.view_mut());
+        let op = LinearW8 {
+            m,
+            n,
+            k,
+            codes: RowCodes::Int8,
+            x: &xv,
+            x_stride: k,
+            w: &wv,
+            w_scale: &sv,
+            bias: None,
+            y: &yv,
+            y_stride: n,
+        };
+        let launch = plan_linear_w8(&op).unwrap();
+        assert_eq!(launch.kernel(), "h3_linear_int8w_rows");
+        // 8 columns a CTA; a request's 97 timestep rows in 4 row groups of 32 (the weights read 4 times, not 25).
+        assert_eq!(launch.config().grid.x, 3);
+        assert_eq!(launch.config().grid.y, 4);
+        let fp8 = LinearW8 {
+            codes: RowCodes::E4m3,
+            ..op
+        };
+        assert_eq!(
+            plan_linear_w8(&fp8).unwrap().kernel(),
+            "h3_linear_fp8w_rows"
+        );
+        // k not a multiple of 16, weights shorter than n x k, no rows: refused.
+        assert!(plan_linear_w8(&LinearW8 {
+            k: 24,
+            x_stride: 24,
+            ..op
+        })
+        .is_err());
+        assert!(plan_linear_w8(&LinearW8 { n: 25, ..op }).is_err());
+        assert!(plan_linear_w8(&LinearW8 { m: 0, ..op }).is_err());
     }
 
     #[test]

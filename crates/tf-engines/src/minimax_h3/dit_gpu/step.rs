@@ -22,8 +22,8 @@ use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::{DeviceBuffer, DeviceView, Stream};
 
 use super::kernels::{
-    plan_linear_f32, plan_linear_fp8w, plan_qk_norm_rope, plan_residual_norm, Elem, LinearF32,
-    LinearFp8W, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
+    plan_linear_f32, plan_linear_w8, plan_qk_norm_rope, plan_residual_norm, Elem, LinearF32,
+    LinearW8, NormModulation, QkNormRope, ResidualNorm, RowTable, RowsOperand,
 };
 use super::weights::AttnOffsets;
 use super::workspace::{self_attention_shape, ShapeKey, StepGraph, Workspace, WorkspaceSizes};
@@ -222,7 +222,7 @@ impl Engine {
             .map_err(cuda_err("addressing a weight"))
     }
 
-    /// Block `layer`'s adaLN table as a bf16 GEMM; `None` when its projection is stored in FP8 (the `adaln` group:
+    /// Block `layer`'s adaLN table as a bf16 GEMM; `None` when its projection is stored in 8 bits (the `adaln` group:
     /// [`Engine::adaln_fp8`] makes the table).
     fn adaln_call(
         &self,
@@ -249,9 +249,9 @@ impl Engine {
         })
     }
 
-    /// Block `layer`'s adaLN table from its FP8 projection (weight-only: the bf16 timestep rows times the e4m3
-    /// weights, one f32 scale per output row, plus the bias); the weight bytes it reads, or `None` when the block's
-    /// projection is bf16.
+    /// Block `layer`'s adaLN table from its 8-bit projection (weight-only: the bf16 timestep rows times the e4m3 or
+    /// INT8 weights, one f32 scale per output row, plus the bias); the weight bytes it reads, or `None` when the
+    /// block's projection is bf16.
     fn adaln_fp8(&self, ws: &mut Workspace, layer: usize) -> Result<Option<f64>, H3Error> {
         let d = &self.dims;
         let Some(b) = self.offsets.blocks.get(layer) else {
@@ -273,10 +273,11 @@ impl Engine {
         self.kernels
             .run(
                 &self.stream,
-                plan_linear_fp8w(&LinearFp8W {
+                plan_linear_w8(&LinearW8 {
                     m,
                     n,
                     k,
+                    codes: b.ada_codes,
                     x: &x,
                     x_stride: k,
                     w: &w,

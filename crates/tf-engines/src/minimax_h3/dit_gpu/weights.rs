@@ -22,9 +22,9 @@ use super::{cuda_err, gpu_err};
 use crate::minimax_h3::checkpoint::{self, QkvLayout};
 use crate::minimax_h3::config::{MiniMaxH3Config, MODALITIES, MODULATION_CHUNKS};
 use crate::minimax_h3::dit::H3Error;
-use crate::nn::fp8::Fp8RowQuantizer;
+use crate::nn::fp8::{RowCodes, RowQuantizer};
 use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CodeCheck, Fp8Dequantizer, Fp8Weight};
-use crate::nn::gpu::quant::{plan_quantize_rows_fp8, Fp8Rows, QuantKernels};
+use crate::nn::gpu::quant::{plan_quantize_rows, Fp8Rows, QuantKernels};
 use crate::nn::gpu::{plan_fill_uniform, Matrix, HEAD_DIM, MAX_NORM_COLS};
 use crate::nn::precision::Fp8Groups;
 use crate::nn::upload::{
@@ -205,25 +205,28 @@ pub(super) struct GroupScales {
     pub fc2: Option<usize>,
 }
 
-/// One weight matrix stored as e4m3 codes `[rows, cols]` (rows of `cols` bytes) at `codes`, with one f32 scale per
-/// row at `scales`.
+/// One weight matrix stored as 8-bit codes `[rows, cols]` (rows of `cols` bytes) at `codes`, with one f32 scale per
+/// row at `scales`: e4m3 (the FP8 GEMM groups, and `adaln`) or INT8 (`adaln=int8`, read weight-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Fp8Matrix {
     pub codes: usize,
     pub scales: usize,
     pub rows: usize,
     pub cols: usize,
+    pub format: RowCodes,
 }
 
 /// Device offsets (bytes) of one main block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct BlockOffsets {
     pub attn: AttnOffsets,
-    /// bf16 `[3 * 6 * hp, temb_p]` (or e4m3 codes, see `ada_scales`) and its bias `[3 * 6 * hp]`.
+    /// bf16 `[3 * 6 * hp, temb_p]` (or 8-bit codes, see `ada_scales`) and its bias `[3 * 6 * hp]`.
     pub ada_w: usize,
     pub ada_b: usize,
-    /// The f32 per-output-row scales when `ada_w` is stored in FP8 (the `adaln` group, weight-only).
+    /// The f32 per-output-row scales when `ada_w` is stored in 8 bits (the `adaln` group, weight-only).
     pub ada_scales: Option<usize>,
+    /// The codes of `ada_w` when `ada_scales` is set: e4m3 (`adaln`) or INT8 (`adaln=int8`).
+    pub ada_codes: RowCodes,
 }
 
 /// Device offsets (bytes) of every weight.
@@ -533,16 +536,16 @@ pub(super) fn plan(
     let audio_out_w = l.one(d.audio * hp * F32)?;
     let audio_out_b = l.one(d.audio * F32)?;
     let mut fp8 = Vec::new();
-    // A `[rows, cols]` weight: bf16, or (`on`) e4m3 codes after their f32 row scales.
-    let matrix = |l: &mut LayoutPlanner,
-                  fp8: &mut Vec<Fp8Matrix>,
-                  rows: usize,
-                  cols: usize,
-                  on: bool|
+    // A `[rows, cols]` weight: bf16, or (`Some(format)`) 8-bit codes after their f32 row scales.
+    let coded = |l: &mut LayoutPlanner,
+                 fp8: &mut Vec<Fp8Matrix>,
+                 rows: usize,
+                 cols: usize,
+                 format: Option<RowCodes>|
      -> Result<(usize, Option<usize>), H3Error> {
-        if !on {
+        let Some(format) = format else {
             return Ok((l.one(rows * cols * BF16)?, None));
-        }
+        };
         let scales = l.one(rows * F32)?;
         let codes = l.one(rows * cols)?;
         fp8.push(Fp8Matrix {
@@ -550,9 +553,15 @@ pub(super) fn plan(
             scales,
             rows,
             cols,
+            format,
         });
         Ok((codes, Some(scales)))
     };
+    // A GEMM group's weight: e4m3 codes when `on`.
+    let matrix =
+        |l: &mut LayoutPlanner, fp8: &mut Vec<Fp8Matrix>, rows: usize, cols: usize, on: bool| {
+            coded(l, fp8, rows, cols, on.then_some(RowCodes::E4m3))
+        };
     let attn = |l: &mut LayoutPlanner,
                 fp8: &mut Vec<Fp8Matrix>,
                 groups: Fp8Groups|
@@ -601,13 +610,14 @@ pub(super) fn plan(
     for layer in 0..d.layers {
         let groups = fp8_groups.get(layer).copied().unwrap_or(Fp8Groups::NONE);
         let a = attn(&mut l, &mut fp8, groups)?;
-        let (ada_w, ada_scales) = matrix(&mut l, &mut fp8, ada_rows, d.temb_p, groups.adaln)?;
+        let (ada_w, ada_scales) = coded(&mut l, &mut fp8, ada_rows, d.temb_p, groups.adaln)?;
         let ada_b = l.one(ada_rows * BF16)?;
         blocks.push(BlockOffsets {
             attn: a,
             ada_w,
             ada_b,
             ada_scales,
+            ada_codes: groups.adaln.unwrap_or_default(),
         });
     }
     let total = l.total()?;
@@ -1225,8 +1235,12 @@ pub(super) fn upload(
     staging: StagingConfig,
 ) -> Result<DeviceWeights, H3Error> {
     let on_ring = !plan.padded;
+    // The matrices the ring writes (the rest are quantized on the device): every one of a full-size model, and an
+    // e4m3 matrix of a padded one whose every weight the file stores as codes. INT8 matrices never take the file's
+    // e4m3 codes: those weights are dequantized and quantized again.
+    let int8_matrix = |i: usize| plan.fp8.get(i).is_some_and(|m| m.format == RowCodes::Int8);
     let stored_matrices: Vec<bool> = (0..plan.fp8.len())
-        .map(|i| on_ring || all_stored(plan, checkpoint, i))
+        .map(|i| on_ring || (!int8_matrix(i) && all_stored(plan, checkpoint, i)))
         .collect();
     // Checkpoint FP8 weights read through f32 on the host, by tensor index.
     let mut host_f32: HashMap<usize, Vec<u8>> = HashMap::new();
@@ -1240,7 +1254,9 @@ pub(super) fn upload(
         let needs_host = match pl.device {
             Device::F32 => true,
             Device::Bf16 => !whole_source_rows,
-            Device::Fp8 { matrix } => !stored_matrices.get(matrix).copied().unwrap_or(false),
+            Device::Fp8 { matrix } => {
+                int8_matrix(matrix) || !stored_matrices.get(matrix).copied().unwrap_or(false)
+            }
         };
         if needs_host && !host_f32.contains_key(&pl.tensor) {
             let values = checkpoint.to_f32(model, name)?;
@@ -1294,7 +1310,7 @@ pub(super) fn upload(
         feeds.push(feed);
     }
     // One row quantizer per float FP8 placement the ring quantizes; it keeps the scales of the rows it is handed.
-    let mut quantizers: Vec<Option<(Fp8RowQuantizer, usize)>> =
+    let mut quantizers: Vec<Option<(RowQuantizer, usize)>> =
         Vec::with_capacity(plan.placements.len());
     for (pl, feed) in plan.placements.iter().zip(&feeds) {
         let quantizer = match (fp8_matrix(plan, pl)?, feed) {
@@ -1306,7 +1322,8 @@ pub(super) fn upload(
                         pl.len, pl.dst, m.cols
                     ))
                 })?;
-                let q = Fp8RowQuantizer::new(*dtype, rows, m.cols).map_err(gpu_err(name))?;
+                let q = RowQuantizer::with_codes(*dtype, rows, m.cols, m.format)
+                    .map_err(gpu_err(name))?;
                 Some((q, m.scales + first_row * F32))
             }
             _ => None,
@@ -1532,9 +1549,9 @@ impl Scratch {
             quant
                 .run(
                     stream,
-                    plan_quantize_rows_fp8(&x, Matrix::dense(m.rows, m.cols), &out),
+                    plan_quantize_rows(&x, Matrix::dense(m.rows, m.cols), &out, m.format),
                 )
-                .map_err(cuda_err("quantizing an FP8 weight"))?;
+                .map_err(cuda_err("quantizing an 8-bit weight"))?;
         }
         let scales = self
             .scales

@@ -285,7 +285,7 @@ fn fp8_weights(config: &MiniMaxH3Config, precision: DitPrecision) -> u64 {
                 (g.mlp_value, f * h),
                 (g.mlp_gate, f * h),
                 (g.mlp_out, h * f),
-                (g.adaln, adaln),
+                (g.adaln.is_some(), adaln),
             ]
             .iter()
             .filter(|(on, _)| *on)

@@ -194,7 +194,7 @@ impl Linear {
 /// One FP8 linear layer call with row-wise scales: `y[m, n] = (x_scale[r] · x[m, k]) · (w_scale[c] · w[n, k])ᵀ
 /// (+ beta · y)`, e4m3 `x` and `w`, f32 accumulation, bf16 (or f32) output. `x` and its scales (one per row, per
 /// token) come from a quantizing kernel ([`super::quant`]); `w` and its scales (one per output channel) from the
-/// load-time quantizer ([`crate::nn::fp8::Fp8RowQuantizer`]). cuBLASLt runs it on sm_90 (12.9 and newer).
+/// load-time quantizer ([`crate::nn::fp8::RowQuantizer`]). cuBLASLt runs it on sm_90 (12.9 and newer).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Fp8Linear {
     pub m: usize,

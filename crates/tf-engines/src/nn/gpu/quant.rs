@@ -30,6 +30,7 @@ use super::norm::{
     NormKind, NormModulate,
 };
 use super::SwigluOrder;
+use crate::nn::fp8::RowCodes;
 
 /// Name of the kernel set holding the quantizing kernels.
 pub const QUANT_SET: &str = "nn_quant";
@@ -37,6 +38,7 @@ pub const QUANT_SET: &str = "nn_quant";
 /// The kernels of [`QUANT_SET`].
 pub const QUANT_KERNELS: &[&str] = &[
     "nn_quantize_rows_fp8",
+    "nn_quantize_rows_int8",
     "nn_norm_modulate_fp8",
     "nn_norm_modulate_fp8_c2",
     "nn_gated_residual_norm_modulate_fp8",
@@ -161,19 +163,33 @@ pub fn plan_quantize_rows_fp8<'a>(
     x_layout: Matrix,
     out: &Fp8Rows<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    const OP: &str = "quantize_rows_fp8";
-    check_wide_cols(OP, x_layout.cols)?;
-    check_matrix(OP, "x", Operand::of(x), x_layout)?;
-    check_fp8_rows(OP, out, x_layout.rows, x_layout.cols)?;
+    plan_quantize_rows(x, x_layout, out, RowCodes::E4m3)
+}
+
+/// [`plan_quantize_rows_fp8`] into `codes`: e4m3 (kernel nn_quantize_rows_fp8) or INT8 rows with scale
+/// `amax / 127` (kernel nn_quantize_rows_int8, the weight-only layers' format; [`crate::nn::fp8::RowCodes`]).
+pub fn plan_quantize_rows<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+    codes: RowCodes,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    let (op, kernel) = match codes {
+        RowCodes::E4m3 => ("quantize_rows_fp8", "nn_quantize_rows_fp8"),
+        RowCodes::Int8 => ("quantize_rows_int8", "nn_quantize_rows_int8"),
+    };
+    check_wide_cols(op, x_layout.cols)?;
+    check_matrix(op, "x", Operand::of(x), x_layout)?;
+    check_fp8_rows(op, out, x_layout.rows, x_layout.cols)?;
     let mut args = Args::new();
     args.push_addr(x.addr())
-        .push(to_i32(OP, "x stride", x_layout.stride)?);
-    push_fp8_rows(&mut args, OP, out)?;
-    args.push(to_i32(OP, "rows", x_layout.rows)?)
-        .push(to_i32(OP, "cols", x_layout.cols)?);
+        .push(to_i32(op, "x stride", x_layout.stride)?);
+    push_fp8_rows(&mut args, op, out)?;
+    args.push(to_i32(op, "rows", x_layout.rows)?)
+        .push(to_i32(op, "cols", x_layout.cols)?);
     Ok(Launch::new(
-        "nn_quantize_rows_fp8",
-        wide_config(OP, x_layout.rows, x_layout.cols)?,
+        kernel,
+        wide_config(op, x_layout.rows, x_layout.cols)?,
         args,
     ))
 }
@@ -516,6 +532,14 @@ mod tests {
         assert_eq!(launch.config().grid.x, rows as u32);
         // 96 columns, 16 a thread: 6 threads, one warp.
         assert_eq!(launch.config().block.x, 32);
+        // INT8 rows: the same arguments and grid, its own kernel.
+        let int8 =
+            plan_quantize_rows(&xv, Matrix::dense(rows, cols), &out, RowCodes::Int8).unwrap();
+        assert_eq!(int8.kernel(), "nn_quantize_rows_int8");
+        assert_eq!(int8.args().len(), launch.args().len());
+        assert_eq!(int8.args().get::<u64>(2), Some(cv.addr()));
+        assert_eq!(int8.config().grid.x, launch.config().grid.x);
+        assert_eq!(int8.config().block.x, launch.config().block.x);
         // A stride that is not a multiple of 16, or shorter than the row: refused.
         for stride in [100, 80] {
             let bad = Fp8Rows { stride, ..out };

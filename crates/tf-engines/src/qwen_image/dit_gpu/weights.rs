@@ -2,7 +2,7 @@
 //! of heads narrower than the kernels' 128, and the upload through the pinned ring into one allocation.
 //!
 //! Block GEMM groups that run in FP8 ([`DitPrecision`]) are stored as e4m3 codes, quantized per output channel on
-//! the ring itself ([`Fp8RowQuantizer`]: the staging slot receives the codes, no second host copy), with their f32
+//! the ring itself ([`RowQuantizer`]: the staging slot receives the codes, no second host copy), with their f32
 //! scales (one per output row, in the fused order) uploaded beside them once the ring is done.
 //!
 //! A checkpoint that already stores weights in FP8 with their scales ([`Fp8Checkpoint`]) feeds those codes to
@@ -13,7 +13,7 @@
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::{cuda_err, gpu_err};
-use crate::nn::fp8::Fp8RowQuantizer;
+use crate::nn::fp8::RowQuantizer;
 use crate::nn::fp8_checkpoint::{Fp8Checkpoint, WeightFeed};
 use crate::nn::gpu::HEAD_DIM;
 use crate::nn::precision::DitPrecision;
@@ -389,8 +389,7 @@ pub(super) fn upload(
             },
             (Some(Staged::Values(f32_bytes)), Some(t)) => WeightFeed::Quantize {
                 src: f32_bytes,
-                quantizer: Fp8RowQuantizer::new(Dtype::F32, t.rows, t.cols)
-                    .map_err(gpu_err(name))?,
+                quantizer: RowQuantizer::new(Dtype::F32, t.rows, t.cols).map_err(gpu_err(name))?,
             },
             (Some(Staged::Values(f32_bytes)), None) => WeightFeed::Bf16 {
                 src: f32_bytes,

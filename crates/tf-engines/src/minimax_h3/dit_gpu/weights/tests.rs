@@ -331,6 +331,71 @@ fn the_adaln_group_stores_the_modulation_projections_in_fp8_at_about_half_the_by
 }
 
 #[test]
+fn adaln_in_int8_takes_the_bytes_of_fp8_and_only_its_own_matrices_change_format() {
+    use crate::nn::precision::DitPrecision;
+    let config = MiniMaxH3Config::default_full_size();
+    let layers = config.num_layers;
+    let dims = Dims::of_for(&config, true).unwrap();
+    let groups_of = |spec: &str| -> Vec<Fp8Groups> {
+        let precision: DitPrecision = spec.parse().unwrap();
+        (0..layers)
+            .map(|l| precision.groups_of(l, layers))
+            .collect()
+    };
+    let e4m3 = plan(
+        &config,
+        &dims,
+        Source::Diffusers,
+        &groups_of("fp8:qkv,out,mlp_value,mlp_out,adaln,ends=1"),
+    )
+    .unwrap();
+    let int8 = plan(
+        &config,
+        &dims,
+        Source::Diffusers,
+        &groups_of("fp8:qkv,out,mlp_value,mlp_out,adaln=int8,ends=1"),
+    )
+    .unwrap();
+    let default = plan(
+        &config,
+        &dims,
+        Source::Diffusers,
+        &groups_of("fp8:qkv,out,mlp_value,mlp_out,ends=1"),
+    )
+    .unwrap();
+    assert_eq!(int8.total, e4m3.total);
+    assert_eq!(int8.placements, e4m3.placements);
+    assert_eq!(int8.fp8.len(), e4m3.fp8.len());
+    for (a, b) in int8.fp8.iter().zip(&e4m3.fp8) {
+        assert_eq!(
+            (a.codes, a.scales, a.rows, a.cols),
+            (b.codes, b.scales, b.rows, b.cols)
+        );
+    }
+    let int8_matrices = int8
+        .fp8
+        .iter()
+        .filter(|m| m.format == RowCodes::Int8)
+        .count();
+    assert_eq!(
+        int8_matrices,
+        layers - 2,
+        "one adaLN matrix a block inside the ends"
+    );
+    assert_eq!(int8.offsets.blocks[1].ada_codes, RowCodes::Int8);
+    assert!(int8.offsets.blocks[0].ada_scales.is_none());
+    // 18 x 5376 x 2688 weights a block: half their bf16 bytes (and a scale a row) come off the default's.
+    let saved = default.total - int8.total;
+    let per_block = 18 * 5376 * 2688 - 18 * 5376 * F32;
+    assert_eq!(saved, (layers - 2) * per_block);
+    println!(
+        "full size, default + adaln=int8: {:.2} GB (default {:.2} GB)",
+        int8.total as f64 / 1e9,
+        default.total as f64 / 1e9
+    );
+}
+
+#[test]
 fn fp8_pads_the_tiny_widths_to_sixteen_and_those_go_through_the_device() {
     let config = odd();
     let dims = Dims::of_for(&config, true).unwrap();
@@ -384,7 +449,7 @@ fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
     // (split per head on the device) and everything outside the main blocks dequantized.
     let groups = Fp8Groups {
         out: false,
-        adaln: true,
+        adaln: Some(RowCodes::E4m3),
         ..Fp8Groups::ALL
     };
     for (variant, as_stored) in [("per_channel", 12), ("original_per_channel", 8)] {
@@ -630,7 +695,11 @@ proptest::proptest! {
                     mlp_value: bits & 4 != 0,
                     mlp_gate: bits & 8 != 0,
                     mlp_out: bits & 16 != 0,
-                    adaln: bits & 32 != 0,
+                    adaln: (bits & 32 != 0).then_some(if l % 2 == 0 {
+                        RowCodes::E4m3
+                    } else {
+                        RowCodes::Int8
+                    }),
                 }
             })
             .collect();
@@ -653,7 +722,7 @@ proptest::proptest! {
         let want: usize = groups
             .iter()
             .map(|g| {
-                [g.qkv, g.out, g.mlp_value || g.mlp_gate, g.mlp_out, g.adaln]
+                [g.qkv, g.out, g.mlp_value || g.mlp_gate, g.mlp_out, g.adaln.is_some()]
                     .iter()
                     .filter(|&&on| on)
                     .count()
@@ -662,6 +731,19 @@ proptest::proptest! {
         proptest::prop_assert_eq!(fp8.fp8.len(), want);
         for (g, b) in groups.iter().zip(&fp8.offsets.blocks) {
             proptest::prop_assert_eq!(b.attn.fc1_gate.is_some(), g.mlp_in_split());
+            proptest::prop_assert_eq!(b.ada_scales.is_some(), g.adaln.is_some());
+            if let Some(codes) = g.adaln {
+                proptest::prop_assert_eq!(b.ada_codes, codes);
+                let m = fp8.fp8.iter().find(|m| m.codes == b.ada_w);
+                proptest::prop_assert_eq!(m.map(|m| m.format), Some(codes));
+            }
+        }
+        // Every matrix of a GEMM group holds e4m3 codes.
+        let ada_codes: Vec<usize> = fp8.offsets.blocks.iter().map(|b| b.ada_w).collect();
+        for m in &fp8.fp8 {
+            if !ada_codes.contains(&m.codes) {
+                proptest::prop_assert_eq!(m.format, RowCodes::E4m3);
+            }
         }
     }
 }
