@@ -457,27 +457,44 @@ __device__ __forceinline__ void decode16_int8(const uint4& raw, float (&out)[16]
     }
 }
 
-// Rows of x one CTA takes, 4 at a time: the weight row a warp reads from memory once is read again from L1 for
-// the next 4 rows, so the weights cross HBM once per 32 rows (a request's whole timestep schedule is ~100 rows).
+// Rows of x one CTA takes, 4 at a time, and the weight chunks a lane holds in registers: a lane loads its 16-byte
+// chunks of both of its warp's columns once, all before the first use (k <= 32 * 16 * H3_LINEAR_W8_CHUNKS), and
+// reuses them for every row, so the weights cross HBM once per H3_LINEAR_W8_ROWS rows (a request's whole timestep
+// schedule is ~100 rows) and each x row read from L1 serves two columns.
 #define H3_LINEAR_W8_ROWS 32
+#define H3_LINEAR_W8_CHUNKS 6
+#define H3_LINEAR_W8_COLS 2
 
-// The body of the weight-only linear layers below; DECODE turns 16 codes into their values.
+// The body of the weight-only linear layers below; DECODE turns 16 codes into their values. One warp per
+// H3_LINEAR_W8_COLS output columns; lane l holds the codes at (l + 32 j) * 16 of each.
 template <void (*DECODE)(const uint4&, float (&)[16])>
 __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
                                                const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
                                                bf16* __restrict__ y, int y_stride, int m, int n) {
     const int lane = threadIdx.x & 31;
-    const int c = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (c >= n) return;
-    const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
-    const float scale = w_scale[c];
-    const float b = bias != nullptr ? __bfloat162float(bias[c]) : 0.0f;
+    const int c0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * H3_LINEAR_W8_COLS;
+    if (c0 >= n) return;
+    uint4 raw[H3_LINEAR_W8_COLS][H3_LINEAR_W8_CHUNKS];
+#pragma unroll
+    for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+        const int c = min(c0 + col, n - 1);  // a missing last column repeats its neighbour, never stored
+        const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
+#pragma unroll
+        for (int j = 0; j < H3_LINEAR_W8_CHUNKS; ++j) {
+            const int k0 = (lane + 32 * j) * 16;
+            raw[col][j] = k0 < k ? *reinterpret_cast<const uint4*>(w_row + k0) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
     const int r_end = min(m, (blockIdx.y + 1) * H3_LINEAR_W8_ROWS);
     for (int r0 = blockIdx.y * H3_LINEAR_W8_ROWS; r0 < r_end; r0 += 4) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
-            float wv[16];
-            DECODE(*reinterpret_cast<const uint4*>(w_row + k0), wv);
+        float acc[H3_LINEAR_W8_COLS][4] = {};
+#pragma unroll
+        for (int j = 0; j < H3_LINEAR_W8_CHUNKS; ++j) {
+            const int k0 = (lane + 32 * j) * 16;
+            if (k0 >= k) break;
+            float wv[H3_LINEAR_W8_COLS][16];
+#pragma unroll
+            for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) DECODE(raw[col][j], wv[col]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r = r0 + i;
@@ -487,19 +504,32 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
                     nn::load8(x_at, lo);
                     nn::load8(x_at + 8, hi);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[i] = fmaf(lo[j], wv[j], acc[i]);
+                    for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[i] = fmaf(hi[j], wv[8 + j], acc[i]);
+                        for (int q = 0; q < 8; ++q) acc[col][i] = fmaf(lo[q], wv[col][q], acc[col][i]);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) acc[col][i] = fmaf(hi[q], wv[col][8 + q], acc[col][i]);
+                    }
                 }
             }
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] = nn::warp_sum(acc[i]);
+        for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[col][i] = nn::warp_sum(acc[col][i]);
+        }
         if (lane == 0) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = r0 + i;
-                if (r < r_end) y[static_cast<int64_t>(r) * y_stride + c] = __float2bfloat16_rn(fmaf(acc[i], scale, b));
+            for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+                const int c = c0 + col;
+                if (c >= n) continue;
+                const float scale = w_scale[c];
+                const float b = bias != nullptr ? __bfloat162float(bias[c]) : 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = r0 + i;
+                    if (r < r_end) y[static_cast<int64_t>(r) * y_stride + c] = __float2bfloat16_rn(fmaf(acc[col][i], scale, b));
+                }
             }
         }
     }
@@ -512,8 +542,9 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
 // x bf16 rows of x_stride; w 8-bit codes [n, k] (rows of k bytes, k a multiple of 16) with one f32 scale per row (per
 // output channel, nn::fp8's rule): e4m3 (h3_linear_fp8w_rows) or INT8 (h3_linear_int8w_rows); bias (or null) and y
 // bf16, y rows of y_stride. The sum is f32 over exact products (the bf16 x times the code's value), in lane-strided
-// order then a warp butterfly, scaled once. One warp per output column c and up to H3_LINEAR_W8_ROWS rows, 4 at a
-// time; lane l reads the 16 codes at (l + 32 j) * 16. Grid: (ceil(n / 8), ceil(m / H3_LINEAR_W8_ROWS)), 256 threads.
+// order then a warp butterfly, scaled once. One warp per H3_LINEAR_W8_COLS (2) output columns and up to
+// H3_LINEAR_W8_ROWS (32) rows, 4 at a time; lane l holds the 16 codes at (l + 32 j) * 16 of each column, so
+// k <= 32 * 16 * H3_LINEAR_W8_CHUNKS (3072). Grid: (ceil(n / 16), ceil(m / 32)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     h3_linear_fp8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
                         const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,

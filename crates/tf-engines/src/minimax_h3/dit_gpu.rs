@@ -248,6 +248,14 @@ impl Engine {
         let fp8 = fp8_groups.iter().any(|g| g.any());
         let mut dims = Dims::of_for(&config, fp8)?;
         dims.attention8 = precision.uses_8bit_attention(layers);
+        if fp8_groups.iter().any(|g| g.adaln.is_some()) && dims.temb_p > kernels::LINEAR_W8_MAX_K {
+            return Err(H3Error::Backend(format!(
+                "--precision {precision}: the adaLN projections in 8 bits read at most {} inputs a row \
+                 (time_embed_dim is {}): leave `adaln` out of --precision",
+                kernels::LINEAR_W8_MAX_K,
+                config.time_embed_dim
+            )));
+        }
         let plan = weights::plan(&config, &dims, source, &fp8_groups)?;
         let stream = Arc::new(Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?);
         let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;

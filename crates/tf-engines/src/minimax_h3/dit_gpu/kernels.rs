@@ -505,7 +505,7 @@ pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda
     let grid = if few {
         (
             to_u32(OP, "column groups", op.n.div_ceil(8))?,
-            to_u32(OP, "row groups", op.m.div_ceil(LINEAR_W8_ROWS))?,
+            to_u32(OP, "row groups", op.m.div_ceil(4))?,
         )
     } else {
         (
@@ -559,15 +559,22 @@ pub struct LinearW8<'v, 'a> {
 /// the weights cross HBM once per this many rows.
 const LINEAR_W8_ROWS: usize = 32;
 
+/// Output columns of one CTA of the weight-only linear layer: 8 warps of `H3_LINEAR_W8_COLS` (2) columns.
+const LINEAR_W8_CTA_COLS: usize = 16;
+
+/// The widest `k` the weight-only linear layer holds in registers: 32 lanes x 16 codes x `H3_LINEAR_W8_CHUNKS` (6).
+pub const LINEAR_W8_MAX_K: usize = 32 * 16 * 6;
+
 /// Builds the weight-only 8-bit linear layer (kernel h3_linear_fp8w_rows or h3_linear_int8w_rows by `codes`): one
-/// warp per output column and up to 32 rows, 4 at a time. `k` a multiple of 16 (16-byte rows of codes).
+/// warp per two output columns and up to 32 rows, 4 at a time, every weight chunk of the warp's columns loaded
+/// once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
 pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "linear_w8";
-    if op.m == 0 || op.n == 0 || op.k == 0 || !op.k.is_multiple_of(16) {
+    if op.m == 0 || op.n == 0 || op.k == 0 || !op.k.is_multiple_of(16) || op.k > LINEAR_W8_MAX_K {
         return Err(invalid(
             OP,
             format!(
-                "m = {}, n = {}, k = {}: all at least 1, k a multiple of 16",
+                "m = {}, n = {}, k = {}: all at least 1, k a multiple of 16 and at most {LINEAR_W8_MAX_K}",
                 op.m, op.n, op.k
             ),
         ));
@@ -604,7 +611,7 @@ pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::
         check_bytes(OP, "bias", Operand::of(bias), op.n * 2)?;
     }
     let grid = (
-        to_u32(OP, "column groups", op.n.div_ceil(8))?,
+        to_u32(OP, "column groups", op.n.div_ceil(LINEAR_W8_CTA_COLS))?,
         to_u32(OP, "row groups", op.m.div_ceil(LINEAR_W8_ROWS))?,
     );
     let mut args = Args::new();
@@ -821,8 +828,8 @@ mod tests {
         };
         let launch = plan_linear_w8(&op).unwrap();
         assert_eq!(launch.kernel(), "h3_linear_int8w_rows");
-        // 8 columns a CTA; a request's 97 timestep rows in 4 row groups of 32 (the weights read 4 times, not 25).
-        assert_eq!(launch.config().grid.x, 3);
+        // 16 columns a CTA; a request's 97 timestep rows in 4 row groups of 32 (the weights read 4 times, not 25).
+        assert_eq!(launch.config().grid.x, 2);
         assert_eq!(launch.config().grid.y, 4);
         let fp8 = LinearW8 {
             codes: RowCodes::E4m3,
@@ -841,6 +848,13 @@ mod tests {
         .is_err());
         assert!(plan_linear_w8(&LinearW8 { n: 25, ..op }).is_err());
         assert!(plan_linear_w8(&LinearW8 { m: 0, ..op }).is_err());
+        // k past what a warp holds in registers: refused (the release's adaLN has k = 2688).
+        assert!(plan_linear_w8(&LinearW8 {
+            k: LINEAR_W8_MAX_K + 16,
+            x_stride: LINEAR_W8_MAX_K + 16,
+            ..op
+        })
+        .is_err());
     }
 
     #[test]
@@ -944,6 +958,9 @@ mod tests {
         let launch = plan_linear_f32(&few).unwrap();
         assert_eq!(launch.kernel(), "h3_linear_f32_rows_xf_yb");
         assert_eq!((launch.config().grid.x, launch.config().grid.y), (5, 1));
+        // Four rows a CTA: 7 rows take two row groups.
+        let seven = LinearF32 { m: 7, ..op };
+        assert_eq!(plan_linear_f32(&seven).unwrap().config().grid.y, 2);
         // A scatter target smaller than its declared rows, an x with fewer rows than the layer: refused.
         let small = LinearF32 {
             y_rows: RowsOperand {
