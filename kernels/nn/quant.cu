@@ -358,6 +358,49 @@ extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
     if (threadIdx.x == 0) scales[row] = scale;
 }
 
+// w = dequantize(q, scales): 8-bit rows [rows, cols] (e4m3 when int8 == 0, else INT8), each code times its row's
+// scale, rounded once to bf16 into dense rows of cols (the input of a bf16 GEMM over weights kept in 8 bits: MiniMax
+// H3's weight-only adaLN projections over a request's whole timestep schedule). cols a multiple of 16. Grid-stride
+// over 16-code chunks; any grid.
+extern "C" __global__ void __launch_bounds__(256)
+    nn_dequantize_rows_bf16(const uint8_t* __restrict__ q, const float* __restrict__ scales, int int8, int rows,
+                            int cols, bf16* __restrict__ w) {
+    const int64_t chunks_per_row = cols / 16;
+    const int64_t chunks = static_cast<int64_t>(rows) * chunks_per_row;
+    for (int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; chunk < chunks;
+         chunk += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t row = chunk / chunks_per_row;
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + chunk * 16);
+        const float scale = scales[row];
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t out[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float v[4];
+            if (int8 != 0) {
+#pragma unroll
+                for (int b = 0; b < 4; ++b) v[b] = static_cast<float>(static_cast<int8_t>((words[i] >> (8 * b)) & 0xffu));
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * h)) & 0xffffu);
+                    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+                    v[2 * h] = f.x;
+                    v[2 * h + 1] = f.y;
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * h] * scale, v[2 * h + 1] * scale);
+                out[2 * i + h] = *reinterpret_cast<const uint32_t*>(&pair);
+            }
+        }
+        uint4* dst = reinterpret_cast<uint4*>(w + chunk * 16);
+        dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+        dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    }
+}
+
 // nn_norm_modulate with an FP8 output: n = norm(x) (* weight (+ bias)) (* (1 + scale) (+ shift)) in f32, as
 // nn_norm_modulate computes it, then quantized per row into q / scales instead of rounded to bf16. Arguments as
 // nn_norm_modulate's with (q, q_stride, scales) in place of (y, y_stride), then norm_cols: the width an RMSNorm

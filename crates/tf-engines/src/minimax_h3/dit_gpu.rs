@@ -63,18 +63,35 @@ use crate::nn::upload::{StagingConfig, UploadStats};
 use crate::nn::weights::ModelDir;
 
 /// H3's `fp8` (the default FP8 mode): `qkv`, `out`, `mlp_out` and the value half of `mlp_in` in FP8 (its gate half
-/// in bf16: `fc1` runs as two GEMMs), the first and last block in bf16. Chosen from the error of each group against
-/// the bf16 floor at full width (docs/ENGINES.md, "MiniMax H3 DiT in FP8"): the whole of `mlp_in` costs 4.5x the
-/// floor alone and takes the four-group mode to 4.4x; one half of it keeps the mode at 3.8x, under the 4x criterion.
+/// in bf16: `fc1` runs as two GEMMs), and the adaLN projections weight-only in INT8 (`adaln=int8`), the first and
+/// last block in bf16. Chosen from the error of each group against the bf16 floor at full width (docs/ENGINES.md,
+/// "MiniMax H3 DiT in FP8"): the whole of `mlp_in` costs 4.5x the floor alone and takes the four-group mode to
+/// 4.4x; one half of it keeps the mode at 3.8x, under the 4x criterion. The adaLN projections (39% of the weights)
+/// cost 3.6x alone in e4m3 but 1.36x in INT8, which moves the mode from 3.78x to 3.85x and its resident weights
+/// from 51.5 to 39.0 GB.
 pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
     groups: Fp8Groups {
         mlp_gate: false,
+        adaln: Some(crate::nn::fp8::RowCodes::Int8),
         ..Fp8Groups::ALL
     },
     bf16_ends: 1,
     accumulation: Fp8Accumulation::Fast,
     attention: crate::nn::precision::AttentionPrecision::Bf16,
 };
+
+/// `precision` with `fp8` (the model default) replaced by [`DEFAULT_FP8`] for a model of `config`: its INT8 adaLN
+/// projections need the weight-only kernel's widest row ([`kernels::LINEAR_W8_MAX_K`] inputs), so a model with a
+/// wider time embedding keeps them bf16 in the default (a mode that names `adaln` is refused at load instead).
+pub fn resolve_precision(config: &MiniMaxH3Config, precision: DitPrecision) -> DitPrecision {
+    let mut resolved = precision.resolve(DEFAULT_FP8);
+    if let (DitPrecision::Fp8ModelDefault, DitPrecision::Fp8(layers)) = (precision, &mut resolved) {
+        if config.time_embed_dim.next_multiple_of(16) > kernels::LINEAR_W8_MAX_K {
+            layers.groups.adaln = None;
+        }
+    }
+    resolved
+}
 
 #[cfg(feature = "bench")]
 mod bench;
@@ -240,7 +257,7 @@ impl Engine {
         precision: DitPrecision,
         make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
     ) -> Result<(Engine, DeviceWeightsReport), H3Error> {
-        let precision = precision.resolve(DEFAULT_FP8);
+        let precision = resolve_precision(&config, precision);
         let layers = config.num_layers;
         let fp8_groups: Vec<Fp8Groups> = (0..layers)
             .map(|l| precision.groups_of(l, layers))
@@ -248,7 +265,8 @@ impl Engine {
         let fp8 = fp8_groups.iter().any(|g| g.any());
         let mut dims = Dims::of_for(&config, fp8)?;
         dims.attention8 = precision.uses_8bit_attention(layers);
-        if fp8_groups.iter().any(|g| g.adaln.is_some()) && dims.temb_p > kernels::LINEAR_W8_MAX_K {
+        dims.adaln8 = fp8_groups.iter().any(|g| g.adaln.is_some());
+        if dims.adaln8 && dims.temb_p > kernels::LINEAR_W8_MAX_K {
             return Err(H3Error::Backend(format!(
                 "--precision {precision}: the adaLN projections in 8 bits read at most {} inputs a row \
                  (time_embed_dim is {}): leave `adaln` out of --precision",
@@ -641,5 +659,44 @@ impl H3DitBackend for GpuH3Dit {
                 download(&ws.audio_sample, "downloading the audio sample")?,
             )?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::fp8::RowCodes;
+
+    #[test]
+    fn the_default_keeps_adaln_in_bf16_only_where_the_kernel_cannot_take_it() {
+        let release = MiniMaxH3Config::default_full_size();
+        let groups = |p: DitPrecision| match p {
+            DitPrecision::Fp8(l) => l.groups,
+            other => panic!("{other:?}"),
+        };
+        let default = resolve_precision(&release, DitPrecision::FP8);
+        assert_eq!(default, DitPrecision::Fp8(DEFAULT_FP8));
+        assert_eq!(groups(default).adaln, Some(RowCodes::Int8));
+        assert!(!groups(default).mlp_gate && groups(default).mlp_value);
+        let wide = MiniMaxH3Config {
+            time_embed_dim: kernels::LINEAR_W8_MAX_K + 16,
+            ..release.clone()
+        };
+        let on_wide = groups(resolve_precision(&wide, DitPrecision::FP8));
+        assert_eq!(on_wide.adaln, None);
+        assert_eq!(
+            on_wide,
+            Fp8Groups {
+                adaln: None,
+                ..DEFAULT_FP8.groups
+            }
+        );
+        // A named mode is kept as typed (the load refuses it with the reason), and bf16 stays bf16.
+        let named: DitPrecision = "fp8:qkv,adaln=int8,ends=1".parse().unwrap();
+        assert_eq!(resolve_precision(&wide, named), named);
+        assert_eq!(
+            resolve_precision(&release, DitPrecision::Bf16),
+            DitPrecision::Bf16
+        );
     }
 }

@@ -35,9 +35,9 @@ use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8_with, plan_norm_modulate_fp8_padded,
-    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels,
-    ResidualGate,
+    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_fp8_with,
+    plan_norm_modulate_fp8_padded, plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart,
+    Fp8Rows, QuantKernels, ResidualGate,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, Matrix,
@@ -250,8 +250,9 @@ impl Engine {
     }
 
     /// Block `layer`'s adaLN table from its 8-bit projection (weight-only: the bf16 timestep rows times the e4m3 or
-    /// INT8 weights, one f32 scale per output row, plus the bias); the weight bytes it reads, or `None` when the
-    /// block's projection is bf16.
+    /// INT8 weights, one f32 scale per output row, plus the bias): by the weight-only kernel for a few timestep
+    /// rows, else (a workspace over a request's schedule) by a bf16 GEMM over the projection dequantized into the
+    /// workspace. The bytes it moves, or `None` when the block's projection is bf16.
     fn adaln_fp8(&self, ws: &mut Workspace, layer: usize) -> Result<Option<f64>, H3Error> {
         let d = &self.dims;
         let Some(b) = self.offsets.blocks.get(layer) else {
@@ -264,6 +265,34 @@ impl Engine {
         let z = ws.sizes;
         let w = self.weight_view(b.ada_w, n * k)?;
         let w_scale = self.weight_view(scales, n * 4)?;
+        if z.adaln_w8 > 0 {
+            // Many timestep rows (a request's schedule): the projection in bf16, then a GEMM.
+            {
+                let dequantized = ws.adaln_w8.view_mut();
+                self.quant()?
+                    .run(
+                        &self.stream,
+                        plan_dequantize_rows_bf16(&w, &w_scale, b.ada_codes, (n, k), &dequantized),
+                    )
+                    .map_err(launch)?;
+            }
+            let gemm_err = |e| H3Error::Gpu(gpu_error("GEMM", e));
+            let bytes = |a: usize, c: usize| {
+                a.checked_mul(c)
+                    .and_then(|v| v.checked_mul(BF16))
+                    .ok_or_else(|| H3Error::Backend(format!("adaLN GEMM {m}x{n}x{k} overflows")))
+            };
+            let x = gemm::span(&ws.temb, 0, bytes(m, k)?).map_err(gemm_err)?;
+            let wd = gemm::span(&ws.adaln_w8, 0, bytes(n, k)?).map_err(gemm_err)?;
+            let y = gemm::span(&ws.adaln, layer * z.adaln_block, bytes(m, n)?).map_err(gemm_err)?;
+            let bias = gemm::span(&self.weights, b.ada_b, bytes(1, n)?).map_err(gemm_err)?;
+            let linear = Linear::new(m, n, k, x, wd, y).with_bias(Some(bias));
+            // SAFETY: every span lies inside the workspace in use or the engine's weights (checked by
+            // `gemm::span`), both of which outlive the enqueued work (as for `run_gemm`); the dequantizing kernel
+            // that writes `wd` is enqueued before the GEMM on the same stream.
+            unsafe { self.gemms.run(&linear, &self.stream) }.map_err(gemm_err)?;
+            return Ok(Some((n * k * 3) as f64));
+        }
         let bias = self.weight_view(b.ada_b, n * BF16)?;
         let x = ws.temb.view();
         let y = ws

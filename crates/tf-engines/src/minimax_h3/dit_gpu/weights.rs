@@ -77,6 +77,9 @@ pub(super) struct Dims {
     pub fp8: bool,
     /// Whether some main block runs its attention in 8 bits (the workspace then holds its quantized operands).
     pub attention8: bool,
+    /// Whether some main block's adaLN projection is stored in 8 bits (a workspace over many timesteps then holds
+    /// one block's projection dequantized to bf16, for a GEMM).
+    pub adaln8: bool,
 }
 
 impl Dims {
@@ -153,6 +156,7 @@ impl Dims {
             final_eps: config.final_norm_eps as f32,
             fp8,
             attention8: false,
+            adaln8: false,
         })
     }
 

@@ -112,7 +112,15 @@ pub(super) struct WorkspaceSizes {
     pub q8_scales: usize,
     /// 8-bit attention runs only: the quantized Q, K, V and their scales of one main-row attention call.
     pub attn8: usize,
+    /// 8-bit adaLN projections over more than [`ADALN_KERNEL_ROWS`] timesteps (a request's schedule): one block's
+    /// projection dequantized to bf16, the weight of a bf16 GEMM (0 otherwise).
+    pub adaln_w8: usize,
 }
+
+/// Timestep rows up to which the weight-only kernel makes an 8-bit block's adaLN table (it reads the codes once and
+/// holds them in registers); past it each block's projection is dequantized to bf16 and multiplied by a GEMM, whose
+/// tensor cores take the many rows of a request's schedule (about 100) at a fraction of the kernel's time.
+pub(super) const ADALN_KERNEL_ROWS: usize = 8;
 
 impl WorkspaceSizes {
     /// Sizes for `key` at `dims`, every product checked.
@@ -176,6 +184,14 @@ impl WorkspaceSizes {
             } else {
                 0
             },
+            adaln_w8: if dims.adaln8 && key.timesteps > ADALN_KERNEL_ROWS {
+                product(
+                    "dequantized adaLN projection",
+                    &[MODALITIES, dims.adaln_row(), dims.temb_p, BF16],
+                )?
+            } else {
+                0
+            },
         })
     }
 
@@ -207,6 +223,7 @@ impl WorkspaceSizes {
             self.q8,
             self.q8_scales,
             self.attn8,
+            self.adaln_w8,
         ]
         .iter()
         .map(|&b| up(b))
@@ -324,6 +341,8 @@ pub(super) struct Workspace {
     pub q8_scales: DeviceBuffer,
     /// 8-bit attention runs: its quantized operands (empty otherwise).
     pub attn8: DeviceBuffer,
+    /// 8-bit adaLN projections over a schedule: one block's projection in bf16 (empty otherwise).
+    pub adaln_w8: DeviceBuffer,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub warmed: bool,
     /// The row positions whose RoPE tables `rope_cos` / `rope_sin` hold (the steps of a request share them).
@@ -380,6 +399,7 @@ impl Workspace {
             q8: alloc(ctx, z.q8, "FP8 activation")?,
             q8_scales: alloc(ctx, z.q8_scales, "FP8 activation")?,
             attn8: alloc(ctx, z.attn8, "8-bit attention")?,
+            adaln_w8: alloc(ctx, z.adaln_w8, "dequantized adaLN")?,
             sizes: z,
             warmed: false,
             rope_positions: None,
@@ -648,6 +668,26 @@ mod tests {
         assert_eq!(z.adaln_block, 3 * 3 * 6 * 5376 * 2);
         assert_eq!(z.adaln, 50 * z.adaln_block);
         assert_eq!(z.sample, 5712 * 96 * 4);
+        assert_eq!(
+            z.adaln_w8, 0,
+            "bf16 adaLN projections need no dequantized copy"
+        );
+        // 8-bit adaLN projections: none for a step's few timesteps, one block's in bf16 for a schedule's many.
+        let adaln8 = Dims {
+            adaln8: true,
+            ..dims
+        };
+        assert_eq!(WorkspaceSizes::of(&adaln8, &key).unwrap().adaln_w8, 0);
+        let schedule = ShapeKey {
+            timesteps: 97,
+            ..key
+        };
+        let z8 = WorkspaceSizes::of(&adaln8, &schedule).unwrap();
+        assert_eq!(z8.adaln_w8, 3 * 6 * 5376 * 2688 * 2);
+        assert_eq!(
+            z8.total() - WorkspaceSizes::of(&dims, &schedule).unwrap().total(),
+            z8.adaln_w8.div_ceil(ALIGN) * ALIGN
+        );
         // About 1.2 GB at this size.
         assert!(
             z.total() > 1_000_000_000 && z.total() < 1_400_000_000,

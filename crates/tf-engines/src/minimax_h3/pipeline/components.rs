@@ -229,7 +229,10 @@ impl Folders {
         };
         Ok(Folders {
             text_layer,
-            dit_precision: dit_precision.resolve(crate::minimax_h3::dit_gpu::DEFAULT_FP8),
+            dit_precision: crate::minimax_h3::dit_gpu::resolve_precision(
+                &configs.dit,
+                dit_precision,
+            ),
             text_config: configs.text_encoder.clone(),
             dit_config: configs.dit.clone(),
             text_encoder: source(&layout.text_encoder)?,

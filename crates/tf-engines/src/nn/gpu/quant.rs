@@ -22,8 +22,8 @@ use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::act::SwigluHalves;
 use super::launch::{
-    check_aligned_to, check_bytes, check_matrix, invalid, to_i32, to_u32, Launch, LoadKernelsError,
-    LoadedSet, Matrix, Operand, ROW_THREADS,
+    bytes_of, check_aligned_to, check_bytes, check_matrix, invalid, stride_grid, to_i32, to_u32,
+    Launch, LoadKernelsError, LoadedSet, Matrix, Operand, ROW_THREADS,
 };
 use super::norm::{
     check_modulation, check_norm_cols, check_row_index, push_norm, Modulation, ModulationRows,
@@ -39,6 +39,7 @@ pub const QUANT_SET: &str = "nn_quant";
 pub const QUANT_KERNELS: &[&str] = &[
     "nn_quantize_rows_fp8",
     "nn_quantize_rows_int8",
+    "nn_dequantize_rows_bf16",
     "nn_norm_modulate_fp8",
     "nn_norm_modulate_fp8_c2",
     "nn_gated_residual_norm_modulate_fp8",
@@ -190,6 +191,54 @@ pub fn plan_quantize_rows<'a>(
     Ok(Launch::new(
         kernel,
         wide_config(op, x_layout.rows, x_layout.cols)?,
+        args,
+    ))
+}
+
+/// Builds `w = dequantize(codes, scales)` (kernel nn_dequantize_rows_bf16): dense 8-bit rows `[rows, cols]` in the
+/// format `format`, each code times its row's f32 scale, rounded once to bf16 into dense rows of `cols` (what
+/// [`crate::nn::fp8::RowCodes::dequantize_rows`] computes, rounded to bf16). `cols` a multiple of 16.
+pub fn plan_dequantize_rows_bf16<'a>(
+    codes: &'a DeviceView<'_>,
+    scales: &'a DeviceView<'_>,
+    format: RowCodes,
+    (rows, cols): (usize, usize),
+    w: &'a DeviceViewMut<'_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "dequantize_rows_bf16";
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(16) {
+        return Err(invalid(
+            OP,
+            format!("{rows} x {cols}: at least one row, columns a positive multiple of 16"),
+        ));
+    }
+    let elements = bytes_of(OP, "codes", &[rows, cols])?;
+    check_aligned_to(OP, "codes", Operand::of(codes), 16)?;
+    check_bytes(OP, "codes", Operand::of(codes), elements)?;
+    check_aligned_to(OP, "scales", Operand::of(scales), 4)?;
+    check_bytes(
+        OP,
+        "scales",
+        Operand::of(scales),
+        bytes_of(OP, "scales", &[rows, 4])?,
+    )?;
+    check_aligned_to(OP, "w", Operand::of_mut(w), 16)?;
+    check_bytes(
+        OP,
+        "w",
+        Operand::of_mut(w),
+        bytes_of(OP, "w", &[elements, 2])?,
+    )?;
+    let mut args = Args::new();
+    args.push_addr(codes.addr())
+        .push_addr(scales.addr())
+        .push(i32::from(format == RowCodes::Int8))
+        .push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "cols", cols)?)
+        .push_addr(w.addr());
+    Ok(Launch::new(
+        "nn_dequantize_rows_bf16",
+        stride_grid(OP, elements / 16, 256)?,
         args,
     ))
 }
@@ -506,6 +555,34 @@ mod tests {
     use crate::nn::gpu::test_support::{buffer, context, BF16};
     use crate::nn::gpu::RowModulation;
     use tf_testdriver::test_lock;
+
+    #[test]
+    fn dequantize_rows_packs_the_format_and_checks_sizes() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, cols) = (7, 48);
+        let codes = buffer(&ctx, rows * cols);
+        let scales = buffer(&ctx, rows * 4);
+        let mut w = buffer(&ctx, rows * cols * BF16);
+        let (cv, sv, wv) = (codes.view(), scales.view(), w.view_mut());
+        let launch =
+            plan_dequantize_rows_bf16(&cv, &sv, RowCodes::Int8, (rows, cols), &wv).unwrap();
+        assert_eq!(launch.kernel(), "nn_dequantize_rows_bf16");
+        assert_eq!(launch.args().get::<u64>(0), Some(cv.addr()));
+        assert_eq!(launch.args().get::<i32>(2), Some(1));
+        assert_eq!(launch.args().get::<i32>(4), Some(cols as i32));
+        assert_eq!(launch.args().get::<u64>(5), Some(wv.addr()));
+        // 21 chunks of 16 codes: one block.
+        assert_eq!(launch.config().grid.x, 1);
+        let e4m3 = plan_dequantize_rows_bf16(&cv, &sv, RowCodes::E4m3, (rows, cols), &wv).unwrap();
+        assert_eq!(e4m3.args().get::<i32>(2), Some(0));
+        // Columns not a multiple of 16, more rows than the codes, scales or output hold: refused.
+        assert!(plan_dequantize_rows_bf16(&cv, &sv, RowCodes::Int8, (rows, 40), &wv).is_err());
+        assert!(
+            plan_dequantize_rows_bf16(&cv, &sv, RowCodes::Int8, (rows + 1, cols), &wv).is_err()
+        );
+        assert!(plan_dequantize_rows_bf16(&cv, &sv, RowCodes::Int8, (0, cols), &wv).is_err());
+    }
 
     #[test]
     fn quantize_rows_packs_codes_and_scales_and_checks_them() {
