@@ -140,6 +140,22 @@ __device__ __forceinline__ void store8_int8(uint8_t* out, const float (&v)[8], f
     *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
 }
 
+// store_row_fp8 in INT8: the row's scale amax / 127 (1 for an all-zero row), two's-complement codes.
+template <int CHUNKS>
+__device__ __forceinline__ void store_row_int8(const float (&v)[CHUNKS][8], int cols, int threads,
+                                               uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
+                                               float* max_scratch) {
+    const float amax = block_max(chunk_amax<CHUNKS>(v, cols, threads), max_scratch);
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / scale;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * threads) * 8;
+        if (col < cols) store8_int8(q_row + col, v[c], inv);
+    }
+    if (threadIdx.x == 0) *scale_out = scale;
+}
+
 // The norm-then-modulate body nn_norm_modulate computes, on values already in registers (overwritten with the
 // result): LayerNorm or RMSNorm, optional affine, optional (1 + scale) (+ shift) from modulation row `mod_row`.
 // RMSNorm divides the sum of squares by `norm_cols`, the model's width: a row padded with zero columns up to
@@ -312,6 +328,26 @@ __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
                           max_scratch);
 }
 
+// The body of nn_quantize_rows_fp8 (INT8 false) and nn_quantize_rows_int8.
+template <bool INT8>
+__device__ __forceinline__ void quantize_rows_body(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q,
+                                                   int q_stride, float* __restrict__ scales, int rows, int cols,
+                                                   float* scratch) {
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    uint4 raw[NN_WIDE_CHUNKS];
+    load_raw<NN_WIDE_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, raw);
+    float v[NN_WIDE_CHUNKS][8];
+#pragma unroll
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
+    uint8_t* q_row = q + static_cast<int64_t>(row) * q_stride;
+    if constexpr (INT8) {
+        store_row_int8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q_row, scales + row, scratch);
+    } else {
+        store_row_fp8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q_row, scales + row, scratch);
+    }
+}
+
 }  // namespace
 
 // q, scales = quantize(x): a bf16 matrix as e4m3 rows with one scale per row (the attention output before the
@@ -321,15 +357,7 @@ extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
     nn_quantize_rows_fp8(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q, int q_stride,
                          float* __restrict__ scales, int rows, int cols) {
     __shared__ float scratch[32];
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    uint4 raw[NN_WIDE_CHUNKS];
-    load_raw<NN_WIDE_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, raw);
-    float v[NN_WIDE_CHUNKS][8];
-#pragma unroll
-    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
-    store_row_fp8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
-                                  scratch);
+    quantize_rows_body<false>(x, x_stride, q, q_stride, scales, rows, cols, scratch);
 }
 
 // q, scales = quantize(x) in INT8: nn_quantize_rows_fp8 with a row's scale amax / 127 (1 for an all-zero row) and
@@ -339,23 +367,7 @@ extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
     nn_quantize_rows_int8(const bf16* __restrict__ x, int x_stride, uint8_t* __restrict__ q, int q_stride,
                           float* __restrict__ scales, int rows, int cols) {
     __shared__ float scratch[32];
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    uint4 raw[NN_WIDE_CHUNKS];
-    load_raw<NN_WIDE_CHUNKS>(x + static_cast<int64_t>(row) * x_stride, cols, raw);
-    float v[NN_WIDE_CHUNKS][8];
-#pragma unroll
-    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
-    const float amax = block_max(chunk_amax<NN_WIDE_CHUNKS>(v, cols, blockDim.x), scratch);
-    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-    const float inv = 1.0f / scale;
-    uint8_t* q_row = q + static_cast<int64_t>(row) * q_stride;
-#pragma unroll
-    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * blockDim.x) * 8;
-        if (col < cols) store8_int8(q_row + col, v[c], inv);
-    }
-    if (threadIdx.x == 0) scales[row] = scale;
+    quantize_rows_body<true>(x, x_stride, q, q_stride, scales, rows, cols, scratch);
 }
 
 // w = dequantize(q, scales): 8-bit rows [rows, cols] (e4m3 when int8 == 0, else INT8), each code times its row's
