@@ -212,7 +212,7 @@ pub(super) struct GroupScales {
 /// One weight matrix stored as 8-bit codes `[rows, cols]` (rows of `cols` bytes) at `codes`, with one f32 scale per
 /// row at `scales`: e4m3 (the FP8 GEMM groups, and `adaln`) or INT8 (`adaln=int8`, read weight-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Fp8Matrix {
+pub(super) struct CodedMatrix {
     pub codes: usize,
     pub scales: usize,
     pub rows: usize,
@@ -272,8 +272,8 @@ pub(super) struct WeightOffsets {
 pub(super) enum Device {
     Bf16,
     F32,
-    /// An e4m3 code of [`WeightPlan::fp8`]'s matrix `matrix`.
-    Fp8 {
+    /// An 8-bit code (e4m3, or INT8 for a weight-only matrix) of [`WeightPlan::fp8`]'s matrix `matrix`.
+    Coded {
         matrix: usize,
     },
 }
@@ -283,7 +283,7 @@ impl Device {
         match self {
             Device::Bf16 => BF16,
             Device::F32 => F32,
-            Device::Fp8 { .. } => 1,
+            Device::Coded { .. } => 1,
         }
     }
 }
@@ -346,8 +346,9 @@ pub(super) struct WeightPlan {
     pub total: usize,
     /// Whether any weight is padded (the allocation must be cleared first).
     pub padded: bool,
-    /// The matrices stored in FP8 (main blocks' GEMM groups the precision picks).
-    pub fp8: Vec<Fp8Matrix>,
+    /// The matrices stored in 8 bits: the FP8 GEMM groups the precision picks (e4m3) and its weight-only adaLN
+    /// projections (e4m3 or INT8).
+    pub fp8: Vec<CodedMatrix>,
 }
 
 /// Where each column run of a source row goes: `(source column, device column, length)`.
@@ -542,7 +543,7 @@ pub(super) fn plan(
     let mut fp8 = Vec::new();
     // A `[rows, cols]` weight: bf16, or (`Some(format)`) 8-bit codes after their f32 row scales.
     let coded = |l: &mut LayoutPlanner,
-                 fp8: &mut Vec<Fp8Matrix>,
+                 fp8: &mut Vec<CodedMatrix>,
                  rows: usize,
                  cols: usize,
                  format: Option<RowCodes>|
@@ -552,7 +553,7 @@ pub(super) fn plan(
         };
         let scales = l.one(rows * F32)?;
         let codes = l.one(rows * cols)?;
-        fp8.push(Fp8Matrix {
+        fp8.push(CodedMatrix {
             codes,
             scales,
             rows,
@@ -563,11 +564,11 @@ pub(super) fn plan(
     };
     // A GEMM group's weight: e4m3 codes when `on`.
     let matrix =
-        |l: &mut LayoutPlanner, fp8: &mut Vec<Fp8Matrix>, rows: usize, cols: usize, on: bool| {
+        |l: &mut LayoutPlanner, fp8: &mut Vec<CodedMatrix>, rows: usize, cols: usize, on: bool| {
             coded(l, fp8, rows, cols, on.then_some(RowCodes::E4m3))
         };
     let attn = |l: &mut LayoutPlanner,
-                fp8: &mut Vec<Fp8Matrix>,
+                fp8: &mut Vec<CodedMatrix>,
                 groups: Fp8Groups|
      -> Result<AttnOffsets, H3Error> {
         let norm1 = l.one(hp * BF16)?;
@@ -633,7 +634,7 @@ pub(super) fn plan(
             Some(_) => fp8_matrices
                 .iter()
                 .position(|m| m.codes == codes)
-                .map(|matrix| Device::Fp8 { matrix })
+                .map(|matrix| Device::Coded { matrix })
                 .ok_or_else(|| H3Error::Backend("internal: an FP8 weight has no matrix".into())),
         }
     };
@@ -1131,9 +1132,12 @@ fn source_of<'m>(
 }
 
 /// The FP8 matrix of placement `pl`, if it is stored in FP8.
-fn fp8_matrix<'p>(plan: &'p WeightPlan, pl: &Placement) -> Result<Option<&'p Fp8Matrix>, H3Error> {
+fn fp8_matrix<'p>(
+    plan: &'p WeightPlan,
+    pl: &Placement,
+) -> Result<Option<&'p CodedMatrix>, H3Error> {
     match pl.device {
-        Device::Fp8 { matrix } => plan
+        Device::Coded { matrix } => plan
             .fp8
             .get(matrix)
             .map(Some)
@@ -1144,7 +1148,7 @@ fn fp8_matrix<'p>(plan: &'p WeightPlan, pl: &Placement) -> Result<Option<&'p Fp8
 
 /// How the ring writes one FP8 placement: whole device rows of its matrix (`first_row`, `rows` of them), when
 /// the placement covers whole rows with nothing padded (every full-size checkpoint); `None` otherwise.
-pub(super) fn whole_rows(m: &Fp8Matrix, pl: &Placement) -> Option<(usize, usize)> {
+pub(super) fn whole_rows(m: &CodedMatrix, pl: &Placement) -> Option<(usize, usize)> {
     let at = pl.dst.checked_sub(m.codes)?;
     let cols = m.cols.max(1);
     let rows = pl.len / cols;
@@ -1162,7 +1166,7 @@ pub(super) fn whole_rows(m: &Fp8Matrix, pl: &Placement) -> Option<(usize, usize)
 /// a source row's run must stay inside one device row.
 pub(super) fn code_row_scales(
     w: &Fp8Weight,
-    m: &Fp8Matrix,
+    m: &CodedMatrix,
     pl: &Placement,
 ) -> Result<Vec<(usize, f32)>, String> {
     let (wc, mc) = (w.cols.max(1), m.cols.max(1));
@@ -1209,7 +1213,7 @@ enum Feed<'a> {
 fn all_stored(plan: &WeightPlan, checkpoint: &Fp8Checkpoint, index: usize) -> bool {
     plan.placements
         .iter()
-        .filter(|pl| pl.device == (Device::Fp8 { matrix: index }))
+        .filter(|pl| pl.device == (Device::Coded { matrix: index }))
         .all(|pl| {
             plan.names
                 .get(pl.tensor)
@@ -1258,7 +1262,7 @@ pub(super) fn upload(
         let needs_host = match pl.device {
             Device::F32 => true,
             Device::Bf16 => !whole_source_rows,
-            Device::Fp8 { matrix } => {
+            Device::Coded { matrix } => {
                 int8_matrix(matrix) || !stored_matrices.get(matrix).copied().unwrap_or(false)
             }
         };
@@ -1289,7 +1293,7 @@ pub(super) fn upload(
             (Some(w), None) => {
                 let (src, _, _) = source_of(model, plan, pl, true)?;
                 match pl.device {
-                    Device::Fp8 { .. } => Feed::Codes(src),
+                    Device::Coded { .. } => Feed::Codes(src),
                     _ => {
                         let cols = w.cols.max(1);
                         let dq = Fp8Dequantizer::for_rows(w, pl.src_first / cols, pl.len / cols)
@@ -1338,10 +1342,12 @@ pub(super) fn upload(
     let mut pieces = Vec::with_capacity(plan.placements.len());
     for ((pl, feed), quantizer) in plan.placements.iter().zip(&feeds).zip(&quantizers) {
         let (src, transform) = match (pl.device, feed, quantizer) {
-            (Device::Fp8 { .. }, Feed::Codes(src), _) => (*src, Transform::Custom(&CODE_CHECK)),
-            (Device::Fp8 { .. }, Feed::Float(src, _), Some((q, _))) => (*src, Transform::Custom(q)),
+            (Device::Coded { .. }, Feed::Codes(src), _) => (*src, Transform::Custom(&CODE_CHECK)),
+            (Device::Coded { .. }, Feed::Float(src, _), Some((q, _))) => {
+                (*src, Transform::Custom(q))
+            }
             // Quantized on the device below.
-            (Device::Fp8 { .. }, _, _) => continue,
+            (Device::Coded { .. }, _, _) => continue,
             (Device::Bf16, Feed::Dequantize(src, dq), _) => (*src, Transform::Custom(dq)),
             (Device::Bf16, Feed::Float(src, from), _) => (*src, Transform::ToBf16 { from: *from }),
             (Device::F32, Feed::Float(src, Dtype::F32), _) => (*src, Transform::Copy),
@@ -1368,7 +1374,7 @@ pub(super) fn upload(
     // (padding rows 1), else one per ring-quantized placement.
     let mut code_scales: HashMap<usize, Vec<f32>> = HashMap::new();
     for (pl, feed) in plan.placements.iter().zip(&feeds) {
-        let (Device::Fp8 { matrix }, Feed::Codes(_)) = (pl.device, feed) else {
+        let (Device::Coded { matrix }, Feed::Codes(_)) = (pl.device, feed) else {
             continue;
         };
         let name = plan.names.get(pl.tensor).map_or("?", String::as_str);
@@ -1401,7 +1407,7 @@ pub(super) fn upload(
             )));
         }
         let matrix = match pl.device {
-            Device::Fp8 { matrix } => matrix,
+            Device::Coded { matrix } => matrix,
             _ => usize::MAX,
         };
         match (code_scales.get_mut(&matrix), plan.fp8.get(matrix)) {
@@ -1451,7 +1457,7 @@ pub(super) fn upload(
             };
             let mut matrix_pieces = Vec::new();
             for (pl, feed) in plan.placements.iter().zip(&feeds) {
-                if pl.device == (Device::Fp8 { matrix: index }) {
+                if pl.device == (Device::Coded { matrix: index }) {
                     let at = pl.dst.checked_sub(m.codes).ok_or_else(|| {
                         H3Error::Backend("internal: an FP8 placement before its matrix".into())
                     })?;
@@ -1527,7 +1533,7 @@ impl Scratch {
     fn quantize_into(
         &mut self,
         weights: &mut DeviceBuffer,
-        m: &Fp8Matrix,
+        m: &CodedMatrix,
         quant: &QuantKernels,
         stream: &Stream,
     ) -> Result<(), H3Error> {
@@ -1623,7 +1629,7 @@ pub(super) fn random(
                     values.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 ));
             }
-            Device::Fp8 { .. } => {}
+            Device::Coded { .. } => {}
         }
     }
     if !plan.fp8.is_empty() {
@@ -1636,7 +1642,7 @@ pub(super) fn random(
                 scratch.clear(stream)?;
             }
             for (i, pl) in plan.placements.iter().enumerate() {
-                if pl.device != (Device::Fp8 { matrix: index }) {
+                if pl.device != (Device::Coded { matrix: index }) {
                     continue;
                 }
                 let (offset, scale) = pl.init.range();

@@ -262,7 +262,7 @@ fn fp8_groups_are_codes_with_row_scales_in_whole_rows() {
             (pl.tensor, pl.src_first, pl.len, pl.init),
             (twin.tensor, twin.src_first, twin.len, twin.init)
         );
-        if let Device::Fp8 { matrix } = pl.device {
+        if let Device::Coded { matrix } = pl.device {
             let m = &fp8.fp8[matrix];
             let (first_row, rows) = whole_rows(m, pl).unwrap();
             assert_eq!(pl.dst, m.codes + first_row * m.cols);
@@ -287,7 +287,7 @@ fn fp8_groups_are_codes_with_row_scales_in_whole_rows() {
     let qkv = original
         .placements
         .iter()
-        .filter(|p| p.device == (Device::Fp8 { matrix: 0 }))
+        .filter(|p| p.device == (Device::Coded { matrix: 0 }))
         .collect::<Vec<_>>();
     assert_eq!(qkv.len(), 3 * config.num_attention_heads);
     assert!(qkv
@@ -317,7 +317,7 @@ fn the_adaln_group_stores_the_modulation_projections_in_fp8_at_about_half_the_by
     assert_eq!(b1.ada_scales, Some(ada.scales));
     // Its placement is whole rows (the ring quantizes it), and about half the model stays resident.
     for pl in &fp8.placements {
-        if let Device::Fp8 { matrix } = pl.device {
+        if let Device::Coded { matrix } = pl.device {
             assert!(whole_rows(&fp8.fp8[matrix], pl).is_some());
         }
     }
@@ -411,16 +411,16 @@ fn fp8_pads_the_tiny_widths_to_sixteen_and_those_go_through_the_device() {
     let fp8_placements: Vec<&Placement> = p
         .placements
         .iter()
-        .filter(|pl| matches!(pl.device, Device::Fp8 { .. }))
+        .filter(|pl| matches!(pl.device, Device::Coded { .. }))
         .collect();
     assert!(!fp8_placements.is_empty());
     assert!(fp8_placements.iter().any(|pl| match pl.device {
-        Device::Fp8 { matrix } => whole_rows(&p.fp8[matrix], pl).is_none(),
+        Device::Coded { matrix } => whole_rows(&p.fp8[matrix], pl).is_none(),
         _ => false,
     }));
     // Every FP8 element lands inside its matrix.
     for pl in fp8_placements {
-        if let Device::Fp8 { matrix } = pl.device {
+        if let Device::Coded { matrix } = pl.device {
             let m = &p.fp8[matrix];
             assert!(pl.dst >= m.codes && pl.dst + pl.len <= m.codes + m.rows * m.cols);
         }
@@ -487,7 +487,7 @@ fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
                 let values = ck.to_f32(&model, name).unwrap().into_data();
                 let values = &values[pl.src_first..pl.src_first + pl.len];
                 match pl.device {
-                    Device::Fp8 { matrix } => {
+                    Device::Coded { matrix } => {
                         // The file's codes, byte for byte, and each row's scale from the file.
                         let m = &p.fp8[matrix];
                         let codes = &model.bytes(name).unwrap()[pl.src_first..][..pl.len];
