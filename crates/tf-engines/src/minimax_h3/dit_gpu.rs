@@ -52,6 +52,7 @@ use super::config::{ConfigError, MiniMaxH3Config};
 use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use super::dit_host::LoadOptions;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
 use crate::nn::gpu::quant::QuantKernels;
@@ -255,11 +256,12 @@ impl Engine {
         config: MiniMaxH3Config,
         source: Source,
         precision: DitPrecision,
+        stored: Option<&Fp8Checkpoint>,
         make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
     ) -> Result<(Engine, DeviceWeightsReport), H3Error> {
         let precision = resolve_precision(&config, precision);
         let layers = config.num_layers;
-        let fp8_groups: Vec<Fp8Groups> = (0..layers)
+        let mut fp8_groups: Vec<Fp8Groups> = (0..layers)
             .map(|l| precision.groups_of(l, layers))
             .collect();
         let fp8 = fp8_groups.iter().any(|g| g.any());
@@ -274,7 +276,13 @@ impl Engine {
                 config.time_embed_dim
             )));
         }
-        let plan = weights::plan(&config, &dims, source, &fp8_groups)?;
+        let mut plan = weights::plan(&config, &dims, source, &fp8_groups)?;
+        // An adaLN projection the checkpoint stores in e4m3 keeps the file's codes (INT8 would round them again).
+        if let Some(checkpoint) = stored {
+            if weights::keep_stored_adaln_codes(&mut fp8_groups, &plan, checkpoint) {
+                plan = weights::plan(&config, &dims, source, &fp8_groups)?;
+            }
+        }
         let stream = Arc::new(Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?);
         let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;
         let gemms =
@@ -371,17 +379,18 @@ impl GpuH3Dit {
         };
         // Weights stored in FP8 with their scales are found and checked with the names and shapes.
         let fp8_checkpoint = checkpoint::check_folder(model, &config, layout)?;
-        let (engine, report) = Engine::new(ctx, config, source, precision, |m| {
-            weights::upload(
-                ctx,
-                m.stream,
-                m.quant,
-                model,
-                &fp8_checkpoint,
-                m.plan,
-                staging,
-            )
-        })?;
+        let (engine, report) =
+            Engine::new(ctx, config, source, precision, Some(&fp8_checkpoint), |m| {
+                weights::upload(
+                    ctx,
+                    m.stream,
+                    m.quant,
+                    model,
+                    &fp8_checkpoint,
+                    m.plan,
+                    staging,
+                )
+            })?;
         Ok(GpuH3Dit {
             engine,
             workspaces: RecentSet::new(MAX_WORKSPACES),
@@ -417,9 +426,14 @@ impl GpuH3Dit {
             file: "config".into(),
             why,
         })?;
-        let (engine, _) = Engine::new(ctx, config.clone(), Source::Diffusers, precision, |m| {
-            weights::random(ctx, m.stream, m.kernels, m.quant, m.plan, seed)
-        })?;
+        let (engine, _) = Engine::new(
+            ctx,
+            config.clone(),
+            Source::Diffusers,
+            precision,
+            None,
+            |m| weights::random(ctx, m.stream, m.kernels, m.quant, m.plan, seed),
+        )?;
         Ok(GpuH3Dit {
             engine,
             workspaces: RecentSet::new(MAX_WORKSPACES),

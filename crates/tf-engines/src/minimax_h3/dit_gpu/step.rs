@@ -291,7 +291,8 @@ impl Engine {
             // `gemm::span`), both of which outlive the enqueued work (as for `run_gemm`); the dequantizing kernel
             // that writes `wd` is enqueued before the GEMM on the same stream.
             unsafe { self.gemms.run(&linear, &self.stream) }.map_err(gemm_err)?;
-            return Ok(Some((n * k * 3) as f64));
+            // Codes read, bf16 written and read again by the GEMM: 5 bytes a weight.
+            return Ok(Some(5.0 * n as f64 * k as f64));
         }
         let bias = self.weight_view(b.ada_b, n * BF16)?;
         let x = ws.temb.view();

@@ -1221,6 +1221,38 @@ fn all_stored(plan: &WeightPlan, checkpoint: &Fp8Checkpoint, index: usize) -> bo
         })
 }
 
+/// Turns the INT8 adaLN projections of `groups` (one entry per block) whose weights `checkpoint` stores as e4m3
+/// codes back into e4m3, so that the file's codes and scales go to the device as they are (re-quantizing them to
+/// INT8 would add INT8's rounding to the e4m3 rounding already in the file, and read the model through f32 on the
+/// host); `plan` is the plan of `groups`. True when a block changed (the caller plans again).
+pub(super) fn keep_stored_adaln_codes(
+    groups: &mut [Fp8Groups],
+    plan: &WeightPlan,
+    checkpoint: &Fp8Checkpoint,
+) -> bool {
+    let mut changed = false;
+    for (layer, block) in plan.offsets.blocks.iter().enumerate() {
+        if block.ada_scales.is_none() || block.ada_codes != RowCodes::Int8 {
+            continue;
+        }
+        let Some(matrix) = plan.fp8.iter().position(|m| m.codes == block.ada_w) else {
+            continue;
+        };
+        let stored = plan.placements.iter().any(|pl| {
+            pl.device == (Device::Coded { matrix })
+                && plan
+                    .names
+                    .get(pl.tensor)
+                    .is_some_and(|name| checkpoint.get(name).is_some())
+        });
+        if let (true, Some(g)) = (stored, groups.get_mut(layer)) {
+            g.adaln = Some(RowCodes::E4m3);
+            changed = true;
+        }
+    }
+    changed
+}
+
 /// Uploads every placement of `plan` from `model` (already checked against its tensor specs, FP8 weights found
 /// by `checkpoint`) through the pinned ring: bf16 weights converted on the way, f32 modules kept (or widened to)
 /// f32, and the FP8 matrices quantized per output row: on the ring itself (the staging slot receives the e4m3
@@ -1245,7 +1277,8 @@ pub(super) fn upload(
     let on_ring = !plan.padded;
     // The matrices the ring writes (the rest are quantized on the device): every one of a full-size model, and an
     // e4m3 matrix of a padded one whose every weight the file stores as codes. INT8 matrices never take the file's
-    // e4m3 codes: those weights are dequantized and quantized again.
+    // e4m3 codes: such weights (none once the engine ran `keep_stored_adaln_codes`) are dequantized and quantized
+    // again.
     let int8_matrix = |i: usize| plan.fp8.get(i).is_some_and(|m| m.format == RowCodes::Int8);
     let stored_matrices: Vec<bool> = (0..plan.fp8.len())
         .map(|i| on_ring || (!int8_matrix(i) && all_stored(plan, checkpoint, i)))

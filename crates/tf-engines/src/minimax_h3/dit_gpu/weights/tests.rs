@@ -428,6 +428,54 @@ fn fp8_pads_the_tiny_widths_to_sixteen_and_those_go_through_the_device() {
 }
 
 #[test]
+fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
+    use crate::minimax_h3::checkpoint::{check_folder, detect};
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let int8 = Fp8Groups {
+        adaln: Some(RowCodes::Int8),
+        ..Fp8Groups::ALL
+    };
+    for variant in ["per_channel", "original_per_channel"] {
+        let model = ModelDir::open(&fixtures.join("minimax_h3_fp8").join(variant)).unwrap();
+        let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
+        let layout = detect(&model, QkvLayout::Interleaved);
+        let source = match layout {
+            checkpoint::CheckpointLayout::Diffusers => Source::Diffusers,
+            checkpoint::CheckpointLayout::Original(q) => Source::Original(q),
+        };
+        let ck = check_folder(&model, &config, layout).unwrap();
+        let dims = Dims::of_for(&config, true).unwrap();
+        let mut groups = vec![int8; config.num_layers];
+        let p = plan(&config, &dims, source, &groups).unwrap();
+        assert!(keep_stored_adaln_codes(&mut groups, &p, &ck), "{variant}");
+        assert!(
+            groups.iter().all(|g| g.adaln == Some(RowCodes::E4m3)),
+            "{variant}: every block's adaLN is stored in e4m3: {groups:?}"
+        );
+        let again = plan(&config, &dims, source, &groups).unwrap();
+        assert!(again.fp8.iter().all(|m| m.format == RowCodes::E4m3));
+        assert!(
+            !keep_stored_adaln_codes(&mut groups, &again, &ck),
+            "nothing left to keep"
+        );
+        // A plan whose adaLN stays bf16 changes nothing.
+        let mut bf16_adaln = vec![Fp8Groups::ALL; config.num_layers];
+        let p = plan(&config, &dims, source, &bf16_adaln).unwrap();
+        assert!(!keep_stored_adaln_codes(&mut bf16_adaln, &p, &ck));
+        assert!(bf16_adaln.iter().all(|g| g.adaln.is_none()));
+    }
+    // A checkpoint that stores nothing in FP8 leaves INT8 as asked.
+    let plain = ModelDir::open(&fixtures.join("minimax_h3_dit/fl2va_first/model")).unwrap();
+    let config = MiniMaxH3Config::from_json(plain.config_json()).unwrap();
+    let ck = check_folder(&plain, &config, checkpoint::CheckpointLayout::Diffusers).unwrap();
+    let dims = Dims::of_for(&config, true).unwrap();
+    let mut groups = vec![int8; config.num_layers];
+    let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+    assert!(!keep_stored_adaln_codes(&mut groups, &p, &ck));
+    assert!(groups.iter().all(|g| g.adaln == Some(RowCodes::Int8)));
+}
+
+#[test]
 fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
     use crate::minimax_h3::checkpoint::{check_folder, detect};
     use crate::nn::gpu::test_support::context;
