@@ -427,23 +427,36 @@ fn fp8_pads_the_tiny_widths_to_sixteen_and_those_go_through_the_device() {
     }
 }
 
+/// A scaled-FP8 fixture of `tests/fixtures/minimax_h3_fp8`: the folder, its config, its layout as a plan source and
+/// its checked FP8 weights.
+fn fp8_fixture(variant: &str) -> (ModelDir, MiniMaxH3Config, Source, Fp8Checkpoint) {
+    use crate::minimax_h3::checkpoint::{check_folder, detect};
+    let model = ModelDir::open(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/minimax_h3_fp8")
+            .join(variant),
+    )
+    .unwrap();
+    let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
+    let layout = detect(&model, QkvLayout::Interleaved);
+    let source = match layout {
+        checkpoint::CheckpointLayout::Diffusers => Source::Diffusers,
+        checkpoint::CheckpointLayout::Original(q) => Source::Original(q),
+    };
+    let ck = check_folder(&model, &config, layout).unwrap();
+    (model, config, source, ck)
+}
+
 #[test]
 fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
-    use crate::minimax_h3::checkpoint::{check_folder, detect};
+    use crate::minimax_h3::checkpoint::check_folder;
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
     let int8 = Fp8Groups {
         adaln: Some(RowCodes::Int8),
         ..Fp8Groups::ALL
     };
     for variant in ["per_channel", "original_per_channel"] {
-        let model = ModelDir::open(&fixtures.join("minimax_h3_fp8").join(variant)).unwrap();
-        let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
-        let layout = detect(&model, QkvLayout::Interleaved);
-        let source = match layout {
-            checkpoint::CheckpointLayout::Diffusers => Source::Diffusers,
-            checkpoint::CheckpointLayout::Original(q) => Source::Original(q),
-        };
-        let ck = check_folder(&model, &config, layout).unwrap();
+        let (_, config, source, ck) = fp8_fixture(variant);
         let dims = Dims::of_for(&config, true).unwrap();
         let mut groups = vec![int8; config.num_layers];
         let p = plan(&config, &dims, source, &groups).unwrap();
@@ -477,7 +490,6 @@ fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
 
 #[test]
 fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
-    use crate::minimax_h3::checkpoint::{check_folder, detect};
     use crate::nn::gpu::test_support::context;
     let _serial = tf_testdriver::test_lock();
     let ctx = context();
@@ -501,19 +513,7 @@ fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
         ..Fp8Groups::ALL
     };
     for (variant, as_stored) in [("per_channel", 12), ("original_per_channel", 8)] {
-        let model = ModelDir::open(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fixtures/minimax_h3_fp8")
-                .join(variant),
-        )
-        .unwrap();
-        let config = MiniMaxH3Config::from_json(model.config_json()).unwrap();
-        let layout = detect(&model, QkvLayout::Interleaved);
-        let source = match layout {
-            checkpoint::CheckpointLayout::Diffusers => Source::Diffusers,
-            checkpoint::CheckpointLayout::Original(q) => Source::Original(q),
-        };
-        let ck = check_folder(&model, &config, layout).unwrap();
+        let (model, config, source, ck) = fp8_fixture(variant);
         for fp8 in [true, false] {
             let dims = Dims::of_for(&config, fp8).unwrap();
             let layer_groups = vec![if fp8 { groups } else { Fp8Groups::NONE }; config.num_layers];
