@@ -29,8 +29,9 @@ per-iteration CUDA event times after warm-up (eager_ms, compiled_ms; the means b
 torch.cuda.max_memory_allocated / _reserved over the case (weights included). The --tiny smoke run compiles on the
 CPU too (inductor's C++ backend).
 
-Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for H3's default, qkv,out,mlp_value,mlp_out,ends=1, or
-GROUP[,GROUP...][,ends=N]): the chosen nn.Linear layers of the blocks between the first and last N become e4m3 GEMMs
+Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for H3's default GEMM groups,
+qkv,out,mlp_value,mlp_out,ends=1 (ours also keeps the adaLN projections weight-only in INT8, a memory choice torch's
+layers here do not copy: their adaLN stays bf16), or GROUP[,GROUP...][,ends=N]): the chosen nn.Linear layers of the blocks between the first and last N become e4m3 GEMMs
 quantized as ours are (tests/python/torch_fp8.py: per-output-channel weight scales, per-token activation scales
 computed on the fly, torch._scaled_mm row-wise, bf16 output; qkv = attn.to_q/to_k/to_v, out = attn.to_out.0, mlp_in
 = ff.net.0.proj (mlp_value / mlp_gate: its value / gate output rows), mlp_out = ff.net.2, adaln = adaln_proj.linear, its activation rows quantized too where ours reads
