@@ -299,21 +299,27 @@ impl DitPrecision {
                         l.bf16_ends
                     );
                 }
+                let gemm_groups: Vec<&str> = l
+                    .groups
+                    .names()
+                    .into_iter()
+                    .filter(|name| !name.starts_with("adaln"))
+                    .collect();
                 format!(
-                    "fp8 e4m3 ({}) in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
-                     per-output-channel weight scales, per-token activation scales{}, {} accumulation; \
+                    "fp8 e4m3 ({}){} in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
+                     per-output-channel weight scales, per-token activation scales, {} accumulation; \
                      {}every layer outside those groups as in bf16 mode",
-                    if l.groups.any() {
-                        l.groups.names().join(", ")
-                    } else {
+                    if gemm_groups.is_empty() {
                         "no GEMM group".to_string()
+                    } else {
+                        gemm_groups.join(", ")
                     },
-                    l.bf16_ends,
                     match l.groups.adaln {
-                        Some(RowCodes::E4m3) => " (adaln weight-only, e4m3)",
-                        Some(RowCodes::Int8) => " (adaln weight-only, int8 with per-output-channel scales)",
+                        Some(RowCodes::E4m3) => " and the adaLN projections weight-only in e4m3",
+                        Some(RowCodes::Int8) => " and the adaLN projections weight-only in int8",
                         None => "",
                     },
+                    l.bf16_ends,
                     l.accumulation.name(),
                     if l.attention == AttentionPrecision::Int8Fp8 {
                         "attention in 8 bits (INT8 Q K^T, FP8 P V) in those blocks; "
@@ -500,6 +506,18 @@ mod tests {
         assert!(!only_attention.uses_fp8(layers));
         let text = only_attention.describe(layers);
         assert!(text.contains("(no GEMM group) in 4 of 4 blocks"), "{text}");
+        let int8_adaln: DitPrecision = "fp8:qkv,adaln=int8,ends=1".parse().unwrap();
+        let text = int8_adaln.describe(layers);
+        assert!(
+            text.contains(
+                "fp8 e4m3 (qkv) and the adaLN projections weight-only in int8 in 2 of 4 blocks"
+            ),
+            "{text}"
+        );
+        let adaln_only: DitPrecision = "fp8:adaln,ends=0".parse().unwrap();
+        assert!(adaln_only
+            .describe(layers)
+            .contains("(no GEMM group) and the adaLN projections weight-only in e4m3 in 4 of 4"));
         let err = "fp8:all,attn=fp16".parse::<DitPrecision>().unwrap_err();
         assert!(
             err.contains("attn=fp16") && err.contains("int8-fp8"),
