@@ -236,26 +236,12 @@ pub fn request_of(job: &VideoJob) -> Request {
 /// The protocol's phases: `encode` 1/1, `denoise` per step, `decode` 1/2 (video) and 2/2 (audio), or 1/1 without
 /// audio.
 fn translate(p: PipelineProgress, audio: bool, decodes: &mut u32) -> Progress {
-    let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-    let of = if audio { 2 } else { 1 };
     match p {
-        PipelineProgress::Encoded { .. } => Progress {
-            phase: "encode",
-            step: 1,
-            of: 1,
-        },
-        PipelineProgress::Step { step, steps, .. } => Progress {
-            phase: "denoise",
-            step: clamp(step),
-            of: clamp(steps),
-        },
+        PipelineProgress::Encoded { .. } => Progress::encoded(),
+        PipelineProgress::Step { step, steps, .. } => Progress::denoised(step, steps),
         PipelineProgress::DecodedVideo { .. } | PipelineProgress::DecodedAudio { .. } => {
-            *decodes += 1;
-            Progress {
-                phase: "decode",
-                step: (*decodes).min(of),
-                of,
-            }
+            *decodes = decodes.saturating_add(1);
+            Progress::decoded(*decodes, if audio { 2 } else { 1 })
         }
     }
 }

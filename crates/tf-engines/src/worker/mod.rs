@@ -244,6 +244,36 @@ pub struct Progress {
     pub of: u32,
 }
 
+impl Progress {
+    /// The prompt encoded (the protocol's `encode` 1/1).
+    pub fn encoded() -> Progress {
+        Progress {
+            phase: "encode",
+            step: 1,
+            of: 1,
+        }
+    }
+
+    /// Denoising step `step` of `steps` done (counts past `u32::MAX` saturate).
+    pub fn denoised(step: usize, steps: usize) -> Progress {
+        let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Progress {
+            phase: "denoise",
+            step: clamp(step),
+            of: clamp(steps),
+        }
+    }
+
+    /// Decode `step` of `of` done (`step` held to `of`).
+    pub fn decoded(step: u32, of: u32) -> Progress {
+        Progress {
+            phase: "decode",
+            step: step.min(of),
+            of,
+        }
+    }
+}
+
 /// An 8-bit RGBA image, rows top to bottom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RgbaImage {
@@ -1154,6 +1184,28 @@ fn read_line_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_notes_name_the_protocol_phases_and_saturate() {
+        assert_eq!(
+            Progress::encoded(),
+            Progress {
+                phase: "encode",
+                step: 1,
+                of: 1
+            }
+        );
+        let d = Progress::denoised(3, 8);
+        assert_eq!((d.phase, d.step, d.of), ("denoise", 3, 8));
+        let huge = Progress::denoised(usize::MAX, usize::MAX);
+        assert_eq!((huge.step, huge.of), (u32::MAX, u32::MAX));
+        let v = Progress::decoded(3, 2);
+        assert_eq!(
+            (v.phase, v.step, v.of),
+            ("decode", 2, 2),
+            "a step past its phase is held to it"
+        );
+    }
 
     #[test]
     fn capped_reader_splits_lines_and_skips_long_ones() {

@@ -227,23 +227,10 @@ fn job_field(ignored: Ignored) -> &'static str {
 }
 
 fn translate(p: PipelineProgress) -> Progress {
-    let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     match p {
-        PipelineProgress::Encoded { .. } => Progress {
-            phase: "encode",
-            step: 1,
-            of: 1,
-        },
-        PipelineProgress::Step { step, steps, .. } => Progress {
-            phase: "denoise",
-            step: clamp(step),
-            of: clamp(steps),
-        },
-        PipelineProgress::Decoded { .. } => Progress {
-            phase: "decode",
-            step: 1,
-            of: 1,
-        },
+        PipelineProgress::Encoded { .. } => Progress::encoded(),
+        PipelineProgress::Step { step, steps, .. } => Progress::denoised(step, steps),
+        PipelineProgress::Decoded { .. } => Progress::decoded(1, 1),
     }
 }
 
