@@ -660,9 +660,6 @@ impl<E: WorkerEngine> Worker<E> {
             let result = catch_unwind(AssertUnwindSafe(|| {
                 engine.generate(&job, &mut |p: Progress| {
                     trail.note(&p);
-                    if progress_failed.is_some() {
-                        return;
-                    }
                     let (step, of) = if count > 1 {
                         (
                             p.step.saturating_add(index.saturating_mul(p.of)),
@@ -671,18 +668,7 @@ impl<E: WorkerEngine> Worker<E> {
                     } else {
                         (p.step, p.of)
                     };
-                    let line = Reply {
-                        progress: Some(ProgressNote {
-                            phase: p.phase,
-                            step,
-                            of,
-                            steps: of,
-                        }),
-                        ..Reply::default()
-                    };
-                    if let Err(e) = write_line(output, &line) {
-                        progress_failed = Some(e);
-                    }
+                    write_progress(output, &mut progress_failed, p.phase, step, of);
                 })
             }));
             if let Some(e) = progress_failed.take() {
@@ -778,21 +764,7 @@ impl<E: WorkerEngine> Worker<E> {
         let result = catch_unwind(AssertUnwindSafe(|| {
             engine.generate_video(&command.job, &mut |p: Progress| {
                 trail.note(&p);
-                if progress_failed.is_some() {
-                    return;
-                }
-                let line = Reply {
-                    progress: Some(ProgressNote {
-                        phase: p.phase,
-                        step: p.step,
-                        of: p.of,
-                        steps: p.of,
-                    }),
-                    ..Reply::default()
-                };
-                if let Err(e) = write_line(output, &line) {
-                    progress_failed = Some(e);
-                }
+                write_progress(output, &mut progress_failed, p.phase, p.step, p.of);
             })
         }));
         if let Some(e) = progress_failed.take() {
@@ -1105,6 +1077,32 @@ struct ProgressNote {
     step: u32,
     of: u32,
     steps: u32,
+}
+
+/// Writes one progress line (`step` of `of` in `phase`) unless an earlier one failed; a write error is kept in
+/// `failed` (the reader is gone: serving ends once the engine returns).
+fn write_progress(
+    output: &mut dyn Write,
+    failed: &mut Option<io::Error>,
+    phase: &'static str,
+    step: u32,
+    of: u32,
+) {
+    if failed.is_some() {
+        return;
+    }
+    let line = Reply {
+        progress: Some(ProgressNote {
+            phase,
+            step,
+            of,
+            steps: of,
+        }),
+        ..Reply::default()
+    };
+    if let Err(e) = write_line(output, &line) {
+        *failed = Some(e);
+    }
 }
 
 fn write_line(output: &mut dyn Write, reply: &Reply<'_>) -> io::Result<()> {
