@@ -1275,14 +1275,24 @@ pub(super) fn upload(
     staging: StagingConfig,
 ) -> Result<DeviceWeights, H3Error> {
     let on_ring = !plan.padded;
-    // The matrices the ring writes (the rest are quantized on the device): every one of a full-size model, and an
-    // e4m3 matrix of a padded one whose every weight the file stores as codes. INT8 matrices never take the file's
-    // e4m3 codes: such weights (none once the engine ran `keep_stored_adaln_codes`) are dequantized and quantized
-    // again.
-    let int8_matrix = |i: usize| plan.fp8.get(i).is_some_and(|m| m.format == RowCodes::Int8);
+    // The matrices the ring writes (the rest are quantized on the device): every one of a full-size model, and a
+    // matrix of a padded one whose every weight the file stores as codes.
     let stored_matrices: Vec<bool> = (0..plan.fp8.len())
-        .map(|i| on_ring || (!int8_matrix(i) && all_stored(plan, checkpoint, i)))
+        .map(|i| on_ring || all_stored(plan, checkpoint, i))
         .collect();
+    // The file's codes are e4m3: an INT8 matrix never takes them (the engine keeps such a block's adaLN in e4m3,
+    // `keep_stored_adaln_codes`).
+    for pl in &plan.placements {
+        let name = plan.names.get(pl.tensor).map_or("", String::as_str);
+        if let (Some(m), Some(_)) = (fp8_matrix(plan, pl)?, checkpoint.get(name)) {
+            if m.format != RowCodes::E4m3 {
+                return Err(H3Error::Backend(format!(
+                    "internal: {name}: the file's e4m3 codes planned into an INT8 matrix (keep_stored_adaln_codes \
+                     keeps them e4m3)"
+                )));
+            }
+        }
+    }
     // Checkpoint FP8 weights read through f32 on the host, by tensor index.
     let mut host_f32: HashMap<usize, Vec<u8>> = HashMap::new();
     for pl in &plan.placements {
@@ -1295,9 +1305,7 @@ pub(super) fn upload(
         let needs_host = match pl.device {
             Device::F32 => true,
             Device::Bf16 => !whole_source_rows,
-            Device::Coded { matrix } => {
-                int8_matrix(matrix) || !stored_matrices.get(matrix).copied().unwrap_or(false)
-            }
+            Device::Coded { matrix } => !stored_matrices.get(matrix).copied().unwrap_or(false),
         };
         if needs_host && !host_f32.contains_key(&pl.tensor) {
             let values = checkpoint.to_f32(model, name)?;

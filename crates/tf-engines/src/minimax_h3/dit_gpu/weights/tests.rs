@@ -489,6 +489,37 @@ fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
 }
 
 #[test]
+fn the_upload_refuses_stored_e4m3_codes_planned_into_int8() {
+    use crate::nn::gpu::test_support::context;
+    let _serial = tf_testdriver::test_lock();
+    let ctx = context();
+    let stream = Stream::new(&ctx, false).unwrap();
+    let (model, config, source, ck) = fp8_fixture("per_channel");
+    let dims = Dims::of_for(&config, true).unwrap();
+    // An INT8 adaLN plan the engine did not pass through keep_stored_adaln_codes.
+    let groups = vec![
+        Fp8Groups {
+            adaln: Some(RowCodes::Int8),
+            ..Fp8Groups::ALL
+        };
+        config.num_layers
+    ];
+    let p = plan(&config, &dims, source, &groups).unwrap();
+    let err = upload(
+        &ctx,
+        &stream,
+        None,
+        &model,
+        &ck,
+        &p,
+        StagingConfig::default(),
+    )
+    .err()
+    .expect("INT8 codes from the file's e4m3 weights");
+    assert!(err.to_string().contains("INT8 matrix"), "{err}");
+}
+
+#[test]
 fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
     use crate::nn::gpu::test_support::context;
     let _serial = tf_testdriver::test_lock();
