@@ -9,7 +9,7 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use crate::nn::fp8::RowCodes;
-use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
+use crate::nn::gpu::launch::{check_aligned_to, check_bytes, check_operand};
 use crate::nn::gpu::{
     check_matrix, invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, NnKernels,
     Operand, HEAD_DIM, MAX_NORM_COLS, ROW_THREADS,
@@ -481,11 +481,9 @@ pub fn plan_linear_f32<'a>(op: &LinearF32<'a, '_>) -> Result<Launch<'a>, tf_cuda
         op.n.checked_mul(op.k)
             .and_then(|v| v.checked_mul(4))
             .ok_or_else(|| invalid(OP, "w size overflows"))?;
-    check_aligned_to(OP, "w", Operand::of(op.w), 4)?;
-    check_bytes(OP, "w", Operand::of(op.w), w_bytes)?;
+    check_operand(OP, "w", Operand::of(op.w), w_bytes, 4)?;
     if let Some(bias) = op.bias {
-        check_aligned_to(OP, "bias", Operand::of(bias), 4)?;
-        check_bytes(OP, "bias", Operand::of(bias), op.n * 4)?;
+        check_operand(OP, "bias", Operand::of(bias), op.n * 4, 4)?;
     }
     let few = op.m <= FEW_ROWS;
     let kernel = match (few, op.x_rows.elem, op.y_rows.elem) {
@@ -602,13 +600,10 @@ pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::
     let w_bytes =
         op.n.checked_mul(op.k)
             .ok_or_else(|| invalid(OP, "w size overflows"))?;
-    check_aligned_to(OP, "w", Operand::of(op.w), 16)?;
-    check_bytes(OP, "w", Operand::of(op.w), w_bytes)?;
-    check_aligned_to(OP, "w_scale", Operand::of(op.w_scale), 4)?;
-    check_bytes(OP, "w_scale", Operand::of(op.w_scale), op.n * 4)?;
+    check_operand(OP, "w", Operand::of(op.w), w_bytes, 16)?;
+    check_operand(OP, "w_scale", Operand::of(op.w_scale), op.n * 4, 4)?;
     if let Some(bias) = op.bias {
-        check_aligned_to(OP, "bias", Operand::of(bias), 2)?;
-        check_bytes(OP, "bias", Operand::of(bias), op.n * 2)?;
+        check_operand(OP, "bias", Operand::of(bias), op.n * 2, 2)?;
     }
     let grid = (
         to_u32(OP, "column groups", op.n.div_ceil(LINEAR_W8_CTA_COLS))?,

@@ -5,8 +5,8 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{DeviceView, DeviceViewMut, Stream};
 
 use super::launch::{
-    check_aligned_to, check_bytes, check_matrix, invalid, row_grid, to_i32, to_u32, Launch, Matrix,
-    Operand, BF16,
+    check_aligned_to, check_bytes, check_matrix, check_operand, invalid, row_grid, to_i32, to_u32,
+    Launch, Matrix, Operand, BF16,
 };
 use super::NnKernels;
 
@@ -138,8 +138,7 @@ pub fn plan_embed_gather<'a>(
         ));
     }
     check_matrix(OP, "table", Operand::of(table), Matrix::dense(vocab, cols))?;
-    check_aligned_to(OP, "ids", Operand::of(ids), 4)?;
-    check_bytes(OP, "ids", Operand::of(ids), rows.saturating_mul(4))?;
+    check_operand(OP, "ids", Operand::of(ids), rows.saturating_mul(4), 4)?;
     check_matrix(
         OP,
         "out",

@@ -256,8 +256,19 @@ pub(crate) fn check_bytes(
     Ok(())
 }
 
-/// Refuses a raw span smaller than `needed` bytes or not starting on an `align`-byte boundary (the operand
-/// checks, on a span).
+/// Refuses an operand smaller than `needed` bytes or not starting on an `align`-byte boundary.
+pub(crate) fn check_operand(
+    op: &str,
+    name: &str,
+    operand: Operand,
+    needed: usize,
+    align: u64,
+) -> Result<(), tf_cuda::Error> {
+    check_aligned_to(op, name, operand, align)?;
+    check_bytes(op, name, operand, needed)
+}
+
+/// [`check_operand`] on a raw span.
 pub(crate) fn check_span(
     op: &str,
     name: &str,
@@ -269,8 +280,7 @@ pub(crate) fn check_span(
         addr: span.addr,
         bytes: span.bytes,
     };
-    check_aligned_to(op, name, operand, align)?;
-    check_bytes(op, name, operand, needed)
+    check_operand(op, name, operand, needed, align)
 }
 
 /// The product of `factors` (an operand's size), or an error naming the operand when it overflows.

@@ -22,8 +22,8 @@ use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::act::SwigluHalves;
 use super::launch::{
-    bytes_of, check_aligned_to, check_bytes, check_matrix, invalid, stride_grid, to_i32, to_u32,
-    Launch, LoadKernelsError, LoadedSet, Matrix, Operand, ROW_THREADS,
+    bytes_of, check_aligned_to, check_bytes, check_matrix, check_operand, invalid, stride_grid,
+    to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, Operand, ROW_THREADS,
 };
 use super::norm::{
     check_modulation, check_norm_cols, check_row_index, push_norm, Modulation, ModulationRows,
@@ -213,21 +213,20 @@ pub fn plan_dequantize_rows_bf16<'a>(
         ));
     }
     let elements = bytes_of(OP, "codes", &[rows, cols])?;
-    check_aligned_to(OP, "codes", Operand::of(codes), 16)?;
-    check_bytes(OP, "codes", Operand::of(codes), elements)?;
-    check_aligned_to(OP, "scales", Operand::of(scales), 4)?;
-    check_bytes(
+    check_operand(OP, "codes", Operand::of(codes), elements, 16)?;
+    check_operand(
         OP,
         "scales",
         Operand::of(scales),
         bytes_of(OP, "scales", &[rows, 4])?,
+        4,
     )?;
-    check_aligned_to(OP, "w", Operand::of_mut(w), 16)?;
-    check_bytes(
+    check_operand(
         OP,
         "w",
         Operand::of_mut(w),
         bytes_of(OP, "w", &[elements, 2])?,
+        16,
     )?;
     let mut args = Args::new();
     args.push_addr(codes.addr())
