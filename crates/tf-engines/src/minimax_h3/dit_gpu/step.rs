@@ -92,6 +92,8 @@ pub(super) enum Buf {
     Act,
     /// The e4m3 rows of an FP8 GEMM (their scales in `q8_scales`).
     Q8,
+    /// One block's 8-bit adaLN projection dequantized to bf16 (a GEMM's weight, [`GemmCall::w_buf`]).
+    AdalnW8,
 }
 
 /// The GEMMs of one attention block over its rows, in the order the block runs them.
@@ -131,6 +133,8 @@ pub(super) struct GemmCall {
     pub x: Buf,
     pub x_off: usize,
     pub w: usize,
+    /// Where `w` lies: the model's weights (`None`) or a workspace buffer.
+    pub w_buf: Option<Buf>,
     pub y: Buf,
     pub y_off: usize,
     pub bias: Option<usize>,
@@ -230,23 +234,36 @@ impl Engine {
         timesteps: usize,
         layer: usize,
     ) -> Option<GemmCall> {
-        let d = &self.dims;
         let b = self.offsets.blocks.get(layer)?;
         if b.ada_scales.is_some() {
             return None;
         }
-        Some(GemmCall {
+        Some(self.adaln_gemm(sizes, timesteps, layer, b.ada_w, None))
+    }
+
+    /// The GEMM that makes block `layer`'s adaLN table from a bf16 projection at `w` (in `w_buf`, or the weights).
+    fn adaln_gemm(
+        &self,
+        sizes: &WorkspaceSizes,
+        timesteps: usize,
+        layer: usize,
+        w: usize,
+        w_buf: Option<Buf>,
+    ) -> GemmCall {
+        let d = &self.dims;
+        GemmCall {
             m: timesteps,
             n: MODALITIES * d.adaln_row(),
             k: d.temb_p,
             x: Buf::Temb,
             x_off: 0,
-            w: b.ada_w,
+            w,
+            w_buf,
             y: Buf::Adaln,
             y_off: layer * sizes.adaln_block,
-            bias: Some(b.ada_b),
+            bias: self.offsets.blocks.get(layer).map(|b| b.ada_b),
             fp8: None,
-        })
+        }
     }
 
     /// Block `layer`'s adaLN table from its 8-bit projection (weight-only: the bf16 timestep rows times the e4m3 or
@@ -276,21 +293,7 @@ impl Engine {
                     )
                     .map_err(launch)?;
             }
-            let gemm_err = |e| H3Error::Gpu(gpu_error("GEMM", e));
-            let bytes = |a: usize, c: usize| {
-                a.checked_mul(c)
-                    .and_then(|v| v.checked_mul(BF16))
-                    .ok_or_else(|| H3Error::Backend(format!("adaLN GEMM {m}x{n}x{k} overflows")))
-            };
-            let x = gemm::span(&ws.temb, 0, bytes(m, k)?).map_err(gemm_err)?;
-            let wd = gemm::span(&ws.adaln_w8, 0, bytes(n, k)?).map_err(gemm_err)?;
-            let y = gemm::span(&ws.adaln, layer * z.adaln_block, bytes(m, n)?).map_err(gemm_err)?;
-            let bias = gemm::span(&self.weights, b.ada_b, bytes(1, n)?).map_err(gemm_err)?;
-            let linear = Linear::new(m, n, k, x, wd, y).with_bias(Some(bias));
-            // SAFETY: every span lies inside the workspace in use or the engine's weights (checked by
-            // `gemm::span`), both of which outlive the enqueued work (as for `run_gemm`); the dequantizing kernel
-            // that writes `wd` is enqueued before the GEMM on the same stream.
-            unsafe { self.gemms.run(&linear, &self.stream) }.map_err(gemm_err)?;
+            self.run_gemm(ws, self.adaln_gemm(&z, m, layer, 0, Some(Buf::AdalnW8)))?;
             // Codes read, bf16 written and read again by the GEMM: 5 bytes a weight.
             return Ok(Some(5.0 * n as f64 * k as f64));
         }
@@ -330,6 +333,7 @@ impl Engine {
             x: Buf::Temb,
             x_off: 0,
             w: self.offsets.norm_out_w,
+            w_buf: None,
             y: Buf::OutMod,
             y_off: 0,
             bias: Some(self.offsets.norm_out_b),
@@ -346,6 +350,7 @@ impl Engine {
             x: Buf::TextIn,
             x_off: 0,
             w: self.offsets.ctx_w,
+            w_buf: None,
             y: Buf::Tx,
             y_off: 0,
             bias: Some(self.offsets.ctx_b),
@@ -364,6 +369,7 @@ impl Engine {
             x: if fp8.is_some() { Buf::Q8 } else { x },
             x_off: 0,
             w,
+            w_buf: None,
             y,
             y_off,
             bias: None,
@@ -574,6 +580,7 @@ impl Engine {
             Buf::Ff => &ws.ff,
             Buf::Act => &ws.act,
             Buf::Q8 => &ws.q8,
+            Buf::AdalnW8 => &ws.adaln_w8,
         }
     }
 
@@ -609,7 +616,8 @@ impl Engine {
         }
         let x: DeviceSpan =
             gemm::span(Self::buffer(ws, c.x), c.x_off, bytes(c.m, c.k)?).map_err(gemm_err)?;
-        let w = gemm::span(&self.weights, c.w, bytes(c.n, c.k)?).map_err(gemm_err)?;
+        let w_in = c.w_buf.map_or(&self.weights, |buf| Self::buffer(ws, buf));
+        let w = gemm::span(w_in, c.w, bytes(c.n, c.k)?).map_err(gemm_err)?;
         let y = gemm::span(Self::buffer(ws, c.y), c.y_off, bytes(c.m, c.n)?).map_err(gemm_err)?;
         let bias = match c.bias {
             Some(b) => Some(gemm::span(&self.weights, b, bytes(1, c.n)?).map_err(gemm_err)?),
