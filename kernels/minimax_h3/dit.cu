@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/codes8.cuh"
 #include "common/common.cuh"
 
 #define H3_ROW_THREADS 256
@@ -431,32 +432,6 @@ H3_LINEAR_F32(h3_linear_f32_rows_xb_yf, linear_f32_rows, bf16, float, 256)
 
 namespace {
 
-// The values of 16 e4m3 codes (a 16-byte word), exact: e4m3 -> half is exact, half -> float too.
-__device__ __forceinline__ void decode16_e4m3(const uint4& raw, float (&out)[16]) {
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * h)) & 0xffffu);
-            const __half2 v(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-            const float2 f = __half22float2(v);
-            out[4 * i + 2 * h] = f.x;
-            out[4 * i + 2 * h + 1] = f.y;
-        }
-    }
-}
-
-// The values of 16 INT8 codes (a 16-byte word, two's complement), exact.
-__device__ __forceinline__ void decode16_int8(const uint4& raw, float (&out)[16]) {
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<float>(static_cast<int8_t>((words[i] >> (8 * b)) & 0xffu));
-    }
-}
-
 // Rows of x one CTA takes, 4 at a time, and the weight chunks a lane holds in registers: a lane loads its 16-byte
 // chunks of both of its warp's columns once, all before the first use (k <= 32 * 16 * H3_LINEAR_W8_CHUNKS), and
 // reuses them for every row, so the weights cross HBM once per H3_LINEAR_W8_ROWS rows (a request's whole timestep
@@ -549,12 +524,12 @@ extern "C" __global__ void __launch_bounds__(256)
     h3_linear_fp8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
                         const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
                         bf16* __restrict__ y, int y_stride, int m, int n) {
-    linear_w8_rows<decode16_e4m3>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
+    linear_w8_rows<nn::decode16_e4m3>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     h3_linear_int8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
                          const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
                          bf16* __restrict__ y, int y_stride, int m, int n) {
-    linear_w8_rows<decode16_int8>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
+    linear_w8_rows<nn::decode16_int8>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
 }

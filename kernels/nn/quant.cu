@@ -27,6 +27,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/codes8.cuh"
 #include "common/common.cuh"
 
 #define NN_ROW_THREADS 256
@@ -384,28 +385,17 @@ extern "C" __global__ void __launch_bounds__(256)
         const int64_t row = chunk / chunks_per_row;
         const uint4 raw = *reinterpret_cast<const uint4*>(q + chunk * 16);
         const float scale = scales[row];
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        float v[16];
+        if (int8 != 0) {
+            nn::decode16_int8(raw, v);
+        } else {
+            nn::decode16_e4m3(raw, v);
+        }
         uint32_t out[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float v[4];
-            if (int8 != 0) {
-#pragma unroll
-                for (int b = 0; b < 4; ++b) v[b] = static_cast<float>(static_cast<int8_t>((words[i] >> (8 * b)) & 0xffu));
-            } else {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * h)) & 0xffffu);
-                    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-                    v[2 * h] = f.x;
-                    v[2 * h + 1] = f.y;
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * h] * scale, v[2 * h + 1] * scale);
-                out[2 * i + h] = *reinterpret_cast<const uint32_t*>(&pair);
-            }
+        for (int p = 0; p < 8; ++p) {
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * p] * scale, v[2 * p + 1] * scale);
+            out[p] = *reinterpret_cast<const uint32_t*>(&pair);
         }
         uint4* dst = reinterpret_cast<uint4*>(w + chunk * 16);
         dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
