@@ -94,8 +94,19 @@ impl Fp8Groups {
         self.mlp_value != self.mlp_gate
     }
 
-    /// The groups' names, in block order (`mlp_in` when both of its halves are named).
+    /// The groups' names, in block order (`mlp_in` when both of its halves are named), the adaLN item last.
     pub fn names(self) -> Vec<&'static str> {
+        let mut names = self.gemm_names();
+        match self.adaln {
+            Some(RowCodes::E4m3) => names.push("adaln"),
+            Some(RowCodes::Int8) => names.push("adaln=int8"),
+            None => {}
+        }
+        names
+    }
+
+    /// The names of the GEMM groups in FP8 (activations quantized too), in block order.
+    pub fn gemm_names(self) -> Vec<&'static str> {
         [
             ("qkv", self.qkv),
             ("out", self.out),
@@ -103,8 +114,6 @@ impl Fp8Groups {
             ("mlp_value", self.mlp_in_split() && self.mlp_value),
             ("mlp_gate", self.mlp_in_split() && self.mlp_gate),
             ("mlp_out", self.mlp_out),
-            ("adaln", self.adaln == Some(RowCodes::E4m3)),
-            ("adaln=int8", self.adaln == Some(RowCodes::Int8)),
         ]
         .into_iter()
         .filter_map(|(name, on)| on.then_some(name))
@@ -299,12 +308,7 @@ impl DitPrecision {
                         l.bf16_ends
                     );
                 }
-                let gemm_groups: Vec<&str> = l
-                    .groups
-                    .names()
-                    .into_iter()
-                    .filter(|name| !name.starts_with("adaln"))
-                    .collect();
+                let gemm_groups = l.groups.gemm_names();
                 format!(
                     "fp8 e4m3 ({}){} in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
                      per-output-channel weight scales, per-token activation scales, {} accumulation; \
