@@ -61,12 +61,15 @@ pub mod data_type {
     pub const R_16BF: c_int = 14;
     pub const R_8F_E4M3: c_int = 28;
     pub const R_8F_E5M2: c_int = 29;
+    pub const R_8I: c_int = 3;
+    pub const R_32I: c_int = 10;
 }
 
 /// `cublasComputeType_t` values.
 pub mod compute_type {
     use std::ffi::c_int;
     pub const COMPUTE_32F: c_int = 68;
+    pub const COMPUTE_32I: c_int = 72;
 }
 
 /// `cublasOperation_t` values.

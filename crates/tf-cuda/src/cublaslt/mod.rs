@@ -106,10 +106,7 @@ use prepare::{choose_plan, prepare_keys_with, CacheSlot, Timing};
 use crate::context::Context;
 use crate::memory::{DeviceBuffer, DeviceView, DeviceViewMut};
 use crate::stream::{Event, Stream};
-use ffi::{
-    compute_type, desc_attr, layout_attr, order, pref_attr, status, HeuristicResult, LtApi,
-    MatmulAlgo,
-};
+use ffi::{desc_attr, layout_attr, order, pref_attr, status, HeuristicResult, LtApi, MatmulAlgo};
 
 /// Default workspace size: enough for every algorithm the heuristic picks on Hopper.
 pub const DEFAULT_WORKSPACE_BYTES: usize = 32 << 20;
@@ -827,8 +824,21 @@ impl CublasLt {
     ) -> Result<ffi::Status, CublasLtError> {
         let api = self.lib.api();
         let raw_stream = stream.raw();
-        let alpha = call.alpha;
-        let beta = call.beta;
+        // An INT8 plan's scale type is int32 (whole numbers, checked when the call was planned).
+        let int_scaling = call.key.input == InputType::Int8;
+        let (alpha, beta) = (call.alpha, call.beta);
+        let (alpha_i32, beta_i32) = (alpha as i32, beta as i32);
+        let (alpha_ptr, beta_ptr) = if int_scaling {
+            (
+                (&alpha_i32 as *const i32).cast::<c_void>(),
+                (&beta_i32 as *const i32).cast::<c_void>(),
+            )
+        } else {
+            (
+                (&alpha as *const f32).cast::<c_void>(),
+                (&beta as *const f32).cast::<c_void>(),
+            )
+        };
         let (handle, ws_addr, ws_len) = (
             self.handle,
             self.workspace.device_addr(),
@@ -836,18 +846,19 @@ impl CublasLt {
         );
         in_context(&self.ctx, "cublasLtMatmul", || {
             // SAFETY: descriptors are live (owned by the cache, under the lock); the addresses
-            // are the caller's promise; alpha/beta are host f32 (the default pointer mode); the
-            // workspace holds what the algorithm asked for (checked when the plan was built).
+            // are the caller's promise; alpha/beta are host values of the plan's scale type (the
+            // default pointer mode), alive for the call; the workspace holds what the algorithm
+            // asked for (checked when the plan was built).
             unsafe {
                 (api.cublasLtMatmul)(
                     handle,
                     plan.desc,
-                    (&alpha as *const f32).cast::<c_void>(),
+                    alpha_ptr,
                     call.a_addr as *const c_void,
                     plan.a,
                     call.b_addr as *const c_void,
                     plan.b,
-                    (&beta as *const f32).cast::<c_void>(),
+                    beta_ptr,
                     c_addr as *const c_void,
                     plan.d,
                     d_addr as *mut c_void,
@@ -1047,11 +1058,8 @@ impl CublasLt {
         // SAFETY: (for every call in this function) out-pointers are valid locals; attribute
         // buffers are live values of the C type the header documents for that attribute.
         unsafe {
-            let code = (api.cublasLtMatmulDescCreate)(
-                &mut partial.desc,
-                compute_type::COMPUTE_32F,
-                ffi::data_type::R_32F,
-            );
+            let (compute, scale) = call.key.input.compute_and_scale_types();
+            let code = (api.cublasLtMatmulDescCreate)(&mut partial.desc, compute, scale);
             check(lib, "cublasLtMatmulDescCreate", code)?;
             set_desc(lib, partial.desc, desc_attr::TRANSA, &call.transa)?;
             set_desc(lib, partial.desc, desc_attr::TRANSB, &call.transb)?;

@@ -11,7 +11,7 @@ use std::ffi::c_int;
 
 use serde::{Deserialize, Serialize};
 
-use super::ffi::{data_type, epilogue, operation, scale_mode};
+use super::ffi::{compute_type, data_type, epilogue, operation, scale_mode};
 use super::CublasLtError;
 
 /// A device address range: `bytes` readable (or writable) bytes at `addr`.
@@ -34,19 +34,32 @@ pub enum InputType {
     Bf16,
     /// FP8 e4m3 with one f32 scale per tensor (sm_89 and newer).
     Fp8E4m3,
+    /// Signed 8-bit integers, multiplied exactly into an int32 output ([`OutputType::I32`]): the caller applies
+    /// its scales afterwards (cuBLASLt's integer GEMMs take no per-row scales).
+    Int8,
 }
 
 impl InputType {
     pub const fn size_bytes(self) -> usize {
         match self {
             InputType::Bf16 => 2,
-            InputType::Fp8E4m3 => 1,
+            InputType::Fp8E4m3 | InputType::Int8 => 1,
         }
     }
     pub(crate) const fn cuda_type(self) -> c_int {
         match self {
             InputType::Bf16 => data_type::R_16BF,
             InputType::Fp8E4m3 => data_type::R_8F_E4M3,
+            InputType::Int8 => data_type::R_8I,
+        }
+    }
+
+    /// cuBLASLt's compute and scale types for this input: f32 for the floating types, int32 for INT8 (whose
+    /// `alpha` and `beta` are then host int32 values).
+    pub(crate) const fn compute_and_scale_types(self) -> (c_int, c_int) {
+        match self {
+            InputType::Bf16 | InputType::Fp8E4m3 => (compute_type::COMPUTE_32F, data_type::R_32F),
+            InputType::Int8 => (compute_type::COMPUTE_32I, data_type::R_32I),
         }
     }
 }
@@ -57,19 +70,22 @@ impl InputType {
 pub enum OutputType {
     Bf16,
     F32,
+    /// int32, the exact products of an [`InputType::Int8`] GEMM (and only of one).
+    I32,
 }
 
 impl OutputType {
     pub const fn size_bytes(self) -> usize {
         match self {
             OutputType::Bf16 => 2,
-            OutputType::F32 => 4,
+            OutputType::F32 | OutputType::I32 => 4,
         }
     }
     pub(crate) const fn cuda_type(self) -> c_int {
         match self {
             OutputType::Bf16 => data_type::R_16BF,
             OutputType::F32 => data_type::R_32F,
+            OutputType::I32 => data_type::R_32I,
         }
     }
 }
@@ -207,6 +223,16 @@ impl Gemm {
         Gemm::fp8_e4m3(m, n, k, x, w, y, scales).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
     }
 
+    /// `Y = X · Wᵀ` exactly, with signed 8-bit inputs and int32 output (no bias, activation or scales: the
+    /// caller dequantizes `Y`, typically with one scale per row of `X` and one per row of `W`).
+    pub fn int8(m: usize, n: usize, k: usize, x: DeviceSpan, w: DeviceSpan, y: DeviceSpan) -> Gemm {
+        Gemm {
+            input: InputType::Int8,
+            output: OutputType::I32,
+            ..Gemm::bf16(m, n, k, x, w, y)
+        }
+    }
+
     /// FP8 only: cuBLASLt's fast accumulation (partial sums kept in the tensor cores' accumulator).
     pub fn with_fp8_fast_accum(self, on: bool) -> Gemm {
         Gemm {
@@ -294,13 +320,38 @@ impl Gemm {
         let y_need = bytes_of(self.m, self.n, out_size, "Y")?;
         let input_align = match self.input {
             InputType::Bf16 => in_size as u64,
-            // cuBLASLt's FP8 kernels need 16-byte aligned operands.
-            InputType::Fp8E4m3 => 16,
+            // cuBLASLt's 8-bit kernels need 16-byte aligned operands.
+            InputType::Fp8E4m3 | InputType::Int8 => 16,
         };
         let output_align = match self.input {
             InputType::Bf16 => out_size as u64,
-            InputType::Fp8E4m3 => 16,
+            InputType::Fp8E4m3 | InputType::Int8 => 16,
         };
+        if (self.input == InputType::Int8) != (self.output == OutputType::I32) {
+            return Err(invalid(format!(
+                "{:?} input with {:?} output in {shape}: INT8 GEMMs write int32, and only they do",
+                self.input, self.output
+            )));
+        }
+        if self.input == InputType::Int8 {
+            if self.bias.is_some() || self.activation != Activation::None {
+                return Err(invalid(format!(
+                    "an INT8 GEMM ({shape}) takes no bias or activation: apply them when dequantizing"
+                )));
+            }
+            if !self.k.is_multiple_of(16) || !self.n.is_multiple_of(16) {
+                return Err(invalid(format!(
+                    "INT8 GEMMs need K and N to be multiples of 16 ({shape}); pad the weights"
+                )));
+            }
+            for (name, value) in [("alpha", self.alpha), ("beta", self.beta)] {
+                if value.fract() != 0.0 || value.abs() > 65_536.0 {
+                    return Err(invalid(format!(
+                        "{name} = {value} for an INT8 GEMM: it is an int32 there, so a whole number up to 65536"
+                    )));
+                }
+            }
+        }
         check_span("X", self.x, x_need, input_align, shape)?;
         check_span("W", self.w, w_need, input_align, shape)?;
         check_span("Y", self.y, y_need, output_align, shape)?;
@@ -321,11 +372,12 @@ impl Gemm {
             None => 0,
         };
         let (a_scale_addr, b_scale_addr) = match (self.input, self.scales) {
-            (InputType::Bf16, None) => (0, 0),
-            (InputType::Bf16, Some(_)) => {
-                return Err(invalid(
-                    "FP8 scales were given for a bf16 GEMM: scales apply to FP8 inputs only".into(),
-                ))
+            (InputType::Bf16 | InputType::Int8, None) => (0, 0),
+            (InputType::Bf16 | InputType::Int8, Some(_)) => {
+                return Err(invalid(format!(
+                    "FP8 scales were given for a {:?} GEMM: scales apply to FP8 inputs only",
+                    self.input
+                )))
             }
             (InputType::Fp8E4m3, None) => {
                 return Err(invalid(
@@ -694,6 +746,57 @@ mod tests {
             Err(CublasLtError::Invalid { what }) => what,
             other => panic!("expected Invalid, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn int8_gemms_write_int32_and_take_no_float_extras() {
+        let (x, w, y) = spans();
+        let call = Gemm::int8(6026, 64, 5376, x, w, y)
+            .plan()
+            .expect("valid INT8 GEMM");
+        assert_eq!(
+            (call.a.dtype, call.d.dtype),
+            (data_type::R_8I, data_type::R_32I)
+        );
+        assert_eq!(
+            call.key.input.compute_and_scale_types(),
+            (compute_type::COMPUTE_32I, data_type::R_32I)
+        );
+        assert_eq!(
+            InputType::Bf16.compute_and_scale_types(),
+            (compute_type::COMPUTE_32F, data_type::R_32F)
+        );
+        let int8 = Gemm::int8(64, 64, 64, x, w, y);
+        let text = invalid_text(&Gemm {
+            output: OutputType::Bf16,
+            ..int8
+        });
+        assert!(text.contains("INT8 GEMMs write int32"), "{text}");
+        let text = invalid_text(&Gemm {
+            output: OutputType::I32,
+            ..Gemm::bf16(64, 64, 64, x, w, y)
+        });
+        assert!(text.contains("INT8 GEMMs write int32"), "{text}");
+        assert!(invalid_text(&int8.with_bias(x)).contains("no bias or activation"));
+        assert!(invalid_text(&int8.with_gelu_tanh()).contains("no bias or activation"));
+        assert!(invalid_text(&Gemm::int8(64, 64, 40, x, w, y)).contains("multiples of 16"));
+        assert!(invalid_text(&int8.with_scaling(0.5, 0.0)).contains("alpha = 0.5"));
+        assert!(invalid_text(&int8.with_scaling(1.0, 1e9)).contains("beta"));
+        let scales = Fp8Scales {
+            x_scale: x,
+            w_scale: w,
+        };
+        assert!(invalid_text(&Gemm {
+            scales: Some(scales),
+            ..int8
+        })
+        .contains("apply to FP8 inputs only"));
+        assert!(invalid_text(&int8.with_fp8_fast_accum(true)).contains("FP8 GEMMs only"));
+        let misaligned = DeviceSpan::new(x.addr + 4, x.bytes - 4);
+        assert!(invalid_text(&Gemm::int8(64, 64, 64, misaligned, w, y)).contains("X"));
+        // Two elements of output per bf16 product, four per INT8 product.
+        let small = DeviceSpan::new(y.addr, 64 * 64 * 2);
+        assert!(invalid_text(&Gemm::int8(64, 64, 64, x, w, small)).contains("holds"));
     }
 
     #[test]

@@ -67,6 +67,15 @@ impl GemmShape {
         }
     }
 
+    /// Signed 8-bit inputs, exact int32 output ([`Gemm::int8`]).
+    pub fn int8(m: usize, n: usize, k: usize) -> GemmShape {
+        GemmShape {
+            input: InputType::Int8,
+            output: OutputType::I32,
+            ..GemmShape::bf16(m, n, k)
+        }
+    }
+
     /// FP8 e4m3 inputs with row-wise scales (one per row of X, one per row of W), bf16 output.
     pub fn fp8_e4m3_row_wise(m: usize, n: usize, k: usize) -> GemmShape {
         GemmShape::fp8_e4m3(m, n, k).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
