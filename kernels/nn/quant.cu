@@ -157,6 +157,32 @@ __device__ __forceinline__ void store_row_int8(const float (&v)[CHUNKS][8], int 
     if (threadIdx.x == 0) *scale_out = scale;
 }
 
+// store_row_fp8 and store_row_int8 of the same row with one max reduction: e4m3 codes into q_row (scale amax / 448)
+// and INT8 codes into i8_row (scale amax / 127), the inputs of an FP8 and an INT8 GEMM over the same rows.
+template <int CHUNKS>
+__device__ __forceinline__ void store_row_fp8_and_int8(const float (&v)[CHUNKS][8], int cols, int threads,
+                                                       uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
+                                                       uint8_t* __restrict__ i8_row, float* __restrict__ i8_scale_out,
+                                                       float* max_scratch) {
+    const float amax = block_max(chunk_amax<CHUNKS>(v, cols, threads), max_scratch);
+    const float scale = row_scale(amax);
+    const float i8_scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / scale;
+    const float i8_inv = 1.0f / i8_scale;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * threads) * 8;
+        if (col < cols) {
+            store8_e4m3(q_row + col, v[c], inv);
+            store8_int8(i8_row + col, v[c], i8_inv);
+        }
+    }
+    if (threadIdx.x == 0) {
+        *scale_out = scale;
+        *i8_scale_out = i8_scale;
+    }
+}
+
 // The norm-then-modulate body nn_norm_modulate computes, on values already in registers (overwritten with the
 // result): LayerNorm or RMSNorm, optional affine, optional (1 + scale) (+ shift) from modulation row `mod_row`.
 // RMSNorm divides the sum of squares by `norm_cols`, the model's width: a row padded with zero columns up to
@@ -271,16 +297,20 @@ __device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x
                           max_scratch);
 }
 
-// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread; WRITE_H: its _and_bf16 entry points,
-// which also store the normed rows in bf16 to h.
-template <int CHUNKS, bool WRITE_H>
+// What a gated residual's FP8 norm also writes: nothing, the normed rows in bf16 to h (the _and_bf16 entry points),
+// or their INT8 codes to h with one f32 scale per row in h_scales (the _and_int8 entry points).
+enum class SecondOut { None, Bf16, Int8 };
+
+// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread, and SECOND of its entry points.
+template <int CHUNKS, SecondOut SECOND>
 __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
     bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride, const bf16* __restrict__ gate_table,
     int gate_stride, int gate_rows, int gate_offset, int gate_tanh, uint8_t* __restrict__ q, int q_stride,
     float* __restrict__ scales, const bf16* __restrict__ weight, const bf16* __restrict__ bias, int rows, int cols,
     float eps, int layer_norm, const bf16* __restrict__ mod, int mod_stride, int mod_rows, int scale_offset,
     int shift_offset, int seq_len, int target_begin, int prefix_row, const int* __restrict__ row_index,
-    int norm_cols, bf16* __restrict__ h, int h_stride, float* scratch, float* max_scratch) {
+    int norm_cols, void* __restrict__ h, int h_stride, float* __restrict__ h_scales, float* scratch,
+    float* max_scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     const int gm = select_row(row, row_index, seq_len, target_begin, prefix_row, gate_rows);
@@ -317,16 +347,22 @@ __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
     }
     norm_modulate_row<CHUNKS>(v, total, cols, norm_cols, eps, layer_norm, weight, bias, mod_row, scale_offset,
                               shift_offset, scratch);
-    if (WRITE_H) {
-        bf16* h_row = h + static_cast<int64_t>(row) * h_stride;
+    uint8_t* q_row = q + static_cast<int64_t>(row) * q_stride;
+    if (SECOND == SecondOut::Int8) {
+        uint8_t* i8_row = static_cast<uint8_t*>(h) + static_cast<int64_t>(row) * h_stride;
+        store_row_fp8_and_int8<CHUNKS>(v, cols, NN_ROW_THREADS, q_row, scales + row, i8_row, h_scales + row,
+                                       max_scratch);
+        return;
+    }
+    if (SECOND == SecondOut::Bf16) {
+        bf16* h_row = static_cast<bf16*>(h) + static_cast<int64_t>(row) * h_stride;
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
             const int col = (threadIdx.x + c * NN_ROW_THREADS) * 8;
             if (col < cols) nn::store8(h_row + col, v[c]);
         }
     }
-    store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
-                          max_scratch);
+    store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q_row, scales + row, max_scratch);
 }
 
 // The body of nn_quantize_rows_fp8 (INT8 false) and nn_quantize_rows_int8.
@@ -433,7 +469,9 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
 // A gated residual, then the next norm with an FP8 output, in one pass over the row:
 //   x += g * y with g = tanh(gate) (gate_tanh != 0) or gate, one fma in f32, stored rounded to bf16;
 //   then nn_norm_modulate_fp8 of the stored (rounded) x; the _and_bf16 entry points store the normed rows in bf16 to
-//   h too (h_stride elements apart: the input of a bf16 GEMM beside the FP8 one, MiniMax H3's fc1 halves); the
+//   h too (h_stride elements apart: the input of a bf16 GEMM beside the FP8 one, MiniMax H3's fc1 halves), the
+//   _and_int8 entry points (one more argument, h_scales) their INT8 codes to h (h_stride bytes apart, 16-byte
+//   aligned) and each row's scale amax / 127 to h_scales (the input of an INT8 GEMM beside the FP8 one); the
 //   others ignore h.
 // The gate of row r is gate_table[m * gate_stride + gate_offset + col] and the scale/shift come from
 // mod[m * mod_stride + ...], m the row's modulation row (row_index, else the rule) clamped to each table's rows:
@@ -453,20 +491,20 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
 #define NN_GATED_RESIDUAL_FP8_PASS                                                                                  \
     x, x_stride, y, y_stride, gate_table, gate_stride, gate_rows, gate_offset, gate_tanh, q, q_stride, scales,      \
         weight, bias, rows, cols, eps, layer_norm, mod, mod_stride, mod_rows, scale_offset, shift_offset, seq_len,  \
-        target_begin, prefix_row, row_index, norm_cols, h, h_stride, scratch, max_scratch
+        target_begin, prefix_row, row_index, norm_cols, h, h_stride
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_gated_residual_norm_modulate_fp8(NN_GATED_RESIDUAL_FP8_ARGS) {
     __shared__ float scratch[32];
     __shared__ float max_scratch[32];
-    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, false>(NN_GATED_RESIDUAL_FP8_PASS);
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, SecondOut::None>(NN_GATED_RESIDUAL_FP8_PASS, nullptr, scratch, max_scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_gated_residual_norm_modulate_fp8_c2(NN_GATED_RESIDUAL_FP8_ARGS) {
     __shared__ float scratch[32];
     __shared__ float max_scratch[32];
-    gated_residual_norm_modulate_fp8_row<2, false>(NN_GATED_RESIDUAL_FP8_PASS);
+    gated_residual_norm_modulate_fp8_row<2, SecondOut::None>(NN_GATED_RESIDUAL_FP8_PASS, nullptr, scratch, max_scratch);
 }
 
 // A minimum of two blocks an SM (up to 128 registers a thread): with none, ptxas held this entry point to 64 registers
@@ -475,14 +513,30 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS, 2)
     nn_gated_residual_norm_modulate_fp8_and_bf16(NN_GATED_RESIDUAL_FP8_ARGS) {
     __shared__ float scratch[32];
     __shared__ float max_scratch[32];
-    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, true>(NN_GATED_RESIDUAL_FP8_PASS);
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, SecondOut::Bf16>(NN_GATED_RESIDUAL_FP8_PASS, nullptr, scratch, max_scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     nn_gated_residual_norm_modulate_fp8_and_bf16_c2(NN_GATED_RESIDUAL_FP8_ARGS) {
     __shared__ float scratch[32];
     __shared__ float max_scratch[32];
-    gated_residual_norm_modulate_fp8_row<2, true>(NN_GATED_RESIDUAL_FP8_PASS);
+    gated_residual_norm_modulate_fp8_row<2, SecondOut::Bf16>(NN_GATED_RESIDUAL_FP8_PASS, nullptr, scratch, max_scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS, 2)
+    nn_gated_residual_norm_modulate_fp8_and_int8(NN_GATED_RESIDUAL_FP8_ARGS, float* __restrict__ h_scales) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, SecondOut::Int8>(NN_GATED_RESIDUAL_FP8_PASS, h_scales, scratch,
+                                                                          max_scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_gated_residual_norm_modulate_fp8_and_int8_c2(NN_GATED_RESIDUAL_FP8_ARGS, float* __restrict__ h_scales) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<2, SecondOut::Int8>(NN_GATED_RESIDUAL_FP8_PASS, h_scales, scratch,
+                                                             max_scratch);
 }
 
 // SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a row's two halves of `hidden` columns,
@@ -508,6 +562,57 @@ extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
         unpack8(value_raw[c], v[c]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[c][i] = silu_f32(g[i]) * v[c][i];
+    }
+    store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
+                                  scratch);
+}
+
+// nn_swiglu_fp8 with the gate half an INT8 GEMM's exact int32 products: the gate value of row r, column c is
+// float(gate[r, c]) * (gate_row_scales[r] * gate_col_scales[c]) (the activation's and the weight's INT8 scales),
+// rounded to bf16 as a bf16-output GEMM rounds it; the value half is bf16. value rows `value_stride` elements
+// apart, gate rows `gate_stride` int32 apart (16-byte aligned, strides multiples of 4); hidden a multiple of 8 and
+// <= 16384; the output as nn_swiglu_fp8's. Grid: `rows` blocks of ceil(hidden / 16) threads rounded up to a warp.
+extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS)
+    nn_swiglu_i32gate_fp8(const bf16* __restrict__ value, int value_stride, const int32_t* __restrict__ gate,
+                          int gate_stride, const float* __restrict__ gate_row_scales,
+                          const float* __restrict__ gate_col_scales, uint8_t* __restrict__ q, int q_stride,
+                          float* __restrict__ scales, int rows, int hidden) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    uint4 value_raw[NN_WIDE_CHUNKS];
+    load_raw<NN_WIDE_CHUNKS>(value + static_cast<int64_t>(row) * value_stride, hidden, value_raw);
+    const int32_t* gate_row = gate + static_cast<int64_t>(row) * gate_stride;
+    int4 gate_raw[NN_WIDE_CHUNKS][2];
+    float4 col_scale[NN_WIDE_CHUNKS][2];
+#pragma unroll
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
+        const int col = (threadIdx.x + c * blockDim.x) * 8;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (col < hidden) {
+                gate_raw[c][half] = *reinterpret_cast<const int4*>(gate_row + col + 4 * half);
+                col_scale[c][half] = *reinterpret_cast<const float4*>(gate_col_scales + col + 4 * half);
+            } else {
+                gate_raw[c][half] = make_int4(0, 0, 0, 0);
+                col_scale[c][half] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+    }
+    const float row_scale_of_gate = gate_row_scales[row];
+    float v[NN_WIDE_CHUNKS][8];
+#pragma unroll
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
+        unpack8(value_raw[c], v[c]);
+        const int g[8] = {gate_raw[c][0].x, gate_raw[c][0].y, gate_raw[c][0].z, gate_raw[c][0].w,
+                          gate_raw[c][1].x, gate_raw[c][1].y, gate_raw[c][1].z, gate_raw[c][1].w};
+        const float w[8] = {col_scale[c][0].x, col_scale[c][0].y, col_scale[c][0].z, col_scale[c][0].w,
+                            col_scale[c][1].x, col_scale[c][1].y, col_scale[c][1].z, col_scale[c][1].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float gate_value = nn::round_bf16(static_cast<float>(g[i]) * (row_scale_of_gate * w[i]));
+            v[c][i] = silu_f32(gate_value) * v[c][i];
+        }
     }
     store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
                                   scratch);

@@ -20,8 +20,8 @@ use tf_engines::nn::fp8::{self, RowCodes};
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear};
 use tf_engines::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows,
-    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, Fp8Rows, QuantKernels,
-    ResidualGate,
+    plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart, plan_swiglu_i32gate_fp8,
+    Fp8Rows, Int32Gate, QuantKernels, ResidualGate,
 };
 use tf_engines::nn::gpu::{
     plan_swiglu_apart, plan_swiglu_ordered, Matrix, Modulation, ModulationRows, NnKernels,
@@ -790,6 +790,93 @@ fn swiglu_of_halves_apart_equals_the_fused_rows() {
         }
         assert_eq!(outs[0], outs[1], "{rows}x{hidden}: bf16 SwiGLU");
         println!("SwiGLU {rows}x{hidden}: the halves apart give the fused rows' FP8 codes, scales and bf16 values bit for bit");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn swiglu_of_an_int8_gate_gemm_matches_the_host() {
+    let g = gpu();
+    let gemms =
+        GemmRunner::new(&g.ctx, tf_cuda::cublaslt::AlgoSelection::Heuristic).expect("cuBLASLt");
+    let mut rng = Rng::new(12);
+    // (rows, hidden, k): tiny, and MiniMax H3's 14336 gate columns over a short k.
+    for (rows, hidden, k) in [(5usize, 96usize, 64usize), (33, 14336, 256)] {
+        let (value_bits, value) = random_bf16(&mut rng, rows * hidden, -2.0, 2.0);
+        // The gate GEMM's operands as the engine makes them: INT8 rows with one scale each, for the activations
+        // (per token) and the weights (per output channel).
+        let (_, x) = random_bf16(&mut rng, rows * k, -3.0, 3.0);
+        let (_, w) = random_bf16(&mut rng, hidden * k, -0.1, 0.1);
+        let (x_codes, x_scales) = RowCodes::Int8.quantize_rows(&x, k);
+        let (w_codes, w_scales) = RowCodes::Int8.quantize_rows(&w, k);
+        let (xd, wd) = (upload(&g, &x_codes), upload(&g, &w_codes));
+        let (xsd, wsd) = (upload(&g, &x_scales), upload(&g, &w_scales));
+        let value_dev = upload(&g, &value_bits);
+        let products = upload(&g, &vec![0i32; rows * hidden]);
+        let mut codes = upload(&g, &vec![0u8; rows * hidden]);
+        let mut scales = upload(&g, &vec![0f32; rows]);
+        // SAFETY: every span is a live buffer of this test, kept until the stream is synchronized below.
+        unsafe {
+            gemms.run_int8(
+                (rows, hidden, k),
+                ((&xd).into(), (&wd).into(), (&products).into()),
+                &g.stream,
+            )
+        }
+        .expect("INT8 gate GEMM");
+        {
+            let (pv, xsv, wsv) = (products.view(), xsd.view(), wsd.view());
+            let gate = Int32Gate {
+                products: &pv,
+                stride: hidden,
+                row_scales: &xsv,
+                col_scales: &wsv,
+            };
+            let (cv, sv) = (codes.view_mut(), scales.view_mut());
+            let out = Fp8Rows {
+                codes: &cv,
+                stride: hidden,
+                scales: &sv,
+            };
+            g.quant
+                .run(
+                    &g.stream,
+                    plan_swiglu_i32gate_fp8(
+                        &value_dev.view(),
+                        Matrix::dense(rows, hidden),
+                        &gate,
+                        &out,
+                    ),
+                )
+                .expect("launch swiglu_i32gate_fp8");
+        }
+        sync(&g);
+        let got_products = products.to_vec::<i32>().expect("products");
+        let mut want = vec![0f32; rows * hidden];
+        for r in 0..rows {
+            for c in 0..hidden {
+                let dot: i32 = (0..k)
+                    .map(|l| {
+                        i32::from(x_codes[r * k + l] as i8) * i32::from(w_codes[c * k + l] as i8)
+                    })
+                    .sum();
+                assert_eq!(
+                    got_products[r * hidden + c],
+                    dot,
+                    "{rows}x{hidden}: product ({r}, {c})"
+                );
+                let gate = half::bf16::from_f32(dot as f32 * (x_scales[r] * w_scales[c])).to_f32();
+                want[r * hidden + c] = host::silu(gate) * value[r * hidden + c];
+            }
+        }
+        let (c, s) = download_fp8(&g, &codes, &scales, rows, hidden, hidden);
+        check_fp8(
+            "swiglu_i32gate_fp8",
+            &format!("INT8 gate GEMM then SwiGLU, {rows}x{hidden} over k = {k}"),
+            (&c, &s),
+            &want,
+            hidden,
+        );
     }
 }
 

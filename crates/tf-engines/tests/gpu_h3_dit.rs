@@ -37,7 +37,7 @@ use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, Step
 use tf_engines::nn::fp8::{self, RowCodes};
 use tf_engines::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_fp8_with, plan_norm_modulate_fp8_padded, Fp8Rows,
-    QuantKernels, ResidualGate,
+    QuantKernels, ResidualGate, SecondRows,
 };
 use tf_engines::nn::gpu::{
     Matrix, ModulationRows, NormKind, NormModulate, RowModulation, HEAD_DIM,

@@ -268,6 +268,7 @@ impl Engine {
         let mut dims = Dims::of_for(&config, fp8)?;
         dims.attention8 = precision.uses_8bit_attention(layers);
         dims.adaln8 = fp8_groups.iter().any(|g| g.adaln.is_some());
+        dims.gate_int8 = fp8_groups.iter().any(|g| g.mlp_gate_int8);
         if dims.adaln8 && dims.temb_p > kernels::LINEAR_W8_MAX_K {
             return Err(H3Error::Backend(format!(
                 "--precision {precision}: the adaLN projections in 8 bits read at most {} inputs a row \

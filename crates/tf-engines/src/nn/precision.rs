@@ -49,6 +49,11 @@ pub struct Fp8Groups {
     /// The gate half of `mlp_in` (the rows SwiGLU passes through silu).
     pub mlp_gate: bool,
     pub mlp_out: bool,
+    /// The gate half of `mlp_in` as an INT8 GEMM instead (`mlp_gate=int8`; `mlp_gate` is then off): INT8 weight
+    /// rows and per-token INT8 activation codes (a third of e4m3's rounding error at the same bytes), exact int32
+    /// products dequantized by the SwiGLU that reads them. Needs `mlp_value` and `mlp_out` in FP8: the activation
+    /// codes come from the norm that writes the value half's e4m3 rows, and the SwiGLU writes e4m3 rows.
+    pub mlp_gate_int8: bool,
     /// The block's adaLN projection, weight-only (MiniMax H3): its codes (`None`: bf16).
     pub adaln: Option<RowCodes>,
 }
@@ -61,6 +66,7 @@ impl Fp8Groups {
         mlp_value: false,
         mlp_gate: false,
         mlp_out: false,
+        mlp_gate_int8: false,
         adaln: None,
     };
     /// The four GEMM groups in FP8 (not `adaln`, which is named on its own).
@@ -70,6 +76,7 @@ impl Fp8Groups {
         mlp_value: true,
         mlp_gate: true,
         mlp_out: true,
+        mlp_gate_int8: false,
         adaln: None,
     };
 
@@ -81,7 +88,12 @@ impl Fp8Groups {
     /// True when one of the four GEMM groups (or a half of `mlp_in`) runs in FP8 (their activations are quantized
     /// too).
     pub fn any_gemm(self) -> bool {
-        self.qkv || self.out || self.mlp_value || self.mlp_gate || self.mlp_out
+        self.qkv
+            || self.out
+            || self.mlp_value
+            || self.mlp_gate
+            || self.mlp_out
+            || self.mlp_gate_int8
     }
 
     /// Both halves of `mlp_in` in FP8: the projection is one FP8 GEMM.
@@ -89,7 +101,8 @@ impl Fp8Groups {
         self.mlp_value && self.mlp_gate
     }
 
-    /// Exactly one half of `mlp_in` in FP8: the projection runs as two GEMMs, one per half.
+    /// Exactly one half of `mlp_in` in FP8 (the other in bf16, or the gate in INT8): the projection runs as two
+    /// GEMMs, one per half.
     pub fn mlp_in_split(self) -> bool {
         self.mlp_value != self.mlp_gate
     }
@@ -113,6 +126,7 @@ impl Fp8Groups {
             ("mlp_in", self.mlp_in()),
             ("mlp_value", self.mlp_in_split() && self.mlp_value),
             ("mlp_gate", self.mlp_in_split() && self.mlp_gate),
+            ("mlp_gate=int8", self.mlp_gate_int8),
             ("mlp_out", self.mlp_out),
         ]
         .into_iter()
@@ -369,7 +383,7 @@ impl FromStr for DitPrecision {
 
     /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_out, adaln, adaln=int8, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_gate=int8, mlp_out, adaln, adaln=int8, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -429,15 +443,32 @@ impl FromStr for DitPrecision {
                 };
                 continue;
             }
+            if let Some(codes) = item.strip_prefix("mlp_gate=") {
+                (groups.mlp_gate, groups.mlp_gate_int8) = match codes {
+                    "bf16" => (false, false),
+                    "fp8" | "e4m3" => (true, false),
+                    "int8" => (false, true),
+                    _ => {
+                        return Err(format!(
+                            "precision {text:?}: mlp_gate={codes} is not `bf16`, `fp8` or `int8`"
+                        ))
+                    }
+                };
+                continue;
+            }
             match item {
                 "qkv" => groups.qkv = true,
                 "out" => groups.out = true,
                 "mlp_in" => {
                     groups.mlp_value = true;
                     groups.mlp_gate = true;
+                    groups.mlp_gate_int8 = false;
                 }
                 "mlp_value" => groups.mlp_value = true,
-                "mlp_gate" => groups.mlp_gate = true,
+                "mlp_gate" => {
+                    groups.mlp_gate = true;
+                    groups.mlp_gate_int8 = false;
+                }
                 "mlp_out" => groups.mlp_out = true,
                 "adaln" => groups.adaln = Some(RowCodes::E4m3),
                 "all" => {
@@ -456,6 +487,12 @@ impl FromStr for DitPrecision {
         }
         if !named {
             groups = Fp8Layers::DEFAULT.groups;
+        }
+        if groups.mlp_gate_int8 && !(groups.mlp_value && groups.mlp_out) {
+            return Err(format!(
+                "precision {text:?}: mlp_gate=int8 needs mlp_value and mlp_out too (the gate's INT8 rows are written \
+                 beside the value half's e4m3 rows, and its SwiGLU writes e4m3 rows for mlp_out)"
+            ));
         }
         Ok(DitPrecision::Fp8(Fp8Layers {
             groups,
@@ -604,6 +641,7 @@ mod tests {
             "fp8:adaln,ends=0",
             "fp8:adaln=int8,ends=0",
             "fp8:qkv,out,mlp_value,mlp_out,adaln=int8,ends=1",
+            "fp8:qkv,out,mlp_value,mlp_gate=int8,mlp_out,adaln=int8,ends=1",
             "fp8:qkv,out,mlp_in,mlp_out,ends=1",
             "fp8:out,ends=0",
             "fp8:none,ends=2",
@@ -644,6 +682,38 @@ mod tests {
         let g = value.groups_of(1, 3);
         assert!(g.mlp_in_split() && !g.mlp_in() && g.any_gemm());
         assert!(!Fp8Groups::ALL.mlp_in_split() && Fp8Groups::ALL.mlp_in());
+        // The gate half in INT8: a split projection whose gate is no FP8 group, beside the FP8 value and fc2.
+        let int8_gate: DitPrecision = "fp8:mlp_value,mlp_gate=int8,mlp_out,ends=0"
+            .parse()
+            .unwrap();
+        let g = int8_gate.groups_of(0, 2);
+        assert!(g.mlp_gate_int8 && !g.mlp_gate && g.mlp_in_split() && !g.mlp_in() && g.any_gemm());
+        assert_eq!(g.gemm_names(), ["mlp_value", "mlp_gate=int8", "mlp_out"]);
+        assert!("fp8:mlp_value,mlp_gate=fp8,mlp_out"
+            .parse::<DitPrecision>()
+            .unwrap()
+            .groups_of(1, 3)
+            .mlp_in());
+        let back = "fp8:mlp_value,mlp_gate=int8,mlp_gate,mlp_out"
+            .parse::<DitPrecision>()
+            .unwrap();
+        assert!(
+            !back.groups_of(1, 3).mlp_gate_int8,
+            "a later `mlp_gate` names FP8 again"
+        );
+        for needs in [
+            "fp8:mlp_gate=int8",
+            "fp8:mlp_value,mlp_gate=int8",
+            "fp8:mlp_gate=int8,mlp_out",
+        ] {
+            let err = needs.parse::<DitPrecision>().unwrap_err();
+            assert!(
+                err.contains("needs mlp_value and mlp_out"),
+                "{needs}: {err}"
+            );
+        }
+        let err = "fp8:mlp_gate=int4".parse::<DitPrecision>().unwrap_err();
+        assert!(err.contains("mlp_gate=int4 is not"), "{err}");
         // An explicit spec is never replaced by a model's default.
         let explicit: DitPrecision = "fp8:all,ends=1".parse().unwrap();
         assert_eq!(explicit.resolve(keep_mlp_in), explicit);

@@ -103,6 +103,12 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
         let mut h_both = device(&ctx, &bf16_bytes(&vec![0f32; rows * cols]));
         let mut codes_both = device(&ctx, &vec![0u8; rows * cols]);
         let mut scales_both = device(&ctx, &f32_bytes(&vec![0f32; rows]));
+        // And writing INT8 rows beside the e4m3 ones instead (fc1's gate half in INT8).
+        let mut x_i8 = device(&ctx, &bf16_bytes(&x));
+        let mut codes_i8_pass = device(&ctx, &vec![0u8; rows * cols]);
+        let mut scales_i8_pass = device(&ctx, &f32_bytes(&vec![0f32; rows]));
+        let mut int8_codes = device(&ctx, &vec![0u8; rows * cols]);
+        let mut int8_scales = device(&ctx, &f32_bytes(&vec![0f32; rows]));
         let mut normed = device(&ctx, &bf16_bytes(&vec![0f32; rows * cols]));
         let mut codes = device(&ctx, &vec![0u8; rows * cols]);
         let mut scales = device(&ctx, &f32_bytes(&vec![0f32; rows]));
@@ -204,7 +210,41 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
                         &gate,
                         &both_out,
                         &norm,
-                        Some((&hb, cols)),
+                        Some(SecondRows::Bf16 {
+                            h: &hb,
+                            stride: cols,
+                        }),
+                    ),
+                )
+                .unwrap();
+            let (xi, ci, si) = (
+                x_i8.view_mut(),
+                codes_i8_pass.view_mut(),
+                scales_i8_pass.view_mut(),
+            );
+            let (ic, is) = (int8_codes.view_mut(), int8_scales.view_mut());
+            let i8_pass_out = Fp8Rows {
+                codes: &ci,
+                stride: cols,
+                scales: &si,
+            };
+            let int8_rows = Fp8Rows {
+                codes: &ic,
+                stride: cols,
+                scales: &is,
+            };
+            quant
+                .run(
+                    &stream,
+                    plan_gated_residual_norm_modulate_fp8_with(
+                        &xi,
+                        Matrix::dense(rows, cols),
+                        width,
+                        (&yv, cols),
+                        &gate,
+                        &i8_pass_out,
+                        &norm,
+                        Some(SecondRows::Int8(&int8_rows)),
                     ),
                 )
                 .unwrap();
@@ -243,6 +283,39 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             scales_both.to_vec::<f32>().unwrap(),
             scales.to_vec::<f32>().unwrap(),
             "{case}: scales"
+        );
+        // Writing INT8 rows instead changes nothing else either; they quantize the same values with the same row
+        // max (scale amax / 127 against amax / 448) and sit where h3_residual_norm's bf16 rows do.
+        assert_eq!(
+            read_bf16(&x_i8),
+            read_bf16(&x_fp8),
+            "{case}: residual (INT8 pass)"
+        );
+        assert_eq!(
+            codes_i8_pass.to_vec::<u8>().unwrap(),
+            codes.to_vec::<u8>().unwrap(),
+            "{case}: e4m3 codes (INT8 pass)"
+        );
+        let fp8_scales = scales.to_vec::<f32>().unwrap();
+        let i8_scales = int8_scales.to_vec::<f32>().unwrap();
+        for (r, (&e, &i)) in fp8_scales.iter().zip(&i8_scales).enumerate() {
+            let (amax_e, amax_i) = (f64::from(e) * 448.0, f64::from(i) * 127.0);
+            assert!(
+                (amax_e - amax_i).abs() <= 1e-6 * amax_e.abs(),
+                "{case}: row {r}: INT8 scale {i} and e4m3 scale {e} are not of one row max"
+            );
+        }
+        let i8_codes = int8_codes.to_vec::<u8>().unwrap();
+        let i8_deq = RowCodes::Int8.dequantize_rows(&i8_codes, &i8_scales, cols);
+        let i8_err = relative_l2(&i8_deq, &read_bf16(&normed)).unwrap();
+        let fp8_deq = fp8::dequantize_rows(&codes.to_vec::<u8>().unwrap(), &fp8_scales, cols);
+        let fp8_err = relative_l2(&fp8_deq, &read_bf16(&normed)).unwrap();
+        println!(
+            "{case}: INT8 rows vs h3_residual_norm's bf16 rows: rel L2 {i8_err:.3e} (the e4m3 rows: {fp8_err:.3e})"
+        );
+        assert!(
+            i8_err <= 0.015 && i8_err < fp8_err,
+            "{case}: INT8 rows {i8_err:.3e}, e4m3 {fp8_err:.3e}"
         );
         let h_err = relative_l2(&read_bf16(&h_both), &read_bf16(&normed)).unwrap();
         println!("{case}: the pass's bf16 rows vs h3_residual_norm's: rel L2 {h_err:.3e}");

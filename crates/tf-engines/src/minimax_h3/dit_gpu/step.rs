@@ -37,7 +37,7 @@ use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_fp8_with,
     plan_norm_modulate_fp8_padded, plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart,
-    Fp8Rows, QuantKernels, ResidualGate,
+    plan_swiglu_i32gate_fp8, Fp8Rows, Int32Gate, QuantKernels, ResidualGate, SecondRows,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, Matrix,
@@ -94,6 +94,10 @@ pub(super) enum Buf {
     Q8,
     /// One block's 8-bit adaLN projection dequantized to bf16 (a GEMM's weight, [`GemmCall::w_buf`]).
     AdalnW8,
+    /// The INT8 rows of an INT8 GEMM (`fc1`'s gate half; their scales in `q8i_scales`).
+    Q8I,
+    /// The int32 products of the INT8 gate GEMM.
+    GateI32,
 }
 
 /// The GEMMs of one attention block over its rows, in the order the block runs them.
@@ -141,6 +145,9 @@ pub(super) struct GemmCall {
     /// FP8: the byte offset of the weight's per-output-row f32 scales (the weight at `w` is then e4m3 and `x` is
     /// [`Buf::Q8`]).
     pub fp8: Option<usize>,
+    /// INT8: the byte offset of the weight's per-output-row f32 scales (the weight at `w` is then INT8 codes, `x`
+    /// is [`Buf::Q8I`] and `y` int32 products, which the SwiGLU dequantizes).
+    pub int8: Option<usize>,
 }
 
 impl GemmCall {
@@ -151,6 +158,12 @@ impl GemmCall {
 
     /// The plan this call needs (an FP8 call accumulating as `accumulation` says).
     pub(super) fn shape(&self, accumulation: Fp8Accumulation) -> GemmShape {
+        if self.int8.is_some() {
+            return gemm::int8_shape_at_offsets(
+                (self.m, self.n, self.k),
+                (self.x_off, self.w, self.y_off),
+            );
+        }
         if self.fp8.is_some() {
             return gemm::fp8_shape_at_offsets(
                 (self.m, self.n, self.k),
@@ -217,6 +230,8 @@ enum Target {
     Fp8,
     /// Both: e4m3 rows into `q8` and bf16 rows into h, in one pass (`fc1` with one half in FP8).
     Fp8AndH,
+    /// Both: e4m3 rows into `q8` and INT8 rows into `q8i`, in one pass (`fc1`'s gate half in INT8).
+    Fp8AndInt8,
 }
 
 impl Engine {
@@ -263,6 +278,7 @@ impl Engine {
             y_off: layer * sizes.adaln_block,
             bias: self.offsets.blocks.get(layer).map(|b| b.ada_b),
             fp8: None,
+            int8: None,
         }
     }
 
@@ -338,6 +354,7 @@ impl Engine {
             y_off: 0,
             bias: Some(self.offsets.norm_out_b),
             fp8: None,
+            int8: None,
         }
     }
 
@@ -355,6 +372,7 @@ impl Engine {
             y_off: 0,
             bias: Some(self.offsets.ctx_b),
             fp8: None,
+            int8: None,
         }
     }
 
@@ -374,10 +392,19 @@ impl Engine {
             y_off,
             bias: None,
             fp8,
+            int8: None,
         };
         let s = a.fp8;
         let (fc1, fc1_gate) = match a.fc1_gate {
             None => (call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1), None),
+            Some(gate) if s.fc1_gate_int8 => (
+                call(d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1),
+                Some(GemmCall {
+                    x: Buf::Q8I,
+                    int8: s.fc1_gate,
+                    ..call(d.fp, d.hp, Buf::Q8I, gate, Buf::GateI32, 0, None)
+                }),
+            ),
             Some(gate) => (
                 call(d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1),
                 Some(call(
@@ -409,11 +436,13 @@ impl Engine {
         }
     }
 
-    /// Where the norm before main block `layer`'s `fc1` goes: e4m3 rows for an FP8 `fc1`, both e4m3 and bf16 rows
-    /// when one of its halves runs in FP8, else the bf16 rows h.
+    /// Where the norm before main block `layer`'s `fc1` goes: e4m3 rows for an FP8 `fc1`, e4m3 and INT8 rows for
+    /// an FP8 value half beside an INT8 gate half, both e4m3 and bf16 rows when one of its halves runs in FP8, else
+    /// the bf16 rows h.
     fn fc1_norm_target(&self, layer: usize) -> Target {
         match self.fp8_groups.get(layer) {
             Some(g) if g.mlp_in() => Target::Fp8,
+            Some(g) if g.mlp_in_split() && g.mlp_gate_int8 => Target::Fp8AndInt8,
             Some(g) if g.mlp_in_split() => Target::Fp8AndH,
             _ => Target::H,
         }
@@ -493,10 +522,16 @@ impl Engine {
         let codes = ws.q8.view_mut();
         let scales = ws.q8_scales.view_mut();
         let out = Self::q8_out(&codes, &scales, hp);
+        let i8_codes = ws.q8i.view_mut();
+        let i8_scales = ws.q8i_scales.view_mut();
+        let i8_out = Self::q8_out(&i8_codes, &i8_scales, hp);
         match residual {
-            Residual::None if target == Target::Fp8AndH => Err(H3Error::Backend(
-                "internal: only a gated residual's norm writes FP8 and bf16 rows together".into(),
-            )),
+            Residual::None if matches!(target, Target::Fp8AndH | Target::Fp8AndInt8) => {
+                Err(H3Error::Backend(
+                    "internal: only a gated residual's norm writes two kinds of rows together"
+                        .into(),
+                ))
+            }
             Residual::None => {
                 let xv = ws.x.view();
                 self.quant()?
@@ -523,6 +558,11 @@ impl Engine {
                 let xv = ws.x.view_mut();
                 let yv = ws.y.view();
                 let hv = ws.h.view_mut();
+                let second = match target {
+                    Target::Fp8AndH => Some(SecondRows::Bf16 { h: &hv, stride: hp }),
+                    Target::Fp8AndInt8 => Some(SecondRows::Int8(&i8_out)),
+                    _ => None,
+                };
                 let plan = plan_gated_residual_norm_modulate_fp8_with(
                     &xv,
                     layout,
@@ -531,7 +571,7 @@ impl Engine {
                     &gate,
                     &out,
                     &norm,
-                    (target == Target::Fp8AndH).then_some((&hv, hp)),
+                    second,
                 );
                 self.quant()?.run(&self.stream, plan).map_err(launch)
             }
@@ -581,6 +621,8 @@ impl Engine {
             Buf::Act => &ws.act,
             Buf::Q8 => &ws.q8,
             Buf::AdalnW8 => &ws.adaln_w8,
+            Buf::Q8I => &ws.q8i,
+            Buf::GateI32 => &ws.gate_i32,
         }
     }
 
@@ -595,6 +637,26 @@ impl Engine {
                 .and_then(|v| v.checked_mul(BF16))
                 .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
         };
+        if c.int8.is_some() {
+            // INT8 operands (one byte each) and int32 products; the scales apply in the SwiGLU.
+            let codes = |a: usize, b: usize| {
+                a.checked_mul(b).ok_or_else(|| {
+                    H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k))
+                })
+            };
+            let x =
+                gemm::span(Self::buffer(ws, c.x), c.x_off, codes(c.m, c.k)?).map_err(gemm_err)?;
+            let w = gemm::span(&self.weights, c.w, codes(c.n, c.k)?).map_err(gemm_err)?;
+            let y = gemm::span(Self::buffer(ws, c.y), c.y_off, codes(c.m, c.n * 4)?)
+                .map_err(gemm_err)?;
+            // SAFETY: as for the bf16 GEMM below: every span lies inside the engine's weights or the workspace in
+            // use, both of which outlive the enqueued work.
+            return unsafe {
+                self.gemms
+                    .run_int8((c.m, c.n, c.k), (x, w, y), &self.stream)
+            }
+            .map_err(gemm_err);
+        }
         if let Some(w_scales) = c.fp8 {
             // e4m3 operands (one byte each) with f32 row scales: x's per row, w's per output channel.
             let codes = |a: usize, b: usize| {
@@ -649,7 +711,7 @@ impl Engine {
         modulate: Modulate,
         target: Target,
     ) -> Result<(), H3Error> {
-        if matches!(target, Target::Fp8 | Target::Fp8AndH) {
+        if matches!(target, Target::Fp8 | Target::Fp8AndH | Target::Fp8AndInt8) {
             if rows != Rows::Main {
                 return Err(H3Error::Backend(
                     "internal: only the main rows feed FP8 GEMMs".into(),
@@ -702,7 +764,7 @@ impl Engine {
                     "internal: only the refiner's rows are scattered into x".into(),
                 ))
             }
-            (_, Target::Fp8 | Target::Fp8AndH) => {
+            (_, Target::Fp8 | Target::Fp8AndH | Target::Fp8AndInt8) => {
                 return Err(H3Error::Backend(
                     "internal: FP8 norms run in residual_norm_fp8".into(),
                 ))
@@ -750,7 +812,7 @@ impl Engine {
             out: &ov,
             out_stride: hp,
             out_index: match target {
-                Target::H | Target::Fp8 | Target::Fp8AndH => None,
+                Target::H | Target::Fp8 | Target::Fp8AndH | Target::Fp8AndInt8 => None,
                 Target::TextRowsOfX => Some((&text_index, z.rows)),
             },
         };
@@ -887,7 +949,10 @@ impl Engine {
             self.run_gemm(ws, gate)?;
         }
         probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
-        self.swiglu(ws, m, calls.fc1_gate.is_some(), calls.fc2.fp8.is_some())?;
+        match calls.fc1_gate {
+            Some(gate) if gate.int8.is_some() => self.swiglu_int32_gate(ws, m, gate)?,
+            _ => self.swiglu(ws, m, calls.fc1_gate.is_some(), calls.fc2.fp8.is_some())?,
+        }
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
         self.run_gemm(ws, calls.fc2)?;
         probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0)
@@ -948,6 +1013,41 @@ impl Engine {
             ),
         }
         .map_err(launch)
+    }
+
+    /// SwiGLU of ff's value half (`[m, fp]` bf16, the FP8 GEMM's) and the INT8 `gate` GEMM's int32 products into
+    /// the e4m3 rows of `fc2` (the precision requires `mlp_out` beside `mlp_gate=int8`).
+    fn swiglu_int32_gate(
+        &self,
+        ws: &mut Workspace,
+        m: usize,
+        gate: GemmCall,
+    ) -> Result<(), H3Error> {
+        let fp = self.dims.fp;
+        let Some(w_scales) = gate.int8 else {
+            return Err(H3Error::Backend(
+                "internal: the INT8 SwiGLU needs an INT8 gate GEMM".into(),
+            ));
+        };
+        let codes = ws.q8.view_mut();
+        let scales = ws.q8_scales.view_mut();
+        let q8 = Self::q8_out(&codes, &scales, fp);
+        let value = ws.ff.slice(0, m * fp * BF16).map_err(launch)?;
+        let products = ws.gate_i32.view();
+        let row_scales = ws.q8i_scales.view();
+        let col_scales = self.weight_view(w_scales, fp * 4)?;
+        let gate_rows = Int32Gate {
+            products: &products,
+            stride: fp,
+            row_scales: &row_scales,
+            col_scales: &col_scales,
+        };
+        self.quant()?
+            .run(
+                &self.stream,
+                plan_swiglu_i32gate_fp8(&value, Matrix::dense(m, fp), &gate_rows, &q8),
+            )
+            .map_err(launch)
     }
 
     /// Enqueues one step on the stream (no host synchronisation), calling `probe` after each launch group: the

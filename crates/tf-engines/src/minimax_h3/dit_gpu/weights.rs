@@ -80,6 +80,9 @@ pub(super) struct Dims {
     /// Whether some main block's adaLN projection is stored in 8 bits (a workspace over many timesteps then holds
     /// one block's projection dequantized to bf16, for a GEMM).
     pub adaln8: bool,
+    /// Whether some main block runs its `fc1` gate half as an INT8 GEMM (the workspace then holds the INT8
+    /// activation rows and the int32 products).
+    pub gate_int8: bool,
 }
 
 impl Dims {
@@ -157,6 +160,7 @@ impl Dims {
             fp8,
             attention8: false,
             adaln8: false,
+            gate_int8: false,
         })
     }
 
@@ -204,8 +208,10 @@ pub(super) struct GroupScales {
     pub qkv: Option<usize>,
     pub to_out: Option<usize>,
     pub fc1: Option<usize>,
-    /// The gate rows' scales when they are a matrix of their own in FP8 (`AttnOffsets::fc1_gate`).
+    /// The gate rows' scales when they are a matrix of their own in 8 bits (`AttnOffsets::fc1_gate`).
     pub fc1_gate: Option<usize>,
+    /// The gate rows are INT8 codes (`mlp_gate=int8`: an INT8 GEMM), not e4m3.
+    pub fc1_gate_int8: bool,
     pub fc2: Option<usize>,
 }
 
@@ -580,7 +586,12 @@ pub(super) fn plan(
         // One fc1 matrix, or (one half of `mlp_in` in FP8) the value rows and the gate rows apart.
         let (fc1, fc1_scales, fc1_gate, fc1_gate_scales) = if groups.mlp_in_split() {
             let (value, value_scales) = matrix(l, fp8, fp, hp, groups.mlp_value)?;
-            let (gate, gate_scales) = matrix(l, fp8, fp, hp, groups.mlp_gate)?;
+            let gate_codes = if groups.mlp_gate_int8 {
+                Some(RowCodes::Int8)
+            } else {
+                groups.mlp_gate.then_some(RowCodes::E4m3)
+            };
+            let (gate, gate_scales) = coded(l, fp8, fp, hp, gate_codes)?;
             (value, value_scales, Some(gate), gate_scales)
         } else {
             let (fc1, scales) = matrix(l, fp8, 2 * fp, hp, groups.mlp_in())?;
@@ -602,6 +613,7 @@ pub(super) fn plan(
                 to_out: to_out_scales,
                 fc1: fc1_scales,
                 fc1_gate: fc1_gate_scales,
+                fc1_gate_int8: groups.mlp_in_split() && groups.mlp_gate_int8,
                 fc2: fc2_scales,
             },
         })

@@ -115,6 +115,11 @@ pub(super) struct WorkspaceSizes {
     /// 8-bit adaLN projections over more than [`ADALN_KERNEL_ROWS`] timesteps (a request's schedule): one block's
     /// projection dequantized to bf16, the weight of a bf16 GEMM (0 otherwise).
     pub adaln_w8: usize,
+    /// INT8 `fc1` gate runs only: the INT8 rows of `fc1`'s input and their f32 row scales, and the gate GEMM's int32
+    /// products `[rows, fp]` (0 otherwise).
+    pub q8i: usize,
+    pub q8i_scales: usize,
+    pub gate_i32: usize,
 }
 
 /// Timestep rows up to which the weight-only kernel makes an 8-bit block's adaLN table (it reads the codes once and
@@ -192,6 +197,21 @@ impl WorkspaceSizes {
             } else {
                 0
             },
+            q8i: if dims.gate_int8 {
+                product("INT8 rows", &[rows, dims.hp])?
+            } else {
+                0
+            },
+            q8i_scales: if dims.gate_int8 {
+                product("INT8 row scales", &[rows, 4])?
+            } else {
+                0
+            },
+            gate_i32: if dims.gate_int8 {
+                product("INT8 gate products", &[rows, dims.fp, 4])?
+            } else {
+                0
+            },
         })
     }
 
@@ -224,6 +244,9 @@ impl WorkspaceSizes {
             self.q8_scales,
             self.attn8,
             self.adaln_w8,
+            self.q8i,
+            self.q8i_scales,
+            self.gate_i32,
         ]
         .iter()
         .map(|&b| up(b))
@@ -343,6 +366,10 @@ pub(super) struct Workspace {
     pub attn8: DeviceBuffer,
     /// 8-bit adaLN projections over a schedule: one block's projection in bf16 (empty otherwise).
     pub adaln_w8: DeviceBuffer,
+    /// INT8 `fc1` gate runs: the INT8 input rows, their scales and the int32 products (empty otherwise).
+    pub q8i: DeviceBuffer,
+    pub q8i_scales: DeviceBuffer,
+    pub gate_i32: DeviceBuffer,
     /// True once an eager step ran (cuBLASLt plans are built; capture is safe).
     pub warmed: bool,
     /// The row positions whose RoPE tables `rope_cos` / `rope_sin` hold (the steps of a request share them).
@@ -400,6 +427,9 @@ impl Workspace {
             q8_scales: alloc(ctx, z.q8_scales, "FP8 activation")?,
             attn8: alloc(ctx, z.attn8, "8-bit attention")?,
             adaln_w8: alloc(ctx, z.adaln_w8, "dequantized adaLN")?,
+            q8i: alloc(ctx, z.q8i, "INT8 activation")?,
+            q8i_scales: alloc(ctx, z.q8i_scales, "INT8 activation")?,
+            gate_i32: alloc(ctx, z.gate_i32, "INT8 gate products")?,
             sizes: z,
             warmed: false,
             rope_positions: None,

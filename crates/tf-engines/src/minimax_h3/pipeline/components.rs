@@ -270,7 +270,7 @@ fn random_on_host() -> PipelineError {
     )
 }
 
-/// Weights of a DiT of `config` that `precision` stores in FP8 (the chosen GEMM groups of the blocks it runs in
+/// Weights of a DiT of `config` that `precision` stores in 8 bits (the chosen GEMM groups of the blocks it runs in
 /// FP8); 0 in bf16.
 fn fp8_weights(config: &MiniMaxH3Config, precision: DitPrecision) -> u64 {
     let (h, f) = (config.hidden_size as u64, config.ffn_dim as u64);
@@ -286,7 +286,7 @@ fn fp8_weights(config: &MiniMaxH3Config, precision: DitPrecision) -> u64 {
                 (g.qkv, 3 * inner * h),
                 (g.out, h * inner),
                 (g.mlp_value, f * h),
-                (g.mlp_gate, f * h),
+                (g.mlp_gate || g.mlp_gate_int8, f * h),
                 (g.mlp_out, h * f),
                 (g.adaln.is_some(), adaln),
             ]

@@ -304,6 +304,15 @@ pub fn fp8_shape_at_offsets(
     at_offsets(shape, (x, w, y), f32_out)
 }
 
+/// An INT8 GEMM shape (exact int32 products, [`Gemm::int8`]) with operands at these byte offsets `(x, w, y)` of
+/// 256-byte aligned allocations.
+pub fn int8_shape_at_offsets(
+    (m, n, k): (usize, usize, usize),
+    (x, w, y): (usize, usize, usize),
+) -> GemmShape {
+    at_offsets(GemmShape::int8(m, n, k), (x, w, y), false)
+}
+
 /// The alignment cuBLASLt records for an operand at byte `offset` of a 256-byte aligned allocation.
 pub fn offset_alignment(offset: usize) -> u32 {
     alignment_of(u64::try_from(offset).unwrap_or(0))
@@ -537,6 +546,25 @@ impl GemmRunner {
             k: linear.k,
             source,
         })
+    }
+
+    /// Enqueues the INT8 GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` (signed 8-bit codes, exact int32 products; the caller
+    /// applies the row scales); no rows (`m == 0`) is nothing to do.
+    ///
+    /// # Safety
+    /// As [`GemmRunner::run`].
+    pub unsafe fn run_int8(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        (x, w, y): (DeviceSpan, DeviceSpan, DeviceSpan),
+        stream: &Stream,
+    ) -> Result<(), GemmError> {
+        if m == 0 {
+            return Ok(());
+        }
+        // SAFETY: this function's contract is `matmul`'s.
+        unsafe { self.lt.matmul(&Gemm::int8(m, n, k, x, w, y), stream) }
+            .map_err(|source| GemmError::Run { m, n, k, source })
     }
 
     /// Enqueues `linear` on `stream`; a call with no rows (`m == 0`) is nothing to do.

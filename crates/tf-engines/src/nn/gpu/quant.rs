@@ -46,7 +46,10 @@ pub const QUANT_KERNELS: &[&str] = &[
     "nn_gated_residual_norm_modulate_fp8_c2",
     "nn_gated_residual_norm_modulate_fp8_and_bf16",
     "nn_gated_residual_norm_modulate_fp8_and_bf16_c2",
+    "nn_gated_residual_norm_modulate_fp8_and_int8",
+    "nn_gated_residual_norm_modulate_fp8_and_int8_c2",
     "nn_swiglu_fp8",
+    "nn_swiglu_i32gate_fp8",
 ];
 
 /// Most columns the SwiGLU and plain row quantizers hold in registers (up to 1024 threads x 16 values). The norm
@@ -356,11 +359,24 @@ pub fn plan_gated_residual_norm_modulate_fp8<'a>(
     )
 }
 
+/// A second copy of the normed rows a gated residual's FP8 norm writes in the same pass, for a GEMM beside the FP8
+/// one over the same rows (MiniMax H3's `fc1` run as two halves).
+#[derive(Clone, Copy)]
+pub enum SecondRows<'v, 'a> {
+    /// bf16 rows at `h`, `stride` elements apart (the input of a bf16 GEMM; kernel
+    /// nn_gated_residual_norm_modulate_fp8_and_bf16).
+    Bf16 {
+        h: &'v DeviceViewMut<'a>,
+        stride: usize,
+    },
+    /// INT8 codes with one f32 scale a row, amax / 127 (the input of an INT8 GEMM; kernel
+    /// nn_gated_residual_norm_modulate_fp8_and_int8).
+    Int8(&'v Fp8Rows<'v, 'a>),
+}
+
 /// [`plan_gated_residual_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (as
 /// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros) that, given
-/// `also_bf16` (`h`, `h_stride`), also writes the normed rows in bf16 to `h` (`h_stride` elements apart) in the same
-/// pass: the input of a bf16 GEMM beside the FP8 one (MiniMax H3's `fc1` with one half in FP8; kernel
-/// nn_gated_residual_norm_modulate_fp8_and_bf16).
+/// `second`, also writes the normed rows in bf16 or as INT8 codes in the same pass ([`SecondRows`]).
 #[allow(clippy::too_many_arguments)]
 pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
     x: &'a DeviceViewMut<'_>,
@@ -370,12 +386,16 @@ pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
     gate: &ResidualGate<'a, '_>,
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
-    also_bf16: Option<(&'a DeviceViewMut<'_>, usize)>,
+    second: Option<SecondRows<'a, '_>>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual_norm_modulate_fp8";
     let cols = x_layout.cols;
-    if let Some((h, h_stride)) = also_bf16 {
-        check_matrix(OP, "h", Operand::of_mut(h), x_layout.with_stride(h_stride))?;
+    match second {
+        Some(SecondRows::Bf16 { h, stride }) => {
+            check_matrix(OP, "h", Operand::of_mut(h), x_layout.with_stride(stride))?
+        }
+        Some(SecondRows::Int8(rows)) => check_fp8_rows(OP, rows, x_layout.rows, cols)?,
+        None => {}
     }
     check_norm_cols(OP, cols)?;
     check_norm_width(OP, norm, cols, norm_cols)?;
@@ -439,22 +459,29 @@ pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
         (gate.select, gate_index.unwrap_or(0)),
     )?;
     args.push(to_i32(OP, "norm width", norm_cols)?);
-    match also_bf16 {
-        Some((h, h_stride)) => args
-            .push_addr(h.addr())
-            .push(to_i32(OP, "h stride", h_stride)?),
-        None => args.push_addr(0).push(0i32),
-    };
-    let (plain, narrow) = if also_bf16.is_some() {
-        (
-            "nn_gated_residual_norm_modulate_fp8_and_bf16",
-            "nn_gated_residual_norm_modulate_fp8_and_bf16_c2",
-        )
-    } else {
-        (
-            "nn_gated_residual_norm_modulate_fp8",
-            "nn_gated_residual_norm_modulate_fp8_c2",
-        )
+    let (plain, narrow) = match second {
+        Some(SecondRows::Bf16 { h, stride }) => {
+            args.push_addr(h.addr())
+                .push(to_i32(OP, "h stride", stride)?);
+            (
+                "nn_gated_residual_norm_modulate_fp8_and_bf16",
+                "nn_gated_residual_norm_modulate_fp8_and_bf16_c2",
+            )
+        }
+        Some(SecondRows::Int8(rows)) => {
+            push_fp8_rows(&mut args, OP, rows)?;
+            (
+                "nn_gated_residual_norm_modulate_fp8_and_int8",
+                "nn_gated_residual_norm_modulate_fp8_and_int8_c2",
+            )
+        }
+        None => {
+            args.push_addr(0).push(0i32);
+            (
+                "nn_gated_residual_norm_modulate_fp8",
+                "nn_gated_residual_norm_modulate_fp8_c2",
+            )
+        }
     };
     Ok(Launch::new(
         norm_kernel(plain, narrow, cols),
@@ -488,6 +515,89 @@ pub fn plan_swiglu_fp8_apart<'a>(
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu_fp8_apart";
     swiglu_fp8(OP, SwigluHalves::apart(OP, value, gate, layout)?, out)
+}
+
+/// The gate half of a SwiGLU as an INT8 GEMM left it: exact int32 products `[rows, hidden]` (`stride` int32 apart),
+/// with the activation rows' INT8 scales (`rows` f32) and the weight rows' (`hidden` f32).
+pub struct Int32Gate<'v, 'a> {
+    pub products: &'v DeviceView<'a>,
+    pub stride: usize,
+    pub row_scales: &'v DeviceView<'a>,
+    pub col_scales: &'v DeviceView<'a>,
+}
+
+/// SwiGLU of a bf16 value half (`value_layout`) and an INT8 GEMM's gate half with an FP8 output (kernel
+/// nn_swiglu_i32gate_fp8): the gate `float(product) * (row scale * column scale)` rounded to bf16, then
+/// `silu(gate) * value` in f32, quantized per row. `hidden <= 16384`.
+pub fn plan_swiglu_i32gate_fp8<'a>(
+    value: &'a DeviceView<'_>,
+    value_layout: Matrix,
+    gate: &Int32Gate<'a, '_>,
+    out: &Fp8Rows<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "swiglu_i32gate_fp8";
+    let (rows, hidden) = (value_layout.rows, value_layout.cols);
+    check_wide_cols(OP, hidden)?;
+    check_matrix(OP, "value", Operand::of(value), value_layout)?;
+    // int32 products: the same element count as a bf16 matrix of twice the columns.
+    if gate.stride < hidden || !gate.stride.is_multiple_of(4) {
+        return Err(invalid(
+            OP,
+            format!(
+                "gate products: row stride {} must be at least the {hidden} columns and a multiple of 4",
+                gate.stride
+            ),
+        ));
+    }
+    let product_bytes = match rows {
+        0 => 0,
+        _ => (rows - 1)
+            .checked_mul(gate.stride)
+            .and_then(|n| n.checked_add(hidden))
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| invalid(OP, "gate products size overflows"))?,
+    };
+    let scale_bytes = |n: usize| {
+        n.checked_mul(4)
+            .ok_or_else(|| invalid(OP, "gate scales size overflows"))
+    };
+    check_operand(
+        OP,
+        "gate products",
+        Operand::of(gate.products),
+        product_bytes,
+        16,
+    )?;
+    check_operand(
+        OP,
+        "gate row scales",
+        Operand::of(gate.row_scales),
+        scale_bytes(rows)?,
+        4,
+    )?;
+    check_operand(
+        OP,
+        "gate column scales",
+        Operand::of(gate.col_scales),
+        scale_bytes(hidden)?,
+        16,
+    )?;
+    check_fp8_rows(OP, out, rows, hidden)?;
+    let mut args = Args::new();
+    args.push_addr(value.addr())
+        .push(to_i32(OP, "value stride", value_layout.stride)?)
+        .push_addr(gate.products.addr())
+        .push(to_i32(OP, "gate stride", gate.stride)?)
+        .push_addr(gate.row_scales.addr())
+        .push_addr(gate.col_scales.addr());
+    push_fp8_rows(&mut args, OP, out)?;
+    args.push(to_i32(OP, "rows", rows)?)
+        .push(to_i32(OP, "hidden", hidden)?);
+    Ok(Launch::new(
+        "nn_swiglu_i32gate_fp8",
+        wide_config(OP, rows, hidden)?,
+        args,
+    ))
 }
 
 fn swiglu_fp8<'a>(
@@ -842,7 +952,10 @@ mod tests {
             &gate,
             &out,
             &norm,
-            Some((&hv, cols)),
+            Some(SecondRows::Bf16 {
+                h: &hv,
+                stride: cols,
+            }),
         )
         .unwrap();
         assert_eq!(
@@ -860,7 +973,52 @@ mod tests {
             &gate,
             &out,
             &norm,
-            Some((&short, cols)),
+            Some(SecondRows::Bf16 {
+                h: &short,
+                stride: cols,
+            }),
+        )
+        .is_err());
+        // Or as INT8 codes with their own scales: the _and_int8 entry point, the codes, stride and scales last.
+        let mut i8_codes = buffer(&ctx, rows * cols);
+        let mut i8_scales = buffer(&ctx, rows * 4);
+        let (i8c, i8s) = (i8_codes.view_mut(), i8_scales.view_mut());
+        let i8_rows = Fp8Rows {
+            codes: &i8c,
+            stride: cols,
+            scales: &i8s,
+        };
+        let int8 = plan_gated_residual_norm_modulate_fp8_with(
+            &xv,
+            layout,
+            cols,
+            (&yv, cols),
+            &gate,
+            &out,
+            &norm,
+            Some(SecondRows::Int8(&i8_rows)),
+        )
+        .unwrap();
+        assert_eq!(
+            int8.kernel(),
+            "nn_gated_residual_norm_modulate_fp8_and_int8_c2"
+        );
+        assert_eq!(int8.args().get::<u64>(28), Some(i8c.addr()));
+        assert_eq!(int8.args().get::<i32>(29), Some(cols as i32));
+        assert_eq!(int8.args().get::<u64>(30), Some(i8s.addr()));
+        let odd_stride = Fp8Rows {
+            stride: cols + 8,
+            ..i8_rows
+        };
+        assert!(plan_gated_residual_norm_modulate_fp8_with(
+            &xv,
+            layout,
+            cols,
+            (&yv, cols),
+            &gate,
+            &out,
+            &norm,
+            Some(SecondRows::Int8(&odd_stride)),
         )
         .is_err());
         assert_eq!(launch.args().get::<i32>(6), Some(3));

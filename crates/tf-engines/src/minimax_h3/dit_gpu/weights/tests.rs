@@ -709,6 +709,25 @@ fn one_half_of_mlp_in_in_fp8_splits_fc1_into_two_matrices() {
             o1.fc1 + (5 * h + 3) * value_bytes
         );
     }
+    // `mlp_gate=int8`: the gate rows apart as INT8 codes with row scales, beside the e4m3 value rows.
+    let precision: DitPrecision = "fp8:qkv,out,mlp_value,mlp_gate=int8,mlp_out,ends=1"
+        .parse()
+        .unwrap();
+    let groups: Vec<Fp8Groups> = (0..layers)
+        .map(|l| precision.groups_of(l, layers))
+        .collect();
+    let int8 = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+    let b1 = int8.offsets.blocks[1].attn;
+    let gate = b1.fc1_gate.expect("the gate rows apart");
+    assert!(b1.fp8.fc1.is_some() && b1.fp8.fc1_gate.is_some() && b1.fp8.fc1_gate_int8);
+    let coded = |codes: usize| int8.fp8.iter().find(|m| m.codes == codes).unwrap();
+    assert_eq!(coded(gate).format, RowCodes::Int8);
+    assert_eq!(coded(b1.fc1).format, RowCodes::E4m3);
+    assert_eq!((coded(gate).rows, coded(gate).cols), (f, h));
+    assert!(
+        !int8.offsets.blocks[0].attn.fp8.fc1_gate_int8,
+        "the bf16 ends"
+    );
     // Padded rows (the odd fixture: ffn 28 on 32 device rows) stay inside each half's matrix.
     let odd = odd();
     let dims = Dims::of_for(&odd, true).unwrap();
@@ -774,6 +793,7 @@ proptest::proptest! {
                     mlp_value: bits & 4 != 0,
                     mlp_gate: bits & 8 != 0,
                     mlp_out: bits & 16 != 0,
+                    mlp_gate_int8: false,
                     adaln: (bits & 32 != 0).then_some(if l % 2 == 0 {
                         RowCodes::E4m3
                     } else {
