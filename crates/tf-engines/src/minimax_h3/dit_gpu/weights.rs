@@ -1233,33 +1233,45 @@ fn all_stored(plan: &WeightPlan, checkpoint: &Fp8Checkpoint, index: usize) -> bo
         })
 }
 
-/// Turns the INT8 adaLN projections of `groups` (one entry per block) whose weights `checkpoint` stores as e4m3
-/// codes back into e4m3, so that the file's codes and scales go to the device as they are (re-quantizing them to
-/// INT8 would add INT8's rounding to the e4m3 rounding already in the file, and read the model through f32 on the
-/// host); `plan` is the plan of `groups`. True when a block changed (the caller plans again).
-pub(super) fn keep_stored_adaln_codes(
+/// Keeps the e4m3 codes a checkpoint stores out of the INT8 matrices of `groups` (one entry per block; `plan` is
+/// their plan), since re-quantizing them to INT8 would add INT8's rounding to the e4m3 rounding already in the file
+/// and read the model through f32 on the host: an INT8 adaLN projection the file stores in e4m3 becomes e4m3 (the
+/// file's codes and scales go to the device as they are), and an INT8 `fc1` gate half it stores in e4m3 goes back
+/// to bf16 (the file's codes dequantized, as a bf16 gate half reads them: the gate in e4m3 would put the mode past
+/// its error criterion). True when a block changed (the caller plans again).
+pub(super) fn keep_stored_codes(
     groups: &mut [Fp8Groups],
     plan: &WeightPlan,
     checkpoint: &Fp8Checkpoint,
 ) -> bool {
-    let mut changed = false;
-    for (layer, block) in plan.offsets.blocks.iter().enumerate() {
-        if block.ada_scales.is_none() || block.ada_codes != RowCodes::Int8 {
-            continue;
-        }
-        let Some(matrix) = plan.fp8.iter().position(|m| m.codes == block.ada_w) else {
-            continue;
+    // Whether some weight placed in the 8-bit matrix at `codes` is stored in the checkpoint.
+    let stored = |codes: usize| {
+        let Some(matrix) = plan.fp8.iter().position(|m| m.codes == codes) else {
+            return false;
         };
-        let stored = plan.placements.iter().any(|pl| {
+        plan.placements.iter().any(|pl| {
             pl.device == (Device::Coded { matrix })
                 && plan
                     .names
                     .get(pl.tensor)
                     .is_some_and(|name| checkpoint.get(name).is_some())
-        });
-        if let (true, Some(g)) = (stored, groups.get_mut(layer)) {
+        })
+    };
+    let mut changed = false;
+    for (layer, block) in plan.offsets.blocks.iter().enumerate() {
+        let Some(g) = groups.get_mut(layer) else {
+            continue;
+        };
+        if block.ada_scales.is_some() && block.ada_codes == RowCodes::Int8 && stored(block.ada_w) {
             g.adaln = Some(RowCodes::E4m3);
             changed = true;
+        }
+        let attn = &block.attn;
+        if let (true, Some(gate)) = (attn.fp8.fc1_gate_int8, attn.fc1_gate) {
+            if stored(gate) {
+                g.mlp_gate_int8 = false;
+                changed = true;
+            }
         }
     }
     changed
@@ -1292,15 +1304,14 @@ pub(super) fn upload(
     let stored_matrices: Vec<bool> = (0..plan.fp8.len())
         .map(|i| on_ring || all_stored(plan, checkpoint, i))
         .collect();
-    // The file's codes are e4m3: an INT8 matrix never takes them (the engine keeps such a block's adaLN in e4m3,
-    // `keep_stored_adaln_codes`).
+    // The file's codes are e4m3: an INT8 matrix never takes them (the engine keeps them out, `keep_stored_codes`).
     for pl in &plan.placements {
         let name = plan.names.get(pl.tensor).map_or("", String::as_str);
         if let (Some(m), Some(_)) = (fp8_matrix(plan, pl)?, checkpoint.get(name)) {
             if m.format != RowCodes::E4m3 {
                 return Err(H3Error::Backend(format!(
-                    "internal: {name}: the file's e4m3 codes planned into an INT8 matrix (keep_stored_adaln_codes \
-                     keeps them e4m3)"
+                    "internal: {name}: the file's e4m3 codes planned into an INT8 matrix (keep_stored_codes \
+                     keeps them out)"
                 )));
             }
         }

@@ -448,7 +448,7 @@ fn fp8_fixture(variant: &str) -> (ModelDir, MiniMaxH3Config, Source, Fp8Checkpoi
 }
 
 #[test]
-fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
+fn int8_matrices_keep_out_the_e4m3_codes_a_checkpoint_stores() {
     use crate::minimax_h3::checkpoint::check_folder;
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
     let int8 = Fp8Groups {
@@ -460,7 +460,7 @@ fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
         let dims = Dims::of_for(&config, true).unwrap();
         let mut groups = vec![int8; config.num_layers];
         let p = plan(&config, &dims, source, &groups).unwrap();
-        assert!(keep_stored_adaln_codes(&mut groups, &p, &ck), "{variant}");
+        assert!(keep_stored_codes(&mut groups, &p, &ck), "{variant}");
         assert!(
             groups.iter().all(|g| g.adaln == Some(RowCodes::E4m3)),
             "{variant}: every block's adaLN is stored in e4m3: {groups:?}"
@@ -468,15 +468,33 @@ fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
         let again = plan(&config, &dims, source, &groups).unwrap();
         assert!(again.fp8.iter().all(|m| m.format == RowCodes::E4m3));
         assert!(
-            !keep_stored_adaln_codes(&mut groups, &again, &ck),
+            !keep_stored_codes(&mut groups, &again, &ck),
             "nothing left to keep"
         );
         // A plan whose adaLN stays bf16 changes nothing.
         let mut bf16_adaln = vec![Fp8Groups::ALL; config.num_layers];
         let p = plan(&config, &dims, source, &bf16_adaln).unwrap();
-        assert!(!keep_stored_adaln_codes(&mut bf16_adaln, &p, &ck));
+        assert!(!keep_stored_codes(&mut bf16_adaln, &p, &ck));
         assert!(bf16_adaln.iter().all(|g| g.adaln.is_none()));
     }
+    // An INT8 fc1 gate half the file stores in e4m3 goes back to bf16 (and a second look changes nothing).
+    let (_, config, source, ck) = fp8_fixture("per_channel");
+    let dims = Dims::of_for(&config, true).unwrap();
+    let gate8 = Fp8Groups {
+        mlp_gate: false,
+        mlp_gate_int8: true,
+        ..Fp8Groups::ALL
+    };
+    let mut groups = vec![gate8; config.num_layers];
+    let p = plan(&config, &dims, source, &groups).unwrap();
+    assert!(p.fp8.iter().any(|m| m.format == RowCodes::Int8));
+    assert!(keep_stored_codes(&mut groups, &p, &ck));
+    assert!(groups
+        .iter()
+        .all(|g| !g.mlp_gate_int8 && !g.mlp_gate && g.mlp_value && g.mlp_in_split()));
+    let again = plan(&config, &dims, source, &groups).unwrap();
+    assert!(again.fp8.iter().all(|m| m.format == RowCodes::E4m3));
+    assert!(!keep_stored_codes(&mut groups, &again, &ck));
     // A checkpoint that stores nothing in FP8 leaves INT8 as asked.
     let plain = ModelDir::open(&fixtures.join("minimax_h3_dit/fl2va_first/model")).unwrap();
     let config = MiniMaxH3Config::from_json(plain.config_json()).unwrap();
@@ -484,8 +502,12 @@ fn int8_adaln_keeps_the_e4m3_codes_a_checkpoint_stores() {
     let dims = Dims::of_for(&config, true).unwrap();
     let mut groups = vec![int8; config.num_layers];
     let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
-    assert!(!keep_stored_adaln_codes(&mut groups, &p, &ck));
+    assert!(!keep_stored_codes(&mut groups, &p, &ck));
     assert!(groups.iter().all(|g| g.adaln == Some(RowCodes::Int8)));
+    let mut groups = vec![gate8; config.num_layers];
+    let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
+    assert!(!keep_stored_codes(&mut groups, &p, &ck));
+    assert!(groups.iter().all(|g| g.mlp_gate_int8));
 }
 
 #[test]
@@ -496,7 +518,7 @@ fn the_upload_refuses_stored_e4m3_codes_planned_into_int8() {
     let stream = Stream::new(&ctx, false).unwrap();
     let (model, config, source, ck) = fp8_fixture("per_channel");
     let dims = Dims::of_for(&config, true).unwrap();
-    // An INT8 adaLN plan the engine did not pass through keep_stored_adaln_codes.
+    // An INT8 adaLN plan the engine did not pass through keep_stored_codes.
     let groups = vec![
         Fp8Groups {
             adaln: Some(RowCodes::Int8),
