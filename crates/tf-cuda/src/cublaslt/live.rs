@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::ffi::{HeuristicResult, MatmulAlgo};
-use super::plan::{AlgoSelection, ColumnMajorCall, InputType, PlanKey, TimingData};
+use super::plan::{AlgoSelection, ColumnMajorCall, PlanKey, TimingData};
 use super::prepare::{GemmShape, OperandBases, Planner};
 use super::{ffi, in_context, set_pointers, ChosenBy, CublasLt, CublasLtError, Plan};
 use crate::memory::DeviceBuffer;
@@ -298,9 +298,9 @@ fn fill_random_operand(buffer: &mut DeviceBuffer) -> Result<(), CublasLtError> {
 }
 
 /// Bytes of the X scales and where the W scales start in one scales buffer (X at 0), for `shape`:
-/// `(w_offset, total)`, both multiples of 256; `(0, 0)` for a bf16 shape.
+/// `(w_offset, total)`, both multiples of 256; `(0, 0)` for a shape without scales.
 pub(super) fn scale_layout(shape: &GemmShape) -> Option<(usize, usize)> {
-    if shape.input != InputType::Fp8E4m3 {
+    if !shape.scaled() {
         return Some((0, 0));
     }
     let (x, w) = shape.fp8_scale_mode.scale_counts(shape.m, shape.n);

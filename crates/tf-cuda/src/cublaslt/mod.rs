@@ -824,8 +824,9 @@ impl CublasLt {
     ) -> Result<ffi::Status, CublasLtError> {
         let api = self.lib.api();
         let raw_stream = stream.raw();
-        // An INT8 plan's scale type is int32 (whole numbers, checked when the call was planned).
-        let int_scaling = call.key.input == InputType::Int8;
+        // An exact INT8 plan's scale type is int32 (whole numbers, checked when the call was planned).
+        let int_scaling =
+            call.key.input == InputType::Int8 && call.key.scale_mode == Fp8ScaleMode::Tensor;
         let (alpha, beta) = (call.alpha, call.beta);
         let (alpha_i32, beta_i32) = (alpha as i32, beta as i32);
         let (alpha_ptr, beta_ptr) = if int_scaling {
@@ -1058,7 +1059,7 @@ impl CublasLt {
         // SAFETY: (for every call in this function) out-pointers are valid locals; attribute
         // buffers are live values of the C type the header documents for that attribute.
         unsafe {
-            let (compute, scale) = call.key.input.compute_and_scale_types();
+            let (compute, scale) = call.key.input.compute_and_scale_types(call.key.scale_mode);
             let code = (api.cublasLtMatmulDescCreate)(&mut partial.desc, compute, scale);
             check(lib, "cublasLtMatmulDescCreate", code)?;
             set_desc(lib, partial.desc, desc_attr::TRANSA, &call.transa)?;
@@ -1068,7 +1069,9 @@ impl CublasLt {
                 set_desc(lib, partial.desc, desc_attr::BIAS_DATA_TYPE, &call.d.dtype)?;
                 set_desc(lib, partial.desc, desc_attr::BIAS_POINTER, &call.bias_addr)?;
             }
-            if call.key.input == InputType::Fp8E4m3 {
+            let row_wise_int8 =
+                call.key.input == InputType::Int8 && call.key.scale_mode == Fp8ScaleMode::RowWise;
+            if call.key.input == InputType::Fp8E4m3 || row_wise_int8 {
                 set_desc(
                     lib,
                     partial.desc,
@@ -1081,8 +1084,10 @@ impl CublasLt {
                     desc_attr::B_SCALE_POINTER,
                     &call.b_scale_addr,
                 )?;
-                let fast: i8 = i8::from(call.key.fast_accum);
-                set_desc(lib, partial.desc, desc_attr::FAST_ACCUM, &fast)?;
+                if call.key.input == InputType::Fp8E4m3 {
+                    let fast: i8 = i8::from(call.key.fast_accum);
+                    set_desc(lib, partial.desc, desc_attr::FAST_ACCUM, &fast)?;
+                }
                 if call.key.scale_mode != Fp8ScaleMode::Tensor {
                     // Set only for vector modes: a per-tensor plan's descriptor stays what it always was
                     // (and works with libraries older than the attribute).

@@ -34,8 +34,9 @@ pub enum InputType {
     Bf16,
     /// FP8 e4m3 with one f32 scale per tensor (sm_89 and newer).
     Fp8E4m3,
-    /// Signed 8-bit integers, multiplied exactly into an int32 output ([`OutputType::I32`]): the caller applies
-    /// its scales afterwards (cuBLASLt's integer GEMMs take no per-row scales).
+    /// Signed 8-bit integers: multiplied exactly into an int32 output ([`OutputType::I32`], the caller applies its
+    /// scales afterwards), or with row-wise f32 scales into bf16 or f32 ([`Gemm::int8_row_wise`], where the loaded
+    /// cuBLASLt offers it).
     Int8,
 }
 
@@ -54,12 +55,20 @@ impl InputType {
         }
     }
 
-    /// cuBLASLt's compute and scale types for this input: f32 for the floating types, int32 for INT8 (whose
-    /// `alpha` and `beta` are then host int32 values).
-    pub(crate) const fn compute_and_scale_types(self) -> (c_int, c_int) {
-        match self {
-            InputType::Bf16 | InputType::Fp8E4m3 => (compute_type::COMPUTE_32F, data_type::R_32F),
-            InputType::Int8 => (compute_type::COMPUTE_32I, data_type::R_32I),
+    /// cuBLASLt's compute and scale types for this input with scales applied as `scale_mode` says: f32 for the
+    /// floating types; int32 compute for INT8, with int32 scaling for its exact int32 output (`alpha` and `beta`
+    /// then host int32 values) and f32 scaling with row-wise scales.
+    pub(crate) const fn compute_and_scale_types(self, scale_mode: Fp8ScaleMode) -> (c_int, c_int) {
+        match (self, scale_mode) {
+            (InputType::Bf16 | InputType::Fp8E4m3, _) => {
+                (compute_type::COMPUTE_32F, data_type::R_32F)
+            }
+            (InputType::Int8, Fp8ScaleMode::Tensor) => {
+                (compute_type::COMPUTE_32I, data_type::R_32I)
+            }
+            (InputType::Int8, Fp8ScaleMode::RowWise) => {
+                (compute_type::COMPUTE_32I, data_type::R_32F)
+            }
         }
     }
 }
@@ -233,6 +242,26 @@ impl Gemm {
         }
     }
 
+    /// `Y = (sx[r] · X) · (sw[c] · W)ᵀ` with signed 8-bit inputs, exact int32 accumulation and bf16 output: the
+    /// scales applied in the GEMM's epilogue as for [`Gemm::fp8_e4m3_row_wise`]. Planning fails with
+    /// [`CublasLtError::NoAlgorithm`] where the loaded cuBLASLt has no such kernel.
+    pub fn int8_row_wise(
+        m: usize,
+        n: usize,
+        k: usize,
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        scales: Fp8Scales,
+    ) -> Gemm {
+        Gemm {
+            input: InputType::Int8,
+            scales: Some(scales),
+            scale_mode: Fp8ScaleMode::RowWise,
+            ..Gemm::bf16(m, n, k, x, w, y)
+        }
+    }
+
     /// FP8 only: cuBLASLt's fast accumulation (partial sums kept in the tensor cores' accumulator).
     pub fn with_fp8_fast_accum(self, on: bool) -> Gemm {
         Gemm {
@@ -327,10 +356,19 @@ impl Gemm {
             InputType::Bf16 => out_size as u64,
             InputType::Fp8E4m3 | InputType::Int8 => 16,
         };
-        if (self.input == InputType::Int8) != (self.output == OutputType::I32) {
+        let exact_int8 = self.input == InputType::Int8 && self.scales.is_none();
+        if exact_int8 != (self.output == OutputType::I32) {
             return Err(invalid(format!(
-                "{:?} input with {:?} output in {shape}: INT8 GEMMs write int32, and only they do",
+                "{:?} input with {:?} output in {shape}: an INT8 GEMM without scales writes int32, and only it does",
                 self.input, self.output
+            )));
+        }
+        if self.input == InputType::Int8
+            && self.scales.is_some()
+            && self.scale_mode != Fp8ScaleMode::RowWise
+        {
+            return Err(invalid(format!(
+                "an INT8 GEMM ({shape}) takes row-wise scales or none"
             )));
         }
         if self.input == InputType::Int8 {
@@ -345,7 +383,7 @@ impl Gemm {
                 )));
             }
             for (name, value) in [("alpha", self.alpha), ("beta", self.beta)] {
-                if value.fract() != 0.0 || value.abs() > 65_536.0 {
+                if exact_int8 && (value.fract() != 0.0 || value.abs() > 65_536.0) {
                     return Err(invalid(format!(
                         "{name} = {value} for an INT8 GEMM: it is an int32 there, so a whole number up to 65536"
                     )));
@@ -373,18 +411,18 @@ impl Gemm {
         };
         let (a_scale_addr, b_scale_addr) = match (self.input, self.scales) {
             (InputType::Bf16 | InputType::Int8, None) => (0, 0),
-            (InputType::Bf16 | InputType::Int8, Some(_)) => {
-                return Err(invalid(format!(
-                    "FP8 scales were given for a {:?} GEMM: scales apply to FP8 inputs only",
-                    self.input
-                )))
+            (InputType::Bf16, Some(_)) => {
+                return Err(invalid(
+                    "FP8 scales were given for a bf16 GEMM: scales apply to 8-bit inputs only"
+                        .into(),
+                ))
             }
             (InputType::Fp8E4m3, None) => {
                 return Err(invalid(
                     "an FP8 GEMM needs per-tensor scales (one f32 each for X and W)".into(),
                 ))
             }
-            (InputType::Fp8E4m3, Some(scales)) => {
+            (InputType::Fp8E4m3 | InputType::Int8, Some(scales)) => {
                 if !self.k.is_multiple_of(16) || !self.n.is_multiple_of(16) {
                     return Err(invalid(format!(
                         "FP8 GEMMs need K and N to be multiples of 16 ({shape}); pad the weights"
@@ -417,7 +455,7 @@ impl Gemm {
                 (scales.w_scale.addr, scales.x_scale.addr)
             }
         };
-        if self.scale_mode != Fp8ScaleMode::Tensor && self.input != InputType::Fp8E4m3 {
+        if self.scale_mode != Fp8ScaleMode::Tensor && self.input == InputType::Bf16 {
             return Err(invalid(format!(
                 "scale mode {:?} applies to FP8 GEMMs only",
                 self.scale_mode
@@ -759,11 +797,11 @@ mod tests {
             (data_type::R_8I, data_type::R_32I)
         );
         assert_eq!(
-            call.key.input.compute_and_scale_types(),
+            call.key.input.compute_and_scale_types(call.key.scale_mode),
             (compute_type::COMPUTE_32I, data_type::R_32I)
         );
         assert_eq!(
-            InputType::Bf16.compute_and_scale_types(),
+            InputType::Bf16.compute_and_scale_types(Fp8ScaleMode::Tensor),
             (compute_type::COMPUTE_32F, data_type::R_32F)
         );
         let int8 = Gemm::int8(64, 64, 64, x, w, y);
@@ -771,12 +809,12 @@ mod tests {
             output: OutputType::Bf16,
             ..int8
         });
-        assert!(text.contains("INT8 GEMMs write int32"), "{text}");
+        assert!(text.contains("without scales writes int32"), "{text}");
         let text = invalid_text(&Gemm {
             output: OutputType::I32,
             ..Gemm::bf16(64, 64, 64, x, w, y)
         });
-        assert!(text.contains("INT8 GEMMs write int32"), "{text}");
+        assert!(text.contains("without scales writes int32"), "{text}");
         assert!(invalid_text(&int8.with_bias(x)).contains("no bias or activation"));
         assert!(invalid_text(&int8.with_gelu_tanh()).contains("no bias or activation"));
         assert!(invalid_text(&Gemm::int8(64, 64, 40, x, w, y)).contains("multiples of 16"));
@@ -790,7 +828,24 @@ mod tests {
             scales: Some(scales),
             ..int8
         })
-        .contains("apply to FP8 inputs only"));
+        .contains("without scales writes int32"));
+        // With row-wise scales: f32 scaling of the exact products into bf16, the scales read as FP8's are.
+        let row_wise = Gemm::int8_row_wise(64, 64, 64, x, w, y, scales).with_scaling(0.5, 0.0);
+        let call = row_wise.plan().expect("row-wise INT8");
+        assert_eq!(
+            call.key.input.compute_and_scale_types(call.key.scale_mode),
+            (compute_type::COMPUTE_32I, data_type::R_32F)
+        );
+        assert_eq!(
+            (call.d.dtype, call.a_scale_addr, call.b_scale_addr),
+            (data_type::R_16BF, w.addr, x.addr)
+        );
+        let per_tensor = row_wise.with_fp8_scale_mode(Fp8ScaleMode::Tensor);
+        assert!(invalid_text(&per_tensor).contains("row-wise scales or none"));
+        assert!(invalid_text(
+            &Gemm::bf16(64, 64, 64, x, w, y).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
+        )
+        .contains("FP8 GEMMs only"));
         assert!(invalid_text(&int8.with_fp8_fast_accum(true)).contains("FP8 GEMMs only"));
         let misaligned = DeviceSpan::new(x.addr + 4, x.bytes - 4);
         assert!(invalid_text(&Gemm::int8(64, 64, 64, misaligned, w, y)).contains("X"));

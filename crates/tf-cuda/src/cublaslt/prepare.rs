@@ -76,6 +76,15 @@ impl GemmShape {
         }
     }
 
+    /// Signed 8-bit inputs with row-wise scales, bf16 output ([`Gemm::int8_row_wise`]).
+    pub fn int8_row_wise(m: usize, n: usize, k: usize) -> GemmShape {
+        GemmShape {
+            input: InputType::Int8,
+            fp8_scale_mode: Fp8ScaleMode::RowWise,
+            ..GemmShape::bf16(m, n, k)
+        }
+    }
+
     /// FP8 e4m3 inputs with row-wise scales (one per row of X, one per row of W), bf16 output.
     pub fn fp8_e4m3_row_wise(m: usize, n: usize, k: usize) -> GemmShape {
         GemmShape::fp8_e4m3(m, n, k).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
@@ -189,7 +198,7 @@ impl GemmShape {
             y: span(at(b.y, self.align_y)),
             bias: self.bias.then(|| span(b.bias)),
             activation: self.activation,
-            scales: (self.input == InputType::Fp8E4m3).then(|| Fp8Scales {
+            scales: self.scaled().then(|| Fp8Scales {
                 x_scale: scale_span(b.x_scale, x_scales),
                 w_scale: scale_span(b.w_scale, w_scales),
             }),
@@ -199,6 +208,12 @@ impl GemmShape {
             fp8_fast_accum: self.fp8_fast_accum,
         };
         Ok(gemm)
+    }
+
+    /// Whether the shape's GEMM reads f32 scales: FP8, and INT8 with row-wise scales.
+    pub fn scaled(&self) -> bool {
+        self.input == InputType::Fp8E4m3
+            || (self.input == InputType::Int8 && self.fp8_scale_mode == Fp8ScaleMode::RowWise)
     }
 
     /// The plan key of this shape (validated as a call of it would be).
