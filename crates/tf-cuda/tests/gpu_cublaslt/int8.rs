@@ -1,0 +1,249 @@
+//! cuBLASLt's INT8 GEMMs on a GPU (`gpu_cublaslt`'s INT8 tests, split out by concern): the exact int32 product
+//! against the host's, its speed beside row-wise FP8 and bf16 at MiniMax H3's block shapes, and the row-wise INT8
+//! GEMM with bf16 output where the loaded cuBLASLt offers it.
+
+use super::*;
+
+/// Signed 8-bit codes in `-127..=127`, drawn from `rng`.
+fn int8_codes(rng: &mut Rng, len: usize) -> Vec<i8> {
+    (0..len)
+        .map(|_| (rng.next_f32() * 127.0).round() as i8)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn int8_gemm_is_the_exact_integer_product() {
+    let g = gpu();
+    // (M, N, K): odd M, the smallest legal N and K, a DiT-like K, and an H3 row count.
+    for (i, &(m, n, k)) in [
+        (48, 16, 16),
+        (77, 96, 256),
+        (130, 256, 5376),
+        (6026, 64, 1024),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng(7100 + i as u64);
+        let xq = int8_codes(&mut rng, m * k);
+        let wq = int8_codes(&mut rng, n * k);
+        let x = DeviceBuffer::from_slice(&g.ctx, &xq).expect("X");
+        let w = DeviceBuffer::from_slice(&g.ctx, &wq).expect("W");
+        let y = DeviceBuffer::alloc(&g.ctx, m * n * 4).expect("Y");
+        let gemm = Gemm::int8(m, n, k, (&x).into(), (&w).into(), (&y).into());
+        // SAFETY: live buffers until the synchronize.
+        unsafe { g.lt.matmul(&gemm, &g.stream) }
+            .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k}: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        let got: Vec<i32> = y.to_vec().expect("Y back");
+        let mut wrong = 0usize;
+        for r in 0..m {
+            for c in 0..n {
+                let want: i32 = (0..k)
+                    .map(|l| i32::from(xq[r * k + l]) * i32::from(wq[c * k + l]))
+                    .sum();
+                if got[r * n + c] != want {
+                    wrong += 1;
+                }
+            }
+        }
+        println!(
+            "int8 {m}x{n}x{k}: {wrong} of {} products differ from the host's",
+            m * n
+        );
+        assert_eq!(wrong, 0, "INT8 GEMM {m}x{n}x{k} is not exact");
+    }
+}
+
+/// MiniMax H3's block GEMMs at S = 6026: (name, M, N, K).
+const H3_SHAPES: [(&str, usize, usize, usize); 5] = [
+    ("qkv", 6026, 16128, 5376),
+    ("out", 6026, 5376, 5376),
+    ("fc1", 6026, 28672, 5376),
+    ("fc1 half", 6026, 14336, 5376),
+    ("fc2", 6026, 5376, 14336),
+];
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
+    let g = gpu();
+    let info = g.ctx.device_info().expect("device info");
+    if info.compute_capability != (9, 0) {
+        println!(
+            "INT8 against row-wise FP8 skipped on sm_{}{}",
+            info.compute_capability.0, info.compute_capability.1
+        );
+        return;
+    }
+    let lt = timed_handle(&g);
+    let mut plan = Vec::new();
+    for &(_, m, n, k) in &H3_SHAPES {
+        plan.push(GemmShape::bf16(m, n, k));
+        plan.push(GemmShape::fp8_e4m3_row_wise(m, n, k).with_fp8_fast_accum());
+        plan.push(GemmShape::int8(m, n, k));
+    }
+    let report = lt
+        .prepare(&plan, Duration::from_secs(120), &g.stream)
+        .expect("prepare bf16, row-wise FP8 and INT8 shapes");
+    println!(
+        "prepared {} shapes: {} timed, {} heuristic in {:.1} s",
+        report.shapes,
+        report.timed,
+        report.heuristic,
+        report.elapsed.as_secs_f64()
+    );
+    for choice in lt.plan_choices() {
+        println!("plan {}", describe(&choice));
+    }
+    // Each GEMM timed over 100 back-to-back calls, the three precisions alternated in 3 rounds (each one's best
+    // round counts), so that all run at the power cap a step runs at.
+    let mut totals = [0.0f64; 3];
+    for &(name, m, n, k) in &H3_SHAPES {
+        let pattern = 0x3C01_3BFF;
+        let xb = device_buffer_of(&g.ctx, m * k * 2, pattern);
+        let wb = device_buffer_of(&g.ctx, n * k * 2, pattern);
+        let x8 = device_buffer_of(&g.ctx, m * k, 0x3838_3838);
+        let w8 = device_buffer_of(&g.ctx, n * k, 0x3830_3038);
+        let xi = device_buffer_of(&g.ctx, m * k, 0x5B_C3_21_9D);
+        let wi = device_buffer_of(&g.ctx, n * k, 0x2F_D1_7A_E5);
+        let ones_m = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; m]).expect("X scales");
+        let ones_n = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; n]).expect("W scales");
+        let y = DeviceBuffer::alloc(&g.ctx, m * n * 4).expect("Y");
+        let bf16 = Gemm::bf16(m, n, k, (&xb).into(), (&wb).into(), (&y).into());
+        let vectors = Fp8Scales {
+            x_scale: (&ones_m).into(),
+            w_scale: (&ones_n).into(),
+        };
+        let fp8 =
+            Gemm::fp8_e4m3_row_wise(m, n, k, (&x8).into(), (&w8).into(), (&y).into(), vectors)
+                .with_fp8_fast_accum(true);
+        let int8 = Gemm::int8(m, n, k, (&xi).into(), (&wi).into(), (&y).into());
+        let mut best = [f64::INFINITY; 3];
+        for _round in 0..3 {
+            for (slot, gemm) in [&bf16, &fp8, &int8].into_iter().enumerate() {
+                let (ms, _) = throughput_on(&g, &lt, gemm, 3, 100);
+                best[slot] = best[slot].min(ms);
+            }
+        }
+        let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+        println!(
+            "{name:>8} M={m} N={n} K={k}: bf16 {:.3} ms ({:.0} TFLOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
+             int8 -> int32 {:.3} ms ({:.0} TOP/s); int8 / fp8 time {:.3}",
+            best[0],
+            tflops(best[0]),
+            best[1],
+            tflops(best[1]),
+            best[2],
+            tflops(best[2]),
+            best[2] / best[1]
+        );
+        if name != "fc1 half" {
+            for (total, ms) in totals.iter_mut().zip(best) {
+                *total += ms;
+            }
+        }
+    }
+    println!(
+        "one H3 block's four GEMMs at S = 6026: bf16 {:.3} ms, fp8 row-wise {:.3} ms, int8 {:.3} ms (int8 / fp8 {:.3})",
+        totals[0],
+        totals[1],
+        totals[2],
+        totals[2] / totals[1]
+    );
+    assert!(totals.iter().all(|t| t.is_finite() && *t > 0.0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn int8_row_wise_gemm_where_cublaslt_offers_it() {
+    let g = gpu();
+    let info = g.ctx.device_info().expect("device info");
+    let (m, n, k) = (77, 96, 256);
+    let mut rng = Rng(7300);
+    let xq = int8_codes(&mut rng, m * k);
+    let wq = int8_codes(&mut rng, n * k);
+    let xs: Vec<f32> = (0..m).map(|r| 0.01 + 0.001 * r as f32).collect();
+    let ws: Vec<f32> = (0..n).map(|c| 0.02 - 0.0001 * c as f32).collect();
+    let x = DeviceBuffer::from_slice(&g.ctx, &xq).expect("X");
+    let w = DeviceBuffer::from_slice(&g.ctx, &wq).expect("W");
+    let x_scale = DeviceBuffer::from_slice(&g.ctx, &xs).expect("X scales");
+    let w_scale = DeviceBuffer::from_slice(&g.ctx, &ws).expect("W scales");
+    let y = DeviceBuffer::alloc(&g.ctx, m * n * 2).expect("Y");
+    let scales = Fp8Scales {
+        x_scale: (&x_scale).into(),
+        w_scale: (&w_scale).into(),
+    };
+    let gemm = Gemm::int8_row_wise(m, n, k, (&x).into(), (&w).into(), (&y).into(), scales);
+    // SAFETY: live buffers until the synchronize.
+    match unsafe { g.lt.matmul(&gemm, &g.stream) } {
+        Err(CublasLtError::NoAlgorithm { what, .. }) => {
+            println!(
+                "row-wise INT8 -> bf16: this cuBLASLt offers no algorithm on {} (sm_{}{}): {what}",
+                info.name, info.compute_capability.0, info.compute_capability.1
+            );
+            return;
+        }
+        Err(e) => panic!("row-wise INT8 GEMM: {e}"),
+        Ok(()) => {}
+    }
+    g.stream.synchronize().expect("synchronize");
+    let got: Vec<f32> = bf16_out(&y).into_iter().map(from_bf16).collect();
+    let mut worst = 0f64;
+    for r in 0..m {
+        for c in 0..n {
+            let dot: i64 = (0..k)
+                .map(|l| i64::from(xq[r * k + l]) * i64::from(wq[c * k + l]))
+                .sum();
+            let want = dot as f64 * f64::from(xs[r]) * f64::from(ws[c]);
+            let err = (f64::from(got[r * n + c]) - want).abs() / want.abs().max(1e-3);
+            worst = worst.max(err);
+        }
+    }
+    println!("row-wise INT8 -> bf16 {m}x{n}x{k}: offered; worst relative error against the scaled exact product {worst:.2e} (bf16 rounding 2^-8)");
+    assert!(
+        worst <= 1.0 / 256.0,
+        "row-wise INT8 off the scaled exact product: {worst:.2e}"
+    );
+    // Its speed beside row-wise FP8 and the exact int32 GEMM at MiniMax H3's shapes.
+    let lt = timed_handle(&g);
+    for &(name, m, n, k) in &H3_SHAPES {
+        let xi = device_buffer_of(&g.ctx, m * k, 0x5B_C3_21_9D);
+        let wi = device_buffer_of(&g.ctx, n * k, 0x2F_D1_7A_E5);
+        let x8 = device_buffer_of(&g.ctx, m * k, 0x3838_3838);
+        let w8 = device_buffer_of(&g.ctx, n * k, 0x3830_3038);
+        let sm = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; m]).expect("X scales");
+        let sn = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; n]).expect("W scales");
+        let y = DeviceBuffer::alloc(&g.ctx, m * n * 4).expect("Y");
+        let vectors = Fp8Scales {
+            x_scale: (&sm).into(),
+            w_scale: (&sn).into(),
+        };
+        let row_wise =
+            Gemm::int8_row_wise(m, n, k, (&xi).into(), (&wi).into(), (&y).into(), vectors);
+        let fp8 =
+            Gemm::fp8_e4m3_row_wise(m, n, k, (&x8).into(), (&w8).into(), (&y).into(), vectors)
+                .with_fp8_fast_accum(true);
+        let exact = Gemm::int8(m, n, k, (&xi).into(), (&wi).into(), (&y).into());
+        let mut best = [f64::INFINITY; 3];
+        for _round in 0..3 {
+            for (slot, gemm) in [&row_wise, &fp8, &exact].into_iter().enumerate() {
+                let (ms, _) = throughput_on(&g, &lt, gemm, 3, 100);
+                best[slot] = best[slot].min(ms);
+            }
+        }
+        let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+        println!(
+            "{name:>8} M={m} N={n} K={k}: int8 row-wise -> bf16 {:.3} ms ({:.0} TOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
+             int8 -> int32 {:.3} ms ({:.0}); row-wise int8 / fp8 time {:.3}",
+            best[0],
+            tflops(best[0]),
+            best[1],
+            tflops(best[1]),
+            best[2],
+            tflops(best[2]),
+            best[0] / best[1]
+        );
+    }
+}
