@@ -1606,7 +1606,12 @@ fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
                 None => {
                     assert!(used.as_stored > 0, "{variant} in {precision}: {used:?}");
                     assert!(
-                        !dit.describe_precision().contains("mlp_gate=int8"),
+                        used.kept.gate_bf16 > 0,
+                        "{variant} in {precision}: {used:?}"
+                    );
+                    assert!(
+                        dit.describe_precision()
+                            .contains("fc1's gate half runs in bf16"),
                         "{variant} in {precision}: {}",
                         dit.describe_precision()
                     );

@@ -281,8 +281,10 @@ impl Engine {
         }
         let mut plan = weights::plan(&config, &dims, source, &fp8_groups)?;
         // A weight the checkpoint stores in e4m3 never becomes INT8 (that would round the file's codes again).
+        let mut kept = weights::KeptCodes::default();
         if let Some(checkpoint) = stored {
-            if weights::keep_stored_codes(&mut fp8_groups, &plan, checkpoint) {
+            kept = weights::keep_stored_codes(&mut fp8_groups, &plan, checkpoint);
+            if kept.any() {
                 plan = weights::plan(&config, &dims, source, &fp8_groups)?;
             }
         }
@@ -328,7 +330,10 @@ impl Engine {
             },
             DeviceWeightsReport {
                 upload: made.upload,
-                checkpoint_fp8: made.checkpoint_fp8,
+                checkpoint_fp8: CheckpointFp8Use {
+                    kept,
+                    ..made.checkpoint_fp8
+                },
             },
         ))
     }

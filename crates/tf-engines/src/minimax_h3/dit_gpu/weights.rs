@@ -1056,6 +1056,24 @@ pub(super) struct DeviceWeights {
 pub struct CheckpointFp8Use {
     pub stored: usize,
     pub as_stored: usize,
+    /// Blocks whose INT8 matrices the precision asked for were kept off the file's e4m3 codes
+    /// ([`keep_stored_codes`]).
+    pub kept: KeptCodes,
+}
+
+/// What [`keep_stored_codes`] changed: blocks whose adaLN projection stays e4m3 instead of INT8, and blocks whose
+/// `fc1` gate half runs in bf16 instead of INT8.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeptCodes {
+    pub adaln_e4m3: usize,
+    pub gate_bf16: usize,
+}
+
+impl KeptCodes {
+    /// Whether some block changed.
+    pub fn any(&self) -> bool {
+        self.adaln_e4m3 + self.gate_bf16 > 0
+    }
 }
 
 impl CheckpointFp8Use {
@@ -1069,12 +1087,22 @@ impl CheckpointFp8Use {
         if self.stored == 0 {
             return String::new();
         }
-        format!(
+        let mut text = format!(
             "FP8 checkpoint: {} weights stored in e4m3, {} used as stored, {} dequantized",
             self.stored,
             self.as_stored,
             self.dequantized()
-        )
+        );
+        let kept = [
+            (self.kept.adaln_e4m3, "the adaLN projections stay e4m3"),
+            (self.kept.gate_bf16, "fc1's gate half runs in bf16"),
+        ];
+        for (blocks, what) in kept.iter().filter(|(blocks, _)| *blocks > 0) {
+            text.push_str(&format!(
+                "; INT8 asked for, but the file's e4m3 codes are kept: {what} in {blocks} block(s)"
+            ));
+        }
+        text
     }
 }
 
@@ -1238,12 +1266,12 @@ fn all_stored(plan: &WeightPlan, checkpoint: &Fp8Checkpoint, index: usize) -> bo
 /// and read the model through f32 on the host: an INT8 adaLN projection the file stores in e4m3 becomes e4m3 (the
 /// file's codes and scales go to the device as they are), and an INT8 `fc1` gate half it stores in e4m3 goes back
 /// to bf16 (the file's codes dequantized, as a bf16 gate half reads them: the gate in e4m3 would put the mode past
-/// its error criterion). True when a block changed (the caller plans again).
+/// its error criterion). Says how many blocks changed (the caller plans again when any did).
 pub(super) fn keep_stored_codes(
     groups: &mut [Fp8Groups],
     plan: &WeightPlan,
     checkpoint: &Fp8Checkpoint,
-) -> bool {
+) -> KeptCodes {
     // Whether some weight placed in the 8-bit matrix at `codes` is stored in the checkpoint.
     let stored = |codes: usize| {
         let Some(matrix) = plan.fp8.iter().position(|m| m.codes == codes) else {
@@ -1257,24 +1285,24 @@ pub(super) fn keep_stored_codes(
                     .is_some_and(|name| checkpoint.get(name).is_some())
         })
     };
-    let mut changed = false;
+    let mut kept = KeptCodes::default();
     for (layer, block) in plan.offsets.blocks.iter().enumerate() {
         let Some(g) = groups.get_mut(layer) else {
             continue;
         };
         if block.ada_scales.is_some() && block.ada_codes == RowCodes::Int8 && stored(block.ada_w) {
             g.adaln = Some(RowCodes::E4m3);
-            changed = true;
+            kept.adaln_e4m3 += 1;
         }
         let attn = &block.attn;
         if let (true, Some(gate)) = (attn.fp8.fc1_gate_int8, attn.fc1_gate) {
             if stored(gate) {
                 g.mlp_gate_int8 = false;
-                changed = true;
+                kept.gate_bf16 += 1;
             }
         }
     }
-    changed
+    kept
 }
 
 /// Uploads every placement of `plan` from `model` (already checked against its tensor specs, FP8 weights found
@@ -1549,7 +1577,11 @@ pub(super) fn upload(
     Ok(DeviceWeights {
         buffer,
         upload: Some(stats),
-        checkpoint_fp8: CheckpointFp8Use { stored, as_stored },
+        checkpoint_fp8: CheckpointFp8Use {
+            stored,
+            as_stored,
+            kept: KeptCodes::default(),
+        },
     })
 }
 

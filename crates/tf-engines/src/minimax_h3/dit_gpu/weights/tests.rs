@@ -460,7 +460,9 @@ fn int8_matrices_keep_out_the_e4m3_codes_a_checkpoint_stores() {
         let dims = Dims::of_for(&config, true).unwrap();
         let mut groups = vec![int8; config.num_layers];
         let p = plan(&config, &dims, source, &groups).unwrap();
-        assert!(keep_stored_codes(&mut groups, &p, &ck), "{variant}");
+        let kept = keep_stored_codes(&mut groups, &p, &ck);
+        assert_eq!(kept.adaln_e4m3, config.num_layers, "{variant}");
+        assert_eq!(kept.gate_bf16, 0, "{variant}");
         assert!(
             groups.iter().all(|g| g.adaln == Some(RowCodes::E4m3)),
             "{variant}: every block's adaLN is stored in e4m3: {groups:?}"
@@ -468,13 +470,13 @@ fn int8_matrices_keep_out_the_e4m3_codes_a_checkpoint_stores() {
         let again = plan(&config, &dims, source, &groups).unwrap();
         assert!(again.fp8.iter().all(|m| m.format == RowCodes::E4m3));
         assert!(
-            !keep_stored_codes(&mut groups, &again, &ck),
+            !keep_stored_codes(&mut groups, &again, &ck).any(),
             "nothing left to keep"
         );
         // A plan whose adaLN stays bf16 changes nothing.
         let mut bf16_adaln = vec![Fp8Groups::ALL; config.num_layers];
         let p = plan(&config, &dims, source, &bf16_adaln).unwrap();
-        assert!(!keep_stored_codes(&mut bf16_adaln, &p, &ck));
+        assert!(!keep_stored_codes(&mut bf16_adaln, &p, &ck).any());
         assert!(bf16_adaln.iter().all(|g| g.adaln.is_none()));
     }
     // An INT8 fc1 gate half the file stores in e4m3 goes back to bf16 (and a second look changes nothing).
@@ -488,13 +490,24 @@ fn int8_matrices_keep_out_the_e4m3_codes_a_checkpoint_stores() {
     let mut groups = vec![gate8; config.num_layers];
     let p = plan(&config, &dims, source, &groups).unwrap();
     assert!(p.fp8.iter().any(|m| m.format == RowCodes::Int8));
-    assert!(keep_stored_codes(&mut groups, &p, &ck));
+    let kept = keep_stored_codes(&mut groups, &p, &ck);
+    assert_eq!((kept.adaln_e4m3, kept.gate_bf16), (0, config.num_layers));
+    let text = CheckpointFp8Use {
+        stored: 3,
+        as_stored: 1,
+        kept,
+    }
+    .describe();
+    assert!(
+        text.contains("fc1's gate half runs in bf16 in 2 block(s)"),
+        "{text}"
+    );
     assert!(groups
         .iter()
         .all(|g| !g.mlp_gate_int8 && !g.mlp_gate && g.mlp_value && g.mlp_in_split()));
     let again = plan(&config, &dims, source, &groups).unwrap();
     assert!(again.fp8.iter().all(|m| m.format == RowCodes::E4m3));
-    assert!(!keep_stored_codes(&mut groups, &again, &ck));
+    assert!(!keep_stored_codes(&mut groups, &again, &ck).any());
     // A checkpoint that stores nothing in FP8 leaves INT8 as asked.
     let plain = ModelDir::open(&fixtures.join("minimax_h3_dit/fl2va_first/model")).unwrap();
     let config = MiniMaxH3Config::from_json(plain.config_json()).unwrap();
@@ -502,11 +515,11 @@ fn int8_matrices_keep_out_the_e4m3_codes_a_checkpoint_stores() {
     let dims = Dims::of_for(&config, true).unwrap();
     let mut groups = vec![int8; config.num_layers];
     let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
-    assert!(!keep_stored_codes(&mut groups, &p, &ck));
+    assert!(!keep_stored_codes(&mut groups, &p, &ck).any());
     assert!(groups.iter().all(|g| g.adaln == Some(RowCodes::Int8)));
     let mut groups = vec![gate8; config.num_layers];
     let p = plan(&config, &dims, Source::Diffusers, &groups).unwrap();
-    assert!(!keep_stored_codes(&mut groups, &p, &ck));
+    assert!(!keep_stored_codes(&mut groups, &p, &ck).any());
     assert!(groups.iter().all(|g| g.mlp_gate_int8));
 }
 
@@ -576,6 +589,7 @@ fn checkpoint_fp8_codes_upload_as_stored_and_dequantize_elsewhere() {
             let want = CheckpointFp8Use {
                 stored: ck.weights().len(),
                 as_stored: if fp8 { as_stored } else { 0 },
+                kept: KeptCodes::default(),
             };
             assert_eq!(up.checkpoint_fp8, want, "{variant} fp8={fp8}");
             let image: Vec<u8> = up.buffer.to_vec().unwrap();
