@@ -256,9 +256,7 @@ impl Gemm {
     ) -> Gemm {
         Gemm {
             input: InputType::Int8,
-            scales: Some(scales),
-            scale_mode: Fp8ScaleMode::RowWise,
-            ..Gemm::bf16(m, n, k, x, w, y)
+            ..Gemm::fp8_e4m3_row_wise(m, n, k, x, w, y, scales)
         }
     }
 

@@ -65,6 +65,92 @@ const H3_SHAPES: [(&str, usize, usize, usize); 5] = [
     ("fc2", 6026, 5376, 14336),
 ];
 
+/// Operands of one `[m, n, k]` GEMM in every format the INT8 tests time: bf16, e4m3 and INT8 rows (constant
+/// patterns), row scales of 1/64, and an output wide enough for int32.
+struct Operands {
+    xb: DeviceBuffer,
+    wb: DeviceBuffer,
+    x8: DeviceBuffer,
+    w8: DeviceBuffer,
+    xi: DeviceBuffer,
+    wi: DeviceBuffer,
+    x_scale: DeviceBuffer,
+    w_scale: DeviceBuffer,
+    y: DeviceBuffer,
+}
+
+impl Operands {
+    fn new(g: &Gpu, m: usize, n: usize, k: usize) -> Operands {
+        let scales = |len: usize| {
+            DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; len]).expect("scales")
+        };
+        Operands {
+            xb: device_buffer_of(&g.ctx, m * k * 2, 0x3C01_3BFF),
+            wb: device_buffer_of(&g.ctx, n * k * 2, 0x3C01_3BFF),
+            x8: device_buffer_of(&g.ctx, m * k, 0x3838_3838),
+            w8: device_buffer_of(&g.ctx, n * k, 0x3830_3038),
+            xi: device_buffer_of(&g.ctx, m * k, 0x5B_C3_21_9D),
+            wi: device_buffer_of(&g.ctx, n * k, 0x2F_D1_7A_E5),
+            x_scale: scales(m),
+            w_scale: scales(n),
+            y: DeviceBuffer::alloc(&g.ctx, m * n * 4).expect("Y"),
+        }
+    }
+
+    fn scales(&self) -> Fp8Scales {
+        Fp8Scales {
+            x_scale: (&self.x_scale).into(),
+            w_scale: (&self.w_scale).into(),
+        }
+    }
+
+    fn bf16(&self, (m, n, k): (usize, usize, usize)) -> Gemm {
+        Gemm::bf16(
+            m,
+            n,
+            k,
+            (&self.xb).into(),
+            (&self.wb).into(),
+            (&self.y).into(),
+        )
+    }
+
+    /// Row-wise FP8 with fast accumulation (the DiTs' FP8 GEMM).
+    fn fp8(&self, (m, n, k): (usize, usize, usize)) -> Gemm {
+        let (x, w, y) = ((&self.x8).into(), (&self.w8).into(), (&self.y).into());
+        Gemm::fp8_e4m3_row_wise(m, n, k, x, w, y, self.scales()).with_fp8_fast_accum(true)
+    }
+
+    fn int8(&self, (m, n, k): (usize, usize, usize)) -> Gemm {
+        Gemm::int8(
+            m,
+            n,
+            k,
+            (&self.xi).into(),
+            (&self.wi).into(),
+            (&self.y).into(),
+        )
+    }
+
+    fn int8_row_wise(&self, (m, n, k): (usize, usize, usize)) -> Gemm {
+        let (x, w, y) = ((&self.xi).into(), (&self.wi).into(), (&self.y).into());
+        Gemm::int8_row_wise(m, n, k, x, w, y, self.scales())
+    }
+}
+
+/// Each of `gemms` timed over 100 back-to-back calls, the GEMMs alternated in 3 rounds (each one's best round
+/// counts), so that all run at the power cap a step runs at: ms per call.
+fn alternated_best_ms(g: &Gpu, lt: &CublasLt, gemms: &[Gemm]) -> Vec<f64> {
+    let mut best = vec![f64::INFINITY; gemms.len()];
+    for _round in 0..3 {
+        for (slot, gemm) in gemms.iter().enumerate() {
+            let (ms, _) = throughput_on(g, lt, gemm, 3, 100);
+            best[slot] = best[slot].min(ms);
+        }
+    }
+    best
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
@@ -97,36 +183,11 @@ fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
     for choice in lt.plan_choices() {
         println!("plan {}", describe(&choice));
     }
-    // Each GEMM timed over 100 back-to-back calls, the three precisions alternated in 3 rounds (each one's best
-    // round counts), so that all run at the power cap a step runs at.
     let mut totals = [0.0f64; 3];
     for &(name, m, n, k) in &H3_SHAPES {
-        let pattern = 0x3C01_3BFF;
-        let xb = device_buffer_of(&g.ctx, m * k * 2, pattern);
-        let wb = device_buffer_of(&g.ctx, n * k * 2, pattern);
-        let x8 = device_buffer_of(&g.ctx, m * k, 0x3838_3838);
-        let w8 = device_buffer_of(&g.ctx, n * k, 0x3830_3038);
-        let xi = device_buffer_of(&g.ctx, m * k, 0x5B_C3_21_9D);
-        let wi = device_buffer_of(&g.ctx, n * k, 0x2F_D1_7A_E5);
-        let ones_m = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; m]).expect("X scales");
-        let ones_n = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; n]).expect("W scales");
-        let y = DeviceBuffer::alloc(&g.ctx, m * n * 4).expect("Y");
-        let bf16 = Gemm::bf16(m, n, k, (&xb).into(), (&wb).into(), (&y).into());
-        let vectors = Fp8Scales {
-            x_scale: (&ones_m).into(),
-            w_scale: (&ones_n).into(),
-        };
-        let fp8 =
-            Gemm::fp8_e4m3_row_wise(m, n, k, (&x8).into(), (&w8).into(), (&y).into(), vectors)
-                .with_fp8_fast_accum(true);
-        let int8 = Gemm::int8(m, n, k, (&xi).into(), (&wi).into(), (&y).into());
-        let mut best = [f64::INFINITY; 3];
-        for _round in 0..3 {
-            for (slot, gemm) in [&bf16, &fp8, &int8].into_iter().enumerate() {
-                let (ms, _) = throughput_on(&g, &lt, gemm, 3, 100);
-                best[slot] = best[slot].min(ms);
-            }
-        }
+        let ops = Operands::new(&g, m, n, k);
+        let shape = (m, n, k);
+        let best = alternated_best_ms(&g, &lt, &[ops.bf16(shape), ops.fp8(shape), ops.int8(shape)]);
         let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
         println!(
             "{name:>8} M={m} N={n} K={k}: bf16 {:.3} ms ({:.0} TFLOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
@@ -140,7 +201,7 @@ fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
             best[2] / best[1]
         );
         if name != "fc1 half" {
-            for (total, ms) in totals.iter_mut().zip(best) {
+            for (total, ms) in totals.iter_mut().zip(&best) {
                 *total += ms;
             }
         }
@@ -209,30 +270,13 @@ fn int8_row_wise_gemm_where_cublaslt_offers_it() {
     // Its speed beside row-wise FP8 and the exact int32 GEMM at MiniMax H3's shapes.
     let lt = timed_handle(&g);
     for &(name, m, n, k) in &H3_SHAPES {
-        let xi = device_buffer_of(&g.ctx, m * k, 0x5B_C3_21_9D);
-        let wi = device_buffer_of(&g.ctx, n * k, 0x2F_D1_7A_E5);
-        let x8 = device_buffer_of(&g.ctx, m * k, 0x3838_3838);
-        let w8 = device_buffer_of(&g.ctx, n * k, 0x3830_3038);
-        let sm = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; m]).expect("X scales");
-        let sn = DeviceBuffer::from_slice(&g.ctx, &vec![1.0f32 / 64.0; n]).expect("W scales");
-        let y = DeviceBuffer::alloc(&g.ctx, m * n * 4).expect("Y");
-        let vectors = Fp8Scales {
-            x_scale: (&sm).into(),
-            w_scale: (&sn).into(),
-        };
-        let row_wise =
-            Gemm::int8_row_wise(m, n, k, (&xi).into(), (&wi).into(), (&y).into(), vectors);
-        let fp8 =
-            Gemm::fp8_e4m3_row_wise(m, n, k, (&x8).into(), (&w8).into(), (&y).into(), vectors)
-                .with_fp8_fast_accum(true);
-        let exact = Gemm::int8(m, n, k, (&xi).into(), (&wi).into(), (&y).into());
-        let mut best = [f64::INFINITY; 3];
-        for _round in 0..3 {
-            for (slot, gemm) in [&row_wise, &fp8, &exact].into_iter().enumerate() {
-                let (ms, _) = throughput_on(&g, &lt, gemm, 3, 100);
-                best[slot] = best[slot].min(ms);
-            }
-        }
+        let ops = Operands::new(&g, m, n, k);
+        let shape = (m, n, k);
+        let best = alternated_best_ms(
+            &g,
+            &lt,
+            &[ops.int8_row_wise(shape), ops.fp8(shape), ops.int8(shape)],
+        );
         let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
         println!(
             "{name:>8} M={m} N={n} K={k}: int8 row-wise -> bf16 {:.3} ms ({:.0} TOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \

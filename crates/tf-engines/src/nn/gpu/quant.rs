@@ -988,39 +988,41 @@ mod tests {
             stride: cols,
             scales: &i8s,
         };
-        let int8 = plan_gated_residual_norm_modulate_fp8_with(
-            &xv,
-            layout,
-            cols,
-            (&yv, cols),
-            &gate,
-            &out,
-            &norm,
-            Some(SecondRows::Int8(&i8_rows)),
-        )
-        .unwrap();
-        assert_eq!(
-            int8.kernel(),
-            "nn_gated_residual_norm_modulate_fp8_and_int8_c2"
-        );
-        assert_eq!(int8.args().get::<u64>(28), Some(i8c.addr()));
-        assert_eq!(int8.args().get::<i32>(29), Some(cols as i32));
-        assert_eq!(int8.args().get::<u64>(30), Some(i8s.addr()));
         let odd_stride = Fp8Rows {
             stride: cols + 8,
             ..i8_rows
         };
-        assert!(plan_gated_residual_norm_modulate_fp8_with(
-            &xv,
-            layout,
-            cols,
-            (&yv, cols),
-            &gate,
-            &out,
-            &norm,
-            Some(SecondRows::Int8(&odd_stride)),
-        )
-        .is_err());
+        let with_int8 = |rows: &Fp8Rows<'_, '_>| {
+            plan_gated_residual_norm_modulate_fp8_with(
+                &xv,
+                layout,
+                cols,
+                (&yv, cols),
+                &gate,
+                &out,
+                &norm,
+                Some(SecondRows::Int8(rows)),
+            )
+            .map(|launch| {
+                let args = launch.args();
+                (
+                    launch.kernel().to_string(),
+                    args.get::<u64>(28),
+                    args.get::<i32>(29),
+                    args.get::<u64>(30),
+                )
+            })
+        };
+        assert_eq!(
+            with_int8(&i8_rows).unwrap(),
+            (
+                "nn_gated_residual_norm_modulate_fp8_and_int8_c2".to_string(),
+                Some(i8c.addr()),
+                Some(cols as i32),
+                Some(i8s.addr())
+            )
+        );
+        assert!(with_int8(&odd_stride).is_err());
         assert_eq!(launch.args().get::<i32>(6), Some(3));
         assert_eq!(launch.args().get::<i32>(7), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(8), Some(1)); // tanh
