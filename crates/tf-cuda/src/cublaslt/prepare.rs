@@ -538,6 +538,7 @@ mod tests {
             n in 1usize..9000,
             k in 1usize..9000,
             fp8 in proptest::bool::ANY,
+            int8 in proptest::bool::ANY,
             f32_out in proptest::bool::ANY,
             bias in proptest::bool::ANY,
             gelu in proptest::bool::ANY,
@@ -545,7 +546,11 @@ mod tests {
             row_wise in proptest::bool::ANY,
             align in 0u32..9,
         ) {
-            let mut shape = if fp8 {
+            // INT8 GEMMs need K and N multiples of 16: keep most INT8 draws plannable.
+            let (n, k) = if int8 { (n.next_multiple_of(16), k.next_multiple_of(16)) } else { (n, k) };
+            let mut shape = if int8 {
+                if row_wise { GemmShape::int8_row_wise(m, n, k) } else { GemmShape::int8(m, n, k) }
+            } else if fp8 {
                 let shape = if row_wise {
                     GemmShape::fp8_e4m3_row_wise(m, n, k)
                 } else {
