@@ -941,45 +941,12 @@ mod tests {
         assert_eq!(launch.args().get::<i32>(27), Some(cols as i32));
         assert_eq!(launch.args().get::<u64>(28), Some(0));
         assert_eq!(launch.args().get::<i32>(29), Some(0));
-        // The same pass writing its normed rows in bf16 too: its own entry point, h and its stride last.
+        // The same pass writing its normed rows in bf16 too, or as INT8 codes with their own scales: each its own
+        // entry point, with h (or the codes), its stride (and the INT8 scales) last.
         let mut h = buffer(&ctx, rows * cols * BF16);
         let hv = h.view_mut();
-        let both = plan_gated_residual_norm_modulate_fp8_with(
-            &xv,
-            layout,
-            cols,
-            (&yv, cols),
-            &gate,
-            &out,
-            &norm,
-            Some(SecondRows::Bf16 {
-                h: &hv,
-                stride: cols,
-            }),
-        )
-        .unwrap();
-        assert_eq!(
-            both.kernel(),
-            "nn_gated_residual_norm_modulate_fp8_and_bf16_c2"
-        );
-        assert_eq!(both.args().get::<u64>(28), Some(hv.addr()));
-        assert_eq!(both.args().get::<i32>(29), Some(cols as i32));
-        let short = h.slice_mut(0, rows * cols * BF16 - 16).unwrap();
-        assert!(plan_gated_residual_norm_modulate_fp8_with(
-            &xv,
-            layout,
-            cols,
-            (&yv, cols),
-            &gate,
-            &out,
-            &norm,
-            Some(SecondRows::Bf16 {
-                h: &short,
-                stride: cols,
-            }),
-        )
-        .is_err());
-        // Or as INT8 codes with their own scales: the _and_int8 entry point, the codes, stride and scales last.
+        let mut h_short = buffer(&ctx, rows * cols * BF16 - 16);
+        let short = h_short.view_mut();
         let mut i8_codes = buffer(&ctx, rows * cols);
         let mut i8_scales = buffer(&ctx, rows * 4);
         let (i8c, i8s) = (i8_codes.view_mut(), i8_scales.view_mut());
@@ -992,7 +959,7 @@ mod tests {
             stride: cols + 8,
             ..i8_rows
         };
-        let with_int8 = |rows: &Fp8Rows<'_, '_>| {
+        let with_second = |second: SecondRows<'_, '_>| {
             plan_gated_residual_norm_modulate_fp8_with(
                 &xv,
                 layout,
@@ -1001,7 +968,7 @@ mod tests {
                 &gate,
                 &out,
                 &norm,
-                Some(SecondRows::Int8(rows)),
+                Some(second),
             )
             .map(|launch| {
                 let args = launch.args();
@@ -1013,8 +980,19 @@ mod tests {
                 )
             })
         };
+        let bf16_rows = |h| SecondRows::Bf16 { h, stride: cols };
         assert_eq!(
-            with_int8(&i8_rows).unwrap(),
+            with_second(bf16_rows(&hv)).unwrap(),
+            (
+                "nn_gated_residual_norm_modulate_fp8_and_bf16_c2".to_string(),
+                Some(hv.addr()),
+                Some(cols as i32),
+                None
+            )
+        );
+        assert!(with_second(bf16_rows(&short)).is_err());
+        assert_eq!(
+            with_second(SecondRows::Int8(&i8_rows)).unwrap(),
             (
                 "nn_gated_residual_norm_modulate_fp8_and_int8_c2".to_string(),
                 Some(i8c.addr()),
@@ -1022,7 +1000,7 @@ mod tests {
                 Some(i8s.addr())
             )
         );
-        assert!(with_int8(&odd_stride).is_err());
+        assert!(with_second(SecondRows::Int8(&odd_stride)).is_err());
         assert_eq!(launch.args().get::<i32>(6), Some(3));
         assert_eq!(launch.args().get::<i32>(7), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(8), Some(1)); // tanh
