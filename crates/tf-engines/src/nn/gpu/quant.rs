@@ -104,13 +104,8 @@ fn check_fp8_rows(
     let scales = Operand::of_mut(out.scales);
     check_aligned_to(op, "FP8 codes", codes, FP8_ALIGN as u64)?;
     check_aligned_to(op, "FP8 scales", scales, FP8_ALIGN as u64)?;
-    let code_bytes = match rows {
-        0 => 0,
-        _ => (rows - 1)
-            .checked_mul(out.stride)
-            .and_then(|b| b.checked_add(cols))
-            .ok_or_else(|| invalid(op, "FP8 codes size overflows"))?,
-    };
+    let code_bytes = strided_bytes(rows, out.stride, cols, 1)
+        .ok_or_else(|| invalid(op, "FP8 codes size overflows"))?;
     let scale_bytes = rows
         .checked_mul(4)
         .ok_or_else(|| invalid(op, "FP8 scales size overflows"))?;
@@ -125,6 +120,18 @@ fn check_fp8_rows(
         return Err(invalid(op, "FP8 codes and scales overlap"));
     }
     Ok(())
+}
+
+/// Bytes `rows` rows of `cols` elements of `elem` bytes span, `stride` elements apart (the last row only up to its
+/// `cols`); `None` on overflow.
+fn strided_bytes(rows: usize, stride: usize, cols: usize, elem: usize) -> Option<usize> {
+    match rows {
+        0 => Some(0),
+        _ => (rows - 1)
+            .checked_mul(stride)
+            .and_then(|n| n.checked_add(cols))
+            .and_then(|n| n.checked_mul(elem)),
+    }
 }
 
 fn push_fp8_rows(args: &mut Args, op: &str, out: &Fp8Rows<'_, '_>) -> Result<(), tf_cuda::Error> {
@@ -539,7 +546,7 @@ pub fn plan_swiglu_i32gate_fp8<'a>(
     let (rows, hidden) = (value_layout.rows, value_layout.cols);
     check_wide_cols(OP, hidden)?;
     check_matrix(OP, "value", Operand::of(value), value_layout)?;
-    // int32 products: the same element count as a bf16 matrix of twice the columns.
+    // int32 products, rows `stride` elements apart.
     if gate.stride < hidden || !gate.stride.is_multiple_of(4) {
         return Err(invalid(
             OP,
@@ -549,14 +556,8 @@ pub fn plan_swiglu_i32gate_fp8<'a>(
             ),
         ));
     }
-    let product_bytes = match rows {
-        0 => 0,
-        _ => (rows - 1)
-            .checked_mul(gate.stride)
-            .and_then(|n| n.checked_add(hidden))
-            .and_then(|n| n.checked_mul(4))
-            .ok_or_else(|| invalid(OP, "gate products size overflows"))?,
-    };
+    let product_bytes = strided_bytes(rows, gate.stride, hidden, 4)
+        .ok_or_else(|| invalid(OP, "gate products size overflows"))?;
     let scale_bytes = |n: usize| {
         n.checked_mul(4)
             .ok_or_else(|| invalid(OP, "gate scales size overflows"))
@@ -1176,6 +1177,96 @@ mod tests {
             assert_eq!(launch.args().get::<i32>(2), Some(2 * 14336));
             assert_eq!(launch.args().get::<i32>(7), Some(14336));
         }
+    }
+
+    #[test]
+    fn swiglu_of_an_int32_gate_packs_its_operands_and_checks_them() {
+        let _serial = test_lock();
+        let ctx = context();
+        let (rows, hidden) = (3, 48);
+        let value = buffer(&ctx, rows * hidden * BF16);
+        let products = buffer(&ctx, rows * hidden * 4);
+        let row_scales = buffer(&ctx, rows * 4);
+        let col_scales = buffer(&ctx, hidden * 4);
+        let mut codes = buffer(&ctx, rows * 64);
+        let mut scales = buffer(&ctx, rows * 4);
+        let (vv, pv, rv, cv) = (
+            value.view(),
+            products.view(),
+            row_scales.view(),
+            col_scales.view(),
+        );
+        let (qv, sv) = (codes.view_mut(), scales.view_mut());
+        let out = Fp8Rows {
+            codes: &qv,
+            stride: 64,
+            scales: &sv,
+        };
+        let gate = Int32Gate {
+            products: &pv,
+            stride: hidden,
+            row_scales: &rv,
+            col_scales: &cv,
+        };
+        let layout = Matrix::dense(rows, hidden);
+        let launch = plan_swiglu_i32gate_fp8(&vv, layout, &gate, &out).unwrap();
+        assert_eq!(launch.kernel(), "nn_swiglu_i32gate_fp8");
+        assert_eq!(launch.config().block.x, 32);
+        let args = launch.args();
+        assert_eq!(args.len(), 11);
+        assert_eq!(args.get::<u64>(0), Some(vv.addr()));
+        assert_eq!(args.get::<i32>(1), Some(hidden as i32));
+        assert_eq!(args.get::<u64>(2), Some(pv.addr()));
+        assert_eq!(args.get::<i32>(3), Some(hidden as i32));
+        assert_eq!(args.get::<u64>(4), Some(rv.addr()));
+        assert_eq!(args.get::<u64>(5), Some(cv.addr()));
+        assert_eq!(args.get::<u64>(6), Some(qv.addr()));
+        assert_eq!(args.get::<i32>(7), Some(64));
+        assert_eq!(args.get::<u64>(8), Some(sv.addr()));
+        assert_eq!(
+            (args.get::<i32>(9), args.get::<i32>(10)),
+            (Some(rows as i32), Some(hidden as i32))
+        );
+        // Too few products, a stride off a multiple of 4, too few scales of either kind: refused.
+        let short = products.slice(0, rows * hidden * 4 - 16).unwrap();
+        let few_rows = row_scales.slice(0, (rows - 1) * 4).unwrap();
+        let few_cols = col_scales.slice(0, (hidden - 8) * 4).unwrap();
+        for (what, bad) in [
+            (
+                "short products",
+                Int32Gate {
+                    products: &short,
+                    ..gate
+                },
+            ),
+            (
+                "odd stride",
+                Int32Gate {
+                    stride: hidden + 2,
+                    ..gate
+                },
+            ),
+            (
+                "few row scales",
+                Int32Gate {
+                    row_scales: &few_rows,
+                    ..gate
+                },
+            ),
+            (
+                "few column scales",
+                Int32Gate {
+                    col_scales: &few_cols,
+                    ..gate
+                },
+            ),
+        ] {
+            assert!(
+                plan_swiglu_i32gate_fp8(&vv, layout, &bad, &out).is_err(),
+                "{what}"
+            );
+        }
+        assert!(plan_swiglu_i32gate_fp8(&vv, Matrix::dense(rows, 16392), &gate, &out).is_err());
     }
 
     #[test]
