@@ -552,6 +552,43 @@ fn the_upload_refuses_stored_e4m3_codes_planned_into_int8() {
     .err()
     .expect("INT8 codes from the file's e4m3 weights");
     assert!(err.to_string().contains("INT8 matrix"), "{err}");
+    // The same for an INT8 fc1 gate half; through keep_stored_codes the gate half goes to bf16 and the upload takes
+    // the file's codes for the value half.
+    let mut groups = vec![
+        Fp8Groups {
+            mlp_gate: false,
+            mlp_gate_int8: true,
+            ..Fp8Groups::ALL
+        };
+        config.num_layers
+    ];
+    let p = plan(&config, &dims, source, &groups).unwrap();
+    let err = upload(
+        &ctx,
+        &stream,
+        None,
+        &model,
+        &ck,
+        &p,
+        StagingConfig::default(),
+    )
+    .err()
+    .expect("INT8 gate codes from the file's e4m3 weights");
+    assert!(err.to_string().contains("INT8 matrix"), "{err}");
+    assert!(keep_stored_codes(&mut groups, &p, &ck).any());
+    let p = plan(&config, &dims, source, &groups).unwrap();
+    let up = upload(
+        &ctx,
+        &stream,
+        None,
+        &model,
+        &ck,
+        &p,
+        StagingConfig::default(),
+    )
+    .expect("the gate half in bf16 beside the value half's stored codes");
+    assert_eq!(up.checkpoint_fp8.stored, ck.weights().len());
+    assert!(up.checkpoint_fp8.as_stored > 0, "{:?}", up.checkpoint_fp8);
 }
 
 #[test]
