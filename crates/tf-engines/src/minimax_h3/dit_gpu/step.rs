@@ -400,7 +400,6 @@ impl Engine {
             Some(gate) if s.fc1_gate_int8 => (
                 call(d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1),
                 Some(GemmCall {
-                    x: Buf::Q8I,
                     int8: s.fc1_gate,
                     ..call(d.fp, d.hp, Buf::Q8I, gate, Buf::GateI32, 0, None)
                 }),
@@ -637,13 +636,13 @@ impl Engine {
                 .and_then(|v| v.checked_mul(BF16))
                 .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
         };
+        // Bytes of 8-bit operands (one byte each) and of f32 or int32 rows.
+        let codes = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
+        };
         if c.int8.is_some() {
-            // INT8 operands (one byte each) and int32 products; the scales apply in the SwiGLU.
-            let codes = |a: usize, b: usize| {
-                a.checked_mul(b).ok_or_else(|| {
-                    H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k))
-                })
-            };
+            // INT8 operands and int32 products; the scales apply in the SwiGLU.
             let x =
                 gemm::span(Self::buffer(ws, c.x), c.x_off, codes(c.m, c.k)?).map_err(gemm_err)?;
             let w = gemm::span(&self.weights, c.w, codes(c.n, c.k)?).map_err(gemm_err)?;
@@ -658,12 +657,7 @@ impl Engine {
             .map_err(gemm_err);
         }
         if let Some(w_scales) = c.fp8 {
-            // e4m3 operands (one byte each) with f32 row scales: x's per row, w's per output channel.
-            let codes = |a: usize, b: usize| {
-                a.checked_mul(b).ok_or_else(|| {
-                    H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k))
-                })
-            };
+            // e4m3 operands with f32 row scales: x's per row, w's per output channel.
             let x = gemm::span(&ws.q8, 0, codes(c.m, c.k)?).map_err(gemm_err)?;
             let x_scale = gemm::span(&ws.q8_scales, 0, codes(c.m, 4)?).map_err(gemm_err)?;
             let w = gemm::span(&self.weights, c.w, codes(c.n, c.k)?).map_err(gemm_err)?;

@@ -531,62 +531,40 @@ fn the_upload_refuses_stored_e4m3_codes_planned_into_int8() {
     let stream = Stream::new(&ctx, false).unwrap();
     let (model, config, source, ck) = fp8_fixture("per_channel");
     let dims = Dims::of_for(&config, true).unwrap();
-    // An INT8 adaLN plan the engine did not pass through keep_stored_codes.
-    let groups = vec![
-        Fp8Groups {
-            adaln: Some(RowCodes::Int8),
-            ..Fp8Groups::ALL
-        };
-        config.num_layers
-    ];
+    let upload_of = |groups: &[Fp8Groups]| {
+        let p = plan(&config, &dims, source, groups).unwrap();
+        upload(
+            &ctx,
+            &stream,
+            None,
+            &model,
+            &ck,
+            &p,
+            StagingConfig::default(),
+        )
+    };
+    // An INT8 adaLN plan, and an INT8 fc1 gate half, the engine did not pass through keep_stored_codes.
+    let int8_adaln = Fp8Groups {
+        adaln: Some(RowCodes::Int8),
+        ..Fp8Groups::ALL
+    };
+    let int8_gate = Fp8Groups {
+        mlp_gate: false,
+        mlp_gate_int8: true,
+        ..Fp8Groups::ALL
+    };
+    for groups in [int8_adaln, int8_gate] {
+        let err = upload_of(&vec![groups; config.num_layers])
+            .err()
+            .expect("INT8 codes from the file's e4m3 weights");
+        assert!(err.to_string().contains("INT8 matrix"), "{err}");
+    }
+    // Through keep_stored_codes the gate half goes to bf16 and the upload takes the file's codes for the value half.
+    let mut groups = vec![int8_gate; config.num_layers];
     let p = plan(&config, &dims, source, &groups).unwrap();
-    let err = upload(
-        &ctx,
-        &stream,
-        None,
-        &model,
-        &ck,
-        &p,
-        StagingConfig::default(),
-    )
-    .err()
-    .expect("INT8 codes from the file's e4m3 weights");
-    assert!(err.to_string().contains("INT8 matrix"), "{err}");
-    // The same for an INT8 fc1 gate half; through keep_stored_codes the gate half goes to bf16 and the upload takes
-    // the file's codes for the value half.
-    let mut groups = vec![
-        Fp8Groups {
-            mlp_gate: false,
-            mlp_gate_int8: true,
-            ..Fp8Groups::ALL
-        };
-        config.num_layers
-    ];
-    let p = plan(&config, &dims, source, &groups).unwrap();
-    let err = upload(
-        &ctx,
-        &stream,
-        None,
-        &model,
-        &ck,
-        &p,
-        StagingConfig::default(),
-    )
-    .err()
-    .expect("INT8 gate codes from the file's e4m3 weights");
-    assert!(err.to_string().contains("INT8 matrix"), "{err}");
     assert!(keep_stored_codes(&mut groups, &p, &ck).any());
-    let p = plan(&config, &dims, source, &groups).unwrap();
-    let up = upload(
-        &ctx,
-        &stream,
-        None,
-        &model,
-        &ck,
-        &p,
-        StagingConfig::default(),
-    )
-    .expect("the gate half in bf16 beside the value half's stored codes");
+    let up =
+        upload_of(&groups).expect("the gate half in bf16 beside the value half's stored codes");
     assert_eq!(up.checkpoint_fp8.stored, ck.weights().len());
     assert!(up.checkpoint_fp8.as_stored > 0, "{:?}", up.checkpoint_fp8);
 }
