@@ -111,24 +111,6 @@ __device__ __forceinline__ void store8_e4m3(uint8_t* out, const float (&v)[8], f
     *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
 }
 
-// Quantizes the row held in `v` (this thread's chunks, `threads` per row) into `q_row` and writes its scale: the
-// block's max first, then the codes. Every thread of the block must call it, once; `max_scratch` (32 floats) is
-// used by nothing else.
-template <int CHUNKS>
-__device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int cols, int threads,
-                                              uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
-                                              float* max_scratch) {
-    const float amax = block_max(chunk_amax<CHUNKS>(v, cols, threads), max_scratch);
-    const float scale = row_scale(amax);
-    const float inv = 1.0f / scale;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * threads) * 8;
-        if (col < cols) store8_e4m3(q_row + col, v[c], inv);
-    }
-    if (threadIdx.x == 0) *scale_out = scale;
-}
-
 // Eight values times `inv` as eight INT8 codes (round to nearest even, saturating to +-127: nn::fp8's
 // int8_encode; NaN becomes 0), stored as 8 bytes at `out`.
 __device__ __forceinline__ void store8_int8(uint8_t* out, const float (&v)[8], float inv) {
@@ -141,23 +123,49 @@ __device__ __forceinline__ void store8_int8(uint8_t* out, const float (&v)[8], f
     *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
 }
 
-// store_row_fp8 in INT8: the row's scale amax / 127 (1 for an all-zero row), two's-complement codes.
-template <int CHUNKS>
-__device__ __forceinline__ void store_row_int8(const float (&v)[CHUNKS][8], int cols, int threads,
-                                               uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
-                                               float* max_scratch) {
+// The row scale of 8-bit codes from the row's amax: amax / 448 for e4m3, amax / 127 for INT8 (1 for an all-zero row).
+template <bool INT8>
+__device__ __forceinline__ float codes_scale(float amax) {
+    if constexpr (INT8) {
+        return amax > 0.0f ? amax / 127.0f : 1.0f;
+    } else {
+        return row_scale(amax);
+    }
+}
+
+// Quantizes the row held in `v` (this thread's chunks, `threads` per row) into `q_row` as e4m3 codes (INT8 false)
+// or INT8 codes (two's complement) and writes its scale: the block's max first, then the codes. Every thread of
+// the block must call it, once; `max_scratch` (32 floats) is used by nothing else.
+template <int CHUNKS, bool INT8>
+__device__ __forceinline__ void store_row_codes(const float (&v)[CHUNKS][8], int cols, int threads,
+                                                uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
+                                                float* max_scratch) {
     const float amax = block_max(chunk_amax<CHUNKS>(v, cols, threads), max_scratch);
-    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float scale = codes_scale<INT8>(amax);
     const float inv = 1.0f / scale;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
         const int col = (threadIdx.x + c * threads) * 8;
-        if (col < cols) store8_int8(q_row + col, v[c], inv);
+        if (col < cols) {
+            if constexpr (INT8) {
+                store8_int8(q_row + col, v[c], inv);
+            } else {
+                store8_e4m3(q_row + col, v[c], inv);
+            }
+        }
     }
     if (threadIdx.x == 0) *scale_out = scale;
 }
 
-// store_row_fp8 and store_row_int8 of the same row with one max reduction: e4m3 codes into q_row (scale amax / 448)
+// store_row_codes in e4m3: the input of an FP8 GEMM.
+template <int CHUNKS>
+__device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int cols, int threads,
+                                              uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
+                                              float* max_scratch) {
+    store_row_codes<CHUNKS, false>(v, cols, threads, q_row, scale_out, max_scratch);
+}
+
+// store_row_codes in both formats for the same row with one max reduction: e4m3 codes into q_row (scale amax / 448)
 // and INT8 codes into i8_row (scale amax / 127), the inputs of an FP8 and an INT8 GEMM over the same rows.
 template <int CHUNKS>
 __device__ __forceinline__ void store_row_fp8_and_int8(const float (&v)[CHUNKS][8], int cols, int threads,
@@ -165,8 +173,8 @@ __device__ __forceinline__ void store_row_fp8_and_int8(const float (&v)[CHUNKS][
                                                        uint8_t* __restrict__ i8_row, float* __restrict__ i8_scale_out,
                                                        float* max_scratch) {
     const float amax = block_max(chunk_amax<CHUNKS>(v, cols, threads), max_scratch);
-    const float scale = row_scale(amax);
-    const float i8_scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float scale = codes_scale<false>(amax);
+    const float i8_scale = codes_scale<true>(amax);
     const float inv = 1.0f / scale;
     const float i8_inv = 1.0f / i8_scale;
 #pragma unroll
@@ -378,11 +386,7 @@ __device__ __forceinline__ void quantize_rows_body(const bf16* __restrict__ x, i
 #pragma unroll
     for (int c = 0; c < NN_WIDE_CHUNKS; ++c) unpack8(raw[c], v[c]);
     uint8_t* q_row = q + static_cast<int64_t>(row) * q_stride;
-    if constexpr (INT8) {
-        store_row_int8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q_row, scales + row, scratch);
-    } else {
-        store_row_fp8<NN_WIDE_CHUNKS>(v, cols, blockDim.x, q_row, scales + row, scratch);
-    }
+    store_row_codes<NN_WIDE_CHUNKS, INT8>(v, cols, blockDim.x, q_row, scales + row, scratch);
 }
 
 }  // namespace
