@@ -15,9 +15,9 @@ import torch
 from torch_fp8 import quantize_rows as quant_fp8_rows
 
 
-SHAPES = {  # name: (M, N, K) at S = 6026, hidden 5376, ffn 14336
-    "qkv": (6026, 16128, 5376),
-    "out": (6026, 5376, 5376),
+SHAPES = {  # name: (M, N, K) at S = 6026, hidden 5376, 56 x 128 heads, ffn 14336
+    "qkv": (6026, 21504, 5376),
+    "out": (6026, 5376, 7168),
     "fc1": (6026, 28672, 5376),
     "fc1_half": (6026, 14336, 5376),
     "fc2": (6026, 5376, 14336),

@@ -56,10 +56,10 @@ fn int8_gemm_is_the_exact_integer_product() {
     }
 }
 
-/// MiniMax H3's block GEMMs at S = 6026: (name, M, N, K).
+/// MiniMax H3's block GEMMs at S = 6026 (hidden 5376, attention 56 x 128 = 7168 wide, ffn 14336): (name, M, N, K).
 const H3_SHAPES: [(&str, usize, usize, usize); 5] = [
-    ("qkv", 6026, 16128, 5376),
-    ("out", 6026, 5376, 5376),
+    ("qkv", 6026, 21504, 5376),
+    ("out", 6026, 5376, 7168),
     ("fc1", 6026, 28672, 5376),
     ("fc1 half", 6026, 14336, 5376),
     ("fc2", 6026, 5376, 14336),
