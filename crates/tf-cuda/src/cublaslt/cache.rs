@@ -320,6 +320,7 @@ pub fn describe_key(k: &PlanKey) -> String {
         match k.scale_mode {
             Fp8ScaleMode::Tensor => "",
             Fp8ScaleMode::RowWise => " row-wise scales",
+            Fp8ScaleMode::ChannelAlpha => " channel alphas",
         }
     )
 }

@@ -82,6 +82,8 @@ pub mod operation {
 /// `cublasLtMatmulDescAttributes_t` values (the attribute's C type in the comment).
 pub mod desc_attr {
     use std::ffi::c_int;
+    /// int32 (`cublasLtPointerMode_t`)
+    pub const POINTER_MODE: c_int = 2;
     /// int32 (`cublasOperation_t`)
     pub const TRANSA: c_int = 3;
     /// int32 (`cublasOperation_t`)
@@ -102,6 +104,12 @@ pub mod desc_attr {
     pub const A_SCALE_MODE: c_int = 31;
     /// int32 (`cublasLtMatmulMatrixScale_t`), cuBLASLt 12.8 and newer
     pub const B_SCALE_MODE: c_int = 32;
+}
+
+/// `cublasLtPointerMode_t` values: where alpha and beta are read from.
+pub mod pointer_mode {
+    /// alpha is a device vector of one f32 per row of `D`; beta is zero and not read.
+    pub const ALPHA_DEVICE_VECTOR_BETA_ZERO: i32 = 3;
 }
 
 /// `cublasLtMatmulMatrixScale_t` values: how an operand's scale pointer is read.

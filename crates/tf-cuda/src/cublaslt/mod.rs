@@ -829,7 +829,13 @@ impl CublasLt {
             call.key.input == InputType::Int8 && call.key.scale_mode == Fp8ScaleMode::Tensor;
         let (alpha, beta) = (call.alpha, call.beta);
         let (alpha_i32, beta_i32) = (alpha as i32, beta as i32);
-        let (alpha_ptr, beta_ptr) = if int_scaling {
+        let (alpha_ptr, beta_ptr) = if call.alpha_vector_addr != 0 {
+            // ALPHA_DEVICE_VECTOR_BETA_ZERO: alpha is the device vector; beta is zero and not read.
+            (
+                call.alpha_vector_addr as *const c_void,
+                (&beta as *const f32).cast::<c_void>(),
+            )
+        } else if int_scaling {
             (
                 (&alpha_i32 as *const i32).cast::<c_void>(),
                 (&beta_i32 as *const i32).cast::<c_void>(),
@@ -848,7 +854,8 @@ impl CublasLt {
         in_context(&self.ctx, "cublasLtMatmul", || {
             // SAFETY: descriptors are live (owned by the cache, under the lock); the addresses
             // are the caller's promise; alpha/beta are host values of the plan's scale type (the
-            // default pointer mode), alive for the call; the workspace holds what the algorithm
+            // default pointer mode), alive for the call, or alpha the call's device vector (checked
+            // when the call was planned); the workspace holds what the algorithm
             // asked for (checked when the plan was built).
             unsafe {
                 (api.cublasLtMatmul)(
@@ -1068,6 +1075,10 @@ impl CublasLt {
             if call.bias_addr != 0 {
                 set_desc(lib, partial.desc, desc_attr::BIAS_DATA_TYPE, &call.d.dtype)?;
                 set_desc(lib, partial.desc, desc_attr::BIAS_POINTER, &call.bias_addr)?;
+            }
+            if call.key.scale_mode == Fp8ScaleMode::ChannelAlpha {
+                let mode = ffi::pointer_mode::ALPHA_DEVICE_VECTOR_BETA_ZERO;
+                set_desc(lib, partial.desc, desc_attr::POINTER_MODE, &mode)?;
             }
             let row_wise_int8 =
                 call.key.input == InputType::Int8 && call.key.scale_mode == Fp8ScaleMode::RowWise;

@@ -66,7 +66,7 @@ impl InputType {
             (InputType::Int8, Fp8ScaleMode::Tensor) => {
                 (compute_type::COMPUTE_32I, data_type::R_32I)
             }
-            (InputType::Int8, Fp8ScaleMode::RowWise) => {
+            (InputType::Int8, Fp8ScaleMode::RowWise | Fp8ScaleMode::ChannelAlpha) => {
                 (compute_type::COMPUTE_32I, data_type::R_32F)
             }
         }
@@ -127,6 +127,11 @@ pub enum Fp8ScaleMode {
     /// them): `Y[r, c] = x_scale[r] · w_scale[c] · Σ X[r, l] · W[c, l]`. cuBLASLt's outer-vector mode
     /// (`OUTER_VEC_32F` on both operands), which it runs on sm_90 from version 12.9.
     RowWise,
+    /// INT8 only: one f32 per row of `W` (per output channel: `N` of them) as the GEMM's alpha, read from the
+    /// device (cuBLASLt's `ALPHA_DEVICE_VECTOR_BETA_ZERO` pointer mode), and no scale of `X`:
+    /// `Y[r, c] = w_scale[c] · Σ X[r, l] · W[c, l]` rounded once to bf16. The per-token scale of `X` is left to
+    /// whatever reads `Y` (one f32 a row), so the output stays 2 bytes an element.
+    ChannelAlpha,
 }
 
 impl Fp8ScaleMode {
@@ -135,6 +140,8 @@ impl Fp8ScaleMode {
         match self {
             Fp8ScaleMode::Tensor => scale_mode::SCALAR_32F,
             Fp8ScaleMode::RowWise => scale_mode::OUTER_VEC_32F,
+            // Not a matrix scale mode: the channel scales are the alpha vector.
+            Fp8ScaleMode::ChannelAlpha => scale_mode::SCALAR_32F,
         }
     }
 
@@ -143,6 +150,7 @@ impl Fp8ScaleMode {
         match self {
             Fp8ScaleMode::Tensor => (1, 1),
             Fp8ScaleMode::RowWise => (m, n),
+            Fp8ScaleMode::ChannelAlpha => (0, n),
         }
     }
 
@@ -151,6 +159,7 @@ impl Fp8ScaleMode {
         match self {
             Fp8ScaleMode::Tensor => 0,
             Fp8ScaleMode::RowWise => 120_900,
+            Fp8ScaleMode::ChannelAlpha => 0,
         }
     }
 }
@@ -260,6 +269,31 @@ impl Gemm {
         }
     }
 
+    /// `Y[r, c] = sw[c] · Σ X[r, l] · W[c, l]` with signed 8-bit inputs, exact int32 accumulation and bf16
+    /// output: `w_scale` (`N` f32, 16-byte aligned) is the alpha vector ([`Fp8ScaleMode::ChannelAlpha`]); the
+    /// per-row scale of `X` is the reader's to apply. Planning fails with [`CublasLtError::NoAlgorithm`] where the
+    /// loaded cuBLASLt has no such kernel.
+    pub fn int8_channel_alpha(
+        m: usize,
+        n: usize,
+        k: usize,
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        w_scale: DeviceSpan,
+    ) -> Gemm {
+        // No X scales are read (the count is 0); the span only fills the field.
+        let scales = Fp8Scales {
+            x_scale: DeviceSpan::new(w_scale.addr, 0),
+            w_scale,
+        };
+        Gemm {
+            input: InputType::Int8,
+            ..Gemm::fp8_e4m3(m, n, k, x, w, y, scales)
+        }
+        .with_fp8_scale_mode(Fp8ScaleMode::ChannelAlpha)
+    }
+
     /// FP8 only: cuBLASLt's fast accumulation (partial sums kept in the tensor cores' accumulator).
     pub fn with_fp8_fast_accum(self, on: bool) -> Gemm {
         Gemm {
@@ -363,11 +397,28 @@ impl Gemm {
         }
         if self.input == InputType::Int8
             && self.scales.is_some()
-            && self.scale_mode != Fp8ScaleMode::RowWise
+            && !matches!(
+                self.scale_mode,
+                Fp8ScaleMode::RowWise | Fp8ScaleMode::ChannelAlpha
+            )
         {
             return Err(invalid(format!(
-                "an INT8 GEMM ({shape}) takes row-wise scales or none"
+                "an INT8 GEMM ({shape}) takes row-wise scales, channel alphas or none"
             )));
+        }
+        if self.scale_mode == Fp8ScaleMode::ChannelAlpha {
+            if self.input != InputType::Int8 || self.output != OutputType::Bf16 {
+                return Err(invalid(format!(
+                    "channel alphas ({shape}) apply to INT8 GEMMs with bf16 output only, not {:?} -> {:?}",
+                    self.input, self.output
+                )));
+            }
+            if self.alpha != 1.0 || self.beta != 0.0 {
+                return Err(invalid(format!(
+                    "alpha = {} and beta = {} with channel alphas ({shape}): the alphas are the W scales and beta is 0",
+                    self.alpha, self.beta
+                )));
+            }
         }
         if self.input == InputType::Int8 {
             if self.bias.is_some() || self.activation != Activation::None {
@@ -430,11 +481,13 @@ impl Gemm {
                 // Scale vectors are read with vector loads: 16-byte aligned, like the FP8 operands.
                 let align = match self.scale_mode {
                     Fp8ScaleMode::Tensor => 4,
-                    Fp8ScaleMode::RowWise => 16,
+                    Fp8ScaleMode::RowWise | Fp8ScaleMode::ChannelAlpha => 16,
                 };
                 let x_need = bytes_of(1, x_count, 4, "X scales")?;
                 let w_need = bytes_of(1, w_count, 4, "W scales")?;
-                check_span("X scale", scales.x_scale, x_need, align, shape)?;
+                if x_count > 0 {
+                    check_span("X scale", scales.x_scale, x_need, align, shape)?;
+                }
                 check_span("W scale", scales.w_scale, w_need, align, shape)?;
                 if self.scale_mode != Fp8ScaleMode::Tensor {
                     for (name, scale, need) in [
@@ -449,9 +502,18 @@ impl Gemm {
                         }
                     }
                 }
-                // A is W and B is X in the column-major call.
-                (scales.w_scale.addr, scales.x_scale.addr)
+                if self.scale_mode == Fp8ScaleMode::ChannelAlpha {
+                    // The W scales go in as the alpha vector, not as a matrix scale.
+                    (0, 0)
+                } else {
+                    // A is W and B is X in the column-major call.
+                    (scales.w_scale.addr, scales.x_scale.addr)
+                }
             }
+        };
+        let alpha_vector_addr = match (self.scale_mode, self.scales) {
+            (Fp8ScaleMode::ChannelAlpha, Some(scales)) => scales.w_scale.addr,
+            _ => 0,
         };
         if self.scale_mode != Fp8ScaleMode::Tensor && self.input == InputType::Bf16 {
             return Err(invalid(format!(
@@ -514,6 +576,7 @@ impl Gemm {
             bias_addr,
             a_scale_addr,
             b_scale_addr,
+            alpha_vector_addr,
             alpha: self.alpha,
             beta: self.beta,
             key,
@@ -628,6 +691,9 @@ pub struct ColumnMajorCall {
     /// 0 unless FP8.
     pub a_scale_addr: u64,
     pub b_scale_addr: u64,
+    /// The device alpha vector (one f32 per row of the column-major `D`, `lt_m` of them) of a
+    /// [`Fp8ScaleMode::ChannelAlpha`] call; 0 for the host-scalar alpha of every other call.
+    pub alpha_vector_addr: u64,
     pub alpha: f32,
     pub beta: f32,
     pub key: PlanKey,
@@ -785,6 +851,63 @@ mod tests {
     }
 
     #[test]
+    fn int8_channel_alphas_are_the_alpha_vector_and_nothing_else() {
+        let (x, w, y) = spans();
+        let alphas = DeviceSpan::new(0x4000_0000, 4096);
+        let gemm = Gemm::int8_channel_alpha(6026, 512, 5376, x, w, y, alphas);
+        let call = gemm.plan().expect("INT8 with channel alphas");
+        assert_eq!(call.key.scale_mode, Fp8ScaleMode::ChannelAlpha);
+        assert_eq!(
+            call.key.input.compute_and_scale_types(call.key.scale_mode),
+            (compute_type::COMPUTE_32I, data_type::R_32F)
+        );
+        // bf16 out; the W scales go in as alpha, no matrix scale pointer is set.
+        assert_eq!(
+            (
+                call.d.dtype,
+                call.a_scale_addr,
+                call.b_scale_addr,
+                call.alpha_vector_addr
+            ),
+            (data_type::R_16BF, 0, 0, alphas.addr)
+        );
+        assert_eq!(Fp8ScaleMode::ChannelAlpha.scale_counts(6026, 512), (0, 512));
+        // Every other call keeps the host-scalar alpha.
+        assert_eq!(
+            Gemm::int8(64, 64, 64, x, w, y)
+                .plan()
+                .expect("int8")
+                .alpha_vector_addr,
+            0
+        );
+        // One alpha per output channel, 16-byte aligned; alpha 1 and beta 0 only; INT8 into bf16 only.
+        let short = DeviceSpan::new(alphas.addr, 511 * 4);
+        assert!(
+            invalid_text(&Gemm::int8_channel_alpha(64, 512, 64, x, w, y, short))
+                .contains("W scale")
+        );
+        let misaligned = DeviceSpan::new(alphas.addr + 4, 4092);
+        assert!(
+            invalid_text(&Gemm::int8_channel_alpha(64, 512, 64, x, w, y, misaligned))
+                .contains("W scale")
+        );
+        assert!(invalid_text(&gemm.with_scaling(0.5, 0.0)).contains("the alphas are the W scales"));
+        assert!(invalid_text(&gemm.with_scaling(1.0, 1.0)).contains("beta is 0"));
+        let scales = Fp8Scales {
+            x_scale: alphas,
+            w_scale: alphas,
+        };
+        let fp8 = Gemm::fp8_e4m3(64, 64, 64, x, w, y, scales)
+            .with_fp8_scale_mode(Fp8ScaleMode::ChannelAlpha);
+        assert!(invalid_text(&fp8).contains("INT8 GEMMs with bf16 output only"));
+        let f32_out = Gemm {
+            output: OutputType::F32,
+            ..Gemm::int8_channel_alpha(64, 64, 64, x, w, y, alphas)
+        };
+        assert!(invalid_text(&f32_out).contains("INT8 GEMMs with bf16 output only"));
+    }
+
+    #[test]
     fn int8_gemms_write_int32_and_take_no_float_extras() {
         let (x, w, y) = spans();
         let call = Gemm::int8(6026, 64, 5376, x, w, y)
@@ -839,7 +962,7 @@ mod tests {
             (data_type::R_16BF, w.addr, x.addr)
         );
         let per_tensor = row_wise.with_fp8_scale_mode(Fp8ScaleMode::Tensor);
-        assert!(invalid_text(&per_tensor).contains("row-wise scales or none"));
+        assert!(invalid_text(&per_tensor).contains("row-wise scales, channel alphas or none"));
         assert!(invalid_text(
             &Gemm::bf16(64, 64, 64, x, w, y).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
         )

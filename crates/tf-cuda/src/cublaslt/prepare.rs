@@ -85,6 +85,15 @@ impl GemmShape {
         }
     }
 
+    /// Signed 8-bit inputs with the W scales as the alpha vector, bf16 output ([`Gemm::int8_channel_alpha`]).
+    pub fn int8_channel_alpha(m: usize, n: usize, k: usize) -> GemmShape {
+        GemmShape {
+            input: InputType::Int8,
+            fp8_scale_mode: Fp8ScaleMode::ChannelAlpha,
+            ..GemmShape::bf16(m, n, k)
+        }
+    }
+
     /// FP8 e4m3 inputs with row-wise scales (one per row of X, one per row of W), bf16 output.
     pub fn fp8_e4m3_row_wise(m: usize, n: usize, k: usize) -> GemmShape {
         GemmShape::fp8_e4m3(m, n, k).with_fp8_scale_mode(Fp8ScaleMode::RowWise)
@@ -213,7 +222,11 @@ impl GemmShape {
     /// Whether the shape's GEMM reads f32 scales: FP8, and INT8 with row-wise scales.
     pub fn scaled(&self) -> bool {
         self.input == InputType::Fp8E4m3
-            || (self.input == InputType::Int8 && self.fp8_scale_mode == Fp8ScaleMode::RowWise)
+            || (self.input == InputType::Int8
+                && matches!(
+                    self.fp8_scale_mode,
+                    Fp8ScaleMode::RowWise | Fp8ScaleMode::ChannelAlpha
+                ))
     }
 
     /// The plan key of this shape (validated as a call of it would be).

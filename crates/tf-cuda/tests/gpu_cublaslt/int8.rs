@@ -1,6 +1,7 @@
 //! cuBLASLt's INT8 GEMMs on a GPU (`gpu_cublaslt`'s INT8 tests, split out by concern): the exact int32 product
-//! against the host's, its speed beside row-wise FP8 and bf16 at MiniMax H3's block shapes, and the row-wise INT8
-//! GEMM with bf16 output where the loaded cuBLASLt offers it.
+//! against the host's, its speed beside row-wise FP8 and bf16 at MiniMax H3's block shapes, and the scaled INT8
+//! GEMMs with bf16 output (row-wise scales, or the channel scales as the alpha vector) where the loaded cuBLASLt
+//! offers them.
 
 use super::*;
 
@@ -131,11 +132,6 @@ impl Operands {
             (&self.y).into(),
         )
     }
-
-    fn int8_row_wise(&self, (m, n, k): (usize, usize, usize)) -> Gemm {
-        let (x, w, y) = ((&self.xi).into(), (&self.wi).into(), (&self.y).into());
-        Gemm::int8_row_wise(m, n, k, x, w, y, self.scales())
-    }
 }
 
 /// Each of `gemms` timed over 100 back-to-back calls, the GEMMs alternated in 3 rounds (each one's best round
@@ -216,9 +212,40 @@ fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
     assert!(totals.iter().all(|t| t.is_finite() && *t > 0.0));
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
-fn int8_row_wise_gemm_where_cublaslt_offers_it() {
+/// The two scaled INT8 GEMMs with bf16 output: row-wise scales on both operands, or the W scales as the alpha
+/// vector (the X scales left to the reader).
+#[derive(Clone, Copy, PartialEq)]
+enum ScaledInt8 {
+    RowWise,
+    ChannelAlpha,
+}
+
+impl ScaledInt8 {
+    fn name(self) -> &'static str {
+        match self {
+            ScaledInt8::RowWise => "row-wise INT8 -> bf16",
+            ScaledInt8::ChannelAlpha => "INT8 with channel alphas -> bf16",
+        }
+    }
+
+    fn gemm(
+        self,
+        (m, n, k): (usize, usize, usize),
+        x: DeviceSpan,
+        w: DeviceSpan,
+        y: DeviceSpan,
+        scales: Fp8Scales,
+    ) -> Gemm {
+        match self {
+            ScaledInt8::RowWise => Gemm::int8_row_wise(m, n, k, x, w, y, scales),
+            ScaledInt8::ChannelAlpha => Gemm::int8_channel_alpha(m, n, k, x, w, y, scales.w_scale),
+        }
+    }
+}
+
+/// Runs `mode` against the host's scaled exact product where the loaded cuBLASLt offers it (reporting where it
+/// does not), then times it beside row-wise FP8 and the exact int32 GEMM at MiniMax H3's shapes.
+fn scaled_int8_where_offered(mode: ScaledInt8) {
     let g = gpu();
     let info = g.ctx.device_info().expect("device info");
     let (m, n, k) = (77, 96, 256);
@@ -236,51 +263,59 @@ fn int8_row_wise_gemm_where_cublaslt_offers_it() {
         x_scale: (&x_scale).into(),
         w_scale: (&w_scale).into(),
     };
-    let gemm = Gemm::int8_row_wise(m, n, k, (&x).into(), (&w).into(), (&y).into(), scales);
+    let gemm = mode.gemm((m, n, k), (&x).into(), (&w).into(), (&y).into(), scales);
+    let name = mode.name();
     // SAFETY: live buffers until the synchronize.
     match unsafe { g.lt.matmul(&gemm, &g.stream) } {
         Err(CublasLtError::NoAlgorithm { what, .. }) => {
             println!(
-                "row-wise INT8 -> bf16: this cuBLASLt offers no algorithm on {} (sm_{}{}): {what}",
+                "{name}: this cuBLASLt offers no algorithm on {} (sm_{}{}): {what}",
                 info.name, info.compute_capability.0, info.compute_capability.1
             );
             return;
         }
-        Err(e) => panic!("row-wise INT8 GEMM: {e}"),
+        Err(e) => panic!("{name}: {e}"),
         Ok(()) => {}
     }
     g.stream.synchronize().expect("synchronize");
     let got: Vec<f32> = bf16_out(&y).into_iter().map(from_bf16).collect();
     let mut worst = 0f64;
     for r in 0..m {
+        let row_scale = if mode == ScaledInt8::RowWise {
+            f64::from(xs[r])
+        } else {
+            1.0
+        };
         for c in 0..n {
             let dot: i64 = (0..k)
                 .map(|l| i64::from(xq[r * k + l]) * i64::from(wq[c * k + l]))
                 .sum();
-            let want = dot as f64 * f64::from(xs[r]) * f64::from(ws[c]);
+            let want = dot as f64 * row_scale * f64::from(ws[c]);
             let err = (f64::from(got[r * n + c]) - want).abs() / want.abs().max(1e-3);
             worst = worst.max(err);
         }
     }
-    println!("row-wise INT8 -> bf16 {m}x{n}x{k}: offered; worst relative error against the scaled exact product {worst:.2e} (bf16 rounding 2^-8)");
+    println!("{name} {m}x{n}x{k}: offered; worst relative error against the scaled exact product {worst:.2e} (bf16 rounding 2^-8)");
     assert!(
         worst <= 1.0 / 256.0,
-        "row-wise INT8 off the scaled exact product: {worst:.2e}"
+        "{name} off the scaled exact product: {worst:.2e}"
     );
-    // Its speed beside row-wise FP8 and the exact int32 GEMM at MiniMax H3's shapes.
     let lt = timed_handle(&g);
-    for &(name, m, n, k) in &H3_SHAPES {
+    for &(shape_name, m, n, k) in &H3_SHAPES {
         let ops = Operands::new(&g, m, n, k);
         let shape = (m, n, k);
-        let best = alternated_best_ms(
-            &g,
-            &lt,
-            &[ops.int8_row_wise(shape), ops.fp8(shape), ops.int8(shape)],
+        let scaled = mode.gemm(
+            shape,
+            (&ops.xi).into(),
+            (&ops.wi).into(),
+            (&ops.y).into(),
+            ops.scales(),
         );
+        let best = alternated_best_ms(&g, &lt, &[scaled, ops.fp8(shape), ops.int8(shape)]);
         let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
         println!(
-            "{name:>8} M={m} N={n} K={k}: int8 row-wise -> bf16 {:.3} ms ({:.0} TOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
-             int8 -> int32 {:.3} ms ({:.0}); row-wise int8 / fp8 time {:.3}",
+            "{shape_name:>8} M={m} N={n} K={k}: {name} {:.3} ms ({:.0} TOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
+             int8 -> int32 {:.3} ms ({:.0}); scaled int8 / fp8 time {:.3}",
             best[0],
             tflops(best[0]),
             best[1],
@@ -290,4 +325,16 @@ fn int8_row_wise_gemm_where_cublaslt_offers_it() {
             best[0] / best[1]
         );
     }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn int8_row_wise_gemm_where_cublaslt_offers_it() {
+    scaled_int8_where_offered(ScaledInt8::RowWise);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn int8_channel_alpha_gemm_where_cublaslt_offers_it() {
+    scaled_int8_where_offered(ScaledInt8::ChannelAlpha);
 }
