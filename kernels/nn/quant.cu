@@ -575,49 +575,64 @@ extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
 // float(gate[r, c]) * (gate_row_scales[r] * gate_col_scales[c]) (the activation's and the weight's INT8 scales),
 // rounded to bf16 as a bf16-output GEMM rounds it; the value half is bf16. value rows `value_stride` elements
 // apart, gate rows `gate_stride` int32 apart (16-byte aligned, strides multiples of 4); hidden a multiple of 8 and
-// <= 16384; the output as nn_swiglu_fp8's. Grid: `rows` blocks of ceil(hidden / 16) threads rounded up to a warp.
-extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS)
+// <= 16384; the output as nn_swiglu_fp8's. Grid: `rows` blocks of ceil(hidden / 16) threads rounded up to a warp,
+// NN_SWIGLU_I32GATE_SHARED_PER_THREAD bytes of dynamic shared memory a thread.
+// A thread reads 7 bytes an output (2 of value, 4 of product, 1 written) against nn_swiglu_fp8's 5, so the kernel
+// runs two blocks an SM to keep the memory busy while a block reduces and stores: at most 32 registers. It takes
+// its chunks one after the other (one chunk's 80 bytes of loads in flight a thread, 143 KB an SM at 14336 columns,
+// several times what the memory's latency needs) and parks each chunk's 8 results in shared memory (57 KB a block
+// at 14336 columns) rather than in registers; the codes are those of holding the results in registers.
+#define NN_SWIGLU_I32GATE_SHARED_PER_THREAD (NN_WIDE_CHUNKS * 8 * 4)
+extern "C" __global__ void __launch_bounds__(NN_WIDE_MAX_THREADS, 2)
     nn_swiglu_i32gate_fp8(const bf16* __restrict__ value, int value_stride, const int32_t* __restrict__ gate,
                           int gate_stride, const float* __restrict__ gate_row_scales,
                           const float* __restrict__ gate_col_scales, uint8_t* __restrict__ q, int q_stride,
                           float* __restrict__ scales, int rows, int hidden) {
     __shared__ float scratch[32];
+    // Chunk c of thread t at parked[(c * blockDim.x + t) * 2 + {0, 1}].
+    extern __shared__ float4 parked[];
     const int row = blockIdx.x;
     if (row >= rows) return;
-    uint4 value_raw[NN_WIDE_CHUNKS];
-    load_raw<NN_WIDE_CHUNKS>(value + static_cast<int64_t>(row) * value_stride, hidden, value_raw);
+    const bf16* value_row = value + static_cast<int64_t>(row) * value_stride;
     const int32_t* gate_row = gate + static_cast<int64_t>(row) * gate_stride;
-    int4 gate_raw[NN_WIDE_CHUNKS][2];
-    float4 col_scale[NN_WIDE_CHUNKS][2];
-#pragma unroll
-    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
-        const int col = (threadIdx.x + c * blockDim.x) * 8;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            if (col < hidden) {
-                gate_raw[c][half] = *reinterpret_cast<const int4*>(gate_row + col + 4 * half);
-                col_scale[c][half] = *reinterpret_cast<const float4*>(gate_col_scales + col + 4 * half);
-            } else {
-                gate_raw[c][half] = make_int4(0, 0, 0, 0);
-                col_scale[c][half] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-        }
-    }
     const float row_scale_of_gate = gate_row_scales[row];
-    float v[NN_WIDE_CHUNKS][8];
-#pragma unroll
+    float amax = 0.0f;
+#pragma unroll 1
     for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
-        unpack8(value_raw[c], v[c]);
-        const int g[8] = {gate_raw[c][0].x, gate_raw[c][0].y, gate_raw[c][0].z, gate_raw[c][0].w,
-                          gate_raw[c][1].x, gate_raw[c][1].y, gate_raw[c][1].z, gate_raw[c][1].w};
-        const float w[8] = {col_scale[c][0].x, col_scale[c][0].y, col_scale[c][0].z, col_scale[c][0].w,
-                            col_scale[c][1].x, col_scale[c][1].y, col_scale[c][1].z, col_scale[c][1].w};
+        const int chunk = threadIdx.x + c * blockDim.x;
+        const int col = chunk * 8;
+        if (col >= hidden) break;
+        const uint4 value_raw = *reinterpret_cast<const uint4*>(value_row + col);
+        const int4 g0 = *reinterpret_cast<const int4*>(gate_row + col);
+        const int4 g1 = *reinterpret_cast<const int4*>(gate_row + col + 4);
+        const float4 w0 = *reinterpret_cast<const float4*>(gate_col_scales + col);
+        const float4 w1 = *reinterpret_cast<const float4*>(gate_col_scales + col + 4);
+        float out[8];
+        unpack8(value_raw, out);
+        const int g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const float gate_value = nn::round_bf16(static_cast<float>(g[i]) * (row_scale_of_gate * w[i]));
-            v[c][i] = silu_f32(gate_value) * v[c][i];
+            out[i] = silu_f32(gate_value) * out[i];
+            amax = fmaxf(amax, fabsf(out[i]));
         }
+        parked[2 * chunk] = make_float4(out[0], out[1], out[2], out[3]);
+        parked[2 * chunk + 1] = make_float4(out[4], out[5], out[6], out[7]);
     }
-    store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
-                                  scratch);
+    const float scale = codes_scale<false>(block_max(amax, scratch));
+    const float inv = 1.0f / scale;
+    uint8_t* q_row = q + static_cast<int64_t>(row) * q_stride;
+#pragma unroll 1
+    for (int c = 0; c < NN_WIDE_CHUNKS; ++c) {
+        const int chunk = threadIdx.x + c * blockDim.x;
+        const int col = chunk * 8;
+        if (col >= hidden) break;
+        // Each thread reads back only what it parked.
+        const float4 a = parked[2 * chunk];
+        const float4 b = parked[2 * chunk + 1];
+        const float values[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        store8_e4m3(q_row + col, values, inv);
+    }
+    if (threadIdx.x == 0) scales[row] = scale;
 }
