@@ -1183,6 +1183,9 @@ impl CublasLt {
                 let k = &call.key;
                 let mode = match k.scale_mode {
                     Fp8ScaleMode::Tensor => String::new(),
+                    Fp8ScaleMode::ChannelAlpha => {
+                        ", the W scales as a device alpha vector (ALPHA_DEVICE_VECTOR_BETA_ZERO)".into()
+                    }
                     other => format!(
                         ", {other:?} FP8 scales (cuBLASLt runs these on sm_90 only, from version 12.9)"
                     ),
