@@ -150,10 +150,15 @@ extern "C" __global__ void __launch_bounds__(H3_ROW_THREADS)
 // partial sums by a 16-lane butterfly (fixed order). The rotation partner comes through a shuffle within the half
 // when rotated / 2 is a multiple of 8 (the model's 48), through shared memory else.
 // Grid: ceil(rows * 2 * heads / (8 * H3_QK_ITEMS_PER_WARP)) blocks of 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
-    h3_qk_norm_rope(bf16* __restrict__ qkv, int qkv_stride, int rows, int heads, const bf16* __restrict__ q_weight,
-                    const bf16* __restrict__ k_weight, float inv_norm_dim, float eps, const bf16* __restrict__ rope_cos,
-                    const bf16* __restrict__ rope_sin, int table_stride, int rotated) {
+// The body of h3_qk_norm_rope; SHUFFLE: the caller guarantees RoPE tables with rotated / 2 a multiple of 8,
+// 16-byte table vectors (nn::table_vectors_aligned<8>) and rows * 2 * heads items within an int, so only the shuffle
+// path is compiled, with 32-bit item arithmetic (the _shuffle entry point, in fewer registers: four blocks an SM
+// rather than three).
+template <bool SHUFFLE>
+__device__ __forceinline__ void qk_norm_rope_body(bf16* __restrict__ qkv, int qkv_stride, int rows, int heads,
+                                                  const bf16* __restrict__ q_weight, const bf16* __restrict__ k_weight,
+                                                  float inv_norm_dim, float eps, const bf16* __restrict__ rope_cos,
+                                                  const bf16* __restrict__ rope_sin, int table_stride, int rotated) {
     constexpr int K = H3_QK_SLOTS;
     // The shared-memory partners (other widths): one head per half-warp, reused slot after slot.
     __shared__ float staged[8][2][128];
@@ -165,11 +170,11 @@ extern "C" __global__ void __launch_bounds__(256)
     const int qk_heads = 2 * heads;
     const int64_t items = static_cast<int64_t>(rows) * qk_heads;
     const int64_t first = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * H3_QK_ITEMS_PER_WARP + half_id;
-    const bool rope = rope_cos != nullptr && rotated > 0;
+    const bool rope = SHUFFLE || (rope_cos != nullptr && rotated > 0);
     const int half = rotated / 2;
-    const bool by_shuffle = rope && nn::rotates_by_shuffle<8>(half);
-    const bool vector_tables = by_shuffle && nn::table_vectors_aligned<8>(rope_cos, table_stride) &&
-                               nn::table_vectors_aligned<8>(rope_sin, table_stride);
+    const bool by_shuffle = SHUFFLE || (rope && nn::rotates_by_shuffle<8>(half));
+    const bool vector_tables = SHUFFLE || (by_shuffle && nn::table_vectors_aligned<8>(rope_cos, table_stride) &&
+                                           nn::table_vectors_aligned<8>(rope_sin, table_stride));
     const int off = half / 8;  // lanes per rotated half (shuffle path)
     const bool rotates = by_shuffle && l16 < 2 * off;
     const int slot = 8 * (l16 < off ? l16 : l16 - off);
@@ -186,10 +191,18 @@ extern "C" __global__ void __launch_bounds__(256)
         head[k] = 0;
         raw[k] = make_uint4(0, 0, 0, 0);
         if (live[k]) {
-            const int64_t r = item / qk_heads;
-            row[k] = static_cast<int>(r);  // r < rows, an int
-            head[k] = static_cast<int>(item - r * qk_heads);
-            raw[k] = *reinterpret_cast<const uint4*>(qkv + r * qkv_stride + head[k] * 128 + dim);
+            if constexpr (SHUFFLE) {
+                // The _shuffle entry point's items fit an int (its launcher checks), so 32-bit division.
+                const int it = static_cast<int>(item);
+                row[k] = it / qk_heads;
+                head[k] = it - row[k] * qk_heads;
+            } else {
+                const int64_t r = item / qk_heads;
+                row[k] = static_cast<int>(r);  // r < rows, an int
+                head[k] = static_cast<int>(item - r * qk_heads);
+            }
+            raw[k] = *reinterpret_cast<const uint4*>(qkv + static_cast<int64_t>(row[k]) * qkv_stride + head[k] * 128 +
+                                                     dim);
         }
     }
     if (vector_tables) {
@@ -247,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) out[i] = n[i] * c[i] + partner[i] * s[i];
             }
-        } else if (rope) {
+        } else if (!SHUFFLE && rope) {
             __syncwarp();  // the previous slot's partners are read
 #pragma unroll
             for (int i = 0; i < 8; ++i) staged[warp][half_id][dim + i] = n[i];
@@ -271,6 +284,23 @@ extern "C" __global__ void __launch_bounds__(256)
             nn::store8(qkv + static_cast<int64_t>(row[k]) * qkv_stride + head[k] * 128 + dim, out);
         }
     }
+}
+
+#define H3_QK_NORM_ROPE_ARGS                                                                                     \
+    bf16 *__restrict__ qkv, int qkv_stride, int rows, int heads, const bf16 *__restrict__ q_weight,             \
+        const bf16 *__restrict__ k_weight, float inv_norm_dim, float eps, const bf16 *__restrict__ rope_cos,     \
+        const bf16 *__restrict__ rope_sin, int table_stride, int rotated
+#define H3_QK_NORM_ROPE_PASS \
+    qkv, qkv_stride, rows, heads, q_weight, k_weight, inv_norm_dim, eps, rope_cos, rope_sin, table_stride, rotated
+
+extern "C" __global__ void __launch_bounds__(256) h3_qk_norm_rope(H3_QK_NORM_ROPE_ARGS) {
+    qk_norm_rope_body<false>(H3_QK_NORM_ROPE_PASS);
+}
+
+// h3_qk_norm_rope where RoPE rotates by shuffles from 16-byte table vectors (MiniMax H3's 48-channel halves): the
+// same results, four blocks an SM.
+extern "C" __global__ void __launch_bounds__(256, 4) h3_qk_norm_rope_shuffle(H3_QK_NORM_ROPE_ARGS) {
+    qk_norm_rope_body<true>(H3_QK_NORM_ROPE_PASS);
 }
 
 namespace {

@@ -21,6 +21,7 @@ pub const H3_SET: &str = "minimax_h3_dit";
 const H3_KERNELS: &[&str] = &[
     "h3_residual_norm",
     "h3_qk_norm_rope",
+    "h3_qk_norm_rope_shuffle",
     "h3_linear_f32_tile_xf_yf",
     "h3_linear_f32_tile_xf_yb",
     "h3_linear_f32_tile_xb_yf",
@@ -349,8 +350,20 @@ pub fn plan_qk_norm_rope<'a>(op: &QkNormRope<'a, '_>) -> Result<Launch<'a>, tf_c
         .push_addr(sin)
         .push(to_i32(OP, "table stride", stride)?)
         .push(to_i32(OP, "rotated", rotated)?);
+    // The shuffle-only entry point (fewer registers) where its preconditions hold: RoPE halves of whole 8-channel
+    // lane groups, 16-byte table vectors, items within an int.
+    let vectors = |addr: u64| addr.is_multiple_of(16) && stride.is_multiple_of(8);
+    let shuffle = rotated > 0
+        && (rotated / 2).is_multiple_of(8)
+        && vectors(cos)
+        && vectors(sin)
+        && i32::try_from(items).is_ok();
     Ok(Launch::new(
-        "h3_qk_norm_rope",
+        if shuffle {
+            "h3_qk_norm_rope_shuffle"
+        } else {
+            "h3_qk_norm_rope"
+        },
         LaunchConfig::new(
             to_u32(OP, "blocks", items.div_ceil(QK_ITEMS_PER_BLOCK).max(1))?,
             256,
@@ -880,17 +893,37 @@ mod tests {
             rope: Some((&cos, &sin, 48, 96)),
         };
         let launch = plan_qk_norm_rope(&op).unwrap();
-        assert_eq!(launch.kernel(), "h3_qk_norm_rope");
+        // 48-channel halves from 16-byte table vectors: the shuffle-only entry point; else the general one.
+        assert_eq!(launch.kernel(), "h3_qk_norm_rope_shuffle");
+        let odd_stride = QkNormRope {
+            rope: Some((&cos, &sin, 44, 80)),
+            ..op
+        };
+        let half_not_of_lanes = QkNormRope {
+            rope: Some((&cos, &sin, 48, 40)),
+            norm_dim: 128,
+            ..op
+        };
+        let shifted = tables.slice(2, rows * 48 * BF16).unwrap();
+        let unaligned_table = QkNormRope {
+            rope: Some((&shifted, &sin, 48, 96)),
+            ..op
+        };
+        for general in [&odd_stride, &half_not_of_lanes, &unaligned_table] {
+            assert_eq!(
+                plan_qk_norm_rope(general).unwrap().kernel(),
+                "h3_qk_norm_rope"
+            );
+        }
         assert_eq!(
             launch.config().grid.x,
             (rows * 2 * heads).div_ceil(QK_ITEMS_PER_BLOCK) as u32
         );
         assert_eq!(launch.args().get::<i32>(11), Some(96));
         let norm_only = QkNormRope { rope: None, ..op };
-        assert_eq!(
-            plan_qk_norm_rope(&norm_only).unwrap().args().get::<u64>(8),
-            Some(0)
-        );
+        let launch = plan_qk_norm_rope(&norm_only).unwrap();
+        assert_eq!(launch.args().get::<u64>(8), Some(0));
+        assert_eq!(launch.kernel(), "h3_qk_norm_rope");
         // Rotated past the true head dim, a short table, an odd width: refused.
         let narrow = QkNormRope { norm_dim: 16, ..op };
         assert!(plan_qk_norm_rope(&narrow).is_err());
