@@ -219,7 +219,7 @@ impl GemmShape {
         Ok(gemm)
     }
 
-    /// Whether the shape's GEMM reads f32 scales: FP8, and INT8 with row-wise scales.
+    /// Whether the shape's GEMM reads f32 scales: FP8, and INT8 with row-wise scales or channel alphas.
     pub fn scaled(&self) -> bool {
         self.input == InputType::Fp8E4m3
             || (self.input == InputType::Int8
@@ -557,12 +557,19 @@ mod tests {
             gelu in proptest::bool::ANY,
             fast in proptest::bool::ANY,
             row_wise in proptest::bool::ANY,
+            channel_alpha in proptest::bool::ANY,
             align in 0u32..9,
         ) {
             // INT8 GEMMs need K and N multiples of 16: keep most INT8 draws plannable.
             let (n, k) = if int8 { (n.next_multiple_of(16), k.next_multiple_of(16)) } else { (n, k) };
             let mut shape = if int8 {
-                if row_wise { GemmShape::int8_row_wise(m, n, k) } else { GemmShape::int8(m, n, k) }
+                if channel_alpha {
+                    GemmShape::int8_channel_alpha(m, n, k)
+                } else if row_wise {
+                    GemmShape::int8_row_wise(m, n, k)
+                } else {
+                    GemmShape::int8(m, n, k)
+                }
             } else if fp8 {
                 let shape = if row_wise {
                     GemmShape::fp8_e4m3_row_wise(m, n, k)
