@@ -646,6 +646,37 @@ const TIMED: AlgoSelection = AlgoSelection::Timed {
     repeats: 5,
 };
 
+/// True on sm_90 (row-wise scales, cuBLASLt 12.9+); elsewhere prints that `what` is skipped there and why.
+fn on_sm90(g: &Gpu, what: &str) -> bool {
+    let info = g.ctx.device_info().expect("device info");
+    if info.compute_capability != (9, 0) {
+        println!(
+            "{what} skipped on sm_{}{}",
+            info.compute_capability.0, info.compute_capability.1
+        );
+        return false;
+    }
+    true
+}
+
+/// Plans `plan` ahead on `lt` (up to two minutes of timing) and prints the report and each plan's choice.
+fn prepare_and_report(g: &Gpu, lt: &CublasLt, plan: &[GemmShape], what: &str) {
+    let report = lt
+        .prepare(plan, Duration::from_secs(120), &g.stream)
+        .unwrap_or_else(|e| panic!("prepare {what}: {e}"));
+    println!(
+        "prepared {} shapes: {} timed, {} heuristic, {} stored in {:.1} s",
+        report.shapes,
+        report.timed,
+        report.heuristic,
+        report.stored,
+        report.elapsed.as_secs_f64()
+    );
+    for choice in lt.plan_choices() {
+        println!("plan {}", describe(&choice));
+    }
+}
+
 /// A second handle on `g`'s context with timed selection.
 fn timed_handle(g: &Gpu) -> CublasLt {
     let lt = CublasLt::with_default_workspace(&g.ctx, Arc::clone(g.lt.library()))
@@ -1608,12 +1639,7 @@ fn fp8_row_wise_gemm_matches_the_host_reference() {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn fp8_row_wise_throughput_beside_bf16_at_the_dit_shapes() {
     let g = gpu();
-    let info = g.ctx.device_info().expect("device info");
-    if info.compute_capability != (9, 0) {
-        println!(
-            "row-wise FP8 skipped on sm_{}{}",
-            info.compute_capability.0, info.compute_capability.1
-        );
+    if !on_sm90(&g, "row-wise FP8") {
         return;
     }
     // Each precision planned ahead on its own timed handle (what the DiT does at load), then timed.
@@ -1630,17 +1656,7 @@ fn fp8_row_wise_throughput_beside_bf16_at_the_dit_shapes() {
         plan.push(GemmShape::fp8_e4m3(m, n, k).with_fp8_fast_accum());
         plan.push(GemmShape::fp8_e4m3_row_wise(m, n, k).with_fp8_fast_accum());
     }
-    let report = lt
-        .prepare(&plan, Duration::from_secs(120), &g.stream)
-        .expect("prepare bf16, per-tensor and row-wise FP8 shapes");
-    println!(
-        "prepared {} shapes: {} timed, {} heuristic, {} stored in {:.1} s",
-        report.shapes,
-        report.timed,
-        report.heuristic,
-        report.stored,
-        report.elapsed.as_secs_f64()
-    );
+    prepare_and_report(&g, &lt, &plan, "bf16, per-tensor and row-wise FP8 shapes");
     let mut ratio_8192 = 0.0;
     let mut total = [0.0f64; 3];
     // With fast accumulation (the DiTs' FP8 default): per-tensor and row-wise.

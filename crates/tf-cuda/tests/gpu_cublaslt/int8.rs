@@ -134,6 +134,12 @@ impl Operands {
     }
 }
 
+/// `ms` per call of an `[m, n, k]` GEMM and its rate: "0.890 ms (1565)" (TFLOP/s, or TOP/s for INT8).
+fn ms_and_rate((m, n, k): (usize, usize, usize), ms: f64) -> String {
+    let rate = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+    format!("{ms:.3} ms ({rate:.0})")
+}
+
 /// Each of `gemms` timed over 100 back-to-back calls, the GEMMs alternated in 3 rounds (each one's best round
 /// counts), so that all run at the power cap a step runs at: ms per call.
 fn alternated_best_ms(g: &Gpu, lt: &CublasLt, gemms: &[Gemm]) -> Vec<f64> {
@@ -151,12 +157,7 @@ fn alternated_best_ms(g: &Gpu, lt: &CublasLt, gemms: &[Gemm]) -> Vec<f64> {
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
     let g = gpu();
-    let info = g.ctx.device_info().expect("device info");
-    if info.compute_capability != (9, 0) {
-        println!(
-            "INT8 against row-wise FP8 skipped on sm_{}{}",
-            info.compute_capability.0, info.compute_capability.1
-        );
+    if !on_sm90(&g, "INT8 against row-wise FP8") {
         return;
     }
     let lt = timed_handle(&g);
@@ -166,34 +167,16 @@ fn int8_throughput_beside_fp8_and_bf16_at_the_h3_shapes() {
         plan.push(GemmShape::fp8_e4m3_row_wise(m, n, k).with_fp8_fast_accum());
         plan.push(GemmShape::int8(m, n, k));
     }
-    let report = lt
-        .prepare(&plan, Duration::from_secs(120), &g.stream)
-        .expect("prepare bf16, row-wise FP8 and INT8 shapes");
-    println!(
-        "prepared {} shapes: {} timed, {} heuristic in {:.1} s",
-        report.shapes,
-        report.timed,
-        report.heuristic,
-        report.elapsed.as_secs_f64()
-    );
-    for choice in lt.plan_choices() {
-        println!("plan {}", describe(&choice));
-    }
+    prepare_and_report(&g, &lt, &plan, "bf16, row-wise FP8 and INT8 shapes");
     let mut totals = [0.0f64; 3];
     for &(name, m, n, k) in &H3_SHAPES {
         let ops = Operands::new(&g, m, n, k);
         let shape = (m, n, k);
         let best = alternated_best_ms(&g, &lt, &[ops.bf16(shape), ops.fp8(shape), ops.int8(shape)]);
-        let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+        let [bf16, fp8, int8] = [best[0], best[1], best[2]].map(|ms| ms_and_rate(shape, ms));
         println!(
-            "{name:>8} M={m} N={n} K={k}: bf16 {:.3} ms ({:.0} TFLOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
-             int8 -> int32 {:.3} ms ({:.0} TOP/s); int8 / fp8 time {:.3}",
-            best[0],
-            tflops(best[0]),
-            best[1],
-            tflops(best[1]),
-            best[2],
-            tflops(best[2]),
+            "{name:>8} M={m} N={n} K={k}: bf16 {bf16} | fp8 row-wise fast {fp8} | int8 -> int32 {int8}; \
+             int8 / fp8 time {:.3}",
             best[2] / best[1]
         );
         if name != "fc1 half" {
@@ -312,16 +295,10 @@ fn scaled_int8_where_offered(mode: ScaledInt8) {
             ops.scales(),
         );
         let best = alternated_best_ms(&g, &lt, &[scaled, ops.fp8(shape), ops.int8(shape)]);
-        let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+        let [scaled, fp8, int8] = [best[0], best[1], best[2]].map(|ms| ms_and_rate(shape, ms));
         println!(
-            "{shape_name:>8} M={m} N={n} K={k}: {name} {:.3} ms ({:.0} TOP/s) | fp8 row-wise fast {:.3} ms ({:.0}) | \
-             int8 -> int32 {:.3} ms ({:.0}); scaled int8 / fp8 time {:.3}",
-            best[0],
-            tflops(best[0]),
-            best[1],
-            tflops(best[1]),
-            best[2],
-            tflops(best[2]),
+            "{shape_name:>8} M={m} N={n} K={k}: {name} {scaled} | fp8 row-wise fast {fp8} | int8 -> int32 {int8}; \
+             scaled int8 / fp8 time {:.3}",
             best[0] / best[1]
         );
     }
