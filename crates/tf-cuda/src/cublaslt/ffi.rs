@@ -161,36 +161,6 @@ pub mod epilogue {
     pub const GELU_BIAS: u32 = 36;
 }
 
-/// `cublasLtMatmulAlgoCapAttributes_t` values: what an initialized algorithm can be configured to.
-pub mod algo_cap {
-    use std::ffi::c_int;
-    /// int32: non-zero if CTA swizzling can be set
-    pub const CTA_SWIZZLING_SUPPORT: c_int = 2;
-    /// uint32 array (`cublasLtMatmulTile_t`)
-    pub const TILE_IDS: c_int = 6;
-    /// int32: custom options run 0..=this
-    pub const CUSTOM_OPTION_MAX: c_int = 7;
-    /// uint32 array (`cublasLtMatmulStages_t`)
-    pub const STAGES_IDS: c_int = 13;
-}
-
-/// `cublasLtMatmulAlgoConfigAttributes_t` values (the attribute's C type in the comment).
-pub mod algo_config {
-    use std::ffi::c_int;
-    /// int32, read-only
-    pub const ID: c_int = 0;
-    /// uint32 (`cublasLtMatmulTile_t`)
-    pub const TILE_ID: c_int = 1;
-    /// uint32 (0 or 1)
-    pub const CTA_SWIZZLING: c_int = 4;
-    /// uint32
-    pub const CUSTOM_OPTION: c_int = 5;
-    /// uint32 (`cublasLtMatmulStages_t`)
-    pub const STAGES_ID: c_int = 6;
-    /// uint16 (`cublasLtClusterShape_t`)
-    pub const CLUSTER_SHAPE_ID: c_int = 8;
-}
-
 /// `cublasLtMatmulAlgo_t`: an opaque 64-byte value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -271,13 +241,6 @@ lt_entries! {
         LtHandle, MatmulDesc, MatrixLayout, MatrixLayout, MatrixLayout, MatrixLayout,
         MatmulPreference, c_int, *mut HeuristicResult, *mut c_int
     ) -> Status;
-    cublasLtMatmulAlgoCheck: fn(
-        LtHandle, MatmulDesc, MatrixLayout, MatrixLayout, MatrixLayout, MatrixLayout,
-        *const MatmulAlgo, *mut HeuristicResult
-    ) -> Status;
-    cublasLtMatmulAlgoCapGetAttribute: fn(*const MatmulAlgo, c_int, *mut c_void, usize, *mut usize) -> Status;
-    cublasLtMatmulAlgoConfigGetAttribute: fn(*const MatmulAlgo, c_int, *mut c_void, usize, *mut usize) -> Status;
-    cublasLtMatmulAlgoConfigSetAttribute: fn(*mut MatmulAlgo, c_int, *const c_void, usize) -> Status;
     cublasLtMatmul: fn(
         LtHandle, MatmulDesc, *const c_void, *const c_void, MatrixLayout, *const c_void,
         MatrixLayout, *const c_void, *const c_void, MatrixLayout, *mut c_void, MatrixLayout,
@@ -340,26 +303,6 @@ mod tests {
             (5, 6, 7, 8)
         );
         assert_eq!((layout_attr::ORDER, order::COL, order::ROW), (1, 0, 1));
-        assert_eq!(
-            (
-                algo_cap::CTA_SWIZZLING_SUPPORT,
-                algo_cap::TILE_IDS,
-                algo_cap::CUSTOM_OPTION_MAX,
-                algo_cap::STAGES_IDS
-            ),
-            (2, 6, 7, 13)
-        );
-        assert_eq!(
-            (
-                algo_config::ID,
-                algo_config::TILE_ID,
-                algo_config::CTA_SWIZZLING,
-                algo_config::CUSTOM_OPTION,
-                algo_config::STAGES_ID,
-                algo_config::CLUSTER_SHAPE_ID
-            ),
-            (0, 1, 4, 5, 6, 8)
-        );
     }
 
     #[test]

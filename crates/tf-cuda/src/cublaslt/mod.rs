@@ -79,7 +79,6 @@ mod live;
 pub mod loader;
 pub mod plan;
 pub mod prepare;
-pub mod variants;
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -244,11 +243,9 @@ pub enum ChosenBy {
 pub struct PlanChoice {
     pub key: PlanKey,
     pub chosen_by: ChosenBy,
-    /// Usable candidates: the heuristic's results (state success, workspace within the handle's)
-    /// in its order, then any checked configuration variants of its first ([`variants`]).
+    /// Usable heuristic results (state success, workspace within the handle's), in the
+    /// heuristic's order.
     pub candidates: usize,
-    /// How many of the candidates (the last ones) are configuration variants.
-    pub variants: usize,
     /// Index of the algorithm the plan runs (0 = the heuristic's first).
     pub chosen: usize,
     /// Timed runs per candidate (0 when nothing was timed).
@@ -385,8 +382,6 @@ pub struct CublasLt {
     plan_cache: parking_lot::Mutex<Option<(Arc<PlanCache>, StackKey)>>,
     /// Set by [`CublasLt::prepare`]: from then on no call is timed.
     prepared: AtomicBool,
-    /// [`CublasLt::set_config_variants`].
-    config_variants: AtomicBool,
     /// Kernels launched through this handle ([`KernelKey`]).
     kernels_run: parking_lot::Mutex<HashSet<KernelKey>>,
     /// [`CacheStats::kernels_first_run_by_calls`].
@@ -446,7 +441,6 @@ impl CublasLt {
             timing_data: parking_lot::Mutex::new(TimingData::default()),
             plan_cache: parking_lot::Mutex::new(None),
             prepared: AtomicBool::new(false),
-            config_variants: AtomicBool::new(true),
             kernels_run: parking_lot::Mutex::new(HashSet::new()),
             kernels_first_run_by_calls: AtomicU64::new(0),
             hits: AtomicU64::new(0),
@@ -1209,18 +1203,7 @@ impl CublasLt {
             }
             check(lib, "cublasLtMatmulAlgoGetHeuristic", code)?;
             results.truncate(usize::try_from(found).unwrap_or(0).min(requested));
-            let (mut usable, refused) = usable_results(results, self.workspace.len_bytes());
-            let offered = usable.len();
-            // A timed request the heuristic under-fills: add configuration variants of its first result.
-            if let Some(first) = usable.first().copied() {
-                let slots = requested.saturating_sub(usable.len());
-                if slots > 0 && self.config_variants.load(Ordering::Relaxed) {
-                    let descriptors = [a, b, d];
-                    let extra =
-                        self.checked_variants(partial.desc, descriptors, &first, &usable, slots);
-                    usable.extend(extra);
-                }
-            }
+            let (usable, refused) = usable_results(results, self.workspace.len_bytes());
             let Some(first) = usable.first() else {
                 return Err(CublasLtError::NoAlgorithm {
                     what: format!(
@@ -1246,7 +1229,6 @@ impl CublasLt {
                     key: call.key,
                     chosen_by: ChosenBy::Heuristic,
                     candidates: usable.len(),
-                    variants: usable.len() - offered,
                     chosen: 0,
                     repeats: 0,
                     times_ms: Vec::new(),
@@ -1286,219 +1268,6 @@ impl Drop for CublasLt {
             unsafe { (api.cublasLtDestroy)(handle) }
         });
     }
-}
-
-impl CublasLt {
-    /// Up to `slots` configuration variants of `first` ([`variants::variant_configs`], nearest first) that
-    /// `cublasLtMatmulAlgoCheck` accepts for these descriptors within the handle's workspace, none equal to an
-    /// algorithm in `existing`. Empty when the library will not describe `first`'s configuration.
-    ///
-    /// # Safety
-    /// `desc` and `layouts` (A, B, D) are live descriptors of one plan being built on this handle.
-    unsafe fn checked_variants(
-        &self,
-        desc: ffi::MatmulDesc,
-        layouts: [ffi::MatrixLayout; 3],
-        first: &HeuristicResult,
-        existing: &[HeuristicResult],
-        slots: usize,
-    ) -> Vec<HeuristicResult> {
-        let api = self.lib.api();
-        let [a, b, d] = layouts;
-        let algo = first.algo;
-        // SAFETY: `algo` is a live local initialized by the heuristic; each buffer is a local of the
-        // attribute's C type and exact size.
-        let (base, caps) = unsafe {
-            let (Some(tile), Some(stages), Some(swizzle), Some(custom), Some(cluster)) = (
-                config_attr::<u32>(api, &algo, ffi::algo_config::TILE_ID),
-                config_attr::<u32>(api, &algo, ffi::algo_config::STAGES_ID),
-                config_attr::<u32>(api, &algo, ffi::algo_config::CTA_SWIZZLING),
-                config_attr::<u32>(api, &algo, ffi::algo_config::CUSTOM_OPTION),
-                config_attr::<u16>(api, &algo, ffi::algo_config::CLUSTER_SHAPE_ID),
-            ) else {
-                return Vec::new();
-            };
-            let caps = variants::AlgoCaps {
-                tiles: cap_ids(api, &algo, ffi::algo_cap::TILE_IDS),
-                stages: cap_ids(api, &algo, ffi::algo_cap::STAGES_IDS),
-                swizzle: cap_i32(api, &algo, ffi::algo_cap::CTA_SWIZZLING_SUPPORT).unwrap_or(0)
-                    != 0,
-                custom_max: cap_i32(api, &algo, ffi::algo_cap::CUSTOM_OPTION_MAX)
-                    .and_then(|v| u32::try_from(v).ok())
-                    .unwrap_or(0),
-            };
-            (
-                variants::AlgoConfig {
-                    tile,
-                    stages,
-                    swizzle,
-                    custom,
-                    cluster,
-                },
-                caps,
-            )
-        };
-        let mut out = Vec::new();
-        for config in variants::variant_configs(base, &caps, MAX_VARIANT_CHECKS) {
-            if out.len() >= slots {
-                break;
-            }
-            let mut variant = algo;
-            // SAFETY: `variant` is a live copy of an initialized algorithm; each value has the attribute's C type.
-            let configured = unsafe {
-                set_config_attr(api, &mut variant, ffi::algo_config::TILE_ID, config.tile)
-                    && set_config_attr(
-                        api,
-                        &mut variant,
-                        ffi::algo_config::STAGES_ID,
-                        config.stages,
-                    )
-                    && set_config_attr(
-                        api,
-                        &mut variant,
-                        ffi::algo_config::CTA_SWIZZLING,
-                        config.swizzle,
-                    )
-                    && set_config_attr(
-                        api,
-                        &mut variant,
-                        ffi::algo_config::CUSTOM_OPTION,
-                        config.custom,
-                    )
-                    && set_config_attr(
-                        api,
-                        &mut variant,
-                        ffi::algo_config::CLUSTER_SHAPE_ID,
-                        config.cluster,
-                    )
-            };
-            if !configured {
-                continue;
-            }
-            let mut result = HeuristicResult::default();
-            // SAFETY: the caller's live descriptors; `variant` and `result` are live locals.
-            let code = unsafe {
-                (api.cublasLtMatmulAlgoCheck)(self.handle, desc, a, b, d, d, &variant, &mut result)
-            };
-            let fits = code == status::SUCCESS
-                && result.state == status::SUCCESS
-                && result.workspace_size <= self.workspace.len_bytes();
-            let known = existing.iter().chain(&out).any(|r| r.algo == variant);
-            if fits && !known {
-                // The check reports the algorithm's needs but never writes its `algo` field.
-                result.algo = variant;
-                out.push(result);
-            }
-        }
-        out
-    }
-
-    /// Whether timed plans widen an under-filled heuristic list with checked configuration variants
-    /// ([`variants`]; on by default).
-    pub fn set_config_variants(&self, on: bool) {
-        self.config_variants.store(on, Ordering::Relaxed);
-    }
-}
-
-/// Configuration variants checked per plan at most (each check is a host call).
-const MAX_VARIANT_CHECKS: usize = 96;
-
-/// Reads one `CUBLASLT_ALGO_CONFIG_*` attribute of type `T`; `None` if the library refuses.
-///
-/// # Safety
-/// `T` is the attribute's C type.
-unsafe fn config_attr<T: Copy + Default>(api: &LtApi, algo: &MatmulAlgo, attr: i32) -> Option<T> {
-    let mut value = T::default();
-    let mut written = 0usize;
-    // SAFETY: the caller's contract; `value` is a live local of the attribute's size.
-    let code = unsafe {
-        (api.cublasLtMatmulAlgoConfigGetAttribute)(
-            algo,
-            attr,
-            (&mut value as *mut T).cast(),
-            std::mem::size_of::<T>(),
-            &mut written,
-        )
-    };
-    (code == status::SUCCESS && written == std::mem::size_of::<T>()).then_some(value)
-}
-
-/// Sets one `CUBLASLT_ALGO_CONFIG_*` attribute; whether the library took it.
-///
-/// # Safety
-/// `T` is the attribute's C type.
-unsafe fn set_config_attr<T: Copy>(
-    api: &LtApi,
-    algo: &mut MatmulAlgo,
-    attr: i32,
-    value: T,
-) -> bool {
-    // SAFETY: the caller's contract; `value` is live for the call and its size is exact.
-    let code = unsafe {
-        (api.cublasLtMatmulAlgoConfigSetAttribute)(
-            algo,
-            attr,
-            (&value as *const T).cast(),
-            std::mem::size_of::<T>(),
-        )
-    };
-    code == status::SUCCESS
-}
-
-/// Reads an int32 `CUBLASLT_ALGO_CAP_*` attribute; `None` if the library refuses.
-///
-/// # Safety
-/// `attr` is an int32 capability.
-unsafe fn cap_i32(api: &LtApi, algo: &MatmulAlgo, attr: i32) -> Option<i32> {
-    let mut value = 0i32;
-    let mut written = 0usize;
-    // SAFETY: the caller's contract; `value` is a live local of the attribute's size.
-    let code = unsafe {
-        (api.cublasLtMatmulAlgoCapGetAttribute)(
-            algo,
-            attr,
-            (&mut value as *mut i32).cast(),
-            4,
-            &mut written,
-        )
-    };
-    (code == status::SUCCESS && written == 4).then_some(value)
-}
-
-/// Largest id list read from a capability (the headers' enums are far smaller).
-const MAX_CAP_IDS: usize = 256;
-
-/// Reads a uint32-array `CUBLASLT_ALGO_CAP_*` attribute (tile or stage ids); empty if the library refuses.
-///
-/// # Safety
-/// `attr` is a uint32-array capability.
-unsafe fn cap_ids(api: &LtApi, algo: &MatmulAlgo, attr: i32) -> Vec<u32> {
-    let mut needed = 0usize;
-    // SAFETY: a null buffer of size 0 asks only for the size, written to a live local.
-    let code = unsafe {
-        (api.cublasLtMatmulAlgoCapGetAttribute)(algo, attr, std::ptr::null_mut(), 0, &mut needed)
-    };
-    let count = needed / 4;
-    if code != status::SUCCESS || count == 0 || count > MAX_CAP_IDS {
-        return Vec::new();
-    }
-    let mut ids = vec![0u32; count];
-    let mut written = 0usize;
-    // SAFETY: `ids` holds `count` u32s, the size passed.
-    let code = unsafe {
-        (api.cublasLtMatmulAlgoCapGetAttribute)(
-            algo,
-            attr,
-            ids.as_mut_ptr().cast(),
-            count * 4,
-            &mut written,
-        )
-    };
-    if code != status::SUCCESS {
-        return Vec::new();
-    }
-    ids.truncate(written / 4);
-    ids
 }
 
 /// Refuses an FP8 scale mode the loaded cuBLASLt (`cublasLtGetVersion`) predates, naming both versions.
@@ -1830,7 +1599,6 @@ mod tests {
             key,
             chosen_by: ChosenBy::Timed,
             candidates: 3,
-            variants: 1,
             chosen: 2,
             repeats: 5,
             times_ms: vec![Some(1.5), None, Some(1.25)],

@@ -35,8 +35,6 @@ pub enum GemmError {
     Selection { value: String },
     #[error("{TIMING_DATA_ENV}={value:?} is not GEMM timing data: use `constant` or `random`")]
     TimingData { value: String },
-    #[error("{VARIANTS_ENV}={value:?} is not a setting for GEMM configuration variants: use `on` or `off`")]
-    Variants { value: String },
     #[error("cuBLASLt: {what}: {source}")]
     Library {
         what: &'static str,
@@ -403,21 +401,6 @@ pub fn selection_from_env(default: AlgoSelection) -> Result<AlgoSelection, GemmE
     }
 }
 
-/// The environment variable that turns off the configuration variants timed selection adds where cuBLASLt's
-/// heuristic offers fewer candidates than asked (every row-wise FP8 GEMM on sm_90): `on` (the default) or `off`.
-pub const VARIANTS_ENV: &str = "TF_GEMM_VARIANTS";
-
-/// Whether [`VARIANTS_ENV`] leaves configuration variants on (see [`CublasLt::set_config_variants`]).
-pub fn config_variants_from_env() -> Result<bool, GemmError> {
-    match std::env::var(VARIANTS_ENV).as_deref() {
-        Err(_) | Ok("") | Ok("on") => Ok(true),
-        Ok("off") => Ok(false),
-        Ok(other) => Err(GemmError::Variants {
-            value: other.to_string(),
-        }),
-    }
-}
-
 /// The environment variable that sets what prepared GEMM shapes are timed on: `constant` (the default) or `random`
 /// (operands whose bits toggle as a model's do, so a card at its power cap is timed at the clock it runs the model
 /// at; see [`TimingData`]).
@@ -459,7 +442,6 @@ impl GemmRunner {
             .map_err(library("setting the timing data"))?;
         lt.set_plan_cache(process_plan_cache())
             .map_err(library("attaching the plan cache"))?;
-        lt.set_config_variants(config_variants_from_env()?);
         let runner = GemmRunner { lt };
         runner.set_algo_selection(selection)?;
         Ok(runner)

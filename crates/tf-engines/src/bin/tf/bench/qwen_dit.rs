@@ -103,14 +103,13 @@ fn report_gemm_choices(dit: &GpuDit) -> serde_json::Value {
             _ => String::new(),
         };
         println!(
-            "  {:>5} x {:>5} x {:>5}: {:?}, candidate {} of {} ({} configuration variants): {} -> {}{gain}",
+            "  {:>5} x {:>5} x {:>5}: {:?}, candidate {} of {}: {} -> {}{gain}",
             k.m,
             k.n,
             k.k,
             choice.chosen_by,
             choice.chosen,
             choice.candidates,
-            choice.variants,
             first.map_or("-".into(), |t| format!("{t:.3}")),
             chosen.map_or("-".into(), |t| format!("{t:.3}")),
         );
@@ -119,7 +118,6 @@ fn report_gemm_choices(dit: &GpuDit) -> serde_json::Value {
             "chosen_by": format!("{:?}", choice.chosen_by),
             "chosen": choice.chosen,
             "candidates": choice.candidates,
-            "variants": choice.variants,
             "times_ms": choice.times_ms,
         }));
     }
