@@ -273,11 +273,11 @@ class Problem:
                 algo = Algo()
                 ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
                 try:
-                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, algo, CFG_TILE, ctypes.c_uint32(tile))
-                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, algo, CFG_STAGES, ctypes.c_uint32(stage))
-                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, algo, CFG_SWIZZLE, ctypes.c_uint32(swizzle))
-                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, algo, CFG_CUSTOM, ctypes.c_uint32(custom))
-                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, algo, CFG_CLUSTER, ctypes.c_uint16(cluster))
+                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, ctypes.byref(algo), CFG_TILE, ctypes.c_uint32(tile))
+                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, ctypes.byref(algo), CFG_STAGES, ctypes.c_uint32(stage))
+                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, ctypes.byref(algo), CFG_SWIZZLE, ctypes.c_uint32(swizzle))
+                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, ctypes.byref(algo), CFG_CUSTOM, ctypes.c_uint32(custom))
+                    set_attr(LIB.cublasLtMatmulAlgoConfigSetAttribute, ctypes.byref(algo), CFG_CLUSTER, ctypes.c_uint16(cluster))
                 except RuntimeError:
                     continue
                 tried += 1
