@@ -2,11 +2,14 @@
 
 cuBLASLt's heuristic offers one algorithm for an FP8 GEMM with outer-vector (row-wise) scales on sm_90, so the
 engine's timed selection has nothing to choose from. This probe walks the configuration space the library
-exposes instead: every algorithm id (`cublasLtMatmulAlgoGetIds`), and for each its tiles, stages, CTA swizzling,
-custom options and cluster shapes, each kept only if `cublasLtMatmulAlgoCheck` accepts it with the GEMM's own
-descriptors and a 32 MiB workspace (the engine's). Every accepted configuration is timed briefly; the fastest few
-are re-timed sustained (100 calls back to back, best of three rounds, alternated with the heuristic's choice) and
-their output compared with the heuristic's. Prints one JSON object; `--json PATH` writes it too.
+exposes instead: every algorithm id (`cublasLtMatmulAlgoGetIds`), and for each its tiles x stages (with `--full`
+also every CTA swizzling, custom option and cluster shape: millions of checks a shape), each kept only if
+`cublasLtMatmulAlgoCheck` accepts it with the GEMM's own descriptors and a 32 MiB workspace (the engine's). Every
+accepted configuration is timed briefly; the fastest few are re-timed sustained (100 calls back to back, best of
+three rounds, alternated with the heuristic's choice) and their output compared with the product of the codes and
+scales. The INT8 forms with scales and bf16 output, which the heuristic refuses on sm_90, come first: any
+configuration the check accepts for them would make INT8 GEMMs free of the int32 round trip. Prints one JSON
+object; `--json PATH` writes it too.
 
 Loads the same library the engine does: `$TF_CUBLASLT` or libcublasLt.so.13 from the CUDA toolkit.
 """
@@ -255,21 +258,30 @@ class Problem:
             best = min(best, start.elapsed_time(end) / iters)
         return best
 
-    def enumerate(self):
+    def enumerate(self, full, max_seconds):
+        """Checks configurations of every algorithm id: tiles x stages (swizzle off, custom option 0, cluster
+        chosen by the library), or with `full` also every swizzle, custom option and cluster shape. Stops after
+        `max_seconds` (the result says so)."""
+        deadline = time.time() + max_seconds
         ids = (ctypes.c_int * 512)()
         count = ctypes.c_int(0)
         ok(LIB.cublasLtMatmulAlgoGetIds(self.handle, *self.types, 512, ids, ctypes.byref(count)), "GetIds")
         accepted, tried, per_id = [], 0, {}
+        self.truncated = False
         for algo_id in list(ids)[: count.value]:
             base = Algo()
             if LIB.cublasLtMatmulAlgoInit(self.handle, *self.types, algo_id, ctypes.byref(base)) != 0:
                 continue
             tiles = cap_u32_list(base, CAP_TILES) or [0]
             stages = cap_u32_list(base, CAP_STAGES) or [0]
-            swizzles = [0, 1] if cap_i32(base, CAP_SWIZZLE) else [0]
-            customs = range((cap_i32(base, CAP_CUSTOM_MAX) or 0) + 1)
+            swizzles = [0, 1] if cap_i32(base, CAP_SWIZZLE) and full else [0]
+            customs = range((cap_i32(base, CAP_CUSTOM_MAX) or 0) + 1) if full else range(1)
+            clusters = CLUSTERS if full else [0]
             kept = 0
-            for tile, stage, swizzle, custom, cluster in itertools.product(tiles, stages, swizzles, customs, CLUSTERS):
+            for tile, stage, swizzle, custom, cluster in itertools.product(tiles, stages, swizzles, customs, clusters):
+                if time.time() > deadline:
+                    self.truncated = True
+                    break
                 algo = Algo()
                 ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
                 try:
@@ -303,7 +315,7 @@ def rel_l2(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def probe(handle, kind, name, m, n, k, screen_limit, top):
+def probe(handle, kind, name, m, n, k, screen_limit, top, full, max_seconds):
     prob = Problem(handle, kind, m, n, k)
     flops = 2.0 * m * n * k
     heur = prob.heuristic()
@@ -313,8 +325,9 @@ def probe(handle, kind, name, m, n, k, screen_limit, top):
         out["heuristic_first"] = config(first)
     expected = prob.expected()
     started = time.time()
-    accepted, tried, per_id, ids = prob.enumerate()
-    out.update(algo_ids=ids, configs_tried=tried, configs_accepted=len(accepted), per_id=per_id)
+    accepted, tried, per_id, ids = prob.enumerate(full, max_seconds)
+    out.update(algo_ids=ids, configs_tried=tried, configs_accepted=len(accepted), per_id=per_id,
+               walk="full" if full else "tiles x stages", walk_truncated=prob.truncated)
     out["enumerate_s"] = round(time.time() - started, 3)
     screened = []
     for algo in accepted[:screen_limit]:
@@ -355,7 +368,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the JSON object here too")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
-    parser.add_argument("--kinds", default="fp8,int8,int8_rowwise,int8_alpha", help="comma-separated kinds")
+    parser.add_argument("--kinds", default="int8_rowwise,int8_alpha,fp8,int8", help="comma-separated kinds")
+    parser.add_argument("--full", action="store_true",
+                        help="walk swizzling, custom options and cluster shapes too (millions of checks a shape)")
+    parser.add_argument("--max-seconds", type=float, default=20.0, help="checking time a shape may take, at most")
     parser.add_argument("--screen-limit", type=int, default=400, help="configurations timed briefly, at most")
     parser.add_argument("--top", type=int, default=6, help="configurations re-timed sustained")
     args = parser.parse_args()
@@ -369,19 +385,20 @@ def main():
                 continue
             m, n, k = SHAPES[name]
             try:
-                row = probe(handle, kind, name, m, n, k, args.screen_limit, args.top)
+                row = probe(handle, kind, name, m, n, k, args.screen_limit, args.top, args.full, args.max_seconds)
             except RuntimeError as err:
                 row = {"shape": name, "kind": kind, "error": str(err)}
             best = min((f["ms"] for f in row.get("finalists", [])), default=None)
             print(f"{kind} {name}: heuristic {row.get('heuristic_ms')} ms ({row.get('heuristic_results')} offered), "
-                  f"{row.get('configs_accepted')} of {row.get('configs_tried')} configurations accepted, "
-                  f"best {best} ms", flush=True)
+                  f"{row.get('configs_accepted')} of {row.get('configs_tried')} configurations accepted"
+                  f"{' (walk cut short)' if row.get('walk_truncated') else ''}, best {best} ms "
+                  f"(rel L2 {min((f['rel_l2_to_expected'] for f in row.get('finalists', [])), default=None)})",
+                  flush=True)
             report["results"].append(row)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text)
+            if args.json:  # after every shape, so a run cut short keeps what it measured
+                with open(args.json, "w") as fh:
+                    fh.write(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
