@@ -19,7 +19,7 @@ use crate::Error;
 pub const MANIFEST_SCHEMA: u32 = 1;
 
 /// SASS instruction families a tensor-core kernel may be required to contain.
-pub const TENSOR_CORE_FAMILIES: &[&str] = &["HMMA", "HGMMA", "QGMMA"];
+pub const TENSOR_CORE_FAMILIES: &[&str] = &["HMMA", "HGMMA", "QGMMA", "IGMMA"];
 
 /// The one target every set must build (the H200).
 pub const REQUIRED_TARGET: &str = "sm_90a";

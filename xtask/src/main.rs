@@ -18,7 +18,7 @@ cargo xtask <command> [options]
   sass-check [--set NAME]...
       Dump the built fatbins with cuobjdump; print registers, shared/local memory and stack per kernel;
       fail on local memory (spills) or a stack frame in kernels marked hot, and on sm_90a tensor-core
-      kernels lacking their SASS family (HMMA/HGMMA/QGMMA). cuobjdump: $CUOBJDUMP, $CUDA_HOME/bin, PATH,
+      kernels lacking their SASS family (HMMA/HGMMA/QGMMA/IGMMA). cuobjdump: $CUOBJDUMP, $CUDA_HOME/bin, PATH,
       else pip-installed into .tools/sass.
 
   verify-pin [--upstream DIR] [--record-kernels]

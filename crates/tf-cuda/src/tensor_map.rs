@@ -9,6 +9,8 @@
 //! - Everything the driver would reject is checked first and named ([`crate::Error::Invalid`]):
 //!   16-byte aligned base and strides, a box of at most 256 rows and (for the 128-byte swizzle)
 //!   at most 128 bytes per row.
+//! - Two element types: bf16 ([`encode_bf16_tiles`]) and bytes ([`encode_int8_tiles`], INT8 or
+//!   e4m3 codes); a [`Tiles`] counts columns in elements of the map's type.
 //! - Rows and columns outside the tensor read as zeros (no NaN fill), so a box may hang over
 //!   the end of the tensor or start at a negative coordinate.
 //!
@@ -59,10 +61,10 @@ impl TensorMap {
     }
 }
 
-/// A bf16 tensor of `batch` x `rows` x `cols` elements (row-major, strided) and the box of
+/// A tensor of `batch` x `rows` x `cols` elements (row-major, strided) and the box of
 /// `box_rows` x `box_cols` one TMA copy moves into shared memory in the 128-byte swizzle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Bf16Tiles {
+pub struct Tiles {
     /// Device address of element (0, 0, 0); 16-byte aligned.
     pub base: u64,
     /// Elements per row that the map covers.
@@ -75,13 +77,33 @@ pub struct Bf16Tiles {
     pub row_stride_bytes: u64,
     /// Bytes from one batch entry to the next; a multiple of 16 (ignored when `batch` is 1).
     pub batch_stride_bytes: u64,
-    /// Columns per box: at most 64 (128 bytes, the swizzle span).
+    /// Columns per box: at most 128 bytes (the swizzle span): 64 bf16, 128 bytes.
     pub box_cols: u32,
     /// Rows per box: 1 to 256.
     pub box_rows: u32,
 }
 
-const DATA_TYPE_BFLOAT16: c_uint = 9;
+/// The bf16 maps' name for [`Tiles`] (columns in bf16 elements).
+pub type Bf16Tiles = Tiles;
+
+/// An element type a map can hold.
+#[derive(Clone, Copy, Debug)]
+struct Element {
+    bytes: u64,
+    data_type: c_uint,
+    name: &'static str,
+}
+
+const BF16: Element = Element {
+    bytes: 2,
+    data_type: 9, // CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    name: "bf16",
+};
+const BYTE: Element = Element {
+    bytes: 1,
+    data_type: 0, // CU_TENSOR_MAP_DATA_TYPE_UINT8
+    name: "bytes",
+};
 const INTERLEAVE_NONE: c_uint = 0;
 const SWIZZLE_128B: c_uint = 3;
 const L2_PROMOTION_256B: c_uint = 3;
@@ -104,7 +126,16 @@ type EncodeTiled = unsafe extern "C" fn(
 ) -> tf_sys::CUresult;
 
 /// Checks `t` against the driver's rules for a 3-D bf16 map with the 128-byte swizzle.
-pub fn check_bf16_tiles(t: &Bf16Tiles) -> Result<(), Error> {
+pub fn check_bf16_tiles(t: &Tiles) -> Result<(), Error> {
+    check_tiles(t, BF16)
+}
+
+/// Checks `t` (columns in bytes) against the driver's rules for a 3-D byte map with the 128-byte swizzle.
+pub fn check_int8_tiles(t: &Tiles) -> Result<(), Error> {
+    check_tiles(t, BYTE)
+}
+
+fn check_tiles(t: &Tiles, element: Element) -> Result<(), Error> {
     let fail = |what: String| Err(Error::invalid(format!("tensor map: {what}")));
     if !t.base.is_multiple_of(16) {
         return fail(format!("base address {:#x} is not 16-byte aligned", t.base));
@@ -132,25 +163,35 @@ pub fn check_bf16_tiles(t: &Bf16Tiles) -> Result<(), Error> {
             ));
         }
     }
-    if t.row_stride_bytes < t.cols * 2 {
+    if t.row_stride_bytes < t.cols * element.bytes {
         return fail(format!(
-            "row stride {} bytes is shorter than a row of {} bf16",
-            t.row_stride_bytes, t.cols
+            "row stride {} bytes is shorter than a row of {} {}",
+            t.row_stride_bytes, t.cols, element.name
         ));
     }
-    if t.box_cols == 0 || t.box_cols > 64 || t.box_rows == 0 || t.box_rows > 256 {
+    let max_cols = 128 / element.bytes;
+    if t.box_cols == 0 || u64::from(t.box_cols) > max_cols || t.box_rows == 0 || t.box_rows > 256 {
         return fail(format!(
-            "box of {} rows x {} columns (1..=256 rows, 1..=64 columns for the 128-byte swizzle)",
-            t.box_rows, t.box_cols
+            "box of {} rows x {} columns (1..=256 rows, 1..={max_cols} columns of {} for the 128-byte swizzle)",
+            t.box_rows, t.box_cols, element.name
         ));
     }
     Ok(())
 }
 
-/// Encodes the map of `t` with the driver of `ctx` (zero fill outside the tensor, 128-byte
+/// Encodes the bf16 map of `t` with the driver of `ctx` (zero fill outside the tensor, 128-byte
 /// swizzle, 256-byte L2 promotion).
-pub fn encode_bf16_tiles(ctx: &Context, t: &Bf16Tiles) -> Result<TensorMap, Error> {
-    check_bf16_tiles(t)?;
+pub fn encode_bf16_tiles(ctx: &Context, t: &Tiles) -> Result<TensorMap, Error> {
+    encode_tiles(ctx, t, BF16)
+}
+
+/// Encodes the byte map of `t` (columns in bytes: INT8 or e4m3 codes) like [`encode_bf16_tiles`].
+pub fn encode_int8_tiles(ctx: &Context, t: &Tiles) -> Result<TensorMap, Error> {
+    encode_tiles(ctx, t, BYTE)
+}
+
+fn encode_tiles(ctx: &Context, t: &Tiles, element: Element) -> Result<TensorMap, Error> {
+    check_tiles(t, element)?;
     let driver = ctx.driver();
     // SAFETY: the signature is the one cuda.h declares for this symbol; only the address is read.
     let encode = unsafe {
@@ -175,7 +216,7 @@ pub fn encode_bf16_tiles(ctx: &Context, t: &Bf16Tiles) -> Result<TensorMap, Erro
     let code = unsafe {
         encode(
             &mut words,
-            DATA_TYPE_BFLOAT16,
+            element.data_type,
             3,
             t.base as *mut c_void,
             dims.as_ptr(),
@@ -264,5 +305,38 @@ mod tests {
             let err = check_bf16_tiles(&tiles).expect_err(needle).to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
+    }
+
+    #[test]
+    fn byte_maps_take_128_columns_a_box_and_rows_of_bytes() {
+        // x of the INT8 GEMM: 6026 rows of K = 5376 bytes, boxes of 128 bytes x 128 rows.
+        let x = Tiles {
+            base: 0x7000_0000,
+            cols: 5376,
+            rows: 6026,
+            batch: 1,
+            row_stride_bytes: 5376,
+            batch_stride_bytes: 0,
+            box_cols: 128,
+            box_rows: 128,
+        };
+        assert!(check_int8_tiles(&x).is_ok());
+        assert!(check_int8_tiles(&Tiles { box_rows: 256, ..x }).is_ok());
+        // The same geometry is over the swizzle span in bf16, and its rows too short.
+        assert!(check_bf16_tiles(&x).is_err());
+        let err = check_int8_tiles(&Tiles { box_cols: 129, ..x }).expect_err("129 bytes");
+        assert!(
+            err.to_string().contains("1..=128 columns of bytes"),
+            "{err}"
+        );
+        let err = check_int8_tiles(&Tiles {
+            row_stride_bytes: 5360,
+            ..x
+        })
+        .expect_err("short rows");
+        assert!(
+            err.to_string().contains("shorter than a row of 5376 bytes"),
+            "{err}"
+        );
     }
 }

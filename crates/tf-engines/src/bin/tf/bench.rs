@@ -38,6 +38,9 @@ pub enum Bench {
     /// conversion, and with --phases the device time of every kernel and GEMM kind, beside diffusers' decode phase
     /// of the same run (the pipeline reference.json).
     QwenVae(QwenVaeArgs),
+    /// Our INT8 GEMM with a scaling epilogue (sm_90) beside cuBLASLt's row-wise FP8 and INT8 (int32) GEMMs at
+    /// MiniMax H3's and Qwen-Image's block shapes, each timed sustained.
+    Int8Gemm(int8_gemm::Int8GemmArgs),
 }
 
 #[derive(clap::Args)]
@@ -258,6 +261,7 @@ pub fn run(b: Bench) -> ExitCode {
         Bench::H3Text(args) => h3_text::run(&args),
         Bench::H3AudioVae(args) => h3_audio_vae::run(&args),
         Bench::QwenVae(args) => qwen_vae::run(&args),
+        Bench::Int8Gemm(args) => int8_gemm::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -322,6 +326,7 @@ fn report_phases(
 mod h3_audio_vae;
 mod h3_dit;
 mod h3_text;
+mod int8_gemm;
 mod qwen_dit;
 mod qwen_vae;
 

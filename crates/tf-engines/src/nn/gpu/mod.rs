@@ -38,6 +38,7 @@ pub mod attention;
 pub mod attention_8bit;
 pub mod copy;
 pub mod gemm;
+pub mod gemm_int8;
 pub mod graph_cache;
 pub mod launch;
 pub mod norm;

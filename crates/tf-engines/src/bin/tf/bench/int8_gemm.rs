@@ -1,0 +1,198 @@
+//! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out) beside the two cuBLASLt GEMMs the DiTs
+//! run today at the same shapes: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
+//! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
+//! alternate the three.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tf_cuda::cublaslt::{AlgoSelection, CublasLt, Fp8Scales, Gemm, LtLibrary};
+use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_engines::nn::gpu::gemm_int8::{
+    plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
+};
+use tf_engines::nn::sampling::seeded::SplitMix64;
+
+use super::BoxError;
+
+#[derive(clap::Args)]
+pub struct Int8GemmArgs {
+    /// Back-to-back calls per timed round.
+    #[arg(long, default_value_t = 100)]
+    iters: u32,
+    /// Timed rounds (each GEMM's best is kept; the three alternate within a round).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Only these shapes (comma-separated names; default all).
+    #[arg(long)]
+    shapes: Option<String>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// (name, M, N, K): MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows).
+const SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("h3_qkv", 6026, 21504, 5376),
+    ("h3_out", 6026, 5376, 7168),
+    ("h3_fc1", 6026, 28672, 5376),
+    ("h3_fc1_half", 6026, 14336, 5376),
+    ("h3_fc2", 6026, 5376, 14336),
+    ("qwen_qkv", 4096, 12288, 4096),
+    ("qwen_out", 4096, 4096, 4096),
+    ("qwen_mlp_in", 4096, 24576, 4096),
+    ("qwen_mlp_out", 4096, 4096, 12288),
+];
+
+fn random_bytes(rng: &mut SplitMix64, n: usize, e4m3: bool) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            let b = (rng.next_u64() >> 32) as u8;
+            // e4m3 has NaN at S.1111.111: keep the codes finite. INT8: -128 is left out like the quantizer does.
+            match (e4m3, b) {
+                (true, 0x7f) | (true, 0xff) => b - 1,
+                (false, 0x80) => 0x81,
+                _ => b,
+            }
+        })
+        .collect()
+}
+
+fn scales(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| (1 + rng.next_u64() % 1000) as f32 * 1e-5)
+        .collect()
+}
+
+/// Milliseconds per call of `f` over `iters` back-to-back calls (one warm-up call first).
+fn sustained_ms(
+    ctx: &Context,
+    stream: &Stream,
+    iters: u32,
+    mut f: impl FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    f()?;
+    let start = Event::new(ctx, true)?;
+    let end = Event::new(ctx, true)?;
+    start.record(stream)?;
+    for _ in 0..iters {
+        f()?;
+    }
+    end.record(stream)?;
+    end.synchronize()?;
+    Ok(f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(iters))
+}
+
+pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
+    if args.iters == 0 || args.rounds == 0 {
+        return Err("--iters and --rounds must be at least 1".into());
+    }
+    let driver = Arc::new(Driver::open()?);
+    let ctx = Context::new(driver, 0)?;
+    let stream = Stream::new(&ctx, true)?;
+    let kernels = Int8GemmKernels::load(&ctx)?;
+    let lt = CublasLt::with_default_workspace(&ctx, LtLibrary::open()?)?;
+    lt.set_algo_selection(AlgoSelection::Timed {
+        candidates: 8,
+        repeats: 3,
+    })?;
+    let wanted: Option<Vec<&str>> = args.shapes.as_deref().map(|s| s.split(',').collect());
+    if let Some(names) = &wanted {
+        if let Some(bad) = names.iter().find(|n| !SHAPES.iter().any(|s| s.0 == **n)) {
+            let known: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
+            return Err(format!("unknown shape {bad:?}; known: {}", known.join(", ")).into());
+        }
+    }
+    println!(
+        "INT8 GEMM with a scaling epilogue (ours, bf16 out) beside cuBLASLt {} row-wise FP8 (bf16 out) and INT8 \
+         (int32 out); {} calls back to back, best of {} rounds",
+        lt.library().version(),
+        args.iters,
+        args.rounds
+    );
+    let mut rows = Vec::new();
+    for &(name, m, n, k) in SHAPES {
+        if wanted.as_ref().is_some_and(|w| !w.contains(&name)) {
+            continue;
+        }
+        let mut rng = SplitMix64::new(0x1a7e_0000 + m as u64 * 31 + n as u64);
+        let x = DeviceBuffer::from_slice(&ctx, &random_bytes(&mut rng, m * k, false))?;
+        let w = DeviceBuffer::from_slice(&ctx, &random_bytes(&mut rng, n * k, false))?;
+        let x8 = DeviceBuffer::from_slice(&ctx, &random_bytes(&mut rng, m * k, true))?;
+        let w8 = DeviceBuffer::from_slice(&ctx, &random_bytes(&mut rng, n * k, true))?;
+        let xs = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, m))?;
+        let ws = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, n))?;
+        let mut y = DeviceBuffer::alloc(&ctx, m * n * 2)?;
+        let y_fp8 = DeviceBuffer::alloc(&ctx, m * n * 2)?;
+        let y32 = DeviceBuffer::alloc(&ctx, m * n * 4)?;
+        let shape = Int8GemmShape { m, n, k };
+        let (xv, wv, xsv, wsv) = (x.view(), w.view(), xs.view(), ws.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let mut yv = y.view_mut();
+        let launch = plan_int8_gemm(&ctx, shape, &inputs, &mut yv, n)?;
+        let fp8 = Gemm::fp8_e4m3_row_wise(
+            m,
+            n,
+            k,
+            (&x8).into(),
+            (&w8).into(),
+            (&y_fp8).into(),
+            Fp8Scales {
+                x_scale: (&xs).into(),
+                w_scale: (&ws).into(),
+            },
+        )
+        .with_fp8_fast_accum(true);
+        let int8 = Gemm::int8(m, n, k, (&x).into(), (&w).into(), (&y32).into());
+        let mut best = [f64::INFINITY; 3];
+        for _ in 0..args.rounds {
+            let ours = sustained_ms(&ctx, &stream, args.iters, || {
+                Ok(kernels.submit(&stream, &launch)?)
+            })?;
+            let fp8_ms = sustained_ms(&ctx, &stream, args.iters, || {
+                // SAFETY: every span lies in a buffer alive until after the stream is synchronized (the timing
+                // synchronizes on its end event before returning).
+                Ok(unsafe { lt.matmul(&fp8, &stream) }?)
+            })?;
+            let int8_ms = sustained_ms(&ctx, &stream, args.iters, || {
+                // SAFETY: as above.
+                Ok(unsafe { lt.matmul(&int8, &stream) }?)
+            })?;
+            for (b, t) in best.iter_mut().zip([ours, fp8_ms, int8_ms]) {
+                *b = b.min(t);
+            }
+        }
+        let ops = 2.0 * (m * n * k) as f64;
+        let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
+        let [ours, fp8_ms, int8_ms] = best;
+        println!(
+            "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), FP8 {fp8_ms:.4} ms ({:.0}), \
+             INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster)",
+            rate(ours),
+            rate(fp8_ms),
+            rate(int8_ms),
+            ours / fp8_ms,
+            ours / int8_ms
+        );
+        rows.push(serde_json::json!({
+            "shape": name, "m": m, "n": n, "k": k,
+            "ours_ms": ours, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
+            "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let report = serde_json::json!({
+            "cublaslt_version": lt.library().version(),
+            "iters": args.iters,
+            "rounds": args.rounds,
+            "results": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! Our INT8 GEMM with a scaling epilogue (kernel set `nn_gemm_int8`, sm_90a only):
+//! `y[m, n] = bf16((x[m, :] . w[n, :]) * x_scale[m] * w_scale[n])`, with INT8 `x` (`[M, K]`, one f32 scale a row)
+//! and `w` (`[N, K]`, one f32 scale an output channel), exact int32 sums and bf16 output.
+//!
+//! cuBLASLt 13.1 runs INT8 GEMMs on sm_90 only into int32 (no scaled form with bf16 output), which costs a round
+//! trip of 4 bytes an element through memory; this kernel writes the 2-byte result the row-wise FP8 GEMM would.
+//! Its layout and pipeline are described in `kernels/nn/gemm_int8.cu`. [`plan_int8_gemm`] checks every operand
+//! and packs one launch; [`Int8GemmKernels`] loads the set and submits it.
+
+use std::fmt;
+
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::tensor_map::{encode_int8_tiles, Tiles};
+use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
+
+use super::launch::{
+    check_aligned, check_bytes, invalid, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
+    LoadedSet, Operand, BF16,
+};
+
+/// Name of the kernel set.
+pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
+/// The set's one kernel.
+pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16"];
+/// Rows of `y` one CTA computes.
+pub const TILE_ROWS: usize = 128;
+/// Columns of `y` one CTA computes: N must be a multiple.
+pub const TILE_COLS: usize = 256;
+/// Bytes of K one pipeline stage holds: K must be a multiple.
+pub const K_SLICE: usize = 128;
+const STAGES: usize = 4;
+const THREADS: u32 = 384;
+/// Dynamic shared memory: the stages' x and w tiles, and 1 KiB to align them to 1024 bytes.
+pub const SHARED_BYTES: u32 = (STAGES * (TILE_ROWS + TILE_COLS) * K_SLICE + 1024) as u32;
+// 227 KiB is the most one block may opt in to on sm_90.
+const _: () = assert!(SHARED_BYTES <= 227 * 1024);
+
+/// The GEMM's sizes: `y` is `m` x `n`, the sums run over `k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Int8GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Int8GemmShape {
+    /// Refuses a shape the kernel does not tile, naming the rule.
+    pub fn check(&self) -> Result<(), tf_cuda::Error> {
+        const OP: &str = "INT8 GEMM";
+        if self.m == 0 || self.n == 0 || self.k == 0 {
+            return Err(invalid(OP, format!("empty GEMM {self:?}")));
+        }
+        if !self.n.is_multiple_of(TILE_COLS) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "N = {} is not a multiple of {TILE_COLS} (the kernel's tile width); use cuBLASLt",
+                    self.n
+                ),
+            ));
+        }
+        if !self.k.is_multiple_of(K_SLICE) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "K = {} is not a multiple of {K_SLICE} (the kernel's slice of K); use cuBLASLt",
+                    self.k
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The launch grid: M tiles (fastest), then N tiles.
+    pub fn grid(&self) -> Result<(u32, u32, u32), tf_cuda::Error> {
+        const OP: &str = "INT8 GEMM";
+        Ok((
+            to_u32(OP, "M tiles", self.m.div_ceil(TILE_ROWS))?,
+            to_u32(OP, "N tiles", self.n / TILE_COLS)?,
+            1,
+        ))
+    }
+}
+
+/// The operands of one call: `x` INT8 `[m, k]` dense, `x_scale` f32 `[m]`, `w` INT8 `[n, k]` dense, `w_scale` f32
+/// `[n]`; `y` bf16 rows of `y_row_stride` elements.
+pub struct Int8GemmOperands<'v, 'a> {
+    pub x: &'v DeviceView<'a>,
+    pub x_scale: &'v DeviceView<'a>,
+    pub w: &'v DeviceView<'a>,
+    pub w_scale: &'v DeviceView<'a>,
+}
+
+/// Checks `shape` and every operand and packs the launch (its tensor maps encoded through `ctx`'s driver).
+pub fn plan_int8_gemm<'a>(
+    ctx: &Context,
+    shape: Int8GemmShape,
+    inputs: &Int8GemmOperands<'_, 'a>,
+    y: &'a mut DeviceViewMut<'_>,
+    y_row_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "INT8 GEMM";
+    shape.check()?;
+    let Int8GemmShape { m, n, k } = shape;
+    let bytes = |rows: usize, cols: usize, size: usize, what: &str| {
+        rows.checked_mul(cols)
+            .and_then(|e| e.checked_mul(size))
+            .ok_or_else(|| invalid(OP, format!("{what} of {rows} x {cols} overflows")))
+    };
+    for (name, view, needed) in [
+        ("x", inputs.x, bytes(m, k, 1, "x")?),
+        ("w", inputs.w, bytes(n, k, 1, "w")?),
+        ("x_scale", inputs.x_scale, bytes(m, 1, 4, "x_scale")?),
+        ("w_scale", inputs.w_scale, bytes(n, 1, 4, "w_scale")?),
+    ] {
+        let operand = Operand::of(view);
+        check_aligned(OP, name, operand)?;
+        check_bytes(OP, name, operand, needed)?;
+    }
+    if y_row_stride < n || !y_row_stride.is_multiple_of(2) {
+        return Err(invalid(
+            OP,
+            format!("y row stride {y_row_stride} must be even and at least N = {n}"),
+        ));
+    }
+    let y_span = (m - 1)
+        .checked_mul(y_row_stride)
+        .and_then(|e| e.checked_add(n))
+        .and_then(|e| e.checked_mul(BF16))
+        .ok_or_else(|| invalid(OP, "y's span overflows"))?;
+    let y_operand = Operand::of_mut(y);
+    check_aligned(OP, "y", y_operand)?;
+    check_bytes(OP, "y", y_operand, y_span)?;
+    let tiles = |base: u64, rows: usize, box_rows: u32| Tiles {
+        base,
+        cols: k as u64,
+        rows: rows as u64,
+        batch: 1,
+        row_stride_bytes: k as u64,
+        batch_stride_bytes: 0,
+        box_cols: K_SLICE as u32,
+        box_rows,
+    };
+    let tm_x = encode_int8_tiles(ctx, &tiles(inputs.x.addr(), m, TILE_ROWS as u32))?;
+    let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, TILE_COLS as u32))?;
+    let mut args = Args::new();
+    args.push(tm_x.words())
+        .push(tm_w.words())
+        .push_addr(inputs.x_scale.addr())
+        .push_addr(inputs.w_scale.addr())
+        .push_addr(y.addr())
+        .push(to_i64(OP, "y row stride", y_row_stride)?)
+        .push(to_i32(OP, "M", m)?)
+        .push(to_i32(OP, "K", k)?);
+    Ok(Launch::new(
+        GEMM_INT8_KERNELS[0],
+        LaunchConfig::new(shape.grid()?, THREADS).with_shared(SHARED_BYTES),
+        args,
+    ))
+}
+
+/// The loaded `nn_gemm_int8` set (sm_90 only).
+pub struct Int8GemmKernels {
+    set: LoadedSet,
+}
+
+impl fmt::Debug for Int8GemmKernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Int8GemmKernels")
+            .field("set", &self.set)
+            .finish()
+    }
+}
+
+impl Int8GemmKernels {
+    /// Loads the set into `ctx` and opts the kernel in to its shared memory. The set holds sm_90a code only: on
+    /// any other GPU this fails with [`LoadKernelsError::Missing`] saying so.
+    pub fn load(ctx: &Context) -> Result<Int8GemmKernels, LoadKernelsError> {
+        let cc = ctx.device_info().map(|i| i.compute_capability).ok();
+        if cc != Some((9, 0)) {
+            return Err(LoadKernelsError::Missing {
+                set: GEMM_INT8_SET,
+                reason: format!("the INT8 GEMM is built for sm_90a only (this GPU: {cc:?})"),
+            });
+        }
+        let mut set = LoadedSet::empty();
+        set.add(ctx, GEMM_INT8_SET, GEMM_INT8_KERNELS, |_, function| {
+            function.set_max_dynamic_shared(SHARED_BYTES)?;
+            Ok(true)
+        })?;
+        Ok(Int8GemmKernels { set })
+    }
+
+    /// Submits a launch of [`plan_int8_gemm`] (benchmarks plan once and submit it repeatedly).
+    pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
+        self.set.submit(stream, launch)
+    }
+
+    /// Runs `y = bf16(x . w^T * x_scale * w_scale)` on `stream`; see [`plan_int8_gemm`].
+    pub fn gemm(
+        &self,
+        ctx: &Context,
+        stream: &Stream,
+        shape: Int8GemmShape,
+        inputs: &Int8GemmOperands<'_, '_>,
+        y: &mut DeviceViewMut<'_>,
+        y_row_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_int8_gemm(ctx, shape, inputs, y, y_row_stride)?;
+        self.set.submit(stream, &launch)
+    }
+}
+
+/// The product on the host, as the kernel computes it: exact integer sums, one conversion to f32, the two scales
+/// multiplied in the kernel's order, rounded to bf16 (returned as f32 values). `y` is `m` x `n`, dense.
+pub fn int8_gemm_host(
+    shape: Int8GemmShape,
+    x: &[i8],
+    x_scale: &[f32],
+    w: &[i8],
+    w_scale: &[f32],
+) -> Vec<f32> {
+    let Int8GemmShape { m, n, k } = shape;
+    let mut y = Vec::with_capacity(m * n);
+    for r in 0..m {
+        let xr = &x[r * k..(r + 1) * k];
+        for c in 0..n {
+            let wr = &w[c * k..(c + 1) * k];
+            let sum: i64 = xr
+                .iter()
+                .zip(wr)
+                .map(|(&a, &b)| i64::from(a) * i64::from(b))
+                .sum();
+            let v = (sum as i32) as f32 * x_scale[r] * w_scale[c];
+            y.push(half::bf16::from_f32(v).to_f32());
+        }
+    }
+    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_the_kernel_tiles_and_those_it_refuses() {
+        let h3_qkv = Int8GemmShape {
+            m: 6026,
+            n: 21504,
+            k: 5376,
+        };
+        assert!(h3_qkv.check().is_ok());
+        assert_eq!(h3_qkv.grid().ok(), Some((48, 84, 1)));
+        for (shape, needle) in [
+            (
+                Int8GemmShape { n: 5000, ..h3_qkv },
+                "N = 5000 is not a multiple of 256",
+            ),
+            (
+                Int8GemmShape { k: 5300, ..h3_qkv },
+                "K = 5300 is not a multiple of 128",
+            ),
+            (Int8GemmShape { m: 0, ..h3_qkv }, "empty GEMM"),
+        ] {
+            let err = shape.check().expect_err(needle).to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn shared_memory_holds_four_stages_and_the_alignment_slack() {
+        assert_eq!(SHARED_BYTES, 4 * 48 * 1024 + 1024);
+    }
+
+    #[test]
+    fn host_product_scales_exact_sums() {
+        let shape = Int8GemmShape { m: 2, n: 2, k: 3 };
+        let x = [1i8, -2, 3, 127, 127, 127];
+        let w = [1i8, 1, 1, -127, 0, 2];
+        let y = int8_gemm_host(shape, &x, &[0.5, 1.0], &w, &[1.0, 0.25]);
+        // Row 0: (1 - 2 + 3) * 0.5 = 1; (-127 + 0 + 6) * 0.5 * 0.25 = -15.125.
+        assert_eq!(y[0], 1.0);
+        assert_eq!(y[1], -15.125);
+        // Row 1: 381 rounds to bf16 as 380; (-16129 + 254) * 0.25 = -3968.75 rounds to -3968.
+        assert_eq!(y[2], 380.0);
+        assert_eq!(y[3], -3968.0);
+    }
+}

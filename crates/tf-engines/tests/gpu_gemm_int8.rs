@@ -1,0 +1,136 @@
+//! GPU checks of our INT8 GEMM with a scaling epilogue (`tf_engines::nn::gpu::gemm_int8`, kernel set
+//! nn_gemm_int8, sm_90a only).
+//!
+//! The kernel sums exactly in int32, converts once to f32, multiplies by the row's and the column's scale in that
+//! order and rounds to bf16, which is what `int8_gemm_host` does: every output element must equal the host's bit
+//! for bit, at shapes with partial row tiles, several column tiles, a strided output, and K from one slice to the
+//! MiniMax H3 widths. The launcher's refusals are host tests (`int8_gemm_plan.rs`); speed is measured by `tf bench
+//! int8-gemm`, not here.
+//!
+//! They are ignored in a plain `cargo test`; run without a GPU they fail, and on a GPU that is not sm_90 each prints
+//! that it is skipped.
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_engines::nn::gpu::gemm_int8::{
+    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
+};
+use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
+
+struct Gpu {
+    ctx: Context,
+    stream: Stream,
+    kernels: Int8GemmKernels,
+}
+
+/// The GPU, or None (printed) when it is not sm_90. Run (with `--include-ignored`) where there is no GPU at all,
+/// the test fails: it must never pass on a machine that could not run it.
+fn gpu(test: &str) -> Option<Gpu> {
+    let driver = Arc::new(
+        Driver::open()
+            .unwrap_or_else(|e| panic!("{test}: no CUDA driver ({e}); run it on the GPU machine")),
+    );
+    let ctx = Context::new(driver, 0)
+        .unwrap_or_else(|e| panic!("{test}: no GPU ({e}); run it on the GPU machine"));
+    let cc = ctx.device_info().map(|i| i.compute_capability).ok();
+    if cc != Some((9, 0)) {
+        println!("{test}: SKIPPED: the INT8 GEMM needs an sm_90 GPU (this one: {cc:?})");
+        return None;
+    }
+    let stream = Stream::new(&ctx, true).expect("create a stream");
+    let kernels = Int8GemmKernels::load(&ctx).expect("load the nn_gemm_int8 set");
+    Some(Gpu {
+        ctx,
+        stream,
+        kernels,
+    })
+}
+
+fn codes(rng: &mut Rng, n: usize) -> Vec<i8> {
+    (0..n)
+        .map(|_| ((rng.next_u64() % 255) as i32 - 127) as i8)
+        .collect()
+}
+
+fn scales(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| (1 + rng.next_u64() % 1000) as f32 * 1e-5)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn int8_gemm_matches_the_host_bit_for_bit() {
+    let Some(g) = gpu("int8_gemm_matches_the_host_bit_for_bit") else {
+        return;
+    };
+    // (M, N, K, y row stride): one tile; partial row tiles; several column tiles with a strided output; H3's
+    // widths of K with few rows (the host product stays quick).
+    for (i, &(m, n, k, stride)) in [
+        (128, 256, 128, 256),
+        (5, 256, 384, 256),
+        (130, 512, 256, 520),
+        (33, 768, 5376, 768),
+        (200, 256, 7168, 256),
+        (17, 512, 14336, 512),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(8100 + i as u64);
+        let x = codes(&mut rng, m * k);
+        let w = codes(&mut rng, n * k);
+        let xs = scales(&mut rng, m);
+        let ws = scales(&mut rng, n);
+        let shape = Int8GemmShape { m, n, k };
+        let want = int8_gemm_host(shape, &x, &xs, &w, &ws);
+        let x_dev = DeviceBuffer::from_slice(&g.ctx, &x).expect("x");
+        let w_dev = DeviceBuffer::from_slice(&g.ctx, &w).expect("w");
+        let xs_dev = DeviceBuffer::from_slice(&g.ctx, &xs).expect("x scales");
+        let ws_dev = DeviceBuffer::from_slice(&g.ctx, &ws).expect("w scales");
+        // A sentinel in every element, so a store that lands outside the rows and columns shows up.
+        let sentinel = 0x7fc1u16;
+        let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; m * stride]).expect("y");
+        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let mut yv = y_dev.view_mut();
+        g.kernels
+            .gemm(&g.ctx, &g.stream, shape, &inputs, &mut yv, stride)
+            .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k}: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        let got: Vec<u16> = y_dev.to_vec().expect("y back");
+        let mut wrong = 0usize;
+        let mut first = None;
+        for r in 0..m {
+            for c in 0..stride {
+                let bits = got[r * stride + c];
+                let ok = if c < n {
+                    bits == half::bf16::from_f32(want[r * n + c]).to_bits()
+                } else {
+                    bits == sentinel
+                };
+                if !ok {
+                    wrong += 1;
+                    first.get_or_insert((r, c, bits));
+                }
+            }
+        }
+        println!(
+            "int8 gemm {m}x{n}x{k} (y stride {stride}): {wrong} of {} elements differ from the host's{}",
+            m * stride,
+            first.map_or(String::new(), |(r, c, b)| format!(
+                " (first at row {r}, column {c}: {:#06x})",
+                b
+            ))
+        );
+        assert_eq!(wrong, 0, "INT8 GEMM {m}x{n}x{k} differs from the host");
+    }
+}

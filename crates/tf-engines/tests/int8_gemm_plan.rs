@@ -1,0 +1,64 @@
+//! The INT8 GEMM launcher's checks (`tf_engines::nn::gpu::gemm_int8::plan_int8_gemm`) on the test driver: every
+//! shape the kernel does not tile and every operand too small or misaligned is refused with its rule named, before
+//! any driver call; a valid call goes on to encode its tensor maps (which the test driver does not provide).
+// A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use tf_cuda::{Context, DeviceBuffer, Driver};
+use tf_engines::nn::gpu::gemm_int8::{plan_int8_gemm, Int8GemmOperands, Int8GemmShape};
+use tf_testdriver::{library_path, test_lock};
+
+#[test]
+fn the_launcher_names_each_refusal() {
+    let _serial = test_lock();
+    let driver = Arc::new(
+        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
+    );
+    let ctx = Context::new(driver, 0).expect("context on device 0");
+    let x_dev = DeviceBuffer::alloc(&ctx, 64 * 384).expect("x");
+    let w_dev = DeviceBuffer::alloc(&ctx, 256 * 384).expect("w");
+    let s_dev = DeviceBuffer::alloc(&ctx, 4 * 256).expect("scales");
+    let mut y_dev = DeviceBuffer::alloc(&ctx, 2 * 64 * 256).expect("y");
+    let (xv, wv, sv) = (x_dev.view(), w_dev.view(), s_dev.view());
+    let inputs = Int8GemmOperands {
+        x: &xv,
+        x_scale: &sv,
+        w: &wv,
+        w_scale: &sv,
+    };
+    let ok = Int8GemmShape {
+        m: 64,
+        n: 256,
+        k: 384,
+    };
+    for (shape, stride, needle) in [
+        (
+            Int8GemmShape { n: 200, ..ok },
+            256,
+            "N = 200 is not a multiple of 256",
+        ),
+        (
+            Int8GemmShape { k: 300, ..ok },
+            256,
+            "K = 300 is not a multiple of 128",
+        ),
+        (Int8GemmShape { m: 0, ..ok }, 256, "empty GEMM"),
+        (Int8GemmShape { m: 65, ..ok }, 256, "x: needs 24960 B"),
+        (Int8GemmShape { n: 512, ..ok }, 512, "w: needs 196608 B"),
+        (ok, 255, "must be even and at least N = 256"),
+        (ok, 258, "y: needs 33020 B"),
+        // Valid: it reaches the driver for its tensor maps.
+        (ok, 256, "cuTensorMapEncodeTiled"),
+    ] {
+        let mut yv = y_dev.view_mut();
+        let err = plan_int8_gemm(&ctx, shape, &inputs, &mut yv, stride)
+            .expect_err(needle)
+            .to_string();
+        assert!(
+            err.contains(needle),
+            "{shape:?}, stride {stride}: {err:?} should mention {needle:?}"
+        );
+    }
+}

@@ -1,0 +1,176 @@
+// INT8 GEMM with a scaling epilogue (kernel set nn_gemm_int8, sm_90a only):
+//
+//   y[m, n] = bf16( (sum_k x[m, k] w[n, k]) * x_scale[m] * w_scale[n] )
+//
+// x: INT8 [M, K] row-major with one f32 scale a row (a token's), w: INT8 [N, K] row-major with one f32 scale a row
+// (an output channel's), y: bf16 [M, N] with a row stride. The int32 sums are exact; each is turned into f32 once,
+// scaled and rounded to bf16 in the epilogue, so an INT8 GEMM writes 2 bytes an output element like a bf16 or
+// row-wise FP8 one (cuBLASLt 13.1 offers no INT8 form with scales and bf16 output on sm_90).
+//
+// One CTA computes a 128 x 256 tile of y: warp-specialised like the attention kernels (attention.cuh, whose sm_90
+// helpers this file uses), warpgroup 0's first thread loads, through TMA, 128-byte slices of K of x's 128 rows and
+// w's 256 rows into a 4-stage ring in the 128-byte swizzle; warpgroups 1 and 2 each take 64 rows of x and issue
+// wgmma m64n256k32 s32.s8.s8 on them, four a slice, keeping one slice's MMAs in flight and releasing a stage as
+// soon as the MMAs that read it are done. The grid runs over M fastest, so the CTAs resident at once share w's
+// column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
+//
+// Preconditions (the launcher checks them): K a multiple of 128, N a multiple of 256, x and w 16-byte aligned rows
+// (K bytes), y's row stride even. Rows of x past M read as zeros (TMA fill) and are not stored.
+#include "common/common.cuh"
+#include "nn/attention.cuh"
+
+#if defined(NN_HAS_WGMMA)
+namespace {
+
+constexpr int kG8Rows = 128;                       // rows of y a CTA computes, 64 per consumer warpgroup
+constexpr int kG8Cols = 256;                       // columns of y a CTA computes
+constexpr int kG8Slice = 128;                      // bytes of K a stage holds (one 128-byte swizzle span)
+constexpr int kG8Stages = 4;
+constexpr int kG8ABytes = kG8Rows * kG8Slice;      // 16 KiB
+constexpr int kG8BBytes = kG8Cols * kG8Slice;      // 32 KiB
+constexpr int kG8StageBytes = kG8ABytes + kG8BBytes;
+constexpr int kG8ProducerRegs = 40;
+constexpr int kG8ConsumerRegs = 232;               // 40 * 128 + 232 * 256 <= 65536 registers of the SM
+constexpr int kG8ConsumerThreads = 256;
+
+#define G8_REGS128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+    "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+    "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
+    "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, " \
+    "%123, %124, %125, %126, %127}"
+
+#define G8_ACC128(T) \
+    T(d[0]), T(d[1]), T(d[2]), T(d[3]), T(d[4]), T(d[5]), T(d[6]), T(d[7]), T(d[8]), T(d[9]), T(d[10]), \
+        T(d[11]), T(d[12]), T(d[13]), T(d[14]), T(d[15]), T(d[16]), T(d[17]), T(d[18]), T(d[19]), T(d[20]), \
+        T(d[21]), T(d[22]), T(d[23]), T(d[24]), T(d[25]), T(d[26]), T(d[27]), T(d[28]), T(d[29]), T(d[30]), \
+        T(d[31]), T(d[32]), T(d[33]), T(d[34]), T(d[35]), T(d[36]), T(d[37]), T(d[38]), T(d[39]), T(d[40]), \
+        T(d[41]), T(d[42]), T(d[43]), T(d[44]), T(d[45]), T(d[46]), T(d[47]), T(d[48]), T(d[49]), T(d[50]), \
+        T(d[51]), T(d[52]), T(d[53]), T(d[54]), T(d[55]), T(d[56]), T(d[57]), T(d[58]), T(d[59]), T(d[60]), \
+        T(d[61]), T(d[62]), T(d[63]), T(d[64]), T(d[65]), T(d[66]), T(d[67]), T(d[68]), T(d[69]), T(d[70]), \
+        T(d[71]), T(d[72]), T(d[73]), T(d[74]), T(d[75]), T(d[76]), T(d[77]), T(d[78]), T(d[79]), T(d[80]), \
+        T(d[81]), T(d[82]), T(d[83]), T(d[84]), T(d[85]), T(d[86]), T(d[87]), T(d[88]), T(d[89]), T(d[90]), \
+        T(d[91]), T(d[92]), T(d[93]), T(d[94]), T(d[95]), T(d[96]), T(d[97]), T(d[98]), T(d[99]), T(d[100]), \
+        T(d[101]), T(d[102]), T(d[103]), T(d[104]), T(d[105]), T(d[106]), T(d[107]), T(d[108]), T(d[109]), \
+        T(d[110]), T(d[111]), T(d[112]), T(d[113]), T(d[114]), T(d[115]), T(d[116]), T(d[117]), T(d[118]), \
+        T(d[119]), T(d[120]), T(d[121]), T(d[122]), T(d[123]), T(d[124]), T(d[125]), T(d[126]), T(d[127])
+
+#define G8_INT(x) "+r"(x)
+
+// d (+)= A * B for one m64n256k32 step: INT8 operands from shared memory (K-major descriptors), int32 sums.
+__device__ __forceinline__ void wgmma_s8_m64n256k32(int32_t (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                    int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 " G8_REGS128 ", %128, %129, p;\n}\n"
+                 : G8_ACC128(G8_INT)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// One TMA copy of a box at (byte col, row) of a 2-D INT8 map (kept 3-D with one batch entry) into dst.
+__device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int col, int row, uint32_t bar) {
+    tma_box(dst, map, col, row, 0, bar);
+}
+
+}  // namespace
+#endif
+
+// The GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows, 1},
+// boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Grid (ceil(M / 128), N / 256), 384 threads,
+// kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int k) {
+#if defined(NN_HAS_WGMMA)
+    extern __shared__ uint8_t g8_smem[];
+    __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
+    // The swizzled tiles want 1024-byte aligned bases: round the dynamic region up (the launch asks 1 KiB more).
+    const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(g8_smem));
+    const uint32_t smem = (smem_raw + 1023u) & ~1023u;
+    const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
+    auto full = [&](int s) { return bar_base + 8u * s; };
+    auto empty = [&](int s) { return bar_base + 8u * (kG8Stages + s); };
+    auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
+    auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
+    const int m0 = blockIdx.x * kG8Rows;
+    const int n0 = blockIdx.y * kG8Cols;
+    const int slices = k / kG8Slice;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kG8Stages; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), kG8ConsumerThreads);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
+        if (threadIdx.x == 0) {
+            for (int t = 0; t < slices; ++t) {
+                const int s = t % kG8Stages;
+                // The stage was last read by slice t - kG8Stages: wait until every consumer released it.
+                if (t >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((t / kG8Stages) - 1) & 1));
+                mbar_expect_bytes(full(s), kG8StageBytes);
+                tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, m0, full(s));
+                tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, n0, full(s));
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kG8ConsumerRegs));
+    const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of the tile
+    int32_t acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0;
+    for (int t = 0; t < slices; ++t) {
+        const int s = t % kG8Stages;
+        mbar_wait(full(s), static_cast<uint32_t>((t / kG8Stages) & 1));
+        wgmma_fence();
+        const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
+        const uint32_t b = b_tile(s);
+#pragma unroll
+        for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+            wgmma_s8_m64n256k32(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
+                                (t > 0 || kk > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
+        wgmma_wait<1>();
+        if (t > 0) mbar_arrive(empty((t - 1) % kG8Stages));
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+
+    // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each 8-column
+    // block j the columns 8 j + 2 (l % 4) and + 1 (acc[4 j + e]: e < 2 the first row, e >= 2 the second).
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    const int row_a = m0 + consumer * 64 + warp * 16 + lane / 4;
+    const int row_b = row_a + 8;
+    const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
+    const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+    const int col0 = n0 + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < kG8Cols / 8; ++j) {
+        const int col = col0 + 8 * j;
+        const float2 ws = *reinterpret_cast<const float2*>(w_scale + col);
+        if (row_a < m) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j]) * scale_a * ws.x,
+                                                           static_cast<float>(acc[4 * j + 1]) * scale_a * ws.y);
+            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_a) * y_row_stride + col) = v;
+        }
+        if (row_b < m) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j + 2]) * scale_b * ws.x,
+                                                           static_cast<float>(acc[4 * j + 3]) * scale_b * ws.y);
+            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_b) * y_row_stride + col) = v;
+        }
+    }
+#else
+    __trap();
+#endif
+}
