@@ -11,8 +11,9 @@
 // helpers this file uses), warpgroup 0's first thread loads, through TMA, 128-byte slices of K of x's 128 rows and
 // w's 256 rows into a 4-stage ring in the 128-byte swizzle; warpgroups 1 and 2 each take 64 rows of x and issue
 // wgmma m64n256k32 s32.s8.s8 on them, four a slice, keeping one slice's MMAs in flight and releasing a stage as
-// soon as the MMAs that read it are done. The grid runs over M fastest, so the CTAs resident at once share w's
-// column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
+// soon as the MMAs that read it are done. The CTAs are persistent (one an SM, each looping over tiles), so the
+// producer loads the next tile while the consumers store one. Tiles run over M fastest, so the tiles in flight at
+// once share w's column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
 //
 // Preconditions (the launcher checks them): K a multiple of 128, N a multiple of 256, x and w 16-byte aligned rows
 // (K bytes), y's row stride even. Rows of x past M read as zeros (TMA fill) and are not stored.
@@ -77,11 +78,11 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
 #endif
 
 // The GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows, 1},
-// boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Grid (ceil(M / 128), N / 256), 384 threads,
-// kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
+// boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of at most one CTA an
+// SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int k) {
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n_tiles, int k) {
 #if defined(NN_HAS_WGMMA)
     extern __shared__ uint8_t g8_smem[];
     __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
@@ -93,8 +94,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     auto empty = [&](int s) { return bar_base + 8u * (kG8Stages + s); };
     auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
     auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
-    const int m0 = blockIdx.x * kG8Rows;
-    const int n0 = blockIdx.y * kG8Cols;
+    const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
+    const int tiles = m_tiles * n_tiles;
     const int slices = k / kG8Slice;
     const int warpgroup = threadIdx.x / 128;
 
@@ -107,67 +108,84 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     }
     __syncthreads();
 
+    // Tiles in M-fastest order, CTA b taking b, b + gridDim.x, ...; `it` counts slices over every tile of this
+    // CTA, so stage and parity run on across tiles and the producer fills the next tile's first stages while the
+    // consumers store the last one.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
         if (threadIdx.x == 0) {
-            for (int t = 0; t < slices; ++t) {
-                const int s = t % kG8Stages;
-                // The stage was last read by slice t - kG8Stages: wait until every consumer released it.
-                if (t >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((t / kG8Stages) - 1) & 1));
-                mbar_expect_bytes(full(s), kG8StageBytes);
-                tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, m0, full(s));
-                tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, n0, full(s));
+            int it = 0;
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                const int m0 = (tile % m_tiles) * kG8Rows;
+                const int n0 = (tile / m_tiles) * kG8Cols;
+                for (int t = 0; t < slices; ++t, ++it) {
+                    const int s = it % kG8Stages;
+                    // The stage was last read by slice it - kG8Stages: wait until every consumer released it.
+                    if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
+                    mbar_expect_bytes(full(s), kG8StageBytes);
+                    tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, m0, full(s));
+                    tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, n0, full(s));
+                }
             }
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kG8ConsumerRegs));
-    const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of the tile
+    const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
     int32_t acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0;
-    for (int t = 0; t < slices; ++t) {
-        const int s = t % kG8Stages;
-        mbar_wait(full(s), static_cast<uint32_t>((t / kG8Stages) & 1));
-        wgmma_fence();
-        const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
-        const uint32_t b = b_tile(s);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = (tile % m_tiles) * kG8Rows;
+        const int n0 = (tile / m_tiles) * kG8Cols;
+        for (int t = 0; t < slices; ++t, ++it) {
+            const int s = it % kG8Stages;
+            mbar_wait(full(s), static_cast<uint32_t>((it / kG8Stages) & 1));
+            wgmma_fence();
+            const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
+            const uint32_t b = b_tile(s);
 #pragma unroll
-        for (int kk = 0; kk < kG8Slice / 32; ++kk) {
-            wgmma_s8_m64n256k32(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
-                                (t > 0 || kk > 0) ? 1 : 0);
+            for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+                // The tile's first MMA overwrites the accumulators (the previous tile's are stored by then).
+                wgmma_s8_m64n256k32(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
+                                    (t > 0 || kk > 0) ? 1 : 0);
+            }
+            wgmma_commit();
+            // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
+            wgmma_wait<1>();
+            if (t > 0) mbar_arrive(empty((it - 1) % kG8Stages));
         }
-        wgmma_commit();
-        // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
-        wgmma_wait<1>();
-        if (t > 0) mbar_arrive(empty((t - 1) % kG8Stages));
-    }
-    wgmma_wait<0>();
+        wgmma_wait<0>();
+        // The tile's last stage is free too: the producer may refill it while this tile is stored.
+        mbar_arrive(empty((it - 1) % kG8Stages));
 #pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+        for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(acc[i])::"memory");
 
-    // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each 8-column
-    // block j the columns 8 j + 2 (l % 4) and + 1 (acc[4 j + e]: e < 2 the first row, e >= 2 the second).
-    const int warp = (threadIdx.x / 32) % 4;
-    const int lane = threadIdx.x % 32;
-    const int row_a = m0 + consumer * 64 + warp * 16 + lane / 4;
-    const int row_b = row_a + 8;
-    const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
-    const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
-    const int col0 = n0 + 2 * (lane % 4);
+        // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each
+        // 8-column block j the columns 8 j + 2 (l % 4) and + 1 (acc[4 j + e]: e < 2 the first row, e >= 2 the
+        // second).
+        const int row_a = m0 + consumer * 64 + warp * 16 + lane / 4;
+        const int row_b = row_a + 8;
+        const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
+        const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+        const int col0 = n0 + 2 * (lane % 4);
 #pragma unroll
-    for (int j = 0; j < kG8Cols / 8; ++j) {
-        const int col = col0 + 8 * j;
-        const float2 ws = *reinterpret_cast<const float2*>(w_scale + col);
-        if (row_a < m) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j]) * scale_a * ws.x,
-                                                           static_cast<float>(acc[4 * j + 1]) * scale_a * ws.y);
-            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_a) * y_row_stride + col) = v;
-        }
-        if (row_b < m) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j + 2]) * scale_b * ws.x,
-                                                           static_cast<float>(acc[4 * j + 3]) * scale_b * ws.y);
-            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_b) * y_row_stride + col) = v;
+        for (int j = 0; j < kG8Cols / 8; ++j) {
+            const int col = col0 + 8 * j;
+            const float2 ws = *reinterpret_cast<const float2*>(w_scale + col);
+            if (row_a < m) {
+                const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j]) * scale_a * ws.x,
+                                                               static_cast<float>(acc[4 * j + 1]) * scale_a * ws.y);
+                *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_a) * y_row_stride + col) = v;
+            }
+            if (row_b < m) {
+                const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j + 2]) * scale_b * ws.x,
+                                                               static_cast<float>(acc[4 * j + 3]) * scale_b * ws.y);
+                *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_b) * y_row_stride + col) = v;
+            }
         }
     }
 #else

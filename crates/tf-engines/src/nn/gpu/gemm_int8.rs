@@ -4,7 +4,7 @@
 //!
 //! cuBLASLt 13.1 runs INT8 GEMMs on sm_90 only into int32 (no scaled form with bf16 output), which costs a round
 //! trip of 4 bytes an element through memory; this kernel writes the 2-byte result the row-wise FP8 GEMM would.
-//! Its layout and pipeline are described in `kernels/nn/gemm_int8.cu`. [`plan_int8_gemm`] checks every operand
+//! Its layout and pipeline are described in `kernels/nn/gemm_int8.cu`; its CTAs are persistent (one an SM). [`plan_int8_gemm`] checks every operand
 //! and packs one launch; [`Int8GemmKernels`] loads the set and submits it.
 
 use std::fmt;
@@ -71,14 +71,21 @@ impl Int8GemmShape {
         Ok(())
     }
 
-    /// The launch grid: M tiles (fastest), then N tiles.
-    pub fn grid(&self) -> Result<(u32, u32, u32), tf_cuda::Error> {
+    /// Output tiles: (M tiles, N tiles).
+    pub fn tiles(&self) -> (usize, usize) {
+        (self.m.div_ceil(TILE_ROWS), self.n / TILE_COLS)
+    }
+
+    /// The persistent launch grid on `sm_count` SMs: one CTA an SM, never more CTAs than tiles.
+    pub fn grid(&self, sm_count: usize) -> Result<u32, tf_cuda::Error> {
         const OP: &str = "INT8 GEMM";
-        Ok((
-            to_u32(OP, "M tiles", self.m.div_ceil(TILE_ROWS))?,
-            to_u32(OP, "N tiles", self.n / TILE_COLS)?,
-            1,
-        ))
+        let (m_tiles, n_tiles) = self.tiles();
+        let tiles = m_tiles
+            .checked_mul(n_tiles)
+            .ok_or_else(|| invalid(OP, "tile count overflows"))?;
+        // The kernel counts tiles in a 32-bit int.
+        to_i32(OP, "tiles", tiles)?;
+        to_u32(OP, "CTAs", tiles.min(sm_count.max(1)))
     }
 }
 
@@ -143,6 +150,10 @@ pub fn plan_int8_gemm<'a>(
     };
     let tm_x = encode_int8_tiles(ctx, &tiles(inputs.x.addr(), m, TILE_ROWS as u32))?;
     let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, TILE_COLS as u32))?;
+    let sm_count = ctx
+        .device_info()
+        .map(|info| usize::try_from(info.sm_count).unwrap_or(1))?;
+    let (_, n_tiles) = shape.tiles();
     let mut args = Args::new();
     args.push(tm_x.words())
         .push(tm_w.words())
@@ -151,10 +162,11 @@ pub fn plan_int8_gemm<'a>(
         .push_addr(y.addr())
         .push(to_i64(OP, "y row stride", y_row_stride)?)
         .push(to_i32(OP, "M", m)?)
+        .push(to_i32(OP, "N tiles", n_tiles)?)
         .push(to_i32(OP, "K", k)?);
     Ok(Launch::new(
         GEMM_INT8_KERNELS[0],
-        LaunchConfig::new(shape.grid()?, THREADS).with_shared(SHARED_BYTES),
+        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
 }
@@ -250,7 +262,16 @@ mod tests {
             k: 5376,
         };
         assert!(h3_qkv.check().is_ok());
-        assert_eq!(h3_qkv.grid().ok(), Some((48, 84, 1)));
+        assert_eq!(h3_qkv.tiles(), (48, 84));
+        // Persistent: one CTA an SM, or one a tile where there are fewer tiles.
+        assert_eq!(h3_qkv.grid(132).ok(), Some(132));
+        let small = Int8GemmShape {
+            m: 5,
+            n: 512,
+            k: 128,
+        };
+        assert_eq!(small.grid(132).ok(), Some(2));
+        assert_eq!(small.grid(0).ok(), Some(1));
         for (shape, needle) in [
             (
                 Int8GemmShape { n: 5000, ..h3_qkv },
