@@ -53,7 +53,7 @@ fn the_launcher_names_each_refusal() {
         (ok, 256, "cuTensorMapEncodeTiled"),
     ] {
         let mut yv = y_dev.view_mut();
-        let err = plan_int8_gemm(&ctx, shape, &inputs, &mut yv, stride)
+        let err = plan_int8_gemm(&ctx, 132, shape, &inputs, &mut yv, stride)
             .expect_err(needle)
             .to_string();
         assert!(

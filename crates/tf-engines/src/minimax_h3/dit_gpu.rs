@@ -55,6 +55,7 @@ use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
+use crate::nn::gpu::gemm_int8::{Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::AttentionTile;
@@ -173,6 +174,8 @@ struct Engine {
     quant: Option<QuantKernels>,
     /// The 8-bit attention kernels, loaded when some main block runs its attention in 8 bits (`attn=int8-fp8`).
     attention8: Option<Attention8bitKernels>,
+    /// Our INT8 GEMM, loaded when the INT8 gate runs through it (`TF_INT8_GEMM=ours`) instead of cuBLASLt.
+    int8_gemm: Option<Int8GemmKernels>,
     /// This rank's communicator when the step runs sequence-parallel ([`parallel`]).
     parallel: Option<parallel::SpState>,
 }
@@ -305,6 +308,13 @@ impl Engine {
         } else {
             None
         };
+        let int8_gemm = match Int8GemmBackend::from_env().map_err(H3Error::Backend)? {
+            Int8GemmBackend::Ours if dims.gate_int8 => Some(
+                Int8GemmKernels::load(ctx)
+                    .map_err(gpu_err("loading our INT8 GEMM (TF_INT8_GEMM=ours)"))?,
+            ),
+            _ => None,
+        };
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,
@@ -326,6 +336,7 @@ impl Engine {
                 fp8_groups,
                 quant,
                 attention8,
+                int8_gemm,
                 parallel: None,
             },
             DeviceWeightsReport {
@@ -488,10 +499,15 @@ impl GpuH3Dit {
     /// weights in FP8 with their scales, how many there are, how many went to the device as stored and how many
     /// were dequantized.
     pub fn describe_precision(&self) -> String {
-        let precision = self
+        let mut precision = self
             .engine
             .precision
             .describe(self.engine.config.num_layers);
+        if self.engine.int8_gemm.is_some() {
+            precision.push_str(
+                "; the INT8 gate through our INT8 GEMM (TF_INT8_GEMM=ours, bf16 products) where its shape fits",
+            );
+        }
         if self.checkpoint_fp8.stored == 0 {
             return precision;
         }

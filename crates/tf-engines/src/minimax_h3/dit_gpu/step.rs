@@ -33,6 +33,7 @@ use crate::minimax_h3::dit::H3Error;
 use crate::nn::backend_error::gpu_error;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
+use crate::nn::gpu::gemm_int8::{Int8GemmKernels, Int8GemmOperands, Int8GemmShape};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_fp8_with,
@@ -596,6 +597,8 @@ impl Engine {
         for b in &self.offsets.blocks {
             calls.extend(self.block_calls(&b.attn, sizes.rows).all());
         }
+        // Where our kernel runs the INT8 gate, cuBLASLt has nothing to plan for it.
+        calls.retain(|c| self.int8_gemm_for(c).is_none());
         Ok(gemm::distinct(
             calls
                 .iter()
@@ -939,11 +942,15 @@ impl Engine {
             .map(GemmCall::flops)
             .sum();
         self.run_gemm(ws, calls.fc1)?;
-        if let Some(gate) = calls.fc1_gate {
-            self.run_gemm(ws, gate)?;
+        let ours = calls.fc1_gate.and_then(|gate| self.int8_gemm_for(&gate));
+        match (calls.fc1_gate, ours) {
+            (Some(gate), Some(ours)) => self.int8_gate_ours(ws, ours, gate)?,
+            (Some(gate), None) => self.run_gemm(ws, gate)?,
+            (None, _) => {}
         }
         probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
         match calls.fc1_gate {
+            Some(_) if ours.is_some() => self.swiglu_scaled_gate(ws, m)?,
             Some(gate) if gate.int8.is_some() => self.swiglu_int32_gate(ws, m, gate)?,
             _ => self.swiglu(ws, m, calls.fc1_gate.is_some(), calls.fc2.fp8.is_some())?,
         }
@@ -1007,6 +1014,80 @@ impl Engine {
             ),
         }
         .map_err(launch)
+    }
+
+    /// Our INT8 GEMM for `c` when it is loaded (`TF_INT8_GEMM=ours`), `c` is an INT8 call and its shape fits the
+    /// kernel's tiles; otherwise `c` runs through cuBLASLt into int32 products.
+    fn int8_gemm_for(&self, c: &GemmCall) -> Option<&Int8GemmKernels> {
+        let ours = self.int8_gemm.as_ref()?;
+        let shape = Int8GemmShape {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+        };
+        (c.int8.is_some() && shape.check().is_ok()).then_some(ours)
+    }
+
+    /// The INT8 gate GEMM through our kernel ([`Int8GemmKernels`], `TF_INT8_GEMM=ours`): the INT8 rows and their
+    /// scales by the weight's codes and channel scales, as bf16 products in [`Buf::GateI32`] (`[m, fp]`, the first
+    /// half of its bytes), which [`Engine::swiglu_scaled_gate`] reads.
+    fn int8_gate_ours(
+        &self,
+        ws: &mut Workspace,
+        ours: &Int8GemmKernels,
+        c: GemmCall,
+    ) -> Result<(), H3Error> {
+        let Some(w_scales) = c.int8 else {
+            return Err(H3Error::Backend(
+                "internal: our INT8 GEMM needs an INT8 gate call".into(),
+            ));
+        };
+        if c.m == 0 {
+            return Ok(());
+        }
+        let bytes = |a: usize, b: usize, size: usize| {
+            a.checked_mul(b)
+                .and_then(|v| v.checked_mul(size))
+                .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
+        };
+        let x = ws.q8i.slice(c.x_off, bytes(c.m, c.k, 1)?).map_err(launch)?;
+        let x_scale = ws.q8i_scales.slice(0, bytes(c.m, 1, 4)?).map_err(launch)?;
+        let w = self.weight_view(c.w, bytes(c.n, c.k, 1)?)?;
+        let w_scale = self.weight_view(w_scales, bytes(c.n, 1, 4)?)?;
+        let mut y = ws
+            .gate_i32
+            .slice_mut(0, bytes(c.m, c.n, BF16)?)
+            .map_err(launch)?;
+        let inputs = Int8GemmOperands {
+            x: &x,
+            x_scale: &x_scale,
+            w: &w,
+            w_scale: &w_scale,
+        };
+        let shape = Int8GemmShape {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+        };
+        ours.gemm(&self.ctx, &self.stream, shape, &inputs, &mut y, c.n)
+            .map_err(launch)
+    }
+
+    /// SwiGLU of ff's value half and the gate half our INT8 GEMM wrote in bf16 (the first `m * fp` bf16 of
+    /// [`Buf::GateI32`]) into the e4m3 rows of `fc2`.
+    fn swiglu_scaled_gate(&self, ws: &mut Workspace, m: usize) -> Result<(), H3Error> {
+        let fp = self.dims.fp;
+        let codes = ws.q8.view_mut();
+        let scales = ws.q8_scales.view_mut();
+        let q8 = Self::q8_out(&codes, &scales, fp);
+        let value = ws.ff.slice(0, m * fp * BF16).map_err(launch)?;
+        let gate = ws.gate_i32.slice(0, m * fp * BF16).map_err(launch)?;
+        self.quant()?
+            .run(
+                &self.stream,
+                plan_swiglu_fp8_apart(&value, &gate, Matrix::dense(m, fp), &q8),
+            )
+            .map_err(launch)
     }
 
     /// SwiGLU of ff's value half (`[m, fp]` bf16, the FP8 GEMM's) and the INT8 `gate` GEMM's int32 products into

@@ -35,6 +35,37 @@ pub const SHARED_BYTES: u32 = (STAGES * (TILE_ROWS + TILE_COLS) * K_SLICE + 1024
 // 227 KiB is the most one block may opt in to on sm_90.
 const _: () = assert!(SHARED_BYTES <= 227 * 1024);
 
+/// The environment variable that picks the INT8 GEMM a DiT's INT8 gate runs: `cublaslt` (the default: cuBLASLt's
+/// INT8 GEMM into int32 products, which the SwiGLU dequantizes) or `ours` ([`Int8GemmKernels`], sm_90 only:
+/// scaled bf16 products, read by the bf16-gate SwiGLU).
+pub const BACKEND_ENV: &str = "TF_INT8_GEMM";
+
+/// Which INT8 GEMM runs ([`BACKEND_ENV`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Int8GemmBackend {
+    #[default]
+    Cublaslt,
+    Ours,
+}
+
+impl Int8GemmBackend {
+    /// Parses a [`BACKEND_ENV`] value (empty: the default).
+    pub fn parse(value: &str) -> Result<Int8GemmBackend, String> {
+        match value {
+            "" | "cublaslt" => Ok(Int8GemmBackend::Cublaslt),
+            "ours" => Ok(Int8GemmBackend::Ours),
+            other => Err(format!(
+                "{BACKEND_ENV}={other:?} is not an INT8 GEMM: use `cublaslt` or `ours`"
+            )),
+        }
+    }
+
+    /// The backend [`BACKEND_ENV`] asks for (the default when it is unset).
+    pub fn from_env() -> Result<Int8GemmBackend, String> {
+        Int8GemmBackend::parse(&std::env::var(BACKEND_ENV).unwrap_or_default())
+    }
+}
+
 /// The GEMM's sizes: `y` is `m` x `n`, the sums run over `k`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Int8GemmShape {
@@ -98,9 +129,11 @@ pub struct Int8GemmOperands<'v, 'a> {
     pub w_scale: &'v DeviceView<'a>,
 }
 
-/// Checks `shape` and every operand and packs the launch (its tensor maps encoded through `ctx`'s driver).
+/// Checks `shape` and every operand and packs the launch for a GPU of `sm_count` SMs (its tensor maps encoded
+/// through `ctx`'s driver).
 pub fn plan_int8_gemm<'a>(
     ctx: &Context,
+    sm_count: usize,
     shape: Int8GemmShape,
     inputs: &Int8GemmOperands<'_, 'a>,
     y: &'a mut DeviceViewMut<'_>,
@@ -150,9 +183,6 @@ pub fn plan_int8_gemm<'a>(
     };
     let tm_x = encode_int8_tiles(ctx, &tiles(inputs.x.addr(), m, TILE_ROWS as u32))?;
     let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, TILE_COLS as u32))?;
-    let sm_count = ctx
-        .device_info()
-        .map(|info| usize::try_from(info.sm_count).unwrap_or(1))?;
     let (_, n_tiles) = shape.tiles();
     let mut args = Args::new();
     args.push(tm_x.words())
@@ -171,9 +201,10 @@ pub fn plan_int8_gemm<'a>(
     ))
 }
 
-/// The loaded `nn_gemm_int8` set (sm_90 only).
+/// The loaded `nn_gemm_int8` set (sm_90 only) and the SM count its persistent grid is sized by.
 pub struct Int8GemmKernels {
     set: LoadedSet,
+    sm_count: usize,
 }
 
 impl fmt::Debug for Int8GemmKernels {
@@ -188,7 +219,9 @@ impl Int8GemmKernels {
     /// Loads the set into `ctx` and opts the kernel in to its shared memory. The set holds sm_90a code only: on
     /// any other GPU this fails with [`LoadKernelsError::Missing`] saying so.
     pub fn load(ctx: &Context) -> Result<Int8GemmKernels, LoadKernelsError> {
-        let cc = ctx.device_info().map(|i| i.compute_capability).ok();
+        let info = ctx.device_info().ok();
+        let cc = info.as_ref().map(|i| i.compute_capability);
+        let sm_count = info.map_or(1, |i| usize::try_from(i.sm_count).unwrap_or(1));
         if cc != Some((9, 0)) {
             return Err(LoadKernelsError::Missing {
                 set: GEMM_INT8_SET,
@@ -200,7 +233,12 @@ impl Int8GemmKernels {
             function.set_max_dynamic_shared(SHARED_BYTES)?;
             Ok(true)
         })?;
-        Ok(Int8GemmKernels { set })
+        Ok(Int8GemmKernels { set, sm_count })
+    }
+
+    /// The SM count launches are planned for (pass it to [`plan_int8_gemm`]).
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     /// Submits a launch of [`plan_int8_gemm`] (benchmarks plan once and submit it repeatedly).
@@ -218,7 +256,7 @@ impl Int8GemmKernels {
         y: &mut DeviceViewMut<'_>,
         y_row_stride: usize,
     ) -> Result<(), tf_cuda::Error> {
-        let launch = plan_int8_gemm(ctx, shape, inputs, y, y_row_stride)?;
+        let launch = plan_int8_gemm(ctx, self.sm_count, shape, inputs, y, y_row_stride)?;
         self.set.submit(stream, &launch)
     }
 }
@@ -286,6 +324,21 @@ mod tests {
             let err = shape.check().expect_err(needle).to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
+    }
+
+    #[test]
+    fn backend_names() {
+        assert_eq!(Int8GemmBackend::parse(""), Ok(Int8GemmBackend::Cublaslt));
+        assert_eq!(
+            Int8GemmBackend::parse("cublaslt"),
+            Ok(Int8GemmBackend::Cublaslt)
+        );
+        assert_eq!(Int8GemmBackend::parse("ours"), Ok(Int8GemmBackend::Ours));
+        let err = Int8GemmBackend::parse("cutlass").expect_err("unknown");
+        assert!(
+            err.contains("TF_INT8_GEMM=\"cutlass\"") && err.contains("`ours`"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -134,7 +134,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
             w_scale: &wsv,
         };
         let mut yv = y.view_mut();
-        let launch = plan_int8_gemm(&ctx, shape, &inputs, &mut yv, n)?;
+        let launch = plan_int8_gemm(&ctx, kernels.sm_count(), shape, &inputs, &mut yv, n)?;
         let fp8 = Gemm::fp8_e4m3_row_wise(
             m,
             n,
