@@ -172,20 +172,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
         const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
         const int col0 = n0 + 2 * (lane % 4);
+        // Two adjacent columns of one row, scaled and rounded to bf16 (rows past M are not stored).
+        auto store = [&](int row, float row_scale, int32_t a, int32_t b, int col, float2 ws) {
+            if (row >= m) return;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a) * row_scale * ws.x,
+                                                           static_cast<float>(b) * row_scale * ws.y);
+            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row) * y_row_stride + col) = v;
+        };
 #pragma unroll
         for (int j = 0; j < kG8Cols / 8; ++j) {
             const int col = col0 + 8 * j;
             const float2 ws = *reinterpret_cast<const float2*>(w_scale + col);
-            if (row_a < m) {
-                const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j]) * scale_a * ws.x,
-                                                               static_cast<float>(acc[4 * j + 1]) * scale_a * ws.y);
-                *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_a) * y_row_stride + col) = v;
-            }
-            if (row_b < m) {
-                const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(acc[4 * j + 2]) * scale_b * ws.x,
-                                                               static_cast<float>(acc[4 * j + 3]) * scale_b * ws.y);
-                *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row_b) * y_row_stride + col) = v;
-            }
+            store(row_a, scale_a, acc[4 * j], acc[4 * j + 1], col, ws);
+            store(row_b, scale_b, acc[4 * j + 2], acc[4 * j + 3], col, ws);
         }
     }
 #else

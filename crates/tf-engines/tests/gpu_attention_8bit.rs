@@ -18,9 +18,7 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
-
-use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::nn::gpu::attention_8bit::{
     emulation, plan_attention_8bit, Attention8bitKernels, Attention8bitLayout, TILE_BYTES,
     TILE_ROWS,
@@ -50,17 +48,7 @@ struct Gpu {
 /// The GPU, or None (printed) when it is not sm_90. Run (with `--include-ignored`) where there is no GPU at all,
 /// the test fails: it must never pass on a machine that could not run it.
 fn gpu(test: &str) -> Option<Gpu> {
-    let driver = Arc::new(
-        Driver::open()
-            .unwrap_or_else(|e| panic!("{test}: no CUDA driver ({e}); run it on the GPU machine")),
-    );
-    let ctx = Context::new(driver, 0)
-        .unwrap_or_else(|e| panic!("{test}: no GPU ({e}); run it on the GPU machine"));
-    let cc = ctx.device_info().map(|i| i.compute_capability).ok();
-    if cc != Some((9, 0)) {
-        println!("{test}: SKIPPED: the 8-bit attention needs an sm_90 GPU (this one: {cc:?})");
-        return None;
-    }
+    let ctx = gpu_support::sm90_context(test, "the 8-bit attention")?;
     let stream = Stream::new(&ctx, true).expect("create a stream");
     let nn = NnKernels::load(&ctx).expect("load the shared kernel sets");
     let a8 = Attention8bitKernels::load(&ctx).expect("load the nn_attention_8bit set");

@@ -12,13 +12,14 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
-
-use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::nn::gpu::gemm_int8::{
     int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
+
+#[path = "common/gpu.rs"]
+mod gpu_support;
 
 struct Gpu {
     ctx: Context,
@@ -29,17 +30,7 @@ struct Gpu {
 /// The GPU, or None (printed) when it is not sm_90. Run (with `--include-ignored`) where there is no GPU at all,
 /// the test fails: it must never pass on a machine that could not run it.
 fn gpu(test: &str) -> Option<Gpu> {
-    let driver = Arc::new(
-        Driver::open()
-            .unwrap_or_else(|e| panic!("{test}: no CUDA driver ({e}); run it on the GPU machine")),
-    );
-    let ctx = Context::new(driver, 0)
-        .unwrap_or_else(|e| panic!("{test}: no GPU ({e}); run it on the GPU machine"));
-    let cc = ctx.device_info().map(|i| i.compute_capability).ok();
-    if cc != Some((9, 0)) {
-        println!("{test}: SKIPPED: the INT8 GEMM needs an sm_90 GPU (this one: {cc:?})");
-        return None;
-    }
+    let ctx = gpu_support::sm90_context(test, "the INT8 GEMM")?;
     let stream = Stream::new(&ctx, true).expect("create a stream");
     let kernels = Int8GemmKernels::load(&ctx).expect("load the nn_gemm_int8 set");
     Some(Gpu {

@@ -14,6 +14,23 @@ pub fn context() -> Context {
     Context::new(driver, 0).expect("create a context on device 0")
 }
 
+/// A context on device 0 when it is an sm_90 GPU, or None (printed as SKIPPED, naming `what` needs sm_90). With no
+/// driver or no GPU at all the test panics: it must never pass on a machine that could not run it.
+pub fn sm90_context(test: &str, what: &str) -> Option<Context> {
+    let driver = Arc::new(
+        Driver::open()
+            .unwrap_or_else(|e| panic!("{test}: no CUDA driver ({e}); run it on the GPU machine")),
+    );
+    let ctx = Context::new(driver, 0)
+        .unwrap_or_else(|e| panic!("{test}: no GPU ({e}); run it on the GPU machine"));
+    let cc = ctx.device_info().map(|i| i.compute_capability).ok();
+    if cc != Some((9, 0)) {
+        println!("{test}: SKIPPED: {what} needs an sm_90 GPU (this one: {cc:?})");
+        return None;
+    }
+    Some(ctx)
+}
+
 /// The cosine similarity of `a` and `b`, in f64 (0 when either is all zeros).
 pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);

@@ -28,8 +28,8 @@ use super::attention::{
     Strides, HEAD_DIM,
 };
 use super::launch::{
-    check_aligned_to, check_bytes, invalid, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
-    LoadedSet, Operand,
+    check_aligned_to, check_bytes, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
+    LoadKernelsError, LoadedSet, Operand,
 };
 use super::NnKernels;
 
@@ -307,13 +307,7 @@ impl Attention8bitKernels {
     /// Loads the set into `ctx` and opts the attention kernel in to its shared memory. The set holds sm_90a code
     /// only: on any other GPU this fails with [`LoadKernelsError::Missing`] saying so.
     pub fn load(ctx: &Context) -> Result<Attention8bitKernels, LoadKernelsError> {
-        let cc = ctx.device_info().map(|i| i.compute_capability).ok();
-        if cc != Some((9, 0)) {
-            return Err(LoadKernelsError::Missing {
-                set: ATTENTION_8BIT_SET,
-                reason: format!("the 8-bit attention is built for sm_90a only (this GPU: {cc:?})"),
-            });
-        }
+        require_sm90(ctx, ATTENTION_8BIT_SET, "the 8-bit attention")?;
         let mut set = LoadedSet::empty();
         set.add(
             ctx,

@@ -14,8 +14,8 @@ use tf_cuda::tensor_map::{encode_int8_tiles, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::launch::{
-    check_aligned, check_bytes, invalid, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
-    LoadedSet, Operand, BF16,
+    check_aligned, check_bytes, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
+    LoadKernelsError, LoadedSet, Operand, BF16,
 };
 
 /// Name of the kernel set.
@@ -219,15 +219,7 @@ impl Int8GemmKernels {
     /// Loads the set into `ctx` and opts the kernel in to its shared memory. The set holds sm_90a code only: on
     /// any other GPU this fails with [`LoadKernelsError::Missing`] saying so.
     pub fn load(ctx: &Context) -> Result<Int8GemmKernels, LoadKernelsError> {
-        let info = ctx.device_info().ok();
-        let cc = info.as_ref().map(|i| i.compute_capability);
-        let sm_count = info.map_or(1, |i| usize::try_from(i.sm_count).unwrap_or(1));
-        if cc != Some((9, 0)) {
-            return Err(LoadKernelsError::Missing {
-                set: GEMM_INT8_SET,
-                reason: format!("the INT8 GEMM is built for sm_90a only (this GPU: {cc:?})"),
-            });
-        }
+        let sm_count = require_sm90(ctx, GEMM_INT8_SET, "the INT8 GEMM")?;
         let mut set = LoadedSet::empty();
         set.add(ctx, GEMM_INT8_SET, GEMM_INT8_KERNELS, |_, function| {
             function.set_max_dynamic_shared(SHARED_BYTES)?;

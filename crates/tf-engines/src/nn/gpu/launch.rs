@@ -332,6 +332,24 @@ pub enum LoadKernelsError {
     },
 }
 
+/// Refuses a GPU other than sm_90 for `set`, whose fatbin holds sm_90a code only (`what` names the kernels in the
+/// message); returns the device's SM count.
+pub(crate) fn require_sm90(
+    ctx: &Context,
+    set: &'static str,
+    what: &str,
+) -> Result<usize, LoadKernelsError> {
+    let info = ctx.device_info().ok();
+    let cc = info.as_ref().map(|i| i.compute_capability);
+    if cc != Some((9, 0)) {
+        return Err(LoadKernelsError::Missing {
+            set,
+            reason: format!("{what} is built for sm_90a only (this GPU: {cc:?})"),
+        });
+    }
+    Ok(info.map_or(1, |i| usize::try_from(i.sm_count).unwrap_or(1)))
+}
+
 /// Loaded kernels of one or more kernel sets: their modules (which own the code the functions point into) and the
 /// kernels looked up, so a launch names its kernel by symbol.
 pub(crate) struct LoadedSet {
