@@ -1,6 +1,6 @@
 // INT8 GEMM with a scaling epilogue (kernel set nn_gemm_int8, sm_90a only):
 //
-//   y[m, n] = bf16( (sum_k x[m, k] w[n, k]) * x_scale[m] * w_scale[n] )
+//   y[m, n] = bf16( float(sum_k x[m, k] w[n, k]) * (x_scale[m] * w_scale[n]) )
 //
 // x: INT8 [M, K] row-major with one f32 scale a row (a token's), w: INT8 [N, K] row-major with one f32 scale a row
 // (an output channel's), y: bf16 [M, N] with a row stride. The int32 sums are exact; each is turned into f32 once,
@@ -173,10 +173,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
         const int col0 = n0 + 2 * (lane % 4);
         // Two adjacent columns of one row, scaled and rounded to bf16 (rows past M are not stored).
+        // The two scales multiply first, as nn_swiglu_i32gate_fp8 dequantizes cuBLASLt's int32 products, so either
+        // INT8 path gives the same bf16 values.
         auto store = [&](int row, float row_scale, int32_t a, int32_t b, int col, float2 ws) {
             if (row >= m) return;
-            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a) * row_scale * ws.x,
-                                                           static_cast<float>(b) * row_scale * ws.y);
+            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a) * (row_scale * ws.x),
+                                                           static_cast<float>(b) * (row_scale * ws.y));
             *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row) * y_row_stride + col) = v;
         };
 #pragma unroll

@@ -1,8 +1,9 @@
 //! GPU checks of our INT8 GEMM with a scaling epilogue (`tf_engines::nn::gpu::gemm_int8`, kernel set
 //! nn_gemm_int8, sm_90a only).
 //!
-//! The kernel sums exactly in int32, converts once to f32, multiplies by the row's and the column's scale in that
-//! order and rounds to bf16, which is what `int8_gemm_host` does: every output element must equal the host's bit
+//! The kernel sums exactly in int32, converts once to f32, multiplies by the product of the row's and the column's
+//! scale and rounds to bf16, which is what `int8_gemm_host` does (and what the int32-gate SwiGLU makes of cuBLASLt's
+//! exact products, so either INT8 gate path gives the same values): every output element must equal the host's bit
 //! for bit, at shapes with partial row tiles, several column tiles, a strided output, and K from one slice to the
 //! MiniMax H3 widths. The launcher's refusals are host tests (`int8_gemm_plan.rs`); speed is measured by `tf bench
 //! int8-gemm`, not here.

@@ -1,5 +1,5 @@
 //! Our INT8 GEMM with a scaling epilogue (kernel set `nn_gemm_int8`, sm_90a only):
-//! `y[m, n] = bf16((x[m, :] . w[n, :]) * x_scale[m] * w_scale[n])`, with INT8 `x` (`[M, K]`, one f32 scale a row)
+//! `y[m, n] = bf16(f32(x[m, :] . w[n, :]) * (x_scale[m] * w_scale[n]))`, with INT8 `x` (`[M, K]`, one f32 scale a row)
 //! and `w` (`[N, K]`, one f32 scale an output channel), exact int32 sums and bf16 output.
 //!
 //! cuBLASLt 13.1 runs INT8 GEMMs on sm_90 only into int32 (no scaled form with bf16 output), which costs a round
@@ -253,8 +253,9 @@ impl Int8GemmKernels {
     }
 }
 
-/// The product on the host, as the kernel computes it: exact integer sums, one conversion to f32, the two scales
-/// multiplied in the kernel's order, rounded to bf16 (returned as f32 values). `y` is `m` x `n`, dense.
+/// The product on the host, as the kernel computes it: exact integer sums, one conversion to f32, times the product
+/// of the two scales (the order `nn_swiglu_i32gate_fp8` dequantizes cuBLASLt's int32 products in), rounded to bf16
+/// (returned as f32 values). `y` is `m` x `n`, dense.
 pub fn int8_gemm_host(
     shape: Int8GemmShape,
     x: &[i8],
@@ -273,7 +274,7 @@ pub fn int8_gemm_host(
                 .zip(wr)
                 .map(|(&a, &b)| i64::from(a) * i64::from(b))
                 .sum();
-            let v = (sum as i32) as f32 * x_scale[r] * w_scale[c];
+            let v = (sum as i32) as f32 * (x_scale[r] * w_scale[c]);
             y.push(half::bf16::from_f32(v).to_f32());
         }
     }
