@@ -69,6 +69,11 @@ __device__ __forceinline__ void wgmma_s8_m64n256k32(int32_t (&d)[128], uint64_t 
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// The first row and column of output tile `tile`, tiles numbered M-fastest.
+__device__ __forceinline__ int2 tile_origin(int tile, int m_tiles) {
+    return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kG8Cols);
+}
+
 // One TMA copy of a box at (byte col, row) of a 2-D INT8 map (kept 3-D with one batch entry) into dst.
 __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int col, int row, uint32_t bar) {
     tma_box(dst, map, col, row, 0, bar);
@@ -116,15 +121,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         if (threadIdx.x == 0) {
             int it = 0;
             for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-                const int m0 = (tile % m_tiles) * kG8Rows;
-                const int n0 = (tile / m_tiles) * kG8Cols;
+                const int2 origin = tile_origin(tile, m_tiles);
                 for (int t = 0; t < slices; ++t, ++it) {
                     const int s = it % kG8Stages;
                     // The stage was last read by slice it - kG8Stages: wait until every consumer released it.
                     if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
                     mbar_expect_bytes(full(s), kG8StageBytes);
-                    tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, m0, full(s));
-                    tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, n0, full(s));
+                    tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, origin.x, full(s));
+                    tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, origin.y, full(s));
                 }
             }
         }
@@ -139,8 +143,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     for (int i = 0; i < 128; ++i) acc[i] = 0;
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile % m_tiles) * kG8Rows;
-        const int n0 = (tile / m_tiles) * kG8Cols;
+        const int2 origin = tile_origin(tile, m_tiles);
+        const int m0 = origin.x;
+        const int n0 = origin.y;
         for (int t = 0; t < slices; ++t, ++it) {
             const int s = it % kG8Stages;
             mbar_wait(full(s), static_cast<uint32_t>((it / kG8Stages) & 1));
