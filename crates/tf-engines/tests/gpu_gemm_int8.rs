@@ -60,7 +60,8 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
         return;
     };
     // (M, N, K, y row stride): one tile; partial row tiles; several column tiles with a strided output; H3's
-    // widths of K with few rows (the host product stays quick).
+    // widths of K with few rows (the host product stays quick); and more tiles than a GPU has SMs (2000 x 4096:
+    // 256 tiles), so persistent CTAs take several tiles each and their pipeline runs on from one tile to the next.
     for (i, &(m, n, k, stride)) in [
         (128, 256, 128, 256),
         (5, 256, 384, 256),
@@ -68,6 +69,7 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
         (33, 768, 5376, 768),
         (200, 256, 7168, 256),
         (17, 512, 14336, 512),
+        (2000, 4096, 384, 4096),
     ]
     .iter()
     .enumerate()

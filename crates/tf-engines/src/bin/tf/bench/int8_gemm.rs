@@ -1,7 +1,7 @@
 //! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out) beside the two cuBLASLt GEMMs the DiTs
 //! run today at the same shapes: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
 //! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
-//! alternate the three.
+//! alternate the three; then our output is checked bit for bit against cuBLASLt's int32 products, dequantized.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -167,12 +167,35 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
                 *b = b.min(t);
             }
         }
+        // Ours against cuBLASLt's exact int32 products, dequantized as ours does (the scales' product, one rounding
+        // to bf16): every element must agree bit for bit.
+        stream.synchronize()?;
+        let ours_bits: Vec<u16> = y.to_vec()?;
+        let products: Vec<i32> = y32.to_vec()?;
+        let (x_scales, w_scales) = (xs.to_vec::<f32>()?, ws.to_vec::<f32>()?);
+        let differing = ours_bits
+            .iter()
+            .zip(&products)
+            .enumerate()
+            .filter(|&(i, (&bits, &p))| {
+                let want = p as f32 * (x_scales[i / n] * w_scales[i % n]);
+                half::bf16::from_f32(want).to_bits() != bits
+            })
+            .count();
+        if differing > 0 {
+            return Err(format!(
+                "{name}: {differing} of {} elements of our INT8 GEMM differ from cuBLASLt's products",
+                m * n
+            )
+            .into());
+        }
         let ops = 2.0 * (m * n * k) as f64;
         let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
         let [ours, fp8_ms, int8_ms] = best;
         println!(
             "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), FP8 {fp8_ms:.4} ms ({:.0}), \
-             INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster)",
+             INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); \
+             every element bit-equal to cuBLASLt's products dequantized",
             rate(ours),
             rate(fp8_ms),
             rate(int8_ms),
@@ -182,7 +205,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
             "ours_ms": ours, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
-            "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms,
+            "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms, "bit_equal": true,
         }));
     }
     if let Some(path) = &args.json {
