@@ -1,13 +1,16 @@
 //! The INT8 GEMM launcher's checks (`tf_engines::nn::gpu::gemm_int8::plan_int8_gemm`) on the test driver: every
 //! shape the kernel does not tile and every operand too small or misaligned is refused with its rule named, before
-//! any driver call; a valid call goes on to encode its tensor maps (which the test driver does not provide).
+//! any driver call; a valid call encodes its tensor maps (the test driver checks them by the driver's rules) and
+//! packs one persistent launch.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver};
-use tf_engines::nn::gpu::gemm_int8::{plan_int8_gemm, Int8GemmOperands, Int8GemmShape};
+use tf_engines::nn::gpu::gemm_int8::{
+    plan_int8_gemm, Int8GemmOperands, Int8GemmShape, GEMM_INT8_KERNELS, SHARED_BYTES,
+};
 use tf_testdriver::{library_path, test_lock};
 
 #[test]
@@ -49,8 +52,6 @@ fn the_launcher_names_each_refusal() {
         (Int8GemmShape { n: 512, ..ok }, 512, "w: needs 196608 B"),
         (ok, 255, "must be even and at least N = 256"),
         (ok, 258, "y: needs 33020 B"),
-        // Valid: it reaches the driver for its tensor maps.
-        (ok, 256, "cuTensorMapEncodeTiled"),
     ] {
         let mut yv = y_dev.view_mut();
         let err = plan_int8_gemm(&ctx, 132, shape, &inputs, &mut yv, stride)
@@ -60,5 +61,16 @@ fn the_launcher_names_each_refusal() {
             err.contains(needle),
             "{shape:?}, stride {stride}: {err:?} should mention {needle:?}"
         );
+    }
+    // A valid call: one launch of the kernel, a persistent grid of at most one CTA an SM and never more CTAs than
+    // tiles (one here), 384 threads, the four stages' shared memory.
+    for sms in [132, 0] {
+        let mut yv = y_dev.view_mut();
+        let launch = plan_int8_gemm(&ctx, sms, ok, &inputs, &mut yv, 256).expect("valid call");
+        assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[0]);
+        let config = launch.config();
+        assert_eq!((config.grid.x, config.grid.y, config.grid.z), (1, 1, 1));
+        assert_eq!(config.block.x, 384);
+        assert_eq!(config.shared_bytes, SHARED_BYTES);
     }
 }

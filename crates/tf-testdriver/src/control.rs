@@ -14,8 +14,9 @@ fn entry_name(name: *const c_char) -> Option<&'static str> {
     let name = unsafe { CStr::from_ptr(name) }.to_str().ok()?;
     tf_sys::ENTRIES
         .iter()
-        .find(|e| e.name == name)
         .map(|e| e.name)
+        .chain(crate::UNPINNED_ENTRIES.iter().copied())
+        .find(|&e| e == name)
 }
 
 /// Frees everything and returns the driver to its fresh, uninitialised state: no faults, no

@@ -1518,6 +1518,98 @@ pub unsafe extern "C" fn cuGraphExecKernelNodeSetParams_v2(
     })
 }
 
+// ---------------------------------------------------------------- TMA tensor maps (looked up by name, not pinned)
+
+/// Bytes of each `CUtensorMapDataType` (uint8, uint16, uint32, int32, uint64, int64, float16, float32, float64,
+/// bfloat16, float32_ftz, tfloat32, tfloat32_ftz).
+const TENSOR_MAP_ELEMENT_BYTES: [u64; 13] = [1, 2, 4, 4, 8, 8, 2, 4, 8, 2, 4, 4, 4];
+
+/// `cuTensorMapEncodeTiled` with the driver's argument rules (rank 1..=5, 16-byte aligned address and strides below
+/// 2^40, dimensions 1..=2^32, boxes of 1..=256 with rows of a multiple of 16 bytes that fit the swizzle span,
+/// element strides 1..=8, enums in range); the 128 bytes it writes are a deterministic digest of the arguments
+/// (no TMA runs here): word 0 the type, rank, interleave, swizzle, L2 promotion and fill, word 1 the address,
+/// then the dimensions, the strides and the box.
+#[no_mangle]
+pub unsafe extern "C" fn cuTensorMapEncodeTiled(
+    map: *mut [u64; 16],
+    data_type: c_uint,
+    rank: c_uint,
+    global: *mut c_void,
+    dims: *const u64,
+    strides: *const u64,
+    box_dims: *const c_uint,
+    element_strides: *const c_uint,
+    interleave: c_uint,
+    swizzle: c_uint,
+    l2_promotion: c_uint,
+    oob_fill: c_uint,
+) -> CUresult {
+    entry("cuTensorMapEncodeTiled", Needs::Init, |_| {
+        let r = rank as usize;
+        let element = *TENSOR_MAP_ELEMENT_BYTES
+            .get(data_type as usize)
+            .ok_or(code::INVALID_VALUE)?;
+        let address = h(global);
+        let ok = (1..=5).contains(&r)
+            && !map.is_null()
+            && address != 0
+            && address % 16 == 0
+            && !dims.is_null()
+            && !box_dims.is_null()
+            && !element_strides.is_null()
+            && (r == 1 || !strides.is_null())
+            && interleave <= 2
+            && swizzle <= 3
+            && l2_promotion <= 3
+            && oob_fill <= 1;
+        if !ok {
+            return Err(code::INVALID_VALUE);
+        }
+        // SAFETY: the C API passes arrays of `rank` (strides: `rank - 1`) entries; checked non-null above.
+        let (dims, boxes, steps) = unsafe {
+            (
+                std::slice::from_raw_parts(dims, r),
+                std::slice::from_raw_parts(box_dims, r),
+                std::slice::from_raw_parts(element_strides, r),
+            )
+        };
+        let strides: &[u64] = if r > 1 {
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts(strides, r - 1) }
+        } else {
+            &[]
+        };
+        let span = [0u64, 32, 64, 128][swizzle as usize];
+        let row_bytes = u64::from(boxes[0]) * element;
+        let ok = dims.iter().all(|&d| (1..=1u64 << 32).contains(&d))
+            && strides.iter().all(|&st| st % 16 == 0 && st < 1u64 << 40)
+            && boxes.iter().all(|&b| (1..=256).contains(&b))
+            && steps.iter().all(|&e| (1..=8).contains(&e))
+            && row_bytes % 16 == 0
+            && (span == 0 || row_bytes <= span);
+        if !ok {
+            return Err(code::INVALID_VALUE);
+        }
+        let mut words = [0u64; 16];
+        words[0] = u64::from(data_type)
+            | u64::from(rank) << 8
+            | u64::from(interleave) << 16
+            | u64::from(swizzle) << 24
+            | u64::from(l2_promotion) << 32
+            | u64::from(oob_fill) << 40;
+        words[1] = address;
+        for (slot, value) in words[2..].iter_mut().zip(
+            dims.iter()
+                .chain(strides)
+                .copied()
+                .chain(boxes.iter().map(|&b| u64::from(b))),
+        ) {
+            *slot = value;
+        }
+        put(map, words)
+    })
+}
+
 // ---------------------------------------------------------------- error text
 
 struct ErrorStrings {

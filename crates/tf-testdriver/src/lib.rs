@@ -1,7 +1,8 @@
 //! tf-testdriver: a fake CUDA driver library over host memory, for tests without a GPU.
 //!
 //! Built as a `cdylib` that exports every entry of tf-sys's table ([`tf_sys::ENTRIES`]) under its
-//! exact name and C signature (checked at compile time), plus control functions (`tftd_*`) for
+//! exact name and C signature (checked at compile time), the entry points the runtime looks up by
+//! name outside that table ([`UNPINNED_ENTRIES`]), plus control functions (`tftd_*`) for
 //! configuration, fault injection and counters. The `rlib` half holds the helpers tests use:
 //! [`library_path`], [`Control`], [`test_lock`], [`patched_copy`] and [`module_image`].
 //!
@@ -81,6 +82,10 @@
 //! let driver = tf_sys::Driver::open_path(&tf_testdriver::library_path()?)?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+
+/// Entry points exported beside tf-sys's table, which the runtime looks up by name (`fail_call` takes them too):
+/// `cuTensorMapEncodeTiled` checks its arguments as the driver does and writes a digest of them.
+pub const UNPINNED_ENTRIES: &[&str] = &["cuTensorMapEncodeTiled"];
 
 mod control;
 mod exports;

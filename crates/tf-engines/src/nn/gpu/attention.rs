@@ -728,8 +728,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// The TMA launch on the test driver (host memory; it has no cuTensorMapEncodeTiled): bad operands are refused
-    /// by the common checks before any map is made; good ones ask the driver, whose missing entry point is named.
+    /// The TMA launch on the test driver (host memory; its cuTensorMapEncodeTiled checks the driver's rules): bad
+    /// operands are refused by the common checks before any map is made; good ones pack the kernel's arguments with
+    /// its five tensor maps last, and a driver refusal names the entry point.
     #[test]
     fn tma_attention_checks_operands_then_asks_the_driver_for_maps() {
         use std::sync::Arc;
@@ -771,13 +772,23 @@ mod tests {
                 row: width,
             };
             plan_attention_tma(&ctx, shape, &inputs, &o.view_mut(), o_strides)
-                .map(|l| (l.kernel, l.args.len()))
+                .map(|l| (l.kernel, l.args.sizes().to_vec()))
         };
         // Rows 4 elements longer than the heads: strides TMA (and every attention kernel) cannot step by.
         let err = plan(width + 4).expect_err("strides of 260 elements");
         assert!(err.to_string().contains("multiples of 8 elements"), "{err}");
-        // Good operands reach the driver, which here lacks the entry point: the error names it.
-        let err = plan(width).expect_err("the test driver has no TMA");
+        // Good operands: the TMA kernel, its five maps (128 bytes each) the last arguments.
+        let (kernel, sizes) = plan(width).expect("valid operands");
+        assert_eq!(kernel, AttentionTile::Sm90Tma.kernel());
+        assert!(sizes.len() > 5, "{sizes:?}");
+        assert!(
+            sizes[sizes.len() - 5..].iter().all(|&b| b == 128),
+            "{sizes:?}"
+        );
+        // A refusal from the driver names the entry point.
+        let control = tf_testdriver::Control::open().expect("the test driver's controls");
+        assert!(control.fail_call("cuTensorMapEncodeTiled", 1, 1, 1));
+        let err = plan(width).expect_err("injected refusal");
         assert!(err.to_string().contains("cuTensorMapEncodeTiled"), "{err}");
     }
 
