@@ -1553,7 +1553,7 @@ pub unsafe extern "C" fn cuTensorMapEncodeTiled(
         let ok = (1..=5).contains(&r)
             && !map.is_null()
             && address != 0
-            && address % 16 == 0
+            && address.is_multiple_of(16)
             && !dims.is_null()
             && !box_dims.is_null()
             && !element_strides.is_null()
@@ -1582,10 +1582,12 @@ pub unsafe extern "C" fn cuTensorMapEncodeTiled(
         let span = [0u64, 32, 64, 128][swizzle as usize];
         let row_bytes = u64::from(boxes[0]) * element;
         let ok = dims.iter().all(|&d| (1..=1u64 << 32).contains(&d))
-            && strides.iter().all(|&st| st % 16 == 0 && st < 1u64 << 40)
+            && strides
+                .iter()
+                .all(|&st| st.is_multiple_of(16) && st < 1u64 << 40)
             && boxes.iter().all(|&b| (1..=256).contains(&b))
             && steps.iter().all(|&e| (1..=8).contains(&e))
-            && row_bytes % 16 == 0
+            && row_bytes.is_multiple_of(16)
             && (span == 0 || row_bytes <= span);
         if !ok {
             return Err(code::INVALID_VALUE);
