@@ -152,6 +152,15 @@ pub(super) struct GemmCall {
 }
 
 impl GemmCall {
+    /// Bytes of `a` x `b` elements of `size` bytes (an operand, a scale vector or an output of the call), checked.
+    fn bytes(&self, a: usize, b: usize, size: usize) -> Result<usize, H3Error> {
+        a.checked_mul(b)
+            .and_then(|v| v.checked_mul(size))
+            .ok_or_else(|| {
+                H3Error::Backend(format!("GEMM {}x{}x{} overflows", self.m, self.n, self.k))
+            })
+    }
+
     /// Floating-point operations of the call.
     fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
@@ -634,16 +643,9 @@ impl Engine {
             return Ok(());
         }
         let gemm_err = |e| H3Error::Gpu(gpu_error("GEMM", e));
-        let bytes = |a: usize, b: usize| {
-            a.checked_mul(b)
-                .and_then(|v| v.checked_mul(BF16))
-                .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
-        };
-        // Bytes of 8-bit operands (one byte each) and of f32 or int32 rows.
-        let codes = |a: usize, b: usize| {
-            a.checked_mul(b)
-                .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
-        };
+        // Bytes of bf16 operands, and of 8-bit operands (one byte each) and f32 or int32 rows.
+        let bytes = |a: usize, b: usize| c.bytes(a, b, BF16);
+        let codes = |a: usize, b: usize| c.bytes(a, b, 1);
         if c.int8.is_some() {
             // INT8 operands and int32 products; the scales apply in the SwiGLU.
             let x =
@@ -950,8 +952,10 @@ impl Engine {
         }
         probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
         match calls.fc1_gate {
-            Some(_) if ours.is_some() => self.swiglu_scaled_gate(ws, m)?,
-            Some(gate) if gate.int8.is_some() => self.swiglu_int32_gate(ws, m, gate)?,
+            // Our INT8 GEMM wrote the gate half in bf16, as a split bf16 or FP8 gate GEMM does.
+            Some(gate) if gate.int8.is_some() && ours.is_none() => {
+                self.swiglu_int32_gate(ws, m, gate)?
+            }
             _ => self.swiglu(ws, m, calls.fc1_gate.is_some(), calls.fc2.fp8.is_some())?,
         }
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
@@ -1029,8 +1033,8 @@ impl Engine {
     }
 
     /// The INT8 gate GEMM through our kernel ([`Int8GemmKernels`], `TF_INT8_GEMM=ours`): the INT8 rows and their
-    /// scales by the weight's codes and channel scales, as bf16 products in [`Buf::GateI32`] (`[m, fp]`, the first
-    /// half of its bytes), which [`Engine::swiglu_scaled_gate`] reads.
+    /// scales by the weight's codes and channel scales, as bf16 products in ff's gate half (`[m, fp]` after the
+    /// value half), which the SwiGLU of split halves reads.
     fn int8_gate_ours(
         &self,
         ws: &mut Workspace,
@@ -1045,19 +1049,14 @@ impl Engine {
         if c.m == 0 {
             return Ok(());
         }
-        let bytes = |a: usize, b: usize, size: usize| {
-            a.checked_mul(b)
-                .and_then(|v| v.checked_mul(size))
-                .ok_or_else(|| H3Error::Backend(format!("GEMM {}x{}x{} overflows", c.m, c.n, c.k)))
-        };
+        let bytes = |a: usize, b: usize, size: usize| c.bytes(a, b, size);
         let x = ws.q8i.slice(c.x_off, bytes(c.m, c.k, 1)?).map_err(launch)?;
         let x_scale = ws.q8i_scales.slice(0, bytes(c.m, 1, 4)?).map_err(launch)?;
         let w = self.weight_view(c.w, bytes(c.n, c.k, 1)?)?;
         let w_scale = self.weight_view(w_scales, bytes(c.n, 1, 4)?)?;
-        let mut y = ws
-            .gate_i32
-            .slice_mut(0, bytes(c.m, c.n, BF16)?)
-            .map_err(launch)?;
+        // The gate half of ff, where a bf16 or FP8 gate GEMM run apart writes it: the SwiGLU of split halves reads it.
+        let half = bytes(c.m, c.n, BF16)?;
+        let mut y = ws.ff.slice_mut(half, half).map_err(launch)?;
         let inputs = Int8GemmOperands {
             x: &x,
             x_scale: &x_scale,
@@ -1070,23 +1069,6 @@ impl Engine {
             k: c.k,
         };
         ours.gemm(&self.ctx, &self.stream, shape, &inputs, &mut y, c.n)
-            .map_err(launch)
-    }
-
-    /// SwiGLU of ff's value half and the gate half our INT8 GEMM wrote in bf16 (the first `m * fp` bf16 of
-    /// [`Buf::GateI32`]) into the e4m3 rows of `fc2`.
-    fn swiglu_scaled_gate(&self, ws: &mut Workspace, m: usize) -> Result<(), H3Error> {
-        let fp = self.dims.fp;
-        let codes = ws.q8.view_mut();
-        let scales = ws.q8_scales.view_mut();
-        let q8 = Self::q8_out(&codes, &scales, fp);
-        let value = ws.ff.slice(0, m * fp * BF16).map_err(launch)?;
-        let gate = ws.gate_i32.slice(0, m * fp * BF16).map_err(launch)?;
-        self.quant()?
-            .run(
-                &self.stream,
-                plan_swiglu_fp8_apart(&value, &gate, Matrix::dense(m, fp), &q8),
-            )
             .map_err(launch)
     }
 

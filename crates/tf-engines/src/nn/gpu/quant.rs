@@ -59,7 +59,7 @@ pub const MAX_QUANT_COLS: usize = 16384;
 /// Columns each thread of the SwiGLU and plain row quantizers holds (NN_WIDE_CHUNKS x 8 in kernels/nn/quant.cu).
 const WIDE_VALUES_PER_THREAD: usize = 16;
 /// Dynamic shared memory of `nn_swiglu_i32gate_fp8` a thread: its 16 f32 results.
-const SWIGLU_I32GATE_SHARED_PER_THREAD: u32 = 16 * 4;
+const SWIGLU_I32GATE_SHARED_PER_THREAD: u32 = (WIDE_VALUES_PER_THREAD * 4) as u32;
 /// The most `nn_swiglu_i32gate_fp8` asks for (1024 threads), set as its limit at load.
 const SWIGLU_I32GATE_MAX_SHARED: u32 = 1024 * SWIGLU_I32GATE_SHARED_PER_THREAD;
 
