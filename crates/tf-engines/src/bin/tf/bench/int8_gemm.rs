@@ -1,16 +1,17 @@
 //! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out) beside the two cuBLASLt GEMMs the DiTs
-//! run today at the same shapes: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
+//! run today at the same shapes, through the DiTs' own `GemmRunner`: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
 //! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
 //! alternate the three; then our output is checked bit for bit against cuBLASLt's int32 products, dequantized.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tf_cuda::cublaslt::{AlgoSelection, CublasLt, Fp8Scales, Gemm, LtLibrary};
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, TIMED};
 use tf_engines::nn::gpu::gemm_int8::{
     plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
+use tf_engines::nn::precision::Fp8Accumulation;
 use tf_engines::nn::sampling::seeded::SplitMix64;
 
 use super::BoxError;
@@ -91,11 +92,8 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     let ctx = Context::new(driver, 0)?;
     let stream = Stream::new(&ctx, true)?;
     let kernels = Int8GemmKernels::load(&ctx)?;
-    let lt = CublasLt::with_default_workspace(&ctx, LtLibrary::open()?)?;
-    lt.set_algo_selection(AlgoSelection::Timed {
-        candidates: 8,
-        repeats: 3,
-    })?;
+    // The DiTs' own cuBLASLt handle: timed selection and the process's plan cache.
+    let gemms = GemmRunner::new(&ctx, TIMED)?;
     let wanted: Option<Vec<&str>> = args.shapes.as_deref().map(|s| s.split(',').collect());
     if let Some(names) = &wanted {
         if let Some(bad) = names.iter().find(|n| !SHAPES.iter().any(|s| s.0 == **n)) {
@@ -106,7 +104,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     println!(
         "INT8 GEMM with a scaling epilogue (ours, bf16 out) beside cuBLASLt {} row-wise FP8 (bf16 out) and INT8 \
          (int32 out); {} calls back to back, best of {} rounds",
-        lt.library().version(),
+        gemms.lt().library().version(),
         args.iters,
         args.rounds
     );
@@ -135,20 +133,14 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         };
         let mut yv = y.view_mut();
         let launch = plan_int8_gemm(&ctx, kernels.sm_count(), shape, &inputs, &mut yv, n)?;
-        let fp8 = Gemm::fp8_e4m3_row_wise(
-            m,
-            n,
-            k,
-            (&x8).into(),
-            (&w8).into(),
+        let fp8 = Fp8Linear::new(
+            (m, n, k),
+            ((&x8).into(), (&xs).into()),
+            ((&w8).into(), (&ws).into()),
             (&y_fp8).into(),
-            Fp8Scales {
-                x_scale: (&xs).into(),
-                w_scale: (&ws).into(),
-            },
         )
-        .with_fp8_fast_accum(true);
-        let int8 = Gemm::int8(m, n, k, (&x).into(), (&w).into(), (&y32).into());
+        .accumulation(Fp8Accumulation::Fast);
+        let int8 = ((m, n, k), ((&x).into(), (&w).into(), (&y32).into()));
         let mut best = [f64::INFINITY; 3];
         for _ in 0..args.rounds {
             let ours = sustained_ms(&ctx, &stream, args.iters, || {
@@ -157,11 +149,11 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
             let fp8_ms = sustained_ms(&ctx, &stream, args.iters, || {
                 // SAFETY: every span lies in a buffer alive until after the stream is synchronized (the timing
                 // synchronizes on its end event before returning).
-                Ok(unsafe { lt.matmul(&fp8, &stream) }?)
+                Ok(unsafe { gemms.run_fp8(&fp8, &stream) }?)
             })?;
             let int8_ms = sustained_ms(&ctx, &stream, args.iters, || {
                 // SAFETY: as above.
-                Ok(unsafe { lt.matmul(&int8, &stream) }?)
+                Ok(unsafe { gemms.run_int8(int8.0, int8.1, &stream) }?)
             })?;
             for (b, t) in best.iter_mut().zip([ours, fp8_ms, int8_ms]) {
                 *b = b.min(t);
@@ -210,7 +202,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     }
     if let Some(path) = &args.json {
         let report = serde_json::json!({
-            "cublaslt_version": lt.library().version(),
+            "cublaslt_version": gemms.lt().library().version(),
             "iters": args.iters,
             "rounds": args.rounds,
             "results": rows,
