@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from int8_gemm_probe import quant_int8_rows
 from torch_fp8 import quantize_rows as quant_fp8_rows
 
 SHAPES = {  # name: (M tokens, N outputs, K)
@@ -301,13 +302,6 @@ class Problem:
                 "custom_options": len(customs), "accepted": kept,
             }
         return accepted, tried, per_id, list(ids)[: count.value]
-
-
-def quant_int8_rows(t):
-    """Per-row INT8 codes of `t` and their f32 scales ([..., 1]): amax / 127."""
-    tf = t.float()
-    scale = tf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-    return torch.round(tf / scale).clamp(-127, 127).to(torch.int8), scale
 
 
 def rel_l2(a, b):

@@ -14,8 +14,8 @@ use tf_cuda::tensor_map::{encode_int8_tiles, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::launch::{
-    check_aligned, check_bytes, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
-    LoadKernelsError, LoadedSet, Operand, BF16,
+    check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
+    LoadedSet, Operand, BF16,
 };
 
 /// Name of the kernel set.
@@ -153,9 +153,7 @@ pub fn plan_int8_gemm<'a>(
         ("x_scale", inputs.x_scale, bytes(m, 1, 4, "x_scale")?),
         ("w_scale", inputs.w_scale, bytes(n, 1, 4, "w_scale")?),
     ] {
-        let operand = Operand::of(view);
-        check_aligned(OP, name, operand)?;
-        check_bytes(OP, name, operand, needed)?;
+        check_operand(OP, name, Operand::of(view), needed, 16)?;
     }
     if y_row_stride < n || !y_row_stride.is_multiple_of(2) {
         return Err(invalid(
@@ -168,9 +166,7 @@ pub fn plan_int8_gemm<'a>(
         .and_then(|e| e.checked_add(n))
         .and_then(|e| e.checked_mul(BF16))
         .ok_or_else(|| invalid(OP, "y's span overflows"))?;
-    let y_operand = Operand::of_mut(y);
-    check_aligned(OP, "y", y_operand)?;
-    check_bytes(OP, "y", y_operand, y_span)?;
+    check_operand(OP, "y", Operand::of_mut(y), y_span, 16)?;
     let tiles = |base: u64, rows: usize, box_rows: u32| Tiles {
         base,
         cols: k as u64,
