@@ -15,8 +15,9 @@
 // producer loads the next tile while the consumers store one. Tiles run over M fastest, so the tiles in flight at
 // once share w's column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
 //
-// Preconditions (the launcher checks them): K a multiple of 128, N a multiple of 256, x and w 16-byte aligned rows
-// (K bytes), y's row stride even. Rows of x past M read as zeros (TMA fill) and are not stored.
+// Preconditions (the launcher checks them): K a multiple of 16 and N even, x and w 16-byte aligned rows (K bytes),
+// y's row stride even. Rows of x past M, rows of w past N and bytes past K read as zeros (TMA fill), so partial
+// tiles and a last partial slice of K need no other care; columns past N and rows past M are not stored.
 #include "common/common.cuh"
 #include "nn/attention.cuh"
 
@@ -87,7 +88,7 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
 // SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n_tiles, int k) {
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
 #if defined(NN_HAS_WGMMA)
     extern __shared__ uint8_t g8_smem[];
     __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
@@ -100,8 +101,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
     auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
-    const int tiles = m_tiles * n_tiles;
-    const int slices = k / kG8Slice;
+    const int tiles = m_tiles * ((n + kG8Cols - 1) / kG8Cols);
+    const int slices = (k + kG8Slice - 1) / kG8Slice;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -177,11 +178,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
         const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
         const int col0 = n0 + 2 * (lane % 4);
-        // Two adjacent columns of one row, scaled and rounded to bf16 (rows past M are not stored).
+        // Two adjacent columns of one row, scaled and rounded to bf16 (rows past M and columns past N, which come
+        // in pairs as N is even, are not stored).
         // The two scales multiply first, as nn_swiglu_i32gate_fp8 dequantizes cuBLASLt's int32 products, so either
         // INT8 path gives the same bf16 values.
         auto store = [&](int row, float row_scale, int32_t a, int32_t b, int col, float2 ws) {
-            if (row >= m) return;
+            if (row >= m || col >= n) return;
             const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a) * (row_scale * ws.x),
                                                            static_cast<float>(b) * (row_scale * ws.y));
             *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row) * y_row_stride + col) = v;
@@ -189,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
 #pragma unroll
         for (int j = 0; j < kG8Cols / 8; ++j) {
             const int col = col0 + 8 * j;
-            const float2 ws = *reinterpret_cast<const float2*>(w_scale + col);
+            const float2 ws = col < n ? *reinterpret_cast<const float2*>(w_scale + col) : make_float2(0.0f, 0.0f);
             store(row_a, scale_a, acc[4 * j], acc[4 * j + 1], col, ws);
             store(row_b, scale_b, acc[4 * j + 2], acc[4 * j + 3], col, ws);
         }

@@ -157,14 +157,6 @@ __device__ __forceinline__ void store_row_codes(const float (&v)[CHUNKS][8], int
     if (threadIdx.x == 0) *scale_out = scale;
 }
 
-// store_row_codes in e4m3: the input of an FP8 GEMM.
-template <int CHUNKS>
-__device__ __forceinline__ void store_row_fp8(const float (&v)[CHUNKS][8], int cols, int threads,
-                                              uint8_t* __restrict__ q_row, float* __restrict__ scale_out,
-                                              float* max_scratch) {
-    store_row_codes<CHUNKS, false>(v, cols, threads, q_row, scale_out, max_scratch);
-}
-
 // store_row_codes in both formats for the same row with one max reduction: e4m3 codes into q_row (scale amax / 448)
 // and INT8 codes into i8_row (scale amax / 127), the inputs of an FP8 and an INT8 GEMM over the same rows.
 template <int CHUNKS>
@@ -279,8 +271,9 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float (&out)[8]) {
     }
 }
 
-// The body of nn_norm_modulate_fp8 with CHUNKS chunks per thread (cols <= NN_ROW_THREADS * 8 * CHUNKS).
-template <int CHUNKS>
+// The body of nn_norm_modulate_fp8 (INT8 false) and nn_norm_modulate_int8 with CHUNKS chunks per thread
+// (cols <= NN_ROW_THREADS * 8 * CHUNKS).
+template <int CHUNKS, bool INT8 = false>
 __device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x, int x_stride,
                                                       uint8_t* __restrict__ q, int q_stride,
                                                       float* __restrict__ scales, const bf16* __restrict__ weight,
@@ -301,16 +294,17 @@ __device__ __forceinline__ void norm_modulate_fp8_row(const bf16* __restrict__ x
     }
     norm_modulate_row<CHUNKS>(v, total, cols, norm_cols, eps, layer_norm, weight, bias, mod_row, scale_offset,
                               shift_offset, scratch);
-    store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
-                          max_scratch);
+    store_row_codes<CHUNKS, INT8>(v, cols, NN_ROW_THREADS, q + static_cast<int64_t>(row) * q_stride, scales + row,
+                                  max_scratch);
 }
 
 // What a gated residual's FP8 norm also writes: nothing, the normed rows in bf16 to h (the _and_bf16 entry points),
 // or their INT8 codes to h with one f32 scale per row in h_scales (the _and_int8 entry points).
 enum class SecondOut { None, Bf16, Int8 };
 
-// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread, and SECOND of its entry points.
-template <int CHUNKS, SecondOut SECOND>
+// The body of nn_gated_residual_norm_modulate_fp8 with CHUNKS chunks per thread, and SECOND of its entry points;
+// INT8: the normed rows as INT8 codes into q (nn_gated_residual_norm_modulate_int8, SECOND None).
+template <int CHUNKS, SecondOut SECOND, bool INT8 = false>
 __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
     bf16* __restrict__ x, int x_stride, const bf16* __restrict__ y, int y_stride, const bf16* __restrict__ gate_table,
     int gate_stride, int gate_rows, int gate_offset, int gate_tanh, uint8_t* __restrict__ q, int q_stride,
@@ -370,7 +364,7 @@ __device__ __forceinline__ void gated_residual_norm_modulate_fp8_row(
             if (col < cols) nn::store8(h_row + col, v[c]);
         }
     }
-    store_row_fp8<CHUNKS>(v, cols, NN_ROW_THREADS, q_row, scales + row, max_scratch);
+    store_row_codes<CHUNKS, INT8>(v, cols, NN_ROW_THREADS, q_row, scales + row, max_scratch);
 }
 
 // The body of nn_quantize_rows_fp8 (INT8 false) and nn_quantize_rows_int8.
@@ -470,6 +464,20 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_fp
     norm_modulate_fp8_row<2>(NN_NORM_MODULATE_FP8_PASS);
 }
 
+// nn_norm_modulate_fp8 with INT8 codes (scale amax / 127 a row, as nn_quantize_rows_int8): the input of an INT8
+// GEMM. Same arguments, grid and limits; the `_c2` entry point cols <= 4096.
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_int8(NN_NORM_MODULATE_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    norm_modulate_fp8_row<NN_NORM_CHUNKS, true>(NN_NORM_MODULATE_FP8_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS) nn_norm_modulate_int8_c2(NN_NORM_MODULATE_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    norm_modulate_fp8_row<2, true>(NN_NORM_MODULATE_FP8_PASS);
+}
+
 // A gated residual, then the next norm with an FP8 output, in one pass over the row:
 //   x += g * y with g = tanh(gate) (gate_tanh != 0) or gate, one fma in f32, stored rounded to bf16;
 //   then nn_norm_modulate_fp8 of the stored (rounded) x; the _and_bf16 entry points store the normed rows in bf16 to
@@ -511,6 +519,24 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
     gated_residual_norm_modulate_fp8_row<2, SecondOut::None>(NN_GATED_RESIDUAL_FP8_PASS, nullptr, scratch, max_scratch);
 }
 
+// nn_gated_residual_norm_modulate_fp8 with the normed rows as INT8 codes (scale amax / 127 a row): the input of an
+// INT8 GEMM. Same arguments, grid and limits (h ignored); the `_c2` entry point cols <= 4096.
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_gated_residual_norm_modulate_int8(NN_GATED_RESIDUAL_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<NN_NORM_CHUNKS, SecondOut::None, true>(NN_GATED_RESIDUAL_FP8_PASS, nullptr,
+                                                                                scratch, max_scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
+    nn_gated_residual_norm_modulate_int8_c2(NN_GATED_RESIDUAL_FP8_ARGS) {
+    __shared__ float scratch[32];
+    __shared__ float max_scratch[32];
+    gated_residual_norm_modulate_fp8_row<2, SecondOut::None, true>(NN_GATED_RESIDUAL_FP8_PASS, nullptr, scratch,
+                                                                   max_scratch);
+}
+
 // A minimum of two blocks an SM (up to 128 registers a thread): with none, ptxas held this entry point to 64 registers
 // and an 8-byte stack frame on sm_100a; with it, 80 registers and no stack.
 extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS, 2)
@@ -545,14 +571,12 @@ extern "C" __global__ void __launch_bounds__(NN_ROW_THREADS)
                                                              max_scratch);
 }
 
-// SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a row's two halves of `hidden` columns,
-// read at `gate` and `value` with one row stride (the halves of a fused GEMM output row, or two matrices), quantized
-// per row into q / scales. hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of
-// ceil(hidden / 16) threads rounded up to a multiple of 32. Every load of the row is issued before the first silu.
-extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
-    nn_swiglu_fp8(const bf16* __restrict__ gate, const bf16* __restrict__ value, int in_stride,
-                  uint8_t* __restrict__ q, int q_stride, float* __restrict__ scales, int rows, int hidden) {
-    __shared__ float scratch[32];
+namespace {
+// The body of nn_swiglu_fp8 (INT8 false) and nn_swiglu_int8.
+template <bool INT8>
+__device__ __forceinline__ void swiglu_codes_row(const bf16* __restrict__ gate, const bf16* __restrict__ value,
+                                                 int in_stride, uint8_t* __restrict__ q, int q_stride,
+                                                 float* __restrict__ scales, int rows, int hidden, float* scratch) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     const int64_t at = static_cast<int64_t>(row) * in_stride;
@@ -569,8 +593,29 @@ extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[c][i] = silu_f32(g[i]) * v[c][i];
     }
-    store_row_fp8<NN_WIDE_CHUNKS>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride, scales + row,
-                                  scratch);
+    store_row_codes<NN_WIDE_CHUNKS, INT8>(v, hidden, blockDim.x, q + static_cast<int64_t>(row) * q_stride,
+                                          scales + row, scratch);
+}
+}  // namespace
+
+// SwiGLU with an FP8 output: h[c] = silu(gate[c]) * value[c] in f32 over a row's two halves of `hidden` columns,
+// read at `gate` and `value` with one row stride (the halves of a fused GEMM output row, or two matrices), quantized
+// per row into q / scales. hidden <= NN_WIDE_MAX_THREADS * 8 * NN_WIDE_CHUNKS (16384). Grid: `rows` blocks of
+// ceil(hidden / 16) threads rounded up to a multiple of 32. Every load of the row is issued before the first silu.
+extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
+    nn_swiglu_fp8(const bf16* __restrict__ gate, const bf16* __restrict__ value, int in_stride,
+                  uint8_t* __restrict__ q, int q_stride, float* __restrict__ scales, int rows, int hidden) {
+    __shared__ float scratch[32];
+    swiglu_codes_row<false>(gate, value, in_stride, q, q_stride, scales, rows, hidden, scratch);
+}
+
+// nn_swiglu_fp8 with INT8 codes (scale amax / 127 a row): the input of an INT8 GEMM. Same arguments, grid and
+// limits.
+extern "C" __global__ void __maxnreg__(NN_SWIGLU_REGISTERS)
+    nn_swiglu_int8(const bf16* __restrict__ gate, const bf16* __restrict__ value, int in_stride,
+                   uint8_t* __restrict__ q, int q_stride, float* __restrict__ scales, int rows, int hidden) {
+    __shared__ float scratch[32];
+    swiglu_codes_row<true>(gate, value, in_stride, q, q_stride, scales, rows, hidden, scratch);
 }
 
 // nn_swiglu_fp8 with the gate half an INT8 GEMM's exact int32 products: the gate value of row r, column c is

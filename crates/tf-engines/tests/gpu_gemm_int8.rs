@@ -4,8 +4,8 @@
 //! The kernel sums exactly in int32, converts once to f32, multiplies by the product of the row's and the column's
 //! scale and rounds to bf16, which is what `int8_gemm_host` does (and what the int32-gate SwiGLU makes of cuBLASLt's
 //! exact products, so either INT8 gate path gives the same values): every output element must equal the host's bit
-//! for bit, at shapes with partial row tiles, several column tiles, a strided output, and K from one slice to the
-//! MiniMax H3 widths. The launcher's refusals are host tests (`int8_gemm_plan.rs`); speed is measured by `tf bench
+//! for bit, at shapes with partial row and column tiles, several column tiles, a strided output, K from less than
+//! one slice to the MiniMax H3 widths and K not a whole number of slices. The launcher's refusals are host tests (`int8_gemm_plan.rs`); speed is measured by `tf bench
 //! int8-gemm`, not here.
 //!
 //! They are ignored in a plain `cargo test`; run without a GPU they fail, and on a GPU that is not sm_90 each prints
@@ -61,9 +61,14 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
     };
     // (M, N, K, y row stride): one tile; partial row tiles; several column tiles with a strided output; H3's
     // widths of K with few rows (the host product stays quick); and more tiles than a GPU has SMs (2000 x 4096:
-    // 256 tiles), so persistent CTAs take several tiles each and their pipeline runs on from one tile to the next.
+    // 256 tiles), so persistent CTAs take several tiles each and their pipeline runs on from one tile to the next;
+    // then N past a tile's edge and K past a slice's (the maps' zero fill, the stores' column guard), and K below
+    // one slice.
     for (i, &(m, n, k, stride)) in [
         (128, 256, 128, 256),
+        (70, 328, 400, 336),
+        (300, 1000, 5392, 1000),
+        (9, 26, 48, 32),
         (5, 256, 384, 256),
         (130, 512, 256, 520),
         (33, 768, 5376, 768),

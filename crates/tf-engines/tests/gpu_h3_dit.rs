@@ -1131,7 +1131,8 @@ fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
         ] {
             worst = worst.max(compare_fp8(&case, what, ours, base, &expected(&case, what)));
         }
-        // The adaLN projections in FP8 too (weight-only), and alone; one half of mlp_in apart from the other.
+        // The adaLN projections in FP8 too (weight-only), and alone; one half of mlp_in apart from the other; every
+        // group in INT8 on our INT8 GEMM (gemm=int8), and some.
         for spec in [
             "fp8:all,adaln,ends=0",
             "fp8:adaln,ends=0",
@@ -1140,6 +1141,8 @@ fn fp8_forward_of_every_fixture_stays_near_bf16_and_the_reference() {
             "fp8:mlp_value,mlp_out,ends=0",
             "fp8:mlp_value,mlp_gate=int8,mlp_out,ends=0",
             "fp8:mlp_gate,ends=0",
+            "fp8:all,ends=0,gemm=int8",
+            "fp8:qkv,mlp_out,adaln=int8,ends=0,gemm=int8",
             "fp8:none,ends=0,attn=int8-fp8",
             "fp8:all,ends=0,attn=int8-fp8",
         ] {
@@ -1198,6 +1201,8 @@ fn fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
         "fp8:qkv,out,mlp_value,mlp_out,ends=0",
         "fp8:none,ends=0,attn=int8-fp8",
         "fp8:qkv,out,mlp_value,mlp_out,ends=0,attn=int8-fp8",
+        "fp8:all,ends=0,gemm=int8",
+        "fp8:out,mlp_in,adaln=int8,ends=0,gemm=int8",
     ] {
         let precision: DitPrecision = spec.parse().unwrap();
         let mut dit = load_in(&ctx, case, precision);

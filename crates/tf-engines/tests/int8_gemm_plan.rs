@@ -37,15 +37,11 @@ fn the_launcher_names_each_refusal() {
         k: 384,
     };
     for (shape, stride, needle) in [
-        (
-            Int8GemmShape { n: 200, ..ok },
-            256,
-            "N = 200 is not a multiple of 256",
-        ),
+        (Int8GemmShape { n: 201, ..ok }, 256, "N = 201 is odd"),
         (
             Int8GemmShape { k: 300, ..ok },
             256,
-            "K = 300 is not a multiple of 128",
+            "K = 300 is not a multiple of 16",
         ),
         (Int8GemmShape { m: 0, ..ok }, 256, "empty GEMM"),
         (Int8GemmShape { m: 65, ..ok }, 256, "x: needs 24960 B"),

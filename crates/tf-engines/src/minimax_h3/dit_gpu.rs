@@ -52,6 +52,7 @@ use super::config::{ConfigError, MiniMaxH3Config};
 use super::dit::{H3DitBackend, H3Error, H3Inputs, H3Output, H3Rows};
 use super::dit_host::LoadOptions;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::fp8::RowCodes;
 use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
@@ -76,7 +77,7 @@ pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
     groups: Fp8Groups {
         mlp_gate: false,
         mlp_gate_int8: true,
-        adaln: Some(crate::nn::fp8::RowCodes::Int8),
+        adaln: Some(RowCodes::Int8),
         ..Fp8Groups::ALL
     },
     bf16_ends: 1,
@@ -308,7 +309,13 @@ impl Engine {
         } else {
             None
         };
+        let scaled_int8 = fp8_groups
+            .iter()
+            .any(|g| g.any_gemm() && g.gemm_codes == RowCodes::Int8);
         let int8_gemm = match Int8GemmBackend::from_env().map_err(H3Error::Backend)? {
+            _ if scaled_int8 => Some(Int8GemmKernels::load(ctx).map_err(gpu_err(
+                "loading our INT8 GEMM (gemm=int8 runs every 8-bit GEMM group on it; it needs an sm_90 GPU)",
+            ))?),
             Int8GemmBackend::Ours if dims.gate_int8 => Some(
                 Int8GemmKernels::load(ctx)
                     .map_err(gpu_err("loading our INT8 GEMM (TF_INT8_GEMM=ours)"))?,
@@ -503,7 +510,7 @@ impl GpuH3Dit {
             .engine
             .precision
             .describe(self.engine.config.num_layers);
-        if self.engine.int8_gemm.is_some() {
+        if self.engine.int8_gemm.is_some() && self.engine.dims.gate_int8 {
             precision.push_str(
                 "; the INT8 gate through our INT8 GEMM (TF_INT8_GEMM=ours, bf16 products) where its shape fits",
             );

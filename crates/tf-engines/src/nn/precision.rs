@@ -56,6 +56,11 @@ pub struct Fp8Groups {
     pub mlp_gate_int8: bool,
     /// The block's adaLN projection, weight-only (MiniMax H3): its codes (`None`: bf16).
     pub adaln: Option<RowCodes>,
+    /// The 8-bit format of the GEMM groups above (`gemm=e4m3|int8`): e4m3 (cuBLASLt's row-wise FP8 GEMM) or INT8
+    /// (INT8 weight rows with per-output-channel scales, per-token INT8 activation codes written by the same
+    /// kernels, our INT8 GEMM with a scaling epilogue: sm_90, MiniMax H3). In INT8 `mlp_gate=int8` is the same
+    /// as `mlp_gate`.
+    pub gemm_codes: RowCodes,
 }
 
 impl Fp8Groups {
@@ -68,6 +73,7 @@ impl Fp8Groups {
         mlp_out: false,
         mlp_gate_int8: false,
         adaln: None,
+        gemm_codes: RowCodes::E4m3,
     };
     /// The four GEMM groups in FP8 (not `adaln`, which is named on its own).
     pub const ALL: Fp8Groups = Fp8Groups {
@@ -78,6 +84,7 @@ impl Fp8Groups {
         mlp_out: true,
         mlp_gate_int8: false,
         adaln: None,
+        gemm_codes: RowCodes::E4m3,
     };
 
     /// True when some group runs in FP8.
@@ -324,9 +331,13 @@ impl DitPrecision {
                 }
                 let gemm_groups = l.groups.gemm_names();
                 format!(
-                    "fp8 e4m3 ({}){} in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
+                    "{} ({}){} in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
                      per-output-channel weight scales, per-token activation scales, {} accumulation; \
                      {}every layer outside those groups as in bf16 mode",
+                    match l.groups.gemm_codes {
+                        RowCodes::E4m3 => "fp8 e4m3",
+                        RowCodes::Int8 => "int8 GEMMs (our scaled INT8 GEMM)",
+                    },
                     if gemm_groups.is_empty() {
                         "no GEMM group".to_string()
                     } else {
@@ -363,6 +374,9 @@ impl fmt::Display for DitPrecision {
                     names.join(",")
                 };
                 write!(f, "fp8:{groups},ends={}", l.bf16_ends)?;
+                if l.groups.gemm_codes == RowCodes::Int8 {
+                    f.write_str(",gemm=int8")?;
+                }
                 if l.accumulation != Fp8Layers::DEFAULT.accumulation {
                     write!(f, ",accum={}", l.accumulation.name())?;
                 }
@@ -383,7 +397,7 @@ impl FromStr for DitPrecision {
 
     /// Parses `bf16`, `fp8` or `fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]`.
     fn from_str(text: &str) -> Result<DitPrecision, String> {
-        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_gate=int8, mlp_out, adaln, adaln=int8, all, none";
+        let usage = "use bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] with GROUP one of qkv, out, mlp_in, mlp_value, mlp_gate, mlp_gate=int8, mlp_out, adaln, adaln=int8, all, none";
         let text = text.trim();
         match text {
             "bf16" => return Ok(DitPrecision::Bf16),
@@ -398,7 +412,20 @@ impl FromStr for DitPrecision {
         let mut ends = Fp8Layers::DEFAULT.bf16_ends;
         let mut accumulation = Fp8Layers::DEFAULT.accumulation;
         let mut attention = Fp8Layers::DEFAULT.attention;
+        let mut gemm_codes = RowCodes::E4m3;
         for item in spec.split(',').map(str::trim) {
+            if let Some(c) = item.strip_prefix("gemm=") {
+                gemm_codes = match c {
+                    "e4m3" | "fp8" => RowCodes::E4m3,
+                    "int8" => RowCodes::Int8,
+                    _ => {
+                        return Err(format!(
+                            "precision {text:?}: gemm={c} is neither `e4m3` nor `int8`"
+                        ))
+                    }
+                };
+                continue;
+            }
             if let Some(a) = item.strip_prefix("attn=") {
                 attention = a
                     .parse()
@@ -487,6 +514,20 @@ impl FromStr for DitPrecision {
         }
         if !named {
             groups = Fp8Layers::DEFAULT.groups;
+        }
+        groups.gemm_codes = gemm_codes;
+        if gemm_codes == RowCodes::Int8 {
+            // Every GEMM group is INT8 already: an INT8 gate is the gate group.
+            if groups.mlp_gate_int8 {
+                groups.mlp_gate = true;
+                groups.mlp_gate_int8 = false;
+            }
+            if groups.mlp_in_split() {
+                return Err(format!(
+                    "precision {text:?}: gemm=int8 runs mlp_in whole or not at all (name mlp_in, or neither half): \
+                     no kernel writes INT8 rows beside bf16 ones"
+                ));
+            }
         }
         if groups.mlp_gate_int8 && !(groups.mlp_value && groups.mlp_out) {
             return Err(format!(
@@ -762,5 +803,58 @@ mod tests {
         assert!(DitPrecision::FP8
             .describe(32)
             .contains("in 30 of 32 blocks"));
+    }
+
+    #[test]
+    fn int8_gemm_codes_parse_print_back_and_fold_the_int8_gate() {
+        let p: DitPrecision = "fp8:all,adaln=int8,gemm=int8".parse().unwrap();
+        let DitPrecision::Fp8(l) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(l.groups.gemm_codes, RowCodes::Int8);
+        assert!(l.groups.mlp_in());
+        assert_eq!(
+            p.to_string(),
+            "fp8:qkv,out,mlp_in,mlp_out,adaln=int8,ends=1,gemm=int8"
+        );
+        assert_eq!(p.to_string().parse::<DitPrecision>(), Ok(p));
+        assert!(p.describe(8).starts_with("int8 GEMMs"), "{}", p.describe(8));
+        // In INT8 every group is INT8 already: an INT8 gate is the gate group, so mlp_in runs whole.
+        let folded: DitPrecision = "fp8:qkv,out,mlp_value,mlp_gate=int8,mlp_out,gemm=int8"
+            .parse()
+            .unwrap();
+        assert_eq!(folded, p_without_adaln(p));
+        // No group named: the default groups, in INT8.
+        let DitPrecision::Fp8(bare) = "fp8:gemm=int8".parse::<DitPrecision>().unwrap() else {
+            panic!("not fp8")
+        };
+        assert_eq!(
+            bare.groups,
+            Fp8Groups {
+                gemm_codes: RowCodes::Int8,
+                ..Fp8Layers::DEFAULT.groups
+            }
+        );
+        assert_eq!(
+            "fp8:all,gemm=e4m3".parse::<DitPrecision>(),
+            "fp8:all".parse::<DitPrecision>()
+        );
+        for (spec, needle) in [
+            ("fp8:mlp_value,mlp_out,gemm=int8", "mlp_in whole"),
+            ("fp8:all,gemm=int4", "gemm=int4 is neither"),
+        ] {
+            let err = spec.parse::<DitPrecision>().unwrap_err();
+            assert!(err.contains(needle), "{spec}: {err}");
+        }
+    }
+
+    fn p_without_adaln(p: DitPrecision) -> DitPrecision {
+        match p {
+            DitPrecision::Fp8(mut l) => {
+                l.groups.adaln = None;
+                DitPrecision::Fp8(l)
+            }
+            other => other,
+        }
     }
 }

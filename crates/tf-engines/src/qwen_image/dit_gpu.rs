@@ -327,6 +327,13 @@ impl GpuDit {
                         .into(),
                 ));
             }
+            if layers.groups.gemm_codes == crate::nn::fp8::RowCodes::Int8 {
+                return Err(DitError::Backend(
+                    "gemm=int8 (every 8-bit GEMM group on our INT8 GEMM) is MiniMax H3's so far; Qwen-Image's FP8 \
+                     groups run e4m3: leave gemm=int8 out of --precision"
+                        .into(),
+                ));
+            }
             if layers.groups.mlp_in_split() {
                 return Err(DitError::Backend(
                     "the fp8 groups `mlp_value` and `mlp_gate` (one half of the MLP's input projection) are MiniMax                      H3's; Qwen-Image runs its gate|up projection as one GEMM: name `mlp_in`, or neither half"

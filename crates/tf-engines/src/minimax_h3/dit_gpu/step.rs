@@ -16,7 +16,8 @@
 //! A main-block GEMM group in FP8 reads e4m3 rows with per-row scales from the workspace's `q8` buffers, written
 //! by the kernel that produces its input (the shared `nn_quant` kernels): the gated residual + RMSNorm +
 //! modulation before `qkv` and `fc1`, SwiGLU before `fc2`, a quantizing pass over the attention output before
-//! `to_out`. The normed rows are then never written in bf16.
+//! `to_out`. The normed rows are then never written in bf16. In `gemm=int8` the same kernels write INT8 rows there
+//! instead and our scaled INT8 GEMM runs the group.
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::{DeviceBuffer, DeviceView, Stream};
@@ -31,14 +32,16 @@ use super::{cuda_err, Engine};
 use crate::minimax_h3::config::MODALITIES;
 use crate::minimax_h3::dit::H3Error;
 use crate::nn::backend_error::gpu_error;
+use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::gemm_int8::{Int8GemmKernels, Int8GemmOperands, Int8GemmShape};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_fp8_with,
-    plan_norm_modulate_fp8_padded, plan_quantize_rows_fp8, plan_swiglu_fp8, plan_swiglu_fp8_apart,
-    plan_swiglu_i32gate_fp8, Fp8Rows, Int32Gate, QuantKernels, ResidualGate, SecondRows,
+    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_codes,
+    plan_gated_residual_norm_modulate_fp8_with, plan_norm_modulate_codes_padded,
+    plan_quantize_rows, plan_swiglu_codes, plan_swiglu_codes_apart, plan_swiglu_i32gate_fp8,
+    Fp8Rows, Int32Gate, QuantKernels, ResidualGate, SecondRows,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, Matrix,
@@ -149,6 +152,9 @@ pub(super) struct GemmCall {
     /// INT8: the byte offset of the weight's per-output-row f32 scales (the weight at `w` is then INT8 codes, `x`
     /// is [`Buf::Q8I`] and `y` int32 products, which the SwiGLU dequantizes).
     pub int8: Option<usize>,
+    /// The format of an 8-bit call's codes (`fp8` set): e4m3 (cuBLASLt's row-wise FP8 GEMM) or INT8 (`gemm=int8`:
+    /// INT8 rows in [`Buf::Q8`], our scaled INT8 GEMM, bf16 products).
+    pub codes: RowCodes,
 }
 
 impl GemmCall {
@@ -159,6 +165,11 @@ impl GemmCall {
             .ok_or_else(|| {
                 H3Error::Backend(format!("GEMM {}x{}x{} overflows", self.m, self.n, self.k))
             })
+    }
+
+    /// True for an 8-bit call in INT8 codes (`gemm=int8`), which our INT8 GEMM runs instead of cuBLASLt.
+    pub(super) fn scaled_int8(&self) -> bool {
+        self.fp8.is_some() && self.codes == RowCodes::Int8
     }
 
     /// Floating-point operations of the call.
@@ -289,6 +300,7 @@ impl Engine {
             bias: self.offsets.blocks.get(layer).map(|b| b.ada_b),
             fp8: None,
             int8: None,
+            codes: RowCodes::E4m3,
         }
     }
 
@@ -365,6 +377,7 @@ impl Engine {
             bias: Some(self.offsets.norm_out_b),
             fp8: None,
             int8: None,
+            codes: RowCodes::E4m3,
         }
     }
 
@@ -383,6 +396,7 @@ impl Engine {
             bias: Some(self.offsets.ctx_b),
             fp8: None,
             int8: None,
+            codes: RowCodes::E4m3,
         }
     }
 
@@ -390,6 +404,7 @@ impl Engine {
     /// (an FP8 group reads its e4m3 input rows from [`Buf::Q8`]).
     fn block_calls(&self, a: &AttnOffsets, m: usize) -> BlockCalls {
         let d = &self.dims;
+        let s = a.fp8;
         let call = |n, k, x, w, y, y_off, fp8: Option<usize>| GemmCall {
             m,
             n,
@@ -403,8 +418,8 @@ impl Engine {
             bias: None,
             fp8,
             int8: None,
+            codes: s.codes,
         };
-        let s = a.fp8;
         let (fc1, fc1_gate) = match a.fc1_gate {
             None => (call(2 * d.fp, d.hp, Buf::H, a.fc1, Buf::Ff, 0, s.fc1), None),
             Some(gate) if s.fc1_gate_int8 => (
@@ -512,6 +527,11 @@ impl Engine {
             .slice(mod_layer * z.adaln_block, table_bytes)
             .map_err(launch)?;
         let select = ModulationRows::targets_only(1);
+        // The rows' codes: the format of the GEMM group they feed (the block being normed for).
+        let codes_format = self
+            .fp8_groups
+            .get(mod_layer)
+            .map_or(RowCodes::E4m3, |g| g.gemm_codes);
         let norm = NormModulate {
             kind: NormKind::RmsNorm,
             weight: Some(&wv),
@@ -546,7 +566,14 @@ impl Engine {
                 self.quant()?
                     .run(
                         &self.stream,
-                        plan_norm_modulate_fp8_padded(&xv, layout, d.hidden, &out, &norm),
+                        plan_norm_modulate_codes_padded(
+                            &xv,
+                            layout,
+                            d.hidden,
+                            &out,
+                            &norm,
+                            codes_format,
+                        ),
                     )
                     .map_err(launch)
             }
@@ -572,16 +599,28 @@ impl Engine {
                     Target::Fp8AndInt8 => Some(SecondRows::Int8(&i8_out)),
                     _ => None,
                 };
-                let plan = plan_gated_residual_norm_modulate_fp8_with(
-                    &xv,
-                    layout,
-                    d.hidden,
-                    (&yv, hp),
-                    &gate,
-                    &out,
-                    &norm,
-                    second,
-                );
+                let plan = match second {
+                    None => plan_gated_residual_norm_modulate_codes(
+                        &xv,
+                        layout,
+                        d.hidden,
+                        (&yv, hp),
+                        &gate,
+                        &out,
+                        &norm,
+                        codes_format,
+                    ),
+                    Some(_) => plan_gated_residual_norm_modulate_fp8_with(
+                        &xv,
+                        layout,
+                        d.hidden,
+                        (&yv, hp),
+                        &gate,
+                        &out,
+                        &norm,
+                        second,
+                    ),
+                };
                 self.quant()?.run(&self.stream, plan).map_err(launch)
             }
             Residual::Plain => Err(H3Error::Backend(
@@ -606,8 +645,8 @@ impl Engine {
         for b in &self.offsets.blocks {
             calls.extend(self.block_calls(&b.attn, sizes.rows).all());
         }
-        // Where our kernel runs the INT8 gate, cuBLASLt has nothing to plan for it.
-        calls.retain(|c| self.int8_gemm_for(c).is_none());
+        // Where our kernel runs an INT8 GEMM, cuBLASLt has nothing to plan for it.
+        calls.retain(|c| self.int8_gemm_for(c).is_none() && !c.scaled_int8());
         Ok(gemm::distinct(
             calls
                 .iter()
@@ -638,7 +677,7 @@ impl Engine {
     }
 
     /// Enqueues one GEMM (nothing for no rows).
-    fn run_gemm(&self, ws: &Workspace, c: GemmCall) -> Result<(), H3Error> {
+    fn run_gemm(&self, ws: &mut Workspace, c: GemmCall) -> Result<(), H3Error> {
         if c.m == 0 {
             return Ok(());
         }
@@ -646,6 +685,9 @@ impl Engine {
         // Bytes of bf16 operands, and of 8-bit operands (one byte each) and f32 or int32 rows.
         let bytes = |a: usize, b: usize| c.bytes(a, b, BF16);
         let codes = |a: usize, b: usize| c.bytes(a, b, 1);
+        if c.scaled_int8() {
+            return self.scaled_int8_gemm(ws, c);
+        }
         if c.int8.is_some() {
             // INT8 operands and int32 products; the scales apply in the SwiGLU.
             let x =
@@ -908,7 +950,7 @@ impl Engine {
             probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }
         if out_call.fp8.is_some() {
-            self.quantize_attention_output(ws, m, d.width)?;
+            self.quantize_attention_output(ws, m, d.width, out_call.codes)?;
             probe.mark(
                 &self.stream,
                 "attention output to FP8",
@@ -956,7 +998,12 @@ impl Engine {
             Some(gate) if gate.int8.is_some() && ours.is_none() => {
                 self.swiglu_int32_gate(ws, m, gate)?
             }
-            _ => self.swiglu(ws, m, calls.fc1_gate.is_some(), calls.fc2.fp8.is_some())?,
+            _ => self.swiglu(
+                ws,
+                m,
+                calls.fc1_gate.is_some(),
+                calls.fc2.fp8.map(|_| calls.fc2.codes),
+            )?,
         }
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
         self.run_gemm(ws, calls.fc2)?;
@@ -964,12 +1011,13 @@ impl Engine {
     }
 
     /// The quantizing pass over the attention output (`rows` x `cols` bf16, written by a kernel that never holds a
-    /// token's whole row) into the workspace's e4m3 rows and scales, for the FP8 `out` GEMM.
+    /// token's whole row) into the workspace's 8-bit rows (`codes`) and scales, for the 8-bit `out` GEMM.
     fn quantize_attention_output(
         &self,
         ws: &mut Workspace,
         rows: usize,
         cols: usize,
+        codes_format: RowCodes,
     ) -> Result<(), H3Error> {
         let input = ws.attn.view();
         let codes = ws.q8.view_mut();
@@ -977,18 +1025,25 @@ impl Engine {
         self.quant()?
             .run(
                 &self.stream,
-                plan_quantize_rows_fp8(
+                plan_quantize_rows(
                     &input,
                     Matrix::dense(rows, cols),
                     &Self::q8_out(&codes, &scales, cols),
+                    codes_format,
                 ),
             )
             .map_err(launch)
     }
 
     /// SwiGLU of ff's `[m, 2 * fp]` `[value | gate]` rows (or, `apart`, its value half's `[m, fp]` rows, then the
-    /// gate half's) into the next GEMM's input: e4m3 rows (`fp8`) or act.
-    fn swiglu(&self, ws: &mut Workspace, m: usize, apart: bool, fp8: bool) -> Result<(), H3Error> {
+    /// gate half's) into the next GEMM's input: 8-bit rows in the format `codes8`, or (`None`) act in bf16.
+    fn swiglu(
+        &self,
+        ws: &mut Workspace,
+        m: usize,
+        apart: bool,
+        codes8: Option<RowCodes>,
+    ) -> Result<(), H3Error> {
         let fp = self.dims.fp;
         let codes = ws.q8.view_mut();
         let scales = ws.q8_scales.view_mut();
@@ -1000,19 +1055,19 @@ impl Engine {
         let gate = ws.ff.slice(half, half).map_err(launch)?;
         let (fused, each) = (Matrix::dense(m, 2 * fp), Matrix::dense(m, fp));
         let order = SwigluOrder::ValueGate;
-        match (apart, fp8) {
-            (false, true) => self
+        match (apart, codes8) {
+            (false, Some(f)) => self
                 .quant()?
-                .run(&self.stream, plan_swiglu_fp8(order, &ff, fused, &q8)),
-            (true, true) => self.quant()?.run(
+                .run(&self.stream, plan_swiglu_codes(order, &ff, fused, &q8, f)),
+            (true, Some(f)) => self.quant()?.run(
                 &self.stream,
-                plan_swiglu_fp8_apart(&value, &gate, each, &q8),
+                plan_swiglu_codes_apart(&value, &gate, each, &q8, f),
             ),
-            (false, false) => self.kernels.run(
+            (false, None) => self.kernels.run(
                 &self.stream,
                 plan_swiglu_ordered(order, &ff, fused, &act, fp),
             ),
-            (true, false) => self.kernels.run(
+            (true, None) => self.kernels.run(
                 &self.stream,
                 plan_swiglu_apart(&value, &gate, each, &act, fp),
             ),
@@ -1030,6 +1085,51 @@ impl Engine {
             k: c.k,
         };
         (c.int8.is_some() && shape.check().is_ok()).then_some(ours)
+    }
+
+    /// An 8-bit call in INT8 codes (`gemm=int8`) through our scaled INT8 GEMM: the INT8 rows in [`Buf::Q8`] and
+    /// their scales by the weight's codes and channel scales, as bf16 products into `c.y` (rows of `c.n`).
+    fn scaled_int8_gemm(&self, ws: &mut Workspace, c: GemmCall) -> Result<(), H3Error> {
+        let (Some(w_scales), Some(ours)) = (c.fp8, self.int8_gemm.as_ref()) else {
+            return Err(H3Error::Backend(
+                "internal: an INT8 GEMM group without its scales or our INT8 GEMM loaded".into(),
+            ));
+        };
+        if c.m == 0 {
+            return Ok(());
+        }
+        let bytes = |a: usize, b: usize, size: usize| c.bytes(a, b, size);
+        let x = ws.q8.slice(0, bytes(c.m, c.k, 1)?).map_err(launch)?;
+        let x_scale = ws.q8_scales.slice(0, bytes(c.m, 1, 4)?).map_err(launch)?;
+        let w = self.weight_view(c.w, bytes(c.n, c.k, 1)?)?;
+        let w_scale = self.weight_view(w_scales, bytes(c.n, 1, 4)?)?;
+        // The block GEMMs' outputs (fields apart from q8, so both borrows hold).
+        let y_buffer = match c.y {
+            Buf::Qkv => &mut ws.qkv,
+            Buf::Y => &mut ws.y,
+            Buf::Ff => &mut ws.ff,
+            other => {
+                return Err(H3Error::Backend(format!(
+                    "internal: an INT8 GEMM group writing {other:?}"
+                )))
+            }
+        };
+        let mut y = y_buffer
+            .slice_mut(c.y_off, bytes(c.m, c.n, BF16)?)
+            .map_err(launch)?;
+        let inputs = Int8GemmOperands {
+            x: &x,
+            x_scale: &x_scale,
+            w: &w,
+            w_scale: &w_scale,
+        };
+        let shape = Int8GemmShape {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+        };
+        ours.gemm(&self.ctx, &self.stream, shape, &inputs, &mut y, c.n)
+            .map_err(launch)
     }
 
     /// The INT8 gate GEMM through our kernel ([`Int8GemmKernels`], `TF_INT8_GEMM=ours`): the INT8 rows and their

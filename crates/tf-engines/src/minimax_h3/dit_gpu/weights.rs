@@ -213,10 +213,14 @@ pub(super) struct GroupScales {
     /// The gate rows are INT8 codes (`mlp_gate=int8`: an INT8 GEMM), not e4m3.
     pub fc1_gate_int8: bool,
     pub fc2: Option<usize>,
+    /// The format of the groups' codes above (`gemm=int8`: INT8 codes, run by our INT8 GEMM; the INT8 gate of an
+    /// e4m3 block is `fc1_gate_int8`).
+    pub codes: RowCodes,
 }
 
 /// One weight matrix stored as 8-bit codes `[rows, cols]` (rows of `cols` bytes) at `codes`, with one f32 scale per
-/// row at `scales`: e4m3 (the FP8 GEMM groups, and `adaln`) or INT8 (`adaln=int8`, read weight-only).
+/// row at `scales`: e4m3 (the FP8 GEMM groups, and `adaln`) or INT8 (`gemm=int8`, `mlp_gate=int8`, and `adaln=int8`,
+/// read weight-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct CodedMatrix {
     pub codes: usize,
@@ -568,36 +572,40 @@ pub(super) fn plan(
         });
         Ok((codes, Some(scales)))
     };
-    // A GEMM group's weight: e4m3 codes when `on`.
+    // A GEMM group's weight: 8-bit codes of the block's GEMM format when `on`.
     let matrix =
-        |l: &mut LayoutPlanner, fp8: &mut Vec<CodedMatrix>, rows: usize, cols: usize, on: bool| {
-            coded(l, fp8, rows, cols, on.then_some(RowCodes::E4m3))
-        };
+        |l: &mut LayoutPlanner,
+         fp8: &mut Vec<CodedMatrix>,
+         rows: usize,
+         cols: usize,
+         on: bool,
+         codes: RowCodes| { coded(l, fp8, rows, cols, on.then_some(codes)) };
     let attn = |l: &mut LayoutPlanner,
                 fp8: &mut Vec<CodedMatrix>,
                 groups: Fp8Groups|
      -> Result<AttnOffsets, H3Error> {
         let norm1 = l.one(hp * BF16)?;
-        let (qkv, qkv_scales) = matrix(l, fp8, 3 * w, hp, groups.qkv)?;
+        let (qkv, qkv_scales) = matrix(l, fp8, 3 * w, hp, groups.qkv, groups.gemm_codes)?;
         let norm_q = l.one(HEAD_DIM * BF16)?;
         let norm_k = l.one(HEAD_DIM * BF16)?;
-        let (to_out, to_out_scales) = matrix(l, fp8, hp, w, groups.out)?;
+        let (to_out, to_out_scales) = matrix(l, fp8, hp, w, groups.out, groups.gemm_codes)?;
         let norm2 = l.one(hp * BF16)?;
         // One fc1 matrix, or (one half of `mlp_in` in FP8) the value rows and the gate rows apart.
         let (fc1, fc1_scales, fc1_gate, fc1_gate_scales) = if groups.mlp_in_split() {
-            let (value, value_scales) = matrix(l, fp8, fp, hp, groups.mlp_value)?;
+            let (value, value_scales) =
+                matrix(l, fp8, fp, hp, groups.mlp_value, groups.gemm_codes)?;
             let gate_codes = if groups.mlp_gate_int8 {
                 Some(RowCodes::Int8)
             } else {
-                groups.mlp_gate.then_some(RowCodes::E4m3)
+                groups.mlp_gate.then_some(groups.gemm_codes)
             };
             let (gate, gate_scales) = coded(l, fp8, fp, hp, gate_codes)?;
             (value, value_scales, Some(gate), gate_scales)
         } else {
-            let (fc1, scales) = matrix(l, fp8, 2 * fp, hp, groups.mlp_in())?;
+            let (fc1, scales) = matrix(l, fp8, 2 * fp, hp, groups.mlp_in(), groups.gemm_codes)?;
             (fc1, scales, None, None)
         };
-        let (fc2, fc2_scales) = matrix(l, fp8, hp, fp, groups.mlp_out)?;
+        let (fc2, fc2_scales) = matrix(l, fp8, hp, fp, groups.mlp_out, groups.gemm_codes)?;
         Ok(AttnOffsets {
             norm1,
             qkv,
@@ -615,6 +623,7 @@ pub(super) fn plan(
                 fc1_gate: fc1_gate_scales,
                 fc1_gate_int8: groups.mlp_in_split() && groups.mlp_gate_int8,
                 fc2: fc2_scales,
+                codes: groups.gemm_codes,
             },
         })
     };
@@ -1049,63 +1058,6 @@ pub(super) struct DeviceWeights {
     pub checkpoint_fp8: CheckpointFp8Use,
 }
 
-/// How many weights the folder stored in FP8 with their scales, and how many of those went to the device as the
-/// file's codes (the rest were dequantized: to bf16 on the ring, or through f32 on the host where a placement
-/// splits a row or lands in an f32 module).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CheckpointFp8Use {
-    pub stored: usize,
-    pub as_stored: usize,
-    /// Blocks whose INT8 matrices the precision asked for were kept off the file's e4m3 codes
-    /// ([`keep_stored_codes`]).
-    pub kept: KeptCodes,
-}
-
-/// What [`keep_stored_codes`] changed: blocks whose adaLN projection stays e4m3 instead of INT8, and blocks whose
-/// `fc1` gate half runs in bf16 instead of INT8.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KeptCodes {
-    pub adaln_e4m3: usize,
-    pub gate_bf16: usize,
-}
-
-impl KeptCodes {
-    /// Whether some block changed.
-    pub fn any(&self) -> bool {
-        self.adaln_e4m3 + self.gate_bf16 > 0
-    }
-}
-
-impl CheckpointFp8Use {
-    /// Weights dequantized.
-    pub fn dequantized(&self) -> usize {
-        self.stored - self.as_stored
-    }
-
-    /// A phrase for load reports (empty when the checkpoint stores nothing in FP8).
-    pub fn describe(&self) -> String {
-        if self.stored == 0 {
-            return String::new();
-        }
-        let mut text = format!(
-            "FP8 checkpoint: {} weights stored in e4m3, {} used as stored, {} dequantized",
-            self.stored,
-            self.as_stored,
-            self.dequantized()
-        );
-        let kept = [
-            (self.kept.adaln_e4m3, "the adaLN projections stay e4m3"),
-            (self.kept.gate_bf16, "fc1's gate half runs in bf16"),
-        ];
-        for (blocks, what) in kept.iter().filter(|(blocks, _)| *blocks > 0) {
-            text.push_str(&format!(
-                "; INT8 asked for, but the file's e4m3 codes are kept: {what} in {blocks} block(s)"
-            ));
-        }
-        text
-    }
-}
-
 /// Allocates the plan's buffer, cleared when anything is padded.
 fn allocate(ctx: &Context, stream: &Stream, plan: &WeightPlan) -> Result<DeviceBuffer, H3Error> {
     let mut buffer =
@@ -1259,50 +1211,6 @@ fn all_stored(plan: &WeightPlan, checkpoint: &Fp8Checkpoint, index: usize) -> bo
                 .get(pl.tensor)
                 .is_some_and(|n| checkpoint.get(n).is_some())
         })
-}
-
-/// Keeps the e4m3 codes a checkpoint stores out of the INT8 matrices of `groups` (one entry per block; `plan` is
-/// their plan), since re-quantizing them to INT8 would add INT8's rounding to the e4m3 rounding already in the file
-/// and read the model through f32 on the host: an INT8 adaLN projection the file stores in e4m3 becomes e4m3 (the
-/// file's codes and scales go to the device as they are), and an INT8 `fc1` gate half it stores in e4m3 goes back
-/// to bf16 (the file's codes dequantized, as a bf16 gate half reads them: the gate in e4m3 would put the mode past
-/// its error criterion). Says how many blocks changed (the caller plans again when any did).
-pub(super) fn keep_stored_codes(
-    groups: &mut [Fp8Groups],
-    plan: &WeightPlan,
-    checkpoint: &Fp8Checkpoint,
-) -> KeptCodes {
-    // Whether some weight placed in the 8-bit matrix at `codes` is stored in the checkpoint.
-    let stored = |codes: usize| {
-        let Some(matrix) = plan.fp8.iter().position(|m| m.codes == codes) else {
-            return false;
-        };
-        plan.placements.iter().any(|pl| {
-            pl.device == (Device::Coded { matrix })
-                && plan
-                    .names
-                    .get(pl.tensor)
-                    .is_some_and(|name| checkpoint.get(name).is_some())
-        })
-    };
-    let mut kept = KeptCodes::default();
-    for (layer, block) in plan.offsets.blocks.iter().enumerate() {
-        let Some(g) = groups.get_mut(layer) else {
-            continue;
-        };
-        if block.ada_scales.is_some() && block.ada_codes == RowCodes::Int8 && stored(block.ada_w) {
-            g.adaln = Some(RowCodes::E4m3);
-            kept.adaln_e4m3 += 1;
-        }
-        let attn = &block.attn;
-        if let (true, Some(gate)) = (attn.fp8.fc1_gate_int8, attn.fc1_gate) {
-            if stored(gate) {
-                g.mlp_gate_int8 = false;
-                kept.gate_bf16 += 1;
-            }
-        }
-    }
-    kept
 }
 
 /// Uploads every placement of `plan` from `model` (already checked against its tensor specs, FP8 weights found
@@ -1775,6 +1683,10 @@ pub(super) fn random(
         checkpoint_fp8: CheckpointFp8Use::default(),
     })
 }
+
+mod stored_codes;
+pub(super) use stored_codes::keep_stored_codes;
+pub use stored_codes::{CheckpointFp8Use, KeptCodes};
 
 #[cfg(test)]
 mod tests;

@@ -24,10 +24,12 @@ pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
 pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16"];
 /// Rows of `y` one CTA computes.
 pub const TILE_ROWS: usize = 128;
-/// Columns of `y` one CTA computes: N must be a multiple.
+/// Columns of `y` one CTA computes (a partial last tile reads zeros past N and stores nothing there).
 pub const TILE_COLS: usize = 256;
-/// Bytes of K one pipeline stage holds: K must be a multiple.
+/// Bytes of K one pipeline stage holds (a partial last slice reads zeros past K).
 pub const K_SLICE: usize = 128;
+/// K must be a multiple: the tensor maps' rows are 16-byte aligned.
+pub const K_ALIGN: usize = 16;
 const STAGES: usize = 4;
 const THREADS: u32 = 384;
 /// Dynamic shared memory: the stages' x and w tiles, and 1 KiB to align them to 1024 bytes.
@@ -81,20 +83,20 @@ impl Int8GemmShape {
         if self.m == 0 || self.n == 0 || self.k == 0 {
             return Err(invalid(OP, format!("empty GEMM {self:?}")));
         }
-        if !self.n.is_multiple_of(TILE_COLS) {
+        if !self.n.is_multiple_of(2) {
             return Err(invalid(
                 OP,
                 format!(
-                    "N = {} is not a multiple of {TILE_COLS} (the kernel's tile width); use cuBLASLt",
+                    "N = {} is odd: the kernel stores pairs of columns; use cuBLASLt",
                     self.n
                 ),
             ));
         }
-        if !self.k.is_multiple_of(K_SLICE) {
+        if !self.k.is_multiple_of(K_ALIGN) {
             return Err(invalid(
                 OP,
                 format!(
-                    "K = {} is not a multiple of {K_SLICE} (the kernel's slice of K); use cuBLASLt",
+                    "K = {} is not a multiple of {K_ALIGN} (the tensor maps' row alignment in bytes); use cuBLASLt",
                     self.k
                 ),
             ));
@@ -104,7 +106,7 @@ impl Int8GemmShape {
 
     /// Output tiles: (M tiles, N tiles).
     pub fn tiles(&self) -> (usize, usize) {
-        (self.m.div_ceil(TILE_ROWS), self.n / TILE_COLS)
+        (self.m.div_ceil(TILE_ROWS), self.n.div_ceil(TILE_COLS))
     }
 
     /// The persistent launch grid on `sm_count` SMs: one CTA an SM, never more CTAs than tiles.
@@ -179,7 +181,6 @@ pub fn plan_int8_gemm<'a>(
     };
     let tm_x = encode_int8_tiles(ctx, &tiles(inputs.x.addr(), m, TILE_ROWS as u32))?;
     let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, TILE_COLS as u32))?;
-    let (_, n_tiles) = shape.tiles();
     let mut args = Args::new();
     args.push(tm_x.words())
         .push(tm_w.words())
@@ -188,7 +189,7 @@ pub fn plan_int8_gemm<'a>(
         .push_addr(y.addr())
         .push(to_i64(OP, "y row stride", y_row_stride)?)
         .push(to_i32(OP, "M", m)?)
-        .push(to_i32(OP, "N tiles", n_tiles)?)
+        .push(to_i32(OP, "N", n)?)
         .push(to_i32(OP, "K", k)?);
     Ok(Launch::new(
         GEMM_INT8_KERNELS[0],
@@ -299,14 +300,19 @@ mod tests {
         };
         assert_eq!(small.grid(132).ok(), Some(2));
         assert_eq!(small.grid(0).ok(), Some(1));
+        // Partial column tiles and K not a whole number of slices are tiled too.
+        let ragged = Int8GemmShape {
+            m: 300,
+            n: 1000,
+            k: 5392,
+        };
+        assert!(ragged.check().is_ok());
+        assert_eq!(ragged.tiles(), (3, 4));
         for (shape, needle) in [
-            (
-                Int8GemmShape { n: 5000, ..h3_qkv },
-                "N = 5000 is not a multiple of 256",
-            ),
+            (Int8GemmShape { n: 5001, ..h3_qkv }, "N = 5001 is odd"),
             (
                 Int8GemmShape { k: 5300, ..h3_qkv },
-                "K = 5300 is not a multiple of 128",
+                "K = 5300 is not a multiple of 16",
             ),
             (Int8GemmShape { m: 0, ..h3_qkv }, "empty GEMM"),
         ] {

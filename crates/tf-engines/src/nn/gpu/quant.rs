@@ -48,7 +48,12 @@ pub const QUANT_KERNELS: &[&str] = &[
     "nn_gated_residual_norm_modulate_fp8_and_bf16_c2",
     "nn_gated_residual_norm_modulate_fp8_and_int8",
     "nn_gated_residual_norm_modulate_fp8_and_int8_c2",
+    "nn_norm_modulate_int8",
+    "nn_norm_modulate_int8_c2",
+    "nn_gated_residual_norm_modulate_int8",
+    "nn_gated_residual_norm_modulate_int8_c2",
     "nn_swiglu_fp8",
+    "nn_swiglu_int8",
     "nn_swiglu_i32gate_fp8",
 ];
 
@@ -300,30 +305,50 @@ pub fn plan_norm_modulate_fp8_padded<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    const OP: &str = "norm_modulate_fp8";
-    check_norm_cols(OP, x_layout.cols)?;
-    check_norm_width(OP, norm, x_layout.cols, norm_cols)?;
-    check_matrix(OP, "x", Operand::of(x), x_layout)?;
-    check_fp8_rows(OP, out, x_layout.rows, x_layout.cols)?;
+    plan_norm_modulate_codes_padded(x, x_layout, norm_cols, out, norm, RowCodes::E4m3)
+}
+
+/// [`plan_norm_modulate_fp8_padded`] into 8-bit codes of either format: e4m3 (kernel nn_norm_modulate_fp8) or
+/// INT8 with scale `amax / 127` a row (kernel nn_norm_modulate_int8, the input of an INT8 GEMM).
+pub fn plan_norm_modulate_codes_padded<'a>(
+    x: &'a DeviceView<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+    codes: RowCodes,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    let (op, plain, narrow) = match codes {
+        RowCodes::E4m3 => (
+            "norm_modulate_fp8",
+            "nn_norm_modulate_fp8",
+            "nn_norm_modulate_fp8_c2",
+        ),
+        RowCodes::Int8 => (
+            "norm_modulate_int8",
+            "nn_norm_modulate_int8",
+            "nn_norm_modulate_int8_c2",
+        ),
+    };
+    check_norm_cols(op, x_layout.cols)?;
+    check_norm_width(op, norm, x_layout.cols, norm_cols)?;
+    check_matrix(op, "x", Operand::of(x), x_layout)?;
+    check_fp8_rows(op, out, x_layout.rows, x_layout.cols)?;
     let mut args = Args::new();
     args.push_addr(x.addr())
-        .push(to_i32(OP, "x stride", x_layout.stride)?);
-    push_fp8_rows(&mut args, OP, out)?;
+        .push(to_i32(op, "x stride", x_layout.stride)?);
+    push_fp8_rows(&mut args, op, out)?;
     push_norm(
         &mut args,
-        OP,
+        op,
         x_layout,
         norm,
         (ModulationRows::targets_only(1), 0),
     )?;
-    args.push(to_i32(OP, "norm width", norm_cols)?);
+    args.push(to_i32(op, "norm width", norm_cols)?);
     Ok(Launch::new(
-        norm_kernel(
-            "nn_norm_modulate_fp8",
-            "nn_norm_modulate_fp8_c2",
-            x_layout.cols,
-        ),
-        row_config(OP, x_layout.rows)?,
+        norm_kernel(plain, narrow, x_layout.cols),
+        row_config(op, x_layout.rows)?,
         args,
     ))
 }
@@ -399,7 +424,62 @@ pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
     norm: &NormModulate<'a, '_>,
     second: Option<SecondRows<'a, '_>>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    gated_residual_norm_modulate(
+        x,
+        x_layout,
+        norm_cols,
+        (y, y_stride),
+        gate,
+        (out, RowCodes::E4m3),
+        norm,
+        second,
+    )
+}
+
+/// [`plan_gated_residual_norm_modulate_fp8_with`] with no second copy, into 8-bit codes of either format: e4m3
+/// (kernel nn_gated_residual_norm_modulate_fp8) or INT8 with scale `amax / 127` a row (kernel
+/// nn_gated_residual_norm_modulate_int8, the input of an INT8 GEMM).
+#[allow(clippy::too_many_arguments)]
+pub fn plan_gated_residual_norm_modulate_codes<'a>(
+    x: &'a DeviceViewMut<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    (y, y_stride): (&'a DeviceView<'_>, usize),
+    gate: &ResidualGate<'a, '_>,
+    out: &Fp8Rows<'a, '_>,
+    norm: &NormModulate<'a, '_>,
+    codes: RowCodes,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    gated_residual_norm_modulate(
+        x,
+        x_layout,
+        norm_cols,
+        (y, y_stride),
+        gate,
+        (out, codes),
+        norm,
+        None,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gated_residual_norm_modulate<'a>(
+    x: &'a DeviceViewMut<'_>,
+    x_layout: Matrix,
+    norm_cols: usize,
+    (y, y_stride): (&'a DeviceView<'_>, usize),
+    gate: &ResidualGate<'a, '_>,
+    (out, codes): (&Fp8Rows<'a, '_>, RowCodes),
+    norm: &NormModulate<'a, '_>,
+    second: Option<SecondRows<'a, '_>>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual_norm_modulate_fp8";
+    if codes == RowCodes::Int8 && second.is_some() {
+        return Err(invalid(
+            OP,
+            "INT8 rows come alone: no kernel writes a second copy beside them",
+        ));
+    }
     let cols = x_layout.cols;
     match second {
         Some(SecondRows::Bf16 { h, stride }) => {
@@ -488,10 +568,16 @@ pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
         }
         None => {
             args.push_addr(0).push(0i32);
-            (
-                "nn_gated_residual_norm_modulate_fp8",
-                "nn_gated_residual_norm_modulate_fp8_c2",
-            )
+            match codes {
+                RowCodes::E4m3 => (
+                    "nn_gated_residual_norm_modulate_fp8",
+                    "nn_gated_residual_norm_modulate_fp8_c2",
+                ),
+                RowCodes::Int8 => (
+                    "nn_gated_residual_norm_modulate_int8",
+                    "nn_gated_residual_norm_modulate_int8_c2",
+                ),
+            }
         }
     };
     Ok(Launch::new(
@@ -509,11 +595,24 @@ pub fn plan_swiglu_fp8<'a>(
     fused_layout: Matrix,
     out: &Fp8Rows<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_swiglu_codes(order, fused, fused_layout, out, RowCodes::E4m3)
+}
+
+/// [`plan_swiglu_fp8`] into 8-bit codes of either format: e4m3 (kernel nn_swiglu_fp8) or INT8 with scale
+/// `amax / 127` a row (kernel nn_swiglu_int8, the input of an INT8 GEMM).
+pub fn plan_swiglu_codes<'a>(
+    order: SwigluOrder,
+    fused: &'a DeviceView<'_>,
+    fused_layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+    codes: RowCodes,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu_fp8";
     swiglu_fp8(
         OP,
         SwigluHalves::fused(OP, order, fused, fused_layout)?,
         out,
+        codes,
     )
 }
 
@@ -524,8 +623,25 @@ pub fn plan_swiglu_fp8_apart<'a>(
     layout: Matrix,
     out: &Fp8Rows<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_swiglu_codes_apart(value, gate, layout, out, RowCodes::E4m3)
+}
+
+/// [`plan_swiglu_fp8_apart`] into 8-bit codes of either format: e4m3 (kernel nn_swiglu_fp8) or INT8 with scale
+/// `amax / 127` a row (kernel nn_swiglu_int8, the input of an INT8 GEMM).
+pub fn plan_swiglu_codes_apart<'a>(
+    value: &'a DeviceView<'_>,
+    gate: &'a DeviceView<'_>,
+    layout: Matrix,
+    out: &Fp8Rows<'a, '_>,
+    codes: RowCodes,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "swiglu_fp8_apart";
-    swiglu_fp8(OP, SwigluHalves::apart(OP, value, gate, layout)?, out)
+    swiglu_fp8(
+        OP,
+        SwigluHalves::apart(OP, value, gate, layout)?,
+        out,
+        codes,
+    )
 }
 
 /// The gate half of a SwiGLU as an INT8 GEMM left it: exact int32 products `[rows, hidden]` (`stride` int32 apart),
@@ -612,6 +728,7 @@ fn swiglu_fp8<'a>(
     op: &'static str,
     halves: SwigluHalves,
     out: &Fp8Rows<'a, '_>,
+    codes: RowCodes,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     check_wide_cols(op, halves.hidden)?;
     check_fp8_rows(op, out, halves.rows, halves.hidden)?;
@@ -622,8 +739,12 @@ fn swiglu_fp8<'a>(
     push_fp8_rows(&mut args, op, out)?;
     args.push(to_i32(op, "rows", halves.rows)?)
         .push(to_i32(op, "hidden", halves.hidden)?);
+    let kernel = match codes {
+        RowCodes::E4m3 => "nn_swiglu_fp8",
+        RowCodes::Int8 => "nn_swiglu_int8",
+    };
     Ok(Launch::new(
-        "nn_swiglu_fp8",
+        kernel,
         wide_config(op, halves.rows, halves.hidden)?,
         args,
     ))
@@ -842,6 +963,18 @@ mod tests {
         assert_eq!(launch.args().get::<i32>(13), Some(3));
         assert_eq!(launch.args().get::<i32>(14), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(15), Some(0));
+        // INT8 codes: the same arguments to the INT8 entry point.
+        let int8 = plan_norm_modulate_codes_padded(
+            &xv,
+            Matrix::dense(rows, cols),
+            cols,
+            &out,
+            &norm,
+            RowCodes::Int8,
+        )
+        .unwrap();
+        assert_eq!(int8.kernel(), "nn_norm_modulate_int8_c2");
+        assert!(same_args(int8.args(), launch.args()));
         assert_eq!(launch.args().get::<i32>(16), Some(2));
         // Samples of one row need 6 modulation rows: refused.
         let per_row = NormModulate {
@@ -955,6 +1088,19 @@ mod tests {
         assert_eq!(launch.args().get::<i32>(27), Some(cols as i32));
         assert_eq!(launch.args().get::<u64>(28), Some(0));
         assert_eq!(launch.args().get::<i32>(29), Some(0));
+        let int8 = plan_gated_residual_norm_modulate_codes(
+            &xv,
+            layout,
+            cols,
+            (&yv, cols),
+            &gate,
+            &out,
+            &norm,
+            RowCodes::Int8,
+        )
+        .unwrap();
+        assert_eq!(int8.kernel(), "nn_gated_residual_norm_modulate_int8_c2");
+        assert!(same_args(int8.args(), launch.args()));
         // The same pass writing its normed rows in bf16 too, or as INT8 codes with their own scales: each its own
         // entry point, with h (or the codes), its stride (and the INT8 scales) last.
         let mut h = buffer(&ctx, rows * cols * BF16);
@@ -1284,6 +1430,16 @@ mod tests {
         assert!(plan_swiglu_i32gate_fp8(&vv, Matrix::dense(rows, 16392), &gate, &out).is_err());
     }
 
+    /// Two argument lists of the same sizes and values (4- and 8-byte arguments).
+    fn same_args(a: &tf_cuda::launch::Args, b: &tf_cuda::launch::Args) -> bool {
+        a.sizes() == b.sizes()
+            && (0..a.len()).all(|i| match a.sizes()[i] {
+                4 => a.get::<u32>(i) == b.get::<u32>(i),
+                8 => a.get::<u64>(i) == b.get::<u64>(i),
+                _ => false,
+            })
+    }
+
     #[test]
     fn swiglu_fp8_takes_either_half_order() {
         let _serial = test_lock();
@@ -1338,5 +1494,14 @@ mod tests {
         let short = fused.slice(0, rows * hidden * BF16 - 16).unwrap();
         let err = plan_swiglu_fp8_apart(&value, &short, each, &out).unwrap_err();
         assert!(err.to_string().contains("gate"), "{err}");
+        // INT8 codes: the same arguments to the INT8 entry point, fused or apart.
+        let int8 =
+            plan_swiglu_codes(SwigluOrder::GateValue, &fv, layout, &out, RowCodes::Int8).unwrap();
+        assert_eq!(int8.kernel(), "nn_swiglu_int8");
+        assert!(same_args(int8.args(), gv.args()));
+        let int8_apart =
+            plan_swiglu_codes_apart(&value, &gate, each, &out, RowCodes::Int8).unwrap();
+        assert_eq!(int8_apart.kernel(), "nn_swiglu_int8");
+        assert!(same_args(int8_apart.args(), apart.args()));
     }
 }

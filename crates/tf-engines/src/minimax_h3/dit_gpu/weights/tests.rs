@@ -850,6 +850,11 @@ proptest::proptest! {
                     } else {
                         RowCodes::Int8
                     }),
+                    gemm_codes: if bits & 64 != 0 {
+                        RowCodes::Int8
+                    } else {
+                        RowCodes::E4m3
+                    },
                 }
             })
             .collect();
