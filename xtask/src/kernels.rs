@@ -397,7 +397,12 @@ pub fn build(
         let prior = previous_sets.get(&set.name);
         if let Some(prior) = prior {
             if !options.force && up_to_date(root, out_dir, set, prior, &nvcc_version) {
-                records.insert(set.name.clone(), prior.clone());
+                // The fatbin stands; the checks' tables (hot kernels, tensor-core families) come from the spec as
+                // it is now, since they do not change the build.
+                let mut record = prior.clone();
+                record.hot = set.hot.clone();
+                record.tensor_core = set.tensor_core.clone();
+                records.insert(set.name.clone(), record);
                 outcomes.push((set.name.clone(), Outcome::UpToDate));
                 continue;
             }

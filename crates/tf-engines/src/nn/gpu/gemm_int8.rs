@@ -432,7 +432,10 @@ mod tests {
         assert_eq!(Int8GemmVariant::parse("1"), Ok(Int8GemmVariant::Single));
         assert_eq!(Int8GemmVariant::parse("2"), Ok(Int8GemmVariant::Pair));
         let err = Int8GemmVariant::parse("4").expect_err("no clusters of four");
-        assert!(err.contains("TF_INT8_GEMM_CLUSTER=\"4\"") && err.contains("1 or 2"), "{err}");
+        assert!(
+            err.contains("TF_INT8_GEMM_CLUSTER=\"4\"") && err.contains("1 or 2"),
+            "{err}"
+        );
     }
 
     #[test]
