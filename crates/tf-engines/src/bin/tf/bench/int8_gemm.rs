@@ -33,9 +33,6 @@ pub struct Int8GemmArgs {
     json: Option<PathBuf>,
 }
 
-/// SMs left out of the second timing of the cluster kernel.
-const FEWER_SMS: usize = 12;
-
 /// (name, M, N, K): MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows).
 const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("h3_qkv", 6026, 21504, 5376),
@@ -126,7 +123,6 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         let ws = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, n))?;
         let mut y = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let mut y_pair = DeviceBuffer::alloc(&ctx, m * n * 2)?;
-        let mut y_pair_few = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let y_fp8 = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let y32 = DeviceBuffer::alloc(&ctx, m * n * 4)?;
         let shape = Int8GemmShape { m, n, k };
@@ -156,18 +152,6 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
             &mut pv,
             n,
         )?;
-        // Pairs on fewer SMs than the GPU has: if some GPC cannot hold a cluster on every SM, a persistent grid
-        // of one cluster per two SMs leaves its last clusters to start only when others finish.
-        let few_sms = sms.saturating_sub(FEWER_SMS).max(2);
-        let mut fv = y_pair_few.view_mut();
-        let launch_pair_few = plan_int8_gemm_variant(
-            &ctx,
-            (Int8GemmVariant::Pair, few_sms),
-            shape,
-            &inputs,
-            &mut fv,
-            n,
-        )?;
         let fp8 = Fp8Linear::new(
             (m, n, k),
             ((&x8).into(), (&xs).into()),
@@ -176,16 +160,13 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         )
         .accumulation(Fp8Accumulation::Fast);
         let int8 = ((m, n, k), ((&x).into(), (&w).into(), (&y32).into()));
-        let mut best = [f64::INFINITY; 5];
+        let mut best = [f64::INFINITY; 4];
         for _ in 0..args.rounds {
             let ours = sustained_ms(&ctx, &stream, args.iters, || {
                 Ok(kernels.submit(&stream, &launch)?)
             })?;
             let ours_pair = sustained_ms(&ctx, &stream, args.iters, || {
                 Ok(kernels.submit(&stream, &launch_pair)?)
-            })?;
-            let ours_pair_few = sustained_ms(&ctx, &stream, args.iters, || {
-                Ok(kernels.submit(&stream, &launch_pair_few)?)
             })?;
             let fp8_ms = sustained_ms(&ctx, &stream, args.iters, || {
                 // SAFETY: every span lies in a buffer alive until after the stream is synchronized (the timing
@@ -196,10 +177,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
                 // SAFETY: as above.
                 Ok(unsafe { gemms.run_int8(int8.0, int8.1, &stream) }?)
             })?;
-            for (b, t) in best
-                .iter_mut()
-                .zip([ours, ours_pair, ours_pair_few, fp8_ms, int8_ms])
-            {
+            for (b, t) in best.iter_mut().zip([ours, ours_pair, fp8_ms, int8_ms]) {
                 *b = b.min(t);
             }
         }
@@ -208,11 +186,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         stream.synchronize()?;
         let products: Vec<i32> = y32.to_vec()?;
         let (x_scales, w_scales) = (xs.to_vec::<f32>()?, ws.to_vec::<f32>()?);
-        for (variant, out) in [
-            ("one CTA a tile", &y),
-            ("two-CTA clusters", &y_pair),
-            ("two-CTA clusters on fewer SMs", &y_pair_few),
-        ] {
+        for (variant, out) in [("one CTA a tile", &y), ("two-CTA clusters", &y_pair)] {
             let bits: Vec<u16> = out.to_vec()?;
             let differing = bits
                 .iter()
@@ -234,10 +208,10 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         }
         let ops = 2.0 * (m * n * k) as f64;
         let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
-        let [ours, ours_pair, ours_pair_few, fp8_ms, int8_ms] = best;
+        let [ours, ours_pair, fp8_ms, int8_ms] = best;
         println!(
             "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), ours in pairs {ours_pair:.4} ms \
-             ({:.0}), pairs on {few_sms} SMs {ours_pair_few:.4} ms, FP8 {fp8_ms:.4} ms ({:.0}), INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, pairs / FP8 \
+             ({:.0}), FP8 {fp8_ms:.4} ms ({:.0}), INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, pairs / FP8 \
              {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); both of ours bit-equal to cuBLASLt's products \
              dequantized",
             rate(ours),
@@ -250,8 +224,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         );
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
-            "ours_ms": ours, "ours_pair_ms": ours_pair, "ours_pair_few_sms_ms": ours_pair_few,
-            "few_sms": few_sms, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
+            "ours_ms": ours, "ours_pair_ms": ours_pair, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
             "ours_over_fp8": ours / fp8_ms, "pair_over_fp8": ours_pair / fp8_ms,
             "ours_over_int8": ours / int8_ms, "bit_equal": true,
         }));
