@@ -80,46 +80,18 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
     tma_box(dst, map, col, row, 0, bar);
 }
 
-// tma_box_2d multicast to the CTAs of `mask` in this cluster: each receives the box at dst (its own shared address
-// of the same offset) and its own barrier at bar's offset counts the bytes.
-__device__ __forceinline__ void tma_box_2d_multicast(uint32_t dst, const TmaMap* map, int col, int row, uint32_t bar,
-                                                     uint16_t mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-        "[%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(0), "r"(bar), "h"(mask)
-        : "memory");
-}
+}  // namespace
+#endif
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
-// Arrives on the barrier at shared address `bar` of CTA `rank` of this cluster (this CTA's own included).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-    asm volatile(
-        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-        "r"(rank)
-        : "memory");
-}
-
-// Every thread of every CTA of the cluster (all must call it).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// The GEMM of both entry points. CLUSTER2: two CTAs of a cluster take two M-adjacent tiles of one column block; each
-// loads its own x rows and half of the w tile's 256 rows (tm_w's boxes are then 128 rows), multicast to both, so the
-// w tile crosses L2 once for the pair. A stage is then free for a producer only when the consumers of both CTAs
-// released it: one arrival a consumer warp on each CTA's empty barrier.
-template <bool CLUSTER2>
-__device__ __forceinline__ void gemm_int8_body(const TmaMap* tm_x, const TmaMap* tm_w, const float* __restrict__ x_scale,
-                                               const float* __restrict__ w_scale, bf16* __restrict__ y,
-                                               int64_t y_row_stride, int m, int n, int k, uint8_t* g8_smem,
-                                               uint64_t* barriers) {
+// The GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows, 1},
+// boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of at most one CTA an
+// SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
+#if defined(NN_HAS_WGMMA)
+    extern __shared__ uint8_t g8_smem[];
+    __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
     // The swizzled tiles want 1024-byte aligned bases: round the dynamic region up (the launch asks 1 KiB more).
     const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(g8_smem));
     const uint32_t smem = (smem_raw + 1023u) & ~1023u;
@@ -129,63 +101,37 @@ __device__ __forceinline__ void gemm_int8_body(const TmaMap* tm_x, const TmaMap*
     auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
     auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
-    const int n_tiles = (n + kG8Cols - 1) / kG8Cols;
+    const int tiles = m_tiles * ((n + kG8Cols - 1) / kG8Cols);
     const int slices = (k + kG8Slice - 1) / kG8Slice;
     const int warpgroup = threadIdx.x / 128;
-    // CLUSTER2: a work item is a pair of M tiles (this CTA takes the one of its rank), items over pairs M-fastest,
-    // cluster c taking c, c + clusters, ...; else an item is one tile, CTA b taking b, b + gridDim.x, ...
-    const uint32_t rank = CLUSTER2 ? cluster_rank() : 0u;
-    const int m_items = CLUSTER2 ? (m_tiles + 1) / 2 : m_tiles;
-    const int items = m_items * n_tiles;
-    const int first_item = CLUSTER2 ? static_cast<int>(blockIdx.x / 2) : static_cast<int>(blockIdx.x);
-    const int item_step = CLUSTER2 ? static_cast<int>(gridDim.x / 2) : static_cast<int>(gridDim.x);
-    auto origin_of = [&](int item) {
-        const int2 o = tile_origin(item, m_items);
-        return CLUSTER2 ? make_int2(o.x * 2 + static_cast<int>(rank) * kG8Rows, o.y) : o;
-    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < kG8Stages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), CLUSTER2 ? 2 * (kG8ConsumerThreads / 32) : kG8ConsumerThreads);
+            mbar_init(empty(s), kG8ConsumerThreads);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    // The peer's barriers must be initialised before anything is multicast or arrived on them.
-    if (CLUSTER2) {
-        cluster_sync();
-    } else {
-        __syncthreads();
-    }
+    __syncthreads();
 
-    // `it` counts slices over every item of this CTA, so stage and parity run on across items and the producer fills
-    // the next item's first stages while the consumers store the last one.
+    // Tiles in M-fastest order, CTA b taking b, b + gridDim.x, ...; `it` counts slices over every tile of this
+    // CTA, so stage and parity run on across tiles and the producer fills the next tile's first stages while the
+    // consumers store the last one.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
         if (threadIdx.x == 0) {
             int it = 0;
-            for (int item = first_item; item < items; item += item_step) {
-                const int2 origin = origin_of(item);
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                const int2 origin = tile_origin(tile, m_tiles);
                 for (int t = 0; t < slices; ++t, ++it) {
                     const int s = it % kG8Stages;
                     // The stage was last read by slice it - kG8Stages: wait until every consumer released it.
                     if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
                     mbar_expect_bytes(full(s), kG8StageBytes);
-                    tma_box_2d(a_tile(s), tm_x, t * kG8Slice, origin.x, full(s));
-                    if (CLUSTER2) {
-                        // This CTA's half of the w tile, into both CTAs at the same offset.
-                        const uint32_t half = rank * (kG8BBytes / 2);
-                        tma_box_2d_multicast(b_tile(s) + half, tm_w, t * kG8Slice,
-                                             origin.y + static_cast<int>(rank) * (kG8Cols / 2), full(s), 0x3);
-                    } else {
-                        tma_box_2d(b_tile(s), tm_w, t * kG8Slice, origin.y, full(s));
-                    }
+                    tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, origin.x, full(s));
+                    tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, origin.y, full(s));
                 }
             }
-        }
-        if (CLUSTER2) {
-            __syncwarp();
-            cluster_sync();
         }
         return;
     }
@@ -193,25 +139,12 @@ __device__ __forceinline__ void gemm_int8_body(const TmaMap* tm_x, const TmaMap*
     const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    // Releases stage `s` once this thread's MMAs that read it are done: every thread on this CTA's barrier, or
-    // (CLUSTER2) one arrival a warp on each CTA's barrier, since either CTA's producer refills both.
-    auto release = [&](int s) {
-        if (CLUSTER2) {
-            __syncwarp();
-            if (lane == 0) {
-                mbar_arrive_cluster(empty(s), 0u);
-                mbar_arrive_cluster(empty(s), 1u);
-            }
-        } else {
-            mbar_arrive(empty(s));
-        }
-    };
     int32_t acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0;
     int it = 0;
-    for (int item = first_item; item < items; item += item_step) {
-        const int2 origin = origin_of(item);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int2 origin = tile_origin(tile, m_tiles);
         const int m0 = origin.x;
         const int n0 = origin.y;
         for (int t = 0; t < slices; ++t, ++it) {
@@ -229,11 +162,11 @@ __device__ __forceinline__ void gemm_int8_body(const TmaMap* tm_x, const TmaMap*
             wgmma_commit();
             // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
             wgmma_wait<1>();
-            if (t > 0) release((it - 1) % kG8Stages);
+            if (t > 0) mbar_arrive(empty((it - 1) % kG8Stages));
         }
         wgmma_wait<0>();
         // The tile's last stage is free too: the producer may refill it while this tile is stored.
-        release((it - 1) % kG8Stages);
+        mbar_arrive(empty((it - 1) % kG8Stages));
 #pragma unroll
         for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(acc[i])::"memory");
 
@@ -263,37 +196,6 @@ __device__ __forceinline__ void gemm_int8_body(const TmaMap* tm_x, const TmaMap*
             store(row_b, scale_b, acc[4 * j + 2], acc[4 * j + 3], col, ws);
         }
     }
-    // No CTA of the pair leaves while the other may still arrive on its barriers.
-    if (CLUSTER2) cluster_sync();
-}
-
-}  // namespace
-#endif
-
-// The GEMM above, one CTA a tile. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as
-// {K bytes, N rows, 1}, boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of
-// at most one CTA an SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
-#if defined(NN_HAS_WGMMA)
-    extern __shared__ uint8_t g8_smem[];
-    __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
-    gemm_int8_body<false>(&tm_x, &tm_w, x_scale, w_scale, y, y_row_stride, m, n, k, g8_smem, barriers);
-#else
-    __trap();
-#endif
-}
-
-// The same GEMM over clusters of two CTAs that share each w tile (gemm_int8_body's CLUSTER2): the same arguments
-// except tm_w's boxes, 128 rows (half a tile); the grid an even number of CTAs (two a cluster, at most one an SM).
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16_x2(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
-#if defined(NN_HAS_WGMMA)
-    extern __shared__ uint8_t g8_smem[];
-    __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
-    gemm_int8_body<true>(&tm_x, &tm_w, x_scale, w_scale, y, y_row_stride, m, n, k, g8_smem, barriers);
 #else
     __trap();
 #endif

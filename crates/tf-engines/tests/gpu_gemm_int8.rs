@@ -1,5 +1,5 @@
 //! GPU checks of our INT8 GEMM with a scaling epilogue (`tf_engines::nn::gpu::gemm_int8`, kernel set
-//! nn_gemm_int8, sm_90a only), both of its kernels: one CTA a tile, and two-CTA clusters sharing each `w` tile.
+//! nn_gemm_int8, sm_90a only).
 //!
 //! The kernel sums exactly in int32, converts once to f32, multiplies by the product of the row's and the column's
 //! scale and rounds to bf16, which is what `int8_gemm_host` does (and what the int32-gate SwiGLU makes of cuBLASLt's
@@ -15,8 +15,7 @@
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::nn::gpu::gemm_int8::{
-    int8_gemm_host, plan_int8_gemm_variant, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
-    Int8GemmVariant,
+    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 
@@ -87,65 +86,50 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
         let ws = scales(&mut rng, n);
         let shape = Int8GemmShape { m, n, k };
         let want = int8_gemm_host(shape, &x, &xs, &w, &ws);
-        for variant in [Int8GemmVariant::Single, Int8GemmVariant::Pair] {
-            let x_dev = DeviceBuffer::from_slice(&g.ctx, &x).expect("x");
-            let w_dev = DeviceBuffer::from_slice(&g.ctx, &w).expect("w");
-            let xs_dev = DeviceBuffer::from_slice(&g.ctx, &xs).expect("x scales");
-            let ws_dev = DeviceBuffer::from_slice(&g.ctx, &ws).expect("w scales");
-            // A sentinel in every element, so a store that lands outside the rows and columns shows up.
-            let sentinel = 0x7fc1u16;
-            let mut y_dev =
-                DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; m * stride]).expect("y");
-            let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-            let inputs = Int8GemmOperands {
-                x: &xv,
-                x_scale: &xsv,
-                w: &wv,
-                w_scale: &wsv,
-            };
-            let mut yv = y_dev.view_mut();
-            let launch = plan_int8_gemm_variant(
-                &g.ctx,
-                (variant, g.kernels.sm_count()),
-                shape,
-                &inputs,
-                &mut yv,
-                stride,
-            )
-            .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k} ({variant:?}): {e}"));
-            g.kernels
-                .submit(&g.stream, &launch)
-                .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k} ({variant:?}): {e}"));
-            g.stream.synchronize().expect("synchronize");
-            let got: Vec<u16> = y_dev.to_vec().expect("y back");
-            let mut wrong = 0usize;
-            let mut first = None;
-            for r in 0..m {
-                for c in 0..stride {
-                    let bits = got[r * stride + c];
-                    let ok = if c < n {
-                        bits == half::bf16::from_f32(want[r * n + c]).to_bits()
-                    } else {
-                        bits == sentinel
-                    };
-                    if !ok {
-                        wrong += 1;
-                        first.get_or_insert((r, c, bits));
-                    }
+        let x_dev = DeviceBuffer::from_slice(&g.ctx, &x).expect("x");
+        let w_dev = DeviceBuffer::from_slice(&g.ctx, &w).expect("w");
+        let xs_dev = DeviceBuffer::from_slice(&g.ctx, &xs).expect("x scales");
+        let ws_dev = DeviceBuffer::from_slice(&g.ctx, &ws).expect("w scales");
+        // A sentinel in every element, so a store that lands outside the rows and columns shows up.
+        let sentinel = 0x7fc1u16;
+        let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; m * stride]).expect("y");
+        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let mut yv = y_dev.view_mut();
+        g.kernels
+            .gemm(&g.ctx, &g.stream, shape, &inputs, &mut yv, stride)
+            .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k}: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        let got: Vec<u16> = y_dev.to_vec().expect("y back");
+        let mut wrong = 0usize;
+        let mut first = None;
+        for r in 0..m {
+            for c in 0..stride {
+                let bits = got[r * stride + c];
+                let ok = if c < n {
+                    bits == half::bf16::from_f32(want[r * n + c]).to_bits()
+                } else {
+                    bits == sentinel
+                };
+                if !ok {
+                    wrong += 1;
+                    first.get_or_insert((r, c, bits));
                 }
             }
-            println!(
-            "int8 gemm {m}x{n}x{k} ({variant:?}, y stride {stride}): {wrong} of {} elements differ from the host's{}",
+        }
+        println!(
+            "int8 gemm {m}x{n}x{k} (y stride {stride}): {wrong} of {} elements differ from the host's{}",
             m * stride,
             first.map_or(String::new(), |(r, c, b)| format!(
                 " (first at row {r}, column {c}: {:#06x})",
                 b
             ))
         );
-            assert_eq!(
-                wrong, 0,
-                "INT8 GEMM {m}x{n}x{k} ({variant:?}) differs from the host"
-            );
-        }
+        assert_eq!(wrong, 0, "INT8 GEMM {m}x{n}x{k} differs from the host");
     }
 }

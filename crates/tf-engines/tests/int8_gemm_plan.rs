@@ -9,8 +9,7 @@ use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm, plan_int8_gemm_variant, Int8GemmOperands, Int8GemmShape, Int8GemmVariant,
-    GEMM_INT8_KERNELS, SHARED_BYTES,
+    plan_int8_gemm, Int8GemmOperands, Int8GemmShape, GEMM_INT8_KERNELS, SHARED_BYTES,
 };
 use tf_testdriver::{library_path, test_lock};
 
@@ -70,28 +69,4 @@ fn the_launcher_names_each_refusal() {
         assert_eq!(config.block.x, 384);
         assert_eq!(config.shared_bytes, SHARED_BYTES);
     }
-    // The two-CTA cluster kernel: whole clusters (two CTAs for this one pair of tiles, one of them past M), and
-    // for a large GEMM as many pairs as the SMs hold.
-    let mut yv = y_dev.view_mut();
-    let pair = plan_int8_gemm_variant(
-        &ctx,
-        (Int8GemmVariant::Pair, 132),
-        ok,
-        &inputs,
-        &mut yv,
-        256,
-    )
-    .expect("valid call in pairs");
-    assert_eq!(pair.kernel(), GEMM_INT8_KERNELS[1]);
-    assert_eq!(pair.config().grid.x, 2);
-    assert_eq!(pair.config().shared_bytes, SHARED_BYTES);
-    let big = Int8GemmShape {
-        m: 6026,
-        n: 28672,
-        k: 5376,
-    };
-    assert_eq!(big.grid_of(Int8GemmVariant::Pair, 132).ok(), Some(132));
-    assert_eq!(big.grid_of(Int8GemmVariant::Pair, 133).ok(), Some(132));
-    assert_eq!(big.grid_of(Int8GemmVariant::Pair, 1).ok(), Some(2));
-    assert_eq!(big.grid_of(Int8GemmVariant::Single, 133).ok(), Some(133));
 }

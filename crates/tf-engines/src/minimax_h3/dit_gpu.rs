@@ -56,7 +56,7 @@ use crate::nn::fp8::RowCodes;
 use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
-use crate::nn::gpu::gemm_int8::{Int8GemmBackend, Int8GemmKernels, Int8GemmVariant};
+use crate::nn::gpu::gemm_int8::{Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::AttentionTile;
@@ -312,7 +312,6 @@ impl Engine {
         let scaled_int8 = fp8_groups
             .iter()
             .any(|g| g.any_gemm() && g.gemm_codes == RowCodes::Int8);
-        let int8_variant = Int8GemmVariant::from_env().map_err(H3Error::Backend)?;
         let int8_gemm = match Int8GemmBackend::from_env().map_err(H3Error::Backend)? {
             _ if scaled_int8 => Some(Int8GemmKernels::load(ctx).map_err(gpu_err(
                 "loading our INT8 GEMM (gemm=int8 runs every 8-bit GEMM group on it; it needs an sm_90 GPU)",
@@ -322,8 +321,7 @@ impl Engine {
                     .map_err(gpu_err("loading our INT8 GEMM (TF_INT8_GEMM=ours)"))?,
             ),
             _ => None,
-        }
-        .map(|k| k.with_variant(int8_variant));
+        };
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,

@@ -20,8 +20,8 @@ use super::launch::{
 
 /// Name of the kernel set.
 pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
-/// The set's kernels: one CTA a tile, and two-CTA clusters that share each `w` tile ([`Int8GemmVariant`]).
-pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16", "nn_gemm_int8_scaled_bf16_x2"];
+/// The set's one kernel.
+pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16"];
 /// Rows of `y` one CTA computes.
 pub const TILE_ROWS: usize = 128;
 /// Columns of `y` one CTA computes (a partial last tile reads zeros past N and stores nothing there).
@@ -41,54 +41,6 @@ const _: () = assert!(SHARED_BYTES <= 227 * 1024);
 /// INT8 GEMM into int32 products, which the SwiGLU dequantizes) or `ours` ([`Int8GemmKernels`], sm_90 only:
 /// scaled bf16 products, read by the bf16-gate SwiGLU).
 pub const BACKEND_ENV: &str = "TF_INT8_GEMM";
-
-/// The environment variable that picks our INT8 GEMM's kernel ([`Int8GemmVariant`]): `1` (the default) or `2`.
-pub const CLUSTER_ENV: &str = "TF_INT8_GEMM_CLUSTER";
-
-/// How our INT8 GEMM's CTAs share operands.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Int8GemmVariant {
-    /// One CTA a 128 x 256 tile, each loading its whole `x` and `w` tiles (`nn_gemm_int8_scaled_bf16`).
-    #[default]
-    Single,
-    /// Clusters of two CTAs over two M-adjacent tiles of one column block, each loading half of the shared `w`
-    /// tile and multicasting it to both (`nn_gemm_int8_scaled_bf16_x2`): `w` crosses L2 once a pair, a third less
-    /// L2 traffic a tile.
-    Pair,
-}
-
-impl Int8GemmVariant {
-    /// Parses a [`CLUSTER_ENV`] value (empty: the default).
-    pub fn parse(value: &str) -> Result<Int8GemmVariant, String> {
-        match value {
-            "" | "1" => Ok(Int8GemmVariant::Single),
-            "2" => Ok(Int8GemmVariant::Pair),
-            other => Err(format!(
-                "{CLUSTER_ENV}={other:?} is not a cluster size of our INT8 GEMM: use 1 or 2"
-            )),
-        }
-    }
-
-    /// The variant [`CLUSTER_ENV`] asks for (the default when it is unset).
-    pub fn from_env() -> Result<Int8GemmVariant, String> {
-        Int8GemmVariant::parse(&std::env::var(CLUSTER_ENV).unwrap_or_default())
-    }
-
-    fn kernel(self) -> &'static str {
-        match self {
-            Int8GemmVariant::Single => GEMM_INT8_KERNELS[0],
-            Int8GemmVariant::Pair => GEMM_INT8_KERNELS[1],
-        }
-    }
-
-    /// CTAs a cluster.
-    fn cluster(self) -> usize {
-        match self {
-            Int8GemmVariant::Single => 1,
-            Int8GemmVariant::Pair => 2,
-        }
-    }
-}
 
 /// Which INT8 GEMM runs ([`BACKEND_ENV`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -159,27 +111,14 @@ impl Int8GemmShape {
 
     /// The persistent launch grid on `sm_count` SMs: one CTA an SM, never more CTAs than tiles.
     pub fn grid(&self, sm_count: usize) -> Result<u32, tf_cuda::Error> {
-        self.grid_of(Int8GemmVariant::Single, sm_count)
-    }
-
-    /// The persistent grid of `variant` on `sm_count` SMs: whole clusters, at most one CTA an SM, never more
-    /// clusters than work items (a cluster's tiles together).
-    pub fn grid_of(
-        &self,
-        variant: Int8GemmVariant,
-        sm_count: usize,
-    ) -> Result<u32, tf_cuda::Error> {
         const OP: &str = "INT8 GEMM";
         let (m_tiles, n_tiles) = self.tiles();
-        let cluster = variant.cluster();
-        let items = m_tiles
-            .div_ceil(cluster)
+        let tiles = m_tiles
             .checked_mul(n_tiles)
             .ok_or_else(|| invalid(OP, "tile count overflows"))?;
-        // The kernel counts work items in a 32-bit int.
-        to_i32(OP, "tiles", items.saturating_mul(cluster))?;
-        let clusters = items.min((sm_count / cluster).max(1));
-        to_u32(OP, "CTAs", clusters * cluster)
+        // The kernel counts tiles in a 32-bit int.
+        to_i32(OP, "tiles", tiles)?;
+        to_u32(OP, "CTAs", tiles.min(sm_count.max(1)))
     }
 }
 
@@ -197,25 +136,6 @@ pub struct Int8GemmOperands<'v, 'a> {
 pub fn plan_int8_gemm<'a>(
     ctx: &Context,
     sm_count: usize,
-    shape: Int8GemmShape,
-    inputs: &Int8GemmOperands<'_, 'a>,
-    y: &'a mut DeviceViewMut<'_>,
-    y_row_stride: usize,
-) -> Result<Launch<'a>, tf_cuda::Error> {
-    plan_int8_gemm_variant(
-        ctx,
-        (Int8GemmVariant::Single, sm_count),
-        shape,
-        inputs,
-        y,
-        y_row_stride,
-    )
-}
-
-/// [`plan_int8_gemm`] for the kernel of `variant`.
-pub fn plan_int8_gemm_variant<'a>(
-    ctx: &Context,
-    (variant, sm_count): (Int8GemmVariant, usize),
     shape: Int8GemmShape,
     inputs: &Int8GemmOperands<'_, 'a>,
     y: &'a mut DeviceViewMut<'_>,
@@ -260,9 +180,7 @@ pub fn plan_int8_gemm_variant<'a>(
         box_rows,
     };
     let tm_x = encode_int8_tiles(ctx, &tiles(inputs.x.addr(), m, TILE_ROWS as u32))?;
-    // A pair's CTAs each load half of the shared w tile.
-    let w_box_rows = (TILE_COLS / variant.cluster()) as u32;
-    let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, w_box_rows))?;
+    let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, TILE_COLS as u32))?;
     let mut args = Args::new();
     args.push(tm_x.words())
         .push(tm_w.words())
@@ -274,8 +192,8 @@ pub fn plan_int8_gemm_variant<'a>(
         .push(to_i32(OP, "N", n)?)
         .push(to_i32(OP, "K", k)?);
     Ok(Launch::new(
-        variant.kernel(),
-        LaunchConfig::new(shape.grid_of(variant, sm_count)?, THREADS).with_shared(SHARED_BYTES),
+        GEMM_INT8_KERNELS[0],
+        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
 }
@@ -284,14 +202,12 @@ pub fn plan_int8_gemm_variant<'a>(
 pub struct Int8GemmKernels {
     set: LoadedSet,
     sm_count: usize,
-    variant: Int8GemmVariant,
 }
 
 impl fmt::Debug for Int8GemmKernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Int8GemmKernels")
             .field("set", &self.set)
-            .field("variant", &self.variant)
             .finish()
     }
 }
@@ -306,21 +222,7 @@ impl Int8GemmKernels {
             function.set_max_dynamic_shared(SHARED_BYTES)?;
             Ok(true)
         })?;
-        Ok(Int8GemmKernels {
-            set,
-            sm_count,
-            variant: Int8GemmVariant::default(),
-        })
-    }
-
-    /// The same set running the kernel of `variant` in [`Int8GemmKernels::gemm`].
-    pub fn with_variant(mut self, variant: Int8GemmVariant) -> Int8GemmKernels {
-        self.variant = variant;
-        self
-    }
-
-    pub fn variant(&self) -> Int8GemmVariant {
-        self.variant
+        Ok(Int8GemmKernels { set, sm_count })
     }
 
     /// The SM count launches are planned for (pass it to [`plan_int8_gemm`]).
@@ -343,14 +245,7 @@ impl Int8GemmKernels {
         y: &mut DeviceViewMut<'_>,
         y_row_stride: usize,
     ) -> Result<(), tf_cuda::Error> {
-        let launch = plan_int8_gemm_variant(
-            ctx,
-            (self.variant, self.sm_count),
-            shape,
-            inputs,
-            y,
-            y_row_stride,
-        )?;
+        let launch = plan_int8_gemm(ctx, self.sm_count, shape, inputs, y, y_row_stride)?;
         self.set.submit(stream, &launch)
     }
 }
@@ -424,18 +319,6 @@ mod tests {
             let err = shape.check().expect_err(needle).to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
-    }
-
-    #[test]
-    fn variant_names() {
-        assert_eq!(Int8GemmVariant::parse(""), Ok(Int8GemmVariant::Single));
-        assert_eq!(Int8GemmVariant::parse("1"), Ok(Int8GemmVariant::Single));
-        assert_eq!(Int8GemmVariant::parse("2"), Ok(Int8GemmVariant::Pair));
-        let err = Int8GemmVariant::parse("4").expect_err("no clusters of four");
-        assert!(
-            err.contains("TF_INT8_GEMM_CLUSTER=\"4\"") && err.contains("1 or 2"),
-            "{err}"
-        );
     }
 
     #[test]

@@ -1,8 +1,7 @@
-//! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out), one CTA a tile and in two-CTA clusters
-//! that share each `w` tile, beside the two cuBLASLt GEMMs the DiTs run today at the same shapes, through the DiTs'
-//! own `GemmRunner`: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed sustained
-//! (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that alternate
-//! the four; then both of our outputs are checked bit for bit against cuBLASLt's int32 products, dequantized.
+//! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out) beside the two cuBLASLt GEMMs the DiTs
+//! run today at the same shapes, through the DiTs' own `GemmRunner`: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
+//! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
+//! alternate the three; then our output is checked bit for bit against cuBLASLt's int32 products, dequantized.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,7 +9,7 @@ use std::sync::Arc;
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, TIMED};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm_variant, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, Int8GemmVariant,
+    plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
 use tf_engines::nn::precision::Fp8Accumulation;
 use tf_engines::nn::sampling::seeded::SplitMix64;
@@ -122,7 +121,6 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         let xs = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, m))?;
         let ws = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, n))?;
         let mut y = DeviceBuffer::alloc(&ctx, m * n * 2)?;
-        let mut y_pair = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let y_fp8 = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let y32 = DeviceBuffer::alloc(&ctx, m * n * 4)?;
         let shape = Int8GemmShape { m, n, k };
@@ -134,24 +132,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
             w_scale: &wsv,
         };
         let mut yv = y.view_mut();
-        let mut pv = y_pair.view_mut();
-        let sms = kernels.sm_count();
-        let launch = plan_int8_gemm_variant(
-            &ctx,
-            (Int8GemmVariant::Single, sms),
-            shape,
-            &inputs,
-            &mut yv,
-            n,
-        )?;
-        let launch_pair = plan_int8_gemm_variant(
-            &ctx,
-            (Int8GemmVariant::Pair, sms),
-            shape,
-            &inputs,
-            &mut pv,
-            n,
-        )?;
+        let launch = plan_int8_gemm(&ctx, kernels.sm_count(), shape, &inputs, &mut yv, n)?;
         let fp8 = Fp8Linear::new(
             (m, n, k),
             ((&x8).into(), (&xs).into()),
@@ -160,13 +141,10 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         )
         .accumulation(Fp8Accumulation::Fast);
         let int8 = ((m, n, k), ((&x).into(), (&w).into(), (&y32).into()));
-        let mut best = [f64::INFINITY; 4];
+        let mut best = [f64::INFINITY; 3];
         for _ in 0..args.rounds {
             let ours = sustained_ms(&ctx, &stream, args.iters, || {
                 Ok(kernels.submit(&stream, &launch)?)
-            })?;
-            let ours_pair = sustained_ms(&ctx, &stream, args.iters, || {
-                Ok(kernels.submit(&stream, &launch_pair)?)
             })?;
             let fp8_ms = sustained_ms(&ctx, &stream, args.iters, || {
                 // SAFETY: every span lies in a buffer alive until after the stream is synchronized (the timing
@@ -177,56 +155,49 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
                 // SAFETY: as above.
                 Ok(unsafe { gemms.run_int8(int8.0, int8.1, &stream) }?)
             })?;
-            for (b, t) in best.iter_mut().zip([ours, ours_pair, fp8_ms, int8_ms]) {
+            for (b, t) in best.iter_mut().zip([ours, fp8_ms, int8_ms]) {
                 *b = b.min(t);
             }
         }
         // Ours against cuBLASLt's exact int32 products, dequantized as ours does (the scales' product, one rounding
         // to bf16): every element must agree bit for bit.
         stream.synchronize()?;
+        let ours_bits: Vec<u16> = y.to_vec()?;
         let products: Vec<i32> = y32.to_vec()?;
         let (x_scales, w_scales) = (xs.to_vec::<f32>()?, ws.to_vec::<f32>()?);
-        for (variant, out) in [("one CTA a tile", &y), ("two-CTA clusters", &y_pair)] {
-            let bits: Vec<u16> = out.to_vec()?;
-            let differing = bits
-                .iter()
-                .zip(&products)
-                .enumerate()
-                .filter(|&(i, (&bits, &p))| {
-                    let want = p as f32 * (x_scales[i / n] * w_scales[i % n]);
-                    half::bf16::from_f32(want).to_bits() != bits
-                })
-                .count();
-            if differing > 0 {
-                return Err(format!(
-                    "{name}: {differing} of {} elements of our INT8 GEMM ({variant}) differ from cuBLASLt's \
-                     products",
-                    m * n
-                )
-                .into());
-            }
+        let differing = ours_bits
+            .iter()
+            .zip(&products)
+            .enumerate()
+            .filter(|&(i, (&bits, &p))| {
+                let want = p as f32 * (x_scales[i / n] * w_scales[i % n]);
+                half::bf16::from_f32(want).to_bits() != bits
+            })
+            .count();
+        if differing > 0 {
+            return Err(format!(
+                "{name}: {differing} of {} elements of our INT8 GEMM differ from cuBLASLt's products",
+                m * n
+            )
+            .into());
         }
         let ops = 2.0 * (m * n * k) as f64;
         let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
-        let [ours, ours_pair, fp8_ms, int8_ms] = best;
+        let [ours, fp8_ms, int8_ms] = best;
         println!(
-            "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), ours in pairs {ours_pair:.4} ms \
-             ({:.0}), FP8 {fp8_ms:.4} ms ({:.0}), INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, pairs / FP8 \
-             {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); both of ours bit-equal to cuBLASLt's products \
-             dequantized",
+            "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), FP8 {fp8_ms:.4} ms ({:.0}), \
+             INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); \
+             every element bit-equal to cuBLASLt's products dequantized",
             rate(ours),
-            rate(ours_pair),
             rate(fp8_ms),
             rate(int8_ms),
             ours / fp8_ms,
-            ours_pair / fp8_ms,
             ours / int8_ms
         );
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
-            "ours_ms": ours, "ours_pair_ms": ours_pair, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
-            "ours_over_fp8": ours / fp8_ms, "pair_over_fp8": ours_pair / fp8_ms,
-            "ours_over_int8": ours / int8_ms, "bit_equal": true,
+            "ours_ms": ours, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
+            "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms, "bit_equal": true,
         }));
     }
     if let Some(path) = &args.json {
