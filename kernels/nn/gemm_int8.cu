@@ -15,8 +15,11 @@
 // producer loads the next tile while the consumers store one. Tiles run over M fastest, so the tiles in flight at
 // once share w's column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
 //
+// The epilogue stores 16 bytes a lane (8 columns, after a transpose within each quad of lanes) when N and y's row
+// stride are multiples of 8, else pairs of columns.
+//
 // Preconditions (the launcher checks them): K a multiple of 16 and N even, x and w 16-byte aligned rows (K bytes),
-// y's row stride even. Rows of x past M, rows of w past N and bytes past K read as zeros (TMA fill), so partial
+// y 16-byte aligned with an even row stride. Rows of x past M, rows of w past N and bytes past K read as zeros (TMA fill), so partial
 // tiles and a last partial slice of K need no other care; columns past N and rows past M are not stored.
 #include "common/common.cuh"
 #include "nn/attention.cuh"
@@ -178,22 +181,83 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
         const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
         const int col0 = n0 + 2 * (lane % 4);
-        // Two adjacent columns of one row, scaled and rounded to bf16 (rows past M and columns past N, which come
-        // in pairs as N is even, are not stored).
-        // The two scales multiply first, as nn_swiglu_i32gate_fp8 dequantizes cuBLASLt's int32 products, so either
-        // INT8 path gives the same bf16 values.
-        auto store = [&](int row, float row_scale, int32_t a, int32_t b, int col, float2 ws) {
-            if (row >= m || col >= n) return;
+        // Two adjacent columns of one row, scaled and rounded to bf16. The two scales multiply first, as
+        // nn_swiglu_i32gate_fp8 dequantizes cuBLASLt's int32 products, so either INT8 path gives the same values.
+        auto scaled = [&](int32_t a, int32_t b, float row_scale, float2 ws) {
             const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a) * (row_scale * ws.x),
                                                            static_cast<float>(b) * (row_scale * ws.y));
-            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(row) * y_row_stride + col) = v;
+            return *reinterpret_cast<const uint32_t*>(&v);
         };
+        auto w_scales = [&](int col) {
+            return col < n ? *reinterpret_cast<const float2*>(w_scale + col) : make_float2(0.0f, 0.0f);
+        };
+        if (((n | static_cast<int>(y_row_stride)) & 7) == 0) {
+            // Whole 16-byte blocks: the quad's four lanes transpose their pairs of four blocks (two xor-shuffle
+            // rounds), so lane q holds all 8 columns of block 4 g + q and a warp stores 64 contiguous bytes a row
+            // (y is 16-byte aligned, checked by the launcher). A block is wholly inside N or wholly past it.
+            const int q = lane & 3;
+            auto transpose_quad = [&](uint32_t (&v)[4]) {
+                const bool odd = (q & 1) != 0;
+                const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
+                const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
+                if (odd) {
+                    v[0] = r0;
+                    v[2] = r1;
+                } else {
+                    v[1] = r0;
+                    v[3] = r1;
+                }
+                const bool high = (q & 2) != 0;
+                const uint32_t r2 = __shfl_xor_sync(0xffffffffu, high ? v[0] : v[2], 2);
+                const uint32_t r3 = __shfl_xor_sync(0xffffffffu, high ? v[1] : v[3], 2);
+                if (high) {
+                    v[0] = r2;
+                    v[1] = r3;
+                } else {
+                    v[2] = r2;
+                    v[3] = r3;
+                }
+            };
 #pragma unroll
-        for (int j = 0; j < kG8Cols / 8; ++j) {
-            const int col = col0 + 8 * j;
-            const float2 ws = col < n ? *reinterpret_cast<const float2*>(w_scale + col) : make_float2(0.0f, 0.0f);
-            store(row_a, scale_a, acc[4 * j], acc[4 * j + 1], col, ws);
-            store(row_b, scale_b, acc[4 * j + 2], acc[4 * j + 3], col, ws);
+            for (int g = 0; g < kG8Cols / 32; ++g) {
+                uint32_t va[4], vb[4];
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const int j = 4 * g + t;
+                    const float2 ws = w_scales(col0 + 8 * j);
+                    va[t] = scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
+                    vb[t] = scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
+                }
+                transpose_quad(va);
+                transpose_quad(vb);
+                const int block_col = n0 + 8 * (4 * g + q);
+                if (block_col < n) {
+                    if (row_a < m) {
+                        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
+                            make_uint4(va[0], va[1], va[2], va[3]);
+                    }
+                    if (row_b < m) {
+                        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_b) * y_row_stride + block_col) =
+                            make_uint4(vb[0], vb[1], vb[2], vb[3]);
+                    }
+                }
+            }
+        } else {
+            // Pairs of columns (N even): rows past M and columns past N are not stored.
+#pragma unroll
+            for (int j = 0; j < kG8Cols / 8; ++j) {
+                const int col = col0 + 8 * j;
+                if (col >= n) continue;
+                const float2 ws = w_scales(col);
+                if (row_a < m) {
+                    *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(row_a) * y_row_stride + col) =
+                        scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
+                }
+                if (row_b < m) {
+                    *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(row_b) * y_row_stride + col) =
+                        scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
+                }
+            }
         }
     }
 #else

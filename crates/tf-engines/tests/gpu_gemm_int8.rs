@@ -63,12 +63,13 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
     // widths of K with few rows (the host product stays quick); and more tiles than a GPU has SMs (2000 x 4096:
     // 256 tiles), so persistent CTAs take several tiles each and their pipeline runs on from one tile to the next;
     // then N past a tile's edge and K past a slice's (the maps' zero fill, the stores' column guard), and K below
-    // one slice.
+    // one slice. N and the stride multiples of 8 take the epilogue's 16-byte stores, the last two shapes its pairs.
     for (i, &(m, n, k, stride)) in [
         (128, 256, 128, 256),
         (70, 328, 400, 336),
         (300, 1000, 5392, 1000),
         (9, 26, 48, 32),
+        (40, 512, 256, 514),
         (5, 256, 384, 256),
         (130, 512, 256, 520),
         (33, 768, 5376, 768),
