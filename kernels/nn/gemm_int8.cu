@@ -36,7 +36,7 @@ constexpr int kG8BBytes = kG8Cols * kG8Slice;      // 32 KiB
 constexpr int kG8StageBytes = kG8ABytes + kG8BBytes;
 constexpr int kG8ProducerRegs = 40;
 constexpr int kG8ConsumerRegs = 232;               // 40 * 128 + 232 * 256 <= 65536 registers of the SM
-constexpr int kG8ConsumerThreads = 256;
+constexpr int kG8ConsumerWarps = 8;                 // arrivals that free a stage: one a consumer warp
 
 #define G8_REGS128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -111,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     if (threadIdx.x == 0) {
         for (int s = 0; s < kG8Stages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), kG8ConsumerThreads);
+            mbar_init(empty(s), kG8ConsumerWarps);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -142,6 +142,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
+    // Frees stage `s` once this warp's MMAs that read it are done (the wgmma wait before it is warp-wide): one
+    // arrival a warp, so a stage costs the barrier 8 arrivals instead of 256.
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    };
     int32_t acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0;
@@ -165,11 +171,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
             wgmma_commit();
             // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
             wgmma_wait<1>();
-            if (t > 0) mbar_arrive(empty((it - 1) % kG8Stages));
+            if (t > 0) release((it - 1) % kG8Stages);
         }
         wgmma_wait<0>();
         // The tile's last stage is free too: the producer may refill it while this tile is stored.
-        mbar_arrive(empty((it - 1) % kG8Stages));
+        release((it - 1) % kG8Stages);
 #pragma unroll
         for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(acc[i])::"memory");
 
