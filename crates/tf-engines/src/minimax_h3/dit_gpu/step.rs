@@ -1101,8 +1101,6 @@ impl Engine {
         let bytes = |a: usize, b: usize, size: usize| c.bytes(a, b, size);
         let x = ws.q8.slice(0, bytes(c.m, c.k, 1)?).map_err(launch)?;
         let x_scale = ws.q8_scales.slice(0, bytes(c.m, 1, 4)?).map_err(launch)?;
-        let w = self.weight_view(c.w, bytes(c.n, c.k, 1)?)?;
-        let w_scale = self.weight_view(w_scales, bytes(c.n, 1, 4)?)?;
         // The block GEMMs' outputs (fields apart from q8, so both borrows hold).
         let y_buffer = match c.y {
             Buf::Qkv => &mut ws.qkv,
@@ -1117,9 +1115,24 @@ impl Engine {
         let mut y = y_buffer
             .slice_mut(c.y_off, bytes(c.m, c.n, BF16)?)
             .map_err(launch)?;
+        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y)
+    }
+
+    /// Our INT8 GEMM for `c` (its INT8 weight with channel scales at `w_scales`) over the INT8 rows `x` with their
+    /// scales, as bf16 products into `y` (rows of `c.n`).
+    fn our_int8_gemm(
+        &self,
+        ours: &Int8GemmKernels,
+        c: &GemmCall,
+        w_scales: usize,
+        (x, x_scale): (&DeviceView<'_>, &DeviceView<'_>),
+        y: &mut tf_cuda::DeviceViewMut<'_>,
+    ) -> Result<(), H3Error> {
+        let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
+        let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
         let inputs = Int8GemmOperands {
-            x: &x,
-            x_scale: &x_scale,
+            x,
+            x_scale,
             w: &w,
             w_scale: &w_scale,
         };
@@ -1128,7 +1141,7 @@ impl Engine {
             n: c.n,
             k: c.k,
         };
-        ours.gemm(&self.ctx, &self.stream, shape, &inputs, &mut y, c.n)
+        ours.gemm(&self.ctx, &self.stream, shape, &inputs, y, c.n)
             .map_err(launch)
     }
 
@@ -1152,24 +1165,10 @@ impl Engine {
         let bytes = |a: usize, b: usize, size: usize| c.bytes(a, b, size);
         let x = ws.q8i.slice(c.x_off, bytes(c.m, c.k, 1)?).map_err(launch)?;
         let x_scale = ws.q8i_scales.slice(0, bytes(c.m, 1, 4)?).map_err(launch)?;
-        let w = self.weight_view(c.w, bytes(c.n, c.k, 1)?)?;
-        let w_scale = self.weight_view(w_scales, bytes(c.n, 1, 4)?)?;
         // The gate half of ff, where a bf16 or FP8 gate GEMM run apart writes it: the SwiGLU of split halves reads it.
         let half = bytes(c.m, c.n, BF16)?;
         let mut y = ws.ff.slice_mut(half, half).map_err(launch)?;
-        let inputs = Int8GemmOperands {
-            x: &x,
-            x_scale: &x_scale,
-            w: &w,
-            w_scale: &w_scale,
-        };
-        let shape = Int8GemmShape {
-            m: c.m,
-            n: c.n,
-            k: c.k,
-        };
-        ours.gemm(&self.ctx, &self.stream, shape, &inputs, &mut y, c.n)
-            .map_err(launch)
+        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y)
     }
 
     /// SwiGLU of ff's value half (`[m, fp]` bf16, the FP8 GEMM's) and the INT8 `gate` GEMM's int32 products into
