@@ -180,13 +180,13 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             quant
                 .run(
                     &stream,
-                    plan_gated_residual_norm_modulate_fp8_with(
+                    plan_gated_residual_norm_modulate_with(
                         &xf,
                         Matrix::dense(rows, cols),
                         width,
                         (&yv, cols),
                         &gate,
-                        &out,
+                        (&out, RowCodes::E4m3),
                         &norm,
                         None,
                     ),
@@ -202,13 +202,13 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             quant
                 .run(
                     &stream,
-                    plan_gated_residual_norm_modulate_fp8_with(
+                    plan_gated_residual_norm_modulate_with(
                         &xb,
                         Matrix::dense(rows, cols),
                         width,
                         (&yv, cols),
                         &gate,
-                        &both_out,
+                        (&both_out, RowCodes::E4m3),
                         &norm,
                         Some(SecondRows::Bf16 {
                             h: &hb,
@@ -236,13 +236,13 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             quant
                 .run(
                     &stream,
-                    plan_gated_residual_norm_modulate_fp8_with(
+                    plan_gated_residual_norm_modulate_with(
                         &xi,
                         Matrix::dense(rows, cols),
                         width,
                         (&yv, cols),
                         &gate,
-                        &i8_pass_out,
+                        (&i8_pass_out, RowCodes::E4m3),
                         &norm,
                         Some(SecondRows::Int8(&int8_rows)),
                     ),

@@ -38,10 +38,10 @@ use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::gemm_int8::{Int8GemmKernels, Int8GemmOperands, Int8GemmShape};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_codes,
-    plan_gated_residual_norm_modulate_fp8_with, plan_norm_modulate_codes_padded,
-    plan_quantize_rows, plan_swiglu_codes, plan_swiglu_codes_apart, plan_swiglu_i32gate_fp8,
-    Fp8Rows, Int32Gate, QuantKernels, ResidualGate, SecondRows,
+    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_with,
+    plan_norm_modulate_codes_padded, plan_quantize_rows, plan_swiglu_codes,
+    plan_swiglu_codes_apart, plan_swiglu_i32gate_fp8, Fp8Rows, Int32Gate, QuantKernels,
+    ResidualGate, SecondRows,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, Matrix,
@@ -599,28 +599,16 @@ impl Engine {
                     Target::Fp8AndInt8 => Some(SecondRows::Int8(&i8_out)),
                     _ => None,
                 };
-                let plan = match second {
-                    None => plan_gated_residual_norm_modulate_codes(
-                        &xv,
-                        layout,
-                        d.hidden,
-                        (&yv, hp),
-                        &gate,
-                        &out,
-                        &norm,
-                        codes_format,
-                    ),
-                    Some(_) => plan_gated_residual_norm_modulate_fp8_with(
-                        &xv,
-                        layout,
-                        d.hidden,
-                        (&yv, hp),
-                        &gate,
-                        &out,
-                        &norm,
-                        second,
-                    ),
-                };
+                let plan = plan_gated_residual_norm_modulate_with(
+                    &xv,
+                    layout,
+                    d.hidden,
+                    (&yv, hp),
+                    &gate,
+                    (&out, codes_format),
+                    &norm,
+                    second,
+                );
                 self.quant()?.run(&self.stream, plan).map_err(launch)
             }
             Residual::Plain => Err(H3Error::Backend(

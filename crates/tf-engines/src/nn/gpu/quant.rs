@@ -383,13 +383,13 @@ pub fn plan_gated_residual_norm_modulate_fp8<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    plan_gated_residual_norm_modulate_fp8_with(
+    plan_gated_residual_norm_modulate_with(
         x,
         x_layout,
         x_layout.cols,
         (y, y_stride),
         gate,
-        out,
+        (out, RowCodes::E4m3),
         norm,
         None,
     )
@@ -411,59 +411,12 @@ pub enum SecondRows<'v, 'a> {
 }
 
 /// [`plan_gated_residual_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (as
-/// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros) that, given
-/// `second`, also writes the normed rows in bf16 or as INT8 codes in the same pass ([`SecondRows`]).
+/// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros) into 8-bit codes
+/// of either format (`out` with its `codes`: e4m3, kernel nn_gated_residual_norm_modulate_fp8, or INT8 with scale
+/// `amax / 127` a row, kernel nn_gated_residual_norm_modulate_int8) that, given `second` (e4m3 only), also writes the
+/// normed rows in bf16 or as INT8 codes in the same pass ([`SecondRows`]).
 #[allow(clippy::too_many_arguments)]
-pub fn plan_gated_residual_norm_modulate_fp8_with<'a>(
-    x: &'a DeviceViewMut<'_>,
-    x_layout: Matrix,
-    norm_cols: usize,
-    (y, y_stride): (&'a DeviceView<'_>, usize),
-    gate: &ResidualGate<'a, '_>,
-    out: &Fp8Rows<'a, '_>,
-    norm: &NormModulate<'a, '_>,
-    second: Option<SecondRows<'a, '_>>,
-) -> Result<Launch<'a>, tf_cuda::Error> {
-    gated_residual_norm_modulate(
-        x,
-        x_layout,
-        norm_cols,
-        (y, y_stride),
-        gate,
-        (out, RowCodes::E4m3),
-        norm,
-        second,
-    )
-}
-
-/// [`plan_gated_residual_norm_modulate_fp8_with`] with no second copy, into 8-bit codes of either format: e4m3
-/// (kernel nn_gated_residual_norm_modulate_fp8) or INT8 with scale `amax / 127` a row (kernel
-/// nn_gated_residual_norm_modulate_int8, the input of an INT8 GEMM).
-#[allow(clippy::too_many_arguments)]
-pub fn plan_gated_residual_norm_modulate_codes<'a>(
-    x: &'a DeviceViewMut<'_>,
-    x_layout: Matrix,
-    norm_cols: usize,
-    (y, y_stride): (&'a DeviceView<'_>, usize),
-    gate: &ResidualGate<'a, '_>,
-    out: &Fp8Rows<'a, '_>,
-    norm: &NormModulate<'a, '_>,
-    codes: RowCodes,
-) -> Result<Launch<'a>, tf_cuda::Error> {
-    gated_residual_norm_modulate(
-        x,
-        x_layout,
-        norm_cols,
-        (y, y_stride),
-        gate,
-        (out, codes),
-        norm,
-        None,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn gated_residual_norm_modulate<'a>(
+pub fn plan_gated_residual_norm_modulate_with<'a>(
     x: &'a DeviceViewMut<'_>,
     x_layout: Matrix,
     norm_cols: usize,
@@ -1088,15 +1041,15 @@ mod tests {
         assert_eq!(launch.args().get::<i32>(27), Some(cols as i32));
         assert_eq!(launch.args().get::<u64>(28), Some(0));
         assert_eq!(launch.args().get::<i32>(29), Some(0));
-        let int8 = plan_gated_residual_norm_modulate_codes(
+        let int8 = plan_gated_residual_norm_modulate_with(
             &xv,
             layout,
             cols,
             (&yv, cols),
             &gate,
-            &out,
+            (&out, RowCodes::Int8),
             &norm,
-            RowCodes::Int8,
+            None,
         )
         .unwrap();
         assert_eq!(int8.kernel(), "nn_gated_residual_norm_modulate_int8_c2");
@@ -1120,13 +1073,13 @@ mod tests {
             ..i8_rows
         };
         let with_second = |second: SecondRows<'_, '_>| {
-            plan_gated_residual_norm_modulate_fp8_with(
+            plan_gated_residual_norm_modulate_with(
                 &xv,
                 layout,
                 cols,
                 (&yv, cols),
                 &gate,
-                &out,
+                (&out, RowCodes::E4m3),
                 &norm,
                 Some(second),
             )
@@ -1275,13 +1228,13 @@ mod tests {
                 scales: &sv,
             };
             let layout = Matrix::dense(rows, cols);
-            let launch = plan_gated_residual_norm_modulate_fp8_with(
+            let launch = plan_gated_residual_norm_modulate_with(
                 &xv,
                 layout,
                 width,
                 (&yv, cols),
                 &gate,
-                &out,
+                (&out, RowCodes::E4m3),
                 &norm,
                 None,
             )
