@@ -65,22 +65,22 @@ use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
 use crate::nn::weights::ModelDir;
 
-/// H3's `fp8` (the default FP8 mode): `qkv`, `out`, `mlp_out` and the value half of `mlp_in` in FP8, its gate half
-/// as an INT8 GEMM (`mlp_gate=int8`: `fc1` runs as two GEMMs), and the adaLN projections weight-only in INT8
-/// (`adaln=int8`), the first and last block in bf16. Chosen from the error of each group against the bf16 floor at
-/// full width (docs/ENGINES.md, "MiniMax H3 DiT in FP8"): the whole of `mlp_in` in e4m3 costs 4.5x the floor alone
-/// and takes the four-group mode to 4.4x; the value half alone keeps it at 3.8x, under the 4x criterion. The adaLN
-/// projections (39% of the weights) cost 3.6x alone in e4m3 but 1.36x in INT8 (3.78x -> 3.85x, resident weights
-/// 51.5 -> 39.0 GB); the gate half in INT8 (a third of e4m3's rounding error, and cuBLASLt's INT8 GEMM is faster
-/// than its row-wise FP8 one on sm_90) takes the mode to 3.96x and the step 7% faster.
+/// H3's `fp8` (the default 8-bit mode): every block's four GEMM groups in INT8 on our scaled INT8 GEMM (`gemm=int8`:
+/// INT8 weights with per-output-channel scales, per-token INT8 activations written by the kernels that produce them),
+/// the first and last block included (`ends=0`), and the adaLN projections weight-only in INT8 (`adaln=int8`).
+/// Chosen from the error of each mode against the bf16 floor at full width and its step at S = 6026 (docs/ENGINES.md,
+/// "MiniMax H3 DiT in FP8"; docs/RESULTS.md, seventy-fourth and seventy-fifth calls, an H100): 3.53x / 3.47x the floor
+/// and 298.8-303.3 ms a step, against 3.96x / 3.90x and 321.1-322.4 ms for the e4m3 mode it replaces
+/// (`fp8:qkv,out,mlp_value,mlp_gate=int8,mlp_out,adaln=int8,ends=1`, still available by name). INT8 rounds a third as
+/// coarsely as e4m3 on rows without outliers, which buys the end blocks; our INT8 GEMM runs at 0.88-0.97 of
+/// cuBLASLt's row-wise FP8 time. Both need an sm_90 GPU.
 pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
     groups: Fp8Groups {
-        mlp_gate: false,
-        mlp_gate_int8: true,
         adaln: Some(RowCodes::Int8),
+        gemm_codes: RowCodes::Int8,
         ..Fp8Groups::ALL
     },
-    bf16_ends: 1,
+    bf16_ends: 0,
     accumulation: Fp8Accumulation::Fast,
     attention: crate::nn::precision::AttentionPrecision::Bf16,
 };
@@ -722,8 +722,12 @@ mod tests {
         let default = resolve_precision(&release, DitPrecision::FP8);
         assert_eq!(default, DitPrecision::Fp8(DEFAULT_FP8));
         assert_eq!(groups(default).adaln, Some(RowCodes::Int8));
-        assert!(!groups(default).mlp_gate && groups(default).mlp_value);
-        assert!(groups(default).mlp_gate_int8);
+        assert_eq!(groups(default).gemm_codes, RowCodes::Int8);
+        assert!(groups(default).mlp_in() && !groups(default).mlp_gate_int8);
+        assert_eq!(
+            default.to_string(),
+            "fp8:qkv,out,mlp_in,mlp_out,adaln=int8,ends=0,gemm=int8"
+        );
         let wide = MiniMaxH3Config {
             time_embed_dim: kernels::LINEAR_W8_MAX_K + 16,
             ..release.clone()

@@ -479,6 +479,45 @@ fn int8_matrices_keep_out_the_e4m3_codes_a_checkpoint_stores() {
         assert!(!keep_stored_codes(&mut bf16_adaln, &p, &ck).any());
         assert!(bf16_adaln.iter().all(|g| g.adaln.is_none()));
     }
+    // GEMM groups in INT8 (gemm=int8, the default) whose weights the file stores in e4m3 run those blocks in e4m3
+    // (the file's codes as they are), and a second look changes nothing.
+    for variant in ["per_channel", "original_per_channel"] {
+        let (_, config, source, ck) = fp8_fixture(variant);
+        let dims = Dims::of_for(&config, true).unwrap();
+        let all_int8 = Fp8Groups {
+            adaln: Some(RowCodes::Int8),
+            gemm_codes: RowCodes::Int8,
+            ..Fp8Groups::ALL
+        };
+        let mut groups = vec![all_int8; config.num_layers];
+        let p = plan(&config, &dims, source, &groups).unwrap();
+        assert!(
+            p.fp8.iter().all(|m| m.format == RowCodes::Int8),
+            "{variant}"
+        );
+        let kept = keep_stored_codes(&mut groups, &p, &ck);
+        assert_eq!(kept.gemm_e4m3, config.num_layers, "{variant}");
+        assert!(
+            groups.iter().all(|g| g.gemm_codes == RowCodes::E4m3),
+            "{variant}"
+        );
+        let again = plan(&config, &dims, source, &groups).unwrap();
+        assert!(
+            again.fp8.iter().all(|m| m.format == RowCodes::E4m3),
+            "{variant}"
+        );
+        assert!(
+            !keep_stored_codes(&mut groups, &again, &ck).any(),
+            "{variant}"
+        );
+        assert!(CheckpointFp8Use {
+            stored: 3,
+            as_stored: 3,
+            kept,
+        }
+        .describe()
+        .contains("the GEMM groups run in e4m3 (cuBLASLt) instead of gemm=int8"));
+    }
     // An INT8 fc1 gate half the file stores in e4m3 goes back to bf16 (and a second look changes nothing).
     let (_, config, source, ck) = fp8_fixture("per_channel");
     let dims = Dims::of_for(&config, true).unwrap();
