@@ -331,7 +331,7 @@ impl DitPrecision {
                 }
                 let gemm_groups = l.groups.gemm_names();
                 format!(
-                    "{} ({}){} in {fp8_blocks} of {layers} blocks (the first and last {} in bf16); \
+                    "{} ({}){} in {fp8_blocks} of {layers} blocks ({}); \
                      per-output-channel weight scales, per-token activation scales, {} accumulation; \
                      {}every layer outside those groups as in bf16 mode",
                     match l.groups.gemm_codes {
@@ -348,8 +348,14 @@ impl DitPrecision {
                         Some(RowCodes::Int8) => " and the adaLN projections weight-only in int8",
                         None => "",
                     },
-                    l.bf16_ends,
-                    l.accumulation.name(),
+                    match l.bf16_ends {
+                        0 => "no block kept in bf16".to_string(),
+                        n => format!("the first and last {n} in bf16"),
+                    },
+                    match l.groups.gemm_codes {
+                        RowCodes::E4m3 => l.accumulation.name(),
+                        RowCodes::Int8 => "exact int32",
+                    },
                     if l.attention == AttentionPrecision::Int8Fp8 {
                         "attention in 8 bits (INT8 Q K^T, FP8 P V) in those blocks; "
                     } else {
@@ -819,6 +825,20 @@ mod tests {
         );
         assert_eq!(p.to_string().parse::<DitPrecision>(), Ok(p));
         assert!(p.describe(8).starts_with("int8 GEMMs"), "{}", p.describe(8));
+        assert!(
+            p.describe(8).contains("exact int32 accumulation"),
+            "{}",
+            p.describe(8)
+        );
+        let DitPrecision::Fp8(mut every) = p else {
+            panic!("{p:?}")
+        };
+        every.bf16_ends = 0;
+        let every = DitPrecision::Fp8(every).describe(8);
+        assert!(
+            every.contains("in 8 of 8 blocks (no block kept in bf16)"),
+            "{every}"
+        );
         // In INT8 every group is INT8 already: an INT8 gate is the gate group, so mlp_in runs whole.
         let folded: DitPrecision = "fp8:qkv,out,mlp_value,mlp_gate=int8,mlp_out,gemm=int8"
             .parse()
