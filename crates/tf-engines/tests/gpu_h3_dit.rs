@@ -36,7 +36,7 @@ use tf_engines::minimax_h3::dit_host::{HostH3Dit, LoadOptions, RopeTables};
 use tf_engines::minimax_h3::layout::{Geometry, LayoutRequest, PackedLayout, StepTimesteps};
 use tf_engines::nn::fp8::{self, RowCodes};
 use tf_engines::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_with, plan_norm_modulate_fp8_padded, Fp8Rows, QuantKernels,
+    plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes, Fp8Rows, QuantKernels,
     ResidualGate, SecondRows,
 };
 use tf_engines::nn::gpu::{

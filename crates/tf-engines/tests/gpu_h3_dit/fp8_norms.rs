@@ -260,11 +260,11 @@ fn fp8_norms_match_h3_residual_norm_and_the_host() {
             quant
                 .run(
                     &stream,
-                    plan_norm_modulate_fp8_padded(
+                    plan_norm_modulate_codes(
                         &x0v,
                         Matrix::dense(rows, cols),
                         width,
-                        &plain_out,
+                        (&plain_out, RowCodes::E4m3),
                         &norm,
                     ),
                 )

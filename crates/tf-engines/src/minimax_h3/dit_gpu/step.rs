@@ -38,10 +38,9 @@ use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::gemm_int8::{Int8GemmKernels, Int8GemmOperands, Int8GemmShape};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_with,
-    plan_norm_modulate_codes_padded, plan_quantize_rows, plan_swiglu_codes,
-    plan_swiglu_codes_apart, plan_swiglu_i32gate_fp8, Fp8Rows, Int32Gate, QuantKernels,
-    ResidualGate, SecondRows,
+    plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes,
+    plan_quantize_rows, plan_swiglu_codes, plan_swiglu_codes_apart, plan_swiglu_i32gate_fp8,
+    Fp8Rows, Int32Gate, QuantKernels, ResidualGate, SecondRows,
 };
 use crate::nn::gpu::{
     attention_flops, plan_swiglu_apart, plan_swiglu_ordered, AttentionInputs, Matrix,
@@ -566,13 +565,12 @@ impl Engine {
                 self.quant()?
                     .run(
                         &self.stream,
-                        plan_norm_modulate_codes_padded(
+                        plan_norm_modulate_codes(
                             &xv,
                             layout,
                             d.hidden,
-                            &out,
+                            (&out, codes_format),
                             &norm,
-                            codes_format,
                         ),
                     )
                     .map_err(launch)

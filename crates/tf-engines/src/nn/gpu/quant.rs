@@ -269,7 +269,7 @@ pub fn plan_norm_modulate_fp8<'a>(
     out: &Fp8Rows<'a, '_>,
     norm: &NormModulate<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    plan_norm_modulate_fp8_padded(x, x_layout, x_layout.cols, out, norm)
+    plan_norm_modulate_codes(x, x_layout, x_layout.cols, (out, RowCodes::E4m3), norm)
 }
 
 /// Checks the width an RMSNorm divides by: the row's columns, or fewer when the columns past the model's width
@@ -295,28 +295,16 @@ fn check_norm_width(
     Ok(())
 }
 
-/// [`plan_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols`: an RMSNorm divides the sum of
-/// squares by `norm_cols` (the padding columns must hold zeros in `x` and in the weight and modulation, so their
-/// codes are zero).
-pub fn plan_norm_modulate_fp8_padded<'a>(
-    x: &'a DeviceView<'_>,
-    x_layout: Matrix,
-    norm_cols: usize,
-    out: &Fp8Rows<'a, '_>,
-    norm: &NormModulate<'a, '_>,
-) -> Result<Launch<'a>, tf_cuda::Error> {
-    plan_norm_modulate_codes_padded(x, x_layout, norm_cols, out, norm, RowCodes::E4m3)
-}
-
-/// [`plan_norm_modulate_fp8_padded`] into 8-bit codes of either format: e4m3 (kernel nn_norm_modulate_fp8) or
+/// [`plan_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (an RMSNorm divides the sum of
+/// squares by `norm_cols`; the padding columns must hold zeros in `x` and in the weight and modulation, so their
+/// codes are zero) into 8-bit codes of either format: `out` with its `codes`, e4m3 (kernel nn_norm_modulate_fp8) or
 /// INT8 with scale `amax / 127` a row (kernel nn_norm_modulate_int8, the input of an INT8 GEMM).
-pub fn plan_norm_modulate_codes_padded<'a>(
+pub fn plan_norm_modulate_codes<'a>(
     x: &'a DeviceView<'_>,
     x_layout: Matrix,
     norm_cols: usize,
-    out: &Fp8Rows<'a, '_>,
+    (out, codes): (&Fp8Rows<'a, '_>, RowCodes),
     norm: &NormModulate<'a, '_>,
-    codes: RowCodes,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     let (op, plain, narrow) = match codes {
         RowCodes::E4m3 => (
@@ -411,7 +399,7 @@ pub enum SecondRows<'v, 'a> {
 }
 
 /// [`plan_gated_residual_norm_modulate_fp8`] of rows zero-padded past the model's width `norm_cols` (as
-/// [`plan_norm_modulate_fp8_padded`]; the padding columns of `x`, `y` and the gate must hold zeros) into 8-bit codes
+/// [`plan_norm_modulate_codes`]; the padding columns of `x`, `y` and the gate must hold zeros) into 8-bit codes
 /// of either format (`out` with its `codes`: e4m3, kernel nn_gated_residual_norm_modulate_fp8, or INT8 with scale
 /// `amax / 127` a row, kernel nn_gated_residual_norm_modulate_int8) that, given `second` (e4m3 only), also writes the
 /// normed rows in bf16 or as INT8 codes in the same pass ([`SecondRows`]).
@@ -917,13 +905,12 @@ mod tests {
         assert_eq!(launch.args().get::<i32>(14), Some(cols as i32));
         assert_eq!(launch.args().get::<i32>(15), Some(0));
         // INT8 codes: the same arguments to the INT8 entry point.
-        let int8 = plan_norm_modulate_codes_padded(
+        let int8 = plan_norm_modulate_codes(
             &xv,
             Matrix::dense(rows, cols),
             cols,
-            &out,
+            (&out, RowCodes::Int8),
             &norm,
-            RowCodes::Int8,
         )
         .unwrap();
         assert_eq!(int8.kernel(), "nn_norm_modulate_int8_c2");
@@ -946,22 +933,34 @@ mod tests {
             modulation: None,
         };
         // An RMSNorm over rows zero-padded past the model's width divides by that width; a LayerNorm cannot.
-        let padded =
-            plan_norm_modulate_fp8_padded(&xv, Matrix::dense(rows, cols), 60, &out, &norm).unwrap();
+        let padded = plan_norm_modulate_codes(
+            &xv,
+            Matrix::dense(rows, cols),
+            60,
+            (&out, RowCodes::E4m3),
+            &norm,
+        )
+        .unwrap();
         assert_eq!(padded.args().get::<i32>(20), Some(60));
         for bad in [0, cols + 8] {
-            assert!(plan_norm_modulate_fp8_padded(
+            assert!(plan_norm_modulate_codes(
                 &xv,
                 Matrix::dense(rows, cols),
                 bad,
-                &out,
+                (&out, RowCodes::E4m3),
                 &norm
             )
             .is_err());
         }
-        let err = plan_norm_modulate_fp8_padded(&xv, Matrix::dense(rows, cols), 60, &out, &plain)
-            .unwrap_err()
-            .to_string();
+        let err = plan_norm_modulate_codes(
+            &xv,
+            Matrix::dense(rows, cols),
+            60,
+            (&out, RowCodes::E4m3),
+            &plain,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("LayerNorm"), "{err}");
         let launch = plan_norm_modulate_fp8(&xv, Matrix::dense(rows, cols), &out, &plain).unwrap();
         assert_eq!(launch.args().get::<i32>(10), Some(1));
@@ -1253,7 +1252,10 @@ mod tests {
             assert_eq!(launch.args().get::<i32>(17), Some(0)); // RMSNorm
             assert_eq!(launch.args().get::<i32>(27), Some(width as i32));
             let x_in = xv.as_view();
-            assert!(plan_norm_modulate_fp8_padded(&x_in, layout, width, &out, &norm).is_ok());
+            assert!(
+                plan_norm_modulate_codes(&x_in, layout, width, (&out, RowCodes::E4m3), &norm)
+                    .is_ok()
+            );
             // The attention output (heads x 128 columns) and SwiGLU of the [value | gate] fc1 rows.
             let attn = buffer(&ctx, rows * 7168 * BF16);
             let attn = attn.view();
