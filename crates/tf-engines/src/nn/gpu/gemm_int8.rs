@@ -4,8 +4,22 @@
 //!
 //! cuBLASLt 13.1 runs INT8 GEMMs on sm_90 only into int32 (no scaled form with bf16 output), which costs a round
 //! trip of 4 bytes an element through memory; this kernel writes the 2-byte result the row-wise FP8 GEMM would.
-//! Its layout and pipeline are described in `kernels/nn/gemm_int8.cu`; its CTAs are persistent (one an SM). [`plan_int8_gemm`] checks every operand
-//! and packs one launch; [`Int8GemmKernels`] loads the set and submits it.
+//! Its layout and pipeline are described in `kernels/nn/gemm_int8.cu`; its CTAs are persistent (one an SM).
+//! [`plan_int8_gemm`] checks every operand and packs one launch; [`Int8GemmKernels`] loads the set and submits it.
+//! MiniMax H3's default 8-bit mode (`gemm=int8`) runs every block GEMM group on it: on an H100 it takes 0.88-0.97 of
+//! cuBLASLt's row-wise FP8 GEMM's time at every DiT shape (docs/RESULTS.md).
+//!
+//! ```no_run
+//! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: &tf_cuda::DeviceView<'_>,
+//! #         xs: &tf_cuda::DeviceView<'_>, w: &tf_cuda::DeviceView<'_>, ws: &tf_cuda::DeviceView<'_>,
+//! #         y: &mut tf_cuda::DeviceViewMut<'_>) -> Result<(), Box<dyn std::error::Error>> {
+//! use tf_engines::nn::gpu::gemm_int8::{Int8GemmKernels, Int8GemmOperands, Int8GemmShape};
+//! let kernels = Int8GemmKernels::load(ctx)?; // refuses a GPU that is not sm_90
+//! let shape = Int8GemmShape { m: 6026, n: 21504, k: 5376 };
+//! let inputs = Int8GemmOperands { x, x_scale: xs, w, w_scale: ws };
+//! kernels.gemm(ctx, stream, shape, &inputs, y, shape.n)?; // y: bf16 rows of N
+//! # Ok(()) }
+//! ```
 
 use std::fmt;
 
@@ -37,9 +51,10 @@ pub const SHARED_BYTES: u32 = (STAGES * (TILE_ROWS + TILE_COLS) * K_SLICE + 1024
 // 227 KiB is the most one block may opt in to on sm_90.
 const _: () = assert!(SHARED_BYTES <= 227 * 1024);
 
-/// The environment variable that picks the INT8 GEMM a DiT's INT8 gate runs: `cublaslt` (the default: cuBLASLt's
-/// INT8 GEMM into int32 products, which the SwiGLU dequantizes) or `ours` ([`Int8GemmKernels`], sm_90 only:
-/// scaled bf16 products, read by the bf16-gate SwiGLU).
+/// The environment variable that picks the INT8 GEMM the INT8 gate half of an e4m3 mode (`mlp_gate=int8`) runs:
+/// `cublaslt` (the default: cuBLASLt's INT8 GEMM into int32 products, which the SwiGLU dequantizes) or `ours`
+/// ([`Int8GemmKernels`], sm_90 only: scaled bf16 products, read by the bf16-gate SwiGLU). `gemm=int8` modes always
+/// run ours.
 pub const BACKEND_ENV: &str = "TF_INT8_GEMM";
 
 /// Which INT8 GEMM runs ([`BACKEND_ENV`]).
