@@ -19,8 +19,8 @@ pub struct CheckpointFp8Use {
     pub kept: KeptCodes,
 }
 
-/// What [`keep_stored_codes`] changed: blocks whose adaLN projection stays e4m3 instead of INT8, and blocks whose
-/// `fc1` gate half runs in bf16 instead of INT8.
+/// What [`keep_stored_codes`] changed: blocks whose adaLN projection stays e4m3 instead of INT8, blocks whose `fc1`
+/// gate half runs in bf16 instead of INT8, and blocks whose GEMM groups run in e4m3 instead of INT8.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KeptCodes {
     pub adaln_e4m3: usize,
@@ -73,9 +73,10 @@ impl CheckpointFp8Use {
 /// Keeps the e4m3 codes a checkpoint stores out of the INT8 matrices of `groups` (one entry per block; `plan` is
 /// their plan), since re-quantizing them to INT8 would add INT8's rounding to the e4m3 rounding already in the file
 /// and read the model through f32 on the host: an INT8 adaLN projection the file stores in e4m3 becomes e4m3 (the
-/// file's codes and scales go to the device as they are), and an INT8 `fc1` gate half it stores in e4m3 goes back
-/// to bf16 (the file's codes dequantized, as a bf16 gate half reads them: the gate in e4m3 would put the mode past
-/// its error criterion). Says how many blocks changed (the caller plans again when any did).
+/// file's codes and scales go to the device as they are), a block of `gemm=int8` whose GEMM groups it stores in e4m3
+/// runs them in e4m3 (the file's codes, cuBLASLt's FP8 GEMM), and an INT8 `fc1` gate half of an e4m3 block it stores
+/// in e4m3 goes back to bf16 (the file's codes dequantized, as a bf16 gate half reads them: the gate in e4m3 would put
+/// that mode past its error criterion). Says how many blocks changed (the caller plans again when any did).
 pub(in crate::minimax_h3::dit_gpu) fn keep_stored_codes(
     groups: &mut [Fp8Groups],
     plan: &WeightPlan,
