@@ -1599,6 +1599,22 @@ fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
         // With the adaLN projections asked for in INT8, the file's e4m3 adaLN codes are still used as stored (INT8
         // would round them again); with the fc1 gate half asked for in INT8, the file's fc1 codes feed the e4m3
         // value half as stored and the gate half runs in bf16 (the load line then names no INT8 gate).
+        // The default `fp8` on a file stored in e4m3 is H3's e4m3 mode (gemm=int8 would keep every block in e4m3).
+        let default_mode = GpuH3Dit::load_in(
+            &ctx,
+            &model,
+            LoadOptions::default(),
+            staging,
+            DitPrecision::FP8,
+        )
+        .unwrap_or_else(|e| panic!("{variant}: load in fp8: {e}"));
+        assert_eq!(
+            default_mode.precision(),
+            DitPrecision::Fp8(tf_engines::minimax_h3::dit_gpu::E4M3_FP8),
+            "{variant}: {}",
+            default_mode.describe_precision()
+        );
+        drop(default_mode);
         for (precision, want_as_stored, rel, cos) in [
             (DitPrecision::Bf16, Some(0), REL_L2_MAX, COSINE_MIN),
             (fp8_mode, Some(as_stored), FP8_REL_L2_MAX, FP8_COSINE_MIN),

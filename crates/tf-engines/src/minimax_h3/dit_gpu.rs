@@ -85,6 +85,41 @@ pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
     attention: crate::nn::precision::AttentionPrecision::Bf16,
 };
 
+/// H3's e4m3 mode (the default before [`DEFAULT_FP8`]): `qkv`, `out`, `mlp_out` and the value half of `mlp_in` in
+/// e4m3 on cuBLASLt, the gate half as an INT8 GEMM, the adaLN projections weight-only in INT8, the first and last
+/// block in bf16 (3.96x / 3.90x the floor). A checkpoint that stores its weights in e4m3 runs `fp8` in this mode
+/// ([`for_checkpoint`]): `gemm=int8` would not re-round the file's codes (their blocks stay e4m3), and every block's
+/// groups in e4m3 are past the 4x criterion.
+pub const E4M3_FP8: Fp8Layers = Fp8Layers {
+    groups: Fp8Groups {
+        mlp_gate: false,
+        mlp_gate_int8: true,
+        adaln: Some(RowCodes::Int8),
+        ..Fp8Groups::ALL
+    },
+    bf16_ends: 1,
+    accumulation: Fp8Accumulation::Fast,
+    attention: crate::nn::precision::AttentionPrecision::Bf16,
+};
+
+/// `resolved` (from [`resolve_precision`]) for a checkpoint that stores weights in e4m3 (`stores_e4m3`): the
+/// default mode becomes [`E4M3_FP8`] (with the same adaLN rule); any other precision is kept as resolved.
+pub fn for_checkpoint(
+    config: &MiniMaxH3Config,
+    resolved: DitPrecision,
+    stores_e4m3: bool,
+) -> DitPrecision {
+    let default = resolve_precision(config, DitPrecision::FP8);
+    if !stores_e4m3 || resolved != default {
+        return resolved;
+    }
+    let mut e4m3 = DitPrecision::Fp8(E4M3_FP8);
+    if let (DitPrecision::Fp8(l), DitPrecision::Fp8(d)) = (&mut e4m3, default) {
+        l.groups.adaln = d.groups.adaln;
+    }
+    e4m3
+}
+
 /// `precision` with `fp8` (the model default) replaced by [`DEFAULT_FP8`] for a model of `config`: its INT8 adaLN
 /// projections need the weight-only kernel's widest row ([`kernels::LINEAR_W8_MAX_K`] inputs), so a model with a
 /// wider time embedding keeps them bf16 in the default (a mode that names `adaln` is refused at load instead).
@@ -265,7 +300,11 @@ impl Engine {
         stored: Option<&Fp8Checkpoint>,
         make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
     ) -> Result<(Engine, DeviceWeightsReport), H3Error> {
-        let precision = resolve_precision(&config, precision);
+        let precision = for_checkpoint(
+            &config,
+            resolve_precision(&config, precision),
+            stored.is_some_and(|c| !c.is_empty()),
+        );
         let layers = config.num_layers;
         let mut fp8_groups: Vec<Fp8Groups> = (0..layers)
             .map(|l| precision.groups_of(l, layers))
@@ -741,6 +780,18 @@ mod tests {
                 ..DEFAULT_FP8.groups
             }
         );
+        // A checkpoint stored in e4m3 runs the default as the e4m3 mode (with the same adaLN rule); a named mode,
+        // or a float checkpoint, keeps what was resolved.
+        assert_eq!(
+            for_checkpoint(&release, default, true),
+            DitPrecision::Fp8(E4M3_FP8)
+        );
+        assert_eq!(for_checkpoint(&release, default, false), default);
+        let e4m3_wide = for_checkpoint(&wide, resolve_precision(&wide, DitPrecision::FP8), true);
+        assert_eq!(groups(e4m3_wide).adaln, None);
+        assert_eq!(groups(e4m3_wide).gemm_codes, RowCodes::E4m3);
+        let all_int8: DitPrecision = "fp8:all,ends=1,gemm=int8".parse().unwrap();
+        assert_eq!(for_checkpoint(&release, all_int8, true), all_int8);
         // A named mode is kept as typed (the load refuses it with the reason), and bf16 stays bf16.
         let named: DitPrecision = "fp8:qkv,adaln=int8,ends=1".parse().unwrap();
         assert_eq!(resolve_precision(&wide, named), named);
