@@ -143,7 +143,7 @@ pub struct H3DitArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// GEMM precision of the DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] (docs/ENGINES.md).
+    /// GEMM precision of the DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::minimax_h3::dit_gpu::DitPrecision,
     /// Canvas width in pixels (a multiple of 32).
@@ -215,7 +215,7 @@ pub struct QwenDitArgs {
     /// candidates, measured on the first call of each shape) or `heuristic` (its first result).
     #[arg(long, default_value = "timed", value_parser = ["timed", "heuristic"])]
     gemm_selection: String,
-    /// GEMM precision of the DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] (docs/ENGINES.md).
+    /// GEMM precision of the DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::qwen_image::dit_gpu::DitPrecision,
 }

@@ -54,7 +54,7 @@ pub struct Args {
     /// KV cache file: written by --kv-cache extract, read by --kv-cache cached.
     #[arg(long = "kv-file")]
     kv_file: Option<PathBuf>,
-    /// GEMM precision of the GPU DiT (Qwen-Image or MiniMax H3): bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8]
+    /// GEMM precision of the GPU DiT (Qwen-Image or MiniMax H3): bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8]
     /// (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: DitPrecision,

@@ -80,7 +80,7 @@ pub struct Args {
     /// Delete the persistent GEMM plan cache before loading (TF_PLAN_CACHE, else the user's cache folder).
     #[arg(long = "reset-plan-cache")]
     reset_plan_cache: bool,
-    /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] (docs/ENGINES.md).
+    /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::qwen_image::dit_gpu::DitPrecision,
 }

@@ -83,7 +83,7 @@ pub struct Args {
     noise: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendArg,
-    /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] (docs/ENGINES.md).
+    /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::nn::precision::DitPrecision,
     /// Output MP4.

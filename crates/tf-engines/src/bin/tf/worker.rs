@@ -61,7 +61,7 @@ pub struct Args {
     #[arg(long, default_value_t = 2048)]
     pub max_side: u32,
     /// GEMM precision of the engine's GPU DiT (qwen_image or minimax_h3): bf16, fp8, or
-    /// fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8] (docs/ENGINES.md).
+    /// fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     pub precision: DitPrecision,
     /// minimax_h3 on the GPU, timing only: make the text encoder's and the DiT's weights on the device from this
