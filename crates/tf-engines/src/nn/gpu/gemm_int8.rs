@@ -28,8 +28,8 @@ use tf_cuda::tensor_map::{encode_int8_tiles, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::launch::{
-    check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch, LoadKernelsError,
-    LoadedSet, Operand, BF16,
+    bytes_of, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
+    LoadKernelsError, LoadedSet, Matrix, Operand,
 };
 
 /// Name of the kernel set.
@@ -159,16 +159,11 @@ pub fn plan_int8_gemm<'a>(
     const OP: &str = "INT8 GEMM";
     shape.check()?;
     let Int8GemmShape { m, n, k } = shape;
-    let bytes = |rows: usize, cols: usize, size: usize, what: &str| {
-        rows.checked_mul(cols)
-            .and_then(|e| e.checked_mul(size))
-            .ok_or_else(|| invalid(OP, format!("{what} of {rows} x {cols} overflows")))
-    };
     for (name, view, needed) in [
-        ("x", inputs.x, bytes(m, k, 1, "x")?),
-        ("w", inputs.w, bytes(n, k, 1, "w")?),
-        ("x_scale", inputs.x_scale, bytes(m, 1, 4, "x_scale")?),
-        ("w_scale", inputs.w_scale, bytes(n, 1, 4, "w_scale")?),
+        ("x", inputs.x, bytes_of(OP, "x", &[m, k])?),
+        ("w", inputs.w, bytes_of(OP, "w", &[n, k])?),
+        ("x_scale", inputs.x_scale, bytes_of(OP, "x_scale", &[m, 4])?),
+        ("w_scale", inputs.w_scale, bytes_of(OP, "w_scale", &[n, 4])?),
     ] {
         check_operand(OP, name, Operand::of(view), needed, 16)?;
     }
@@ -178,10 +173,9 @@ pub fn plan_int8_gemm<'a>(
             format!("y row stride {y_row_stride} must be even and at least N = {n}"),
         ));
     }
-    let y_span = (m - 1)
-        .checked_mul(y_row_stride)
-        .and_then(|e| e.checked_add(n))
-        .and_then(|e| e.checked_mul(BF16))
+    let y_span = Matrix::dense(m, n)
+        .with_stride(y_row_stride)
+        .span_bytes()
         .ok_or_else(|| invalid(OP, "y's span overflows"))?;
     check_operand(OP, "y", Operand::of_mut(y), y_span, 16)?;
     let tiles = |base: u64, rows: usize, box_rows: u32| Tiles {
