@@ -103,7 +103,9 @@ pub const E4M3_FP8: Fp8Layers = Fp8Layers {
 };
 
 /// `resolved` (from [`resolve_precision`]) for a checkpoint that stores weights in e4m3 (`stores_e4m3`): the
-/// default mode becomes [`E4M3_FP8`] (with the same adaLN rule); any other precision is kept as resolved.
+/// default mode becomes [`E4M3_FP8`] (with the same adaLN rule); any other precision is kept as resolved. The
+/// default is recognised by value, since the H3 pipeline resolves `fp8` before the DiT loads: a mode spelled out as
+/// the default's groups is taken as the default.
 pub fn for_checkpoint(
     config: &MiniMaxH3Config,
     resolved: DitPrecision,
