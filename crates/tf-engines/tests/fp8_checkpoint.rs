@@ -8,7 +8,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use tf_engines::nn::fp8::{e4m3_decode, e4m3_encode};
+use tf_engines::nn::fp8::{e4m3_decode, e4m3_encode, RowCodes};
 use tf_engines::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CheckpointError, ScaleLayout, WeightFeed};
 use tf_engines::nn::tensor::relative_l2;
 use tf_engines::nn::weights::{Dtype, ModelDir, SafetensorsFile};
@@ -177,6 +177,21 @@ fn weight_feeds_take_codes_dequantize_quantize_or_convert() {
     let feed = WeightFeed::of(&model, &ck, p, Some((16, 32))).unwrap();
     assert!(feed.is_fp8() && !feed.is_as_stored());
     assert_eq!(feed.piece(0).device_bytes().unwrap(), 16 * 32);
+    // ... into INT8 codes for our INT8 GEMM: one byte an element, a scale a row once the ring is done.
+    let feed = WeightFeed::of_codes(&model, &ck, p, Some((16, 32)), RowCodes::Int8).unwrap();
+    assert!(feed.is_fp8() && !feed.is_as_stored());
+    assert_eq!(feed.piece(0).device_bytes().unwrap(), 16 * 32);
+    // Stored e4m3 codes bound for INT8 GEMMs: refused, naming the tensor and the way out.
+    match WeightFeed::of_codes(&model, &ck, q, Some((32, 32)), RowCodes::Int8) {
+        Err(e @ Fp8CheckpointError::StoredCodes { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains(q) && text.contains("gemm=int8"), "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // ... and bound for bf16 they are dequantized as before.
+    let feed = WeightFeed::of_codes(&model, &ck, q, None, RowCodes::Int8).unwrap();
+    assert!(!feed.is_fp8());
 }
 
 #[test]

@@ -1591,6 +1591,48 @@ fn qwen_dit_fp8_runs_every_fixture_path_near_the_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
+fn qwen_dit_int8_gemms_run_every_fixture_path_near_the_reference() {
+    let g = gpu();
+    if g.ctx.device_info().map(|i| i.compute_capability).ok() != Some((9, 0)) {
+        println!("Qwen DiT gemm=int8 skipped: our INT8 GEMM is built for sm_90a only");
+        return;
+    }
+    let spec = "fp8:all,ends=0,gemm=int8";
+    let precision: DitPrecision = spec.parse().unwrap();
+    every_fixture_path(
+        &g.ctx,
+        precision,
+        &format!("{spec}: "),
+        |case, dit, bf16_dit| {
+            assert!(
+                dit.load_stats().to_string().contains("int8 GEMMs"),
+                "{case}: {}",
+                dit.load_stats()
+            );
+            assert!(
+                dit.load_stats().weight_bytes < bf16_dit.load_stats().weight_bytes,
+                "{case}: INT8 weights take no less room than bf16"
+            );
+        },
+    );
+    // Graph replay equals the eager step, and the INT8 step is not the e4m3 one (the codes differ).
+    let step = qwen_fixtures::inputs("t2i", "step0");
+    let mut eager = load_dit(&g.ctx, "t2i", precision);
+    eager.set_graphs(false);
+    let want = eager.forward(&step, KvStep::None).unwrap();
+    assert_graph_replay_equals(&g.ctx, "t2i", precision, &want.sample, 2, spec);
+    let mut e4m3 = load_dit(&g.ctx, "t2i", "fp8:all,ends=0".parse().unwrap());
+    e4m3.set_graphs(false);
+    let other = e4m3.forward(&step, KvStep::None).unwrap();
+    assert!(
+        !same_bits(&want.sample, &other.sample),
+        "gemm=int8 gave the e4m3 step's bits: the INT8 path did not run"
+    );
+    assert!(eager.precision().to_string().contains("gemm=int8"));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run through cargo xtask gpu-bundle"]
 fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
     let g = gpu();
     if g.ctx.device_info().map(|i| i.compute_capability).ok() != Some((9, 0)) {

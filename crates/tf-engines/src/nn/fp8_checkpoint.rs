@@ -57,7 +57,7 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::nn::fp8::{e4m3_decode, RowQuantizer};
+use crate::nn::fp8::{e4m3_decode, RowCodes, RowQuantizer};
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{ChunkTransform, Piece, Transform, UploadError};
 use crate::nn::weights::{bytes_to_f32, Dtype, LoadStats, ModelDir, TensorSpec, WeightsError};
@@ -151,6 +151,15 @@ pub enum Fp8CheckpointError {
         name: String,
         index: usize,
         code: u8,
+    },
+    #[error(
+        "{path}: weight {name:?} is stored as e4m3 codes, which the {wanted} GEMMs asked for cannot run: leave \
+         `gemm=int8` out of --precision for this checkpoint, or load its bf16 original"
+    )]
+    StoredCodes {
+        path: PathBuf,
+        name: String,
+        wanted: &'static str,
     },
     #[error("{path}: FP8 weight {name:?} is [{rows}, {cols}], the model wants it as [{want_rows}, {want_cols}]")]
     Layout {
@@ -882,11 +891,30 @@ impl<'a> WeightFeed<'a> {
         name: &str,
         fp8: Option<(usize, usize)>,
     ) -> Result<WeightFeed<'a>, Fp8CheckpointError> {
+        WeightFeed::of_codes(model, checkpoint, name, fp8, RowCodes::E4m3)
+    }
+
+    /// [`WeightFeed::of`] with a float tensor bound for 8 bits quantized into `codes` (e4m3, or INT8 for our INT8
+    /// GEMM). A checkpoint's stored codes are e4m3: bound for INT8 they are refused, naming the tensor.
+    pub fn of_codes(
+        model: &'a ModelDir,
+        checkpoint: &Fp8Checkpoint,
+        name: &str,
+        fp8: Option<(usize, usize)>,
+        codes: RowCodes,
+    ) -> Result<WeightFeed<'a>, Fp8CheckpointError> {
         let feed_err = |source| Fp8CheckpointError::Feed {
             name: name.to_string(),
             source: Box::new(source),
         };
         Ok(match (checkpoint.get(name), fp8) {
+            (Some(w), Some(_)) if codes != RowCodes::E4m3 => {
+                return Err(Fp8CheckpointError::StoredCodes {
+                    path: w.file.clone(),
+                    name: name.into(),
+                    wanted: codes.name(),
+                })
+            }
             (Some(w), Some((rows, cols))) => {
                 if (w.rows, w.cols) != (rows, cols) {
                     return Err(Fp8CheckpointError::Layout {
@@ -909,7 +937,7 @@ impl<'a> WeightFeed<'a> {
             },
             (None, Some((rows, cols))) => WeightFeed::Quantize {
                 src: model.bytes(name)?,
-                quantizer: RowQuantizer::new(model.info(name)?.dtype, rows, cols)
+                quantizer: RowQuantizer::with_codes(model.info(name)?.dtype, rows, cols, codes)
                     .map_err(feed_err)?,
             },
             (None, None) => WeightFeed::Bf16 {

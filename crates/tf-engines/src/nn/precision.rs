@@ -108,6 +108,11 @@ impl Fp8Groups {
         self.mlp_value && self.mlp_gate
     }
 
+    /// The 8-bit codes of the GEMM group `on` selects (`gemm_codes`), or `None` when that group runs in bf16.
+    pub fn codes_of(self, on: impl FnOnce(Fp8Groups) -> bool) -> Option<RowCodes> {
+        on(self).then_some(self.gemm_codes)
+    }
+
     /// Exactly one half of `mlp_in` in FP8 (the other in bf16, or the gate in INT8): the projection runs as two
     /// GEMMs, one per half.
     pub fn mlp_in_split(self) -> bool {

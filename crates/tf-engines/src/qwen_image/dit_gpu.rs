@@ -52,8 +52,10 @@ use super::dit::{
 };
 use super::ops::DitKernels;
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, StoredGemms};
+use crate::nn::gpu::gemm_int8::Int8GemmKernels;
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
@@ -251,6 +253,8 @@ struct Engine {
     fp8_groups: Vec<Fp8Groups>,
     /// The quantizing kernels, loaded when some block runs in FP8.
     quant: Option<QuantKernels>,
+    /// Our INT8 GEMM, loaded when some block's 8-bit GEMM groups run in INT8 codes (`gemm=int8`).
+    int8_gemm: Option<Int8GemmKernels>,
     /// The 8-bit attention kernels, loaded when some block runs its attention in 8 bits (`attn=int8-fp8`).
     attention8: Option<Attention8bitKernels>,
 }
@@ -327,13 +331,6 @@ impl GpuDit {
                         .into(),
                 ));
             }
-            if layers.groups.gemm_codes == crate::nn::fp8::RowCodes::Int8 {
-                return Err(DitError::Backend(
-                    "gemm=int8 (every 8-bit GEMM group on our INT8 GEMM) is MiniMax H3's so far; Qwen-Image's FP8 \
-                     groups run e4m3: leave gemm=int8 out of --precision"
-                        .into(),
-                ));
-            }
             if layers.groups.mlp_in_split() {
                 return Err(DitError::Backend(
                     "the fp8 groups `mlp_value` and `mlp_gate` (one half of the MLP's input projection) are MiniMax                      H3's; Qwen-Image runs its gate|up projection as one GEMM: name `mlp_in`, or neither half"
@@ -358,6 +355,16 @@ impl GpuDit {
             None
         };
 
+        let int8_gemm = if fp8_groups
+            .iter()
+            .any(|g| g.any() && g.gemm_codes == RowCodes::Int8)
+        {
+            Some(Int8GemmKernels::load(ctx).map_err(gpu_err(
+                "loading our INT8 GEMM (gemm=int8 runs every 8-bit GEMM group on it; it needs an sm_90 GPU)",
+            ))?)
+        } else {
+            None
+        };
         let attention8 = if precision.uses_8bit_attention(dims.layers) {
             Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
                 "loading the 8-bit attention kernels (attn=int8-fp8)",
@@ -381,6 +388,7 @@ impl GpuDit {
                 precision,
                 fp8_groups,
                 quant,
+                int8_gemm,
                 attention8,
             },
             workspaces: RecentSet::new(MAX_WORKSPACES),

@@ -13,12 +13,14 @@ use super::kv::GpuKvCache;
 use super::workspace::{Fp8Rows, Workspace};
 use super::{cuda_err, span, Engine, NoProbe, PhaseWork, StepProbe, MAX_GRAPHS};
 use crate::nn::backend_error::gpu_error;
+use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{Fp8Linear, Linear};
+use crate::nn::gpu::gemm_int8::{Int8GemmOperands, Int8GemmShape};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
-    plan_gated_residual_norm_modulate_fp8, plan_norm_modulate_fp8, plan_quantize_rows_fp8,
-    plan_swiglu_fp8, Fp8Rows as Fp8Out, QuantKernels, ResidualGate,
+    plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes, plan_quantize_rows,
+    plan_swiglu_codes, Fp8Rows as Fp8Out, QuantKernels, ResidualGate,
 };
 use crate::nn::gpu::{
     attention_flops, AttentionInputs, Matrix, Modulation, ModulationRows, NormKind, NormModulate,
@@ -43,55 +45,100 @@ impl Engine {
         Ok(unsafe { self.gemms.run(&linear, &self.stream) }?)
     }
 
-    /// A block GEMM `y[m, n] = x · wᵀ`: in FP8 when `fp8` (`x` the workspace's FP8 rows `x8`, the e4m3 weight at
-    /// `w_offset` with its scales), else in bf16 (`x` = `x_bf16`, the bf16 weight at `w_offset`).
+    /// A block GEMM `y[m, n] = x · wᵀ` into the dense rows of `y`: in 8 bits when `codes` is given (`x` the
+    /// workspace's 8-bit rows `x8`, the weight's codes at `w_offset` with its scales), else in bf16 (`x` =
+    /// `x_bf16`, the bf16 weight at `w_offset`).
     #[allow(clippy::too_many_arguments)]
     fn block_gemm(
         &self,
-        fp8: bool,
+        codes: Option<RowCodes>,
         x8: &Option<Fp8Rows>,
         x_bf16: DeviceSpan,
         (m, n, k): (usize, usize, usize),
         w_offset: usize,
         scales: Option<usize>,
-        y: DeviceSpan,
+        y: &mut DeviceBuffer,
     ) -> Result<(), DitError> {
-        if fp8 {
-            self.gemm_fp8(fp8_ref(x8)?, (m, n, k), w_offset, scales, y)
-        } else {
-            self.gemm(Linear::new(
+        match codes {
+            Some(codes) => self.gemm_8bit(fp8_ref(x8)?, codes, (m, n, k), w_offset, scales, y),
+            None => self.gemm(Linear::new(
                 m,
                 n,
                 k,
                 x_bf16,
                 self.weight(w_offset, n * k * BF16)?,
-                y,
-            ))
+                (&*y).into(),
+            )),
         }
     }
 
-    /// Enqueues the FP8 GEMM `y[m, n] = x · wᵀ` with `x` the workspace's FP8 rows (rows of `k` bytes, with their
-    /// scales) and the e4m3 weight at `w_offset` with its per-output-channel scales at `scales`.
-    fn gemm_fp8(
+    /// Enqueues the 8-bit GEMM `y[m, n] = x · wᵀ` with `x` the workspace's 8-bit rows (rows of `k` bytes, with
+    /// their scales) and the weight's codes at `w_offset` with its per-output-channel scales at `scales`: e4m3
+    /// through cuBLASLt's row-wise FP8 GEMM, INT8 through our INT8 GEMM (`gemm=int8`); bf16 out, dense in `y`.
+    fn gemm_8bit(
         &self,
         x: &Fp8Rows,
+        codes: RowCodes,
         (m, n, k): (usize, usize, usize),
         w_offset: usize,
         scales: Option<usize>,
-        y: DeviceSpan,
+        y: &mut DeviceBuffer,
     ) -> Result<(), DitError> {
         let scales = scales.ok_or_else(|| {
-            DitError::Backend("internal: an FP8 GEMM group without weight scales".into())
+            DitError::Backend("internal: an 8-bit GEMM group without weight scales".into())
         })?;
+        if codes == RowCodes::Int8 {
+            return self.our_int8_gemm(x, (m, n, k), (w_offset, scales), y);
+        }
         let linear = Fp8Linear::new(
             (m, n, k),
             (span(&x.codes, 0, m * k)?, span(&x.scales, 0, m * 4)?),
             (self.weight(w_offset, n * k)?, self.weight(scales, n * 4)?),
-            y,
+            (&*y).into(),
         )
         .accumulation(self.precision.fp8_accumulation());
         // SAFETY: as `gemm`: every span lies in a live buffer of this engine or of the workspace in use.
         Ok(unsafe { self.gemms.run_fp8(&linear, &self.stream) }?)
+    }
+
+    /// Our INT8 GEMM over the workspace's INT8 rows `x` and the INT8 weight at `w_offset` with its channel scales
+    /// at `scales`: bf16 products, dense rows of `n` in `y`.
+    fn our_int8_gemm(
+        &self,
+        x: &Fp8Rows,
+        (m, n, k): (usize, usize, usize),
+        (w_offset, scales): (usize, usize),
+        y: &mut DeviceBuffer,
+    ) -> Result<(), DitError> {
+        let ours = self.int8_gemm.as_ref().ok_or_else(|| {
+            DitError::Backend("internal: an INT8 GEMM group without our INT8 GEMM loaded".into())
+        })?;
+        let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("INT8 GEMM", e));
+        let bytes = |a: usize, b: usize| {
+            a.checked_mul(b).ok_or_else(|| {
+                DitError::Backend(format!("INT8 GEMM {m} x {n} x {k}: size overflows"))
+            })
+        };
+        let xv = x.codes.slice(0, bytes(m, k)?).map_err(launch)?;
+        let x_scale = x.scales.slice(0, bytes(m, 4)?).map_err(launch)?;
+        let w = self.weights.slice(w_offset, bytes(n, k)?).map_err(launch)?;
+        let w_scale = self.weights.slice(scales, bytes(n, 4)?).map_err(launch)?;
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &x_scale,
+            w: &w,
+            w_scale: &w_scale,
+        };
+        let mut yv = y.slice_mut(0, bytes(m, n * BF16)?).map_err(launch)?;
+        ours.gemm(
+            &self.ctx,
+            &self.stream,
+            Int8GemmShape { m, n, k },
+            &inputs,
+            &mut yv,
+            n,
+        )
+        .map_err(launch)
     }
 
     /// The quantizing kernels (loaded whenever some block runs in FP8).
@@ -314,7 +361,7 @@ impl Engine {
         };
 
         // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
-        if self.fp8_of(0).qkv {
+        if let Some(codes) = self.fp8_of(0).codes_of(|g| g.qkv) {
             let rows8 = fp8_rows(&mut ws.fp8)?;
             let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
             let out = Fp8Out {
@@ -325,7 +372,13 @@ impl Engine {
             self.quant()?
                 .run(
                     st,
-                    plan_norm_modulate_fp8(&ws.x.view(), x_layout, &out, &adaln_fp8(0)),
+                    plan_norm_modulate_codes(
+                        &ws.x.view(),
+                        x_layout,
+                        d,
+                        (&out, codes),
+                        &adaln_fp8(0),
+                    ),
                 )
                 .map_err(launch)?;
         } else {
@@ -349,13 +402,13 @@ impl Engine {
             let fp8 = self.fp8_of(layer);
             // Attention half (its adaLN ran at the end of the previous block).
             self.block_gemm(
-                fp8.qkv,
+                fp8.codes_of(|g| g.qkv),
                 &ws.fp8,
                 (&ws.normed).into(),
                 (total, 3 * w, d),
                 bo.qkv,
                 bo.scales.qkv,
-                (&ws.qkv).into(),
+                &mut ws.qkv,
             )?;
             phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
             {
@@ -488,7 +541,7 @@ impl Engine {
                 .map_err(launch)?;
                 phase!("attention", Flops, attention_flops(shape));
             }
-            if fp8.out {
+            if let Some(codes) = fp8.codes_of(|g| g.out) {
                 // The attention kernel writes bf16: its output is quantized by a pass of its own.
                 let rows8 = fp8_rows(&mut ws.fp8)?;
                 {
@@ -501,17 +554,23 @@ impl Engine {
                     self.quant()?
                         .run(
                             st,
-                            plan_quantize_rows_fp8(&ws.attn.view(), Matrix::dense(total, w), &out),
+                            plan_quantize_rows(
+                                &ws.attn.view(),
+                                Matrix::dense(total, w),
+                                &out,
+                                codes,
+                            ),
                         )
                         .map_err(launch)?;
                 }
                 phase!("attention quantize", Bytes, 3 * total * w);
-                self.gemm_fp8(
+                self.gemm_8bit(
                     rows8,
+                    codes,
                     (total, d, w),
                     bo.to_out,
                     bo.scales.to_out,
-                    (&ws.proj).into(),
+                    &mut ws.proj,
                 )?;
             } else {
                 self.gemm(Linear::new(
@@ -524,7 +583,7 @@ impl Engine {
                 ))?;
             }
             phase!("out GEMM", Flops, 2 * total * d * w);
-            if fp8.mlp_in() {
+            if let Some(codes) = fp8.codes_of(Fp8Groups::mlp_in) {
                 let rows8 = fp8_rows(&mut ws.fp8)?;
                 let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
                 let out = Fp8Out {
@@ -535,14 +594,15 @@ impl Engine {
                 self.quant()?
                     .run(
                         st,
-                        plan_gated_residual_norm_modulate_fp8(
+                        plan_gated_residual_norm_modulate_with(
                             &ws.x.view_mut(),
                             x_layout,
-                            &ws.proj.view(),
                             d,
+                            (&ws.proj.view(), d),
                             &tanh_gate(d),
-                            &out,
+                            (&out, codes),
                             &adaln_fp8(2 * d),
+                            None,
                         ),
                     )
                     .map_err(launch)?;
@@ -568,16 +628,16 @@ impl Engine {
 
             // MLP half.
             self.block_gemm(
-                fp8.mlp_in(),
+                fp8.codes_of(Fp8Groups::mlp_in),
                 &ws.fp8,
                 (&ws.normed).into(),
                 (total, 2 * f, d),
                 bo.gate_up,
                 bo.scales.gate_up,
-                (&ws.gate_up).into(),
+                &mut ws.gate_up,
             )?;
             phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
-            if fp8.mlp_out {
+            if let Some(codes) = fp8.codes_of(|g| g.mlp_out) {
                 let rows8 = fp8_rows(&mut ws.fp8)?;
                 let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
                 let out = Fp8Out {
@@ -588,11 +648,12 @@ impl Engine {
                 self.quant()?
                     .run(
                         st,
-                        plan_swiglu_fp8(
+                        plan_swiglu_codes(
                             SwigluOrder::GateValue,
                             &ws.gate_up.view(),
                             Matrix::dense(total, 2 * f),
                             &out,
+                            codes,
                         ),
                     )
                     .map_err(launch)?;
@@ -608,17 +669,20 @@ impl Engine {
             }
             phase!("swiglu", Bytes, 3 * total * f * BF16);
             self.block_gemm(
-                fp8.mlp_out,
+                fp8.codes_of(|g| g.mlp_out),
                 &ws.fp8,
                 (&ws.act).into(),
                 (total, d, f),
                 bo.mlp_out,
                 bo.scales.mlp_out,
-                (&ws.proj).into(),
+                &mut ws.proj,
             )?;
             phase!("down GEMM", Flops, 2 * total * d * f);
             // The next block's adaLN (FP8 when its qkv GEMM is), or norm_out after the last block.
-            if layer != last_layer && self.fp8_of(layer + 1).qkv {
+            let next_codes = (layer != last_layer)
+                .then(|| self.fp8_of(layer + 1).codes_of(|g| g.qkv))
+                .flatten();
+            if let Some(codes) = next_codes {
                 let rows8 = fp8_rows(&mut ws.fp8)?;
                 let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
                 let out = Fp8Out {
@@ -629,14 +693,15 @@ impl Engine {
                 self.quant()?
                     .run(
                         st,
-                        plan_gated_residual_norm_modulate_fp8(
+                        plan_gated_residual_norm_modulate_with(
                             &ws.x.view_mut(),
                             x_layout,
-                            &ws.proj.view(),
                             d,
+                            (&ws.proj.view(), d),
                             &tanh_gate(3 * d),
-                            &out,
+                            (&out, codes),
                             &adaln_fp8(0),
+                            None,
                         ),
                     )
                     .map_err(launch)?;

@@ -13,8 +13,8 @@
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::{cuda_err, gpu_err};
-use crate::nn::fp8::RowQuantizer;
-use crate::nn::fp8_checkpoint::{Fp8Checkpoint, WeightFeed};
+use crate::nn::fp8::{RowCodes, RowQuantizer};
+use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CheckpointError, WeightFeed};
 use crate::nn::gpu::HEAD_DIM;
 use crate::nn::precision::DitPrecision;
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
@@ -179,6 +179,8 @@ struct Fp8Target {
     rows: usize,
     cols: usize,
     scale_at: usize,
+    /// e4m3, or INT8 for our INT8 GEMM (`gemm=int8`).
+    codes: RowCodes,
 }
 
 /// Plans the fused layout of `model` and uploads it into one fresh allocation of `ctx`, on `stream`: bf16, and
@@ -286,15 +288,17 @@ pub(super) fn upload(
             Transform::Plain
         }
     };
-    // An FP8 tensor of `rows` output rows of `cols`, its scales `first_row` rows into the group's scales.
-    let fp8_at = |scales: Option<usize>, rows: usize, cols: usize, first_row: usize| {
-        scales.map(|at| Fp8Target {
-            rows,
-            cols,
-            scale_at: at + first_row * 4,
-        })
-    };
     for (i, (b, (qkv, gate_up))) in offsets.blocks.iter().zip(&block_parts).enumerate() {
+        // An 8-bit tensor of `rows` output rows of `cols`, its scales `first_row` rows into the group's scales.
+        let codes = precision.groups_of(i, dims.layers).gemm_codes;
+        let fp8_at = |scales: Option<usize>, rows: usize, cols: usize, first_row: usize| {
+            scales.map(|at| Fp8Target {
+                rows,
+                cols,
+                scale_at: at + first_row * 4,
+                codes,
+            })
+        };
         let p = format!("transformer_blocks.{i}.");
         let sc = b.scales;
         placements.push((
@@ -363,6 +367,16 @@ pub(super) fn upload(
     // reshaped tensor goes through f32 (an FP8 one dequantized).
     let mut owned: Vec<Option<Staged>> = Vec::with_capacity(placements.len());
     for (name, _, transform, target) in &placements {
+        if let (Some(w), Some(t)) = (checkpoint.get(name), target) {
+            if t.codes != RowCodes::E4m3 {
+                return Err(Fp8CheckpointError::StoredCodes {
+                    path: w.file.clone(),
+                    name: name.clone(),
+                    wanted: t.codes.name(),
+                }
+                .into());
+            }
+        }
         owned.push(if matches!(transform, Transform::Plain) {
             None
         } else if let (Some(w), Some(_)) = (checkpoint.get(name), target) {
@@ -389,15 +403,20 @@ pub(super) fn upload(
             },
             (Some(Staged::Values(f32_bytes)), Some(t)) => WeightFeed::Quantize {
                 src: f32_bytes,
-                quantizer: RowQuantizer::new(Dtype::F32, t.rows, t.cols).map_err(gpu_err(name))?,
+                quantizer: RowQuantizer::with_codes(Dtype::F32, t.rows, t.cols, t.codes)
+                    .map_err(gpu_err(name))?,
             },
             (Some(Staged::Values(f32_bytes)), None) => WeightFeed::Bf16 {
                 src: f32_bytes,
                 dtype: Dtype::F32,
             },
-            (None, target) => {
-                WeightFeed::of(model, checkpoint, name, target.map(|t| (t.rows, t.cols)))?
-            }
+            (None, target) => WeightFeed::of_codes(
+                model,
+                checkpoint,
+                name,
+                target.map(|t| (t.rows, t.cols)),
+                target.map_or(RowCodes::E4m3, |t| t.codes),
+            )?,
         };
         if let (WeightFeed::Codes { src, scales }, Some(t)) = (&feed, target) {
             checkpoint_fp8_as_stored += 1;
