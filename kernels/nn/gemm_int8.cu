@@ -73,6 +73,36 @@ __device__ __forceinline__ void wgmma_s8_m64n256k32(int32_t (&d)[128], uint64_t 
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+#define G8_FLOAT(x) "+f"(x)
+
+// d (+)= A * B for one m64n256k16 step: bf16 operands from shared memory (K-major descriptors), f32 sums.
+__device__ __forceinline__ void wgmma_bf16_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                      int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " G8_REGS128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 : G8_ACC128(G8_FLOAT)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// The operands of one kernel of the set: INT8 codes with scales (int32 sums), or bf16 (f32 sums, no scales). Both
+// read 128 bytes of K a stage and step 32 bytes of it an MMA (k32 of INT8, k16 of bf16).
+template <bool kBf16>
+struct G8Operands {
+    using Acc = int32_t;
+    static constexpr int kSliceElems = kG8Slice;  // K elements a stage holds
+    __device__ __forceinline__ static void mma(Acc (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+        wgmma_s8_m64n256k32(d, a, b, accumulate);
+    }
+};
+template <>
+struct G8Operands<true> {
+    using Acc = float;
+    static constexpr int kSliceElems = kG8Slice / 2;
+    __device__ __forceinline__ static void mma(Acc (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+        wgmma_bf16_m64n256k16(d, a, b, accumulate);
+    }
+};
+
 // The first row and column of output tile `tile`, tiles numbered M-fastest.
 __device__ __forceinline__ int2 tile_origin(int tile, int m_tiles) {
     return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kG8Cols);
@@ -86,13 +116,17 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
 }  // namespace
 #endif
 
-// The GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows, 1},
-// boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of at most one CTA an
-// SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
 #if defined(NN_HAS_WGMMA)
+namespace {
+
+// The GEMM of either operand kind (G8Operands): the kernels below are its two instances. x_scale and w_scale are
+// read only for INT8.
+template <bool kBf16>
+__device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
+                                           const float* __restrict__ w_scale, bf16* __restrict__ y,
+                                           int64_t y_row_stride, int m, int n, int k) {
+    using Ops = G8Operands<kBf16>;
+    using Acc = typename Ops::Acc;
     extern __shared__ uint8_t g8_smem[];
     __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
     // The swizzled tiles want 1024-byte aligned bases: round the dynamic region up (the launch asks 1 KiB more).
@@ -105,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
     const int tiles = m_tiles * ((n + kG8Cols - 1) / kG8Cols);
-    const int slices = (k + kG8Slice - 1) / kG8Slice;
+    const int slices = (k + Ops::kSliceElems - 1) / Ops::kSliceElems;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -131,8 +165,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
                     // The stage was last read by slice it - kG8Stages: wait until every consumer released it.
                     if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
                     mbar_expect_bytes(full(s), kG8StageBytes);
-                    tma_box_2d(a_tile(s), &tm_x, t * kG8Slice, origin.x, full(s));
-                    tma_box_2d(b_tile(s), &tm_w, t * kG8Slice, origin.y, full(s));
+                    tma_box_2d(a_tile(s), &tm_x, t * Ops::kSliceElems, origin.x, full(s));
+                    tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, origin.y, full(s));
                 }
             }
         }
@@ -148,9 +182,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
     };
-    int32_t acc[128];
+    Acc acc[128];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0;
+    for (int i = 0; i < 128; ++i) acc[i] = Acc(0);
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int2 origin = tile_origin(tile, m_tiles);
@@ -165,8 +199,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
 #pragma unroll
             for (int kk = 0; kk < kG8Slice / 32; ++kk) {
                 // The tile's first MMA overwrites the accumulators (the previous tile's are stored by then).
-                wgmma_s8_m64n256k32(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
-                                    (t > 0 || kk > 0) ? 1 : 0);
+                Ops::mma(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
+                         (t > 0 || kk > 0) ? 1 : 0);
             }
             wgmma_commit();
             // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
@@ -177,25 +211,44 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
         // The tile's last stage is free too: the producer may refill it while this tile is stored.
         release((it - 1) % kG8Stages);
 #pragma unroll
-        for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+        for (int i = 0; i < 128; ++i) {
+            if constexpr (kBf16) {
+                asm volatile("" : "+f"(acc[i])::"memory");
+            } else {
+                asm volatile("" : "+r"(acc[i])::"memory");
+            }
+        }
 
         // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each
         // 8-column block j the columns 8 j + 2 (l % 4) and + 1 (acc[4 j + e]: e < 2 the first row, e >= 2 the
         // second).
         const int row_a = m0 + consumer * 64 + warp * 16 + lane / 4;
         const int row_b = row_a + 8;
-        const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
-        const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+        float scale_a = 1.0f;
+        float scale_b = 1.0f;
+        if constexpr (!kBf16) {
+            scale_a = row_a < m ? x_scale[row_a] : 0.0f;
+            scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+        }
         const int col0 = n0 + 2 * (lane % 4);
-        // Two adjacent columns of one row, scaled and rounded to bf16. The two scales multiply first, as
+        // Two adjacent columns of one row, scaled (INT8) and rounded to bf16. The two scales multiply first, as
         // nn_swiglu_i32gate_fp8 dequantizes cuBLASLt's int32 products, so either INT8 path gives the same values.
-        auto scaled = [&](int32_t a, int32_t b, float row_scale, float2 ws) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(a) * (row_scale * ws.x),
-                                                           static_cast<float>(b) * (row_scale * ws.y));
+        auto scaled = [&](Acc a, Acc b, float row_scale, float2 ws) {
+            __nv_bfloat162 v;
+            if constexpr (kBf16) {
+                v = __floats2bfloat162_rn(a, b);
+            } else {
+                v = __floats2bfloat162_rn(static_cast<float>(a) * (row_scale * ws.x),
+                                          static_cast<float>(b) * (row_scale * ws.y));
+            }
             return *reinterpret_cast<const uint32_t*>(&v);
         };
         auto w_scales = [&](int col) {
-            return col < n ? *reinterpret_cast<const float2*>(w_scale + col) : make_float2(0.0f, 0.0f);
+            if constexpr (kBf16) {
+                return make_float2(1.0f, 1.0f);
+            } else {
+                return col < n ? *reinterpret_cast<const float2*>(w_scale + col) : make_float2(0.0f, 0.0f);
+            }
         };
         if (((n | static_cast<int>(y_row_stride)) & 7) == 0) {
             // Whole 16-byte blocks: the quad's four lanes transpose their pairs of four blocks (two xor-shuffle
@@ -266,6 +319,33 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
             }
         }
     }
+}
+
+}  // namespace
+#endif
+
+// The INT8 GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows,
+// 1}, boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of at most one CTA
+// an SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<false>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, n, k);
+#else
+    __trap();
+#endif
+}
+
+// The same GEMM over bf16 operands, y = bf16(x . w^T) with f32 sums and no scales. tm_x: x as {K, M, 1} bf16,
+// boxes of 64 elements (128 bytes) x 128 rows; tm_w: w as {K, N, 1} bf16, boxes of 64 x 256 rows; K a multiple of
+// 8 (16-byte rows). Same grid, threads and shared memory as the INT8 kernel.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_constant__ TmaMap tm_x,
+                                                                  const __grid_constant__ TmaMap tm_w,
+                                                                  bf16* __restrict__ y, int64_t y_row_stride, int m,
+                                                                  int n, int k) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k);
 #else
     __trap();
 #endif

@@ -8,6 +8,10 @@
 //! one slice to the MiniMax H3 widths and K not a whole number of slices. The launcher's refusals are host tests (`int8_gemm_plan.rs`); speed is measured by `tf bench
 //! int8-gemm`, not here.
 //!
+//! The same pipeline over bf16 operands (`plan_bf16_gemm`, kernel nn_gemm_bf16) is held bit for bit to the host
+//! too, on operands whose products and sums are exact in f32 (multiples of 1/8 up to 1 in magnitude), so the order
+//! of the kernel's sums cannot change a bit and any wrong row, column, slice or store shows.
+//!
 //! They are ignored in a plain `cargo test`; run without a GPU they fail, and on a GPU that is not sm_90 each prints
 //! that it is skipped.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
@@ -132,5 +136,93 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
             ))
         );
         assert_eq!(wrong, 0, "INT8 GEMM {m}x{n}x{k} differs from the host");
+    }
+}
+
+fn bf16_bits(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
+/// bf16 values k / 8 with |k| <= 8: every product is a multiple of 1/64 and every sum up to K = 2^18 is exact in f32.
+fn eighths(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| ((rng.next_u64() % 17) as i32 - 8) as f32 / 8.0)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn bf16_gemm_matches_the_host_bit_for_bit_on_exact_sums() {
+    let Some(g) = gpu("bf16_gemm_matches_the_host_bit_for_bit_on_exact_sums") else {
+        return;
+    };
+    // As the INT8 shapes, plus K = 200 and 40 (a multiple of 8 but not 16: the bf16 rows' 16-byte rule) and the
+    // DiT widths of K, with a strided output and more tiles than SMs.
+    for (i, &(m, n, k, stride)) in [
+        (128, 256, 64, 256),
+        (70, 328, 400, 336),
+        (300, 1000, 5392, 1000),
+        (9, 26, 40, 32),
+        (40, 512, 200, 514),
+        (33, 768, 5376, 768),
+        (200, 256, 7168, 256),
+        (17, 512, 14336, 512),
+        (2000, 4096, 384, 4096),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(8200 + i as u64);
+        let x = eighths(&mut rng, m * k);
+        let w = eighths(&mut rng, n * k);
+        let mut want = vec![0f32; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                let sum: f64 = (0..k)
+                    .map(|j| f64::from(x[r * k + j]) * f64::from(w[c * k + j]))
+                    .sum();
+                want[r * n + c] = sum as f32;
+            }
+        }
+        let x_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&x)).expect("x");
+        let w_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&w)).expect("w");
+        let sentinel = 0x7fc1u16;
+        let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; m * stride]).expect("y");
+        let (xv, wv) = (x_dev.view(), w_dev.view());
+        let mut yv = y_dev.view_mut();
+        let shape = Int8GemmShape { m, n, k };
+        g.kernels
+            .gemm_bf16(&g.ctx, &g.stream, shape, (&xv, &wv), &mut yv, stride)
+            .unwrap_or_else(|e| panic!("bf16 GEMM {m}x{n}x{k}: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        let got: Vec<u16> = y_dev.to_vec().expect("y back");
+        let mut wrong = 0usize;
+        let mut first = None;
+        for r in 0..m {
+            for c in 0..stride {
+                let bits = got[r * stride + c];
+                let ok = if c < n {
+                    bits == half::bf16::from_f32(want[r * n + c]).to_bits()
+                } else {
+                    bits == sentinel
+                };
+                if !ok {
+                    wrong += 1;
+                    first.get_or_insert((r, c, bits));
+                }
+            }
+        }
+        println!(
+            "bf16 gemm {m}x{n}x{k} (y stride {stride}): {wrong} of {} elements differ from the host's{}",
+            m * stride,
+            first.map_or(String::new(), |(r, c, b)| format!(
+                " (first at row {r}, column {c}: {:#06x})",
+                b
+            ))
+        );
+        assert_eq!(wrong, 0, "bf16 GEMM {m}x{n}x{k} differs from the host");
     }
 }

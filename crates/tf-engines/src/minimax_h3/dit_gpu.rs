@@ -214,6 +214,8 @@ struct Engine {
     attention8: Option<Attention8bitKernels>,
     /// Our INT8 GEMM, loaded when the INT8 gate runs through it (`TF_INT8_GEMM=ours`) instead of cuBLASLt.
     int8_gemm: Option<Int8GemmKernels>,
+    /// The same set for the bf16 GEMMs without bias when `TF_BF16_GEMM=ours` (its bf16 kernel instead of cuBLASLt).
+    bf16_gemm: Option<Int8GemmKernels>,
     /// This rank's communicator when the step runs sequence-parallel ([`parallel`]).
     parallel: Option<parallel::SpState>,
 }
@@ -363,6 +365,13 @@ impl Engine {
             ),
             _ => None,
         };
+        let bf16_gemm = match Int8GemmBackend::bf16_from_env().map_err(H3Error::Backend)? {
+            Int8GemmBackend::Ours => Some(
+                Int8GemmKernels::load(ctx)
+                    .map_err(gpu_err("loading our bf16 GEMM (TF_BF16_GEMM=ours)"))?,
+            ),
+            Int8GemmBackend::Cublaslt => None,
+        };
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,
@@ -385,6 +394,7 @@ impl Engine {
                 quant,
                 attention8,
                 int8_gemm,
+                bf16_gemm,
                 parallel: None,
             },
             DeviceWeightsReport {

@@ -55,7 +55,7 @@ use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, StoredGemms};
-use crate::nn::gpu::gemm_int8::Int8GemmKernels;
+use crate::nn::gpu::gemm_int8::{Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
@@ -255,6 +255,8 @@ struct Engine {
     quant: Option<QuantKernels>,
     /// Our INT8 GEMM, loaded when some block's 8-bit GEMM groups run in INT8 codes (`gemm=int8`).
     int8_gemm: Option<Int8GemmKernels>,
+    /// The same set for the bf16 block GEMMs when `TF_BF16_GEMM=ours` (its bf16 kernel instead of cuBLASLt).
+    bf16_gemm: Option<Int8GemmKernels>,
     /// The 8-bit attention kernels, loaded when some block runs its attention in 8 bits (`attn=int8-fp8`).
     attention8: Option<Attention8bitKernels>,
 }
@@ -365,6 +367,13 @@ impl GpuDit {
         } else {
             None
         };
+        let bf16_gemm = match Int8GemmBackend::bf16_from_env().map_err(DitError::Backend)? {
+            Int8GemmBackend::Ours => Some(
+                Int8GemmKernels::load(ctx)
+                    .map_err(gpu_err("loading our bf16 GEMM (TF_BF16_GEMM=ours)"))?,
+            ),
+            Int8GemmBackend::Cublaslt => None,
+        };
         let attention8 = if precision.uses_8bit_attention(dims.layers) {
             Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
                 "loading the 8-bit attention kernels (attn=int8-fp8)",
@@ -389,6 +398,7 @@ impl GpuDit {
                 fp8_groups,
                 quant,
                 int8_gemm,
+                bf16_gemm,
                 attention8,
             },
             workspaces: RecentSet::new(MAX_WORKSPACES),

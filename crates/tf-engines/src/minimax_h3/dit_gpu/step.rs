@@ -712,6 +712,21 @@ impl Engine {
             Some(b) => Some(gemm::span(&self.weights, b, bytes(1, c.n)?).map_err(gemm_err)?),
             None => None,
         };
+        let shape = Int8GemmShape {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+        };
+        if let Some(ours) = self.bf16_gemm.as_ref() {
+            let aligned = [x.addr, w.addr, y.addr].iter().all(|a| a % 16 == 0);
+            if bias.is_none() && aligned && shape.check_bf16().is_ok() {
+                // SAFETY: as for cuBLASLt's call below: every span lies inside a live buffer that outlives the work.
+                return unsafe {
+                    ours.gemm_bf16_spans(&self.ctx, &self.stream, shape, (x, w), y, c.n)
+                }
+                .map_err(launch);
+            }
+        }
         let linear = Linear::new(c.m, c.n, c.k, x, w, y).with_bias(bias);
         // SAFETY: every span lies inside a live buffer of this engine (the weights) or of the workspace in use
         // (checked by `gemm::span`); those buffers outlive the work: the forward synchronizes the stream before

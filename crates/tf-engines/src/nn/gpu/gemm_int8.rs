@@ -23,8 +23,9 @@
 
 use std::fmt;
 
+use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
-use tf_cuda::tensor_map::{encode_int8_tiles, Tiles};
+use tf_cuda::tensor_map::{encode_bf16_tiles, encode_int8_tiles, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::launch::{
@@ -34,16 +35,18 @@ use super::launch::{
 
 /// Name of the kernel set.
 pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
-/// The set's one kernel.
-pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16"];
+/// The set's kernels: the INT8 GEMM, and the same pipeline over bf16 operands ([`plan_bf16_gemm`]).
+pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16", "nn_gemm_bf16"];
 /// Rows of `y` one CTA computes.
 pub const TILE_ROWS: usize = 128;
 /// Columns of `y` one CTA computes (a partial last tile reads zeros past N and stores nothing there).
 pub const TILE_COLS: usize = 256;
 /// Bytes of K one pipeline stage holds (a partial last slice reads zeros past K).
 pub const K_SLICE: usize = 128;
-/// K must be a multiple: the tensor maps' rows are 16-byte aligned.
+/// K must be a multiple: the tensor maps' rows are 16-byte aligned (16 INT8 codes; 8 bf16 for [`plan_bf16_gemm`]).
 pub const K_ALIGN: usize = 16;
+/// K of a bf16 GEMM must be a multiple (16-byte rows).
+pub const K_ALIGN_BF16: usize = 8;
 const STAGES: usize = 4;
 const THREADS: u32 = 384;
 /// Dynamic shared memory: the stages' x and w tiles, and 1 KiB to align them to 1024 bytes.
@@ -57,7 +60,11 @@ const _: () = assert!(SHARED_BYTES <= 227 * 1024);
 /// run ours.
 pub const BACKEND_ENV: &str = "TF_INT8_GEMM";
 
-/// Which INT8 GEMM runs ([`BACKEND_ENV`]).
+/// The environment variable that picks the GEMM the DiTs' bf16 block GEMMs (no bias, weights in the model's
+/// buffer) run: `cublaslt` (the default) or `ours` (this set's bf16 kernel, [`plan_bf16_gemm`]; sm_90 only).
+pub const BF16_BACKEND_ENV: &str = "TF_BF16_GEMM";
+
+/// Which INT8 GEMM runs ([`BACKEND_ENV`]), or which bf16 GEMM ([`BF16_BACKEND_ENV`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Int8GemmBackend {
     #[default]
@@ -68,11 +75,15 @@ pub enum Int8GemmBackend {
 impl Int8GemmBackend {
     /// Parses a [`BACKEND_ENV`] value (empty: the default).
     pub fn parse(value: &str) -> Result<Int8GemmBackend, String> {
+        Int8GemmBackend::parse_for(BACKEND_ENV, value)
+    }
+
+    fn parse_for(var: &str, value: &str) -> Result<Int8GemmBackend, String> {
         match value {
             "" | "cublaslt" => Ok(Int8GemmBackend::Cublaslt),
             "ours" => Ok(Int8GemmBackend::Ours),
             other => Err(format!(
-                "{BACKEND_ENV}={other:?} is not an INT8 GEMM: use `cublaslt` or `ours`"
+                "{var}={other:?} is not a GEMM backend: use `cublaslt` or `ours`"
             )),
         }
     }
@@ -80,6 +91,14 @@ impl Int8GemmBackend {
     /// The backend [`BACKEND_ENV`] asks for (the default when it is unset).
     pub fn from_env() -> Result<Int8GemmBackend, String> {
         Int8GemmBackend::parse(&std::env::var(BACKEND_ENV).unwrap_or_default())
+    }
+
+    /// The backend [`BF16_BACKEND_ENV`] asks for the DiTs' bf16 block GEMMs (the default when it is unset).
+    pub fn bf16_from_env() -> Result<Int8GemmBackend, String> {
+        Int8GemmBackend::parse_for(
+            BF16_BACKEND_ENV,
+            &std::env::var(BF16_BACKEND_ENV).unwrap_or_default(),
+        )
     }
 }
 
@@ -92,26 +111,34 @@ pub struct Int8GemmShape {
 }
 
 impl Int8GemmShape {
-    /// Refuses a shape the kernel does not tile, naming the rule.
+    /// Refuses a shape the INT8 kernel does not tile, naming the rule.
     pub fn check(&self) -> Result<(), tf_cuda::Error> {
-        const OP: &str = "INT8 GEMM";
+        self.check_aligned("INT8 GEMM", K_ALIGN)
+    }
+
+    /// Refuses a shape the bf16 kernel does not tile ([`plan_bf16_gemm`]), naming the rule.
+    pub fn check_bf16(&self) -> Result<(), tf_cuda::Error> {
+        self.check_aligned("bf16 GEMM", K_ALIGN_BF16)
+    }
+
+    fn check_aligned(&self, op: &'static str, k_align: usize) -> Result<(), tf_cuda::Error> {
         if self.m == 0 || self.n == 0 || self.k == 0 {
-            return Err(invalid(OP, format!("empty GEMM {self:?}")));
+            return Err(invalid(op, format!("empty GEMM {self:?}")));
         }
         if !self.n.is_multiple_of(2) {
             return Err(invalid(
-                OP,
+                op,
                 format!(
                     "N = {} is odd: the kernel stores pairs of columns; use cuBLASLt",
                     self.n
                 ),
             ));
         }
-        if !self.k.is_multiple_of(K_ALIGN) {
+        if !self.k.is_multiple_of(k_align) {
             return Err(invalid(
-                OP,
+                op,
                 format!(
-                    "K = {} is not a multiple of {K_ALIGN} (the tensor maps' row alignment in bytes); use cuBLASLt",
+                    "K = {} is not a multiple of {k_align} (the tensor maps' rows are 16-byte aligned); use cuBLASLt",
                     self.k
                 ),
             ));
@@ -167,44 +194,142 @@ pub fn plan_int8_gemm<'a>(
     ] {
         check_operand(OP, name, Operand::of(view), needed, 16)?;
     }
-    if y_row_stride < n || !y_row_stride.is_multiple_of(2) {
-        return Err(invalid(
-            OP,
-            format!("y row stride {y_row_stride} must be even and at least N = {n}"),
-        ));
-    }
-    let y_span = Matrix::dense(m, n)
-        .with_stride(y_row_stride)
-        .span_bytes()
-        .ok_or_else(|| invalid(OP, "y's span overflows"))?;
-    check_operand(OP, "y", Operand::of_mut(y), y_span, 16)?;
-    let tiles = |base: u64, rows: usize, box_rows: u32| Tiles {
-        base,
-        cols: k as u64,
-        rows: rows as u64,
-        batch: 1,
-        row_stride_bytes: k as u64,
-        batch_stride_bytes: 0,
-        box_cols: K_SLICE as u32,
-        box_rows,
-    };
-    let tm_x = encode_int8_tiles(ctx, &tiles(inputs.x.addr(), m, TILE_ROWS as u32))?;
-    let tm_w = encode_int8_tiles(ctx, &tiles(inputs.w.addr(), n, TILE_COLS as u32))?;
+    check_y(OP, shape, Operand::of_mut(y), y_row_stride)?;
+    let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
+    let tm_w = encode_int8_tiles(ctx, &operand_tiles(inputs.w.addr(), shape, 1, n, TILE_COLS))?;
     let mut args = Args::new();
     args.push(tm_x.words())
         .push(tm_w.words())
         .push_addr(inputs.x_scale.addr())
-        .push_addr(inputs.w_scale.addr())
-        .push_addr(y.addr())
-        .push(to_i64(OP, "y row stride", y_row_stride)?)
-        .push(to_i32(OP, "M", m)?)
-        .push(to_i32(OP, "N", n)?)
-        .push(to_i32(OP, "K", k)?);
+        .push_addr(inputs.w_scale.addr());
+    push_output(&mut args, OP, shape, y.addr(), y_row_stride)?;
     Ok(Launch::new(
         GEMM_INT8_KERNELS[0],
         LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
+}
+
+/// The same pipeline over bf16 operands (kernel `nn_gemm_bf16`): `y = bf16(x . w^T)` with f32 sums, `x` bf16
+/// `[m, k]` dense, `w` bf16 `[n, k]` dense, `y` bf16 rows of `y_row_stride` elements; K a multiple of 8.
+pub fn plan_bf16_gemm<'a>(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Int8GemmShape,
+    (x, w): (&'a DeviceView<'_>, &'a DeviceView<'_>),
+    y: &'a mut DeviceViewMut<'_>,
+    y_row_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    let operands = (Operand::of(x), Operand::of(w), Operand::of_mut(y));
+    let (config, args) = pack_bf16(ctx, sm_count, shape, operands, y_row_stride)?;
+    Ok(Launch::new(GEMM_INT8_KERNELS[1], config, args))
+}
+
+/// [`plan_bf16_gemm`] over raw device spans (a step's operands at offsets of buffers it also borrows elsewhere):
+/// the launch borrows nothing, so only [`Int8GemmKernels::gemm_bf16_spans`], which is `unsafe`, submits it.
+pub fn plan_bf16_gemm_spans(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Int8GemmShape,
+    (x, w): (DeviceSpan, DeviceSpan),
+    y: DeviceSpan,
+    y_row_stride: usize,
+) -> Result<Launch<'static>, tf_cuda::Error> {
+    let span = |s: DeviceSpan| Operand {
+        addr: s.addr,
+        bytes: s.bytes,
+    };
+    let (config, args) = pack_bf16(
+        ctx,
+        sm_count,
+        shape,
+        (span(x), span(w), span(y)),
+        y_row_stride,
+    )?;
+    Ok(Launch::from_spans(GEMM_INT8_KERNELS[1], config, args))
+}
+
+/// Checks a bf16 GEMM's shape and operands (x, w, y) and packs its launch.
+fn pack_bf16(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Int8GemmShape,
+    (x, w, y): (Operand, Operand, Operand),
+    y_row_stride: usize,
+) -> Result<(LaunchConfig, Args), tf_cuda::Error> {
+    const OP: &str = "bf16 GEMM";
+    shape.check_bf16()?;
+    let Int8GemmShape { m, n, k } = shape;
+    check_operand(OP, "x", x, bytes_of(OP, "x", &[m, k, 2])?, 16)?;
+    check_operand(OP, "w", w, bytes_of(OP, "w", &[n, k, 2])?, 16)?;
+    check_y(OP, shape, y, y_row_stride)?;
+    let tm_x = encode_bf16_tiles(ctx, &operand_tiles(x.addr, shape, 2, m, TILE_ROWS))?;
+    let tm_w = encode_bf16_tiles(ctx, &operand_tiles(w.addr, shape, 2, n, TILE_COLS))?;
+    let mut args = Args::new();
+    args.push(tm_x.words()).push(tm_w.words());
+    push_output(&mut args, OP, shape, y.addr, y_row_stride)?;
+    let config = LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES);
+    Ok((config, args))
+}
+
+/// The map of a dense operand of `rows` rows of K elements of `elem_bytes`, in boxes of one 128-byte slice of K
+/// by `box_rows` rows.
+fn operand_tiles(
+    base: u64,
+    shape: Int8GemmShape,
+    elem_bytes: usize,
+    rows: usize,
+    box_rows: usize,
+) -> Tiles {
+    Tiles {
+        base,
+        cols: shape.k as u64,
+        rows: rows as u64,
+        batch: 1,
+        row_stride_bytes: (shape.k * elem_bytes) as u64,
+        batch_stride_bytes: 0,
+        box_cols: (K_SLICE / elem_bytes) as u32,
+        box_rows: box_rows as u32,
+    }
+}
+
+/// Checks `y`: bf16 rows of `y_row_stride` (even, at least N) elements, 16-byte aligned, spanning M rows.
+fn check_y(
+    op: &str,
+    shape: Int8GemmShape,
+    y: Operand,
+    y_row_stride: usize,
+) -> Result<(), tf_cuda::Error> {
+    if y_row_stride < shape.n || !y_row_stride.is_multiple_of(2) {
+        return Err(invalid(
+            op,
+            format!(
+                "y row stride {y_row_stride} must be even and at least N = {}",
+                shape.n
+            ),
+        ));
+    }
+    let y_span = Matrix::dense(shape.m, shape.n)
+        .with_stride(y_row_stride)
+        .span_bytes()
+        .ok_or_else(|| invalid(op, "y's span overflows"))?;
+    check_operand(op, "y", y, y_span, 16)
+}
+
+/// Pushes the arguments both kernels end with: y, its row stride, M, N, K.
+fn push_output(
+    args: &mut Args,
+    op: &str,
+    shape: Int8GemmShape,
+    y_addr: u64,
+    y_row_stride: usize,
+) -> Result<(), tf_cuda::Error> {
+    args.push_addr(y_addr)
+        .push(to_i64(op, "y row stride", y_row_stride)?)
+        .push(to_i32(op, "M", shape.m)?)
+        .push(to_i32(op, "N", shape.n)?)
+        .push(to_i32(op, "K", shape.k)?);
+    Ok(())
 }
 
 /// The loaded `nn_gemm_int8` set (sm_90 only) and the SM count its persistent grid is sized by.
@@ -242,6 +367,42 @@ impl Int8GemmKernels {
     /// Submits a launch of [`plan_int8_gemm`] (benchmarks plan once and submit it repeatedly).
     pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
         self.set.submit(stream, launch)
+    }
+
+    /// Runs `y = bf16(x . w^T)` over bf16 operands on `stream`; see [`plan_bf16_gemm`].
+    pub fn gemm_bf16(
+        &self,
+        ctx: &Context,
+        stream: &Stream,
+        shape: Int8GemmShape,
+        (x, w): (&DeviceView<'_>, &DeviceView<'_>),
+        y: &mut DeviceViewMut<'_>,
+        y_row_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_bf16_gemm(ctx, self.sm_count, shape, (x, w), y, y_row_stride)?;
+        self.set.submit(stream, &launch)
+    }
+
+    /// [`Int8GemmKernels::gemm_bf16`] over raw device spans; see [`plan_bf16_gemm_spans`].
+    ///
+    /// # Safety
+    ///
+    /// Every span lies in device memory of `stream`'s context that is allocated now and stays allocated until the
+    /// work on `stream` is done (a `DeviceBuffer`'s `Drop` waits for the context), and `y` is not read or written
+    /// by other work meanwhile.
+    pub unsafe fn gemm_bf16_spans(
+        &self,
+        ctx: &Context,
+        stream: &Stream,
+        shape: Int8GemmShape,
+        (x, w): (DeviceSpan, DeviceSpan),
+        y: DeviceSpan,
+        y_row_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_bf16_gemm_spans(ctx, self.sm_count, shape, (x, w), y, y_row_stride)?;
+        // SAFETY: the spans are live allocations of the stream's context (this function's contract); the plan
+        // checked their extents against what the kernel addresses.
+        unsafe { self.set.submit_spans(stream, &launch) }
     }
 
     /// Runs `y = bf16(x . w^T * x_scale * w_scale)` on `stream`; see [`plan_int8_gemm`].

@@ -59,17 +59,31 @@ impl Engine {
         scales: Option<usize>,
         y: &mut DeviceBuffer,
     ) -> Result<(), DitError> {
-        match codes {
-            Some(codes) => self.gemm_8bit(fp8_ref(x8)?, codes, (m, n, k), w_offset, scales, y),
-            None => self.gemm(Linear::new(
-                m,
-                n,
-                k,
-                x_bf16,
-                self.weight(w_offset, n * k * BF16)?,
-                (&*y).into(),
-            )),
-        }
+        let Some(codes) = codes else {
+            let w = self.weight(w_offset, n * k * BF16)?;
+            let shape = Int8GemmShape { m, n, k };
+            if let Some(ours) = self
+                .bf16_gemm
+                .as_ref()
+                .filter(|_| shape.check_bf16().is_ok())
+            {
+                let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("bf16 GEMM", e));
+                // SAFETY: as `gemm`: every span lies in a live buffer of this engine or of the workspace in use.
+                return unsafe {
+                    ours.gemm_bf16_spans(
+                        &self.ctx,
+                        &self.stream,
+                        shape,
+                        (x_bf16, w),
+                        (&*y).into(),
+                        n,
+                    )
+                }
+                .map_err(launch);
+            }
+            return self.gemm(Linear::new(m, n, k, x_bf16, w, (&*y).into()));
+        };
+        self.gemm_8bit(fp8_ref(x8)?, codes, (m, n, k), w_offset, scales, y)
     }
 
     /// Enqueues the 8-bit GEMM `y[m, n] = x · wᵀ` with `x` the workspace's 8-bit rows (rows of `k` bytes, with
@@ -573,14 +587,15 @@ impl Engine {
                     &mut ws.proj,
                 )?;
             } else {
-                self.gemm(Linear::new(
-                    total,
-                    d,
-                    w,
+                self.block_gemm(
+                    None,
+                    &ws.fp8,
                     (&ws.attn).into(),
-                    self.weight(bo.to_out, d * w * BF16)?,
-                    (&ws.proj).into(),
-                ))?;
+                    (total, d, w),
+                    bo.to_out,
+                    None,
+                    &mut ws.proj,
+                )?;
             }
             phase!("out GEMM", Flops, 2 * total * d * w);
             if let Some(codes) = fp8.codes_of(Fp8Groups::mlp_in) {

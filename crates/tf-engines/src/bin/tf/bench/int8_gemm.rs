@@ -2,17 +2,20 @@
 //! run today at the same shapes, through the DiTs' own `GemmRunner`: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
 //! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
 //! alternate the three; then our output is checked bit for bit against cuBLASLt's int32 products, dequantized.
+//! With `--bf16` it times the same pipeline over bf16 operands beside cuBLASLt's bf16 GEMM instead, and reports how
+//! far apart the two outputs are (both round f32 sums to bf16; only the order of the sums differs).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
-use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, TIMED};
+use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear, TIMED};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
+    plan_bf16_gemm, plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
 use tf_engines::nn::precision::Fp8Accumulation;
 use tf_engines::nn::sampling::seeded::SplitMix64;
+use tf_engines::nn::tensor::relative_l2;
 
 use super::BoxError;
 
@@ -30,6 +33,9 @@ pub struct Int8GemmArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Time our bf16 GEMM beside cuBLASLt's bf16 GEMM instead.
+    #[arg(long)]
+    bf16: bool,
 }
 
 /// (name, M, N, K): MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows).
@@ -84,6 +90,37 @@ fn sustained_ms(
     Ok(f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(iters))
 }
 
+/// The shape names `--shapes` asks for (`None`: all), each checked against [`SHAPES`].
+fn wanted_shapes(args: &Int8GemmArgs) -> Result<Option<Vec<&str>>, BoxError> {
+    let wanted: Option<Vec<&str>> = args.shapes.as_deref().map(|s| s.split(',').collect());
+    if let Some(names) = &wanted {
+        if let Some(bad) = names.iter().find(|n| !SHAPES.iter().any(|s| s.0 == **n)) {
+            let known: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
+            return Err(format!("unknown shape {bad:?}; known: {}", known.join(", ")).into());
+        }
+    }
+    Ok(wanted)
+}
+
+/// Writes `rows` with the run's settings as JSON to `--json`, when given.
+fn write_json(
+    args: &Int8GemmArgs,
+    gemms: &GemmRunner,
+    rows: Vec<serde_json::Value>,
+) -> Result<(), BoxError> {
+    if let Some(path) = &args.json {
+        let report = serde_json::json!({
+            "cublaslt_version": gemms.lt().library().version(),
+            "iters": args.iters,
+            "rounds": args.rounds,
+            "operands": if args.bf16 { "bf16" } else { "int8" },
+            "results": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}
+
 pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     if args.iters == 0 || args.rounds == 0 {
         return Err("--iters and --rounds must be at least 1".into());
@@ -94,12 +131,9 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     let kernels = Int8GemmKernels::load(&ctx)?;
     // The DiTs' own cuBLASLt handle: timed selection and the process's plan cache.
     let gemms = GemmRunner::new(&ctx, TIMED)?;
-    let wanted: Option<Vec<&str>> = args.shapes.as_deref().map(|s| s.split(',').collect());
-    if let Some(names) = &wanted {
-        if let Some(bad) = names.iter().find(|n| !SHAPES.iter().any(|s| s.0 == **n)) {
-            let known: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
-            return Err(format!("unknown shape {bad:?}; known: {}", known.join(", ")).into());
-        }
+    let wanted = wanted_shapes(args)?;
+    if args.bf16 {
+        return run_bf16(args, (&ctx, &stream), &kernels, &gemms, wanted);
     }
     println!(
         "INT8 GEMM with a scaling epilogue (ours, bf16 out) beside cuBLASLt {} row-wise FP8 (bf16 out) and INT8 \
@@ -200,14 +234,92 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
             "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms, "bit_equal": true,
         }));
     }
-    if let Some(path) = &args.json {
-        let report = serde_json::json!({
-            "cublaslt_version": gemms.lt().library().version(),
-            "iters": args.iters,
-            "rounds": args.rounds,
-            "results": rows,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    write_json(args, &gemms, rows)
+}
+
+/// Random bf16 values in [-1, 1).
+fn random_bf16(rng: &mut SplitMix64, n: usize) -> Vec<u16> {
+    (0..n)
+        .map(|_| {
+            let v = (rng.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            half::bf16::from_f32(v).to_bits()
+        })
+        .collect()
+}
+
+/// `tf bench int8-gemm --bf16`: our bf16 GEMM beside cuBLASLt's bf16 GEMM (the DiTs' bf16 path) at every shape.
+fn run_bf16(
+    args: &Int8GemmArgs,
+    (ctx, stream): (&Context, &Stream),
+    kernels: &Int8GemmKernels,
+    gemms: &GemmRunner,
+    wanted: Option<Vec<&str>>,
+) -> Result<(), BoxError> {
+    println!(
+        "bf16 GEMM (ours, the INT8 GEMM's pipeline over bf16) beside cuBLASLt {} bf16; {} calls back to back, \
+         best of {} rounds",
+        gemms.lt().library().version(),
+        args.iters,
+        args.rounds
+    );
+    let mut rows = Vec::new();
+    for &(name, m, n, k) in SHAPES {
+        if wanted.as_ref().is_some_and(|w| !w.contains(&name)) {
+            continue;
+        }
+        let mut rng = SplitMix64::new(0xbf16_0000 + m as u64 * 31 + n as u64);
+        let x = DeviceBuffer::from_slice(ctx, &random_bf16(&mut rng, m * k))?;
+        let w = DeviceBuffer::from_slice(ctx, &random_bf16(&mut rng, n * k))?;
+        let mut y = DeviceBuffer::alloc(ctx, m * n * 2)?;
+        let y_lt = DeviceBuffer::alloc(ctx, m * n * 2)?;
+        let shape = Int8GemmShape { m, n, k };
+        let (xv, wv) = (x.view(), w.view());
+        let mut yv = y.view_mut();
+        let launch = plan_bf16_gemm(ctx, kernels.sm_count(), shape, (&xv, &wv), &mut yv, n)?;
+        let linear = Linear::new(m, n, k, (&x).into(), (&w).into(), (&y_lt).into());
+        let mut best = [f64::INFINITY; 2];
+        for _ in 0..args.rounds {
+            let ours = sustained_ms(ctx, stream, args.iters, || {
+                Ok(kernels.submit(stream, &launch)?)
+            })?;
+            let lt_ms = sustained_ms(ctx, stream, args.iters, || {
+                // SAFETY: every span lies in a buffer alive until after the stream is synchronized (the timing
+                // synchronizes on its end event before returning).
+                Ok(unsafe { gemms.run(&linear, stream) }?)
+            })?;
+            for (b, t) in best.iter_mut().zip([ours, lt_ms]) {
+                *b = b.min(t);
+            }
+        }
+        stream.synchronize()?;
+        let to_f32 = |bits: Vec<u16>| -> Vec<f32> {
+            bits.into_iter()
+                .map(|b| half::bf16::from_bits(b).to_f32())
+                .collect()
+        };
+        let ours_out = to_f32(y.to_vec()?);
+        let lt_out = to_f32(y_lt.to_vec()?);
+        let rel_l2 = relative_l2(&ours_out, &lt_out).ok_or("an empty output")?;
+        if rel_l2.is_nan() || rel_l2 >= 1e-2 {
+            return Err(format!(
+                "{name}: our bf16 GEMM is {rel_l2:.3e} (relative L2) from cuBLASLt's: wrong, not just rounding"
+            )
+            .into());
+        }
+        let ops = 2.0 * (m * n * k) as f64;
+        let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
+        let [ours, lt_ms] = best;
+        println!(
+            "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TFLOP/s), cuBLASLt {lt_ms:.4} ms \
+             ({:.0}); ours / cuBLASLt {:.3} (< 1 means ours is faster); outputs {rel_l2:.2e} apart (relative L2)",
+            rate(ours),
+            rate(lt_ms),
+            ours / lt_ms
+        );
+        rows.push(serde_json::json!({
+            "shape": name, "m": m, "n": n, "k": k,
+            "ours_ms": ours, "cublaslt_ms": lt_ms, "ours_over_cublaslt": ours / lt_ms, "rel_l2": rel_l2,
+        }));
     }
-    Ok(())
+    write_json(args, gemms, rows)
 }
