@@ -1,13 +1,13 @@
 //! Load-time FP8 weight quantization on the host: one thread running the upload ring's per-row quantizer
 //! (`RowQuantizer`) over a 4096 x 4096 bf16 weight (32 MiB in, 16 MiB of codes out), the work a loading
-//! `--precision fp8` model does for every quantized layer.
+//! `--precision fp8` model does for every quantized layer; and the same weight into INT8 codes (`gemm=int8`).
 // A failed check in a benchmark is meant to stop it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use tf_engines::nn::fp8::RowQuantizer;
+use tf_engines::nn::fp8::{RowCodes, RowQuantizer};
 use tf_engines::nn::upload::{fill_host, ChunkTransform, Piece, Transform};
 use tf_engines::nn::weights::Dtype;
 
@@ -32,6 +32,10 @@ fn quantize(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(src.len() as u64));
     group.bench_function("bf16_4096x4096_one_thread", |b| {
         let quantizer = RowQuantizer::new(Dtype::BF16, ROWS, COLS).unwrap();
+        b.iter(|| quantizer.apply(0, black_box(&src), &mut dst).unwrap())
+    });
+    group.bench_function("bf16_4096x4096_int8_one_thread", |b| {
+        let quantizer = RowQuantizer::with_codes(Dtype::BF16, ROWS, COLS, RowCodes::Int8).unwrap();
         b.iter(|| quantizer.apply(0, black_box(&src), &mut dst).unwrap())
     });
     // The same weight through the ring's fill path (64 MiB slots) on every host thread: what a load does.
