@@ -1365,7 +1365,7 @@ use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::upload::StagingConfig;
 use tf_engines::qwen_image::dit::{DitBackend, KvStep};
 use tf_engines::qwen_image::dit_gpu::{
-    DitPrecision, Fp8Accumulation, Fp8Groups, Fp8Layers, GpuDit,
+    DitPrecision, Fp8Accumulation, Fp8Groups, Fp8Layers, GpuDit, DEFAULT_FP8, E4M3_FP8,
 };
 
 /// Every group in FP8 in every block: the tiny fixtures have two blocks, which the default (the first and last
@@ -1678,13 +1678,30 @@ fn qwen_dit_fp8_graph_replay_is_bit_equal_to_eager_and_groups_mix() {
             "{case}: {spec}: relative L2 {e:.3e}"
         );
     }
-    // The default mode keeps both blocks of this two-block model in bf16: bit-equal to the bf16 backend.
+    // The default mode runs every block, the ends included, on the INT8 GEMM: not the bf16 step, and near the
+    // reference. The e4m3 mode it replaced keeps both blocks of this two-block model in bf16: bit-equal to bf16.
     let mut default = load_dit(&g.ctx, case, DitPrecision::FP8);
+    assert_eq!(default.precision(), DitPrecision::Fp8(DEFAULT_FP8));
     let d = default.forward(&step, KvStep::None).unwrap();
     let b = bf16.forward(&step, KvStep::None).unwrap();
     assert!(
-        same_bits(&d.sample, &b.sample),
-        "the default FP8 mode on a two-block model should run every block in bf16"
+        !same_bits(&d.sample, &b.sample),
+        "the default FP8 mode gave the bf16 step's bits: its INT8 blocks did not run"
+    );
+    let e = relative_l2(d.sample.data(), reference.data()).unwrap();
+    println!(
+        "{case}: fp8 (default, {}): rel L2 {e:.3e}",
+        default.precision()
+    );
+    assert!(
+        e.is_finite() && e <= FP8_REL_L2_MAX,
+        "{case}: the default: relative L2 {e:.3e}"
+    );
+    let mut e4m3 = load_dit(&g.ctx, case, DitPrecision::Fp8(E4M3_FP8));
+    let m = e4m3.forward(&step, KvStep::None).unwrap();
+    assert!(
+        same_bits(&m.sample, &b.sample),
+        "the e4m3 mode on a two-block model should run every block in bf16"
     );
 }
 
@@ -1752,6 +1769,20 @@ fn qwen_dit_runs_scaled_fp8_checkpoints_from_their_own_codes() {
                 c >= FP8_COSINE_MIN,
                 "{variant} in {precision}: cosine {c:.6}"
             );
+        }
+        // `fp8` (the default, INT8 GEMMs) on an e4m3 file runs the e4m3 mode, whose GEMMs take the file's codes;
+        // INT8 GEMMs asked for by name are refused, naming the weight.
+        let default = GpuDit::load_on_with(&g.ctx, &model, staging, DitPrecision::FP8)
+            .unwrap_or_else(|e| panic!("{variant}: load in fp8: {e}"));
+        assert_eq!(
+            default.precision(),
+            DitPrecision::Fp8(E4M3_FP8),
+            "{variant}"
+        );
+        let int8: DitPrecision = "fp8:all,ends=0,gemm=int8".parse().unwrap();
+        match GpuDit::load_on_with(&g.ctx, &model, staging, int8) {
+            Err(e) => assert!(e.to_string().contains("e4m3 codes"), "{variant}: {e}"),
+            Ok(_) => panic!("{variant}: gemm=int8 on an e4m3 checkpoint should be refused"),
         }
     }
 }

@@ -238,6 +238,34 @@ impl StepRows {
 }
 
 /// Read-only engine state used by a step.
+/// Qwen-Image's `fp8` (the default 8-bit mode): every block's four GEMM groups in INT8 on our scaled INT8 GEMM
+/// (`gemm=int8`: INT8 weights with per-output-channel scales, per-token INT8 activations written by the kernels that
+/// produce them), the first and last block included (`ends=0`). Chosen from the full-size model's error against the
+/// bf16 floor and its step (docs/ENGINES.md, "Precision"; docs/RESULTS.md, the eightieth and eighty-first calls, an
+/// H100): 0.60-0.73x the floor and a 66.0-66.3 ms cached step at 1024x1024, 7.26 GB resident, against 0.62-0.74x,
+/// 71.8-72.2 ms and 7.69 GB for the e4m3 mode it replaces ([`E4M3_FP8`], still available by name). Needs an sm_90
+/// GPU, as the e4m3 mode does.
+pub const DEFAULT_FP8: Fp8Layers = Fp8Layers {
+    groups: Fp8Groups {
+        gemm_codes: RowCodes::Int8,
+        ..Fp8Groups::ALL
+    },
+    bf16_ends: 0,
+    accumulation: Fp8Layers::DEFAULT.accumulation,
+    attention: Fp8Layers::DEFAULT.attention,
+};
+
+/// Qwen-Image's e4m3 mode (the default before [`DEFAULT_FP8`], `fp8:all,ends=1`): the four groups in e4m3 on cuBLASLt,
+/// the first and last block in bf16. A checkpoint that stores its weights in e4m3 runs `fp8` in this mode
+/// ([`resolve_precision`]): INT8 GEMMs cannot take the file's codes.
+pub const E4M3_FP8: Fp8Layers = Fp8Layers::DEFAULT;
+
+/// `precision` with `fp8` (the model default) replaced by [`DEFAULT_FP8`], or by [`E4M3_FP8`] for a checkpoint
+/// that stores weights in e4m3 (`stores_e4m3`); any other precision as given.
+pub fn resolve_precision(precision: DitPrecision, stores_e4m3: bool) -> DitPrecision {
+    precision.resolve(if stores_e4m3 { E4M3_FP8 } else { DEFAULT_FP8 })
+}
+
 struct Engine {
     config: QwenImageDitConfig,
     dims: Dims,
@@ -324,7 +352,9 @@ impl GpuDit {
         staging: StagingConfig,
         precision: DitPrecision,
     ) -> Result<GpuDit, DitError> {
-        let precision = precision.resolve(Fp8Layers::DEFAULT);
+        let config = QwenImageDitConfig::from_json(model.config_json())?;
+        let checkpoint = check_folder(model, &config)?;
+        let precision = resolve_precision(precision, !checkpoint.is_empty());
         if let DitPrecision::Fp8(layers) = precision {
             if layers.groups.adaln.is_some() {
                 return Err(DitError::Backend(
@@ -340,8 +370,6 @@ impl GpuDit {
                 ));
             }
         }
-        let config = QwenImageDitConfig::from_json(model.config_json())?;
-        let checkpoint = check_folder(model, &config)?;
         let dims = Dims::of(&config)?;
         let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
         let kernels = DitKernels::load(ctx).map_err(gpu_err("loading the DiT kernels"))?;
@@ -805,5 +833,39 @@ impl DitBackend for GpuDit {
 
     fn kv_from_host(&mut self, cache: HostKvCache) -> Result<GpuKvCache, DitError> {
         self.cache_from_host(cache)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_resolves_to_int8_gemms_or_to_e4m3_for_an_e4m3_checkpoint() {
+        let default = resolve_precision(DitPrecision::FP8, false);
+        assert_eq!(default, DitPrecision::Fp8(DEFAULT_FP8));
+        assert_eq!(
+            default.to_string(),
+            "fp8:qkv,out,mlp_in,mlp_out,ends=0,gemm=int8"
+        );
+        // Every block, the ends included, on the INT8 GEMM.
+        for layer in [0, 15, 31] {
+            let g = default.groups_of(layer, 32);
+            assert!(g.qkv && g.out && g.mlp_in() && g.mlp_out, "block {layer}");
+            assert_eq!(g.gemm_codes, RowCodes::Int8);
+        }
+        // A checkpoint stored in e4m3 runs the e4m3 mode: its codes feed cuBLASLt's FP8 GEMM as stored.
+        let stored = resolve_precision(DitPrecision::FP8, true);
+        assert_eq!(stored, DitPrecision::Fp8(E4M3_FP8));
+        assert_eq!(stored.groups_of(0, 32), Fp8Groups::NONE);
+        assert_eq!(stored.groups_of(1, 32).gemm_codes, RowCodes::E4m3);
+        // Named modes and bf16 are kept as given, whatever the checkpoint.
+        let named: DitPrecision = "fp8:qkv,ends=2".parse().unwrap();
+        assert!(matches!(named, DitPrecision::Fp8(_)));
+        assert_eq!(resolve_precision(named, true), named);
+        assert_eq!(
+            resolve_precision(DitPrecision::Bf16, true),
+            DitPrecision::Bf16
+        );
     }
 }

@@ -6,8 +6,9 @@
 //! trip of 4 bytes an element through memory; this kernel writes the 2-byte result the row-wise FP8 GEMM would.
 //! Its layout and pipeline are described in `kernels/nn/gemm_int8.cu`; its CTAs are persistent (one an SM).
 //! [`plan_int8_gemm`] checks every operand and packs one launch; [`Int8GemmKernels`] loads the set and submits it.
-//! MiniMax H3's default 8-bit mode (`gemm=int8`) runs every block GEMM group on it: on an H100 it takes 0.88-0.97 of
-//! cuBLASLt's row-wise FP8 GEMM's time at every DiT shape (docs/RESULTS.md).
+//! Both DiTs' default 8-bit modes (`gemm=int8`) run every block GEMM group on it: on an H100 it takes 0.88-0.97 of
+//! cuBLASLt's row-wise FP8 GEMM's time at every DiT shape (docs/RESULTS.md). The set also holds the same pipeline over
+//! bf16 operands ([`plan_bf16_gemm`], `TF_BF16_GEMM=ours`), which is not faster than cuBLASLt inside a step.
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: &tf_cuda::DeviceView<'_>,
