@@ -45,6 +45,42 @@ fn gpu(test: &str) -> Option<Gpu> {
     })
 }
 
+/// Every element of `got` (bf16 rows of `stride`) equals the host's `want` (`m` x `n` f32 values, rounded to bf16)
+/// bit for bit, and the columns past N still hold `sentinel`.
+fn assert_equals_host(
+    kind: &str,
+    (m, n, k, stride): (usize, usize, usize, usize),
+    got: &[u16],
+    want: &[f32],
+    sentinel: u16,
+) {
+    let mut wrong = 0usize;
+    let mut first = None;
+    for r in 0..m {
+        for c in 0..stride {
+            let bits = got[r * stride + c];
+            let ok = if c < n {
+                bits == half::bf16::from_f32(want[r * n + c]).to_bits()
+            } else {
+                bits == sentinel
+            };
+            if !ok {
+                wrong += 1;
+                first.get_or_insert((r, c, bits));
+            }
+        }
+    }
+    println!(
+        "{kind} gemm {m}x{n}x{k} (y stride {stride}): {wrong} of {} elements differ from the host's{}",
+        m * stride,
+        first.map_or(String::new(), |(r, c, b)| format!(
+            " (first at row {r}, column {c}: {:#06x})",
+            b
+        ))
+    );
+    assert_eq!(wrong, 0, "{kind} GEMM {m}x{n}x{k} differs from the host");
+}
+
 fn codes(rng: &mut Rng, n: usize) -> Vec<i8> {
     (0..n)
         .map(|_| ((rng.next_u64() % 255) as i32 - 127) as i8)
@@ -111,31 +147,7 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
             .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k}: {e}"));
         g.stream.synchronize().expect("synchronize");
         let got: Vec<u16> = y_dev.to_vec().expect("y back");
-        let mut wrong = 0usize;
-        let mut first = None;
-        for r in 0..m {
-            for c in 0..stride {
-                let bits = got[r * stride + c];
-                let ok = if c < n {
-                    bits == half::bf16::from_f32(want[r * n + c]).to_bits()
-                } else {
-                    bits == sentinel
-                };
-                if !ok {
-                    wrong += 1;
-                    first.get_or_insert((r, c, bits));
-                }
-            }
-        }
-        println!(
-            "int8 gemm {m}x{n}x{k} (y stride {stride}): {wrong} of {} elements differ from the host's{}",
-            m * stride,
-            first.map_or(String::new(), |(r, c, b)| format!(
-                " (first at row {r}, column {c}: {:#06x})",
-                b
-            ))
-        );
-        assert_eq!(wrong, 0, "INT8 GEMM {m}x{n}x{k} differs from the host");
+        assert_equals_host("int8", (m, n, k, stride), &got, &want, sentinel);
     }
 }
 
@@ -199,30 +211,6 @@ fn bf16_gemm_matches_the_host_bit_for_bit_on_exact_sums() {
             .unwrap_or_else(|e| panic!("bf16 GEMM {m}x{n}x{k}: {e}"));
         g.stream.synchronize().expect("synchronize");
         let got: Vec<u16> = y_dev.to_vec().expect("y back");
-        let mut wrong = 0usize;
-        let mut first = None;
-        for r in 0..m {
-            for c in 0..stride {
-                let bits = got[r * stride + c];
-                let ok = if c < n {
-                    bits == half::bf16::from_f32(want[r * n + c]).to_bits()
-                } else {
-                    bits == sentinel
-                };
-                if !ok {
-                    wrong += 1;
-                    first.get_or_insert((r, c, bits));
-                }
-            }
-        }
-        println!(
-            "bf16 gemm {m}x{n}x{k} (y stride {stride}): {wrong} of {} elements differ from the host's{}",
-            m * stride,
-            first.map_or(String::new(), |(r, c, b)| format!(
-                " (first at row {r}, column {c}: {:#06x})",
-                b
-            ))
-        );
-        assert_eq!(wrong, 0, "bf16 GEMM {m}x{n}x{k} differs from the host");
+        assert_equals_host("bf16", (m, n, k, stride), &got, &want, sentinel);
     }
 }

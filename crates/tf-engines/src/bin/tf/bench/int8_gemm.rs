@@ -38,8 +38,11 @@ pub struct Int8GemmArgs {
     bf16: bool,
 }
 
-/// (name, M, N, K): MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows).
-const SHAPES: &[(&str, usize, usize, usize)] = &[
+/// (name, M, N, K) of one GEMM.
+type Shape = (&'static str, usize, usize, usize);
+
+/// MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows).
+const SHAPES: &[Shape] = &[
     ("h3_qkv", 6026, 21504, 5376),
     ("h3_out", 6026, 5376, 7168),
     ("h3_fc1", 6026, 28672, 5376),
@@ -90,16 +93,21 @@ fn sustained_ms(
     Ok(f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(iters))
 }
 
-/// The shape names `--shapes` asks for (`None`: all), each checked against [`SHAPES`].
-fn wanted_shapes(args: &Int8GemmArgs) -> Result<Option<Vec<&str>>, BoxError> {
-    let wanted: Option<Vec<&str>> = args.shapes.as_deref().map(|s| s.split(',').collect());
-    if let Some(names) = &wanted {
-        if let Some(bad) = names.iter().find(|n| !SHAPES.iter().any(|s| s.0 == **n)) {
-            let known: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
-            return Err(format!("unknown shape {bad:?}; known: {}", known.join(", ")).into());
-        }
+/// The [`SHAPES`] `--shapes` names (all without it), each name checked.
+fn wanted_shapes(args: &Int8GemmArgs) -> Result<Vec<Shape>, BoxError> {
+    let Some(names) = args.shapes.as_deref() else {
+        return Ok(SHAPES.to_vec());
+    };
+    let names: Vec<&str> = names.split(',').collect();
+    if let Some(bad) = names.iter().find(|n| !SHAPES.iter().any(|s| s.0 == **n)) {
+        let known: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
+        return Err(format!("unknown shape {bad:?}; known: {}", known.join(", ")).into());
     }
-    Ok(wanted)
+    Ok(SHAPES
+        .iter()
+        .copied()
+        .filter(|s| names.contains(&s.0))
+        .collect())
 }
 
 /// Writes `rows` with the run's settings as JSON to `--json`, when given.
@@ -143,10 +151,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         args.rounds
     );
     let mut rows = Vec::new();
-    for &(name, m, n, k) in SHAPES {
-        if wanted.as_ref().is_some_and(|w| !w.contains(&name)) {
-            continue;
-        }
+    for (name, m, n, k) in wanted {
         let mut rng = SplitMix64::new(0x1a7e_0000 + m as u64 * 31 + n as u64);
         let x = DeviceBuffer::from_slice(&ctx, &random_bytes(&mut rng, m * k, false))?;
         let w = DeviceBuffer::from_slice(&ctx, &random_bytes(&mut rng, n * k, false))?;
@@ -253,7 +258,7 @@ fn run_bf16(
     (ctx, stream): (&Context, &Stream),
     kernels: &Int8GemmKernels,
     gemms: &GemmRunner,
-    wanted: Option<Vec<&str>>,
+    wanted: Vec<Shape>,
 ) -> Result<(), BoxError> {
     println!(
         "bf16 GEMM (ours, the INT8 GEMM's pipeline over bf16) beside cuBLASLt {} bf16; {} calls back to back, \
@@ -263,10 +268,7 @@ fn run_bf16(
         args.rounds
     );
     let mut rows = Vec::new();
-    for &(name, m, n, k) in SHAPES {
-        if wanted.as_ref().is_some_and(|w| !w.contains(&name)) {
-            continue;
-        }
+    for (name, m, n, k) in wanted {
         let mut rng = SplitMix64::new(0xbf16_0000 + m as u64 * 31 + n as u64);
         let x = DeviceBuffer::from_slice(ctx, &random_bf16(&mut rng, m * k))?;
         let w = DeviceBuffer::from_slice(ctx, &random_bf16(&mut rng, n * k))?;
