@@ -2,9 +2,11 @@
 //! the joint sequence, every block (fused QKV GEMM, QK-norm with RoPE, attention, gated residuals fused with the
 //! next adaLN, SwiGLU MLP) and the output projection; and the step's capture into a graph and its replay.
 //!
-//! A block GEMM group in FP8 reads the workspace's FP8 rows, written by the FP8 twin of the kernel that produces
-//! its input: the adaLN (`nn_norm_modulate_fp8`), the gated residual + adaLN (`nn_gated_residual_norm_modulate_fp8`),
-//! SwiGLU (`nn_swiglu_fp8`); the attention output is quantized by a pass of its own (`nn_quantize_rows_fp8`).
+//! A block GEMM group in 8 bits reads the workspace's 8-bit rows, written by the 8-bit twin of the kernel that
+//! produces its input: the adaLN (`nn_norm_modulate_fp8|int8`), the gated residual + adaLN
+//! (`nn_gated_residual_norm_modulate_fp8|int8`), SwiGLU (`nn_swiglu_fp8|int8`); the attention output is quantized by
+//! a pass of its own (`nn_quantize_rows_fp8|int8`). e4m3 rows go to cuBLASLt's row-wise FP8 GEMM, INT8 rows
+//! (`gemm=int8`, the default) to our INT8 GEMM.
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::DeviceBuffer;
