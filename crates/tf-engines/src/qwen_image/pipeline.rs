@@ -392,7 +392,7 @@ pub struct LoadReport {
     pub residency: Residency,
     /// The checkpoint variant the folder runs as.
     pub variant: Variant,
-    /// GEMM precision of the DiT.
+    /// GEMM precision of the DiT, `fp8` resolved to the mode the DiT loads in.
     pub dit_precision: DitPrecision,
     /// Weights the DiT checkpoint stores in FP8 e4m3 with their scales (0 for a bf16/f32 checkpoint): used as
     /// stored where the DiT runs FP8, dequantized elsewhere.
@@ -744,7 +744,11 @@ impl Pipeline {
                 vae_on_device,
                 te_vae_on_device: te_on_device && vae_on_device,
                 variant,
-                dit_precision: options.dit_precision,
+                // `fp8` as the DiT resolves it at load (INT8 GEMMs, or the e4m3 mode for an e4m3 checkpoint).
+                dit_precision: crate::qwen_image::dit_gpu::resolve_precision(
+                    options.dit_precision,
+                    dit_checkpoint_fp8 > 0,
+                ),
                 dit_checkpoint_fp8,
             },
             dir: dir.to_path_buf(),
