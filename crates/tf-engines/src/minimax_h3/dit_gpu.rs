@@ -102,21 +102,20 @@ pub const E4M3_FP8: Fp8Layers = Fp8Layers {
     attention: crate::nn::precision::AttentionPrecision::Bf16,
 };
 
-/// `resolved` (from [`resolve_precision`]) for a checkpoint that stores weights in e4m3 (`stores_e4m3`): the
-/// default mode becomes [`E4M3_FP8`] (with the same adaLN rule); any other precision is kept as resolved. The
-/// default is recognised by value, since the H3 pipeline resolves `fp8` before the DiT loads: a mode spelled out as
-/// the default's groups is taken as the default.
+/// [`resolve_precision`] for a checkpoint that stores weights in e4m3 or not (`stores_e4m3`): on such a file `fp8`
+/// (the model default, as typed) becomes [`E4M3_FP8`] (with the default's adaLN rule); a mode named in full, the
+/// default's spelling included, is kept, its stored e4m3 blocks staying e4m3.
 pub fn for_checkpoint(
     config: &MiniMaxH3Config,
-    resolved: DitPrecision,
+    precision: DitPrecision,
     stores_e4m3: bool,
 ) -> DitPrecision {
-    let default = resolve_precision(config, DitPrecision::FP8);
-    if !stores_e4m3 || resolved != default {
+    let resolved = resolve_precision(config, precision);
+    if !stores_e4m3 || precision != DitPrecision::FP8 {
         return resolved;
     }
     let mut e4m3 = DitPrecision::Fp8(E4M3_FP8);
-    if let (DitPrecision::Fp8(l), DitPrecision::Fp8(d)) = (&mut e4m3, default) {
+    if let (DitPrecision::Fp8(l), DitPrecision::Fp8(d)) = (&mut e4m3, resolved) {
         l.groups.adaln = d.groups.adaln;
     }
     e4m3
@@ -304,11 +303,7 @@ impl Engine {
         stored: Option<&Fp8Checkpoint>,
         make: impl FnOnce(&Makers<'_>) -> Result<weights::DeviceWeights, H3Error>,
     ) -> Result<(Engine, DeviceWeightsReport), H3Error> {
-        let precision = for_checkpoint(
-            &config,
-            resolve_precision(&config, precision),
-            stored.is_some_and(|c| !c.is_empty()),
-        );
+        let precision = for_checkpoint(&config, precision, stored.is_some_and(|c| !c.is_empty()));
         let layers = config.num_layers;
         let mut fp8_groups: Vec<Fp8Groups> = (0..layers)
             .map(|l| precision.groups_of(l, layers))
@@ -792,14 +787,15 @@ mod tests {
                 ..DEFAULT_FP8.groups
             }
         );
-        // A checkpoint stored in e4m3 runs the default as the e4m3 mode (with the same adaLN rule); a named mode,
-        // or a float checkpoint, keeps what was resolved.
+        // A checkpoint stored in e4m3 runs `fp8` as the e4m3 mode (with the same adaLN rule); a named mode, the
+        // default's own spelling included, or a float checkpoint, keeps what was resolved.
         assert_eq!(
-            for_checkpoint(&release, default, true),
+            for_checkpoint(&release, DitPrecision::FP8, true),
             DitPrecision::Fp8(E4M3_FP8)
         );
-        assert_eq!(for_checkpoint(&release, default, false), default);
-        let e4m3_wide = for_checkpoint(&wide, resolve_precision(&wide, DitPrecision::FP8), true);
+        assert_eq!(for_checkpoint(&release, DitPrecision::FP8, false), default);
+        assert_eq!(for_checkpoint(&release, default, true), default);
+        let e4m3_wide = for_checkpoint(&wide, DitPrecision::FP8, true);
         assert_eq!(groups(e4m3_wide).adaln, None);
         assert_eq!(groups(e4m3_wide).gemm_codes, RowCodes::E4m3);
         let all_int8: DitPrecision = "fp8:all,ends=1,gemm=int8".parse().unwrap();

@@ -57,7 +57,7 @@ pub(super) enum WeightSource {
 pub(super) struct Folders {
     /// The hidden state the text encoder is read at (its layers past that are not loaded).
     pub text_layer: usize,
-    /// The GEMM precision the GPU DiT is loaded in.
+    /// The GEMM precision the GPU DiT is loaded in, as asked (`fp8` resolves at load, by the checkpoint).
     pub dit_precision: DitPrecision,
     /// The configs the random sources are made from (and the DiT's FP8 byte count).
     pub text_config: TextEncoderConfig,
@@ -184,7 +184,10 @@ impl Folders {
         };
         let dit = match backend {
             Backend::Host => dit,
-            Backend::Gpu => dit.saturating_sub(fp8_weights(&self.dit_config, self.dit_precision)),
+            Backend::Gpu => dit.saturating_sub(fp8_weights(
+                &self.dit_config,
+                crate::minimax_h3::dit_gpu::resolve_precision(&self.dit_config, self.dit_precision),
+            )),
         };
         let text_encoder = match &self.text_encoder {
             WeightSource::Files(model) => device(model, &[], 2),
@@ -229,10 +232,8 @@ impl Folders {
         };
         Ok(Folders {
             text_layer,
-            dit_precision: crate::minimax_h3::dit_gpu::resolve_precision(
-                &configs.dit,
-                dit_precision,
-            ),
+            // As typed: the DiT resolves `fp8` at load, where it knows whether the file stores e4m3.
+            dit_precision,
             text_config: configs.text_encoder.clone(),
             dit_config: configs.dit.clone(),
             text_encoder: source(&layout.text_encoder)?,
