@@ -108,6 +108,12 @@ __device__ __forceinline__ int2 tile_origin(int tile, int m_tiles) {
     return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kG8Cols);
 }
 
+// silu with the approximate division, as the SwiGLU kernels of nn_quant compute it.
+__device__ __forceinline__ float g8_silu(float x) { return __fdividef(x, 1.0f + expf(-x)); }
+
+// x rounded to bf16 and back: a GEMM output as the bf16 GEMM would have stored it.
+__device__ __forceinline__ float g8_bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
 // One TMA copy of a box at (byte col, row) of a 2-D INT8 map (kept 3-D with one batch entry) into dst.
 __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int col, int row, uint32_t bar) {
     tma_box(dst, map, col, row, 0, bar);
@@ -119,12 +125,91 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
 #if defined(NN_HAS_WGMMA)
 namespace {
 
-// The GEMM of either operand kind (G8Operands): the kernels below are its two instances. x_scale and w_scale are
-// read only for INT8.
-template <bool kBf16>
+// The SwiGLU tile's epilogue. acc holds, as in the plain epilogue, rows row0 and row0 + 8 and in block j the columns
+// 8 j + 2 (lane % 4) and + 1: blocks 0..15 are gate rows, 16..31 the value rows of the same hidden columns. Each
+// product is dequantized and rounded to bf16 as the plain INT8 GEMM stores it, then silu(gate) * value in f32 is
+// rounded to bf16: bf16 rows of n (the hidden width, a multiple of 128; y's row stride a multiple of 8) at columns
+// origin.y .. + 127, 16 bytes a lane after the quad transpose.
+__device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const float* __restrict__ x_scale,
+                                                const float* __restrict__ w_scale, bf16* __restrict__ y,
+                                                int64_t y_row_stride, int m, int n, int2 origin, int2 bases,
+                                                int lane) {
+    const int row_a = origin.x;
+    const int row_b = row_a + 8;
+    const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
+    const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+    const int q = lane & 3;
+    const int c0 = origin.y + 2 * q;
+    auto h_pair = [&](int32_t g0, int32_t g1, int32_t v0, int32_t v1, float row_scale, float2 wg, float2 wv) {
+        const float ga = g8_bf16_round(static_cast<float>(g0) * (row_scale * wg.x));
+        const float gb = g8_bf16_round(static_cast<float>(g1) * (row_scale * wg.y));
+        const float va = g8_bf16_round(static_cast<float>(v0) * (row_scale * wv.x));
+        const float vb = g8_bf16_round(static_cast<float>(v1) * (row_scale * wv.y));
+        const __nv_bfloat162 h = __floats2bfloat162_rn(g8_silu(ga) * va, g8_silu(gb) * vb);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    };
+    auto transpose_quad = [&](uint32_t (&v)[4]) {
+        const bool odd = (q & 1) != 0;
+        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
+        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
+        if (odd) {
+            v[0] = r0;
+            v[2] = r1;
+        } else {
+            v[1] = r0;
+            v[3] = r1;
+        }
+        const bool high = (q & 2) != 0;
+        const uint32_t r2 = __shfl_xor_sync(0xffffffffu, high ? v[0] : v[2], 2);
+        const uint32_t r3 = __shfl_xor_sync(0xffffffffu, high ? v[1] : v[3], 2);
+        if (high) {
+            v[0] = r2;
+            v[1] = r3;
+        } else {
+            v[2] = r2;
+            v[3] = r3;
+        }
+    };
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+        uint32_t va[4], vb[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int j = 4 * g + t;
+            const int col = c0 + 8 * j;  // < n: n is a multiple of 128
+            const float2 wg = *reinterpret_cast<const float2*>(w_scale + bases.x + col);
+            const float2 wv = *reinterpret_cast<const float2*>(w_scale + bases.y + col);
+            va[t] = h_pair(acc[4 * j], acc[4 * j + 1], acc[4 * (j + 16)], acc[4 * (j + 16) + 1], scale_a, wg, wv);
+            vb[t] = h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3], scale_b,
+                           wg, wv);
+        }
+        transpose_quad(va);
+        transpose_quad(vb);
+        const int block_col = origin.y + 8 * (4 * g + q);
+        if (row_a < m) {
+            *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
+                make_uint4(va[0], va[1], va[2], va[3]);
+        }
+        if (row_b < m) {
+            *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_b) * y_row_stride + block_col) =
+                make_uint4(vb[0], vb[1], vb[2], vb[3]);
+        }
+    }
+    (void)n;
+}
+
+// The GEMM of either operand kind (G8Operands): the kernels below are its instances. x_scale and w_scale are read
+// only for INT8. With kSwiglu (INT8 only) a tile's 256 columns of w are 128 gate rows from gate_base and the 128
+// value rows at the same offset from value_base (two TMA boxes of 128 rows), and the tile stores the 128 columns
+// silu(gate) * value: n is then the hidden width (the output's columns), a multiple of 128.
+template <bool kBf16, bool kSwiglu = false>
 __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
-                                           int64_t y_row_stride, int m, int n, int k) {
+                                           int64_t y_row_stride, int m, int n, int k, int gate_base = 0,
+                                           int value_base = 0) {
+    static_assert(!(kBf16 && kSwiglu), "the SwiGLU epilogue is INT8's");
+    // Output columns a tile stores.
+    constexpr int kTileCols = kSwiglu ? kG8Cols / 2 : kG8Cols;
     using Ops = G8Operands<kBf16>;
     using Acc = typename Ops::Acc;
     extern __shared__ uint8_t g8_smem[];
@@ -138,7 +223,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
     auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
-    const int tiles = m_tiles * ((n + kG8Cols - 1) / kG8Cols);
+    const int tiles = m_tiles * ((n + kTileCols - 1) / kTileCols);
     const int slices = (k + Ops::kSliceElems - 1) / Ops::kSliceElems;
     const int warpgroup = threadIdx.x / 128;
 
@@ -166,7 +251,16 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
                     if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
                     mbar_expect_bytes(full(s), kG8StageBytes);
                     tma_box_2d(a_tile(s), &tm_x, t * Ops::kSliceElems, origin.x, full(s));
-                    tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, origin.y, full(s));
+                    if constexpr (kSwiglu) {
+                        // Gate rows, then value rows, of this tile's 128 hidden columns (a 16 KiB offset keeps
+                        // the swizzle's 1024-byte blocks).
+                        const int hidden0 = (tile / m_tiles) * kTileCols;
+                        tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, gate_base + hidden0, full(s));
+                        tma_box_2d(b_tile(s) + kTileCols * kG8Slice, &tm_w, t * Ops::kSliceElems,
+                                   value_base + hidden0, full(s));
+                    } else {
+                        tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, origin.y, full(s));
+                    }
                 }
             }
         }
@@ -219,6 +313,12 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             }
         }
 
+        if constexpr (kSwiglu) {
+            swiglu_epilogue(acc, x_scale, w_scale, y, y_row_stride, m, n,
+                            make_int2(m0 + consumer * 64 + warp * 16 + lane / 4, (tile / m_tiles) * kTileCols),
+                            make_int2(gate_base, value_base), lane);
+            continue;
+        }
         // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each
         // 8-column block j the columns 8 j + 2 (l % 4) and + 1 (acc[4 j + e]: e < 2 the first row, e >= 2 the
         // second).
@@ -346,6 +446,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_c
                                                                   int n, int k) {
 #if defined(NN_HAS_WGMMA)
     gemm_tiles<true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k);
+#else
+    __trap();
+#endif
+}
+
+// The INT8 GEMM of a SwiGLU's two halves with silu(gate) * value in its epilogue: y[m, c] = bf16(silu(g) * v) with
+// g and v the bf16 products nn_gemm_int8_scaled_bf16 would store for weight rows gate_base + c and value_base + c
+// (one weight [2 hidden, K] holding both halves, either order). tm_x as for the INT8 GEMM; tm_w: w as {K bytes, 2
+// hidden rows, 1}, boxes of 128 bytes x 128 rows. hidden a multiple of 128, y's row stride a multiple of 8. Same
+// grid, threads and shared memory as the INT8 GEMM (hidden / 128 column tiles).
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int hidden, int k,
+    int gate_base, int value_base) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, gate_base, value_base);
 #else
     __trap();
 #endif

@@ -9,8 +9,10 @@ use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm, Int8GemmOperands, Int8GemmShape, GEMM_INT8_KERNELS, SHARED_BYTES,
+    plan_int8_gemm, plan_int8_swiglu_gemm, Int8GemmOperands, Int8GemmShape, GEMM_INT8_KERNELS,
+    SHARED_BYTES,
 };
+use tf_engines::nn::gpu::SwigluOrder;
 use tf_testdriver::{library_path, test_lock};
 
 #[test]
@@ -67,6 +69,71 @@ fn the_launcher_names_each_refusal() {
         let config = launch.config();
         assert_eq!((config.grid.x, config.grid.y, config.grid.z), (1, 1, 1));
         assert_eq!(config.block.x, 384);
+        assert_eq!(config.shared_bytes, SHARED_BYTES);
+    }
+}
+
+#[test]
+fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
+    let _serial = test_lock();
+    let driver = Arc::new(
+        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
+    );
+    let ctx = Context::new(driver, 0).expect("context on device 0");
+    // hidden 128: w holds 256 rows (gate and value), y 128 columns.
+    let x_dev = DeviceBuffer::alloc(&ctx, 64 * 384).expect("x");
+    let w_dev = DeviceBuffer::alloc(&ctx, 256 * 384).expect("w");
+    let s_dev = DeviceBuffer::alloc(&ctx, 4 * 256).expect("scales");
+    let mut y_dev = DeviceBuffer::alloc(&ctx, 2 * 64 * 128).expect("y");
+    let (xv, wv, sv) = (x_dev.view(), w_dev.view(), s_dev.view());
+    let inputs = Int8GemmOperands {
+        x: &xv,
+        x_scale: &sv,
+        w: &wv,
+        w_scale: &sv,
+    };
+    for ((m, hidden, k), stride, needle) in [
+        (
+            (64, 96, 384),
+            128,
+            "hidden width 96 is not a positive multiple of 128",
+        ),
+        ((64, 0, 384), 128, "hidden width 0"),
+        (
+            (64, 128, 384),
+            132,
+            "y row stride 132 is not a multiple of 8",
+        ),
+        ((64, 128, 300), 128, "K = 300 is not a multiple of 16"),
+        ((64, 256, 384), 256, "w: needs 196608 B"),
+        ((65, 128, 384), 128, "x: needs 24960 B"),
+        ((64, 128, 384), 136, "y: needs"),
+    ] {
+        let mut yv = y_dev.view_mut();
+        let err = plan_int8_swiglu_gemm(
+            &ctx,
+            132,
+            (m, hidden, k),
+            SwigluOrder::GateValue,
+            &inputs,
+            &mut yv,
+            stride,
+        )
+        .expect_err(needle)
+        .to_string();
+        assert!(
+            err.contains(needle),
+            "({m}, {hidden}, {k}), stride {stride}: {err:?} should mention {needle:?}"
+        );
+    }
+    // Valid in either order: the SwiGLU kernel, one tile here, the INT8 GEMM's threads and shared memory.
+    for order in [SwigluOrder::GateValue, SwigluOrder::ValueGate] {
+        let mut yv = y_dev.view_mut();
+        let launch = plan_int8_swiglu_gemm(&ctx, 132, (64, 128, 384), order, &inputs, &mut yv, 128)
+            .expect("valid call");
+        assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[2]);
+        let config = launch.config();
+        assert_eq!((config.grid.x, config.block.x), (1, 384));
         assert_eq!(config.shared_bytes, SHARED_BYTES);
     }
 }

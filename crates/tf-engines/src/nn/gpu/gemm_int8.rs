@@ -29,6 +29,7 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::tensor_map::{encode_bf16_tiles, encode_int8_tiles, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
+use super::act::SwigluOrder;
 use super::launch::{
     bytes_of, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
     LoadKernelsError, LoadedSet, Matrix, Operand,
@@ -36,8 +37,15 @@ use super::launch::{
 
 /// Name of the kernel set.
 pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
-/// The set's kernels: the INT8 GEMM, and the same pipeline over bf16 operands ([`plan_bf16_gemm`]).
-pub const GEMM_INT8_KERNELS: &[&str] = &["nn_gemm_int8_scaled_bf16", "nn_gemm_bf16"];
+/// The set's kernels: the INT8 GEMM, the same pipeline over bf16 operands ([`plan_bf16_gemm`]), and the INT8 GEMM
+/// of a SwiGLU's two halves with the SwiGLU in its epilogue ([`plan_int8_swiglu_gemm`]).
+pub const GEMM_INT8_KERNELS: &[&str] = &[
+    "nn_gemm_int8_scaled_bf16",
+    "nn_gemm_bf16",
+    "nn_gemm_int8_swiglu_bf16",
+];
+/// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
+pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
 /// Rows of `y` one CTA computes.
 pub const TILE_ROWS: usize = 128;
 /// Columns of `y` one CTA computes (a partial last tile reads zeros past N and stores nothing there).
@@ -211,6 +219,81 @@ pub fn plan_int8_gemm<'a>(
     ))
 }
 
+/// The INT8 GEMM of a SwiGLU's two halves with the SwiGLU in its epilogue (kernel `nn_gemm_int8_swiglu_bf16`):
+/// `y[m, c] = bf16(silu(g) * v)`, `g` and `v` the bf16 products [`plan_int8_gemm`] would store for weight rows
+/// `c` of the gate half and of the value half. `inputs.w` is one INT8 weight `[2 hidden, K]` holding both halves in
+/// `order` (`w_scale` `[2 hidden]`); `y` bf16 rows of `y_row_stride` (a multiple of 8) elements, `hidden` of them
+/// written. `hidden` must be a multiple of 128 and K of 16. This writes `hidden` columns where the plain GEMM
+/// writes `2 hidden`, and a row quantizer then reads those instead of a SwiGLU pass reading both halves.
+pub fn plan_int8_swiglu_gemm<'a>(
+    ctx: &Context,
+    sm_count: usize,
+    (m, hidden, k): (usize, usize, usize),
+    order: SwigluOrder,
+    inputs: &Int8GemmOperands<'_, 'a>,
+    y: &'a mut DeviceViewMut<'_>,
+    y_row_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "INT8 SwiGLU GEMM";
+    if hidden == 0 || !hidden.is_multiple_of(SWIGLU_TILE_COLS) {
+        return Err(invalid(
+            OP,
+            format!("hidden width {hidden} is not a positive multiple of {SWIGLU_TILE_COLS}; run the GEMM and SwiGLU apart"),
+        ));
+    }
+    if !y_row_stride.is_multiple_of(8) {
+        return Err(invalid(
+            OP,
+            format!("y row stride {y_row_stride} is not a multiple of 8 (16-byte stores)"),
+        ));
+    }
+    // The whole weight as the GEMM it is: N = 2 hidden rows, 256 of them (128 a half) a tile.
+    let both = Int8GemmShape {
+        m,
+        n: hidden
+            .checked_mul(2)
+            .ok_or_else(|| invalid(OP, "2 x hidden overflows"))?,
+        k,
+    };
+    both.check()?;
+    for (name, view, needed) in [
+        ("x", inputs.x, bytes_of(OP, "x", &[m, k])?),
+        ("w", inputs.w, bytes_of(OP, "w", &[both.n, k])?),
+        ("x_scale", inputs.x_scale, bytes_of(OP, "x_scale", &[m, 4])?),
+        (
+            "w_scale",
+            inputs.w_scale,
+            bytes_of(OP, "w_scale", &[both.n, 4])?,
+        ),
+    ] {
+        check_operand(OP, name, Operand::of(view), needed, 16)?;
+    }
+    let out = Int8GemmShape { m, n: hidden, k };
+    check_y(OP, out, Operand::of_mut(y), y_row_stride)?;
+    let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), both, 1, m, TILE_ROWS))?;
+    let tm_w = encode_int8_tiles(
+        ctx,
+        &operand_tiles(inputs.w.addr(), both, 1, both.n, SWIGLU_TILE_COLS),
+    )?;
+    let (gate_base, value_base) = match order {
+        SwigluOrder::GateValue => (0, hidden),
+        SwigluOrder::ValueGate => (hidden, 0),
+    };
+    let mut args = Args::new();
+    args.push(tm_x.words())
+        .push(tm_w.words())
+        .push_addr(inputs.x_scale.addr())
+        .push_addr(inputs.w_scale.addr());
+    push_output(&mut args, OP, out, y.addr(), y_row_stride)?;
+    args.push(to_i32(OP, "gate base", gate_base)?)
+        .push(to_i32(OP, "value base", value_base)?);
+    Ok(Launch::new(
+        GEMM_INT8_KERNELS[2],
+        LaunchConfig::new(both.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
+        args,
+    ))
+}
+
 /// The same pipeline over bf16 operands (kernel `nn_gemm_bf16`): `y = bf16(x . w^T)` with f32 sums, `x` bf16
 /// `[m, k]` dense, `w` bf16 `[n, k]` dense, `y` bf16 rows of `y_row_stride` elements; K a multiple of 8.
 pub fn plan_bf16_gemm<'a>(
@@ -368,6 +451,31 @@ impl Int8GemmKernels {
     /// Submits a launch of [`plan_int8_gemm`] (benchmarks plan once and submit it repeatedly).
     pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
         self.set.submit(stream, launch)
+    }
+
+    /// Runs the INT8 GEMM of a SwiGLU's two halves with the SwiGLU in its epilogue on `stream`; see
+    /// [`plan_int8_swiglu_gemm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_swiglu(
+        &self,
+        ctx: &Context,
+        stream: &Stream,
+        (m, hidden, k): (usize, usize, usize),
+        order: SwigluOrder,
+        inputs: &Int8GemmOperands<'_, '_>,
+        y: &mut DeviceViewMut<'_>,
+        y_row_stride: usize,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_int8_swiglu_gemm(
+            ctx,
+            self.sm_count,
+            (m, hidden, k),
+            order,
+            inputs,
+            y,
+            y_row_stride,
+        )?;
+        self.set.submit(stream, &launch)
     }
 
     /// Runs `y = bf16(x . w^T)` over bf16 operands on `stream`; see [`plan_bf16_gemm`].
