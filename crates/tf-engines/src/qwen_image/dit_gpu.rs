@@ -55,7 +55,7 @@ use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, StoredGemms};
-use crate::nn::gpu::gemm_int8::{Int8GemmBackend, Int8GemmKernels};
+use crate::nn::gpu::gemm_int8::{self, Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
@@ -285,6 +285,8 @@ struct Engine {
     int8_gemm: Option<Int8GemmKernels>,
     /// The same set for the bf16 block GEMMs when `TF_BF16_GEMM=ours` (its bf16 kernel instead of cuBLASLt).
     bf16_gemm: Option<Int8GemmKernels>,
+    /// The SwiGLU in the INT8 gate|up GEMM's epilogue where a block's MLP runs in INT8 (`TF_SWIGLU_GEMM=fused`).
+    swiglu_fused: bool,
     /// The 8-bit attention kernels, loaded when some block runs its attention in 8 bits (`attn=int8-fp8`).
     attention8: Option<Attention8bitKernels>,
 }
@@ -402,6 +404,9 @@ impl GpuDit {
             ),
             Int8GemmBackend::Cublaslt => None,
         };
+        let swiglu_fused = gemm_int8::swiglu_fused_from_env().map_err(DitError::Backend)?
+            && int8_gemm.is_some()
+            && dims.ffn.is_multiple_of(gemm_int8::SWIGLU_TILE_COLS);
         let attention8 = if precision.uses_8bit_attention(dims.layers) {
             Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
                 "loading the 8-bit attention kernels (attn=int8-fp8)",
@@ -427,6 +432,7 @@ impl GpuDit {
                 quant,
                 int8_gemm,
                 bf16_gemm,
+                swiglu_fused,
                 attention8,
             },
             workspaces: RecentSet::new(MAX_WORKSPACES),

@@ -73,6 +73,22 @@ pub const BACKEND_ENV: &str = "TF_INT8_GEMM";
 /// buffer) run: `cublaslt` (the default) or `ours` (this set's bf16 kernel, [`plan_bf16_gemm`]; sm_90 only).
 pub const BF16_BACKEND_ENV: &str = "TF_BF16_GEMM";
 
+/// The environment variable that puts a DiT's SwiGLU into its INT8 gate|up GEMM's epilogue
+/// ([`plan_int8_swiglu_gemm`]) where the block's MLP runs in INT8: `apart` (the default: the GEMM writes both halves
+/// and the SwiGLU kernel reads them) or `fused` (the GEMM writes the activation, a row pass quantizes it).
+pub const SWIGLU_ENV: &str = "TF_SWIGLU_GEMM";
+
+/// Whether [`SWIGLU_ENV`] asks for the fused SwiGLU.
+pub fn swiglu_fused_from_env() -> Result<bool, String> {
+    match std::env::var(SWIGLU_ENV).unwrap_or_default().as_str() {
+        "" | "apart" => Ok(false),
+        "fused" => Ok(true),
+        other => Err(format!(
+            "{SWIGLU_ENV}={other:?} is not a SwiGLU placement: use `apart` or `fused`"
+        )),
+    }
+}
+
 /// Which INT8 GEMM runs ([`BACKEND_ENV`]), or which bf16 GEMM ([`BF16_BACKEND_ENV`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Int8GemmBackend {

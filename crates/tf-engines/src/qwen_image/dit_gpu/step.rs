@@ -104,7 +104,7 @@ impl Engine {
             DitError::Backend("internal: an 8-bit GEMM group without weight scales".into())
         })?;
         if codes == RowCodes::Int8 {
-            return self.our_int8_gemm(x, (m, n, k), (w_offset, scales), y);
+            return self.our_int8_gemm(x, (m, n, k), (w_offset, scales), y, false);
         }
         let linear = Fp8Linear::new(
             (m, n, k),
@@ -118,13 +118,15 @@ impl Engine {
     }
 
     /// Our INT8 GEMM over the workspace's INT8 rows `x` and the INT8 weight at `w_offset` with its channel scales
-    /// at `scales`: bf16 products, dense rows of `n` in `y`.
+    /// at `scales`: bf16 products, dense rows of `n` in `y`. With `swiglu` the weight is the `[gate | up]`
+    /// projection's `2 n` rows and `y` receives `silu(gate) * up` (`n` columns) from the GEMM's epilogue.
     fn our_int8_gemm(
         &self,
         x: &Fp8Rows,
         (m, n, k): (usize, usize, usize),
         (w_offset, scales): (usize, usize),
         y: &mut DeviceBuffer,
+        swiglu: bool,
     ) -> Result<(), DitError> {
         let ours = self.int8_gemm.as_ref().ok_or_else(|| {
             DitError::Backend("internal: an INT8 GEMM group without our INT8 GEMM loaded".into())
@@ -135,10 +137,17 @@ impl Engine {
                 DitError::Backend(format!("INT8 GEMM {m} x {n} x {k}: size overflows"))
             })
         };
+        let w_rows = if swiglu { bytes(n, 2)? } else { n };
         let xv = x.codes.slice(0, bytes(m, k)?).map_err(launch)?;
         let x_scale = x.scales.slice(0, bytes(m, 4)?).map_err(launch)?;
-        let w = self.weights.slice(w_offset, bytes(n, k)?).map_err(launch)?;
-        let w_scale = self.weights.slice(scales, bytes(n, 4)?).map_err(launch)?;
+        let w = self
+            .weights
+            .slice(w_offset, bytes(w_rows, k)?)
+            .map_err(launch)?;
+        let w_scale = self
+            .weights
+            .slice(scales, bytes(w_rows, 4)?)
+            .map_err(launch)?;
         let inputs = Int8GemmOperands {
             x: &xv,
             x_scale: &x_scale,
@@ -146,6 +155,19 @@ impl Engine {
             w_scale: &w_scale,
         };
         let mut yv = y.slice_mut(0, bytes(m, n * BF16)?).map_err(launch)?;
+        if swiglu {
+            return ours
+                .gemm_swiglu(
+                    &self.ctx,
+                    &self.stream,
+                    (m, n, k),
+                    SwigluOrder::GateValue,
+                    &inputs,
+                    &mut yv,
+                    n,
+                )
+                .map_err(launch);
+        }
         ours.gemm(
             &self.ctx,
             &self.stream,
@@ -155,6 +177,50 @@ impl Engine {
             n,
         )
         .map_err(launch)
+    }
+
+    /// SwiGLU of the workspace's `[gate | up]` GEMM output (`total` rows): into 8-bit rows for the down GEMM when
+    /// `fp8` runs it in 8 bits, else into the bf16 activation.
+    fn swiglu_apart(
+        &self,
+        (gate_up, rows8, act): (&DeviceBuffer, &mut Option<Fp8Rows>, &mut DeviceBuffer),
+        fp8: Fp8Groups,
+        total: usize,
+    ) -> Result<(), DitError> {
+        let f = self.dims.ffn;
+        let st = &self.stream;
+        let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("kernel launch", e));
+        if let Some(codes) = fp8.codes_of(|g| g.mlp_out) {
+            let rows8 = fp8_rows(rows8)?;
+            let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+            let out = Fp8Out {
+                codes: &cv,
+                stride: f,
+                scales: &sv,
+            };
+            self.quant()?
+                .run(
+                    st,
+                    plan_swiglu_codes(
+                        SwigluOrder::GateValue,
+                        &gate_up.view(),
+                        Matrix::dense(total, 2 * f),
+                        &out,
+                        codes,
+                    ),
+                )
+                .map_err(launch)
+        } else {
+            self.kernels
+                .swiglu(
+                    st,
+                    &gate_up.view(),
+                    Matrix::dense(total, 2 * f),
+                    &mut act.view_mut(),
+                    f,
+                )
+                .map_err(launch)
+        }
     }
 
     /// The quantizing kernels (loaded whenever some block runs in FP8).
@@ -643,18 +709,22 @@ impl Engine {
             }
             phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
 
-            // MLP half.
-            self.block_gemm(
-                fp8.codes_of(Fp8Groups::mlp_in),
-                &ws.fp8,
-                (&ws.normed).into(),
-                (total, 2 * f, d),
-                bo.gate_up,
-                bo.scales.gate_up,
-                &mut ws.gate_up,
-            )?;
-            phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
-            if let Some(codes) = fp8.codes_of(|g| g.mlp_out) {
+            // MLP half. With the SwiGLU in the INT8 gate|up GEMM's epilogue (`TF_SWIGLU_GEMM=fused`) the GEMM
+            // writes the bf16 activation and a row pass quantizes it for the down GEMM.
+            let int8_mlp = fp8.codes_of(Fp8Groups::mlp_in) == Some(RowCodes::Int8)
+                && fp8.codes_of(|g| g.mlp_out) == Some(RowCodes::Int8);
+            if self.swiglu_fused && int8_mlp {
+                let scales = bo.scales.gate_up.ok_or_else(|| {
+                    DitError::Backend("internal: an 8-bit GEMM group without weight scales".into())
+                })?;
+                self.our_int8_gemm(
+                    fp8_ref(&ws.fp8)?,
+                    (total, f, d),
+                    (bo.gate_up, scales),
+                    &mut ws.act,
+                    true,
+                )?;
+                phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
                 let rows8 = fp8_rows(&mut ws.fp8)?;
                 let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
                 let out = Fp8Out {
@@ -665,26 +735,29 @@ impl Engine {
                 self.quant()?
                     .run(
                         st,
-                        plan_swiglu_codes(
-                            SwigluOrder::GateValue,
-                            &ws.gate_up.view(),
-                            Matrix::dense(total, 2 * f),
+                        plan_quantize_rows(
+                            &ws.act.view(),
+                            Matrix::dense(total, f),
                             &out,
-                            codes,
+                            RowCodes::Int8,
                         ),
                     )
                     .map_err(launch)?;
+                phase!("swiglu", Bytes, total * f * (BF16 + 1));
             } else {
-                k_.swiglu(
-                    st,
-                    &ws.gate_up.view(),
-                    Matrix::dense(total, 2 * f),
-                    &mut ws.act.view_mut(),
-                    f,
-                )
-                .map_err(launch)?;
+                self.block_gemm(
+                    fp8.codes_of(Fp8Groups::mlp_in),
+                    &ws.fp8,
+                    (&ws.normed).into(),
+                    (total, 2 * f, d),
+                    bo.gate_up,
+                    bo.scales.gate_up,
+                    &mut ws.gate_up,
+                )?;
+                phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
+                self.swiglu_apart((&ws.gate_up, &mut ws.fp8, &mut ws.act), fp8, total)?;
+                phase!("swiglu", Bytes, 3 * total * f * BF16);
             }
-            phase!("swiglu", Bytes, 3 * total * f * BF16);
             self.block_gemm(
                 fp8.codes_of(|g| g.mlp_out),
                 &ws.fp8,
