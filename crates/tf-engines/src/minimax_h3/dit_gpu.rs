@@ -56,7 +56,7 @@ use crate::nn::fp8::RowCodes;
 use crate::nn::fp8_checkpoint::Fp8Checkpoint;
 use crate::nn::gpu::attention_8bit::Attention8bitKernels;
 use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
-use crate::nn::gpu::gemm_int8::{Int8GemmBackend, Int8GemmKernels};
+use crate::nn::gpu::gemm_int8::{self, Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::AttentionTile;
@@ -215,6 +215,8 @@ struct Engine {
     int8_gemm: Option<Int8GemmKernels>,
     /// The same set for the bf16 GEMMs without bias when `TF_BF16_GEMM=ours` (its bf16 kernel instead of cuBLASLt).
     bf16_gemm: Option<Int8GemmKernels>,
+    /// The SwiGLU in the INT8 fc1 GEMM's epilogue where a block's MLP runs in INT8 (`TF_SWIGLU_GEMM=fused`).
+    swiglu_fused: bool,
     /// This rank's communicator when the step runs sequence-parallel ([`parallel`]).
     parallel: Option<parallel::SpState>,
 }
@@ -367,6 +369,9 @@ impl Engine {
             ),
             Int8GemmBackend::Cublaslt => None,
         };
+        let swiglu_fused = gemm_int8::swiglu_fused_from_env().map_err(H3Error::Backend)?
+            && int8_gemm.is_some()
+            && dims.fp.is_multiple_of(gemm_int8::SWIGLU_TILE_COLS);
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,
@@ -390,6 +395,7 @@ impl Engine {
                 attention8,
                 int8_gemm,
                 bf16_gemm,
+                swiglu_fused,
                 parallel: None,
             },
             DeviceWeightsReport {

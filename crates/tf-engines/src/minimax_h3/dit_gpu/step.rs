@@ -986,6 +986,19 @@ impl Engine {
             .flatten()
             .map(GemmCall::flops)
             .sum();
+        if self.swiglu_fused
+            && calls.fc1.scaled_int8()
+            && calls.fc1_gate.is_none()
+            && calls.fc2.scaled_int8()
+        {
+            // The SwiGLU in the INT8 fc1 GEMM's epilogue (`TF_SWIGLU_GEMM=fused`): act in bf16, then its INT8 rows.
+            self.fc1_swiglu_fused(ws, calls.fc1)?;
+            probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
+            self.quantize_act(ws, m, fp)?;
+            probe.mark(&self.stream, act_name, 0.0, (m * fp * (BF16 + 1)) as f64)?;
+            self.run_gemm(ws, calls.fc2)?;
+            return probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0);
+        }
         self.run_gemm(ws, calls.fc1)?;
         let ours = calls.fc1_gate.and_then(|gate| self.int8_gemm_for(&gate));
         match (calls.fc1_gate, ours) {
@@ -1009,6 +1022,62 @@ impl Engine {
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
         self.run_gemm(ws, calls.fc2)?;
         probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0)
+    }
+
+    /// `fc1` in INT8 (`c`, its `[value | gate]` weight of `c.n` rows) over the INT8 rows in q8 with the SwiGLU in
+    /// its epilogue: `silu(gate) * value` in bf16 into act (`[c.m, c.n / 2]`).
+    fn fc1_swiglu_fused(&self, ws: &mut Workspace, c: GemmCall) -> Result<(), H3Error> {
+        let (Some(w_scales), Some(ours)) = (c.fp8, self.int8_gemm.as_ref()) else {
+            return Err(H3Error::Backend(
+                "internal: a fused SwiGLU GEMM without its scales or our INT8 GEMM loaded".into(),
+            ));
+        };
+        if c.m == 0 {
+            return Ok(());
+        }
+        let hidden = c.n / 2;
+        let x = ws.q8.slice(0, c.bytes(c.m, c.k, 1)?).map_err(launch)?;
+        let x_scale = ws.q8_scales.slice(0, c.bytes(c.m, 1, 4)?).map_err(launch)?;
+        let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
+        let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
+        let inputs = Int8GemmOperands {
+            x: &x,
+            x_scale: &x_scale,
+            w: &w,
+            w_scale: &w_scale,
+        };
+        let mut y = ws
+            .act
+            .slice_mut(0, c.bytes(c.m, hidden, BF16)?)
+            .map_err(launch)?;
+        ours.gemm_swiglu(
+            &self.ctx,
+            &self.stream,
+            (c.m, hidden, c.k),
+            SwigluOrder::ValueGate,
+            &inputs,
+            &mut y,
+            hidden,
+        )
+        .map_err(launch)
+    }
+
+    /// act's `[rows, cols]` bf16 rows quantized into q8's INT8 rows and scales, for the INT8 `fc2` GEMM.
+    fn quantize_act(&self, ws: &mut Workspace, rows: usize, cols: usize) -> Result<(), H3Error> {
+        let input = ws.act.view();
+        let codes = ws.q8.view_mut();
+        let scales = ws.q8_scales.view_mut();
+        self.quant()?
+            .run(
+                &self.stream,
+                plan_quantize_rows(
+                    &input,
+                    Matrix::dense(rows, cols),
+                    &Self::q8_out(&codes, &scales, cols),
+                    RowCodes::Int8,
+                ),
+            )
+            .map_err(launch)
     }
 
     /// The quantizing pass over the attention output (`rows` x `cols` bf16, written by a kernel that never holds a
