@@ -951,7 +951,7 @@ impl Engine {
             probe.mark(&self.stream, attention_name, attention_flops(shape), 0.0)?;
         }
         if out_call.fp8.is_some() {
-            self.quantize_attention_output(ws, m, d.width, out_call.codes)?;
+            self.quantize_to_q8(ws, Buf::Attn, (m, d.width), out_call.codes)?;
             probe.mark(
                 &self.stream,
                 "attention output to FP8",
@@ -994,7 +994,7 @@ impl Engine {
             // The SwiGLU in the INT8 fc1 GEMM's epilogue (`TF_SWIGLU_GEMM=fused`): act in bf16, then its INT8 rows.
             self.fc1_swiglu_fused(ws, calls.fc1)?;
             probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
-            self.quantize_act(ws, m, fp)?;
+            self.quantize_to_q8(ws, Buf::Act, (m, fp), RowCodes::Int8)?;
             probe.mark(&self.stream, act_name, 0.0, (m * fp * (BF16 + 1)) as f64)?;
             self.run_gemm(ws, calls.fc2)?;
             return probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0);
@@ -1062,34 +1062,25 @@ impl Engine {
         .map_err(launch)
     }
 
-    /// act's `[rows, cols]` bf16 rows quantized into q8's INT8 rows and scales, for the INT8 `fc2` GEMM.
-    fn quantize_act(&self, ws: &mut Workspace, rows: usize, cols: usize) -> Result<(), H3Error> {
-        let input = ws.act.view();
-        let codes = ws.q8.view_mut();
-        let scales = ws.q8_scales.view_mut();
-        self.quant()?
-            .run(
-                &self.stream,
-                plan_quantize_rows(
-                    &input,
-                    Matrix::dense(rows, cols),
-                    &Self::q8_out(&codes, &scales, cols),
-                    RowCodes::Int8,
-                ),
-            )
-            .map_err(launch)
-    }
-
-    /// The quantizing pass over the attention output (`rows` x `cols` bf16, written by a kernel that never holds a
-    /// token's whole row) into the workspace's 8-bit rows (`codes`) and scales, for the 8-bit `out` GEMM.
-    fn quantize_attention_output(
+    /// A quantizing pass over `rows` x `cols` bf16 rows of `source` ([`Buf::Attn`]: the attention output, written
+    /// by a kernel that never holds a token's whole row; [`Buf::Act`]: the fused SwiGLU's activation) into the
+    /// workspace's 8-bit rows (`codes_format`) and scales, for the next 8-bit GEMM.
+    fn quantize_to_q8(
         &self,
         ws: &mut Workspace,
-        rows: usize,
-        cols: usize,
+        source: Buf,
+        (rows, cols): (usize, usize),
         codes_format: RowCodes,
     ) -> Result<(), H3Error> {
-        let input = ws.attn.view();
+        let input = match source {
+            Buf::Attn => ws.attn.view(),
+            Buf::Act => ws.act.view(),
+            other => {
+                return Err(H3Error::Backend(format!(
+                    "internal: a quantizing pass over {other:?}"
+                )))
+            }
+        };
         let codes = ws.q8.view_mut();
         let scales = ws.q8_scales.view_mut();
         self.quant()?
