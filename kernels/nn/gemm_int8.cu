@@ -114,6 +114,31 @@ __device__ __forceinline__ float g8_silu(float x) { return __fdividef(x, 1.0f + 
 // x rounded to bf16 and back: a GEMM output as the bf16 GEMM would have stored it.
 __device__ __forceinline__ float g8_bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// The four lanes of quad q (lane & 3) each hold one packed column pair of four 8-column blocks (v[t]: block t);
+// two xor-shuffle rounds leave lane q holding all four pairs (8 columns) of block q, for one 16-byte store.
+__device__ __forceinline__ void g8_transpose_quad(uint32_t (&v)[4], int q) {
+    const bool odd = (q & 1) != 0;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
+    if (odd) {
+        v[0] = r0;
+        v[2] = r1;
+    } else {
+        v[1] = r0;
+        v[3] = r1;
+    }
+    const bool high = (q & 2) != 0;
+    const uint32_t r2 = __shfl_xor_sync(0xffffffffu, high ? v[0] : v[2], 2);
+    const uint32_t r3 = __shfl_xor_sync(0xffffffffu, high ? v[1] : v[3], 2);
+    if (high) {
+        v[0] = r2;
+        v[1] = r3;
+    } else {
+        v[2] = r2;
+        v[3] = r3;
+    }
+}
+
 // One TMA copy of a box at (byte col, row) of a 2-D INT8 map (kept 3-D with one batch entry) into dst.
 __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int col, int row, uint32_t bar) {
     tma_box(dst, map, col, row, 0, bar);
@@ -148,28 +173,6 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
         const __nv_bfloat162 h = __floats2bfloat162_rn(g8_silu(ga) * va, g8_silu(gb) * vb);
         return *reinterpret_cast<const uint32_t*>(&h);
     };
-    auto transpose_quad = [&](uint32_t (&v)[4]) {
-        const bool odd = (q & 1) != 0;
-        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
-        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
-        if (odd) {
-            v[0] = r0;
-            v[2] = r1;
-        } else {
-            v[1] = r0;
-            v[3] = r1;
-        }
-        const bool high = (q & 2) != 0;
-        const uint32_t r2 = __shfl_xor_sync(0xffffffffu, high ? v[0] : v[2], 2);
-        const uint32_t r3 = __shfl_xor_sync(0xffffffffu, high ? v[1] : v[3], 2);
-        if (high) {
-            v[0] = r2;
-            v[1] = r3;
-        } else {
-            v[2] = r2;
-            v[3] = r3;
-        }
-    };
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
         uint32_t va[4], vb[4];
@@ -183,8 +186,8 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
             vb[t] = h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3], scale_b,
                            wg, wv);
         }
-        transpose_quad(va);
-        transpose_quad(vb);
+        g8_transpose_quad(va, q);
+        g8_transpose_quad(vb, q);
         const int block_col = origin.y + 8 * (4 * g + q);
         if (row_a < m) {
             *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
@@ -355,28 +358,6 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             // rounds), so lane q holds all 8 columns of block 4 g + q and a warp stores 64 contiguous bytes a row
             // (y is 16-byte aligned, checked by the launcher). A block is wholly inside N or wholly past it.
             const int q = lane & 3;
-            auto transpose_quad = [&](uint32_t (&v)[4]) {
-                const bool odd = (q & 1) != 0;
-                const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
-                const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
-                if (odd) {
-                    v[0] = r0;
-                    v[2] = r1;
-                } else {
-                    v[1] = r0;
-                    v[3] = r1;
-                }
-                const bool high = (q & 2) != 0;
-                const uint32_t r2 = __shfl_xor_sync(0xffffffffu, high ? v[0] : v[2], 2);
-                const uint32_t r3 = __shfl_xor_sync(0xffffffffu, high ? v[1] : v[3], 2);
-                if (high) {
-                    v[0] = r2;
-                    v[1] = r3;
-                } else {
-                    v[2] = r2;
-                    v[3] = r3;
-                }
-            };
 #pragma unroll
             for (int g = 0; g < kG8Cols / 32; ++g) {
                 uint32_t va[4], vb[4];
@@ -387,8 +368,8 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
                     va[t] = scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
                     vb[t] = scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
                 }
-                transpose_quad(va);
-                transpose_quad(vb);
+                g8_transpose_quad(va, q);
+                g8_transpose_quad(vb, q);
                 const int block_col = n0 + 8 * (4 * g + q);
                 if (block_col < n) {
                     if (row_a < m) {
