@@ -86,6 +86,20 @@ fn assert_equals_host(
     assert_eq!(wrong, 0, "{kind} GEMM {m}x{n}x{k} differs from the host");
 }
 
+/// The INT8 GEMM's operands on the device: x and w codes, then their scales.
+fn upload_operands(
+    g: &Gpu,
+    (x, w): (&[i8], &[i8]),
+    (xs, ws): (&[f32], &[f32]),
+) -> [DeviceBuffer; 4] {
+    [
+        DeviceBuffer::from_slice(&g.ctx, x).expect("x"),
+        DeviceBuffer::from_slice(&g.ctx, w).expect("w"),
+        DeviceBuffer::from_slice(&g.ctx, xs).expect("x scales"),
+        DeviceBuffer::from_slice(&g.ctx, ws).expect("w scales"),
+    ]
+}
+
 fn codes(rng: &mut Rng, n: usize) -> Vec<i8> {
     (0..n)
         .map(|_| ((rng.next_u64() % 255) as i32 - 127) as i8)
@@ -132,10 +146,7 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
         let ws = scales(&mut rng, n);
         let shape = Int8GemmShape { m, n, k };
         let want = int8_gemm_host(shape, &x, &xs, &w, &ws);
-        let x_dev = DeviceBuffer::from_slice(&g.ctx, &x).expect("x");
-        let w_dev = DeviceBuffer::from_slice(&g.ctx, &w).expect("w");
-        let xs_dev = DeviceBuffer::from_slice(&g.ctx, &xs).expect("x scales");
-        let ws_dev = DeviceBuffer::from_slice(&g.ctx, &ws).expect("w scales");
+        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
         // A sentinel in every element, so a store that lands outside the rows and columns shows up.
         let sentinel = 0x7fc1u16;
         let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; m * stride]).expect("y");
@@ -259,10 +270,7 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
                 want[r * hidden + c] = half::bf16::from_f32(h).to_bits();
             }
         }
-        let x_dev = DeviceBuffer::from_slice(&g.ctx, &x).expect("x");
-        let w_dev = DeviceBuffer::from_slice(&g.ctx, &w).expect("w");
-        let xs_dev = DeviceBuffer::from_slice(&g.ctx, &xs).expect("x scales");
-        let ws_dev = DeviceBuffer::from_slice(&g.ctx, &ws).expect("w scales");
+        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
         let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * hidden]).expect("y");
         let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
         let inputs = Int8GemmOperands {

@@ -15,13 +15,18 @@ use tf_engines::nn::gpu::gemm_int8::{
 use tf_engines::nn::gpu::SwigluOrder;
 use tf_testdriver::{library_path, test_lock};
 
-#[test]
-fn the_launcher_names_each_refusal() {
-    let _serial = test_lock();
+/// A context on the test driver's device 0 (hold `test_lock` while it lives).
+fn test_context() -> Context {
     let driver = Arc::new(
         Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
     );
-    let ctx = Context::new(driver, 0).expect("context on device 0");
+    Context::new(driver, 0).expect("context on device 0")
+}
+
+#[test]
+fn the_launcher_names_each_refusal() {
+    let _serial = test_lock();
+    let ctx = test_context();
     let x_dev = DeviceBuffer::alloc(&ctx, 64 * 384).expect("x");
     let w_dev = DeviceBuffer::alloc(&ctx, 256 * 384).expect("w");
     let s_dev = DeviceBuffer::alloc(&ctx, 4 * 256).expect("scales");
@@ -76,10 +81,7 @@ fn the_launcher_names_each_refusal() {
 #[test]
 fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
     let _serial = test_lock();
-    let driver = Arc::new(
-        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
-    );
-    let ctx = Context::new(driver, 0).expect("context on device 0");
+    let ctx = test_context();
     // hidden 128: w holds 256 rows (gate and value), y 128 columns.
     let x_dev = DeviceBuffer::alloc(&ctx, 64 * 384).expect("x");
     let w_dev = DeviceBuffer::alloc(&ctx, 256 * 384).expect("w");
