@@ -3,16 +3,21 @@
 //! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
 //! alternate the three; then our output is checked bit for bit against cuBLASLt's int32 products, dequantized.
 //! With `--bf16` it times the same pipeline over bf16 operands beside cuBLASLt's bf16 GEMM instead, and reports how
-//! far apart the two outputs are (both round f32 sums to bf16; only the order of the sums differs).
+//! far apart the two outputs are (both round f32 sums to bf16; only the order of the sums differs). With `--swiglu`
+//! it times the two ways to the down GEMM's INT8 rows at both DiTs' MLP shapes: our INT8 GEMM writing both halves
+//! then the INT8 SwiGLU kernel, against the GEMM with the SwiGLU in its epilogue then a row quantizer.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
+use tf_engines::nn::fp8::RowCodes;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear, TIMED};
 use tf_engines::nn::gpu::gemm_int8::{
     plan_bf16_gemm, plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
+use tf_engines::nn::gpu::quant::{plan_quantize_rows, plan_swiglu_codes, Fp8Rows, QuantKernels};
+use tf_engines::nn::gpu::{Matrix, SwigluOrder};
 use tf_engines::nn::precision::Fp8Accumulation;
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::relative_l2;
@@ -34,8 +39,12 @@ pub struct Int8GemmArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Time our bf16 GEMM beside cuBLASLt's bf16 GEMM instead.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "swiglu")]
     bf16: bool,
+    /// Time the SwiGLU in the INT8 GEMM's epilogue against the GEMM and SwiGLU kernel apart instead, at the two
+    /// DiTs' MLP input shapes (`--shapes` does not apply).
+    #[arg(long)]
+    swiglu: bool,
 }
 
 /// (name, M, N, K) of one GEMM.
@@ -121,7 +130,7 @@ fn write_json(
             "cublaslt_version": gemms.lt().library().version(),
             "iters": args.iters,
             "rounds": args.rounds,
-            "operands": if args.bf16 { "bf16" } else { "int8" },
+            "operands": if args.bf16 { "bf16" } else if args.swiglu { "int8, swiglu" } else { "int8" },
             "results": rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
@@ -142,6 +151,9 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     let wanted = wanted_shapes(args)?;
     if args.bf16 {
         return run_bf16(args, (&ctx, &stream), &kernels, &gemms, wanted);
+    }
+    if args.swiglu {
+        return run_swiglu(args, (&ctx, &stream), &kernels, &gemms);
     }
     println!(
         "INT8 GEMM with a scaling epilogue (ours, bf16 out) beside cuBLASLt {} row-wise FP8 (bf16 out) and INT8 \
@@ -321,6 +333,141 @@ fn run_bf16(
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
             "ours_ms": ours, "cublaslt_ms": lt_ms, "ours_over_cublaslt": ours / lt_ms, "rel_l2": rel_l2,
+        }));
+    }
+    write_json(args, gemms, rows)
+}
+
+/// (name, M, hidden, K, order): the MLP input projections of MiniMax H3 at S = 6026 and of Qwen-Image at 1024x1024
+/// (image and text rows).
+const SWIGLU_SHAPES: &[(&str, usize, usize, usize, SwigluOrder)] = &[
+    ("h3_fc1", 6026, 14336, 5376, SwigluOrder::ValueGate),
+    ("qwen_mlp_in", 4176, 12288, 4096, SwigluOrder::GateValue),
+];
+
+/// `tf bench int8-gemm --swiglu`: the down GEMM's INT8 rows made two ways, each sustained; then how far apart their
+/// dequantized rows are (the fused path rounds the activation to bf16 before quantizing it).
+fn run_swiglu(
+    args: &Int8GemmArgs,
+    (ctx, stream): (&Context, &Stream),
+    kernels: &Int8GemmKernels,
+    gemms: &GemmRunner,
+) -> Result<(), BoxError> {
+    let quant = QuantKernels::load(ctx)?;
+    println!(
+        "INT8 MLP input to the down GEMM's INT8 rows: our INT8 GEMM (both halves, bf16) then the INT8 SwiGLU kernel, \
+         against the GEMM with the SwiGLU in its epilogue (bf16 activation) then the row quantizer; {} calls back \
+         to back, best of {} rounds",
+        args.iters, args.rounds
+    );
+    let mut rows = Vec::new();
+    for &(name, m, hidden, k, order) in SWIGLU_SHAPES {
+        let mut rng = SplitMix64::new(0x5e1_0000 + m as u64 * 31 + hidden as u64);
+        let both = 2 * hidden;
+        let x = DeviceBuffer::from_slice(ctx, &random_bytes(&mut rng, m * k, false))?;
+        let w = DeviceBuffer::from_slice(ctx, &random_bytes(&mut rng, both * k, false))?;
+        let xs = DeviceBuffer::from_slice(ctx, &scales(&mut rng, m))?;
+        let ws = DeviceBuffer::from_slice(ctx, &scales(&mut rng, both))?;
+        let mut products = DeviceBuffer::alloc(ctx, m * both * 2)?;
+        let mut act = DeviceBuffer::alloc(ctx, m * hidden * 2)?;
+        let mut codes = [
+            DeviceBuffer::alloc(ctx, m * hidden)?,
+            DeviceBuffer::alloc(ctx, m * hidden)?,
+        ];
+        let mut row_scales = [
+            DeviceBuffer::alloc(ctx, m * 4)?,
+            DeviceBuffer::alloc(ctx, m * 4)?,
+        ];
+        let (xv, wv, xsv, wsv) = (x.view(), w.view(), xs.view(), ws.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let [codes_apart, codes_fused] = &mut codes;
+        let [scales_apart, scales_fused] = &mut row_scales;
+        let (ca, sa) = (codes_apart.view_mut(), scales_apart.view_mut());
+        let (cf, sf) = (codes_fused.view_mut(), scales_fused.view_mut());
+        let out_apart = Fp8Rows {
+            codes: &ca,
+            stride: hidden,
+            scales: &sa,
+        };
+        let out_fused = Fp8Rows {
+            codes: &cf,
+            stride: hidden,
+            scales: &sf,
+        };
+        // Each call plans its launches (the planned writer of a buffer and its reader cannot both be held), as a
+        // step does: both paths pay the same tensor-map encoding.
+        let mut apart = || -> Result<(), BoxError> {
+            {
+                let mut pv = products.view_mut();
+                let shape = Int8GemmShape { m, n: both, k };
+                kernels.gemm(ctx, stream, shape, &inputs, &mut pv, both)?;
+            }
+            let pr = products.view();
+            let plan = plan_swiglu_codes(
+                order,
+                &pr,
+                Matrix::dense(m, both),
+                &out_apart,
+                RowCodes::Int8,
+            );
+            Ok(quant.run(stream, plan)?)
+        };
+        let mut fused = || -> Result<(), BoxError> {
+            {
+                let mut av = act.view_mut();
+                kernels.gemm_swiglu(
+                    ctx,
+                    stream,
+                    (m, hidden, k),
+                    order,
+                    &inputs,
+                    &mut av,
+                    hidden,
+                )?;
+            }
+            let ar = act.view();
+            let plan =
+                plan_quantize_rows(&ar, Matrix::dense(m, hidden), &out_fused, RowCodes::Int8);
+            Ok(quant.run(stream, plan)?)
+        };
+        let mut best = [f64::INFINITY; 2];
+        for _ in 0..args.rounds {
+            let apart_ms = sustained_ms(ctx, stream, args.iters, &mut apart)?;
+            let fused_ms = sustained_ms(ctx, stream, args.iters, &mut fused)?;
+            for (b, t) in best.iter_mut().zip([apart_ms, fused_ms]) {
+                *b = b.min(t);
+            }
+        }
+        stream.synchronize()?;
+        let dequantized =
+            |codes: &DeviceBuffer, scales: &DeviceBuffer| -> Result<Vec<f32>, BoxError> {
+                let c: Vec<u8> = codes.to_vec()?;
+                Ok(RowCodes::Int8.dequantize_rows(&c, &scales.to_vec::<f32>()?, hidden))
+            };
+        let apart_rows = dequantized(codes_apart, scales_apart)?;
+        let fused_rows = dequantized(codes_fused, scales_fused)?;
+        let rel_l2 = relative_l2(&fused_rows, &apart_rows).ok_or("an empty output")?;
+        let [apart_ms, fused_ms] = best;
+        println!(
+            "  {name:<12} {m:>5} x {hidden:>5} (x2) x {k:>5}: apart {apart_ms:.4} ms, fused {fused_ms:.4} ms; \
+             fused / apart {:.3} (< 1 means fused is faster); INT8 rows {rel_l2:.2e} apart (relative L2, dequantized)",
+            fused_ms / apart_ms
+        );
+        if rel_l2.is_nan() || rel_l2 >= 2e-2 {
+            return Err(format!(
+                "{name}: the fused path's INT8 rows are {rel_l2:.3e} (relative L2) from the apart path's: wrong, \
+                 not just rounding"
+            )
+            .into());
+        }
+        rows.push(serde_json::json!({
+            "shape": name, "m": m, "hidden": hidden, "k": k,
+            "apart_ms": apart_ms, "fused_ms": fused_ms, "fused_over_apart": fused_ms / apart_ms, "rel_l2": rel_l2,
         }));
     }
     write_json(args, gemms, rows)
