@@ -264,6 +264,20 @@ impl Engine {
                 probe.mark(st, $name, || PhaseWork::$kind(($amount) as f64))?;
             };
         }
+        // Runs a quantizing kernel's launch, planned by `$plan` into `$out`: the workspace's 8-bit rows of `$stride`
+        // columns with their scales.
+        macro_rules! into_rows8 {
+            ($stride:expr, |$out:ident| $plan:expr) => {{
+                let rows8 = fp8_rows(&mut ws.fp8)?;
+                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
+                let $out = Fp8Out {
+                    codes: &cv,
+                    stride: $stride,
+                    scales: &sv,
+                };
+                self.quant()?.run(st, $plan).map_err(launch)?;
+            }};
+        }
 
         // Timestep embedding -> shared modulation [n_t, 5D].
         k_.timestep_embedding(
@@ -444,25 +458,13 @@ impl Engine {
 
         // The first block's adaLN runs alone; every later norm is fused with the gated residual before it.
         if let Some(codes) = self.fp8_of(0).codes_of(|g| g.qkv) {
-            let rows8 = fp8_rows(&mut ws.fp8)?;
-            let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
-            let out = Fp8Out {
-                codes: &cv,
-                stride: d,
-                scales: &sv,
-            };
-            self.quant()?
-                .run(
-                    st,
-                    plan_norm_modulate_codes(
-                        &ws.x.view(),
-                        x_layout,
-                        d,
-                        (&out, codes),
-                        &adaln_fp8(0),
-                    ),
-                )
-                .map_err(launch)?;
+            into_rows8!(d, |out| plan_norm_modulate_codes(
+                &ws.x.view(),
+                x_layout,
+                d,
+                (&out, codes),
+                &adaln_fp8(0),
+            ));
         } else {
             k_.run(
                 st,
@@ -625,29 +627,15 @@ impl Engine {
             }
             if let Some(codes) = fp8.codes_of(|g| g.out) {
                 // The attention kernel writes bf16: its output is quantized by a pass of its own.
-                let rows8 = fp8_rows(&mut ws.fp8)?;
-                {
-                    let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
-                    let out = Fp8Out {
-                        codes: &cv,
-                        stride: w,
-                        scales: &sv,
-                    };
-                    self.quant()?
-                        .run(
-                            st,
-                            plan_quantize_rows(
-                                &ws.attn.view(),
-                                Matrix::dense(total, w),
-                                &out,
-                                codes,
-                            ),
-                        )
-                        .map_err(launch)?;
-                }
+                into_rows8!(w, |out| plan_quantize_rows(
+                    &ws.attn.view(),
+                    Matrix::dense(total, w),
+                    &out,
+                    codes
+                ));
                 phase!("attention quantize", Bytes, 3 * total * w);
                 self.gemm_8bit(
-                    rows8,
+                    fp8_ref(&ws.fp8)?,
                     codes,
                     (total, d, w),
                     bo.to_out,
@@ -667,28 +655,16 @@ impl Engine {
             }
             phase!("out GEMM", Flops, 2 * total * d * w);
             if let Some(codes) = fp8.codes_of(Fp8Groups::mlp_in) {
-                let rows8 = fp8_rows(&mut ws.fp8)?;
-                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
-                let out = Fp8Out {
-                    codes: &cv,
-                    stride: d,
-                    scales: &sv,
-                };
-                self.quant()?
-                    .run(
-                        st,
-                        plan_gated_residual_norm_modulate_with(
-                            &ws.x.view_mut(),
-                            x_layout,
-                            d,
-                            (&ws.proj.view(), d),
-                            &tanh_gate(d),
-                            (&out, codes),
-                            &adaln_fp8(2 * d),
-                            None,
-                        ),
-                    )
-                    .map_err(launch)?;
+                into_rows8!(d, |out| plan_gated_residual_norm_modulate_with(
+                    &ws.x.view_mut(),
+                    x_layout,
+                    d,
+                    (&ws.proj.view(), d),
+                    &tanh_gate(d),
+                    (&out, codes),
+                    &adaln_fp8(2 * d),
+                    None,
+                ));
             } else {
                 k_.run(
                     st,
@@ -725,24 +701,12 @@ impl Engine {
                     true,
                 )?;
                 phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
-                let rows8 = fp8_rows(&mut ws.fp8)?;
-                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
-                let out = Fp8Out {
-                    codes: &cv,
-                    stride: f,
-                    scales: &sv,
-                };
-                self.quant()?
-                    .run(
-                        st,
-                        plan_quantize_rows(
-                            &ws.act.view(),
-                            Matrix::dense(total, f),
-                            &out,
-                            RowCodes::Int8,
-                        ),
-                    )
-                    .map_err(launch)?;
+                into_rows8!(f, |out| plan_quantize_rows(
+                    &ws.act.view(),
+                    Matrix::dense(total, f),
+                    &out,
+                    RowCodes::Int8,
+                ));
                 phase!("swiglu", Bytes, total * f * (BF16 + 1));
             } else {
                 self.block_gemm(
@@ -773,28 +737,16 @@ impl Engine {
                 .then(|| self.fp8_of(layer + 1).codes_of(|g| g.qkv))
                 .flatten();
             if let Some(codes) = next_codes {
-                let rows8 = fp8_rows(&mut ws.fp8)?;
-                let (cv, sv) = (rows8.codes.view_mut(), rows8.scales.view_mut());
-                let out = Fp8Out {
-                    codes: &cv,
-                    stride: d,
-                    scales: &sv,
-                };
-                self.quant()?
-                    .run(
-                        st,
-                        plan_gated_residual_norm_modulate_with(
-                            &ws.x.view_mut(),
-                            x_layout,
-                            d,
-                            (&ws.proj.view(), d),
-                            &tanh_gate(3 * d),
-                            (&out, codes),
-                            &adaln_fp8(0),
-                            None,
-                        ),
-                    )
-                    .map_err(launch)?;
+                into_rows8!(d, |out| plan_gated_residual_norm_modulate_with(
+                    &ws.x.view_mut(),
+                    x_layout,
+                    d,
+                    (&ws.proj.view(), d),
+                    &tanh_gate(3 * d),
+                    (&out, codes),
+                    &adaln_fp8(0),
+                    None,
+                ));
             } else {
                 let next_scale = if layer == last_layer { 4 * d } else { 0 };
                 k_.run(
