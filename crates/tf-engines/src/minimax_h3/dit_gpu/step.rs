@@ -672,7 +672,7 @@ impl Engine {
         let bytes = |a: usize, b: usize| c.bytes(a, b, BF16);
         let codes = |a: usize, b: usize| c.bytes(a, b, 1);
         if c.scaled_int8() {
-            return self.scaled_int8_gemm(ws, c);
+            return self.scaled_int8_gemm(ws, c, false);
         }
         if c.int8.is_some() {
             // INT8 operands and int32 products; the scales apply in the SwiGLU.
@@ -992,7 +992,7 @@ impl Engine {
             && calls.fc2.scaled_int8()
         {
             // The SwiGLU in the INT8 fc1 GEMM's epilogue (`TF_SWIGLU_GEMM=fused`): act in bf16, then its INT8 rows.
-            self.fc1_swiglu_fused(ws, calls.fc1)?;
+            self.scaled_int8_gemm(ws, calls.fc1, true)?;
             probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
             self.quantize_to_q8(ws, Buf::Act, (m, fp), RowCodes::Int8)?;
             probe.mark(&self.stream, act_name, 0.0, (m * fp * (BF16 + 1)) as f64)?;
@@ -1022,44 +1022,6 @@ impl Engine {
         probe.mark(&self.stream, act_name, 0.0, (3 * m * fp * BF16) as f64)?;
         self.run_gemm(ws, calls.fc2)?;
         probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0)
-    }
-
-    /// `fc1` in INT8 (`c`, its `[value | gate]` weight of `c.n` rows) over the INT8 rows in q8 with the SwiGLU in
-    /// its epilogue: `silu(gate) * value` in bf16 into act (`[c.m, c.n / 2]`).
-    fn fc1_swiglu_fused(&self, ws: &mut Workspace, c: GemmCall) -> Result<(), H3Error> {
-        let (Some(w_scales), Some(ours)) = (c.fp8, self.int8_gemm.as_ref()) else {
-            return Err(H3Error::Backend(
-                "internal: a fused SwiGLU GEMM without its scales or our INT8 GEMM loaded".into(),
-            ));
-        };
-        if c.m == 0 {
-            return Ok(());
-        }
-        let hidden = c.n / 2;
-        let x = ws.q8.slice(0, c.bytes(c.m, c.k, 1)?).map_err(launch)?;
-        let x_scale = ws.q8_scales.slice(0, c.bytes(c.m, 1, 4)?).map_err(launch)?;
-        let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
-        let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
-        let inputs = Int8GemmOperands {
-            x: &x,
-            x_scale: &x_scale,
-            w: &w,
-            w_scale: &w_scale,
-        };
-        let mut y = ws
-            .act
-            .slice_mut(0, c.bytes(c.m, hidden, BF16)?)
-            .map_err(launch)?;
-        ours.gemm_swiglu(
-            &self.ctx,
-            &self.stream,
-            (c.m, hidden, c.k),
-            SwigluOrder::ValueGate,
-            &inputs,
-            &mut y,
-            hidden,
-        )
-        .map_err(launch)
     }
 
     /// A quantizing pass over `rows` x `cols` bf16 rows of `source` ([`Buf::Attn`]: the attention output, written
@@ -1149,8 +1111,15 @@ impl Engine {
     }
 
     /// An 8-bit call in INT8 codes (`gemm=int8`) through our scaled INT8 GEMM: the INT8 rows in [`Buf::Q8`] and
-    /// their scales by the weight's codes and channel scales, as bf16 products into `c.y` (rows of `c.n`).
-    fn scaled_int8_gemm(&self, ws: &mut Workspace, c: GemmCall) -> Result<(), H3Error> {
+    /// their scales by the weight's codes and channel scales, as bf16 products into `c.y` (rows of `c.n`). With
+    /// `swiglu` (`fc1` whole, `TF_SWIGLU_GEMM=fused`) the GEMM's epilogue applies the SwiGLU of its `[value | gate]`
+    /// columns instead and writes act (`[c.m, c.n / 2]`).
+    fn scaled_int8_gemm(
+        &self,
+        ws: &mut Workspace,
+        c: GemmCall,
+        swiglu: bool,
+    ) -> Result<(), H3Error> {
         let (Some(w_scales), Some(ours)) = (c.fp8, self.int8_gemm.as_ref()) else {
             return Err(H3Error::Backend(
                 "internal: an INT8 GEMM group without its scales or our INT8 GEMM loaded".into(),
@@ -1163,10 +1132,11 @@ impl Engine {
         let x = ws.q8.slice(0, bytes(c.m, c.k, 1)?).map_err(launch)?;
         let x_scale = ws.q8_scales.slice(0, bytes(c.m, 1, 4)?).map_err(launch)?;
         // The block GEMMs' outputs (fields apart from q8, so both borrows hold).
-        let y_buffer = match c.y {
-            Buf::Qkv => &mut ws.qkv,
-            Buf::Y => &mut ws.y,
-            Buf::Ff => &mut ws.ff,
+        let (y_buffer, y_off, y_cols) = match c.y {
+            _ if swiglu => (&mut ws.act, 0, c.n / 2),
+            Buf::Qkv => (&mut ws.qkv, c.y_off, c.n),
+            Buf::Y => (&mut ws.y, c.y_off, c.n),
+            Buf::Ff => (&mut ws.ff, c.y_off, c.n),
             other => {
                 return Err(H3Error::Backend(format!(
                     "internal: an INT8 GEMM group writing {other:?}"
@@ -1174,13 +1144,14 @@ impl Engine {
             }
         };
         let mut y = y_buffer
-            .slice_mut(c.y_off, bytes(c.m, c.n, BF16)?)
+            .slice_mut(y_off, bytes(c.m, y_cols, BF16)?)
             .map_err(launch)?;
-        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y)
+        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, swiglu)
     }
 
     /// Our INT8 GEMM for `c` (its INT8 weight with channel scales at `w_scales`) over the INT8 rows `x` with their
-    /// scales, as bf16 products into `y` (rows of `c.n`).
+    /// scales, as bf16 products into `y` (rows of `c.n`); with `swiglu`, `silu(gate) * value` of its `[value | gate]`
+    /// columns (rows of `c.n / 2`).
     fn our_int8_gemm(
         &self,
         ours: &Int8GemmKernels,
@@ -1188,6 +1159,7 @@ impl Engine {
         w_scales: usize,
         (x, x_scale): (&DeviceView<'_>, &DeviceView<'_>),
         y: &mut tf_cuda::DeviceViewMut<'_>,
+        swiglu: bool,
     ) -> Result<(), H3Error> {
         let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
         let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
@@ -1197,6 +1169,20 @@ impl Engine {
             w: &w,
             w_scale: &w_scale,
         };
+        if swiglu {
+            let hidden = c.n / 2;
+            return ours
+                .gemm_swiglu(
+                    &self.ctx,
+                    &self.stream,
+                    (c.m, hidden, c.k),
+                    SwigluOrder::ValueGate,
+                    &inputs,
+                    y,
+                    hidden,
+                )
+                .map_err(launch);
+        }
         let shape = Int8GemmShape {
             m: c.m,
             n: c.n,
@@ -1229,7 +1215,7 @@ impl Engine {
         // The gate half of ff, where a bf16 or FP8 gate GEMM run apart writes it: the SwiGLU of split halves reads it.
         let half = bytes(c.m, c.n, BF16)?;
         let mut y = ws.ff.slice_mut(half, half).map_err(launch)?;
-        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y)
+        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, false)
     }
 
     /// SwiGLU of ff's value half (`[m, fp]` bf16, the FP8 GEMM's) and the INT8 `gate` GEMM's int32 products into
