@@ -369,9 +369,8 @@ impl Engine {
             ),
             Int8GemmBackend::Cublaslt => None,
         };
-        let swiglu_fused = gemm_int8::swiglu_fused_from_env().map_err(H3Error::Backend)?
-            && int8_gemm.is_some()
-            && dims.fp.is_multiple_of(gemm_int8::SWIGLU_TILE_COLS);
+        let swiglu_fused =
+            gemm_int8::swiglu_fused_for(int8_gemm.as_ref(), dims.fp).map_err(H3Error::Backend)?;
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,

@@ -404,9 +404,8 @@ impl GpuDit {
             ),
             Int8GemmBackend::Cublaslt => None,
         };
-        let swiglu_fused = gemm_int8::swiglu_fused_from_env().map_err(DitError::Backend)?
-            && int8_gemm.is_some()
-            && dims.ffn.is_multiple_of(gemm_int8::SWIGLU_TILE_COLS);
+        let swiglu_fused =
+            gemm_int8::swiglu_fused_for(int8_gemm.as_ref(), dims.ffn).map_err(DitError::Backend)?;
         let attention8 = if precision.uses_8bit_attention(dims.layers) {
             Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
                 "loading the 8-bit attention kernels (attn=int8-fp8)",

@@ -78,15 +78,19 @@ pub const BF16_BACKEND_ENV: &str = "TF_BF16_GEMM";
 /// and the SwiGLU kernel reads them) or `fused` (the GEMM writes the activation, a row pass quantizes it).
 pub const SWIGLU_ENV: &str = "TF_SWIGLU_GEMM";
 
-/// Whether [`SWIGLU_ENV`] asks for the fused SwiGLU.
-pub fn swiglu_fused_from_env() -> Result<bool, String> {
-    match std::env::var(SWIGLU_ENV).unwrap_or_default().as_str() {
-        "" | "apart" => Ok(false),
-        "fused" => Ok(true),
-        other => Err(format!(
-            "{SWIGLU_ENV}={other:?} is not a SwiGLU placement: use `apart` or `fused`"
-        )),
-    }
+/// Whether a DiT whose MLP is `hidden` wide runs the fused SwiGLU: [`SWIGLU_ENV`] asks for it, our INT8 GEMM is
+/// `loaded` (its INT8 MLP groups run on it) and `hidden` is a whole number of SwiGLU tiles.
+pub fn swiglu_fused_for(loaded: Option<&Int8GemmKernels>, hidden: usize) -> Result<bool, String> {
+    let asked = match std::env::var(SWIGLU_ENV).unwrap_or_default().as_str() {
+        "" | "apart" => false,
+        "fused" => true,
+        other => {
+            return Err(format!(
+                "{SWIGLU_ENV}={other:?} is not a SwiGLU placement: use `apart` or `fused`"
+            ))
+        }
+    };
+    Ok(asked && loaded.is_some() && hidden.is_multiple_of(SWIGLU_TILE_COLS))
 }
 
 /// Which INT8 GEMM runs ([`BACKEND_ENV`]), or which bf16 GEMM ([`BF16_BACKEND_ENV`]).
