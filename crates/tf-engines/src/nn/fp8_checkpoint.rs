@@ -478,6 +478,19 @@ impl Fp8Checkpoint {
         &self.weights
     }
 
+    /// Refuses `name`'s stored e4m3 codes as the weight of a GEMM in `codes` other than e4m3 (INT8 GEMMs cannot
+    /// take them), naming the file, the weight and the way out; anything else passes.
+    pub fn check_codes(&self, name: &str, codes: RowCodes) -> Result<(), Fp8CheckpointError> {
+        match self.get(name) {
+            Some(w) if codes != RowCodes::E4m3 => Err(Fp8CheckpointError::StoredCodes {
+                path: w.file.clone(),
+                name: name.into(),
+                wanted: codes.name(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The FP8 weight `name`, if the folder stores it in FP8.
     pub fn get(&self, name: &str) -> Option<&Fp8Weight> {
         self.weights.get(name)
@@ -907,14 +920,10 @@ impl<'a> WeightFeed<'a> {
             name: name.to_string(),
             source: Box::new(source),
         };
+        if fp8.is_some() {
+            checkpoint.check_codes(name, codes)?;
+        }
         Ok(match (checkpoint.get(name), fp8) {
-            (Some(w), Some(_)) if codes != RowCodes::E4m3 => {
-                return Err(Fp8CheckpointError::StoredCodes {
-                    path: w.file.clone(),
-                    name: name.into(),
-                    wanted: codes.name(),
-                })
-            }
             (Some(w), Some((rows, cols))) => {
                 if (w.rows, w.cols) != (rows, cols) {
                     return Err(Fp8CheckpointError::Layout {

@@ -14,7 +14,7 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 
 use super::{cuda_err, gpu_err};
 use crate::nn::fp8::{RowCodes, RowQuantizer};
-use crate::nn::fp8_checkpoint::{Fp8Checkpoint, Fp8CheckpointError, WeightFeed};
+use crate::nn::fp8_checkpoint::{Fp8Checkpoint, WeightFeed};
 use crate::nn::gpu::HEAD_DIM;
 use crate::nn::precision::DitPrecision;
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
@@ -367,15 +367,8 @@ pub(super) fn upload(
     // reshaped tensor goes through f32 (an FP8 one dequantized).
     let mut owned: Vec<Option<Staged>> = Vec::with_capacity(placements.len());
     for (name, _, transform, target) in &placements {
-        if let (Some(w), Some(t)) = (checkpoint.get(name), target) {
-            if t.codes != RowCodes::E4m3 {
-                return Err(Fp8CheckpointError::StoredCodes {
-                    path: w.file.clone(),
-                    name: name.clone(),
-                    wanted: t.codes.name(),
-                }
-                .into());
-            }
+        if let Some(t) = target {
+            checkpoint.check_codes(name, t.codes)?;
         }
         owned.push(if matches!(transform, Transform::Plain) {
             None
