@@ -24,6 +24,26 @@
 #include "common/common.cuh"
 #include "nn/attention.cuh"
 
+// The q|k|v epilogue's operands (kernel nn_gemm_int8_qkv_bf16): the GEMM's N = 3 width columns are q, k and v
+// heads of 128 channels; q and k are RMS-normed per head (weights q_weight / k_weight, [128] bf16) and rotated by
+// the interleaved RoPE of their row (cos / sin f32 [rows, rope_stride], slot j rotating channels 2 j and 2 j + 1),
+// v stored as it is; each into its own bf16 rows of `stride`.
+struct G8Qkv {
+    bf16* q;
+    bf16* k;
+    bf16* v;
+    const bf16* q_weight;
+    const bf16* k_weight;
+    const float* rope_cos;
+    const float* rope_sin;
+    int64_t stride;
+    int width;
+    float eps;
+    int rope_stride;
+    int reserved;  // zero: the launcher packs the struct as ten 8-byte words
+};
+static_assert(sizeof(G8Qkv) == 80, "the launcher packs G8Qkv as [u64; 10]");
+
 #if defined(NN_HAS_WGMMA)
 namespace {
 
@@ -201,16 +221,99 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
     (void)n;
 }
 
+
+// The q and k tiles' epilogue: a tile's 256 columns are two heads (blocks 0..15 and 16..31 of acc, laid out as in
+// the plain epilogue). Each product is dequantized and rounded to bf16 as the plain GEMM stores it, then
+// nn_qk_norm_rope_interleaved's arithmetic runs on it: n = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight), and
+// the pair (n0, n1) of slot j leaves as bf16(n0 cos - n1 sin), bf16(n0 sin + n1 cos). A head's sum of squares is
+// the quad's (its four lanes hold the head's 128 columns of the row). scales: the rows' x scales; rows.x: row_a
+// (row_b = row_a + 8), rows.y: M.
+__device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], float2 scales,
+                                                       const float* __restrict__ w_scale, const G8Qkv& p,
+                                                       int region, int n0, int2 rows, int lane) {
+    const int q = lane & 3;
+    const int row_a = rows.x;
+    const int row_b = rows.x + 8;
+    bf16* __restrict__ out = region == 0 ? p.q : p.k;
+    const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
+    const int out_col0 = n0 - region * p.width;
+    // The products in place, as f32 bits: bf16 values as the plain GEMM stores them. Sums of squares a row and head.
+    float sq_a0 = 0.0f, sq_a1 = 0.0f, sq_b0 = 0.0f, sq_b1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kG8Cols / 8; ++j) {
+        const float2 ws = *reinterpret_cast<const float2*>(w_scale + n0 + 8 * j + 2 * q);
+        const float a0 = g8_bf16_round(static_cast<float>(acc[4 * j]) * (scales.x * ws.x));
+        const float a1 = g8_bf16_round(static_cast<float>(acc[4 * j + 1]) * (scales.x * ws.y));
+        const float b0 = g8_bf16_round(static_cast<float>(acc[4 * j + 2]) * (scales.y * ws.x));
+        const float b1 = g8_bf16_round(static_cast<float>(acc[4 * j + 3]) * (scales.y * ws.y));
+        acc[4 * j] = __float_as_int(a0);
+        acc[4 * j + 1] = __float_as_int(a1);
+        acc[4 * j + 2] = __float_as_int(b0);
+        acc[4 * j + 3] = __float_as_int(b1);
+        if (j < 16) {
+            sq_a0 += a0 * a0 + a1 * a1;
+            sq_b0 += b0 * b0 + b1 * b1;
+        } else {
+            sq_a1 += a0 * a0 + a1 * a1;
+            sq_b1 += b0 * b0 + b1 * b1;
+        }
+    }
+    auto inv_rms = [&](float v) {
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        return rsqrtf(v * (1.0f / 128.0f) + p.eps);
+    };
+    const float r_a0 = inv_rms(sq_a0), r_a1 = inv_rms(sq_a1), r_b0 = inv_rms(sq_b0), r_b1 = inv_rms(sq_b1);
+    const float* __restrict__ cos_a = p.rope_cos + static_cast<int64_t>(row_a < rows.y ? row_a : 0) * p.rope_stride;
+    const float* __restrict__ sin_a = p.rope_sin + static_cast<int64_t>(row_a < rows.y ? row_a : 0) * p.rope_stride;
+    const float* __restrict__ cos_b = p.rope_cos + static_cast<int64_t>(row_b < rows.y ? row_b : 0) * p.rope_stride;
+    const float* __restrict__ sin_b = p.rope_sin + static_cast<int64_t>(row_b < rows.y ? row_b : 0) * p.rope_stride;
+    // One rotated pair: n = bf16(bf16(x r) w) for both channels, then the complex product with (cos, sin).
+    auto rotated = [](float x0, float x1, float r, float2 nw, float cs, float sn) {
+        const float n_0 = g8_bf16_round(g8_bf16_round(x0 * r) * nw.x);
+        const float n_1 = g8_bf16_round(g8_bf16_round(x1 * r) * nw.y);
+        const __nv_bfloat162 o = __floats2bfloat162_rn(n_0 * cs - n_1 * sn, n_0 * sn + n_1 * cs);
+        return *reinterpret_cast<const uint32_t*>(&o);
+    };
+#pragma unroll
+    for (int g = 0; g < kG8Cols / 32; ++g) {
+        uint32_t va[4], vb[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int j = 4 * g + t;
+            const int channel = 8 * (j % 16) + 2 * q;  // within the head; RoPE slot channel / 2
+            const float2 nw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(norm_w + channel));
+            const int slot = channel / 2;
+            va[t] = rotated(__int_as_float(acc[4 * j]), __int_as_float(acc[4 * j + 1]), j < 16 ? r_a0 : r_a1, nw,
+                            cos_a[slot], sin_a[slot]);
+            vb[t] = rotated(__int_as_float(acc[4 * j + 2]), __int_as_float(acc[4 * j + 3]), j < 16 ? r_b0 : r_b1, nw,
+                            cos_b[slot], sin_b[slot]);
+        }
+        g8_transpose_quad(va, q);
+        g8_transpose_quad(vb, q);
+        const int block_col = out_col0 + 8 * (4 * g + q);
+        if (row_a < rows.y) {
+            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row_a) * p.stride + block_col) =
+                make_uint4(va[0], va[1], va[2], va[3]);
+        }
+        if (row_b < rows.y) {
+            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row_b) * p.stride + block_col) =
+                make_uint4(vb[0], vb[1], vb[2], vb[3]);
+        }
+    }
+}
+
 // The GEMM of either operand kind (G8Operands): the kernels below are its instances. x_scale and w_scale are read
 // only for INT8. With kSwiglu (INT8 only) a tile's 256 columns of w are 128 gate rows from gate_base and the 128
 // value rows at the same offset from value_base (two TMA boxes of 128 rows), and the tile stores the 128 columns
 // silu(gate) * value: n is then the hidden width (the output's columns), a multiple of 128.
-template <bool kBf16, bool kSwiglu = false>
+template <bool kBf16, bool kSwiglu = false, bool kQkv = false>
 __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
                                            int64_t y_row_stride, int m, int n, int k, int gate_base = 0,
-                                           int value_base = 0) {
+                                           int value_base = 0, const G8Qkv* qkv = nullptr) {
     static_assert(!(kBf16 && kSwiglu), "the SwiGLU epilogue is INT8's");
+    static_assert(!(kBf16 && kQkv) && !(kSwiglu && kQkv), "the q|k|v epilogue is the plain INT8 GEMM's");
     // Output columns a tile stores.
     constexpr int kTileCols = kSwiglu ? kG8Cols / 2 : kG8Cols;
     using Ops = G8Operands<kBf16>;
@@ -333,7 +436,22 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             scale_a = row_a < m ? x_scale[row_a] : 0.0f;
             scale_b = row_b < m ? x_scale[row_b] : 0.0f;
         }
-        const int col0 = n0 + 2 * (lane % 4);
+        // Where the plain epilogue stores: y from column n0 (the q|k|v epilogue's value tiles: v, at n0 - 2 width).
+        bf16* __restrict__ y_tile = y;
+        int n_tile = n;
+        int n0_tile = n0;
+        if constexpr (kQkv) {
+            const int region = n0 / qkv->width;  // 0 q, 1 k, 2 v: tiles never straddle (width % 256 == 0)
+            if (region < 2) {
+                qkv_norm_rope_epilogue(acc, make_float2(scale_a, scale_b), w_scale, *qkv, region, n0,
+                                       make_int2(row_a, m), lane);
+                continue;
+            }
+            y_tile = qkv->v;
+            n_tile = qkv->width;
+            n0_tile = n0 - 2 * qkv->width;
+        }
+        const int col0 = n0_tile + 2 * (lane % 4);
         // Two adjacent columns of one row, scaled (INT8) and rounded to bf16. The two scales multiply first, as
         // nn_swiglu_i32gate_fp8 dequantizes cuBLASLt's int32 products, so either INT8 path gives the same values.
         auto scaled = [&](Acc a, Acc b, float row_scale, float2 ws) {
@@ -350,10 +468,10 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             if constexpr (kBf16) {
                 return make_float2(1.0f, 1.0f);
             } else {
-                return col < n ? *reinterpret_cast<const float2*>(w_scale + col) : make_float2(0.0f, 0.0f);
+                return col < n_tile ? *reinterpret_cast<const float2*>(w_scale + (col - n0_tile + n0)) : make_float2(0.0f, 0.0f);
             }
         };
-        if (((n | static_cast<int>(y_row_stride)) & 7) == 0) {
+        if (((n_tile | static_cast<int>(y_row_stride)) & 7) == 0) {
             // Whole 16-byte blocks: the quad's four lanes transpose their pairs of four blocks (two xor-shuffle
             // rounds), so lane q holds all 8 columns of block 4 g + q and a warp stores 64 contiguous bytes a row
             // (y is 16-byte aligned, checked by the launcher). A block is wholly inside N or wholly past it.
@@ -370,14 +488,14 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
                 }
                 g8_transpose_quad(va, q);
                 g8_transpose_quad(vb, q);
-                const int block_col = n0 + 8 * (4 * g + q);
-                if (block_col < n) {
+                const int block_col = n0_tile + 8 * (4 * g + q);
+                if (block_col < n_tile) {
                     if (row_a < m) {
-                        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
+                        *reinterpret_cast<uint4*>(y_tile + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
                             make_uint4(va[0], va[1], va[2], va[3]);
                     }
                     if (row_b < m) {
-                        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_b) * y_row_stride + block_col) =
+                        *reinterpret_cast<uint4*>(y_tile + static_cast<int64_t>(row_b) * y_row_stride + block_col) =
                             make_uint4(vb[0], vb[1], vb[2], vb[3]);
                     }
                 }
@@ -387,14 +505,14 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
 #pragma unroll
             for (int j = 0; j < kG8Cols / 8; ++j) {
                 const int col = col0 + 8 * j;
-                if (col >= n) continue;
+                if (col >= n_tile) continue;
                 const float2 ws = w_scales(col);
                 if (row_a < m) {
-                    *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(row_a) * y_row_stride + col) =
+                    *reinterpret_cast<uint32_t*>(y_tile + static_cast<int64_t>(row_a) * y_row_stride + col) =
                         scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
                 }
                 if (row_b < m) {
-                    *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(row_b) * y_row_stride + col) =
+                    *reinterpret_cast<uint32_t*>(y_tile + static_cast<int64_t>(row_b) * y_row_stride + col) =
                         scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
                 }
             }
@@ -443,6 +561,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
     int gate_base, int value_base) {
 #if defined(NN_HAS_WGMMA)
     gemm_tiles<false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, gate_base, value_base);
+#else
+    __trap();
+#endif
+}
+
+// The INT8 GEMM of a fused q|k|v projection with the per-head QK RMSNorm and interleaved RoPE in its epilogue
+// (G8Qkv): y's N = 3 width columns go to q (normed, rotated), k (normed, rotated) and v (as they are), each bf16 rows
+// of qkv.stride. width a multiple of 256 (a tile never straddles two of them), stride a multiple of 8, the rope
+// tables hold M rows. tm_x, tm_w, grid, threads and shared memory as for the INT8 GEMM.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<false, false, true>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0, &qkv);
 #else
     __trap();
 #endif

@@ -16,6 +16,10 @@
 //! host's bf16 products of both halves through silu(gate) * value, within one bf16 step (the kernel's silu divides
 //! approximately).
 //!
+//! The INT8 GEMM of a fused q|k|v projection with the QK norm and RoPE in its epilogue (`plan_int8_qkv_gemm`) is
+//! held to the two launches it replaces on the same GPU (the plain INT8 GEMM, then `nn_qk_norm_rope_interleaved`):
+//! the values bit for bit, q and k within two bf16 steps (a head's sum of squares adds in another order).
+//!
 //! They are ignored in a plain `cargo test`; run without a GPU they fail, and on a GPU that is not sm_90 each prints
 //! that it is skipped.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
@@ -23,9 +27,10 @@
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::nn::gpu::gemm_int8::{
-    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
+    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkNormRope,
 };
-use tf_engines::nn::gpu::SwigluOrder;
+use tf_engines::nn::gpu::rope::{QkvInputs, QkvOutputs};
+use tf_engines::nn::gpu::{Matrix, NnKernels, SwigluOrder};
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 
 #[path = "common/gpu.rs"]
@@ -48,6 +53,19 @@ fn gpu(test: &str) -> Option<Gpu> {
         stream,
         kernels,
     })
+}
+
+/// bf16 codes mapped to integers ordered like their values (both zeros at 0): one bf16 step is a difference of 1.
+fn bf16_steps(a: u16, b: u16) -> u32 {
+    let ordered = |bits: u16| {
+        let magnitude = i32::from(bits & 0x7fff);
+        if bits & 0x8000 != 0 {
+            -magnitude
+        } else {
+            magnitude
+        }
+    };
+    (ordered(a) - ordered(b)).unsigned_abs()
 }
 
 /// Every element of `got` (bf16 rows of `stride`) equals the host's `want` (`m` x `n` f32 values, rounded to bf16)
@@ -293,22 +311,12 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
             .unwrap_or_else(|e| panic!("INT8 SwiGLU GEMM {m}x{hidden}x{k}: {e}"));
         g.stream.synchronize().expect("synchronize");
         let got: Vec<u16> = y_dev.to_vec().expect("y back");
-        // bf16 codes mapped to integers ordered like their values (both zeros at 0): one step is a difference of
-        // 1. The kernel's silu divides approximately (2 ulp of f32), so a value next to a rounding boundary may land
-        // one step off.
-        let ordered = |bits: u16| {
-            let magnitude = i32::from(bits & 0x7fff);
-            if bits & 0x8000 != 0 {
-                -magnitude
-            } else {
-                magnitude
-            }
-        };
-        let steps = |a: u16, b: u16| (ordered(a) - ordered(b)).unsigned_abs();
+        // The kernel's silu divides approximately (2 ulp of f32), so a value next to a rounding boundary may land
+        // one bf16 step off.
         let off: Vec<u32> = got
             .iter()
             .zip(&want)
-            .map(|(&a, &b)| if a == b { 0 } else { steps(a, b) })
+            .map(|(&a, &b)| bf16_steps(a, b))
             .collect();
         let one_step = off.iter().filter(|&&d| d == 1).count();
         let worst = off.iter().copied().max().unwrap_or(0);
@@ -325,5 +333,174 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
             one_step * 100 <= m * hidden,
             "INT8 SwiGLU GEMM {m}x{hidden}x{k}: {one_step} values one step off (over 1%)"
         );
+    }
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
+    let Some(g) = gpu("int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart") else {
+        return;
+    };
+    let nn = NnKernels::load(&g.ctx).expect("load the shared kernel sets");
+    // (M, heads, K, output stride): one tile a part; partial row tiles, K past a slice, a wider output stride;
+    // Qwen-Image's width at 1024x1024 with 80 text rows (more tiles than SMs).
+    for (i, &(m, heads, k, stride)) in [
+        (128usize, 2usize, 128usize, 256usize),
+        (300, 4, 400, 520),
+        (4176, 24, 3072, 3072),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(8400 + i as u64);
+        let width = heads * 128;
+        let n = 3 * width;
+        let x = codes(&mut rng, m * k);
+        let w = codes(&mut rng, n * k);
+        let xs = scales(&mut rng, m);
+        let ws = scales(&mut rng, n);
+        let norm_weight = |rng: &mut Rng| -> Vec<u16> {
+            (0..128)
+                .map(|_| {
+                    half::bf16::from_f32(0.5 + (rng.next_u64() % 1000) as f32 * 1e-3).to_bits()
+                })
+                .collect()
+        };
+        let (qw, kw) = (norm_weight(&mut rng), norm_weight(&mut rng));
+        let angles: Vec<f32> = (0..m * 64)
+            .map(|_| (rng.next_u64() % 10_000) as f32 * 1e-3)
+            .collect();
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
+        let up16 = |v: &[u16]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
+        let upf = |v: &[f32]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
+        let (qw_dev, kw_dev, cos_dev, sin_dev) = (up16(&qw), up16(&kw), upf(&cos), upf(&sin));
+        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
+        let (qwv, kwv, cv, sv) = (qw_dev.view(), kw_dev.view(), cos_dev.view(), sin_dev.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let sentinel = 0x7fc1u16;
+        let outputs_of =
+            || -> Vec<DeviceBuffer> { (0..3).map(|_| up16(&vec![sentinel; m * stride])).collect() };
+        // Apart: the plain GEMM into q|k|v rows, then the QK norm + RoPE pass into q, k and v.
+        let mut apart = outputs_of();
+        let mut qkv_dev = up16(&vec![0u16; m * n]);
+        {
+            let mut yv = qkv_dev.view_mut();
+            g.kernels
+                .gemm(
+                    &g.ctx,
+                    &g.stream,
+                    Int8GemmShape { m, n, k },
+                    &inputs,
+                    &mut yv,
+                    n,
+                )
+                .expect("plain INT8 GEMM");
+            let qkv_v = qkv_dev.view();
+            let pass = QkvInputs {
+                qkv: &qkv_v,
+                qkv_layout: Matrix::dense(m, n),
+                heads,
+                q_weight: &qwv,
+                k_weight: &kwv,
+                eps: 1e-6,
+                rope_cos: &cv,
+                rope_sin: &sv,
+                rope_stride: 64,
+            };
+            let [q, kk, v] = &mut apart[..] else {
+                unreachable!("three outputs")
+            };
+            let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
+            let mut outputs = QkvOutputs {
+                q: &mut qv,
+                q_stride: stride,
+                k: &mut kv,
+                k_stride: stride,
+                v: &mut vv,
+                v_stride: stride,
+            };
+            nn.qk_norm_rope(&g.stream, &pass, &mut outputs)
+                .expect("QK norm + RoPE pass");
+        }
+        // Fused: one launch.
+        let mut fused = outputs_of();
+        {
+            let norm = QkNormRope {
+                heads,
+                q_weight: &qwv,
+                k_weight: &kwv,
+                eps: 1e-6,
+                rope_cos: &cv,
+                rope_sin: &sv,
+                rope_stride: 64,
+            };
+            let [q, kk, v] = &mut fused[..] else {
+                unreachable!("three outputs")
+            };
+            let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
+            let mut outputs = QkvOutputs {
+                q: &mut qv,
+                q_stride: stride,
+                k: &mut kv,
+                k_stride: stride,
+                v: &mut vv,
+                v_stride: stride,
+            };
+            g.kernels
+                .gemm_qkv(&g.ctx, &g.stream, (m, k), &inputs, &norm, &mut outputs)
+                .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM {m}x{n}x{k}: {e}"));
+        }
+        g.stream.synchronize().expect("synchronize");
+        for (part, (a, f)) in ["q", "k", "v"].iter().zip(apart.iter().zip(&fused)) {
+            let want: Vec<u16> = a.to_vec().expect("apart back");
+            let got: Vec<u16> = f.to_vec().expect("fused back");
+            let mut off = [0usize; 3];
+            let mut worst = 0u32;
+            for r in 0..m {
+                for c in 0..stride {
+                    let (gb, wb) = (got[r * stride + c], want[r * stride + c]);
+                    if c >= width {
+                        assert_eq!(
+                            gb, sentinel,
+                            "{part}: row {r} column {c} past the width was written"
+                        );
+                        continue;
+                    }
+                    let d = bf16_steps(gb, wb);
+                    worst = worst.max(d);
+                    off[(d as usize).min(2)] += 1;
+                }
+            }
+            println!(
+                "int8 q|k|v gemm {m}x{n}x{k} ({heads} heads, stride {stride}) {part}: {} of {} values equal, {} one \
+                 bf16 step off, worst {worst} steps",
+                off[0],
+                m * width,
+                off[1]
+            );
+            if *part == "v" {
+                assert_eq!(
+                    worst, 0,
+                    "INT8 q|k|v GEMM {m}x{n}x{k}: values differ from the plain GEMM's"
+                );
+            } else {
+                assert!(
+                    worst <= 2,
+                    "INT8 q|k|v GEMM {m}x{n}x{k} {part}: {worst} bf16 steps from the pass"
+                );
+                assert!(
+                    off[1] + off[2] <= m * width / 100,
+                    "INT8 q|k|v GEMM {m}x{n}x{k} {part}: over 1% of values differ from the pass"
+                );
+            }
+        }
     }
 }

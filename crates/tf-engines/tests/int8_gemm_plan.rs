@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use tf_cuda::{Context, DeviceBuffer, Driver};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm, plan_int8_swiglu_gemm, Int8GemmOperands, Int8GemmShape, GEMM_INT8_KERNELS,
-    SHARED_BYTES,
+    plan_int8_gemm, plan_int8_qkv_gemm, plan_int8_swiglu_gemm, Int8GemmOperands, Int8GemmShape,
+    QkNormRope, GEMM_INT8_KERNELS, SHARED_BYTES,
 };
+use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::SwigluOrder;
 use tf_testdriver::{library_path, test_lock};
 
@@ -136,6 +137,126 @@ fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
         assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[2]);
         let config = launch.config();
         assert_eq!((config.grid.x, config.block.x), (1, 384));
+        assert_eq!(config.shared_bytes, SHARED_BYTES);
+    }
+}
+
+#[test]
+fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
+    let _serial = test_lock();
+    let ctx = test_context();
+    // Two heads (width 256): w holds 768 rows, q, k and v 256 columns each, rope tables 64 rows of 64.
+    let (m, k) = (64usize, 384usize);
+    let x_dev = DeviceBuffer::alloc(&ctx, m * k).expect("x");
+    let w_dev = DeviceBuffer::alloc(&ctx, 768 * k).expect("w");
+    let s_dev = DeviceBuffer::alloc(&ctx, 4 * 768).expect("scales");
+    let nw_dev = DeviceBuffer::alloc(&ctx, 2 * 128).expect("norm weights");
+    let table_dev = DeviceBuffer::alloc(&ctx, 4 * 64 * 64).expect("rope table");
+    let short_table = DeviceBuffer::alloc(&ctx, 4 * 63 * 64).expect("short rope table");
+    let mut out_devs: Vec<DeviceBuffer> = (0..3)
+        .map(|_| DeviceBuffer::alloc(&ctx, 2 * m * 264).expect("output"))
+        .collect();
+    let (xv, wv, sv, nwv, tv, short_v) = (
+        x_dev.view(),
+        w_dev.view(),
+        s_dev.view(),
+        nw_dev.view(),
+        table_dev.view(),
+        short_table.view(),
+    );
+    let inputs = Int8GemmOperands {
+        x: &xv,
+        x_scale: &sv,
+        w: &wv,
+        w_scale: &sv,
+    };
+    let norm = QkNormRope {
+        heads: 2,
+        q_weight: &nwv,
+        k_weight: &nwv,
+        eps: 1e-6,
+        rope_cos: &tv,
+        rope_sin: &tv,
+        rope_stride: 64,
+    };
+    // (norm operands, (M, K), the q, k and v strides, what the refusal names)
+    type Case<'v, 'a> = (QkNormRope<'v, 'a>, (usize, usize), [usize; 3], &'static str);
+    let cases: [Case; 7] = [
+        (
+            QkNormRope { heads: 3, ..norm },
+            (m, k),
+            [384; 3],
+            "3 heads of 128 (384 columns) are not a positive multiple of 256",
+        ),
+        (QkNormRope { heads: 0, ..norm }, (m, k), [256; 3], "0 heads"),
+        (
+            norm,
+            (m, k),
+            [256, 264, 256],
+            "q, k and v row strides 256, 264, 256 must be one multiple of 8",
+        ),
+        (norm, (m, 300), [256; 3], "K = 300 is not a multiple of 16"),
+        (
+            QkNormRope {
+                rope_cos: &short_v,
+                ..norm
+            },
+            (m, k),
+            [256; 3],
+            "rope_cos: needs 16384 B",
+        ),
+        (
+            QkNormRope {
+                rope_stride: 32,
+                ..norm
+            },
+            (m, k),
+            [256; 3],
+            "rope stride 32 must be even and at least 64",
+        ),
+        (norm, (m + 1, k), [256; 3], "x: needs 24960 B"),
+    ];
+    for (norm_case, (cm, ck), strides, needle) in cases {
+        let [q, kk, v] = &mut out_devs[..] else {
+            unreachable!("three outputs")
+        };
+        let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
+        let outputs = QkvOutputs {
+            q: &mut qv,
+            q_stride: strides[0],
+            k: &mut kv,
+            k_stride: strides[1],
+            v: &mut vv,
+            v_stride: strides[2],
+        };
+        let err = plan_int8_qkv_gemm(&ctx, 132, (cm, ck), &inputs, &norm_case, &outputs)
+            .expect_err(needle)
+            .to_string();
+        assert!(
+            err.contains(needle),
+            "({cm}, {ck}), strides {strides:?}: {err:?} should mention {needle:?}"
+        );
+    }
+    // Valid: the q|k|v kernel over the whole weight (3 column tiles), the INT8 GEMM's threads and shared memory,
+    // and outputs with a wider stride.
+    for stride in [256, 264] {
+        let [q, kk, v] = &mut out_devs[..] else {
+            unreachable!("three outputs")
+        };
+        let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
+        let outputs = QkvOutputs {
+            q: &mut qv,
+            q_stride: stride,
+            k: &mut kv,
+            k_stride: stride,
+            v: &mut vv,
+            v_stride: stride,
+        };
+        let launch =
+            plan_int8_qkv_gemm(&ctx, 132, (m, k), &inputs, &norm, &outputs).expect("valid call");
+        assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[3]);
+        let config = launch.config();
+        assert_eq!((config.grid.x, config.block.x), (3, 384));
         assert_eq!(config.shared_bytes, SHARED_BYTES);
     }
 }

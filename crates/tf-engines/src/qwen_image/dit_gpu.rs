@@ -59,7 +59,7 @@ use crate::nn::gpu::gemm_int8::{self, Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
-use crate::nn::gpu::AttentionTile;
+use crate::nn::gpu::{AttentionTile, HEAD_DIM};
 use crate::nn::host_work;
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
@@ -287,6 +287,9 @@ struct Engine {
     bf16_gemm: Option<Int8GemmKernels>,
     /// The SwiGLU in the INT8 gate|up GEMM's epilogue where a block's MLP runs in INT8 (`TF_SWIGLU_GEMM=fused`).
     swiglu_fused: bool,
+    /// The QK norm and RoPE in the INT8 q|k|v GEMM's epilogue where a block's qkv group runs in INT8 (the default;
+    /// `TF_QKV_GEMM=apart` runs the pass).
+    qkv_fused: bool,
     /// The 8-bit attention kernels, loaded when some block runs its attention in 8 bits (`attn=int8-fp8`).
     attention8: Option<Attention8bitKernels>,
 }
@@ -406,6 +409,8 @@ impl GpuDit {
         };
         let swiglu_fused =
             gemm_int8::swiglu_fused_for(int8_gemm.as_ref(), dims.ffn).map_err(DitError::Backend)?;
+        let qkv_fused = gemm_int8::qkv_fused_for(int8_gemm.as_ref(), dims.heads * HEAD_DIM)
+            .map_err(DitError::Backend)?;
         let attention8 = if precision.uses_8bit_attention(dims.layers) {
             Some(Attention8bitKernels::load(ctx).map_err(gpu_err(
                 "loading the 8-bit attention kernels (attn=int8-fp8)",
@@ -432,6 +437,7 @@ impl GpuDit {
                 int8_gemm,
                 bf16_gemm,
                 swiglu_fused,
+                qkv_fused,
                 attention8,
             },
             workspaces: RecentSet::new(MAX_WORKSPACES),

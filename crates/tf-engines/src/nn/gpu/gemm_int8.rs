@@ -30,19 +30,23 @@ use tf_cuda::tensor_map::{encode_bf16_tiles, encode_int8_tiles, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::act::SwigluOrder;
+use super::attention::HEAD_DIM;
 use super::launch::{
     bytes_of, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
     LoadKernelsError, LoadedSet, Matrix, Operand,
 };
+use super::rope::{check_interleaved_tables, QkvOutputs};
 
 /// Name of the kernel set.
 pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
-/// The set's kernels: the INT8 GEMM, the same pipeline over bf16 operands ([`plan_bf16_gemm`]), and the INT8 GEMM
-/// of a SwiGLU's two halves with the SwiGLU in its epilogue ([`plan_int8_swiglu_gemm`]).
+/// The set's kernels: the INT8 GEMM, the same pipeline over bf16 operands ([`plan_bf16_gemm`]), the INT8 GEMM of a
+/// SwiGLU's two halves with the SwiGLU in its epilogue ([`plan_int8_swiglu_gemm`]), and the INT8 GEMM of a fused
+/// q|k|v projection with the QK norm and RoPE in its epilogue ([`plan_int8_qkv_gemm`]).
 pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_int8_scaled_bf16",
     "nn_gemm_bf16",
     "nn_gemm_int8_swiglu_bf16",
+    "nn_gemm_int8_qkv_bf16",
 ];
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
@@ -77,6 +81,26 @@ pub const BF16_BACKEND_ENV: &str = "TF_BF16_GEMM";
 /// ([`plan_int8_swiglu_gemm`]) where the block's MLP runs in INT8: `apart` (the default: the GEMM writes both halves
 /// and the SwiGLU kernel reads them) or `fused` (the GEMM writes the activation, a row pass quantizes it).
 pub const SWIGLU_ENV: &str = "TF_SWIGLU_GEMM";
+
+/// The environment variable that puts Qwen-Image's per-head QK norm and RoPE into its INT8 q|k|v GEMM's epilogue
+/// ([`plan_int8_qkv_gemm`]) where that GEMM runs in INT8: `fused` (the default: the GEMM writes normed, rotated q
+/// and k and the values into the attention's rows) or `apart` (the GEMM writes q|k|v, a row pass norms and rotates).
+pub const QKV_ENV: &str = "TF_QKV_GEMM";
+
+/// Whether a DiT `width` wide (heads of 128) runs the fused q|k|v epilogue: [`QKV_ENV`] does not ask for the passes
+/// apart, our INT8 GEMM is `loaded` and `width` is a whole number of tiles.
+pub fn qkv_fused_for(loaded: Option<&Int8GemmKernels>, width: usize) -> Result<bool, String> {
+    let asked = match std::env::var(QKV_ENV).unwrap_or_default().as_str() {
+        "" | "fused" => true,
+        "apart" => false,
+        other => {
+            return Err(format!(
+                "{QKV_ENV}={other:?} is not a QK norm placement: use `fused` or `apart`"
+            ))
+        }
+    };
+    Ok(asked && loaded.is_some() && width > 0 && width.is_multiple_of(TILE_COLS))
+}
 
 /// Whether a DiT whose MLP is `hidden` wide runs the fused SwiGLU: [`SWIGLU_ENV`] asks for it, our INT8 GEMM is
 /// `loaded` (its INT8 MLP groups run on it) and `hidden` is a whole number of SwiGLU tiles.
@@ -314,6 +338,132 @@ pub fn plan_int8_swiglu_gemm<'a>(
     ))
 }
 
+/// The per-head QK RMSNorm and interleaved RoPE [`plan_int8_qkv_gemm`] runs in its epilogue, the arithmetic of
+/// [`super::rope::plan_qk_norm_rope`]: `heads` heads of 128 channels, norm weights `q_weight` / `k_weight` (bf16
+/// `[128]`), rotation tables f32 `[M, rope_stride]` (slot `j` turns channels `2 j` and `2 j + 1`).
+#[derive(Clone, Copy, Debug)]
+pub struct QkNormRope<'v, 'a> {
+    pub heads: usize,
+    pub q_weight: &'v DeviceView<'a>,
+    pub k_weight: &'v DeviceView<'a>,
+    pub eps: f32,
+    pub rope_cos: &'v DeviceView<'a>,
+    pub rope_sin: &'v DeviceView<'a>,
+    pub rope_stride: usize,
+}
+
+/// The INT8 GEMM of a fused q|k|v projection with the QK norm and RoPE in its epilogue (kernel
+/// `nn_gemm_int8_qkv_bf16`): the products [`plan_int8_gemm`] would store for `w`'s `3 width` rows (`width = heads *
+/// 128`, a multiple of 256), rounded to bf16, then q and k normed and rotated per `norm` as the separate pass does
+/// and written to `outputs.q` / `outputs.k`, the values to `outputs.v` (bf16 rows of one stride, a multiple of 8).
+/// This saves the pass that reads the GEMM's output and writes the three again.
+pub fn plan_int8_qkv_gemm<'a>(
+    ctx: &Context,
+    sm_count: usize,
+    (m, k): (usize, usize),
+    inputs: &Int8GemmOperands<'_, 'a>,
+    norm: &QkNormRope<'a, '_>,
+    outputs: &QkvOutputs<'a, '_>,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    const OP: &str = "INT8 q|k|v GEMM";
+    let width = norm
+        .heads
+        .checked_mul(HEAD_DIM)
+        .ok_or_else(|| invalid(OP, "heads overflow"))?;
+    if width == 0 || !width.is_multiple_of(TILE_COLS) {
+        return Err(invalid(
+            OP,
+            format!(
+                "{} heads of {HEAD_DIM} ({width} columns) are not a positive multiple of {TILE_COLS} columns; run the GEMM and the QK norm apart",
+                norm.heads
+            ),
+        ));
+    }
+    let stride = outputs.q_stride;
+    if outputs.k_stride != stride || outputs.v_stride != stride || !stride.is_multiple_of(8) {
+        return Err(invalid(
+            OP,
+            format!(
+                "q, k and v row strides {}, {}, {} must be one multiple of 8 (16-byte stores)",
+                outputs.q_stride, outputs.k_stride, outputs.v_stride
+            ),
+        ));
+    }
+    let shape = Int8GemmShape {
+        m,
+        n: width
+            .checked_mul(3)
+            .ok_or_else(|| invalid(OP, "3 x width overflows"))?,
+        k,
+    };
+    shape.check()?;
+    for (name, view, needed) in [
+        ("x", inputs.x, bytes_of(OP, "x", &[m, k])?),
+        ("w", inputs.w, bytes_of(OP, "w", &[shape.n, k])?),
+        ("x_scale", inputs.x_scale, bytes_of(OP, "x_scale", &[m, 4])?),
+        (
+            "w_scale",
+            inputs.w_scale,
+            bytes_of(OP, "w_scale", &[shape.n, 4])?,
+        ),
+        ("q_weight", norm.q_weight, HEAD_DIM * 2),
+        ("k_weight", norm.k_weight, HEAD_DIM * 2),
+    ] {
+        check_operand(OP, name, Operand::of(view), needed, 4)?;
+    }
+    for (name, view) in [("x", inputs.x), ("w", inputs.w)] {
+        check_operand(OP, name, Operand::of(view), 0, 16)?;
+    }
+    check_interleaved_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
+    let each = Int8GemmShape { m, n: width, k };
+    for (name, view) in [("q", &*outputs.q), ("k", &*outputs.k), ("v", &*outputs.v)] {
+        check_y_named(OP, name, each, Operand::of_mut(view), stride)?;
+    }
+    let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
+    let tm_w = encode_int8_tiles(
+        ctx,
+        &operand_tiles(inputs.w.addr(), shape, 1, shape.n, TILE_COLS),
+    )?;
+    let mut args = Args::new();
+    args.push(tm_x.words())
+        .push(tm_w.words())
+        .push_addr(inputs.x_scale.addr())
+        .push_addr(inputs.w_scale.addr())
+        .push(qkv_words(
+            [
+                outputs.q.addr(),
+                outputs.k.addr(),
+                outputs.v.addr(),
+                norm.q_weight.addr(),
+                norm.k_weight.addr(),
+                norm.rope_cos.addr(),
+                norm.rope_sin.addr(),
+            ],
+            to_i64(OP, "row stride", stride)?,
+            to_i32(OP, "width", width)?,
+            norm.eps,
+            to_i32(OP, "rope stride", norm.rope_stride)?,
+        ))
+        .push(to_i32(OP, "M", m)?)
+        .push(to_i32(OP, "K", k)?);
+    Ok(Launch::new(
+        GEMM_INT8_KERNELS[3],
+        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
+        args,
+    ))
+}
+
+/// The kernel's `G8Qkv` argument as its ten 8-byte words: seven addresses (q, k, v, q_weight, k_weight, rope_cos,
+/// rope_sin), the row stride, then `width` and `eps`, then `rope_stride` and a zero word half.
+fn qkv_words(addrs: [u64; 7], stride: i64, width: i32, eps: f32, rope_stride: i32) -> [u64; 10] {
+    let mut words = [0u64; 10];
+    words[..7].copy_from_slice(&addrs);
+    words[7] = stride as u64;
+    words[8] = u64::from(width as u32) | (u64::from(eps.to_bits()) << 32);
+    words[9] = u64::from(rope_stride as u32);
+    words
+}
+
 /// The same pipeline over bf16 operands (kernel `nn_gemm_bf16`): `y = bf16(x . w^T)` with f32 sums, `x` bf16
 /// `[m, k]` dense, `w` bf16 `[n, k]` dense, `y` bf16 rows of `y_row_stride` elements; K a multiple of 8.
 pub fn plan_bf16_gemm<'a>(
@@ -404,11 +554,22 @@ fn check_y(
     y: Operand,
     y_row_stride: usize,
 ) -> Result<(), tf_cuda::Error> {
+    check_y_named(op, "y", shape, y, y_row_stride)
+}
+
+/// [`check_y`] for an output called `name`.
+fn check_y_named(
+    op: &str,
+    name: &str,
+    shape: Int8GemmShape,
+    y: Operand,
+    y_row_stride: usize,
+) -> Result<(), tf_cuda::Error> {
     if y_row_stride < shape.n || !y_row_stride.is_multiple_of(2) {
         return Err(invalid(
             op,
             format!(
-                "y row stride {y_row_stride} must be even and at least N = {}",
+                "{name} row stride {y_row_stride} must be even and at least N = {}",
                 shape.n
             ),
         ));
@@ -416,8 +577,8 @@ fn check_y(
     let y_span = Matrix::dense(shape.m, shape.n)
         .with_stride(y_row_stride)
         .span_bytes()
-        .ok_or_else(|| invalid(op, "y's span overflows"))?;
-    check_operand(op, "y", y, y_span, 16)
+        .ok_or_else(|| invalid(op, format!("{name}'s span overflows")))?;
+    check_operand(op, name, y, y_span, 16)
 }
 
 /// Pushes the arguments both kernels end with: y, its row stride, M, N, K.
@@ -495,6 +656,20 @@ impl Int8GemmKernels {
             y,
             y_row_stride,
         )?;
+        self.set.submit(stream, &launch)
+    }
+
+    /// Runs the INT8 q|k|v GEMM with the QK norm and RoPE in its epilogue on `stream`; see [`plan_int8_qkv_gemm`].
+    pub fn gemm_qkv(
+        &self,
+        ctx: &Context,
+        stream: &Stream,
+        (m, k): (usize, usize),
+        inputs: &Int8GemmOperands<'_, '_>,
+        norm: &QkNormRope<'_, '_>,
+        outputs: &mut QkvOutputs<'_, '_>,
+    ) -> Result<(), tf_cuda::Error> {
+        let launch = plan_int8_qkv_gemm(ctx, self.sm_count, (m, k), inputs, norm, outputs)?;
         self.set.submit(stream, &launch)
     }
 

@@ -76,33 +76,12 @@ pub fn plan_qk_norm_rope<'a>(
         Operand::of(inputs.k_weight),
         Matrix::dense(1, HEAD_DIM),
     )?;
-    if inputs.rope_stride < HEAD_DIM / 2 || !inputs.rope_stride.is_multiple_of(2) {
-        return Err(invalid(
-            OP,
-            format!(
-                "rope stride {} must be even and at least 64",
-                inputs.rope_stride
-            ),
-        ));
-    }
-    let rope_bytes = if rows == 0 {
-        0
-    } else {
-        ((rows - 1) * inputs.rope_stride + HEAD_DIM / 2) * 4
-    };
-    for (name, table) in [("rope_cos", inputs.rope_cos), ("rope_sin", inputs.rope_sin)] {
-        let operand = Operand::of(table);
-        if !operand.addr.is_multiple_of(8) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "{name}: device address {:#x} is not 8-byte aligned",
-                    operand.addr
-                ),
-            ));
-        }
-        check_bytes(OP, name, operand, rope_bytes)?;
-    }
+    check_interleaved_tables(
+        OP,
+        rows,
+        (inputs.rope_cos, inputs.rope_sin),
+        inputs.rope_stride,
+    )?;
     for (name, view, stride) in [
         ("q", &*outputs.q, outputs.q_stride),
         ("k", &*outputs.k, outputs.k_stride),
@@ -144,6 +123,44 @@ pub fn plan_qk_norm_rope<'a>(
         LaunchConfig::new(to_u32(OP, "blocks", items.div_ceil(8).max(1))?, 256),
         args,
     ))
+}
+
+/// Checks the interleaved RoPE's cos/sin tables: f32 `[rows, rope_stride]`, 8-byte aligned, with the 64 used columns
+/// of every row inside the views.
+pub(crate) fn check_interleaved_tables(
+    op: &str,
+    rows: usize,
+    (rope_cos, rope_sin): (&DeviceView<'_>, &DeviceView<'_>),
+    rope_stride: usize,
+) -> Result<(), tf_cuda::Error> {
+    if rope_stride < HEAD_DIM / 2 || !rope_stride.is_multiple_of(2) {
+        return Err(invalid(
+            op,
+            format!("rope stride {rope_stride} must be even and at least 64"),
+        ));
+    }
+    let rope_bytes = match rows.checked_sub(1) {
+        None => 0,
+        Some(last) => last
+            .checked_mul(rope_stride)
+            .and_then(|e| e.checked_add(HEAD_DIM / 2))
+            .and_then(|e| e.checked_mul(4))
+            .ok_or_else(|| invalid(op, "rope table span overflows"))?,
+    };
+    for (name, table) in [("rope_cos", rope_cos), ("rope_sin", rope_sin)] {
+        let operand = Operand::of(table);
+        if !operand.addr.is_multiple_of(8) {
+            return Err(invalid(
+                op,
+                format!(
+                    "{name}: device address {:#x} is not 8-byte aligned",
+                    operand.addr
+                ),
+            ));
+        }
+        check_bytes(op, name, operand, rope_bytes)?;
+    }
+    Ok(())
 }
 
 /// Operands of the in-place QK RMSNorm + rotate-half RoPE (kernel nn_qk_norm_rope_half).

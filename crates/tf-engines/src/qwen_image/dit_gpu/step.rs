@@ -18,7 +18,7 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{Fp8Linear, Linear};
-use crate::nn::gpu::gemm_int8::{Int8GemmOperands, Int8GemmShape};
+use crate::nn::gpu::gemm_int8::{Int8GemmOperands, Int8GemmShape, QkNormRope};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes, plan_quantize_rows,
@@ -177,6 +177,40 @@ impl Engine {
             n,
         )
         .map_err(launch)
+    }
+
+    /// Our INT8 q|k|v GEMM over the workspace's INT8 rows `x` (`m` rows of `k`) and the INT8 weight at `w_offset`
+    /// with its channel scales at `scales`, the QK norm and RoPE in its epilogue: q, k and v into `outputs`.
+    fn our_int8_qkv_gemm(
+        &self,
+        x: &Fp8Rows,
+        (m, k): (usize, usize),
+        (w_offset, scales): (usize, usize),
+        norm: &QkNormRope<'_, '_>,
+        outputs: &mut QkvOutputs<'_, '_>,
+    ) -> Result<(), DitError> {
+        let ours = self.int8_gemm.as_ref().ok_or_else(|| {
+            DitError::Backend("internal: an INT8 GEMM group without our INT8 GEMM loaded".into())
+        })?;
+        let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("INT8 q|k|v GEMM", e));
+        let n = 3 * norm.heads * HEAD_DIM;
+        let bytes = |a: usize, b: usize| {
+            a.checked_mul(b).ok_or_else(|| {
+                DitError::Backend(format!("INT8 q|k|v GEMM {m} x {n} x {k}: size overflows"))
+            })
+        };
+        let xv = x.codes.slice(0, bytes(m, k)?).map_err(launch)?;
+        let x_scale = x.scales.slice(0, bytes(m, 4)?).map_err(launch)?;
+        let w = self.weights.slice(w_offset, bytes(n, k)?).map_err(launch)?;
+        let w_scale = self.weights.slice(scales, bytes(n, 4)?).map_err(launch)?;
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &x_scale,
+            w: &w,
+            w_scale: &w_scale,
+        };
+        ours.gemm_qkv(&self.ctx, &self.stream, (m, k), &inputs, norm, outputs)
+            .map_err(launch)
     }
 
     /// SwiGLU of the workspace's `[gate | up]` GEMM output (`total` rows): into 8-bit rows for the down GEMM when
@@ -484,39 +518,18 @@ impl Engine {
         let last_layer = o.blocks.len().saturating_sub(1);
         for (layer, bo) in o.blocks.iter().enumerate() {
             let fp8 = self.fp8_of(layer);
-            // Attention half (its adaLN ran at the end of the previous block).
-            self.block_gemm(
-                fp8.codes_of(|g| g.qkv),
-                &ws.fp8,
-                (&ws.normed).into(),
-                (total, 3 * w, d),
-                bo.qkv,
-                bo.scales.qkv,
-                &mut ws.qkv,
-            )?;
-            phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
+            // Attention half (its adaLN ran at the end of the previous block). With the qkv group in INT8 the QK
+            // norm and RoPE run in our GEMM's epilogue, which writes q, k and v where the attention reads them.
+            let qw = self
+                .weights
+                .slice(bo.norm_q, HEAD_DIM * BF16)
+                .map_err(launch)?;
+            let kw = self
+                .weights
+                .slice(bo.norm_k, HEAD_DIM * BF16)
+                .map_err(launch)?;
             {
-                let qkv_view = ws.qkv.view();
-                let qw = self
-                    .weights
-                    .slice(bo.norm_q, HEAD_DIM * BF16)
-                    .map_err(launch)?;
-                let kw = self
-                    .weights
-                    .slice(bo.norm_k, HEAD_DIM * BF16)
-                    .map_err(launch)?;
                 let (cos_v, sin_v) = (ws.rope_cos.view(), ws.rope_sin.view());
-                let inputs = QkvInputs {
-                    qkv: &qkv_view,
-                    qkv_layout: Matrix::dense(total, 3 * w),
-                    heads: dims.heads,
-                    q_weight: &qw,
-                    k_weight: &kw,
-                    eps: dims.eps,
-                    rope_cos: &cos_v,
-                    rope_sin: &sin_v,
-                    rope_stride: HEAD_DIM / 2,
-                };
                 let (mut qv, mut kv, mut vv) = (ws.q.view_mut(), ws.k.view_mut(), ws.v.view_mut());
                 let mut outputs = QkvOutputs {
                     q: &mut qv,
@@ -526,8 +539,55 @@ impl Engine {
                     v: &mut vv,
                     v_stride: w,
                 };
-                k_.qk_norm_rope(st, &inputs, &mut outputs).map_err(launch)?;
-                phase!("qk-norm+rope", Bytes, 2 * total * 3 * w * BF16);
+                if self.qkv_fused && fp8.codes_of(|g| g.qkv) == Some(RowCodes::Int8) {
+                    let scales = bo.scales.qkv.ok_or_else(|| {
+                        DitError::Backend(
+                            "internal: an 8-bit GEMM group without weight scales".into(),
+                        )
+                    })?;
+                    let norm = QkNormRope {
+                        heads: dims.heads,
+                        q_weight: &qw,
+                        k_weight: &kw,
+                        eps: dims.eps,
+                        rope_cos: &cos_v,
+                        rope_sin: &sin_v,
+                        rope_stride: HEAD_DIM / 2,
+                    };
+                    self.our_int8_qkv_gemm(
+                        fp8_ref(&ws.fp8)?,
+                        (total, d),
+                        (bo.qkv, scales),
+                        &norm,
+                        &mut outputs,
+                    )?;
+                    phase!("qkv GEMM+qk-norm+rope", Flops, 2 * total * 3 * w * d);
+                } else {
+                    self.block_gemm(
+                        fp8.codes_of(|g| g.qkv),
+                        &ws.fp8,
+                        (&ws.normed).into(),
+                        (total, 3 * w, d),
+                        bo.qkv,
+                        bo.scales.qkv,
+                        &mut ws.qkv,
+                    )?;
+                    phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
+                    let qkv_view = ws.qkv.view();
+                    let inputs = QkvInputs {
+                        qkv: &qkv_view,
+                        qkv_layout: Matrix::dense(total, 3 * w),
+                        heads: dims.heads,
+                        q_weight: &qw,
+                        k_weight: &kw,
+                        eps: dims.eps,
+                        rope_cos: &cos_v,
+                        rope_sin: &sin_v,
+                        rope_stride: HEAD_DIM / 2,
+                    };
+                    k_.qk_norm_rope(st, &inputs, &mut outputs).map_err(launch)?;
+                    phase!("qk-norm+rope", Bytes, 2 * total * 3 * w * BF16);
+                }
             }
             if let Some(extract) = ws.extract.as_mut() {
                 let plane = extract.plane_bytes();
