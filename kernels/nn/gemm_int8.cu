@@ -24,18 +24,19 @@
 #include "common/common.cuh"
 #include "nn/attention.cuh"
 
-// The q|k|v epilogue's operands (kernel nn_gemm_int8_qkv_bf16): the GEMM's N = 3 width columns are q, k and v
-// heads of 128 channels; q and k are RMS-normed per head (weights q_weight / k_weight, [128] bf16) and rotated by
-// the interleaved RoPE of their row (cos / sin f32 [rows, rope_stride], slot j rotating channels 2 j and 2 j + 1),
-// v stored as it is; each into its own bf16 rows of `stride`.
+// The q|k|v epilogue's operands (kernels nn_gemm_int8_qkv_*): the GEMM's N = 3 width columns are q, k and v heads
+// of 128 channels; q and k are RMS-normed per head (weights q_weight / k_weight, [128] bf16) and rotated by their
+// row's RoPE, v stored as it is; each into its own bf16 rows of `stride` (the three may interleave in one matrix).
+// The tables are [rows, rope_stride]: f32 for the interleaved RoPE (slot j turning channels 2 j and 2 j + 1), bf16
+// for the rotate-half RoPE over the first 96 channels (slot j < 48 turning channels j and j + 48).
 struct G8Qkv {
     bf16* q;
     bf16* k;
     bf16* v;
     const bf16* q_weight;
     const bf16* k_weight;
-    const float* rope_cos;
-    const float* rope_sin;
+    const void* rope_cos;
+    const void* rope_sin;
     int64_t stride;
     int width;
     float eps;
@@ -56,7 +57,9 @@ constexpr int kG8BBytes = kG8Cols * kG8Slice;      // 32 KiB
 constexpr int kG8StageBytes = kG8ABytes + kG8BBytes;
 constexpr int kG8ProducerRegs = 40;
 constexpr int kG8ConsumerRegs = 232;               // 40 * 128 + 232 * 256 <= 65536 registers of the SM
-constexpr int kG8ConsumerWarps = 8;                 // arrivals that free a stage: one a consumer warp
+constexpr int kG8ConsumerWarps = 8;
+constexpr int kG8QkvInterleaved = 1;               // the q|k|v epilogue of interleaved RoPE (Qwen-Image)
+constexpr int kG8QkvHalf = 2;                      // ... of rotate-half RoPE over 96 channels (MiniMax H3)                 // arrivals that free a stage: one a consumer warp
 
 #define G8_REGS128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -222,22 +225,18 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
 }
 
 
-// The q and k tiles' epilogue: a tile's 256 columns are two heads (blocks 0..15 and 16..31 of acc, laid out as in
-// the plain epilogue). Each product is dequantized and rounded to bf16 as the plain GEMM stores it, then
-// nn_qk_norm_rope_interleaved's arithmetic runs on it: n = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight), and
-// the pair (n0, n1) of slot j leaves as bf16(n0 cos - n1 sin), bf16(n0 sin + n1 cos). A head's sum of squares is
-// the quad's (its four lanes hold the head's 128 columns of the row). scales: the rows' x scales; rows.x: row_a
-// (row_b = row_a + 8), rows.y: M.
-__device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], float2 scales,
-                                                       const float* __restrict__ w_scale, const G8Qkv& p,
-                                                       int region, int n0, int2 rows, int lane) {
-    const int q = lane & 3;
-    const int row_a = rows.x;
-    const int row_b = rows.x + 8;
-    bf16* __restrict__ out = region == 0 ? p.q : p.k;
-    const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
-    const int out_col0 = n0 - region * p.width;
-    // The products in place, as f32 bits: bf16 values as the plain GEMM stores them. Sums of squares a row and head.
+// Row r's entries of a [rows, stride] table of T (row 0's for a row past M, whose outputs are not stored).
+template <typename T>
+__device__ __forceinline__ const T* g8_table_row(const void* table, int row, int m, int stride) {
+    return static_cast<const T*>(table) + static_cast<int64_t>(row < m ? row : 0) * stride;
+}
+
+// The q|k|v epilogues' first pass over a tile of two heads (acc laid out as in the plain epilogue): each product
+// dequantized and rounded to bf16 as the plain GEMM stores it, in place as f32 bits, and each row's and head's
+// 1 / RMS, rsqrt(mean(x^2) + eps), the sum of squares the quad's (its four lanes hold a head's 128 columns).
+__device__ __forceinline__ void g8_products_and_inv_rms(int32_t (&acc)[128], float2 scales,
+                                                        const float* __restrict__ w_scale, int n0, int q, float eps,
+                                                        float4& r) {
     float sq_a0 = 0.0f, sq_a1 = 0.0f, sq_b0 = 0.0f, sq_b1 = 0.0f;
 #pragma unroll
     for (int j = 0; j < kG8Cols / 8; ++j) {
@@ -261,13 +260,41 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
     auto inv_rms = [&](float v) {
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
-        return rsqrtf(v * (1.0f / 128.0f) + p.eps);
+        return rsqrtf(v * (1.0f / 128.0f) + eps);
     };
-    const float r_a0 = inv_rms(sq_a0), r_a1 = inv_rms(sq_a1), r_b0 = inv_rms(sq_b0), r_b1 = inv_rms(sq_b1);
-    const float* __restrict__ cos_a = p.rope_cos + static_cast<int64_t>(row_a < rows.y ? row_a : 0) * p.rope_stride;
-    const float* __restrict__ sin_a = p.rope_sin + static_cast<int64_t>(row_a < rows.y ? row_a : 0) * p.rope_stride;
-    const float* __restrict__ cos_b = p.rope_cos + static_cast<int64_t>(row_b < rows.y ? row_b : 0) * p.rope_stride;
-    const float* __restrict__ sin_b = p.rope_sin + static_cast<int64_t>(row_b < rows.y ? row_b : 0) * p.rope_stride;
+    r = make_float4(inv_rms(sq_a0), inv_rms(sq_a1), inv_rms(sq_b0), inv_rms(sq_b1));
+}
+
+// 16 bytes of row `row` (if < m) at column col of out.
+__device__ __forceinline__ void g8_store16(bf16* __restrict__ out, int64_t stride, int row, int m, int col,
+                                           const uint32_t (&v)[4]) {
+    if (row < m) {
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * stride + col) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+// The q and k tiles' epilogue: a tile's 256 columns are two heads (blocks 0..15 and 16..31 of acc, laid out as in
+// the plain epilogue). Each product is dequantized and rounded to bf16 as the plain GEMM stores it, then
+// nn_qk_norm_rope_interleaved's arithmetic runs on it: n = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight), and
+// the pair (n0, n1) of slot j leaves as bf16(n0 cos - n1 sin), bf16(n0 sin + n1 cos). A head's sum of squares is
+// the quad's (its four lanes hold the head's 128 columns of the row). scales: the rows' x scales; rows.x: row_a
+// (row_b = row_a + 8), rows.y: M.
+__device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], float2 scales,
+                                                       const float* __restrict__ w_scale, const G8Qkv& p,
+                                                       int region, int n0, int2 rows, int lane) {
+    const int q = lane & 3;
+    const int row_a = rows.x;
+    const int row_b = rows.x + 8;
+    bf16* __restrict__ out = region == 0 ? p.q : p.k;
+    const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
+    const int out_col0 = n0 - region * p.width;
+    float4 r;  // 1 / RMS: x row_a head 0, y row_a head 1, z row_b head 0, w row_b head 1
+    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, r);
+    const float r_a0 = r.x, r_a1 = r.y, r_b0 = r.z, r_b1 = r.w;
+    const float* __restrict__ cos_a = g8_table_row<float>(p.rope_cos, row_a, rows.y, p.rope_stride);
+    const float* __restrict__ sin_a = g8_table_row<float>(p.rope_sin, row_a, rows.y, p.rope_stride);
+    const float* __restrict__ cos_b = g8_table_row<float>(p.rope_cos, row_b, rows.y, p.rope_stride);
+    const float* __restrict__ sin_b = g8_table_row<float>(p.rope_sin, row_b, rows.y, p.rope_stride);
     // One rotated pair: n = bf16(bf16(x r) w) for both channels, then the complex product with (cos, sin).
     auto rotated = [](float x0, float x1, float r, float2 nw, float cs, float sn) {
         const float n_0 = g8_bf16_round(g8_bf16_round(x0 * r) * nw.x);
@@ -292,14 +319,77 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
         g8_transpose_quad(va, q);
         g8_transpose_quad(vb, q);
         const int block_col = out_col0 + 8 * (4 * g + q);
-        if (row_a < rows.y) {
-            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row_a) * p.stride + block_col) =
-                make_uint4(va[0], va[1], va[2], va[3]);
+        g8_store16(out, p.stride, row_a, rows.y, block_col, va);
+        g8_store16(out, p.stride, row_b, rows.y, block_col, vb);
+    }
+}
+
+// The rotate-half form (MiniMax H3's h3_qk_norm_rope arithmetic on the bf16 products): n = x * r * weight in f32;
+// channels c < 48 leave as bf16(n[c] cos - n[c + 48] sin), 48 <= c < 96 as bf16(n[c] cos + n[c - 48] sin), with
+// the bf16 table entries of slot c mod 48; channels 96.. as bf16(n). A head's partner channels lie 6 blocks of 8
+// away in the same thread's accumulators.
+__device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128], float2 scales,
+                                                            const float* __restrict__ w_scale, const G8Qkv& p,
+                                                            int region, int n0, int2 rows, int lane) {
+    constexpr int kHalfBlocks = 6;  // 48 channels
+    const int q = lane & 3;
+    const int row_a = rows.x;
+    const int row_b = rows.x + 8;
+    bf16* __restrict__ out = region == 0 ? p.q : p.k;
+    const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
+    const int out_col0 = n0 - region * p.width;
+    float4 r;
+    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, r);
+    // n in place: x * r * weight.
+#pragma unroll
+    for (int j = 0; j < kG8Cols / 8; ++j) {
+        const float2 nw =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(norm_w + 8 * (j % 16) + 2 * q));
+        const float ra = j < 16 ? r.x : r.y;
+        const float rb = j < 16 ? r.z : r.w;
+        acc[4 * j] = __float_as_int(__int_as_float(acc[4 * j]) * ra * nw.x);
+        acc[4 * j + 1] = __float_as_int(__int_as_float(acc[4 * j + 1]) * ra * nw.y);
+        acc[4 * j + 2] = __float_as_int(__int_as_float(acc[4 * j + 2]) * rb * nw.x);
+        acc[4 * j + 3] = __float_as_int(__int_as_float(acc[4 * j + 3]) * rb * nw.y);
+    }
+    const bf16* __restrict__ cos_a = g8_table_row<bf16>(p.rope_cos, row_a, rows.y, p.rope_stride);
+    const bf16* __restrict__ sin_a = g8_table_row<bf16>(p.rope_sin, row_a, rows.y, p.rope_stride);
+    const bf16* __restrict__ cos_b = g8_table_row<bf16>(p.rope_cos, row_b, rows.y, p.rope_stride);
+    const bf16* __restrict__ sin_b = g8_table_row<bf16>(p.rope_sin, row_b, rows.y, p.rope_stride);
+#pragma unroll
+    for (int g = 0; g < kG8Cols / 32; ++g) {
+        uint32_t v[2][4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int j = 4 * g + t;
+            const int jj = j % 16;  // block within the head
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // row_a, row_b
+                float o0 = __int_as_float(acc[4 * j + 2 * h]);
+                float o1 = __int_as_float(acc[4 * j + 2 * h + 1]);
+                if (jj < 2 * kHalfBlocks) {
+                    const bool first = jj < kHalfBlocks;
+                    const int pj = first ? j + kHalfBlocks : j - kHalfBlocks;
+                    const float sign = first ? -1.0f : 1.0f;
+                    const float p0 = sign * __int_as_float(acc[4 * pj + 2 * h]);
+                    const float p1 = sign * __int_as_float(acc[4 * pj + 2 * h + 1]);
+                    const int slot = 8 * (first ? jj : jj - kHalfBlocks) + 2 * q;
+                    const bf16* __restrict__ cos_row = h == 0 ? cos_a : cos_b;
+                    const bf16* __restrict__ sin_row = h == 0 ? sin_a : sin_b;
+                    const float2 c = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(cos_row + slot));
+                    const float2 sn = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sin_row + slot));
+                    o0 = o0 * c.x + p0 * sn.x;
+                    o1 = o1 * c.y + p1 * sn.y;
+                }
+                const __nv_bfloat162 o = __floats2bfloat162_rn(o0, o1);
+                v[h][t] = *reinterpret_cast<const uint32_t*>(&o);
+            }
         }
-        if (row_b < rows.y) {
-            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row_b) * p.stride + block_col) =
-                make_uint4(vb[0], vb[1], vb[2], vb[3]);
-        }
+        g8_transpose_quad(v[0], q);
+        g8_transpose_quad(v[1], q);
+        const int block_col = out_col0 + 8 * (4 * g + q);
+        g8_store16(out, p.stride, row_a, rows.y, block_col, v[0]);
+        g8_store16(out, p.stride, row_b, rows.y, block_col, v[1]);
     }
 }
 
@@ -307,13 +397,14 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
 // only for INT8. With kSwiglu (INT8 only) a tile's 256 columns of w are 128 gate rows from gate_base and the 128
 // value rows at the same offset from value_base (two TMA boxes of 128 rows), and the tile stores the 128 columns
 // silu(gate) * value: n is then the hidden width (the output's columns), a multiple of 128.
-template <bool kBf16, bool kSwiglu = false, bool kQkv = false>
+// kQkv: 0 the plain epilogue, kG8QkvInterleaved or kG8QkvHalf the q|k|v epilogues.
+template <bool kBf16, bool kSwiglu = false, int kQkv = 0>
 __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
                                            int64_t y_row_stride, int m, int n, int k, int gate_base = 0,
                                            int value_base = 0, const G8Qkv* qkv = nullptr) {
     static_assert(!(kBf16 && kSwiglu), "the SwiGLU epilogue is INT8's");
-    static_assert(!(kBf16 && kQkv) && !(kSwiglu && kQkv), "the q|k|v epilogue is the plain INT8 GEMM's");
+    static_assert(kQkv == 0 || (!kBf16 && !kSwiglu), "the q|k|v epilogues are the plain INT8 GEMM's");
     // Output columns a tile stores.
     constexpr int kTileCols = kSwiglu ? kG8Cols / 2 : kG8Cols;
     using Ops = G8Operands<kBf16>;
@@ -440,11 +531,16 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         bf16* __restrict__ y_tile = y;
         int n_tile = n;
         int n0_tile = n0;
-        if constexpr (kQkv) {
+        if constexpr (kQkv != 0) {
             const int region = n0 / qkv->width;  // 0 q, 1 k, 2 v: tiles never straddle (width % 256 == 0)
             if (region < 2) {
-                qkv_norm_rope_epilogue(acc, make_float2(scale_a, scale_b), w_scale, *qkv, region, n0,
-                                       make_int2(row_a, m), lane);
+                if constexpr (kQkv == kG8QkvInterleaved) {
+                    qkv_norm_rope_epilogue(acc, make_float2(scale_a, scale_b), w_scale, *qkv, region, n0,
+                                           make_int2(row_a, m), lane);
+                } else {
+                    qkv_norm_rope_half_epilogue(acc, make_float2(scale_a, scale_b), w_scale, *qkv, region, n0,
+                                                make_int2(row_a, m), lane);
+                }
                 continue;
             }
             y_tile = qkv->v;
@@ -574,7 +670,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
     const float* __restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k) {
 #if defined(NN_HAS_WGMMA)
-    gemm_tiles<false, false, true>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0, &qkv);
+    gemm_tiles<false, false, kG8QkvInterleaved>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k,
+                                                 0, 0, &qkv);
+#else
+    __trap();
+#endif
+}
+
+// The same GEMM with MiniMax H3's QK norm (n = x * rsqrt(mean(x^2) + eps) * weight in f32) and rotate-half RoPE
+// over the first 96 channels of each head (bf16 tables [M, rope_stride], 48 used columns) in its epilogue; q, k and
+// v may be the three parts of one q|k|v matrix (stride 3 width), normed and rotated in place.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<false, false, kG8QkvHalf>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0,
+                                          &qkv);
 #else
     __trap();
 #endif

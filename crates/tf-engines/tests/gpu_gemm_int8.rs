@@ -18,7 +18,8 @@
 //!
 //! The INT8 GEMM of a fused q|k|v projection with the QK norm and RoPE in its epilogue (`plan_int8_qkv_gemm`) is
 //! held to the two launches it replaces on the same GPU (the plain INT8 GEMM, then `nn_qk_norm_rope_interleaved`):
-//! the values bit for bit, q and k within two bf16 steps (a head's sum of squares adds in another order).
+//! the values bit for bit, q and k within two bf16 steps (a head's sum of squares adds in another order); its
+//! rotate-half form, in place on one q|k|v matrix, to the GEMM and MiniMax H3's own pass (`h3_qk_norm_rope`) alike.
 //!
 //! They are ignored in a plain `cargo test`; run without a GPU they fail, and on a GPU that is not sm_90 each prints
 //! that it is skipped.
@@ -26,8 +27,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
+use tf_engines::minimax_h3::dit_gpu::kernels::{plan_qk_norm_rope, H3Kernels, QkNormRope};
+use tf_engines::nn::gpu::gemm_int8::HALF96_ROTATED;
 use tf_engines::nn::gpu::gemm_int8::{
-    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkNormRope,
+    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope,
 };
 use tf_engines::nn::gpu::rope::{QkvInputs, QkvOutputs};
 use tf_engines::nn::gpu::{Matrix, NnKernels, SwigluOrder};
@@ -433,11 +436,12 @@ fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
         // Fused: one launch.
         let mut fused = outputs_of();
         {
-            let norm = QkNormRope {
+            let norm = QkvNormRope {
                 heads,
                 q_weight: &qwv,
                 k_weight: &kwv,
                 eps: 1e-6,
+                rope: QkvRope::Interleaved,
                 rope_cos: &cv,
                 rope_sin: &sv,
                 rope_stride: 64,
@@ -446,7 +450,7 @@ fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
                 unreachable!("three outputs")
             };
             let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
-            let mut outputs = QkvOutputs {
+            let outputs = QkvOutputs {
                 q: &mut qv,
                 q_stride: stride,
                 k: &mut kv,
@@ -455,52 +459,211 @@ fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
                 v_stride: stride,
             };
             g.kernels
-                .gemm_qkv(&g.ctx, &g.stream, (m, k), &inputs, &norm, &mut outputs)
+                .gemm_qkv(
+                    &g.ctx,
+                    &g.stream,
+                    (m, k),
+                    &inputs,
+                    &norm,
+                    QkvDest::Apart(&outputs),
+                )
                 .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM {m}x{n}x{k}: {e}"));
         }
         g.stream.synchronize().expect("synchronize");
-        for (part, (a, f)) in ["q", "k", "v"].iter().zip(apart.iter().zip(&fused)) {
-            let want: Vec<u16> = a.to_vec().expect("apart back");
-            let got: Vec<u16> = f.to_vec().expect("fused back");
-            let mut off = [0usize; 3];
-            let mut worst = 0u32;
-            for r in 0..m {
-                for c in 0..stride {
-                    let (gb, wb) = (got[r * stride + c], want[r * stride + c]);
-                    if c >= width {
-                        assert_eq!(
-                            gb, sentinel,
-                            "{part}: row {r} column {c} past the width was written"
-                        );
-                        continue;
-                    }
-                    let d = bf16_steps(gb, wb);
-                    worst = worst.max(d);
-                    off[(d as usize).min(2)] += 1;
+        let read = |bufs: &[DeviceBuffer]| -> Vec<Vec<u16>> {
+            bufs.iter().map(|d| d.to_vec().expect("back")).collect()
+        };
+        let parts = |rows: Vec<Vec<u16>>| -> Vec<(Vec<u16>, usize, usize)> {
+            rows.into_iter().map(|r| (r, stride, 0)).collect()
+        };
+        assert_fused_matches_apart(
+            "interleaved",
+            (m, heads, k),
+            &parts(read(&apart)),
+            &parts(read(&fused)),
+            Some(sentinel),
+        );
+    }
+}
+
+/// q, k and v of the fused q|k|v GEMM (`fused`) against the GEMM and the QK norm pass apart (`apart`): each part is
+/// (bf16 rows, row stride, first column); the values bit for bit, q and k within two bf16 steps (a head's sum of
+/// squares adds in another order) and at most 1% of them off at all. With a sentinel, the columns past a part's width
+/// up to its stride (its own rows) must still hold it.
+fn assert_fused_matches_apart(
+    kind: &str,
+    (m, heads, k): (usize, usize, usize),
+    apart: &[(Vec<u16>, usize, usize)],
+    fused: &[(Vec<u16>, usize, usize)],
+    sentinel: Option<u16>,
+) {
+    let width = heads * 128;
+    for (part, ((want, stride, first), (got, _, _))) in
+        ["q", "k", "v"].iter().zip(apart.iter().zip(fused))
+    {
+        let (stride, first) = (*stride, *first);
+        let mut off = [0usize; 3];
+        let mut worst = 0u32;
+        for r in 0..m {
+            for c in 0..width {
+                let at = r * stride + first + c;
+                let d = bf16_steps(got[at], want[at]);
+                worst = worst.max(d);
+                off[(d as usize).min(2)] += 1;
+            }
+            if let Some(sentinel) = sentinel {
+                for c in width..stride {
+                    assert_eq!(
+                        got[r * stride + c],
+                        sentinel,
+                        "{part}: row {r} column {c} past the width was written"
+                    );
                 }
             }
-            println!(
-                "int8 q|k|v gemm {m}x{n}x{k} ({heads} heads, stride {stride}) {part}: {} of {} values equal, {} one \
-                 bf16 step off, worst {worst} steps",
-                off[0],
-                m * width,
-                off[1]
-            );
-            if *part == "v" {
-                assert_eq!(
-                    worst, 0,
-                    "INT8 q|k|v GEMM {m}x{n}x{k}: values differ from the plain GEMM's"
-                );
-            } else {
-                assert!(
-                    worst <= 2,
-                    "INT8 q|k|v GEMM {m}x{n}x{k} {part}: {worst} bf16 steps from the pass"
-                );
-                assert!(
-                    off[1] + off[2] <= m * width / 100,
-                    "INT8 q|k|v GEMM {m}x{n}x{k} {part}: over 1% of values differ from the pass"
-                );
-            }
         }
+        println!(
+            "int8 q|k|v gemm ({kind}) {m}x{}x{k} ({heads} heads, stride {stride}) {part}: {} of {} values equal, {} \
+             one bf16 step off, worst {worst} steps",
+            3 * width,
+            off[0],
+            m * width,
+            off[1]
+        );
+        if *part == "v" {
+            assert_eq!(
+                worst, 0,
+                "INT8 q|k|v GEMM ({kind}) {m}x{heads}x{k}: values differ from the plain GEMM's"
+            );
+        } else {
+            assert!(
+                worst <= 2,
+                "INT8 q|k|v GEMM ({kind}) {m}x{heads}x{k} {part}: {worst} bf16 steps from the pass"
+            );
+            assert!(
+                off[1] + off[2] <= m * width / 100,
+                "INT8 q|k|v GEMM ({kind}) {m}x{heads}x{k} {part}: over 1% of values differ from the pass"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
+    let Some(g) = gpu("int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart")
+    else {
+        return;
+    };
+    let h3 = H3Kernels::load(&g.ctx).expect("load MiniMax H3's kernels");
+    let (rotated, table_stride) = (HALF96_ROTATED, HALF96_ROTATED / 2);
+    // (M, heads, K): one tile a part; partial row tiles and K past a slice; MiniMax H3's width (56 heads).
+    for (i, &(m, heads, k)) in [
+        (128usize, 2usize, 128usize),
+        (300, 4, 400),
+        (2000, 56, 1024),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(8500 + i as u64);
+        let width = heads * 128;
+        let n = 3 * width;
+        let x = codes(&mut rng, m * k);
+        let w = codes(&mut rng, n * k);
+        let xs = scales(&mut rng, m);
+        let ws = scales(&mut rng, n);
+        let bf16_of = |v: f32| half::bf16::from_f32(v).to_bits();
+        let norm_weights: Vec<u16> = (0..256)
+            .map(|_| bf16_of(0.5 + (rng.next_u64() % 1000) as f32 * 1e-3))
+            .collect();
+        let angles: Vec<f32> = (0..m * table_stride)
+            .map(|_| (rng.next_u64() % 10_000) as f32 * 1e-3)
+            .collect();
+        let cos: Vec<u16> = angles.iter().map(|a| bf16_of(a.cos())).collect();
+        let sin: Vec<u16> = angles.iter().map(|a| bf16_of(a.sin())).collect();
+        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
+        let up16 = |v: &[u16]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
+        let (nw_dev, cos_dev, sin_dev) = (up16(&norm_weights), up16(&cos), up16(&sin));
+        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
+        let qw = nw_dev.slice(0, 256).expect("q weight");
+        let kw = nw_dev.slice(256, 256).expect("k weight");
+        let (cv, sv) = (cos_dev.view(), sin_dev.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        // Apart: the plain GEMM into q|k|v rows, then H3's QK norm + RoPE in place.
+        let mut apart = up16(&vec![0u16; m * n]);
+        {
+            let mut yv = apart.view_mut();
+            g.kernels
+                .gemm(
+                    &g.ctx,
+                    &g.stream,
+                    Int8GemmShape { m, n, k },
+                    &inputs,
+                    &mut yv,
+                    n,
+                )
+                .expect("plain INT8 GEMM");
+        }
+        {
+            let qkv = apart.view_mut();
+            let op = QkNormRope {
+                qkv: &qkv,
+                qkv_layout: Matrix::dense(m, n),
+                heads,
+                q_weight: &qw,
+                k_weight: &kw,
+                norm_dim: 128,
+                eps: 1e-6,
+                rope: Some((&cv, &sv, table_stride, rotated)),
+            };
+            h3.run(&g.stream, plan_qk_norm_rope(&op))
+                .expect("H3's QK norm + RoPE pass");
+        }
+        // Fused, in place on one q|k|v matrix.
+        let mut fused = up16(&vec![0x7fc1u16; m * n]);
+        {
+            let norm = QkvNormRope {
+                heads,
+                q_weight: &qw,
+                k_weight: &kw,
+                eps: 1e-6,
+                rope: QkvRope::Half96,
+                rope_cos: &cv,
+                rope_sin: &sv,
+                rope_stride: table_stride,
+            };
+            let mut qkv = fused.view_mut();
+            g.kernels
+                .gemm_qkv(
+                    &g.ctx,
+                    &g.stream,
+                    (m, k),
+                    &inputs,
+                    &norm,
+                    QkvDest::Joint {
+                        qkv: &mut qkv,
+                        stride: n,
+                    },
+                )
+                .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM in place {m}x{n}x{k}: {e}"));
+        }
+        g.stream.synchronize().expect("synchronize");
+        let (want, got): (Vec<u16>, Vec<u16>) =
+            (apart.to_vec().expect("back"), fused.to_vec().expect("back"));
+        let parts = |rows: &Vec<u16>| -> Vec<(Vec<u16>, usize, usize)> {
+            (0..3).map(|p| (rows.clone(), n, p * width)).collect()
+        };
+        assert_fused_matches_apart(
+            "rotate-half",
+            (m, heads, k),
+            &parts(&want),
+            &parts(&got),
+            None,
+        );
     }
 }

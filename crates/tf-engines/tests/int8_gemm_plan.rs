@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tf_cuda::{Context, DeviceBuffer, Driver};
 use tf_engines::nn::gpu::gemm_int8::{
     plan_int8_gemm, plan_int8_qkv_gemm, plan_int8_swiglu_gemm, Int8GemmOperands, Int8GemmShape,
-    QkNormRope, GEMM_INT8_KERNELS, SHARED_BYTES,
+    QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS, SHARED_BYTES,
 };
 use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::SwigluOrder;
@@ -170,25 +170,36 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
         w: &wv,
         w_scale: &sv,
     };
-    let norm = QkNormRope {
+    let norm = QkvNormRope {
         heads: 2,
         q_weight: &nwv,
         k_weight: &nwv,
         eps: 1e-6,
+        rope: QkvRope::Interleaved,
         rope_cos: &tv,
         rope_sin: &tv,
         rope_stride: 64,
     };
     // (norm operands, (M, K), the q, k and v strides, what the refusal names)
-    type Case<'v, 'a> = (QkNormRope<'v, 'a>, (usize, usize), [usize; 3], &'static str);
+    type Case<'v, 'a> = (
+        QkvNormRope<'v, 'a>,
+        (usize, usize),
+        [usize; 3],
+        &'static str,
+    );
     let cases: [Case; 7] = [
         (
-            QkNormRope { heads: 3, ..norm },
+            QkvNormRope { heads: 3, ..norm },
             (m, k),
             [384; 3],
             "3 heads of 128 (384 columns) are not a positive multiple of 256",
         ),
-        (QkNormRope { heads: 0, ..norm }, (m, k), [256; 3], "0 heads"),
+        (
+            QkvNormRope { heads: 0, ..norm },
+            (m, k),
+            [256; 3],
+            "0 heads",
+        ),
         (
             norm,
             (m, k),
@@ -197,7 +208,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
         ),
         (norm, (m, 300), [256; 3], "K = 300 is not a multiple of 16"),
         (
-            QkNormRope {
+            QkvNormRope {
                 rope_cos: &short_v,
                 ..norm
             },
@@ -206,7 +217,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             "rope_cos: needs 16384 B",
         ),
         (
-            QkNormRope {
+            QkvNormRope {
                 rope_stride: 32,
                 ..norm
             },
@@ -229,9 +240,16 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             v: &mut vv,
             v_stride: strides[2],
         };
-        let err = plan_int8_qkv_gemm(&ctx, 132, (cm, ck), &inputs, &norm_case, &outputs)
-            .expect_err(needle)
-            .to_string();
+        let err = plan_int8_qkv_gemm(
+            &ctx,
+            132,
+            (cm, ck),
+            &inputs,
+            &norm_case,
+            QkvDest::Apart(&outputs),
+        )
+        .expect_err(needle)
+        .to_string();
         assert!(
             err.contains(needle),
             "({cm}, {ck}), strides {strides:?}: {err:?} should mention {needle:?}"
@@ -253,10 +271,83 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             v_stride: stride,
         };
         let launch =
-            plan_int8_qkv_gemm(&ctx, 132, (m, k), &inputs, &norm, &outputs).expect("valid call");
+            plan_int8_qkv_gemm(&ctx, 132, (m, k), &inputs, &norm, QkvDest::Apart(&outputs))
+                .expect("valid call");
         assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[3]);
         let config = launch.config();
         assert_eq!((config.grid.x, config.block.x), (3, 384));
         assert_eq!(config.shared_bytes, SHARED_BYTES);
+    }
+    // MiniMax H3's form: bf16 tables of at least 48 columns, in place on one q|k|v matrix.
+    let half_table = DeviceBuffer::alloc(&ctx, 2 * 64 * 48).expect("bf16 rope table");
+    let hv = half_table.view();
+    let half = QkvNormRope {
+        rope: QkvRope::Half96,
+        rope_cos: &hv,
+        rope_sin: &hv,
+        rope_stride: 48,
+        ..norm
+    };
+    let mut joint = DeviceBuffer::alloc(&ctx, 2 * m * 776).expect("q|k|v");
+    for (norm_case, stride, needle) in [
+        (
+            QkvNormRope {
+                rope_stride: 47,
+                ..half
+            },
+            768,
+            "rope stride 47 must be even and at least 48",
+        ),
+        (
+            QkvNormRope {
+                rope_stride: 64,
+                ..half
+            },
+            768,
+            "rope_cos: needs 8160 B",
+        ),
+        (half, 764, "qkv row stride 764 is not a multiple of 8"),
+        (
+            half,
+            760,
+            "qkv row stride 760 must be even and at least N = 768",
+        ),
+        (half, 784, "qkv: needs"),
+    ] {
+        let mut jv = joint.view_mut();
+        let err = plan_int8_qkv_gemm(
+            &ctx,
+            132,
+            (m, k),
+            &inputs,
+            &norm_case,
+            QkvDest::Joint {
+                qkv: &mut jv,
+                stride,
+            },
+        )
+        .expect_err(needle)
+        .to_string();
+        assert!(
+            err.contains(needle),
+            "stride {stride}: {err:?} should mention {needle:?}"
+        );
+    }
+    for stride in [768, 776] {
+        let mut jv = joint.view_mut();
+        let launch = plan_int8_qkv_gemm(
+            &ctx,
+            132,
+            (m, k),
+            &inputs,
+            &half,
+            QkvDest::Joint {
+                qkv: &mut jv,
+                stride,
+            },
+        )
+        .expect("valid in-place call");
+        assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[4]);
+        assert_eq!(launch.config().grid.x, 3);
     }
 }

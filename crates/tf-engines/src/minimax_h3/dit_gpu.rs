@@ -217,6 +217,9 @@ struct Engine {
     bf16_gemm: Option<Int8GemmKernels>,
     /// The SwiGLU in the INT8 fc1 GEMM's epilogue where a block's MLP runs in INT8 (`TF_SWIGLU_GEMM=fused`).
     swiglu_fused: bool,
+    /// The main rows' QK norm and RoPE in the INT8 q|k|v GEMM's epilogue where that group runs in INT8 (the default;
+    /// `TF_QKV_GEMM=apart` runs the pass).
+    qkv_fused: bool,
     /// This rank's communicator when the step runs sequence-parallel ([`parallel`]).
     parallel: Option<parallel::SpState>,
 }
@@ -371,6 +374,8 @@ impl Engine {
         };
         let swiglu_fused =
             gemm_int8::swiglu_fused_for(int8_gemm.as_ref(), dims.fp).map_err(H3Error::Backend)?;
+        let qkv_fused =
+            gemm_int8::qkv_fused_for(int8_gemm.as_ref(), dims.width).map_err(H3Error::Backend)?;
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,
@@ -395,6 +400,7 @@ impl Engine {
                 int8_gemm,
                 bf16_gemm,
                 swiglu_fused,
+                qkv_fused,
                 parallel: None,
             },
             DeviceWeightsReport {

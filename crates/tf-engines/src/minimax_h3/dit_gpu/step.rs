@@ -35,7 +35,9 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
-use crate::nn::gpu::gemm_int8::{Int8GemmKernels, Int8GemmOperands, Int8GemmShape};
+use crate::nn::gpu::gemm_int8::{
+    Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope, HALF96_ROTATED,
+};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_dequantize_rows_bf16, plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes,
@@ -891,9 +893,17 @@ impl Engine {
         let m = key.batch * seq;
         let calls = self.block_calls(a, m);
         let (qkv_call, out_call) = (calls.qkv, calls.out);
-        self.run_gemm(ws, qkv_call)?;
-        probe.mark(&self.stream, qkv_name, qkv_call.flops(), 0.0)?;
-        {
+        // The main rows' QK norm and RoPE run in our INT8 q|k|v GEMM's epilogue where that GEMM runs in INT8.
+        if rows == Rows::Main && self.qkv_fused_gemm(ws, qkv_call, a)? {
+            probe.mark(
+                &self.stream,
+                "qkv GEMM + QK norm + RoPE",
+                qkv_call.flops(),
+                0.0,
+            )?;
+        } else {
+            self.run_gemm(ws, qkv_call)?;
+            probe.mark(&self.stream, qkv_name, qkv_call.flops(), 0.0)?;
             let qkv = ws.qkv.view_mut();
             let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
             let qw = self.weight_view(a.norm_q, HEAD_DIM * BF16)?;
@@ -914,8 +924,8 @@ impl Engine {
             self.kernels
                 .run(&self.stream, plan_qk_norm_rope(&op))
                 .map_err(launch)?;
+            probe.mark(&self.stream, qk_name, 0.0, (4 * m * d.width * BF16) as f64)?;
         }
-        probe.mark(&self.stream, qk_name, 0.0, (4 * m * d.width * BF16) as f64)?;
         // A sequence-parallel rank's main rows attend across the ranks instead (super::parallel).
         if !self.sequence_parallel_attention(ws, rows == Rows::Main)? {
             let qkv = ws.qkv.view();
@@ -1147,6 +1157,72 @@ impl Engine {
             .slice_mut(y_off, bytes(c.m, y_cols, BF16)?)
             .map_err(launch)?;
         self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, swiglu)
+    }
+
+    /// The main rows' q|k|v GEMM `c` on our INT8 GEMM with the QK norm and rotate-half RoPE in its epilogue, in
+    /// place on the q|k|v rows, where `c` runs in INT8 with scales, the fusion is on and the model's heads are the
+    /// epilogue's (128 channels, 96 of them turned); false (nothing enqueued) where it does not apply.
+    fn qkv_fused_gemm(
+        &self,
+        ws: &mut Workspace,
+        c: GemmCall,
+        a: &AttnOffsets,
+    ) -> Result<bool, H3Error> {
+        let d = &self.dims;
+        let (Some(w_scales), Some(ours)) = (c.fp8, self.int8_gemm.as_ref()) else {
+            return Ok(false);
+        };
+        if !(self.qkv_fused
+            && c.scaled_int8()
+            && c.y == Buf::Qkv
+            && d.head_dim == HEAD_DIM
+            && d.rotated == HALF96_ROTATED)
+        {
+            return Ok(false);
+        }
+        if c.m == 0 {
+            return Ok(true);
+        }
+        let x = ws.q8.slice(0, c.bytes(c.m, c.k, 1)?).map_err(launch)?;
+        let x_scale = ws.q8_scales.slice(0, c.bytes(c.m, 1, 4)?).map_err(launch)?;
+        let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
+        let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
+        let qw = self.weight_view(a.norm_q, HEAD_DIM * BF16)?;
+        let kw = self.weight_view(a.norm_k, HEAD_DIM * BF16)?;
+        let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
+        let inputs = Int8GemmOperands {
+            x: &x,
+            x_scale: &x_scale,
+            w: &w,
+            w_scale: &w_scale,
+        };
+        let norm = QkvNormRope {
+            heads: d.heads,
+            q_weight: &qw,
+            k_weight: &kw,
+            eps: d.qk_eps,
+            rope: QkvRope::Half96,
+            rope_cos: &cos,
+            rope_sin: &sin,
+            rope_stride: d.rotated / 2,
+        };
+        let mut qkv = ws
+            .qkv
+            .slice_mut(c.y_off, c.bytes(c.m, c.n, BF16)?)
+            .map_err(launch)?;
+        ours.gemm_qkv(
+            &self.ctx,
+            &self.stream,
+            (c.m, c.k),
+            &inputs,
+            &norm,
+            QkvDest::Joint {
+                qkv: &mut qkv,
+                stride: c.n,
+            },
+        )
+        .map_err(launch)?;
+        Ok(true)
     }
 
     /// Our INT8 GEMM for `c` (its INT8 weight with channel scales at `w_scales`) over the INT8 rows `x` with their

@@ -47,6 +47,7 @@ pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_bf16",
     "nn_gemm_int8_swiglu_bf16",
     "nn_gemm_int8_qkv_bf16",
+    "nn_gemm_int8_qkv_half_bf16",
 ];
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
@@ -338,32 +339,57 @@ pub fn plan_int8_swiglu_gemm<'a>(
     ))
 }
 
-/// The per-head QK RMSNorm and interleaved RoPE [`plan_int8_qkv_gemm`] runs in its epilogue, the arithmetic of
-/// [`super::rope::plan_qk_norm_rope`]: `heads` heads of 128 channels, norm weights `q_weight` / `k_weight` (bf16
-/// `[128]`), rotation tables f32 `[M, rope_stride]` (slot `j` turns channels `2 j` and `2 j + 1`).
+/// Which RoPE (and which QK norm arithmetic) [`plan_int8_qkv_gemm`]'s epilogue runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkvRope {
+    /// Qwen-Image's ([`super::rope::plan_qk_norm_rope`]): f32 tables, slot `j` turning channels `2 j` and `2 j + 1`;
+    /// the norm rounds to bf16 after the RMS and after the weight.
+    Interleaved,
+    /// MiniMax H3's (`h3_qk_norm_rope`): bf16 tables, slot `j < 48` turning channels `j` and `j + 48` (the first 96
+    /// of each head's 128); the norm in f32.
+    Half96,
+}
+
+/// Channels of a head the [`QkvRope::Half96`] RoPE turns.
+pub const HALF96_ROTATED: usize = 96;
+
+/// The per-head QK RMSNorm and RoPE [`plan_int8_qkv_gemm`] runs in its epilogue: `heads` heads of 128 channels, norm
+/// weights `q_weight` / `k_weight` (bf16 `[128]`), rotation tables `[M, rope_stride]` (f32 or bf16 by `rope`).
 #[derive(Clone, Copy, Debug)]
-pub struct QkNormRope<'v, 'a> {
+pub struct QkvNormRope<'v, 'a> {
     pub heads: usize,
     pub q_weight: &'v DeviceView<'a>,
     pub k_weight: &'v DeviceView<'a>,
     pub eps: f32,
+    pub rope: QkvRope,
     pub rope_cos: &'v DeviceView<'a>,
     pub rope_sin: &'v DeviceView<'a>,
     pub rope_stride: usize,
 }
 
-/// The INT8 GEMM of a fused q|k|v projection with the QK norm and RoPE in its epilogue (kernel
-/// `nn_gemm_int8_qkv_bf16`): the products [`plan_int8_gemm`] would store for `w`'s `3 width` rows (`width = heads *
-/// 128`, a multiple of 256), rounded to bf16, then q and k normed and rotated per `norm` as the separate pass does
-/// and written to `outputs.q` / `outputs.k`, the values to `outputs.v` (bf16 rows of one stride, a multiple of 8).
-/// This saves the pass that reads the GEMM's output and writes the three again.
+/// Where [`plan_int8_qkv_gemm`] writes: q, k and v apart (bf16 rows of one stride for the three), or one q|k|v
+/// matrix (rows of `stride`, at least `3 width`), the three parts normed and rotated in place.
+#[derive(Debug)]
+pub enum QkvDest<'d, 'a> {
+    Apart(&'d QkvOutputs<'d, 'a>),
+    Joint {
+        qkv: &'d mut DeviceViewMut<'a>,
+        stride: usize,
+    },
+}
+
+/// The INT8 GEMM of a fused q|k|v projection with the QK norm and RoPE in its epilogue (kernels
+/// `nn_gemm_int8_qkv_bf16` and `nn_gemm_int8_qkv_half_bf16`, by `norm.rope`): the products [`plan_int8_gemm`] would
+/// store for `w`'s `3 width` rows (`width = heads * 128`, a multiple of 256), rounded to bf16, then q and k normed and
+/// rotated as the separate pass does, the values as they are, into `dest` (strides multiples of 8). This saves the
+/// pass that reads the GEMM's output and writes q and k (or all three) again.
 pub fn plan_int8_qkv_gemm<'a>(
     ctx: &Context,
     sm_count: usize,
     (m, k): (usize, usize),
     inputs: &Int8GemmOperands<'_, 'a>,
-    norm: &QkNormRope<'a, '_>,
-    outputs: &QkvOutputs<'a, '_>,
+    norm: &QkvNormRope<'a, '_>,
+    dest: QkvDest<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "INT8 q|k|v GEMM";
     let width = norm
@@ -379,16 +405,6 @@ pub fn plan_int8_qkv_gemm<'a>(
             ),
         ));
     }
-    let stride = outputs.q_stride;
-    if outputs.k_stride != stride || outputs.v_stride != stride || !stride.is_multiple_of(8) {
-        return Err(invalid(
-            OP,
-            format!(
-                "q, k and v row strides {}, {}, {} must be one multiple of 8 (16-byte stores)",
-                outputs.q_stride, outputs.k_stride, outputs.v_stride
-            ),
-        ));
-    }
     let shape = Int8GemmShape {
         m,
         n: width
@@ -397,6 +413,43 @@ pub fn plan_int8_qkv_gemm<'a>(
         k,
     };
     shape.check()?;
+    let (addrs, stride) = match dest {
+        QkvDest::Apart(outputs) => {
+            let stride = outputs.q_stride;
+            if outputs.k_stride != stride || outputs.v_stride != stride || !stride.is_multiple_of(8)
+            {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "q, k and v row strides {}, {}, {} must be one multiple of 8 (16-byte stores)",
+                        outputs.q_stride, outputs.k_stride, outputs.v_stride
+                    ),
+                ));
+            }
+            let each = Int8GemmShape { n: width, ..shape };
+            for (name, view) in [("q", &*outputs.q), ("k", &*outputs.k), ("v", &*outputs.v)] {
+                check_y_named(OP, name, each, Operand::of_mut(view), stride)?;
+            }
+            (
+                [outputs.q.addr(), outputs.k.addr(), outputs.v.addr()],
+                stride,
+            )
+        }
+        QkvDest::Joint { qkv, stride } => {
+            if !stride.is_multiple_of(8) {
+                return Err(invalid(
+                    OP,
+                    format!("qkv row stride {stride} is not a multiple of 8 (16-byte stores)"),
+                ));
+            }
+            check_y_named(OP, "qkv", shape, Operand::of_mut(&*qkv), stride)?;
+            let part = (width * 2) as u64;
+            (
+                [qkv.addr(), qkv.addr() + part, qkv.addr() + 2 * part],
+                stride,
+            )
+        }
+    };
     for (name, view, needed) in [
         ("x", inputs.x, bytes_of(OP, "x", &[m, k])?),
         ("w", inputs.w, bytes_of(OP, "w", &[shape.n, k])?),
@@ -414,11 +467,16 @@ pub fn plan_int8_qkv_gemm<'a>(
     for (name, view) in [("x", inputs.x), ("w", inputs.w)] {
         check_operand(OP, name, Operand::of(view), 0, 16)?;
     }
-    check_interleaved_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
-    let each = Int8GemmShape { m, n: width, k };
-    for (name, view) in [("q", &*outputs.q), ("k", &*outputs.k), ("v", &*outputs.v)] {
-        check_y_named(OP, name, each, Operand::of_mut(view), stride)?;
-    }
+    let kernel = match norm.rope {
+        QkvRope::Interleaved => {
+            check_interleaved_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
+            GEMM_INT8_KERNELS[3]
+        }
+        QkvRope::Half96 => {
+            check_half96_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
+            GEMM_INT8_KERNELS[4]
+        }
+    };
     let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
     let tm_w = encode_int8_tiles(
         ctx,
@@ -431,9 +489,9 @@ pub fn plan_int8_qkv_gemm<'a>(
         .push_addr(inputs.w_scale.addr())
         .push(qkv_words(
             [
-                outputs.q.addr(),
-                outputs.k.addr(),
-                outputs.v.addr(),
+                addrs[0],
+                addrs[1],
+                addrs[2],
                 norm.q_weight.addr(),
                 norm.k_weight.addr(),
                 norm.rope_cos.addr(),
@@ -447,10 +505,39 @@ pub fn plan_int8_qkv_gemm<'a>(
         .push(to_i32(OP, "M", m)?)
         .push(to_i32(OP, "K", k)?);
     Ok(Launch::new(
-        GEMM_INT8_KERNELS[3],
+        kernel,
         LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
+}
+
+/// Checks [`QkvRope::Half96`]'s tables: bf16 `[rows, rope_stride]`, 4-byte aligned with an even stride (the kernel
+/// reads pairs), 48 used columns a row.
+fn check_half96_tables(
+    op: &str,
+    rows: usize,
+    (rope_cos, rope_sin): (&DeviceView<'_>, &DeviceView<'_>),
+    rope_stride: usize,
+) -> Result<(), tf_cuda::Error> {
+    let half = HALF96_ROTATED / 2;
+    if rope_stride < half || !rope_stride.is_multiple_of(2) {
+        return Err(invalid(
+            op,
+            format!("rope stride {rope_stride} must be even and at least {half}"),
+        ));
+    }
+    let bytes = match rows.checked_sub(1) {
+        None => 0,
+        Some(last) => last
+            .checked_mul(rope_stride)
+            .and_then(|e| e.checked_add(half))
+            .and_then(|e| e.checked_mul(2))
+            .ok_or_else(|| invalid(op, "rope table span overflows"))?,
+    };
+    for (name, table) in [("rope_cos", rope_cos), ("rope_sin", rope_sin)] {
+        check_operand(op, name, Operand::of(table), bytes, 4)?;
+    }
+    Ok(())
 }
 
 /// The kernel's `G8Qkv` argument as its ten 8-byte words: seven addresses (q, k, v, q_weight, k_weight, rope_cos,
@@ -666,10 +753,10 @@ impl Int8GemmKernels {
         stream: &Stream,
         (m, k): (usize, usize),
         inputs: &Int8GemmOperands<'_, '_>,
-        norm: &QkNormRope<'_, '_>,
-        outputs: &mut QkvOutputs<'_, '_>,
+        norm: &QkvNormRope<'_, '_>,
+        dest: QkvDest<'_, '_>,
     ) -> Result<(), tf_cuda::Error> {
-        let launch = plan_int8_qkv_gemm(ctx, self.sm_count, (m, k), inputs, norm, outputs)?;
+        let launch = plan_int8_qkv_gemm(ctx, self.sm_count, (m, k), inputs, norm, dest)?;
         self.set.submit(stream, &launch)
     }
 

@@ -18,7 +18,7 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{Fp8Linear, Linear};
-use crate::nn::gpu::gemm_int8::{Int8GemmOperands, Int8GemmShape, QkNormRope};
+use crate::nn::gpu::gemm_int8::{Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes, plan_quantize_rows,
@@ -186,8 +186,8 @@ impl Engine {
         x: &Fp8Rows,
         (m, k): (usize, usize),
         (w_offset, scales): (usize, usize),
-        norm: &QkNormRope<'_, '_>,
-        outputs: &mut QkvOutputs<'_, '_>,
+        norm: &QkvNormRope<'_, '_>,
+        outputs: &QkvOutputs<'_, '_>,
     ) -> Result<(), DitError> {
         let ours = self.int8_gemm.as_ref().ok_or_else(|| {
             DitError::Backend("internal: an INT8 GEMM group without our INT8 GEMM loaded".into())
@@ -209,8 +209,15 @@ impl Engine {
             w: &w,
             w_scale: &w_scale,
         };
-        ours.gemm_qkv(&self.ctx, &self.stream, (m, k), &inputs, norm, outputs)
-            .map_err(launch)
+        ours.gemm_qkv(
+            &self.ctx,
+            &self.stream,
+            (m, k),
+            &inputs,
+            norm,
+            QkvDest::Apart(outputs),
+        )
+        .map_err(launch)
     }
 
     /// SwiGLU of the workspace's `[gate | up]` GEMM output (`total` rows): into 8-bit rows for the down GEMM when
@@ -545,11 +552,12 @@ impl Engine {
                             "internal: an 8-bit GEMM group without weight scales".into(),
                         )
                     })?;
-                    let norm = QkNormRope {
+                    let norm = QkvNormRope {
                         heads: dims.heads,
                         q_weight: &qw,
                         k_weight: &kw,
                         eps: dims.eps,
+                        rope: QkvRope::Interleaved,
                         rope_cos: &cos_v,
                         rope_sin: &sin_v,
                         rope_stride: HEAD_DIM / 2,
@@ -559,7 +567,7 @@ impl Engine {
                         (total, d),
                         (bo.qkv, scales),
                         &norm,
-                        &mut outputs,
+                        &outputs,
                     )?;
                     phase!("qkv GEMM+qk-norm+rope", Flops, 2 * total * 3 * w * d);
                 } else {
