@@ -5,7 +5,8 @@
 //! 3. the video and audio rows through their f32 projections, written straight into their rows of x;
 //! 4. the text rows through `context_embedder`, the token refiner (plain pre-norm blocks, no RoPE) and its final
 //!    norm, which writes them into their rows of x;
-//! 5. every block: fused q|k|v GEMM, QK norm + partial RoPE in place, attention, `to_out`, the gated residual fused
+//! 5. every block: fused q|k|v GEMM, QK norm + partial RoPE in place (in the GEMM's epilogue where it runs on our
+//!    INT8 GEMM), attention, `to_out`, the gated residual fused
 //!    with the next norm and modulation, `fc1` (`[value | gate]`), SwiGLU, `fc2`, and again the gated residual
 //!    fused with the next block's norm (after the last block: `norm_out`, modulated by timestep);
 //! 6. the f32 video and audio heads over the rows they select.

@@ -6,7 +6,8 @@
 //! produces its input: the adaLN (`nn_norm_modulate_fp8|int8`), the gated residual + adaLN
 //! (`nn_gated_residual_norm_modulate_fp8|int8`), SwiGLU (`nn_swiglu_fp8|int8`); the attention output is quantized by
 //! a pass of its own (`nn_quantize_rows_fp8|int8`). e4m3 rows go to cuBLASLt's row-wise FP8 GEMM, INT8 rows
-//! (`gemm=int8`, the default) to our INT8 GEMM.
+//! (`gemm=int8`, the default) to our INT8 GEMM, whose q|k|v instance also runs the QK norm and RoPE in its epilogue
+//! (`TF_QKV_GEMM`).
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::DeviceBuffer;
