@@ -1002,7 +1002,7 @@ impl Engine {
             && calls.fc1_gate.is_none()
             && calls.fc2.scaled_int8()
         {
-            // The SwiGLU in the INT8 fc1 GEMM's epilogue (`TF_SWIGLU_GEMM=fused`): act in bf16, then its INT8 rows.
+            // The SwiGLU in the INT8 fc1 GEMM's epilogue (the default, `TF_SWIGLU_GEMM`): act in bf16, then its INT8 rows.
             self.scaled_int8_gemm(ws, calls.fc1, true)?;
             probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
             self.quantize_to_q8(ws, Buf::Act, (m, fp), RowCodes::Int8)?;
@@ -1123,7 +1123,7 @@ impl Engine {
 
     /// An 8-bit call in INT8 codes (`gemm=int8`) through our scaled INT8 GEMM: the INT8 rows in [`Buf::Q8`] and
     /// their scales by the weight's codes and channel scales, as bf16 products into `c.y` (rows of `c.n`). With
-    /// `swiglu` (`fc1` whole, `TF_SWIGLU_GEMM=fused`) the GEMM's epilogue applies the SwiGLU of its `[value | gate]`
+    /// `swiglu` (`fc1` whole, the fused SwiGLU) the GEMM's epilogue applies the SwiGLU of its `[value | gate]`
     /// columns instead and writes act (`[c.m, c.n / 2]`).
     fn scaled_int8_gemm(
         &self,

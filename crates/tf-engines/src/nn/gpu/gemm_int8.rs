@@ -78,9 +78,9 @@ pub const BACKEND_ENV: &str = "TF_INT8_GEMM";
 /// buffer) run: `cublaslt` (the default) or `ours` (this set's bf16 kernel, [`plan_bf16_gemm`]; sm_90 only).
 pub const BF16_BACKEND_ENV: &str = "TF_BF16_GEMM";
 
-/// The environment variable that puts a DiT's SwiGLU into its INT8 gate|up GEMM's epilogue
-/// ([`plan_int8_swiglu_gemm`]) where the block's MLP runs in INT8: `apart` (the default: the GEMM writes both halves
-/// and the SwiGLU kernel reads them) or `fused` (the GEMM writes the activation, a row pass quantizes it).
+/// The environment variable that places a DiT's SwiGLU where the block's MLP runs in INT8: `fused` (the default: in
+/// the gate|up GEMM's epilogue, [`plan_int8_swiglu_gemm`]; the GEMM writes the activation and a row pass quantizes it)
+/// or `apart` (the GEMM writes both halves and the SwiGLU kernel reads them).
 pub const SWIGLU_ENV: &str = "TF_SWIGLU_GEMM";
 
 /// The environment variable that puts Qwen-Image's per-head QK norm and RoPE into its INT8 q|k|v GEMM's epilogue
@@ -103,12 +103,12 @@ pub fn qkv_fused_for(loaded: Option<&Int8GemmKernels>, width: usize) -> Result<b
     Ok(asked && loaded.is_some() && width > 0 && width.is_multiple_of(TILE_COLS))
 }
 
-/// Whether a DiT whose MLP is `hidden` wide runs the fused SwiGLU: [`SWIGLU_ENV`] asks for it, our INT8 GEMM is
-/// `loaded` (its INT8 MLP groups run on it) and `hidden` is a whole number of SwiGLU tiles.
+/// Whether a DiT whose MLP is `hidden` wide runs the fused SwiGLU: [`SWIGLU_ENV`] does not ask for it apart, our INT8
+/// GEMM is `loaded` (its INT8 MLP groups run on it) and `hidden` is a whole number of SwiGLU tiles.
 pub fn swiglu_fused_for(loaded: Option<&Int8GemmKernels>, hidden: usize) -> Result<bool, String> {
     let asked = match std::env::var(SWIGLU_ENV).unwrap_or_default().as_str() {
-        "" | "apart" => false,
-        "fused" => true,
+        "" | "fused" => true,
+        "apart" => false,
         other => {
             return Err(format!(
                 "{SWIGLU_ENV}={other:?} is not a SwiGLU placement: use `apart` or `fused`"

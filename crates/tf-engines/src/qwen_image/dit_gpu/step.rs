@@ -754,7 +754,7 @@ impl Engine {
             }
             phase!("residual1+adaln2", Bytes, 4 * total * d * BF16);
 
-            // MLP half. With the SwiGLU in the INT8 gate|up GEMM's epilogue (`TF_SWIGLU_GEMM=fused`) the GEMM
+            // MLP half. With the SwiGLU in the INT8 gate|up GEMM's epilogue (the default, `TF_SWIGLU_GEMM`) the GEMM
             // writes the bf16 activation and a row pass quantizes it for the down GEMM.
             let int8_mlp = fp8.codes_of(Fp8Groups::mlp_in) == Some(RowCodes::Int8)
                 && fp8.codes_of(|g| g.mlp_out) == Some(RowCodes::Int8);
