@@ -44,6 +44,8 @@ struct G8Qkv {
     int reserved;  // zero: the launcher packs the struct as ten 8-byte words
 };
 static_assert(sizeof(G8Qkv) == 80, "the launcher packs G8Qkv as [u64; 10]");
+constexpr int kG8QkvInterleaved = 1;  // the q|k|v epilogue of interleaved RoPE (Qwen-Image)
+constexpr int kG8QkvHalf = 2;         // ... of rotate-half RoPE over 96 channels (MiniMax H3)
 
 #if defined(NN_HAS_WGMMA)
 namespace {
@@ -57,9 +59,7 @@ constexpr int kG8BBytes = kG8Cols * kG8Slice;      // 32 KiB
 constexpr int kG8StageBytes = kG8ABytes + kG8BBytes;
 constexpr int kG8ProducerRegs = 40;
 constexpr int kG8ConsumerRegs = 232;               // 40 * 128 + 232 * 256 <= 65536 registers of the SM
-constexpr int kG8ConsumerWarps = 8;
-constexpr int kG8QkvInterleaved = 1;               // the q|k|v epilogue of interleaved RoPE (Qwen-Image)
-constexpr int kG8QkvHalf = 2;                      // ... of rotate-half RoPE over 96 channels (MiniMax H3)                 // arrivals that free a stage: one a consumer warp
+constexpr int kG8ConsumerWarps = 8;                 // arrivals that free a stage: one a consumer warp
 
 #define G8_REGS128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -662,31 +662,28 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
 #endif
 }
 
+// The q|k|v kernels' parameters, and their body for epilogue form F (kG8QkvInterleaved or kG8QkvHalf).
+#define G8_QKV_PARAMS                                                                                               \
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
+        const float *__restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k
+#if defined(NN_HAS_WGMMA)
+#define G8_QKV_BODY(F) \
+    gemm_tiles<false, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0, &qkv)
+#else
+#define G8_QKV_BODY(F) __trap()
+#endif
+
 // The INT8 GEMM of a fused q|k|v projection with the per-head QK RMSNorm and interleaved RoPE in its epilogue
 // (G8Qkv): y's N = 3 width columns go to q (normed, rotated), k (normed, rotated) and v (as they are), each bf16 rows
 // of qkv.stride. width a multiple of 256 (a tile never straddles two of them), stride a multiple of 8, the rope
 // tables hold M rows. tm_x, tm_w, grid, threads and shared memory as for the INT8 GEMM.
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k) {
-#if defined(NN_HAS_WGMMA)
-    gemm_tiles<false, false, kG8QkvInterleaved>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k,
-                                                 0, 0, &qkv);
-#else
-    __trap();
-#endif
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(G8_QKV_PARAMS) {
+    G8_QKV_BODY(kG8QkvInterleaved);
 }
 
 // The same GEMM with MiniMax H3's QK norm (n = x * rsqrt(mean(x^2) + eps) * weight in f32) and rotate-half RoPE
 // over the first 96 channels of each head (bf16 tables [M, rope_stride], 48 used columns) in its epilogue; q, k and
 // v may be the three parts of one q|k|v matrix (stride 3 width), normed and rotated in place.
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k) {
-#if defined(NN_HAS_WGMMA)
-    gemm_tiles<false, false, kG8QkvHalf>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0,
-                                          &qkv);
-#else
-    __trap();
-#endif
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(G8_QKV_PARAMS) {
+    G8_QKV_BODY(kG8QkvHalf);
 }
