@@ -354,6 +354,151 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
     }
 }
 
+/// A fused q|k|v GEMM's random operands on the device: INT8 codes and scales for `heads` heads of 128 (N = 3 x 128
+/// heads), norm weights in 0.5..1.5 and RoPE tables of `table_cols` columns a row (f32, or bf16 with `bf16_tables`).
+struct QkvOperands {
+    shape: Int8GemmShape,
+    heads: usize,
+    x: DeviceBuffer,
+    w: DeviceBuffer,
+    x_scale: DeviceBuffer,
+    w_scale: DeviceBuffer,
+    q_weight: DeviceBuffer,
+    k_weight: DeviceBuffer,
+    cos: DeviceBuffer,
+    sin: DeviceBuffer,
+}
+
+impl QkvOperands {
+    fn random(
+        g: &Gpu,
+        seed: u64,
+        (m, heads, k): (usize, usize, usize),
+        table_cols: usize,
+        bf16_tables: bool,
+    ) -> QkvOperands {
+        let mut rng = Rng::new(seed);
+        let n = 3 * heads * 128;
+        let x = codes(&mut rng, m * k);
+        let w = codes(&mut rng, n * k);
+        let xs = scales(&mut rng, m);
+        let ws = scales(&mut rng, n);
+        let [x, w, x_scale, w_scale] = upload_operands(g, (&x, &w), (&xs, &ws));
+        let bf16_of = |v: f32| half::bf16::from_f32(v).to_bits();
+        let up16 = |v: &[u16]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
+        let mut norm_weight = || -> DeviceBuffer {
+            let v: Vec<u16> = (0..128)
+                .map(|_| bf16_of(0.5 + (rng.next_u64() % 1000) as f32 * 1e-3))
+                .collect();
+            up16(&v)
+        };
+        let (q_weight, k_weight) = (norm_weight(), norm_weight());
+        let angles: Vec<f32> = (0..m * table_cols)
+            .map(|_| (rng.next_u64() % 10_000) as f32 * 1e-3)
+            .collect();
+        let table = |f: fn(f32) -> f32| -> DeviceBuffer {
+            let values: Vec<f32> = angles.iter().map(|&a| f(a)).collect();
+            if bf16_tables {
+                up16(&values.iter().map(|&v| bf16_of(v)).collect::<Vec<u16>>())
+            } else {
+                DeviceBuffer::from_slice(&g.ctx, &values).expect("upload")
+            }
+        };
+        let (cos, sin) = (table(f32::cos), table(f32::sin));
+        QkvOperands {
+            shape: Int8GemmShape { m, n, k },
+            heads,
+            x,
+            w,
+            x_scale,
+            w_scale,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+        }
+    }
+
+    /// Runs `f` on the GEMM's operands and the epilogue's norm and RoPE (eps 1e-6, `rope`, `table_cols` a row).
+    fn with<R>(
+        &self,
+        rope: QkvRope,
+        table_cols: usize,
+        f: impl FnOnce(&Int8GemmOperands<'_, '_>, &QkvNormRope<'_, '_>) -> R,
+    ) -> R {
+        let (xv, wv, xsv, wsv) = (
+            self.x.view(),
+            self.w.view(),
+            self.x_scale.view(),
+            self.w_scale.view(),
+        );
+        let (qwv, kwv, cv, sv) = (
+            self.q_weight.view(),
+            self.k_weight.view(),
+            self.cos.view(),
+            self.sin.view(),
+        );
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let norm = QkvNormRope {
+            heads: self.heads,
+            q_weight: &qwv,
+            k_weight: &kwv,
+            eps: 1e-6,
+            rope,
+            rope_cos: &cv,
+            rope_sin: &sv,
+            rope_stride: table_cols,
+        };
+        f(&inputs, &norm)
+    }
+
+    /// The plain INT8 GEMM's q|k|v rows (dense, N columns).
+    fn plain_gemm(&self, g: &Gpu) -> DeviceBuffer {
+        let Int8GemmShape { m, n, .. } = self.shape;
+        let mut y = DeviceBuffer::from_slice(&g.ctx, &vec![0u16; m * n]).expect("q|k|v rows");
+        self.with(QkvRope::Interleaved, 64, |inputs, _| {
+            let mut yv = y.view_mut();
+            g.kernels
+                .gemm(&g.ctx, &g.stream, self.shape, inputs, &mut yv, n)
+                .expect("plain INT8 GEMM");
+        });
+        y
+    }
+}
+
+/// Three bf16 outputs of `rows` x `stride`, filled with `sentinel`.
+fn three_outputs(g: &Gpu, rows: usize, stride: usize, sentinel: u16) -> Vec<DeviceBuffer> {
+    (0..3)
+        .map(|_| DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; rows * stride]).expect("output"))
+        .collect()
+}
+
+/// Runs `f` on q, k and v outputs over `bufs` (three buffers), each of row stride `stride`.
+fn with_outputs<R>(
+    bufs: &mut [DeviceBuffer],
+    stride: usize,
+    f: impl FnOnce(&mut QkvOutputs<'_, '_>) -> R,
+) -> R {
+    let [q, k, v] = bufs else {
+        panic!("three outputs, not {}", bufs.len())
+    };
+    let (mut qv, mut kv, mut vv) = (q.view_mut(), k.view_mut(), v.view_mut());
+    let mut outputs = QkvOutputs {
+        q: &mut qv,
+        q_stride: stride,
+        k: &mut kv,
+        k_stride: stride,
+        v: &mut vv,
+        v_stride: stride,
+    };
+    f(&mut outputs)
+}
+
 #[test]
 #[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
 fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
@@ -371,131 +516,57 @@ fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
     .iter()
     .enumerate()
     {
-        let mut rng = Rng::new(8400 + i as u64);
-        let width = heads * 128;
-        let n = 3 * width;
-        let x = codes(&mut rng, m * k);
-        let w = codes(&mut rng, n * k);
-        let xs = scales(&mut rng, m);
-        let ws = scales(&mut rng, n);
-        let norm_weight = |rng: &mut Rng| -> Vec<u16> {
-            (0..128)
-                .map(|_| {
-                    half::bf16::from_f32(0.5 + (rng.next_u64() % 1000) as f32 * 1e-3).to_bits()
-                })
-                .collect()
-        };
-        let (qw, kw) = (norm_weight(&mut rng), norm_weight(&mut rng));
-        let angles: Vec<f32> = (0..m * 64)
-            .map(|_| (rng.next_u64() % 10_000) as f32 * 1e-3)
-            .collect();
-        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
-        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
-        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
-        let up16 = |v: &[u16]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
-        let upf = |v: &[f32]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
-        let (qw_dev, kw_dev, cos_dev, sin_dev) = (up16(&qw), up16(&kw), upf(&cos), upf(&sin));
-        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-        let (qwv, kwv, cv, sv) = (qw_dev.view(), kw_dev.view(), cos_dev.view(), sin_dev.view());
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
+        let ops = QkvOperands::random(&g, 8400 + i as u64, (m, heads, k), 64, false);
+        let n = ops.shape.n;
         let sentinel = 0x7fc1u16;
-        let outputs_of =
-            || -> Vec<DeviceBuffer> { (0..3).map(|_| up16(&vec![sentinel; m * stride])).collect() };
         // Apart: the plain GEMM into q|k|v rows, then the QK norm + RoPE pass into q, k and v.
-        let mut apart = outputs_of();
-        let mut qkv_dev = up16(&vec![0u16; m * n]);
-        {
-            let mut yv = qkv_dev.view_mut();
-            g.kernels
-                .gemm(
-                    &g.ctx,
-                    &g.stream,
-                    Int8GemmShape { m, n, k },
-                    &inputs,
-                    &mut yv,
-                    n,
-                )
-                .expect("plain INT8 GEMM");
+        let qkv_dev = ops.plain_gemm(&g);
+        let mut apart = three_outputs(&g, m, stride, sentinel);
+        ops.with(QkvRope::Interleaved, 64, |_, norm| {
             let qkv_v = qkv_dev.view();
             let pass = QkvInputs {
                 qkv: &qkv_v,
                 qkv_layout: Matrix::dense(m, n),
                 heads,
-                q_weight: &qwv,
-                k_weight: &kwv,
-                eps: 1e-6,
-                rope_cos: &cv,
-                rope_sin: &sv,
-                rope_stride: 64,
+                q_weight: norm.q_weight,
+                k_weight: norm.k_weight,
+                eps: norm.eps,
+                rope_cos: norm.rope_cos,
+                rope_sin: norm.rope_sin,
+                rope_stride: norm.rope_stride,
             };
-            let [q, kk, v] = &mut apart[..] else {
-                unreachable!("three outputs")
-            };
-            let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
-            let mut outputs = QkvOutputs {
-                q: &mut qv,
-                q_stride: stride,
-                k: &mut kv,
-                k_stride: stride,
-                v: &mut vv,
-                v_stride: stride,
-            };
-            nn.qk_norm_rope(&g.stream, &pass, &mut outputs)
-                .expect("QK norm + RoPE pass");
-        }
+            with_outputs(&mut apart, stride, |outputs| {
+                nn.qk_norm_rope(&g.stream, &pass, outputs)
+                    .expect("QK norm + RoPE pass")
+            });
+        });
         // Fused: one launch.
-        let mut fused = outputs_of();
-        {
-            let norm = QkvNormRope {
-                heads,
-                q_weight: &qwv,
-                k_weight: &kwv,
-                eps: 1e-6,
-                rope: QkvRope::Interleaved,
-                rope_cos: &cv,
-                rope_sin: &sv,
-                rope_stride: 64,
-            };
-            let [q, kk, v] = &mut fused[..] else {
-                unreachable!("three outputs")
-            };
-            let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
-            let outputs = QkvOutputs {
-                q: &mut qv,
-                q_stride: stride,
-                k: &mut kv,
-                k_stride: stride,
-                v: &mut vv,
-                v_stride: stride,
-            };
-            g.kernels
-                .gemm_qkv(
-                    &g.ctx,
-                    &g.stream,
-                    (m, k),
-                    &inputs,
-                    &norm,
-                    QkvDest::Apart(&outputs),
-                )
-                .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM {m}x{n}x{k}: {e}"));
-        }
+        let mut fused = three_outputs(&g, m, stride, sentinel);
+        ops.with(QkvRope::Interleaved, 64, |inputs, norm| {
+            with_outputs(&mut fused, stride, |outputs| {
+                g.kernels
+                    .gemm_qkv(
+                        &g.ctx,
+                        &g.stream,
+                        (m, k),
+                        inputs,
+                        norm,
+                        QkvDest::Apart(outputs),
+                    )
+                    .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM {m}x{n}x{k}: {e}"))
+            });
+        });
         g.stream.synchronize().expect("synchronize");
-        let read = |bufs: &[DeviceBuffer]| -> Vec<Vec<u16>> {
-            bufs.iter().map(|d| d.to_vec().expect("back")).collect()
-        };
-        let parts = |rows: Vec<Vec<u16>>| -> Vec<(Vec<u16>, usize, usize)> {
-            rows.into_iter().map(|r| (r, stride, 0)).collect()
+        let parts = |bufs: &[DeviceBuffer]| -> Vec<(Vec<u16>, usize, usize)> {
+            bufs.iter()
+                .map(|d| (d.to_vec().expect("back"), stride, 0))
+                .collect()
         };
         assert_fused_matches_apart(
             "interleaved",
             (m, heads, k),
-            &parts(read(&apart)),
-            &parts(read(&fused)),
+            &parts(&apart),
+            &parts(&fused),
             Some(sentinel),
         );
     }
@@ -570,7 +641,7 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
         return;
     };
     let h3 = H3Kernels::load(&g.ctx).expect("load MiniMax H3's kernels");
-    let (rotated, table_stride) = (HALF96_ROTATED, HALF96_ROTATED / 2);
+    let (rotated, table_cols) = (HALF96_ROTATED, HALF96_ROTATED / 2);
     // (M, heads, K): one tile a part; partial row tiles and K past a slice; MiniMax H3's width (56 heads).
     for (i, &(m, heads, k)) in [
         (128usize, 2usize, 128usize),
@@ -580,104 +651,48 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
     .iter()
     .enumerate()
     {
-        let mut rng = Rng::new(8500 + i as u64);
-        let width = heads * 128;
-        let n = 3 * width;
-        let x = codes(&mut rng, m * k);
-        let w = codes(&mut rng, n * k);
-        let xs = scales(&mut rng, m);
-        let ws = scales(&mut rng, n);
-        let bf16_of = |v: f32| half::bf16::from_f32(v).to_bits();
-        let norm_weights: Vec<u16> = (0..256)
-            .map(|_| bf16_of(0.5 + (rng.next_u64() % 1000) as f32 * 1e-3))
-            .collect();
-        let angles: Vec<f32> = (0..m * table_stride)
-            .map(|_| (rng.next_u64() % 10_000) as f32 * 1e-3)
-            .collect();
-        let cos: Vec<u16> = angles.iter().map(|a| bf16_of(a.cos())).collect();
-        let sin: Vec<u16> = angles.iter().map(|a| bf16_of(a.sin())).collect();
-        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
-        let up16 = |v: &[u16]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
-        let (nw_dev, cos_dev, sin_dev) = (up16(&norm_weights), up16(&cos), up16(&sin));
-        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-        let qw = nw_dev.slice(0, 256).expect("q weight");
-        let kw = nw_dev.slice(256, 256).expect("k weight");
-        let (cv, sv) = (cos_dev.view(), sin_dev.view());
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
+        let ops = QkvOperands::random(&g, 8500 + i as u64, (m, heads, k), table_cols, true);
+        let n = ops.shape.n;
         // Apart: the plain GEMM into q|k|v rows, then H3's QK norm + RoPE in place.
-        let mut apart = up16(&vec![0u16; m * n]);
-        {
-            let mut yv = apart.view_mut();
-            g.kernels
-                .gemm(
-                    &g.ctx,
-                    &g.stream,
-                    Int8GemmShape { m, n, k },
-                    &inputs,
-                    &mut yv,
-                    n,
-                )
-                .expect("plain INT8 GEMM");
-        }
-        {
+        let mut apart = ops.plain_gemm(&g);
+        ops.with(QkvRope::Half96, table_cols, |_, norm| {
             let qkv = apart.view_mut();
             let op = QkNormRope {
                 qkv: &qkv,
                 qkv_layout: Matrix::dense(m, n),
                 heads,
-                q_weight: &qw,
-                k_weight: &kw,
+                q_weight: norm.q_weight,
+                k_weight: norm.k_weight,
                 norm_dim: 128,
-                eps: 1e-6,
-                rope: Some((&cv, &sv, table_stride, rotated)),
+                eps: norm.eps,
+                rope: Some((norm.rope_cos, norm.rope_sin, table_cols, rotated)),
             };
             h3.run(&g.stream, plan_qk_norm_rope(&op))
                 .expect("H3's QK norm + RoPE pass");
-        }
+        });
         // Fused, in place on one q|k|v matrix.
-        let mut fused = up16(&vec![0x7fc1u16; m * n]);
-        {
-            let norm = QkvNormRope {
-                heads,
-                q_weight: &qw,
-                k_weight: &kw,
-                eps: 1e-6,
-                rope: QkvRope::Half96,
-                rope_cos: &cv,
-                rope_sin: &sv,
-                rope_stride: table_stride,
-            };
+        let mut fused = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * n]).expect("q|k|v");
+        ops.with(QkvRope::Half96, table_cols, |inputs, norm| {
             let mut qkv = fused.view_mut();
+            let dest = QkvDest::Joint {
+                qkv: &mut qkv,
+                stride: n,
+            };
             g.kernels
-                .gemm_qkv(
-                    &g.ctx,
-                    &g.stream,
-                    (m, k),
-                    &inputs,
-                    &norm,
-                    QkvDest::Joint {
-                        qkv: &mut qkv,
-                        stride: n,
-                    },
-                )
+                .gemm_qkv(&g.ctx, &g.stream, (m, k), inputs, norm, dest)
                 .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM in place {m}x{n}x{k}: {e}"));
-        }
+        });
         g.stream.synchronize().expect("synchronize");
-        let (want, got): (Vec<u16>, Vec<u16>) =
-            (apart.to_vec().expect("back"), fused.to_vec().expect("back"));
-        let parts = |rows: &Vec<u16>| -> Vec<(Vec<u16>, usize, usize)> {
+        let width = heads * 128;
+        let parts = |buf: &DeviceBuffer| -> Vec<(Vec<u16>, usize, usize)> {
+            let rows: Vec<u16> = buf.to_vec().expect("back");
             (0..3).map(|p| (rows.clone(), n, p * width)).collect()
         };
         assert_fused_matches_apart(
             "rotate-half",
             (m, heads, k),
-            &parts(&want),
-            &parts(&got),
+            &parts(&apart),
+            &parts(&fused),
             None,
         );
     }
