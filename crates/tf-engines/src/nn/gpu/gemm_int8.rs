@@ -83,9 +83,9 @@ pub const BF16_BACKEND_ENV: &str = "TF_BF16_GEMM";
 /// or `apart` (the GEMM writes both halves and the SwiGLU kernel reads them).
 pub const SWIGLU_ENV: &str = "TF_SWIGLU_GEMM";
 
-/// The environment variable that puts Qwen-Image's per-head QK norm and RoPE into its INT8 q|k|v GEMM's epilogue
-/// ([`plan_int8_qkv_gemm`]) where that GEMM runs in INT8: `fused` (the default: the GEMM writes normed, rotated q
-/// and k and the values into the attention's rows) or `apart` (the GEMM writes q|k|v, a row pass norms and rotates).
+/// The environment variable that places a DiT's per-head QK norm and RoPE where its q|k|v GEMM runs in INT8: `fused`
+/// (the default: in that GEMM's epilogue, [`plan_int8_qkv_gemm`], which writes normed, rotated q and k and the
+/// values where the attention reads them) or `apart` (the GEMM writes q|k|v, a row pass norms and rotates).
 pub const QKV_ENV: &str = "TF_QKV_GEMM";
 
 /// Whether a DiT `width` wide (heads of 128) runs the fused q|k|v epilogue: [`QKV_ENV`] does not ask for the passes
@@ -413,6 +413,12 @@ pub fn plan_int8_qkv_gemm<'a>(
         k,
     };
     shape.check()?;
+    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
+        return Err(invalid(
+            OP,
+            format!("eps {} must be finite and >= 0", norm.eps),
+        ));
+    }
     let (addrs, stride) = match dest {
         QkvDest::Apart(outputs) => {
             let stride = outputs.q_stride;
@@ -443,9 +449,18 @@ pub fn plan_int8_qkv_gemm<'a>(
                 ));
             }
             check_y_named(OP, "qkv", shape, Operand::of_mut(&*qkv), stride)?;
-            let part = (width * 2) as u64;
+            // Inside the view (checked above): its k and v columns start one and two parts in.
+            let part = bytes_of(OP, "q part", &[width, 2])? as u64;
+            let base = qkv.addr();
             (
-                [qkv.addr(), qkv.addr() + part, qkv.addr() + 2 * part],
+                [
+                    base,
+                    base.checked_add(part)
+                        .ok_or_else(|| invalid(OP, "k's address overflows"))?,
+                    part.checked_mul(2)
+                        .and_then(|two| base.checked_add(two))
+                        .ok_or_else(|| invalid(OP, "v's address overflows"))?,
+                ],
                 stride,
             )
         }
