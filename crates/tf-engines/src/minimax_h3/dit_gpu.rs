@@ -215,7 +215,8 @@ struct Engine {
     int8_gemm: Option<Int8GemmKernels>,
     /// The same set for the bf16 GEMMs without bias when `TF_BF16_GEMM=ours` (its bf16 kernel instead of cuBLASLt).
     bf16_gemm: Option<Int8GemmKernels>,
-    /// The SwiGLU in the INT8 fc1 GEMM's epilogue where a block's MLP runs in INT8 (the default; `TF_SWIGLU_GEMM=apart` runs the SwiGLU kernel).
+    /// The SwiGLU in the INT8 fc1 GEMM's epilogue where a block's MLP runs in INT8 (the default;
+    /// `TF_SWIGLU_GEMM=apart` runs the SwiGLU kernel).
     swiglu_fused: bool,
     /// The main rows' QK norm and RoPE in the INT8 q|k|v GEMM's epilogue where that group runs in INT8 (the default;
     /// `TF_QKV_GEMM=apart` runs the pass).

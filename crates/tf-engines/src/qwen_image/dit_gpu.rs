@@ -285,7 +285,8 @@ struct Engine {
     int8_gemm: Option<Int8GemmKernels>,
     /// The same set for the bf16 block GEMMs when `TF_BF16_GEMM=ours` (its bf16 kernel instead of cuBLASLt).
     bf16_gemm: Option<Int8GemmKernels>,
-    /// The SwiGLU in the INT8 gate|up GEMM's epilogue where a block's MLP runs in INT8 (the default; `TF_SWIGLU_GEMM=apart` runs the SwiGLU kernel).
+    /// The SwiGLU in the INT8 gate|up GEMM's epilogue where a block's MLP runs in INT8 (the default;
+    /// `TF_SWIGLU_GEMM=apart` runs the SwiGLU kernel).
     swiglu_fused: bool,
     /// The QK norm and RoPE in the INT8 q|k|v GEMM's epilogue where a block's qkv group runs in INT8 (the default;
     /// `TF_QKV_GEMM=apart` runs the pass).

@@ -1002,7 +1002,8 @@ impl Engine {
             && calls.fc1_gate.is_none()
             && calls.fc2.scaled_int8()
         {
-            // The SwiGLU in the INT8 fc1 GEMM's epilogue (the default, `TF_SWIGLU_GEMM`): act in bf16, then its INT8 rows.
+            // The SwiGLU in the INT8 fc1 GEMM's epilogue (the default, `TF_SWIGLU_GEMM`): act in bf16, then its
+            // INT8 rows.
             self.scaled_int8_gemm(ws, calls.fc1, true)?;
             probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
             self.quantize_to_q8(ws, Buf::Act, (m, fp), RowCodes::Int8)?;
