@@ -912,6 +912,35 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// The q|k|v kernels' `G8Qkv` argument (kernels/nn/gemm_int8.cu: seven pointers, an int64 stride, then
+        /// int width, float eps, int rope_stride and a zero int, 80 bytes) reads back field for field from the ten
+        /// words the launcher packs.
+        #[test]
+        fn qkv_words_lay_out_the_kernels_struct(
+            addrs in proptest::array::uniform7(proptest::num::u64::ANY),
+            stride in 0i64..i64::MAX,
+            width in 0i32..i32::MAX,
+            eps_bits in proptest::num::u32::ANY,
+            rope_stride in 0i32..i32::MAX,
+        ) {
+            let eps = f32::from_bits(eps_bits);
+            let words = qkv_words(addrs, stride, width, eps, rope_stride);
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            proptest::prop_assert_eq!(bytes.len(), 80);
+            let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap_or([0; 8]));
+            let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap_or([0; 4]));
+            for (i, &a) in addrs.iter().enumerate() {
+                proptest::prop_assert_eq!(u64_at(8 * i), a);
+            }
+            proptest::prop_assert_eq!(u64_at(56) as i64, stride);
+            proptest::prop_assert_eq!(u32_at(64) as i32, width);
+            proptest::prop_assert_eq!(u32_at(68), eps_bits);
+            proptest::prop_assert_eq!(u32_at(72) as i32, rope_stride);
+            proptest::prop_assert_eq!(u32_at(76), 0);
+        }
+    }
+
     #[test]
     fn shared_memory_holds_four_stages_and_the_alignment_slack() {
         assert_eq!(SHARED_BYTES, 4 * 48 * 1024 + 1024);
