@@ -5,7 +5,9 @@
 //! With `--bf16` it times the same pipeline over bf16 operands beside cuBLASLt's bf16 GEMM instead, and reports how
 //! far apart the two outputs are (both round f32 sums to bf16; only the order of the sums differs). With `--swiglu`
 //! it times the two ways to the down GEMM's INT8 rows at both DiTs' MLP shapes: our INT8 GEMM writing both halves
-//! then the INT8 SwiGLU kernel, against the GEMM with the SwiGLU in its epilogue then a row quantizer.
+//! then the INT8 SwiGLU kernel, against the GEMM with the SwiGLU in its epilogue then a row quantizer. With `--qkv`
+//! it times both DiTs' q|k|v GEMM followed by their QK norm + RoPE pass against the GEMM with both in its epilogue
+//! ([`qkv`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,6 +26,9 @@ use tf_engines::nn::tensor::relative_l2;
 
 use super::BoxError;
 
+#[path = "int8_gemm_qkv.rs"]
+mod qkv;
+
 #[derive(clap::Args)]
 pub struct Int8GemmArgs {
     /// Back-to-back calls per timed round.
@@ -39,12 +44,16 @@ pub struct Int8GemmArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Time our bf16 GEMM beside cuBLASLt's bf16 GEMM instead.
-    #[arg(long, conflicts_with = "swiglu")]
+    #[arg(long, conflicts_with_all = ["swiglu", "qkv"])]
     bf16: bool,
     /// Time the SwiGLU in the INT8 GEMM's epilogue against the GEMM and SwiGLU kernel apart instead, at the two
     /// DiTs' MLP input shapes (`--shapes` does not apply).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "qkv")]
     swiglu: bool,
+    /// Time the QK norm + RoPE in the INT8 q|k|v GEMM's epilogue against the GEMM and each DiT's pass apart instead,
+    /// at both DiTs' q|k|v shapes (`--shapes` does not apply).
+    #[arg(long)]
+    qkv: bool,
 }
 
 /// (name, M, N, K) of one GEMM.
@@ -63,7 +72,7 @@ const SHAPES: &[Shape] = &[
     ("qwen_mlp_out", 4096, 4096, 12288),
 ];
 
-fn random_bytes(rng: &mut SplitMix64, n: usize, e4m3: bool) -> Vec<u8> {
+pub(super) fn random_bytes(rng: &mut SplitMix64, n: usize, e4m3: bool) -> Vec<u8> {
     (0..n)
         .map(|_| {
             let b = (rng.next_u64() >> 32) as u8;
@@ -77,14 +86,14 @@ fn random_bytes(rng: &mut SplitMix64, n: usize, e4m3: bool) -> Vec<u8> {
         .collect()
 }
 
-fn scales(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+pub(super) fn scales(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
     (0..n)
         .map(|_| (1 + rng.next_u64() % 1000) as f32 * 1e-5)
         .collect()
 }
 
 /// Milliseconds per call of `f` over `iters` back-to-back calls (one warm-up call first).
-fn sustained_ms(
+pub(super) fn sustained_ms(
     ctx: &Context,
     stream: &Stream,
     iters: u32,
@@ -120,7 +129,7 @@ fn wanted_shapes(args: &Int8GemmArgs) -> Result<Vec<Shape>, BoxError> {
 }
 
 /// Writes `rows` with the run's settings as JSON to `--json`, when given.
-fn write_json(
+pub(super) fn write_json(
     args: &Int8GemmArgs,
     gemms: &GemmRunner,
     rows: Vec<serde_json::Value>,
@@ -130,7 +139,15 @@ fn write_json(
             "cublaslt_version": gemms.lt().library().version(),
             "iters": args.iters,
             "rounds": args.rounds,
-            "operands": if args.bf16 { "bf16" } else if args.swiglu { "int8, swiglu" } else { "int8" },
+            "operands": if args.bf16 {
+                "bf16"
+            } else if args.swiglu {
+                "int8, swiglu"
+            } else if args.qkv {
+                "int8, qkv"
+            } else {
+                "int8"
+            },
             "results": rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
@@ -154,6 +171,9 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     }
     if args.swiglu {
         return run_swiglu(args, (&ctx, &stream), &kernels, &gemms);
+    }
+    if args.qkv {
+        return qkv::run_qkv(args, (&ctx, &stream), &kernels, &gemms);
     }
     println!(
         "INT8 GEMM with a scaling epilogue (ours, bf16 out) beside cuBLASLt {} row-wise FP8 (bf16 out) and INT8 \
