@@ -155,6 +155,24 @@ pub(super) fn write_json(
     Ok(())
 }
 
+/// The best sustained milliseconds per call of `apart` and of `fused` over `args.rounds` rounds that alternate them.
+pub(super) fn best_apart_and_fused(
+    args: &Int8GemmArgs,
+    (ctx, stream): (&Context, &Stream),
+    mut apart: impl FnMut() -> Result<(), BoxError>,
+    mut fused: impl FnMut() -> Result<(), BoxError>,
+) -> Result<[f64; 2], BoxError> {
+    let mut best = [f64::INFINITY; 2];
+    for _ in 0..args.rounds {
+        let apart_ms = sustained_ms(ctx, stream, args.iters, &mut apart)?;
+        let fused_ms = sustained_ms(ctx, stream, args.iters, &mut fused)?;
+        for (b, t) in best.iter_mut().zip([apart_ms, fused_ms]) {
+            *b = b.min(t);
+        }
+    }
+    Ok(best)
+}
+
 pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     if args.iters == 0 || args.rounds == 0 {
         return Err("--iters and --rounds must be at least 1".into());
@@ -455,14 +473,7 @@ fn run_swiglu(
                 plan_quantize_rows(&ar, Matrix::dense(m, hidden), &out_fused, RowCodes::Int8);
             Ok(quant.run(stream, plan)?)
         };
-        let mut best = [f64::INFINITY; 2];
-        for _ in 0..args.rounds {
-            let apart_ms = sustained_ms(ctx, stream, args.iters, &mut apart)?;
-            let fused_ms = sustained_ms(ctx, stream, args.iters, &mut fused)?;
-            for (b, t) in best.iter_mut().zip([apart_ms, fused_ms]) {
-                *b = b.min(t);
-            }
-        }
+        let best = best_apart_and_fused(args, (ctx, stream), &mut apart, &mut fused)?;
         stream.synchronize()?;
         let dequantized =
             |codes: &DeviceBuffer, scales: &DeviceBuffer| -> Result<Vec<f32>, BoxError> {

@@ -12,7 +12,7 @@ use tf_engines::nn::gpu::{Matrix, NnKernels, QkvInputs, QkvOutputs};
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::relative_l2;
 
-use super::{random_bytes, scales, sustained_ms, write_json, BoxError, Int8GemmArgs};
+use super::{best_apart_and_fused, random_bytes, scales, write_json, BoxError, Int8GemmArgs};
 
 /// (name, M, heads of 128, K, RoPE form): Qwen-Image at 1024x1024 with 80 text rows, MiniMax H3 at S = 6026.
 const QKV_SHAPES: &[(&str, usize, usize, usize, QkvRope)] = &[
@@ -182,14 +182,7 @@ pub(super) fn run_qkv(
             }
             Ok(())
         };
-        let mut best = [f64::INFINITY; 2];
-        for _ in 0..args.rounds {
-            let apart_ms = sustained_ms(ctx, stream, args.iters, &mut apart)?;
-            let fused_ms = sustained_ms(ctx, stream, args.iters, &mut fused)?;
-            for (b, t) in best.iter_mut().zip([apart_ms, fused_ms]) {
-                *b = b.min(t);
-            }
-        }
+        let best = best_apart_and_fused(args, (ctx, stream), &mut apart, &mut fused)?;
         stream.synchronize()?;
         // Both outputs as q | k | v rows.
         let (want, got) = match rope {
