@@ -52,6 +52,11 @@ __device__ __forceinline__ Bf16x8 pack8(const float (&in)[8]) {
 
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// silu with the approximate division (2 ulp; x / inf is 0 for x below about -88, silu's limit there): one reciprocal
+// and a multiply, no IEEE slow path. Results may differ from the host's IEEE division where a value sits on a bf16
+// rounding boundary. The 8-bit SwiGLU kernels and the INT8 GEMM's SwiGLU epilogue share it, so both paths agree.
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + expf(-x)); }
+
 // Butterfly sum over the 32 lanes of a warp; every lane gets the same value, in the same order on every run.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -131,12 +131,6 @@ __device__ __forceinline__ int2 tile_origin(int tile, int m_tiles) {
     return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kG8Cols);
 }
 
-// silu with the approximate division, as the SwiGLU kernels of nn_quant compute it.
-__device__ __forceinline__ float g8_silu(float x) { return __fdividef(x, 1.0f + expf(-x)); }
-
-// x rounded to bf16 and back: a GEMM output as the bf16 GEMM would have stored it.
-__device__ __forceinline__ float g8_bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
 // The four lanes of quad q (lane & 3) each hold one packed column pair of four 8-column blocks (v[t]: block t);
 // two xor-shuffle rounds leave lane q holding all four pairs (8 columns) of block q, for one 16-byte store.
 __device__ __forceinline__ void g8_transpose_quad(uint32_t (&v)[4], int q) {
@@ -189,11 +183,11 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
     const int q = lane & 3;
     const int c0 = origin.y + 2 * q;
     auto h_pair = [&](int32_t g0, int32_t g1, int32_t v0, int32_t v1, float row_scale, float2 wg, float2 wv) {
-        const float ga = g8_bf16_round(static_cast<float>(g0) * (row_scale * wg.x));
-        const float gb = g8_bf16_round(static_cast<float>(g1) * (row_scale * wg.y));
-        const float va = g8_bf16_round(static_cast<float>(v0) * (row_scale * wv.x));
-        const float vb = g8_bf16_round(static_cast<float>(v1) * (row_scale * wv.y));
-        const __nv_bfloat162 h = __floats2bfloat162_rn(g8_silu(ga) * va, g8_silu(gb) * vb);
+        const float ga = nn::round_bf16(static_cast<float>(g0) * (row_scale * wg.x));
+        const float gb = nn::round_bf16(static_cast<float>(g1) * (row_scale * wg.y));
+        const float va = nn::round_bf16(static_cast<float>(v0) * (row_scale * wv.x));
+        const float vb = nn::round_bf16(static_cast<float>(v1) * (row_scale * wv.y));
+        const __nv_bfloat162 h = __floats2bfloat162_rn(nn::silu_fast(ga) * va, nn::silu_fast(gb) * vb);
         return *reinterpret_cast<const uint32_t*>(&h);
     };
 #pragma unroll
@@ -241,10 +235,10 @@ __device__ __forceinline__ void g8_products_and_inv_rms(int32_t (&acc)[128], flo
 #pragma unroll
     for (int j = 0; j < kG8Cols / 8; ++j) {
         const float2 ws = *reinterpret_cast<const float2*>(w_scale + n0 + 8 * j + 2 * q);
-        const float a0 = g8_bf16_round(static_cast<float>(acc[4 * j]) * (scales.x * ws.x));
-        const float a1 = g8_bf16_round(static_cast<float>(acc[4 * j + 1]) * (scales.x * ws.y));
-        const float b0 = g8_bf16_round(static_cast<float>(acc[4 * j + 2]) * (scales.y * ws.x));
-        const float b1 = g8_bf16_round(static_cast<float>(acc[4 * j + 3]) * (scales.y * ws.y));
+        const float a0 = nn::round_bf16(static_cast<float>(acc[4 * j]) * (scales.x * ws.x));
+        const float a1 = nn::round_bf16(static_cast<float>(acc[4 * j + 1]) * (scales.x * ws.y));
+        const float b0 = nn::round_bf16(static_cast<float>(acc[4 * j + 2]) * (scales.y * ws.x));
+        const float b1 = nn::round_bf16(static_cast<float>(acc[4 * j + 3]) * (scales.y * ws.y));
         acc[4 * j] = __float_as_int(a0);
         acc[4 * j + 1] = __float_as_int(a1);
         acc[4 * j + 2] = __float_as_int(b0);
@@ -297,8 +291,8 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
     const float* __restrict__ sin_b = g8_table_row<float>(p.rope_sin, row_b, rows.y, p.rope_stride);
     // One rotated pair: n = bf16(bf16(x r) w) for both channels, then the complex product with (cos, sin).
     auto rotated = [](float x0, float x1, float r, float2 nw, float cs, float sn) {
-        const float n_0 = g8_bf16_round(g8_bf16_round(x0 * r) * nw.x);
-        const float n_1 = g8_bf16_round(g8_bf16_round(x1 * r) * nw.y);
+        const float n_0 = nn::round_bf16(nn::round_bf16(x0 * r) * nw.x);
+        const float n_1 = nn::round_bf16(nn::round_bf16(x1 * r) * nw.y);
         const __nv_bfloat162 o = __floats2bfloat162_rn(n_0 * cs - n_1 * sn, n_0 * sn + n_1 * cs);
         return *reinterpret_cast<const uint32_t*>(&o);
     };

@@ -54,10 +54,8 @@ namespace {
 // Largest finite e4m3 value.
 constexpr float kE4m3Max = 448.0f;
 
-// silu with the approximate division (2 ulp; x / inf is 0 for x below about -88, silu's limit there): one reciprocal
-// and a multiply, no IEEE slow path, so the kernel needs no stack frame at 32 registers. Codes may differ from the
-// host's IEEE division where a value sits on a rounding boundary, as they already may from the summation order.
-__device__ __forceinline__ float silu_f32(float x) { return __fdividef(x, 1.0f + expf(-x)); }
+// silu with the approximate division (nn::silu_fast), so the kernel needs no stack frame at 32 registers.
+__device__ __forceinline__ float silu_f32(float x) { return nn::silu_fast(x); }
 
 // Max over the whole block (blockDim.x a multiple of 32), returned to every thread. `scratch` holds 32 floats and
 // serves this one reduction only (no other reduction of the kernel reads it), so one barrier suffices. A max is
