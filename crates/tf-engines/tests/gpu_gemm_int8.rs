@@ -488,14 +488,7 @@ fn with_outputs<R>(
         panic!("three outputs, not {}", bufs.len())
     };
     let (mut qv, mut kv, mut vv) = (q.view_mut(), k.view_mut(), v.view_mut());
-    let mut outputs = QkvOutputs {
-        q: &mut qv,
-        q_stride: stride,
-        k: &mut kv,
-        k_stride: stride,
-        v: &mut vv,
-        v_stride: stride,
-    };
+    let mut outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), stride);
     f(&mut outputs)
 }
 

@@ -598,14 +598,7 @@ fn qk_norm_rope_matches_host() {
                 rope_stride: 64,
             };
             let (mut qv, mut kv, mut vv) = (q_dev.view_mut(), k_dev.view_mut(), v_dev.view_mut());
-            let mut outputs = QkvOutputs {
-                q: &mut qv,
-                q_stride: width,
-                k: &mut kv,
-                k_stride: width,
-                v: &mut vv,
-                v_stride: width,
-            };
+            let mut outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), width);
             g.kernels
                 .qk_norm_rope(&g.stream, &inputs, &mut outputs)
                 .expect("launch qk_norm_rope");

@@ -262,14 +262,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             unreachable!("three outputs")
         };
         let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
-        let outputs = QkvOutputs {
-            q: &mut qv,
-            q_stride: stride,
-            k: &mut kv,
-            k_stride: stride,
-            v: &mut vv,
-            v_stride: stride,
-        };
+        let outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), stride);
         let launch =
             plan_int8_qkv_gemm(&ctx, 132, (m, k), &inputs, &norm, QkvDest::Apart(&outputs))
                 .expect("valid call");

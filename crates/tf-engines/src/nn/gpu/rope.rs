@@ -43,6 +43,27 @@ pub struct QkvOutputs<'v, 'a> {
     pub v_stride: usize,
 }
 
+impl<'v, 'a> QkvOutputs<'v, 'a> {
+    /// q, k and v rows that share one row stride (the attention's layout).
+    pub fn with_stride(
+        (q, k, v): (
+            &'v mut DeviceViewMut<'a>,
+            &'v mut DeviceViewMut<'a>,
+            &'v mut DeviceViewMut<'a>,
+        ),
+        stride: usize,
+    ) -> QkvOutputs<'v, 'a> {
+        QkvOutputs {
+            q,
+            q_stride: stride,
+            k,
+            k_stride: stride,
+            v,
+            v_stride: stride,
+        }
+    }
+}
+
 /// Builds the fused QK RMSNorm + RoPE + V copy (kernel nn_qk_norm_rope_interleaved).
 pub fn plan_qk_norm_rope<'a>(
     inputs: &QkvInputs<'a, '_>,

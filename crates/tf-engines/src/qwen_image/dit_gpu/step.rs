@@ -539,14 +539,7 @@ impl Engine {
             {
                 let (cos_v, sin_v) = (ws.rope_cos.view(), ws.rope_sin.view());
                 let (mut qv, mut kv, mut vv) = (ws.q.view_mut(), ws.k.view_mut(), ws.v.view_mut());
-                let mut outputs = QkvOutputs {
-                    q: &mut qv,
-                    q_stride: w,
-                    k: &mut kv,
-                    k_stride: w,
-                    v: &mut vv,
-                    v_stride: w,
-                };
+                let mut outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), w);
                 if self.qkv_fused && fp8.codes_of(|g| g.qkv) == Some(RowCodes::Int8) {
                     let scales = bo.scales.qkv.ok_or_else(|| {
                         DitError::Backend(

@@ -116,14 +116,7 @@ pub(super) fn run_qkv(
                 return Err("three output buffers".into());
             };
             let (mut qv, mut kv, mut vv) = (q.view_mut(), k.view_mut(), v.view_mut());
-            let mut outputs = QkvOutputs {
-                q: &mut qv,
-                q_stride: width,
-                k: &mut kv,
-                k_stride: width,
-                v: &mut vv,
-                v_stride: width,
-            };
+            let mut outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), width);
             Ok(f(&mut outputs))
         }
         let mut apart = || -> Result<(), BoxError> {
