@@ -237,7 +237,6 @@ impl StepRows {
     }
 }
 
-/// Read-only engine state used by a step.
 /// Qwen-Image's `fp8` (the default 8-bit mode): every block's four GEMM groups in INT8 on our scaled INT8 GEMM
 /// (`gemm=int8`: INT8 weights with per-output-channel scales, per-token INT8 activations written by the kernels that
 /// produce them), the first and last block included (`ends=0`). Chosen from the full-size model's error against the
@@ -266,6 +265,7 @@ pub fn resolve_precision(precision: DitPrecision, stores_e4m3: bool) -> DitPreci
     precision.resolve(if stores_e4m3 { E4M3_FP8 } else { DEFAULT_FP8 })
 }
 
+/// Read-only engine state used by a step.
 struct Engine {
     config: QwenImageDitConfig,
     dims: Dims,
