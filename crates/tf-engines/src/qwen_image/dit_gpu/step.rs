@@ -35,6 +35,15 @@ use crate::qwen_image::config::TIMESTEP_DIM;
 use crate::qwen_image::dit::{DitError, KvMode};
 use crate::qwen_image::ops::{plan_adaln_modulate, plan_gated_residual_adaln};
 
+/// Where [`Engine::our_int8_gemm`] writes: the products of the weight's `n` rows (dense rows of `n` in the buffer),
+/// `silu(gate) * up` of a `[gate | up]` weight's `2 n` rows (rows of `n`), or, with the QK norm and RoPE in the
+/// epilogue, q, k and v from a q|k|v weight's `n = 3 width` rows.
+enum Int8Out<'o, 'v, 'a> {
+    Products(&'o mut DeviceBuffer),
+    Swiglu(&'o mut DeviceBuffer),
+    Qkv(&'o QkvNormRope<'v, 'a>, &'o QkvOutputs<'v, 'a>),
+}
+
 impl Engine {
     fn weight(&self, offset: usize, bytes: usize) -> Result<DeviceSpan, DitError> {
         span(&self.weights, offset, bytes)
@@ -105,7 +114,7 @@ impl Engine {
             DitError::Backend("internal: an 8-bit GEMM group without weight scales".into())
         })?;
         if codes == RowCodes::Int8 {
-            return self.our_int8_gemm(x, (m, n, k), (w_offset, scales), y, false);
+            return self.our_int8_gemm(x, (m, n, k), (w_offset, scales), Int8Out::Products(y));
         }
         let linear = Fp8Linear::new(
             (m, n, k),
@@ -118,16 +127,14 @@ impl Engine {
         Ok(unsafe { self.gemms.run_fp8(&linear, &self.stream) }?)
     }
 
-    /// Our INT8 GEMM over the workspace's INT8 rows `x` and the INT8 weight at `w_offset` with its channel scales
-    /// at `scales`: bf16 products, dense rows of `n` in `y`. With `swiglu` the weight is the `[gate | up]`
-    /// projection's `2 n` rows and `y` receives `silu(gate) * up` (`n` columns) from the GEMM's epilogue.
+    /// Our INT8 GEMM over the workspace's INT8 rows `x` (`m` rows of `k`) and the INT8 weight at `w_offset` with its
+    /// channel scales at `scales`, into `out` (see [`Int8Out`] for the weight's rows each form reads).
     fn our_int8_gemm(
         &self,
         x: &Fp8Rows,
         (m, n, k): (usize, usize, usize),
         (w_offset, scales): (usize, usize),
-        y: &mut DeviceBuffer,
-        swiglu: bool,
+        out: Int8Out<'_, '_, '_>,
     ) -> Result<(), DitError> {
         let ours = self.int8_gemm.as_ref().ok_or_else(|| {
             DitError::Backend("internal: an INT8 GEMM group without our INT8 GEMM loaded".into())
@@ -138,7 +145,10 @@ impl Engine {
                 DitError::Backend(format!("INT8 GEMM {m} x {n} x {k}: size overflows"))
             })
         };
-        let w_rows = if swiglu { bytes(n, 2)? } else { n };
+        let w_rows = match out {
+            Int8Out::Swiglu(_) => bytes(n, 2)?,
+            Int8Out::Products(_) | Int8Out::Qkv(..) => n,
+        };
         let xv = x.codes.slice(0, bytes(m, k)?).map_err(launch)?;
         let x_scale = x.scales.slice(0, bytes(m, 4)?).map_err(launch)?;
         let w = self
@@ -155,69 +165,21 @@ impl Engine {
             w: &w,
             w_scale: &w_scale,
         };
-        let mut yv = y.slice_mut(0, bytes(m, n * BF16)?).map_err(launch)?;
-        if swiglu {
-            return ours
-                .gemm_swiglu(
-                    &self.ctx,
-                    &self.stream,
-                    (m, n, k),
-                    SwigluOrder::GateValue,
-                    &inputs,
-                    &mut yv,
-                    n,
-                )
-                .map_err(launch);
+        let (ctx, st) = (&self.ctx, &self.stream);
+        match out {
+            Int8Out::Products(y) => {
+                let mut yv = y.slice_mut(0, bytes(m, n * BF16)?).map_err(launch)?;
+                ours.gemm(ctx, st, Int8GemmShape { m, n, k }, &inputs, &mut yv, n)
+            }
+            Int8Out::Swiglu(y) => {
+                let mut yv = y.slice_mut(0, bytes(m, n * BF16)?).map_err(launch)?;
+                let order = SwigluOrder::GateValue;
+                ours.gemm_swiglu(ctx, st, (m, n, k), order, &inputs, &mut yv, n)
+            }
+            Int8Out::Qkv(norm, outputs) => {
+                ours.gemm_qkv(ctx, st, (m, k), &inputs, norm, QkvDest::Apart(outputs))
+            }
         }
-        ours.gemm(
-            &self.ctx,
-            &self.stream,
-            Int8GemmShape { m, n, k },
-            &inputs,
-            &mut yv,
-            n,
-        )
-        .map_err(launch)
-    }
-
-    /// Our INT8 q|k|v GEMM over the workspace's INT8 rows `x` (`m` rows of `k`) and the INT8 weight at `w_offset`
-    /// with its channel scales at `scales`, the QK norm and RoPE in its epilogue: q, k and v into `outputs`.
-    fn our_int8_qkv_gemm(
-        &self,
-        x: &Fp8Rows,
-        (m, k): (usize, usize),
-        (w_offset, scales): (usize, usize),
-        norm: &QkvNormRope<'_, '_>,
-        outputs: &QkvOutputs<'_, '_>,
-    ) -> Result<(), DitError> {
-        let ours = self.int8_gemm.as_ref().ok_or_else(|| {
-            DitError::Backend("internal: an INT8 GEMM group without our INT8 GEMM loaded".into())
-        })?;
-        let launch = |e: tf_cuda::Error| DitError::Gpu(gpu_error("INT8 q|k|v GEMM", e));
-        let n = 3 * norm.heads * HEAD_DIM;
-        let bytes = |a: usize, b: usize| {
-            a.checked_mul(b).ok_or_else(|| {
-                DitError::Backend(format!("INT8 q|k|v GEMM {m} x {n} x {k}: size overflows"))
-            })
-        };
-        let xv = x.codes.slice(0, bytes(m, k)?).map_err(launch)?;
-        let x_scale = x.scales.slice(0, bytes(m, 4)?).map_err(launch)?;
-        let w = self.weights.slice(w_offset, bytes(n, k)?).map_err(launch)?;
-        let w_scale = self.weights.slice(scales, bytes(n, 4)?).map_err(launch)?;
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &x_scale,
-            w: &w,
-            w_scale: &w_scale,
-        };
-        ours.gemm_qkv(
-            &self.ctx,
-            &self.stream,
-            (m, k),
-            &inputs,
-            norm,
-            QkvDest::Apart(outputs),
-        )
         .map_err(launch)
     }
 
@@ -556,12 +518,11 @@ impl Engine {
                         rope_sin: &sin_v,
                         rope_stride: HEAD_DIM / 2,
                     };
-                    self.our_int8_qkv_gemm(
+                    self.our_int8_gemm(
                         fp8_ref(&ws.fp8)?,
-                        (total, d),
+                        (total, 3 * w, d),
                         (bo.qkv, scales),
-                        &norm,
-                        &outputs,
+                        Int8Out::Qkv(&norm, &outputs),
                     )?;
                     phase!("qkv GEMM+qk-norm+rope", Flops, 2 * total * 3 * w * d);
                 } else {
@@ -759,8 +720,7 @@ impl Engine {
                     fp8_ref(&ws.fp8)?,
                     (total, f, d),
                     (bo.gate_up, scales),
-                    &mut ws.act,
-                    true,
+                    Int8Out::Swiglu(&mut ws.act),
                 )?;
                 phase!("gate_up GEMM", Flops, 2 * total * 2 * f * d);
                 into_rows8!(f, |out| plan_quantize_rows(
