@@ -133,6 +133,16 @@ impl BlockCalls {
     }
 }
 
+/// What [`Engine::our_int8_gemm`] writes (its INT8 GEMM's epilogue).
+enum Int8Epilogue<'o, 'v, 'a> {
+    /// The bf16 products.
+    Products,
+    /// The SwiGLU of a `[value | gate]` weight.
+    Swiglu,
+    /// A q|k|v weight's rows with the QK norm and rotate-half RoPE applied, in place.
+    QkvInPlace(&'o QkvNormRope<'v, 'a>),
+}
+
 /// One bf16 GEMM of the step: `y[m, n] = x[m, k] w[n, k]^T (+ bias)`, operands at byte offsets of workspace
 /// buffers (`x`, `y`) and of the weights (`w`, `bias`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1158,7 +1168,12 @@ impl Engine {
         let mut y = y_buffer
             .slice_mut(y_off, bytes(c.m, y_cols, BF16)?)
             .map_err(launch)?;
-        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, swiglu)
+        let epilogue = if swiglu {
+            Int8Epilogue::Swiglu
+        } else {
+            Int8Epilogue::Products
+        };
+        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, epilogue)
     }
 
     /// The main rows' q|k|v GEMM `c` on our INT8 GEMM with the QK norm and rotate-half RoPE in its epilogue, in
@@ -1187,17 +1202,9 @@ impl Engine {
         }
         let x = ws.q8.slice(0, c.bytes(c.m, c.k, 1)?).map_err(launch)?;
         let x_scale = ws.q8_scales.slice(0, c.bytes(c.m, 1, 4)?).map_err(launch)?;
-        let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
-        let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
         let qw = self.weight_view(a.norm_q, HEAD_DIM * BF16)?;
         let kw = self.weight_view(a.norm_k, HEAD_DIM * BF16)?;
         let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
-        let inputs = Int8GemmOperands {
-            x: &x,
-            x_scale: &x_scale,
-            w: &w,
-            w_scale: &w_scale,
-        };
         let norm = QkvNormRope {
             heads: d.heads,
             q_weight: &qw,
@@ -1212,24 +1219,14 @@ impl Engine {
             .qkv
             .slice_mut(c.y_off, c.bytes(c.m, c.n, BF16)?)
             .map_err(launch)?;
-        ours.gemm_qkv(
-            &self.ctx,
-            &self.stream,
-            (c.m, c.k),
-            &inputs,
-            &norm,
-            QkvDest::Joint {
-                qkv: &mut qkv,
-                stride: c.n,
-            },
-        )
-        .map_err(launch)?;
+        let epilogue = Int8Epilogue::QkvInPlace(&norm);
+        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut qkv, epilogue)?;
         Ok(true)
     }
 
     /// Our INT8 GEMM for `c` (its INT8 weight with channel scales at `w_scales`) over the INT8 rows `x` with their
-    /// scales, as bf16 products into `y` (rows of `c.n`); with `swiglu`, `silu(gate) * value` of its `[value | gate]`
-    /// columns (rows of `c.n / 2`).
+    /// scales into `y`, by `epilogue`: bf16 products (rows of `c.n`); `silu(gate) * value` of its `[value | gate]`
+    /// columns (rows of `c.n / 2`); or the q|k|v rows (rows of `c.n`) with q and k normed and rotated in place.
     fn our_int8_gemm(
         &self,
         ours: &Int8GemmKernels,
@@ -1237,7 +1234,7 @@ impl Engine {
         w_scales: usize,
         (x, x_scale): (&DeviceView<'_>, &DeviceView<'_>),
         y: &mut tf_cuda::DeviceViewMut<'_>,
-        swiglu: bool,
+        epilogue: Int8Epilogue<'_, '_, '_>,
     ) -> Result<(), H3Error> {
         let w = self.weight_view(c.w, c.bytes(c.n, c.k, 1)?)?;
         let w_scale = self.weight_view(w_scales, c.bytes(c.n, 1, 4)?)?;
@@ -1247,27 +1244,30 @@ impl Engine {
             w: &w,
             w_scale: &w_scale,
         };
-        if swiglu {
-            let hidden = c.n / 2;
-            return ours
-                .gemm_swiglu(
-                    &self.ctx,
-                    &self.stream,
-                    (c.m, hidden, c.k),
-                    SwigluOrder::ValueGate,
-                    &inputs,
-                    y,
-                    hidden,
-                )
-                .map_err(launch);
+        let (ctx, st) = (&self.ctx, &self.stream);
+        match epilogue {
+            Int8Epilogue::Products => {
+                let shape = Int8GemmShape {
+                    m: c.m,
+                    n: c.n,
+                    k: c.k,
+                };
+                ours.gemm(ctx, st, shape, &inputs, y, c.n)
+            }
+            Int8Epilogue::Swiglu => {
+                let hidden = c.n / 2;
+                let order = SwigluOrder::ValueGate;
+                ours.gemm_swiglu(ctx, st, (c.m, hidden, c.k), order, &inputs, y, hidden)
+            }
+            Int8Epilogue::QkvInPlace(norm) => {
+                let dest = QkvDest::Joint {
+                    qkv: y,
+                    stride: c.n,
+                };
+                ours.gemm_qkv(ctx, st, (c.m, c.k), &inputs, norm, dest)
+            }
         }
-        let shape = Int8GemmShape {
-            m: c.m,
-            n: c.n,
-            k: c.k,
-        };
-        ours.gemm(&self.ctx, &self.stream, shape, &inputs, y, c.n)
-            .map_err(launch)
+        .map_err(launch)
     }
 
     /// The INT8 gate GEMM through our kernel ([`Int8GemmKernels`], `TF_INT8_GEMM=ours`): the INT8 rows and their
@@ -1293,7 +1293,14 @@ impl Engine {
         // The gate half of ff, where a bf16 or FP8 gate GEMM run apart writes it: the SwiGLU of split halves reads it.
         let half = bytes(c.m, c.n, BF16)?;
         let mut y = ws.ff.slice_mut(half, half).map_err(launch)?;
-        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, false)
+        self.our_int8_gemm(
+            ours,
+            &c,
+            w_scales,
+            (&x, &x_scale),
+            &mut y,
+            Int8Epilogue::Products,
+        )
     }
 
     /// SwiGLU of ff's value half (`[m, fp]` bf16, the FP8 GEMM's) and the INT8 `gate` GEMM's int32 products into
