@@ -15,6 +15,10 @@
 // producer loads the next tile while the consumers store one. Tiles run over M fastest, so the tiles in flight at
 // once share w's column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
 //
+// That is the cooperative schedule; each INT8 kernel also has a ping-pong form (suffix _pp, G8Schedule): each
+// consumer warpgroup owns 128 x 128 tiles and the two take the CTA's tiles in turn from a 6-stage ring of 32 KiB
+// stages, so one stores a tile while the other's MMAs run. Both give bit-identical outputs.
+//
 // The epilogue stores 16 bytes a lane (8 columns, after a transpose within each quad of lanes) when N and y's row
 // stride are multiples of 8, else pairs of columns.
 //

@@ -61,7 +61,8 @@ pub struct Int8GemmArgs {
 /// (name, M, N, K) of one GEMM.
 type Shape = (&'static str, usize, usize, usize);
 
-/// MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows).
+/// MiniMax H3's block GEMMs at S = 6026 and Qwen-Image's at 1024x1024 (image rows; `qwen_step_*`: with its 80
+/// text rows, as a step runs them).
 const SHAPES: &[Shape] = &[
     ("h3_qkv", 6026, 21504, 5376),
     ("h3_out", 6026, 5376, 7168),
@@ -72,10 +73,10 @@ const SHAPES: &[Shape] = &[
     ("qwen_out", 4096, 4096, 4096),
     ("qwen_mlp_in", 4096, 24576, 4096),
     ("qwen_mlp_out", 4096, 4096, 12288),
-    ("qwen21_qkv", 4176, 9216, 3072),
-    ("qwen21_out", 4176, 3072, 3072),
-    ("qwen21_mlp_in", 4176, 24576, 3072),
-    ("qwen21_mlp_out", 4176, 3072, 12288),
+    ("qwen_step_qkv", 4176, 12288, 4096),
+    ("qwen_step_out", 4176, 4096, 4096),
+    ("qwen_step_mlp_in", 4176, 24576, 4096),
+    ("qwen_step_mlp_out", 4176, 4096, 12288),
 ];
 
 pub(super) fn random_bytes(rng: &mut SplitMix64, n: usize, e4m3: bool) -> Vec<u8> {
@@ -306,7 +307,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
         let [ours, ours_pp, fp8_ms, int8_ms] = best;
         println!(
-            "  {name:<14} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), ping-pong {ours_pp:.4} ms \
+            "  {name:<17} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), ping-pong {ours_pp:.4} ms \
              ({:.0}; {:.3} of cooperative), FP8 {fp8_ms:.4} ms ({:.0}), INT8->int32 {int8_ms:.4} ms ({:.0}); \
              ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); every element of both bit-equal to \
              cuBLASLt's products dequantized",
