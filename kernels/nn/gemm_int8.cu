@@ -15,10 +15,6 @@
 // producer loads the next tile while the consumers store one. Tiles run over M fastest, so the tiles in flight at
 // once share w's column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
 //
-// That is the cooperative schedule; each INT8 kernel also has a ping-pong form (suffix _pp, G8Schedule): each
-// consumer warpgroup owns 128 x 128 tiles and the two take the CTA's tiles in turn from a 6-stage ring of 32 KiB
-// stages, so one stores a tile while the other's MMAs run. Both give bit-identical outputs.
-//
 // The epilogue stores 16 bytes a lane (8 columns, after a transpose within each quad of lanes) when N and y's row
 // stride are multiples of 8, else pairs of columns.
 //
@@ -63,6 +59,7 @@ constexpr int kG8BBytes = kG8Cols * kG8Slice;      // 32 KiB
 constexpr int kG8StageBytes = kG8ABytes + kG8BBytes;
 constexpr int kG8ProducerRegs = 40;
 constexpr int kG8ConsumerRegs = 232;               // 40 * 128 + 232 * 256 <= 65536 registers of the SM
+constexpr int kG8ConsumerWarps = 8;                 // arrivals that free a stage: one a consumer warp
 
 #define G8_REGS128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -99,34 +96,6 @@ __device__ __forceinline__ void wgmma_s8_m64n256k32(int32_t (&d)[128], uint64_t 
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-#define G8_REGS64 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
-    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-
-// The 64 accumulators d[o] .. d[o + 63] as asm operands.
-#define G8_ACC64(T, o) \
-    T(d[o + 0]), T(d[o + 1]), T(d[o + 2]), T(d[o + 3]), T(d[o + 4]), T(d[o + 5]), T(d[o + 6]), T(d[o + 7]), \
-        T(d[o + 8]), T(d[o + 9]), T(d[o + 10]), T(d[o + 11]), T(d[o + 12]), T(d[o + 13]), T(d[o + 14]), \
-        T(d[o + 15]), T(d[o + 16]), T(d[o + 17]), T(d[o + 18]), T(d[o + 19]), T(d[o + 20]), T(d[o + 21]), \
-        T(d[o + 22]), T(d[o + 23]), T(d[o + 24]), T(d[o + 25]), T(d[o + 26]), T(d[o + 27]), T(d[o + 28]), \
-        T(d[o + 29]), T(d[o + 30]), T(d[o + 31]), T(d[o + 32]), T(d[o + 33]), T(d[o + 34]), T(d[o + 35]), \
-        T(d[o + 36]), T(d[o + 37]), T(d[o + 38]), T(d[o + 39]), T(d[o + 40]), T(d[o + 41]), T(d[o + 42]), \
-        T(d[o + 43]), T(d[o + 44]), T(d[o + 45]), T(d[o + 46]), T(d[o + 47]), T(d[o + 48]), T(d[o + 49]), \
-        T(d[o + 50]), T(d[o + 51]), T(d[o + 52]), T(d[o + 53]), T(d[o + 54]), T(d[o + 55]), T(d[o + 56]), \
-        T(d[o + 57]), T(d[o + 58]), T(d[o + 59]), T(d[o + 60]), T(d[o + 61]), T(d[o + 62]), T(d[o + 63])
-
-// d[64 kHalf ..] (+)= A * B for one m64n128k32 step (a ping-pong tile's rows 64 kHalf .. + 63): INT8 operands from
-// shared memory (K-major descriptors), int32 sums.
-template <int kHalf>
-__device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                    int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " G8_REGS64 ", %64, %65, p;\n}\n"
-                 : G8_ACC64(G8_INT, kHalf * 64)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
 #define G8_FLOAT(x) "+f"(x)
 
 // d (+)= A * B for one m64n256k16 step: bf16 operands from shared memory (K-major descriptors), f32 sums.
@@ -156,6 +125,11 @@ struct G8Operands<true> {
         wgmma_bf16_m64n256k16(d, a, b, accumulate);
     }
 };
+
+// The first row and column of output tile `tile`, tiles numbered M-fastest.
+__device__ __forceinline__ int2 tile_origin(int tile, int m_tiles) {
+    return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kG8Cols);
+}
 
 // The four lanes of quad q (lane & 3) each hold one packed column pair of four 8-column blocks (v[t]: block t);
 // two xor-shuffle rounds leave lane q holding all four pairs (8 columns) of block q, for one 16-byte store.
@@ -193,66 +167,21 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
 #if defined(NN_HAS_WGMMA)
 namespace {
 
-// A tile schedule. Cooperative: both consumer warpgroups compute one 128 x 256 tile, 64 rows each (wgmma
-// m64n256k32), from a 4-stage ring of 48 KiB stages, and store it together: the tensor cores idle while they do.
-// Ping-pong: each consumer warpgroup computes a 128 x 128 tile of its own (two wgmma m64n128k32 a step) and the two
-// take the CTA's tiles in turn from a 6-stage ring of 32 KiB stages, so one stores a tile while the other's MMAs run.
-// Either way a consumer thread's 128 accumulators are 32 blocks of 4: block J holds rows r and r + 8, r = the
-// thread's first row + 64 (J / kBlocksPerRow), at columns 8 (J % kBlocksPerRow) + 2 (lane % 4) and + 1 of the tile
-// (acc[4 J + e]: e < 2 row r, e >= 2 row r + 8).
-template <bool kPingPong>
-struct G8Schedule {
-    static constexpr bool kPP = kPingPong;
-    static constexpr int kCols = kPingPong ? 128 : 256;  // weight rows (columns of y) a tile covers
-    static constexpr int kStages = kPingPong ? 6 : 4;
-    static constexpr int kStageBytes = kG8ABytes + kCols * kG8Slice;
-    static constexpr int kBlocksPerRow = kPingPong ? 16 : 32;
-    static constexpr int kHalves = 32 / kBlocksPerRow;     // row groups 64 apart in a thread's accumulators
-    static constexpr int kReleaseWarps = kPingPong ? 4 : 8;  // arrivals that free a stage: one a consumer warp
-};
-using G8Coop = G8Schedule<false>;
-using G8PingPong = G8Schedule<true>;
-static_assert(G8PingPong::kStages * G8PingPong::kStageBytes == kG8Stages * kG8StageBytes,
-              "both schedules use the same shared memory");
-static_assert(G8Coop::kStages == kG8Stages && G8Coop::kStageBytes == kG8StageBytes, "the cooperative ring");
-
-// The first row of block J of a thread's accumulators (row0: the thread's first row) and its first column within
-// the tile.
-template <class Sch>
-__device__ __forceinline__ int frag_row(int row0, int J) {
-    return row0 + 64 * (J / Sch::kBlocksPerRow);
-}
-template <class Sch>
-__device__ __forceinline__ int frag_col(int J, int q) {
-    return 8 * (J % Sch::kBlocksPerRow) + 2 * q;
-}
-
-// The x scales of rows (row0 + 64 h, + 8) for each row group h (zero past M).
-template <class Sch>
-__device__ __forceinline__ void frag_row_scales(float2 (&sc)[Sch::kHalves], const float* __restrict__ x_scale,
-                                                int row0, int m) {
-#pragma unroll
-    for (int h = 0; h < Sch::kHalves; ++h) {
-        const int ra = row0 + 64 * h;
-        sc[h] = make_float2(ra < m ? x_scale[ra] : 0.0f, ra + 8 < m ? x_scale[ra + 8] : 0.0f);
-    }
-}
-
-// The SwiGLU tile's epilogue. A tile's weight rows are kCols / 2 gate rows then the value rows of the same hidden
-// columns: in each row group, blocks 0 .. kBlocksPerRow / 2 - 1 are gates and the next as many their values. Each
+// The SwiGLU tile's epilogue. acc holds, as in the plain epilogue, rows row0 and row0 + 8 and in block j the columns
+// 8 j + 2 (lane % 4) and + 1: blocks 0..15 are gate rows, 16..31 the value rows of the same hidden columns. Each
 // product is dequantized and rounded to bf16 as the plain INT8 GEMM stores it, then silu(gate) * value in f32 is
-// rounded to bf16: bf16 rows of y (row stride a multiple of 8) at hidden columns hidden0 .. + kCols / 2 - 1, 16 bytes
-// a lane after the quad transpose. bases: (gate_base, value_base), the halves' first weight rows.
-template <class Sch>
+// rounded to bf16: bf16 rows of n (the hidden width, a multiple of 128; y's row stride a multiple of 8) at columns
+// origin.y .. + 127, 16 bytes a lane after the quad transpose.
 __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const float* __restrict__ x_scale,
                                                 const float* __restrict__ w_scale, bf16* __restrict__ y,
-                                                int64_t y_row_stride, int m, int row0, int hidden0, int2 bases,
+                                                int64_t y_row_stride, int m, int n, int2 origin, int2 bases,
                                                 int lane) {
-    constexpr int kGates = Sch::kBlocksPerRow / 2;  // gate blocks a row group holds
-    float2 sc[Sch::kHalves];
-    frag_row_scales<Sch>(sc, x_scale, row0, m);
+    const int row_a = origin.x;
+    const int row_b = row_a + 8;
+    const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
+    const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
     const int q = lane & 3;
-    const int c0 = hidden0 + 2 * q;
+    const int c0 = origin.y + 2 * q;
     auto h_pair = [&](int32_t g0, int32_t g1, int32_t v0, int32_t v1, float row_scale, float2 wg, float2 wv) {
         const float ga = nn::round_bf16(static_cast<float>(g0) * (row_scale * wg.x));
         const float gb = nn::round_bf16(static_cast<float>(g1) * (row_scale * wg.y));
@@ -262,36 +191,31 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
         return *reinterpret_cast<const uint32_t*>(&h);
     };
 #pragma unroll
-    for (int h = 0; h < Sch::kHalves; ++h) {
-        const int row_a = row0 + 64 * h;
-        const int row_b = row_a + 8;
+    for (int g = 0; g < 4; ++g) {
+        uint32_t va[4], vb[4];
 #pragma unroll
-        for (int g = 0; g < kGates / 4; ++g) {
-            uint32_t va[4], vb[4];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const int jc = 4 * g + t;                    // gate block within the row group
-                const int jg = h * Sch::kBlocksPerRow + jc;  // its accumulators; the value's kGates blocks on
-                const int jv = jg + kGates;
-                const int col = c0 + 8 * jc;  // < hidden: hidden is a multiple of 128
-                const float2 wg = *reinterpret_cast<const float2*>(w_scale + bases.x + col);
-                const float2 wv = *reinterpret_cast<const float2*>(w_scale + bases.y + col);
-                va[t] = h_pair(acc[4 * jg], acc[4 * jg + 1], acc[4 * jv], acc[4 * jv + 1], sc[h].x, wg, wv);
-                vb[t] = h_pair(acc[4 * jg + 2], acc[4 * jg + 3], acc[4 * jv + 2], acc[4 * jv + 3], sc[h].y, wg, wv);
-            }
-            g8_transpose_quad(va, q);
-            g8_transpose_quad(vb, q);
-            const int block_col = hidden0 + 8 * (4 * g + q);
-            if (row_a < m) {
-                *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
-                    make_uint4(va[0], va[1], va[2], va[3]);
-            }
-            if (row_b < m) {
-                *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_b) * y_row_stride + block_col) =
-                    make_uint4(vb[0], vb[1], vb[2], vb[3]);
-            }
+        for (int t = 0; t < 4; ++t) {
+            const int j = 4 * g + t;
+            const int col = c0 + 8 * j;  // < n: n is a multiple of 128
+            const float2 wg = *reinterpret_cast<const float2*>(w_scale + bases.x + col);
+            const float2 wv = *reinterpret_cast<const float2*>(w_scale + bases.y + col);
+            va[t] = h_pair(acc[4 * j], acc[4 * j + 1], acc[4 * (j + 16)], acc[4 * (j + 16) + 1], scale_a, wg, wv);
+            vb[t] = h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3], scale_b,
+                           wg, wv);
+        }
+        g8_transpose_quad(va, q);
+        g8_transpose_quad(vb, q);
+        const int block_col = origin.y + 8 * (4 * g + q);
+        if (row_a < m) {
+            *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
+                make_uint4(va[0], va[1], va[2], va[3]);
+        }
+        if (row_b < m) {
+            *reinterpret_cast<uint4*>(y + static_cast<int64_t>(row_b) * y_row_stride + block_col) =
+                make_uint4(vb[0], vb[1], vb[2], vb[3]);
         }
     }
+    (void)n;
 }
 
 
@@ -301,24 +225,20 @@ __device__ __forceinline__ const T* g8_table_row(const void* table, int row, int
     return static_cast<const T*>(table) + static_cast<int64_t>(row < m ? row : 0) * stride;
 }
 
-// The q|k|v epilogues' first pass over a tile of two heads' rows (cooperative: two heads of rows r and r + 8;
-// ping-pong: one head of rows r, r + 8 and of rows r + 64, r + 72): each product dequantized and rounded to bf16 as
-// the plain GEMM stores it, in place as f32 bits, and 1 / RMS, rsqrt(mean(x^2) + eps), of each row's head, the
-// sum of squares the quad's (its four lanes hold a head's 128 columns of a row). r: x blocks 0..15 row r, y blocks
-// 16..31 row r, z blocks 0..15 row r + 8, w blocks 16..31 row r + 8.
-template <class Sch>
-__device__ __forceinline__ void g8_products_and_inv_rms(int32_t (&acc)[128], const float2 (&sc)[Sch::kHalves],
+// The q|k|v epilogues' first pass over a tile of two heads (acc laid out as in the plain epilogue): each product
+// dequantized and rounded to bf16 as the plain GEMM stores it, in place as f32 bits, and each row's and head's
+// 1 / RMS, rsqrt(mean(x^2) + eps), the sum of squares the quad's (its four lanes hold a head's 128 columns).
+__device__ __forceinline__ void g8_products_and_inv_rms(int32_t (&acc)[128], float2 scales,
                                                         const float* __restrict__ w_scale, int n0, int q, float eps,
                                                         float4& r) {
     float sq_a0 = 0.0f, sq_a1 = 0.0f, sq_b0 = 0.0f, sq_b1 = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const float2 ws = *reinterpret_cast<const float2*>(w_scale + n0 + frag_col<Sch>(j, q));
-        const float2 s = sc[j / Sch::kBlocksPerRow];
-        const float a0 = nn::round_bf16(static_cast<float>(acc[4 * j]) * (s.x * ws.x));
-        const float a1 = nn::round_bf16(static_cast<float>(acc[4 * j + 1]) * (s.x * ws.y));
-        const float b0 = nn::round_bf16(static_cast<float>(acc[4 * j + 2]) * (s.y * ws.x));
-        const float b1 = nn::round_bf16(static_cast<float>(acc[4 * j + 3]) * (s.y * ws.y));
+    for (int j = 0; j < kG8Cols / 8; ++j) {
+        const float2 ws = *reinterpret_cast<const float2*>(w_scale + n0 + 8 * j + 2 * q);
+        const float a0 = nn::round_bf16(static_cast<float>(acc[4 * j]) * (scales.x * ws.x));
+        const float a1 = nn::round_bf16(static_cast<float>(acc[4 * j + 1]) * (scales.x * ws.y));
+        const float b0 = nn::round_bf16(static_cast<float>(acc[4 * j + 2]) * (scales.y * ws.x));
+        const float b1 = nn::round_bf16(static_cast<float>(acc[4 * j + 3]) * (scales.y * ws.y));
         acc[4 * j] = __float_as_int(a0);
         acc[4 * j + 1] = __float_as_int(a1);
         acc[4 * j + 2] = __float_as_int(b0);
@@ -347,21 +267,28 @@ __device__ __forceinline__ void g8_store16(bf16* __restrict__ out, int64_t strid
     }
 }
 
-// The q and k tiles' epilogue (blocks 0..15 and 16..31 of acc each one head of 128 channels: two heads of the
-// same rows, or one head of two row groups). Each product is dequantized and rounded to bf16 as the plain GEMM
-// stores it, then nn_qk_norm_rope_interleaved's arithmetic runs on it: n = bf16(bf16(x * rsqrt(mean(x^2) + eps)) *
-// weight), and the pair (n0, n1) of slot j leaves as bf16(n0 cos - n1 sin), bf16(n0 sin + n1 cos). sc: the row
-// groups' x scales; rows.x: the thread's first row, rows.y: M.
-template <class Sch>
-__device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], const float2 (&sc)[Sch::kHalves],
+// The q and k tiles' epilogue: a tile's 256 columns are two heads (blocks 0..15 and 16..31 of acc, laid out as in
+// the plain epilogue). Each product is dequantized and rounded to bf16 as the plain GEMM stores it, then
+// nn_qk_norm_rope_interleaved's arithmetic runs on it: n = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight), and
+// the pair (n0, n1) of slot j leaves as bf16(n0 cos - n1 sin), bf16(n0 sin + n1 cos). A head's sum of squares is
+// the quad's (its four lanes hold the head's 128 columns of the row). scales: the rows' x scales; rows.x: row_a
+// (row_b = row_a + 8), rows.y: M.
+__device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], float2 scales,
                                                        const float* __restrict__ w_scale, const G8Qkv& p,
                                                        int region, int n0, int2 rows, int lane) {
     const int q = lane & 3;
+    const int row_a = rows.x;
+    const int row_b = rows.x + 8;
     bf16* __restrict__ out = region == 0 ? p.q : p.k;
     const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
     const int out_col0 = n0 - region * p.width;
-    float4 r;
-    g8_products_and_inv_rms<Sch>(acc, sc, w_scale, n0, q, p.eps, r);
+    float4 r;  // 1 / RMS: x row_a head 0, y row_a head 1, z row_b head 0, w row_b head 1
+    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, r);
+    const float r_a0 = r.x, r_a1 = r.y, r_b0 = r.z, r_b1 = r.w;
+    const float* __restrict__ cos_a = g8_table_row<float>(p.rope_cos, row_a, rows.y, p.rope_stride);
+    const float* __restrict__ sin_a = g8_table_row<float>(p.rope_sin, row_a, rows.y, p.rope_stride);
+    const float* __restrict__ cos_b = g8_table_row<float>(p.rope_cos, row_b, rows.y, p.rope_stride);
+    const float* __restrict__ sin_b = g8_table_row<float>(p.rope_sin, row_b, rows.y, p.rope_stride);
     // One rotated pair: n = bf16(bf16(x r) w) for both channels, then the complex product with (cos, sin).
     auto rotated = [](float x0, float x1, float r, float2 nw, float cs, float sn) {
         const float n_0 = nn::round_bf16(nn::round_bf16(x0 * r) * nw.x);
@@ -370,13 +297,7 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], cons
         return *reinterpret_cast<const uint32_t*>(&o);
     };
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        const int row_a = frag_row<Sch>(rows.x, 4 * g);
-        const int row_b = row_a + 8;
-        const float* __restrict__ cos_a = g8_table_row<float>(p.rope_cos, row_a, rows.y, p.rope_stride);
-        const float* __restrict__ sin_a = g8_table_row<float>(p.rope_sin, row_a, rows.y, p.rope_stride);
-        const float* __restrict__ cos_b = g8_table_row<float>(p.rope_cos, row_b, rows.y, p.rope_stride);
-        const float* __restrict__ sin_b = g8_table_row<float>(p.rope_sin, row_b, rows.y, p.rope_stride);
+    for (int g = 0; g < kG8Cols / 32; ++g) {
         uint32_t va[4], vb[4];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -384,14 +305,14 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], cons
             const int channel = 8 * (j % 16) + 2 * q;  // within the head; RoPE slot channel / 2
             const float2 nw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(norm_w + channel));
             const int slot = channel / 2;
-            va[t] = rotated(__int_as_float(acc[4 * j]), __int_as_float(acc[4 * j + 1]), j < 16 ? r.x : r.y, nw,
+            va[t] = rotated(__int_as_float(acc[4 * j]), __int_as_float(acc[4 * j + 1]), j < 16 ? r_a0 : r_a1, nw,
                             cos_a[slot], sin_a[slot]);
-            vb[t] = rotated(__int_as_float(acc[4 * j + 2]), __int_as_float(acc[4 * j + 3]), j < 16 ? r.z : r.w, nw,
+            vb[t] = rotated(__int_as_float(acc[4 * j + 2]), __int_as_float(acc[4 * j + 3]), j < 16 ? r_b0 : r_b1, nw,
                             cos_b[slot], sin_b[slot]);
         }
         g8_transpose_quad(va, q);
         g8_transpose_quad(vb, q);
-        const int block_col = out_col0 + frag_col<Sch>(4 * g, 0) + 8 * q;
+        const int block_col = out_col0 + 8 * (4 * g + q);
         g8_store16(out, p.stride, row_a, rows.y, block_col, va);
         g8_store16(out, p.stride, row_b, rows.y, block_col, vb);
     }
@@ -401,20 +322,21 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], cons
 // channels c < 48 leave as bf16(n[c] cos - n[c + 48] sin), 48 <= c < 96 as bf16(n[c] cos + n[c - 48] sin), with
 // the bf16 table entries of slot c mod 48; channels 96.. as bf16(n). A head's partner channels lie 6 blocks of 8
 // away in the same thread's accumulators.
-template <class Sch>
-__device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128], const float2 (&sc)[Sch::kHalves],
+__device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128], float2 scales,
                                                             const float* __restrict__ w_scale, const G8Qkv& p,
                                                             int region, int n0, int2 rows, int lane) {
     constexpr int kHalfBlocks = 6;  // 48 channels
     const int q = lane & 3;
+    const int row_a = rows.x;
+    const int row_b = rows.x + 8;
     bf16* __restrict__ out = region == 0 ? p.q : p.k;
     const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
     const int out_col0 = n0 - region * p.width;
     float4 r;
-    g8_products_and_inv_rms<Sch>(acc, sc, w_scale, n0, q, p.eps, r);
+    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, r);
     // n in place: x * r * weight.
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < kG8Cols / 8; ++j) {
         const float2 nw =
             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(norm_w + 8 * (j % 16) + 2 * q));
         const float ra = j < 16 ? r.x : r.y;
@@ -424,14 +346,12 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
         acc[4 * j + 2] = __float_as_int(__int_as_float(acc[4 * j + 2]) * rb * nw.x);
         acc[4 * j + 3] = __float_as_int(__int_as_float(acc[4 * j + 3]) * rb * nw.y);
     }
+    const bf16* __restrict__ cos_a = g8_table_row<bf16>(p.rope_cos, row_a, rows.y, p.rope_stride);
+    const bf16* __restrict__ sin_a = g8_table_row<bf16>(p.rope_sin, row_a, rows.y, p.rope_stride);
+    const bf16* __restrict__ cos_b = g8_table_row<bf16>(p.rope_cos, row_b, rows.y, p.rope_stride);
+    const bf16* __restrict__ sin_b = g8_table_row<bf16>(p.rope_sin, row_b, rows.y, p.rope_stride);
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        const int row_a = frag_row<Sch>(rows.x, 4 * g);
-        const int row_b = row_a + 8;
-        const bf16* __restrict__ cos_a = g8_table_row<bf16>(p.rope_cos, row_a, rows.y, p.rope_stride);
-        const bf16* __restrict__ sin_a = g8_table_row<bf16>(p.rope_sin, row_a, rows.y, p.rope_stride);
-        const bf16* __restrict__ cos_b = g8_table_row<bf16>(p.rope_cos, row_b, rows.y, p.rope_stride);
-        const bf16* __restrict__ sin_b = g8_table_row<bf16>(p.rope_sin, row_b, rows.y, p.rope_stride);
+    for (int g = 0; g < kG8Cols / 32; ++g) {
         uint32_t v[2][4];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -461,85 +381,74 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
         }
         g8_transpose_quad(v[0], q);
         g8_transpose_quad(v[1], q);
-        const int block_col = out_col0 + frag_col<Sch>(4 * g, 0) + 8 * q;
+        const int block_col = out_col0 + 8 * (4 * g + q);
         g8_store16(out, p.stride, row_a, rows.y, block_col, v[0]);
         g8_store16(out, p.stride, row_b, rows.y, block_col, v[1]);
     }
 }
 
-// The GEMM of either operand kind (G8Operands) on schedule Sch (G8Schedule; ping-pong for INT8 only): the kernels
-// below are its instances. x_scale and w_scale are read only for INT8. With kSwiglu (INT8 only) a tile's kCols
-// weight rows are kCols / 2 gate rows from gate_base and the value rows at the same offset from value_base (two TMA
-// boxes), and the tile stores the kCols / 2 columns silu(gate) * value: n is then the hidden width (the output's
-// columns), a multiple of 128. kQkv: 0 the plain epilogue, kG8QkvInterleaved or kG8QkvHalf the q|k|v epilogues.
-template <class Sch, bool kBf16, bool kSwiglu = false, int kQkv = 0>
+// The GEMM of either operand kind (G8Operands): the kernels below are its instances. x_scale and w_scale are read
+// only for INT8. With kSwiglu (INT8 only) a tile's 256 columns of w are 128 gate rows from gate_base and the 128
+// value rows at the same offset from value_base (two TMA boxes of 128 rows), and the tile stores the 128 columns
+// silu(gate) * value: n is then the hidden width (the output's columns), a multiple of 128.
+// kQkv: 0 the plain epilogue, kG8QkvInterleaved or kG8QkvHalf the q|k|v epilogues.
+template <bool kBf16, bool kSwiglu = false, int kQkv = 0>
 __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
                                            int64_t y_row_stride, int m, int n, int k, int gate_base = 0,
                                            int value_base = 0, const G8Qkv* qkv = nullptr) {
     static_assert(!(kBf16 && kSwiglu), "the SwiGLU epilogue is INT8's");
     static_assert(kQkv == 0 || (!kBf16 && !kSwiglu), "the q|k|v epilogues are the plain INT8 GEMM's");
-    static_assert(!(kBf16 && Sch::kPP), "the ping-pong schedule is INT8's");
-    constexpr int kStages = Sch::kStages;
     // Output columns a tile stores.
-    constexpr int kTileCols = kSwiglu ? Sch::kCols / 2 : Sch::kCols;
+    constexpr int kTileCols = kSwiglu ? kG8Cols / 2 : kG8Cols;
     using Ops = G8Operands<kBf16>;
     using Acc = typename Ops::Acc;
     extern __shared__ uint8_t g8_smem[];
-    // full[s], then empty[s], then (ping-pong) each consumer's mainloop-done barrier.
-    __shared__ __align__(8) uint64_t barriers[2 * kStages + 2];
+    __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
     // The swizzled tiles want 1024-byte aligned bases: round the dynamic region up (the launch asks 1 KiB more).
     const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(g8_smem));
     const uint32_t smem = (smem_raw + 1023u) & ~1023u;
     const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
     auto full = [&](int s) { return bar_base + 8u * s; };
-    auto empty = [&](int s) { return bar_base + 8u * (kStages + s); };
-    auto mainloop_done = [&](int c) { return bar_base + 8u * (2 * kStages + c); };
-    auto a_tile = [&](int s) { return smem + s * Sch::kStageBytes; };
-    auto b_tile = [&](int s) { return smem + s * Sch::kStageBytes + kG8ABytes; };
+    auto empty = [&](int s) { return bar_base + 8u * (kG8Stages + s); };
+    auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
+    auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
     const int tiles = m_tiles * ((n + kTileCols - 1) / kTileCols);
     const int slices = (k + Ops::kSliceElems - 1) / Ops::kSliceElems;
     const int warpgroup = threadIdx.x / 128;
-    // Tile `tile`'s first row and column of y, tiles numbered M-fastest.
-    auto tile_origin = [&](int tile) { return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kTileCols); };
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) {
+        for (int s = 0; s < kG8Stages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), Sch::kReleaseWarps);
-        }
-        if constexpr (Sch::kPP) {
-            mbar_init(mainloop_done(0), 4);  // one arrival a warp of the consumer
-            mbar_init(mainloop_done(1), 4);
+            mbar_init(empty(s), kG8ConsumerWarps);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
-    // Tiles in M-fastest order, CTA b taking b, b + gridDim.x, ... (its local tiles 0, 1, ...); slice t of local
-    // tile j is ring iteration j * slices + t, so stage and parity run on across tiles and the producer fills the
-    // next tile's first stages while a consumer stores one. Ping-pong: consumer c takes the local tiles j = c mod 2,
-    // and starts tile j's MMAs only once the other has waited for the last slice of tile j - 1: a barrier's parity
-    // names its phase only within one phase of the ring, so no consumer may wait on slices further ahead.
+    // Tiles in M-fastest order, CTA b taking b, b + gridDim.x, ...; `it` counts slices over every tile of this
+    // CTA, so stage and parity run on across tiles and the producer fills the next tile's first stages while the
+    // consumers store the last one.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
         if (threadIdx.x == 0) {
             int it = 0;
             for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-                const int2 origin = tile_origin(tile);
+                const int2 origin = tile_origin(tile, m_tiles);
                 for (int t = 0; t < slices; ++t, ++it) {
-                    const int s = it % kStages;
-                    // The stage was last read by slice it - kStages: wait until its consumer warps released it.
-                    if (it >= kStages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kStages) - 1) & 1));
-                    mbar_expect_bytes(full(s), Sch::kStageBytes);
+                    const int s = it % kG8Stages;
+                    // The stage was last read by slice it - kG8Stages: wait until every consumer released it.
+                    if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
+                    mbar_expect_bytes(full(s), kG8StageBytes);
                     tma_box_2d(a_tile(s), &tm_x, t * Ops::kSliceElems, origin.x, full(s));
                     if constexpr (kSwiglu) {
-                        // Gate rows, then value rows, of this tile's hidden columns (the value box's offset keeps
+                        // Gate rows, then value rows, of this tile's 128 hidden columns (a 16 KiB offset keeps
                         // the swizzle's 1024-byte blocks).
-                        tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, gate_base + origin.y, full(s));
+                        const int hidden0 = (tile / m_tiles) * kTileCols;
+                        tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, gate_base + hidden0, full(s));
                         tma_box_2d(b_tile(s) + kTileCols * kG8Slice, &tm_w, t * Ops::kSliceElems,
-                                   value_base + origin.y, full(s));
+                                   value_base + hidden0, full(s));
                     } else {
                         tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, origin.y, full(s));
                     }
@@ -549,72 +458,43 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kG8ConsumerRegs));
-    const int consumer = warpgroup - 1;
+    const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     // Frees stage `s` once this warp's MMAs that read it are done (the wgmma wait before it is warp-wide): one
-    // arrival a warp, so a stage costs the barrier its consumer warps' arrivals instead of a thread's each.
+    // arrival a warp, so a stage costs the barrier 8 arrivals instead of 256.
     auto release = [&](int s) {
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
     };
-    // Cooperative: this warpgroup's 64 rows of every tile; ping-pong: all 128 rows of every other tile.
-    const int row_in_tile = (Sch::kPP ? 0 : consumer * 64) + warp * 16 + lane / 4;
-    const int first_local = Sch::kPP ? consumer : 0;
-    constexpr int kLocalStep = Sch::kPP ? 2 : 1;
     Acc acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = Acc(0);
-    int own_tiles = 0;  // tiles this consumer has run
-    for (int j = first_local, tile = blockIdx.x + first_local * gridDim.x; tile < tiles;
-         j += kLocalStep, tile += kLocalStep * gridDim.x, ++own_tiles) {
-        const int2 origin = tile_origin(tile);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int2 origin = tile_origin(tile, m_tiles);
+        const int m0 = origin.x;
         const int n0 = origin.y;
-        int it = j * slices;
-        if constexpr (Sch::kPP) {
-            // Tile j - 1 is the other consumer's: its (own_tiles - 1)-th for consumer 0, its own_tiles-th for 1.
-            if (j > 0) {
-                mbar_wait(mainloop_done(1 - consumer), static_cast<uint32_t>((own_tiles - (consumer == 0)) & 1));
-            }
-        }
         for (int t = 0; t < slices; ++t, ++it) {
-            const int s = it % kStages;
-            mbar_wait(full(s), static_cast<uint32_t>((it / kStages) & 1));
+            const int s = it % kG8Stages;
+            mbar_wait(full(s), static_cast<uint32_t>((it / kG8Stages) & 1));
             wgmma_fence();
+            const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
             const uint32_t b = b_tile(s);
-            if constexpr (Sch::kPP) {
-                const uint32_t a = a_tile(s);
 #pragma unroll
-                for (int kk = 0; kk < kG8Slice / 32; ++kk) {
-                    // The tile's first MMAs overwrite the accumulators (the previous tile's are stored by then).
-                    const uint64_t desc_b = smem_desc(b + kk * 32, 16, 1024);
-                    const int accumulate = (t > 0 || kk > 0) ? 1 : 0;
-                    wgmma_s8_m64n128k32<0>(acc, smem_desc(a + kk * 32, 16, 1024), desc_b, accumulate);
-                    wgmma_s8_m64n128k32<1>(acc, smem_desc(a + 64 * kG8Slice + kk * 32, 16, 1024), desc_b,
-                                           accumulate);
-                }
-            } else {
-                const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
-#pragma unroll
-                for (int kk = 0; kk < kG8Slice / 32; ++kk) {
-                    // The tile's first MMA overwrites the accumulators (the previous tile's are stored by then).
-                    Ops::mma(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
-                             (t > 0 || kk > 0) ? 1 : 0);
-                }
+            for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+                // The tile's first MMA overwrites the accumulators (the previous tile's are stored by then).
+                Ops::mma(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
+                         (t > 0 || kk > 0) ? 1 : 0);
             }
             wgmma_commit();
             // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
             wgmma_wait<1>();
-            if (t > 0) release((it - 1) % kStages);
-        }
-        if constexpr (Sch::kPP) {
-            // Every slice of this tile has landed: the other consumer may wait on its next tile's.
-            __syncwarp();
-            if (lane == 0) mbar_arrive(mainloop_done(consumer));
+            if (t > 0) release((it - 1) % kG8Stages);
         }
         wgmma_wait<0>();
         // The tile's last stage is free too: the producer may refill it while this tile is stored.
-        release((it - 1) % kStages);
+        release((it - 1) % kG8Stages);
 #pragma unroll
         for (int i = 0; i < 128; ++i) {
             if constexpr (kBf16) {
@@ -624,15 +504,23 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             }
         }
 
-        // The thread's first row of y in this tile.
-        const int row0 = origin.x + row_in_tile;
         if constexpr (kSwiglu) {
-            swiglu_epilogue<Sch>(acc, x_scale, w_scale, y, y_row_stride, m, row0, n0,
-                                 make_int2(gate_base, value_base), lane);
+            swiglu_epilogue(acc, x_scale, w_scale, y, y_row_stride, m, n,
+                            make_int2(m0 + consumer * 64 + warp * 16 + lane / 4, (tile / m_tiles) * kTileCols),
+                            make_int2(gate_base, value_base), lane);
             continue;
         }
-        float2 sc[Sch::kHalves] = {};  // bf16 operands have no scales
-        if constexpr (!kBf16) frag_row_scales<Sch>(sc, x_scale, row0, m);
+        // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each
+        // 8-column block j the columns 8 j + 2 (l % 4) and + 1 (acc[4 j + e]: e < 2 the first row, e >= 2 the
+        // second).
+        const int row_a = m0 + consumer * 64 + warp * 16 + lane / 4;
+        const int row_b = row_a + 8;
+        float scale_a = 1.0f;
+        float scale_b = 1.0f;
+        if constexpr (!kBf16) {
+            scale_a = row_a < m ? x_scale[row_a] : 0.0f;
+            scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+        }
         // Where the plain epilogue stores: y from column n0 (the q|k|v epilogue's value tiles: v, at n0 - 2 width).
         bf16* __restrict__ y_tile = y;
         int n_tile = n;
@@ -641,9 +529,11 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             const int region = n0 / qkv->width;  // 0 q, 1 k, 2 v: tiles never straddle (width % 256 == 0)
             if (region < 2) {
                 if constexpr (kQkv == kG8QkvInterleaved) {
-                    qkv_norm_rope_epilogue<Sch>(acc, sc, w_scale, *qkv, region, n0, make_int2(row0, m), lane);
+                    qkv_norm_rope_epilogue(acc, make_float2(scale_a, scale_b), w_scale, *qkv, region, n0,
+                                           make_int2(row_a, m), lane);
                 } else {
-                    qkv_norm_rope_half_epilogue<Sch>(acc, sc, w_scale, *qkv, region, n0, make_int2(row0, m), lane);
+                    qkv_norm_rope_half_epilogue(acc, make_float2(scale_a, scale_b), w_scale, *qkv, region, n0,
+                                                make_int2(row_a, m), lane);
                 }
                 continue;
             }
@@ -668,8 +558,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             if constexpr (kBf16) {
                 return make_float2(1.0f, 1.0f);
             } else {
-                return col < n_tile ? *reinterpret_cast<const float2*>(w_scale + (col - n0_tile + n0))
-                                    : make_float2(0.0f, 0.0f);
+                return col < n_tile ? *reinterpret_cast<const float2*>(w_scale + (col - n0_tile + n0)) : make_float2(0.0f, 0.0f);
             }
         };
         if (((n_tile | static_cast<int>(y_row_stride)) & 7) == 0) {
@@ -678,21 +567,18 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             // (y is 16-byte aligned, checked by the launcher). A block is wholly inside N or wholly past it.
             const int q = lane & 3;
 #pragma unroll
-            for (int g = 0; g < 8; ++g) {
-                const int h = (4 * g) / Sch::kBlocksPerRow;
-                const int row_a = row0 + 64 * h;
-                const int row_b = row_a + 8;
+            for (int g = 0; g < kG8Cols / 32; ++g) {
                 uint32_t va[4], vb[4];
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
                     const int j = 4 * g + t;
-                    const float2 ws = w_scales(col0 + 8 * (j % Sch::kBlocksPerRow));
-                    va[t] = scaled(acc[4 * j], acc[4 * j + 1], sc[h].x, ws);
-                    vb[t] = scaled(acc[4 * j + 2], acc[4 * j + 3], sc[h].y, ws);
+                    const float2 ws = w_scales(col0 + 8 * j);
+                    va[t] = scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
+                    vb[t] = scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
                 }
                 g8_transpose_quad(va, q);
                 g8_transpose_quad(vb, q);
-                const int block_col = n0_tile + frag_col<Sch>(4 * g, 0) + 8 * q;
+                const int block_col = n0_tile + 8 * (4 * g + q);
                 if (block_col < n_tile) {
                     if (row_a < m) {
                         *reinterpret_cast<uint4*>(y_tile + static_cast<int64_t>(row_a) * y_row_stride + block_col) =
@@ -707,20 +593,17 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         } else {
             // Pairs of columns (N even): rows past M and columns past N are not stored.
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                const int h = j / Sch::kBlocksPerRow;
-                const int col = col0 + 8 * (j % Sch::kBlocksPerRow);
+            for (int j = 0; j < kG8Cols / 8; ++j) {
+                const int col = col0 + 8 * j;
                 if (col >= n_tile) continue;
                 const float2 ws = w_scales(col);
-                const int row_a = row0 + 64 * h;
-                const int row_b = row_a + 8;
                 if (row_a < m) {
                     *reinterpret_cast<uint32_t*>(y_tile + static_cast<int64_t>(row_a) * y_row_stride + col) =
-                        scaled(acc[4 * j], acc[4 * j + 1], sc[h].x, ws);
+                        scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
                 }
                 if (row_b < m) {
                     *reinterpret_cast<uint32_t*>(y_tile + static_cast<int64_t>(row_b) * y_row_stride + col) =
-                        scaled(acc[4 * j + 2], acc[4 * j + 3], sc[h].y, ws);
+                        scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
                 }
             }
         }
@@ -731,33 +614,27 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
 #endif
 
 // The INT8 GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows,
-// 1}, boxes of 128 bytes x 256 rows (the ping-pong kernels, suffix _pp: 128 rows); both 128-byte swizzle, zero
-// fill. Persistent: a 1-D grid of at most one CTA an SM (each loops over tiles), 384 threads, 192 KiB + 1 KiB of
-// dynamic shared memory.
-#define G8_PLAIN_PARAMS                                                                                             \
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
-        const float *__restrict__ w_scale, bf16 *__restrict__ y, int64_t y_row_stride, int m, int n, int k
+// 1}, boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of at most one CTA
+// an SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
 #if defined(NN_HAS_WGMMA)
-#define G8_PLAIN_BODY(S) gemm_tiles<S, false>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, n, k)
+    gemm_tiles<false>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, n, k);
 #else
-#define G8_PLAIN_BODY(S) __trap()
+    __trap();
 #endif
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(G8_PLAIN_PARAMS) {
-    G8_PLAIN_BODY(G8Coop);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16_pp(G8_PLAIN_PARAMS) {
-    G8_PLAIN_BODY(G8PingPong);
 }
 
-// The same GEMM over bf16 operands, y = bf16(x . w^T) with f32 sums and no scales (cooperative only). tm_x: x as
-// {K, M, 1} bf16, boxes of 64 elements (128 bytes) x 128 rows; tm_w: w as {K, N, 1} bf16, boxes of 64 x 256 rows; K
-// a multiple of 8 (16-byte rows). Same grid, threads and shared memory as the INT8 kernel.
+// The same GEMM over bf16 operands, y = bf16(x . w^T) with f32 sums and no scales. tm_x: x as {K, M, 1} bf16,
+// boxes of 64 elements (128 bytes) x 128 rows; tm_w: w as {K, N, 1} bf16, boxes of 64 x 256 rows; K a multiple of
+// 8 (16-byte rows). Same grid, threads and shared memory as the INT8 kernel.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_constant__ TmaMap tm_x,
                                                                   const __grid_constant__ TmaMap tm_w,
                                                                   bf16* __restrict__ y, int64_t y_row_stride, int m,
                                                                   int n, int k) {
 #if defined(NN_HAS_WGMMA)
-    gemm_tiles<G8Coop, true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k);
+    gemm_tiles<true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k);
 #else
     __trap();
 #endif
@@ -766,35 +643,28 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_c
 // The INT8 GEMM of a SwiGLU's two halves with silu(gate) * value in its epilogue: y[m, c] = bf16(silu(g) * v) with
 // g and v the bf16 products nn_gemm_int8_scaled_bf16 would store for weight rows gate_base + c and value_base + c
 // (one weight [2 hidden, K] holding both halves, either order). tm_x as for the INT8 GEMM; tm_w: w as {K bytes, 2
-// hidden rows, 1}, boxes of 128 bytes x 128 rows (_pp: 64 rows). hidden a multiple of 128, y's row stride a
-// multiple of 8. Same grid, threads and shared memory as the INT8 GEMM.
-#define G8_SWIGLU_PARAMS                                                                                            \
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
-        const float *__restrict__ w_scale, bf16 *__restrict__ y, int64_t y_row_stride, int m, int hidden, int k,  \
-        int gate_base, int value_base
+// hidden rows, 1}, boxes of 128 bytes x 128 rows. hidden a multiple of 128, y's row stride a multiple of 8. Same
+// grid, threads and shared memory as the INT8 GEMM (hidden / 128 column tiles).
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int hidden, int k,
+    int gate_base, int value_base) {
 #if defined(NN_HAS_WGMMA)
-#define G8_SWIGLU_BODY(S) \
-    gemm_tiles<S, false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, gate_base, value_base)
+    gemm_tiles<false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, gate_base, value_base);
 #else
-#define G8_SWIGLU_BODY(S) __trap()
+    __trap();
 #endif
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(G8_SWIGLU_PARAMS) {
-    G8_SWIGLU_BODY(G8Coop);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16_pp(G8_SWIGLU_PARAMS) {
-    G8_SWIGLU_BODY(G8PingPong);
 }
 
-// The q|k|v kernels' parameters, and their body for schedule S and epilogue form F (kG8QkvInterleaved or
-// kG8QkvHalf).
+// The q|k|v kernels' parameters, and their body for epilogue form F (kG8QkvInterleaved or kG8QkvHalf).
 #define G8_QKV_PARAMS                                                                                               \
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
         const float *__restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k
 #if defined(NN_HAS_WGMMA)
-#define G8_QKV_BODY(S, F) \
-    gemm_tiles<S, false, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0, &qkv)
+#define G8_QKV_BODY(F) \
+    gemm_tiles<false, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0, &qkv)
 #else
-#define G8_QKV_BODY(S, F) __trap()
+#define G8_QKV_BODY(F) __trap()
 #endif
 
 // The INT8 GEMM of a fused q|k|v projection with the per-head QK RMSNorm and interleaved RoPE in its epilogue
@@ -802,18 +672,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16_pp
 // of qkv.stride. width a multiple of 256 (a tile never straddles two of them), stride a multiple of 8, the rope
 // tables hold M rows. tm_x, tm_w, grid, threads and shared memory as for the INT8 GEMM.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(G8_QKV_PARAMS) {
-    G8_QKV_BODY(G8Coop, kG8QkvInterleaved);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16_pp(G8_QKV_PARAMS) {
-    G8_QKV_BODY(G8PingPong, kG8QkvInterleaved);
+    G8_QKV_BODY(kG8QkvInterleaved);
 }
 
 // The same GEMM with MiniMax H3's QK norm (n = x * rsqrt(mean(x^2) + eps) * weight in f32) and rotate-half RoPE
 // over the first 96 channels of each head (bf16 tables [M, rope_stride], 48 used columns) in its epilogue; q, k and
 // v may be the three parts of one q|k|v matrix (stride 3 width), normed and rotated in place.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(G8_QKV_PARAMS) {
-    G8_QKV_BODY(G8Coop, kG8QkvHalf);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16_pp(G8_QKV_PARAMS) {
-    G8_QKV_BODY(G8PingPong, kG8QkvHalf);
+    G8_QKV_BODY(kG8QkvHalf);
 }

@@ -48,13 +48,7 @@ pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_int8_swiglu_bf16",
     "nn_gemm_int8_qkv_bf16",
     "nn_gemm_int8_qkv_half_bf16",
-    "nn_gemm_int8_scaled_bf16_pp",
-    "nn_gemm_int8_swiglu_bf16_pp",
-    "nn_gemm_int8_qkv_bf16_pp",
-    "nn_gemm_int8_qkv_half_bf16_pp",
 ];
-/// Where the ping-pong forms of the INT8 kernels (0, 2, 3, 4) sit in [`GEMM_INT8_KERNELS`]: this far on.
-const PING_PONG_OFFSET: usize = 5;
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
 /// Rows of `y` one CTA computes.
@@ -93,79 +87,6 @@ pub const SWIGLU_ENV: &str = "TF_SWIGLU_GEMM";
 /// (the default: in that GEMM's epilogue, [`plan_int8_qkv_gemm`], which writes normed, rotated q and k and the
 /// values where the attention reads them) or `apart` (the GEMM writes q|k|v, a row pass norms and rotates).
 pub const QKV_ENV: &str = "TF_QKV_GEMM";
-
-/// The environment variable that picks the INT8 kernels' tile schedule ([`Int8Schedule`]): `cooperative` (the
-/// default) or `pingpong`.
-pub const SCHEDULE_ENV: &str = "TF_INT8_GEMM_SCHEDULE";
-
-/// How the INT8 kernels' two consumer warpgroups share the work (`kernels/nn/gemm_int8.cu`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Int8Schedule {
-    /// Both compute one 128 x 256 tile and store it together (the tensor cores idle meanwhile).
-    #[default]
-    Cooperative,
-    /// Each computes 128 x 128 tiles of its own, in turn, so one stores a tile while the other's MMAs run.
-    PingPong,
-}
-
-impl Int8Schedule {
-    /// Parses a [`SCHEDULE_ENV`] value (empty: the default).
-    pub fn parse(value: &str) -> Result<Int8Schedule, String> {
-        match value {
-            "" | "cooperative" => Ok(Int8Schedule::Cooperative),
-            "pingpong" => Ok(Int8Schedule::PingPong),
-            other => Err(format!(
-                "{SCHEDULE_ENV}={other:?} is not an INT8 GEMM schedule: use `cooperative` or `pingpong`"
-            )),
-        }
-    }
-
-    /// The schedule [`SCHEDULE_ENV`] asks for (the default when it is unset).
-    pub fn from_env() -> Result<Int8Schedule, String> {
-        Int8Schedule::parse(&std::env::var(SCHEDULE_ENV).unwrap_or_default())
-    }
-
-    /// Weight rows (columns of the plain GEMM's `y`) one tile covers.
-    pub fn tile_cols(self) -> usize {
-        match self {
-            Int8Schedule::Cooperative => TILE_COLS,
-            Int8Schedule::PingPong => TILE_COLS / 2,
-        }
-    }
-
-    /// The name of INT8 kernel `index` of [`GEMM_INT8_KERNELS`] (0, 2, 3 or 4) on this schedule.
-    fn kernel(self, index: usize) -> &'static str {
-        match self {
-            Int8Schedule::Cooperative => GEMM_INT8_KERNELS[index],
-            Int8Schedule::PingPong => {
-                let slot = match index {
-                    0 => 0,
-                    2 => 1,
-                    3 => 2,
-                    _ => 3,
-                };
-                GEMM_INT8_KERNELS[PING_PONG_OFFSET + slot]
-            }
-        }
-    }
-}
-
-/// What a launch is planned for: the GPU's SM count (one persistent CTA an SM) and the tile schedule. A bare SM
-/// count plans the default schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Int8Grid {
-    pub sm_count: usize,
-    pub schedule: Int8Schedule,
-}
-
-impl From<usize> for Int8Grid {
-    fn from(sm_count: usize) -> Int8Grid {
-        Int8Grid {
-            sm_count,
-            schedule: Int8Schedule::default(),
-        }
-    }
-}
 
 /// Whether a DiT `width` wide (heads of 128) runs the fused q|k|v epilogue: [`QKV_ENV`] does not ask for the passes
 /// apart, our INT8 GEMM is `loaded` and `width` is a whole number of tiles.
@@ -279,38 +200,21 @@ impl Int8GemmShape {
         Ok(())
     }
 
-    /// Output tiles of the cooperative schedule: (M tiles, N tiles).
+    /// Output tiles: (M tiles, N tiles).
     pub fn tiles(&self) -> (usize, usize) {
-        self.tiles_of(TILE_COLS)
+        (self.m.div_ceil(TILE_ROWS), self.n.div_ceil(TILE_COLS))
     }
 
-    /// Output tiles of `tile_cols` columns each: (M tiles, N tiles).
-    pub fn tiles_of(&self, tile_cols: usize) -> (usize, usize) {
-        (
-            self.m.div_ceil(TILE_ROWS),
-            self.n.div_ceil(tile_cols.max(1)),
-        )
-    }
-
-    /// The persistent launch grid on `grid.sm_count` SMs: one CTA an SM, never more CTAs than tiles.
-    pub fn grid(&self, grid: impl Into<Int8Grid>) -> Result<u32, tf_cuda::Error> {
+    /// The persistent launch grid on `sm_count` SMs: one CTA an SM, never more CTAs than tiles.
+    pub fn grid(&self, sm_count: usize) -> Result<u32, tf_cuda::Error> {
         const OP: &str = "INT8 GEMM";
-        let grid = grid.into();
-        let (m_tiles, n_tiles) = self.tiles_of(grid.schedule.tile_cols());
+        let (m_tiles, n_tiles) = self.tiles();
         let tiles = m_tiles
             .checked_mul(n_tiles)
             .ok_or_else(|| invalid(OP, "tile count overflows"))?;
-        // The kernel counts tiles, and slices of K over all of a CTA's tiles, in 32-bit ints.
-        let slices = self.k.div_ceil(K_SLICE / 2);
+        // The kernel counts tiles in a 32-bit int.
         to_i32(OP, "tiles", tiles)?;
-        to_i32(
-            OP,
-            "tiles x slices of K",
-            tiles
-                .checked_mul(slices)
-                .ok_or_else(|| invalid(OP, "slice count overflows"))?,
-        )?;
-        to_u32(OP, "CTAs", tiles.min(grid.sm_count.max(1)))
+        to_u32(OP, "CTAs", tiles.min(sm_count.max(1)))
     }
 }
 
@@ -327,7 +231,7 @@ pub struct Int8GemmOperands<'v, 'a> {
 /// through `ctx`'s driver).
 pub fn plan_int8_gemm<'a>(
     ctx: &Context,
-    grid: impl Into<Int8Grid>,
+    sm_count: usize,
     shape: Int8GemmShape,
     inputs: &Int8GemmOperands<'_, 'a>,
     y: &'a mut DeviceViewMut<'_>,
@@ -345,12 +249,8 @@ pub fn plan_int8_gemm<'a>(
         check_operand(OP, name, Operand::of(view), needed, 16)?;
     }
     check_y(OP, shape, Operand::of_mut(y), y_row_stride)?;
-    let grid = grid.into();
     let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
-    let tm_w = encode_int8_tiles(
-        ctx,
-        &operand_tiles(inputs.w.addr(), shape, 1, n, grid.schedule.tile_cols()),
-    )?;
+    let tm_w = encode_int8_tiles(ctx, &operand_tiles(inputs.w.addr(), shape, 1, n, TILE_COLS))?;
     let mut args = Args::new();
     args.push(tm_x.words())
         .push(tm_w.words())
@@ -358,8 +258,8 @@ pub fn plan_int8_gemm<'a>(
         .push_addr(inputs.w_scale.addr());
     push_output(&mut args, OP, shape, y.addr(), y_row_stride)?;
     Ok(Launch::new(
-        grid.schedule.kernel(0),
-        LaunchConfig::new(shape.grid(grid)?, THREADS).with_shared(SHARED_BYTES),
+        GEMM_INT8_KERNELS[0],
+        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
 }
@@ -372,7 +272,7 @@ pub fn plan_int8_gemm<'a>(
 /// writes `2 hidden`, and a row quantizer then reads those instead of a SwiGLU pass reading both halves.
 pub fn plan_int8_swiglu_gemm<'a>(
     ctx: &Context,
-    grid: impl Into<Int8Grid>,
+    sm_count: usize,
     (m, hidden, k): (usize, usize, usize),
     order: SwigluOrder,
     inputs: &Int8GemmOperands<'_, 'a>,
@@ -415,18 +315,10 @@ pub fn plan_int8_swiglu_gemm<'a>(
     }
     let out = Int8GemmShape { m, n: hidden, k };
     check_y(OP, out, Operand::of_mut(y), y_row_stride)?;
-    let grid = grid.into();
     let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), both, 1, m, TILE_ROWS))?;
-    // A tile's weight rows are two boxes: its gate rows and its value rows.
     let tm_w = encode_int8_tiles(
         ctx,
-        &operand_tiles(
-            inputs.w.addr(),
-            both,
-            1,
-            both.n,
-            grid.schedule.tile_cols() / 2,
-        ),
+        &operand_tiles(inputs.w.addr(), both, 1, both.n, SWIGLU_TILE_COLS),
     )?;
     let (gate_base, value_base) = match order {
         SwigluOrder::GateValue => (0, hidden),
@@ -441,8 +333,8 @@ pub fn plan_int8_swiglu_gemm<'a>(
     args.push(to_i32(OP, "gate base", gate_base)?)
         .push(to_i32(OP, "value base", value_base)?);
     Ok(Launch::new(
-        grid.schedule.kernel(2),
-        LaunchConfig::new(both.grid(grid)?, THREADS).with_shared(SHARED_BYTES),
+        GEMM_INT8_KERNELS[2],
+        LaunchConfig::new(both.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
 }
@@ -493,7 +385,7 @@ pub enum QkvDest<'d, 'a> {
 /// pass that reads the GEMM's output and writes q and k (or all three) again.
 pub fn plan_int8_qkv_gemm<'a>(
     ctx: &Context,
-    grid: impl Into<Int8Grid>,
+    sm_count: usize,
     (m, k): (usize, usize),
     inputs: &Int8GemmOperands<'_, 'a>,
     norm: &QkvNormRope<'a, '_>,
@@ -590,27 +482,20 @@ pub fn plan_int8_qkv_gemm<'a>(
     for (name, view) in [("x", inputs.x), ("w", inputs.w)] {
         check_operand(OP, name, Operand::of(view), 0, 16)?;
     }
-    let grid = grid.into();
     let kernel = match norm.rope {
         QkvRope::Interleaved => {
             check_interleaved_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
-            grid.schedule.kernel(3)
+            GEMM_INT8_KERNELS[3]
         }
         QkvRope::Half96 => {
             check_half96_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
-            grid.schedule.kernel(4)
+            GEMM_INT8_KERNELS[4]
         }
     };
     let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
     let tm_w = encode_int8_tiles(
         ctx,
-        &operand_tiles(
-            inputs.w.addr(),
-            shape,
-            1,
-            shape.n,
-            grid.schedule.tile_cols(),
-        ),
+        &operand_tiles(inputs.w.addr(), shape, 1, shape.n, TILE_COLS),
     )?;
     let mut args = Args::new();
     args.push(tm_x.words())
@@ -636,7 +521,7 @@ pub fn plan_int8_qkv_gemm<'a>(
         .push(to_i32(OP, "K", k)?);
     Ok(Launch::new(
         kernel,
-        LaunchConfig::new(shape.grid(grid)?, THREADS).with_shared(SHARED_BYTES),
+        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
 }
@@ -818,14 +703,12 @@ fn push_output(
 pub struct Int8GemmKernels {
     set: LoadedSet,
     sm_count: usize,
-    schedule: Int8Schedule,
 }
 
 impl fmt::Debug for Int8GemmKernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Int8GemmKernels")
             .field("set", &self.set)
-            .field("schedule", &self.schedule)
             .finish()
     }
 }
@@ -840,39 +723,12 @@ impl Int8GemmKernels {
             function.set_max_dynamic_shared(SHARED_BYTES)?;
             Ok(true)
         })?;
-        let schedule = Int8Schedule::from_env().map_err(|reason| LoadKernelsError::Setting {
-            set: GEMM_INT8_SET,
-            reason,
-        })?;
-        Ok(Int8GemmKernels {
-            set,
-            sm_count,
-            schedule,
-        })
+        Ok(Int8GemmKernels { set, sm_count })
     }
 
-    /// The SM count launches are planned for.
+    /// The SM count launches are planned for (pass it to [`plan_int8_gemm`]).
     pub fn sm_count(&self) -> usize {
         self.sm_count
-    }
-
-    /// The tile schedule the INT8 launches use ([`SCHEDULE_ENV`] at load).
-    pub fn schedule(&self) -> Int8Schedule {
-        self.schedule
-    }
-
-    /// What launches are planned for: pass it to [`plan_int8_gemm`] and its siblings.
-    pub fn grid(&self) -> Int8Grid {
-        Int8Grid {
-            sm_count: self.sm_count,
-            schedule: self.schedule,
-        }
-    }
-
-    /// The same kernels on another tile schedule (benchmarks compare the two in one process).
-    pub fn with_schedule(mut self, schedule: Int8Schedule) -> Int8GemmKernels {
-        self.schedule = schedule;
-        self
     }
 
     /// Submits a launch of [`plan_int8_gemm`] (benchmarks plan once and submit it repeatedly).
@@ -895,7 +751,7 @@ impl Int8GemmKernels {
     ) -> Result<(), tf_cuda::Error> {
         let launch = plan_int8_swiglu_gemm(
             ctx,
-            self.grid(),
+            self.sm_count,
             (m, hidden, k),
             order,
             inputs,
@@ -915,7 +771,7 @@ impl Int8GemmKernels {
         norm: &QkvNormRope<'_, '_>,
         dest: QkvDest<'_, '_>,
     ) -> Result<(), tf_cuda::Error> {
-        let launch = plan_int8_qkv_gemm(ctx, self.grid(), (m, k), inputs, norm, dest)?;
+        let launch = plan_int8_qkv_gemm(ctx, self.sm_count, (m, k), inputs, norm, dest)?;
         self.set.submit(stream, &launch)
     }
 
@@ -965,7 +821,7 @@ impl Int8GemmKernels {
         y: &mut DeviceViewMut<'_>,
         y_row_stride: usize,
     ) -> Result<(), tf_cuda::Error> {
-        let launch = plan_int8_gemm(ctx, self.grid(), shape, inputs, y, y_row_stride)?;
+        let launch = plan_int8_gemm(ctx, self.sm_count, shape, inputs, y, y_row_stride)?;
         self.set.submit(stream, &launch)
     }
 }
@@ -1001,54 +857,6 @@ pub fn int8_gemm_host(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn schedules_parse_and_pick_their_kernels_and_tiles() {
-        assert_eq!(Int8Schedule::parse(""), Ok(Int8Schedule::Cooperative));
-        assert_eq!(
-            Int8Schedule::parse("cooperative"),
-            Ok(Int8Schedule::Cooperative)
-        );
-        assert_eq!(Int8Schedule::parse("pingpong"), Ok(Int8Schedule::PingPong));
-        let err = Int8Schedule::parse("ping-pong").expect_err("unknown value");
-        assert!(
-            err.contains(SCHEDULE_ENV) && err.contains("`pingpong`"),
-            "{err}"
-        );
-        for (index, name) in [
-            (0, "nn_gemm_int8_scaled_bf16"),
-            (2, "nn_gemm_int8_swiglu_bf16"),
-            (3, "nn_gemm_int8_qkv_bf16"),
-            (4, "nn_gemm_int8_qkv_half_bf16"),
-        ] {
-            assert_eq!(Int8Schedule::Cooperative.kernel(index), name);
-            assert_eq!(Int8Schedule::PingPong.kernel(index), format!("{name}_pp"));
-        }
-        assert_eq!(Int8Schedule::Cooperative.tile_cols(), 256);
-        assert_eq!(Int8Schedule::PingPong.tile_cols(), 128);
-        // Ping-pong tiles are half as wide: twice the tiles, the same persistent grid where both exceed the SMs.
-        let shape = Int8GemmShape {
-            m: 200,
-            n: 512,
-            k: 256,
-        };
-        let pp = |sm_count| Int8Grid {
-            sm_count,
-            schedule: Int8Schedule::PingPong,
-        };
-        assert_eq!(shape.tiles_of(128), (2, 4));
-        assert_eq!(shape.grid(132).ok(), Some(4));
-        assert_eq!(shape.grid(pp(132)).ok(), Some(8));
-        assert_eq!(shape.grid(pp(6)).ok(), Some(6));
-        // Slices of K over all tiles are counted in a 32-bit int too.
-        let huge = Int8GemmShape {
-            m: 1 << 20,
-            n: 1 << 14,
-            k: 1 << 18,
-        };
-        let err = huge.grid(pp(132)).expect_err("too many slices").to_string();
-        assert!(err.contains("slices"), "{err}");
-    }
 
     #[test]
     fn shapes_the_kernel_tiles_and_those_it_refuses() {

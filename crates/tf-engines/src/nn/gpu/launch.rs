@@ -330,9 +330,6 @@ pub enum LoadKernelsError {
         #[source]
         source: tf_cuda::Error,
     },
-    /// An environment setting that picks among the set's kernels holds no value they know.
-    #[error("kernel set {set}: {reason}")]
-    Setting { set: &'static str, reason: String },
 }
 
 /// Refuses a GPU other than sm_90 for `set`, whose fatbin holds sm_90a code only (`what` names the kernels in the

@@ -1,8 +1,7 @@
-//! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out), on both tile schedules (cooperative and
-//! ping-pong), beside the two cuBLASLt GEMMs the DiTs run today at the same shapes, through the DiTs' own
-//! `GemmRunner`: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed sustained
-//! (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that alternate
-//! the four; then both of our outputs are checked bit for bit against cuBLASLt's int32 products, dequantized.
+//! `tf bench int8-gemm`: our INT8 GEMM with a scaling epilogue (bf16 out) beside the two cuBLASLt GEMMs the DiTs
+//! run today at the same shapes, through the DiTs' own `GemmRunner`: row-wise FP8 with fast accumulation (bf16 out) and INT8 into int32. Each is timed
+//! sustained (back-to-back calls, so the card sits at its power cap as inside a step), best of several rounds that
+//! alternate the three; then our output is checked bit for bit against cuBLASLt's int32 products, dequantized.
 //! With `--bf16` it times the same pipeline over bf16 operands beside cuBLASLt's bf16 GEMM instead, and reports how
 //! far apart the two outputs are (both round f32 sums to bf16; only the order of the sums differs). With `--swiglu`
 //! it times the two ways to the down GEMM's INT8 rows at both DiTs' MLP shapes: our INT8 GEMM writing both halves
@@ -17,8 +16,7 @@ use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 use tf_engines::nn::fp8::RowCodes;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear, TIMED};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_bf16_gemm, plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, Int8Grid,
-    Int8Schedule,
+    plan_bf16_gemm, plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
 };
 use tf_engines::nn::gpu::quant::{plan_quantize_rows, plan_swiglu_codes, Fp8Rows, QuantKernels};
 use tf_engines::nn::gpu::{Matrix, SwigluOrder};
@@ -201,8 +199,8 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         return qkv::run_qkv(args, (&ctx, &stream), &kernels, &gemms);
     }
     println!(
-        "INT8 GEMM with a scaling epilogue (ours, bf16 out; cooperative and ping-pong tiles) beside cuBLASLt {} \
-         row-wise FP8 (bf16 out) and INT8 (int32 out); {} calls back to back, best of {} rounds",
+        "INT8 GEMM with a scaling epilogue (ours, bf16 out) beside cuBLASLt {} row-wise FP8 (bf16 out) and INT8 \
+         (int32 out); {} calls back to back, best of {} rounds",
         gemms.lt().library().version(),
         args.iters,
         args.rounds
@@ -217,7 +215,6 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         let xs = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, m))?;
         let ws = DeviceBuffer::from_slice(&ctx, &scales(&mut rng, n))?;
         let mut y = DeviceBuffer::alloc(&ctx, m * n * 2)?;
-        let mut y_pp = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let y_fp8 = DeviceBuffer::alloc(&ctx, m * n * 2)?;
         let y32 = DeviceBuffer::alloc(&ctx, m * n * 4)?;
         let shape = Int8GemmShape { m, n, k };
@@ -228,28 +225,8 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
             w: &wv,
             w_scale: &wsv,
         };
-        let grid = |schedule| Int8Grid {
-            sm_count: kernels.sm_count(),
-            schedule,
-        };
         let mut yv = y.view_mut();
-        let launch = plan_int8_gemm(
-            &ctx,
-            grid(Int8Schedule::Cooperative),
-            shape,
-            &inputs,
-            &mut yv,
-            n,
-        )?;
-        let mut yv_pp = y_pp.view_mut();
-        let launch_pp = plan_int8_gemm(
-            &ctx,
-            grid(Int8Schedule::PingPong),
-            shape,
-            &inputs,
-            &mut yv_pp,
-            n,
-        )?;
+        let launch = plan_int8_gemm(&ctx, kernels.sm_count(), shape, &inputs, &mut yv, n)?;
         let fp8 = Fp8Linear::new(
             (m, n, k),
             ((&x8).into(), (&xs).into()),
@@ -258,13 +235,10 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         )
         .accumulation(Fp8Accumulation::Fast);
         let int8 = ((m, n, k), ((&x).into(), (&w).into(), (&y32).into()));
-        let mut best = [f64::INFINITY; 4];
+        let mut best = [f64::INFINITY; 3];
         for _ in 0..args.rounds {
             let ours = sustained_ms(&ctx, &stream, args.iters, || {
                 Ok(kernels.submit(&stream, &launch)?)
-            })?;
-            let ours_pp = sustained_ms(&ctx, &stream, args.iters, || {
-                Ok(kernels.submit(&stream, &launch_pp)?)
             })?;
             let fp8_ms = sustained_ms(&ctx, &stream, args.iters, || {
                 // SAFETY: every span lies in a buffer alive until after the stream is synchronized (the timing
@@ -275,45 +249,40 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
                 // SAFETY: as above.
                 Ok(unsafe { gemms.run_int8(int8.0, int8.1, &stream) }?)
             })?;
-            for (b, t) in best.iter_mut().zip([ours, ours_pp, fp8_ms, int8_ms]) {
+            for (b, t) in best.iter_mut().zip([ours, fp8_ms, int8_ms]) {
                 *b = b.min(t);
             }
         }
-        // Ours (both schedules) against cuBLASLt's exact int32 products, dequantized as ours does (the scales'
-        // product, one rounding to bf16): every element must agree bit for bit.
+        // Ours against cuBLASLt's exact int32 products, dequantized as ours does (the scales' product, one rounding
+        // to bf16): every element must agree bit for bit.
         stream.synchronize()?;
+        let ours_bits: Vec<u16> = y.to_vec()?;
         let products: Vec<i32> = y32.to_vec()?;
         let (x_scales, w_scales) = (xs.to_vec::<f32>()?, ws.to_vec::<f32>()?);
-        for (schedule, out) in [("cooperative", &y), ("ping-pong", &y_pp)] {
-            let ours_bits: Vec<u16> = out.to_vec()?;
-            let differing = ours_bits
-                .iter()
-                .zip(&products)
-                .enumerate()
-                .filter(|&(i, (&bits, &p))| {
-                    let want = p as f32 * (x_scales[i / n] * w_scales[i % n]);
-                    half::bf16::from_f32(want).to_bits() != bits
-                })
-                .count();
-            if differing > 0 {
-                return Err(format!(
-                    "{name}: {differing} of {} elements of our {schedule} INT8 GEMM differ from cuBLASLt's products",
-                    m * n
-                )
-                .into());
-            }
+        let differing = ours_bits
+            .iter()
+            .zip(&products)
+            .enumerate()
+            .filter(|&(i, (&bits, &p))| {
+                let want = p as f32 * (x_scales[i / n] * w_scales[i % n]);
+                half::bf16::from_f32(want).to_bits() != bits
+            })
+            .count();
+        if differing > 0 {
+            return Err(format!(
+                "{name}: {differing} of {} elements of our INT8 GEMM differ from cuBLASLt's products",
+                m * n
+            )
+            .into());
         }
         let ops = 2.0 * (m * n * k) as f64;
         let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
-        let [ours, ours_pp, fp8_ms, int8_ms] = best;
+        let [ours, fp8_ms, int8_ms] = best;
         println!(
-            "  {name:<17} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), ping-pong {ours_pp:.4} ms \
-             ({:.0}; {:.3} of cooperative), FP8 {fp8_ms:.4} ms ({:.0}), INT8->int32 {int8_ms:.4} ms ({:.0}); \
-             ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); every element of both bit-equal to \
-             cuBLASLt's products dequantized",
+            "  {name:<17} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), FP8 {fp8_ms:.4} ms ({:.0}), \
+             INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); \
+             every element bit-equal to cuBLASLt's products dequantized",
             rate(ours),
-            rate(ours_pp),
-            ours_pp / ours,
             rate(fp8_ms),
             rate(int8_ms),
             ours / fp8_ms,
@@ -321,8 +290,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         );
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
-            "ours_ms": ours, "ours_pingpong_ms": ours_pp, "pingpong_over_cooperative": ours_pp / ours,
-            "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
+            "ours_ms": ours, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
             "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms, "bit_equal": true,
         }));
     }
@@ -399,7 +367,7 @@ fn run_bf16(
         let rate = |ms: f64| ops / (ms * 1e-3) / 1e12;
         let [ours, lt_ms] = best;
         println!(
-            "  {name:<13} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TFLOP/s), cuBLASLt {lt_ms:.4} ms \
+            "  {name:<17} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TFLOP/s), cuBLASLt {lt_ms:.4} ms \
              ({:.0}); ours / cuBLASLt {:.3} (< 1 means ours is faster); outputs {rel_l2:.2e} apart (relative L2)",
             rate(ours),
             rate(lt_ms),
