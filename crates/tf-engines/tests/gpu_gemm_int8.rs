@@ -33,7 +33,7 @@ use tf_engines::nn::gpu::gemm_int8::HALF96_ROTATED;
 use tf_engines::nn::gpu::gemm_int8::{
     int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope,
 };
-use tf_engines::nn::gpu::rope::{QkvInputs, QkvOutputs};
+use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::{Matrix, NnKernels, SwigluOrder};
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 
@@ -517,17 +517,9 @@ fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
         let mut apart = three_outputs(&g, m, stride, sentinel);
         ops.with(QkvRope::Interleaved, 64, |_, norm| {
             let qkv_v = qkv_dev.view();
-            let pass = QkvInputs {
-                qkv: &qkv_v,
-                qkv_layout: Matrix::dense(m, n),
-                heads,
-                q_weight: norm.q_weight,
-                k_weight: norm.k_weight,
-                eps: norm.eps,
-                rope_cos: norm.rope_cos,
-                rope_sin: norm.rope_sin,
-                rope_stride: norm.rope_stride,
-            };
+            let pass = norm
+                .interleaved_pass(&qkv_v, Matrix::dense(m, n))
+                .expect("the interleaved pass");
             with_outputs(&mut apart, stride, |outputs| {
                 nn.qk_norm_rope(&g.stream, &pass, outputs)
                     .expect("QK norm + RoPE pass")

@@ -13,7 +13,7 @@ use tf_engines::nn::gpu::gemm_int8::{
     QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS, SHARED_BYTES,
 };
 use tf_engines::nn::gpu::rope::QkvOutputs;
-use tf_engines::nn::gpu::SwigluOrder;
+use tf_engines::nn::gpu::{Matrix, SwigluOrder};
 use tf_testdriver::{library_path, test_lock};
 
 /// A context on the test driver's device 0 (hold `test_lock` while it lives).
@@ -343,4 +343,24 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
         assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[4]);
         assert_eq!(launch.config().grid.x, 3);
     }
+    // The separate pass's operands carry the same norm and tables; the rotate-half form has no such pass here.
+    let jv = joint.view();
+    let pass = norm
+        .interleaved_pass(&jv, Matrix::dense(m, 768))
+        .expect("the interleaved pass");
+    assert_eq!(
+        (pass.heads, pass.eps, pass.rope_stride, pass.qkv_layout),
+        (
+            norm.heads,
+            norm.eps,
+            norm.rope_stride,
+            Matrix::dense(m, 768)
+        )
+    );
+    assert_eq!(pass.rope_cos.addr(), norm.rope_cos.addr());
+    let err = half
+        .interleaved_pass(&jv, Matrix::dense(m, 768))
+        .expect_err("no rotate-half pass")
+        .to_string();
+    assert!(err.contains("Half96"), "{err}");
 }

@@ -35,7 +35,7 @@ use super::launch::{
     bytes_of, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
     LoadKernelsError, LoadedSet, Matrix, Operand,
 };
-use super::rope::{check_interleaved_tables, QkvOutputs};
+use super::rope::{check_interleaved_tables, QkvInputs, QkvOutputs};
 
 /// Name of the kernel set.
 pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
@@ -365,6 +365,35 @@ pub struct QkvNormRope<'v, 'a> {
     pub rope_cos: &'v DeviceView<'a>,
     pub rope_sin: &'v DeviceView<'a>,
     pub rope_stride: usize,
+}
+
+impl<'v, 'a> QkvNormRope<'v, 'a> {
+    /// The separate pass's operands for the same norm and tables (`nn_qk_norm_rope_interleaved` over the q|k|v rows
+    /// `qkv` laid out as `layout`): where the q|k|v GEMM does not run ours, the pass does what the epilogue would.
+    /// Only the interleaved RoPE has that pass here; [`QkvRope::Half96`] is refused, naming it.
+    pub fn interleaved_pass(
+        &self,
+        qkv: &'v DeviceView<'a>,
+        layout: Matrix,
+    ) -> Result<QkvInputs<'v, 'a>, tf_cuda::Error> {
+        if self.rope != QkvRope::Interleaved {
+            return Err(invalid(
+                "QK norm + RoPE pass",
+                format!("{:?} RoPE has no interleaved pass", self.rope),
+            ));
+        }
+        Ok(QkvInputs {
+            qkv,
+            qkv_layout: layout,
+            heads: self.heads,
+            q_weight: self.q_weight,
+            k_weight: self.k_weight,
+            eps: self.eps,
+            rope_cos: self.rope_cos,
+            rope_sin: self.rope_sin,
+            rope_stride: self.rope_stride,
+        })
+    }
 }
 
 /// Where [`plan_int8_qkv_gemm`] writes: q, k and v apart (bf16 rows of one stride for the three), or one q|k|v

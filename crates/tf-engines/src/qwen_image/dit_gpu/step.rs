@@ -27,7 +27,7 @@ use crate::nn::gpu::quant::{
 };
 use crate::nn::gpu::{
     attention_flops, AttentionInputs, Matrix, Modulation, ModulationRows, NormKind, NormModulate,
-    QkvInputs, QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
+    QkvOutputs, RowModulation, Strides, SwigluOrder, HEAD_DIM,
 };
 use crate::nn::precision::Fp8Groups;
 use crate::nn::weights::BF16;
@@ -502,22 +502,22 @@ impl Engine {
                 let (cos_v, sin_v) = (ws.rope_cos.view(), ws.rope_sin.view());
                 let (mut qv, mut kv, mut vv) = (ws.q.view_mut(), ws.k.view_mut(), ws.v.view_mut());
                 let mut outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), w);
+                let norm = QkvNormRope {
+                    heads: dims.heads,
+                    q_weight: &qw,
+                    k_weight: &kw,
+                    eps: dims.eps,
+                    rope: QkvRope::Interleaved,
+                    rope_cos: &cos_v,
+                    rope_sin: &sin_v,
+                    rope_stride: HEAD_DIM / 2,
+                };
                 if self.qkv_fused && fp8.codes_of(|g| g.qkv) == Some(RowCodes::Int8) {
                     let scales = bo.scales.qkv.ok_or_else(|| {
                         DitError::Backend(
                             "internal: an 8-bit GEMM group without weight scales".into(),
                         )
                     })?;
-                    let norm = QkvNormRope {
-                        heads: dims.heads,
-                        q_weight: &qw,
-                        k_weight: &kw,
-                        eps: dims.eps,
-                        rope: QkvRope::Interleaved,
-                        rope_cos: &cos_v,
-                        rope_sin: &sin_v,
-                        rope_stride: HEAD_DIM / 2,
-                    };
                     self.our_int8_gemm(
                         fp8_ref(&ws.fp8)?,
                         (total, 3 * w, d),
@@ -537,17 +537,9 @@ impl Engine {
                     )?;
                     phase!("qkv GEMM", Flops, 2 * total * 3 * w * d);
                     let qkv_view = ws.qkv.view();
-                    let inputs = QkvInputs {
-                        qkv: &qkv_view,
-                        qkv_layout: Matrix::dense(total, 3 * w),
-                        heads: dims.heads,
-                        q_weight: &qw,
-                        k_weight: &kw,
-                        eps: dims.eps,
-                        rope_cos: &cos_v,
-                        rope_sin: &sin_v,
-                        rope_stride: HEAD_DIM / 2,
-                    };
+                    let inputs = norm
+                        .interleaved_pass(&qkv_view, Matrix::dense(total, 3 * w))
+                        .map_err(launch)?;
                     k_.qk_norm_rope(st, &inputs, &mut outputs).map_err(launch)?;
                     phase!("qk-norm+rope", Bytes, 2 * total * 3 * w * BF16);
                 }

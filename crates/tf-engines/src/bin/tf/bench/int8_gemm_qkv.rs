@@ -8,7 +8,7 @@ use tf_engines::nn::gpu::gemm::GemmRunner;
 use tf_engines::nn::gpu::gemm_int8::{
     Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope, HALF96_ROTATED,
 };
-use tf_engines::nn::gpu::{Matrix, NnKernels, QkvInputs, QkvOutputs};
+use tf_engines::nn::gpu::{Matrix, NnKernels, QkvOutputs};
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::relative_l2;
 
@@ -127,17 +127,7 @@ pub(super) fn run_qkv(
             match rope {
                 QkvRope::Interleaved => {
                     let rows_v = qkv_rows.view();
-                    let pass = QkvInputs {
-                        qkv: &rows_v,
-                        qkv_layout: Matrix::dense(m, n),
-                        heads,
-                        q_weight: &qw,
-                        k_weight: &kw,
-                        eps: 1e-6,
-                        rope_cos: &cv,
-                        rope_sin: &sv,
-                        rope_stride: table_cols,
-                    };
+                    let pass = norm.interleaved_pass(&rows_v, Matrix::dense(m, n))?;
                     with_parts(&mut parts_apart, width, |outputs| {
                         nn.qk_norm_rope(stream, &pass, outputs)
                     })??;
