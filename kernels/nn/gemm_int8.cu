@@ -259,6 +259,39 @@ __device__ __forceinline__ void g8_products_and_inv_rms(int32_t (&acc)[128], flo
     r = make_float4(inv_rms(sq_a0), inv_rms(sq_a1), inv_rms(sq_b0), inv_rms(sq_b1));
 }
 
+// Where a q or k tile of the q|k|v epilogues goes and how it is normed: its output (q or k), norm weights, first
+// output column, and the rows' 1 / RMS per head after g8_products_and_inv_rms (which it runs on acc).
+struct G8QkvHead {
+    bf16* __restrict__ out;
+    const bf16* __restrict__ norm_w;
+    int out_col0;
+    float4 r;  // x row_a head 0, y row_a head 1, z row_b head 0, w row_b head 1
+};
+__device__ __forceinline__ G8QkvHead g8_qkv_head(int32_t (&acc)[128], float2 scales, const float* __restrict__ w_scale,
+                                                 const G8Qkv& p, int region, int n0, int q) {
+    G8QkvHead h;
+    h.out = region == 0 ? p.q : p.k;
+    h.norm_w = region == 0 ? p.q_weight : p.k_weight;
+    h.out_col0 = n0 - region * p.width;
+    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, h.r);
+    return h;
+}
+
+// The RoPE table rows (entries of T) of rows row_a and row_b = row_a + 8.
+template <typename T>
+struct G8RopeRows {
+    const T* __restrict__ cos_a;
+    const T* __restrict__ sin_a;
+    const T* __restrict__ cos_b;
+    const T* __restrict__ sin_b;
+};
+template <typename T>
+__device__ __forceinline__ G8RopeRows<T> g8_rope_rows(const G8Qkv& p, int row_a, int m) {
+    return {g8_table_row<T>(p.rope_cos, row_a, m, p.rope_stride), g8_table_row<T>(p.rope_sin, row_a, m, p.rope_stride),
+            g8_table_row<T>(p.rope_cos, row_a + 8, m, p.rope_stride),
+            g8_table_row<T>(p.rope_sin, row_a + 8, m, p.rope_stride)};
+}
+
 // 16 bytes of row `row` (if < m) at column col of out.
 __device__ __forceinline__ void g8_store16(bf16* __restrict__ out, int64_t stride, int row, int m, int col,
                                            const uint32_t (&v)[4]) {
@@ -279,16 +312,9 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
     const int q = lane & 3;
     const int row_a = rows.x;
     const int row_b = rows.x + 8;
-    bf16* __restrict__ out = region == 0 ? p.q : p.k;
-    const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
-    const int out_col0 = n0 - region * p.width;
-    float4 r;  // 1 / RMS: x row_a head 0, y row_a head 1, z row_b head 0, w row_b head 1
-    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, r);
-    const float r_a0 = r.x, r_a1 = r.y, r_b0 = r.z, r_b1 = r.w;
-    const float* __restrict__ cos_a = g8_table_row<float>(p.rope_cos, row_a, rows.y, p.rope_stride);
-    const float* __restrict__ sin_a = g8_table_row<float>(p.rope_sin, row_a, rows.y, p.rope_stride);
-    const float* __restrict__ cos_b = g8_table_row<float>(p.rope_cos, row_b, rows.y, p.rope_stride);
-    const float* __restrict__ sin_b = g8_table_row<float>(p.rope_sin, row_b, rows.y, p.rope_stride);
+    const G8QkvHead head = g8_qkv_head(acc, scales, w_scale, p, region, n0, q);
+    const float r_a0 = head.r.x, r_a1 = head.r.y, r_b0 = head.r.z, r_b1 = head.r.w;
+    const G8RopeRows<float> tab = g8_rope_rows<float>(p, row_a, rows.y);
     // One rotated pair: n = bf16(bf16(x r) w) for both channels, then the complex product with (cos, sin).
     auto rotated = [](float x0, float x1, float r, float2 nw, float cs, float sn) {
         const float n_0 = nn::round_bf16(nn::round_bf16(x0 * r) * nw.x);
@@ -303,18 +329,18 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
         for (int t = 0; t < 4; ++t) {
             const int j = 4 * g + t;
             const int channel = 8 * (j % 16) + 2 * q;  // within the head; RoPE slot channel / 2
-            const float2 nw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(norm_w + channel));
+            const float2 nw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(head.norm_w + channel));
             const int slot = channel / 2;
             va[t] = rotated(__int_as_float(acc[4 * j]), __int_as_float(acc[4 * j + 1]), j < 16 ? r_a0 : r_a1, nw,
-                            cos_a[slot], sin_a[slot]);
-            vb[t] = rotated(__int_as_float(acc[4 * j + 2]), __int_as_float(acc[4 * j + 3]), j < 16 ? r_b0 : r_b1, nw,
-                            cos_b[slot], sin_b[slot]);
+                            tab.cos_a[slot], tab.sin_a[slot]);
+            vb[t] = rotated(__int_as_float(acc[4 * j + 2]), __int_as_float(acc[4 * j + 3]), j < 16 ? r_b0 : r_b1,
+                            nw, tab.cos_b[slot], tab.sin_b[slot]);
         }
         g8_transpose_quad(va, q);
         g8_transpose_quad(vb, q);
-        const int block_col = out_col0 + 8 * (4 * g + q);
-        g8_store16(out, p.stride, row_a, rows.y, block_col, va);
-        g8_store16(out, p.stride, row_b, rows.y, block_col, vb);
+        const int block_col = head.out_col0 + 8 * (4 * g + q);
+        g8_store16(head.out, p.stride, row_a, rows.y, block_col, va);
+        g8_store16(head.out, p.stride, row_b, rows.y, block_col, vb);
     }
 }
 
@@ -329,16 +355,13 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
     const int q = lane & 3;
     const int row_a = rows.x;
     const int row_b = rows.x + 8;
-    bf16* __restrict__ out = region == 0 ? p.q : p.k;
-    const bf16* __restrict__ norm_w = region == 0 ? p.q_weight : p.k_weight;
-    const int out_col0 = n0 - region * p.width;
-    float4 r;
-    g8_products_and_inv_rms(acc, scales, w_scale, n0, q, p.eps, r);
+    const G8QkvHead head = g8_qkv_head(acc, scales, w_scale, p, region, n0, q);
+    const float4 r = head.r;
     // n in place: x * r * weight.
 #pragma unroll
     for (int j = 0; j < kG8Cols / 8; ++j) {
         const float2 nw =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(norm_w + 8 * (j % 16) + 2 * q));
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(head.norm_w + 8 * (j % 16) + 2 * q));
         const float ra = j < 16 ? r.x : r.y;
         const float rb = j < 16 ? r.z : r.w;
         acc[4 * j] = __float_as_int(__int_as_float(acc[4 * j]) * ra * nw.x);
@@ -346,10 +369,7 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
         acc[4 * j + 2] = __float_as_int(__int_as_float(acc[4 * j + 2]) * rb * nw.x);
         acc[4 * j + 3] = __float_as_int(__int_as_float(acc[4 * j + 3]) * rb * nw.y);
     }
-    const bf16* __restrict__ cos_a = g8_table_row<bf16>(p.rope_cos, row_a, rows.y, p.rope_stride);
-    const bf16* __restrict__ sin_a = g8_table_row<bf16>(p.rope_sin, row_a, rows.y, p.rope_stride);
-    const bf16* __restrict__ cos_b = g8_table_row<bf16>(p.rope_cos, row_b, rows.y, p.rope_stride);
-    const bf16* __restrict__ sin_b = g8_table_row<bf16>(p.rope_sin, row_b, rows.y, p.rope_stride);
+    const G8RopeRows<bf16> tab = g8_rope_rows<bf16>(p, row_a, rows.y);
 #pragma unroll
     for (int g = 0; g < kG8Cols / 32; ++g) {
         uint32_t v[2][4];
@@ -368,8 +388,8 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
                     const float p0 = sign * __int_as_float(acc[4 * pj + 2 * h]);
                     const float p1 = sign * __int_as_float(acc[4 * pj + 2 * h + 1]);
                     const int slot = 8 * (first ? jj : jj - kHalfBlocks) + 2 * q;
-                    const bf16* __restrict__ cos_row = h == 0 ? cos_a : cos_b;
-                    const bf16* __restrict__ sin_row = h == 0 ? sin_a : sin_b;
+                    const bf16* __restrict__ cos_row = h == 0 ? tab.cos_a : tab.cos_b;
+                    const bf16* __restrict__ sin_row = h == 0 ? tab.sin_a : tab.sin_b;
                     const float2 c = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(cos_row + slot));
                     const float2 sn = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sin_row + slot));
                     o0 = o0 * c.x + p0 * sn.x;
@@ -381,9 +401,9 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
         }
         g8_transpose_quad(v[0], q);
         g8_transpose_quad(v[1], q);
-        const int block_col = out_col0 + 8 * (4 * g + q);
-        g8_store16(out, p.stride, row_a, rows.y, block_col, v[0]);
-        g8_store16(out, p.stride, row_b, rows.y, block_col, v[1]);
+        const int block_col = head.out_col0 + 8 * (4 * g + q);
+        g8_store16(head.out, p.stride, row_a, rows.y, block_col, v[0]);
+        g8_store16(head.out, p.stride, row_b, rows.y, block_col, v[1]);
     }
 }
 
