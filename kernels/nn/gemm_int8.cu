@@ -701,3 +701,224 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(G8_QK
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(G8_QKV_PARAMS) {
     G8_QKV_BODY(kG8QkvHalf);
 }
+
+// --- Implicit-GEMM 3x3 convolution (kernels nn_conv3x3_bf16_n144, nn_conv3x3_bf16_n256) ---
+//
+//   y[p, o] = bf16( sum_{tap, c} x[p + shift(tap), c] * w[o, tap * cin + c] + bias[o] (+ y[p, o]) )
+//
+// (or in f32, bias and y both f32)
+//
+// over an NHWC bf16 map x [h, w, cin] with zero padding of one pixel, w the tap-major weight matrix [n, 9 cin]
+// (tap = 3 dy + dx), y NHWC bf16 [h, w, n]. The same warp-specialised pipeline as the GEMM above, but the column
+// matrix an im2col pass would write is never made: for K slice (tap, c0) the producer loads x's box of 64 channels
+// at pixel (y0 + dy - 1, x0 + dx - 1) through a 3-D tensor map {cin, w, h}, whose zero fill outside the map is the
+// convolution's padding. An M tile is 128 pixels: 128 of one row (w >= 128; a row's last tile hangs over its end)
+// or 128 / w whole rows (w < 128 dividing 128). The slice's channels past cin read as zeros, so the weight columns
+// the slice reads past its tap (the next tap's first ones) multiply zeros, and no per-tap padding of w is needed.
+#if defined(NN_HAS_WGMMA)
+namespace {
+
+#define CV_REGS72 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}"
+#define CV_ACC72 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
+
+// d (+)= A * B for one m64n144k16 step: bf16 operands from shared memory (K-major descriptors), f32 sums.
+__device__ __forceinline__ void wgmma_bf16_m64n144k16(float (&d)[72], uint64_t desc_a, uint64_t desc_b,
+                                                      int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 " CV_REGS72 ", %72, %73, p, 1, 1, 0, 0;\n}\n"
+                 : CV_ACC72
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+constexpr int kCvAccumulate = 1;  // flags: y += the conv (else y = the conv)
+constexpr int kCvF32 = 2;         // flags: f32 bias and output (else bf16)
+
+// The conv kernel's tile width: the MMA of a warpgroup's 64 x kCols block, its accumulator count and stages.
+template <int kCols>
+struct CvTile;
+template <>
+struct CvTile<144> {
+    static constexpr int kStages = 6;
+    __device__ __forceinline__ static void mma(float (&d)[72], uint64_t a, uint64_t b, int accumulate) {
+        wgmma_bf16_m64n144k16(d, a, b, accumulate);
+    }
+};
+template <>
+struct CvTile<256> {
+    static constexpr int kStages = 4;
+    __device__ __forceinline__ static void mma(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+        wgmma_bf16_m64n256k16(d, a, b, accumulate);
+    }
+};
+
+// The pixel geometry of the M tiles: `box_w` pixels of `rows_per_tile` rows each (box_w * rows_per_tile = 128).
+struct CvGeometry {
+    int h, w, box_w, rows_per_tile, tiles_per_row, m_tiles;
+    __device__ __forceinline__ CvGeometry(int h_, int w_, int box_w_)
+        : h(h_), w(w_), box_w(box_w_), rows_per_tile(kG8Rows / box_w_),
+          tiles_per_row((w_ + box_w_ - 1) / box_w_),
+          m_tiles(((h_ + kG8Rows / box_w_ - 1) / (kG8Rows / box_w_)) * ((w_ + box_w_ - 1) / box_w_)) {}
+    // The first pixel (x, y) of M tile `mt`.
+    __device__ __forceinline__ int2 origin(int mt) const {
+        return make_int2((mt % tiles_per_row) * box_w, (mt / tiles_per_row) * rows_per_tile);
+    }
+    // The pixel index of the tile's row `i`, or -1 past the map.
+    __device__ __forceinline__ int pixel(int2 o, int i) const {
+        const int px = o.x + i % box_w;
+        const int py = o.y + i / box_w;
+        return (px < w && py < h) ? py * w + px : -1;
+    }
+};
+
+template <int kCols>
+__device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const void* __restrict__ bias,
+                                              void* __restrict__ y, int h, int w, int cin, int n, int box_w,
+                                              int flags) {
+    using Tile = CvTile<kCols>;
+    constexpr int kStages = Tile::kStages;
+    constexpr int kBBytes = kCols * kG8Slice;
+    constexpr int kStageBytes = kG8ABytes + kBBytes;
+    static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
+    constexpr int kAcc = kCols / 2;
+    constexpr int kSliceElems = kG8Slice / 2;  // 64 channels
+    extern __shared__ uint8_t g8_smem[];
+    __shared__ __align__(8) uint64_t barriers[2 * kStages];
+    const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(g8_smem));
+    const uint32_t smem = (smem_raw + 1023u) & ~1023u;
+    const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
+    auto full = [&](int s) { return bar_base + 8u * s; };
+    auto empty = [&](int s) { return bar_base + 8u * (kStages + s); };
+    auto a_tile = [&](int s) { return smem + s * kStageBytes; };
+    auto b_tile = [&](int s) { return smem + s * kStageBytes + kG8ABytes; };
+    const CvGeometry geo(h, w, box_w);
+    const int tiles = geo.m_tiles * ((n + kCols - 1) / kCols);
+    const int c_slices = (cin + kSliceElems - 1) / kSliceElems;
+    const int slices = 9 * c_slices;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), kG8ConsumerWarps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
+        if (threadIdx.x == 0) {
+            int it = 0;
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                const int2 o = geo.origin(tile % geo.m_tiles);
+                const int n0 = (tile / geo.m_tiles) * kCols;
+                for (int t = 0; t < slices; ++t, ++it) {
+                    const int s = it % kStages;
+                    if (it >= kStages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kStages) - 1) & 1));
+                    const int tap = t / c_slices;
+                    const int c0 = (t - tap * c_slices) * kSliceElems;
+                    mbar_expect_bytes(full(s), kStageBytes);
+                    tma_box(a_tile(s), &tm_x, c0, o.x + tap % 3 - 1, o.y + tap / 3 - 1, full(s));
+                    tma_box_2d(b_tile(s), &tm_w, tap * cin + c0, n0, full(s));
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kG8ConsumerRegs));
+    const int consumer = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    };
+    float acc[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int2 o = geo.origin(tile % geo.m_tiles);
+        const int n0 = (tile / geo.m_tiles) * kCols;
+        for (int t = 0; t < slices; ++t, ++it) {
+            const int s = it % kStages;
+            mbar_wait(full(s), static_cast<uint32_t>((it / kStages) & 1));
+            wgmma_fence();
+            const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
+            const uint32_t b = b_tile(s);
+#pragma unroll
+            for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+                Tile::mma(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
+                          (t > 0 || kk > 0) ? 1 : 0);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (t > 0) release((it - 1) % kStages);
+        }
+        wgmma_wait<0>();
+        release((it - 1) % kStages);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+
+        // Thread (warp, lane) holds tile rows 16 warp + lane / 4 and + 8 of its warpgroup's 64, and in each 8-column
+        // block j the columns 8 j + 2 (lane % 4) and + 1 (acc[4 j + e]: e < 2 the first row).
+        const int i_a = consumer * 64 + warp * 16 + lane / 4;
+        const int pixel_a = geo.pixel(o, i_a);
+        const int pixel_b = geo.pixel(o, i_a + 8);
+        const int col0 = n0 + 2 * (lane % 4);
+        const bool accumulate = (flags & kCvAccumulate) != 0;
+        const bool f32_out = (flags & kCvF32) != 0;
+        auto store = [&](int pixel, int col, float v0, float v1) {
+            const int64_t at = static_cast<int64_t>(pixel) * n + col;
+            if (f32_out) {
+                const float2 b2 = *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + col);
+                float2* dst = reinterpret_cast<float2*>(static_cast<float*>(y) + at);
+                float2 v = make_float2(v0 + b2.x, v1 + b2.y);
+                if (accumulate) {
+                    const float2 old = *dst;
+                    v.x += old.x;
+                    v.y += old.y;
+                }
+                *dst = v;
+                return;
+            }
+            const __nv_bfloat162 b2 = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(bias) + col);
+            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(y) + at);
+            v0 += __bfloat162float(b2.x);
+            v1 += __bfloat162float(b2.y);
+            if (accumulate) {
+                const __nv_bfloat162 old = *dst;
+                v0 += __bfloat162float(old.x);
+                v1 += __bfloat162float(old.y);
+            }
+            *dst = __floats2bfloat162_rn(v0, v1);
+        };
+#pragma unroll
+        for (int j = 0; j < kCols / 8; ++j) {
+            const int col = col0 + 8 * j;
+            if (col >= n) continue;
+            if (pixel_a >= 0) store(pixel_a, col, acc[4 * j], acc[4 * j + 1]);
+            if (pixel_b >= 0) store(pixel_b, col, acc[4 * j + 2], acc[4 * j + 3]);
+        }
+    }
+}
+
+}  // namespace
+#endif
+
+// The implicit-GEMM 3x3 convolution above, for output tiles of 144 or 256 channels. tm_x: x as {cin, w, h} bf16,
+// boxes of 64 channels x box_w pixels x (128 / box_w) rows; tm_w: w as {9 cin, n, 1} bf16, boxes of 64 x kCols
+// rows; both 128-byte swizzle, zero fill. bias: [n], y: [h w, n], both bf16, or both f32 with flags & kCvF32; y is
+// added to with flags & kCvAccumulate. cin a
+// multiple of 8, n even; box_w = 128 when w >= 128, else w (which then divides 128). Persistent grid of at most one
+// CTA an SM, 384 threads, kStages * (16 KiB + kCols * 128 B) + 1 KiB of dynamic shared memory.
+#if defined(NN_HAS_WGMMA)
+#define CV_BODY(COLS) conv3x3_tiles<COLS>(tm_x, tm_w, bias, y, h, w, cin, n, box_w, flags)
+#else
+#define CV_BODY(COLS) __trap()
+#endif
+#define CV_PARAMS                                                                                                   \
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const void *__restrict__ bias,     \
+        void *__restrict__ y, int h, int w, int cin, int n, int box_w, int flags
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n144(CV_PARAMS) { CV_BODY(144); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n256(CV_PARAMS) { CV_BODY(256); }

@@ -126,6 +126,22 @@ extern "C" __global__ void __launch_bounds__(QV_THREADS)
     }
 }
 
+// Nearest 2x upsample: y [2h, 2w, cp] with y[(yy, xx), :] = x[(yy / 2, xx / 2), :], the input of an upsample
+// conv run as an implicit GEMM (which cannot fold the upsample into its loads as the column gather does). 16 bytes
+// (8 channels) a thread; grid-stride over 4 * h * w * cp / 8 chunks (32-bit: the launcher bounds it).
+extern "C" __global__ void __launch_bounds__(QV_THREADS)
+    qv_upsample2x(const bf16* __restrict__ x, int h, int w, int cp, bf16* __restrict__ y) {
+    const unsigned chunks = static_cast<unsigned>(cp) / 8u;
+    const unsigned w2 = 2u * static_cast<unsigned>(w);
+    const unsigned total = 4u * static_cast<unsigned>(h) * static_cast<unsigned>(w) * chunks;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const unsigned chunk = i % chunks;
+        const unsigned pixel = i / chunks;
+        const unsigned src = (pixel / w2 >> 1) * static_cast<unsigned>(w) + ((pixel % w2) >> 1);
+        reinterpret_cast<uint4*>(y)[i] = reinterpret_cast<const uint4*>(x)[src * chunks + chunk];
+    }
+}
+
 // The decoded image as 8-bit pixels, channel-interleaved (HWC): out[p * channels + c] = round(255 * v), v =
 // clamp(clamp(y[p, c], -1, 1) / 2 + 0.5, 0, 1), from the f32 channels-last conv_out result y [pixels, cp]. The
 // same f32 operations in the same order as the host's conversion of the clamped planes, so the bytes are equal.

@@ -179,19 +179,43 @@ fn check_tiles(t: &Tiles, element: Element) -> Result<(), Error> {
     Ok(())
 }
 
+/// Checks a box depth in batch entries: 1 to 256, and at most 256 rows a box in all (the tile one copy fills).
+pub fn check_box_batch(t: &Tiles, box_batch: u32) -> Result<(), Error> {
+    let rows = u64::from(t.box_rows) * u64::from(box_batch);
+    if box_batch == 0 || box_batch > 256 || rows > 256 {
+        return Err(Error::invalid(format!(
+            "tensor map: box of {box_batch} batch entries x {} rows (1..=256 entries, at most 256 rows in all)",
+            t.box_rows
+        )));
+    }
+    Ok(())
+}
+
 /// Encodes the bf16 map of `t` with the driver of `ctx` (zero fill outside the tensor, 128-byte
 /// swizzle, 256-byte L2 promotion).
 pub fn encode_bf16_tiles(ctx: &Context, t: &Tiles) -> Result<TensorMap, Error> {
-    encode_tiles(ctx, t, BF16)
+    encode_tiles(ctx, t, BF16, 1)
+}
+
+/// [`encode_bf16_tiles`] with boxes `box_batch` batch entries deep: one copy moves `box_batch` x `box_rows` rows
+/// (an image's rows of pixels, say), laid out in shared memory one after another as one tile of rows.
+pub fn encode_bf16_boxes(ctx: &Context, t: &Tiles, box_batch: u32) -> Result<TensorMap, Error> {
+    encode_tiles(ctx, t, BF16, box_batch)
 }
 
 /// Encodes the byte map of `t` (columns in bytes: INT8 or e4m3 codes) like [`encode_bf16_tiles`].
 pub fn encode_int8_tiles(ctx: &Context, t: &Tiles) -> Result<TensorMap, Error> {
-    encode_tiles(ctx, t, BYTE)
+    encode_tiles(ctx, t, BYTE, 1)
 }
 
-fn encode_tiles(ctx: &Context, t: &Tiles, element: Element) -> Result<TensorMap, Error> {
+fn encode_tiles(
+    ctx: &Context,
+    t: &Tiles,
+    element: Element,
+    box_batch: u32,
+) -> Result<TensorMap, Error> {
     check_tiles(t, element)?;
+    check_box_batch(t, box_batch)?;
     let driver = ctx.driver();
     // SAFETY: the signature is the one cuda.h declares for this symbol; only the address is read.
     let encode = unsafe {
@@ -208,7 +232,7 @@ fn encode_tiles(ctx: &Context, t: &Tiles, element: Element) -> Result<TensorMap,
     };
     let dims = [t.cols, t.rows, t.batch];
     let strides = [t.row_stride_bytes, batch_stride];
-    let boxes = [t.box_cols, t.box_rows, 1];
+    let boxes = [t.box_cols, t.box_rows, box_batch];
     let element_strides = [1u32; 3];
     let mut words = [0u64; 16];
     // SAFETY: every pointer refers to a live local array of the length the rank (3) implies;
@@ -338,5 +362,26 @@ mod tests {
             err.to_string().contains("shorter than a row of 5376 bytes"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn box_depth_is_bounded_by_the_tile() {
+        // An NHWC map of 64-pixel rows: two rows a box make a 128-row tile; four would be 256; five too many.
+        let pixels = Tiles {
+            base: 0x7000_0000,
+            cols: 144,
+            rows: 64,
+            batch: 64,
+            row_stride_bytes: 144 * 2,
+            batch_stride_bytes: 64 * 144 * 2,
+            box_cols: 64,
+            box_rows: 64,
+        };
+        assert!(check_box_batch(&pixels, 2).is_ok());
+        assert!(check_box_batch(&pixels, 4).is_ok());
+        for bad in [0, 5] {
+            let err = check_box_batch(&pixels, bad).expect_err("outside 1..=256 rows");
+            assert!(err.to_string().contains("at most 256 rows"), "{err}");
+        }
     }
 }

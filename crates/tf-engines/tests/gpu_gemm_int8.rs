@@ -22,6 +22,11 @@
 //! in another order, and a flipped rounding of the norm's intermediates moves an output by a step of those sizes); its
 //! rotate-half form, in place on one q|k|v matrix, to the GEMM and MiniMax H3's own pass (`h3_qk_norm_rope`) alike.
 //!
+//! The implicit-GEMM 3x3 convolution (`nn::gpu::conv`, kernels nn_conv3x3_bf16_*) is held bit for bit to the host's
+//! padded convolution plus bias (plus the output it adds to), on exact operands as the bf16 GEMM: maps wider than a
+//! tile (a row's last tile hanging over its end) and narrower (whole rows a tile), channel counts that leave a
+//! slice partly past a tap, both tile widths and partial output tiles.
+//!
 //! They are ignored in a plain `cargo test`; run without a GPU they fail, and on a GPU that is not sm_90 each prints
 //! that it is skipped.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
@@ -29,6 +34,7 @@
 
 use tf_cuda::{Context, DeviceBuffer, Stream};
 use tf_engines::minimax_h3::dit_gpu::kernels::{plan_qk_norm_rope, H3Kernels, QkNormRope};
+use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
 use tf_engines::nn::gpu::gemm_int8::HALF96_ROTATED;
 use tf_engines::nn::gpu::gemm_int8::{
     int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope,
@@ -680,5 +686,120 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
             &parts(&fused),
             None,
         );
+    }
+}
+
+/// The host's padded 3x3 convolution of `x` ([h, w, cin]) by the tap-major `weight` ([n, 9 cin]), plus `bias` and
+/// `old` (added when given), in f64: exact for the eighths operands.
+fn conv3x3_host(
+    (h, w, cin, n): (usize, usize, usize, usize),
+    x: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    old: Option<&[f32]>,
+) -> Vec<f32> {
+    let mut y = vec![0f32; h * w * n];
+    for py in 0..h {
+        for px in 0..w {
+            let p = py * w + px;
+            for o in 0..n {
+                let mut sum = f64::from(bias[o]) + old.map_or(0.0, |v| f64::from(v[p * n + o]));
+                for tap in 0..9 {
+                    let (sy, sx) = (py + tap / 3, px + tap % 3);
+                    if sy == 0 || sx == 0 || sy > h || sx > w {
+                        continue;
+                    }
+                    let q = (sy - 1) * w + (sx - 1);
+                    let wrow = &weight[o * 9 * cin + tap * cin..o * 9 * cin + (tap + 1) * cin];
+                    sum += (0..cin)
+                        .map(|c| f64::from(x[q * cin + c]) * f64::from(wrow[c]))
+                        .sum::<f64>();
+                }
+                y[p * n + o] = sum as f32;
+            }
+        }
+    }
+    y
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn conv3x3_matches_the_host_bit_for_bit_on_exact_sums() {
+    let Some(g) = gpu("conv3x3_matches_the_host_bit_for_bit_on_exact_sums") else {
+        return;
+    };
+    // (h, w, cin, n, accumulate, output): a 200-wide map (a row's second tile hangs over), 64 and 32 wide (two and
+    // four rows a tile, the last tile partly past the map), cin 144 and 72 (a slice partly past its tap), 1152 (18
+    // slices a tap), 8; n on the 144 tile (288, 20, 400, 8: partial output tiles) and the 256 tile (256, 2); the f32
+    // output of a decoder's last conv (8 channels, f32 bias), with and without adding to y.
+    for (i, &(h, w, cin, n, accumulate, output)) in [
+        (5, 200, 144, 288, false, ConvOutput::Bf16),
+        (7, 64, 24, 20, true, ConvOutput::Bf16),
+        (3, 32, 1152, 256, true, ConvOutput::Bf16),
+        (2, 128, 8, 2, false, ConvOutput::Bf16),
+        (9, 130, 72, 400, true, ConvOutput::Bf16),
+        (4, 256, 144, 8, false, ConvOutput::F32),
+        (3, 64, 16, 8, true, ConvOutput::F32),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(9100 + i as u64);
+        let x = eighths(&mut rng, h * w * cin);
+        let weight = eighths(&mut rng, n * 9 * cin);
+        let bias = eighths(&mut rng, n);
+        let old = eighths(&mut rng, h * w * n);
+        let want = conv3x3_host(
+            (h, w, cin, n),
+            &x,
+            &weight,
+            &bias,
+            accumulate.then_some(old.as_slice()),
+        );
+        let x_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&x)).expect("x");
+        let w_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&weight)).expect("weight");
+        let (b_dev, y_dev) = match output {
+            ConvOutput::Bf16 => (
+                DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&bias)).expect("bias"),
+                DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&old)).expect("y"),
+            ),
+            ConvOutput::F32 => (
+                DeviceBuffer::from_slice(&g.ctx, &bias).expect("bias"),
+                DeviceBuffer::from_slice(&g.ctx, &old).expect("y"),
+            ),
+        };
+        let shape = Conv3x3Shape { h, w, cin, n };
+        let span = |b: &DeviceBuffer| tf_cuda::cublaslt::DeviceSpan::new(b.addr(), b.len());
+        let launch = plan_conv3x3_spans(
+            &g.ctx,
+            g.kernels.sm_count(),
+            shape,
+            (span(&x_dev), span(&w_dev), span(&b_dev)),
+            (span(&y_dev), output),
+            accumulate,
+        )
+        .unwrap_or_else(|e| panic!("conv {shape:?}: {e}"));
+        // SAFETY: the four buffers live until after the synchronize below; nothing else uses y meanwhile.
+        unsafe { g.kernels.submit_spans(&g.stream, &launch) }.expect("submit the conv");
+        g.stream.synchronize().expect("synchronize");
+        println!(
+            "conv {h}x{w}, {cin} -> {n} channels ({:?} tile, {output:?}, accumulate {accumulate}):",
+            ConvTile::for_channels(n)
+        );
+        match output {
+            ConvOutput::Bf16 => {
+                let got: Vec<u16> = y_dev.to_vec().expect("y back");
+                assert_equals_host("conv3x3", (h * w, n, 9 * cin, n), &got, &want, 0);
+            }
+            ConvOutput::F32 => {
+                let got: Vec<f32> = y_dev.to_vec().expect("y back");
+                let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+                println!(
+                    "  {wrong} of {} f32 outputs differ from the host's",
+                    want.len()
+                );
+                assert_eq!(wrong, 0, "f32 conv {shape:?} differs from the host");
+            }
+        }
     }
 }

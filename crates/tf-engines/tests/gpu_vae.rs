@@ -1,6 +1,7 @@
 //! The GPU VAE decoder against the diffusers fixture (tests/fixtures/qwen_vae) and the host reference, and at
 //! the released widths (decoder_base_dim 144, z 64) with seeded random weights: parity with the host decoder on
-//! a 4 x 4 latent, then the time and device memory of a 64 x 64 latent (a 1024 x 1024 image).
+//! a 4 x 4 latent, then the time and device memory of a 64 x 64 latent (a 1024 x 1024 image). On sm_90 both
+//! 3x3 conv paths (implicit GEMM, the default, and im2col + cuBLASLt) are held to the host and to each other.
 //!
 //! Tolerance: weights and activations are bf16 with f32 accumulation and f32 norms, so the distance to the f32
 //! references is a few bf16 roundoffs (2^-8) compounded over ~40 layers. `REL_L2_MAX` 5e-2 and `COSINE_MIN`
@@ -329,6 +330,21 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
         println!("host 4x4 decode {:.2?}", started.elapsed());
         drop(host);
         assert_close("full-size 4x4 vs host", &gpu_small, &host_small);
+        // On sm_90 the 3x3 convs run as implicit GEMMs by default: the column-matrix path must agree too.
+        let implicit = gpu.uses_implicit_convs();
+        println!("3x3 convs as implicit GEMMs: {implicit}");
+        if implicit {
+            gpu.set_implicit_convs(false);
+            let im2col_small = gpu
+                .decode_packed(&small, 4, 4)
+                .expect("GPU decode 4x4, im2col");
+            assert_close(
+                "full-size 4x4 (im2col convs) vs host",
+                &im2col_small,
+                &host_small,
+            );
+            gpu.set_implicit_convs(true);
+        }
         let spread = host_small
             .data()
             .iter()
@@ -351,6 +367,14 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
             first.data().iter().all(|v| v.is_finite()),
             "non-finite pixels"
         );
+        if implicit {
+            gpu.set_implicit_convs(false);
+            let im2col = gpu
+                .decode_packed(&big, 64, 64)
+                .expect("GPU decode 64x64, im2col");
+            gpu.set_implicit_convs(true);
+            assert_close("1024x1024 implicit vs im2col convs", &first, &im2col);
+        }
         let mut times = Vec::new();
         for _ in 0..3 {
             let started = Instant::now();

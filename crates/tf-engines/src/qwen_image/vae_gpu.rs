@@ -4,8 +4,12 @@
 //! - Weights: one device allocation. Convolutions are GEMM matrices `[out_cp, taps * in_cp]` (tap-major, then
 //!   channel), channel counts padded to multiples of 8 with zero rows and columns; biases bf16 (f32 for
 //!   `conv_out`, whose GEMM writes f32); norm gammas f32, zero padded, so padding channels stay zero throughout.
-//! - 3x3 convolutions: the `qwen_image_vae` kernels gather columns for a band of output rows (the nearest 2x
-//!   upsample is folded into the gather), then one cuBLASLt GEMM per band writes the rows, bias in the epilogue.
+//! - 3x3 convolutions: on sm_90, one implicit-GEMM launch each ([`crate::nn::gpu::conv`]: the input's taps are
+//!   loaded from the map itself, no column matrix), bias and residual in its epilogue. Elsewhere (another GPU, a map
+//!   width the kernel does not tile, or `TF_VAE_CONV=im2col`): the `qwen_image_vae` kernels gather columns
+//!   for a band of output rows (the nearest 2x upsample is folded into the gather), then one cuBLASLt GEMM per band
+//!   writes the rows, bias in the epilogue. An implicit upsample conv reads a nearest-upsampled copy of its input
+//!   (`qv_upsample2x` into a free activation buffer).
 //!   Residuals are added by the GEMM itself (`beta = 1` on the output that already holds the shortcut), so a
 //!   resnet's identity shortcut is updated in place and the DupUp shortcut is written before the upsample conv.
 //! - Channel RMS norms (+ SiLU) run in f32 in one kernel; the mid attention is Q, K and Vᵀ GEMMs, f32 scores per
@@ -40,16 +44,20 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 use super::components::{DecodedPixels, VaeBackend};
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
+use crate::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
+use crate::nn::gpu::gemm_int8::Int8GemmKernels;
 #[cfg(feature = "bench")]
 use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
 use crate::nn::gpu::Launch;
+use crate::nn::gpu::LoadKernelsError;
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig};
 use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, WeightsError, BF16};
 use crate::qwen_image::vae_ops::{
     padded_channels, plan_denormalize, plan_dup_up, plan_im2col3x3, plan_image_out,
-    plan_rms_norm_silu, plan_softmax_rows, DupUpShape, Im2colBand, ImageOut, VaeKernels,
+    plan_rms_norm_silu, plan_softmax_rows, plan_upsample2x, DupUpShape, Im2colBand, ImageOut,
+    VaeKernels,
 };
 
 const F32: usize = 4;
@@ -634,6 +642,43 @@ struct Decoded {
     pixels: Option<Vec<u8>>,
 }
 
+/// The environment variable that picks how the decoder runs its 3x3 convolutions: `implicit` (the default on sm_90:
+/// one implicit-GEMM launch a conv, [`crate::nn::gpu::conv`]) or `im2col` (a column matrix gathered per band, then a
+/// cuBLASLt GEMM; the only path on other GPUs, and always for the upsample convs and `conv_out`).
+pub const CONV_ENV: &str = "TF_VAE_CONV";
+
+/// Whether [`CONV_ENV`] (its value `value`, if set) asks for the implicit-GEMM convolutions.
+fn implicit_convs_asked(value: Option<&str>) -> Result<bool, VaeError> {
+    match value {
+        None | Some("implicit") => Ok(true),
+        Some("im2col") => Ok(false),
+        Some(other) => Err(VaeError::Config(format!(
+            "{CONV_ENV}={other:?} is not a conv path: use `implicit` or `im2col`"
+        ))),
+    }
+}
+
+/// The implicit-GEMM conv kernels when the GPU runs them (sm_90), else `None`.
+fn load_implicit_convs(ctx: &Context) -> Result<Option<Int8GemmKernels>, VaeError> {
+    match Int8GemmKernels::load(ctx) {
+        Ok(k) => Ok(Some(k)),
+        // Not sm_90 (or not built): the im2col path serves every conv.
+        Err(LoadKernelsError::Missing { .. }) => Ok(None),
+        Err(e) => Err(backend("loading the implicit-GEMM conv kernels", e)),
+    }
+}
+
+/// The phase an implicit-GEMM 3x3 conv at output width `out_w` is timed in.
+fn conv3x3_implicit_phase(out_w: usize, image_w: usize) -> &'static str {
+    match image_w.checked_div(out_w) {
+        Some(1) => "conv3x3 implicit GEMM, full size",
+        Some(2) => "conv3x3 implicit GEMM, 1/2 size",
+        Some(4) => "conv3x3 implicit GEMM, 1/4 size",
+        Some(8) => "conv3x3 implicit GEMM, 1/8 size",
+        _ => "conv3x3 implicit GEMM, 1/16 size",
+    }
+}
+
 /// The phase a 3x3 conv GEMM at output width `out_w` is timed in, by its scale against the image width `image_w`.
 fn conv3x3_phase(out_w: usize, image_w: usize) -> &'static str {
     match image_w.checked_div(out_w) {
@@ -651,6 +696,9 @@ pub struct GpuVaeDecoder {
     stream: Stream,
     kernels: VaeKernels,
     gemms: GemmRunner,
+    /// The implicit-GEMM 3x3 convolutions (sm_90 only), and whether they run ([`CONV_ENV`]).
+    convs: Option<Int8GemmKernels>,
+    implicit: bool,
     weights: DeviceBuffer,
     net: Net,
     budget: GpuVaeBudget,
@@ -701,6 +749,8 @@ impl GpuVaeDecoder {
         let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
         let gemms = GemmRunner::new(ctx, AlgoSelection::Heuristic)
             .map_err(|e| backend("loading cuBLASLt", e))?;
+        let implicit = implicit_convs_asked(std::env::var(CONV_ENV).ok().as_deref())?;
+        let convs = load_implicit_convs(ctx)?;
         let total = packer.bytes();
         let mut weights = DeviceBuffer::alloc(ctx, total)
             .map_err(|e| backend(&format!("allocating {total} B of weights"), e))?;
@@ -722,6 +772,8 @@ impl GpuVaeDecoder {
             stream,
             kernels,
             gemms,
+            convs,
+            implicit,
             weights,
             net,
             budget: GpuVaeBudget::default(),
@@ -729,6 +781,18 @@ impl GpuVaeDecoder {
             #[cfg(feature = "bench")]
             phase_timer: Mutex::new(None),
         })
+    }
+
+    /// Runs the 3x3 convolutions as implicit GEMMs (`true`, where the GPU has them) or through column matrices;
+    /// returns whether the implicit ones now run. The default comes from [`CONV_ENV`].
+    pub fn set_implicit_convs(&mut self, on: bool) -> bool {
+        self.implicit = on;
+        self.uses_implicit_convs()
+    }
+
+    /// Whether the 3x3 convolutions run as implicit GEMMs (all but the upsample convs and `conv_out`).
+    pub fn uses_implicit_convs(&self) -> bool {
+        self.implicit && self.convs.is_some()
     }
 
     /// The parsed config.
@@ -1022,6 +1086,44 @@ impl GpuVaeDecoder {
         accumulate: bool,
         f32_out: bool,
     ) -> Result<(), VaeError> {
+        let image_w = ws.plan.latent_w * self.config.spatial_factor();
+        let implicit = self.convs.as_ref().filter(|_| self.implicit);
+        if let (Some(convs), false) = (implicit, upsample) {
+            let shape = Conv3x3Shape {
+                h: out_h,
+                w: out_w,
+                cin: conv.in_cp,
+                n: conv.out_cp,
+            };
+            if shape.check().is_ok() {
+                let (output, out_size) = if f32_out {
+                    (ConvOutput::F32, F32)
+                } else {
+                    (ConvOutput::Bf16, BF16)
+                };
+                let operands = (
+                    x,
+                    self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?,
+                    self.weight(conv.bias, conv.out_cp * out_size)?,
+                );
+                let launch = plan_conv3x3_spans(
+                    &self.ctx,
+                    convs.sm_count(),
+                    shape,
+                    operands,
+                    (y, output),
+                    accumulate,
+                )
+                .map_err(|e| backend("planning an implicit-GEMM conv", e))?;
+                // SAFETY: x, y and the weights lie inside live buffers of this decoder or of the workspace in use
+                // (checked by `span`), in the stream's context; the decode synchronizes before they can be
+                // replaced or dropped, and Drop synchronizes first. x and y are different buffers.
+                unsafe { convs.submit_spans(&self.stream, &launch) }
+                    .map_err(|e| backend(launch.kernel, e))?;
+                let flops = 2.0 * (out_h * out_w) as f64 * conv.out_cp as f64 * conv.k() as f64;
+                return self.mark(conv3x3_implicit_phase(out_w, image_w), flops);
+            }
+        }
         let out_size = if f32_out { F32 } else { BF16 };
         let band_rows = ws.plan.band_rows(out_h, out_w, conv.in_cp);
         let w = self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?;
@@ -1043,7 +1145,7 @@ impl GpuVaeDecoder {
             let row_bytes = out_w * conv.out_cp * out_size;
             let y_band = gemm::sub_span(y, row0 * row_bytes, rows * row_bytes)?;
             self.gemm(
-                conv3x3_phase(out_w, ws.plan.latent_w * self.config.spatial_factor()),
+                conv3x3_phase(out_w, image_w),
                 Linear {
                     m,
                     n: conv.out_cp,
@@ -1267,10 +1369,24 @@ impl GpuVaeDecoder {
             }
             if let (Some((conv, ..)), Some(d)) = (&block.upsample, held) {
                 let src = ws.act(x, h * w, conv.in_cp)?;
+                let (src_h, src_w) = (h, w);
                 h *= 2;
                 w *= 2;
                 let dst = ws.act(d, h * w, conv.out_cp)?;
-                self.conv3x3(ws, conv, src, (h, w), true, dst, true, false)?;
+                let implicit_shape = Conv3x3Shape {
+                    h,
+                    w,
+                    cin: conv.in_cp,
+                    n: conv.out_cp,
+                };
+                if self.uses_implicit_convs() && implicit_shape.check().is_ok() {
+                    // The implicit GEMM reads the upsampled map itself: 4x the input, not 9x 4x of columns.
+                    let up = ws.act(free_index(&[x, d])?, h * w, conv.in_cp)?;
+                    self.submit(plan_upsample2x(src, (src_h, src_w, conv.in_cp), up))?;
+                    self.conv3x3(ws, conv, up, (h, w), false, dst, true, false)?;
+                } else {
+                    self.conv3x3(ws, conv, src, (h, w), true, dst, true, false)?;
+                }
                 x = d;
             }
         }
@@ -1389,6 +1505,20 @@ mod tests {
         assert!(tight.cols_elems >= 96 * 9 * 8);
         assert_eq!(tight.band_rows(64, 96, 8), 1);
         assert!(BufferPlan::new(&config(2, 4), 0, 6, GpuVaeBudget::default()).is_err());
+    }
+
+    #[test]
+    fn conv_path_names() {
+        assert!(implicit_convs_asked(None).unwrap());
+        assert!(implicit_convs_asked(Some("implicit")).unwrap());
+        assert!(!implicit_convs_asked(Some("im2col")).unwrap());
+        let err = implicit_convs_asked(Some("direct"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("TF_VAE_CONV") && err.contains("im2col"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -40,6 +40,7 @@ const VAE_KERNELS: &[&str] = &[
     "qv_rms_norm_silu",
     "qv_im2col3x3",
     "qv_dup_up",
+    "qv_upsample2x",
     "qv_softmax_rows",
     "qv_planes_clamp",
     "qv_image_u8",
@@ -309,6 +310,35 @@ pub fn plan_dup_up(
     Ok(Launch::from_spans(
         "qv_dup_up",
         stride_grid(OP, out_elems, THREADS)?,
+        args,
+    ))
+}
+
+/// The nearest 2x upsample of `x` `[h, w, cp]` into `y` `[2 h, 2 w, cp]` (kernel qv_upsample2x).
+pub fn plan_upsample2x(
+    x: DeviceSpan,
+    (h, w, cp): (usize, usize, usize),
+    y: DeviceSpan,
+) -> Result<Launch<'static>, tf_cuda::Error> {
+    const OP: &str = "vae upsample2x";
+    check_padded(OP, "cp", cp)?;
+    if h == 0 || w == 0 {
+        return Err(invalid(OP, format!("an empty {h} x {w} map")));
+    }
+    check_span(OP, "x", x, bytes_of(OP, "x", &[h, w, cp, BF16])?, 16)?;
+    let out_elems = bytes_of(OP, "y", &[4, h, w, cp])?;
+    check_span(OP, "y", y, bytes_of(OP, "y", &[out_elems, BF16])?, 16)?;
+    // The kernel indexes in 32 bits.
+    to_i32(OP, "4 * h * w * cp", out_elems)?;
+    let mut args = Args::new();
+    args.push_addr(x.addr)
+        .push(to_i32(OP, "h", h)?)
+        .push(to_i32(OP, "w", w)?)
+        .push(to_i32(OP, "cp", cp)?)
+        .push_addr(y.addr);
+    Ok(Launch::from_spans(
+        "qv_upsample2x",
+        stride_grid(OP, out_elems / 8, THREADS)?,
         args,
     ))
 }

@@ -31,6 +31,7 @@ use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::act::SwigluOrder;
 use super::attention::HEAD_DIM;
+use super::conv::ConvTile;
 use super::launch::{
     bytes_of, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
     LoadKernelsError, LoadedSet, Matrix, Operand,
@@ -41,13 +42,16 @@ use super::rope::{check_interleaved_tables, QkvInputs, QkvOutputs};
 pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
 /// The set's kernels: the INT8 GEMM, the same pipeline over bf16 operands ([`plan_bf16_gemm`]), the INT8 GEMM of a
 /// SwiGLU's two halves with the SwiGLU in its epilogue ([`plan_int8_swiglu_gemm`]), and the INT8 GEMM of a fused
-/// q|k|v projection with the QK norm and RoPE in its epilogue ([`plan_int8_qkv_gemm`]).
+/// q|k|v projection with the QK norm and RoPE in its epilogue ([`plan_int8_qkv_gemm`]), and the implicit-GEMM 3x3
+/// convolutions ([`super::conv`]) over output tiles of 144 and 256 channels.
 pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_int8_scaled_bf16",
     "nn_gemm_bf16",
     "nn_gemm_int8_swiglu_bf16",
     "nn_gemm_int8_qkv_bf16",
     "nn_gemm_int8_qkv_half_bf16",
+    "nn_conv3x3_bf16_n144",
+    "nn_conv3x3_bf16_n256",
 ];
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
@@ -748,8 +752,12 @@ impl Int8GemmKernels {
     pub fn load(ctx: &Context) -> Result<Int8GemmKernels, LoadKernelsError> {
         let sm_count = require_sm90(ctx, GEMM_INT8_SET, "the INT8 GEMM")?;
         let mut set = LoadedSet::empty();
-        set.add(ctx, GEMM_INT8_SET, GEMM_INT8_KERNELS, |_, function| {
-            function.set_max_dynamic_shared(SHARED_BYTES)?;
+        set.add(ctx, GEMM_INT8_SET, GEMM_INT8_KERNELS, |name, function| {
+            let shared = [ConvTile::Cols144, ConvTile::Cols256]
+                .into_iter()
+                .find(|t| t.kernel() == name)
+                .map_or(SHARED_BYTES, ConvTile::shared_bytes);
+            function.set_max_dynamic_shared(shared)?;
             Ok(true)
         })?;
         Ok(Int8GemmKernels { set, sm_count })
@@ -763,6 +771,23 @@ impl Int8GemmKernels {
     /// Submits a launch of [`plan_int8_gemm`] (benchmarks plan once and submit it repeatedly).
     pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
         self.set.submit(stream, launch)
+    }
+
+    /// Submits a launch planned over raw device spans ([`plan_bf16_gemm_spans`], [`super::conv::plan_conv3x3_spans`]).
+    ///
+    /// # Safety
+    ///
+    /// Every span of the launch lies in device memory of `stream`'s context that is allocated now and stays
+    /// allocated until the work on `stream` is done, and the spans it writes are not read or written by other work
+    /// meanwhile.
+    pub unsafe fn submit_spans(
+        &self,
+        stream: &Stream,
+        launch: &Launch<'_>,
+    ) -> Result<(), tf_cuda::Error> {
+        // SAFETY: forwarded contract: live spans of the stream's context, checked by the plan against what the kernel
+        // addresses.
+        unsafe { self.set.submit_spans(stream, launch) }
     }
 
     /// Runs the INT8 GEMM of a SwiGLU's two halves with the SwiGLU in its epilogue on `stream`; see

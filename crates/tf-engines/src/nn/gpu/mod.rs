@@ -20,7 +20,7 @@
 //!
 //! Files: [`launch`] (matrices, operands, checks, [`Launch`], loading), [`attention`], [`norm`], [`rope`],
 //! [`act`] (SwiGLU, gelu, silu), [`copy`] (timestep embedding, embedding gather, copies, seeded fill), [`gemm`]
-//! (the cuBLASLt GEMM wrapper, bf16 and FP8), [`quant`] (the FP8 quantizing kernels, their own set),
+//! (the cuBLASLt GEMM wrapper, bf16 and FP8), [`conv`] (the implicit-GEMM 3x3 convolution), [`quant`] (the FP8 quantizing kernels, their own set),
 //! [`graph_cache`] (captured step graphs), [`recent_set`] (the bounded per-shape workspaces of a DiT), [`spare_buffers`] (a dropped workspace's buffers kept for the next) and [`phases`] (device time per phase, for the benchmarks).
 //!
 //! ```no_run
@@ -36,6 +36,7 @@
 pub mod act;
 pub mod attention;
 pub mod attention_8bit;
+pub mod conv;
 pub mod copy;
 pub mod gemm;
 pub mod gemm_int8;

@@ -3,7 +3,8 @@
 //! the host, and as the pipeline runs them (8-bit pixels made on the device); with `--phases` the device time of
 //! every kernel and GEMM kind of one decode. With `--reference` (the reference.json of
 //! tests/python/qwen_pipeline_reference.py from the same run) diffusers' decode phase is printed beside the
-//! pipeline's path, with the ratio.
+//! pipeline's path, with the ratio. On a GPU with the implicit-GEMM 3x3 convolutions (sm_90) both conv paths are
+//! timed, implicit then im2col, and their two images compared (relative L2, largest difference).
 //!
 //! The body needs tf-engines' `bench` feature (the GPU bundle builds `tf` with it).
 
@@ -88,17 +89,49 @@ mod imp {
                 })
                 .collect::<Result<_, _>>()?
         };
+        let paths: Vec<bool> = if vae.set_implicit_convs(true) {
+            vec![true, false]
+        } else {
+            vec![false]
+        };
         let mut runs = Vec::new();
         for budget in budgets {
             vae.set_budget(budget);
-            runs.push(time_one_budget(
-                &mut vae,
-                args,
-                &packed,
-                (rows, cols),
-                reference,
-            )?);
+            for &implicit in &paths {
+                vae.set_implicit_convs(implicit);
+                println!(
+                    "  3x3 convs: {}",
+                    if implicit {
+                        "implicit GEMM"
+                    } else {
+                        "im2col + cuBLASLt"
+                    }
+                );
+                let mut run = time_one_budget(&mut vae, args, &packed, (rows, cols), reference)?;
+                run["conv"] = serde_json::json!(if implicit { "implicit" } else { "im2col" });
+                runs.push(run);
+            }
         }
+        let paths_agree = if paths.len() == 2 {
+            vae.set_implicit_convs(true);
+            let a = vae.decode_packed(&packed, rows, cols)?;
+            vae.set_implicit_convs(false);
+            let b = vae.decode_packed(&packed, rows, cols)?;
+            let (mut diff2, mut ref2, mut max_abs) = (0f64, 0f64, 0f64);
+            for (x, y) in a.data().iter().zip(b.data()) {
+                let d = f64::from(x - y);
+                diff2 += d * d;
+                ref2 += f64::from(*y) * f64::from(*y);
+                max_abs = max_abs.max(d.abs());
+            }
+            let rel_l2 = (diff2 / ref2.max(f64::MIN_POSITIVE)).sqrt();
+            println!(
+                "  implicit against im2col images: relative L2 {rel_l2:.3e}, largest difference {max_abs:.3e}"
+            );
+            serde_json::json!({ "rel_l2": rel_l2, "max_abs": max_abs })
+        } else {
+            serde_json::Value::Null
+        };
         if let Some(path) = &args.json {
             let json = serde_json::json!({
                 "model": args.model.display().to_string(),
@@ -107,6 +140,7 @@ mod imp {
                 "load_s": load_s,
                 "reference_decode_ms": reference,
                 "runs": runs,
+                "implicit_vs_im2col": paths_agree,
             });
             std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
             println!("wrote {}", path.display());

@@ -1,0 +1,363 @@
+//! The implicit-GEMM 3x3 convolution (kernels `nn_conv3x3_bf16_n144` / `_n256` of the `nn_gemm_int8` set, sm_90
+//! only): a padded 3x3 conv over an NHWC bf16 map, computed as the GEMM of the conv's column matrix without ever
+//! writing that matrix. The kernel loads each (tap, 64 channels) slice of the input straight from the map through a
+//! 3-D tensor map whose zero fill is the padding, so a conv reads its input from L2 instead of a column matrix nine
+//! times its size from memory.
+//!
+//! Invariants: `x` is `[h, w, cin]` bf16 with `cin` a multiple of 8 (16-byte pixel rows); the weights are the
+//! tap-major matrix `[n, 9 cin]` (column `tap * cin + c`, `tap = 3 dy + dx`) that an im2col GEMM reads; `y` is `[h,
+//! w, n]` bf16 (or f32, with an f32 bias: [`ConvOutput`]) with `n` even, `y = conv(x) + bias (+ y)`. Each output is
+//! one f32 sum of bf16 products rounded once.
+//! An M tile is 128 pixels: of one row when `w >= 128`, else `128 / w` whole rows, so `w` below 128 must divide 128
+//! ([`Conv3x3Shape::check`] names the rule; callers fall back to an im2col GEMM).
+//!
+//! ```no_run
+//! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, k: &tf_engines::nn::gpu::gemm_int8::Int8GemmKernels,
+//! #         x: tf_cuda::DeviceSpan, w: tf_cuda::DeviceSpan, bias: tf_cuda::DeviceSpan, y: tf_cuda::DeviceSpan)
+//! #         -> Result<(), tf_cuda::Error> {
+//! use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput};
+//! let shape = Conv3x3Shape { h: 1024, w: 1024, cin: 144, n: 144 };
+//! let launch = plan_conv3x3_spans(ctx, k.sm_count(), shape, (x, w, bias), (y, ConvOutput::Bf16), false)?;
+//! // SAFETY: the spans are live allocations of the stream's context and nothing else touches y meanwhile.
+//! unsafe { k.submit_spans(stream, &launch) }?;
+//! # Ok(()) }
+//! ```
+
+use tf_cuda::cublaslt::DeviceSpan;
+use tf_cuda::launch::{Args, LaunchConfig};
+use tf_cuda::tensor_map::{encode_bf16_boxes, encode_bf16_tiles, Tiles};
+use tf_cuda::Context;
+
+use super::gemm_int8::{GEMM_INT8_KERNELS, K_SLICE, TILE_ROWS};
+use super::launch::{bytes_of, check_operand, invalid, to_i32, to_u32, Launch, Operand};
+
+const OP: &str = "3x3 conv";
+const BF16: usize = 2;
+/// Channels of the input one K slice holds (128 bytes of bf16).
+const SLICE_CHANNELS: usize = K_SLICE / BF16;
+const THREADS: u32 = 384;
+
+/// The conv kernels: output tiles of 144 and of 256 channels, with the pipeline stages each fits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvTile {
+    /// 144 channels a tile, six stages (channel counts of 144 times a power of two: the Qwen-Image VAE).
+    Cols144,
+    /// 256 channels a tile, four stages.
+    Cols256,
+}
+
+impl ConvTile {
+    /// Output channels one tile computes.
+    pub fn cols(self) -> usize {
+        match self {
+            ConvTile::Cols144 => 144,
+            ConvTile::Cols256 => 256,
+        }
+    }
+
+    fn stages(self) -> usize {
+        match self {
+            ConvTile::Cols144 => 6,
+            ConvTile::Cols256 => 4,
+        }
+    }
+
+    /// The kernel's name in the set.
+    pub fn kernel(self) -> &'static str {
+        match self {
+            ConvTile::Cols144 => GEMM_INT8_KERNELS[5],
+            ConvTile::Cols256 => GEMM_INT8_KERNELS[6],
+        }
+    }
+
+    /// Dynamic shared memory: the stages' input and weight tiles, and 1 KiB to align them to 1024 bytes.
+    pub fn shared_bytes(self) -> u32 {
+        // Small constants: 6 * (16 KiB + 18 KiB) + 1 KiB at most.
+        ((TILE_ROWS + self.cols()) * K_SLICE * self.stages() + 1024) as u32
+    }
+
+    /// The tile of the two that computes the fewest padding channels for `n` outputs (the wider one on a tie).
+    pub fn for_channels(n: usize) -> ConvTile {
+        let padded = |t: ConvTile| n.div_ceil(t.cols()) * t.cols();
+        if padded(ConvTile::Cols144) < padded(ConvTile::Cols256) {
+            ConvTile::Cols144
+        } else {
+            ConvTile::Cols256
+        }
+    }
+}
+
+// 227 KiB is the most one block may opt in to on sm_90.
+const _: () = assert!((TILE_ROWS + 144) * K_SLICE * 6 + 1024 <= 227 * 1024);
+const _: () = assert!((TILE_ROWS + 256) * K_SLICE * 4 + 1024 <= 227 * 1024);
+
+/// The element type of a conv's output and bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvOutput {
+    /// bf16 output and bias.
+    Bf16,
+    /// f32 output and bias (a decoder's last conv).
+    F32,
+}
+
+impl ConvOutput {
+    fn bytes(self) -> usize {
+        match self {
+            ConvOutput::Bf16 => 2,
+            ConvOutput::F32 => 4,
+        }
+    }
+}
+
+/// The kernel's `flags` bits.
+const FLAG_ACCUMULATE: i32 = 1;
+const FLAG_F32: i32 = 2;
+
+/// A conv's sizes: an `h` x `w` map of `cin` input and `n` output channels (stride 1, padding 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv3x3Shape {
+    pub h: usize,
+    pub w: usize,
+    pub cin: usize,
+    pub n: usize,
+}
+
+impl Conv3x3Shape {
+    /// Refuses a shape the kernel does not tile, naming the rule.
+    pub fn check(&self) -> Result<(), tf_cuda::Error> {
+        if self.h == 0 || self.w == 0 || self.cin == 0 || self.n == 0 {
+            return Err(invalid(OP, format!("empty conv {self:?}")));
+        }
+        if !self.cin.is_multiple_of(8) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "cin = {} is not a multiple of 8 (16-byte pixel rows): pad the channels",
+                    self.cin
+                ),
+            ));
+        }
+        if !self.n.is_multiple_of(2) {
+            return Err(invalid(
+                OP,
+                format!("n = {} is odd: the kernel stores pairs of channels", self.n),
+            ));
+        }
+        if self.w < TILE_ROWS && !TILE_ROWS.is_multiple_of(self.w) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "a map {} pixels wide: below {TILE_ROWS} the width must divide {TILE_ROWS} (a tile is whole rows); \
+                     use the im2col GEMM",
+                    self.w
+                ),
+            ));
+        }
+        // The kernel indexes pixels, weight columns and tiles in 32-bit ints.
+        let pixels = self
+            .h
+            .checked_mul(self.w)
+            .ok_or_else(|| invalid(OP, "pixel count overflows"))?;
+        to_i32(OP, "pixels", pixels)?;
+        let k = self
+            .cin
+            .checked_mul(9)
+            .ok_or_else(|| invalid(OP, "9 cin overflows"))?;
+        to_i32(OP, "9 cin", k)?;
+        to_i32(OP, "n", self.n)?;
+        let tiles = self
+            .m_tiles()
+            .checked_mul(self.n.div_ceil(ConvTile::for_channels(self.n).cols()))
+            .ok_or_else(|| invalid(OP, "tile count overflows"))?;
+        to_i32(OP, "tiles", tiles)?;
+        Ok(())
+    }
+
+    /// Pixels of one row a tile covers: 128, or the whole row when the map is narrower.
+    pub fn box_w(&self) -> usize {
+        self.w.min(TILE_ROWS)
+    }
+
+    /// Tiles over the pixels (after [`Self::check`]).
+    pub fn m_tiles(&self) -> usize {
+        let box_w = self.box_w().max(1);
+        let rows_per_tile = TILE_ROWS / box_w;
+        self.h.div_ceil(rows_per_tile.max(1)) * self.w.div_ceil(box_w)
+    }
+}
+
+/// Checks `shape` and the operands (`x` bf16 `[h, w, cin]`, `weight` bf16 `[n, 9 cin]`, `bias` `[n]` and `y` `[h, w,
+/// n]` of the `output` type, `y` added to when `accumulate`) and packs the launch for a GPU of `sm_count` SMs. The launch borrows
+/// nothing: only [`super::gemm_int8::Int8GemmKernels::submit_spans`], which is `unsafe`, submits it.
+pub fn plan_conv3x3_spans(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Conv3x3Shape,
+    (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
+    (y, output): (DeviceSpan, ConvOutput),
+    accumulate: bool,
+) -> Result<Launch<'static>, tf_cuda::Error> {
+    let (config, args, tile) = pack(
+        ctx,
+        sm_count,
+        shape,
+        (x, weight, bias),
+        (y, output),
+        accumulate,
+    )?;
+    Ok(Launch::from_spans(tile.kernel(), config, args))
+}
+
+fn operand(s: DeviceSpan) -> Operand {
+    Operand {
+        addr: s.addr,
+        bytes: s.bytes,
+    }
+}
+
+fn pack(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Conv3x3Shape,
+    (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
+    (y, output): (DeviceSpan, ConvOutput),
+    accumulate: bool,
+) -> Result<(LaunchConfig, Args, ConvTile), tf_cuda::Error> {
+    shape.check()?;
+    let Conv3x3Shape { h, w, cin, n } = shape;
+    let pixels = h * w;
+    let k = 9 * cin;
+    check_operand(
+        OP,
+        "x",
+        operand(x),
+        bytes_of(OP, "x", &[pixels, cin, BF16])?,
+        16,
+    )?;
+    check_operand(
+        OP,
+        "weight",
+        operand(weight),
+        bytes_of(OP, "weight", &[n, k, BF16])?,
+        16,
+    )?;
+    // The epilogue moves pairs of channels: 4-byte (bf16) or 8-byte (f32) accesses.
+    let size = output.bytes();
+    check_operand(
+        OP,
+        "bias",
+        operand(bias),
+        bytes_of(OP, "bias", &[n, size])?,
+        2 * size as u64,
+    )?;
+    check_operand(
+        OP,
+        "y",
+        operand(y),
+        bytes_of(OP, "y", &[pixels, n, size])?,
+        2 * size as u64,
+    )?;
+    let tile = ConvTile::for_channels(n);
+    let box_w = shape.box_w();
+    let tm_x = encode_bf16_boxes(
+        ctx,
+        &Tiles {
+            base: x.addr,
+            cols: cin as u64,
+            rows: w as u64,
+            batch: h as u64,
+            row_stride_bytes: (cin * BF16) as u64,
+            batch_stride_bytes: (w * cin * BF16) as u64,
+            box_cols: SLICE_CHANNELS as u32,
+            box_rows: box_w as u32,
+        },
+        (TILE_ROWS / box_w) as u32,
+    )?;
+    let tm_w = encode_bf16_tiles(
+        ctx,
+        &Tiles {
+            base: weight.addr,
+            cols: k as u64,
+            rows: n as u64,
+            batch: 1,
+            row_stride_bytes: (k * BF16) as u64,
+            batch_stride_bytes: 0,
+            box_cols: SLICE_CHANNELS as u32,
+            box_rows: tile.cols() as u32,
+        },
+    )?;
+    let mut args = Args::new();
+    args.push(tm_x.words())
+        .push(tm_w.words())
+        .push_addr(bias.addr)
+        .push_addr(y.addr)
+        .push(to_i32(OP, "h", h)?)
+        .push(to_i32(OP, "w", w)?)
+        .push(to_i32(OP, "cin", cin)?)
+        .push(to_i32(OP, "n", n)?)
+        .push(to_i32(OP, "box_w", box_w)?)
+        .push(
+            if accumulate { FLAG_ACCUMULATE } else { 0 }
+                | if output == ConvOutput::F32 {
+                    FLAG_F32
+                } else {
+                    0
+                },
+        );
+    let tiles = shape.m_tiles() * n.div_ceil(tile.cols());
+    let grid = to_u32(OP, "CTAs", tiles.min(sm_count.max(1)))?;
+    let config = LaunchConfig::new(grid, THREADS).with_shared(tile.shared_bytes());
+    Ok((config, args, tile))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(h: usize, w: usize, cin: usize, n: usize) -> Conv3x3Shape {
+        Conv3x3Shape { h, w, cin, n }
+    }
+
+    #[test]
+    fn picks_the_tile_with_the_least_padding() {
+        for (n, want) in [
+            (144, ConvTile::Cols144),
+            (288, ConvTile::Cols144),
+            (1152, ConvTile::Cols144),
+            (256, ConvTile::Cols256),
+            (384, ConvTile::Cols144),
+            (96, ConvTile::Cols144),
+            (200, ConvTile::Cols256),
+        ] {
+            assert_eq!(ConvTile::for_channels(n), want, "n = {n}");
+        }
+        assert_eq!(ConvTile::Cols144.shared_bytes(), 6 * 34 * 1024 + 1024);
+        assert_eq!(ConvTile::Cols256.shared_bytes(), 4 * 48 * 1024 + 1024);
+    }
+
+    #[test]
+    fn tiles_cover_the_pixels() {
+        // 1024 wide: 8 tiles a row; 64 wide: two rows a tile; 200 wide: a row's second tile hangs over.
+        assert_eq!(shape(1024, 1024, 144, 144).m_tiles(), 1024 * 8);
+        assert_eq!(shape(64, 64, 1152, 1152).m_tiles(), 32);
+        assert_eq!(shape(5, 200, 16, 16).m_tiles(), 10);
+        assert_eq!(shape(3, 64, 16, 16).m_tiles(), 2);
+        assert_eq!(shape(3, 64, 16, 16).box_w(), 64);
+    }
+
+    #[test]
+    fn refuses_what_the_kernel_does_not_tile() {
+        for (bad, rule) in [
+            (shape(0, 64, 16, 16), "empty conv"),
+            (shape(8, 64, 12, 16), "multiple of 8"),
+            (shape(8, 64, 16, 15), "odd"),
+            (shape(8, 96, 16, 16), "must divide 128"),
+            (shape(1 << 16, 1 << 16, 16, 16), "pixels"),
+        ] {
+            let err = bad.check().expect_err(rule);
+            assert!(err.to_string().contains(rule), "{bad:?}: {err}");
+        }
+        assert!(shape(8, 96 * 2, 16, 16).check().is_ok());
+        assert!(shape(8, 1, 16, 16).check().is_ok());
+    }
+}
