@@ -733,31 +733,36 @@ __device__ __forceinline__ void wgmma_bf16_m64n144k16(float (&d)[72], uint64_t d
 constexpr int kCvAccumulate = 1;  // flags: y += the conv (else y = the conv)
 constexpr int kCvF32 = 2;         // flags: f32 bias and output (else bf16)
 
-// The conv kernel's tile width: the MMA of a warpgroup's 64 x kCols block, its accumulator count and stages.
+// The conv kernel's tile width: the MMA of a warpgroup's 64 x kCols block, its accumulator count.
 template <int kCols>
 struct CvTile;
 template <>
 struct CvTile<144> {
-    static constexpr int kStages = 6;
     __device__ __forceinline__ static void mma(float (&d)[72], uint64_t a, uint64_t b, int accumulate) {
         wgmma_bf16_m64n144k16(d, a, b, accumulate);
     }
 };
 template <>
 struct CvTile<256> {
-    static constexpr int kStages = 4;
     __device__ __forceinline__ static void mma(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
         wgmma_bf16_m64n256k16(d, a, b, accumulate);
     }
 };
 
-// The pixel geometry of the M tiles: `box_w` pixels of `rows_per_tile` rows each (box_w * rows_per_tile = 128).
+// Pipeline stages of a kRows x kCols tile: as many as fit in 227 KiB with the 1 KiB alignment slack.
+template <int kRows, int kCols>
+constexpr int cv_stages() {
+    return (227 * 1024 - 1024) / ((kRows + kCols) * kG8Slice) < 6 ? (227 * 1024 - 1024) / ((kRows + kCols) * kG8Slice)
+                                                                   : 6;
+}
+
+// The pixel geometry of the M tiles of `pixels` (128 or 256) pixels: `box_w` pixels of `rows_per_tile` rows each.
 struct CvGeometry {
     int h, w, box_w, rows_per_tile, tiles_per_row, m_tiles;
-    __device__ __forceinline__ CvGeometry(int h_, int w_, int box_w_)
-        : h(h_), w(w_), box_w(box_w_), rows_per_tile(kG8Rows / box_w_),
+    __device__ __forceinline__ CvGeometry(int h_, int w_, int box_w_, int pixels)
+        : h(h_), w(w_), box_w(box_w_), rows_per_tile(pixels / box_w_),
           tiles_per_row((w_ + box_w_ - 1) / box_w_),
-          m_tiles(((h_ + kG8Rows / box_w_ - 1) / (kG8Rows / box_w_)) * ((w_ + box_w_ - 1) / box_w_)) {}
+          m_tiles(((h_ + pixels / box_w_ - 1) / (pixels / box_w_)) * ((w_ + box_w_ - 1) / box_w_)) {}
     // The first pixel (x, y) of M tile `mt`.
     __device__ __forceinline__ int2 origin(int mt) const {
         return make_int2((mt % tiles_per_row) * box_w, (mt / tiles_per_row) * rows_per_tile);
@@ -770,14 +775,17 @@ struct CvGeometry {
     }
 };
 
-template <int kCols>
+template <int kRows, int kCols>
 __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const void* __restrict__ bias,
                                               void* __restrict__ y, int h, int w, int cin, int n, int box_w,
                                               int flags) {
     using Tile = CvTile<kCols>;
-    constexpr int kStages = Tile::kStages;
+    constexpr int kStages = cv_stages<kRows, kCols>();
+    constexpr int kABytes = kRows * kG8Slice;
     constexpr int kBBytes = kCols * kG8Slice;
-    constexpr int kStageBytes = kG8ABytes + kBBytes;
+    constexpr int kStageBytes = kABytes + kBBytes;
+    // 64-row blocks each consumer warpgroup computes (one wgmma each a K step, sharing the B operand).
+    constexpr int kBlocks = kRows / 128;
     static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
     constexpr int kAcc = kCols / 2;
     constexpr int kSliceElems = kG8Slice / 2;  // 64 channels
@@ -789,8 +797,8 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
     auto full = [&](int s) { return bar_base + 8u * s; };
     auto empty = [&](int s) { return bar_base + 8u * (kStages + s); };
     auto a_tile = [&](int s) { return smem + s * kStageBytes; };
-    auto b_tile = [&](int s) { return smem + s * kStageBytes + kG8ABytes; };
-    const CvGeometry geo(h, w, box_w);
+    auto b_tile = [&](int s) { return smem + s * kStageBytes + kABytes; };
+    const CvGeometry geo(h, w, box_w, kRows);
     const int tiles = geo.m_tiles * ((n + kCols - 1) / kCols);
     const int c_slices = (cin + kSliceElems - 1) / kSliceElems;
     const int slices = 9 * c_slices;
@@ -833,9 +841,12 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
     };
-    float acc[kAcc];
+    float acc[kBlocks][kAcc];
 #pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    for (int r = 0; r < kBlocks; ++r) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[r][i] = 0.0f;
+    }
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int2 o = geo.origin(tile % geo.m_tiles);
@@ -844,12 +855,15 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
             const int s = it % kStages;
             mbar_wait(full(s), static_cast<uint32_t>((it / kStages) & 1));
             wgmma_fence();
-            const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
+            const uint32_t a = a_tile(s) + consumer * kBlocks * (64 * kG8Slice);
             const uint32_t b = b_tile(s);
 #pragma unroll
             for (int kk = 0; kk < kG8Slice / 32; ++kk) {
-                Tile::mma(acc, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024),
-                          (t > 0 || kk > 0) ? 1 : 0);
+#pragma unroll
+                for (int r = 0; r < kBlocks; ++r) {
+                    Tile::mma(acc[r], smem_desc(a + r * (64 * kG8Slice) + kk * 32, 16, 1024),
+                              smem_desc(b + kk * 32, 16, 1024), (t > 0 || kk > 0) ? 1 : 0);
+                }
             }
             wgmma_commit();
             wgmma_wait<1>();
@@ -858,13 +872,10 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
         wgmma_wait<0>();
         release((it - 1) % kStages);
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-
-        // Thread (warp, lane) holds tile rows 16 warp + lane / 4 and + 8 of its warpgroup's 64, and in each 8-column
-        // block j the columns 8 j + 2 (lane % 4) and + 1 (acc[4 j + e]: e < 2 the first row).
-        const int i_a = consumer * 64 + warp * 16 + lane / 4;
-        const int pixel_a = geo.pixel(o, i_a);
-        const int pixel_b = geo.pixel(o, i_a + 8);
+        for (int r = 0; r < kBlocks; ++r) {
+#pragma unroll
+            for (int i = 0; i < kAcc; ++i) asm volatile("" : "+f"(acc[r][i])::"memory");
+        }
         const int col0 = n0 + 2 * (lane % 4);
         const bool accumulate = (flags & kCvAccumulate) != 0;
         const bool f32_out = (flags & kCvF32) != 0;
@@ -893,12 +904,20 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
             }
             *dst = __floats2bfloat162_rn(v0, v1);
         };
+        // Thread (warp, lane) holds, in each of its warpgroup's 64-row blocks r, rows 16 warp + lane / 4 and + 8, and
+        // in each 8-column block j the columns 8 j + 2 (lane % 4) and + 1 (acc[r][4 j + e]: e < 2 the first row).
 #pragma unroll
-        for (int j = 0; j < kCols / 8; ++j) {
-            const int col = col0 + 8 * j;
-            if (col >= n) continue;
-            if (pixel_a >= 0) store(pixel_a, col, acc[4 * j], acc[4 * j + 1]);
-            if (pixel_b >= 0) store(pixel_b, col, acc[4 * j + 2], acc[4 * j + 3]);
+        for (int r = 0; r < kBlocks; ++r) {
+            const int i_a = (consumer * kBlocks + r) * 64 + warp * 16 + lane / 4;
+            const int pixel_a = geo.pixel(o, i_a);
+            const int pixel_b = geo.pixel(o, i_a + 8);
+#pragma unroll
+            for (int j = 0; j < kCols / 8; ++j) {
+                const int col = col0 + 8 * j;
+                if (col >= n) continue;
+                if (pixel_a >= 0) store(pixel_a, col, acc[r][4 * j], acc[r][4 * j + 1]);
+                if (pixel_b >= 0) store(pixel_b, col, acc[r][4 * j + 2], acc[r][4 * j + 3]);
+            }
         }
     }
 }
@@ -913,12 +932,13 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
 // multiple of 8, n even; box_w = 128 when w >= 128, else w (which then divides 128). Persistent grid of at most one
 // CTA an SM, 384 threads, kStages * (16 KiB + kCols * 128 B) + 1 KiB of dynamic shared memory.
 #if defined(NN_HAS_WGMMA)
-#define CV_BODY(COLS) conv3x3_tiles<COLS>(tm_x, tm_w, bias, y, h, w, cin, n, box_w, flags)
+#define CV_BODY(ROWS, COLS) conv3x3_tiles<ROWS, COLS>(tm_x, tm_w, bias, y, h, w, cin, n, box_w, flags)
 #else
-#define CV_BODY(COLS) __trap()
+#define CV_BODY(ROWS, COLS) __trap()
 #endif
 #define CV_PARAMS                                                                                                   \
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const void *__restrict__ bias,     \
         void *__restrict__ y, int h, int w, int cin, int n, int box_w, int flags
-extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n144(CV_PARAMS) { CV_BODY(144); }
-extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n256(CV_PARAMS) { CV_BODY(256); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n144(CV_PARAMS) { CV_BODY(128, 144); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n256(CV_PARAMS) { CV_BODY(128, 256); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_m256_n144(CV_PARAMS) { CV_BODY(256, 144); }

@@ -732,12 +732,16 @@ fn conv3x3_matches_the_host_bit_for_bit_on_exact_sums() {
     // four rows a tile, the last tile partly past the map), cin 144 and 72 (a slice partly past its tap), 1152 (18
     // slices a tap), 8; n on the 144 tile (288, 20, 400, 8: partial output tiles) and the 256 tile (256, 2); the f32
     // output of a decoder's last conv (8 channels, f32 bias), with and without adding to y.
+    // Each case on every tile its shape allows: the tile for its channels 128 pixels tall, and 256 where the width
+    // is at least 256 or divides it.
     for (i, &(h, w, cin, n, accumulate, output)) in [
         (5, 200, 144, 288, false, ConvOutput::Bf16),
+        (3, 300, 144, 288, true, ConvOutput::Bf16),
         (7, 64, 24, 20, true, ConvOutput::Bf16),
         (3, 32, 1152, 256, true, ConvOutput::Bf16),
         (2, 128, 8, 2, false, ConvOutput::Bf16),
         (9, 130, 72, 400, true, ConvOutput::Bf16),
+        (5, 128, 72, 400, false, ConvOutput::Bf16),
         (4, 256, 144, 8, false, ConvOutput::F32),
         (3, 64, 16, 8, true, ConvOutput::F32),
     ]
@@ -756,49 +760,58 @@ fn conv3x3_matches_the_host_bit_for_bit_on_exact_sums() {
             &bias,
             accumulate.then_some(old.as_slice()),
         );
-        let x_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&x)).expect("x");
-        let w_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&weight)).expect("weight");
-        let (b_dev, y_dev) = match output {
-            ConvOutput::Bf16 => (
-                DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&bias)).expect("bias"),
-                DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&old)).expect("y"),
-            ),
-            ConvOutput::F32 => (
-                DeviceBuffer::from_slice(&g.ctx, &bias).expect("bias"),
-                DeviceBuffer::from_slice(&g.ctx, &old).expect("y"),
-            ),
-        };
         let shape = Conv3x3Shape { h, w, cin, n };
-        let span = |b: &DeviceBuffer| tf_cuda::cublaslt::DeviceSpan::new(b.addr(), b.len());
-        let launch = plan_conv3x3_spans(
-            &g.ctx,
-            g.kernels.sm_count(),
-            shape,
-            (span(&x_dev), span(&w_dev), span(&b_dev)),
-            (span(&y_dev), output),
-            accumulate,
-        )
-        .unwrap_or_else(|e| panic!("conv {shape:?}: {e}"));
-        // SAFETY: the four buffers live until after the synchronize below; nothing else uses y meanwhile.
-        unsafe { g.kernels.submit_spans(&g.stream, &launch) }.expect("submit the conv");
-        g.stream.synchronize().expect("synchronize");
-        println!(
-            "conv {h}x{w}, {cin} -> {n} channels ({:?} tile, {output:?}, accumulate {accumulate}):",
-            ConvTile::for_channels(n)
-        );
-        match output {
-            ConvOutput::Bf16 => {
-                let got: Vec<u16> = y_dev.to_vec().expect("y back");
-                assert_equals_host("conv3x3", (h * w, n, 9 * cin, n), &got, &want, 0);
-            }
-            ConvOutput::F32 => {
-                let got: Vec<f32> = y_dev.to_vec().expect("y back");
-                let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-                println!(
-                    "  {wrong} of {} f32 outputs differ from the host's",
-                    want.len()
-                );
-                assert_eq!(wrong, 0, "f32 conv {shape:?} differs from the host");
+        let mut tiles = vec![ConvTile::for_channels(n, false)];
+        let tall = ConvTile::for_channels(n, true);
+        if tall != tiles[0] && shape.check(tall).is_ok() {
+            tiles.push(tall);
+        }
+        for tile in tiles {
+            let x_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&x)).expect("x");
+            let w_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&weight)).expect("weight");
+            let (b_dev, y_dev) = match output {
+                ConvOutput::Bf16 => (
+                    DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&bias)).expect("bias"),
+                    DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&old)).expect("y"),
+                ),
+                ConvOutput::F32 => (
+                    DeviceBuffer::from_slice(&g.ctx, &bias).expect("bias"),
+                    DeviceBuffer::from_slice(&g.ctx, &old).expect("y"),
+                ),
+            };
+            let span = |b: &DeviceBuffer| tf_cuda::cublaslt::DeviceSpan::new(b.addr(), b.len());
+            let launch = plan_conv3x3_spans(
+                &g.ctx,
+                g.kernels.sm_count(),
+                (shape, tile),
+                (span(&x_dev), span(&w_dev), span(&b_dev)),
+                (span(&y_dev), output),
+                accumulate,
+            )
+            .unwrap_or_else(|e| panic!("conv {shape:?} on {tile:?}: {e}"));
+            // SAFETY: the four buffers live until after the synchronize below; nothing else uses y meanwhile.
+            unsafe { g.kernels.submit_spans(&g.stream, &launch) }.expect("submit the conv");
+            g.stream.synchronize().expect("synchronize");
+            println!(
+                "conv {h}x{w}, {cin} -> {n} channels ({tile:?} tile, {output:?}, accumulate {accumulate}):"
+            );
+            match output {
+                ConvOutput::Bf16 => {
+                    let got: Vec<u16> = y_dev.to_vec().expect("y back");
+                    assert_equals_host("conv3x3", (h * w, n, 9 * cin, n), &got, &want, 0);
+                }
+                ConvOutput::F32 => {
+                    let got: Vec<f32> = y_dev.to_vec().expect("y back");
+                    let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+                    println!(
+                        "  {wrong} of {} f32 outputs differ from the host's",
+                        want.len()
+                    );
+                    assert_eq!(
+                        wrong, 0,
+                        "f32 conv {shape:?} on {tile:?} differs from the host"
+                    );
+                }
             }
         }
     }

@@ -26,7 +26,7 @@ use tf_engines::nn::tensor::{relative_l2, Tensor, TensorF32};
 use tf_engines::nn::weights::{ModelDir, SafetensorsFile};
 use tf_engines::qwen_image::components::VaeBackend;
 use tf_engines::qwen_image::vae::{to_u8_hwc, HostVaeDecoder, VaeConfig};
-use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
+use tf_engines::qwen_image::vae_gpu::{ConvPath, GpuVaeBudget, GpuVaeDecoder};
 
 const REL_L2_MAX: f64 = 5e-2;
 const COSINE_MIN: f64 = 0.998;
@@ -334,7 +334,7 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
         let implicit = gpu.uses_implicit_convs();
         println!("3x3 convs as implicit GEMMs: {implicit}");
         if implicit {
-            gpu.set_implicit_convs(false);
+            gpu.set_conv_path(ConvPath::Im2col);
             let im2col_small = gpu
                 .decode_packed(&small, 4, 4)
                 .expect("GPU decode 4x4, im2col");
@@ -343,7 +343,7 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
                 &im2col_small,
                 &host_small,
             );
-            gpu.set_implicit_convs(true);
+            gpu.set_conv_path(ConvPath::Implicit);
         }
         let spread = host_small
             .data()
@@ -368,11 +368,11 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
             "non-finite pixels"
         );
         if implicit {
-            gpu.set_implicit_convs(false);
+            gpu.set_conv_path(ConvPath::Im2col);
             let im2col = gpu
                 .decode_packed(&big, 64, 64)
                 .expect("GPU decode 64x64, im2col");
-            gpu.set_implicit_convs(true);
+            gpu.set_conv_path(ConvPath::Implicit);
             assert_close("1024x1024 implicit vs im2col convs", &first, &im2col);
         }
         let mut times = Vec::new();

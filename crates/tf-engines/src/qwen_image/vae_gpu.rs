@@ -5,7 +5,8 @@
 //!   channel), channel counts padded to multiples of 8 with zero rows and columns; biases bf16 (f32 for
 //!   `conv_out`, whose GEMM writes f32); norm gammas f32, zero padded, so padding channels stay zero throughout.
 //! - 3x3 convolutions: on sm_90, one implicit-GEMM launch each ([`crate::nn::gpu::conv`]: the input's taps are
-//!   loaded from the map itself, no column matrix), bias and residual in its epilogue. Elsewhere (another GPU, a map
+//!   loaded from the map itself, no column matrix; tiles of 256 pixels by 144 channels where they fit), bias and
+//!   residual in its epilogue. Elsewhere (another GPU, a map
 //!   width the kernel does not tile, or `TF_VAE_CONV=im2col`): the `qwen_image_vae` kernels gather columns
 //!   for a band of output rows (the nearest 2x upsample is folded into the gather), then one cuBLASLt GEMM per band
 //!   writes the rows, bias in the epilogue. An implicit upsample conv reads a nearest-upsampled copy of its input
@@ -44,7 +45,7 @@ use tf_cuda::{Context, DeviceBuffer, Stream};
 use super::components::{DecodedPixels, VaeBackend};
 use super::vae::{VaeConfig, VaeError};
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
-use crate::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput};
+use crate::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
 use crate::nn::gpu::gemm_int8::Int8GemmKernels;
 #[cfg(feature = "bench")]
@@ -642,19 +643,42 @@ struct Decoded {
     pixels: Option<Vec<u8>>,
 }
 
-/// The environment variable that picks how the decoder runs its 3x3 convolutions: `implicit` (the default on sm_90:
-/// one implicit-GEMM launch a conv, [`crate::nn::gpu::conv`]) or `im2col` (a column matrix gathered per band, then a
-/// cuBLASLt GEMM; the only path on other GPUs, and always for the upsample convs and `conv_out`).
+/// The environment variable that picks how the decoder runs its 3x3 convolutions ([`ConvPath`]): `implicit` (the
+/// default on sm_90), `implicit128` or `im2col` (the only path on other GPUs).
 pub const CONV_ENV: &str = "TF_VAE_CONV";
 
-/// Whether [`CONV_ENV`] (its value `value`, if set) asks for the implicit-GEMM convolutions.
-fn implicit_convs_asked(value: Option<&str>) -> Result<bool, VaeError> {
-    match value {
-        None | Some("implicit") => Ok(true),
-        Some("im2col") => Ok(false),
-        Some(other) => Err(VaeError::Config(format!(
-            "{CONV_ENV}={other:?} is not a conv path: use `implicit` or `im2col`"
-        ))),
+/// How the decoder runs its 3x3 convolutions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvPath {
+    /// One implicit-GEMM launch a conv ([`crate::nn::gpu::conv`]), in tiles of 256 pixels where the channel count
+    /// suits the 144-channel tile (`implicit`, the default).
+    Implicit,
+    /// The same with tiles of 128 pixels only (`implicit128`).
+    Implicit128,
+    /// A column matrix gathered per band of rows, then a cuBLASLt GEMM (`im2col`).
+    Im2col,
+}
+
+impl ConvPath {
+    /// The path [`CONV_ENV`]'s value names (the default when unset).
+    pub fn parse(value: Option<&str>) -> Result<ConvPath, VaeError> {
+        match value {
+            None | Some("implicit") => Ok(ConvPath::Implicit),
+            Some("implicit128") => Ok(ConvPath::Implicit128),
+            Some("im2col") => Ok(ConvPath::Im2col),
+            Some(other) => Err(VaeError::Config(format!(
+                "{CONV_ENV}={other:?} is not a conv path: use `implicit`, `implicit128` or `im2col`"
+            ))),
+        }
+    }
+
+    /// The name [`Self::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvPath::Implicit => "implicit",
+            ConvPath::Implicit128 => "implicit128",
+            ConvPath::Im2col => "im2col",
+        }
     }
 }
 
@@ -696,9 +720,9 @@ pub struct GpuVaeDecoder {
     stream: Stream,
     kernels: VaeKernels,
     gemms: GemmRunner,
-    /// The implicit-GEMM 3x3 convolutions (sm_90 only), and whether they run ([`CONV_ENV`]).
+    /// The implicit-GEMM 3x3 convolutions (sm_90 only), and the path asked for ([`CONV_ENV`]).
     convs: Option<Int8GemmKernels>,
-    implicit: bool,
+    conv_path: ConvPath,
     weights: DeviceBuffer,
     net: Net,
     budget: GpuVaeBudget,
@@ -749,7 +773,7 @@ impl GpuVaeDecoder {
         let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
         let gemms = GemmRunner::new(ctx, AlgoSelection::Heuristic)
             .map_err(|e| backend("loading cuBLASLt", e))?;
-        let implicit = implicit_convs_asked(std::env::var(CONV_ENV).ok().as_deref())?;
+        let conv_path = ConvPath::parse(std::env::var(CONV_ENV).ok().as_deref())?;
         let convs = load_implicit_convs(ctx)?;
         let total = packer.bytes();
         let mut weights = DeviceBuffer::alloc(ctx, total)
@@ -773,7 +797,7 @@ impl GpuVaeDecoder {
             kernels,
             gemms,
             convs,
-            implicit,
+            conv_path,
             weights,
             net,
             budget: GpuVaeBudget::default(),
@@ -783,16 +807,16 @@ impl GpuVaeDecoder {
         })
     }
 
-    /// Runs the 3x3 convolutions as implicit GEMMs (`true`, where the GPU has them) or through column matrices;
-    /// returns whether the implicit ones now run. The default comes from [`CONV_ENV`].
-    pub fn set_implicit_convs(&mut self, on: bool) -> bool {
-        self.implicit = on;
+    /// Sets how the 3x3 convolutions run (the default comes from [`CONV_ENV`]); returns whether the implicit GEMMs
+    /// now run (never on a GPU without them: there every path is im2col).
+    pub fn set_conv_path(&mut self, path: ConvPath) -> bool {
+        self.conv_path = path;
         self.uses_implicit_convs()
     }
 
-    /// Whether the 3x3 convolutions run as implicit GEMMs (all but the upsample convs and `conv_out`).
+    /// Whether the 3x3 convolutions run as implicit GEMMs.
     pub fn uses_implicit_convs(&self) -> bool {
-        self.implicit && self.convs.is_some()
+        self.conv_path != ConvPath::Im2col && self.convs.is_some()
     }
 
     /// The parsed config.
@@ -1073,6 +1097,17 @@ impl GpuVaeDecoder {
         )
     }
 
+    /// The implicit-GEMM tile of a conv of `shape` on the current path: 256 pixels tall on [`ConvPath::Implicit`]
+    /// when the map's width allows it.
+    fn conv_tile(&self, shape: Conv3x3Shape) -> ConvTile {
+        let tall = ConvTile::for_channels(shape.n, true);
+        if self.conv_path == ConvPath::Implicit && shape.check(tall).is_ok() {
+            tall
+        } else {
+            ConvTile::for_channels(shape.n, false)
+        }
+    }
+
     /// A 3x3 conv writing an `out_h` x `out_w` map into `y` (bf16, or f32 with `f32_out`), band by band.
     #[allow(clippy::too_many_arguments)]
     fn conv3x3(
@@ -1087,7 +1122,10 @@ impl GpuVaeDecoder {
         f32_out: bool,
     ) -> Result<(), VaeError> {
         let image_w = ws.plan.latent_w * self.config.spatial_factor();
-        let implicit = self.convs.as_ref().filter(|_| self.implicit);
+        let implicit = self
+            .convs
+            .as_ref()
+            .filter(|_| self.conv_path != ConvPath::Im2col);
         if let (Some(convs), false) = (implicit, upsample) {
             let shape = Conv3x3Shape {
                 h: out_h,
@@ -1095,7 +1133,8 @@ impl GpuVaeDecoder {
                 cin: conv.in_cp,
                 n: conv.out_cp,
             };
-            if shape.check().is_ok() {
+            let tile = self.conv_tile(shape);
+            if shape.check(tile).is_ok() {
                 let (output, out_size) = if f32_out {
                     (ConvOutput::F32, F32)
                 } else {
@@ -1109,7 +1148,7 @@ impl GpuVaeDecoder {
                 let launch = plan_conv3x3_spans(
                     &self.ctx,
                     convs.sm_count(),
-                    shape,
+                    (shape, tile),
                     operands,
                     (y, output),
                     accumulate,
@@ -1379,7 +1418,9 @@ impl GpuVaeDecoder {
                     cin: conv.in_cp,
                     n: conv.out_cp,
                 };
-                if self.uses_implicit_convs() && implicit_shape.check().is_ok() {
+                if self.uses_implicit_convs()
+                    && implicit_shape.check(self.conv_tile(implicit_shape)).is_ok()
+                {
                     // The implicit GEMM reads the upsampled map itself: 4x the input, not 9x 4x of columns.
                     let up = ws.act(free_index(&[x, d])?, h * w, conv.in_cp)?;
                     self.submit(plan_upsample2x(src, (src_h, src_w, conv.in_cp), up))?;
@@ -1509,12 +1550,11 @@ mod tests {
 
     #[test]
     fn conv_path_names() {
-        assert!(implicit_convs_asked(None).unwrap());
-        assert!(implicit_convs_asked(Some("implicit")).unwrap());
-        assert!(!implicit_convs_asked(Some("im2col")).unwrap());
-        let err = implicit_convs_asked(Some("direct"))
-            .unwrap_err()
-            .to_string();
+        assert_eq!(ConvPath::parse(None).unwrap(), ConvPath::Implicit);
+        for path in [ConvPath::Implicit, ConvPath::Implicit128, ConvPath::Im2col] {
+            assert_eq!(ConvPath::parse(Some(path.name())).unwrap(), path);
+        }
+        let err = ConvPath::parse(Some("direct")).unwrap_err().to_string();
         assert!(
             err.contains("TF_VAE_CONV") && err.contains("im2col"),
             "{err}"

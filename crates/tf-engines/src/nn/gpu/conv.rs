@@ -8,16 +8,19 @@
 //! tap-major matrix `[n, 9 cin]` (column `tap * cin + c`, `tap = 3 dy + dx`) that an im2col GEMM reads; `y` is `[h,
 //! w, n]` bf16 (or f32, with an f32 bias: [`ConvOutput`]) with `n` even, `y = conv(x) + bias (+ y)`. Each output is
 //! one f32 sum of bf16 products rounded once.
-//! An M tile is 128 pixels: of one row when `w >= 128`, else `128 / w` whole rows, so `w` below 128 must divide 128
-//! ([`Conv3x3Shape::check`] names the rule; callers fall back to an im2col GEMM).
+//! An M tile is 128 or 256 pixels ([`ConvTile`]): of one row when `w` is at least that, else whole rows, so a
+//! narrower `w` must divide the tile's pixels ([`Conv3x3Shape::check`] names the rule; callers fall back to an
+//! im2col GEMM).
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, k: &tf_engines::nn::gpu::gemm_int8::Int8GemmKernels,
 //! #         x: tf_cuda::DeviceSpan, w: tf_cuda::DeviceSpan, bias: tf_cuda::DeviceSpan, y: tf_cuda::DeviceSpan)
 //! #         -> Result<(), tf_cuda::Error> {
-//! use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput};
+//! use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
 //! let shape = Conv3x3Shape { h: 1024, w: 1024, cin: 144, n: 144 };
-//! let launch = plan_conv3x3_spans(ctx, k.sm_count(), shape, (x, w, bias), (y, ConvOutput::Bf16), false)?;
+//! let tile = ConvTile::for_channels(shape.n, true);
+//! let launch =
+//!     plan_conv3x3_spans(ctx, k.sm_count(), (shape, tile), (x, w, bias), (y, ConvOutput::Bf16), false)?;
 //! // SAFETY: the spans are live allocations of the stream's context and nothing else touches y meanwhile.
 //! unsafe { k.submit_spans(stream, &launch) }?;
 //! # Ok(()) }
@@ -37,29 +40,38 @@ const BF16: usize = 2;
 const SLICE_CHANNELS: usize = K_SLICE / BF16;
 const THREADS: u32 = 384;
 
-/// The conv kernels: output tiles of 144 and of 256 channels, with the pipeline stages each fits.
+/// The conv kernels: tiles of 128 pixels by 144 or 256 output channels, and of 256 pixels by 144 channels (each
+/// consumer warpgroup runs two 64-pixel blocks on one weight slice: a third less L2 traffic a FLOP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvTile {
-    /// 144 channels a tile, six stages (channel counts of 144 times a power of two: the Qwen-Image VAE).
+    /// 128 pixels x 144 channels (channel counts of 144 times a power of two: the Qwen-Image VAE).
     Cols144,
-    /// 256 channels a tile, four stages.
+    /// 128 pixels x 256 channels.
     Cols256,
+    /// 256 pixels x 144 channels.
+    Tall144,
 }
 
 impl ConvTile {
     /// Output channels one tile computes.
     pub fn cols(self) -> usize {
         match self {
-            ConvTile::Cols144 => 144,
+            ConvTile::Cols144 | ConvTile::Tall144 => 144,
             ConvTile::Cols256 => 256,
         }
     }
 
-    fn stages(self) -> usize {
+    /// Pixels one tile computes.
+    pub fn pixels(self) -> usize {
         match self {
-            ConvTile::Cols144 => 6,
-            ConvTile::Cols256 => 4,
+            ConvTile::Cols144 | ConvTile::Cols256 => TILE_ROWS,
+            ConvTile::Tall144 => 2 * TILE_ROWS,
         }
+    }
+
+    /// Pipeline stages: as many as fit in 227 KiB with the alignment slack, at most six (the kernel's rule).
+    fn stages(self) -> usize {
+        ((227 * 1024 - 1024) / ((self.pixels() + self.cols()) * K_SLICE)).min(6)
     }
 
     /// The kernel's name in the set.
@@ -67,20 +79,29 @@ impl ConvTile {
         match self {
             ConvTile::Cols144 => GEMM_INT8_KERNELS[5],
             ConvTile::Cols256 => GEMM_INT8_KERNELS[6],
+            ConvTile::Tall144 => GEMM_INT8_KERNELS[7],
         }
     }
 
+    /// Every tile, for loading.
+    pub const ALL: [ConvTile; 3] = [ConvTile::Cols144, ConvTile::Cols256, ConvTile::Tall144];
+
     /// Dynamic shared memory: the stages' input and weight tiles, and 1 KiB to align them to 1024 bytes.
     pub fn shared_bytes(self) -> u32 {
-        // Small constants: 6 * (16 KiB + 18 KiB) + 1 KiB at most.
-        ((TILE_ROWS + self.cols()) * K_SLICE * self.stages() + 1024) as u32
+        // Small constants: at most 227 KiB.
+        ((self.pixels() + self.cols()) * K_SLICE * self.stages() + 1024) as u32
     }
 
-    /// The tile of the two that computes the fewest padding channels for `n` outputs (the wider one on a tie).
-    pub fn for_channels(n: usize) -> ConvTile {
+    /// The tile for `n` output channels: of the two widths the one that computes the fewest padding channels (the
+    /// wider one on a tie), 256 pixels tall when `tall` and the width is 144.
+    pub fn for_channels(n: usize, tall: bool) -> ConvTile {
         let padded = |t: ConvTile| n.div_ceil(t.cols()) * t.cols();
         if padded(ConvTile::Cols144) < padded(ConvTile::Cols256) {
-            ConvTile::Cols144
+            if tall {
+                ConvTile::Tall144
+            } else {
+                ConvTile::Cols144
+            }
         } else {
             ConvTile::Cols256
         }
@@ -90,6 +111,7 @@ impl ConvTile {
 // 227 KiB is the most one block may opt in to on sm_90.
 const _: () = assert!((TILE_ROWS + 144) * K_SLICE * 6 + 1024 <= 227 * 1024);
 const _: () = assert!((TILE_ROWS + 256) * K_SLICE * 4 + 1024 <= 227 * 1024);
+const _: () = assert!((2 * TILE_ROWS + 144) * K_SLICE * 4 + 1024 <= 227 * 1024);
 
 /// The element type of a conv's output and bias.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,8 +145,9 @@ pub struct Conv3x3Shape {
 }
 
 impl Conv3x3Shape {
-    /// Refuses a shape the kernel does not tile, naming the rule.
-    pub fn check(&self) -> Result<(), tf_cuda::Error> {
+    /// Refuses a shape the kernel of `tile` does not tile, naming the rule.
+    pub fn check(&self, tile: ConvTile) -> Result<(), tf_cuda::Error> {
+        let pixels_a_tile = tile.pixels();
         if self.h == 0 || self.w == 0 || self.cin == 0 || self.n == 0 {
             return Err(invalid(OP, format!("empty conv {self:?}")));
         }
@@ -143,12 +166,12 @@ impl Conv3x3Shape {
                 format!("n = {} is odd: the kernel stores pairs of channels", self.n),
             ));
         }
-        if self.w < TILE_ROWS && !TILE_ROWS.is_multiple_of(self.w) {
+        if self.w < pixels_a_tile && !pixels_a_tile.is_multiple_of(self.w) {
             return Err(invalid(
                 OP,
                 format!(
-                    "a map {} pixels wide: below {TILE_ROWS} the width must divide {TILE_ROWS} (a tile is whole rows); \
-                     use the im2col GEMM",
+                    "a map {} pixels wide: below {pixels_a_tile} the width must divide {pixels_a_tile} (a tile of \
+                     {tile:?} is whole rows); use the im2col GEMM",
                     self.w
                 ),
             ));
@@ -166,41 +189,42 @@ impl Conv3x3Shape {
         to_i32(OP, "9 cin", k)?;
         to_i32(OP, "n", self.n)?;
         let tiles = self
-            .m_tiles()
-            .checked_mul(self.n.div_ceil(ConvTile::for_channels(self.n).cols()))
+            .m_tiles(tile)
+            .checked_mul(self.n.div_ceil(tile.cols()))
             .ok_or_else(|| invalid(OP, "tile count overflows"))?;
         to_i32(OP, "tiles", tiles)?;
         Ok(())
     }
 
-    /// Pixels of one row a tile covers: 128, or the whole row when the map is narrower.
-    pub fn box_w(&self) -> usize {
-        self.w.min(TILE_ROWS)
+    /// Pixels of one row a tile of `tile` covers: all its pixels, or the whole row when the map is narrower.
+    pub fn box_w(&self, tile: ConvTile) -> usize {
+        self.w.min(tile.pixels())
     }
 
-    /// Tiles over the pixels (after [`Self::check`]).
-    pub fn m_tiles(&self) -> usize {
-        let box_w = self.box_w().max(1);
-        let rows_per_tile = TILE_ROWS / box_w;
+    /// Tiles of `tile` over the pixels (after [`Self::check`]).
+    pub fn m_tiles(&self, tile: ConvTile) -> usize {
+        let box_w = self.box_w(tile).max(1);
+        let rows_per_tile = tile.pixels() / box_w;
         self.h.div_ceil(rows_per_tile.max(1)) * self.w.div_ceil(box_w)
     }
 }
 
-/// Checks `shape` and the operands (`x` bf16 `[h, w, cin]`, `weight` bf16 `[n, 9 cin]`, `bias` `[n]` and `y` `[h, w,
-/// n]` of the `output` type, `y` added to when `accumulate`) and packs the launch for a GPU of `sm_count` SMs. The launch borrows
-/// nothing: only [`super::gemm_int8::Int8GemmKernels::submit_spans`], which is `unsafe`, submits it.
+/// Checks `shape` (for `tile`, which [`ConvTile::for_channels`] picks) and the operands (`x` bf16 `[h, w, cin]`,
+/// `weight` bf16 `[n, 9 cin]`, `bias` `[n]` and `y` `[h, w, n]` of the `output` type, `y` added to when `accumulate`)
+/// and packs the launch for a GPU of `sm_count` SMs. The launch borrows nothing: only
+/// [`super::gemm_int8::Int8GemmKernels::submit_spans`], which is `unsafe`, submits it.
 pub fn plan_conv3x3_spans(
     ctx: &Context,
     sm_count: usize,
-    shape: Conv3x3Shape,
+    (shape, tile): (Conv3x3Shape, ConvTile),
     (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
     (y, output): (DeviceSpan, ConvOutput),
     accumulate: bool,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
-    let (config, args, tile) = pack(
+    let (config, args) = pack(
         ctx,
         sm_count,
-        shape,
+        (shape, tile),
         (x, weight, bias),
         (y, output),
         accumulate,
@@ -218,12 +242,12 @@ fn operand(s: DeviceSpan) -> Operand {
 fn pack(
     ctx: &Context,
     sm_count: usize,
-    shape: Conv3x3Shape,
+    (shape, tile): (Conv3x3Shape, ConvTile),
     (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
     (y, output): (DeviceSpan, ConvOutput),
     accumulate: bool,
-) -> Result<(LaunchConfig, Args, ConvTile), tf_cuda::Error> {
-    shape.check()?;
+) -> Result<(LaunchConfig, Args), tf_cuda::Error> {
+    shape.check(tile)?;
     let Conv3x3Shape { h, w, cin, n } = shape;
     let pixels = h * w;
     let k = 9 * cin;
@@ -257,8 +281,7 @@ fn pack(
         bytes_of(OP, "y", &[pixels, n, size])?,
         2 * size as u64,
     )?;
-    let tile = ConvTile::for_channels(n);
-    let box_w = shape.box_w();
+    let box_w = shape.box_w(tile);
     let tm_x = encode_bf16_boxes(
         ctx,
         &Tiles {
@@ -271,7 +294,7 @@ fn pack(
             box_cols: SLICE_CHANNELS as u32,
             box_rows: box_w as u32,
         },
-        (TILE_ROWS / box_w) as u32,
+        (tile.pixels() / box_w) as u32,
     )?;
     let tm_w = encode_bf16_tiles(
         ctx,
@@ -304,10 +327,10 @@ fn pack(
                     0
                 },
         );
-    let tiles = shape.m_tiles() * n.div_ceil(tile.cols());
+    let tiles = shape.m_tiles(tile) * n.div_ceil(tile.cols());
     let grid = to_u32(OP, "CTAs", tiles.min(sm_count.max(1)))?;
     let config = LaunchConfig::new(grid, THREADS).with_shared(tile.shared_bytes());
-    Ok((config, args, tile))
+    Ok((config, args))
 }
 
 #[cfg(test)]
@@ -329,35 +352,49 @@ mod tests {
             (96, ConvTile::Cols144),
             (200, ConvTile::Cols256),
         ] {
-            assert_eq!(ConvTile::for_channels(n), want, "n = {n}");
+            assert_eq!(ConvTile::for_channels(n, false), want, "n = {n}");
+            let tall = if want == ConvTile::Cols144 {
+                ConvTile::Tall144
+            } else {
+                want
+            };
+            assert_eq!(ConvTile::for_channels(n, true), tall, "n = {n}, tall");
         }
         assert_eq!(ConvTile::Cols144.shared_bytes(), 6 * 34 * 1024 + 1024);
         assert_eq!(ConvTile::Cols256.shared_bytes(), 4 * 48 * 1024 + 1024);
+        assert_eq!(ConvTile::Tall144.shared_bytes(), 4 * 50 * 1024 + 1024);
     }
 
     #[test]
     fn tiles_cover_the_pixels() {
         // 1024 wide: 8 tiles a row; 64 wide: two rows a tile; 200 wide: a row's second tile hangs over.
-        assert_eq!(shape(1024, 1024, 144, 144).m_tiles(), 1024 * 8);
-        assert_eq!(shape(64, 64, 1152, 1152).m_tiles(), 32);
-        assert_eq!(shape(5, 200, 16, 16).m_tiles(), 10);
-        assert_eq!(shape(3, 64, 16, 16).m_tiles(), 2);
-        assert_eq!(shape(3, 64, 16, 16).box_w(), 64);
+        let (short, tall) = (ConvTile::Cols144, ConvTile::Tall144);
+        assert_eq!(shape(1024, 1024, 144, 144).m_tiles(short), 1024 * 8);
+        assert_eq!(shape(1024, 1024, 144, 144).m_tiles(tall), 1024 * 4);
+        assert_eq!(shape(64, 64, 1152, 1152).m_tiles(short), 32);
+        assert_eq!(shape(64, 64, 1152, 1152).m_tiles(tall), 16);
+        assert_eq!(shape(5, 200, 16, 16).m_tiles(short), 10);
+        assert_eq!(shape(5, 200, 16, 16).m_tiles(tall), 5);
+        assert_eq!(shape(3, 64, 16, 16).m_tiles(short), 2);
+        assert_eq!(shape(3, 64, 16, 16).box_w(short), 64);
+        assert_eq!(shape(3, 128, 16, 16).box_w(tall), 128);
     }
 
     #[test]
     fn refuses_what_the_kernel_does_not_tile() {
-        for (bad, rule) in [
-            (shape(0, 64, 16, 16), "empty conv"),
-            (shape(8, 64, 12, 16), "multiple of 8"),
-            (shape(8, 64, 16, 15), "odd"),
-            (shape(8, 96, 16, 16), "must divide 128"),
-            (shape(1 << 16, 1 << 16, 16, 16), "pixels"),
+        let (short, tall) = (ConvTile::Cols144, ConvTile::Tall144);
+        for (bad, tile, rule) in [
+            (shape(0, 64, 16, 16), short, "empty conv"),
+            (shape(8, 64, 12, 16), short, "multiple of 8"),
+            (shape(8, 64, 16, 15), short, "odd"),
+            (shape(8, 96, 16, 16), short, "must divide 128"),
+            (shape(8, 192, 16, 16), tall, "must divide 256"),
+            (shape(1 << 16, 1 << 16, 16, 16), short, "pixels"),
         ] {
-            let err = bad.check().expect_err(rule);
+            let err = bad.check(tile).expect_err(rule);
             assert!(err.to_string().contains(rule), "{bad:?}: {err}");
         }
-        assert!(shape(8, 96 * 2, 16, 16).check().is_ok());
-        assert!(shape(8, 1, 16, 16).check().is_ok());
+        assert!(shape(8, 96 * 2, 16, 16).check(short).is_ok());
+        assert!(shape(8, 1, 16, 16).check(tall).is_ok());
     }
 }

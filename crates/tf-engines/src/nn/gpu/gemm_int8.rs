@@ -43,7 +43,7 @@ pub const GEMM_INT8_SET: &str = "nn_gemm_int8";
 /// The set's kernels: the INT8 GEMM, the same pipeline over bf16 operands ([`plan_bf16_gemm`]), the INT8 GEMM of a
 /// SwiGLU's two halves with the SwiGLU in its epilogue ([`plan_int8_swiglu_gemm`]), and the INT8 GEMM of a fused
 /// q|k|v projection with the QK norm and RoPE in its epilogue ([`plan_int8_qkv_gemm`]), and the implicit-GEMM 3x3
-/// convolutions ([`super::conv`]) over output tiles of 144 and 256 channels.
+/// convolutions ([`super::conv`]) over tiles of 128 x 144, 128 x 256 and 256 x 144 (pixels x channels).
 pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_int8_scaled_bf16",
     "nn_gemm_bf16",
@@ -52,6 +52,7 @@ pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_int8_qkv_half_bf16",
     "nn_conv3x3_bf16_n144",
     "nn_conv3x3_bf16_n256",
+    "nn_conv3x3_bf16_m256_n144",
 ];
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
@@ -753,7 +754,7 @@ impl Int8GemmKernels {
         let sm_count = require_sm90(ctx, GEMM_INT8_SET, "the INT8 GEMM")?;
         let mut set = LoadedSet::empty();
         set.add(ctx, GEMM_INT8_SET, GEMM_INT8_KERNELS, |name, function| {
-            let shared = [ConvTile::Cols144, ConvTile::Cols256]
+            let shared = ConvTile::ALL
                 .into_iter()
                 .find(|t| t.kernel() == name)
                 .map_or(SHARED_BYTES, ConvTile::shared_bytes);

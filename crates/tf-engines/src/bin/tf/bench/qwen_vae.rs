@@ -3,8 +3,9 @@
 //! the host, and as the pipeline runs them (8-bit pixels made on the device); with `--phases` the device time of
 //! every kernel and GEMM kind of one decode. With `--reference` (the reference.json of
 //! tests/python/qwen_pipeline_reference.py from the same run) diffusers' decode phase is printed beside the
-//! pipeline's path, with the ratio. On a GPU with the implicit-GEMM 3x3 convolutions (sm_90) both conv paths are
-//! timed, implicit then im2col, and their two images compared (relative L2, largest difference).
+//! pipeline's path, with the ratio. On a GPU with the implicit-GEMM 3x3 convolutions (sm_90) every conv path is
+//! timed (implicit with 256- and with 128-pixel tiles, then im2col), and the default's image is compared with the
+//! im2col path's (relative L2, largest difference).
 //!
 //! The body needs tf-engines' `bench` feature (the GPU bundle builds `tf` with it).
 
@@ -19,7 +20,15 @@ mod imp {
     use tf_engines::nn::weights::ModelDir;
     use tf_engines::qwen_image::components::VaeBackend;
     use tf_engines::qwen_image::vae::to_u8_hwc;
-    use tf_engines::qwen_image::vae_gpu::{GpuVaeBudget, GpuVaeDecoder};
+    use tf_engines::qwen_image::vae_gpu::{ConvPath, GpuVaeBudget, GpuVaeDecoder, CONV_ENV};
+
+    fn describe(path: ConvPath) -> &'static str {
+        match path {
+            ConvPath::Implicit => "implicit GEMM, 256-pixel tiles where they fit",
+            ConvPath::Implicit128 => "implicit GEMM, 128-pixel tiles",
+            ConvPath::Im2col => "im2col + cuBLASLt",
+        }
+    }
 
     use super::super::{BoxError, QwenVaeArgs};
 
@@ -89,33 +98,30 @@ mod imp {
                 })
                 .collect::<Result<_, _>>()?
         };
-        let paths: Vec<bool> = if vae.set_implicit_convs(true) {
-            vec![true, false]
+        let paths: Vec<ConvPath> = if vae.set_conv_path(ConvPath::Implicit) {
+            vec![ConvPath::Implicit, ConvPath::Implicit128, ConvPath::Im2col]
         } else {
-            vec![false]
+            vec![ConvPath::Im2col]
         };
         let mut runs = Vec::new();
         for budget in budgets {
             vae.set_budget(budget);
-            for &implicit in &paths {
-                vae.set_implicit_convs(implicit);
+            for &path in &paths {
+                vae.set_conv_path(path);
                 println!(
-                    "  3x3 convs: {}",
-                    if implicit {
-                        "implicit GEMM"
-                    } else {
-                        "im2col + cuBLASLt"
-                    }
+                    "  3x3 convs: {} ({CONV_ENV}={})",
+                    describe(path),
+                    path.name()
                 );
                 let mut run = time_one_budget(&mut vae, args, &packed, (rows, cols), reference)?;
-                run["conv"] = serde_json::json!(if implicit { "implicit" } else { "im2col" });
+                run["conv"] = serde_json::json!(path.name());
                 runs.push(run);
             }
         }
-        let paths_agree = if paths.len() == 2 {
-            vae.set_implicit_convs(true);
+        let paths_agree = if paths.len() > 1 {
+            vae.set_conv_path(ConvPath::Implicit);
             let a = vae.decode_packed(&packed, rows, cols)?;
-            vae.set_implicit_convs(false);
+            vae.set_conv_path(ConvPath::Im2col);
             let b = vae.decode_packed(&packed, rows, cols)?;
             let (mut diff2, mut ref2, mut max_abs) = (0f64, 0f64, 0f64);
             for (x, y) in a.data().iter().zip(b.data()) {
