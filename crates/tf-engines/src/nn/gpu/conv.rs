@@ -14,7 +14,8 @@
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, k: &tf_engines::nn::gpu::gemm_int8::Int8GemmKernels,
-//! #         x: tf_cuda::DeviceSpan, w: tf_cuda::DeviceSpan, bias: tf_cuda::DeviceSpan, y: tf_cuda::DeviceSpan)
+//! #         x: tf_cuda::cublaslt::DeviceSpan, w: tf_cuda::cublaslt::DeviceSpan,
+//! #         bias: tf_cuda::cublaslt::DeviceSpan, y: tf_cuda::cublaslt::DeviceSpan)
 //! #         -> Result<(), tf_cuda::Error> {
 //! use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
 //! let shape = Conv3x3Shape { h: 1024, w: 1024, cin: 144, n: 144 };
