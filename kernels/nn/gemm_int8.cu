@@ -749,11 +749,9 @@ struct CvTile<256> {
     }
 };
 
-// Pipeline stages of a kRows x kCols tile: as many as fit in 227 KiB with the 1 KiB alignment slack.
-template <int kRows, int kCols>
-constexpr int cv_stages() {
-    return (227 * 1024 - 1024) / ((kRows + kCols) * kG8Slice) < 6 ? (227 * 1024 - 1024) / ((kRows + kCols) * kG8Slice)
-                                                                   : 6;
+// Pipeline stages of `stage_bytes` each: as many as fit in 227 KiB with the 1 KiB alignment slack, at most six.
+constexpr int cv_stages(int stage_bytes) {
+    return (227 * 1024 - 1024) / stage_bytes < 6 ? (227 * 1024 - 1024) / stage_bytes : 6;
 }
 
 // The pixel geometry of the M tiles of `pixels` (128 or 256) pixels: `box_w` pixels of `rows_per_tile` rows each.
@@ -775,15 +773,24 @@ struct CvGeometry {
     }
 };
 
-template <int kRows, int kCols>
+// kRowReuse (128-pixel tiles of one row only): a stage holds one input row slice of 130 pixels (the tile's 128 and
+// one each side) and the weight slices of that row's three horizontal taps; the taps' A descriptors start 0, 1 and 2
+// rows into it, so each input row is loaded
+// once instead of three times. The descriptors of the taps one and two rows in carry no base offset: the swizzle
+// phase follows the shared-memory address, as the TMA that wrote the rows applied it (a base offset of the rows'
+// phase gave wrong products, on an H100).
+template <int kRows, int kCols, bool kRowReuse = false>
 __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const void* __restrict__ bias,
                                               void* __restrict__ y, int h, int w, int cin, int n, int box_w,
                                               int flags) {
     using Tile = CvTile<kCols>;
-    constexpr int kStages = cv_stages<kRows, kCols>();
-    constexpr int kABytes = kRows * kG8Slice;
+    static_assert(!kRowReuse || kRows == 128, "row reuse runs 128-pixel tiles");
+    constexpr int kTaps = kRowReuse ? 3 : 1;  // taps a stage's A slice serves
+    constexpr int kABox = (kRowReuse ? kRows + 2 : kRows) * kG8Slice;
+    constexpr int kABytes = (kABox + 1023) / 1024 * 1024;
     constexpr int kBBytes = kCols * kG8Slice;
-    constexpr int kStageBytes = kABytes + kBBytes;
+    constexpr int kStageBytes = kABytes + kTaps * kBBytes;
+    constexpr int kStages = cv_stages(kStageBytes);
     // 64-row blocks each consumer warpgroup computes (one wgmma each a K step, sharing the B operand).
     constexpr int kBlocks = kRows / 128;
     static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
@@ -801,7 +808,7 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
     const CvGeometry geo(h, w, box_w, kRows);
     const int tiles = geo.m_tiles * ((n + kCols - 1) / kCols);
     const int c_slices = (cin + kSliceElems - 1) / kSliceElems;
-    const int slices = 9 * c_slices;
+    const int slices = (9 / kTaps) * c_slices;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -823,11 +830,22 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
                 for (int t = 0; t < slices; ++t, ++it) {
                     const int s = it % kStages;
                     if (it >= kStages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kStages) - 1) & 1));
-                    const int tap = t / c_slices;
-                    const int c0 = (t - tap * c_slices) * kSliceElems;
-                    mbar_expect_bytes(full(s), kStageBytes);
-                    tma_box(a_tile(s), &tm_x, c0, o.x + tap % 3 - 1, o.y + tap / 3 - 1, full(s));
-                    tma_box_2d(b_tile(s), &tm_w, tap * cin + c0, n0, full(s));
+                    if constexpr (kRowReuse) {
+                        const int dy = t / c_slices;
+                        const int c0 = (t - dy * c_slices) * kSliceElems;
+                        mbar_expect_bytes(full(s), kABox + 3 * kBBytes);
+                        tma_box(a_tile(s), &tm_x, c0, o.x - 1, o.y + dy - 1, full(s));
+#pragma unroll
+                        for (int dx = 0; dx < 3; ++dx) {
+                            tma_box_2d(b_tile(s) + dx * kBBytes, &tm_w, (3 * dy + dx) * cin + c0, n0, full(s));
+                        }
+                    } else {
+                        const int tap = t / c_slices;
+                        const int c0 = (t - tap * c_slices) * kSliceElems;
+                        mbar_expect_bytes(full(s), kStageBytes);
+                        tma_box(a_tile(s), &tm_x, c0, o.x + tap % 3 - 1, o.y + tap / 3 - 1, full(s));
+                        tma_box_2d(b_tile(s), &tm_w, tap * cin + c0, n0, full(s));
+                    }
                 }
             }
         }
@@ -857,12 +875,23 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
             wgmma_fence();
             const uint32_t a = a_tile(s) + consumer * kBlocks * (64 * kG8Slice);
             const uint32_t b = b_tile(s);
+            if constexpr (kRowReuse) {
 #pragma unroll
-            for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+                for (int dx = 0; dx < 3; ++dx) {
 #pragma unroll
-                for (int r = 0; r < kBlocks; ++r) {
-                    Tile::mma(acc[r], smem_desc(a + r * (64 * kG8Slice) + kk * 32, 16, 1024),
-                              smem_desc(b + kk * 32, 16, 1024), (t > 0 || kk > 0) ? 1 : 0);
+                    for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+                        Tile::mma(acc[0], smem_desc(a + dx * kG8Slice + kk * 32, 16, 1024),
+                                  smem_desc(b + dx * kBBytes + kk * 32, 16, 1024), (t > 0 || dx > 0 || kk > 0) ? 1 : 0);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < kG8Slice / 32; ++kk) {
+#pragma unroll
+                    for (int r = 0; r < kBlocks; ++r) {
+                        Tile::mma(acc[r], smem_desc(a + r * (64 * kG8Slice) + kk * 32, 16, 1024),
+                                  smem_desc(b + kk * 32, 16, 1024), (t > 0 || kk > 0) ? 1 : 0);
+                    }
                 }
             }
             wgmma_commit();
@@ -932,13 +961,15 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
 // multiple of 8, n even; box_w = 128 when w >= 128, else w (which then divides 128). Persistent grid of at most one
 // CTA an SM, 384 threads, kStages * (16 KiB + kCols * 128 B) + 1 KiB of dynamic shared memory.
 #if defined(NN_HAS_WGMMA)
-#define CV_BODY(ROWS, COLS) conv3x3_tiles<ROWS, COLS>(tm_x, tm_w, bias, y, h, w, cin, n, box_w, flags)
+#define CV_BODY(ROWS, COLS, REUSE) conv3x3_tiles<ROWS, COLS, REUSE>(tm_x, tm_w, bias, y, h, w, cin, n, box_w, flags)
 #else
-#define CV_BODY(ROWS, COLS) __trap()
+#define CV_BODY(ROWS, COLS, REUSE) __trap()
 #endif
 #define CV_PARAMS                                                                                                   \
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const void *__restrict__ bias,     \
         void *__restrict__ y, int h, int w, int cin, int n, int box_w, int flags
-extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n144(CV_PARAMS) { CV_BODY(128, 144); }
-extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n256(CV_PARAMS) { CV_BODY(128, 256); }
-extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_m256_n144(CV_PARAMS) { CV_BODY(256, 144); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n144(CV_PARAMS) { CV_BODY(128, 144, false); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_n256(CV_PARAMS) { CV_BODY(128, 256, false); }
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_m256_n144(CV_PARAMS) { CV_BODY(256, 144, false); }
+// Row reuse (above): tm_x's boxes are 64 channels x 130 pixels x 1 row; w at least 128 (box_w 128).
+extern "C" __global__ void __launch_bounds__(384, 1) nn_conv3x3_bf16_rows_n144(CV_PARAMS) { CV_BODY(128, 144, true); }

@@ -732,8 +732,8 @@ fn conv3x3_matches_the_host_bit_for_bit_on_exact_sums() {
     // four rows a tile, the last tile partly past the map), cin 144 and 72 (a slice partly past its tap), 1152 (18
     // slices a tap), 8; n on the 144 tile (288, 20, 400, 8: partial output tiles) and the 256 tile (256, 2); the f32
     // output of a decoder's last conv (8 channels, f32 bias), with and without adding to y.
-    // Each case on every tile its shape allows: the tile for its channels 128 pixels tall, and 256 where the width
-    // is at least 256 or divides it.
+    // Each case on every tile its shape allows: the tile for its channels 128 pixels tall; for 144-channel tiles, 256
+    // tall where the width is at least 256 or divides it, and the row-reuse tile where it is at least 128.
     for (i, &(h, w, cin, n, accumulate, output)) in [
         (5, 200, 144, 288, false, ConvOutput::Bf16),
         (3, 300, 144, 288, true, ConvOutput::Bf16),
@@ -762,9 +762,10 @@ fn conv3x3_matches_the_host_bit_for_bit_on_exact_sums() {
         );
         let shape = Conv3x3Shape { h, w, cin, n };
         let mut tiles = vec![ConvTile::for_channels(n, false)];
-        let tall = ConvTile::for_channels(n, true);
-        if tall != tiles[0] && shape.check(tall).is_ok() {
-            tiles.push(tall);
+        for extra in [ConvTile::for_channels(n, true), ConvTile::Rows144] {
+            if tiles[0] == ConvTile::Cols144 && extra != tiles[0] && shape.check(extra).is_ok() {
+                tiles.push(extra);
+            }
         }
         for tile in tiles {
             let x_dev = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&x)).expect("x");
@@ -780,11 +781,12 @@ fn conv3x3_matches_the_host_bit_for_bit_on_exact_sums() {
                 ),
             };
             let span = |b: &DeviceBuffer| tf_cuda::cublaslt::DeviceSpan::new(b.addr(), b.len());
+            let operands = (span(&x_dev), span(&w_dev), span(&b_dev));
             let launch = plan_conv3x3_spans(
                 &g.ctx,
                 g.kernels.sm_count(),
                 (shape, tile),
-                (span(&x_dev), span(&w_dev), span(&b_dev)),
+                operands,
                 (span(&y_dev), output),
                 accumulate,
             )

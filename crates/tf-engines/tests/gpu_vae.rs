@@ -374,6 +374,16 @@ fn full_size_matches_the_host_and_decodes_1024_squared() {
                 .expect("GPU decode 64x64, im2col");
             gpu.set_conv_path(ConvPath::Implicit);
             assert_close("1024x1024 implicit vs im2col convs", &first, &im2col);
+            gpu.set_conv_path(ConvPath::ImplicitTall);
+            let tall = gpu
+                .decode_packed(&big, 64, 64)
+                .expect("GPU decode 64x64, 256-pixel tiles");
+            gpu.set_conv_path(ConvPath::Implicit);
+            assert_close(
+                "1024x1024 implicit (256-pixel tiles) vs im2col convs",
+                &tall,
+                &im2col,
+            );
         }
         let mut times = Vec::new();
         for _ in 0..3 {

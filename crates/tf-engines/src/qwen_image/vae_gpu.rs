@@ -5,8 +5,8 @@
 //!   channel), channel counts padded to multiples of 8 with zero rows and columns; biases bf16 (f32 for
 //!   `conv_out`, whose GEMM writes f32); norm gammas f32, zero padded, so padding channels stay zero throughout.
 //! - 3x3 convolutions: on sm_90, one implicit-GEMM launch each ([`crate::nn::gpu::conv`]: the input's taps are
-//!   loaded from the map itself, no column matrix; tiles of 256 pixels by 144 channels where they fit), bias and
-//!   residual in its epilogue. Elsewhere (another GPU, a map
+//!   loaded from the map itself, no column matrix; on maps at least 128 wide one input row slice serves a stage's
+//!   three horizontal taps), bias and residual in its epilogue. Elsewhere (another GPU, a map
 //!   width the kernel does not tile, or `TF_VAE_CONV=im2col`): the `qwen_image_vae` kernels gather columns
 //!   for a band of output rows (the nearest 2x upsample is folded into the gather), then one cuBLASLt GEMM per band
 //!   writes the rows, bias in the epilogue. An implicit upsample conv reads a nearest-upsampled copy of its input
@@ -644,16 +644,19 @@ struct Decoded {
 }
 
 /// The environment variable that picks how the decoder runs its 3x3 convolutions ([`ConvPath`]): `implicit` (the
-/// default on sm_90), `implicit128` or `im2col` (the only path on other GPUs).
+/// default on sm_90), `implicit-tall`, `implicit128` or `im2col` (the only path on other GPUs).
 pub const CONV_ENV: &str = "TF_VAE_CONV";
 
 /// How the decoder runs its 3x3 convolutions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvPath {
-    /// One implicit-GEMM launch a conv ([`crate::nn::gpu::conv`]), in tiles of 256 pixels where the channel count
-    /// suits the 144-channel tile (`implicit`, the default).
+    /// One implicit-GEMM launch a conv ([`crate::nn::gpu::conv`]); where the channel count suits the 144-channel
+    /// tile, the row-reuse tile on maps at least 128 wide and 256-pixel tiles on narrower ones (`implicit`, the
+    /// default).
     Implicit,
-    /// The same with tiles of 128 pixels only (`implicit128`).
+    /// The same without the row-reuse tile: 256-pixel tiles wherever they fit (`implicit-tall`).
+    ImplicitTall,
+    /// The same with tiles of 128 pixels only, no row reuse (`implicit128`).
     Implicit128,
     /// A column matrix gathered per band of rows, then a cuBLASLt GEMM (`im2col`).
     Im2col,
@@ -665,9 +668,10 @@ impl ConvPath {
         match value {
             None | Some("implicit") => Ok(ConvPath::Implicit),
             Some("implicit128") => Ok(ConvPath::Implicit128),
+            Some("implicit-tall") => Ok(ConvPath::ImplicitTall),
             Some("im2col") => Ok(ConvPath::Im2col),
             Some(other) => Err(VaeError::Config(format!(
-                "{CONV_ENV}={other:?} is not a conv path: use `implicit`, `implicit128` or `im2col`"
+                "{CONV_ENV}={other:?} is not a conv path: use `implicit`, `implicit-tall`, `implicit128` or `im2col`"
             ))),
         }
     }
@@ -677,6 +681,7 @@ impl ConvPath {
         match self {
             ConvPath::Implicit => "implicit",
             ConvPath::Implicit128 => "implicit128",
+            ConvPath::ImplicitTall => "implicit-tall",
             ConvPath::Im2col => "im2col",
         }
     }
@@ -1097,11 +1102,20 @@ impl GpuVaeDecoder {
         )
     }
 
-    /// The implicit-GEMM tile of a conv of `shape` on the current path: 256 pixels tall on [`ConvPath::Implicit`]
-    /// when the map's width allows it.
+    /// The implicit-GEMM tile of a conv of `shape` on the current path ([`ConvPath`]): on the default, the row-reuse
+    /// tile where the channels take the 144-channel tile and the map is at least 128 wide, else 256 pixels tall where
+    /// the width allows it.
     fn conv_tile(&self, shape: Conv3x3Shape) -> ConvTile {
         let tall = ConvTile::for_channels(shape.n, true);
-        if self.conv_path == ConvPath::Implicit && shape.check(tall).is_ok() {
+        if self.conv_path == ConvPath::Implicit
+            && ConvTile::for_channels(shape.n, false) == ConvTile::Cols144
+            && shape.check(ConvTile::Rows144).is_ok()
+        {
+            return ConvTile::Rows144;
+        }
+        if matches!(self.conv_path, ConvPath::Implicit | ConvPath::ImplicitTall)
+            && shape.check(tall).is_ok()
+        {
             tall
         } else {
             ConvTile::for_channels(shape.n, false)
@@ -1551,7 +1565,12 @@ mod tests {
     #[test]
     fn conv_path_names() {
         assert_eq!(ConvPath::parse(None).unwrap(), ConvPath::Implicit);
-        for path in [ConvPath::Implicit, ConvPath::Implicit128, ConvPath::Im2col] {
+        for path in [
+            ConvPath::Implicit,
+            ConvPath::ImplicitTall,
+            ConvPath::Implicit128,
+            ConvPath::Im2col,
+        ] {
             assert_eq!(ConvPath::parse(Some(path.name())).unwrap(), path);
         }
         let err = ConvPath::parse(Some("direct")).unwrap_err().to_string();

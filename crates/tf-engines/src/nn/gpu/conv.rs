@@ -51,13 +51,16 @@ pub enum ConvTile {
     Cols256,
     /// 256 pixels x 144 channels.
     Tall144,
+    /// 128 pixels of one row x 144 channels, a stage holding one 130-pixel input row slice for its three horizontal
+    /// taps (a third of the input loads; maps at least 128 wide).
+    Rows144,
 }
 
 impl ConvTile {
     /// Output channels one tile computes.
     pub fn cols(self) -> usize {
         match self {
-            ConvTile::Cols144 | ConvTile::Tall144 => 144,
+            ConvTile::Cols144 | ConvTile::Tall144 | ConvTile::Rows144 => 144,
             ConvTile::Cols256 => 256,
         }
     }
@@ -65,14 +68,23 @@ impl ConvTile {
     /// Pixels one tile computes.
     pub fn pixels(self) -> usize {
         match self {
-            ConvTile::Cols144 | ConvTile::Cols256 => TILE_ROWS,
+            ConvTile::Cols144 | ConvTile::Cols256 | ConvTile::Rows144 => TILE_ROWS,
             ConvTile::Tall144 => 2 * TILE_ROWS,
         }
     }
 
+    /// Bytes of one pipeline stage: the input slice (1024-byte aligned) and the weight slices of its taps.
+    fn stage_bytes(self) -> usize {
+        let (rows, taps) = match self {
+            ConvTile::Rows144 => (self.pixels() + 2, 3),
+            _ => (self.pixels(), 1),
+        };
+        (rows * K_SLICE).div_ceil(1024) * 1024 + taps * self.cols() * K_SLICE
+    }
+
     /// Pipeline stages: as many as fit in 227 KiB with the alignment slack, at most six (the kernel's rule).
     fn stages(self) -> usize {
-        ((227 * 1024 - 1024) / ((self.pixels() + self.cols()) * K_SLICE)).min(6)
+        ((227 * 1024 - 1024) / self.stage_bytes()).min(6)
     }
 
     /// The kernel's name in the set.
@@ -81,16 +93,22 @@ impl ConvTile {
             ConvTile::Cols144 => GEMM_INT8_KERNELS[5],
             ConvTile::Cols256 => GEMM_INT8_KERNELS[6],
             ConvTile::Tall144 => GEMM_INT8_KERNELS[7],
+            ConvTile::Rows144 => GEMM_INT8_KERNELS[8],
         }
     }
 
     /// Every tile, for loading.
-    pub const ALL: [ConvTile; 3] = [ConvTile::Cols144, ConvTile::Cols256, ConvTile::Tall144];
+    pub const ALL: [ConvTile; 4] = [
+        ConvTile::Cols144,
+        ConvTile::Cols256,
+        ConvTile::Tall144,
+        ConvTile::Rows144,
+    ];
 
     /// Dynamic shared memory: the stages' input and weight tiles, and 1 KiB to align them to 1024 bytes.
     pub fn shared_bytes(self) -> u32 {
         // Small constants: at most 227 KiB.
-        ((self.pixels() + self.cols()) * K_SLICE * self.stages() + 1024) as u32
+        (self.stage_bytes() * self.stages() + 1024) as u32
     }
 
     /// The tile for `n` output channels: of the two widths the one that computes the fewest padding channels (the
@@ -113,6 +131,7 @@ impl ConvTile {
 const _: () = assert!((TILE_ROWS + 144) * K_SLICE * 6 + 1024 <= 227 * 1024);
 const _: () = assert!((TILE_ROWS + 256) * K_SLICE * 4 + 1024 <= 227 * 1024);
 const _: () = assert!((2 * TILE_ROWS + 144) * K_SLICE * 4 + 1024 <= 227 * 1024);
+const _: () = assert!((17 * 1024 + 3 * 144 * K_SLICE) * 3 + 1024 <= 227 * 1024);
 
 /// The element type of a conv's output and bias.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +168,15 @@ impl Conv3x3Shape {
     /// Refuses a shape the kernel of `tile` does not tile, naming the rule.
     pub fn check(&self, tile: ConvTile) -> Result<(), tf_cuda::Error> {
         let pixels_a_tile = tile.pixels();
+        if tile == ConvTile::Rows144 && self.w < pixels_a_tile {
+            return Err(invalid(
+                OP,
+                format!(
+                    "a map {} pixels wide: the row-reuse tile needs at least {pixels_a_tile}",
+                    self.w
+                ),
+            ));
+        }
         if self.h == 0 || self.w == 0 || self.cin == 0 || self.n == 0 {
             return Err(invalid(OP, format!("empty conv {self:?}")));
         }
@@ -222,13 +250,14 @@ pub fn plan_conv3x3_spans(
     (y, output): (DeviceSpan, ConvOutput),
     accumulate: bool,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
+    let flags = if accumulate { FLAG_ACCUMULATE } else { 0 };
     let (config, args) = pack(
         ctx,
         sm_count,
         (shape, tile),
         (x, weight, bias),
         (y, output),
-        accumulate,
+        flags,
     )?;
     Ok(Launch::from_spans(tile.kernel(), config, args))
 }
@@ -246,7 +275,7 @@ fn pack(
     (shape, tile): (Conv3x3Shape, ConvTile),
     (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
     (y, output): (DeviceSpan, ConvOutput),
-    accumulate: bool,
+    flags: i32,
 ) -> Result<(LaunchConfig, Args), tf_cuda::Error> {
     shape.check(tile)?;
     let Conv3x3Shape { h, w, cin, n } = shape;
@@ -293,7 +322,12 @@ fn pack(
             row_stride_bytes: (cin * BF16) as u64,
             batch_stride_bytes: (w * cin * BF16) as u64,
             box_cols: SLICE_CHANNELS as u32,
-            box_rows: box_w as u32,
+            // Row reuse loads the tile's pixels and one each side.
+            box_rows: if tile == ConvTile::Rows144 {
+                box_w + 2
+            } else {
+                box_w
+            } as u32,
         },
         (tile.pixels() / box_w) as u32,
     )?;
@@ -321,7 +355,7 @@ fn pack(
         .push(to_i32(OP, "n", n)?)
         .push(to_i32(OP, "box_w", box_w)?)
         .push(
-            if accumulate { FLAG_ACCUMULATE } else { 0 }
+            flags
                 | if output == ConvOutput::F32 {
                     FLAG_F32
                 } else {
@@ -364,6 +398,10 @@ mod tests {
         assert_eq!(ConvTile::Cols144.shared_bytes(), 6 * 34 * 1024 + 1024);
         assert_eq!(ConvTile::Cols256.shared_bytes(), 4 * 48 * 1024 + 1024);
         assert_eq!(ConvTile::Tall144.shared_bytes(), 4 * 50 * 1024 + 1024);
+        assert_eq!(
+            ConvTile::Rows144.shared_bytes(),
+            3 * (17 + 54) * 1024 + 1024
+        );
     }
 
     #[test]
@@ -390,6 +428,7 @@ mod tests {
             (shape(8, 64, 16, 15), short, "odd"),
             (shape(8, 96, 16, 16), short, "must divide 128"),
             (shape(8, 192, 16, 16), tall, "must divide 256"),
+            (shape(8, 64, 16, 16), ConvTile::Rows144, "at least 128"),
             (shape(1 << 16, 1 << 16, 16, 16), short, "pixels"),
         ] {
             let err = bad.check(tile).expect_err(rule);

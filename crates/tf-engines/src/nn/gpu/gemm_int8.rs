@@ -53,6 +53,7 @@ pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_conv3x3_bf16_n144",
     "nn_conv3x3_bf16_n256",
     "nn_conv3x3_bf16_m256_n144",
+    "nn_conv3x3_bf16_rows_n144",
 ];
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;

@@ -4,7 +4,7 @@
 //! every kernel and GEMM kind of one decode. With `--reference` (the reference.json of
 //! tests/python/qwen_pipeline_reference.py from the same run) diffusers' decode phase is printed beside the
 //! pipeline's path, with the ratio. On a GPU with the implicit-GEMM 3x3 convolutions (sm_90) every conv path is
-//! timed (implicit with 256- and with 128-pixel tiles, then im2col), and the default's image is compared with the
+//! timed (implicit with row reuse, with 256- and with 128-pixel tiles, then im2col), and the default's image is compared with the
 //! im2col path's (relative L2, largest difference).
 //!
 //! The body needs tf-engines' `bench` feature (the GPU bundle builds `tf` with it).
@@ -24,7 +24,10 @@ mod imp {
 
     fn describe(path: ConvPath) -> &'static str {
         match path {
-            ConvPath::Implicit => "implicit GEMM, 256-pixel tiles where they fit",
+            ConvPath::Implicit => {
+                "implicit GEMM, 130-pixel input rows for three taps where they fit (the default)"
+            }
+            ConvPath::ImplicitTall => "implicit GEMM, 256-pixel tiles where they fit",
             ConvPath::Implicit128 => "implicit GEMM, 128-pixel tiles",
             ConvPath::Im2col => "im2col + cuBLASLt",
         }
@@ -99,7 +102,12 @@ mod imp {
                 .collect::<Result<_, _>>()?
         };
         let paths: Vec<ConvPath> = if vae.set_conv_path(ConvPath::Implicit) {
-            vec![ConvPath::Implicit, ConvPath::Implicit128, ConvPath::Im2col]
+            vec![
+                ConvPath::Implicit,
+                ConvPath::ImplicitTall,
+                ConvPath::Implicit128,
+                ConvPath::Im2col,
+            ]
         } else {
             vec![ConvPath::Im2col]
         };
