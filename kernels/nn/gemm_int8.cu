@@ -161,6 +161,53 @@ __device__ __forceinline__ void tma_box_2d(uint32_t dst, const TmaMap* map, int 
     tma_box(dst, map, col, row, 0, bar);
 }
 
+// The stage ring of every kernel in this file: kStages stages of kStageBytes in the dynamic shared memory (its base
+// rounded up to 1024 bytes for the swizzled tiles; the launch asks 1 KiB more), each the A tile then, kABytes in,
+// the B tile(s); a `full` barrier a stage (the producer's one arrival, with the TMA bytes) and an `empty` one (one
+// arrival a consumer warp). Slices are counted over every tile of the CTA (`it`), so stage and parity run on across
+// tiles and the producer fills the next tile's first stages while the consumers store the last one.
+template <int kStages, int kStageBytes, int kABytes>
+struct G8Ring {
+    uint32_t smem;
+    uint32_t bars;
+    __device__ __forceinline__ G8Ring(const uint8_t* dynamic, const uint64_t* barriers)
+        : smem((static_cast<uint32_t>(__cvta_generic_to_shared(dynamic)) + 1023u) & ~1023u),
+          bars(static_cast<uint32_t>(__cvta_generic_to_shared(barriers))) {}
+    __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * s; }
+    __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * (kStages + s); }
+    __device__ __forceinline__ uint32_t a_tile(int s) const { return smem + s * kStageBytes; }
+    __device__ __forceinline__ uint32_t b_tile(int s) const { return smem + s * kStageBytes + kABytes; }
+    // Thread 0 sets up the barriers; the whole CTA waits for it.
+    __device__ __forceinline__ void init() const {
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < kStages; ++s) {
+                mbar_init(full(s), 1);
+                mbar_init(empty(s), kG8ConsumerWarps);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+    }
+    // The producer's stage for slice `it`, once every consumer warp released what slice it - kStages left there.
+    __device__ __forceinline__ int acquire(int it) const {
+        const int s = it % kStages;
+        if (it >= kStages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kStages) - 1) & 1));
+        return s;
+    }
+    // A consumer's stage for slice `it`, once its data landed.
+    __device__ __forceinline__ int wait_full(int it) const {
+        const int s = it % kStages;
+        mbar_wait(full(s), static_cast<uint32_t>((it / kStages) & 1));
+        return s;
+    }
+    // Frees stage `s` once this warp's MMAs that read it are done (the wgmma wait before it is warp-wide): one
+    // arrival a warp, so a stage costs the barrier 8 arrivals instead of 256.
+    __device__ __forceinline__ void release(int s, int lane) const {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    }
+};
+
 }  // namespace
 #endif
 
@@ -425,31 +472,14 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     using Acc = typename Ops::Acc;
     extern __shared__ uint8_t g8_smem[];
     __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
-    // The swizzled tiles want 1024-byte aligned bases: round the dynamic region up (the launch asks 1 KiB more).
-    const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(g8_smem));
-    const uint32_t smem = (smem_raw + 1023u) & ~1023u;
-    const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
-    auto full = [&](int s) { return bar_base + 8u * s; };
-    auto empty = [&](int s) { return bar_base + 8u * (kG8Stages + s); };
-    auto a_tile = [&](int s) { return smem + s * kG8StageBytes; };
-    auto b_tile = [&](int s) { return smem + s * kG8StageBytes + kG8ABytes; };
+    const G8Ring<kG8Stages, kG8StageBytes, kG8ABytes> ring(g8_smem, barriers);
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
     const int tiles = m_tiles * ((n + kTileCols - 1) / kTileCols);
     const int slices = (k + Ops::kSliceElems - 1) / Ops::kSliceElems;
     const int warpgroup = threadIdx.x / 128;
+    ring.init();
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kG8Stages; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), kG8ConsumerWarps);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    // Tiles in M-fastest order, CTA b taking b, b + gridDim.x, ...; `it` counts slices over every tile of this
-    // CTA, so stage and parity run on across tiles and the producer fills the next tile's first stages while the
-    // consumers store the last one.
+    // Tiles in M-fastest order, CTA b taking b, b + gridDim.x, ...
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
         if (threadIdx.x == 0) {
@@ -457,20 +487,20 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
                 const int2 origin = tile_origin(tile, m_tiles);
                 for (int t = 0; t < slices; ++t, ++it) {
-                    const int s = it % kG8Stages;
-                    // The stage was last read by slice it - kG8Stages: wait until every consumer released it.
-                    if (it >= kG8Stages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kG8Stages) - 1) & 1));
-                    mbar_expect_bytes(full(s), kG8StageBytes);
-                    tma_box_2d(a_tile(s), &tm_x, t * Ops::kSliceElems, origin.x, full(s));
+                    const int s = ring.acquire(it);
+                    const uint32_t full = ring.full(s);
+                    const uint32_t b_tile = ring.b_tile(s);
+                    mbar_expect_bytes(full, kG8StageBytes);
+                    tma_box_2d(ring.a_tile(s), &tm_x, t * Ops::kSliceElems, origin.x, full);
                     if constexpr (kSwiglu) {
                         // Gate rows, then value rows, of this tile's 128 hidden columns (a 16 KiB offset keeps
                         // the swizzle's 1024-byte blocks).
                         const int hidden0 = (tile / m_tiles) * kTileCols;
-                        tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, gate_base + hidden0, full(s));
-                        tma_box_2d(b_tile(s) + kTileCols * kG8Slice, &tm_w, t * Ops::kSliceElems,
-                                   value_base + hidden0, full(s));
+                        tma_box_2d(b_tile, &tm_w, t * Ops::kSliceElems, gate_base + hidden0, full);
+                        tma_box_2d(b_tile + kTileCols * kG8Slice, &tm_w, t * Ops::kSliceElems, value_base + hidden0,
+                                   full);
                     } else {
-                        tma_box_2d(b_tile(s), &tm_w, t * Ops::kSliceElems, origin.y, full(s));
+                        tma_box_2d(b_tile, &tm_w, t * Ops::kSliceElems, origin.y, full);
                     }
                 }
             }
@@ -481,12 +511,6 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    // Frees stage `s` once this warp's MMAs that read it are done (the wgmma wait before it is warp-wide): one
-    // arrival a warp, so a stage costs the barrier 8 arrivals instead of 256.
-    auto release = [&](int s) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
-    };
     Acc acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = Acc(0);
@@ -496,11 +520,10 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         const int m0 = origin.x;
         const int n0 = origin.y;
         for (int t = 0; t < slices; ++t, ++it) {
-            const int s = it % kG8Stages;
-            mbar_wait(full(s), static_cast<uint32_t>((it / kG8Stages) & 1));
+            const int s = ring.wait_full(it);
             wgmma_fence();
-            const uint32_t a = a_tile(s) + consumer * (64 * kG8Slice);
-            const uint32_t b = b_tile(s);
+            const uint32_t a = ring.a_tile(s) + consumer * (64 * kG8Slice);
+            const uint32_t b = ring.b_tile(s);
 #pragma unroll
             for (int kk = 0; kk < kG8Slice / 32; ++kk) {
                 // The tile's first MMA overwrites the accumulators (the previous tile's are stored by then).
@@ -510,11 +533,11 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             wgmma_commit();
             // Slice t's MMAs may still run; slice t - 1's are done: release its stage.
             wgmma_wait<1>();
-            if (t > 0) release((it - 1) % kG8Stages);
+            if (t > 0) ring.release((it - 1) % kG8Stages, lane);
         }
         wgmma_wait<0>();
         // The tile's last stage is free too: the producer may refill it while this tile is stored.
-        release((it - 1) % kG8Stages);
+        ring.release((it - 1) % kG8Stages, lane);
 #pragma unroll
         for (int i = 0; i < 128; ++i) {
             if constexpr (kBf16) {
@@ -718,8 +741,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(
 #if defined(NN_HAS_WGMMA)
 namespace {
 
-#define CV_REGS72 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}"
-#define CV_ACC72 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
+#define CV_REGS72 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, " \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, " \
+    "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}"
+#define CV_ACC72 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
 
 // d (+)= A * B for one m64n144k16 step: bf16 operands from shared memory (K-major descriptors), f32 sums.
 __device__ __forceinline__ void wgmma_bf16_m64n144k16(float (&d)[72], uint64_t desc_a, uint64_t desc_b,
@@ -798,27 +834,13 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
     constexpr int kSliceElems = kG8Slice / 2;  // 64 channels
     extern __shared__ uint8_t g8_smem[];
     __shared__ __align__(8) uint64_t barriers[2 * kStages];
-    const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(g8_smem));
-    const uint32_t smem = (smem_raw + 1023u) & ~1023u;
-    const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
-    auto full = [&](int s) { return bar_base + 8u * s; };
-    auto empty = [&](int s) { return bar_base + 8u * (kStages + s); };
-    auto a_tile = [&](int s) { return smem + s * kStageBytes; };
-    auto b_tile = [&](int s) { return smem + s * kStageBytes + kABytes; };
+    const G8Ring<kStages, kStageBytes, kABytes> ring(g8_smem, barriers);
     const CvGeometry geo(h, w, box_w, kRows);
     const int tiles = geo.m_tiles * ((n + kCols - 1) / kCols);
     const int c_slices = (cin + kSliceElems - 1) / kSliceElems;
     const int slices = (9 / kTaps) * c_slices;
     const int warpgroup = threadIdx.x / 128;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), kG8ConsumerWarps);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    ring.init();
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kG8ProducerRegs));
@@ -828,23 +850,23 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
                 const int2 o = geo.origin(tile % geo.m_tiles);
                 const int n0 = (tile / geo.m_tiles) * kCols;
                 for (int t = 0; t < slices; ++t, ++it) {
-                    const int s = it % kStages;
-                    if (it >= kStages) mbar_wait(empty(s), static_cast<uint32_t>(((it / kStages) - 1) & 1));
+                    const int s = ring.acquire(it);
                     if constexpr (kRowReuse) {
                         const int dy = t / c_slices;
                         const int c0 = (t - dy * c_slices) * kSliceElems;
-                        mbar_expect_bytes(full(s), kABox + 3 * kBBytes);
-                        tma_box(a_tile(s), &tm_x, c0, o.x - 1, o.y + dy - 1, full(s));
+                        mbar_expect_bytes(ring.full(s), kABox + 3 * kBBytes);
+                        tma_box(ring.a_tile(s), &tm_x, c0, o.x - 1, o.y + dy - 1, ring.full(s));
 #pragma unroll
                         for (int dx = 0; dx < 3; ++dx) {
-                            tma_box_2d(b_tile(s) + dx * kBBytes, &tm_w, (3 * dy + dx) * cin + c0, n0, full(s));
+                            tma_box_2d(ring.b_tile(s) + dx * kBBytes, &tm_w, (3 * dy + dx) * cin + c0, n0,
+                                       ring.full(s));
                         }
                     } else {
                         const int tap = t / c_slices;
                         const int c0 = (t - tap * c_slices) * kSliceElems;
-                        mbar_expect_bytes(full(s), kStageBytes);
-                        tma_box(a_tile(s), &tm_x, c0, o.x + tap % 3 - 1, o.y + tap / 3 - 1, full(s));
-                        tma_box_2d(b_tile(s), &tm_w, tap * cin + c0, n0, full(s));
+                        mbar_expect_bytes(ring.full(s), kStageBytes);
+                        tma_box(ring.a_tile(s), &tm_x, c0, o.x + tap % 3 - 1, o.y + tap / 3 - 1, ring.full(s));
+                        tma_box_2d(ring.b_tile(s), &tm_w, tap * cin + c0, n0, ring.full(s));
                     }
                 }
             }
@@ -855,10 +877,6 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    auto release = [&](int s) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
-    };
     float acc[kBlocks][kAcc];
 #pragma unroll
     for (int r = 0; r < kBlocks; ++r) {
@@ -870,11 +888,10 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
         const int2 o = geo.origin(tile % geo.m_tiles);
         const int n0 = (tile / geo.m_tiles) * kCols;
         for (int t = 0; t < slices; ++t, ++it) {
-            const int s = it % kStages;
-            mbar_wait(full(s), static_cast<uint32_t>((it / kStages) & 1));
+            const int s = ring.wait_full(it);
             wgmma_fence();
-            const uint32_t a = a_tile(s) + consumer * kBlocks * (64 * kG8Slice);
-            const uint32_t b = b_tile(s);
+            const uint32_t a = ring.a_tile(s) + consumer * kBlocks * (64 * kG8Slice);
+            const uint32_t b = ring.b_tile(s);
             if constexpr (kRowReuse) {
 #pragma unroll
                 for (int dx = 0; dx < 3; ++dx) {
@@ -896,10 +913,10 @@ __device__ __forceinline__ void conv3x3_tiles(const TmaMap& tm_x, const TmaMap& 
             }
             wgmma_commit();
             wgmma_wait<1>();
-            if (t > 0) release((it - 1) % kStages);
+            if (t > 0) ring.release((it - 1) % kStages, lane);
         }
         wgmma_wait<0>();
-        release((it - 1) % kStages);
+        ring.release((it - 1) % kStages, lane);
 #pragma unroll
         for (int r = 0; r < kBlocks; ++r) {
 #pragma unroll
