@@ -515,6 +515,45 @@ mod tests {
     }
 
     #[test]
+    fn upsample_plan_counts_chunks_and_refuses_bad_operands() {
+        // 3 x 5 pixels of 16 channels into 6 x 10: 4 * 15 * 16 / 8 = 120 chunks of 8 channels.
+        let (x_bytes, y_bytes) = (3 * 5 * 16 * BF16, 4 * 3 * 5 * 16 * BF16);
+        let launch =
+            plan_upsample2x(span(0x1000, x_bytes), (3, 5, 16), span(0x8000, y_bytes)).unwrap();
+        assert_eq!(launch.kernel, "qv_upsample2x");
+        assert_eq!(launch.args.get::<i32>(3), Some(16));
+        for (x, shape, y, rule) in [
+            (
+                span(0x1000, x_bytes),
+                (3, 5, 12),
+                span(0x8000, y_bytes),
+                "multiple of 8",
+            ),
+            (
+                span(0x1000, x_bytes),
+                (0, 5, 16),
+                span(0x8000, y_bytes),
+                "empty",
+            ),
+            (
+                span(0x1000, x_bytes),
+                (3, 5, 16),
+                span(0x8000, y_bytes - 16),
+                "y: needs",
+            ),
+            (
+                span(0x1008, x_bytes),
+                (3, 5, 16),
+                span(0x8000, y_bytes),
+                "x",
+            ),
+        ] {
+            let err = plan_upsample2x(x, shape, y).unwrap_err().to_string();
+            assert!(err.contains(rule), "{shape:?}: {err}");
+        }
+    }
+
+    #[test]
     fn norm_plan_packs_the_scale_and_refuses_short_spans() {
         let bytes = 10 * 16 * BF16;
         let launch = plan_rms_norm_silu(
