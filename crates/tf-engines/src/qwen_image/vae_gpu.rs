@@ -95,8 +95,10 @@ pub struct BufferPlan {
     pub latent_w: usize,
     /// Elements (bf16) of each of the [`POOL`] activation buffers: the largest channels-last map.
     pub pool_elems: usize,
-    /// Elements (bf16) of the column buffer.
+    /// Elements (bf16) of the column buffer: only the 3x3 convs the implicit GEMM does not take read one.
     pub cols_elems: usize,
+    /// The conv path the plan was made for (`None`: every 3x3 conv through columns).
+    pub implicit: Option<ConvPath>,
     /// Attention tokens (latent pixels) and padded width.
     pub tokens: usize,
     pub attention_cp: usize,
@@ -109,21 +111,44 @@ pub struct BufferPlan {
     pub z: usize,
 }
 
-/// One 3x3 convolution of the decode: output size and padded input channels.
+/// One 3x3 convolution of the decode: output size and padded channels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct ConvSite {
     out_h: usize,
     out_w: usize,
     in_cp: usize,
+    out_cp: usize,
+}
+
+/// The implicit-GEMM tile that runs a 3x3 conv of `shape` on `path`, or `None` when the conv goes through columns
+/// (no implicit path, or a map width no tile covers). The decoder and its [`BufferPlan`] decide by this one function.
+fn implicit_tile(path: Option<ConvPath>, shape: Conv3x3Shape) -> Option<ConvTile> {
+    let path = path.filter(|p| *p != ConvPath::Im2col)?;
+    let short = ConvTile::for_channels(shape.n, false);
+    let tall = ConvTile::for_channels(shape.n, true);
+    let tile = if path == ConvPath::Implicit
+        && short == ConvTile::Cols144
+        && shape.check(ConvTile::Rows144).is_ok()
+    {
+        ConvTile::Rows144
+    } else if path != ConvPath::Implicit128 && shape.check(tall).is_ok() {
+        tall
+    } else {
+        short
+    };
+    shape.check(tile).is_ok().then_some(tile)
 }
 
 impl BufferPlan {
-    /// Sizes every buffer of a decode of an `h` x `w` latent: walks the decoder as [`GpuVaeDecoder`] runs it.
+    /// Sizes every buffer of a decode of an `h` x `w` latent whose 3x3 convs run on `implicit` (`None`: all through
+    /// columns): walks the decoder as [`GpuVaeDecoder`] runs it. The column buffer serves only the convs the implicit
+    /// GEMM does not take; when it takes them all, the buffer is empty.
     pub fn new(
         config: &VaeConfig,
         h: usize,
         w: usize,
         budget: GpuVaeBudget,
+        implicit: Option<ConvPath>,
     ) -> Result<BufferPlan, VaeError> {
         if h == 0 || w == 0 {
             return Err(VaeError::Input(format!("a {h} x {w} latent is empty")));
@@ -140,12 +165,14 @@ impl BufferPlan {
             out_h: h,
             out_w: w,
             in_cp: zp,
+            out_cp: mid_cp,
         }];
         // Mid block: two resnets at the mid width.
         sites.push(ConvSite {
             out_h: h,
             out_w: w,
             in_cp: mid_cp,
+            out_cp: mid_cp,
         });
         let (mut hh, mut ww) = (h, w);
         for (i, pair) in dims.windows(2).enumerate() {
@@ -157,6 +184,7 @@ impl BufferPlan {
                     out_h: hh,
                     out_w: ww,
                     in_cp: cp,
+                    out_cp,
                 });
             }
             if i + 1 != levels {
@@ -167,22 +195,35 @@ impl BufferPlan {
                     out_h: hh,
                     out_w: ww,
                     in_cp: out_cp,
+                    out_cp,
                 });
             }
         }
         let last_cp = padded_channels(dims.last().copied().unwrap_or(1));
+        let out_cp = padded_channels(config.out_channels);
         sites.push(ConvSite {
             out_h: hh,
             out_w: ww,
             in_cp: last_cp,
+            out_cp,
         });
         let mut one_row = 0usize;
         let mut whole = 0usize;
-        for s in &sites {
+        let through_columns = sites.iter().filter(|s| {
+            let shape = Conv3x3Shape {
+                h: s.out_h,
+                w: s.out_w,
+                cin: s.in_cp,
+                n: s.out_cp,
+            };
+            implicit_tile(implicit, shape).is_none()
+        });
+        for s in through_columns {
             let row = mul(mul(s.out_w, 9)?, s.in_cp)?;
             one_row = one_row.max(row);
             whole = whole.max(mul(row, s.out_h)?);
         }
+        // No conv through columns: one_row and whole stay 0, and so does the buffer.
         let cols_elems = (budget.cols_bytes / BF16).clamp(one_row, whole.max(one_row));
         // Scores f32 plus probabilities bf16 per query row.
         let score_row_bytes = mul(p0, F32 + BF16)?;
@@ -192,11 +233,12 @@ impl BufferPlan {
             latent_w: w,
             pool_elems: pool,
             cols_elems,
+            implicit,
             tokens: p0,
             attention_cp: mid_cp,
             score_rows,
             out_pixels: mul(hh, ww)?,
-            out_cp: padded_channels(config.out_channels),
+            out_cp,
             out_channels: config.out_channels,
             z: config.z_dim,
         })
@@ -889,17 +931,18 @@ impl GpuVaeDecoder {
                  {h} x {w} latent"
             )));
         }
-        let reuse = self
-            .workspace
-            .as_ref()
-            .is_some_and(|ws| ws.plan.latent_h == h && ws.plan.latent_w == w);
+        let reuse = self.workspace.as_ref().is_some_and(|ws| {
+            ws.plan.latent_h == h
+                && ws.plan.latent_w == w
+                && ws.plan.implicit == self.implicit_path()
+        });
         if !reuse {
             // Work of a failed decode may still read the old buffers.
             self.stream
                 .synchronize()
                 .map_err(|e| backend("waiting before re-planning the workspace", e))?;
             self.workspace = None;
-            let plan = BufferPlan::new(&self.config, h, w, self.budget)?;
+            let plan = BufferPlan::new(&self.config, h, w, self.budget, self.implicit_path())?;
             self.workspace = Some(Workspace::new(&self.ctx, plan)?);
         }
         let mut ws = self
@@ -1102,24 +1145,13 @@ impl GpuVaeDecoder {
         )
     }
 
-    /// The implicit-GEMM tile of a conv of `shape` on the current path ([`ConvPath`]): on the default, the row-reuse
-    /// tile where the channels take the 144-channel tile and the map is at least 128 wide, else 256 pixels tall where
-    /// the width allows it.
-    fn conv_tile(&self, shape: Conv3x3Shape) -> ConvTile {
-        let tall = ConvTile::for_channels(shape.n, true);
-        if self.conv_path == ConvPath::Implicit
-            && ConvTile::for_channels(shape.n, false) == ConvTile::Cols144
-            && shape.check(ConvTile::Rows144).is_ok()
-        {
-            return ConvTile::Rows144;
-        }
-        if matches!(self.conv_path, ConvPath::Implicit | ConvPath::ImplicitTall)
-            && shape.check(tall).is_ok()
-        {
-            tall
-        } else {
-            ConvTile::for_channels(shape.n, false)
-        }
+    /// The conv path the implicit GEMMs run on, or `None` where every conv goes through columns (another GPU, or
+    /// [`ConvPath::Im2col`]).
+    fn implicit_path(&self) -> Option<ConvPath> {
+        self.convs
+            .as_ref()
+            .map(|_| self.conv_path)
+            .filter(|p| *p != ConvPath::Im2col)
     }
 
     /// A 3x3 conv writing an `out_h` x `out_w` map into `y` (bf16, or f32 with `f32_out`), band by band.
@@ -1136,46 +1168,40 @@ impl GpuVaeDecoder {
         f32_out: bool,
     ) -> Result<(), VaeError> {
         let image_w = ws.plan.latent_w * self.config.spatial_factor();
-        let implicit = self
-            .convs
-            .as_ref()
-            .filter(|_| self.conv_path != ConvPath::Im2col);
-        if let (Some(convs), false) = (implicit, upsample) {
-            let shape = Conv3x3Shape {
-                h: out_h,
-                w: out_w,
-                cin: conv.in_cp,
-                n: conv.out_cp,
+        let shape = Conv3x3Shape {
+            h: out_h,
+            w: out_w,
+            cin: conv.in_cp,
+            n: conv.out_cp,
+        };
+        let implicit = implicit_tile(self.implicit_path(), shape);
+        if let (Some(convs), Some(tile), false) = (&self.convs, implicit, upsample) {
+            let (output, out_size) = if f32_out {
+                (ConvOutput::F32, F32)
+            } else {
+                (ConvOutput::Bf16, BF16)
             };
-            let tile = self.conv_tile(shape);
-            if shape.check(tile).is_ok() {
-                let (output, out_size) = if f32_out {
-                    (ConvOutput::F32, F32)
-                } else {
-                    (ConvOutput::Bf16, BF16)
-                };
-                let operands = (
-                    x,
-                    self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?,
-                    self.weight(conv.bias, conv.out_cp * out_size)?,
-                );
-                let launch = plan_conv3x3_spans(
-                    &self.ctx,
-                    convs.sm_count(),
-                    (shape, tile),
-                    operands,
-                    (y, output),
-                    accumulate,
-                )
-                .map_err(|e| backend("planning an implicit-GEMM conv", e))?;
-                // SAFETY: x, y and the weights lie inside live buffers of this decoder or of the workspace in use
-                // (checked by `span`), in the stream's context; the decode synchronizes before they can be
-                // replaced or dropped, and Drop synchronizes first. x and y are different buffers.
-                unsafe { convs.submit_spans(&self.stream, &launch) }
-                    .map_err(|e| backend(launch.kernel, e))?;
-                let flops = 2.0 * (out_h * out_w) as f64 * conv.out_cp as f64 * conv.k() as f64;
-                return self.mark(conv3x3_implicit_phase(out_w, image_w), flops);
-            }
+            let operands = (
+                x,
+                self.weight(conv.weight, conv.out_cp * conv.k() * BF16)?,
+                self.weight(conv.bias, conv.out_cp * out_size)?,
+            );
+            let launch = plan_conv3x3_spans(
+                &self.ctx,
+                convs.sm_count(),
+                (shape, tile),
+                operands,
+                (y, output),
+                accumulate,
+            )
+            .map_err(|e| backend("planning an implicit-GEMM conv", e))?;
+            // SAFETY: x, y and the weights lie inside live buffers of this decoder or of the workspace in use
+            // (checked by `span`), in the stream's context; the decode synchronizes before they can be
+            // replaced or dropped, and Drop synchronizes first. x and y are different buffers.
+            unsafe { convs.submit_spans(&self.stream, &launch) }
+                .map_err(|e| backend(launch.kernel, e))?;
+            let flops = 2.0 * (out_h * out_w) as f64 * conv.out_cp as f64 * conv.k() as f64;
+            return self.mark(conv3x3_implicit_phase(out_w, image_w), flops);
         }
         let out_size = if f32_out { F32 } else { BF16 };
         let band_rows = ws.plan.band_rows(out_h, out_w, conv.in_cp);
@@ -1432,9 +1458,7 @@ impl GpuVaeDecoder {
                     cin: conv.in_cp,
                     n: conv.out_cp,
                 };
-                if self.uses_implicit_convs()
-                    && implicit_shape.check(self.conv_tile(implicit_shape)).is_ok()
-                {
+                if implicit_tile(self.implicit_path(), implicit_shape).is_some() {
                     // The implicit GEMM reads the upsampled map itself: 4x the input, not 9x 4x of columns.
                     let up = ws.act(free_index(&[x, d])?, h * w, conv.in_cp)?;
                     self.submit(plan_upsample2x(src, (src_h, src_w, conv.in_cp), up))?;
@@ -1520,7 +1544,8 @@ mod tests {
 
     #[test]
     fn released_plan_at_1024_fits_the_largest_map() {
-        let plan = BufferPlan::new(&config(144, 64), 64, 64, GpuVaeBudget::default()).unwrap();
+        let plan =
+            BufferPlan::new(&config(144, 64), 64, 64, GpuVaeBudget::default(), None).unwrap();
         // Largest map: the 1024 x 1024 x 288 output of up block 3's upsample conv.
         assert_eq!(plan.pool_elems, 1024 * 1024 * 288);
         assert_eq!(plan.out_pixels, 1024 * 1024);
@@ -1539,9 +1564,102 @@ mod tests {
     }
 
     #[test]
+    fn implicit_convs_need_columns_only_where_no_tile_covers_the_map() {
+        let cfg = config(144, 64);
+        let budget = GpuVaeBudget::default();
+        // 1024x1024: every map is 64 wide (two rows a 256-pixel tile) or at least 128 (row reuse): no columns.
+        for path in [
+            ConvPath::Implicit,
+            ConvPath::ImplicitTall,
+            ConvPath::Implicit128,
+        ] {
+            let plan = BufferPlan::new(&cfg, 64, 64, budget, Some(path)).unwrap();
+            assert_eq!(plan.cols_elems, 0, "{path:?}");
+            assert_eq!(plan.implicit, Some(path));
+        }
+        let im2col = BufferPlan::new(&cfg, 64, 64, budget, Some(ConvPath::Im2col)).unwrap();
+        assert_eq!(im2col.cols_elems, (512 << 20) / 2);
+        // A 41 x 41 latent: the 41- and 82-pixel-wide maps fit no tile and go through columns (their widest row: 82
+        // pixels x 9 taps x 1152 channels); the maps from 164 pixels on run on the row-reuse tile.
+        let odd = BufferPlan::new(&cfg, 41, 41, budget, Some(ConvPath::Implicit)).unwrap();
+        let all = BufferPlan::new(&cfg, 41, 41, budget, None).unwrap();
+        assert_eq!(odd.band_rows(82, 82, 1152), 82);
+        assert_eq!(odd.cols_elems, 82 * 82 * 9 * 1152);
+        assert!(odd.cols_elems < all.cols_elems);
+        // The decoder's choice and the plan's agree, by one function: the widths the plan sends to columns are
+        // exactly those no tile takes.
+        for (w, n, taken) in [
+            (41, 1152, false),
+            (82, 1152, false),
+            (164, 1152, true),
+            (64, 1152, true),
+        ] {
+            let shape = Conv3x3Shape {
+                h: w,
+                w,
+                cin: 1152,
+                n,
+            };
+            assert_eq!(
+                implicit_tile(Some(ConvPath::Implicit), shape).is_some(),
+                taken,
+                "{w}"
+            );
+        }
+        assert_eq!(
+            implicit_tile(
+                Some(ConvPath::Implicit),
+                Conv3x3Shape {
+                    h: 4,
+                    w: 300,
+                    cin: 144,
+                    n: 144
+                }
+            ),
+            Some(ConvTile::Rows144)
+        );
+        assert_eq!(
+            implicit_tile(
+                Some(ConvPath::ImplicitTall),
+                Conv3x3Shape {
+                    h: 4,
+                    w: 64,
+                    cin: 144,
+                    n: 144
+                }
+            ),
+            Some(ConvTile::Tall144)
+        );
+        assert_eq!(
+            implicit_tile(
+                Some(ConvPath::Implicit128),
+                Conv3x3Shape {
+                    h: 4,
+                    w: 300,
+                    cin: 144,
+                    n: 256
+                }
+            ),
+            Some(ConvTile::Cols256)
+        );
+        assert_eq!(
+            implicit_tile(
+                None,
+                Conv3x3Shape {
+                    h: 4,
+                    w: 300,
+                    cin: 144,
+                    n: 144
+                }
+            ),
+            None
+        );
+    }
+
+    #[test]
     fn tiny_plan_covers_padded_channels() {
         // The fixture's widths 16, 16, 16, 8, 4, 2 pad to 16, 16, 16, 8, 8, 8; z 4 to 8.
-        let plan = BufferPlan::new(&config(2, 4), 4, 6, GpuVaeBudget::default()).unwrap();
+        let plan = BufferPlan::new(&config(2, 4), 4, 6, GpuVaeBudget::default(), None).unwrap();
         assert_eq!(plan.out_pixels, 64 * 96);
         // Largest map: the 64 x 96 output at 8 (padded) channels, larger than 16 x 24 at 16.
         assert_eq!(plan.pool_elems, 64 * 96 * 8);
@@ -1554,12 +1672,13 @@ mod tests {
                 cols_bytes: 1,
                 scores_bytes: 1,
             },
+            None,
         )
         .unwrap();
         assert_eq!(tight.score_rows, 1);
         assert!(tight.cols_elems >= 96 * 9 * 8);
         assert_eq!(tight.band_rows(64, 96, 8), 1);
-        assert!(BufferPlan::new(&config(2, 4), 0, 6, GpuVaeBudget::default()).is_err());
+        assert!(BufferPlan::new(&config(2, 4), 0, 6, GpuVaeBudget::default(), None).is_err());
     }
 
     #[test]
@@ -1666,7 +1785,7 @@ mod tests {
         /// Bands tile the output rows exactly and each band's columns fit the column buffer.
         #[test]
         fn bands_fit_the_column_buffer(h in 1usize..9, w in 1usize..9, budget in 1usize..1 << 22, cp8 in 1usize..40) {
-            let plan = BufferPlan::new(&config(8, 16), h, w, GpuVaeBudget { cols_bytes: budget, scores_bytes: budget })
+            let plan = BufferPlan::new(&config(8, 16), h, w, GpuVaeBudget { cols_bytes: budget, scores_bytes: budget }, None)
                 .unwrap();
             let f = 16;
             let (oh, ow, cp) = (h * f, w * f, (cp8 * 8).min(64));
