@@ -31,7 +31,7 @@ impl Default for GpuVaeBudget {
 pub struct BufferPlan {
     pub latent_h: usize,
     pub latent_w: usize,
-    /// Elements (bf16) of each of the [`POOL`] activation buffers: the largest channels-last map.
+    /// Elements (bf16) of each of the four (`POOL`) activation buffers: the largest channels-last map.
     pub pool_elems: usize,
     /// Elements (bf16) of the column buffer: only the 3x3 convs the implicit GEMM does not take read one.
     pub cols_elems: usize,
@@ -79,7 +79,7 @@ pub(super) fn implicit_tile(path: Option<ConvPath>, shape: Conv3x3Shape) -> Opti
 
 impl BufferPlan {
     /// Sizes every buffer of a decode of an `h` x `w` latent whose 3x3 convs run on `implicit` (`None`: all through
-    /// columns): walks the decoder as [`GpuVaeDecoder`] runs it. The column buffer serves only the convs the implicit
+    /// columns): walks the decoder as [`super::GpuVaeDecoder`] runs it. The column buffer serves only the convs the implicit
     /// GEMM does not take; when it takes them all, the buffer is empty.
     pub fn new(
         config: &VaeConfig,
@@ -188,13 +188,13 @@ impl BufferPlan {
         (self.cols_elems / row).clamp(1, out_h.max(1))
     }
 
-    /// Bytes of every buffer of a [`Workspace`] with this plan.
+    /// Bytes of every buffer of a decoder workspace with this plan.
     pub fn bytes(&self) -> usize {
         let sizes = self.sizes();
         sizes.iter().sum()
     }
 
-    /// Bytes of each buffer, in the order [`Workspace::new`] allocates them.
+    /// Bytes of each buffer, in the order the decoder's workspace allocates them.
     pub(super) fn sizes(&self) -> [usize; 8] {
         let act = self.pool_elems * BF16;
         let attn = self.tokens * self.attention_cp * BF16;
