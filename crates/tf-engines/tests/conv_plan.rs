@@ -1,7 +1,8 @@
 //! The implicit-GEMM 3x3 conv launcher (`tf_engines::nn::gpu::conv::plan_conv3x3_spans`) on the test driver: every
 //! operand too small or misaligned and every shape its tile does not cover is refused with its rule named; a valid
 //! call on each tile encodes its two tensor maps (the test driver checks them by the driver's rules) and packs one
-//! persistent launch with the tile's shared memory and the kernel's flags.
+//! persistent launch with the tile's shared memory and the kernel's flags; any shape (a property test) plans or
+//! is refused by name, never panics.
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -124,6 +125,42 @@ fn the_conv_launcher_names_each_refusal_and_packs_each_tile() {
                 .map(|i| launch.args().get::<i32>(i).unwrap())
                 .collect();
             assert_eq!(ints, [6, 200, 144, 288, 128, flags], "{tile:?}");
+        }
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    /// Any shape on any tile plans or is refused by name, never panics: sizes up to past the kernel's 32-bit limits,
+    /// zero and odd channel counts, widths that no tile covers. A plan's grid is at most one CTA an SM and its
+    /// arguments carry the shape as given.
+    #[test]
+    fn any_shape_plans_or_is_refused(
+        h in 0usize..70_000,
+        w in 0usize..70_000,
+        cin in 0usize..3000,
+        n in 0usize..3000,
+        tile_index in 0usize..4,
+        accumulate: bool,
+        f32_out: bool,
+    ) {
+        let _serial = test_lock();
+        let ctx = test_context();
+        let tile = ConvTile::ALL[tile_index];
+        // Spans as large as any shape needs: planning reads no memory.
+        let big = DeviceSpan::new(0x1000_0000, 1 << 46);
+        let output = if f32_out { ConvOutput::F32 } else { ConvOutput::Bf16 };
+        let shape = Conv3x3Shape { h, w, cin, n };
+        match plan_conv3x3_spans(&ctx, 132, (shape, tile), (big, big, big), (big, output), accumulate) {
+            Ok(launch) => {
+                proptest::prop_assert!(shape.check(tile).is_ok());
+                let config = launch.config();
+                proptest::prop_assert!(config.grid.x >= 1 && config.grid.x <= 132);
+                proptest::prop_assert_eq!(config.shared_bytes, tile.shared_bytes());
+                let ints: Vec<i32> = (4..8).map(|i| launch.args().get::<i32>(i).unwrap()).collect();
+                proptest::prop_assert_eq!(ints, vec![h as i32, w as i32, cin as i32, n as i32]);
+            }
+            Err(e) => proptest::prop_assert!(e.to_string().contains("3x3 conv") || e.to_string().contains("tensor map")),
         }
     }
 }
