@@ -6,20 +6,14 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
-
 use tf_cuda::cublaslt::DeviceSpan;
-use tf_cuda::{Context, DeviceBuffer, Driver};
+use tf_cuda::DeviceBuffer;
 use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
-use tf_testdriver::{library_path, test_lock};
+use tf_testdriver::test_lock;
 
-/// A context on the test driver's device 0 (hold `test_lock` while it lives).
-fn test_context() -> Context {
-    let driver = Arc::new(
-        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
-    );
-    Context::new(driver, 0).expect("context on device 0")
-}
+#[path = "common/test_driver.rs"]
+mod test_driver;
+use test_driver::context as test_context;
 
 fn span(b: &DeviceBuffer) -> DeviceSpan {
     DeviceSpan::new(b.addr(), b.len())

@@ -5,24 +5,18 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
-
-use tf_cuda::{Context, DeviceBuffer, Driver};
+use tf_cuda::DeviceBuffer;
 use tf_engines::nn::gpu::gemm_int8::{
     plan_int8_gemm, plan_int8_qkv_gemm, plan_int8_swiglu_gemm, Int8GemmOperands, Int8GemmShape,
     QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS, SHARED_BYTES,
 };
 use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::{Matrix, SwigluOrder};
-use tf_testdriver::{library_path, test_lock};
+use tf_testdriver::test_lock;
 
-/// A context on the test driver's device 0 (hold `test_lock` while it lives).
-fn test_context() -> Context {
-    let driver = Arc::new(
-        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
-    );
-    Context::new(driver, 0).expect("context on device 0")
-}
+#[path = "common/test_driver.rs"]
+mod test_driver;
+use test_driver::context as test_context;
 
 #[test]
 fn the_launcher_names_each_refusal() {

@@ -5,16 +5,18 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
-use std::sync::Arc;
 
-use tf_cuda::{Context, DeviceBuffer, Driver, Stream};
+use tf_cuda::{DeviceBuffer, Stream};
 use tf_engines::nn::upload::{
     convert_to_bf16, fill_host, upload_pieces, ChunkTransform, Piece, StagingConfig, Transform,
     UploadError,
 };
 use tf_engines::nn::weights::{LayoutPlanner, ModelDir};
 use tf_engines::qwen_image::config::QwenImageDitConfig;
-use tf_testdriver::{library_path, test_lock};
+use tf_testdriver::test_lock;
+
+#[path = "common/test_driver.rs"]
+mod test_driver;
 
 fn fixture() -> ModelDir {
     ModelDir::open(
@@ -57,10 +59,7 @@ fn small_ring() -> StagingConfig {
 #[test]
 fn the_ring_places_every_tensor_as_stored_and_as_bf16() {
     let _serial = test_lock();
-    let driver = Arc::new(
-        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
-    );
-    let ctx = Context::new(driver, 0).expect("context on device 0");
+    let ctx = test_driver::context();
     let stream = Stream::new(&ctx, true).expect("stream");
     let model = fixture();
     let names = names(&model);
@@ -148,10 +147,7 @@ impl ChunkTransform for FailAt {
 #[test]
 fn a_ring_that_fails_part_way_waits_and_frees_its_slots() {
     let _serial = test_lock();
-    let driver = Arc::new(
-        Driver::open_path(&library_path().expect("find the test driver")).expect("open it"),
-    );
-    let ctx = Context::new(driver, 0).expect("context on device 0");
+    let ctx = test_driver::context();
     let stream = Stream::new(&ctx, true).expect("stream");
     let before = tf_cuda::usage();
     let src: Vec<u8> = (0..64 * 1024u32).map(|i| (i % 253) as u8).collect();

@@ -178,24 +178,34 @@ fn load_implicit_convs(ctx: &Context) -> Result<Option<Int8GemmKernels>, VaeErro
     }
 }
 
-/// The phase an implicit-GEMM 3x3 conv at output width `out_w` is timed in.
-fn conv3x3_implicit_phase(out_w: usize, image_w: usize) -> &'static str {
-    match image_w.checked_div(out_w) {
-        Some(1) => "conv3x3 implicit GEMM, full size",
-        Some(2) => "conv3x3 implicit GEMM, 1/2 size",
-        Some(4) => "conv3x3 implicit GEMM, 1/4 size",
-        Some(8) => "conv3x3 implicit GEMM, 1/8 size",
-        _ => "conv3x3 implicit GEMM, 1/16 size",
-    }
-}
-
-/// The phase a 3x3 conv GEMM at output width `out_w` is timed in, by its scale against the image width `image_w`.
-fn conv3x3_phase(out_w: usize, image_w: usize) -> &'static str {
-    match image_w.checked_div(out_w) {
-        Some(1) => "conv3x3 GEMM, full size",
-        Some(2) => "conv3x3 GEMM, 1/2 size",
-        Some(4) => "conv3x3 GEMM, 1/4 size",
-        _ => "conv3x3 GEMM, 1/8 size",
+/// The phase a 3x3 conv at output width `out_w` is timed in, by its path and its scale against the image width
+/// `image_w` (the column path's GEMMs keep every scale from 1/8 down in one phase).
+fn conv3x3_phase(out_w: usize, image_w: usize, implicit: bool) -> &'static str {
+    const IMPLICIT: [&str; 5] = [
+        "conv3x3 implicit GEMM, full size",
+        "conv3x3 implicit GEMM, 1/2 size",
+        "conv3x3 implicit GEMM, 1/4 size",
+        "conv3x3 implicit GEMM, 1/8 size",
+        "conv3x3 implicit GEMM, 1/16 size",
+    ];
+    const COLUMNS: [&str; 5] = [
+        "conv3x3 GEMM, full size",
+        "conv3x3 GEMM, 1/2 size",
+        "conv3x3 GEMM, 1/4 size",
+        "conv3x3 GEMM, 1/8 size",
+        "conv3x3 GEMM, 1/8 size",
+    ];
+    let scale = match image_w.checked_div(out_w) {
+        Some(1) => 0,
+        Some(2) => 1,
+        Some(4) => 2,
+        Some(8) => 3,
+        _ => 4,
+    };
+    if implicit {
+        IMPLICIT[scale]
+    } else {
+        COLUMNS[scale]
     }
 }
 
@@ -302,7 +312,7 @@ impl GpuVaeDecoder {
 
     /// Whether the 3x3 convolutions run as implicit GEMMs.
     pub fn uses_implicit_convs(&self) -> bool {
-        self.conv_path != ConvPath::Im2col && self.convs.is_some()
+        self.implicit_path().is_some()
     }
 
     /// The parsed config.
@@ -640,7 +650,7 @@ impl GpuVaeDecoder {
             unsafe { convs.submit_spans(&self.stream, &launch) }
                 .map_err(|e| backend(launch.kernel, e))?;
             let flops = 2.0 * (out_h * out_w) as f64 * conv.out_cp as f64 * conv.k() as f64;
-            return self.mark(conv3x3_implicit_phase(out_w, image_w), flops);
+            return self.mark(conv3x3_phase(out_w, image_w, true), flops);
         }
         let out_size = if f32_out { F32 } else { BF16 };
         let band_rows = ws.plan.band_rows(out_h, out_w, conv.in_cp);
@@ -663,7 +673,7 @@ impl GpuVaeDecoder {
             let row_bytes = out_w * conv.out_cp * out_size;
             let y_band = gemm::sub_span(y, row0 * row_bytes, rows * row_bytes)?;
             self.gemm(
-                conv3x3_phase(out_w, image_w),
+                conv3x3_phase(out_w, image_w, false),
                 Linear {
                     m,
                     n: conv.out_cp,

@@ -33,7 +33,7 @@ use tf_cuda::tensor_map::{encode_bf16_boxes, encode_bf16_tiles, Tiles};
 use tf_cuda::Context;
 
 use super::gemm_int8::{GEMM_INT8_KERNELS, K_SLICE, TILE_ROWS};
-use super::launch::{bytes_of, check_operand, invalid, to_i32, to_u32, Launch, Operand};
+use super::launch::{bytes_of, check_span, invalid, to_i32, to_u32, Launch};
 
 const OP: &str = "3x3 conv";
 const BF16: usize = 2;
@@ -250,23 +250,15 @@ pub fn plan_conv3x3_spans(
     (y, output): (DeviceSpan, ConvOutput),
     accumulate: bool,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
-    let flags = if accumulate { FLAG_ACCUMULATE } else { 0 };
     let (config, args) = pack(
         ctx,
         sm_count,
         (shape, tile),
         (x, weight, bias),
         (y, output),
-        flags,
+        accumulate,
     )?;
     Ok(Launch::from_spans(tile.kernel(), config, args))
-}
-
-fn operand(s: DeviceSpan) -> Operand {
-    Operand {
-        addr: s.addr,
-        bytes: s.bytes,
-    }
 }
 
 fn pack(
@@ -275,39 +267,33 @@ fn pack(
     (shape, tile): (Conv3x3Shape, ConvTile),
     (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
     (y, output): (DeviceSpan, ConvOutput),
-    flags: i32,
+    accumulate: bool,
 ) -> Result<(LaunchConfig, Args), tf_cuda::Error> {
     shape.check(tile)?;
     let Conv3x3Shape { h, w, cin, n } = shape;
     let pixels = h * w;
     let k = 9 * cin;
-    check_operand(
-        OP,
-        "x",
-        operand(x),
-        bytes_of(OP, "x", &[pixels, cin, BF16])?,
-        16,
-    )?;
-    check_operand(
+    check_span(OP, "x", x, bytes_of(OP, "x", &[pixels, cin, BF16])?, 16)?;
+    check_span(
         OP,
         "weight",
-        operand(weight),
+        weight,
         bytes_of(OP, "weight", &[n, k, BF16])?,
         16,
     )?;
     // The epilogue moves pairs of channels: 4-byte (bf16) or 8-byte (f32) accesses.
     let size = output.bytes();
-    check_operand(
+    check_span(
         OP,
         "bias",
-        operand(bias),
+        bias,
         bytes_of(OP, "bias", &[n, size])?,
         2 * size as u64,
     )?;
-    check_operand(
+    check_span(
         OP,
         "y",
-        operand(y),
+        y,
         bytes_of(OP, "y", &[pixels, n, size])?,
         2 * size as u64,
     )?;
@@ -355,7 +341,7 @@ fn pack(
         .push(to_i32(OP, "n", n)?)
         .push(to_i32(OP, "box_w", box_w)?)
         .push(
-            flags
+            if accumulate { FLAG_ACCUMULATE } else { 0 }
                 | if output == ConvOutput::F32 {
                     FLAG_F32
                 } else {

@@ -626,15 +626,15 @@ pub fn plan_bf16_gemm_spans(
     y: DeviceSpan,
     y_row_stride: usize,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
-    let span = |s: DeviceSpan| Operand {
-        addr: s.addr,
-        bytes: s.bytes,
-    };
     let (config, args) = pack_bf16(
         ctx,
         sm_count,
         shape,
-        (span(x), span(w), span(y)),
+        (
+            Operand::of_span(x),
+            Operand::of_span(w),
+            Operand::of_span(y),
+        ),
         y_row_stride,
     )?;
     Ok(Launch::from_spans(GEMM_INT8_KERNELS[1], config, args))

@@ -63,6 +63,14 @@ impl Operand {
             bytes: view.len(),
         }
     }
+    /// A raw span's address and extent.
+    pub(crate) fn of_span(span: DeviceSpan) -> Operand {
+        Operand {
+            addr: span.addr,
+            bytes: span.bytes,
+        }
+    }
+
     pub(crate) fn of_mut(view: &DeviceViewMut<'_>) -> Operand {
         Operand {
             addr: view.addr(),
@@ -276,11 +284,7 @@ pub(crate) fn check_span(
     needed: usize,
     align: u64,
 ) -> Result<(), tf_cuda::Error> {
-    let operand = Operand {
-        addr: span.addr,
-        bytes: span.bytes,
-    };
-    check_operand(op, name, operand, needed, align)
+    check_operand(op, name, Operand::of_span(span), needed, align)
 }
 
 /// The product of `factors` (an operand's size), or an error naming the operand when it overflows.
