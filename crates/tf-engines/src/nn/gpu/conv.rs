@@ -250,25 +250,6 @@ pub fn plan_conv3x3_spans(
     (y, output): (DeviceSpan, ConvOutput),
     accumulate: bool,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
-    let (config, args) = pack(
-        ctx,
-        sm_count,
-        (shape, tile),
-        (x, weight, bias),
-        (y, output),
-        accumulate,
-    )?;
-    Ok(Launch::from_spans(tile.kernel(), config, args))
-}
-
-fn pack(
-    ctx: &Context,
-    sm_count: usize,
-    (shape, tile): (Conv3x3Shape, ConvTile),
-    (x, weight, bias): (DeviceSpan, DeviceSpan, DeviceSpan),
-    (y, output): (DeviceSpan, ConvOutput),
-    accumulate: bool,
-) -> Result<(LaunchConfig, Args), tf_cuda::Error> {
     shape.check(tile)?;
     let Conv3x3Shape { h, w, cin, n } = shape;
     let pixels = h * w;
@@ -351,7 +332,7 @@ fn pack(
     let tiles = shape.m_tiles(tile) * n.div_ceil(tile.cols());
     let grid = to_u32(OP, "CTAs", tiles.min(sm_count.max(1)))?;
     let config = LaunchConfig::new(grid, THREADS).with_shared(tile.shared_bytes());
-    Ok((config, args))
+    Ok(Launch::from_spans(tile.kernel(), config, args))
 }
 
 #[cfg(test)]
