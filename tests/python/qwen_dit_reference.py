@@ -7,8 +7,9 @@ fp32 compute (the accuracy reference) and bf16 compute (whose distance to fp32 i
 judged against). It also times the reference: eager bf16 full and cached steps, and the cached step under
 torch.compile. Everything lands under --out; a JSON summary goes to --out/reference.json and stdout.
 
-Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for Qwen-Image's default,
-qkv,out,mlp_in,mlp_out,ends=1, or GROUP[,GROUP...][,ends=N]): once the bf16 and fp32 runs of every size are done, the
+Torch FP8 beside ours (--fp8 SPEC, our --precision spelling: `fp8` for Qwen-Image's default groups,
+qkv,out,mlp_in,mlp_out,ends=0, or GROUP[,GROUP...][,ends=N]; torch has no scaled INT8 GEMM, so our default's
+`gemm=int8` is matched by e4m3 with the same scales): once the bf16 and fp32 runs of every size are done, the
 chosen nn.Linear layers of the blocks between the first and last N become e4m3 GEMMs quantized as ours are
 (tests/python/torch_fp8.py: per-output-channel weight scales, per-token activation scales computed on the fly,
 torch._scaled_mm row-wise, bf16 output; qkv = attn.to_q/to_k/to_v, out = attn.to_out.0, mlp_in = img_mlp.proj and
@@ -48,7 +49,7 @@ QWEN_FP8_MODULES = {
     "mlp_in": ("img_mlp.proj", "img_mlp.gate_layer"),
     "mlp_out": ("img_mlp.out",),
 }
-QWEN_FP8_DEFAULT = "qkv,out,mlp_in,mlp_out,ends=1"
+QWEN_FP8_DEFAULT = "qkv,out,mlp_in,mlp_out,ends=0"
 
 
 def rel_l2(a, b):

@@ -213,10 +213,16 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         load.weight_bytes as f64 / (1u64 << 30) as f64,
         load.upload.source_gb_per_s()
     );
-    let target_ms = 114.0;
+    // The cached-step goals of the speed issue: 100 ms in bf16, 60 ms with 8-bit GEMMs.
+    let eight_bit = dit.precision().uses_fp8(dit.config().num_layers);
+    let (goal_label, goal_ms) = if eight_bit {
+        ("8-bit", 60.0)
+    } else {
+        ("bf16", 100.0)
+    };
     println!(
-        "  target: cached step <= {target_ms} ms (aim < 100 ms): {}",
-        if cached.graph_ms <= target_ms {
+        "  goal: {goal_label} cached step <= {goal_ms} ms: {}",
+        if cached.graph_ms <= goal_ms {
             "met"
         } else {
             "NOT met"
@@ -228,7 +234,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         match reference_case(path, &name) {
             Ok(case) => {
                 let get = |k: &str| case.get(k).and_then(|v| v.as_f64());
-                for (label, key, ours) in [
+                let mut rows = vec![
                     ("diffusers eager full", "eager_full_ms", full.graph_ms),
                     ("diffusers eager cached", "eager_cached_ms", cached.graph_ms),
                     (
@@ -236,7 +242,28 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
                         "compiled_cached_ms",
                         cached.graph_ms,
                     ),
-                ] {
+                ];
+                // A reference made with --fp8 also carries torch's FP8 (row-wise _scaled_mm) times.
+                if case.get("fp8_eager_cached_ms").is_some() {
+                    rows.extend([
+                        (
+                            "diffusers torch FP8 eager full",
+                            "fp8_eager_full_ms",
+                            full.graph_ms,
+                        ),
+                        (
+                            "diffusers torch FP8 eager cached",
+                            "fp8_eager_cached_ms",
+                            cached.graph_ms,
+                        ),
+                        (
+                            "diffusers torch FP8 torch.compile cached",
+                            "fp8_compiled_cached_ms",
+                            cached.graph_ms,
+                        ),
+                    ]);
+                }
+                for (label, key, ours) in rows {
                     match get(key) {
                         Some(ms) => println!(
                             "  {label}: {ms:.2} ms; ours (graph) / theirs = {:.3}",
