@@ -1,13 +1,15 @@
-//! Time to encode one output image as PNG, per compression mode: a 1024x1024 RGBA image (Qwen-Image's output) and a
-//! 768x448 RGB video frame (MiniMax H3's), each as smooth content with grain (what a model makes) and as noise
-//! (what random weights make, the worst case for deflate). Prints each mode's file size once.
+//! Time to encode one output image as PNG, per compression mode: a 1024x1024 RGBA and RGB image (Qwen-Image's
+//! output) and a 768x448 RGB video frame (MiniMax H3's), each as smooth content with grain (what a model makes)
+//! and as noise (what random weights make, the worst case for deflate). `fast` is the default mode, which at
+//! these sizes deflates bands of rows on all cores; `fast_one_thread` is the same mode held to the `png` crate's
+//! single-threaded fdeflate (what smaller images get). Prints each mode's file size once.
 // A failed check in a benchmark is meant to stop it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tf_engines::nn::media::png::{encode_png_with, ColorType, PngCompression};
+use tf_engines::nn::media::png::{encode_png_fast, encode_png_with, ColorType, PngCompression};
 
 /// A deterministic image: gradients plus a little grain (`noise` false), or uniform noise.
 fn image(width: usize, height: usize, channels: usize, noise: bool) -> Vec<u8> {
@@ -41,6 +43,7 @@ fn image(width: usize, height: usize, channels: usize, noise: bool) -> Vec<u8> {
 fn encode(c: &mut Criterion) {
     let cases = [
         ("1024x1024_rgba", 1024usize, 1024usize, ColorType::Rgba),
+        ("1024x1024_rgb", 1024, 1024, ColorType::Rgb),
         ("768x448_rgb", 768, 448, ColorType::Rgb),
     ];
     let mut group = c.benchmark_group("png_encode");
@@ -50,20 +53,21 @@ fn encode(c: &mut Criterion) {
             let pixels = image(width, height, color.channels(), noise);
             let content = if noise { "noise" } else { "smooth" };
             group.throughput(Throughput::Bytes(pixels.len() as u64));
-            for (mode, compression) in [
-                ("compatible", PngCompression::Compatible),
-                ("fast", PngCompression::Fast),
+            // The fewest bytes of pixels deflated in parallel bands: None for the library's own threshold.
+            for (mode, compression, parallel_min) in [
+                ("compatible", PngCompression::Compatible, None),
+                ("fast", PngCompression::Fast, None),
+                ("fast_one_thread", PngCompression::Fast, Some(usize::MAX)),
             ] {
-                let size = encode_png_with(width, height, color, &pixels, compression)
-                    .unwrap()
-                    .len();
+                let run = |pixels: &[u8]| match parallel_min {
+                    None => encode_png_with(width, height, color, pixels, compression),
+                    Some(min) => encode_png_fast(width, height, color, pixels, min),
+                };
+                let size = run(&pixels).unwrap().len();
                 eprintln!("{name} {content} {mode}: {size} bytes");
                 let id = BenchmarkId::new(format!("{name}_{content}"), mode);
                 group.bench_with_input(id, &pixels, |b, pixels| {
-                    b.iter(|| {
-                        encode_png_with(width, height, color, black_box(pixels), compression)
-                            .unwrap()
-                    })
+                    b.iter(|| run(black_box(pixels)).unwrap())
                 });
             }
         }
