@@ -597,8 +597,24 @@ fn tf_image_writes_a_png_of_the_right_size() {
     println!("stderr:\n{stderr}");
     assert!(output.status.success(), "tf image failed: {stderr}");
     assert!(stderr.contains("step 2/2"), "no progress lines: {stderr}");
+    // The host reference computes every component in f32, the DiT included, and plans against no device budget.
+    assert!(
+        stderr.contains(
+            "precision: DiT f32 (host reference), text encoder f32 (host reference), VAE f32 (host reference)"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("no device budget: unbounded") && !stderr.contains("17592186044416"),
+        "{stderr}"
+    );
     let summary: Value = serde_json::from_slice(&output.stdout).unwrap();
     println!("summary: {summary}");
+    assert_eq!(summary["load"]["dit_precision"], "f32");
+    assert_eq!(
+        summary["load"]["precision"],
+        serde_json::json!({"DiT": "f32", "text encoder": "f32", "VAE": "f32"})
+    );
     assert_eq!(summary["width"], 96);
     assert_eq!(summary["height"], 64);
     assert_eq!(summary["timings"]["steps_s"].as_array().unwrap().len(), 2);

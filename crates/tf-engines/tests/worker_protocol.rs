@@ -230,8 +230,8 @@ fn bad_requests_are_answered_and_the_worker_keeps_serving() {
         (json!({"op": "dance"}).to_string(), Some("unknown op `dance`")),
         (json!({"op": "generate", "dir": dir}).to_string(), Some("`prompt` is missing")),
         (generate_line(&dir, "x", json!({"width": "64"})), Some("`width` must be a whole number")),
-        (generate_line(&dir, "x", json!({"width": 65})), Some("multiple of 16")),
-        (generate_line(&dir, "x", json!({"height": 4096})), Some("`height` must be 16 to 2048")),
+        (generate_line(&dir, "x", json!({"width": 0})), Some("`width` must be 1 to 2048 pixels (the worker's bound")),
+        (generate_line(&dir, "x", json!({"height": 4096})), Some("`height` must be 1 to 2048")),
         (generate_line(&dir, "x", json!({"steps": 1000})), Some("`steps` must be at most")),
         (generate_line(&dir, "x", json!({"seed": -3})), Some("`seed`")),
         (json!({"op": "generate", "prompt": "x"}).to_string(), Some("say where the images go")),
@@ -358,6 +358,91 @@ fn a_failed_load_can_be_retried() {
     assert_eq!(calls.borrow().loads, 2);
 }
 
+/// An engine whose load refuses its configuration, as Qwen-Image does an FP8 DiT on the host.
+struct RefusesItsConfiguration;
+
+impl WorkerEngine for RefusesItsConfiguration {
+    fn load(&mut self) -> Result<u64, EngineError> {
+        Err(EngineError::InvalidRequest(
+            "DiT precision fp8 runs on the GPU only".into(),
+        ))
+    }
+
+    fn generate(
+        &mut self,
+        _job: &ImageJob,
+        _progress: &mut dyn FnMut(Progress),
+    ) -> Result<RgbaImage, EngineError> {
+        panic!("generate without a load");
+    }
+
+    fn unload(&mut self) {}
+}
+
+#[test]
+fn a_load_the_engine_refuses_is_a_server_error_naming_the_cause_and_the_fix() {
+    let input = "{\"op\":\"load\"}\n{\"op\":\"exit\"}\n";
+    let mut output = Vec::new();
+    let ending = Worker::new(RefusesItsConfiguration, WorkerLimits::default())
+        .serve(input.as_bytes(), &mut output)
+        .unwrap();
+    assert_eq!(ending, Ending::Exit);
+    let replies: Vec<Value> = String::from_utf8(output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Not `invalid_request_error`: a router would answer the client 400 for the operator's configuration.
+    assert_error(
+        &replies[0],
+        "server_error",
+        "DiT precision fp8 runs on the GPU only",
+    );
+    assert_error(
+        &replies[0],
+        "server_error",
+        "Change the worker's command line",
+    );
+    let message = replies[0]["error"].as_str().unwrap();
+    assert!(!message.contains("invalid request"), "{message}");
+    assert_eq!(replies[1]["ok"], true);
+}
+
+#[test]
+fn tf_worker_qwen_image_in_fp8_on_the_host_fails_its_load_as_a_server_error() {
+    let model = tiny_qwen_folder();
+    let model_arg = model.to_string_lossy().into_owned();
+    let mut worker = WorkerProcess::spawn(
+        tf(),
+        &[
+            "worker",
+            "--engine",
+            "qwen_image",
+            "--model",
+            &model_arg,
+            "--backend",
+            "host",
+            "--precision",
+            "fp8",
+        ],
+    )
+    .unwrap();
+    let loaded = worker.call(r#"{"op":"load"}"#, DEADLINE).unwrap();
+    println!("{}", loaded.reply);
+    // The cause, its fix, and what to change: the worker's command line.
+    for needle in [
+        "load failed: the worker's configuration is refused",
+        "DiT precision fp8 runs on the GPU only",
+        "load on the GPU backend, or in bf16 on the host",
+        "Change the worker's command line",
+    ] {
+        assert_error(&loaded.reply, "server_error", needle);
+    }
+    let (exit_reply, status) = worker.exit_with_reply(DEADLINE).unwrap();
+    assert_eq!(exit_reply["ok"], true);
+    assert_eq!(status.code(), Some(0));
+}
+
 #[test]
 fn several_images_use_consecutive_seeds_and_cumulative_progress() {
     let dir = temp_dir("many");
@@ -478,7 +563,11 @@ fn the_tf_worker_process_serves_load_three_generates_and_exit() {
             DEADLINE,
         )
         .unwrap();
-    assert_error(&invalid.reply, "invalid_request_error", "multiple of 16");
+    assert_error(
+        &invalid.reply,
+        "invalid_request_error",
+        "`width` must be a multiple of 16 for the test pattern, got 100",
+    );
     assert!(invalid.progress.is_empty());
 
     let out_file = dir.join("c/picture.png");

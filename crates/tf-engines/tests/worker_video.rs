@@ -165,10 +165,14 @@ fn bad_video_lines_are_refused_and_the_worker_keeps_serving() {
             video(json!({"prompt": "a", "width": "64"})),
             "`width` must be a whole number",
         ),
-        (video(json!({"prompt": "a", "width": 70})), "multiple of 16"),
+        // The size rule is the engine's (the test pattern's grid of 16), the bound the worker's.
+        (
+            video(json!({"prompt": "a", "width": 70})),
+            "`width` must be a multiple of 16 for the test pattern, got 70",
+        ),
         (
             video(json!({"prompt": "a", "height": 4096})),
-            "`height` must be 16 to",
+            "`height` must be 1 to 2048 pixels (the worker's bound",
         ),
         (
             video(json!({"prompt": "a", "seconds": 0})),
@@ -463,6 +467,8 @@ fn the_h3_worker_serves_good_and_refuses_bad_video_requests() {
         ),
         (with("guidance", json!(4.5)), "`guidance`"),
         (with("steps", json!(1)), "`steps` 1"),
+        // Off the folder's canvas multiple: refused by the engine's own rule, which the message names.
+        (with("height", json!(20)), "`height` 20: give a multiple of"),
         (with("prompt", json!("<|video_pad|>")), "`prompt`"),
         (
             json!({"op": "generate", "dir": d, "request": {"image": {"prompt": "a still"}}}),
@@ -471,8 +477,11 @@ fn the_h3_worker_serves_good_and_refuses_bad_video_requests() {
     ];
     let mut lines = vec![json!({"op": "load"}), video(good.clone())];
     lines.extend(bad.iter().map(|(l, _)| l.clone()));
+    // The README's fixture size, 16x24: the worker leaves the size rule to the engine, whose canvas multiple
+    // (the tiny folder's) takes it, as `tf video --size 16x24` does.
     let mut silent = good.clone();
     silent["audio"] = json!(false);
+    silent["height"] = json!(24);
     lines.push(json!({"op": "generate", "dir": dir.join("silent"), "request": {"video": silent}}));
     lines.push(json!({"op": "exit"}));
     let replies = serve(
@@ -546,6 +555,7 @@ fn the_h3_worker_serves_good_and_refuses_bad_video_requests() {
     assert!((p.duration - 22.0 / 24.0).abs() < 0.06, "{p:?}");
     let silent = media_probe::probe(&dir.join("silent").join("video.mp4"));
     assert!(silent.audio.is_none(), "{silent:?}");
+    assert_eq!((silent.width, silent.height, silent.frames), (16, 24, 22));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -601,6 +611,8 @@ fn tf_worker_random_weights_are_for_minimax_h3_on_the_gpu_only() {
         .collect();
     let load = &replies[0];
     assert_eq!(load["ok"], false, "{replies:?}");
+    // The worker's configuration, not a client's request: a server error.
+    assert_eq!(load["type"], "server_error", "{replies:?}");
     assert!(
         load["error"].to_string().contains("GPU"),
         "{replies:?} / {stderr}"

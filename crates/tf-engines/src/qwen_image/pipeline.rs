@@ -392,7 +392,7 @@ pub struct LoadReport {
     pub residency: Residency,
     /// The checkpoint variant the folder runs as.
     pub variant: Variant,
-    /// GEMM precision of the DiT, `fp8` resolved to the mode the DiT loads in.
+    /// GEMM precision of the GPU DiT, `fp8` resolved to the mode the DiT loads in; the host DiT computes in f32.
     pub dit_precision: DitPrecision,
     /// Weights the DiT checkpoint stores in FP8 e4m3 with their scales (0 for a bf16/f32 checkpoint): used as
     /// stored where the DiT runs FP8, dequantized elsewhere.
@@ -616,7 +616,8 @@ impl Pipeline {
         let started = Instant::now();
         if options.backend == Backend::Host && options.dit_precision != DitPrecision::Bf16 {
             return Err(invalid(format!(
-                "DiT precision {} runs on the GPU only; the host reference computes in f32",
+                "DiT precision {} runs on the GPU only; the host reference computes in f32: load on the GPU \
+                 backend, or in bf16 on the host",
                 options.dit_precision
             )));
         }

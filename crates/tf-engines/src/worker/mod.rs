@@ -320,7 +320,9 @@ impl RgbaImage {
 /// How an engine call failed; decides the reply's `type` and whether the worker may go on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EngineError {
-    /// The request cannot be served by this model (size, steps, prompt...): `invalid_request_error`.
+    /// The request cannot be served by this model (size, steps, prompt...): `invalid_request_error`. Returned by
+    /// `load`, it means the engine refuses its configuration (backend, precision, ...): that load is answered
+    /// `server_error` ([`load_failure`]), since no client sent it.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// The job failed; the engine can take another: `server_error`.
@@ -334,10 +336,13 @@ pub enum EngineError {
 
 /// An engine the worker can serve: a model that loads once and makes images until unloaded.
 pub trait WorkerEngine {
-    /// Loads weights and kernels; returns the resident bytes now held. Called only while unloaded.
+    /// Loads weights and kernels; returns the resident bytes now held. Called only while unloaded. Every error is
+    /// answered `server_error` ([`load_failure`]); a lost device context also ends serving.
     fn load(&mut self) -> Result<u64, EngineError>;
 
-    /// Makes one image. Called only while loaded. Reports progress through `progress`.
+    /// Makes one image. Called only while loaded. Reports progress through `progress`. The worker checked the
+    /// size only against [`WorkerLimits`]' bounds: the engine applies its own size rule (the multiple its latent
+    /// grid needs) and refuses other sizes with [`EngineError::InvalidRequest`] naming the rule, before any work.
     fn generate(
         &mut self,
         job: &ImageJob,
@@ -355,6 +360,7 @@ pub trait WorkerEngine {
     }
 
     /// Makes one video ([`EngineOutput::Video`]). Called only while loaded and only when [`Self::makes_video`].
+    /// As for images, the size rule beyond [`WorkerLimits`]' bounds is the engine's to check.
     fn generate_video(
         &mut self,
         job: &VideoJob,
@@ -397,15 +403,15 @@ impl<E: WorkerEngine + ?Sized> WorkerEngine for Box<E> {
     }
 }
 
-/// Protocol-level limits, checked before the engine sees a request.
+/// Protocol-level limits, checked before the engine sees a request. They are generic bounds, so that nothing is
+/// allocated from an unchecked value; the size rule of a model (Qwen-Image's multiples of 32, MiniMax H3's canvas
+/// multiples, which its folder sets) is its engine's, checked by the engine before it runs anything.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerLimits {
-    /// Smallest side in pixels.
+    /// Smallest side in pixels (1: a side of 0 makes no image; the engines' rules set their own smallest).
     pub min_side: u32,
-    /// Largest side in pixels.
+    /// Largest side in pixels (`tf worker --max-side`).
     pub max_side: u32,
-    /// Sides must be multiples of this (16: the DiTs' latent grid).
-    pub side_multiple: u32,
     /// Side used when `width`/`height` are absent.
     pub default_side: u32,
     /// Most sampling steps.
@@ -421,9 +427,8 @@ pub struct WorkerLimits {
 impl Default for WorkerLimits {
     fn default() -> Self {
         WorkerLimits {
-            min_side: 16,
+            min_side: 1,
             max_side: 2048,
-            side_multiple: 16,
             default_side: 1024,
             max_steps: 200,
             max_images: 4,
@@ -606,13 +611,11 @@ impl<E: WorkerEngine> Worker<E> {
                 Ok(Flow::Continue)
             }
             Ok(Err(e)) => {
-                log!("tf worker: load failed: {e}");
+                let message = load_failure(&e);
+                log!("tf worker: {message}");
                 self.unload_engine();
-                let kind = match e {
-                    EngineError::InvalidRequest(_) => ErrorType::InvalidRequest,
-                    _ => ErrorType::Server,
-                };
-                self.reply_error(output, &format!("load failed: {e}"), kind)?;
+                // Always `server_error`: see [`load_failure`].
+                self.reply_error(output, &message, ErrorType::Server)?;
                 Ok(match e {
                     EngineError::DeviceLost(m) => Flow::Stop(Ending::DeviceLost(m)),
                     _ => Flow::Continue,
@@ -891,6 +894,20 @@ impl ErrorType {
             ErrorType::InvalidRequest => "invalid_request_error",
             ErrorType::Server => "server_error",
         }
+    }
+}
+
+/// The message of a failed `load`, answered `server_error` whatever the engine called the failure: a load is the
+/// operator's configuration (the worker's command line, its model folder), never a client's request, so a router
+/// must not turn it into a client error (HTTP 400). An engine that refuses its configuration
+/// ([`EngineError::InvalidRequest`] from `load`, e.g. an FP8 DiT on the host) is named as such, with the fix.
+pub fn load_failure(error: &EngineError) -> String {
+    match error {
+        EngineError::InvalidRequest(why) => format!(
+            "load failed: the worker's configuration is refused: {why}. Change the worker's command line \
+             (--backend, --precision, ...) or its model folder and start it again"
+        ),
+        other => format!("load failed: {other}"),
     }
 }
 

@@ -196,17 +196,14 @@ fn parse_image(
     }
     let width = optional_u32(fields, "width")?.unwrap_or(limits.default_side);
     let height = optional_u32(fields, "height")?.unwrap_or(limits.default_side);
+    // Only the worker's generic bound here: the multiple a size must be of is the model's (Qwen-Image 32, MiniMax
+    // H3 its folder's canvas multiple), and its engine refuses other sizes naming that rule.
     for (name, side) in [("width", width), ("height", height)] {
         if side < limits.min_side || side > limits.max_side {
             return Err(bad(format!(
-                "field `{name}` must be {} to {}, got {side}",
+                "field `{name}` must be {} to {} pixels (the worker's bound; the engine's own size rule comes on \
+                 top), got {side}",
                 limits.min_side, limits.max_side
-            )));
-        }
-        if !side.is_multiple_of(limits.side_multiple) {
-            return Err(bad(format!(
-                "field `{name}` must be a multiple of {}, got {side}",
-                limits.side_multiple
             )));
         }
     }
@@ -485,12 +482,12 @@ mod tests {
                 "`width` must be a whole number",
             ),
             (
-                r#"{"op":"generate","prompt":"a","width":72,"out_dir":"o"}"#,
-                "multiple of 16",
+                r#"{"op":"generate","prompt":"a","width":4096,"out_dir":"o"}"#,
+                "`width` must be 1 to 2048 pixels (the worker's bound",
             ),
             (
                 r#"{"op":"generate","prompt":"a","height":0,"out_dir":"o"}"#,
-                "`height` must be 16 to",
+                "`height` must be 1 to 2048 pixels",
             ),
             (
                 r#"{"op":"generate","prompt":"a","height":99999999999,"out_dir":"o"}"#,
@@ -601,6 +598,27 @@ mod tests {
     }
 
     #[test]
+    fn sizes_off_the_old_multiple_of_16_pass_to_the_engine() {
+        // The README's MiniMax H3 fixture size (16x24): the H3 engine decides by its folder's canvas multiple.
+        let line = r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"waves","width":16,"height":24,"seconds":0.9}}}"#;
+        let Command::GenerateVideo(v) = parse_command(line, &limits()).unwrap() else {
+            panic!("expected a video command");
+        };
+        assert_eq!((v.job.width, v.job.height), (16, 24));
+        let g = generate(r#"{"op":"generate","prompt":"a","width":72,"height":40,"out_dir":"o"}"#)
+            .unwrap();
+        assert_eq!((g.job.width, g.job.height), (72, 40));
+        // The generic bound still holds, and says it is the worker's.
+        let line = r#"{"op":"generate","dir":"d","request":{"video":{"prompt":"waves","width":16,"height":2056}}}"#;
+        let err = parse_command(line, &limits()).unwrap_err();
+        assert!(
+            err.0
+                .contains("`height` must be 1 to 2048 pixels (the worker's bound"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn long_unknown_op_is_clipped() {
         let line = format!(r#"{{"op":"{}"}}"#, "x".repeat(1000));
         let err = parse_command(&line, &limits()).unwrap_err();
@@ -617,7 +635,7 @@ mod tests {
         fn valid_sizes_are_kept_and_others_refused(w in 0u32..5000, h in 0u32..5000) {
             let line = format!(r#"{{"op":"generate","prompt":"p","width":{w},"height":{h},"out_dir":"o"}}"#);
             let l = limits();
-            let ok = |s: u32| s >= l.min_side && s <= l.max_side && s.is_multiple_of(l.side_multiple);
+            let ok = |s: u32| s >= l.min_side && s <= l.max_side;
             match parse_command(&line, &l) {
                 Ok(Command::Generate(g)) => {
                     proptest::prop_assert!(ok(w) && ok(h));

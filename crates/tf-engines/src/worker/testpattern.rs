@@ -41,6 +41,7 @@ impl WorkerEngine for TestPattern {
                 "the test pattern engine is not loaded".into(),
             ));
         }
+        check_size(job.width, job.height)?;
         let steps = job.steps.unwrap_or(DEFAULT_STEPS);
         for step in 1..=steps {
             progress(Progress {
@@ -94,8 +95,26 @@ pub const MAX_VIDEO_BYTES: u64 = 1 << 30;
 /// Sample rate of the test tone (MiniMax H3's).
 pub const TONE_SAMPLE_RATE: u32 = 32_000;
 
+/// What the test pattern's sides must be multiples of: it stands in for a DiT's latent grid (16 pixels), so a
+/// client checked against it sends sizes of that grid. Its own rule, as every engine has one; the worker checks
+/// only its generic bounds.
+pub const SIDE_MULTIPLE: u32 = 16;
+
+/// Refuses a side that is not a multiple of [`SIDE_MULTIPLE`], naming the field and the rule.
+fn check_size(width: u32, height: u32) -> Result<(), EngineError> {
+    for (name, side) in [("width", width), ("height", height)] {
+        if side == 0 || !side.is_multiple_of(SIDE_MULTIPLE) {
+            return Err(EngineError::InvalidRequest(format!(
+                "`{name}` must be a multiple of {SIDE_MULTIPLE} for the test pattern, got {side}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Refuses what the test pattern cannot make, naming the field.
 fn check_video(job: &VideoJob) -> Result<(), EngineError> {
+    check_size(job.width, job.height)?;
     if job.first_frame.is_some() {
         return Err(EngineError::InvalidRequest(
             "`first_frame` (image to video) is not supported yet; send a text-only video request"
@@ -327,6 +346,30 @@ mod tests {
         assert_eq!(
             seen,
             [("denoise", 1, 2), ("denoise", 2, 2), ("decode", 1, 1)]
+        );
+    }
+
+    #[test]
+    fn sizes_off_its_grid_are_refused_naming_the_rule() {
+        let mut engine = TestPattern::default();
+        engine.load().unwrap();
+        let mut still = job("x", 0);
+        still.height = 24;
+        let mut steps = 0;
+        let e = engine.generate(&still, &mut |_| steps += 1).unwrap_err();
+        assert_eq!(
+            e,
+            EngineError::InvalidRequest(
+                "`height` must be a multiple of 16 for the test pattern, got 24".into()
+            )
+        );
+        assert_eq!(steps, 0, "refused before any step");
+        let mut clip = video(false);
+        clip.width = 40;
+        let e = engine.generate_video(&clip, &mut |_| {}).unwrap_err();
+        assert!(
+            matches!(&e, EngineError::InvalidRequest(m) if m.contains("`width` must be a multiple of 16")),
+            "{e}"
         );
     }
 

@@ -8,10 +8,11 @@ use std::process::ExitCode;
 
 use serde_json::json;
 use tf_engines::nn::media::png::{write_png, ColorType};
+use tf_engines::nn::memory_plan::MemoryPlan;
 use tf_engines::nn::sampling::noise::load_noise;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor};
 use tf_engines::qwen_image::pipeline::{
-    Backend, LoadOptions, Pipeline, PipelineError, Progress, Request,
+    Backend, LoadOptions, LoadReport, Pipeline, PipelineError, Progress, Request,
 };
 use tf_engines::qwen_image::variant::{Ignored, Variant};
 
@@ -128,6 +129,81 @@ fn variant_line(variant: Variant, sample_sigmas: Option<&[f64]>, steps: usize) -
         "no guidance"
     };
     format!("{variant}: {steps} steps on {grid}, {guidance}")
+}
+
+/// What each component computes in, as MiniMax H3's load report lists it for `tf video`: (name, description), the
+/// DiT, the text encoder and the VAE. The host reference computes in f32 (the report's `dit_precision` is the GPU
+/// DiT's GEMM precision, `bf16` by default); on the GPU the DiT in `dit_precision`, the text encoder and the VAE in
+/// bf16 where they run on the device, f32 where they stay on the host.
+fn precision(load: &LoadReport) -> [(&'static str, String); 3] {
+    let on_gpu = |on_device: bool, gpu: String| match load.backend {
+        Backend::Gpu if on_device => gpu,
+        Backend::Gpu | Backend::Host => "f32".to_string(),
+    };
+    [
+        ("DiT", on_gpu(true, load.dit_precision.to_string())),
+        ("text encoder", on_gpu(load.te_on_device, "bf16".into())),
+        ("VAE", on_gpu(load.vae_on_device, "bf16".into())),
+    ]
+}
+
+/// The load report's precision line: what each component computes in (as `tf video` reports it), those on the host
+/// marked as the f32 host reference, and the DiT checkpoint's FP8 weights when it stores some.
+fn precision_line(load: &LoadReport) -> String {
+    let on_host = |component: &str| match component {
+        _ if load.backend == Backend::Host => true,
+        "text encoder" => !load.te_on_device,
+        "VAE" => !load.vae_on_device,
+        _ => false,
+    };
+    let checkpoint = match (load.dit_checkpoint_fp8, load.backend) {
+        (0, _) => String::new(),
+        (n, Backend::Host) => format!(
+            " (its checkpoint stores {n} weights in FP8 e4m3 with their scales: dequantized to f32 by the host \
+             reference)"
+        ),
+        (n, Backend::Gpu) => format!(
+            " (its checkpoint stores {n} weights in FP8 e4m3 with their scales: used as stored where the DiT runs \
+             FP8, dequantized to bf16 elsewhere)"
+        ),
+    };
+    let parts: Vec<String> = precision(load)
+        .iter()
+        .map(|(component, precision)| {
+            let host = if on_host(component) {
+                " (host reference)"
+            } else {
+                ""
+            };
+            let note = if *component == "DiT" {
+                checkpoint.as_str()
+            } else {
+                ""
+            };
+            format!("{component} {precision}{host}{note}")
+        })
+        .collect();
+    format!("precision: {}", parts.join(", "))
+}
+
+/// The memory plan line. A plan without a device budget (the host backend: host memory is not planned against,
+/// the budget is unbounded) says so instead of printing the unbounded budget as a number of MiB.
+fn memory_plan_line(plan: &MemoryPlan) -> String {
+    if plan.budget() != u64::MAX {
+        return plan.to_string();
+    }
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    let components: Vec<String> = plan
+        .components()
+        .iter()
+        .map(|c| format!("{} {:.1} MiB", c.name, mib(c.bytes)))
+        .collect();
+    format!(
+        "memory plan: {} (peak {:.1} MiB, no device budget: unbounded; {})",
+        plan.residency().name(),
+        mib(plan.peak()),
+        components.join(", ")
+    )
 }
 
 fn parse_size(text: &str) -> Result<(usize, usize), String> {
@@ -247,33 +323,12 @@ fn image(args: &Args) -> Result<(), ImageError> {
         if load.te_on_device { "device" } else { "host" },
         if load.vae_on_device { "device" } else { "host" },
     );
-    let precision_of = |on_device: bool| {
-        if on_device {
-            "bf16"
-        } else {
-            "f32 (host reference)"
-        }
-    };
-    let checkpoint = if load.dit_checkpoint_fp8 > 0 {
-        format!(
-            " (its checkpoint stores {} weights in FP8 e4m3 with their scales: used as stored where the DiT runs \
-             FP8, dequantized to bf16 elsewhere)",
-            load.dit_checkpoint_fp8
-        )
-    } else {
-        String::new()
-    };
-    eprintln!(
-        "tf image: precision: DiT {}{checkpoint}, text encoder {}, VAE {}",
-        load.dit_precision,
-        precision_of(load.te_on_device),
-        precision_of(load.vae_on_device)
-    );
+    eprintln!("tf image: {}", precision_line(&load));
     eprintln!(
         "tf image: {}",
         variant_line(load.variant, pipeline.sample_sigmas(), preflight.steps)
     );
-    eprintln!("tf image: {}", pipeline.memory_plan());
+    eprintln!("tf image: {}", memory_plan_line(pipeline.memory_plan()));
     let warm_up = if pipeline.context().is_some() && !args.no_warm_up {
         let w = pipeline.warm_up(
             width,
@@ -390,6 +445,8 @@ fn image(args: &Args) -> Result<(), ImageError> {
         eprintln!("tf image: driver work in the request: {driver}");
     }
     if args.json {
+        let precisions = precision(&load);
+        let dit_precision = &precisions[0].1;
         let summary = json!({
             "ok": true,
             "file": args.out.display().to_string(),
@@ -408,7 +465,11 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 "te_on_device": load.te_on_device,
                 "vae_on_device": load.vae_on_device,
                 "residency": load.residency.name(),
-                "dit_precision": load.dit_precision.to_string(),
+                "dit_precision": dit_precision,
+                "precision": precisions
+                    .iter()
+                    .map(|(component, p)| (component.to_string(), json!(p)))
+                    .collect::<serde_json::Map<String, serde_json::Value>>(),
                 "dit_checkpoint_fp8_weights": load.dit_checkpoint_fp8,
                 "warm_up_s": warm_up.as_ref().map(|w| w.seconds),
             },
@@ -464,6 +525,67 @@ mod tests {
         assert_eq!(VariantArg::Auto.choice(), None);
         assert_eq!(VariantArg::Turbo.choice(), Some(Variant::Turbo));
         assert_eq!(flag_of(Ignored::GuidanceScale), "--cfg");
+    }
+
+    fn report(backend: Backend, on_device: bool, fp8: usize) -> LoadReport {
+        LoadReport {
+            backend,
+            resident_bytes: 0,
+            seconds: 0.0,
+            te_on_device: on_device,
+            vae_on_device: on_device,
+            te_vae_on_device: on_device,
+            residency: tf_engines::nn::memory_plan::Residency::AllResident,
+            variant: Variant::Base,
+            dit_precision: tf_engines::nn::precision::DitPrecision::Bf16,
+            dit_checkpoint_fp8: fp8,
+        }
+    }
+
+    #[test]
+    fn the_precision_line_says_what_each_component_computes_in() {
+        // The host reference computes in f32, whatever the GPU DiT's precision field holds (bf16 by default).
+        let host = precision_line(&report(Backend::Host, false, 0));
+        assert_eq!(
+            host,
+            "precision: DiT f32 (host reference), text encoder f32 (host reference), VAE f32 (host reference)"
+        );
+        let host_fp8 = precision_line(&report(Backend::Host, false, 12));
+        assert!(
+            host_fp8
+                .contains("DiT f32 (host reference) (its checkpoint stores 12 weights in FP8 e4m3")
+                && host_fp8.contains("dequantized to f32"),
+            "{host_fp8}"
+        );
+        let gpu = precision_line(&report(Backend::Gpu, true, 0));
+        assert_eq!(gpu, "precision: DiT bf16, text encoder bf16, VAE bf16");
+        let gpu_te_on_host = LoadReport {
+            te_on_device: false,
+            te_vae_on_device: false,
+            ..report(Backend::Gpu, true, 0)
+        };
+        assert_eq!(
+            precision_line(&gpu_te_on_host),
+            "precision: DiT bf16, text encoder f32 (host reference), VAE bf16"
+        );
+    }
+
+    #[test]
+    fn an_unbounded_memory_budget_is_named_not_printed_as_mib() {
+        use tf_engines::nn::memory_plan::Component;
+        let parts = || {
+            vec![
+                Component::new("DiT", 3 << 20),
+                Component::new("VAE", 1 << 20),
+            ]
+        };
+        let host = memory_plan_line(&MemoryPlan::decide(parts(), u64::MAX).unwrap());
+        assert_eq!(
+            host,
+            "memory plan: all resident (peak 4.0 MiB, no device budget: unbounded; DiT 3.0 MiB, VAE 1.0 MiB)"
+        );
+        let device = memory_plan_line(&MemoryPlan::decide(parts(), 8 << 20).unwrap());
+        assert!(device.contains("of a 8.0 MiB budget"), "{device}");
     }
 
     #[test]
