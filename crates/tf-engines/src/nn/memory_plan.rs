@@ -140,11 +140,16 @@ impl fmt::Display for MemoryPlan {
         let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
         write!(
             f,
-            "memory plan: {} (peak {:.1} MiB of a {:.1} MiB budget;",
+            "memory plan: {} (peak {:.1} MiB",
             self.residency.name(),
-            mib(self.peak()),
-            mib(self.budget)
+            mib(self.peak())
         )?;
+        // u64::MAX is the host backend's budget: no device memory bounds it.
+        if self.budget == u64::MAX {
+            write!(f, ", no device budget: unbounded;")?;
+        } else {
+            write!(f, " of a {:.1} MiB budget;", mib(self.budget))?;
+        }
         for (i, c) in self.components.iter().enumerate() {
             let sep = if i == 0 { " " } else { ", " };
             write!(f, "{sep}{} {:.1} MiB", c.name, mib(c.bytes))?;
@@ -158,6 +163,19 @@ mod tests {
     use super::*;
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn an_unbounded_budget_reads_as_such() {
+        let host = MemoryPlan::decide(parts(&[GIB]), u64::MAX)
+            .unwrap()
+            .to_string();
+        assert!(host.contains("no device budget: unbounded;"), "{host}");
+        assert!(!host.contains("17592186044416"), "{host}");
+        let device = MemoryPlan::decide(parts(&[GIB]), 2 * GIB)
+            .unwrap()
+            .to_string();
+        assert!(device.contains("of a 2048.0 MiB budget;"), "{device}");
+    }
 
     fn parts(sizes: &[u64]) -> Vec<Component> {
         sizes

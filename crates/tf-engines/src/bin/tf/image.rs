@@ -8,7 +8,6 @@ use std::process::ExitCode;
 
 use serde_json::json;
 use tf_engines::nn::media::png::{write_png, ColorType};
-use tf_engines::nn::memory_plan::MemoryPlan;
 use tf_engines::nn::sampling::noise::load_noise;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor};
 use tf_engines::qwen_image::pipeline::{
@@ -186,26 +185,6 @@ fn precision_line(load: &LoadReport) -> String {
     format!("precision: {}", parts.join(", "))
 }
 
-/// The memory plan line. A plan without a device budget (the host backend: host memory is not planned against,
-/// the budget is unbounded) says so instead of printing the unbounded budget as a number of MiB.
-fn memory_plan_line(plan: &MemoryPlan) -> String {
-    if plan.budget() != u64::MAX {
-        return plan.to_string();
-    }
-    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
-    let components: Vec<String> = plan
-        .components()
-        .iter()
-        .map(|c| format!("{} {:.1} MiB", c.name, mib(c.bytes)))
-        .collect();
-    format!(
-        "memory plan: {} (peak {:.1} MiB, no device budget: unbounded; {})",
-        plan.residency().name(),
-        mib(plan.peak()),
-        components.join(", ")
-    )
-}
-
 fn parse_size(text: &str) -> Result<(usize, usize), String> {
     let (w, h) = text
         .split_once(['x', 'X'])
@@ -328,7 +307,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
         "tf image: {}",
         variant_line(load.variant, pipeline.sample_sigmas(), preflight.steps)
     );
-    eprintln!("tf image: {}", memory_plan_line(pipeline.memory_plan()));
+    eprintln!("tf image: {}", pipeline.memory_plan());
     let warm_up = if pipeline.context().is_some() && !args.no_warm_up {
         let w = pipeline.warm_up(
             width,
@@ -568,24 +547,6 @@ mod tests {
             precision_line(&gpu_te_on_host),
             "precision: DiT bf16, text encoder f32 (host reference), VAE bf16"
         );
-    }
-
-    #[test]
-    fn an_unbounded_memory_budget_is_named_not_printed_as_mib() {
-        use tf_engines::nn::memory_plan::Component;
-        let parts = || {
-            vec![
-                Component::new("DiT", 3 << 20),
-                Component::new("VAE", 1 << 20),
-            ]
-        };
-        let host = memory_plan_line(&MemoryPlan::decide(parts(), u64::MAX).unwrap());
-        assert_eq!(
-            host,
-            "memory plan: all resident (peak 4.0 MiB, no device budget: unbounded; DiT 3.0 MiB, VAE 1.0 MiB)"
-        );
-        let device = memory_plan_line(&MemoryPlan::decide(parts(), 8 << 20).unwrap());
-        assert!(device.contains("of a 8.0 MiB budget"), "{device}");
     }
 
     #[test]
