@@ -29,12 +29,14 @@ pub fn plan_timestep_embedding<'a>(
             format!("dim {dim} must be even and at most 2048"),
         ));
     }
-    check_bytes(OP, "t", Operand::of(t), batch.saturating_mul(4))?;
-    check_bytes(
+    // The kernel reads f32 timesteps and writes bf16 values one at a time: 4- and 2-byte aligned.
+    check_operand(OP, "t", Operand::of(t), batch.saturating_mul(4), 4)?;
+    check_operand(
         OP,
         "out",
         Operand::of_mut(out),
         batch.saturating_mul(dim).saturating_mul(BF16),
+        2,
     )?;
     let mut args = Args::new();
     args.push_addr(t.addr())
@@ -97,8 +99,9 @@ pub fn plan_transpose<'a>(
         .checked_mul(cols)
         .and_then(|n| n.checked_mul(BF16))
         .ok_or_else(|| invalid(OP, "rows * cols overflows"))?;
-    check_bytes(OP, "src", Operand::of(src), bytes)?;
-    check_bytes(OP, "dst", Operand::of_mut(dst), bytes)?;
+    // The kernel moves bf16 elements one at a time: 2-byte aligned.
+    check_operand(OP, "src", Operand::of(src), bytes, 2)?;
+    check_operand(OP, "dst", Operand::of_mut(dst), bytes, 2)?;
     let mut args = Args::new();
     args.push_addr(src.addr())
         .push_addr(dst.addr())
