@@ -19,12 +19,20 @@
 //! * The engines' prompt templates as data: [`templates::QwenImage21`], [`templates::MiniMaxH3`].
 //! * A bounded segment memo: text between added tokens that was encoded before is not
 //!   encoded again.
+//! * Possessive quantifiers in pre-tokenizer Split regexes: `X++`, `X*+`, `X?+` and the
+//!   possessive interval `X{n,m}+` (`{n}+`, `{n,}+`, `{,m}+`) match as the atomic group
+//!   `(?>X...)`. `tokenizers` reads `X{n,m}+` as `(?:X{n,m})+` (Oniguruma's default syntax), so
+//!   this crate compiles Split regexes itself; a regex that does not compile fails the load
+//!   with an error naming it, and a search Oniguruma gives up on (its retry limit) is an
+//!   encoding error naming it, where `tokenizers` panics.
 //!
 //! # Invariants
 //!
 //! 1. `encode(x)` equals `tokenizers`' `encode(x, false)` ids, truncation and padding off
 //!    (checked against the Python binding of the same version and against tiktoken on a
-//!    5,600-string corpus, `tests/golden.rs`).
+//!    5,600-string corpus, `tests/golden.rs`). One exception: a Split regex with a possessive
+//!    interval `X{n,m}+` gives the ids of `tokenizers` on the same regex with `(?>X{n,m})` in
+//!    its place (`tests/possessive.rs`).
 //! 2. `encode_masked` never returns an added-token id that came from user text: tokens are
 //!    searched for only inside template spans, user text goes through the model alone, and
 //!    the result is checked; a violation is an error, never a silent id.
@@ -81,6 +89,7 @@ mod bytes;
 mod error;
 mod folder;
 mod memo;
+mod pretok;
 pub mod templates;
 mod tokenizer;
 

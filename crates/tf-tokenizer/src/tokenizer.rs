@@ -13,6 +13,7 @@ use tokenizers::{
 use crate::bytes::TokenBytesRule;
 use crate::error::{Result, TokenizerError};
 use crate::memo::{MemoStats, SegmentKind, SegmentMemo};
+use crate::pretok::{self, PreTok};
 
 /// Default byte budget of the segment memo (32 MiB).
 pub const DEFAULT_MEMO_BYTES: usize = 32 << 20;
@@ -133,6 +134,9 @@ pub struct Tokenizer {
     added_ids: HashSet<u32>,
     bytes_rule: TokenBytesRule,
     memo: SegmentMemo,
+    // Replaces `inner`'s pre-tokenizer when that holds a Split regex, compiled here so that
+    // `{n,m}+` is possessive and a failed search is an error (src/pretok.rs).
+    own_pre_tokenizer: Option<PreTok>,
     // `tokenizers` rebuilds the whole vocabulary map to count it: count once.
     vocab_size: usize,
 }
@@ -164,11 +168,20 @@ impl Tokenizer {
     ///
     /// Truncation and padding configured in the file are switched off: callers get every id
     /// and cap lengths themselves.
+    ///
+    /// A pre-tokenizer Split regex that does not compile is an error naming the pattern.
+    /// Possessive quantifiers (`++`, `*+`, `?+`, `{n,m}+`) in Split regexes are possessive; for
+    /// `{n,m}+` (also `{n}+`, `{n,}+`, `{,m}+`) this differs from `tokenizers`, which reads it
+    /// as a repeat of a repeat, `(?:X{n,m})+`.
     pub fn from_bytes(json: &[u8], origin: &str) -> Result<Self> {
         let parse_error = |reason: String| TokenizerError::Parse {
             origin: origin.to_string(),
             reason,
         };
+        let pre_tokenizer_json = pretok::pre_tokenizer_json(json);
+        if let Some(node) = &pre_tokenizer_json {
+            pretok::check_patterns(node).map_err(parse_error)?;
+        }
         let mut inner =
             tokenizers::Tokenizer::from_bytes(json).map_err(|e| parse_error(e.to_string()))?;
         inner
@@ -202,7 +215,14 @@ impl Tokenizer {
         let bytes_rule = TokenBytesRule::from_decoder_json(&decoder_json);
         let added_ids = added.iter().map(|t| t.id).collect();
         let vocab_size = inner.get_vocab_size(true);
+        let own_pre_tokenizer = match &pre_tokenizer_json {
+            Some(node) if inner.get_pre_tokenizer().is_some() => {
+                pretok::own_pre_tokenizer(node).map_err(parse_error)?
+            }
+            _ => None,
+        };
         Ok(Self {
+            own_pre_tokenizer,
             vocab_size,
             inner,
             raw_tokens,
@@ -231,6 +251,8 @@ impl Tokenizer {
     }
 
     /// The underlying `tokenizers` tokenizer (same configuration, truncation and padding off).
+    /// Its own encoding reads a possessive interval `{n,m}+` in a Split pattern as
+    /// `tokenizers` does (`(?:X{n,m})+`), not as this crate's encodings do.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
@@ -406,7 +428,10 @@ impl Tokenizer {
                 })
                 .map_err(encode_error("normalized added-token split"))?;
         }
-        if let Some(p) = self.inner.get_pre_tokenizer() {
+        if let Some(p) = &self.own_pre_tokenizer {
+            p.pre_tokenize(&mut pretok)
+                .map_err(encode_error("pre-tokenizer"))?;
+        } else if let Some(p) = self.inner.get_pre_tokenizer() {
             p.pre_tokenize(&mut pretok)
                 .map_err(encode_error("pre-tokenizer"))?;
         }
