@@ -15,7 +15,8 @@
 //!   (destroyed) stream, its marker reports done. Released blocks go to a per-context pool (size classes of
 //!   powers of two from 4 KiB to 64 MiB) or are freed.
 //! - **The caller's buffer is free once a call returns**: async uploads copy it into staging first; synchronous
-//!   uploads do the same (up to 8 MiB: a private host copy and the backend's synchronous copy) and synchronize
+//!   uploads copy it too, up to 8 MiB (one chunk) into a private host copy for the backend's synchronous copy,
+//!   above that into pinned staging as async uploads do (no private copy of the whole buffer), and synchronize
 //!   the stream before returning.
 //! - **Large uploads are pipelined and bounded**: staging is filled in 8 MiB chunks, several at once on host
 //!   threads, and each batch's DMA overlaps the host copy of the next. Outside a capture one upload keeps at

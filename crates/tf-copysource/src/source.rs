@@ -701,7 +701,14 @@ impl<B: Backend> CopySource<B> {
     /// pipelined as an async upload is (host copies of a batch overlap the DMA of the ones before it); up to
     /// that, through a private host copy with the backend's synchronous copy. Then synchronizes `stream`;
     /// returns with the bytes landed and any staging back in the pool. Refused with `UnownedCaptureSource` while any
-    /// capture scope is open.
+    /// capture scope is open. Empty `bytes` copy nothing and do not synchronize.
+    ///
+    /// TensorFold's runtime at the pin describes its synchronous copy as "a private host copy, 64 MiB chunks,
+    /// then a sync". This one differs: only an upload of one chunk makes a private host copy (it has nothing to
+    /// overlap, and takes no pinned memory); a larger one makes no copy of the whole buffer but goes through
+    /// staging in [`PIPELINE_CHUNK_BYTES`] (8 MiB) chunks, so that host copies overlap the DMA and the staging
+    /// one upload holds stays within [`PIPELINE_RING_BYTES`]. 64 MiB is [`MAX_CLASS_BYTES`], the largest
+    /// staging block, not a chunk size.
     pub fn upload_sync(
         &self,
         context: ContextId,
