@@ -910,6 +910,13 @@ fn rms_norm_zc_packs_one_block_a_row_and_names_each_refusal() {
         assert_eq!(int(&l, 6), 8);
         let l = plan_rms_norm_zc(&xv, mat(0, 3072, 3136), &yv, 3072, &wv, 1e-6).expect("no rows");
         assert_eq!((grid(&l), int(&l, 5)), ((1, 1, 1), 0));
+        // A NaN or negative epsilon makes NaN rows: refused by name.
+        for eps in [f32::NAN, -1e-6, f32::INFINITY] {
+            let err = plan_rms_norm_zc(&xv, mat(3, 3072, 3136), &yv, 3072, &wv, eps)
+                .err()
+                .map(|e| e.to_string());
+            assert!(err.is_some_and(|m| m.contains("rms_norm_zc: eps")), "{eps}");
+        }
     }
     // The widest row the kernel holds in registers.
     let widest = Matrix::dense(1, MAX_NORM_COLS);
@@ -1473,6 +1480,24 @@ fn adaln_kernels_pack_the_modulation_rule_in_their_parameter_order() {
     assert_eq!(ints(&l, 7, 15), [256, 128, 64, 6, 64, 3, 1, 2]);
     assert_eq!(float(&l, 15), 1e-6);
     assert_eq!((grid(&l), block(&l)), ((6, 1, 1), (ROW_THREADS, 1, 1)));
+    // A NaN or negative epsilon makes NaN rows: both norms refuse it by name.
+    for eps in [f32::NAN, -1e-6, f32::INFINITY] {
+        let refused = |r: Result<_, tf_cuda::Error>| r.err().map(|e| e.to_string());
+        let msg = refused(plan_adaln_modulate(
+            &xv, layout, &yw, 64, &scale, select, eps,
+        ));
+        assert!(
+            msg.is_some_and(|m| m.contains("adaln_modulate: eps")),
+            "{eps}"
+        );
+        let msg = refused(plan_gated_residual_adaln(
+            &xw, layout, &yv, 64, &ow, 80, &gate, &scale, select, eps,
+        ));
+        assert!(
+            msg.is_some_and(|m| m.contains("gated_residual_adaln: eps")),
+            "{eps}"
+        );
+    }
     // Rules that need no prefix row (every token a target) or no sample rows (every token a prefix token) do not
     // check the one they do not use.
     let targets = sel(3, 0, 99);

@@ -17,8 +17,8 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use crate::nn::gpu::{
-    check_matrix, check_modulation, check_norm_cols, invalid, push_modulation, push_select,
-    row_grid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, Modulation,
+    check_eps, check_matrix, check_modulation, check_norm_cols, invalid, push_modulation,
+    push_select, row_grid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Matrix, Modulation,
     ModulationRows, NnKernels, Operand, ROW_THREADS,
 };
 
@@ -44,6 +44,7 @@ pub fn plan_adaln_modulate<'a>(
     const OP: &str = "adaln_modulate";
     let y_layout = x_layout.with_stride(y_stride);
     check_norm_cols(OP, x_layout.cols)?;
+    check_eps(OP, eps)?;
     check_matrix(OP, "x", Operand::of(x), x_layout)?;
     check_matrix(OP, "y", Operand::of_mut(y), y_layout)?;
     check_modulation(OP, scale, x_layout.cols, x_layout.rows, select)?;
@@ -112,6 +113,7 @@ pub fn plan_gated_residual_adaln<'a>(
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "gated_residual_adaln";
     check_norm_cols(OP, x_layout.cols)?;
+    check_eps(OP, eps)?;
     check_matrix(OP, "x", Operand::of_mut(x), x_layout)?;
     check_matrix(OP, "y", Operand::of(y), x_layout.with_stride(y_stride))?;
     check_matrix(

@@ -33,7 +33,7 @@ use super::act::SwigluOrder;
 use super::attention::HEAD_DIM;
 use super::conv::ConvTile;
 use super::launch::{
-    bytes_of, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
+    bytes_of, check_eps, check_operand, invalid, require_sm90, to_i32, to_i64, to_u32, Launch,
     LoadKernelsError, LoadedSet, Matrix, Operand,
 };
 use super::rope::{check_interleaved_tables, QkvInputs, QkvOutputs};
@@ -448,12 +448,7 @@ pub fn plan_int8_qkv_gemm<'a>(
         k,
     };
     shape.check()?;
-    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
-        return Err(invalid(
-            OP,
-            format!("eps {} must be finite and >= 0", norm.eps),
-        ));
-    }
+    check_eps(OP, norm.eps)?;
     let (addrs, stride) = match dest {
         QkvDest::Apart(outputs) => {
             let stride = outputs.q_stride;

@@ -153,6 +153,15 @@ pub(crate) fn invalid(op: &str, what: impl std::fmt::Display) -> tf_cuda::Error 
     }
 }
 
+/// A norm's epsilon must be finite and non-negative (a NaN or negative one gives NaN rows).
+pub(crate) fn check_eps(op: &str, eps: f32) -> Result<(), tf_cuda::Error> {
+    if eps.is_finite() && eps >= 0.0 {
+        Ok(())
+    } else {
+        Err(invalid(op, format!("eps {eps} must be finite and >= 0")))
+    }
+}
+
 /// `value` as the kernel's 32-bit int, or an error naming it.
 pub(crate) fn to_i32(op: &str, name: &str, value: usize) -> Result<i32, tf_cuda::Error> {
     i32::try_from(value).map_err(|_| {

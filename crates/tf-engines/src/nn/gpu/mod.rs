@@ -53,7 +53,7 @@ pub use act::*;
 pub use attention::*;
 pub use copy::*;
 pub(crate) use launch::{
-    check_matrix, invalid, row_grid, to_i32, to_u32, LoadedSet, Operand, ROW_THREADS,
+    check_eps, check_matrix, invalid, row_grid, to_i32, to_u32, LoadedSet, Operand, ROW_THREADS,
 };
 pub use launch::{Launch, LoadKernelsError, Matrix};
 pub use norm::*;

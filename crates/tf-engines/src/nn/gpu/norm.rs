@@ -7,8 +7,8 @@ use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{DeviceView, DeviceViewMut, Stream};
 
 use super::launch::{
-    check_aligned_to, check_bytes, check_matrix, invalid, to_i32, to_u32, Launch, Matrix, Operand,
-    ROW_THREADS,
+    check_aligned_to, check_bytes, check_eps, check_matrix, invalid, to_i32, to_u32, Launch,
+    Matrix, Operand, ROW_THREADS,
 };
 use super::NnKernels;
 
@@ -189,6 +189,7 @@ pub(crate) fn plan_weighted_row_norm<'a>(
     eps: f32,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     check_row_cols(op, x_layout.cols, max_cols)?;
+    check_eps(op, eps)?;
     check_matrix(op, "x", Operand::of(x), x_layout)?;
     check_matrix(op, "y", Operand::of_mut(y), x_layout.with_stride(y_stride))?;
     check_matrix(
@@ -247,9 +248,7 @@ pub fn plan_rms_norm<'a>(
     eps: f32,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "rms_norm";
-    if !(eps.is_finite() && eps >= 0.0) {
-        return Err(invalid(OP, format!("eps {eps} must be finite and >= 0")));
-    }
+    check_eps(OP, eps)?;
     plan_weighted_row_norm(
         OP,
         "nn_rms_norm",
@@ -316,12 +315,7 @@ pub(crate) fn push_norm(
     unmodulated: (ModulationRows, u64),
 ) -> Result<(), tf_cuda::Error> {
     let cols = x_layout.cols;
-    if !(norm.eps.is_finite() && norm.eps >= 0.0) {
-        return Err(invalid(
-            op,
-            format!("eps {} must be finite and >= 0", norm.eps),
-        ));
-    }
+    check_eps(op, norm.eps)?;
     if norm.bias.is_some() && norm.weight.is_none() {
         return Err(invalid(op, "a bias needs a weight (affine norm)"));
     }

@@ -8,7 +8,8 @@ use tf_cuda::{DeviceView, DeviceViewMut, Stream};
 
 use super::attention::HEAD_DIM;
 use super::launch::{
-    check_aligned_to, check_bytes, check_matrix, invalid, to_i32, to_u32, Launch, Matrix, Operand,
+    check_aligned_to, check_bytes, check_eps, check_matrix, invalid, to_i32, to_u32, Launch,
+    Matrix, Operand,
 };
 use super::NnKernels;
 
@@ -236,12 +237,7 @@ pub fn plan_qk_norm_rope_half<'a>(
             ),
         ));
     }
-    if !(a.eps.is_finite() && a.eps >= 0.0) {
-        return Err(invalid(
-            OP,
-            format!("eps {} must be finite and >= 0", a.eps),
-        ));
-    }
+    check_eps(OP, a.eps)?;
     check_matrix(OP, "qkv", Operand::of_mut(a.qkv), a.qkv_layout)?;
     for (name, weight) in [("q_weight", a.q_weight), ("k_weight", a.k_weight)] {
         check_matrix(OP, name, Operand::of(weight), Matrix::dense(1, HEAD_DIM))?;
@@ -412,9 +408,7 @@ pub fn plan_rope_half_partial<'a>(
             (2, q_weight.addr(), k_weight.addr(), eps)
         }
     };
-    if !(eps.is_finite() && eps >= 0.0) {
-        return Err(invalid(OP, format!("eps {eps} must be finite and >= 0")));
-    }
+    check_eps(OP, eps)?;
     let half = a.rotated / 2;
     if a.rope_stride < half {
         return Err(invalid(
