@@ -442,6 +442,16 @@ impl State {
     pub fn allocate(&mut self, size: usize, align: usize, fill: u8) -> Result<u64, CUresult> {
         let layout =
             Layout::from_size_align(size.max(1), align).map_err(|_| code::OUT_OF_MEMORY)?;
+        if fill == 0 {
+            // Zeroed pages come lazily from the system: a large block costs no RAM until touched.
+            // SAFETY: the layout has a non-zero size.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            return if ptr.is_null() {
+                Err(code::OUT_OF_MEMORY)
+            } else {
+                Ok(ptr as u64)
+            };
+        }
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc(layout) };
         if ptr.is_null() {
@@ -459,7 +469,12 @@ impl State {
         if self.device_bytes.saturating_add(size as u64) > self.capacity {
             return Err(code::OUT_OF_MEMORY);
         }
-        let base = self.allocate(size, DEVICE_ALIGN, FRESH_DEVICE_BYTE)?;
+        let fill = if size > FILL_LIMIT {
+            0
+        } else {
+            FRESH_DEVICE_BYTE
+        };
+        let base = self.allocate(size, DEVICE_ALIGN, fill)?;
         let layout =
             Layout::from_size_align(size, DEVICE_ALIGN).map_err(|_| code::OUT_OF_MEMORY)?;
         self.device.insert(base, Block { size, layout });

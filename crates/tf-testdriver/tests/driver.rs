@@ -147,6 +147,21 @@ fn calls_need_init_and_a_current_context() {
 }
 
 #[test]
+fn blocks_past_the_fill_limit_are_zeroed_not_filled() {
+    let f = Fixture::new();
+    let big = f.alloc(tf_testdriver::FILL_LIMIT + 256);
+    let small = f.alloc(256);
+    let mut bytes = [1u8; 8];
+    let last = big + tf_testdriver::FILL_LIMIT as u64 + 248;
+    for at in [big, last] {
+        f.ok(unsafe { (f.api().cuMemcpyDtoH_v2)(bytes.as_mut_ptr().cast(), at, 8) });
+        assert_eq!(bytes, [0; 8]);
+    }
+    f.ok(unsafe { (f.api().cuMemcpyDtoH_v2)(bytes.as_mut_ptr().cast(), small, 8) });
+    assert_eq!(bytes, [FRESH_DEVICE_BYTE; 8]);
+}
+
+#[test]
 fn memory_round_trip_capacity_and_fresh_bytes() {
     let f = Fixture::new();
     f.control.set_device_capacity(1 << 20);
