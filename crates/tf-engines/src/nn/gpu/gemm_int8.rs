@@ -213,7 +213,8 @@ impl Int8GemmShape {
 
     /// The persistent launch grid on `sm_count` SMs: one CTA an SM, never more CTAs than tiles.
     pub fn grid(&self, sm_count: usize) -> Result<u32, tf_cuda::Error> {
-        const OP: &str = "INT8 GEMM";
+        // Shared by the INT8 and bf16 GEMMs, which tile alike.
+        const OP: &str = "GEMM (128 x 256 tiles)";
         let (m_tiles, n_tiles) = self.tiles();
         let tiles = m_tiles
             .checked_mul(n_tiles)
