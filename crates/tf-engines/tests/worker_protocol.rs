@@ -411,22 +411,7 @@ fn a_load_the_engine_refuses_is_a_server_error_naming_the_cause_and_the_fix() {
 #[test]
 fn tf_worker_qwen_image_in_fp8_on_the_host_fails_its_load_as_a_server_error() {
     let model = tiny_qwen_folder();
-    let model_arg = model.to_string_lossy().into_owned();
-    let mut worker = WorkerProcess::spawn(
-        tf(),
-        &[
-            "worker",
-            "--engine",
-            "qwen_image",
-            "--model",
-            &model_arg,
-            "--backend",
-            "host",
-            "--precision",
-            "fp8",
-        ],
-    )
-    .unwrap();
+    let mut worker = spawn_qwen_worker(&model, &["--precision", "fp8"]);
     let loaded = worker.call(r#"{"op":"load"}"#, DEADLINE).unwrap();
     println!("{}", loaded.reply);
     // The cause, its fix, and what to change: the worker's command line.
@@ -680,6 +665,22 @@ fn the_tf_worker_refuses_bad_arguments_with_exit_code_2() {
 }
 
 /// The tiny complete Qwen-Image folder committed under tests/fixtures/qwen_pipeline/model.
+/// `tf worker` for Qwen-Image on the host backend over `model`, with `extra` arguments.
+fn spawn_qwen_worker(model: &std::path::Path, extra: &[&str]) -> WorkerProcess {
+    let model_arg = model.to_string_lossy().into_owned();
+    let mut args = vec![
+        "worker",
+        "--engine",
+        "qwen_image",
+        "--model",
+        &model_arg,
+        "--backend",
+        "host",
+    ];
+    args.extend_from_slice(extra);
+    WorkerProcess::spawn(tf(), &args).unwrap()
+}
+
 fn tiny_qwen_folder() -> PathBuf {
     let folder =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_pipeline/model");
@@ -697,20 +698,7 @@ fn the_tf_worker_process_runs_the_tiny_qwen_pipeline_on_the_host() {
 
     let model = tiny_qwen_folder();
     let dir = temp_dir("qwen-host");
-    let model_arg = model.to_string_lossy().into_owned();
-    let mut worker = WorkerProcess::spawn(
-        tf(),
-        &[
-            "worker",
-            "--engine",
-            "qwen_image",
-            "--model",
-            &model_arg,
-            "--backend",
-            "host",
-        ],
-    )
-    .unwrap();
+    let mut worker = spawn_qwen_worker(&model, &[]);
     let loaded = worker.call(r#"{"op":"load"}"#, DEADLINE).unwrap();
     assert_eq!(loaded.reply["ok"], true, "{}", loaded.reply);
     assert!(
