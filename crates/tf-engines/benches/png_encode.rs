@@ -9,7 +9,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tf_engines::nn::media::png::{encode_png_fast, encode_png_with, ColorType, PngCompression};
+use tf_engines::nn::media::png::{
+    encode_png_fast, encode_png_with, ColorType, FastPath, PngCompression,
+};
 
 /// A deterministic image: gradients plus a little grain (`noise` false), or uniform noise.
 fn image(width: usize, height: usize, channels: usize, noise: bool) -> Vec<u8> {
@@ -53,15 +55,20 @@ fn encode(c: &mut Criterion) {
             let pixels = image(width, height, color.channels(), noise);
             let content = if noise { "noise" } else { "smooth" };
             group.throughput(Throughput::Bytes(pixels.len() as u64));
-            // The fewest bytes of pixels deflated in parallel bands: None for the library's own threshold.
-            for (mode, compression, parallel_min) in [
+            // `fast` takes the library's choice; `fast_bands` and `fast_one_thread` force either path.
+            for (mode, compression, path) in [
                 ("compatible", PngCompression::Compatible, None),
                 ("fast", PngCompression::Fast, None),
-                ("fast_one_thread", PngCompression::Fast, Some(usize::MAX)),
+                ("fast_bands", PngCompression::Fast, Some(FastPath::Bands)),
+                (
+                    "fast_one_thread",
+                    PngCompression::Fast,
+                    Some(FastPath::OneThread),
+                ),
             ] {
-                let run = |pixels: &[u8]| match parallel_min {
+                let run = |pixels: &[u8]| match path {
                     None => encode_png_with(width, height, color, pixels, compression),
-                    Some(min) => encode_png_fast(width, height, color, pixels, min),
+                    Some(path) => encode_png_fast(width, height, color, pixels, path),
                 };
                 let size = run(&pixels).unwrap().len();
                 eprintln!("{name} {content} {mode}: {size} bytes");

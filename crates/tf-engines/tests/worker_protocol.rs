@@ -664,7 +664,6 @@ fn the_tf_worker_refuses_bad_arguments_with_exit_code_2() {
     );
 }
 
-/// The tiny complete Qwen-Image folder committed under tests/fixtures/qwen_pipeline/model.
 /// `tf worker` for Qwen-Image on the host backend over `model`, with `extra` arguments.
 fn spawn_qwen_worker(model: &std::path::Path, extra: &[&str]) -> WorkerProcess {
     let model_arg = model.to_string_lossy().into_owned();
@@ -681,6 +680,7 @@ fn spawn_qwen_worker(model: &std::path::Path, extra: &[&str]) -> WorkerProcess {
     WorkerProcess::spawn(tf(), &args).unwrap()
 }
 
+/// The tiny complete Qwen-Image folder committed under tests/fixtures/qwen_pipeline/model.
 fn tiny_qwen_folder() -> PathBuf {
     let folder =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_pipeline/model");

@@ -130,31 +130,29 @@ fn variant_line(variant: Variant, sample_sigmas: Option<&[f64]>, steps: usize) -
     format!("{variant}: {steps} steps on {grid}, {guidance}")
 }
 
-/// What each component computes in, as MiniMax H3's load report lists it for `tf video`: (name, description), the
-/// DiT, the text encoder and the VAE. The host reference computes in f32 (the report's `dit_precision` is the GPU
-/// DiT's GEMM precision, `bf16` by default); on the GPU the DiT in `dit_precision`, the text encoder and the VAE in
-/// bf16 where they run on the device, f32 where they stay on the host.
-fn precision(load: &LoadReport) -> [(&'static str, String); 3] {
-    let on_gpu = |on_device: bool, gpu: String| match load.backend {
-        Backend::Gpu if on_device => gpu,
-        Backend::Gpu | Backend::Host => "f32".to_string(),
+/// What each component computes in, as MiniMax H3's load report lists it for `tf video`: (name, precision, whether
+/// it runs as the f32 host reference), the DiT, the text encoder and the VAE. On the GPU the DiT computes in the
+/// report's `dit_precision` (its GEMM precision) and the text encoder and VAE in bf16 where they run on the device;
+/// everything on the host is the f32 reference.
+fn precision(load: &LoadReport) -> [(&'static str, String, bool); 3] {
+    let gpu = load.backend == Backend::Gpu;
+    let part = |name, on_device: bool, device_precision: String| {
+        if gpu && on_device {
+            (name, device_precision, false)
+        } else {
+            (name, "f32".to_string(), true)
+        }
     };
     [
-        ("DiT", on_gpu(true, load.dit_precision.to_string())),
-        ("text encoder", on_gpu(load.te_on_device, "bf16".into())),
-        ("VAE", on_gpu(load.vae_on_device, "bf16".into())),
+        part("DiT", true, load.dit_precision.to_string()),
+        part("text encoder", load.te_on_device, "bf16".into()),
+        part("VAE", load.vae_on_device, "bf16".into()),
     ]
 }
 
-/// The load report's precision line: what each component computes in (as `tf video` reports it), those on the host
-/// marked as the f32 host reference, and the DiT checkpoint's FP8 weights when it stores some.
+/// The load report's precision line: [`precision`]'s list, the host reference marked, and the DiT checkpoint's FP8
+/// weights when it stores some.
 fn precision_line(load: &LoadReport) -> String {
-    let on_host = |component: &str| match component {
-        _ if load.backend == Backend::Host => true,
-        "text encoder" => !load.te_on_device,
-        "VAE" => !load.vae_on_device,
-        _ => false,
-    };
     let checkpoint = match (load.dit_checkpoint_fp8, load.backend) {
         (0, _) => String::new(),
         (n, Backend::Host) => format!(
@@ -167,14 +165,10 @@ fn precision_line(load: &LoadReport) -> String {
         ),
     };
     let parts: Vec<String> = precision(load)
-        .iter()
-        .map(|(component, precision)| {
-            let host = if on_host(component) {
-                " (host reference)"
-            } else {
-                ""
-            };
-            let note = if *component == "DiT" {
+        .into_iter()
+        .map(|(component, precision, on_host)| {
+            let host = if on_host { " (host reference)" } else { "" };
+            let note = if component == "DiT" {
                 checkpoint.as_str()
             } else {
                 ""
@@ -447,7 +441,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
                 "dit_precision": dit_precision,
                 "precision": precisions
                     .iter()
-                    .map(|(component, p)| (component.to_string(), json!(p)))
+                    .map(|(component, p, _)| (component.to_string(), json!(p)))
                     .collect::<serde_json::Map<String, serde_json::Value>>(),
                 "dit_checkpoint_fp8_weights": load.dit_checkpoint_fp8,
                 "warm_up_s": warm_up.as_ref().map(|w| w.seconds),

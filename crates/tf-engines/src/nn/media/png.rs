@@ -218,7 +218,7 @@ pub fn encode_png_with(
     compression: PngCompression,
 ) -> Result<Vec<u8>, PngError> {
     match compression {
-        PngCompression::Fast => encode_png_fast(width, height, color, pixels, PARALLEL_MIN_BYTES),
+        PngCompression::Fast => encode_png_fast(width, height, color, pixels, FastPath::Auto),
         PngCompression::Compatible => {
             let (w, h) = checked_sides(width, height, color, pixels)?;
             encode_with_png_crate(w, h, color, pixels, compression)
@@ -226,23 +226,37 @@ pub fn encode_png_with(
     }
 }
 
-/// [`PngCompression::Fast`] with the fewest bytes of pixels that are deflated in parallel bands as a parameter
-/// (the library passes [`PARALLEL_MIN_BYTES`]): 0 forces the parallel path on any machine, `usize::MAX` the
-/// single thread; any other value takes the bands only on a machine of [`PARALLEL_MIN_THREADS`] or more.
-/// For tests and benchmarks; not a stable API.
+/// Which way [`encode_png_fast`] deflates.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastPath {
+    /// What [`PngCompression::Fast`] does: bands from [`PARALLEL_MIN_BYTES`] of pixels on a machine of
+    /// [`PARALLEL_MIN_THREADS`] or more, else fdeflate on the calling thread.
+    Auto,
+    /// Parallel bands, whatever the size and the machine.
+    Bands,
+    /// fdeflate on the calling thread.
+    OneThread,
+}
+
+/// [`PngCompression::Fast`] along `path`. For tests and benchmarks; not a stable API.
 #[doc(hidden)]
 pub fn encode_png_fast(
     width: usize,
     height: usize,
     color: ColorType,
     pixels: &[u8],
-    parallel_min_bytes: usize,
+    path: FastPath,
 ) -> Result<Vec<u8>, PngError> {
     let (w, h) = checked_sides(width, height, color, pixels)?;
     let threads = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-    // Level 1 costs about five times fdeflate's CPU per byte: the bands win only with enough cores.
-    let enough_cores = threads >= PARALLEL_MIN_THREADS || parallel_min_bytes == 0;
-    if pixels.len() < parallel_min_bytes || !enough_cores {
+    // Level 1 costs about five times fdeflate's CPU per byte: the bands win only on large images and enough cores.
+    let bands = match path {
+        FastPath::Auto => pixels.len() >= PARALLEL_MIN_BYTES && threads >= PARALLEL_MIN_THREADS,
+        FastPath::Bands => true,
+        FastPath::OneThread => false,
+    };
+    if !bands {
         return encode_with_png_crate(w, h, color, pixels, PngCompression::Fast);
     }
     encode_in_bands(w, h, color, pixels, threads, MAX_CHUNK)
@@ -1008,8 +1022,8 @@ mod tests {
         for (i, &(w, h, color)) in cases.iter().enumerate() {
             let pixels = picture(w, h, color.channels(), i as u64, i % 2 == 0);
             let file = encode_png(w, h, color, &pixels).unwrap();
-            let banded = encode_png_fast(w, h, color, &pixels, 0).unwrap();
-            let single = encode_png_fast(w, h, color, &pixels, usize::MAX).unwrap();
+            let banded = encode_png_fast(w, h, color, &pixels, FastPath::Bands).unwrap();
+            let single = encode_png_fast(w, h, color, &pixels, FastPath::OneThread).unwrap();
             let many_cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
                 >= PARALLEL_MIN_THREADS;
             let expected = if pixels.len() >= t && many_cores {
@@ -1032,8 +1046,8 @@ mod tests {
         // The same bytes twice, and on any number of threads: the bands come from the image alone.
         let (w, h, color) = (1024usize, 300usize, ColorType::Rgb);
         let pixels = picture(w, h, 3, 7, true);
-        let file = encode_png_fast(w, h, color, &pixels, 0).unwrap();
-        assert!(file == encode_png_fast(w, h, color, &pixels, 0).unwrap());
+        let file = encode_png_fast(w, h, color, &pixels, FastPath::Bands).unwrap();
+        assert!(file == encode_png_fast(w, h, color, &pixels, FastPath::Bands).unwrap());
         for threads in [1, 2, 5, 16, 64] {
             let other = encode_in_bands(w as u32, h as u32, color, &pixels, threads, MAX_CHUNK);
             assert!(other.unwrap() == file, "{threads} threads");
@@ -1111,7 +1125,7 @@ mod tests {
                 .unwrap();
             let zlib = check_banded_file(&file, (width, height, color), &pixels, max_chunk);
             // How the stream is cut into chunks and shared among threads leaves it the same.
-            let forced = encode_png_fast(width, height, color, &pixels, 0).unwrap();
+            let forced = encode_png_fast(width, height, color, &pixels, FastPath::Bands).unwrap();
             prop_assert!(check_banded_file(&forced, (width, height, color), &pixels, MAX_CHUNK) == zlib);
         }
     }
