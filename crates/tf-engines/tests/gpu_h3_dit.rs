@@ -1062,7 +1062,7 @@ fn load_in(ctx: &Context, case: &str, precision: DitPrecision) -> GpuH3Dit {
         threads: 3,
     };
     let dit = GpuH3Dit::load_in(
-        ctx,
+        &tf_engines::nn::gpu::GpuDevice::on(ctx).expect("a stream"),
         &model_dir(case),
         LoadOptions::default(),
         staging,
@@ -1383,8 +1383,14 @@ fn fp8_weights_quantized_on_the_upload_ring_run_near_bf16() {
         threads: 3,
     };
     let load = |precision: DitPrecision| {
-        GpuH3Dit::load_in(&ctx, &model, LoadOptions::default(), staging, precision)
-            .unwrap_or_else(|e| panic!("load in {precision}: {e}"))
+        GpuH3Dit::load_in(
+            &tf_engines::nn::gpu::GpuDevice::on(&ctx).expect("a stream"),
+            &model,
+            LoadOptions::default(),
+            staging,
+            precision,
+        )
+        .unwrap_or_else(|e| panic!("load in {precision}: {e}"))
     };
     let mut bf16 = load(DitPrecision::Bf16);
     let mut fp8_dit = load(fp8_everywhere());
@@ -1441,7 +1447,13 @@ fn seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes() {
     let base = bf16.forward(&inputs).unwrap();
     // Every GEMM group (H3's `fp8` default keeps the gate half of `mlp_in` in bf16): the most bytes FP8 can save here.
     let all_groups: DitPrecision = "fp8:all,ends=1".parse().unwrap();
-    let mut fp8_dit = GpuH3Dit::random_in(&ctx, &config, 5, all_groups).unwrap();
+    let mut fp8_dit = GpuH3Dit::random_in(
+        &tf_engines::nn::gpu::GpuDevice::on(&ctx).expect("a stream"),
+        &config,
+        5,
+        all_groups,
+    )
+    .unwrap();
     let out = fp8_dit.forward(&inputs).unwrap();
     assert_close_within(
         "seeded reduced model, fp8:all,ends=1 vs bf16 from the same seed",
@@ -1450,10 +1462,15 @@ fn seeded_fp8_model_is_its_bf16_twin_quantized_at_about_half_the_bytes() {
         FP8_REL_L2_MAX,
         FP8_COSINE_MIN,
     );
-    let again = GpuH3Dit::random_in(&ctx, &config, 5, all_groups)
-        .unwrap()
-        .forward(&inputs)
-        .unwrap();
+    let again = GpuH3Dit::random_in(
+        &tf_engines::nn::gpu::GpuDevice::on(&ctx).expect("a stream"),
+        &config,
+        5,
+        all_groups,
+    )
+    .unwrap()
+    .forward(&inputs)
+    .unwrap();
     assert_eq!(
         again.sample.data(),
         out.sample.data(),
@@ -1601,7 +1618,7 @@ fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
         // value half as stored and the gate half runs in bf16 (the load line then names no INT8 gate).
         // The default `fp8` on a file stored in e4m3 is H3's e4m3 mode (gemm=int8 would keep every block in e4m3).
         let default_mode = GpuH3Dit::load_in(
-            &ctx,
+            &tf_engines::nn::gpu::GpuDevice::on(&ctx).expect("a stream"),
             &model,
             LoadOptions::default(),
             staging,
@@ -1626,9 +1643,14 @@ fn fp8_checkpoints_load_as_stored_and_dequantized_near_the_host_forward() {
             ),
             (int8_gate_mode, None, FP8_REL_L2_MAX, FP8_COSINE_MIN),
         ] {
-            let mut dit =
-                GpuH3Dit::load_in(&ctx, &model, LoadOptions::default(), staging, precision)
-                    .unwrap_or_else(|e| panic!("{variant}: load in {precision}: {e}"));
+            let mut dit = GpuH3Dit::load_in(
+                &tf_engines::nn::gpu::GpuDevice::on(&ctx).expect("a stream"),
+                &model,
+                LoadOptions::default(),
+                staging,
+                precision,
+            )
+            .unwrap_or_else(|e| panic!("{variant}: load in {precision}: {e}"));
             let used = dit.checkpoint_fp8();
             println!(
                 "{variant} in {precision}: {}, {} B resident",

@@ -370,8 +370,10 @@ fn capped_loads_match_the_full_load_bit_for_bit() {
     let reference: Vec<_> = (0..=layers)
         .map(|layer| full.features_at(&ids, layer).expect("uncapped features"))
         .collect();
+    // The capped loads share one device stream, as a pipeline's components do.
+    let device = tf_engines::nn::gpu::GpuDevice::on(&ctx).expect("a stream");
     for layer in [4usize, 5] {
-        let mut capped = load_gpu_backend(&ctx, &model, layer).expect("capped GPU load");
+        let mut capped = load_gpu_backend(&device, &model, layer).expect("capped GPU load");
         assert_eq!(capped.loaded_layers(), layer);
         assert_eq!(capped.config(), full.config());
         for (k, want) in reference.iter().enumerate().take(layer + 1) {

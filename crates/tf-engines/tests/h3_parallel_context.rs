@@ -23,6 +23,7 @@ use tf_nccl::{Comm, CommOptions, Nccl};
 use tf_testdriver::{library_path, test_lock, Control};
 
 const RETAIN: &str = "cuDevicePrimaryCtxRetain";
+const CREATE_STREAM: &str = "cuStreamCreate";
 
 /// Loads on the GPU backend with the device budget capped so the memory plan picks the sequential mode: nothing
 /// is uploaded at load (the test driver runs no real kernels), yet the load opens its context. The cap starts
@@ -72,6 +73,7 @@ fn a_ranks_pipeline_loads_into_its_communicators_context() {
     let mut options = LoadOptions::new(Backend::Gpu);
     options.sequence_parallel = Some(sp.clone());
     let retains = control.call_count(RETAIN);
+    let streams = control.call_count(CREATE_STREAM);
     let pipeline = load_sequential(&model, &options);
     let ctx = pipeline
         .context()
@@ -85,11 +87,19 @@ fn a_ranks_pipeline_loads_into_its_communicators_context() {
         retains,
         "the rank's pipeline retained the device's context again"
     );
+    // Every component of the rank's pipeline runs on the communicator's stream, and the load made none.
+    let device = pipeline.device().expect("a GPU pipeline holds its device");
+    assert!(Arc::ptr_eq(device.stream(), sp.comm.stream()));
+    assert_eq!(control.call_count(CREATE_STREAM), streams);
     drop(pipeline);
 
-    // One GPU: the pipeline opens its own context (the check above tells the two apart).
+    // One GPU: the pipeline opens its own context (the check above tells the two apart) and one blocking
+    // stream for all its components.
     let single = load_sequential(&model, &LoadOptions::new(Backend::Gpu));
     let own = single.context().expect("a GPU pipeline holds its context");
     assert!(!own.same_as(&rank_ctx));
     assert!(control.call_count(RETAIN) > retains);
+    // Live now: the communicator's stream (made non-blocking above) and the pipeline's one, blocking.
+    assert_eq!(control.counter("streams"), Some(2));
+    assert_eq!(control.counter("nonblocking_streams"), Some(1));
 }

@@ -843,6 +843,8 @@ impl State {
             "registered_bytes" => self.registered.values().map(|s| *s as i64).sum(),
             "registrations" => n(self.registered.len()),
             "streams" => n(self.streams.len().saturating_sub(1)),
+            // Streams made with CU_STREAM_NON_BLOCKING (the default stream has flags 0).
+            "nonblocking_streams" => n(self.streams.values().filter(|s| s.flags & 1 != 0).count()),
             "events" => n(self.events.len()),
             "modules" => n(self.modules.len()),
             "functions" => n(self.functions.len()),
@@ -871,6 +873,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "registered_bytes",
     "registrations",
     "streams",
+    "nonblocking_streams",
     "events",
     "modules",
     "functions",

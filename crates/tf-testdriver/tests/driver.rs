@@ -718,6 +718,11 @@ fn destroying_a_stream_runs_its_work_and_counters_track_objects() {
     let f = Fixture::new();
     let s = f.stream(0);
     assert_eq!(f.control.counter("streams"), Some(1));
+    assert_eq!(f.control.counter("nonblocking_streams"), Some(0));
+    let side = f.stream(1);
+    assert_eq!(f.control.counter("nonblocking_streams"), Some(1));
+    f.ok(unsafe { (f.api().cuStreamDestroy_v2)(side) });
+    assert_eq!(f.control.counter("nonblocking_streams"), Some(0));
     let p = f.alloc(4);
     let src = 77u32;
     f.ok(unsafe { (f.api().cuMemcpyHtoDAsync_v2)(p, (&src as *const u32).cast(), 4, s) });

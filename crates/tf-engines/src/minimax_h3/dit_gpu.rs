@@ -59,7 +59,7 @@ use crate::nn::gpu::gemm::{self, GemmRunner, StoredGemms};
 use crate::nn::gpu::gemm_int8::{self, Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
-use crate::nn::gpu::AttentionTile;
+use crate::nn::gpu::{AttentionTile, GpuDevice};
 pub use crate::nn::precision::{DitPrecision, Fp8Accumulation, Fp8Groups, Fp8Layers};
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
@@ -300,9 +300,9 @@ struct Makers<'e> {
 }
 
 impl Engine {
-    /// The engine of `config` on `ctx` in `precision` around weights made by `make`.
+    /// The engine of `config` on `device` in `precision` around weights made by `make`.
     fn new(
-        ctx: &Context,
+        device: &GpuDevice,
         config: MiniMaxH3Config,
         source: Source,
         precision: DitPrecision,
@@ -336,7 +336,8 @@ impl Engine {
                 plan = weights::plan(&config, &dims, source, &fp8_groups)?;
             }
         }
-        let stream = Arc::new(Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?);
+        let ctx = device.context();
+        let stream = Arc::clone(device.stream());
         let kernels = H3Kernels::load(ctx).map_err(gpu_err("loading the H3 DiT kernels"))?;
         let gemms =
             GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;
@@ -437,20 +438,23 @@ impl GpuH3Dit {
         options: LoadOptions,
         staging: StagingConfig,
     ) -> Result<GpuH3Dit, H3Error> {
-        GpuH3Dit::load_in(ctx, model, options, staging, DitPrecision::Bf16)
+        let device = GpuDevice::on(ctx).map_err(cuda_err("creating a stream"))?;
+        GpuH3Dit::load_in(&device, model, options, staging, DitPrecision::Bf16)
     }
 
     /// [`GpuH3Dit::load_with`] in the given GEMM precision: with FP8 the chosen block GEMM groups are quantized on
     /// their way to the device (and the quantizing kernels loaded), or taken as stored where the folder already
     /// holds them in e4m3 with their scales (a scaled-FP8 checkpoint; its other FP8 weights are dequantized). FP8 needs an sm_90 GPU and cuBLASLt 12.9 or
     /// newer; anything else is refused here, naming what is missing.
+    /// Every step runs on `device`'s stream (a pipeline's components share it).
     pub fn load_in(
-        ctx: &Context,
+        device: &GpuDevice,
         model: &ModelDir,
         options: LoadOptions,
         staging: StagingConfig,
         precision: DitPrecision,
     ) -> Result<GpuH3Dit, H3Error> {
+        let ctx = device.context();
         let config =
             MiniMaxH3Config::from_json_file(model.config_json(), &model.dir().join("config.json"))?;
         let layout = checkpoint::detect(model, options.qkv);
@@ -463,8 +467,13 @@ impl GpuH3Dit {
         };
         // Weights stored in FP8 with their scales are found and checked with the names and shapes.
         let fp8_checkpoint = checkpoint::check_folder(model, &config, layout)?;
-        let (engine, report) =
-            Engine::new(ctx, config, source, precision, Some(&fp8_checkpoint), |m| {
+        let (engine, report) = Engine::new(
+            device,
+            config,
+            source,
+            precision,
+            Some(&fp8_checkpoint),
+            |m| {
                 weights::upload(
                     ctx,
                     m.stream,
@@ -474,7 +483,8 @@ impl GpuH3Dit {
                     m.plan,
                     staging,
                 )
-            })?;
+            },
+        )?;
         Ok(GpuH3Dit {
             engine,
             workspaces: RecentSet::new(MAX_WORKSPACES),
@@ -495,23 +505,26 @@ impl GpuH3Dit {
         config: &MiniMaxH3Config,
         seed: u64,
     ) -> Result<GpuH3Dit, H3Error> {
-        GpuH3Dit::random_in(ctx, config, seed, DitPrecision::Bf16)
+        let device = GpuDevice::on(ctx).map_err(cuda_err("creating a stream"))?;
+        GpuH3Dit::random_in(&device, config, seed, DitPrecision::Bf16)
     }
 
     /// [`GpuH3Dit::random_on`] in the given GEMM precision: each FP8 matrix is seeded in bf16 (the values its bf16
     /// twin holds) in one scratch matrix on the device and quantized from there, so the bf16 model never exists.
+    /// Every step runs on `device`'s stream.
     pub fn random_in(
-        ctx: &Context,
+        device: &GpuDevice,
         config: &MiniMaxH3Config,
         seed: u64,
         precision: DitPrecision,
     ) -> Result<GpuH3Dit, H3Error> {
+        let ctx = device.context();
         config.validate().map_err(|why| ConfigError {
             file: "config".into(),
             why,
         })?;
         let (engine, _) = Engine::new(
-            ctx,
+            device,
             config.clone(),
             Source::Diffusers,
             precision,

@@ -6,8 +6,9 @@
 //! against the others, and decides the memory plan ([`H3Pipeline::memory_plan`]): the four components stay
 //! resident when they fit the budget (free device memory less [`DEVICE_RESERVE_BYTES`], capped by
 //! [`LoadOptions::device_budget`]; the host plans against the cap alone), else every request loads, runs and frees
-//! them in turn (the load times in [`Timings::loads`]). On the GPU there is one driver and one context (device 0);
-//! the components run one after another on it, each waiting for its own work before it hands host tensors on.
+//! them in turn (the load times in [`Timings::loads`]). On the GPU there is one driver, one context (device 0) and
+//! one blocking stream ([`GpuDevice`]); the components borrow them and run one after another on that stream, each
+//! waiting for its work before it hands host tensors on.
 //!
 //! [`H3Pipeline::generate`] checks the request completely first ([`H3Pipeline::plan`]: every field against the
 //! model and [`Limits`], the prompt's tokens, the packed layout), then: the prompt features
@@ -62,6 +63,7 @@ use super::text::{H3TextError, H3TextOptions, H3Tokenizer};
 use super::vae_audio::AudioVaeError;
 use super::vae_video::{VideoFrames, VideoVaeError};
 use crate::nn::backend_error::GpuError;
+use crate::nn::gpu::GpuDevice;
 use crate::nn::memory_plan::{MemoryPlan, MemoryPlanError, Residency};
 use crate::nn::precision::DitPrecision;
 use crate::nn::sampling::flow_match::{SamplerError, SigmaSource};
@@ -452,7 +454,8 @@ pub struct H3Pipeline {
     report: LoadReport,
     memory_plan: MemoryPlan,
     dir: PathBuf,
-    context: Option<tf_cuda::Context>,
+    /// The context and the one blocking stream every GPU component borrows (`None` on the host).
+    device: Option<GpuDevice>,
 }
 
 impl std::fmt::Debug for H3Pipeline {
@@ -464,15 +467,20 @@ impl std::fmt::Debug for H3Pipeline {
     }
 }
 
-/// The process's one device context for the GPU pipeline: a rank of a multi-GPU job loads into its
-/// communicator's context (the DiT's step moves onto the communicator's stream, which tf-cuda refuses with the
-/// buffers and GEMM plans of any other context, even one of the same device); one GPU opens device 0's.
-fn device_context(options: &LoadOptions) -> Result<tf_cuda::Context, PipelineError> {
+/// The process's one device context for the GPU pipeline and the stream every component runs on: a rank of a
+/// multi-GPU job loads into its DiT communicator's context and runs on its stream (the DiT's collectives and
+/// every component's kernels in one order; tf-cuda refuses the buffers and GEMM plans of any other context, even
+/// one of the same device); one GPU opens device 0's context and a blocking stream.
+fn open_device(options: &LoadOptions) -> Result<GpuDevice, PipelineError> {
     if let Some(sp) = &options.sequence_parallel {
-        return Ok(sp.context());
+        return Ok(GpuDevice::with_stream(sp.stream()));
     }
-    let driver = tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
-    tf_cuda::Context::new(driver, 0).map_err(|e| gpu("creating a context on device 0", e))
+    GpuDevice::open().map_err(|e| {
+        gpu(
+            "opening the CUDA driver, a context on device 0 and its stream",
+            e,
+        )
+    })
 }
 
 /// The budget the memory plan decides against: what the device offers (`None` on the host: unlimited), capped
@@ -537,16 +545,17 @@ impl H3Pipeline {
             options.random_weights,
         )?;
         let parts = folders.plan_components(options.backend);
-        let (context, available, free_before) = match options.backend {
+        let (device, available, free_before) = match options.backend {
             Backend::Host => (None, None, 0),
             Backend::Gpu => {
-                let ctx = device_context(options)?;
-                let free = ctx
+                let device = open_device(options)?;
+                let free = device
+                    .context()
                     .memory_info()
                     .map_err(|e| gpu("reading free memory", e))?
                     .free;
                 (
-                    Some(ctx),
+                    Some(device),
                     Some(free.saturating_sub(DEVICE_RESERVE_BYTES)),
                     free,
                 )
@@ -556,8 +565,8 @@ impl H3Pipeline {
         let (components, resident_bytes) = if memory_plan.residency() == Residency::Sequential {
             (Components::Sequential(Box::new(folders)), 0)
         } else {
-            let mut resident = folders.load_all(context.as_ref())?;
-            if context.is_some() {
+            let mut resident = folders.load_all(device.as_ref())?;
+            if device.is_some() {
                 // One text forward at load: a fresh process's first encode otherwise pays the text path's
                 // first-use costs (kernel and GEMM-plan loading, about 90 ms on the H200) inside the request.
                 let ids = tokenizer
@@ -567,10 +576,11 @@ impl H3Pipeline {
                     resident.text.features_at(&ids, options.text.layer)?;
                 }
             }
-            let bytes = match &context {
+            let bytes = match &device {
                 None => memory_plan.total(),
-                Some(ctx) => {
-                    let free_after = ctx
+                Some(device) => {
+                    let free_after = device
+                        .context()
                         .memory_info()
                         .map_err(|e| gpu("reading free memory", e))?
                         .free;
@@ -609,7 +619,7 @@ impl H3Pipeline {
             },
             memory_plan,
             dir: dir.to_path_buf(),
-            context,
+            device,
         })
     }
 
@@ -630,7 +640,12 @@ impl H3Pipeline {
 
     /// The device context, when the pipeline runs on the GPU.
     pub fn context(&self) -> Option<&tf_cuda::Context> {
-        self.context.as_ref()
+        self.device.as_ref().map(GpuDevice::context)
+    }
+
+    /// The context and the stream every GPU component runs on, when the pipeline runs on the GPU.
+    pub fn device(&self) -> Option<&GpuDevice> {
+        self.device.as_ref()
     }
 
     /// Plans every GEMM shape the persistent plan cache stores for this GPU in the resident DiT and loads their

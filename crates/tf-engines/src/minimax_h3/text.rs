@@ -40,11 +40,11 @@
 
 use std::path::{Path, PathBuf};
 
-use tf_cuda::Context;
 use tf_tokenizer::templates::{MiniMaxH3, PromptMarkup};
 use tf_tokenizer::{Tokenizer, TokenizerError};
 use thiserror::Error;
 
+use crate::nn::gpu::GpuDevice;
 use crate::nn::tensor::TensorF32;
 use crate::nn::upload::StagingConfig;
 use crate::nn::weights::{ModelDir, WeightsError};
@@ -456,13 +456,14 @@ pub fn load_host_backend(
     HostTextEncoder::load_with(model, load_options(layer))
 }
 
-/// The GPU encoder of `model` in `ctx` holding only what `hidden_states[layer]` needs (see [`load_options`]).
+/// The GPU encoder of `model` on `device` holding only what `hidden_states[layer]` needs (see
+/// [`load_options`]).
 pub fn load_gpu_backend(
-    ctx: &Context,
+    device: &GpuDevice,
     model: &ModelDir,
     layer: usize,
 ) -> Result<GpuTextEncoder, TextEncoderError> {
-    GpuTextEncoder::load_with_options(ctx, model, StagingConfig::default(), load_options(layer))
+    GpuTextEncoder::load_in(device, model, StagingConfig::default(), load_options(layer))
 }
 
 impl H3TextEncoder {
@@ -483,12 +484,15 @@ impl H3TextEncoder {
     /// `0..options.layer` only). The options, the tokenizer and the encoder's config are checked before any
     /// weight is read.
     pub fn load_gpu(
-        ctx: &Context,
+        ctx: &tf_cuda::Context,
         dir: &Path,
         options: H3TextOptions,
     ) -> Result<H3TextEncoder, H3TextError> {
         let (tokenizer, model) = open_checked(dir, &options)?;
-        let backend = load_gpu_backend(ctx, &model, options.layer)?;
+        let device = GpuDevice::on(ctx).map_err(|e| {
+            TextEncoderError::Gpu(crate::nn::backend_error::gpu_error("creating a stream", e))
+        })?;
+        let backend = load_gpu_backend(&device, &model, options.layer)?;
         Ok(H3TextEncoder {
             tokenizer,
             backend: Box::new(backend),

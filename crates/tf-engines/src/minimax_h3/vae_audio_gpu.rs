@@ -34,6 +34,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::sync::Arc;
+
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
 use tf_cuda::{Context, DeviceBuffer, Event, Stream};
@@ -44,7 +46,9 @@ use super::vae_audio::{
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm;
 use crate::nn::gpu::launch::{check_aligned_to, check_bytes};
-use crate::nn::gpu::{invalid, to_i32, to_u32, Launch, LoadKernelsError, LoadedSet, Operand};
+use crate::nn::gpu::{
+    invalid, to_i32, to_u32, GpuDevice, Launch, LoadKernelsError, LoadedSet, Operand,
+};
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::weights::ModelDir;
 
@@ -497,7 +501,8 @@ pub struct GpuAudioVae {
     workspace: Option<Workspace>,
     kernels: AudioKernels,
     sms: usize,
-    stream: Stream,
+    /// The pipeline's stream, shared by its components.
+    stream: Arc<Stream>,
     ctx: Context,
 }
 
@@ -529,18 +534,26 @@ impl GpuAudioVae {
     /// Loads a diffusers `audio_vae/` folder into `ctx`: validated and weight-normalized as the host reference
     /// loads it, laid out for the kernels and uploaded.
     pub fn load_on(ctx: &Context, model: &ModelDir) -> Result<GpuAudioVae, AudioVaeError> {
+        let device = GpuDevice::on(ctx).map_err(gpu_err("creating a stream"))?;
+        GpuAudioVae::load_in(&device, model)
+    }
+
+    /// [`GpuAudioVae::load_on`] onto `device`, whose stream every decode runs on (a pipeline's components share
+    /// it).
+    pub fn load_in(device: &GpuDevice, model: &ModelDir) -> Result<GpuAudioVae, AudioVaeError> {
         let host = HostAudioVae::load(model)?;
         let layout = AudioVaeLayout::from_host(&host)?;
         drop(host);
-        GpuAudioVae::with_layout(ctx, layout)
+        GpuAudioVae::with_layout(device, layout)
     }
 
-    /// Uploads a laid-out decoder into `ctx`.
+    /// Uploads a laid-out decoder onto `device`.
     pub fn with_layout(
-        ctx: &Context,
+        device: &GpuDevice,
         mut layout: AudioVaeLayout,
     ) -> Result<GpuAudioVae, AudioVaeError> {
-        let stream = Stream::new(ctx, false).map_err(gpu_err("creating a stream"))?;
+        let ctx = device.context();
+        let stream = Arc::clone(device.stream());
         let kernels = AudioKernels::load(ctx).map_err(gpu_err("loading the audio VAE kernels"))?;
         let sms = ctx
             .device_info()

@@ -30,6 +30,7 @@
 pub mod ops;
 pub mod spread;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tf_cuda::cublaslt::{DeviceSpan, GemmShape};
@@ -44,8 +45,8 @@ use super::vae_video::{
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
 use crate::nn::gpu::{
-    AttentionInputs, AttentionShape, Launch, Matrix, NnKernels, PartialRope, RopeNorm, RopeTable,
-    Strides, SwigluOrder,
+    AttentionInputs, AttentionShape, GpuDevice, Launch, Matrix, NnKernels, PartialRope, RopeNorm,
+    RopeTable, Strides, SwigluOrder,
 };
 use crate::nn::host::linear;
 use crate::nn::tensor::TensorF32;
@@ -488,7 +489,8 @@ pub struct GpuVideoVae {
     tiling: TilingOptions,
     budget: GpuVideoVaeBudget,
     ctx: Context,
-    stream: Stream,
+    /// The pipeline's stream, shared by its components.
+    stream: Arc<Stream>,
     nn: NnKernels,
     kernels: VideoVaeKernels,
     gemms: GemmRunner,
@@ -530,7 +532,16 @@ impl GpuVideoVae {
     /// Loads a diffusers `vae/` folder into `ctx`: the config and every decoder tensor checked as the host
     /// reference checks them, the weights converted (bf16 matrices, f32 norms, biases of f32 outputs, the layer
     /// scales folded into the output projections) and streamed through the upload ring; the kernels and cuBLASLt.
+    /// On a blocking stream of its own in `ctx` (see [`GpuVideoVae::load_in`]).
     pub fn load_on(ctx: &Context, model: &ModelDir) -> Result<GpuVideoVae, VideoVaeError> {
+        let device = GpuDevice::on(ctx).map_err(|e| backend("creating a stream", e))?;
+        GpuVideoVae::load_in(&device, model)
+    }
+
+    /// [`GpuVideoVae::load_on`] onto `device`, whose stream every decode runs on (a pipeline's components share
+    /// it).
+    pub fn load_in(device: &GpuDevice, model: &ModelDir) -> Result<GpuVideoVae, VideoVaeError> {
+        let ctx = device.context();
         let config = check_model(model)?;
         check_supported(&config)?;
         let net = Net::plan(&config)?;
@@ -538,7 +549,7 @@ impl GpuVideoVae {
             values(model, "post_quant_conv.weight")?,
             values(model, "post_quant_conv.bias")?,
         );
-        let stream = Stream::new(ctx, false).map_err(|e| backend("creating a stream", e))?;
+        let stream = Arc::clone(device.stream());
         let nn = NnKernels::load(ctx).map_err(|e| backend("loading the shared kernels", e))?;
         let kernels = VideoVaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
         let gemms =

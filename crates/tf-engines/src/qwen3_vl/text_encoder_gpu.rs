@@ -35,6 +35,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::sync::Arc;
+
 use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan};
 use tf_cuda::{Context, DeviceBuffer, Event, Stream};
 
@@ -42,8 +44,8 @@ use super::text_encoder::{check_reachable, LoadOptions, TextEncoderConfig, TextE
 use crate::nn::backend_error::{gpu_error, IntoGpuError};
 use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, GemmShape, Linear};
 use crate::nn::gpu::{
-    rotate_half_rope_tables, AttentionInputs, AttentionShape, AttentionTile, Matrix, NnKernels,
-    QkNormRope, Strides, HEAD_DIM, MAX_NORM_COLS as MAX_TEXT_NORM_COLS,
+    rotate_half_rope_tables, AttentionInputs, AttentionShape, AttentionTile, GpuDevice, Matrix,
+    NnKernels, QkNormRope, Strides, HEAD_DIM, MAX_NORM_COLS as MAX_TEXT_NORM_COLS,
 };
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, Piece, StagingConfig, UploadStats};
@@ -347,7 +349,8 @@ pub struct GpuTextEncoder {
     weights: DeviceBuffer,
     gemms: GemmRunner,
     kernels: NnKernels,
-    stream: Stream,
+    /// The pipeline's stream, shared by its components.
+    stream: Arc<Stream>,
     ctx: Context,
     upload: Option<UploadStats>,
     /// `None`: the attention kernels' preferred tile for this GPU.
@@ -407,6 +410,19 @@ impl GpuTextEncoder {
         staging: StagingConfig,
         options: LoadOptions,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let device = GpuDevice::on(ctx).map_err(gpu_err("creating a stream"))?;
+        GpuTextEncoder::load_in(&device, model, staging, options)
+    }
+
+    /// [`Self::load_with_options`] onto `device`, whose stream every forward runs on (a pipeline's components
+    /// share it).
+    pub fn load_in(
+        device: &GpuDevice,
+        model: &ModelDir,
+        staging: StagingConfig,
+        options: LoadOptions,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let ctx = device.context();
         let config = TextEncoderConfig::from_json(model.config_json())?;
         let dims = Dims::of(&config, options)?;
         let prefix = PREFIXES
@@ -439,7 +455,7 @@ impl GpuTextEncoder {
                 )));
             }
         }
-        let mut encoder = GpuTextEncoder::with_layout(ctx, config, dims, layout)?;
+        let mut encoder = GpuTextEncoder::with_layout(device, config, dims, layout)?;
         let mut pieces = Vec::with_capacity(placements.len());
         for placement in &placements {
             let name = format!("{prefix}{}", placement.name);
@@ -474,10 +490,21 @@ impl GpuTextEncoder {
         seed: u32,
         options: LoadOptions,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
+        let device = GpuDevice::on(ctx).map_err(gpu_err("creating a stream"))?;
+        GpuTextEncoder::random_in(&device, config, seed, options)
+    }
+
+    /// [`Self::random_with`] on `device`'s stream.
+    pub fn random_in(
+        device: &GpuDevice,
+        config: TextEncoderConfig,
+        seed: u32,
+        options: LoadOptions,
+    ) -> Result<GpuTextEncoder, TextEncoderError> {
         let dims = Dims::of(&config, options)?;
         let layout = WeightLayout::plan(&dims)?;
         let placements = layout.placements(&dims);
-        let mut encoder = GpuTextEncoder::with_layout(ctx, config, dims, layout)?;
+        let mut encoder = GpuTextEncoder::with_layout(device, config, dims, layout)?;
         let uniform_std = 0.02f32 * 3f32.sqrt();
         for (i, placement) in placements.iter().enumerate() {
             let n: usize = placement.shape.iter().product();
@@ -505,12 +532,13 @@ impl GpuTextEncoder {
 
     /// Stream, kernels, cuBLASLt and the (uninitialised) weight allocation.
     fn with_layout(
-        ctx: &Context,
+        device: &GpuDevice,
         config: TextEncoderConfig,
         dims: Dims,
         layout: WeightLayout,
     ) -> Result<GpuTextEncoder, TextEncoderError> {
-        let stream = Stream::new(ctx, false).map_err(gpu_err("creating a stream"))?;
+        let ctx = device.context();
+        let stream = Arc::clone(device.stream());
         let kernels = NnKernels::load(ctx).map_err(gpu_err("loading kernels"))?;
         let gemms =
             GemmRunner::new(ctx, AlgoSelection::Heuristic).map_err(gpu_err("opening cuBLASLt"))?;

@@ -42,6 +42,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::sync::Arc;
+
 use tf_cuda::cublaslt::{AlgoSelection, DeviceSpan, PlanChoice};
 use tf_cuda::{Context, DeviceBuffer, Stream};
 
@@ -59,7 +61,7 @@ use crate::nn::gpu::gemm_int8::{self, Int8GemmBackend, Int8GemmKernels};
 use crate::nn::gpu::quant::QuantKernels;
 use crate::nn::gpu::recent_set::RecentSet;
 use crate::nn::gpu::spare_buffers::SpareBuffers;
-use crate::nn::gpu::{AttentionTile, HEAD_DIM};
+use crate::nn::gpu::{AttentionTile, GpuDevice, HEAD_DIM};
 use crate::nn::host_work;
 use crate::nn::tensor::Tensor;
 use crate::nn::upload::{StagingConfig, UploadStats};
@@ -270,7 +272,8 @@ struct Engine {
     config: QwenImageDitConfig,
     dims: Dims,
     ctx: Context,
-    stream: Stream,
+    /// The pipeline's stream (borrowed: every component of a pipeline runs on its one stream).
+    stream: Arc<Stream>,
     kernels: DitKernels,
     attention_tile: AttentionTile,
     gemms: GemmRunner,
@@ -349,15 +352,28 @@ impl GpuDit {
         GpuDit::load_on_with(ctx, model, staging, DitPrecision::Bf16)
     }
 
-    /// [`GpuDit::load_on`] in the given GEMM precision: with FP8, the chosen block GEMM groups are quantized on
-    /// the way to the device (and the quantizing kernels loaded). FP8 needs an sm_90 GPU, cuBLASLt 12.9 or newer
-    /// and GEMM dimensions that are multiples of 16; anything else is refused here, naming what is missing.
+    /// [`GpuDit::load_on`] in the given GEMM precision, on a blocking stream of its own (see [`GpuDit::load_in`]).
     pub fn load_on_with(
         ctx: &Context,
         model: &ModelDir,
         staging: StagingConfig,
         precision: DitPrecision,
     ) -> Result<GpuDit, DitError> {
+        let device = GpuDevice::on(ctx).map_err(cuda_err("creating a stream"))?;
+        GpuDit::load_in(&device, model, staging, precision)
+    }
+
+    /// Loads `model` onto `device`, whose stream every step runs on (a pipeline's components share it). With FP8,
+    /// the chosen block GEMM groups are quantized on the way to the device (and the quantizing kernels loaded).
+    /// FP8 needs an sm_90 GPU, cuBLASLt 12.9 or newer and GEMM dimensions that are multiples of 16; anything else
+    /// is refused here, naming what is missing.
+    pub fn load_in(
+        device: &GpuDevice,
+        model: &ModelDir,
+        staging: StagingConfig,
+        precision: DitPrecision,
+    ) -> Result<GpuDit, DitError> {
+        let ctx = device.context();
         let config = QwenImageDitConfig::from_json(model.config_json())?;
         let checkpoint = check_folder(model, &config)?;
         let precision = resolve_precision(precision, !checkpoint.is_empty());
@@ -377,7 +393,7 @@ impl GpuDit {
             }
         }
         let dims = Dims::of(&config)?;
-        let stream = Stream::new(ctx, false).map_err(cuda_err("creating a stream"))?;
+        let stream = Arc::clone(device.stream());
         let kernels = DitKernels::load(ctx).map_err(gpu_err("loading the DiT kernels"))?;
         let gemms =
             GemmRunner::new(ctx, DEFAULT_GEMM_SELECTION).map_err(gpu_err("opening cuBLASLt"))?;

@@ -32,7 +32,6 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -52,6 +51,7 @@ use super::variant::{Ignored, Variant};
 use crate::nn::backend_error::GpuError;
 use crate::nn::config::parse_object;
 use crate::nn::fp8_checkpoint::Fp8Checkpoint;
+use crate::nn::gpu::GpuDevice;
 use crate::nn::memory_plan::{Component, MemoryPlan, MemoryPlanError, Residency};
 use crate::nn::sampling::flow_match::{
     cfg_combine, latent_grid, LatentDtype, SamplerError, Schedule, SchedulerConfig, SigmaSource,
@@ -470,7 +470,8 @@ pub struct Pipeline {
     memory_plan: MemoryPlan,
     /// How the last request's DiT GEMMs were planned.
     gemm_plan_summary: Option<GemmPlanSummary>,
-    context: Option<tf_cuda::Context>,
+    /// The context and the one blocking stream every GPU component borrows (`None` on the host).
+    device: Option<GpuDevice>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -638,7 +639,7 @@ impl Pipeline {
             Component::new("DiT", weight_bytes(&dit_dir, options.backend)),
             Component::new("VAE", weight_bytes(&vae_dir, options.backend)),
         ];
-        let (components, context, resident_bytes, (te_on_device, vae_on_device), memory_plan) =
+        let (components, device, resident_bytes, (te_on_device, vae_on_device), memory_plan) =
             match options.backend {
                 Backend::Host => {
                     // Host memory stands in for the device: no limit to plan against unless the options cap it.
@@ -663,10 +664,13 @@ impl Pipeline {
                     }
                 }
                 Backend::Gpu => {
-                    let driver =
-                        tf_cuda::open_driver().map_err(|e| gpu("opening the CUDA driver", e))?;
-                    let ctx = tf_cuda::Context::new(Arc::clone(&driver), 0)
-                        .map_err(|e| gpu("creating a context on device 0", e))?;
+                    let device = GpuDevice::open().map_err(|e| {
+                        gpu(
+                            "opening the CUDA driver, a context on device 0 and its stream",
+                            e,
+                        )
+                    })?;
+                    let ctx = device.context();
                     let free_before = ctx
                         .memory_info()
                         .map_err(|e| gpu("reading free memory", e))?
@@ -681,15 +685,15 @@ impl Pipeline {
                         parts.dit_precision = options.dit_precision;
                         let te_on_device = check_supported(&parts.te_config).is_ok();
                         let parts = Components::Sequential(Box::new(parts));
-                        (parts, Some(ctx), 0, (te_on_device, true), plan)
+                        (parts, Some(device), 0, (te_on_device, true), plan)
                     } else {
-                        let dit = DitEngine::Gpu(Box::new(GpuDit::load_on_with(
-                            &ctx,
+                        let dit = DitEngine::Gpu(Box::new(GpuDit::load_in(
+                            &device,
                             &dit_dir,
                             StagingConfig::default(),
                             options.dit_precision,
                         )?));
-                        let parts = gpu_text_encoder_and_vae(&ctx, &te_dir, &vae_dir)?;
+                        let parts = gpu_text_encoder_and_vae(&device, &te_dir, &vae_dir)?;
                         ctx.synchronize()
                             .map_err(|e| gpu("waiting for the uploads", e))?;
                         let free_after = ctx
@@ -709,7 +713,7 @@ impl Pipeline {
                             dit,
                             vae: parts.vae,
                         });
-                        (held, Some(ctx), resident, on_device, plan)
+                        (held, Some(device), resident, on_device, plan)
                     }
                 }
             };
@@ -754,7 +758,7 @@ impl Pipeline {
             },
             dir: dir.to_path_buf(),
             memory_plan,
-            context,
+            device,
         })
     }
 
@@ -791,7 +795,12 @@ impl Pipeline {
 
     /// The device context, when the pipeline runs on the GPU.
     pub fn context(&self) -> Option<&tf_cuda::Context> {
-        self.context.as_ref()
+        self.device.as_ref().map(GpuDevice::context)
+    }
+
+    /// The context and the stream every GPU component runs on, when the pipeline runs on the GPU.
+    pub fn device(&self) -> Option<&GpuDevice> {
+        self.device.as_ref()
     }
 
     /// Latent channels (the DiT's `in_channels`).
@@ -1014,15 +1023,15 @@ impl Pipeline {
                 (prompt_embeds, denoised, decoded)
             }
             Components::Sequential(parts) => {
-                let ctx = self.context.as_ref();
-                let (mut te, seconds) = timed(|| parts.text_encoder(ctx))?;
+                let device = self.device.as_ref();
+                let (mut te, seconds) = timed(|| parts.text_encoder(device))?;
                 timings.loads.text_encoder = seconds;
                 let (prompt_embeds, negative_embeds) =
                     encode_phase(&mut *te, &run, &mut timings, progress)?;
                 timings.loads.text_encoder += free_timed(te);
 
                 let latents = initial_latents(request, &run, channels)?;
-                let (mut dit, seconds) = timed(|| parts.dit(ctx))?;
+                let (mut dit, seconds) = timed(|| parts.dit(device))?;
                 timings.loads.dit = seconds;
                 let denoised = dit_phase(
                     &mut dit,
@@ -1035,7 +1044,7 @@ impl Pipeline {
                 )?;
                 timings.loads.dit += free_timed(dit);
 
-                let (mut vae, seconds) = timed(|| parts.vae(ctx))?;
+                let (mut vae, seconds) = timed(|| parts.vae(device))?;
                 timings.loads.vae = seconds;
                 let decoded = decode_phase(&mut *vae, &run, &denoised.0, &mut timings, progress)?;
                 timings.loads.vae += free_timed(vae);
@@ -1258,40 +1267,40 @@ impl Sequential {
     /// config), or the host reference without a context.
     fn text_encoder(
         &self,
-        ctx: Option<&tf_cuda::Context>,
+        device: Option<&GpuDevice>,
     ) -> Result<Box<dyn TextEncoderBackend>, PipelineError> {
-        match ctx {
+        match device {
             None => Ok(Box::new(HostTextEncoder::load(&self.te_dir)?)),
-            Some(ctx) => {
-                let (te, _) = gpu_text_encoder(ctx, &self.te_dir)?;
-                uploads_done(ctx)?;
+            Some(device) => {
+                let (te, _) = gpu_text_encoder(device, &self.te_dir)?;
+                uploads_done(device)?;
                 Ok(te)
             }
         }
     }
 
-    fn dit(&self, ctx: Option<&tf_cuda::Context>) -> Result<DitEngine, PipelineError> {
-        match ctx {
+    fn dit(&self, device: Option<&GpuDevice>) -> Result<DitEngine, PipelineError> {
+        match device {
             None => Ok(DitEngine::Host(Box::new(HostDit::load(&self.dit_dir)?))),
-            Some(ctx) => {
-                let dit = GpuDit::load_on_with(
-                    ctx,
+            Some(device) => {
+                let dit = GpuDit::load_in(
+                    device,
                     &self.dit_dir,
                     StagingConfig::default(),
                     self.dit_precision,
                 )?;
-                uploads_done(ctx)?;
+                uploads_done(device)?;
                 Ok(DitEngine::Gpu(Box::new(dit)))
             }
         }
     }
 
-    fn vae(&self, ctx: Option<&tf_cuda::Context>) -> Result<Box<dyn VaeBackend>, PipelineError> {
-        match ctx {
+    fn vae(&self, device: Option<&GpuDevice>) -> Result<Box<dyn VaeBackend>, PipelineError> {
+        match device {
             None => Ok(Box::new(HostVaeDecoder::load(&self.vae_dir)?)),
-            Some(ctx) => {
-                let vae = GpuVaeDecoder::load_on(ctx, &self.vae_dir)?;
-                uploads_done(ctx)?;
+            Some(device) => {
+                let vae = GpuVaeDecoder::load_in(device, &self.vae_dir)?;
+                uploads_done(device)?;
                 Ok(Box::new(vae))
             }
         }
@@ -1299,8 +1308,10 @@ impl Sequential {
 }
 
 /// Waits for a component's uploads, so its load time is the whole load.
-fn uploads_done(ctx: &tf_cuda::Context) -> Result<(), PipelineError> {
-    ctx.synchronize()
+fn uploads_done(device: &GpuDevice) -> Result<(), PipelineError> {
+    device
+        .context()
+        .synchronize()
         .map_err(|e| gpu("waiting for the uploads", e))
 }
 
@@ -1457,12 +1468,12 @@ fn sigma_source<'a>(
 /// The GPU text encoder and VAE decoder (`GpuTextEncoder::load_on`, `GpuVaeDecoder::load_on`, both implementing the
 /// component traits). The flags say which components run on the device; a host reference may stand in here.
 fn gpu_text_encoder_and_vae(
-    ctx: &tf_cuda::Context,
+    device: &GpuDevice,
     te_dir: &ModelDir,
     vae_dir: &ModelDir,
 ) -> Result<GpuComponents, PipelineError> {
-    let (te, te_on_device) = gpu_text_encoder(ctx, te_dir)?;
-    let vae: Box<dyn VaeBackend> = Box::new(GpuVaeDecoder::load_on(ctx, vae_dir)?);
+    let (te, te_on_device) = gpu_text_encoder(device, te_dir)?;
+    let vae: Box<dyn VaeBackend> = Box::new(GpuVaeDecoder::load_in(device, vae_dir)?);
     Ok(GpuComponents {
         te,
         vae,
@@ -1474,13 +1485,18 @@ fn gpu_text_encoder_and_vae(
 /// The GPU text encoder, and whether it is on the device: its kernels need head dim 128 (every released
 /// Qwen3-VL); other configs (tiny test models) run on the host reference, and the load report says so.
 fn gpu_text_encoder(
-    ctx: &tf_cuda::Context,
+    device: &GpuDevice,
     te_dir: &ModelDir,
 ) -> Result<(Box<dyn TextEncoderBackend>, bool), PipelineError> {
     let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
     let te_on_device = check_supported(&te_config).is_ok();
     let te: Box<dyn TextEncoderBackend> = if te_on_device {
-        Box::new(GpuTextEncoder::load_on(ctx, te_dir)?)
+        Box::new(GpuTextEncoder::load_in(
+            device,
+            te_dir,
+            StagingConfig::default(),
+            crate::qwen3_vl::text_encoder::LoadOptions::default(),
+        )?)
     } else {
         Box::new(HostTextEncoder::load(te_dir)?)
     };

@@ -36,6 +36,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::sync::Arc;
 #[cfg(feature = "bench")]
 use std::sync::Mutex;
 
@@ -50,8 +51,8 @@ use crate::nn::gpu::gemm::{self, GemmError, GemmRunner, Linear};
 use crate::nn::gpu::gemm_int8::Int8GemmKernels;
 #[cfg(feature = "bench")]
 use crate::nn::gpu::phases::{PhaseTimer, PhaseTimes};
-use crate::nn::gpu::Launch;
 use crate::nn::gpu::LoadKernelsError;
+use crate::nn::gpu::{GpuDevice, Launch};
 use crate::nn::tensor::{Tensor, TensorF32};
 use crate::nn::upload::{upload_pieces, StagingConfig};
 use crate::nn::weights::{le_bytes, ModelDir, BF16};
@@ -213,7 +214,8 @@ fn conv3x3_phase(out_w: usize, image_w: usize, implicit: bool) -> &'static str {
 pub struct GpuVaeDecoder {
     config: VaeConfig,
     ctx: Context,
-    stream: Stream,
+    /// The pipeline's stream, shared by its components.
+    stream: Arc<Stream>,
     kernels: VaeKernels,
     gemms: GemmRunner,
     /// The implicit-GEMM 3x3 convolutions (sm_90 only), and the path asked for ([`CONV_ENV`]).
@@ -255,9 +257,16 @@ impl GpuVaeDecoder {
         GpuVaeDecoder::load_on(&ctx, model)
     }
 
-    /// Loads the decoder weights of a diffusers VAE folder into `ctx` (checking every shape against the config),
-    /// the `qwen_image_vae` kernels and cuBLASLt.
+    /// [`GpuVaeDecoder::load_in`] on a blocking stream of its own in `ctx`.
     pub fn load_on(ctx: &Context, model: &ModelDir) -> Result<GpuVaeDecoder, VaeError> {
+        let device = GpuDevice::on(ctx).map_err(|e| backend("creating a stream", e))?;
+        GpuVaeDecoder::load_in(&device, model)
+    }
+
+    /// Loads the decoder weights of a diffusers VAE folder onto `device` (checking every shape against the
+    /// config), the `qwen_image_vae` kernels and cuBLASLt; every decode runs on the device's stream.
+    pub fn load_in(device: &GpuDevice, model: &ModelDir) -> Result<GpuVaeDecoder, VaeError> {
+        let ctx = device.context();
         let config = VaeConfig::from_json(model.config_json())?;
         let mut loader = Loader {
             model,
@@ -265,7 +274,7 @@ impl GpuVaeDecoder {
         };
         let net = loader.net(&config)?;
         let packer = loader.packer;
-        let stream = Stream::new(ctx, false).map_err(|e| backend("creating a stream", e))?;
+        let stream = Arc::clone(device.stream());
         let kernels = VaeKernels::load(ctx).map_err(|e| backend("loading kernels", e))?;
         let gemms = GemmRunner::new(ctx, AlgoSelection::Heuristic)
             .map_err(|e| backend("loading cuBLASLt", e))?;

@@ -170,12 +170,13 @@ fn forward_minimax_h3(args: &Args, model: &ModelDir) -> Result<(), DitError> {
     }
     // The model is named in every GPU failure, so a driverless machine's refusal says what it was asked to run.
     let h3_gpu = |why: String| DitError::Backend(format!("MiniMax H3 on the GPU: {why}"));
-    let driver =
-        tf_cuda::open_driver().map_err(|e| h3_gpu(format!("opening the CUDA driver: {e}")))?;
-    let ctx = tf_cuda::Context::new(driver, 0)
-        .map_err(|e| h3_gpu(format!("creating a context on device 0: {e}")))?;
+    let device = tf_engines::nn::gpu::GpuDevice::open().map_err(|e| {
+        h3_gpu(format!(
+            "opening the CUDA driver, a context on device 0 and its stream: {e}"
+        ))
+    })?;
     let mut dit = GpuH3Dit::load_in(
-        &ctx,
+        &device,
         model,
         tf_engines::minimax_h3::dit_host::LoadOptions::default(),
         tf_engines::nn::upload::StagingConfig::default(),

@@ -139,7 +139,9 @@ fn connect(
         ("control", ids.0, CONTROL_TIMEOUT),
         ("DiT", ids.1, DIT_TIMEOUT),
     ] {
-        let stream = Arc::new(Stream::new(&ctx, false).map_err(cuda_err("creating a stream"))?);
+        // Blocking, as a pipeline's stream is: the DiT communicator's stream is the one the rank's pipeline runs
+        // every component on.
+        let stream = Arc::new(Stream::new(&ctx, true).map_err(cuda_err("creating a stream"))?);
         let options = CommOptions {
             op_timeout,
             ..CommOptions::default()

@@ -104,6 +104,12 @@ impl SequenceParallel {
     pub fn context(&self) -> tf_cuda::Context {
         self.comm.stream().context()
     }
+
+    /// The communicator's stream: the rank's pipeline runs every component on it, so the DiT's collectives
+    /// and every kernel of a request run in one order.
+    pub fn stream(&self) -> Arc<tf_cuda::Stream> {
+        Arc::clone(self.comm.stream())
+    }
 }
 
 impl PartialEq for SequenceParallel {

@@ -23,6 +23,7 @@ use crate::minimax_h3::vae_audio::{self, AudioVaeDecoder, HostAudioVae};
 use crate::minimax_h3::vae_audio_gpu::GpuAudioVae;
 use crate::minimax_h3::vae_video::{self, HostVideoVae, VideoVaeBackend};
 use crate::minimax_h3::vae_video_gpu::GpuVideoVae;
+use crate::nn::gpu::GpuDevice;
 use crate::nn::memory_plan::Component;
 use crate::nn::precision::DitPrecision;
 use crate::nn::upload::StagingConfig;
@@ -79,19 +80,19 @@ pub(super) enum Components {
 impl Folders {
     pub fn text_encoder(
         &self,
-        ctx: Option<&tf_cuda::Context>,
+        device: Option<&GpuDevice>,
     ) -> Result<Box<dyn H3TextBackend>, PipelineError> {
-        Ok(match (ctx, &self.text_encoder) {
+        Ok(match (device, &self.text_encoder) {
             (None, WeightSource::Files(model)) => {
                 Box::new(load_host_backend(model, self.text_layer)?)
             }
-            (Some(ctx), WeightSource::Files(model)) => {
-                let te = load_gpu_backend(ctx, model, self.text_layer)?;
-                uploads_done(ctx)?;
+            (Some(device), WeightSource::Files(model)) => {
+                let te = load_gpu_backend(device, model, self.text_layer)?;
+                uploads_done(device)?;
                 Box::new(te)
             }
-            (Some(ctx), WeightSource::Random { seed }) => Box::new(GpuTextEncoder::random_with(
-                ctx,
+            (Some(device), WeightSource::Random { seed }) => Box::new(GpuTextEncoder::random_in(
+                device,
                 self.text_config.clone(),
                 *seed,
                 load_options(self.text_layer),
@@ -100,25 +101,22 @@ impl Folders {
         })
     }
 
-    pub fn dit(
-        &self,
-        ctx: Option<&tf_cuda::Context>,
-    ) -> Result<Box<dyn H3DitBackend>, PipelineError> {
-        Ok(match (ctx, &self.dit) {
+    pub fn dit(&self, device: Option<&GpuDevice>) -> Result<Box<dyn H3DitBackend>, PipelineError> {
+        Ok(match (device, &self.dit) {
             (None, WeightSource::Files(model)) => Box::new(HostH3Dit::load(model)?),
-            (Some(ctx), WeightSource::Files(model)) => {
+            (Some(device), WeightSource::Files(model)) => {
                 let dit = GpuH3Dit::load_in(
-                    ctx,
+                    device,
                     model,
                     crate::minimax_h3::dit_host::LoadOptions::default(),
                     StagingConfig::default(),
                     self.dit_precision,
                 )?;
-                uploads_done(ctx)?;
+                uploads_done(device)?;
                 Box::new(dit)
             }
-            (Some(ctx), WeightSource::Random { seed }) => Box::new(GpuH3Dit::random_in(
-                ctx,
+            (Some(device), WeightSource::Random { seed }) => Box::new(GpuH3Dit::random_in(
+                device,
                 &self.dit_config,
                 u64::from(*seed),
                 self.dit_precision,
@@ -129,13 +127,13 @@ impl Folders {
 
     pub fn video_vae(
         &self,
-        ctx: Option<&tf_cuda::Context>,
+        device: Option<&GpuDevice>,
     ) -> Result<Box<dyn VideoVaeBackend>, PipelineError> {
-        Ok(match ctx {
+        Ok(match device {
             None => Box::new(HostVideoVae::load(&self.video_vae)?),
-            Some(ctx) => {
-                let vae = GpuVideoVae::load_on(ctx, &self.video_vae)?;
-                uploads_done(ctx)?;
+            Some(device) => {
+                let vae = GpuVideoVae::load_in(device, &self.video_vae)?;
+                uploads_done(device)?;
                 Box::new(vae)
             }
         })
@@ -143,25 +141,25 @@ impl Folders {
 
     pub fn audio_vae(
         &self,
-        ctx: Option<&tf_cuda::Context>,
+        device: Option<&GpuDevice>,
     ) -> Result<Box<dyn AudioVaeDecoder>, PipelineError> {
-        Ok(match ctx {
+        Ok(match device {
             None => Box::new(HostAudioVae::load(&self.audio_vae)?),
-            Some(ctx) => {
-                let vae = GpuAudioVae::load_on(ctx, &self.audio_vae)?;
-                uploads_done(ctx)?;
+            Some(device) => {
+                let vae = GpuAudioVae::load_in(device, &self.audio_vae)?;
+                uploads_done(device)?;
                 Box::new(vae)
             }
         })
     }
 
     /// All four, loaded now.
-    pub fn load_all(&self, ctx: Option<&tf_cuda::Context>) -> Result<Resident, PipelineError> {
+    pub fn load_all(&self, device: Option<&GpuDevice>) -> Result<Resident, PipelineError> {
         Ok(Resident {
-            text: self.text_encoder(ctx)?,
-            dit: self.dit(ctx)?,
-            video_vae: self.video_vae(ctx)?,
-            audio_vae: self.audio_vae(ctx)?,
+            text: self.text_encoder(device)?,
+            dit: self.dit(device)?,
+            video_vae: self.video_vae(device)?,
+            audio_vae: self.audio_vae(device)?,
         })
     }
 
@@ -319,8 +317,10 @@ fn layer_index(name: &str) -> Option<usize> {
 }
 
 /// Waits for a component's uploads, so its load time is the whole load.
-fn uploads_done(ctx: &tf_cuda::Context) -> Result<(), PipelineError> {
-    ctx.synchronize()
+fn uploads_done(device: &GpuDevice) -> Result<(), PipelineError> {
+    device
+        .context()
+        .synchronize()
         .map_err(|e| super::gpu("waiting for the uploads", e))
 }
 

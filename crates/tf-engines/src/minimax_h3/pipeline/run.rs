@@ -48,7 +48,7 @@ pub(super) fn generate(
     let parallel = pipeline.options.sequence_parallel.clone();
     // Rank 0 (or the one GPU) holds the output; the audio is decoded there only.
     let holds_output = parallel.as_ref().is_none_or(|sp| sp.comm.rank() == 0);
-    let ctx = pipeline.context.as_ref();
+    let device = pipeline.device.as_ref();
     let (prompt_embeds, denoised, frames, audio) = match &mut pipeline.components {
         Components::Resident(held) => {
             let Resident {
@@ -106,7 +106,7 @@ pub(super) fn generate(
         }
         Components::Sequential(folders) => {
             let t = Instant::now();
-            let mut text = folders.text_encoder(ctx)?;
+            let mut text = folders.text_encoder(device)?;
             timings.loads.text_encoder = secs(t.elapsed());
             let embeds = encode(&mut *text, plan, layer)?;
             timings.loads.text_encoder += free_timed(text);
@@ -117,7 +117,7 @@ pub(super) fn generate(
             });
 
             let t = Instant::now();
-            let mut dit = folders.dit(ctx)?;
+            let mut dit = folders.dit(device)?;
             if let Some(sp) = &parallel {
                 dit.attach_sequence_parallel(sp)?;
             }
@@ -126,7 +126,7 @@ pub(super) fn generate(
             timings.loads.dit += free_timed(dit);
 
             let t = Instant::now();
-            let mut vae = folders.video_vae(ctx)?;
+            let mut vae = folders.video_vae(device)?;
             timings.loads.video_vae = secs(t.elapsed());
             let frames = decode_video(
                 &mut *vae,
@@ -140,7 +140,7 @@ pub(super) fn generate(
 
             let audio = if plan.audio && holds_output {
                 let t = Instant::now();
-                let mut vae = folders.audio_vae(ctx)?;
+                let mut vae = folders.audio_vae(device)?;
                 timings.loads.audio_vae = secs(t.elapsed());
                 let audio = decode_audio(&mut *vae, &denoised.audio, &mut timings, progress)?;
                 timings.loads.audio_vae += free_timed(vae);

@@ -18,7 +18,7 @@
 //! validation and the argument packing are unit-tested without a GPU; [`NnKernels`] holds the loaded kernels of
 //! every shared set and submits.
 //!
-//! Files: [`launch`] (matrices, operands, checks, [`Launch`], loading), [`attention`], [`norm`], [`rope`],
+//! Files: [`device`] (the context and the one blocking stream a pipeline's components borrow), [`launch`] (matrices, operands, checks, [`Launch`], loading), [`attention`], [`norm`], [`rope`],
 //! [`act`] (SwiGLU, gelu, silu), [`copy`] (timestep embedding, embedding gather, copies, seeded fill), [`gemm`]
 //! (the cuBLASLt GEMM wrapper, bf16 and FP8), [`conv`] (the implicit-GEMM 3x3 convolution), [`quant`] (the FP8 quantizing kernels, their own set),
 //! [`graph_cache`] (captured step graphs), [`recent_set`] (the bounded per-shape workspaces of a DiT), [`spare_buffers`] (a dropped workspace's buffers kept for the next) and [`phases`] (device time per phase, for the benchmarks).
@@ -38,6 +38,7 @@ pub mod attention;
 pub mod attention_8bit;
 pub mod conv;
 pub mod copy;
+pub mod device;
 pub mod gemm;
 pub mod gemm_int8;
 pub mod graph_cache;
@@ -52,6 +53,7 @@ pub mod spare_buffers;
 pub use act::*;
 pub use attention::*;
 pub use copy::*;
+pub use device::GpuDevice;
 pub(crate) use launch::{
     check_eps, check_matrix, invalid, row_grid, to_i32, to_u32, LoadedSet, Operand, ROW_THREADS,
 };

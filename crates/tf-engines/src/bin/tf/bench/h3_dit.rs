@@ -19,8 +19,6 @@ use std::path::Path;
 #[cfg(feature = "bench")]
 use std::time::Instant;
 
-#[cfg(feature = "bench")]
-use tf_cuda::Context;
 #[cfg(any(feature = "bench", test))]
 use tf_engines::minimax_h3::config::MiniMaxH3Config;
 #[cfg(feature = "bench")]
@@ -35,6 +33,8 @@ use tf_engines::minimax_h3::layout::{
 };
 #[cfg(any(feature = "bench", test))]
 use tf_engines::minimax_h3::scheduler::{H3Schedule, H3SchedulerConfig};
+#[cfg(feature = "bench")]
+use tf_engines::nn::gpu::GpuDevice;
 #[cfg(any(feature = "bench", test))]
 use tf_engines::nn::sampling::scheduler::Scheduler;
 #[cfg(any(feature = "bench", test))]
@@ -203,7 +203,8 @@ fn gib(bytes: f64) -> f64 {
 
 #[cfg(feature = "bench")]
 pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
-    let ctx = Context::new(tf_cuda::open_driver()?, 0)?;
+    let device = GpuDevice::open()?;
+    let ctx = device.context();
     println!("device: {:?}", ctx.device_info()?);
     let before = tf_cuda::usage();
     let load_start = Instant::now();
@@ -212,7 +213,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
             let model = ModelDir::open(dir)?;
             (
                 GpuH3Dit::load_in(
-                    &ctx,
+                    &device,
                     &model,
                     tf_engines::minimax_h3::dit_host::LoadOptions::default(),
                     tf_engines::nn::upload::StagingConfig::default(),
@@ -224,7 +225,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
         (None, true) => {
             let config = MiniMaxH3Config::default_full_size();
             (
-                GpuH3Dit::random_in(&ctx, &config, args.seed, args.precision)?,
+                GpuH3Dit::random_in(&device, &config, args.seed, args.precision)?,
                 format!(
                     "RANDOM, made on the device from seed {} (full default config; speed figures only)",
                     args.seed
