@@ -46,7 +46,6 @@ use super::dit::{DitBackend, DitError, DitInputs, KvMode, KvStep};
 use super::dit_gpu::{DitPrecision, GpuDit};
 use super::dit_host::HostDit;
 use super::vae::{HostVaeDecoder, VaeConfig, VaeError};
-use super::vae_gpu::GpuVaeDecoder;
 use super::variant::{Ignored, Variant};
 use crate::nn::backend_error::GpuError;
 use crate::nn::config::parse_object;
@@ -62,7 +61,10 @@ use crate::nn::tensor::{ShapeError, Tensor, TensorF32};
 use crate::nn::upload::StagingConfig;
 use crate::nn::weights::{ModelDir, WeightsError};
 use crate::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig, TextEncoderError};
-use crate::qwen3_vl::text_encoder_gpu::{check_supported, GpuTextEncoder};
+use crate::qwen3_vl::text_encoder_gpu::check_supported;
+
+mod loading;
+use loading::{gpu_text_encoder_and_vae, Sequential};
 
 /// The reference's default step count.
 pub const DEFAULT_STEPS: usize = 40;
@@ -425,18 +427,6 @@ struct Resident {
     text_encoder: Box<dyn TextEncoderBackend>,
     dit: DitEngine,
     vae: Box<dyn VaeBackend>,
-}
-
-/// What the sequential mode keeps between requests: the opened folders (headers and file mappings, nothing on
-/// the device) and the configs that planning a request reads.
-struct Sequential {
-    te_dir: ModelDir,
-    dit_dir: ModelDir,
-    vae_dir: ModelDir,
-    te_config: TextEncoderConfig,
-    dit_config: QwenImageDitConfig,
-    vae_config: VaeConfig,
-    dit_precision: DitPrecision,
 }
 
 impl Components {
@@ -1240,81 +1230,6 @@ fn free_timed<T>(component: T) -> f64 {
     secs(t.elapsed())
 }
 
-impl Sequential {
-    /// Reads the components' configs and checks the DiT's tensor headers (nothing is loaded).
-    fn open(
-        te_dir: ModelDir,
-        dit_dir: ModelDir,
-        vae_dir: ModelDir,
-    ) -> Result<Sequential, PipelineError> {
-        let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
-        let dit_config =
-            QwenImageDitConfig::from_json(dit_dir.config_json()).map_err(DitError::from)?;
-        crate::qwen_image::dit::check_folder(&dit_dir, &dit_config)?;
-        let vae_config = VaeConfig::from_json(vae_dir.config_json())?;
-        Ok(Sequential {
-            te_dir,
-            dit_dir,
-            vae_dir,
-            te_config,
-            dit_config,
-            vae_config,
-            dit_precision: DitPrecision::Bf16,
-        })
-    }
-
-    /// The text encoder on `ctx`'s device (the host reference where the GPU encoder does not support the
-    /// config), or the host reference without a context.
-    fn text_encoder(
-        &self,
-        device: Option<&GpuDevice>,
-    ) -> Result<Box<dyn TextEncoderBackend>, PipelineError> {
-        match device {
-            None => Ok(Box::new(HostTextEncoder::load(&self.te_dir)?)),
-            Some(device) => {
-                let (te, _) = gpu_text_encoder(device, &self.te_dir)?;
-                uploads_done(device)?;
-                Ok(te)
-            }
-        }
-    }
-
-    fn dit(&self, device: Option<&GpuDevice>) -> Result<DitEngine, PipelineError> {
-        match device {
-            None => Ok(DitEngine::Host(Box::new(HostDit::load(&self.dit_dir)?))),
-            Some(device) => {
-                let dit = GpuDit::load_in(
-                    device,
-                    &self.dit_dir,
-                    StagingConfig::default(),
-                    self.dit_precision,
-                )?;
-                uploads_done(device)?;
-                Ok(DitEngine::Gpu(Box::new(dit)))
-            }
-        }
-    }
-
-    fn vae(&self, device: Option<&GpuDevice>) -> Result<Box<dyn VaeBackend>, PipelineError> {
-        match device {
-            None => Ok(Box::new(HostVaeDecoder::load(&self.vae_dir)?)),
-            Some(device) => {
-                let vae = GpuVaeDecoder::load_in(device, &self.vae_dir)?;
-                uploads_done(device)?;
-                Ok(Box::new(vae))
-            }
-        }
-    }
-}
-
-/// Waits for a component's uploads, so its load time is the whole load.
-fn uploads_done(device: &GpuDevice) -> Result<(), PipelineError> {
-    device
-        .context()
-        .synchronize()
-        .map_err(|e| gpu("waiting for the uploads", e))
-}
-
 /// A failed call of the pipeline's own on the device.
 fn gpu(what: &str, e: tf_cuda::Error) -> PipelineError {
     PipelineError::Gpu(crate::nn::backend_error::gpu_error(what, e))
@@ -1463,51 +1378,6 @@ fn sigma_source<'a>(
         (None, Some(n)) => SigmaSource::Steps(n),
         (None, None) => SigmaSource::Steps(variant.default_steps()),
     })
-}
-
-/// The GPU text encoder and VAE decoder (`GpuTextEncoder::load_on`, `GpuVaeDecoder::load_on`, both implementing the
-/// component traits). The flags say which components run on the device; a host reference may stand in here.
-fn gpu_text_encoder_and_vae(
-    device: &GpuDevice,
-    te_dir: &ModelDir,
-    vae_dir: &ModelDir,
-) -> Result<GpuComponents, PipelineError> {
-    let (te, te_on_device) = gpu_text_encoder(device, te_dir)?;
-    let vae: Box<dyn VaeBackend> = Box::new(GpuVaeDecoder::load_in(device, vae_dir)?);
-    Ok(GpuComponents {
-        te,
-        vae,
-        te_on_device,
-        vae_on_device: true,
-    })
-}
-
-/// The GPU text encoder, and whether it is on the device: its kernels need head dim 128 (every released
-/// Qwen3-VL); other configs (tiny test models) run on the host reference, and the load report says so.
-fn gpu_text_encoder(
-    device: &GpuDevice,
-    te_dir: &ModelDir,
-) -> Result<(Box<dyn TextEncoderBackend>, bool), PipelineError> {
-    let te_config = TextEncoderConfig::from_json(te_dir.config_json())?;
-    let te_on_device = check_supported(&te_config).is_ok();
-    let te: Box<dyn TextEncoderBackend> = if te_on_device {
-        Box::new(GpuTextEncoder::load_in(
-            device,
-            te_dir,
-            StagingConfig::default(),
-            crate::qwen3_vl::text_encoder::LoadOptions::default(),
-        )?)
-    } else {
-        Box::new(HostTextEncoder::load(te_dir)?)
-    };
-    Ok((te, te_on_device))
-}
-
-struct GpuComponents {
-    te: Box<dyn TextEncoderBackend>,
-    vae: Box<dyn VaeBackend>,
-    te_on_device: bool,
-    vae_on_device: bool,
 }
 
 /// The three components must agree on widths.
