@@ -8,6 +8,8 @@
 //! - No library code sets up NVLink multicast, and tf-nccl keeps NCCL's multicast off.
 //! - No engine or tf-nccl code installs a process-wide driver hook (memcap, the allocation hook, the device
 //!   limit, an arena) or reaches the driver's entry table (`.api()`) outside a short allow-list.
+//! - Engine code makes CUDA streams in one place (`nn::gpu::GpuDevice`, and the `tf` tool's own): components
+//!   borrow their pipeline's stream.
 
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -987,6 +989,112 @@ fn the_driver_hook_rule_sees_installs() {
     ] {
         assert!(flagged(code, engine).is_empty(), "{code}");
     }
+}
+
+// Streams.
+
+/// The engine files that may make a CUDA stream (`Stream::new`, `Stream::with_priority`), and why. Everywhere
+/// else in tf-engines' library code a component runs on the stream its pipeline opened (`GpuDevice`; the spec's
+/// engine contract: components borrow the pipeline's stream and never create their own). Test modules apart.
+const STREAM_MAKERS: &[(&str, &str)] = &[
+    (
+        "crates/tf-engines/src/nn/gpu/device.rs",
+        "GpuDevice: the context and the one blocking stream a pipeline opens and its components borrow",
+    ),
+    (
+        "crates/tf-engines/src/bin/tf/ranks.rs",
+        "a rank's communicator streams; its pipeline takes the DiT communicator's as its one stream",
+    ),
+    (
+        "crates/tf-engines/src/bin/tf/bench.rs",
+        "the kernel benchmarks' own stream (no pipeline, no component)",
+    ),
+    (
+        "crates/tf-engines/src/bin/tf/bench/int8_gemm.rs",
+        "the GEMM benchmark's own stream (no pipeline, no component)",
+    ),
+];
+
+/// The lines of `src` (a file of module `module`) that make a stream, test modules apart.
+fn streams_made_in(src: &str, module: &[String]) -> Vec<usize> {
+    let (toks, _) = lex(src, 1, true);
+    let mut lines: Vec<usize> = paths_in(&toks, &[], module)
+        .iter()
+        .filter(|(_, module)| !module.iter().any(|m| m == "tests"))
+        .flat_map(|(path, _)| {
+            path.windows(2)
+                .filter(|w| w[0].0 == "Stream" && matches!(w[1].0, "new" | "with_priority"))
+                .map(|w| w[1].1)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    lines.sort_unstable();
+    lines
+}
+
+#[test]
+fn engine_components_make_no_streams() {
+    let root = repo_root();
+    let src = root.join("crates/tf-engines/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut problems = Vec::new();
+    let mut makers_seen = BTreeSet::new();
+    for file in files {
+        let name = relative(&file);
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines = streams_made_in(&text, &module_of(&src, &file));
+        if lines.is_empty() {
+            continue;
+        }
+        match STREAM_MAKERS.iter().position(|(f, _)| *f == name) {
+            Some(entry) => {
+                makers_seen.insert(entry);
+            }
+            None => problems.extend(lines.iter().map(|line| {
+                format!(
+                    "{name}:{line}: makes a stream; a component runs on its pipeline's stream (take a \
+                     `&GpuDevice` and use `device.stream()`)"
+                )
+            })),
+        }
+    }
+    for (entry, (file, _)) in STREAM_MAKERS.iter().enumerate() {
+        if !makers_seen.contains(&entry) {
+            problems.push(format!(
+                "STREAM_MAKERS lists {file}, which makes no stream any more: remove the entry"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_stream_rule_sees_streams() {
+    let at = |m: &str| -> Vec<String> { m.split("::").map(str::to_string).collect() };
+    let dit = at("qwen_image::dit_gpu");
+    for code in [
+        "let stream = Stream::new(ctx, false)?;",
+        "let s = tf_cuda::Stream::with_priority(ctx, true, Priority::Highest)?;",
+        "let s = Arc::new(\n    tf_cuda::Stream::new(\n        ctx, true,\n    ).unwrap(),\n);",
+    ] {
+        assert!(!streams_made_in(code, &dit).is_empty(), "{code}");
+    }
+    assert_eq!(
+        streams_made_in("fn f() {}\n\nfn g() {\n    Stream::new(c, true);\n}", &dit),
+        vec![4]
+    );
+    for code in [
+        "// Stream::new is the pipeline's to call.",
+        "let s = \"Stream::new\"; let n = NormalStream::new(seed); let t = stream.new_event();",
+        "let stream = Arc::clone(device.stream());",
+        "#[cfg(test)]\nmod tests {\n    fn f() { let s = Stream::new(&ctx, false).unwrap(); }\n}",
+    ] {
+        assert!(streams_made_in(code, &dit).is_empty(), "{code}");
+    }
+    // A test file of its own (`weights/tests.rs`) is a test module too.
+    let tests = at("minimax_h3::dit_gpu::weights::tests");
+    assert!(streams_made_in("let s = Stream::new(&ctx, false).unwrap();", &tests).is_empty());
 }
 
 /// Lines a source file may have. Past it a file mixes concerns: split it by concern.
