@@ -5,12 +5,14 @@
 //!   no model.
 //! - [`qwen3_vl`]: the Qwen3-VL text path (host reference and GPU backend), a component shared by the engines.
 //! - [`qwen_image`]: Qwen-Image 2.1: its DiT (host reference and GPU backend), 2-D VAE and the pipeline.
-//! - [`minimax_h3`]: MiniMax H3 (text to video with stereo audio): its DiT config, packed layout and host reference,
-//!   and its scheduler and noise so far.
+//! - [`minimax_h3`]: MiniMax H3 (text to video with stereo audio): its packed layout, DiT (host reference and GPU
+//!   backend, one GPU or sequence-parallel over several), video and audio VAEs, scheduler, noise and the pipeline.
 //! - [`worker`]: LocalRouter's worker protocol (`tf worker`): JSON lines in and out, over any [`worker::WorkerEngine`].
 //!
 //! Invariants: library code returns errors (never panics) on bad input; host-reference ops are deterministic; a
-//! model folder imports `nn` (and `qwen3_vl`), never another model (xtask/tests/tidy.rs checks it).
+//! model folder imports `nn` (and `qwen3_vl`), never another model; a pipeline's GPU components run on the one
+//! blocking stream it opens ([`nn::gpu::GpuDevice`]) and make none of their own (xtask/tests/tidy.rs checks the
+//! last two).
 //!
 //! ```no_run
 //! use std::path::Path;
