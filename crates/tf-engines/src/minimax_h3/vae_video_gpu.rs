@@ -50,8 +50,8 @@ use crate::nn::gpu::{
 };
 use crate::nn::host::linear;
 use crate::nn::tensor::TensorF32;
-use crate::nn::upload::{upload_pieces, Piece, StagingConfig};
-use crate::nn::weights::{le_bytes, Dtype, LayoutPlanner, ModelDir, BF16};
+use crate::nn::upload::{upload_pieces, Piece, RowScaleToBf16, StagingConfig, Transform};
+use crate::nn::weights::{le_bytes, LayoutPlanner, ModelDir, BF16};
 use ops::{
     plan_assemble, plan_frames, plan_norm, plan_tokens, ClipFrames, ClipTiles, LatentVolume,
     RowNorm, TokenBatch, VideoBuffer, VideoVaeKernels, MAX_TOKEN_CHANNELS,
@@ -186,8 +186,11 @@ impl Net {
 enum Source {
     /// The tensor as stored, to bf16.
     File(String),
-    /// Host-built bytes: f32 values, stored as bf16 or as f32.
-    Host(Vec<u8>, bool),
+    /// The tensor as stored, each row times its scale, to bf16 (a layer scale folded into an output projection
+    /// on the upload ring's threads, with no host copy of the matrix).
+    ScaledFile(String, RowScaleToBf16),
+    /// Host-built f32 bytes, uploaded as they are.
+    Host(Vec<u8>),
 }
 
 /// The tensors of one upload call and where they go.
@@ -198,8 +201,8 @@ impl UploadGroup {
         self.0
             .iter()
             .map(|(s, _)| match s {
-                Source::Host(b, _) => b.len(),
-                Source::File(_) => 0,
+                Source::Host(b) => b.len(),
+                Source::File(_) | Source::ScaledFile(..) => 0,
             })
             .sum()
     }
@@ -211,8 +214,12 @@ impl UploadGroup {
                 Source::File(name) => {
                     Piece::bf16(model.bytes(name)?, model.info(name)?.dtype, *offset)
                 }
-                Source::Host(bytes, true) => Piece::bf16(bytes, Dtype::F32, *offset),
-                Source::Host(bytes, false) => Piece::copy(bytes, *offset),
+                Source::ScaledFile(name, rows) => Piece {
+                    src: model.bytes(name)?,
+                    transform: Transform::Custom(rows),
+                    dst_offset: *offset,
+                },
+                Source::Host(bytes) => Piece::copy(bytes, *offset),
             });
         }
         Ok(out)
@@ -223,13 +230,21 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
     le_bytes(values, f32::to_le_bytes)
 }
 
-/// Rows of `weight` (`[rows, cols]`) times `scale[row]`, f32.
-fn scale_rows(weight: &[f32], cols: usize, scale: &[f32]) -> Vec<f32> {
-    weight
-        .chunks_exact(cols.max(1))
-        .zip(scale)
-        .flat_map(|(row, &s)| row.iter().map(move |&v| v * s))
-        .collect()
+/// `values` (one scale a row) times `scale[row]`, f32: the biases of the scaled projections.
+fn scale_rows(values: &[f32], scale: &[f32]) -> Vec<f32> {
+    values.iter().zip(scale).map(|(&v, &s)| v * s).collect()
+}
+
+/// The weight `name` (`[scale.len(), cols]`) uploaded with each row times its scale, as bf16.
+fn scaled_file(
+    model: &ModelDir,
+    name: &str,
+    cols: usize,
+    scale: &[f32],
+) -> Result<Source, VideoVaeError> {
+    let rows = RowScaleToBf16::new(model.info(name)?.dtype, cols, scale.to_vec())
+        .map_err(|e| backend(&format!("folding the layer scale into {name}"), e))?;
+    Ok(Source::ScaledFile(name.to_string(), rows))
 }
 
 /// Reads the f32 values of one tensor.
@@ -253,9 +268,9 @@ fn upload_groups(
             proj_in_t[i * d + o] = v;
         }
     }
-    let host = |name: &str| values(model, name).map(|v| Source::Host(f32_bytes(&v), false));
+    let host = |name: &str| values(model, name).map(|v| Source::Host(f32_bytes(&v)));
     each(UploadGroup(vec![
-        (Source::Host(f32_bytes(&proj_in_t), false), net.proj_in_wt),
+        (Source::Host(f32_bytes(&proj_in_t)), net.proj_in_wt),
         (host("decoder.proj_in.bias")?, net.proj_in_b),
         (host("decoder.register_tokens")?, net.registers),
         (host("decoder.norm_out.weight")?, net.norm_out_w),
@@ -271,22 +286,10 @@ fn upload_groups(
         let p = format!("decoder.transformer_blocks.{i}");
         let scale1 = values(model, &format!("{p}.scale1"))?;
         let scale2 = values(model, &format!("{p}.scale2"))?;
-        let out_w = scale_rows(
-            &values(model, &format!("{p}.attn.to_out.0.weight"))?,
-            d,
-            &scale1,
-        );
-        let out_b = scale_rows(
-            &values(model, &format!("{p}.attn.to_out.0.bias"))?,
-            1,
-            &scale1,
-        );
-        let ff2_w = scale_rows(
-            &values(model, &format!("{p}.ff.net.2.weight"))?,
-            inner,
-            &scale2,
-        );
-        let ff2_b = scale_rows(&values(model, &format!("{p}.ff.net.2.bias"))?, 1, &scale2);
+        let out_w = scaled_file(model, &format!("{p}.attn.to_out.0.weight"), d, &scale1)?;
+        let out_b = scale_rows(&values(model, &format!("{p}.attn.to_out.0.bias"))?, &scale1);
+        let ff2_w = scaled_file(model, &format!("{p}.ff.net.2.weight"), inner, &scale2)?;
+        let ff2_b = scale_rows(&values(model, &format!("{p}.ff.net.2.bias"))?, &scale2);
         let file = |name: &str| Source::File(format!("{p}.{name}"));
         let row = d * d * BF16;
         let bias = d * BF16;
@@ -298,13 +301,13 @@ fn upload_groups(
             (file("attn.to_q.bias"), b.qkv_b),
             (file("attn.to_k.bias"), b.qkv_b + bias),
             (file("attn.to_v.bias"), b.qkv_b + 2 * bias),
-            (Source::Host(f32_bytes(&out_w), true), b.out_w),
-            (Source::Host(f32_bytes(&out_b), false), b.out_b),
+            (out_w, b.out_w),
+            (Source::Host(f32_bytes(&out_b)), b.out_b),
             (host(&format!("{p}.norm2.weight"))?, b.norm2),
             (file("ff.net.0.proj.weight"), b.ff1_w),
             (file("ff.net.0.proj.bias"), b.ff1_b),
-            (Source::Host(f32_bytes(&ff2_w), true), b.ff2_w),
-            (Source::Host(f32_bytes(&ff2_b), false), b.ff2_b),
+            (ff2_w, b.ff2_w),
+            (Source::Host(f32_bytes(&ff2_b)), b.ff2_b),
         ]);
         if group.host_bytes() >= UPLOAD_GROUP_BYTES {
             each(std::mem::replace(&mut group, UploadGroup(Vec::new())))?;

@@ -67,6 +67,23 @@ fn the_device_image_folds_the_layer_scales() {
         bf16_at(&image, b.ff2_w + ((d - 1) * inner + 3) * BF16),
         want
     );
+    // Every element of every block's scaled projections equals the host path's: f32 values times the row's
+    // scale, then bf16 (the ring folds the scales on its threads, with no host copy of the matrices).
+    for (i, b) in net.blocks.iter().enumerate() {
+        let p = format!("decoder.transformer_blocks.{i}");
+        let (s1, s2) = (get(&format!("{p}.scale1")), get(&format!("{p}.scale2")));
+        for (name, at, cols, scale) in [
+            ("attn.to_out.0.weight", b.out_w, d, &s1),
+            ("ff.net.2.weight", b.ff2_w, inner, &s2),
+        ] {
+            let w = get(&format!("{p}.{name}"));
+            for (e, &v) in w.iter().enumerate() {
+                let want = half::bf16::from_f32(v * scale[e / cols]).to_bits();
+                let got = u16::from_le_bytes([image[at + e * BF16], image[at + e * BF16 + 1]]);
+                assert_eq!(got, want, "{p}.{name} element {e}");
+            }
+        }
+    }
     // proj_in transposed, f32.
     let pin = get("decoder.proj_in.weight");
     assert_eq!(
