@@ -242,7 +242,18 @@ fn scaled_file(
     cols: usize,
     scale: &[f32],
 ) -> Result<Source, VideoVaeError> {
-    let rows = RowScaleToBf16::new(model.info(name)?.dtype, cols, scale.to_vec())
+    let info = model.info(name)?;
+    if info.shape != [scale.len(), cols] {
+        return Err(backend(
+            &format!("folding the layer scale into {name}"),
+            format!(
+                "{name} is {:?}, its scale has {} rows of {cols}",
+                info.shape,
+                scale.len()
+            ),
+        ));
+    }
+    let rows = RowScaleToBf16::new(info.dtype, cols, scale.to_vec())
         .map_err(|e| backend(&format!("folding the layer scale into {name}"), e))?;
     Ok(Source::ScaledFile(name.to_string(), rows))
 }

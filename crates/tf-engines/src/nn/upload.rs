@@ -368,7 +368,11 @@ impl RowScaleToBf16 {
                 accepts: "F32, BF16 or F16",
             });
         }
-        if cols == 0 || scale.is_empty() {
+        let bytes = scale
+            .len()
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(from.size_bytes()));
+        if cols == 0 || scale.is_empty() || bytes.is_none() {
             return Err(UploadError::Transform {
                 transform: "row-scaled bf16",
                 why: format!("a matrix of {} rows of {cols} columns", scale.len()),
@@ -861,6 +865,7 @@ mod tests {
         ));
         assert!(RowScaleToBf16::new(Dtype::F32, 0, vec![1.0]).is_err());
         assert!(RowScaleToBf16::new(Dtype::F32, 4, Vec::new()).is_err());
+        assert!(RowScaleToBf16::new(Dtype::F32, usize::MAX / 2, vec![1.0; 3]).is_err());
     }
 
     #[test]
