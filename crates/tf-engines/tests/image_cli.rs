@@ -104,3 +104,47 @@ fn a_huge_size_with_a_noise_file_is_an_error_not_a_panic() {
     let _ = std::fs::remove_file(&noise);
     let _ = std::fs::remove_dir_all(&model);
 }
+
+#[test]
+fn a_device_budget_below_the_components_loads_them_in_the_request_and_says_so() {
+    use tf_engines::qwen_image::pipeline::{Backend, LoadOptions, Pipeline};
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_pipeline/model");
+    // The largest component's bytes on the host: a cap there holds one component at a time.
+    let pipeline = Pipeline::load(&model, &LoadOptions::new(Backend::Host)).unwrap();
+    let largest = pipeline
+        .memory_plan()
+        .components()
+        .iter()
+        .map(|c| c.bytes)
+        .max()
+        .unwrap();
+    drop(pipeline);
+    let budget = format!("{largest}B");
+    let out = image(
+        &model,
+        &["--size", "64x64", "--steps", "2", "--device-budget", &budget],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("load, run and free in turn"), "{stderr}");
+    assert!(
+        stderr.contains("component loads in the request") && stderr.contains("text encoder"),
+        "{stderr}"
+    );
+    // Without a cap everything stays resident and nothing is loaded inside the request.
+    let out = image(&model, &["--size", "64x64", "--steps", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("component loads in the request"), "{stderr}");
+    // Below the largest component the load is refused, naming the cap; a budget without a unit is a usage error.
+    let below = format!("{}B", largest - 1);
+    let out = image(&model, &["--size", "64x64", "--device-budget", &below]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("device budget"), "{stderr}");
+    let out = image(&model, &["--device-budget", "40GB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("GiB") && !stderr.contains("panicked"), "{stderr}");
+}

@@ -454,3 +454,54 @@ fn h3_requests_the_model_cannot_serve_are_refused_before_loading() {
     assert!(names(&dir).is_empty(), "{:?}", names(&dir));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A device budget that holds one component at a time: the request loads, runs and frees the four in turn and says
+/// how long the loads took; without it nothing loads inside the request.
+#[test]
+fn a_device_budget_below_the_components_loads_them_in_the_request_and_says_so() {
+    use tf_engines::minimax_h3::pipeline::{Backend, H3Pipeline, LoadOptions};
+    let model = h3().join("model");
+    let pipeline = H3Pipeline::load(&model, &LoadOptions::new(Backend::Host)).unwrap();
+    let largest = pipeline
+        .memory_plan()
+        .components()
+        .iter()
+        .map(|c| c.bytes)
+        .max()
+        .unwrap();
+    drop(pipeline);
+    let dir = scratch("budget");
+    for (budget, sequential) in [(Some(format!("{largest}B")), true), (None, false)] {
+        let mut args = vec![
+            "--backend",
+            "host",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "waves",
+            "--size",
+            "16x24",
+            "--seconds",
+            "0.5",
+            "--steps",
+            "2",
+        ];
+        if let Some(budget) = &budget {
+            args.extend(["--device-budget", budget.as_str()]);
+        }
+        let res = run(&args, &dir.join("clip.mp4"), &[]);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(0), "{stderr}");
+        assert_eq!(
+            stderr.contains("component loads in the request"),
+            sequential,
+            "{stderr}"
+        );
+        assert_eq!(
+            stderr.contains("load, run and free in turn"),
+            sequential,
+            "{stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -83,6 +83,11 @@ pub struct Args {
     /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::qwen_image::dit_gpu::DitPrecision,
+    /// Cap the memory plan's budget (40GiB, 512MiB, ...): the GPU plans against the smaller of this and its free
+    /// memory less a reserve, the host against this alone. Below the components' sum, the request loads, runs
+    /// and frees them in turn (and says how long the loads took).
+    #[arg(long = "device-budget", value_parser = crate::parse_budget)]
+    device_budget: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -233,6 +238,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
     }
     let options = LoadOptions {
         dit_precision: args.precision,
+        device_budget: args.device_budget,
         ..LoadOptions::new(backend)
     };
     let options = LoadOptions {
@@ -416,6 +422,16 @@ fn image(args: &Args) -> Result<(), ImageError> {
     );
     if pipeline.context().is_some() {
         eprintln!("tf image: driver work in the request: {driver}");
+    }
+    if t.loads.total() > 0.0 {
+        // The sequential memory plan loads each component inside the request: say where that time went.
+        eprintln!(
+            "tf image: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, VAE {:.3})",
+            t.loads.total(),
+            t.loads.text_encoder,
+            t.loads.dit,
+            t.loads.vae
+        );
     }
     if args.json {
         let precisions = precision(&load);

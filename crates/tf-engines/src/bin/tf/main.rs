@@ -57,6 +57,37 @@ fn main() -> ExitCode {
     }
 }
 
+/// The largest `--device-budget` accepted: 16 TiB.
+const MAX_BUDGET_BYTES: u64 = 16 << 40;
+
+/// `--device-budget SIZE` (`40GiB`, `512MiB`, `600KiB`, `1048576B`): a cap on the memory plan's budget, in bytes.
+pub(crate) fn parse_budget(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "`{text}`: give a whole number with a unit: B, KiB, MiB, GiB or TiB (say 40GiB)"
+            ))
+        }
+    };
+    let bytes = number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|&b| (1..=MAX_BUDGET_BYTES).contains(&b))
+        .ok_or_else(|| format!("`{text}`: the budget is 1 B to 16 TiB"))?;
+    Ok(bytes)
+}
+
 /// A child rank: joins the job, then runs its command (`video ...` or `worker ...`) as that rank.
 fn rank(args: ranks::RankCommand) -> ExitCode {
     let failed = |e: String| {
@@ -77,5 +108,37 @@ fn rank(args: ranks::RankCommand) -> ExitCode {
         }) => worker::run(a),
         Ok(_) => failed("only `tf video` and `tf worker` run as a rank of a multi-GPU job".into()),
         Err(e) => failed(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_with_their_unit_and_are_bounded() {
+        assert_eq!(parse_budget("40GiB"), Ok(40 << 30));
+        assert_eq!(parse_budget(" 512MiB "), Ok(512 << 20));
+        assert_eq!(parse_budget("600KiB"), Ok(600 << 10));
+        assert_eq!(parse_budget("1048576B"), Ok(1 << 20));
+        assert_eq!(parse_budget("16TiB"), Ok(16 << 40));
+        assert_eq!(parse_budget("3 GiB"), Ok(3 << 30));
+        for bad in [
+            "",
+            "40",
+            "GiB",
+            "40GB",
+            "-1GiB",
+            "0B",
+            "17TiB",
+            "99999999999999999999B",
+            "1.5GiB",
+        ] {
+            let err = parse_budget(bad).unwrap_err();
+            assert!(
+                err.contains("GiB") || err.contains("16 TiB"),
+                "{bad}: {err}"
+            );
+        }
     }
 }

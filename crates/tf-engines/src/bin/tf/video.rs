@@ -86,6 +86,11 @@ pub struct Args {
     /// GEMM precision of the GPU DiT: bf16, fp8, or fp8:GROUP[,GROUP...][,ends=N][,accum=fast|exact][,attn=bf16|int8-fp8][,gemm=e4m3|int8] (docs/ENGINES.md).
     #[arg(long, default_value = "bf16")]
     precision: tf_engines::nn::precision::DitPrecision,
+    /// Cap the memory plan's budget (40GiB, 512MiB, ...): the GPU plans against the smaller of this and its free
+    /// memory less a reserve, the host against this alone. Below the components' sum, the request loads, runs
+    /// and frees them in turn (and says how long the loads took).
+    #[arg(long = "device-budget", value_parser = crate::parse_budget)]
+    device_budget: Option<u64>,
     /// Output MP4.
     #[arg(short = 'o', long = "out", default_value = "video.mp4")]
     out: PathBuf,
@@ -252,6 +257,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     let options = LoadOptions {
         dit_precision: args.precision,
         random_weights: args.random_weights,
+        device_budget: args.device_budget,
         ..LoadOptions::new(backend)
     };
     if let Some(seed) = args.random_weights {
@@ -330,6 +336,19 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         "tf video: driver work in the request: {}",
         tf_cuda::driver_costs().since(&driver_before)
     );
+    let loads = &made.timings.loads;
+    if loads.total() > 0.0 {
+        // The sequential memory plan loads each component inside the request: say where that time went.
+        eprintln!(
+            "tf video: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, video VAE {:.3}, \
+             audio VAE {:.3})",
+            loads.total(),
+            loads.text_encoder,
+            loads.dit,
+            loads.video_vae,
+            loads.audio_vae
+        );
+    }
     let peak_device_bytes = tf_cuda::usage().device_peak;
     if let Some(path) = &args.dump_steps {
         if super::ranks::writes_output() {
