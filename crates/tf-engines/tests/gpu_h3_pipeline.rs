@@ -143,13 +143,7 @@ fn gpu_h3_pipeline_matches_the_reference_and_runs_sequentially() {
     assert!(frames <= FRAMES_BOUND, "frames {frames:.3e}");
     assert!(audio <= AUDIO_BOUND, "audio {audio:.3e}");
 
-    let largest = resident
-        .memory_plan()
-        .components()
-        .iter()
-        .map(|c| c.bytes)
-        .max()
-        .unwrap();
+    let largest = resident.memory_plan().largest();
     let mut options = LoadOptions::new(Backend::Gpu);
     options.device_budget = Some(largest);
     drop(resident);
@@ -381,13 +375,7 @@ fn gpu_h3_pipeline_with_random_weights_reads_no_dit_or_text_weights() {
         made.prompt_embeds.data().iter().any(|v| *v != 0.0),
         "random text features are not all zero"
     );
-    let largest = resident
-        .memory_plan()
-        .components()
-        .iter()
-        .map(|c| c.bytes)
-        .max()
-        .unwrap();
+    let largest = resident.memory_plan().largest();
     drop(resident);
     let sequential_options = LoadOptions {
         device_budget: Some(largest),

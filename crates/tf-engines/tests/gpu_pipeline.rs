@@ -60,13 +60,7 @@ fn gpu_sequential_pipeline_gives_the_resident_bytes_and_frees_its_components() {
     resident.keep_step_latents(true);
     assert_eq!(resident.load_report().residency, Residency::AllResident);
     println!("resident: {}", resident.memory_plan());
-    let largest = resident
-        .memory_plan()
-        .components()
-        .iter()
-        .map(|c| c.bytes)
-        .max()
-        .unwrap();
+    let largest = resident.memory_plan().largest();
     let ours = resident.generate(&request, &mut |_| {}).unwrap();
     drop(resident);
 

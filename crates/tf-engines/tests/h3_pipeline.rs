@@ -202,13 +202,7 @@ fn the_seeded_noise_is_the_injected_noise() {
 fn sequential_residency_gives_the_same_bits() {
     let mut resident = load(&LoadOptions::new(Backend::Host));
     let total = resident.memory_plan().total();
-    let largest = resident
-        .memory_plan()
-        .components()
-        .iter()
-        .map(|c| c.bytes)
-        .max()
-        .unwrap();
+    let largest = resident.memory_plan().largest();
     let mut options = LoadOptions::new(Backend::Host);
     options.device_budget = Some(largest);
     let mut sequential = load(&options);

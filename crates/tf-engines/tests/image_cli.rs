@@ -112,18 +112,19 @@ fn a_device_budget_below_the_components_loads_them_in_the_request_and_says_so() 
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_pipeline/model");
     // The largest component's bytes on the host: a cap there holds one component at a time.
     let pipeline = Pipeline::load(&model, &LoadOptions::new(Backend::Host)).unwrap();
-    let largest = pipeline
-        .memory_plan()
-        .components()
-        .iter()
-        .map(|c| c.bytes)
-        .max()
-        .unwrap();
+    let largest = pipeline.memory_plan().largest();
     drop(pipeline);
     let budget = format!("{largest}B");
     let out = image(
         &model,
-        &["--size", "64x64", "--steps", "2", "--device-budget", &budget],
+        &[
+            "--size",
+            "64x64",
+            "--steps",
+            "2",
+            "--device-budget",
+            &budget,
+        ],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
@@ -136,7 +137,10 @@ fn a_device_budget_below_the_components_loads_them_in_the_request_and_says_so() 
     let out = image(&model, &["--size", "64x64", "--steps", "2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    assert!(!stderr.contains("component loads in the request"), "{stderr}");
+    assert!(
+        !stderr.contains("component loads in the request"),
+        "{stderr}"
+    );
     // Below the largest component the load is refused, naming the cap; a budget without a unit is a usage error.
     let below = format!("{}B", largest - 1);
     let out = image(&model, &["--size", "64x64", "--device-budget", &below]);
@@ -146,5 +150,8 @@ fn a_device_budget_below_the_components_loads_them_in_the_request_and_says_so() 
     let out = image(&model, &["--device-budget", "40GB"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("GiB") && !stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("GiB") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
 }

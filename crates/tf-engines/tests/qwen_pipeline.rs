@@ -293,7 +293,7 @@ fn sequential_residency_gives_the_resident_bytes() {
     resident.keep_step_latents(true);
     assert_eq!(resident.load_report().residency, Residency::AllResident);
     let figures = resident.memory_plan().clone();
-    let largest = figures.components().iter().map(|c| c.bytes).max().unwrap();
+    let largest = figures.largest();
     println!("resident: {figures}");
     assert!(largest < figures.total(), "{figures}");
 

@@ -462,13 +462,7 @@ fn a_device_budget_below_the_components_loads_them_in_the_request_and_says_so() 
     use tf_engines::minimax_h3::pipeline::{Backend, H3Pipeline, LoadOptions};
     let model = h3().join("model");
     let pipeline = H3Pipeline::load(&model, &LoadOptions::new(Backend::Host)).unwrap();
-    let largest = pipeline
-        .memory_plan()
-        .components()
-        .iter()
-        .map(|c| c.bytes)
-        .max()
-        .unwrap();
+    let largest = pipeline.memory_plan().largest();
     drop(pipeline);
     let dir = scratch("budget");
     for (budget, sequential) in [(Some(format!("{largest}B")), true), (None, false)] {

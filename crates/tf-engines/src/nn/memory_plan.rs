@@ -126,11 +126,16 @@ impl MemoryPlan {
             .fold(0u64, |acc, c| acc.saturating_add(c.bytes))
     }
 
+    /// The largest component's bytes: the least budget the sequential mode runs under.
+    pub fn largest(&self) -> u64 {
+        self.components.iter().map(|c| c.bytes).max().unwrap_or(0)
+    }
+
     /// Most bytes held at once under the decision: the total, or the largest component.
     pub fn peak(&self) -> u64 {
         match self.residency {
             Residency::AllResident => self.total(),
-            Residency::Sequential => self.components.iter().map(|c| c.bytes).max().unwrap_or(0),
+            Residency::Sequential => self.largest(),
         }
     }
 }
@@ -190,6 +195,7 @@ mod tests {
         let plan = MemoryPlan::decide(parts(&[8 * GIB, 15 * GIB, GIB]), 141 * GIB).unwrap();
         assert_eq!(plan.residency(), Residency::AllResident);
         assert_eq!(plan.peak(), 24 * GIB);
+        assert_eq!(plan.largest(), 15 * GIB);
         // Exactly the budget still fits.
         let plan = MemoryPlan::decide(parts(&[40 * GIB, 40 * GIB]), 80 * GIB).unwrap();
         assert_eq!(plan.residency(), Residency::AllResident);
