@@ -60,46 +60,42 @@ fn check_one_blocking_stream<P, E: std::fmt::Display>(
     );
 }
 
-#[test]
-fn qwen_image_pipeline_holds_one_blocking_stream() {
-    use tf_engines::qwen_image::pipeline::{Backend, LoadOptions, Pipeline, PipelineError};
-    check_one_blocking_stream(
-        "qwen_pipeline",
-        |model, cap| {
-            let mut options = LoadOptions::new(Backend::Gpu);
-            options.device_budget = Some(cap);
-            Pipeline::load(model, &options)
-        },
-        |e| match e {
-            PipelineError::CappedBudget { source, .. } => Some(source),
-            _ => None,
-        },
-        |pipeline| {
-            assert_eq!(pipeline.load_report().residency, Residency::Sequential);
-            let device = pipeline.device().expect("a GPU pipeline holds its device");
-            assert!(device.context().same_as(pipeline.context().unwrap()));
-        },
-    );
+/// One test per model: its pipeline's GPU load, capped to the sequential plan, holds one blocking stream.
+macro_rules! holds_one_blocking_stream {
+    ($test:ident, $fixture:literal, $model:ident, $pipeline:ident) => {
+        #[test]
+        fn $test() {
+            use tf_engines::$model::pipeline::{$pipeline, Backend, LoadOptions, PipelineError};
+            check_one_blocking_stream(
+                $fixture,
+                |model, cap| {
+                    let mut options = LoadOptions::new(Backend::Gpu);
+                    options.device_budget = Some(cap);
+                    $pipeline::load(model, &options)
+                },
+                |e| match e {
+                    PipelineError::CappedBudget { source, .. } => Some(source),
+                    _ => None,
+                },
+                |pipeline| {
+                    assert_eq!(pipeline.load_report().residency, Residency::Sequential);
+                    let device = pipeline.device().expect("a GPU pipeline holds its device");
+                    assert!(device.context().same_as(pipeline.context().unwrap()));
+                },
+            );
+        }
+    };
 }
 
-#[test]
-fn minimax_h3_pipeline_holds_one_blocking_stream() {
-    use tf_engines::minimax_h3::pipeline::{Backend, H3Pipeline, LoadOptions, PipelineError};
-    check_one_blocking_stream(
-        "minimax_h3_pipeline",
-        |model, cap| {
-            let mut options = LoadOptions::new(Backend::Gpu);
-            options.device_budget = Some(cap);
-            H3Pipeline::load(model, &options)
-        },
-        |e| match e {
-            PipelineError::CappedBudget { source, .. } => Some(source),
-            _ => None,
-        },
-        |pipeline| {
-            assert_eq!(pipeline.load_report().residency, Residency::Sequential);
-            let device = pipeline.device().expect("a GPU pipeline holds its device");
-            assert!(device.context().same_as(pipeline.context().unwrap()));
-        },
-    );
-}
+holds_one_blocking_stream!(
+    qwen_image_pipeline_holds_one_blocking_stream,
+    "qwen_pipeline",
+    qwen_image,
+    Pipeline
+);
+holds_one_blocking_stream!(
+    minimax_h3_pipeline_holds_one_blocking_stream,
+    "minimax_h3_pipeline",
+    minimax_h3,
+    H3Pipeline
+);
