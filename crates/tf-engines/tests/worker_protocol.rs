@@ -925,3 +925,53 @@ fn a_gpu_load_that_fails_on_the_fake_driver_is_a_server_error_and_releases_every
     assert_eq!(lines[2]["device_allocs"], 0);
     assert_eq!(out.status.code(), Some(0));
 }
+
+/// `tf worker --device-budget` below the components' sum: the load picks the sequential plan and every request's
+/// log says how long loading its components took (stderr is the worker's log).
+#[test]
+fn a_worker_with_a_device_budget_loads_its_components_per_request_and_says_so() {
+    use std::io::Write;
+    use tf_engines::qwen_image::pipeline::{Backend, LoadOptions, Pipeline};
+    let model = tiny_qwen_folder();
+    let largest = Pipeline::load(&model, &LoadOptions::new(Backend::Host))
+        .unwrap()
+        .memory_plan()
+        .largest();
+    let dir = temp_dir("budget");
+    let budget = format!("{largest}B");
+    let mut child = std::process::Command::new(tf())
+        .args(["worker", "--engine", "qwen_image", "--backend", "host"])
+        .args(["--device-budget", &budget, "--model"])
+        .arg(&model)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = [
+        r#"{"op":"load"}"#.to_string(),
+        generate_line(&dir, "a fox", json!({"steps": 2})),
+        r#"{"op":"exit"}"#.to_string(),
+    ];
+    let mut stdin = child.stdin.take().unwrap();
+    for line in &lines {
+        writeln!(stdin, "{line}").unwrap();
+    }
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let replies: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &Value| v.get("ok").is_some())
+        .collect();
+    assert_eq!(replies.len(), 3, "{replies:?}");
+    assert!(replies.iter().all(|r| r["ok"] == true), "{replies:?}");
+    assert!(stderr.contains("load, run and free in turn"), "{stderr}");
+    assert!(
+        stderr.contains("component loads in the request"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

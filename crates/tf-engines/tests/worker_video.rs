@@ -619,3 +619,44 @@ fn tf_worker_random_weights_are_for_minimax_h3_on_the_gpu_only() {
     );
     assert!(stderr.contains("RANDOM"), "{stderr}");
 }
+
+/// `tf worker --engine minimax_h3 --device-budget` below the components' sum: the request loads, runs and frees
+/// the four in turn, and the worker's log says how long the loads took.
+#[test]
+fn an_h3_worker_with_a_device_budget_loads_its_components_per_request_and_says_so() {
+    use tf_engines::minimax_h3::pipeline::{Backend, H3Pipeline, LoadOptions};
+    let largest = H3Pipeline::load(&h3_model(), &LoadOptions::new(Backend::Host))
+        .unwrap()
+        .memory_plan()
+        .largest();
+    let dir = temp_dir("h3-budget");
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_tf"));
+    worker
+        .args(["worker", "--engine", "minimax_h3", "--backend", "host"])
+        .args(["--device-budget", &format!("{largest}B"), "--model"])
+        .arg(h3_model());
+    let request = json!({"op": "generate", "dir": dir.display().to_string(), "request": {"video": {
+        "prompt": "waves", "width": 16, "height": 32, "seconds": 0.5, "steps": 2, "seed": 1, "audio": true}}});
+    let out = session(
+        worker,
+        &[json!({"op": "load"}), request, json!({"op": "exit"})],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let replies: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &Value| v.get("ok").is_some())
+        .collect();
+    assert_eq!(replies.len(), 3, "{replies:?}");
+    assert!(
+        replies.iter().all(|r| r["ok"] == true),
+        "{replies:?} / {stderr}"
+    );
+    assert!(stderr.contains("load, run and free in turn"), "{stderr}");
+    assert!(
+        stderr.contains("component loads in the request"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

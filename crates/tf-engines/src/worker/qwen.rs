@@ -38,6 +38,8 @@ pub struct QwenImageEngine {
     model: PathBuf,
     backend: BackendChoice,
     dit_precision: crate::nn::precision::DitPrecision,
+    /// Caps the memory plan's budget (`LoadOptions::device_budget`).
+    device_budget: Option<u64>,
     pipeline: Option<Pipeline>,
 }
 
@@ -48,7 +50,17 @@ impl QwenImageEngine {
             model,
             backend,
             dit_precision: crate::nn::precision::DitPrecision::Bf16,
+            device_budget: None,
             pipeline: None,
+        }
+    }
+
+    /// The same engine planning its memory against at most `bytes` (below the components' sum, every request
+    /// loads, runs and frees them in turn).
+    pub fn with_device_budget(self, bytes: Option<u64>) -> QwenImageEngine {
+        QwenImageEngine {
+            device_budget: bytes,
+            ..self
         }
     }
 
@@ -88,6 +100,7 @@ impl WorkerEngine for QwenImageEngine {
         );
         let options = LoadOptions {
             dit_precision: self.dit_precision,
+            device_budget: self.device_budget,
             ..LoadOptions::new(backend)
         };
         let pipeline = Pipeline::load(&self.model, &options).map_err(|e| classify(&e, false))?;
@@ -185,6 +198,16 @@ impl WorkerEngine for QwenImageEngine {
             planning.seconds * 1e3,
             driver
         );
+        if t.loads.total() > 0.0 {
+            // The sequential memory plan loads each component inside the request: say where that time went.
+            log!(
+                "tf worker: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, VAE {:.3})",
+                t.loads.total(),
+                t.loads.text_encoder,
+                t.loads.dit,
+                t.loads.vae
+            );
+        }
         let image = generation.image;
         let pixels = match image.channels {
             4 => image.pixels,

@@ -68,6 +68,11 @@ pub struct Args {
     /// seed instead of reading them (their folders need only config.json); every video shows nothing.
     #[arg(long = "random-weights", value_name = "SEED")]
     pub random_weights: Option<u32>,
+    /// Cap the memory plan's budget (40GiB, 512MiB, ...): the GPU plans against the smaller of this and its free
+    /// memory less a reserve, the host against this alone. Below the components' sum, every request loads, runs
+    /// and frees them in turn (and its log says how long the loads took).
+    #[arg(long = "device-budget", value_parser = crate::parse_budget)]
+    pub device_budget: Option<u64>,
     #[command(flatten)]
     pub gpu: super::ranks::GpuArgs,
 }
@@ -101,7 +106,7 @@ pub fn run(args: Args) -> ExitCode {
                 say!("tf worker: --engine qwen_image needs --model DIR (a diffusers-format Qwen-Image folder)");
                 return ExitCode::from(2);
             };
-            match qwen_engine(model, args.backend, args.precision) {
+            match qwen_engine(model, args.backend, args.precision, args.device_budget) {
                 Ok(e) => e,
                 Err(message) => {
                     say!("tf worker: {message}");
@@ -126,6 +131,7 @@ pub fn run(args: Args) -> ExitCode {
             let options = LoadOptions {
                 dit_precision: args.precision,
                 random_weights: args.random_weights,
+                device_budget: args.device_budget,
                 ..LoadOptions::new(Backend::Host)
             };
             if let Some(seed) = args.random_weights {
@@ -191,6 +197,7 @@ fn qwen_engine(
     model: PathBuf,
     backend: BackendChoice,
     precision: DitPrecision,
+    device_budget: Option<u64>,
 ) -> Result<Box<dyn WorkerEngine>, String> {
     if !model.is_dir() {
         return Err(format!(
@@ -199,7 +206,9 @@ fn qwen_engine(
         ));
     }
     Ok(Box::new(
-        QwenImageEngine::new(model, backend_choice(backend)).with_dit_precision(precision),
+        QwenImageEngine::new(model, backend_choice(backend))
+            .with_dit_precision(precision)
+            .with_device_budget(device_budget),
     ))
 }
 
