@@ -217,6 +217,12 @@ fn sequential_residency_gives_the_same_bits() {
         assert_eq!(a.frames, b.frames);
         assert_eq!(a.audio, b.audio);
         assert!(b.timings.loads.total() > 0.0);
+        let line = b.timings.loads.to_string();
+        assert!(
+            line.starts_with(&format!("{:.3} s (text encoder ", b.timings.loads.total()))
+                && line.contains(", audio VAE "),
+            "{line}"
+        );
     }
     assert_eq!(a.timings.loads.total(), 0.0);
     options.device_budget = Some(largest - 1);

@@ -363,6 +363,21 @@ impl ComponentLoads {
     }
 }
 
+/// `2.345 s (text encoder 0.100, ...)`: the loads' total, then each component's, in seconds.
+impl std::fmt::Display for ComponentLoads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.3} s (text encoder {:.3}, DiT {:.3}, video VAE {:.3}, audio VAE {:.3})",
+            self.total(),
+            self.text_encoder,
+            self.dit,
+            self.video_vae,
+            self.audio_vae
+        )
+    }
+}
+
 /// Wall time of each phase, in seconds. The phases time the work alone; `total` is the whole request, the
 /// component loads of the sequential mode included.
 #[derive(Debug, Clone, Default, PartialEq)]

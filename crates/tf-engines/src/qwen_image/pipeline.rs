@@ -299,6 +299,20 @@ impl ComponentLoads {
     }
 }
 
+/// `2.345 s (text encoder 0.100, ...)`: the loads' total, then each component's, in seconds.
+impl std::fmt::Display for ComponentLoads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.3} s (text encoder {:.3}, DiT {:.3}, VAE {:.3})",
+            self.total(),
+            self.text_encoder,
+            self.dit,
+            self.vae
+        )
+    }
+}
+
 /// The prompt of [`Pipeline::warm_up`]'s request.
 pub const WARM_UP_PROMPT: &str = "A quiet harbour at dawn, small boats on still water, soft light";
 
@@ -1588,6 +1602,19 @@ fn denoise<D: DitBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn component_loads_print_their_total_then_each() {
+        let loads = ComponentLoads {
+            text_encoder: 0.25,
+            dit: 1.5,
+            vae: 0.125,
+        };
+        assert_eq!(
+            loads.to_string(),
+            "1.875 s (text encoder 0.250, DiT 1.500, VAE 0.125)"
+        );
+    }
 
     #[test]
     fn invalid_request_is_distinguishable() {

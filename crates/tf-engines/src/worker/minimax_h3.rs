@@ -189,15 +189,7 @@ impl WorkerEngine for MiniMaxH3Engine {
         );
         if t.loads.total() > 0.0 {
             // The sequential memory plan loads each component inside the request: say where that time went.
-            log!(
-                "tf worker: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, video VAE \
-                 {:.3}, audio VAE {:.3})",
-                t.loads.total(),
-                t.loads.text_encoder,
-                t.loads.dit,
-                t.loads.video_vae,
-                t.loads.audio_vae
-            );
+            log!("tf worker: component loads in the request {}", t.loads);
         }
         let (w, h) = (made.frames.width, made.frames.height);
         let width = u32::try_from(w).map_err(|_| EngineError::Failed("frame width".into()))?;

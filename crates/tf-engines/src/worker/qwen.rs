@@ -200,13 +200,7 @@ impl WorkerEngine for QwenImageEngine {
         );
         if t.loads.total() > 0.0 {
             // The sequential memory plan loads each component inside the request: say where that time went.
-            log!(
-                "tf worker: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, VAE {:.3})",
-                t.loads.total(),
-                t.loads.text_encoder,
-                t.loads.dit,
-                t.loads.vae
-            );
+            log!("tf worker: component loads in the request {}", t.loads);
         }
         let image = generation.image;
         let pixels = match image.channels {

@@ -425,13 +425,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
     }
     if t.loads.total() > 0.0 {
         // The sequential memory plan loads each component inside the request: say where that time went.
-        eprintln!(
-            "tf image: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, VAE {:.3})",
-            t.loads.total(),
-            t.loads.text_encoder,
-            t.loads.dit,
-            t.loads.vae
-        );
+        eprintln!("tf image: component loads in the request {}", t.loads);
     }
     if args.json {
         let precisions = precision(&load);

@@ -339,15 +339,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     let loads = &made.timings.loads;
     if loads.total() > 0.0 {
         // The sequential memory plan loads each component inside the request: say where that time went.
-        eprintln!(
-            "tf video: component loads in the request {:.3} s (text encoder {:.3}, DiT {:.3}, video VAE {:.3}, \
-             audio VAE {:.3})",
-            loads.total(),
-            loads.text_encoder,
-            loads.dit,
-            loads.video_vae,
-            loads.audio_vae
-        );
+        eprintln!("tf video: component loads in the request {}", loads);
     }
     let peak_device_bytes = tf_cuda::usage().device_peak;
     if let Some(path) = &args.dump_steps {
