@@ -3,6 +3,9 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "common/worker_session.rs"]
+mod worker_session;
+
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -13,6 +16,7 @@ use tf_engines::worker::client::WorkerProcess;
 use tf_engines::worker::{
     Ending, EngineError, ImageJob, Progress, RgbaImage, Worker, WorkerEngine, WorkerLimits,
 };
+use worker_session::{final_replies, session};
 
 /// What the fake engine saw.
 #[derive(Default, Debug)]
@@ -930,7 +934,6 @@ fn a_gpu_load_that_fails_on_the_fake_driver_is_a_server_error_and_releases_every
 /// log says how long loading its components took (stderr is the worker's log).
 #[test]
 fn a_worker_with_a_device_budget_loads_its_components_per_request_and_says_so() {
-    use std::io::Write;
     use tf_engines::qwen_image::pipeline::{Backend, LoadOptions, Pipeline};
     let model = tiny_qwen_folder();
     let largest = Pipeline::load(&model, &LoadOptions::new(Backend::Host))
@@ -938,34 +941,20 @@ fn a_worker_with_a_device_budget_loads_its_components_per_request_and_says_so() 
         .memory_plan()
         .largest();
     let dir = temp_dir("budget");
-    let budget = format!("{largest}B");
-    let mut child = std::process::Command::new(tf())
+    let mut worker = std::process::Command::new(tf());
+    worker
         .args(["worker", "--engine", "qwen_image", "--backend", "host"])
-        .args(["--device-budget", &budget, "--model"])
-        .arg(&model)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = [
-        r#"{"op":"load"}"#.to_string(),
-        generate_line(&dir, "a fox", json!({"steps": 2})),
-        r#"{"op":"exit"}"#.to_string(),
-    ];
-    let mut stdin = child.stdin.take().unwrap();
-    for line in &lines {
-        writeln!(stdin, "{line}").unwrap();
-    }
-    drop(stdin);
-    let out = child.wait_with_output().unwrap();
+        .args(["--device-budget", &format!("{largest}B"), "--model"])
+        .arg(&model);
+    let generate: Value =
+        serde_json::from_str(&generate_line(&dir, "a fox", json!({"steps": 2}))).unwrap();
+    let out = session(
+        worker,
+        &[json!({"op": "load"}), generate, json!({"op": "exit"})],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let replies: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &Value| v.get("ok").is_some())
-        .collect();
+    let replies = final_replies(&out);
     assert_eq!(replies.len(), 3, "{replies:?}");
     assert!(replies.iter().all(|r| r["ok"] == true), "{replies:?}");
     assert!(stderr.contains("load, run and free in turn"), "{stderr}");

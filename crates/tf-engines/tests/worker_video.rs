@@ -17,7 +17,7 @@ use tf_engines::worker::{
     Audio, EngineError, EngineOutput, ImageJob, Progress, RgbaImage, VideoJob, Worker,
     WorkerEngine, WorkerLimits,
 };
-use worker_session::session;
+use worker_session::{final_replies, session};
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("tf-worker-video-{}-{name}", std::process::id()));
@@ -643,11 +643,7 @@ fn an_h3_worker_with_a_device_budget_loads_its_components_per_request_and_says_s
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let replies: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &Value| v.get("ok").is_some())
-        .collect();
+    let replies = final_replies(&out);
     assert_eq!(replies.len(), 3, "{replies:?}");
     assert!(
         replies.iter().all(|r| r["ok"] == true),

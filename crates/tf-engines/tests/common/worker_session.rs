@@ -23,3 +23,13 @@ pub fn session(mut worker: Command, lines: &[Value]) -> Output {
     }
     child.wait_with_output().expect("wait for tf worker")
 }
+
+/// The final replies (the lines with `ok`) of a session's standard output, progress lines left out.
+#[allow(dead_code)]
+pub fn final_replies(out: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line from the worker"))
+        .filter(|v: &Value| v.get("ok").is_some())
+        .collect()
+}
