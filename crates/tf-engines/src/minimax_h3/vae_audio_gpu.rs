@@ -559,10 +559,12 @@ impl GpuAudioVae {
             .device_info()
             .map(|info| usize::try_from(info.sm_count).unwrap_or(1).max(1))
             .map_err(gpu_err("reading the device's multiprocessor count"))?;
-        let bytes: Vec<u8> = layout.blob.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let weights = DeviceBuffer::from_bytes(ctx, &bytes).map_err(|e| {
+        let weights = DeviceBuffer::from_slice(ctx, &layout.blob).map_err(|e| {
             AudioVaeError::Gpu(gpu_error(
-                format!("uploading {} B of audio VAE weights", bytes.len()),
+                format!(
+                    "uploading {} f32 values of audio VAE weights",
+                    layout.blob.len()
+                ),
                 e,
             ))
         })?;

@@ -1241,15 +1241,41 @@ pub fn weight_norm(v: &[f32], g: &[f32], rows: usize) -> Result<Vec<f32>, ShapeE
         ));
     }
     let per = v.len() / rows;
-    let mut out = Vec::with_capacity(v.len());
-    for (row, &gi) in v.chunks_exact(per).zip(g) {
-        let norm = row
-            .iter()
-            .map(|&a| f64::from(a) * f64::from(a))
-            .sum::<f64>()
-            .sqrt() as f32;
-        let scale = gi / norm;
-        out.extend(row.iter().map(|&a| a * scale));
+    let mut out = vec![0f32; v.len()];
+    let normalize = |v: &[f32], g: &[f32], out: &mut [f32]| {
+        for ((row, &gi), out_row) in v.chunks_exact(per).zip(g).zip(out.chunks_exact_mut(per)) {
+            let norm = row
+                .iter()
+                .map(|&a| f64::from(a) * f64::from(a))
+                .sum::<f64>()
+                .sqrt() as f32;
+            let scale = gi / norm;
+            for (o, &a) in out_row.iter_mut().zip(row) {
+                *o = a * scale;
+            }
+        }
+    };
+    // Rows are independent: a large weight is split over the host's threads (the same values).
+    let threads = if v.len() < 1 << 20 {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(rows)
+    };
+    if threads <= 1 {
+        normalize(v, g, &mut out);
+    } else {
+        let rows_per = rows.div_ceil(threads);
+        std::thread::scope(|scope| {
+            for ((v_part, g_part), out_part) in v
+                .chunks(rows_per * per)
+                .zip(g.chunks(rows_per))
+                .zip(out.chunks_mut(rows_per * per))
+            {
+                scope.spawn(move || normalize(v_part, g_part, out_part));
+            }
+        });
     }
     Ok(out)
 }
@@ -1593,5 +1619,24 @@ mod tests {
         let w = weight_norm(&[3.0, 4.0, 0.0, 2.0], &[10.0, -1.0], 2).unwrap();
         assert_eq!(w, vec![6.0, 8.0, 0.0, -1.0]);
         assert!(weight_norm(&[1.0, 2.0, 3.0], &[1.0, 1.0], 2).is_err());
+    }
+
+    /// A weight large enough to be split over threads (an uneven split) gives each row's one-thread values.
+    #[test]
+    fn weight_norm_split_over_threads_keeps_every_row() {
+        let (rows, per) = (1027usize, 1031usize);
+        let v: Vec<f32> = (0..rows * per)
+            .map(|i| ((i * 7919 % 1000) as f32 - 499.5) * 1e-3)
+            .collect();
+        let g: Vec<f32> = (0..rows).map(|i| 0.5 + i as f32 * 1e-3).collect();
+        assert!(v.len() >= 1 << 20);
+        let w = weight_norm(&v, &g, rows).unwrap();
+        for (r, (row, out)) in v.chunks_exact(per).zip(w.chunks_exact(per)).enumerate() {
+            let one = weight_norm(row, &g[r..=r], 1).unwrap();
+            assert!(
+                one.iter().zip(out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {r}"
+            );
+        }
     }
 }

@@ -94,12 +94,24 @@ struct Blob(Vec<f32>);
 
 impl Blob {
     fn push(&mut self, values: impl IntoIterator<Item = f32>) -> usize {
-        while !self.0.len().is_multiple_of(4) {
-            self.0.push(0.0);
-        }
+        self.align();
         let at = self.0.len();
         self.0.extend(values);
         at
+    }
+
+    fn align(&mut self) {
+        while !self.0.len().is_multiple_of(4) {
+            self.0.push(0.0);
+        }
+    }
+
+    /// A new aligned entry of `len` zeros to fill in place: its offset and its values.
+    fn entry(&mut self, len: usize) -> (usize, &mut [f32]) {
+        self.align();
+        let at = self.0.len();
+        self.0.resize(at + len, 0.0);
+        (at, &mut self.0[at..])
     }
 
     /// A regular convolution `[cout, cin, k]` as `wt[(ci k + j) cout + co]`.
@@ -113,11 +125,9 @@ impl Blob {
                 conv.weight.len()
             )));
         }
-        let w = &conv.weight;
-        let wt = self.push((0..cin * k).flat_map(|r| {
-            let (ci, j) = (r / k, r % k);
-            (0..cout).map(move |co| w[(co * cin + ci) * k + j])
-        }));
+        // `[cout, cin k]` transposed: `(ci k + j)` indexes the rows of `wt`.
+        let (wt, dst) = self.entry(conv.weight.len());
+        transpose_into(dst, &conv.weight, cout, cin * k);
         let bias = conv.bias.as_ref().map(|b| self.push(b.iter().copied()));
         Ok(ConvW {
             wt,
@@ -146,11 +156,18 @@ impl Blob {
         let mut phases = Vec::with_capacity(s);
         for rho in 0..s {
             let nq = (k - rho).div_ceil(s);
-            let wt = self.push((0..cin * nq).flat_map(|r| {
-                let (ci, jp) = (r / nq, r % nq);
-                let j = rho + (nq - 1 - jp) * s;
-                (0..cout).map(move |co| w[(ci * cout + co) * k + j])
-            }));
+            let (wt, dst) = self.entry(cin * nq * cout);
+            for (rows, src) in dst
+                .chunks_exact_mut(nq * cout)
+                .zip(w.chunks_exact(cout * k))
+            {
+                for (jp, row) in rows.chunks_exact_mut(cout).enumerate() {
+                    let j = rho + (nq - 1 - jp) * s;
+                    for (o, taps) in row.iter_mut().zip(src.chunks_exact(k)) {
+                        *o = taps[j];
+                    }
+                }
+            }
             phases.push(PhaseW { wt, rho, nq });
         }
         let bias = conv
@@ -198,6 +215,56 @@ impl Blob {
     }
 }
 
+/// Elements of alignment padding reserved beside the parameters (at most 3 an entry, a few hundred entries).
+const BLOB_ALIGNMENT_SLACK: usize = 1 << 14;
+
+/// Elements from which [`transpose_into`] splits its work over the host's threads.
+const PARALLEL_TRANSPOSE_ELEMENTS: usize = 1 << 20;
+
+/// `dst[c rows + r] = src[r cols + c]` for a row-major `rows x cols` `src`: in square tiles (both sides stay in
+/// cache), and split by destination rows over the host's threads when large.
+fn transpose_into(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
+    const TILE: usize = 32;
+    debug_assert_eq!(src.len(), rows * cols);
+    debug_assert_eq!(dst.len(), rows * cols);
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let tiles = |dst: &mut [f32], first_col: usize| {
+        let cols_here = dst.len() / rows;
+        for c0 in (0..cols_here).step_by(TILE) {
+            let c1 = (c0 + TILE).min(cols_here);
+            for r0 in (0..rows).step_by(TILE) {
+                let r1 = (r0 + TILE).min(rows);
+                for c in c0..c1 {
+                    let out = &mut dst[c * rows + r0..c * rows + r1];
+                    for (o, r) in out.iter_mut().zip(r0..r1) {
+                        *o = src[r * cols + first_col + c];
+                    }
+                }
+            }
+        }
+    };
+    let threads = if dst.len() < PARALLEL_TRANSPOSE_ELEMENTS {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(cols)
+    };
+    if threads <= 1 {
+        tiles(dst, 0);
+        return;
+    }
+    let cols_per = cols.div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (i, part) in dst.chunks_mut(cols_per * rows).enumerate() {
+            let tiles = &tiles;
+            scope.spawn(move || tiles(part, i * cols_per));
+        }
+    });
+}
+
 impl AudioVaeLayout {
     /// Lays out the weights of a loaded host reference.
     pub fn from_host(host: &HostAudioVae) -> Result<AudioVaeLayout, AudioVaeError> {
@@ -207,6 +274,13 @@ impl AudioVaeLayout {
             ));
         }
         let mut blob = Blob(Vec::new());
+        // Room for every parameter and the entries' alignment at once, so the blob is never copied as it grows
+        // (without it, on demand).
+        let _ = blob.0.try_reserve(
+            host.config()
+                .parameter_count()
+                .saturating_add(BLOB_ALIGNMENT_SLACK),
+        );
         let dec_in = blob.conv(&host.dec_in)?;
         let conv_pre = blob.conv(&host.conv_pre)?;
         let mut stages = Vec::with_capacity(host.stages.len());
@@ -721,6 +795,36 @@ mod tests {
             println!("  {clamped} of {} samples clamped", ours.len());
             assert!(clamped * 4 < ours.len(), "{clamped} samples clamped");
         }
+    }
+
+    /// The tiled transpose against the plain formula, on shapes around the tile, and on one past the size where it
+    /// splits over threads (an uneven split).
+    #[test]
+    fn transpose_into_matches_the_formula_tiled_and_split() {
+        let mut rng = SplitMix64::new(7);
+        for (rows, cols) in [
+            (1, 1),
+            (1, 33),
+            (33, 1),
+            (31, 32),
+            (32, 31),
+            (65, 97),
+            (1031, 1019),
+        ] {
+            let src = rng.uniform_vec(rows * cols, -1.0, 1.0);
+            let mut dst = vec![f32::NAN; rows * cols];
+            transpose_into(&mut dst, &src, rows, cols);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        dst[c * rows + r].to_bits(),
+                        src[r * cols + c].to_bits(),
+                        "{rows}x{cols} at ({r}, {c})"
+                    );
+                }
+            }
+        }
+        const { assert!(1031 * 1019 >= PARALLEL_TRANSPOSE_ELEMENTS) };
     }
 
     #[test]

@@ -86,6 +86,9 @@ fn read_json(path: &Path) -> Result<serde_json::Value, WeightsError> {
     })
 }
 
+/// Bytes from which [`ModelDir::load_f32`] reads its tensors on several threads.
+const PARALLEL_LOAD_BYTES: u64 = 64 << 20;
+
 impl ModelDir {
     /// Opens `dir`: reads `config.json`, finds the weights (an index file wins over single files), maps and
     /// validates every shard, and checks that index and shards agree.
@@ -314,17 +317,91 @@ impl ModelDir {
         Ok(())
     }
 
-    /// Converts every tensor named in `names` to f32, timing the pass (host-reference load).
+    /// Converts every tensor named in `names` to f32, timing the pass (host-reference load); past 64 MiB in all the
+    /// tensors are read on the host's threads.
     pub fn load_f32(
         &self,
         names: &[&str],
     ) -> Result<(BTreeMap<String, TensorF32>, LoadStats), WeightsError> {
+        self.load_f32_threaded_from(names, PARALLEL_LOAD_BYTES)
+    }
+
+    /// [`ModelDir::load_f32`], on several threads from `parallel_bytes` in all.
+    fn load_f32_threaded_from(
+        &self,
+        names: &[&str],
+        parallel_bytes: u64,
+    ) -> Result<(BTreeMap<String, TensorF32>, LoadStats), WeightsError> {
         let start = Instant::now();
-        let mut bytes = 0u64;
-        let mut out = BTreeMap::new();
+        let mut sizes = Vec::with_capacity(names.len());
         for &name in names {
-            bytes += self.info(name)?.len_bytes() as u64;
-            out.insert(name.to_string(), self.to_f32(name)?);
+            sizes.push(self.info(name)?.len_bytes() as u64);
+        }
+        let bytes: u64 = sizes.iter().sum();
+        let threads = if bytes < parallel_bytes {
+            1
+        } else {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(names.len())
+        };
+        let mut out = BTreeMap::new();
+        if threads <= 1 {
+            for &name in names {
+                out.insert(name.to_string(), self.to_f32(name)?);
+            }
+        } else {
+            // Largest first, each to the thread with the fewest bytes so far.
+            let mut order: Vec<usize> = (0..names.len()).collect();
+            order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+            let mut shares: Vec<(u64, Vec<usize>)> = vec![(0, Vec::new()); threads];
+            for i in order {
+                if let Some(least) = shares.iter_mut().min_by_key(|(load, _)| *load) {
+                    least.0 += sizes[i];
+                    least.1.push(i);
+                }
+            }
+            let read: Vec<Vec<(usize, Result<TensorF32, WeightsError>)>> =
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = shares
+                        .iter()
+                        .map(|(_, share)| {
+                            scope.spawn(move || {
+                                share
+                                    .iter()
+                                    .map(|&i| (i, self.to_f32(names[i])))
+                                    .collect::<Vec<_>>()
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join().unwrap_or_else(|_| {
+                                vec![(
+                                    usize::MAX,
+                                    Err(WeightsError::Config {
+                                        path: self.dir.clone(),
+                                        why: "a tensor-reading thread stopped before it finished"
+                                            .into(),
+                                    }),
+                                )]
+                            })
+                        })
+                        .collect()
+                });
+            let mut slots: Vec<Option<TensorF32>> = (0..names.len()).map(|_| None).collect();
+            for (i, tensor) in read.into_iter().flatten() {
+                let tensor = tensor?;
+                if let Some(slot) = slots.get_mut(i) {
+                    *slot = Some(tensor);
+                }
+            }
+            for (&name, tensor) in names.iter().zip(slots) {
+                if let Some(tensor) = tensor {
+                    out.insert(name.to_string(), tensor);
+                }
+            }
         }
         Ok((
             out,
@@ -346,6 +423,51 @@ mod tests {
             shape: shape.to_vec(),
             dtypes: FLOAT_DTYPES.to_vec(),
         }
+    }
+
+    /// Read on threads (every size, so the split is uneven), the tensors are the one-thread read's, and a missing
+    /// name is still the error it is on one thread.
+    #[test]
+    fn load_f32_on_threads_reads_what_one_thread_reads() {
+        use crate::nn::tensor::TensorF32;
+        use crate::nn::weights::{write_safetensors, AnyTensor};
+        let dir = std::env::temp_dir().join(format!("tf-load-f32-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        let tensors: Vec<(String, TensorF32)> = (0..9usize)
+            .map(|i| {
+                let n = 1 + i * 37;
+                let data = (0..n).map(|j| (i * 1000 + j) as f32 * 0.25).collect();
+                (format!("t{i}"), TensorF32::new(vec![n], data).unwrap())
+            })
+            .collect();
+        let named: Vec<(&str, AnyTensor<'_>)> = tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
+            .collect();
+        write_safetensors(&dir.join("model.safetensors"), &named).unwrap();
+        let model = ModelDir::open(&dir).unwrap();
+        let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+        let (one, _) = model.load_f32_threaded_from(&names, u64::MAX).unwrap();
+        let (many, stats) = model.load_f32_threaded_from(&names, 0).unwrap();
+        assert_eq!(one.len(), names.len());
+        assert_eq!(
+            stats.bytes,
+            tensors
+                .iter()
+                .map(|(_, t)| 4 * t.data().len() as u64)
+                .sum::<u64>()
+        );
+        for (name, t) in &one {
+            assert_eq!(many[name].shape(), t.shape(), "{name}");
+            assert_eq!(many[name].data(), t.data(), "{name}");
+        }
+        let missing = model.load_f32_threaded_from(&["t1", "absent", "t2"], 0);
+        assert!(
+            matches!(missing, Err(WeightsError::MissingTensor { .. })),
+            "{missing:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
