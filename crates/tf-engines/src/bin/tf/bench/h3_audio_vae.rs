@@ -17,7 +17,9 @@ mod imp {
 
     use tf_cuda::gpu_memory::Baseline;
     use tf_cuda::{Context, Driver};
-    use tf_engines::minimax_h3::vae_audio_gpu::GpuAudioVae;
+    use tf_engines::minimax_h3::vae_audio::HostAudioVae;
+    use tf_engines::minimax_h3::vae_audio_gpu::{AudioVaeLayout, GpuAudioVae};
+    use tf_engines::nn::gpu::GpuDevice;
     use tf_engines::nn::sampling::seeded::SplitMix64;
     use tf_engines::nn::tensor::{relative_l2, TensorF32};
     use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
@@ -44,9 +46,18 @@ mod imp {
         let info = ctx.device_info()?;
         let baseline = Baseline::capture(&ctx)?;
         tf_cuda::usage::reset_peaks();
+        // `GpuAudioVae::load_on` in its phases: the host reference's read and weight norm, the kernels' layout, the
+        // upload with the kernels' module.
+        let device = GpuDevice::on(&ctx)?;
         let started = Instant::now();
-        let mut vae = GpuAudioVae::load_on(&ctx, &ModelDir::open(&args.model)?)?;
+        let host = HostAudioVae::load(&ModelDir::open(&args.model)?)?;
+        let read_s = started.elapsed().as_secs_f64();
+        let layout = AudioVaeLayout::from_host(&host)?;
+        drop(host);
+        let layout_s = started.elapsed().as_secs_f64() - read_s;
+        let mut vae = GpuAudioVae::with_layout(&device, layout)?;
         let load_s = started.elapsed().as_secs_f64();
+        let upload_s = load_s - read_s - layout_s;
         let channels = vae.config().latent_channels;
         let latents = match &args.latents {
             Some(path) => SafetensorsFile::open(path)?.to_f32("latents")?,
@@ -60,7 +71,8 @@ mod imp {
         };
         let frames = latents.shape().get(2).copied().unwrap_or(0);
         println!(
-            "tf bench h3-audio-vae on {}: {} loaded in {load_s:.2} s ({:.1} MB of f32 weights); latents {:?} ({:.2} s \
+            "tf bench h3-audio-vae on {}: {} loaded in {load_s:.2} s (read and weight norm {read_s:.3} s, layout \
+             {layout_s:.3} s, upload {upload_s:.3} s; {:.1} MB of f32 weights); latents {:?} ({:.2} s \
              of {} audio at {} Hz)",
             info.name,
             args.model.display(),
@@ -106,6 +118,8 @@ mod imp {
                 "peak_device_buffer_bytes": peak,
                 "resident_bytes": resident.resident,
                 "weight_bytes": vae.weight_bytes(),
+                "load_s": load_s,
+                "load_phases_s": {"read_and_weight_norm": read_s, "layout": layout_s, "upload": upload_s},
             },
         });
         if let Some(out) = &args.out {
