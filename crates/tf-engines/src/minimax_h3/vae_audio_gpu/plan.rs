@@ -219,7 +219,7 @@ impl Blob {
 const BLOB_ALIGNMENT_SLACK: usize = 1 << 14;
 
 /// Elements from which [`transpose_into`] splits its work over the host's threads.
-const PARALLEL_TRANSPOSE_ELEMENTS: usize = 1 << 20;
+const PARALLEL_TRANSPOSE_ELEMENTS: usize = 1 << 18;
 
 /// `dst[c rows + r] = src[r cols + c]` for a row-major `rows x cols` `src`: in square tiles (both sides stay in
 /// cache), and split by destination rows over the host's threads when large.
