@@ -10,6 +10,7 @@ use std::path::Path;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tf_engines::minimax_h3::vae_audio::{AudioVaeConfig, HostAudioVae};
 use tf_engines::minimax_h3::vae_audio_gpu::AudioVaeLayout;
+use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::TensorF32;
 use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir};
 
@@ -22,19 +23,13 @@ fn write_folder(dir: &Path) -> usize {
         "latents_std": vec![0.9f64; c],
     });
     std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    let mut rng = SplitMix64::new(11);
     let tensors: Vec<(String, TensorF32)> = config
         .tensor_specs()
         .into_iter()
         .map(|spec| {
             let n: usize = spec.shape.iter().product();
-            let data = (0..n).map(|_| next() * 0.3 + 0.01).collect();
+            let data = rng.uniform_vec(n, -0.14, 0.16);
             (spec.name, TensorF32::new(spec.shape, data).unwrap())
         })
         .collect();
