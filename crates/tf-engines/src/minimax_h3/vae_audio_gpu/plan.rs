@@ -90,28 +90,50 @@ fn layout_err(why: impl Into<String>) -> AudioVaeError {
 }
 
 /// Appends 16-byte aligned entries to the blob.
-struct Blob(Vec<f32>);
+///
+/// The values are allocated zeroed up front for the whole decoder when its size is known: such an allocation maps
+/// pages that are first touched by the threads that fill them (a zero fill here would touch them all on this one).
+struct Blob {
+    values: Vec<f32>,
+    len: usize,
+}
 
 impl Blob {
-    fn push(&mut self, values: impl IntoIterator<Item = f32>) -> usize {
-        self.align();
-        let at = self.0.len();
-        self.0.extend(values);
-        at
+    /// A blob with room for `expected` values (none when that is beyond [`MAX_BLOB_PREALLOCATION`]).
+    fn with_room(expected: usize) -> Blob {
+        let room = if expected <= MAX_BLOB_PREALLOCATION {
+            expected
+        } else {
+            0
+        };
+        Blob {
+            values: vec![0.0; room],
+            len: 0,
+        }
     }
 
-    fn align(&mut self) {
-        while !self.0.len().is_multiple_of(4) {
-            self.0.push(0.0);
-        }
+    fn push(&mut self, values: impl IntoIterator<Item = f32>) -> usize {
+        let values: Vec<f32> = values.into_iter().collect();
+        let (at, dst) = self.entry(values.len());
+        dst.copy_from_slice(&values);
+        at
     }
 
     /// A new aligned entry of `len` zeros to fill in place: its offset and its values.
     fn entry(&mut self, len: usize) -> (usize, &mut [f32]) {
-        self.align();
-        let at = self.0.len();
-        self.0.resize(at + len, 0.0);
-        (at, &mut self.0[at..])
+        let at = self.len.next_multiple_of(4);
+        let end = at + len;
+        if self.values.len() < end {
+            self.values.resize(end, 0.0);
+        }
+        self.len = end;
+        (at, &mut self.values[at..end])
+    }
+
+    /// The values, without the unused room.
+    fn into_values(mut self) -> Vec<f32> {
+        self.values.truncate(self.len);
+        self.values
     }
 
     /// A regular convolution `[cout, cin, k]` as `wt[(ci k + j) cout + co]`.
@@ -218,6 +240,10 @@ impl Blob {
 /// Elements of alignment padding reserved beside the parameters (at most 3 an entry, a few hundred entries).
 const BLOB_ALIGNMENT_SLACK: usize = 1 << 14;
 
+/// The most values [`Blob::with_room`] allocates up front: a validated config's parameter count (at most 2^34) and
+/// its slack.
+const MAX_BLOB_PREALLOCATION: usize = (1 << 34) + BLOB_ALIGNMENT_SLACK;
+
 /// Elements from which [`transpose_into`] splits its work over the host's threads.
 const PARALLEL_TRANSPOSE_ELEMENTS: usize = 1 << 18;
 
@@ -273,10 +299,8 @@ impl AudioVaeLayout {
                 "the SnakeBeta kernel is built for ratio 2 and 12 taps",
             ));
         }
-        let mut blob = Blob(Vec::new());
-        // Room for every parameter and the entries' alignment at once, so the blob is never copied as it grows
-        // (without it, on demand).
-        let _ = blob.0.try_reserve(
+        // Room for every parameter and the entries' alignment at once (the blob grows on demand past it).
+        let mut blob = Blob::with_room(
             host.config()
                 .parameter_count()
                 .saturating_add(BLOB_ALIGNMENT_SLACK),
@@ -315,7 +339,7 @@ impl AudioVaeLayout {
             config: host.config().clone(),
             mean: host.mean.clone(),
             std: host.std.clone(),
-            blob: blob.0,
+            blob: blob.into_values(),
             dec_in,
             conv_pre,
             stages,
