@@ -602,6 +602,28 @@ def device_text_encoder(config):
     return model.eval()
 
 
+def check_device_memory(dit_config, text_config):
+    """Stops with the cause when the bf16 DiT and text encoder cannot both be resident on this GPU (diffusers' pipeline
+    holds them together), instead of an out-of-memory error halfway through building them."""
+    if not DEVICE.startswith("cuda"):
+        return
+    try:
+        with torch.device("meta"):
+            dit_params = sum(p.numel() for p in MiniMaxH3Transformer3DModel(**dit_config).parameters())
+            text_params = sum(p.numel() for p in Qwen3VLForConditionalGeneration._from_config(
+                text_config, dtype=torch.bfloat16).parameters())
+    except Exception as e:  # the size check is advice: a failure to size the models must not stop the run
+        log(f"could not size the pipeline ahead ({type(e).__name__}: {e}); building it anyway")
+        return
+    need = 2 * (dit_params + text_params)
+    total = torch.cuda.get_device_properties(0).total_memory
+    if total < need:
+        sys.exit(f"h3_pipeline_reference.py timing: diffusers' bf16 pipeline keeps its DiT ({dit_params / 1e9:.1f}B "
+                 f"parameters) and text encoder ({text_params / 1e9:.1f}B) on the GPU together, {need / 2**30:.1f} GiB "
+                 f"of weights before any activation, and this GPU has {total / 2**30:.1f} GiB: run it on a larger "
+                 f"card (an H200); `--folder-only` still writes the folder for `tf video`")
+
+
 def timing(args):
     out_dir = args.out
     model_dir = os.path.join(out_dir, "model")
@@ -641,6 +663,7 @@ def timing(args):
         write_json(summary_path, summary)
         log("--folder-only: no diffusers run")
         return
+    check_device_memory(dit_full, qwen_config(dict(text_full, num_hidden_layers=TEXT_LAYERS), vision, tokenizer))
 
     # The pipeline on the device.
     reset_peaks()
