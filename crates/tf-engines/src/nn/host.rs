@@ -40,6 +40,36 @@ fn check_row_mod(row_mod: &[usize], rows: usize, n_mod: usize) -> Result<(), Sha
     Ok(())
 }
 
+/// Runs `work(first_row, rows)` over `out` cut into runs of whole rows of `row_len` values: one run on this thread
+/// unless `parallel`, else one run per host thread (at most one per row), each on its own scoped thread. The rows a
+/// run gets do not depend on where it runs, so a row-wise `work` gives the same values either way.
+pub fn for_row_runs<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    parallel: bool,
+    work: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let rows = out.len().checked_div(row_len).unwrap_or(0);
+    let threads = if parallel {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(rows)
+    } else {
+        1
+    };
+    if threads <= 1 {
+        work(0, out);
+        return;
+    }
+    let rows_per = rows.div_ceil(threads);
+    let work = &work;
+    std::thread::scope(|scope| {
+        for (i, run) in out.chunks_mut(rows_per * row_len).enumerate() {
+            scope.spawn(move || work(i * rows_per, run));
+        }
+    });
+}
+
 /// `out[r, o] = sum_i x[r, i] * weight[o, i]` (Y = X W^T, W in the PyTorch `[out, in]` layout, no bias).
 /// Splits rows over the available cores when the product is large.
 pub fn linear(
@@ -68,26 +98,19 @@ pub fn linear(
     if rows == 0 || out_features == 0 {
         return Ok(());
     }
+    if in_features == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
     let work = rows
         .saturating_mul(in_features)
         .saturating_mul(out_features);
-    let threads = if work < 1 << 20 {
-        1
-    } else {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(rows)
-    };
-    let rows_per = rows.div_ceil(threads);
-    let kernel = |x_rows: &[f32], out_rows: &mut [f32]| {
-        for (x_row, out_row) in x_rows
-            .chunks_exact(in_features.max(1))
+    for_row_runs(out, out_features, work >= 1 << 20, |first, out_rows| {
+        for (x_row, out_row) in x[first * in_features..]
+            .chunks_exact(in_features)
             .zip(out_rows.chunks_exact_mut(out_features))
         {
-            for (o, w_row) in out_row
-                .iter_mut()
-                .zip(weight.chunks_exact(in_features.max(1)))
-            {
+            for (o, w_row) in out_row.iter_mut().zip(weight.chunks_exact(in_features)) {
                 let mut acc = 0f64;
                 for (&a, &b) in x_row.iter().zip(w_row) {
                     acc += f64::from(a) * f64::from(b);
@@ -95,23 +118,7 @@ pub fn linear(
                 *o = acc as f32;
             }
         }
-    };
-    if in_features == 0 {
-        out.fill(0.0);
-        return Ok(());
-    }
-    if threads <= 1 {
-        kernel(x, out);
-    } else {
-        std::thread::scope(|scope| {
-            for (x_part, out_part) in x
-                .chunks(rows_per * in_features)
-                .zip(out.chunks_mut(rows_per * out_features))
-            {
-                scope.spawn(move || kernel(x_part, out_part));
-            }
-        });
-    }
+    });
     Ok(())
 }
 
@@ -1242,8 +1249,13 @@ pub fn weight_norm(v: &[f32], g: &[f32], rows: usize) -> Result<Vec<f32>, ShapeE
     }
     let per = v.len() / rows;
     let mut out = vec![0f32; v.len()];
-    let normalize = |v: &[f32], g: &[f32], out: &mut [f32]| {
-        for ((row, &gi), out_row) in v.chunks_exact(per).zip(g).zip(out.chunks_exact_mut(per)) {
+    // Rows are independent: a large weight is split over the host's threads (the same values).
+    for_row_runs(&mut out, per, v.len() >= 1 << 20, |first, out_rows| {
+        for ((row, &gi), out_row) in v[first * per..]
+            .chunks_exact(per)
+            .zip(&g[first..])
+            .zip(out_rows.chunks_exact_mut(per))
+        {
             let norm = row
                 .iter()
                 .map(|&a| f64::from(a) * f64::from(a))
@@ -1254,29 +1266,7 @@ pub fn weight_norm(v: &[f32], g: &[f32], rows: usize) -> Result<Vec<f32>, ShapeE
                 *o = a * scale;
             }
         }
-    };
-    // Rows are independent: a large weight is split over the host's threads (the same values).
-    let threads = if v.len() < 1 << 20 {
-        1
-    } else {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(rows)
-    };
-    if threads <= 1 {
-        normalize(v, g, &mut out);
-    } else {
-        let rows_per = rows.div_ceil(threads);
-        std::thread::scope(|scope| {
-            for ((v_part, g_part), out_part) in v
-                .chunks(rows_per * per)
-                .zip(g.chunks(rows_per))
-                .zip(out.chunks_mut(rows_per * per))
-            {
-                scope.spawn(move || normalize(v_part, g_part, out_part));
-            }
-        });
-    }
+    });
     Ok(out)
 }
 
@@ -1619,6 +1609,31 @@ mod tests {
         let w = weight_norm(&[3.0, 4.0, 0.0, 2.0], &[10.0, -1.0], 2).unwrap();
         assert_eq!(w, vec![6.0, 8.0, 0.0, -1.0]);
         assert!(weight_norm(&[1.0, 2.0, 3.0], &[1.0, 1.0], 2).is_err());
+    }
+
+    /// Every row reaches `work` once, with its own index, on one thread or split unevenly over several.
+    #[test]
+    fn row_runs_cover_every_row_once_with_its_index() {
+        for (rows, row_len, parallel) in [
+            (0, 3, true),
+            (1, 3, true),
+            (7, 3, true),
+            (1000, 5, true),
+            (7, 3, false),
+        ] {
+            let mut out = vec![usize::MAX; rows * row_len];
+            for_row_runs(&mut out, row_len, parallel, |first, run| {
+                for (i, v) in run.iter_mut().enumerate() {
+                    *v = first + i / row_len;
+                }
+            });
+            for (r, row) in out.chunks_exact(row_len).enumerate() {
+                assert!(
+                    row.iter().all(|&v| v == r),
+                    "{rows} rows, parallel {parallel}: row {r} got {row:?}"
+                );
+            }
+        }
     }
 
     /// A weight large enough to be split over threads (an uneven split) gives each row's one-thread values.

@@ -10,6 +10,7 @@ use crate::minimax_h3::vae_audio::{
     ACTIVATION_TAPS, MAX_BATCH, MAX_FRAMES,
 };
 use crate::nn::backend_error::gpu_error;
+use crate::nn::host::for_row_runs;
 use crate::nn::tensor::TensorF32;
 
 /// Elements of the largest buffer a decode may allocate (2^30 f32, 4 GiB).
@@ -271,23 +272,9 @@ fn transpose_into(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
             }
         }
     };
-    let threads = if dst.len() < PARALLEL_TRANSPOSE_ELEMENTS {
-        1
-    } else {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(cols)
-    };
-    if threads <= 1 {
-        tiles(dst, 0);
-        return;
-    }
-    let cols_per = cols.div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (i, part) in dst.chunks_mut(cols_per * rows).enumerate() {
-            let tiles = &tiles;
-            scope.spawn(move || tiles(part, i * cols_per));
-        }
+    let parallel = dst.len() >= PARALLEL_TRANSPOSE_ELEMENTS;
+    for_row_runs(dst, rows, parallel, |first_col, part| {
+        tiles(part, first_col)
     });
 }
 
