@@ -319,8 +319,7 @@ fn layer_index(name: &str) -> Option<usize> {
 /// Waits for a component's uploads, so its load time is the whole load.
 fn uploads_done(device: &GpuDevice) -> Result<(), PipelineError> {
     device
-        .context()
-        .synchronize()
+        .wait_for_uploads()
         .map_err(|e| super::gpu("waiting for the uploads", e))
 }
 

@@ -62,6 +62,12 @@ impl GpuDevice {
     pub fn stream(&self) -> &Arc<Stream> {
         &self.stream
     }
+
+    /// Waits until everything queued on the device's context has finished: a component's uploads, so that its
+    /// load time is the whole load.
+    pub fn wait_for_uploads(&self) -> Result<(), Error> {
+        self.ctx.synchronize()
+    }
 }
 
 impl std::fmt::Debug for GpuDevice {

@@ -100,8 +100,7 @@ impl Sequential {
 /// Waits for a component's uploads, so its load time is the whole load.
 pub(super) fn uploads_done(device: &GpuDevice) -> Result<(), PipelineError> {
     device
-        .context()
-        .synchronize()
+        .wait_for_uploads()
         .map_err(|e| gpu("waiting for the uploads", e))
 }
 
