@@ -16,7 +16,7 @@ use tf_engines::worker::client::WorkerProcess;
 use tf_engines::worker::{
     Ending, EngineError, ImageJob, Progress, RgbaImage, Worker, WorkerEngine, WorkerLimits,
 };
-use worker_session::{final_replies, session};
+use worker_session::assert_budgeted_session_loads_per_request;
 
 /// What the fake engine saw.
 #[derive(Default, Debug)]
@@ -948,19 +948,6 @@ fn a_worker_with_a_device_budget_loads_its_components_per_request_and_says_so() 
         .arg(&model);
     let generate: Value =
         serde_json::from_str(&generate_line(&dir, "a fox", json!({"steps": 2}))).unwrap();
-    let out = session(
-        worker,
-        &[json!({"op": "load"}), generate, json!({"op": "exit"})],
-    );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let replies = final_replies(&out);
-    assert_eq!(replies.len(), 3, "{replies:?}");
-    assert!(replies.iter().all(|r| r["ok"] == true), "{replies:?}");
-    assert!(stderr.contains("load, run and free in turn"), "{stderr}");
-    assert!(
-        stderr.contains("component loads in the request"),
-        "{stderr}"
-    );
+    assert_budgeted_session_loads_per_request(worker, generate);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -17,7 +17,7 @@ use tf_engines::worker::{
     Audio, EngineError, EngineOutput, ImageJob, Progress, RgbaImage, VideoJob, Worker,
     WorkerEngine, WorkerLimits,
 };
-use worker_session::{final_replies, session};
+use worker_session::{assert_budgeted_session_loads_per_request, session};
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("tf-worker-video-{}-{name}", std::process::id()));
@@ -637,22 +637,6 @@ fn an_h3_worker_with_a_device_budget_loads_its_components_per_request_and_says_s
         .arg(h3_model());
     let request = json!({"op": "generate", "dir": dir.display().to_string(), "request": {"video": {
         "prompt": "waves", "width": 16, "height": 32, "seconds": 0.5, "steps": 2, "seed": 1, "audio": true}}});
-    let out = session(
-        worker,
-        &[json!({"op": "load"}), request, json!({"op": "exit"})],
-    );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let replies = final_replies(&out);
-    assert_eq!(replies.len(), 3, "{replies:?}");
-    assert!(
-        replies.iter().all(|r| r["ok"] == true),
-        "{replies:?} / {stderr}"
-    );
-    assert!(stderr.contains("load, run and free in turn"), "{stderr}");
-    assert!(
-        stderr.contains("component loads in the request"),
-        "{stderr}"
-    );
+    assert_budgeted_session_loads_per_request(worker, request);
     let _ = std::fs::remove_dir_all(&dir);
 }

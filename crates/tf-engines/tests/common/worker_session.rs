@@ -33,3 +33,31 @@ pub fn final_replies(out: &Output) -> Vec<Value> {
         .filter(|v: &Value| v.get("ok").is_some())
         .collect()
 }
+
+/// A session of a load, the one `generate` request and an exit through `worker`, a `tf worker` with a device budget
+/// below its components' sum: it ends cleanly with three ok replies, and its log (standard error) names the
+/// sequential plan and how long the request spent loading its components.
+#[allow(dead_code)]
+pub fn assert_budgeted_session_loads_per_request(worker: Command, generate: Value) {
+    let out = session(
+        worker,
+        &[
+            serde_json::json!({"op": "load"}),
+            generate,
+            serde_json::json!({"op": "exit"}),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let replies = final_replies(&out);
+    assert_eq!(replies.len(), 3, "{replies:?}");
+    assert!(
+        replies.iter().all(|r| r["ok"] == true),
+        "{replies:?} / {stderr}"
+    );
+    assert!(stderr.contains("load, run and free in turn"), "{stderr}");
+    assert!(
+        stderr.contains("component loads in the request"),
+        "{stderr}"
+    );
+}
