@@ -12,8 +12,9 @@
 // w's 256 rows into a 4-stage ring in the 128-byte swizzle; warpgroups 1 and 2 each take 64 rows of x and issue
 // wgmma m64n256k32 s32.s8.s8 on them, four a slice, keeping one slice's MMAs in flight and releasing a stage as
 // soon as the MMAs that read it are done. The CTAs are persistent (one an SM, each looping over tiles), so the
-// producer loads the next tile while the consumers store one. Tiles run over M fastest, so the tiles in flight at
-// once share w's column blocks and all of x stays in L2 (x is the smaller operand at the DiT shapes).
+// producer loads the next tile while the consumers store one. Tiles run over M fastest within bands of M tiles
+// (tile_origin; every kernel's last argument `band` is the band's M tiles): with one band the tiles in flight share
+// w's column blocks and all of x stays in L2 while x fits there; a larger x is split into bands whose rows do.
 //
 // The epilogue stores 16 bytes a lane (8 columns, after a transpose within each quad of lanes) when N and y's row
 // stride are multiples of 8, else pairs of columns.
@@ -126,9 +127,19 @@ struct G8Operands<true> {
     }
 };
 
-// The first row and column of output tile `tile`, tiles numbered M-fastest.
-__device__ __forceinline__ int2 tile_origin(int tile, int m_tiles) {
-    return make_int2((tile % m_tiles) * kG8Rows, (tile / m_tiles) * kG8Cols);
+// The first row and column of output tile `tile` of an m_tiles x n_tiles grid (tile_cols columns a tile). Tiles are
+// numbered in bands of `band` M tiles (the last band may hold fewer; band <= 0 or >= m_tiles: one band), each band's
+// tiles M-fastest. One band is plain M-fastest order, in which every wave of CTAs reads all of x: from memory again
+// each wave once x outgrows L2. In a band the CTAs in flight share few enough rows of x (and of w) to keep them in
+// L2 while the band sweeps w's columns (the host picks the band, `Int8GemmShape::band_tiles`).
+__device__ __forceinline__ int2 tile_origin(int tile, int m_tiles, int n_tiles, int band, int tile_cols) {
+    const int rows = (band > 0 && band < m_tiles) ? band : m_tiles;
+    const int per_band = rows * n_tiles;
+    const int b = tile / per_band;
+    const int first = b * rows;
+    const int in_band = min(rows, m_tiles - first);
+    const int local = tile - b * per_band;
+    return make_int2((first + local % in_band) * kG8Rows, (local / in_band) * tile_cols);
 }
 
 // The four lanes of quad q (lane & 3) each hold one packed column pair of four 8-column blocks (v[t]: block t);
@@ -462,8 +473,8 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
 template <bool kBf16, bool kSwiglu = false, int kQkv = 0>
 __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
-                                           int64_t y_row_stride, int m, int n, int k, int gate_base = 0,
-                                           int value_base = 0, const G8Qkv* qkv = nullptr) {
+                                           int64_t y_row_stride, int m, int n, int k, int band,
+                                           int gate_base = 0, int value_base = 0, const G8Qkv* qkv = nullptr) {
     static_assert(!(kBf16 && kSwiglu), "the SwiGLU epilogue is INT8's");
     static_assert(kQkv == 0 || (!kBf16 && !kSwiglu), "the q|k|v epilogues are the plain INT8 GEMM's");
     // Output columns a tile stores.
@@ -474,7 +485,8 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     __shared__ __align__(8) uint64_t barriers[2 * kG8Stages];  // full[s], then empty[s]
     const G8Ring<kG8Stages, kG8StageBytes, kG8ABytes> ring(g8_smem, barriers);
     const int m_tiles = (m + kG8Rows - 1) / kG8Rows;
-    const int tiles = m_tiles * ((n + kTileCols - 1) / kTileCols);
+    const int n_tiles = (n + kTileCols - 1) / kTileCols;
+    const int tiles = m_tiles * n_tiles;
     const int slices = (k + Ops::kSliceElems - 1) / Ops::kSliceElems;
     const int warpgroup = threadIdx.x / 128;
     ring.init();
@@ -485,7 +497,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         if (threadIdx.x == 0) {
             int it = 0;
             for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-                const int2 origin = tile_origin(tile, m_tiles);
+                const int2 origin = tile_origin(tile, m_tiles, n_tiles, band, kTileCols);
                 for (int t = 0; t < slices; ++t, ++it) {
                     const int s = ring.acquire(it);
                     const uint32_t full = ring.full(s);
@@ -495,7 +507,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
                     if constexpr (kSwiglu) {
                         // Gate rows, then value rows, of this tile's 128 hidden columns (a 16 KiB offset keeps
                         // the swizzle's 1024-byte blocks).
-                        const int hidden0 = (tile / m_tiles) * kTileCols;
+                        const int hidden0 = origin.y;
                         tma_box_2d(b_tile, &tm_w, t * Ops::kSliceElems, gate_base + hidden0, full);
                         tma_box_2d(b_tile + kTileCols * kG8Slice, &tm_w, t * Ops::kSliceElems, value_base + hidden0,
                                    full);
@@ -516,7 +528,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     for (int i = 0; i < 128; ++i) acc[i] = Acc(0);
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int2 origin = tile_origin(tile, m_tiles);
+        const int2 origin = tile_origin(tile, m_tiles, n_tiles, band, kTileCols);
         const int m0 = origin.x;
         const int n0 = origin.y;
         for (int t = 0; t < slices; ++t, ++it) {
@@ -549,7 +561,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
 
         if constexpr (kSwiglu) {
             swiglu_epilogue(acc, x_scale, w_scale, y, y_row_stride, m, n,
-                            make_int2(m0 + consumer * 64 + warp * 16 + lane / 4, (tile / m_tiles) * kTileCols),
+                            make_int2(m0 + consumer * 64 + warp * 16 + lane / 4, n0),
                             make_int2(gate_base, value_base), lane);
             continue;
         }
@@ -658,12 +670,13 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
 
 // The INT8 GEMM above. tm_x: x as {K bytes, M rows, 1}, boxes of 128 bytes x 128 rows; tm_w: w as {K bytes, N rows,
 // 1}, boxes of 128 bytes x 256 rows; both 128-byte swizzle, zero fill. Persistent: a 1-D grid of at most one CTA
-// an SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory.
+// an SM (each loops over tiles), 384 threads, kG8Stages * 48 KiB + 1 KiB of dynamic shared memory. band: M tiles
+// a band of the tile order (tile_origin; 0 for one band).
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k) {
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int n, int k, int band) {
 #if defined(NN_HAS_WGMMA)
-    gemm_tiles<false>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, n, k);
+    gemm_tiles<false>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, n, k, band);
 #else
     __trap();
 #endif
@@ -675,9 +688,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16(
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_constant__ TmaMap tm_x,
                                                                   const __grid_constant__ TmaMap tm_w,
                                                                   bf16* __restrict__ y, int64_t y_row_stride, int m,
-                                                                  int n, int k) {
+                                                                  int n, int k, int band) {
 #if defined(NN_HAS_WGMMA)
-    gemm_tiles<true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k);
+    gemm_tiles<true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k, band);
 #else
     __trap();
 #endif
@@ -691,9 +704,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_c
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
     const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int hidden, int k,
-    int gate_base, int value_base) {
+    int gate_base, int value_base, int band) {
 #if defined(NN_HAS_WGMMA)
-    gemm_tiles<false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, gate_base, value_base);
+    gemm_tiles<false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base,
+                            value_base);
 #else
     __trap();
 #endif
@@ -702,10 +716,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
 // The q|k|v kernels' parameters, and their body for epilogue form F (kG8QkvInterleaved or kG8QkvHalf).
 #define G8_QKV_PARAMS                                                                                               \
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
-        const float *__restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k
+        const float *__restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k, int band
 #if defined(NN_HAS_WGMMA)
 #define G8_QKV_BODY(F) \
-    gemm_tiles<false, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, 0, 0, &qkv)
+    gemm_tiles<false, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, band, 0, 0, &qkv)
 #else
 #define G8_QKV_BODY(F) __trap()
 #endif

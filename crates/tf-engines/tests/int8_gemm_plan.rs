@@ -18,6 +18,13 @@ use tf_testdriver::test_lock;
 mod test_driver;
 use test_driver::context as test_context;
 
+/// A launch's last argument, a 4-byte int: every GEMM kernel of the set ends with its tile order's band.
+fn last_int(launch: &tf_engines::nn::gpu::Launch<'_>) -> i32 {
+    let sizes = launch.args().sizes();
+    assert_eq!(sizes.last(), Some(&4), "the last argument is an int");
+    launch.args().get::<i32>(sizes.len() - 1).expect("an int")
+}
+
 #[test]
 fn the_launcher_names_each_refusal() {
     let _serial = test_lock();
@@ -70,6 +77,11 @@ fn the_launcher_names_each_refusal() {
         assert_eq!((config.grid.x, config.grid.y, config.grid.z), (1, 1, 1));
         assert_eq!(config.block.x, 384);
         assert_eq!(config.shared_bytes, SHARED_BYTES);
+        assert_eq!(
+            last_int(&launch),
+            1,
+            "the tile order's band: the one M tile"
+        );
     }
 }
 
@@ -132,6 +144,11 @@ fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
         let config = launch.config();
         assert_eq!((config.grid.x, config.block.x), (1, 384));
         assert_eq!(config.shared_bytes, SHARED_BYTES);
+        assert_eq!(
+            last_int(&launch),
+            1,
+            "the tile order's band: the one M tile"
+        );
     }
 }
 
@@ -336,6 +353,11 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
         .expect("valid in-place call");
         assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[4]);
         assert_eq!(launch.config().grid.x, 3);
+        assert_eq!(
+            last_int(&launch),
+            1,
+            "the tile order's band: the one M tile"
+        );
     }
     // The separate pass's operands carry the same norm and tables; the rotate-half form has no such pass here.
     let jv = joint.view();

@@ -18,7 +18,7 @@ use proptest::test_runner::TestCaseError;
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::{Context, DeviceBuffer, DeviceView, DeviceViewMut};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_bf16_gemm, plan_bf16_gemm_spans, Int8GemmShape, GEMM_INT8_KERNELS, SHARED_BYTES,
+    plan_bf16_gemm, plan_bf16_gemm_spans, Int8GemmShape, TileBand, GEMM_INT8_KERNELS, SHARED_BYTES,
     TILE_COLS, TILE_ROWS,
 };
 use tf_engines::nn::gpu::{
@@ -1056,8 +1056,8 @@ fn check_bf16_gemm_plan(
     (x, w, y): ((u64, usize), (u64, usize), (u64, usize)),
 ) -> Result<(), TestCaseError> {
     prop_assert_eq!(l.kernel(), GEMM_INT8_KERNELS[1]);
-    // nn_gemm_bf16(tm_x, tm_w, y, y_row_stride (int64), m, n, k)
-    prop_assert_eq!(l.args().sizes(), &[128, 128, 8, 8, 4, 4, 4]);
+    // nn_gemm_bf16(tm_x, tm_w, y, y_row_stride (int64), m, n, k, band)
+    prop_assert_eq!(l.args().sizes(), &[128, 128, 8, 8, 4, 4, 4, 4]);
     let (m, n, k) = (int(l, 4) as u64, int(l, 5) as u64, int(l, 6) as u64);
     prop_assert!(m > 0 && n > 0 && k > 0 && n % 2 == 0 && k % 8 == 0);
     for (index, (base, len), rows, box_rows) in [(0, x, m, TILE_ROWS), (1, w, n, TILE_COLS)] {
@@ -1082,6 +1082,11 @@ fn check_bf16_gemm_plan(
     prop_assert_eq!(block(l), (384, 1, 1));
     prop_assert_eq!(l.config().shared_bytes, SHARED_BYTES);
     prop_assert!(l.config().validate(SHARED_BYTES).is_ok());
+    // The tile order's band: the default order's M tiles for this shape and bf16 x, one M tile at least.
+    let gemm = shape(m as usize, n as usize, k as usize);
+    let band = int(l, 7) as usize;
+    prop_assert_eq!(band, gemm.band_tiles(2, sm_count, TileBand::Auto));
+    prop_assert!(band >= 1 && band as u64 <= m.div_ceil(TILE_ROWS as u64));
     Ok(())
 }
 

@@ -124,6 +124,58 @@ pub fn swiglu_fused_for(loaded: Option<&Int8GemmKernels>, hidden: usize) -> Resu
     Ok(asked && loaded.is_some() && hidden.is_multiple_of(SWIGLU_TILE_COLS))
 }
 
+/// The environment variable that sets the order the GEMMs of this set take their output tiles in ([`TileBand`]):
+/// `auto` (the default), `off` (one band: plain M-fastest order) or a number of M tiles a band.
+pub const BAND_ENV: &str = "TF_GEMM_BAND";
+
+/// Bytes of `x` up to which [`TileBand::Auto`] keeps one band: the whole of `x` then stays in L2 (50 MB on the
+/// H100 and H200) while the tiles in flight sweep `w`'s columns.
+pub const ONE_BAND_X_BYTES: usize = 32 << 20;
+
+/// How the tiles of one GEMM are ordered: M-fastest within bands of M tiles (`tile_origin` in
+/// `kernels/nn/gemm_int8.cu`). In plain M-fastest order every wave of CTAs reads all of `x`; once `x` outgrows L2
+/// that is a read of `x` from memory each wave (H3's bf16 GEMMs: 62-165 MiB of `x`, 8-31 waves). In a band the
+/// CTAs in flight share the rows of `x` of a few M tiles and the columns of `w` of a few N tiles, so both come from
+/// L2 for most of the band. The products are the same in any order (each tile is computed alone).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TileBand {
+    /// One band while `x` fits in [`ONE_BAND_X_BYTES`]; else bands of about `sqrt(2 SMs)` M tiles, where the tiles
+    /// in flight (one an SM) cover twice as many M tiles of 128 rows as N tiles of 256 columns, balanced.
+    #[default]
+    Auto,
+    /// One band: plain M-fastest order.
+    Off,
+    /// Bands of at most this many M tiles (spread evenly: as few bands as that allows, each `ceil(M tiles /
+    /// bands)` tiles but the last).
+    Tiles(usize),
+}
+
+impl TileBand {
+    /// Parses a [`BAND_ENV`] value (empty: [`TileBand::Auto`]).
+    pub fn parse(value: &str) -> Result<TileBand, String> {
+        match value {
+            "" | "auto" => Ok(TileBand::Auto),
+            "off" => Ok(TileBand::Off),
+            other => match other.parse::<usize>() {
+                Ok(tiles) if tiles > 0 => Ok(TileBand::Tiles(tiles)),
+                _ => Err(format!(
+                    "{BAND_ENV}={other:?} is not a tile order: use `auto`, `off` or a positive number of M tiles"
+                )),
+            },
+        }
+    }
+
+    /// The order [`BAND_ENV`] asks for (the default when it is unset).
+    pub fn from_env() -> Result<TileBand, String> {
+        TileBand::parse(&std::env::var(BAND_ENV).unwrap_or_default())
+    }
+
+    /// [`TileBand::from_env`] as a launch planner's error for `op`.
+    fn from_env_for(op: &'static str) -> Result<TileBand, tf_cuda::Error> {
+        TileBand::from_env().map_err(|message| invalid(op, message))
+    }
+}
+
 /// Which INT8 GEMM runs ([`BACKEND_ENV`]), or which bf16 GEMM ([`BF16_BACKEND_ENV`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Int8GemmBackend {
@@ -211,6 +263,40 @@ impl Int8GemmShape {
         (self.m.div_ceil(TILE_ROWS), self.n.div_ceil(TILE_COLS))
     }
 
+    /// The M tiles of one band of the tile order ([`TileBand`]) for `x` of `elem_bytes` an element on `sm_count`
+    /// SMs; the kernel's `band` argument. `m_tiles` (one band) unless `band` splits M; then as few bands as its
+    /// largest band allows, of `ceil(M tiles / bands)` tiles each but the last (so the last is never a sliver: it
+    /// is short by fewer M tiles than there are bands).
+    pub fn band_tiles(&self, elem_bytes: usize, sm_count: usize, band: TileBand) -> usize {
+        let (m_tiles, _) = self.tiles();
+        let most = match band {
+            TileBand::Off => return m_tiles,
+            TileBand::Tiles(tiles) => tiles,
+            TileBand::Auto => {
+                let x_bytes = self.m.saturating_mul(self.k).saturating_mul(elem_bytes);
+                if x_bytes <= ONE_BAND_X_BYTES {
+                    return m_tiles;
+                }
+                // a x b tiles in flight with a b = SMs and 128 a = 256 b: a = sqrt(2 SMs).
+                sm_count.max(1).saturating_mul(2).isqrt()
+            }
+        };
+        let most = most.clamp(1, m_tiles.max(1));
+        let bands = m_tiles.div_ceil(most);
+        m_tiles.div_ceil(bands.max(1))
+    }
+
+    /// [`Int8GemmShape::band_tiles`] as the kernel's `int` argument, with the order [`BAND_ENV`] asks for.
+    fn band_arg(
+        &self,
+        op: &'static str,
+        elem_bytes: usize,
+        sm_count: usize,
+    ) -> Result<i32, tf_cuda::Error> {
+        let band = TileBand::from_env_for(op)?;
+        to_i32(op, "band", self.band_tiles(elem_bytes, sm_count, band))
+    }
+
     /// The persistent launch grid on `sm_count` SMs: one CTA an SM, never more CTAs than tiles.
     pub fn grid(&self, sm_count: usize) -> Result<u32, tf_cuda::Error> {
         // Shared by the INT8 and bf16 GEMMs, which tile alike.
@@ -264,6 +350,7 @@ pub fn plan_int8_gemm<'a>(
         .push_addr(inputs.x_scale.addr())
         .push_addr(inputs.w_scale.addr());
     push_output(&mut args, OP, shape, y.addr(), y_row_stride)?;
+    args.push(shape.band_arg(OP, 1, sm_count)?);
     Ok(Launch::new(
         GEMM_INT8_KERNELS[0],
         LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
@@ -338,7 +425,8 @@ pub fn plan_int8_swiglu_gemm<'a>(
         .push_addr(inputs.w_scale.addr());
     push_output(&mut args, OP, out, y.addr(), y_row_stride)?;
     args.push(to_i32(OP, "gate base", gate_base)?)
-        .push(to_i32(OP, "value base", value_base)?);
+        .push(to_i32(OP, "value base", value_base)?)
+        .push(out.band_arg(OP, 1, sm_count)?);
     Ok(Launch::new(
         GEMM_INT8_KERNELS[2],
         LaunchConfig::new(both.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
@@ -549,7 +637,8 @@ pub fn plan_int8_qkv_gemm<'a>(
             to_i32(OP, "rope stride", norm.rope_stride)?,
         ))
         .push(to_i32(OP, "M", m)?)
-        .push(to_i32(OP, "K", k)?);
+        .push(to_i32(OP, "K", k)?)
+        .push(shape.band_arg(OP, 1, sm_count)?);
     Ok(Launch::new(
         kernel,
         LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
@@ -655,6 +744,7 @@ fn pack_bf16(
     let mut args = Args::new();
     args.push(tm_x.words()).push(tm_w.words());
     push_output(&mut args, OP, shape, y.addr, y_row_stride)?;
+    args.push(shape.band_arg(OP, 2, sm_count)?);
     let config = LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES);
     Ok((config, args))
 }
@@ -909,6 +999,115 @@ pub fn int8_gemm_host(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn gemm(m: usize, n: usize, k: usize) -> Int8GemmShape {
+        Int8GemmShape { m, n, k }
+    }
+
+    #[test]
+    fn the_tile_order_bands_x_that_outgrows_l2_at_the_dit_shapes() {
+        let sms = 132;
+        // MiniMax H3 at S = 6026 (48 M tiles): bf16 x of 62-165 MiB in three bands of 16; INT8 x of the q|k|v and
+        // fc1 GEMMs (K = 5376, 30.9 MiB) fits, the out and fc2 ones (41, 82 MiB) do not.
+        for k in [5376, 7168, 14336] {
+            assert_eq!(
+                gemm(6026, 5376, k).band_tiles(2, sms, TileBand::Auto),
+                16,
+                "bf16 K = {k}"
+            );
+        }
+        assert_eq!(
+            gemm(6026, 21504, 5376).band_tiles(1, sms, TileBand::Auto),
+            48
+        );
+        assert_eq!(
+            gemm(6026, 5376, 7168).band_tiles(1, sms, TileBand::Auto),
+            16
+        );
+        assert_eq!(
+            gemm(6026, 5376, 14336).band_tiles(1, sms, TileBand::Auto),
+            16
+        );
+        // Qwen-Image at 1024 x 1024 (32 M tiles): bf16 x of K = 4096 is 32 MiB, one band; K = 12288 two bands.
+        assert_eq!(
+            gemm(4096, 12288, 4096).band_tiles(2, sms, TileBand::Auto),
+            32
+        );
+        assert_eq!(
+            gemm(4096, 4096, 12288).band_tiles(2, sms, TileBand::Auto),
+            16
+        );
+        // Asked for: off is one band; a count is balanced over M (18 of 48: three bands of 16; 5: ten of 4-5).
+        let h3 = gemm(6026, 5376, 14336);
+        assert_eq!(h3.band_tiles(2, sms, TileBand::Off), 48);
+        assert_eq!(h3.band_tiles(2, sms, TileBand::Tiles(18)), 16);
+        assert_eq!(h3.band_tiles(2, sms, TileBand::Tiles(5)), 5);
+        assert_eq!(h3.band_tiles(2, sms, TileBand::Tiles(1000)), 48);
+        // No SM count (a test driver) still gives a band of at least one tile.
+        assert_eq!(h3.band_tiles(2, 0, TileBand::Auto), 1);
+    }
+
+    #[test]
+    fn the_band_variable_names_what_it_takes() {
+        assert_eq!(TileBand::parse(""), Ok(TileBand::Auto));
+        assert_eq!(TileBand::parse("auto"), Ok(TileBand::Auto));
+        assert_eq!(TileBand::parse("off"), Ok(TileBand::Off));
+        assert_eq!(TileBand::parse("12"), Ok(TileBand::Tiles(12)));
+        for bad in ["0", "-3", "many", "1.5"] {
+            let err = TileBand::parse(bad).expect_err(bad);
+            assert!(
+                err.contains(BAND_ENV) && err.contains("positive number of M tiles"),
+                "{err}"
+            );
+        }
+    }
+
+    /// The kernel's `tile_origin` (kernels/nn/gemm_int8.cu) in tile units: (M tile, N tile) of tile `tile`.
+    fn kernel_tile_order(
+        tile: usize,
+        m_tiles: usize,
+        n_tiles: usize,
+        band: usize,
+    ) -> (usize, usize) {
+        let rows = if band > 0 && band < m_tiles {
+            band
+        } else {
+            m_tiles
+        };
+        let per_band = rows * n_tiles;
+        let b = tile / per_band;
+        let first = b * rows;
+        let in_band = rows.min(m_tiles - first);
+        let local = tile - b * per_band;
+        (first + local % in_band, local / in_band)
+    }
+
+    proptest! {
+        /// Whatever band the host picks, the kernel's order visits every output tile exactly once, and the last
+        /// band is short by fewer M tiles than there are bands.
+        #[test]
+        fn every_band_covers_each_tile_once(
+            m in 1usize..3000,
+            n_tiles in 1usize..40,
+            k in prop::sample::select(vec![64usize, 4096, 5376, 14336]),
+            asked in prop::option::of(1usize..60),
+            sms in 0usize..200,
+        ) {
+            let shape = gemm(m, n_tiles * TILE_COLS, k);
+            let (m_tiles, _) = shape.tiles();
+            let band = shape.band_tiles(2, sms, asked.map_or(TileBand::Auto, TileBand::Tiles));
+            prop_assert!((1..=m_tiles).contains(&band));
+            let bands = m_tiles.div_ceil(band);
+            prop_assert!(m_tiles - (bands - 1) * band + bands > band);
+            let mut seen = vec![false; m_tiles * n_tiles];
+            for tile in 0..m_tiles * n_tiles {
+                let (mi, ni) = kernel_tile_order(tile, m_tiles, n_tiles, band);
+                prop_assert!(mi < m_tiles && ni < n_tiles);
+                prop_assert!(!std::mem::replace(&mut seen[mi * n_tiles + ni], true), "tile {} twice", tile);
+            }
+        }
+    }
 
     #[test]
     fn shapes_the_kernel_tiles_and_those_it_refuses() {
