@@ -127,6 +127,48 @@ struct G8Operands<true> {
     }
 };
 
+// The epilogues' view of one accumulator: the product the plain GEMM stores, in f32 (INT8: the int32 sum scaled by
+// its row's and column's scales, rounded to bf16; bf16: the f32 sum rounded to bf16), and f32 values kept in the
+// accumulator registers between an epilogue's passes (INT8 keeps their bits in the int32 registers).
+__device__ __forceinline__ float g8_product(int32_t a, float row_scale, float col_scale) {
+    return nn::round_bf16(static_cast<float>(a) * (row_scale * col_scale));
+}
+__device__ __forceinline__ float g8_product(float a, float, float) { return nn::round_bf16(a); }
+__device__ __forceinline__ void g8_keep(int32_t& slot, float v) { slot = __float_as_int(v); }
+__device__ __forceinline__ void g8_keep(float& slot, float v) { slot = v; }
+__device__ __forceinline__ float g8_kept(int32_t slot) { return __int_as_float(slot); }
+__device__ __forceinline__ float g8_kept(float slot) { return slot; }
+
+// Whether an accumulator type is the bf16 GEMM's (f32 sums, no scales).
+template <typename Acc>
+struct G8Float {
+    static constexpr bool value = false;
+};
+template <>
+struct G8Float<float> {
+    static constexpr bool value = true;
+};
+
+// The scales of columns col and col + 1 (INT8), or ones (bf16, which has none).
+template <typename Acc>
+__device__ __forceinline__ float2 g8_col_scales(const float* __restrict__ w_scale, int col) {
+    if constexpr (G8Float<Acc>::value) {
+        return make_float2(1.0f, 1.0f);
+    } else {
+        return *reinterpret_cast<const float2*>(w_scale + col);
+    }
+}
+
+// A row's scale (INT8; 0 past M, where nothing is stored), or one (bf16).
+template <typename Acc>
+__device__ __forceinline__ float g8_row_scale(const float* __restrict__ x_scale, int row, int m) {
+    if constexpr (G8Float<Acc>::value) {
+        return 1.0f;
+    } else {
+        return row < m ? x_scale[row] : 0.0f;
+    }
+}
+
 // The first row and column of output tile `tile` of an m_tiles x n_tiles grid (tile_cols columns a tile). Tiles are
 // numbered in bands of `band` M tiles (the last band may hold fewer; band <= 0 or >= m_tiles: one band), each band's
 // tiles M-fastest. One band is plain M-fastest order, in which every wave of CTAs reads all of x: from memory again
@@ -227,25 +269,34 @@ namespace {
 
 // The SwiGLU tile's epilogue. acc holds, as in the plain epilogue, rows row0 and row0 + 8 and in block j the columns
 // 8 j + 2 (lane % 4) and + 1: blocks 0..15 are gate rows, 16..31 the value rows of the same hidden columns. Each
-// product is dequantized and rounded to bf16 as the plain INT8 GEMM stores it, then silu(gate) * value in f32 is
-// rounded to bf16: bf16 rows of n (the hidden width, a multiple of 128; y's row stride a multiple of 8) at columns
-// origin.y .. + 127, 16 bytes a lane after the quad transpose.
-__device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const float* __restrict__ x_scale,
+// product is rounded to bf16 as the plain GEMM stores it (g8_product), then silu(gate) * value in f32 is rounded to
+// bf16: bf16 rows of n (the hidden width, a multiple of 128; y's row stride a multiple of 8) at columns origin.y ..
+// + 127, 16 bytes a lane after the quad transpose. silu is the one the separate SwiGLU after that GEMM runs: the
+// INT8 path's quantizing SwiGLU (nn::silu_fast), nn_act's x / (1 + exp(-x)) after a bf16 GEMM.
+template <typename Acc>
+__device__ __forceinline__ void swiglu_epilogue(const Acc (&acc)[128], const float* __restrict__ x_scale,
                                                 const float* __restrict__ w_scale, bf16* __restrict__ y,
                                                 int64_t y_row_stride, int m, int n, int2 origin, int2 bases,
                                                 int lane) {
     const int row_a = origin.x;
     const int row_b = row_a + 8;
-    const float scale_a = row_a < m ? x_scale[row_a] : 0.0f;
-    const float scale_b = row_b < m ? x_scale[row_b] : 0.0f;
+    const float scale_a = g8_row_scale<Acc>(x_scale, row_a, m);
+    const float scale_b = g8_row_scale<Acc>(x_scale, row_b, m);
     const int q = lane & 3;
     const int c0 = origin.y + 2 * q;
-    auto h_pair = [&](int32_t g0, int32_t g1, int32_t v0, int32_t v1, float row_scale, float2 wg, float2 wv) {
-        const float ga = nn::round_bf16(static_cast<float>(g0) * (row_scale * wg.x));
-        const float gb = nn::round_bf16(static_cast<float>(g1) * (row_scale * wg.y));
-        const float va = nn::round_bf16(static_cast<float>(v0) * (row_scale * wv.x));
-        const float vb = nn::round_bf16(static_cast<float>(v1) * (row_scale * wv.y));
-        const __nv_bfloat162 h = __floats2bfloat162_rn(nn::silu_fast(ga) * va, nn::silu_fast(gb) * vb);
+    auto silu = [](float x) {
+        if constexpr (G8Float<Acc>::value) {
+            return x / (1.0f + expf(-x));
+        } else {
+            return nn::silu_fast(x);
+        }
+    };
+    auto h_pair = [&](Acc g0, Acc g1, Acc v0, Acc v1, float row_scale, float2 wg, float2 wv) {
+        const float ga = g8_product(g0, row_scale, wg.x);
+        const float gb = g8_product(g1, row_scale, wg.y);
+        const float va = g8_product(v0, row_scale, wv.x);
+        const float vb = g8_product(v1, row_scale, wv.y);
+        const __nv_bfloat162 h = __floats2bfloat162_rn(silu(ga) * va, silu(gb) * vb);
         return *reinterpret_cast<const uint32_t*>(&h);
     };
 #pragma unroll
@@ -255,8 +306,8 @@ __device__ __forceinline__ void swiglu_epilogue(const int32_t (&acc)[128], const
         for (int t = 0; t < 4; ++t) {
             const int j = 4 * g + t;
             const int col = c0 + 8 * j;  // < n: n is a multiple of 128
-            const float2 wg = *reinterpret_cast<const float2*>(w_scale + bases.x + col);
-            const float2 wv = *reinterpret_cast<const float2*>(w_scale + bases.y + col);
+            const float2 wg = g8_col_scales<Acc>(w_scale, bases.x + col);
+            const float2 wv = g8_col_scales<Acc>(w_scale, bases.y + col);
             va[t] = h_pair(acc[4 * j], acc[4 * j + 1], acc[4 * (j + 16)], acc[4 * (j + 16) + 1], scale_a, wg, wv);
             vb[t] = h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3], scale_b,
                            wg, wv);
@@ -286,21 +337,22 @@ __device__ __forceinline__ const T* g8_table_row(const void* table, int row, int
 // The q|k|v epilogues' first pass over a tile of two heads (acc laid out as in the plain epilogue): each product
 // dequantized and rounded to bf16 as the plain GEMM stores it, in place as f32 bits, and each row's and head's
 // 1 / RMS, rsqrt(mean(x^2) + eps), the sum of squares the quad's (its four lanes hold a head's 128 columns).
-__device__ __forceinline__ void g8_products_and_inv_rms(int32_t (&acc)[128], float2 scales,
+template <typename Acc>
+__device__ __forceinline__ void g8_products_and_inv_rms(Acc (&acc)[128], float2 scales,
                                                         const float* __restrict__ w_scale, int n0, int q, float eps,
                                                         float4& r) {
     float sq_a0 = 0.0f, sq_a1 = 0.0f, sq_b0 = 0.0f, sq_b1 = 0.0f;
 #pragma unroll
     for (int j = 0; j < kG8Cols / 8; ++j) {
-        const float2 ws = *reinterpret_cast<const float2*>(w_scale + n0 + 8 * j + 2 * q);
-        const float a0 = nn::round_bf16(static_cast<float>(acc[4 * j]) * (scales.x * ws.x));
-        const float a1 = nn::round_bf16(static_cast<float>(acc[4 * j + 1]) * (scales.x * ws.y));
-        const float b0 = nn::round_bf16(static_cast<float>(acc[4 * j + 2]) * (scales.y * ws.x));
-        const float b1 = nn::round_bf16(static_cast<float>(acc[4 * j + 3]) * (scales.y * ws.y));
-        acc[4 * j] = __float_as_int(a0);
-        acc[4 * j + 1] = __float_as_int(a1);
-        acc[4 * j + 2] = __float_as_int(b0);
-        acc[4 * j + 3] = __float_as_int(b1);
+        const float2 ws = g8_col_scales<Acc>(w_scale, n0 + 8 * j + 2 * q);
+        const float a0 = g8_product(acc[4 * j], scales.x, ws.x);
+        const float a1 = g8_product(acc[4 * j + 1], scales.x, ws.y);
+        const float b0 = g8_product(acc[4 * j + 2], scales.y, ws.x);
+        const float b1 = g8_product(acc[4 * j + 3], scales.y, ws.y);
+        g8_keep(acc[4 * j], a0);
+        g8_keep(acc[4 * j + 1], a1);
+        g8_keep(acc[4 * j + 2], b0);
+        g8_keep(acc[4 * j + 3], b1);
         if (j < 16) {
             sq_a0 += a0 * a0 + a1 * a1;
             sq_b0 += b0 * b0 + b1 * b1;
@@ -325,7 +377,8 @@ struct G8QkvHead {
     int out_col0;
     float4 r;  // x row_a head 0, y row_a head 1, z row_b head 0, w row_b head 1
 };
-__device__ __forceinline__ G8QkvHead g8_qkv_head(int32_t (&acc)[128], float2 scales, const float* __restrict__ w_scale,
+template <typename Acc>
+__device__ __forceinline__ G8QkvHead g8_qkv_head(Acc (&acc)[128], float2 scales, const float* __restrict__ w_scale,
                                                  const G8Qkv& p, int region, int n0, int q) {
     G8QkvHead h;
     h.out = region == 0 ? p.q : p.k;
@@ -364,7 +417,8 @@ __device__ __forceinline__ void g8_store16(bf16* __restrict__ out, int64_t strid
 // the pair (n0, n1) of slot j leaves as bf16(n0 cos - n1 sin), bf16(n0 sin + n1 cos). A head's sum of squares is
 // the quad's (its four lanes hold the head's 128 columns of the row). scales: the rows' x scales; rows.x: row_a
 // (row_b = row_a + 8), rows.y: M.
-__device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], float2 scales,
+template <typename Acc>
+__device__ __forceinline__ void qkv_norm_rope_epilogue(Acc (&acc)[128], float2 scales,
                                                        const float* __restrict__ w_scale, const G8Qkv& p,
                                                        int region, int n0, int2 rows, int lane) {
     const int q = lane & 3;
@@ -389,10 +443,10 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
             const int channel = 8 * (j % 16) + 2 * q;  // within the head; RoPE slot channel / 2
             const float2 nw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(head.norm_w + channel));
             const int slot = channel / 2;
-            va[t] = rotated(__int_as_float(acc[4 * j]), __int_as_float(acc[4 * j + 1]), j < 16 ? r_a0 : r_a1, nw,
+            va[t] = rotated(g8_kept(acc[4 * j]), g8_kept(acc[4 * j + 1]), j < 16 ? r_a0 : r_a1, nw,
                             tab.cos_a[slot], tab.sin_a[slot]);
-            vb[t] = rotated(__int_as_float(acc[4 * j + 2]), __int_as_float(acc[4 * j + 3]), j < 16 ? r_b0 : r_b1,
-                            nw, tab.cos_b[slot], tab.sin_b[slot]);
+            vb[t] = rotated(g8_kept(acc[4 * j + 2]), g8_kept(acc[4 * j + 3]), j < 16 ? r_b0 : r_b1, nw,
+                            tab.cos_b[slot], tab.sin_b[slot]);
         }
         g8_transpose_quad(va, q);
         g8_transpose_quad(vb, q);
@@ -406,7 +460,8 @@ __device__ __forceinline__ void qkv_norm_rope_epilogue(int32_t (&acc)[128], floa
 // channels c < 48 leave as bf16(n[c] cos - n[c + 48] sin), 48 <= c < 96 as bf16(n[c] cos + n[c - 48] sin), with
 // the bf16 table entries of slot c mod 48; channels 96.. as bf16(n). A head's partner channels lie 6 blocks of 8
 // away in the same thread's accumulators.
-__device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128], float2 scales,
+template <typename Acc>
+__device__ __forceinline__ void qkv_norm_rope_half_epilogue(Acc (&acc)[128], float2 scales,
                                                             const float* __restrict__ w_scale, const G8Qkv& p,
                                                             int region, int n0, int2 rows, int lane) {
     constexpr int kHalfBlocks = 6;  // 48 channels
@@ -422,10 +477,10 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(head.norm_w + 8 * (j % 16) + 2 * q));
         const float ra = j < 16 ? r.x : r.y;
         const float rb = j < 16 ? r.z : r.w;
-        acc[4 * j] = __float_as_int(__int_as_float(acc[4 * j]) * ra * nw.x);
-        acc[4 * j + 1] = __float_as_int(__int_as_float(acc[4 * j + 1]) * ra * nw.y);
-        acc[4 * j + 2] = __float_as_int(__int_as_float(acc[4 * j + 2]) * rb * nw.x);
-        acc[4 * j + 3] = __float_as_int(__int_as_float(acc[4 * j + 3]) * rb * nw.y);
+        g8_keep(acc[4 * j], g8_kept(acc[4 * j]) * ra * nw.x);
+        g8_keep(acc[4 * j + 1], g8_kept(acc[4 * j + 1]) * ra * nw.y);
+        g8_keep(acc[4 * j + 2], g8_kept(acc[4 * j + 2]) * rb * nw.x);
+        g8_keep(acc[4 * j + 3], g8_kept(acc[4 * j + 3]) * rb * nw.y);
     }
     const G8RopeRows<bf16> tab = g8_rope_rows<bf16>(p, row_a, rows.y);
 #pragma unroll
@@ -437,14 +492,14 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
             const int jj = j % 16;  // block within the head
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // row_a, row_b
-                float o0 = __int_as_float(acc[4 * j + 2 * h]);
-                float o1 = __int_as_float(acc[4 * j + 2 * h + 1]);
+                float o0 = g8_kept(acc[4 * j + 2 * h]);
+                float o1 = g8_kept(acc[4 * j + 2 * h + 1]);
                 if (jj < 2 * kHalfBlocks) {
                     const bool first = jj < kHalfBlocks;
                     const int pj = first ? j + kHalfBlocks : j - kHalfBlocks;
                     const float sign = first ? -1.0f : 1.0f;
-                    const float p0 = sign * __int_as_float(acc[4 * pj + 2 * h]);
-                    const float p1 = sign * __int_as_float(acc[4 * pj + 2 * h + 1]);
+                    const float p0 = sign * g8_kept(acc[4 * pj + 2 * h]);
+                    const float p1 = sign * g8_kept(acc[4 * pj + 2 * h + 1]);
                     const int slot = 8 * (first ? jj : jj - kHalfBlocks) + 2 * q;
                     const bf16* __restrict__ cos_row = h == 0 ? tab.cos_a : tab.cos_b;
                     const bf16* __restrict__ sin_row = h == 0 ? tab.sin_a : tab.sin_b;
@@ -466,7 +521,7 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(int32_t (&acc)[128],
 }
 
 // The GEMM of either operand kind (G8Operands): the kernels below are its instances. x_scale and w_scale are read
-// only for INT8. With kSwiglu (INT8 only) a tile's 256 columns of w are 128 gate rows from gate_base and the 128
+// only for INT8. With kSwiglu a tile's 256 columns of w are 128 gate rows from gate_base and the 128
 // value rows at the same offset from value_base (two TMA boxes of 128 rows), and the tile stores the 128 columns
 // silu(gate) * value: n is then the hidden width (the output's columns), a multiple of 128.
 // kQkv: 0 the plain epilogue, kG8QkvInterleaved or kG8QkvHalf the q|k|v epilogues.
@@ -475,8 +530,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
                                            int64_t y_row_stride, int m, int n, int k, int band,
                                            int gate_base = 0, int value_base = 0, const G8Qkv* qkv = nullptr) {
-    static_assert(!(kBf16 && kSwiglu), "the SwiGLU epilogue is INT8's");
-    static_assert(kQkv == 0 || (!kBf16 && !kSwiglu), "the q|k|v epilogues are the plain INT8 GEMM's");
+    static_assert(kQkv == 0 || !kSwiglu, "a tile runs one epilogue");
     // Output columns a tile stores.
     constexpr int kTileCols = kSwiglu ? kG8Cols / 2 : kG8Cols;
     using Ops = G8Operands<kBf16>;
@@ -570,12 +624,8 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         // second).
         const int row_a = m0 + consumer * 64 + warp * 16 + lane / 4;
         const int row_b = row_a + 8;
-        float scale_a = 1.0f;
-        float scale_b = 1.0f;
-        if constexpr (!kBf16) {
-            scale_a = row_a < m ? x_scale[row_a] : 0.0f;
-            scale_b = row_b < m ? x_scale[row_b] : 0.0f;
-        }
+        const float scale_a = g8_row_scale<Acc>(x_scale, row_a, m);
+        const float scale_b = g8_row_scale<Acc>(x_scale, row_b, m);
         // Where the plain epilogue stores: y from column n0 (the q|k|v epilogue's value tiles: v, at n0 - 2 width).
         bf16* __restrict__ y_tile = y;
         int n_tile = n;
@@ -713,15 +763,31 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
 #endif
 }
 
-// The q|k|v kernels' parameters, and their body for epilogue form F (kG8QkvInterleaved or kG8QkvHalf).
+// The same over bf16 operands (f32 sums rounded to bf16 as nn_gemm_bf16 stores them, then nn_act's SwiGLU
+// arithmetic): tm_x and tm_w bf16 maps as for nn_gemm_bf16, but w's boxes 64 x 128 rows. x_scale and w_scale are
+// not read (null). Same grid, threads and shared memory.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_swiglu(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int hidden, int k,
+    int gate_base, int value_base, int band) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<true, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base,
+                           value_base);
+#else
+    __trap();
+#endif
+}
+
+// The q|k|v kernels' parameters, and their body for operands B (true: bf16) and epilogue form F (kG8QkvInterleaved
+// or kG8QkvHalf).
 #define G8_QKV_PARAMS                                                                                               \
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
         const float *__restrict__ w_scale, const __grid_constant__ G8Qkv qkv, int m, int k, int band
 #if defined(NN_HAS_WGMMA)
-#define G8_QKV_BODY(F) \
-    gemm_tiles<false, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, band, 0, 0, &qkv)
+#define G8_QKV_BODY(B, F) \
+    gemm_tiles<B, false, F>(tm_x, tm_w, x_scale, w_scale, qkv.v, qkv.stride, m, 3 * qkv.width, k, band, 0, 0, &qkv)
 #else
-#define G8_QKV_BODY(F) __trap()
+#define G8_QKV_BODY(B, F) __trap()
 #endif
 
 // The INT8 GEMM of a fused q|k|v projection with the per-head QK RMSNorm and interleaved RoPE in its epilogue
@@ -729,14 +795,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
 // of qkv.stride. width a multiple of 256 (a tile never straddles two of them), stride a multiple of 8, the rope
 // tables hold M rows. tm_x, tm_w, grid, threads and shared memory as for the INT8 GEMM.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_bf16(G8_QKV_PARAMS) {
-    G8_QKV_BODY(kG8QkvInterleaved);
+    G8_QKV_BODY(false, kG8QkvInterleaved);
 }
 
 // The same GEMM with MiniMax H3's QK norm (n = x * rsqrt(mean(x^2) + eps) * weight in f32) and rotate-half RoPE
 // over the first 96 channels of each head (bf16 tables [M, rope_stride], 48 used columns) in its epilogue; q, k and
 // v may be the three parts of one q|k|v matrix (stride 3 width), normed and rotated in place.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_qkv_half_bf16(G8_QKV_PARAMS) {
-    G8_QKV_BODY(kG8QkvHalf);
+    G8_QKV_BODY(false, kG8QkvHalf);
+}
+
+// The two q|k|v kernels over bf16 operands (maps as for nn_gemm_bf16; x_scale and w_scale not read, null): the
+// f32 sums rounded to bf16 as nn_gemm_bf16 stores them, then the same epilogue.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_qkv(G8_QKV_PARAMS) {
+    G8_QKV_BODY(true, kG8QkvInterleaved);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_qkv_half(G8_QKV_PARAMS) {
+    G8_QKV_BODY(true, kG8QkvHalf);
 }
 
 // --- Implicit-GEMM 3x3 convolution (kernels nn_conv3x3_bf16_n144, nn_conv3x3_bf16_n256) ---

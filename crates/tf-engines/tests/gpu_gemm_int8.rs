@@ -22,6 +22,10 @@
 //! in another order, and a flipped rounding of the norm's intermediates moves an output by a step of those sizes); its
 //! rotate-half form, in place on one q|k|v matrix, to the GEMM and MiniMax H3's own pass (`h3_qk_norm_rope`) alike.
 //!
+//! The bf16 forms of both epilogue kernels (`EpilogueOperands::Bf16`: the SwiGLU, and the rotate-half q|k|v in
+//! place) are held to the plain bf16 GEMM and the pass each replaces (`nn_swiglu_value_gate`, `h3_qk_norm_rope`):
+//! the SwiGLU bit for bit (the same products, silu and rounding), the q|k|v as the INT8 form is held.
+//!
 //! The implicit-GEMM 3x3 convolution (`nn::gpu::conv`, kernels nn_conv3x3_bf16_*) is held bit for bit to the host's
 //! padded convolution plus bias (plus the output it adds to), on exact operands as the bf16 GEMM: maps wider than a
 //! tile (a row's last tile hanging over its end) and narrower (whole rows a tile), channel counts that leave a
@@ -37,8 +41,10 @@ use tf_engines::minimax_h3::dit_gpu::kernels::{plan_qk_norm_rope, H3Kernels, QkN
 use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
 use tf_engines::nn::gpu::gemm_int8::HALF96_ROTATED;
 use tf_engines::nn::gpu::gemm_int8::{
-    int8_gemm_host, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope,
+    int8_gemm_host, EpilogueOperands, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest,
+    QkvNormRope, QkvRope,
 };
+use tf_engines::nn::gpu::plan_swiglu_ordered;
 use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::{Matrix, NnKernels, SwigluOrder};
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
@@ -681,6 +687,147 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
         };
         assert_fused_matches_apart(
             "rotate-half",
+            (m, heads, k),
+            &parts(&apart),
+            &parts(&fused),
+            None,
+        );
+    }
+}
+
+/// Random bf16 values in -1..1 (bits), uploaded.
+fn bf16_random(g: &Gpu, rng: &mut Rng, n: usize) -> DeviceBuffer {
+    let v: Vec<f32> = (0..n)
+        .map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&v)).expect("upload bf16")
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn bf16_epilogue_gemms_match_the_bf16_gemm_and_the_passes_apart() {
+    let Some(g) = gpu("bf16_epilogue_gemms_match_the_bf16_gemm_and_the_passes_apart") else {
+        return;
+    };
+    let nn = NnKernels::load(&g.ctx).expect("load the shared kernel sets");
+    let h3 = H3Kernels::load(&g.ctx).expect("load MiniMax H3's kernels");
+    // SwiGLU of a [value | gate] weight, (M, hidden, K): partial tiles and K past a slice; more tiles than SMs.
+    for (i, &(m, hidden, k)) in [(300usize, 384usize, 5392usize), (2000, 1536, 384)]
+        .iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(8700 + i as u64);
+        let (x, w) = (
+            bf16_random(&g, &mut rng, m * k),
+            bf16_random(&g, &mut rng, 2 * hidden * k),
+        );
+        let (xv, wv) = (x.view(), w.view());
+        let mut ff = DeviceBuffer::from_slice(&g.ctx, &vec![0u16; m * 2 * hidden]).expect("ff");
+        let mut apart =
+            DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * hidden]).expect("act");
+        let mut fused =
+            DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * hidden]).expect("act");
+        let both = Int8GemmShape {
+            m,
+            n: 2 * hidden,
+            k,
+        };
+        g.kernels
+            .gemm_bf16(
+                &g.ctx,
+                &g.stream,
+                both,
+                (&xv, &wv),
+                &mut ff.view_mut(),
+                2 * hidden,
+            )
+            .expect("plain bf16 GEMM");
+        let (ffv, actv) = (ff.view(), apart.view_mut());
+        let order = SwigluOrder::ValueGate;
+        let pass = plan_swiglu_ordered(order, &ffv, Matrix::dense(m, 2 * hidden), &actv, hidden)
+            .expect("SwiGLU pass");
+        nn.submit(&g.stream, &pass).expect("SwiGLU pass");
+        let inputs = EpilogueOperands::Bf16 { x: &xv, w: &wv };
+        g.kernels
+            .gemm_swiglu(
+                &g.ctx,
+                &g.stream,
+                (m, hidden, k),
+                order,
+                inputs,
+                &mut fused.view_mut(),
+                hidden,
+            )
+            .unwrap_or_else(|e| panic!("bf16 SwiGLU GEMM {m}x{hidden}x{k}: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        let (want, got): (Vec<u16>, Vec<u16>) =
+            (apart.to_vec().expect("back"), fused.to_vec().expect("back"));
+        let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+        println!("bf16 swiglu gemm {m}x{hidden}x{k}: {differ} of {} values differ from the GEMM and pass apart", m * hidden);
+        assert_eq!(
+            differ, 0,
+            "bf16 SwiGLU GEMM {m}x{hidden}x{k}: values differ from the GEMM and pass apart"
+        );
+    }
+    // The rotate-half q|k|v in place, (M, heads, K): partial tiles and K past a slice; MiniMax H3's width.
+    let (rotated, table_cols) = (HALF96_ROTATED, HALF96_ROTATED / 2);
+    for (i, &(m, heads, k)) in [(300usize, 4usize, 400usize), (2000, 56, 1024)]
+        .iter()
+        .enumerate()
+    {
+        // The norm weights and tables of the INT8 test's operands; bf16 x and w of their own.
+        let ops = QkvOperands::random(&g, 8800 + i as u64, (m, heads, k), table_cols, true);
+        let n = ops.shape.n;
+        let mut rng = Rng::new(8900 + i as u64);
+        let (x, w) = (
+            bf16_random(&g, &mut rng, m * k),
+            bf16_random(&g, &mut rng, n * k),
+        );
+        let (xv, wv) = (x.view(), w.view());
+        let mut apart = DeviceBuffer::from_slice(&g.ctx, &vec![0u16; m * n]).expect("q|k|v");
+        g.kernels
+            .gemm_bf16(
+                &g.ctx,
+                &g.stream,
+                Int8GemmShape { m, n, k },
+                (&xv, &wv),
+                &mut apart.view_mut(),
+                n,
+            )
+            .expect("plain bf16 GEMM");
+        let mut fused = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * n]).expect("q|k|v");
+        ops.with(QkvRope::Half96, table_cols, |_, norm| {
+            let qkv = apart.view_mut();
+            let op = QkNormRope {
+                qkv: &qkv,
+                qkv_layout: Matrix::dense(m, n),
+                heads,
+                q_weight: norm.q_weight,
+                k_weight: norm.k_weight,
+                norm_dim: 128,
+                eps: norm.eps,
+                rope: Some((norm.rope_cos, norm.rope_sin, table_cols, rotated)),
+            };
+            h3.run(&g.stream, plan_qk_norm_rope(&op))
+                .expect("H3's QK norm + RoPE pass");
+            let mut qkv = fused.view_mut();
+            let dest = QkvDest::Joint {
+                qkv: &mut qkv,
+                stride: n,
+            };
+            let inputs = EpilogueOperands::Bf16 { x: &xv, w: &wv };
+            g.kernels
+                .gemm_qkv(&g.ctx, &g.stream, (m, k), inputs, norm, dest)
+                .unwrap_or_else(|e| panic!("bf16 q|k|v GEMM in place {m}x{n}x{k}: {e}"));
+        });
+        g.stream.synchronize().expect("synchronize");
+        let width = heads * 128;
+        let parts = |buf: &DeviceBuffer| -> Vec<(Vec<u16>, usize, usize)> {
+            let rows: Vec<u16> = buf.to_vec().expect("back");
+            (0..3).map(|p| (rows.clone(), n, p * width)).collect()
+        };
+        assert_fused_matches_apart(
+            "bf16 rotate-half",
             (m, heads, k),
             &parts(&apart),
             &parts(&fused),

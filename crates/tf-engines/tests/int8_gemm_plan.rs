@@ -7,8 +7,8 @@
 
 use tf_cuda::DeviceBuffer;
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm, plan_int8_qkv_gemm, plan_int8_swiglu_gemm, Int8GemmOperands, Int8GemmShape,
-    QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS, SHARED_BYTES,
+    plan_int8_gemm, plan_int8_qkv_gemm, plan_int8_swiglu_gemm, EpilogueOperands, Int8GemmOperands,
+    Int8GemmShape, QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS, SHARED_BYTES,
 };
 use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::{Matrix, SwigluOrder};
@@ -124,7 +124,7 @@ fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
             132,
             (m, hidden, k),
             SwigluOrder::GateValue,
-            &inputs,
+            EpilogueOperands::Int8(&inputs),
             &mut yv,
             stride,
         )
@@ -138,8 +138,16 @@ fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
     // Valid in either order: the SwiGLU kernel, one tile here, the INT8 GEMM's threads and shared memory.
     for order in [SwigluOrder::GateValue, SwigluOrder::ValueGate] {
         let mut yv = y_dev.view_mut();
-        let launch = plan_int8_swiglu_gemm(&ctx, 132, (64, 128, 384), order, &inputs, &mut yv, 128)
-            .expect("valid call");
+        let launch = plan_int8_swiglu_gemm(
+            &ctx,
+            132,
+            (64, 128, 384),
+            order,
+            EpilogueOperands::Int8(&inputs),
+            &mut yv,
+            128,
+        )
+        .expect("valid call");
         assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[2]);
         let config = launch.config();
         assert_eq!((config.grid.x, config.block.x), (1, 384));
@@ -255,7 +263,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             &ctx,
             132,
             (cm, ck),
-            &inputs,
+            EpilogueOperands::Int8(&inputs),
             &norm_case,
             QkvDest::Apart(&outputs),
         )
@@ -274,9 +282,15 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
         };
         let (mut qv, mut kv, mut vv) = (q.view_mut(), kk.view_mut(), v.view_mut());
         let outputs = QkvOutputs::with_stride((&mut qv, &mut kv, &mut vv), stride);
-        let launch =
-            plan_int8_qkv_gemm(&ctx, 132, (m, k), &inputs, &norm, QkvDest::Apart(&outputs))
-                .expect("valid call");
+        let launch = plan_int8_qkv_gemm(
+            &ctx,
+            132,
+            (m, k),
+            EpilogueOperands::Int8(&inputs),
+            &norm,
+            QkvDest::Apart(&outputs),
+        )
+        .expect("valid call");
         assert_eq!(launch.kernel(), GEMM_INT8_KERNELS[3]);
         let config = launch.config();
         assert_eq!((config.grid.x, config.block.x), (3, 384));
@@ -323,7 +337,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             &ctx,
             132,
             (m, k),
-            &inputs,
+            EpilogueOperands::Int8(&inputs),
             &norm_case,
             QkvDest::Joint {
                 qkv: &mut jv,
@@ -343,7 +357,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
             &ctx,
             132,
             (m, k),
-            &inputs,
+            EpilogueOperands::Int8(&inputs),
             &half,
             QkvDest::Joint {
                 qkv: &mut jv,

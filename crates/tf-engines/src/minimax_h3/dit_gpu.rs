@@ -374,10 +374,12 @@ impl Engine {
             ),
             Int8GemmBackend::Cublaslt => None,
         };
+        // The epilogues run on our INT8 GEMM where a group runs in INT8, on our bf16 GEMM where a bf16 one does.
+        let epilogue_gemm = int8_gemm.as_ref().or(bf16_gemm.as_ref());
         let swiglu_fused =
-            gemm_int8::swiglu_fused_for(int8_gemm.as_ref(), dims.fp).map_err(H3Error::Backend)?;
+            gemm_int8::swiglu_fused_for(epilogue_gemm, dims.fp).map_err(H3Error::Backend)?;
         let qkv_fused =
-            gemm_int8::qkv_fused_for(int8_gemm.as_ref(), dims.width).map_err(H3Error::Backend)?;
+            gemm_int8::qkv_fused_for(epilogue_gemm, dims.width).map_err(H3Error::Backend)?;
         let made = make(&Makers {
             stream: &stream,
             kernels: &kernels,

@@ -37,7 +37,8 @@ use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{self, Fp8Linear, GemmShape, Linear};
 use crate::nn::gpu::gemm_int8::{
-    Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope, HALF96_ROTATED,
+    EpilogueOperands, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope,
+    QkvRope, HALF96_ROTATED,
 };
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
@@ -1021,6 +1022,28 @@ impl Engine {
             self.run_gemm(ws, calls.fc2)?;
             return probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0);
         }
+        let plain_fc2 = calls.fc2.fp8.is_none() && calls.fc2.int8.is_none();
+        let bf16_fused = self.bf16_epilogue_gemm_for(&calls.fc1);
+        if let (true, None, true, Some(ours)) =
+            (self.swiglu_fused, calls.fc1_gate, plain_fc2, bf16_fused)
+        {
+            // The SwiGLU in our bf16 fc1 GEMM's epilogue (`TF_BF16_GEMM=ours`): act in bf16 for fc2.
+            if m > 0 {
+                let fc1 = calls.fc1;
+                let x =
+                    ws.h.slice(fc1.x_off, fc1.bytes(m, fc1.k, BF16)?)
+                        .map_err(launch)?;
+                let mut act = ws
+                    .act
+                    .slice_mut(0, fc1.bytes(m, fp, BF16)?)
+                    .map_err(launch)?;
+                self.our_bf16_epilogue_gemm(ours, &fc1, &x, &mut act, Int8Epilogue::Swiglu)?;
+            }
+            probe.mark(&self.stream, fc1_name, fc1_flops, 0.0)?;
+            probe.mark(&self.stream, act_name, 0.0, 0.0)?;
+            self.run_gemm(ws, calls.fc2)?;
+            return probe.mark(&self.stream, fc2_name, calls.fc2.flops(), 0.0);
+        }
         self.run_gemm(ws, calls.fc1)?;
         let ours = calls.fc1_gate.and_then(|gate| self.int8_gemm_for(&gate));
         match (calls.fc1_gate, ours) {
@@ -1186,22 +1209,24 @@ impl Engine {
         a: &AttnOffsets,
     ) -> Result<bool, H3Error> {
         let d = &self.dims;
-        let (Some(w_scales), Some(ours)) = (c.fp8, self.int8_gemm.as_ref()) else {
-            return Ok(false);
-        };
         if !(self.qkv_fused
-            && c.scaled_int8()
             && c.y == Buf::Qkv
             && d.head_dim == HEAD_DIM
             && d.rotated == HALF96_ROTATED)
         {
             return Ok(false);
         }
+        let int8 = match (c.fp8, self.int8_gemm.as_ref()) {
+            (Some(w_scales), Some(ours)) if c.scaled_int8() => Some((w_scales, ours)),
+            _ => None,
+        };
+        let bf16 = self.bf16_epilogue_gemm_for(&c);
+        if int8.is_none() && bf16.is_none() {
+            return Ok(false);
+        }
         if c.m == 0 {
             return Ok(true);
         }
-        let x = ws.q8.slice(0, c.bytes(c.m, c.k, 1)?).map_err(launch)?;
-        let x_scale = ws.q8_scales.slice(0, c.bytes(c.m, 1, 4)?).map_err(launch)?;
         let qw = self.weight_view(a.norm_q, HEAD_DIM * BF16)?;
         let kw = self.weight_view(a.norm_k, HEAD_DIM * BF16)?;
         let (cos, sin) = (ws.rope_cos.view(), ws.rope_sin.view());
@@ -1220,8 +1245,68 @@ impl Engine {
             .slice_mut(c.y_off, c.bytes(c.m, c.n, BF16)?)
             .map_err(launch)?;
         let epilogue = Int8Epilogue::QkvInPlace(&norm);
-        self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut qkv, epilogue)?;
+        match (int8, bf16) {
+            (Some((w_scales, ours)), _) => {
+                let x = ws.q8.slice(0, c.bytes(c.m, c.k, 1)?).map_err(launch)?;
+                let x_scale = ws.q8_scales.slice(0, c.bytes(c.m, 1, 4)?).map_err(launch)?;
+                self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut qkv, epilogue)?;
+            }
+            (None, Some(ours)) => {
+                let x =
+                    ws.h.slice(c.x_off, c.bytes(c.m, c.k, BF16)?)
+                        .map_err(launch)?;
+                self.our_bf16_epilogue_gemm(ours, &c, &x, &mut qkv, epilogue)?;
+            }
+            (None, None) => {}
+        }
         Ok(true)
+    }
+
+    /// Our bf16 GEMM when it is loaded (`TF_BF16_GEMM=ours`) for a bf16 call `c` of the normed rows h with no bias
+    /// and its weight in the model's buffer, which its epilogue kernels (SwiGLU, q|k|v) can run.
+    fn bf16_epilogue_gemm_for(&self, c: &GemmCall) -> Option<&Int8GemmKernels> {
+        let plain = c.fp8.is_none() && c.int8.is_none() && c.bias.is_none() && c.w_buf.is_none();
+        let shape = Int8GemmShape {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+        };
+        let fits = plain && c.x == Buf::H && shape.check_bf16().is_ok();
+        self.bf16_gemm.as_ref().filter(|_| fits)
+    }
+
+    /// Our bf16 GEMM for `c` over the bf16 rows `x` into `y` with `epilogue`'s SwiGLU (rows of `c.n / 2`) or q|k|v
+    /// norm and RoPE in place (rows of `c.n`), the products rounded to bf16 as the plain GEMM stores them first.
+    fn our_bf16_epilogue_gemm(
+        &self,
+        ours: &Int8GemmKernels,
+        c: &GemmCall,
+        x: &DeviceView<'_>,
+        y: &mut tf_cuda::DeviceViewMut<'_>,
+        epilogue: Int8Epilogue<'_, '_, '_>,
+    ) -> Result<(), H3Error> {
+        let w = self.weight_view(c.w, c.bytes(c.n, c.k, BF16)?)?;
+        let inputs = EpilogueOperands::Bf16 { x, w: &w };
+        let (ctx, st) = (&self.ctx, &self.stream);
+        match epilogue {
+            Int8Epilogue::Swiglu => {
+                let (hidden, order) = (c.n / 2, SwigluOrder::ValueGate);
+                ours.gemm_swiglu(ctx, st, (c.m, hidden, c.k), order, inputs, y, hidden)
+            }
+            Int8Epilogue::QkvInPlace(norm) => {
+                let dest = QkvDest::Joint {
+                    qkv: y,
+                    stride: c.n,
+                };
+                ours.gemm_qkv(ctx, st, (c.m, c.k), inputs, norm, dest)
+            }
+            Int8Epilogue::Products => {
+                return Err(H3Error::Backend(
+                    "internal: a bf16 GEMM without an epilogue runs through run_gemm".into(),
+                ))
+            }
+        }
+        .map_err(launch)
     }
 
     /// Our INT8 GEMM for `c` (its INT8 weight with channel scales at `w_scales`) over the INT8 rows `x` with their
@@ -1257,14 +1342,29 @@ impl Engine {
             Int8Epilogue::Swiglu => {
                 let hidden = c.n / 2;
                 let order = SwigluOrder::ValueGate;
-                ours.gemm_swiglu(ctx, st, (c.m, hidden, c.k), order, &inputs, y, hidden)
+                ours.gemm_swiglu(
+                    ctx,
+                    st,
+                    (c.m, hidden, c.k),
+                    order,
+                    EpilogueOperands::Int8(&inputs),
+                    y,
+                    hidden,
+                )
             }
             Int8Epilogue::QkvInPlace(norm) => {
                 let dest = QkvDest::Joint {
                     qkv: y,
                     stride: c.n,
                 };
-                ours.gemm_qkv(ctx, st, (c.m, c.k), &inputs, norm, dest)
+                ours.gemm_qkv(
+                    ctx,
+                    st,
+                    (c.m, c.k),
+                    EpilogueOperands::Int8(&inputs),
+                    norm,
+                    dest,
+                )
             }
         }
         .map_err(launch)

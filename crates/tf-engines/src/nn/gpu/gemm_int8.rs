@@ -54,6 +54,17 @@ pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_conv3x3_bf16_n256",
     "nn_conv3x3_bf16_m256_n144",
     "nn_conv3x3_bf16_rows_n144",
+    "nn_gemm_bf16_swiglu",
+    "nn_gemm_bf16_qkv",
+    "nn_gemm_bf16_qkv_half",
+];
+
+/// The bf16 forms of the epilogue kernels ([`EpilogueOperands::Bf16`]): SwiGLU, q|k|v with interleaved RoPE,
+/// q|k|v with rotate-half RoPE.
+const BF16_EPILOGUE_KERNELS: [&str; 3] = [
+    GEMM_INT8_KERNELS[9],
+    GEMM_INT8_KERNELS[10],
+    GEMM_INT8_KERNELS[11],
 ];
 /// Hidden columns one SwiGLU tile stores (its 256 weight rows are 128 gate and 128 value rows).
 pub const SWIGLU_TILE_COLS: usize = TILE_COLS / 2;
@@ -320,6 +331,137 @@ pub struct Int8GemmOperands<'v, 'a> {
     pub w_scale: &'v DeviceView<'a>,
 }
 
+/// The operands of an epilogue GEMM ([`plan_int8_swiglu_gemm`], [`plan_int8_qkv_gemm`]): INT8 codes with their
+/// scales, or bf16 `x` (`[m, k]`) and `w` (`[n, k]`), both dense, whose f32 sums are rounded to bf16 as
+/// [`plan_bf16_gemm`] stores them before the epilogue's arithmetic (no scales).
+#[derive(Clone, Copy)]
+pub enum EpilogueOperands<'v, 'a> {
+    Int8(&'v Int8GemmOperands<'v, 'a>),
+    Bf16 {
+        x: &'v DeviceView<'a>,
+        w: &'v DeviceView<'a>,
+    },
+}
+
+impl<'v, 'a> From<&'v Int8GemmOperands<'v, 'a>> for EpilogueOperands<'v, 'a> {
+    fn from(inputs: &'v Int8GemmOperands<'v, 'a>) -> Self {
+        EpilogueOperands::Int8(inputs)
+    }
+}
+
+impl EpilogueOperands<'_, '_> {
+    /// Bytes an element of `x` and `w`.
+    fn elem_bytes(&self) -> usize {
+        match self {
+            EpilogueOperands::Int8(_) => 1,
+            EpilogueOperands::Bf16 { .. } => 2,
+        }
+    }
+
+    /// Refuses a shape this operand kind's kernel does not tile.
+    fn check_shape(&self, shape: Int8GemmShape) -> Result<(), tf_cuda::Error> {
+        match self {
+            EpilogueOperands::Int8(_) => shape.check(),
+            EpilogueOperands::Bf16 { .. } => shape.check_bf16(),
+        }
+    }
+
+    /// Checks `x` (`[m, k]`), `w` (`[n, k]`) and, for INT8, their scales (`[m]`, `[n]` f32), each `align`-byte
+    /// aligned; `x` and `w` 16-byte aligned in any case (the tensor maps).
+    fn check(
+        &self,
+        op: &str,
+        (m, n, k): (usize, usize, usize),
+        align: u64,
+    ) -> Result<(), tf_cuda::Error> {
+        let e = self.elem_bytes();
+        let (x, w) = self.views();
+        check_operand(
+            op,
+            "x",
+            Operand::of(x),
+            bytes_of(op, "x", &[m, k, e])?,
+            align,
+        )?;
+        check_operand(
+            op,
+            "w",
+            Operand::of(w),
+            bytes_of(op, "w", &[n, k, e])?,
+            align,
+        )?;
+        if let EpilogueOperands::Int8(inputs) = self {
+            check_operand(
+                op,
+                "x_scale",
+                Operand::of(inputs.x_scale),
+                bytes_of(op, "x_scale", &[m, 4])?,
+                align,
+            )?;
+            check_operand(
+                op,
+                "w_scale",
+                Operand::of(inputs.w_scale),
+                bytes_of(op, "w_scale", &[n, 4])?,
+                align,
+            )?;
+        }
+        for (name, view) in [("x", x), ("w", w)] {
+            check_operand(op, name, Operand::of(view), 0, 16)?;
+        }
+        Ok(())
+    }
+
+    fn views(&self) -> (&DeviceView<'_>, &DeviceView<'_>) {
+        match self {
+            EpilogueOperands::Int8(inputs) => (inputs.x, inputs.w),
+            EpilogueOperands::Bf16 { x, w } => (x, w),
+        }
+    }
+
+    /// Pushes the kernel's first four arguments: the maps of `x` (`m` rows in boxes of 128) and `w` (`w_rows` rows
+    /// in boxes of `w_box_rows`), then the scales' addresses (null for bf16, which the kernels do not read).
+    fn push_maps_and_scales(
+        &self,
+        ctx: &Context,
+        args: &mut Args,
+        shape: Int8GemmShape,
+        (w_rows, w_box_rows): (usize, usize),
+    ) -> Result<(), tf_cuda::Error> {
+        let e = self.elem_bytes();
+        let (x, w) = self.views();
+        let x_tiles = operand_tiles(x.addr(), shape, e, shape.m, TILE_ROWS);
+        let w_tiles = operand_tiles(w.addr(), shape, e, w_rows, w_box_rows);
+        let (tm_x, tm_w) = match self {
+            EpilogueOperands::Int8(_) => (
+                encode_int8_tiles(ctx, &x_tiles)?,
+                encode_int8_tiles(ctx, &w_tiles)?,
+            ),
+            EpilogueOperands::Bf16 { .. } => (
+                encode_bf16_tiles(ctx, &x_tiles)?,
+                encode_bf16_tiles(ctx, &w_tiles)?,
+            ),
+        };
+        args.push(tm_x.words()).push(tm_w.words());
+        match self {
+            EpilogueOperands::Int8(inputs) => args
+                .push_addr(inputs.x_scale.addr())
+                .push_addr(inputs.w_scale.addr()),
+            EpilogueOperands::Bf16 { .. } => args.push_addr(0).push_addr(0),
+        };
+        Ok(())
+    }
+
+    /// `int8` or, for bf16 operands, the bf16 form of the same epilogue kernel (`bf16_index` into
+    /// [`BF16_EPILOGUE_KERNELS`]).
+    fn kernel(&self, int8: &'static str, bf16_index: usize) -> &'static str {
+        match self {
+            EpilogueOperands::Int8(_) => int8,
+            EpilogueOperands::Bf16 { .. } => BF16_EPILOGUE_KERNELS[bf16_index],
+        }
+    }
+}
+
 /// Checks `shape` and every operand and packs the launch for a GPU of `sm_count` SMs (its tensor maps encoded
 /// through `ctx`'s driver).
 pub fn plan_int8_gemm<'a>(
@@ -364,16 +506,19 @@ pub fn plan_int8_gemm<'a>(
 /// `order` (`w_scale` `[2 hidden]`); `y` bf16 rows of `y_row_stride` (a multiple of 8) elements, `hidden` of them
 /// written. `hidden` must be a multiple of 128 and K of 16. This writes `hidden` columns where the plain GEMM
 /// writes `2 hidden`, and a row quantizer then reads those instead of a SwiGLU pass reading both halves.
+///
+/// With [`EpilogueOperands::Bf16`] the bf16 kernel runs (`nn_gemm_bf16_swiglu`): K a multiple of 8, the products
+/// rounded to bf16 as [`plan_bf16_gemm`] stores them, then nn_act's SwiGLU arithmetic.
 pub fn plan_int8_swiglu_gemm<'a>(
     ctx: &Context,
     sm_count: usize,
     (m, hidden, k): (usize, usize, usize),
     order: SwigluOrder,
-    inputs: &Int8GemmOperands<'_, 'a>,
+    inputs: EpilogueOperands<'_, 'a>,
     y: &'a mut DeviceViewMut<'_>,
     y_row_stride: usize,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    const OP: &str = "INT8 SwiGLU GEMM";
+    const OP: &str = "SwiGLU GEMM";
     if hidden == 0 || !hidden.is_multiple_of(SWIGLU_TILE_COLS) {
         return Err(invalid(
             OP,
@@ -394,41 +539,22 @@ pub fn plan_int8_swiglu_gemm<'a>(
             .ok_or_else(|| invalid(OP, "2 x hidden overflows"))?,
         k,
     };
-    both.check()?;
-    for (name, view, needed) in [
-        ("x", inputs.x, bytes_of(OP, "x", &[m, k])?),
-        ("w", inputs.w, bytes_of(OP, "w", &[both.n, k])?),
-        ("x_scale", inputs.x_scale, bytes_of(OP, "x_scale", &[m, 4])?),
-        (
-            "w_scale",
-            inputs.w_scale,
-            bytes_of(OP, "w_scale", &[both.n, 4])?,
-        ),
-    ] {
-        check_operand(OP, name, Operand::of(view), needed, 16)?;
-    }
+    inputs.check_shape(both)?;
+    inputs.check(OP, (m, both.n, k), 16)?;
     let out = Int8GemmShape { m, n: hidden, k };
     check_y(OP, out, Operand::of_mut(y), y_row_stride)?;
-    let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), both, 1, m, TILE_ROWS))?;
-    let tm_w = encode_int8_tiles(
-        ctx,
-        &operand_tiles(inputs.w.addr(), both, 1, both.n, SWIGLU_TILE_COLS),
-    )?;
     let (gate_base, value_base) = match order {
         SwigluOrder::GateValue => (0, hidden),
         SwigluOrder::ValueGate => (hidden, 0),
     };
     let mut args = Args::new();
-    args.push(tm_x.words())
-        .push(tm_w.words())
-        .push_addr(inputs.x_scale.addr())
-        .push_addr(inputs.w_scale.addr());
+    inputs.push_maps_and_scales(ctx, &mut args, both, (both.n, SWIGLU_TILE_COLS))?;
     push_output(&mut args, OP, out, y.addr(), y_row_stride)?;
     args.push(to_i32(OP, "gate base", gate_base)?)
         .push(to_i32(OP, "value base", value_base)?)
-        .push(out.band_arg(OP, 1, sm_count)?);
+        .push(out.band_arg(OP, inputs.elem_bytes(), sm_count)?);
     Ok(Launch::new(
-        GEMM_INT8_KERNELS[2],
+        inputs.kernel(GEMM_INT8_KERNELS[2], 0),
         LaunchConfig::new(both.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
         args,
     ))
@@ -507,15 +633,18 @@ pub enum QkvDest<'d, 'a> {
 /// store for `w`'s `3 width` rows (`width = heads * 128`, a multiple of 256), rounded to bf16, then q and k normed and
 /// rotated as the separate pass does, the values as they are, into `dest` (strides multiples of 8). This saves the
 /// pass that reads the GEMM's output and writes q and k (or all three) again.
+///
+/// With [`EpilogueOperands::Bf16`] the bf16 kernels run (`nn_gemm_bf16_qkv`, `nn_gemm_bf16_qkv_half`): K a multiple
+/// of 8, the products rounded to bf16 as [`plan_bf16_gemm`] stores them, then the same norm and rotation.
 pub fn plan_int8_qkv_gemm<'a>(
     ctx: &Context,
     sm_count: usize,
     (m, k): (usize, usize),
-    inputs: &Int8GemmOperands<'_, 'a>,
+    inputs: EpilogueOperands<'_, 'a>,
     norm: &QkvNormRope<'a, '_>,
     dest: QkvDest<'a, '_>,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
-    const OP: &str = "INT8 q|k|v GEMM";
+    const OP: &str = "q|k|v GEMM";
     let width = norm
         .heads
         .checked_mul(HEAD_DIM)
@@ -536,7 +665,7 @@ pub fn plan_int8_qkv_gemm<'a>(
             .ok_or_else(|| invalid(OP, "3 x width overflows"))?,
         k,
     };
-    shape.check()?;
+    inputs.check_shape(shape)?;
     check_eps(OP, norm.eps)?;
     let (addrs, stride) = match dest {
         QkvDest::Apart(outputs) => {
@@ -584,61 +713,40 @@ pub fn plan_int8_qkv_gemm<'a>(
             )
         }
     };
-    for (name, view, needed) in [
-        ("x", inputs.x, bytes_of(OP, "x", &[m, k])?),
-        ("w", inputs.w, bytes_of(OP, "w", &[shape.n, k])?),
-        ("x_scale", inputs.x_scale, bytes_of(OP, "x_scale", &[m, 4])?),
-        (
-            "w_scale",
-            inputs.w_scale,
-            bytes_of(OP, "w_scale", &[shape.n, 4])?,
-        ),
-        ("q_weight", norm.q_weight, HEAD_DIM * 2),
-        ("k_weight", norm.k_weight, HEAD_DIM * 2),
-    ] {
-        check_operand(OP, name, Operand::of(view), needed, 4)?;
-    }
-    for (name, view) in [("x", inputs.x), ("w", inputs.w)] {
-        check_operand(OP, name, Operand::of(view), 0, 16)?;
+    inputs.check(OP, (m, shape.n, k), 4)?;
+    for (name, view) in [("q_weight", norm.q_weight), ("k_weight", norm.k_weight)] {
+        check_operand(OP, name, Operand::of(view), HEAD_DIM * 2, 4)?;
     }
     let kernel = match norm.rope {
         QkvRope::Interleaved => {
             check_interleaved_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
-            GEMM_INT8_KERNELS[3]
+            inputs.kernel(GEMM_INT8_KERNELS[3], 1)
         }
         QkvRope::Half96 => {
             check_half96_tables(OP, m, (norm.rope_cos, norm.rope_sin), norm.rope_stride)?;
-            GEMM_INT8_KERNELS[4]
+            inputs.kernel(GEMM_INT8_KERNELS[4], 2)
         }
     };
-    let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
-    let tm_w = encode_int8_tiles(
-        ctx,
-        &operand_tiles(inputs.w.addr(), shape, 1, shape.n, TILE_COLS),
-    )?;
     let mut args = Args::new();
-    args.push(tm_x.words())
-        .push(tm_w.words())
-        .push_addr(inputs.x_scale.addr())
-        .push_addr(inputs.w_scale.addr())
-        .push(qkv_words(
-            [
-                addrs[0],
-                addrs[1],
-                addrs[2],
-                norm.q_weight.addr(),
-                norm.k_weight.addr(),
-                norm.rope_cos.addr(),
-                norm.rope_sin.addr(),
-            ],
-            to_i64(OP, "row stride", stride)?,
-            to_i32(OP, "width", width)?,
-            norm.eps,
-            to_i32(OP, "rope stride", norm.rope_stride)?,
-        ))
-        .push(to_i32(OP, "M", m)?)
-        .push(to_i32(OP, "K", k)?)
-        .push(shape.band_arg(OP, 1, sm_count)?);
+    inputs.push_maps_and_scales(ctx, &mut args, shape, (shape.n, TILE_COLS))?;
+    args.push(qkv_words(
+        [
+            addrs[0],
+            addrs[1],
+            addrs[2],
+            norm.q_weight.addr(),
+            norm.k_weight.addr(),
+            norm.rope_cos.addr(),
+            norm.rope_sin.addr(),
+        ],
+        to_i64(OP, "row stride", stride)?,
+        to_i32(OP, "width", width)?,
+        norm.eps,
+        to_i32(OP, "rope stride", norm.rope_stride)?,
+    ))
+    .push(to_i32(OP, "M", m)?)
+    .push(to_i32(OP, "K", k)?)
+    .push(shape.band_arg(OP, inputs.elem_bytes(), sm_count)?);
     Ok(Launch::new(
         kernel,
         LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
@@ -881,13 +989,13 @@ impl Int8GemmKernels {
     /// Runs the INT8 GEMM of a SwiGLU's two halves with the SwiGLU in its epilogue on `stream`; see
     /// [`plan_int8_swiglu_gemm`].
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_swiglu(
+    pub fn gemm_swiglu<'v, 'a: 'v>(
         &self,
         ctx: &Context,
         stream: &Stream,
         (m, hidden, k): (usize, usize, usize),
         order: SwigluOrder,
-        inputs: &Int8GemmOperands<'_, '_>,
+        inputs: impl Into<EpilogueOperands<'v, 'a>>,
         y: &mut DeviceViewMut<'_>,
         y_row_stride: usize,
     ) -> Result<(), tf_cuda::Error> {
@@ -896,7 +1004,7 @@ impl Int8GemmKernels {
             self.sm_count,
             (m, hidden, k),
             order,
-            inputs,
+            inputs.into(),
             y,
             y_row_stride,
         )?;
@@ -904,16 +1012,16 @@ impl Int8GemmKernels {
     }
 
     /// Runs the INT8 q|k|v GEMM with the QK norm and RoPE in its epilogue on `stream`; see [`plan_int8_qkv_gemm`].
-    pub fn gemm_qkv(
+    pub fn gemm_qkv<'v, 'a: 'v>(
         &self,
         ctx: &Context,
         stream: &Stream,
         (m, k): (usize, usize),
-        inputs: &Int8GemmOperands<'_, '_>,
+        inputs: impl Into<EpilogueOperands<'v, 'a>>,
         norm: &QkvNormRope<'_, '_>,
         dest: QkvDest<'_, '_>,
     ) -> Result<(), tf_cuda::Error> {
-        let launch = plan_int8_qkv_gemm(ctx, self.sm_count, (m, k), inputs, norm, dest)?;
+        let launch = plan_int8_qkv_gemm(ctx, self.sm_count, (m, k), inputs.into(), norm, dest)?;
         self.set.submit(stream, &launch)
     }
 

@@ -19,7 +19,9 @@ use crate::nn::backend_error::gpu_error;
 use crate::nn::fp8::RowCodes;
 use crate::nn::gpu::attention_8bit::attention_at;
 use crate::nn::gpu::gemm::{Fp8Linear, Linear};
-use crate::nn::gpu::gemm_int8::{Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope};
+use crate::nn::gpu::gemm_int8::{
+    EpilogueOperands, Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope,
+};
 use crate::nn::gpu::graph_cache::GraphCache;
 use crate::nn::gpu::quant::{
     plan_gated_residual_norm_modulate_with, plan_norm_modulate_codes, plan_quantize_rows,
@@ -174,11 +176,24 @@ impl Engine {
             Int8Out::Swiglu(y) => {
                 let mut yv = y.slice_mut(0, bytes(m, n * BF16)?).map_err(launch)?;
                 let order = SwigluOrder::GateValue;
-                ours.gemm_swiglu(ctx, st, (m, n, k), order, &inputs, &mut yv, n)
+                ours.gemm_swiglu(
+                    ctx,
+                    st,
+                    (m, n, k),
+                    order,
+                    EpilogueOperands::Int8(&inputs),
+                    &mut yv,
+                    n,
+                )
             }
-            Int8Out::Qkv(norm, outputs) => {
-                ours.gemm_qkv(ctx, st, (m, k), &inputs, norm, QkvDest::Apart(outputs))
-            }
+            Int8Out::Qkv(norm, outputs) => ours.gemm_qkv(
+                ctx,
+                st,
+                (m, k),
+                EpilogueOperands::Int8(&inputs),
+                norm,
+                QkvDest::Apart(outputs),
+            ),
         }
         .map_err(launch)
     }
