@@ -746,36 +746,32 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_c
 #endif
 }
 
+// The SwiGLU kernels' parameters, and their body for operands B (true: bf16).
+#define G8_SWIGLU_PARAMS                                                                                            \
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
+        const float *__restrict__ w_scale, bf16 *__restrict__ y, int64_t y_row_stride, int m, int hidden, int k,  \
+        int gate_base, int value_base, int band
+#if defined(NN_HAS_WGMMA)
+#define G8_SWIGLU_BODY(B) \
+    gemm_tiles<B, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base, value_base)
+#else
+#define G8_SWIGLU_BODY(B) __trap()
+#endif
+
 // The INT8 GEMM of a SwiGLU's two halves with silu(gate) * value in its epilogue: y[m, c] = bf16(silu(g) * v) with
 // g and v the bf16 products nn_gemm_int8_scaled_bf16 would store for weight rows gate_base + c and value_base + c
 // (one weight [2 hidden, K] holding both halves, either order). tm_x as for the INT8 GEMM; tm_w: w as {K bytes, 2
 // hidden rows, 1}, boxes of 128 bytes x 128 rows. hidden a multiple of 128, y's row stride a multiple of 8. Same
 // grid, threads and shared memory as the INT8 GEMM (hidden / 128 column tiles).
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int hidden, int k,
-    int gate_base, int value_base, int band) {
-#if defined(NN_HAS_WGMMA)
-    gemm_tiles<false, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base,
-                            value_base);
-#else
-    __trap();
-#endif
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(G8_SWIGLU_PARAMS) {
+    G8_SWIGLU_BODY(false);
 }
 
 // The same over bf16 operands (f32 sums rounded to bf16 as nn_gemm_bf16 stores them, then nn_act's SwiGLU
 // arithmetic): tm_x and tm_w bf16 maps as for nn_gemm_bf16, but w's boxes 64 x 128 rows. x_scale and w_scale are
 // not read (null). Same grid, threads and shared memory.
-extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_swiglu(
-    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float* __restrict__ x_scale,
-    const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride, int m, int hidden, int k,
-    int gate_base, int value_base, int band) {
-#if defined(NN_HAS_WGMMA)
-    gemm_tiles<true, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base,
-                           value_base);
-#else
-    __trap();
-#endif
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_swiglu(G8_SWIGLU_PARAMS) {
+    G8_SWIGLU_BODY(true);
 }
 
 // The q|k|v kernels' parameters, and their body for operands B (true: bf16) and epilogue form F (kG8QkvInterleaved

@@ -638,7 +638,7 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
         return;
     };
     let h3 = H3Kernels::load(&g.ctx).expect("load MiniMax H3's kernels");
-    let (rotated, table_cols) = (HALF96_ROTATED, HALF96_ROTATED / 2);
+    let table_cols = HALF96_ROTATED / 2;
     // (M, heads, K): one tile a part; partial row tiles and K past a slice; MiniMax H3's width (56 heads).
     for (i, &(m, heads, k)) in [
         (128usize, 2usize, 128usize),
@@ -653,19 +653,7 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
         // Apart: the plain GEMM into q|k|v rows, then H3's QK norm + RoPE in place.
         let mut apart = ops.plain_gemm(&g);
         ops.with(QkvRope::Half96, table_cols, |_, norm| {
-            let qkv = apart.view_mut();
-            let op = QkNormRope {
-                qkv: &qkv,
-                qkv_layout: Matrix::dense(m, n),
-                heads,
-                q_weight: norm.q_weight,
-                k_weight: norm.k_weight,
-                norm_dim: 128,
-                eps: norm.eps,
-                rope: Some((norm.rope_cos, norm.rope_sin, table_cols, rotated)),
-            };
-            h3.run(&g.stream, plan_qk_norm_rope(&op))
-                .expect("H3's QK norm + RoPE pass");
+            h3_pass_in_place(&h3, &g, &mut apart, (m, n, heads), norm);
         });
         // Fused, in place on one q|k|v matrix.
         let mut fused = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * n]).expect("q|k|v");
@@ -680,19 +668,54 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
                 .unwrap_or_else(|e| panic!("INT8 q|k|v GEMM in place {m}x{n}x{k}: {e}"));
         });
         g.stream.synchronize().expect("synchronize");
-        let width = heads * 128;
-        let parts = |buf: &DeviceBuffer| -> Vec<(Vec<u16>, usize, usize)> {
-            let rows: Vec<u16> = buf.to_vec().expect("back");
-            (0..3).map(|p| (rows.clone(), n, p * width)).collect()
-        };
-        assert_fused_matches_apart(
-            "rotate-half",
-            (m, heads, k),
-            &parts(&apart),
-            &parts(&fused),
-            None,
-        );
+        assert_in_place_matches_apart("rotate-half", (m, heads, k), &apart, &fused);
     }
+}
+
+/// MiniMax H3's QK norm + RoPE pass (`h3_qk_norm_rope`) in place on the `m` x `n` q|k|v rows `qkv` of `heads`
+/// heads, with `norm`'s weights and rotate-half tables.
+fn h3_pass_in_place(
+    h3: &H3Kernels,
+    g: &Gpu,
+    qkv: &mut DeviceBuffer,
+    (m, n, heads): (usize, usize, usize),
+    norm: &QkvNormRope<'_, '_>,
+) {
+    let qkv = qkv.view_mut();
+    let op = QkNormRope {
+        qkv: &qkv,
+        qkv_layout: Matrix::dense(m, n),
+        heads,
+        q_weight: norm.q_weight,
+        k_weight: norm.k_weight,
+        norm_dim: 128,
+        eps: norm.eps,
+        rope: Some((
+            norm.rope_cos,
+            norm.rope_sin,
+            norm.rope_stride,
+            HALF96_ROTATED,
+        )),
+    };
+    h3.run(&g.stream, plan_qk_norm_rope(&op))
+        .expect("H3's QK norm + RoPE pass");
+}
+
+/// [`assert_fused_matches_apart`] on two whole q|k|v matrices (`heads` heads a part, dense rows).
+fn assert_in_place_matches_apart(
+    kind: &str,
+    (m, heads, k): (usize, usize, usize),
+    apart: &DeviceBuffer,
+    fused: &DeviceBuffer,
+) {
+    let width = heads * 128;
+    let parts = |buf: &DeviceBuffer| -> Vec<(Vec<u16>, usize, usize)> {
+        let rows: Vec<u16> = buf.to_vec().expect("back");
+        (0..3)
+            .map(|p| (rows.clone(), 3 * width, p * width))
+            .collect()
+    };
+    assert_fused_matches_apart(kind, (m, heads, k), &parts(apart), &parts(fused), None);
 }
 
 /// Random bf16 values in -1..1 (bits), uploaded.
@@ -770,7 +793,7 @@ fn bf16_epilogue_gemms_match_the_bf16_gemm_and_the_passes_apart() {
         );
     }
     // The rotate-half q|k|v in place, (M, heads, K): partial tiles and K past a slice; MiniMax H3's width.
-    let (rotated, table_cols) = (HALF96_ROTATED, HALF96_ROTATED / 2);
+    let table_cols = HALF96_ROTATED / 2;
     for (i, &(m, heads, k)) in [(300usize, 4usize, 400usize), (2000, 56, 1024)]
         .iter()
         .enumerate()
@@ -797,19 +820,7 @@ fn bf16_epilogue_gemms_match_the_bf16_gemm_and_the_passes_apart() {
             .expect("plain bf16 GEMM");
         let mut fused = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * n]).expect("q|k|v");
         ops.with(QkvRope::Half96, table_cols, |_, norm| {
-            let qkv = apart.view_mut();
-            let op = QkNormRope {
-                qkv: &qkv,
-                qkv_layout: Matrix::dense(m, n),
-                heads,
-                q_weight: norm.q_weight,
-                k_weight: norm.k_weight,
-                norm_dim: 128,
-                eps: norm.eps,
-                rope: Some((norm.rope_cos, norm.rope_sin, table_cols, rotated)),
-            };
-            h3.run(&g.stream, plan_qk_norm_rope(&op))
-                .expect("H3's QK norm + RoPE pass");
+            h3_pass_in_place(&h3, &g, &mut apart, (m, n, heads), norm);
             let mut qkv = fused.view_mut();
             let dest = QkvDest::Joint {
                 qkv: &mut qkv,
@@ -821,18 +832,7 @@ fn bf16_epilogue_gemms_match_the_bf16_gemm_and_the_passes_apart() {
                 .unwrap_or_else(|e| panic!("bf16 q|k|v GEMM in place {m}x{n}x{k}: {e}"));
         });
         g.stream.synchronize().expect("synchronize");
-        let width = heads * 128;
-        let parts = |buf: &DeviceBuffer| -> Vec<(Vec<u16>, usize, usize)> {
-            let rows: Vec<u16> = buf.to_vec().expect("back");
-            (0..3).map(|p| (rows.clone(), n, p * width)).collect()
-        };
-        assert_fused_matches_apart(
-            "bf16 rotate-half",
-            (m, heads, k),
-            &parts(&apart),
-            &parts(&fused),
-            None,
-        );
+        assert_in_place_matches_apart("bf16 rotate-half", (m, heads, k), &apart, &fused);
     }
 }
 
