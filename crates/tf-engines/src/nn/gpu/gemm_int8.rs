@@ -136,7 +136,8 @@ pub fn swiglu_fused_for(loaded: Option<&Int8GemmKernels>, hidden: usize) -> Resu
 }
 
 /// The environment variable that sets the order the GEMMs of this set take their output tiles in ([`TileBand`]):
-/// `auto` (the default), `off` (one band: plain M-fastest order) or a number of M tiles a band.
+/// `off` (the default: one band, plain M-fastest order, as every measured step ran), `auto` or a number of M tiles
+/// a band. `auto` becomes the default once a GPU run shows the steps faster with it (bundle step `gemm-band`).
 pub const BAND_ENV: &str = "TF_GEMM_BAND";
 
 /// Bytes of `x` up to which [`TileBand::Auto`] keeps one band: the whole of `x` then stays in L2 (50 MB on the
@@ -152,9 +153,9 @@ pub const ONE_BAND_X_BYTES: usize = 32 << 20;
 pub enum TileBand {
     /// One band while `x` fits in [`ONE_BAND_X_BYTES`]; else bands of about `sqrt(2 SMs)` M tiles, where the tiles
     /// in flight (one an SM) cover twice as many M tiles of 128 rows as N tiles of 256 columns, balanced.
-    #[default]
     Auto,
     /// One band: plain M-fastest order.
+    #[default]
     Off,
     /// Bands of at most this many M tiles (spread evenly: as few bands as that allows, each `ceil(M tiles /
     /// bands)` tiles but the last).
@@ -162,10 +163,11 @@ pub enum TileBand {
 }
 
 impl TileBand {
-    /// Parses a [`BAND_ENV`] value (empty: [`TileBand::Auto`]).
+    /// Parses a [`BAND_ENV`] value (empty: the default, [`TileBand::Off`]).
     pub fn parse(value: &str) -> Result<TileBand, String> {
         match value {
-            "" | "auto" => Ok(TileBand::Auto),
+            "" => Ok(TileBand::default()),
+            "auto" => Ok(TileBand::Auto),
             "off" => Ok(TileBand::Off),
             other => match other.parse::<usize>() {
                 Ok(tiles) if tiles > 0 => Ok(TileBand::Tiles(tiles)),
@@ -1158,7 +1160,7 @@ mod tests {
 
     #[test]
     fn the_band_variable_names_what_it_takes() {
-        assert_eq!(TileBand::parse(""), Ok(TileBand::Auto));
+        assert_eq!(TileBand::parse(""), Ok(TileBand::Off));
         assert_eq!(TileBand::parse("auto"), Ok(TileBand::Auto));
         assert_eq!(TileBand::parse("off"), Ok(TileBand::Off));
         assert_eq!(TileBand::parse("12"), Ok(TileBand::Tiles(12)));
