@@ -1082,10 +1082,10 @@ fn check_bf16_gemm_plan(
     prop_assert_eq!(block(l), (384, 1, 1));
     prop_assert_eq!(l.config().shared_bytes, SHARED_BYTES);
     prop_assert!(l.config().validate(SHARED_BYTES).is_ok());
-    // The tile order's band: the default order's (TF_GEMM_BAND unset) M tiles for this shape and bf16 x.
+    // The tile order's band: a bf16 GEMM's default order (TF_GEMM_BAND unset: bands) for this shape.
     let gemm = shape(m as usize, n as usize, k as usize);
     let band = int(l, 7) as usize;
-    prop_assert_eq!(band, gemm.band_tiles(2, sm_count, TileBand::default()));
+    prop_assert_eq!(band, gemm.band_tiles(2, sm_count, TileBand::default_for(2)));
     prop_assert!(band >= 1 && band as u64 <= m.div_ceil(TILE_ROWS as u64));
     Ok(())
 }

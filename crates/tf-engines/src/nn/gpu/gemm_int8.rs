@@ -136,8 +136,9 @@ pub fn swiglu_fused_for(loaded: Option<&Int8GemmKernels>, hidden: usize) -> Resu
 }
 
 /// The environment variable that sets the order the GEMMs of this set take their output tiles in ([`TileBand`]):
-/// `off` (the default: one band, plain M-fastest order, as every measured step ran), `auto` or a number of M tiles
-/// a band. `auto` becomes the default once a GPU run shows the steps faster with it (bundle step `gemm-band`).
+/// `off` (one band, plain M-fastest order), `auto` or a number of M tiles a band. Unset, each GEMM takes
+/// [`TileBand::default_for`] its operands: `auto` for bf16 (MiniMax H3's bf16 step on our GEMM 490 -> 478 ms on the
+/// H200), `off` for INT8 (the `fp8` defaults within 0.5% either way: H3 faster, Qwen-Image slower; docs/RESULTS.md).
 pub const BAND_ENV: &str = "TF_GEMM_BAND";
 
 /// Bytes of `x` up to which [`TileBand::Auto`] keeps one band: the whole of `x` then stays in L2 (50 MB on the
@@ -149,13 +150,12 @@ pub const ONE_BAND_X_BYTES: usize = 32 << 20;
 /// that is a read of `x` from memory each wave (H3's bf16 GEMMs: 62-165 MiB of `x`, 8-31 waves). In a band the
 /// CTAs in flight share the rows of `x` of a few M tiles and the columns of `w` of a few N tiles, so both come from
 /// L2 for most of the band. The products are the same in any order (each tile is computed alone).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TileBand {
     /// One band while `x` fits in [`ONE_BAND_X_BYTES`]; else bands of about `sqrt(2 SMs)` M tiles, where the tiles
     /// in flight (one an SM) cover twice as many M tiles of 128 rows as N tiles of 256 columns, balanced.
     Auto,
     /// One band: plain M-fastest order.
-    #[default]
     Off,
     /// Bands of at most this many M tiles (spread evenly: as few bands as that allows, each `ceil(M tiles /
     /// bands)` tiles but the last).
@@ -163,14 +163,24 @@ pub enum TileBand {
 }
 
 impl TileBand {
-    /// Parses a [`BAND_ENV`] value (empty: the default, [`TileBand::Off`]).
-    pub fn parse(value: &str) -> Result<TileBand, String> {
+    /// The order a GEMM over operands of `elem_bytes` takes when [`BAND_ENV`] is unset: bands (`auto`) for bf16,
+    /// one band for INT8, as measured (see [`BAND_ENV`]).
+    pub fn default_for(elem_bytes: usize) -> TileBand {
+        if elem_bytes >= 2 {
+            TileBand::Auto
+        } else {
+            TileBand::Off
+        }
+    }
+
+    /// Parses a [`BAND_ENV`] value (empty: `None`, each GEMM's [`TileBand::default_for`]).
+    pub fn parse(value: &str) -> Result<Option<TileBand>, String> {
         match value {
-            "" => Ok(TileBand::default()),
-            "auto" => Ok(TileBand::Auto),
-            "off" => Ok(TileBand::Off),
+            "" => Ok(None),
+            "auto" => Ok(Some(TileBand::Auto)),
+            "off" => Ok(Some(TileBand::Off)),
             other => match other.parse::<usize>() {
-                Ok(tiles) if tiles > 0 => Ok(TileBand::Tiles(tiles)),
+                Ok(tiles) if tiles > 0 => Ok(Some(TileBand::Tiles(tiles))),
                 _ => Err(format!(
                     "{BAND_ENV}={other:?} is not a tile order: use `auto`, `off` or a positive number of M tiles"
                 )),
@@ -179,12 +189,12 @@ impl TileBand {
     }
 
     /// The order [`BAND_ENV`] asks for (the default when it is unset).
-    pub fn from_env() -> Result<TileBand, String> {
+    pub fn from_env() -> Result<Option<TileBand>, String> {
         TileBand::parse(&std::env::var(BAND_ENV).unwrap_or_default())
     }
 
     /// [`TileBand::from_env`] as a launch planner's error for `op`.
-    fn from_env_for(op: &'static str) -> Result<TileBand, tf_cuda::Error> {
+    fn from_env_for(op: &'static str) -> Result<Option<TileBand>, tf_cuda::Error> {
         TileBand::from_env().map_err(|message| invalid(op, message))
     }
 }
@@ -306,7 +316,7 @@ impl Int8GemmShape {
         elem_bytes: usize,
         sm_count: usize,
     ) -> Result<i32, tf_cuda::Error> {
-        let band = TileBand::from_env_for(op)?;
+        let band = TileBand::from_env_for(op)?.unwrap_or(TileBand::default_for(elem_bytes));
         to_i32(op, "band", self.band_tiles(elem_bytes, sm_count, band))
     }
 
@@ -1160,10 +1170,12 @@ mod tests {
 
     #[test]
     fn the_band_variable_names_what_it_takes() {
-        assert_eq!(TileBand::parse(""), Ok(TileBand::Off));
-        assert_eq!(TileBand::parse("auto"), Ok(TileBand::Auto));
-        assert_eq!(TileBand::parse("off"), Ok(TileBand::Off));
-        assert_eq!(TileBand::parse("12"), Ok(TileBand::Tiles(12)));
+        assert_eq!(TileBand::parse(""), Ok(None));
+        assert_eq!(TileBand::parse("auto"), Ok(Some(TileBand::Auto)));
+        assert_eq!(TileBand::parse("off"), Ok(Some(TileBand::Off)));
+        assert_eq!(TileBand::parse("12"), Ok(Some(TileBand::Tiles(12))));
+        assert_eq!(TileBand::default_for(2), TileBand::Auto);
+        assert_eq!(TileBand::default_for(1), TileBand::Off);
         for bad in ["0", "-3", "many", "1.5"] {
             let err = TileBand::parse(bad).expect_err(bad);
             assert!(
