@@ -30,8 +30,6 @@ use super::kernels::{
 use super::weights::AttnOffsets;
 use super::workspace::{self_attention_shape, ShapeKey, StepGraph, Workspace, WorkspaceSizes};
 use super::{cuda_err, Engine};
-
-mod our_gemm;
 use crate::minimax_h3::config::MODALITIES;
 use crate::minimax_h3::dit::H3Error;
 use crate::nn::backend_error::gpu_error;
@@ -51,6 +49,8 @@ use crate::nn::gpu::{
 };
 use crate::nn::precision::{AttentionPrecision, Fp8Accumulation, Fp8Groups};
 use crate::nn::weights::BF16;
+
+mod our_gemm;
 
 fn launch(e: tf_cuda::Error) -> H3Error {
     H3Error::Gpu(gpu_error("kernel launch", e))

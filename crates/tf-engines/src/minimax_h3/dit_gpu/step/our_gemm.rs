@@ -72,9 +72,10 @@ impl Engine {
         self.our_int8_gemm(ours, &c, w_scales, (&x, &x_scale), &mut y, epilogue)
     }
 
-    /// The main rows' q|k|v GEMM `c` on our INT8 GEMM with the QK norm and rotate-half RoPE in its epilogue, in
-    /// place on the q|k|v rows, where `c` runs in INT8 with scales, the fusion is on and the model's heads are the
-    /// epilogue's (128 channels, 96 of them turned); false (nothing enqueued) where it does not apply.
+    /// The main rows' q|k|v GEMM `c` with the QK norm and rotate-half RoPE in its epilogue, in place on the q|k|v
+    /// rows: on our INT8 GEMM where `c` runs in INT8 with scales, on our bf16 GEMM where `c` is a plain bf16 call and
+    /// `TF_BF16_GEMM=ours`; where the fusion is on and the model's heads are the epilogue's (128 channels, 96 of them
+    /// turned). False (nothing enqueued) where it does not apply.
     pub(super) fn qkv_fused_gemm(
         &self,
         ws: &mut Workspace,
