@@ -12,7 +12,7 @@ use tf_engines::minimax_h3::vae_audio::{AudioVaeConfig, HostAudioVae};
 use tf_engines::minimax_h3::vae_audio_gpu::AudioVaeLayout;
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::TensorF32;
-use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir};
+use tf_engines::nn::weights::{write_f32_safetensors, ModelDir};
 
 fn write_folder(dir: &Path) -> usize {
     let config = AudioVaeConfig::default();
@@ -34,11 +34,7 @@ fn write_folder(dir: &Path) -> usize {
         })
         .collect();
     let elements = tensors.iter().map(|(_, t)| t.data().len()).sum();
-    let named: Vec<(&str, AnyTensor<'_>)> = tensors
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    write_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &named).unwrap();
+    write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
     elements
 }
 

@@ -28,7 +28,7 @@ use tf_engines::minimax_h3::vae_audio::{AudioVaeConfig, AudioVaeDecoder, HostAud
 use tf_engines::minimax_h3::vae_audio_gpu::GpuAudioVae;
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
-use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
+use tf_engines::nn::weights::{write_f32_safetensors, ModelDir, SafetensorsFile};
 
 const TINY_BOUND: f64 = 2e-5;
 const RELEASED_BOUND: f64 = 1e-4;
@@ -182,11 +182,7 @@ fn write_released_model(dir: &Path, seed: u64) -> AudioVaeConfig {
             (spec.name, TensorF32::new(spec.shape, values).unwrap())
         })
         .collect();
-    let refs: Vec<(&str, AnyTensor<'_>)> = tensors
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    write_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &refs).unwrap();
+    write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
     config
 }
 

@@ -46,7 +46,7 @@ use tf_engines::nn::host as ops;
 use tf_engines::nn::sampling::seeded::SplitMix64;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
 use tf_engines::nn::upload::StagingConfig;
-use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
+use tf_engines::nn::weights::{write_f32_safetensors, ModelDir, SafetensorsFile};
 
 const REL_L2_MAX: f64 = 4e-2;
 const COSINE_MIN: f64 = 0.999;
@@ -1358,11 +1358,7 @@ impl ReducedFolder {
                 (spec.name, TensorF32::new(spec.shape, values).unwrap())
             })
             .collect();
-        let refs: Vec<(&str, AnyTensor<'_>)> = tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-            .collect();
-        write_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &refs).unwrap();
+        write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
         ReducedFolder(dir)
     }
 }

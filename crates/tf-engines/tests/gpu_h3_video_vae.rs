@@ -30,7 +30,7 @@ use tf_engines::minimax_h3::vae_video::{
 use tf_engines::minimax_h3::vae_video_gpu::{GpuVideoVae, GpuVideoVaeBudget};
 use tf_engines::nn::sampling::seeded::SplitMix64 as Rng;
 use tf_engines::nn::tensor::{relative_l2, Tensor, TensorF32};
-use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
+use tf_engines::nn::weights::{write_f32_safetensors, ModelDir, SafetensorsFile};
 
 const REL_L2_MAX: f64 = 3e-2;
 const COSINE_MIN: f64 = 0.999;
@@ -196,11 +196,7 @@ fn write_random_model(dir: &Path, config: &Value, seed: u64) {
         };
         owned.push((name, Tensor::new(spec.shape.clone(), values).unwrap()));
     }
-    let refs: Vec<(&str, AnyTensor<'_>)> = owned
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    write_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &refs).unwrap();
+    write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &owned).unwrap();
 }
 
 #[test]

@@ -29,7 +29,7 @@ use tf_engines::nn::host;
 use tf_engines::nn::host::rope_rotate_half;
 use tf_engines::nn::tensor::{relative_l2, Tensor};
 use tf_engines::nn::upload::StagingConfig;
-use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir};
+use tf_engines::nn::weights::{write_f32_safetensors, ModelDir};
 use tf_engines::qwen3_vl::text_encoder::{HostTextEncoder, TextEncoderConfig};
 use tf_engines::qwen3_vl::text_encoder_gpu::GpuTextEncoder;
 use tf_engines::qwen_image::components::TextEncoderBackend;
@@ -407,11 +407,7 @@ fn tiny_model(dir: &Path, config: &TextEncoderConfig, seed: u64) {
             lin(f),
         );
     }
-    let refs: Vec<(&str, AnyTensor<'_>)> = tensors
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    write_safetensors(&dir.join("model.safetensors"), &refs).expect("write the weights");
+    write_f32_safetensors(&dir.join("model.safetensors"), &tensors).expect("write the weights");
 }
 
 fn tiny_config() -> TextEncoderConfig {

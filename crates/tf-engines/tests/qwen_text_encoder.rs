@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use tf_engines::nn::tensor::{relative_l2, TensorF32};
-use tf_engines::nn::weights::{write_safetensors, AnyTensor, ModelDir, SafetensorsFile};
+use tf_engines::nn::weights::{write_f32_safetensors, ModelDir, SafetensorsFile};
 use tf_engines::qwen3_vl::text_encoder::{HostTextEncoder, LoadOptions, TextEncoderError};
 
 const TOLERANCE: f64 = 1e-5;
@@ -151,11 +151,7 @@ fn write_subset(model: &ModelDir, dir: &std::path::Path, keep: impl Fn(&str) -> 
         .filter(|n| keep(n))
         .map(|n| (n.to_string(), model.to_f32(n).unwrap()))
         .collect();
-    let refs: Vec<(&str, AnyTensor<'_>)> = tensors
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    write_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+    write_f32_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
 }
 
 #[test]

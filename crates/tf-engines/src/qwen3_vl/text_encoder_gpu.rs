@@ -1195,7 +1195,7 @@ mod tests {
 
     /// Writes a one-layer head-dim-128 model (zeros) whose `k_proj` has `k_rows` rows (2 x 128 is right).
     fn write_model(dir: &std::path::Path, k_rows: usize) {
-        use crate::nn::weights::{write_safetensors, AnyTensor};
+        use crate::nn::weights::write_f32_safetensors;
         std::fs::create_dir_all(dir).unwrap();
         let config = serde_json::json!({"text_config": {"vocab_size": 4, "hidden_size": 8,
             "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -1230,11 +1230,7 @@ mod tests {
                 (name, Tensor::new(shape, vec![0.0; n]).unwrap())
             })
             .collect();
-        let refs: Vec<(&str, AnyTensor<'_>)> = tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-            .collect();
-        write_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+        write_f32_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use tf_engines::nn::tensor::TensorF32;
-use tf_engines::nn::weights::{AnyTensor, ModelDir, SafetensorsFile, WeightsError};
+use tf_engines::nn::weights::{ModelDir, SafetensorsFile, WeightsError};
 
 /// A copy of a model folder under the temp dir.
 pub struct ScratchModel(pub PathBuf);
@@ -71,11 +71,7 @@ pub fn rewrite(path: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<
         .into_iter()
         .map(|(n, s, d)| (n, TensorF32::new(s, d).unwrap()))
         .collect();
-    let refs: Vec<(&str, AnyTensor<'_>)> = owned
-        .iter()
-        .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-        .collect();
-    tf_engines::nn::weights::write_safetensors(path, &refs).unwrap();
+    tf_engines::nn::weights::write_f32_safetensors(path, &owned).unwrap();
 }
 
 /// The checkpoint refusals a decoder loader shares, each error naming the tensor: `missing` left out, `misshapen`

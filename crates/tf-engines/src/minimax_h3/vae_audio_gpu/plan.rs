@@ -669,7 +669,7 @@ mod tests {
     use super::*;
     use crate::nn::sampling::seeded::SplitMix64;
     use crate::nn::tensor::relative_l2;
-    use crate::nn::weights::{write_safetensors, AnyTensor, ModelDir};
+    use crate::nn::weights::{write_f32_safetensors, ModelDir};
     use std::path::{Path, PathBuf};
 
     /// What audio.cu computes, op by op on the host: each convolution as the kernels' formula (the same f32
@@ -887,11 +887,7 @@ mod tests {
                 (spec.name, TensorF32::new(spec.shape, values).unwrap())
             })
             .collect();
-        let refs: Vec<(&str, AnyTensor<'_>)> = tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-            .collect();
-        write_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &refs).unwrap();
+        write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
         let host = HostAudioVae::load(&ModelDir::open(&dir).unwrap()).unwrap();
         (host, dir)
     }

@@ -28,7 +28,7 @@ pub use file::{bytes_to_f32, SafetensorsFile};
 pub use header::{parse_header, Header, HeaderError, TensorInfo, MAX_HEADER_BYTES};
 pub use layout::{le_bytes, LayoutPlanner, ALIGN, BF16};
 pub use model_dir::{element_total, LoadStats, ModelDir, TensorSpec, FLOAT_DTYPES};
-pub use write::{write_safetensors, AnyTensor};
+pub use write::{write_f32_safetensors, write_safetensors, AnyTensor};
 
 /// Element types of safetensors files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -430,7 +430,7 @@ mod tests {
     #[test]
     fn load_f32_on_threads_reads_what_one_thread_reads() {
         use crate::nn::tensor::TensorF32;
-        use crate::nn::weights::{write_safetensors, AnyTensor};
+        use crate::nn::weights::write_f32_safetensors;
         let dir = std::env::temp_dir().join(format!("tf-load-f32-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("config.json"), "{}").unwrap();
@@ -441,11 +441,7 @@ mod tests {
                 (format!("t{i}"), TensorF32::new(vec![n], data).unwrap())
             })
             .collect();
-        let named: Vec<(&str, AnyTensor<'_>)> = tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), AnyTensor::F32(t)))
-            .collect();
-        write_safetensors(&dir.join("model.safetensors"), &named).unwrap();
+        write_f32_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
         let model = ModelDir::open(&dir).unwrap();
         let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
         let (one, _) = model.load_f32_threaded_from(&names, u64::MAX).unwrap();

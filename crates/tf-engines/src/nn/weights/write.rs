@@ -5,6 +5,18 @@ use std::path::Path;
 use super::WeightsError;
 use crate::nn::tensor::Tensor;
 
+/// [`write_safetensors`] of named f32 tensors (a test folder's weights, a seeded checkpoint).
+pub fn write_f32_safetensors(
+    path: &Path,
+    tensors: &[(String, crate::nn::tensor::TensorF32)],
+) -> Result<(), WeightsError> {
+    let named: Vec<(&str, AnyTensor<'_>)> = tensors
+        .iter()
+        .map(|(name, t)| (name.as_str(), AnyTensor::F32(t)))
+        .collect();
+    write_safetensors(path, &named)
+}
+
 /// Serializes f32/u8/i64 host tensors to a safetensors file (for outputs, caches and test files).
 pub fn write_safetensors(
     path: &Path,
