@@ -193,9 +193,15 @@ impl TileBand {
         TileBand::parse(&std::env::var(BAND_ENV).unwrap_or_default())
     }
 
-    /// [`TileBand::from_env`] as a launch planner's error for `op`.
+    /// [`TileBand::from_env`], read once a process (every GEMM launch a planner packs asks), as a launch planner's
+    /// error for `op`.
     fn from_env_for(op: &'static str) -> Result<Option<TileBand>, tf_cuda::Error> {
-        TileBand::from_env().map_err(|message| invalid(op, message))
+        static ASKED: std::sync::OnceLock<Result<Option<TileBand>, String>> =
+            std::sync::OnceLock::new();
+        ASKED
+            .get_or_init(TileBand::from_env)
+            .clone()
+            .map_err(|message| invalid(op, message))
     }
 }
 
