@@ -394,35 +394,16 @@ impl EpilogueOperands<'_, '_> {
     ) -> Result<(), tf_cuda::Error> {
         let e = self.elem_bytes();
         let (x, w) = self.views();
-        check_operand(
-            op,
-            "x",
-            Operand::of(x),
-            bytes_of(op, "x", &[m, k, e])?,
-            align,
-        )?;
-        check_operand(
-            op,
-            "w",
-            Operand::of(w),
-            bytes_of(op, "w", &[n, k, e])?,
-            align,
-        )?;
+        let mut operands = vec![
+            ("x", x, bytes_of(op, "x", &[m, k, e])?),
+            ("w", w, bytes_of(op, "w", &[n, k, e])?),
+        ];
         if let EpilogueOperands::Int8(inputs) = self {
-            check_operand(
-                op,
-                "x_scale",
-                Operand::of(inputs.x_scale),
-                bytes_of(op, "x_scale", &[m, 4])?,
-                align,
-            )?;
-            check_operand(
-                op,
-                "w_scale",
-                Operand::of(inputs.w_scale),
-                bytes_of(op, "w_scale", &[n, 4])?,
-                align,
-            )?;
+            operands.push(("x_scale", inputs.x_scale, bytes_of(op, "x_scale", &[m, 4])?));
+            operands.push(("w_scale", inputs.w_scale, bytes_of(op, "w_scale", &[n, 4])?));
+        }
+        for (name, view, needed) in operands {
+            check_operand(op, name, Operand::of(view), needed, align)?;
         }
         for (name, view) in [("x", x), ("w", w)] {
             check_operand(op, name, Operand::of(view), 0, 16)?;
