@@ -5,7 +5,8 @@
 //! launches with arguments packed at C alignment ([`Args`], [`LaunchConfig`]), device and
 //! pinned host memory ([`DeviceBuffer`], [`HostBuffer`]) with borrowed views, copies and fills,
 //! process-wide accounting ([`usage()`]), cuBLASLt GEMMs with cached (optionally timed) plans
-//! ([`cublaslt`]) and TMA tensor maps for sm_90 kernels ([`tensor_map`]).
+//! ([`cublaslt`]), TMA tensor maps for sm_90 kernels ([`tensor_map`]) and, for benchmarks, the board's power and
+//! energy through NVML ([`power`]).
 //!
 //! Invariants:
 //! - Only this crate calls tf-sys; every driver call goes through one checked path per context.
@@ -58,6 +59,7 @@ pub mod graph;
 pub mod launch;
 pub mod memory;
 pub mod module;
+pub mod power;
 pub mod segments;
 pub mod stream;
 pub mod tensor_map;

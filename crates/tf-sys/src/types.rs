@@ -133,8 +133,11 @@ pub mod device_attribute {
     pub const CLOCK_RATE: c_int = 13;
     pub const MULTIPROCESSOR_COUNT: c_int = 16;
     pub const INTEGRATED: c_int = 18;
+    pub const PCI_BUS_ID: c_int = 33;
+    pub const PCI_DEVICE_ID: c_int = 34;
     pub const L2_CACHE_SIZE: c_int = 38;
     pub const MAX_THREADS_PER_MULTIPROCESSOR: c_int = 39;
+    pub const PCI_DOMAIN_ID: c_int = 50;
     pub const COMPUTE_CAPABILITY_MAJOR: c_int = 75;
     pub const COMPUTE_CAPABILITY_MINOR: c_int = 76;
     pub const MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: c_int = 81;

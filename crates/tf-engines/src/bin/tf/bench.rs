@@ -323,6 +323,78 @@ fn report_phases(
     serde_json::json!({ "step_ms": times.total_ms, "phases": rows })
 }
 
+/// How long an energy window runs: NVML's energy counter moves in steps of a few tens of milliseconds, so a window
+/// of two seconds reads it to about 1%.
+#[cfg(feature = "bench")]
+const ENERGY_WINDOW_MS: f64 = 2000.0;
+
+/// Measures the board's energy (NVML) around graph replays of a step that takes about `step_ms`: `replay(n)` runs
+/// `n` timed replays (plus any untimed ones it counts) and returns (ms a replay, replays run). Prints one line, and
+/// beside a goal of `goal_ms` the joules a step may spend to meet it at the board's power limit. Returns the JSON
+/// record; a machine without NVML gets the reason instead, and the benchmark goes on.
+#[cfg(feature = "bench")]
+fn report_energy(
+    ctx: &Context,
+    step_ms: f64,
+    goal_ms: Option<f64>,
+    replay: impl FnOnce(usize) -> Result<(f64, usize), BoxError>,
+) -> Result<serde_json::Value, BoxError> {
+    let meter = match tf_cuda::power::PowerMeter::for_context(ctx) {
+        Ok(meter) => meter,
+        Err(e) => {
+            println!("  energy: not measured ({e})");
+            return Ok(serde_json::json!({ "error": e.to_string() }));
+        }
+    };
+    // At least 3 replays, at most 1000: the window's length from the step's own time.
+    let timed = (ENERGY_WINDOW_MS / step_ms.max(0.01))
+        .ceil()
+        .clamp(3.0, 1000.0) as usize;
+    let window = meter.window(std::time::Duration::from_millis(10));
+    let (ms, replays) = replay(timed)?;
+    let report = match window.finish() {
+        Ok(report) => report,
+        Err(e) => {
+            println!("  energy: not measured ({e})");
+            return Ok(serde_json::json!({ "error": e.to_string() }));
+        }
+    };
+    println!(
+        "  energy (NVML, graph replays at {ms:.2} ms): {}",
+        report.describe(replays, "step")
+    );
+    let per_step = report.joules_per(replays);
+    let mut goal = serde_json::Value::Null;
+    if let Some(goal_ms) = goal_ms {
+        let allowed = report.joules_allowed(goal_ms / 1000.0);
+        println!(
+            "  at the {:.0} W limit a {goal_ms} ms step may spend {allowed:.2} J; this one spends {per_step:.2} J \
+             ({:.3}x)",
+            report.limit_watts,
+            per_step / allowed
+        );
+        goal = serde_json::json!({ "goal_ms": goal_ms, "joules_allowed": allowed, "ratio": per_step / allowed });
+    }
+    let clock = report.sm_clock;
+    Ok(serde_json::json!({
+        "replays": replays,
+        "replay_ms": ms,
+        "window_s": report.seconds,
+        "joules": report.joules,
+        "joules_per_step": per_step,
+        "mean_watts": report.mean_watts(),
+        "limit_watts": report.limit_watts,
+        "limit_share": report.limit_share(),
+        "max_sampled_watts": report.max_sampled_watts,
+        "sm_clock_median_mhz": clock.map(|c| c.median),
+        "sm_clock_min_mhz": clock.map(|c| c.min),
+        "sm_clock_max_mhz": clock.map(|c| c.max),
+        "power_capped_share": report.power_capped_share(),
+        "slowed_samples": report.slowed_samples,
+        "goal": goal,
+    }))
+}
+
 mod h3_audio_vae;
 mod h3_dit;
 mod h3_text;

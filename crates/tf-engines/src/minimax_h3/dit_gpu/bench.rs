@@ -102,6 +102,25 @@ impl GpuH3Dit {
         })
     }
 
+    /// Device time of `iters` graph replays of the whole step of `inputs` back to back, after one untimed replay
+    /// (which captures the graph on first use, behind an eager step where the workspace has run none); returns the
+    /// milliseconds a replay and how many replays ran in all (`iters + 1`), for a caller that measures energy around
+    /// the call. The stream is drained before it returns.
+    pub fn time_graph(&mut self, inputs: &H3Inputs, iters: usize) -> Result<(f64, usize), H3Error> {
+        let (index, _) = self.prepare(inputs)?;
+        let engine = &self.engine;
+        let ws = &mut self.workspaces[index];
+        let iters = iters.max(1);
+        if !ws.warmed {
+            engine.enqueue_step(ws, &mut NoProbe)?;
+            ws.warmed = true;
+        }
+        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let ms = time_replays(engine, ws, true, (&start, &end), 1, iters)?;
+        Ok((ms, iters + 1))
+    }
+
     /// Device times of the step of `inputs` on the timestep schedule `schedule` (which holds the step's values):
     /// the schedule's tables (one GEMM per block over all its values, as a request's first step makes them), then
     /// the step without them, eager and as graph replays (what every later step of the request runs). Leaves no

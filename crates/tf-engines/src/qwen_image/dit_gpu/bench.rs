@@ -66,6 +66,33 @@ impl GpuDit {
         let eager_ms =
             f64::from(Event::elapsed_ms(&start, &end).map_err(cuda_err("reading an event"))?)
                 / iters as f64;
+        let (graph_ms, _) = self.time_graph(inputs, kv, iters)?;
+        Ok(StepTimes { eager_ms, graph_ms })
+    }
+
+    /// Device time of `iters` graph replays of the step of `inputs` back to back, after one untimed replay (which
+    /// captures the graph on first use); returns the milliseconds a replay and how many replays ran in all
+    /// (`iters + 1`), for a caller that measures energy around the call. The stream is drained before it returns.
+    pub fn time_graph(
+        &mut self,
+        inputs: &DitInputs,
+        kv: KvStep<'_, GpuKvCache>,
+        iters: usize,
+    ) -> Result<(f64, usize), DitError> {
+        let index = self.prepare(inputs, &kv)?;
+        let cache = match kv {
+            KvStep::Cached(c) => Some(c),
+            _ => None,
+        };
+        let engine = &self.engine;
+        let ws = &mut self.workspaces[index];
+        let iters = iters.max(1);
+        if !ws.warmed {
+            engine.enqueue_step(ws, cache, &mut NoProbe)?;
+            ws.warmed = true;
+        }
+        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
         // Captured on first use and replayed once untimed.
         engine.replay(ws, cache)?;
         let key = cache.map(GpuKvCache::binding);
@@ -87,7 +114,7 @@ impl GpuDit {
         let graph_ms =
             f64::from(Event::elapsed_ms(&start, &end).map_err(cuda_err("reading an event"))?)
                 / iters as f64;
-        Ok(StepTimes { eager_ms, graph_ms })
+        Ok((graph_ms, iters + 1))
     }
 
     /// Times each phase of one eager step of `inputs` (after an untimed warm-up step), with an event after each

@@ -228,6 +228,10 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
             "NOT met"
         }
     );
+    let ctx = dit.context().clone();
+    let energy = super::report_energy(&ctx, cached.graph_ms, Some(goal_ms), |n| {
+        Ok(dit.time_graph(&step1, KvStep::Cached(&cache), n)?)
+    })?;
 
     let mut reference = serde_json::Value::Null;
     if let Some(path) = &args.reference {
@@ -301,6 +305,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
             "phases": phases,
             "gemm_plans": gemms,
             "cached_other_attention_tiles": other_tiles,
+            "energy_cached_step": energy,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());
