@@ -7,11 +7,13 @@
 //! it times the two ways to the down GEMM's INT8 rows at both DiTs' MLP shapes: our INT8 GEMM writing both halves
 //! then the INT8 SwiGLU kernel, against the GEMM with the SwiGLU in its epilogue then a row quantizer. With `--qkv`
 //! it times both DiTs' q|k|v GEMM followed by their QK norm + RoPE pass against the GEMM with both in its epilogue
-//! ([`qkv`]).
+//! ([`qkv`]). With `--energy` (default comparison or `--bf16`) each GEMM is also measured over about a second of
+//! sustained calls through NVML: millijoules a call, TOP/J and the mean draw, what a power-capped step pays for.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use tf_cuda::power::PowerMeter;
 use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 use tf_engines::nn::fp8::RowCodes;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear, TIMED};
@@ -54,6 +56,10 @@ pub struct Int8GemmArgs {
     /// at both DiTs' q|k|v shapes (`--shapes` does not apply).
     #[arg(long)]
     qkv: bool,
+    /// Also measure the board's energy per call of each GEMM (NVML; a window of about a second of sustained calls
+    /// after the timed rounds), with the default comparison and with `--bf16`.
+    #[arg(long, conflicts_with_all = ["swiglu", "qkv"])]
+    energy: bool,
 }
 
 /// (name, M, N, K) of one GEMM.
@@ -114,6 +120,69 @@ pub(super) fn sustained_ms(
     end.record(stream)?;
     end.synchronize()?;
     Ok(f64::from(Event::elapsed_ms(&start, &end)?) / f64::from(iters))
+}
+
+/// About how long a GEMM's energy window runs (NVML's counter moves in steps of tens of milliseconds).
+const ENERGY_WINDOW_MS: f64 = 1000.0;
+
+/// With `--energy`: joules per call of `f` (calls of about `ms` each, sustained for [`ENERGY_WINDOW_MS`]) and the
+/// window's mean draw; prints nothing. `None` without `--energy`; an NVML failure is returned as its reason.
+fn energy_per_call(
+    meter: Option<&Arc<PowerMeter>>,
+    (ctx, stream): (&Context, &Stream),
+    ms: f64,
+    f: impl FnMut() -> Result<(), BoxError>,
+) -> Result<Option<serde_json::Value>, BoxError> {
+    let Some(meter) = meter else {
+        return Ok(None);
+    };
+    let iters = (ENERGY_WINDOW_MS / ms.max(1e-3))
+        .ceil()
+        .clamp(10.0, 100_000.0) as u32;
+    let window = meter.window(std::time::Duration::from_millis(10));
+    // sustained_ms runs one warm-up call before the timed ones: iters + 1 calls in the window.
+    let ms_in_window = sustained_ms(ctx, stream, iters, f)?;
+    let report = match window.finish() {
+        Ok(report) => report,
+        Err(e) => return Ok(Some(serde_json::json!({ "error": e.to_string() }))),
+    };
+    let calls = iters as usize + 1;
+    Ok(Some(serde_json::json!({
+        "calls": calls,
+        "ms_per_call": ms_in_window,
+        "joules_per_call": report.joules_per(calls),
+        "mean_watts": report.mean_watts(),
+        "limit_watts": report.limit_watts,
+        "sm_clock_median_mhz": report.sm_clock.map(|c| c.median),
+        "power_capped_share": report.power_capped_share(),
+    })))
+}
+
+/// One GEMM's energy figures as text: millijoules a call, TOP/J (`ops` a call) and the mean draw.
+fn describe_energy(label: &str, energy: &Option<serde_json::Value>, ops: f64) -> String {
+    let Some(e) = energy else {
+        return String::new();
+    };
+    if let Some(why) = e.get("error").and_then(|v| v.as_str()) {
+        return format!("; {label} energy not measured ({why})");
+    }
+    let get = |k: &str| e.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+    let joules = get("joules_per_call");
+    format!(
+        "; {label} {:.2} mJ a call ({:.3} TOP/J at {:.0} W mean, SM clock median {:.0} MHz)",
+        joules * 1e3,
+        ops / joules / 1e12,
+        get("mean_watts"),
+        get("sm_clock_median_mhz")
+    )
+}
+
+/// The board's meter for `--energy` (None without it); NVML missing is an error then, since energy was asked for.
+fn energy_meter(args: &Int8GemmArgs, ctx: &Context) -> Result<Option<Arc<PowerMeter>>, BoxError> {
+    if !args.energy {
+        return Ok(None);
+    }
+    Ok(Some(PowerMeter::for_context(ctx)?))
 }
 
 /// The [`SHAPES`] `--shapes` names (all without it), each name checked.
@@ -205,6 +274,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         args.iters,
         args.rounds
     );
+    let meter = energy_meter(args, &ctx)?;
     let mut rows = Vec::new();
     for (name, m, n, k) in wanted {
         let mut rng = SplitMix64::new(0x1a7e_0000 + m as u64 * 31 + n as u64);
@@ -253,6 +323,13 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
                 *b = b.min(t);
             }
         }
+        let ours_energy = energy_per_call(meter.as_ref(), (&ctx, &stream), best[0], || {
+            Ok(kernels.submit(&stream, &launch)?)
+        })?;
+        let fp8_energy = energy_per_call(meter.as_ref(), (&ctx, &stream), best[1], || {
+            // SAFETY: as in the timed rounds.
+            Ok(unsafe { gemms.run_fp8(&fp8, &stream) }?)
+        })?;
         // Ours against cuBLASLt's exact int32 products, dequantized as ours does (the scales' product, one rounding
         // to bf16): every element must agree bit for bit.
         stream.synchronize()?;
@@ -281,17 +358,20 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
         println!(
             "  {name:<17} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TOP/s), FP8 {fp8_ms:.4} ms ({:.0}), \
              INT8->int32 {int8_ms:.4} ms ({:.0}); ours / FP8 {:.3}, ours / INT8 {:.3} (< 1 means ours is faster); \
-             every element bit-equal to cuBLASLt's products dequantized",
+             every element bit-equal to cuBLASLt's products dequantized{}{}",
             rate(ours),
             rate(fp8_ms),
             rate(int8_ms),
             ours / fp8_ms,
-            ours / int8_ms
+            ours / int8_ms,
+            describe_energy("ours", &ours_energy, ops),
+            describe_energy("FP8", &fp8_energy, ops)
         );
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
             "ours_ms": ours, "fp8_ms": fp8_ms, "int8_i32_ms": int8_ms,
             "ours_over_fp8": ours / fp8_ms, "ours_over_int8": ours / int8_ms, "bit_equal": true,
+            "ours_energy": ours_energy, "fp8_energy": fp8_energy,
         }));
     }
     write_json(args, &gemms, rows)
@@ -322,6 +402,7 @@ fn run_bf16(
         args.iters,
         args.rounds
     );
+    let meter = energy_meter(args, ctx)?;
     let mut rows = Vec::new();
     for (name, m, n, k) in wanted {
         let mut rng = SplitMix64::new(0xbf16_0000 + m as u64 * 31 + n as u64);
@@ -348,6 +429,13 @@ fn run_bf16(
                 *b = b.min(t);
             }
         }
+        let ours_energy = energy_per_call(meter.as_ref(), (ctx, stream), best[0], || {
+            Ok(kernels.submit(stream, &launch)?)
+        })?;
+        let lt_energy = energy_per_call(meter.as_ref(), (ctx, stream), best[1], || {
+            // SAFETY: as in the timed rounds.
+            Ok(unsafe { gemms.run(&linear, stream) }?)
+        })?;
         stream.synchronize()?;
         let to_f32 = |bits: Vec<u16>| -> Vec<f32> {
             bits.into_iter()
@@ -368,14 +456,18 @@ fn run_bf16(
         let [ours, lt_ms] = best;
         println!(
             "  {name:<17} {m:>5} x {n:>5} x {k:>5}: ours {ours:.4} ms ({:.0} TFLOP/s), cuBLASLt {lt_ms:.4} ms \
-             ({:.0}); ours / cuBLASLt {:.3} (< 1 means ours is faster); outputs {rel_l2:.2e} apart (relative L2)",
+             ({:.0}); ours / cuBLASLt {:.3} (< 1 means ours is faster); outputs {rel_l2:.2e} apart (relative L2)\
+             {}{}",
             rate(ours),
             rate(lt_ms),
-            ours / lt_ms
+            ours / lt_ms,
+            describe_energy("ours", &ours_energy, ops),
+            describe_energy("cuBLASLt", &lt_energy, ops)
         );
         rows.push(serde_json::json!({
             "shape": name, "m": m, "n": n, "k": k,
             "ours_ms": ours, "cublaslt_ms": lt_ms, "ours_over_cublaslt": ours / lt_ms, "rel_l2": rel_l2,
+            "ours_energy": ours_energy, "cublaslt_energy": lt_energy,
         }));
     }
     write_json(args, gemms, rows)
