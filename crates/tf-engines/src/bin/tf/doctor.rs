@@ -1,5 +1,6 @@
 //! `tf doctor`: opens the CUDA driver through tf-cuda and reports what this machine offers: driver version,
-//! devices (name, compute capability, SMs, memory total and free), optional driver entries, the kernel sets
+//! devices (name, compute capability, SMs, memory total and free, the board's power limit, draw and SM clock through
+//! NVML where it loads), optional driver entries, the kernel sets
 //! embedded in this build and whether each has native code for every device, and whether cuBLASLt loads
 //! (path and version). `--json` prints the same report as one JSON object.
 //!
@@ -74,6 +75,62 @@ struct DeviceReport {
     free_bytes: Option<u64>,
     /// Per embedded kernel set: "native SASS", "PTX (JIT at load)" or "none".
     kernels: BTreeMap<String, String>,
+    /// The board's power limit, draw and SM clock now (NVML); informational, never a problem.
+    power: PowerReport,
+}
+
+/// What NVML says of a board now: each figure absent where its query failed, `error` where NVML could not be used.
+#[derive(Serialize, Debug, Default)]
+struct PowerReport {
+    limit_watts: Option<f64>,
+    draw_watts: Option<f64>,
+    sm_clock_mhz: Option<u32>,
+    /// Why the clocks are below their maximum ("idle", "power cap", ...).
+    clock_reasons: Vec<&'static str>,
+    error: Option<String>,
+}
+
+fn power_report(ctx: &Context) -> PowerReport {
+    match tf_cuda::power::PowerMeter::for_context(ctx) {
+        Ok(meter) => PowerReport {
+            limit_watts: meter.limit_watts().ok(),
+            draw_watts: meter.draw_watts().ok(),
+            sm_clock_mhz: meter.sm_clock_mhz().ok(),
+            clock_reasons: meter
+                .clock_reasons()
+                .ok()
+                .flatten()
+                .map_or_else(Vec::new, |r| r.names()),
+            error: None,
+        },
+        Err(e) => PowerReport {
+            error: Some(e.to_string()),
+            ..PowerReport::default()
+        },
+    }
+}
+
+/// One line for the text report.
+fn power_text(power: &PowerReport) -> String {
+    if let Some(e) = &power.error {
+        return format!("not read ({e})");
+    }
+    let watts = |w: Option<f64>| w.map_or_else(|| "?".to_string(), |w| format!("{w:.0} W"));
+    let mut line = format!(
+        "drawing {} of a {} limit",
+        watts(power.draw_watts),
+        watts(power.limit_watts)
+    );
+    if let Some(mhz) = power.sm_clock_mhz {
+        line.push_str(&format!(", SM clock {mhz} MHz"));
+    }
+    if !power.clock_reasons.is_empty() {
+        line.push_str(&format!(
+            " (clocks held by: {})",
+            power.clock_reasons.join(", ")
+        ));
+    }
+    line
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -174,9 +231,16 @@ fn examine_driver(driver: &Arc<Driver>, report: &mut Report) {
     for ordinal in 0..info.device_count {
         match DeviceInfo::query(driver, ordinal) {
             Ok(device) => {
-                // Free memory needs a context on the device.
-                let free =
-                    Context::new(Arc::clone(driver), ordinal).and_then(|ctx| ctx.memory_info());
+                // Free memory and the board's power need a context on the device.
+                let ctx = Context::new(Arc::clone(driver), ordinal);
+                let power = match &ctx {
+                    Ok(ctx) => power_report(ctx),
+                    Err(e) => PowerReport {
+                        error: Some(format!("no context: {e}")),
+                        ..PowerReport::default()
+                    },
+                };
+                let free = ctx.and_then(|ctx| ctx.memory_info());
                 let free_bytes = match free {
                     Ok(mem) => Some(mem.free),
                     Err(e) => {
@@ -199,6 +263,7 @@ fn examine_driver(driver: &Arc<Driver>, report: &mut Report) {
                     total_bytes: device.total_memory,
                     free_bytes,
                     kernels: kernel_support(major, minor),
+                    power,
                 });
             }
             Err(e) => report.problem(EXIT_DEVICE, format!("device {ordinal}: {e}")),
@@ -393,6 +458,7 @@ fn print_text(report: &Report) {
                 device.total_bytes as f64 / GIB
             ),
         }
+        println!("  power: {}", power_text(&device.power));
         let native = device.kernels.values().filter(|s| *s == NATIVE).count();
         println!(
             "  kernels: {native} of {} sets with native SASS for sm_{sm}",
@@ -515,8 +581,41 @@ mod tests {
             report.cublaslt.error.is_some(),
             codes.contains(&EXIT_CUBLASLT)
         );
+        // The fake driver's board has no NVML behind it (or this host none at all): the power is reported as not
+        // read, with the reason, and is never a problem.
+        let power = &device.power;
+        if let Some(why) = &power.error {
+            assert!(!why.is_empty());
+            assert!(power.limit_watts.is_none() && power.draw_watts.is_none());
+        }
         let json = serde_json::to_value(&report).expect("report serializes");
         assert_eq!(json["devices"][0]["compute_capability"], "9.0");
+        assert!(json["devices"][0]["power"].is_object());
         assert_eq!(json["exit_code"], report.exit_code);
+    }
+
+    #[test]
+    fn the_power_line_says_what_was_read_and_why_not() {
+        let read = PowerReport {
+            limit_watts: Some(700.0),
+            draw_watts: Some(112.4),
+            sm_clock_mhz: Some(1980),
+            clock_reasons: vec!["idle"],
+            error: None,
+        };
+        assert_eq!(
+            power_text(&read),
+            "drawing 112 W of a 700 W limit, SM clock 1980 MHz (clocks held by: idle)"
+        );
+        let partial = PowerReport {
+            limit_watts: Some(700.0),
+            ..PowerReport::default()
+        };
+        assert_eq!(power_text(&partial), "drawing ? of a 700 W limit");
+        let missing = PowerReport {
+            error: Some("NVML could not be opened".into()),
+            ..PowerReport::default()
+        };
+        assert_eq!(power_text(&missing), "not read (NVML could not be opened)");
     }
 }
