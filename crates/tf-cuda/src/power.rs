@@ -303,38 +303,48 @@ impl PowerMeter {
         &self.bus_id
     }
 
+    /// One query of this board through `f`, an NVML device query whose one out-parameter is a `T`; its code checked
+    /// under `name`.
+    fn query<T: Default>(
+        &self,
+        name: &'static str,
+        f: unsafe extern "C" fn(NvmlDevice, *mut T) -> NvmlReturn,
+    ) -> Result<T, PowerError> {
+        let mut out = T::default();
+        // SAFETY: `f` was resolved with this signature from `nvml.h`; the handle came from NVML and stays valid
+        // while `nvml` is initialised; `out` is a local of the type the entry writes.
+        let code = unsafe { f(self.device, &mut out) };
+        self.nvml.check(name, code)?;
+        Ok(out)
+    }
+
     /// The board's energy counter: millijoules since the driver was loaded.
     pub fn energy_millijoules(&self) -> Result<u64, PowerError> {
-        let mut v: c_ulonglong = 0;
-        // SAFETY: the handle came from NVML and stays valid while `nvml` is initialised; out-pointer to a local.
-        let code = unsafe { (self.nvml.api.total_energy)(self.device, &mut v) };
-        self.nvml
-            .check("nvmlDeviceGetTotalEnergyConsumption", code)?;
-        Ok(v)
+        self.query(
+            "nvmlDeviceGetTotalEnergyConsumption",
+            self.nvml.api.total_energy,
+        )
     }
 
     /// The power limit the board enforces now, in watts.
     pub fn limit_watts(&self) -> Result<f64, PowerError> {
-        let mut mw: c_uint = 0;
-        // SAFETY: as in `energy_millijoules`.
-        let code = unsafe { (self.nvml.api.enforced_limit)(self.device, &mut mw) };
-        self.nvml.check("nvmlDeviceGetEnforcedPowerLimit", code)?;
+        let mw = self.query(
+            "nvmlDeviceGetEnforcedPowerLimit",
+            self.nvml.api.enforced_limit,
+        )?;
         Ok(f64::from(mw) / 1000.0)
     }
 
     /// The board's draw now (NVML's average over its last second or so), in watts.
     pub fn draw_watts(&self) -> Result<f64, PowerError> {
-        let mut mw: c_uint = 0;
-        // SAFETY: as in `energy_millijoules`.
-        let code = unsafe { (self.nvml.api.power_usage)(self.device, &mut mw) };
-        self.nvml.check("nvmlDeviceGetPowerUsage", code)?;
+        let mw = self.query("nvmlDeviceGetPowerUsage", self.nvml.api.power_usage)?;
         Ok(f64::from(mw) / 1000.0)
     }
 
     /// The SM clock now, in MHz.
     pub fn sm_clock_mhz(&self) -> Result<u32, PowerError> {
         let mut mhz: c_uint = 0;
-        // SAFETY: as in `energy_millijoules`; CLOCK_SM is a valid clock type.
+        // SAFETY: as in `query`; CLOCK_SM is a valid clock type.
         let code = unsafe { (self.nvml.api.clock_info)(self.device, CLOCK_SM, &mut mhz) };
         self.nvml.check("nvmlDeviceGetClockInfo", code)?;
         Ok(mhz)
@@ -342,15 +352,12 @@ impl PowerMeter {
 
     /// Why the clocks are below their maximum now (`None` where this NVML lacks the query).
     pub fn clock_reasons(&self) -> Result<Option<ClockReasons>, PowerError> {
-        let Some(query) = self.nvml.api.clock_reasons else {
-            return Ok(None);
-        };
-        let mut bits: c_ulonglong = 0;
-        // SAFETY: as in `energy_millijoules`.
-        let code = unsafe { query(self.device, &mut bits) };
-        self.nvml
-            .check("nvmlDeviceGetCurrentClocksEventReasons", code)?;
-        Ok(Some(ClockReasons(bits)))
+        match self.nvml.api.clock_reasons {
+            Some(f) => Ok(Some(ClockReasons(
+                self.query("nvmlDeviceGetCurrentClocksEventReasons", f)?,
+            ))),
+            None => Ok(None),
+        }
     }
 
     /// Opens a measuring window: the energy counter now, and a thread sampling every `every` until

@@ -371,6 +371,16 @@ impl<C> KvStep<'_, C> {
     }
 }
 
+impl<'a, C> KvStep<'a, C> {
+    /// The cache a cached step reads (`None` for the other modes).
+    pub fn cache(&self) -> Option<&'a C> {
+        match self {
+            KvStep::Cached(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
 /// A forward's result.
 #[derive(Debug)]
 pub struct DitOutput<C> {

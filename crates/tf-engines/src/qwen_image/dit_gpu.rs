@@ -809,10 +809,7 @@ impl DitBackend for GpuDit {
         kv: KvStep<'_, GpuKvCache>,
     ) -> Result<DitOutput<GpuKvCache>, DitError> {
         let index = self.prepare(inputs, &kv)?;
-        let cache = match kv {
-            KvStep::Cached(c) => Some(c),
-            _ => None,
-        };
+        let cache = kv.cache();
         let fresh = if matches!(kv, KvStep::Extract) {
             let ws = &self.workspaces[index];
             Some(self.alloc_cache(ws.layout.batch, ws.layout.prefix_len)?)

@@ -33,6 +33,12 @@ impl StepProbe for PhaseTimer {
     }
 }
 
+/// A start and an end event for timing work on `engine`'s stream.
+fn timing_events(engine: &super::Engine) -> Result<(Event, Event), DitError> {
+    let event = || Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"));
+    Ok((event()?, event()?))
+}
+
 impl GpuDit {
     /// Times the step of `inputs` (device time, events around `iters` launches after a warm-up): eager launches,
     /// then graph replays. The workspace and graph are the ones [`DitBackend::forward`] uses.
@@ -43,15 +49,11 @@ impl GpuDit {
         iters: usize,
     ) -> Result<StepTimes, DitError> {
         let index = self.prepare(inputs, &kv)?;
-        let cache = match kv {
-            KvStep::Cached(c) => Some(c),
-            _ => None,
-        };
+        let cache = kv.cache();
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         let iters = iters.max(1);
-        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
-        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let (start, end) = timing_events(engine)?;
         engine.enqueue_step(ws, cache, &mut NoProbe)?;
         ws.warmed = true;
         start
@@ -80,10 +82,7 @@ impl GpuDit {
         iters: usize,
     ) -> Result<(f64, usize), DitError> {
         let index = self.prepare(inputs, &kv)?;
-        let cache = match kv {
-            KvStep::Cached(c) => Some(c),
-            _ => None,
-        };
+        let cache = kv.cache();
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         let iters = iters.max(1);
@@ -91,8 +90,7 @@ impl GpuDit {
             engine.enqueue_step(ws, cache, &mut NoProbe)?;
             ws.warmed = true;
         }
-        let start = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
-        let end = Event::new(&engine.ctx, true).map_err(cuda_err("creating an event"))?;
+        let (start, end) = timing_events(engine)?;
         // Captured on first use and replayed once untimed.
         engine.replay(ws, cache)?;
         let key = cache.map(GpuKvCache::binding);
@@ -125,10 +123,7 @@ impl GpuDit {
         kv: KvStep<'_, GpuKvCache>,
     ) -> Result<PhaseTimes, DitError> {
         let index = self.prepare(inputs, &kv)?;
-        let cache = match kv {
-            KvStep::Cached(c) => Some(c),
-            _ => None,
-        };
+        let cache = kv.cache();
         let engine = &self.engine;
         let ws = &mut self.workspaces[index];
         engine.enqueue_step(ws, cache, &mut NoProbe)?;
