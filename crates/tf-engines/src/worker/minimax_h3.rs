@@ -24,6 +24,8 @@ pub struct MiniMaxH3Engine {
     backend: BackendChoice,
     options: Option<LoadOptions>,
     pipeline: Option<H3Pipeline>,
+    /// The board's meter while loaded on a GPU (`WorkerEngine::power_meter`).
+    meter: Option<std::sync::Arc<tf_cuda::power::PowerMeter>>,
     /// A multi-GPU job's after-load barrier: told whether this rank loaded, it answers whether every rank did.
     load_barrier: Option<LoadBarrier>,
 }
@@ -39,6 +41,7 @@ impl MiniMaxH3Engine {
             backend,
             options: None,
             pipeline: None,
+            meter: None,
             load_barrier: None,
         }
     }
@@ -115,6 +118,7 @@ impl WorkerEngine for MiniMaxH3Engine {
             .prepare_stored_gemms()
             .map_err(|e| classify(&e, pipeline.context().is_some_and(|c| c.is_lost())))?;
         super::log_stored_gemms(stored);
+        self.meter = super::open_power_meter(pipeline.context());
         self.pipeline = Some(pipeline);
         Ok(resident)
     }
@@ -129,7 +133,12 @@ impl WorkerEngine for MiniMaxH3Engine {
         ))
     }
 
+    fn power_meter(&self) -> Option<std::sync::Arc<tf_cuda::power::PowerMeter>> {
+        self.meter.clone()
+    }
+
     fn unload(&mut self) {
+        self.meter = None;
         if let Some(pipeline) = self.pipeline.take() {
             drop(pipeline);
             let usage = tf_cuda::usage();

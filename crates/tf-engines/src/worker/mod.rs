@@ -82,13 +82,65 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// The line that ends a job: its wall time and the device memory the process holds afterwards (weights and the
 /// engines' kept workspaces), so that a long run shows whether memory stays put from request to request.
-fn log_job_done(id: &impl std::fmt::Debug, ms: u64) {
+fn log_job_done(id: &impl std::fmt::Debug, ms: u64, energy: Option<JobEnergy>) {
     let held = tf_cuda::usage();
+    let energy = energy
+        .and_then(JobEnergy::finish)
+        .map_or(String::new(), |(joules, seconds)| {
+            format!(
+                "; board energy {joules:.1} J ({:.0} W mean)",
+                if seconds > 0.0 { joules / seconds } else { 0.0 }
+            )
+        });
     log!(
-        "tf worker: job {id:?} done in {ms} ms; device memory held: {:.2} GiB in {} allocations",
+        "tf worker: job {id:?} done in {ms} ms{energy}; device memory held: {:.2} GiB in {} allocations",
         held.device as f64 / GIB,
         held.device_allocs
     );
+}
+
+/// The meter of the board under `ctx` for [`WorkerEngine::power_meter`] (none for a host engine); logs why when NVML
+/// cannot be used, once a load.
+pub(crate) fn open_power_meter(
+    ctx: Option<&tf_cuda::Context>,
+) -> Option<std::sync::Arc<tf_cuda::power::PowerMeter>> {
+    match tf_cuda::power::PowerMeter::for_context(ctx?) {
+        Ok(meter) => Some(meter),
+        Err(e) => {
+            log!("tf worker: the board's energy per job is not logged: {e}");
+            None
+        }
+    }
+}
+
+/// The board's energy counter at a job's start ([`WorkerEngine::power_meter`]): what the whole board spent while the
+/// job ran, other work on it included.
+struct JobEnergy {
+    meter: std::sync::Arc<tf_cuda::power::PowerMeter>,
+    start_mj: u64,
+    started: Instant,
+}
+
+impl JobEnergy {
+    /// `None` without a meter or when the counter cannot be read.
+    fn start(meter: Option<std::sync::Arc<tf_cuda::power::PowerMeter>>) -> Option<JobEnergy> {
+        let meter = meter?;
+        let start_mj = meter.energy_millijoules().ok()?;
+        Some(JobEnergy {
+            meter,
+            start_mj,
+            started: Instant::now(),
+        })
+    }
+
+    /// Joules and seconds since the start (`None` when the counter cannot be read now).
+    fn finish(self) -> Option<(f64, f64)> {
+        let end_mj = self.meter.energy_millijoules().ok()?;
+        Some((
+            end_mj.saturating_sub(self.start_mj) as f64 / 1000.0,
+            self.started.elapsed().as_secs_f64(),
+        ))
+    }
 }
 
 /// Logs the costly driver work (allocations, frees, graph captures and instantiations) done between a job's
@@ -359,6 +411,12 @@ pub trait WorkerEngine {
         false
     }
 
+    /// The meter of the board the engine runs on, while loaded (none on the host, or where NVML is missing): the
+    /// worker logs the board's energy over each job with it.
+    fn power_meter(&self) -> Option<std::sync::Arc<tf_cuda::power::PowerMeter>> {
+        None
+    }
+
     /// Makes one video ([`EngineOutput::Video`]). Called only while loaded and only when [`Self::makes_video`].
     /// As for images, the size rule beyond [`WorkerLimits`]' bounds is the engine's to check.
     fn generate_video(
@@ -392,6 +450,10 @@ impl<E: WorkerEngine + ?Sized> WorkerEngine for Box<E> {
 
     fn makes_video(&self) -> bool {
         (**self).makes_video()
+    }
+
+    fn power_meter(&self) -> Option<std::sync::Arc<tf_cuda::power::PowerMeter>> {
+        (**self).power_meter()
     }
 
     fn generate_video(
@@ -635,6 +697,7 @@ impl<E: WorkerEngine> Worker<E> {
             return Ok(Flow::Continue);
         }
         let started = Instant::now();
+        let energy = JobEnergy::start(self.engine.power_meter());
         let paths = match prepare_target(&command.target, command.count) {
             Ok(p) => p,
             Err(message) => {
@@ -709,7 +772,7 @@ impl<E: WorkerEngine> Worker<E> {
             files.push(listed);
         }
         let ms = millis(started);
-        log_job_done(&command.id, ms);
+        log_job_done(&command.id, ms, energy);
         write_line(
             output,
             &Reply {
@@ -752,6 +815,7 @@ impl<E: WorkerEngine> Worker<E> {
             return Ok(Flow::Continue);
         }
         let started = Instant::now();
+        let energy = JobEnergy::start(self.engine.power_meter());
         log!(
             "tf worker: video job {:?}: {}x{}, {} s at {} fps, seed {}",
             command.id,
@@ -792,7 +856,7 @@ impl<E: WorkerEngine> Worker<E> {
             }
         };
         let ms = millis(started);
-        log_job_done(&command.id, ms);
+        log_job_done(&command.id, ms, energy);
         write_line(
             output,
             &Reply {
@@ -1199,6 +1263,12 @@ fn read_line_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_without_a_meter_measures_no_energy() {
+        assert!(JobEnergy::start(None).is_none());
+        assert!(open_power_meter(None).is_none());
+    }
 
     #[test]
     fn progress_notes_name_the_protocol_phases_and_saturate() {

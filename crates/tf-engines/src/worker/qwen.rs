@@ -41,6 +41,8 @@ pub struct QwenImageEngine {
     /// Caps the memory plan's budget (`LoadOptions::device_budget`).
     device_budget: Option<u64>,
     pipeline: Option<Pipeline>,
+    /// The board's meter while loaded on a GPU (`WorkerEngine::power_meter`).
+    meter: Option<std::sync::Arc<tf_cuda::power::PowerMeter>>,
 }
 
 impl QwenImageEngine {
@@ -52,6 +54,7 @@ impl QwenImageEngine {
             dit_precision: crate::nn::precision::DitPrecision::Bf16,
             device_budget: None,
             pipeline: None,
+            meter: None,
         }
     }
 
@@ -141,6 +144,7 @@ impl WorkerEngine for QwenImageEngine {
                 .map_err(|e| classify(&e, pipeline.context().is_some_and(|c| c.is_lost())))?;
             super::log_stored_gemms(stored);
         }
+        self.meter = super::open_power_meter(pipeline.context());
         self.pipeline = Some(pipeline);
         Ok(report.resident_bytes)
     }
@@ -223,7 +227,12 @@ impl WorkerEngine for QwenImageEngine {
         RgbaImage::new(width, height, pixels)
     }
 
+    fn power_meter(&self) -> Option<std::sync::Arc<tf_cuda::power::PowerMeter>> {
+        self.meter.clone()
+    }
+
     fn unload(&mut self) {
+        self.meter = None;
         if let Some(pipeline) = self.pipeline.take() {
             drop(pipeline);
             let usage = tf_cuda::usage();
