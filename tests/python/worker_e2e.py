@@ -101,8 +101,10 @@ VARY_CLAUSE = ", with more detail"
 PLANS_LINE = re.compile(r"GEMM plans built in the request: (\d+) \(([0-9.]+) ms\)")
 # Qwen-Image: "tf worker: wrote image_0.png (4200123 B): PNG encode 6.5 ms, file write 2.1 ms".
 PNG_LINE = re.compile(r"wrote .* \((\d+) B\): PNG encode ([0-9.]+) ms, file write ([0-9.]+) ms")
-# Every job's last line: "tf worker: job "e2e_2" done in 663 ms; device memory held: 21.84 GiB in 812 allocations".
-HELD_LINE = re.compile(r"done in \d+ ms; device memory held: ([0-9.]+) GiB in (\d+) allocations")
+# Every job's last line: "tf worker: job "e2e_2" done in 663 ms; board energy 412.3 J (622 W mean); device memory
+# held: 21.84 GiB in 812 allocations" (the energy part only where the worker could read the board's counter).
+HELD_LINE = re.compile(r"done in \d+ ms(?:; board energy ([0-9.]+) J \(([0-9.]+) W mean\))?; "
+                       r"device memory held: ([0-9.]+) GiB in (\d+) allocations")
 # Driver work between progress notes (only logged when there was some): "tf worker: driver work up to denoise 1/8:
 # device allocations 26 (4.1 ms), frees 0 (0.0 ms), graph captures 0 (0.0 ms), instantiations 0 (0.0 ms)".
 DRIVER_LINE = re.compile(r"driver work up to (\w+) (\d+)/(\d+): device allocations (\d+) \(([0-9.]+) ms\), frees (\d+) "
@@ -328,10 +330,14 @@ def plans_text(phases):
 
 
 def held_text(result):
-    """The device memory the worker held after the request, as it logged it."""
+    """The device memory the worker held after the request, and the board's energy over it, as it logged them."""
     if result.get("device_held_gib") is None:
         return "device memory held: not logged"
-    return f"device memory held after it: {result['device_held_gib']:.2f} GiB ({result['device_allocs']} allocations)"
+    energy = ""
+    if result.get("board_energy_j") is not None:
+        energy = f"board energy {result['board_energy_j']:.1f} J ({result['board_mean_w']:.0f} W mean); "
+    return (f"{energy}device memory held after it: {result['device_held_gib']:.2f} GiB "
+            f"({result['device_allocs']} allocations)")
 
 
 # Counted work per span: the fields after "phase step/of", as (name, type), in the order the line gives them.
@@ -456,7 +462,9 @@ def generate(worker, index, request, timeout_s, allow_missing_ffmpeg=False):
         for t, line in worker.events():
             m = HELD_LINE.search(line) if t > t_send else None
             if m:
-                result.update(device_held_gib=float(m.group(1)), device_allocs=int(m.group(2)))
+                result.update(device_held_gib=float(m.group(3)), device_allocs=int(m.group(4)))
+                if m.group(1) is not None:
+                    result.update(board_energy_j=float(m.group(1)), board_mean_w=float(m.group(2)))
         if "device_held_gib" not in result:
             time.sleep(0.01)
     result["driver_work"] = driver_work_from_log(worker.events(), t_send)
