@@ -356,11 +356,85 @@ fn pack_executables(out: &Path) -> Result<(), Error> {
 pub struct BundleOptions {
     pub out: Option<PathBuf>,
     pub skip_kernels: bool,
+    /// Only these steps (empty: all): the bundle then holds `tf` and the test executables they run, no fatbins
+    /// (the executables embed them), and, when it lies inside the repository, links to the repository's folders
+    /// instead of copies of the `[[file]]` entries. Small enough to travel beside the checkout.
+    pub only: Vec<String>,
+}
+
+/// The steps named in `only`, in the steps file's order (every step when `only` is empty); an unknown name is an
+/// error that lists the known ones.
+pub fn select_steps(steps: Vec<Step>, only: &[String]) -> Result<Vec<Step>, String> {
+    if only.is_empty() {
+        return Ok(steps);
+    }
+    let unknown: Vec<&String> = only
+        .iter()
+        .filter(|name| !steps.iter().any(|s| &s.name == *name))
+        .collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
+        return Err(format!(
+            "unknown step(s) {unknown:?}; known steps: {}",
+            known.join(", ")
+        ));
+    }
+    Ok(steps
+        .into_iter()
+        .filter(|s| only.contains(&s.name))
+        .collect())
+}
+
+/// The test executables of `targets` that `steps` run: each named as a word of a step's command (`bin/gpu_x ...`,
+/// `TF_X=1 gpu_x ...`).
+pub fn executables_used(steps: &[Step], targets: &[String]) -> BTreeSet<String> {
+    let mut used = BTreeSet::new();
+    for step in steps {
+        for word in step
+            .command
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        {
+            if let Some(target) = targets.iter().find(|t| t.as_str() == word) {
+                used.insert(target.clone());
+            }
+        }
+    }
+    used
+}
+
+/// `path` relative to `base` when it lies inside it (no `..` components in either).
+fn inside(path: &Path, base: &Path) -> Option<PathBuf> {
+    path.strip_prefix(base).ok().map(Path::to_path_buf)
+}
+
+/// Links `out/<top>` to the repository's `<top>` folder for every first component `top` of `files`, by a relative
+/// link (`../tests` from `root/bundle`), so the bundle and the checkout travel together without a second copy.
+#[cfg(unix)]
+fn link_file_folders(root: &Path, out: &Path, files: &[String]) -> Result<bool, Error> {
+    let Some(relative) = inside(out, root) else {
+        return Ok(false);
+    };
+    let up: PathBuf = relative.components().map(|_| "..").collect();
+    let tops: BTreeSet<&str> = files.iter().filter_map(|f| f.split('/').next()).collect();
+    for top in tops {
+        let link = out.join(top);
+        std::os::unix::fs::symlink(up.join(top), &link)
+            .map_err(|e| Error::io("linking the repository folder", &link, e))?;
+    }
+    Ok(true)
+}
+
+#[cfg(not(unix))]
+fn link_file_folders(_root: &Path, _out: &Path, _files: &[String]) -> Result<bool, Error> {
+    Ok(false)
 }
 
 /// Builds and assembles the bundle; returns its folder.
 pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
     let out = options.out.clone().unwrap_or_else(|| root.join("bundle"));
+    // Absolute, so that a slim bundle can tell whether it lies inside the repository.
+    let out =
+        std::path::absolute(&out).map_err(|e| Error::io("resolving the output folder", &out, e))?;
     let steps_path = root.join(STEPS_FILE);
     let steps_text = read_text(&steps_path)?;
     let targets = gpu_test_targets(root)?;
@@ -376,6 +450,20 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
         ));
     }
     let (steps, files) = plan_steps(&steps_text, &steps_path, &target_names)?;
+    let slim = !options.only.is_empty();
+    let steps = select_steps(steps, &options.only)
+        .map_err(|e| Error::Usage(format!("gpu-bundle --only: {e}")))?;
+    // A slim bundle builds and carries only the test executables its steps run.
+    let targets: Vec<(String, String)> = if slim {
+        let used = executables_used(&steps, &target_names);
+        targets
+            .into_iter()
+            .filter(|(_, target)| used.contains(target))
+            .collect()
+    } else {
+        targets
+    };
+    let target_names: Vec<String> = targets.iter().map(|t| t.1.clone()).collect();
 
     if !options.skip_kernels {
         let (manifest, _) = kernels::build(root, &kernels_out_dir(root), &BuildOptions::default())?;
@@ -459,7 +547,8 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
         }
     }
     if let Some(manifest) = kernels::Manifest::load(&kernels_dir)? {
-        for set in &manifest.sets {
+        // The executables embed every fatbin; a slim bundle carries the manifest alone.
+        for set in manifest.sets.iter().filter(|_| !slim) {
             copy(
                 &kernels_dir.join(&set.fatbin),
                 &out.join("kernels").join(&set.fatbin),
@@ -473,6 +562,9 @@ pub fn build(root: &Path, options: &BundleOptions) -> Result<PathBuf, Error> {
                 format!("[[file]] {file:?} must be a path inside the repository"),
             ));
         }
+    }
+    let linked = slim && link_file_folders(root, &out, &files)?;
+    for file in files.iter().filter(|_| !linked) {
         copy(&root.join(file), &out.join(file))?;
     }
     pack_executables(&out)?;
@@ -538,6 +630,66 @@ mod tests {
         assert!(err.to_string().contains("gpu_b"), "{err}");
         let twice = "[defaults]\ntimeout = 1\n[[command]]\nname = \"x\"\ncommand = \"a\"\n[[command]]\nname = \"x\"\ncommand = \"b\"\n";
         assert!(plan_steps(twice, Path::new("s.toml"), &[]).is_err());
+    }
+
+    fn step(name: &str, command: &str) -> Step {
+        Step {
+            name: name.into(),
+            timeout: 1,
+            command: command.into(),
+        }
+    }
+
+    #[test]
+    fn only_selects_steps_in_file_order_and_names_the_unknown() {
+        let steps = vec![step("a", "x"), step("b", "y"), step("c", "z")];
+        let picked = select_steps(steps.clone(), &["c".into(), "a".into()]).unwrap();
+        let names: Vec<&str> = picked.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, vec!["a", "c"]);
+        assert_eq!(select_steps(steps.clone(), &[]).unwrap().len(), 3);
+        let err = select_steps(steps, &["a".into(), "nope".into()]).unwrap_err();
+        assert!(err.contains("\"nope\"") && err.contains("a, b, c"), "{err}");
+    }
+
+    #[test]
+    fn the_executables_a_step_runs_are_the_words_of_its_command() {
+        let targets: Vec<String> = ["gpu_a", "gpu_ab", "gpu_b", "gpu_c"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let steps = vec![
+            step("gpu_a", &format!("bin/gpu_a {TEST_ARGS}")),
+            step(
+                "x",
+                "TF_X=1 gpu_b --include-ignored; tf bench h3-dit; echo gpu_cc",
+            ),
+        ];
+        let used: Vec<String> = executables_used(&steps, &targets).into_iter().collect();
+        assert_eq!(used, vec!["gpu_a", "gpu_b"]);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_slim_bundle_links_the_repository_folders_relatively() {
+        let root = std::env::temp_dir().join(format!("tf-xtask-link-{}", std::process::id()));
+        let out = root.join("devb");
+        std::fs::create_dir_all(root.join("tests/python")).unwrap();
+        std::fs::write(root.join("tests/python/a.py"), "x").unwrap();
+        std::fs::create_dir_all(&out).unwrap();
+        let files = vec!["tests/python/a.py".to_string()];
+        assert!(link_file_folders(&root, &out, &files).unwrap());
+        assert_eq!(
+            std::fs::read_link(out.join("tests")).unwrap(),
+            PathBuf::from("../tests")
+        );
+        assert_eq!(
+            std::fs::read_to_string(out.join("tests/python/a.py")).unwrap(),
+            "x"
+        );
+        // Outside the repository nothing is linked: the files are copied instead.
+        let elsewhere = std::env::temp_dir().join(format!("tf-xtask-out-{}", std::process::id()));
+        assert!(!link_file_folders(&root, &elsewhere, &files).unwrap());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

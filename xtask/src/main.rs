@@ -32,11 +32,15 @@ cargo xtask <command> [options]
       Print the Zig package hash of DIR (as `zig fetch DIR` does), honouring build.zig.zon's name,
       version, fingerprint and paths.
 
-  gpu-bundle [--out DIR] [--skip-kernels]
+  gpu-bundle [--out DIR] [--skip-kernels] [--only STEP,...]
       Build the kernels, the `tf` binary and every gpu_* integration test (cargo profile `bundle`) and
       assemble DIR (default ./bundle, < 64 MiB) with run.sh: `bundle/run.sh [OUTDIR] [STEP]...` runs the
       steps of xtask/bundle-steps.toml with timeouts, appends output to OUTDIR/bundle.log and writes
       OUTDIR/summary.json (OUTDIR: first argument, else $OUT, else ./bundle-out).
+      --only: a slim bundle of these steps alone: `tf` and the test executables they run, the kernel
+      manifest without the fatbins (embedded in the executables), and where DIR lies inside the
+      repository, relative links to its folders instead of copies of the steps' files; small enough to
+      travel with the checkout.
 
   help
       This text.
@@ -170,6 +174,16 @@ fn run(args: &[String]) -> Result<(), Error> {
                 match rest[at].as_str() {
                     "--out" => options.out = Some(path_arg(&value(rest, &mut at, "--out")?)),
                     "--skip-kernels" => options.skip_kernels = true,
+                    "--only" => {
+                        options.only = value(rest, &mut at, "--only")?
+                            .split(',')
+                            .filter(|s| !s.is_empty())
+                            .map(str::to_string)
+                            .collect();
+                        if options.only.is_empty() {
+                            return Err(Error::Usage("gpu-bundle: --only needs step names".into()));
+                        }
+                    }
                     other => {
                         return Err(Error::Usage(format!("gpu-bundle: unknown option {other}")))
                     }
