@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tf_cuda::cublaslt::{CublasLt, Gemm, LtLibrary};
-use tf_cuda::power::PowerMeter;
+use tf_cuda::power::{PowerError, PowerMeter};
 use tf_cuda::{open_driver, Context, DeviceBuffer, Stream};
 
 #[test]
@@ -18,6 +18,12 @@ fn a_window_around_busy_gemms_reads_energy_the_samples_agree_with() {
     let ctx = Context::new(driver, 0).unwrap_or_else(|e| panic!("context on device 0: {e}"));
     let meter =
         PowerMeter::for_context(&ctx).unwrap_or_else(|e| panic!("NVML must open here: {e}"));
+    // A board (or virtual machine) that does not expose its energy counter answers NVML_ERROR_NOT_SUPPORTED (3):
+    // nothing here can be checked there, which the test says instead of passing silently.
+    if let Err(PowerError::Call { code: 3, call, .. }) = meter.energy_millijoules() {
+        println!("SKIPPED: {call} is not supported on this board");
+        return;
+    }
     let limit = meter.limit_watts().expect("power limit");
     println!("board {} power limit {limit:.0} W", meter.bus_id());
     assert!((50.0..=2000.0).contains(&limit), "limit {limit} W");
