@@ -360,6 +360,15 @@ impl PowerMeter {
         }
     }
 
+    /// The energy counter now, to measure a span of work from ([`EnergyMark::spent`]).
+    pub fn mark(self: &Arc<Self>) -> Result<EnergyMark, PowerError> {
+        Ok(EnergyMark {
+            meter: Arc::clone(self),
+            millijoules: self.energy_millijoules()?,
+            at: Instant::now(),
+        })
+    }
+
     /// Opens a measuring window: the energy counter now, and a thread sampling every `every` until
     /// [`EnergyWindow::finish`].
     pub fn window(self: &Arc<Self>, every: Duration) -> EnergyWindow {
@@ -392,6 +401,25 @@ impl PowerMeter {
             stop,
             sampler,
         }
+    }
+}
+
+/// The board's energy counter at one moment ([`PowerMeter::mark`]): what a span of work spent, without a sampler
+/// thread (for a whole request; the benchmarks' windows sample the clocks too).
+pub struct EnergyMark {
+    meter: Arc<PowerMeter>,
+    millijoules: u64,
+    at: Instant,
+}
+
+impl EnergyMark {
+    /// Joules the board spent since the mark, and the seconds since it.
+    pub fn spent(&self) -> Result<(f64, f64), PowerError> {
+        let now = self.meter.energy_millijoules()?;
+        Ok((
+            now.saturating_sub(self.millijoules) as f64 / 1000.0,
+            self.at.elapsed().as_secs_f64(),
+        ))
     }
 }
 

@@ -82,16 +82,17 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// The line that ends a job: its wall time and the device memory the process holds afterwards (weights and the
 /// engines' kept workspaces), so that a long run shows whether memory stays put from request to request.
-fn log_job_done(id: &impl std::fmt::Debug, ms: u64, energy: Option<JobEnergy>) {
+fn log_job_done(id: &impl std::fmt::Debug, ms: u64, energy: JobEnergy) {
     let held = tf_cuda::usage();
-    let energy = energy
-        .and_then(JobEnergy::finish)
-        .map_or(String::new(), |(joules, seconds)| {
-            format!(
-                "; board energy {joules:.1} J ({:.0} W mean)",
-                if seconds > 0.0 { joules / seconds } else { 0.0 }
-            )
-        });
+    let energy =
+        energy
+            .and_then(|mark| mark.spent().ok())
+            .map_or(String::new(), |(joules, seconds)| {
+                format!(
+                    "; board energy {joules:.1} J ({:.0} W mean)",
+                    if seconds > 0.0 { joules / seconds } else { 0.0 }
+                )
+            });
     log!(
         "tf worker: job {id:?} done in {ms} ms{energy}; device memory held: {:.2} GiB in {} allocations",
         held.device as f64 / GIB,
@@ -114,33 +115,11 @@ pub(crate) fn open_power_meter(
 }
 
 /// The board's energy counter at a job's start ([`WorkerEngine::power_meter`]): what the whole board spent while the
-/// job ran, other work on it included.
-struct JobEnergy {
-    meter: std::sync::Arc<tf_cuda::power::PowerMeter>,
-    start_mj: u64,
-    started: Instant,
-}
+/// job ran, other work on it included. `None` without a meter or when the counter cannot be read.
+type JobEnergy = Option<tf_cuda::power::EnergyMark>;
 
-impl JobEnergy {
-    /// `None` without a meter or when the counter cannot be read.
-    fn start(meter: Option<std::sync::Arc<tf_cuda::power::PowerMeter>>) -> Option<JobEnergy> {
-        let meter = meter?;
-        let start_mj = meter.energy_millijoules().ok()?;
-        Some(JobEnergy {
-            meter,
-            start_mj,
-            started: Instant::now(),
-        })
-    }
-
-    /// Joules and seconds since the start (`None` when the counter cannot be read now).
-    fn finish(self) -> Option<(f64, f64)> {
-        let end_mj = self.meter.energy_millijoules().ok()?;
-        Some((
-            end_mj.saturating_sub(self.start_mj) as f64 / 1000.0,
-            self.started.elapsed().as_secs_f64(),
-        ))
-    }
+fn job_energy(meter: Option<std::sync::Arc<tf_cuda::power::PowerMeter>>) -> JobEnergy {
+    meter?.mark().ok()
 }
 
 /// Logs the costly driver work (allocations, frees, graph captures and instantiations) done between a job's
@@ -697,7 +676,7 @@ impl<E: WorkerEngine> Worker<E> {
             return Ok(Flow::Continue);
         }
         let started = Instant::now();
-        let energy = JobEnergy::start(self.engine.power_meter());
+        let energy = job_energy(self.engine.power_meter());
         let paths = match prepare_target(&command.target, command.count) {
             Ok(p) => p,
             Err(message) => {
@@ -815,7 +794,7 @@ impl<E: WorkerEngine> Worker<E> {
             return Ok(Flow::Continue);
         }
         let started = Instant::now();
-        let energy = JobEnergy::start(self.engine.power_meter());
+        let energy = job_energy(self.engine.power_meter());
         log!(
             "tf worker: video job {:?}: {}x{}, {} s at {} fps, seed {}",
             command.id,
@@ -1266,7 +1245,7 @@ mod tests {
 
     #[test]
     fn a_job_without_a_meter_measures_no_energy() {
-        assert!(JobEnergy::start(None).is_none());
+        assert!(job_energy(None).is_none());
         assert!(open_power_meter(None).is_none());
     }
 

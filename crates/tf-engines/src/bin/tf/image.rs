@@ -374,7 +374,9 @@ fn image(args: &Args) -> Result<(), ImageError> {
         let _ = err.flush();
     };
     let driver_before = tf_cuda::driver_costs();
+    let energy = super::energy::mark(pipeline.context());
     let result = pipeline.generate(&request, &mut report)?;
+    let board_energy_j = super::energy::spent("tf image", energy);
     let driver = tf_cuda::driver_costs().since(&driver_before);
     let peak_device_bytes = tf_cuda::usage().device_peak;
     if let Some(path) = &args.dump_steps {
@@ -442,6 +444,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
             "variant": load.variant.name(),
             "ignored": result.ignored.iter().map(|i| i.field()).collect::<Vec<_>>(),
             "peak_device_bytes": peak_device_bytes,
+            "board_energy_j": board_energy_j,
             "load": {
                 "seconds": load.seconds,
                 "resident_bytes": load.resident_bytes,

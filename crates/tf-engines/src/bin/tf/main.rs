@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod doctor;
+mod energy;
 mod forward;
 mod image;
 mod ranks;

@@ -322,6 +322,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     eprintln!("tf video: {}", pipeline.memory_plan());
     pipeline.keep_step_latents(args.dump_steps.is_some());
     let driver_before = tf_cuda::driver_costs();
+    let energy = super::energy::mark(pipeline.context());
     let made = pipeline.generate(&request, &mut |p| match p {
         Progress::Encoded { seconds } => reporter.phase("prompt encoded and noise drawn", seconds),
         Progress::Step {
@@ -332,6 +333,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
         Progress::DecodedVideo { seconds } => reporter.phase("frames decoded", seconds),
         Progress::DecodedAudio { seconds } => reporter.phase("audio decoded", seconds),
     })?;
+    let board_energy_j = super::energy::spent("tf video", energy);
     eprintln!(
         "tf video: driver work in the request: {}",
         tf_cuda::driver_costs().since(&driver_before)
@@ -388,6 +390,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
             "dit_precision": args.precision.to_string(),
             "random_weights": args.random_weights,
             "peak_device_bytes": peak_device_bytes,
+            "board_energy_j": board_energy_j,
             "pipeline_total_s": t.total,
             "component_loads_s": {
                 "text_encoder": t.loads.text_encoder,
