@@ -60,6 +60,8 @@ import sys
 import time
 
 import torch
+
+import board_energy
 from safetensors.torch import save_file
 
 import torch_fp8
@@ -89,6 +91,8 @@ TINY = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=24, ffn_di
             rope_freq_dim=2)
 
 DEVICE = "cuda"
+# The board's NVML handle for the energy of the timed steps (board_energy.py); None on the CPU or without NVML.
+BOARD = None
 
 # Our FP8 groups on a MiniMaxH3TransformerBlock's modules (docs/ENGINES.md, "MiniMax H3 DiT in FP8"); H3's `fp8`.
 H3_FP8_MODULES = {
@@ -449,6 +453,9 @@ def speed(args, summary, summary_path):
         ms, times = time_forward(model, inp, warmup, iters)
         case.update(eager_ms=ms, eager_mean_ms=statistics.mean(times), eager_times_ms=times, eager_tflops=flops / (ms * 1e-3) / 1e12,
                     eager_warmup=warmup, eager_iters=iters, **{f"eager_{k}": v for k, v in peaks().items()})
+        if main_case:
+            # The board's joules a step over about two seconds of steps (board_energy.py; absent without NVML).
+            case["eager_j"] = board_energy.joules_per_call(BOARD, lambda: forward(model, inp), ms)
         print(f"{name} (S = {seq}): eager {ms:.2f} ms ({case['eager_tflops']:.1f} TFLOP/s), peak "
               f"{case.get('eager_peak_allocated_bytes', 0) / 2**30:.2f} GiB allocated", flush=True)
         summary["cases"].append(case)
@@ -479,6 +486,7 @@ def speed(args, summary, summary_path):
             ms, times = time_forward(compiled, inp, args.warmup, args.iters)
             case.update(compiled_ms=ms, compiled_mean_ms=statistics.mean(times), compiled_times_ms=times, compiled_tflops=case["flops"] / (ms * 1e-3) / 1e12,
                         **{f"compiled_{k}": v for k, v in peaks().items()})
+            case["compiled_j"] = board_energy.joules_per_call(BOARD, lambda: forward(compiled, inp), ms)
             print(f"{case['name']}: torch.compile ({args.compile_scope}, mode {args.compile_mode}) {ms:.2f} ms after "
                   f"{case['compile_s']:.0f}s of compilation", flush=True)
         except Exception as exc:  # report and carry on: the eager figures still stand
@@ -587,8 +595,9 @@ def main():
         except ValueError as exc:
             raise SystemExit(f"--fp8: {exc}")
 
-    global DEVICE
+    global DEVICE, BOARD
     DEVICE = args.device or ("cpu" if args.tiny else "cuda")
+    BOARD = board_energy.open_board(0) if DEVICE == "cuda" else None
     if args.tiny:
         args.width, args.height, args.frames, args.text_rows = 64, 64, 22, 8
         args.canvas_width, args.canvas_height, args.canvas_frames = 96, 64, 39

@@ -33,6 +33,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
+import board_energy
 import torch_fp8
 
 from diffusers import QwenImage21Transformer2DModel
@@ -40,6 +41,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 
 
 DEVICE = "cuda"
+# The board's NVML handle for the energy of the timed steps (board_energy.py); None on the CPU or without NVML.
+BOARD = None
 
 # Our FP8 groups on a QwenImage21TransformerBlock's modules (docs/ENGINES.md, "The Qwen-Image DiT in FP8"); no
 # `adaln`: the modulation is one shared layer outside the blocks. Qwen-Image's `fp8`:
@@ -241,8 +244,9 @@ def main():
             torch_fp8.parse_spec(args.fp8, QWEN_FP8_DEFAULT)
         except ValueError as exc:
             raise SystemExit(f"--fp8: {exc}")
-    global DEVICE
+    global DEVICE, BOARD
     DEVICE = args.device
+    BOARD = board_energy.open_board(0) if DEVICE == "cuda" else None
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     os.makedirs(args.out, exist_ok=True)
@@ -314,6 +318,9 @@ def main():
             forward(model, *args_a, cache=cache, mode="extract")
             case["eager_cached_ms"] = time_ms(lambda: forward(model, *args_b, cache=cache, mode="cached"), 2, args.iters)
             case["eager_peak_bytes"] = torch.cuda.max_memory_allocated()
+            # The board's joules a cached step over about two seconds of steps (board_energy.py; absent without NVML).
+            case["eager_cached_j"] = board_energy.joules_per_call(
+                BOARD, lambda: forward(model, *args_b, cache=cache, mode="cached"), case["eager_cached_ms"])
             if not args.no_compile:
                 try:
                     t0 = time.time()
@@ -323,6 +330,9 @@ def main():
                     case["compiled_cached_ms"] = time_ms(
                         lambda: forward(compiled, *args_b, cache=cache, mode="cached"), 3, args.iters
                     )
+                    case["compiled_cached_j"] = board_energy.joules_per_call(
+                        BOARD, lambda: forward(compiled, *args_b, cache=cache, mode="cached"),
+                        case["compiled_cached_ms"])
                 except Exception as exc:  # report and carry on: the eager numbers still stand
                     case["compile_error"] = repr(exc)[:500]
             print(json.dumps(case), flush=True)

@@ -395,6 +395,28 @@ fn report_energy(
     }))
 }
 
+/// Beside our joules a step (`ours`: [`report_energy`]'s record), the reference's from the same run (`case[key]`, the
+/// reference scripts' board_energy.py figures) for each (label, key) of `rows` it holds, with the ratio. Prints nothing
+/// where either side was not measured.
+#[cfg(feature = "bench")]
+fn report_reference_energy(
+    ours: &serde_json::Value,
+    case: &serde_json::Value,
+    rows: &[(&str, &str)],
+) {
+    let Some(ours_j) = ours.get("joules_per_step").and_then(|v| v.as_f64()) else {
+        return;
+    };
+    for (label, key) in rows {
+        if let Some(theirs) = case.get(*key).and_then(|v| v.as_f64()).filter(|j| *j > 0.0) {
+            println!(
+                "  {label}: {theirs:.2} J a step; ours {ours_j:.2} J, ours / theirs = {:.3}",
+                ours_j / theirs
+            );
+        }
+    }
+}
+
 mod h3_audio_vae;
 mod h3_dit;
 mod h3_text;

@@ -382,6 +382,14 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
                         );
                     }
                 }
+                super::report_reference_energy(
+                    &energy,
+                    &case,
+                    &[
+                        ("diffusers eager energy", "eager_j"),
+                        ("diffusers torch.compile energy", "compiled_j"),
+                    ],
+                );
                 reference = case;
             }
             Err(e) => println!("  reference: {e}"),

@@ -282,6 +282,14 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
                         bytes / (1u64 << 30) as f64
                     );
                 }
+                super::report_reference_energy(
+                    &energy,
+                    &case,
+                    &[
+                        ("diffusers eager cached energy", "eager_cached_j"),
+                        ("diffusers torch.compile cached energy", "compiled_cached_j"),
+                    ],
+                );
                 reference = case;
             }
             Err(e) => println!("  reference: {e}"),
