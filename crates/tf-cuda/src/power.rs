@@ -709,6 +709,38 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        #[test]
+        fn a_report_keeps_its_shares_and_spread_in_range(
+            millijoules in 0u64..10_000_000_000,
+            seconds in 0.0f64..100.0,
+            limit in 0.0f64..2000.0,
+            raw in proptest::collection::vec((0.0f64..1500.0, 0u32..3000, 0u64..0x200, proptest::bool::ANY), 0..64),
+            items in 0usize..10_000,
+        ) {
+            let samples: Vec<Sample> = raw
+                .iter()
+                .map(|&(w, mhz, bits, missing)| Sample {
+                    watts: (!missing).then_some(w),
+                    sm_mhz: (!missing).then_some(mhz),
+                    reasons: (!missing).then_some(ClockReasons(bits)),
+                })
+                .collect();
+            let r = EnergyReport::new(millijoules, seconds, limit, &samples);
+            proptest::prop_assert!(r.joules >= 0.0 && r.mean_watts() >= 0.0 && r.limit_share() >= 0.0);
+            proptest::prop_assert!((r.joules_per(items) * items.max(1) as f64 - r.joules).abs() <= 1e-9 * r.joules.max(1.0));
+            proptest::prop_assert!(r.power_capped_samples <= r.reason_samples);
+            if let Some(share) = r.power_capped_share() {
+                proptest::prop_assert!((0.0..=1.0).contains(&share));
+            }
+            if let Some(c) = r.sm_clock {
+                proptest::prop_assert!(c.min <= c.median && c.median <= c.max);
+                proptest::prop_assert!(samples.iter().any(|s| s.sm_mhz == Some(c.median)));
+            }
+            proptest::prop_assert_eq!(r.sm_clock.is_none(), samples.iter().all(|s| s.sm_mhz.is_none()));
+        }
+    }
+
     #[test]
     fn an_empty_window_divides_by_nothing() {
         let r = EnergyReport::new(0, 0.0, 0.0, &[]);
