@@ -337,7 +337,7 @@ fn report_energy(
     ctx: &Context,
     step_ms: f64,
     goal_ms: Option<f64>,
-    replay: impl FnOnce(usize) -> Result<(f64, usize), BoxError>,
+    mut replay: impl FnMut(usize) -> Result<(f64, usize), BoxError>,
 ) -> Result<serde_json::Value, BoxError> {
     let meter = match tf_cuda::power::PowerMeter::for_context(ctx) {
         Ok(meter) => meter,
@@ -350,6 +350,8 @@ fn report_energy(
     let timed = (ENERGY_WINDOW_MS / step_ms.max(0.01))
         .ceil()
         .clamp(3.0, 1000.0) as usize;
+    // One replay before the window: a graph the timings since evicted is captured again outside it.
+    replay(1)?;
     let window = meter.window(std::time::Duration::from_millis(10));
     let (ms, replays) = replay(timed)?;
     let report = match window.finish() {
