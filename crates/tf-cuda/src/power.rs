@@ -72,6 +72,9 @@ pub enum PowerError {
     /// The CUDA device's PCI address could not be read.
     #[error("reading the CUDA device's PCI address for NVML: {0}")]
     Cuda(#[from] crate::Error),
+    /// The thread opening NVML in the background could not start, or ended without an answer.
+    #[error("opening NVML on a thread of its own: {0}")]
+    Thread(String),
 }
 
 /// NVML's entry points used here, resolved from one library.
@@ -96,7 +99,7 @@ pub fn candidates(env: impl Fn(&str) -> Option<OsString>) -> Vec<PathBuf> {
     }
 }
 
-/// An initialised NVML; shut down when the last user drops it.
+/// An initialised NVML, shared by a [`PowerLibrary`] and its meters; shut down when the last of them drops it.
 struct Nvml {
     api: NvmlApi,
     // Last: the entry points above point into it.
@@ -240,9 +243,102 @@ impl ClockReasons {
 
 /// One board, opened through NVML and matched to a CUDA context's device.
 pub struct PowerMeter {
-    nvml: Nvml,
+    nvml: Arc<Nvml>,
     device: NvmlDevice,
     bus_id: String,
+}
+
+/// NVML opened and initialised, not yet matched to a board. Loading the library and `nvmlInit_v2` take time on some
+/// machines: [`PowerLibrary::open_in_background`] does it beside a model's load, off the way to the first request.
+#[derive(Clone)]
+pub struct PowerLibrary {
+    nvml: Arc<Nvml>,
+}
+
+impl fmt::Debug for PowerLibrary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PowerLibrary")
+    }
+}
+
+impl PowerLibrary {
+    /// Searches `TF_NVML`, then the system (see the module doc).
+    pub fn open() -> Result<PowerLibrary, PowerError> {
+        Self::open_first(&candidates(|k| std::env::var_os(k)))
+    }
+
+    /// Opens the first of `candidates` that is NVML; the error lists every attempt.
+    pub fn open_first(candidates: &[PathBuf]) -> Result<PowerLibrary, PowerError> {
+        Ok(PowerLibrary {
+            nvml: Arc::new(Nvml::open_first(candidates)?),
+        })
+    }
+
+    /// [`PowerLibrary::open`] on a thread of its own; [`OpeningLibrary::wait`] takes the result.
+    pub fn open_in_background() -> OpeningLibrary {
+        open_first_in_background(candidates(|k| std::env::var_os(k)))
+    }
+
+    /// The meter of `ctx`'s board, found by its PCI address.
+    pub fn meter_for(&self, ctx: &Context) -> Result<Arc<PowerMeter>, PowerError> {
+        use tf_sys::device_attribute as da;
+        let attr = |a| -> Result<u32, PowerError> {
+            let v = ctx.attribute(a)?;
+            u32::try_from(v).map_err(|_| PowerError::Call {
+                call: "cuDeviceGetAttribute (PCI address)",
+                code: v,
+                text: String::from("the driver gave a negative PCI address part"),
+            })
+        };
+        let bus_id = pci_bus_id(
+            attr(da::PCI_DOMAIN_ID)?,
+            attr(da::PCI_BUS_ID)?,
+            attr(da::PCI_DEVICE_ID)?,
+        );
+        self.meter_at(&bus_id)
+    }
+
+    /// The meter of the board at `bus_id` (as [`pci_bus_id`] writes it).
+    pub fn meter_at(&self, bus_id: &str) -> Result<Arc<PowerMeter>, PowerError> {
+        let text = CString::new(bus_id).map_err(|_| PowerError::Call {
+            call: "nvmlDeviceGetHandleByPciBusId_v2",
+            code: -1,
+            text: format!("the PCI bus id {bus_id:?} holds a NUL byte"),
+        })?;
+        let mut device: NvmlDevice = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated string and an out-pointer to a local, both valid for the call.
+        let code = unsafe { (self.nvml.api.by_pci_bus_id)(text.as_ptr(), &mut device) };
+        self.nvml.check("nvmlDeviceGetHandleByPciBusId_v2", code)?;
+        Ok(Arc::new(PowerMeter {
+            nvml: Arc::clone(&self.nvml),
+            device,
+            bus_id: bus_id.to_owned(),
+        }))
+    }
+}
+
+/// A [`PowerLibrary`] being opened on a thread of its own ([`PowerLibrary::open_in_background`]).
+pub struct OpeningLibrary(Result<JoinHandle<Result<PowerLibrary, PowerError>>, String>);
+
+impl OpeningLibrary {
+    /// The library once its thread is done.
+    pub fn wait(self) -> Result<PowerLibrary, PowerError> {
+        match self.0 {
+            Ok(handle) => handle
+                .join()
+                .unwrap_or_else(|_| Err(PowerError::Thread("the thread panicked".into()))),
+            Err(why) => Err(PowerError::Thread(why)),
+        }
+    }
+}
+
+fn open_first_in_background(candidates: Vec<PathBuf>) -> OpeningLibrary {
+    OpeningLibrary(
+        std::thread::Builder::new()
+            .name("tf-nvml-open".into())
+            .spawn(move || PowerLibrary::open_first(&candidates))
+            .map_err(|e| format!("the thread could not start: {e}")),
+    )
 }
 
 // SAFETY: NVML is thread-safe (its documentation: every call may be made from any thread), and the device handle is
@@ -262,40 +358,12 @@ impl fmt::Debug for PowerMeter {
 impl PowerMeter {
     /// Opens NVML (see the module doc for the search) and finds `ctx`'s device by its PCI address.
     pub fn for_context(ctx: &Context) -> Result<Arc<PowerMeter>, PowerError> {
-        use tf_sys::device_attribute as da;
-        let attr = |a| -> Result<u32, PowerError> {
-            let v = ctx.attribute(a)?;
-            u32::try_from(v).map_err(|_| PowerError::Call {
-                call: "cuDeviceGetAttribute (PCI address)",
-                code: v,
-                text: String::from("the driver gave a negative PCI address part"),
-            })
-        };
-        let bus_id = pci_bus_id(
-            attr(da::PCI_DOMAIN_ID)?,
-            attr(da::PCI_BUS_ID)?,
-            attr(da::PCI_DEVICE_ID)?,
-        );
-        Self::open(&candidates(|k| std::env::var_os(k)), &bus_id)
+        PowerLibrary::open()?.meter_for(ctx)
     }
 
     /// Opens the first of `candidates` that is NVML and finds the board at `bus_id` (as [`pci_bus_id`] writes it).
     pub fn open(candidates: &[PathBuf], bus_id: &str) -> Result<Arc<PowerMeter>, PowerError> {
-        let nvml = Nvml::open_first(candidates)?;
-        let text = CString::new(bus_id).map_err(|_| PowerError::Call {
-            call: "nvmlDeviceGetHandleByPciBusId_v2",
-            code: -1,
-            text: format!("the PCI bus id {bus_id:?} holds a NUL byte"),
-        })?;
-        let mut device: NvmlDevice = std::ptr::null_mut();
-        // SAFETY: a NUL-terminated string and an out-pointer to a local, both valid for the call.
-        let code = unsafe { (nvml.api.by_pci_bus_id)(text.as_ptr(), &mut device) };
-        nvml.check("nvmlDeviceGetHandleByPciBusId_v2", code)?;
-        Ok(Arc::new(PowerMeter {
-            nvml,
-            device,
-            bus_id: bus_id.to_owned(),
-        }))
+        PowerLibrary::open_first(candidates)?.meter_at(bus_id)
     }
 
     /// The PCI address the board was found at.
@@ -652,6 +720,16 @@ mod tests {
             err.to_string().contains("not NVML: missing nvmlInit_v2"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_library_opened_in_the_background_answers_as_in_the_foreground() {
+        let dir = std::env::temp_dir().join("tf-cuda-nvml-missing-bg");
+        let err = open_first_in_background(vec![dir.join("a.so")])
+            .wait()
+            .expect_err("nothing there to open");
+        assert!(matches!(err, PowerError::LibraryNotFound { .. }), "{err}");
+        assert!(err.to_string().contains("a.so"), "{err}");
     }
 
     #[test]

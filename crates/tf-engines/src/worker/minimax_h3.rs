@@ -93,6 +93,7 @@ impl WorkerEngine for MiniMaxH3Engine {
             .clone()
             .unwrap_or_else(|| LoadOptions::new(backend));
         options.backend = backend;
+        let nvml = super::open_power_library(backend);
         let loaded = H3Pipeline::load(&self.model, &options);
         if let Some(barrier) = self.load_barrier.as_mut() {
             let verdict = barrier(loaded.is_ok());
@@ -118,7 +119,7 @@ impl WorkerEngine for MiniMaxH3Engine {
             .prepare_stored_gemms()
             .map_err(|e| classify(&e, pipeline.context().is_some_and(|c| c.is_lost())))?;
         super::log_stored_gemms(stored);
-        self.meter = super::open_power_meter(pipeline.context());
+        self.meter = super::open_power_meter(nvml, pipeline.context());
         self.pipeline = Some(pipeline);
         Ok(resident)
     }

@@ -100,12 +100,27 @@ fn log_job_done(id: &impl std::fmt::Debug, ms: u64, energy: JobEnergy) {
     );
 }
 
+/// Starts opening NVML on a thread of its own beside an engine's load (only for the GPU backend), for
+/// [`open_power_meter`].
+pub(crate) fn open_power_library(
+    backend: crate::nn::backend::Backend,
+) -> Option<tf_cuda::power::OpeningLibrary> {
+    matches!(backend, crate::nn::backend::Backend::Gpu)
+        .then(tf_cuda::power::PowerLibrary::open_in_background)
+}
+
 /// The meter of the board under `ctx` for [`WorkerEngine::power_meter`] (none for a host engine); logs why when NVML
 /// cannot be used, once a load.
 pub(crate) fn open_power_meter(
+    opening: Option<tf_cuda::power::OpeningLibrary>,
     ctx: Option<&tf_cuda::Context>,
 ) -> Option<std::sync::Arc<tf_cuda::power::PowerMeter>> {
-    match tf_cuda::power::PowerMeter::for_context(ctx?) {
+    let ctx = ctx?;
+    let opened = match opening {
+        Some(opening) => opening.wait(),
+        None => tf_cuda::power::PowerLibrary::open(),
+    };
+    match opened.and_then(|library| library.meter_for(ctx)) {
         Ok(meter) => Some(meter),
         Err(e) => {
             log!("tf worker: the board's energy per job is not logged: {e}");
@@ -1246,7 +1261,7 @@ mod tests {
     #[test]
     fn a_job_without_a_meter_measures_no_energy() {
         assert!(job_energy(None).is_none());
-        assert!(open_power_meter(None).is_none());
+        assert!(open_power_meter(None, None).is_none());
     }
 
     #[test]

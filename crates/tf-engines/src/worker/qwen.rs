@@ -106,6 +106,7 @@ impl WorkerEngine for QwenImageEngine {
             device_budget: self.device_budget,
             ..LoadOptions::new(backend)
         };
+        let nvml = super::open_power_library(backend);
         let pipeline = Pipeline::load(&self.model, &options).map_err(|e| classify(&e, false))?;
         let report = pipeline.load_report();
         log!(
@@ -144,7 +145,7 @@ impl WorkerEngine for QwenImageEngine {
                 .map_err(|e| classify(&e, pipeline.context().is_some_and(|c| c.is_lost())))?;
             super::log_stored_gemms(stored);
         }
-        self.meter = super::open_power_meter(pipeline.context());
+        self.meter = super::open_power_meter(nvml, pipeline.context());
         self.pipeline = Some(pipeline);
         Ok(report.resident_bytes)
     }

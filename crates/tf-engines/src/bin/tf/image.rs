@@ -292,6 +292,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
         }
     }
     tf_cuda::usage::reset_peaks();
+    let nvml = super::energy::open(backend);
     let mut pipeline = Pipeline::load(&args.model, &options)?;
     pipeline.keep_step_latents(args.dump_steps.is_some());
     let load = pipeline.load_report();
@@ -374,7 +375,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
         let _ = err.flush();
     };
     let driver_before = tf_cuda::driver_costs();
-    let energy = super::energy::mark(pipeline.context());
+    let energy = super::energy::mark(nvml, pipeline.context());
     let result = pipeline.generate(&request, &mut report)?;
     let board_energy_j = super::energy::spent("tf image", energy);
     let driver = tf_cuda::driver_costs().since(&driver_before);

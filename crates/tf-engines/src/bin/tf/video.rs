@@ -306,6 +306,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     tf_cuda::usage::reset_peaks();
     // Every rank reports its load at the barrier, failed or not, so no rank waits out a failed one; a rank's own
     // load error comes first.
+    let nvml = super::energy::open(backend);
     let loaded = H3Pipeline::load(model, &options);
     let barrier = super::ranks::ready(loaded.is_ok());
     let mut pipeline = loaded?;
@@ -322,7 +323,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     eprintln!("tf video: {}", pipeline.memory_plan());
     pipeline.keep_step_latents(args.dump_steps.is_some());
     let driver_before = tf_cuda::driver_costs();
-    let energy = super::energy::mark(pipeline.context());
+    let energy = super::energy::mark(nvml, pipeline.context());
     let made = pipeline.generate(&request, &mut |p| match p {
         Progress::Encoded { seconds } => reporter.phase("prompt encoded and noise drawn", seconds),
         Progress::Step {
