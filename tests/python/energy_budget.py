@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Splits a DiT step's measured joules into its GEMMs and everything else, against the joules its goal allows.
+
+Usage: energy_budget.py --step STEP.json --gemms GEMM_ENERGY.json [--energy-key KEY] [--json OUT.json]
+
+STEP.json is `tf bench h3-dit --json` or `tf bench qwen-dit --json` (its phases and its energy line: the graph step
+for MiniMax H3, the cached step for Qwen-Image). GEMM_ENERGY.json is `tf bench int8-gemm --energy --json` (INT8) or
+`tf bench int8-gemm --bf16 --energy --json` (bf16), run on the same kind of board: joules a call of each DiT block
+GEMM, sustained for about a second. KEY picks which GEMM's energy stands for the step's: by default `cublaslt_energy`
+for a bf16 step (cuBLASLt is the bf16 default) and `ours_energy` for an 8-bit step (our INT8 GEMM is the default).
+
+At a power cap a step's time is its joules over the limit, so a goal in milliseconds is a budget in joules: the goal
+times the limit. The GEMMs' share of it is what their block calls spend at their own sustained rate; the rest
+(attention, the norms and elementwise passes) may spend what is left. Prints both, and the factor by which the rest
+would have to shrink with the GEMMs as they are. Exit 0 on a report, 2 on bad input.
+"""
+
+import argparse
+import json
+import sys
+
+# Block GEMM phases (as the benches name them) and the `tf bench int8-gemm` shape that measures each.
+PHASE_SHAPES = {
+    "h3": {
+        "qkv GEMM": "h3_qkv",
+        "qkv GEMM + QK norm + RoPE": "h3_qkv",
+        "out GEMM": "h3_out",
+        "fc1 GEMM": "h3_fc1",
+        "fc2 GEMM": "h3_fc2",
+    },
+    "qwen": {
+        "qkv GEMM": "qwen_step_qkv",
+        "qkv GEMM+qk-norm+rope": "qwen_step_qkv",
+        "out GEMM": "qwen_step_out",
+        "gate_up GEMM": "qwen_step_mlp_in",
+        "down GEMM": "qwen_step_mlp_out",
+    },
+}
+
+
+class BadInput(Exception):
+    pass
+
+
+def load(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{path}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise BadInput(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def number(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise BadInput(f"{what}: expected a number, found {value!r}")
+    return float(value)
+
+
+def step_parts(step, path):
+    """(model, phases, energy) of a bench JSON: H3's graph step or Qwen-Image's cached step."""
+    if "energy_graph_step" in step:
+        model, energy = "h3", step["energy_graph_step"]
+        phases = (step.get("phases") or {}).get("phases")
+    elif "energy_cached_step" in step:
+        model, energy = "qwen", step["energy_cached_step"]
+        phases = ((step.get("phases") or {}).get("cached") or {}).get("phases")
+    else:
+        raise BadInput(f"{path}: no energy line (energy_graph_step or energy_cached_step): run the bench on a board "
+                       "whose energy NVML reads")
+    if not isinstance(energy, dict) or "error" in energy:
+        why = energy.get("error") if isinstance(energy, dict) else energy
+        raise BadInput(f"{path}: the step's energy was not measured ({why})")
+    if not isinstance(phases, list) or not phases:
+        raise BadInput(f"{path}: no phases: run the bench with --phases")
+    return model, phases, energy
+
+
+def gemm_joules(gemms, path, key):
+    """Joules a call and milliseconds a call of every measured shape, for `key`'s GEMM."""
+    out = {}
+    for row in gemms.get("results") or []:
+        energy = row.get(key) if isinstance(row, dict) else None
+        if not isinstance(energy, dict) or "joules_per_call" not in energy:
+            continue
+        shape = row.get("shape")
+        out[shape] = (number(energy["joules_per_call"], f"{path}: {shape} {key}.joules_per_call"),
+                      number(energy.get("ms_per_call", 0.0), f"{path}: {shape} {key}.ms_per_call"))
+    if not out:
+        keys = sorted({k for row in gemms.get("results") or [] if isinstance(row, dict) for k in row
+                       if k.endswith("_energy")})
+        have = f"it has {', '.join(keys)}: pick one with --energy-key" if keys else "was it run with --energy?"
+        raise BadInput(f"{path}: no result carries {key} with joules_per_call ({have})")
+    return out
+
+
+def budget(step, step_path, gemms, gemms_path, key=None):
+    model, phases, energy = step_parts(step, step_path)
+    precision = str(step.get("precision", "bf16"))
+    if key is None:
+        key = "cublaslt_energy" if precision == "bf16" else "ours_energy"
+    per_call = gemm_joules(gemms, gemms_path, key)
+    joules = number(energy.get("joules_per_step"), f"{step_path}: joules_per_step")
+    watts = number(energy.get("mean_watts"), f"{step_path}: mean_watts")
+    limit = number(energy.get("limit_watts"), f"{step_path}: limit_watts")
+    step_ms = number(energy.get("replay_ms"), f"{step_path}: replay_ms")
+    goal = energy.get("goal") if isinstance(energy.get("goal"), dict) else None
+
+    groups, missing = [], []
+    phase_ms_total = 0.0
+    for phase in phases:
+        name = phase.get("phase")
+        ms = number(phase.get("ms"), f"{step_path}: phase {name!r} ms")
+        calls = int(number(phase.get("calls"), f"{step_path}: phase {name!r} calls"))
+        phase_ms_total += ms
+        shape = PHASE_SHAPES[model].get(name)
+        if shape is None:
+            continue
+        if shape not in per_call:
+            missing.append(shape)
+            continue
+        j_call, ms_call = per_call[shape]
+        groups.append({"phase": name, "shape": shape, "calls": calls, "step_ms": ms,
+                       "sustained_ms": calls * ms_call, "joules": calls * j_call})
+    if missing:
+        raise BadInput(f"{gemms_path}: no {key} for {', '.join(sorted(set(missing)))}")
+    if not groups:
+        raise BadInput(f"{step_path}: none of the block GEMM phases {sorted(PHASE_SHAPES[model])} is there")
+
+    gemm_j = sum(g["joules"] for g in groups)
+    gemm_ms = sum(g["step_ms"] for g in groups)
+    rest_j = joules - gemm_j
+    rest_ms = phase_ms_total - gemm_ms
+    report = {
+        "model": model, "precision": precision, "gemm_energy_key": key,
+        "step_ms": step_ms, "step_joules": joules, "mean_watts": watts, "limit_watts": limit,
+        "gemms": groups, "gemm_joules": gemm_j, "gemm_phase_ms": gemm_ms,
+        "rest_joules": rest_j, "rest_phase_ms": rest_ms, "phases_ms": phase_ms_total,
+    }
+    if goal is not None:
+        allowed = number(goal.get("joules_allowed"), f"{step_path}: goal.joules_allowed")
+        report["goal_ms"] = number(goal.get("goal_ms"), f"{step_path}: goal.goal_ms")
+        report["goal_joules"] = allowed
+        report["rest_allowed_joules"] = allowed - gemm_j
+        report["rest_factor_needed"] = (allowed - gemm_j) / rest_j if rest_j > 0 else None
+    return report
+
+
+def describe(r):
+    lines = [f"{r['model']} {r['precision']} step: {r['step_ms']:.2f} ms, {r['step_joules']:.2f} J "
+             f"({r['mean_watts']:.0f} W mean of a {r['limit_watts']:.0f} W limit); GEMM energy from {r['gemm_energy_key']}"]
+    for g in r["gemms"]:
+        lines.append(f"  {g['phase']:<28} {g['calls']:>3} calls: {g['joules']:8.2f} J at their sustained rate "
+                     f"({g['sustained_ms']:.2f} ms sustained, {g['step_ms']:.2f} ms in the step)")
+    share = r["gemm_joules"] / r["step_joules"] if r["step_joules"] > 0 else float("nan")
+    lines.append(f"  block GEMMs: {r['gemm_joules']:.2f} J ({share:.1%} of the step's), {r['gemm_phase_ms']:.2f} ms "
+                 f"of its {r['phases_ms']:.2f} ms of phases")
+    lines.append(f"  everything else (attention, norms, passes): {r['rest_joules']:.2f} J over "
+                 f"{r['rest_phase_ms']:.2f} ms")
+    if "goal_joules" in r:
+        left = r["rest_allowed_joules"]
+        head = f"  goal {r['goal_ms']:.0f} ms: {r['goal_joules']:.2f} J at the limit; "
+        if left <= 0:
+            lines.append(head + f"the block GEMMs alone spend {r['gemm_joules']:.2f} J, more than all of it")
+        else:
+            factor = r["rest_factor_needed"]
+            what = f"{factor:.3f}x of what it spends now" if factor is not None else "any amount"
+            lines.append(head + f"with the GEMMs as they are, everything else may spend {left:.2f} J ({what})")
+    return "\n".join(lines)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--step", required=True, help="tf bench h3-dit / qwen-dit --json output (with --phases)")
+    parser.add_argument("--gemms", required=True, help="tf bench int8-gemm [--bf16] --energy --json output")
+    parser.add_argument("--energy-key", help="ours_energy, cublaslt_energy or fp8_energy (default: the step's own)")
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args(argv)
+    try:
+        report = budget(load(args.step), args.step, load(args.gemms), args.gemms, args.energy_key)
+    except BadInput as exc:
+        print(f"energy_budget: {exc}", file=sys.stderr)
+        return 2
+    print(describe(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
