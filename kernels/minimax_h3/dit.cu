@@ -463,25 +463,26 @@ H3_LINEAR_F32(h3_linear_f32_rows_xb_yf, linear_f32_rows, bf16, float, 256)
 namespace {
 
 // Rows of x one CTA takes, 4 at a time, and the weight chunks a lane holds in registers: a lane loads its 16-byte
-// chunks of both of its warp's columns once, all before the first use (k <= 32 * 16 * H3_LINEAR_W8_CHUNKS), and
+// chunks of its warp's columns once, all before the first use (k <= 32 * 16 * H3_LINEAR_W8_CHUNKS), and
 // reuses them for every row, so the weights cross HBM once per H3_LINEAR_W8_ROWS rows (a request's whole timestep
 // schedule is ~100 rows) and each x row read from L1 serves two columns.
 #define H3_LINEAR_W8_ROWS 32
 #define H3_LINEAR_W8_CHUNKS 6
-#define H3_LINEAR_W8_COLS 2
 
-// The body of the weight-only linear layers below; DECODE turns 16 codes into their values. One warp per
-// H3_LINEAR_W8_COLS output columns; lane l holds the codes at (l + 32 j) * 16 of each.
-template <void (*DECODE)(const uint4&, float (&)[16])>
+// The body of the weight-only linear layers below; DECODE turns 16 codes into their values. One warp per COLS output
+// columns (2: each x row read serves two columns, 232 registers, one CTA an SM; 1: half the weight registers, two
+// CTAs an SM, so one CTA's loads overlap another's sums and stores); lane l holds the codes at (l + 32 j) * 16 of
+// each. A column's sum is the same in both: its lanes' partial sums in k order, then the warp butterfly.
+template <int COLS, void (*DECODE)(const uint4&, float (&)[16])>
 __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
                                                const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
                                                bf16* __restrict__ y, int y_stride, int m, int n) {
     const int lane = threadIdx.x & 31;
-    const int c0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * H3_LINEAR_W8_COLS;
+    const int c0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * COLS;
     if (c0 >= n) return;
-    uint4 raw[H3_LINEAR_W8_COLS][H3_LINEAR_W8_CHUNKS];
+    uint4 raw[COLS][H3_LINEAR_W8_CHUNKS];
 #pragma unroll
-    for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+    for (int col = 0; col < COLS; ++col) {
         const int c = min(c0 + col, n - 1);  // a missing last column repeats its neighbour, never stored
         const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
 #pragma unroll
@@ -492,14 +493,14 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
     }
     const int r_end = min(m, (blockIdx.y + 1) * H3_LINEAR_W8_ROWS);
     for (int r0 = blockIdx.y * H3_LINEAR_W8_ROWS; r0 < r_end; r0 += 4) {
-        float acc[H3_LINEAR_W8_COLS][4] = {};
+        float acc[COLS][4] = {};
 #pragma unroll
         for (int j = 0; j < H3_LINEAR_W8_CHUNKS; ++j) {
             const int k0 = (lane + 32 * j) * 16;
             if (k0 >= k) break;
-            float wv[H3_LINEAR_W8_COLS][16];
+            float wv[COLS][16];
 #pragma unroll
-            for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) DECODE(raw[col][j], wv[col]);
+            for (int col = 0; col < COLS; ++col) DECODE(raw[col][j], wv[col]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r = r0 + i;
@@ -509,7 +510,7 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
                     nn::load8(x_at, lo);
                     nn::load8(x_at + 8, hi);
 #pragma unroll
-                    for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+                    for (int col = 0; col < COLS; ++col) {
 #pragma unroll
                         for (int q = 0; q < 8; ++q) acc[col][i] = fmaf(lo[q], wv[col][q], acc[col][i]);
 #pragma unroll
@@ -519,13 +520,13 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
             }
         }
 #pragma unroll
-        for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+        for (int col = 0; col < COLS; ++col) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[col][i] = nn::warp_sum(acc[col][i]);
         }
         if (lane == 0) {
 #pragma unroll
-            for (int col = 0; col < H3_LINEAR_W8_COLS; ++col) {
+            for (int col = 0; col < COLS; ++col) {
                 const int c = c0 + col;
                 if (c >= n) continue;
                 const float scale = w_scale[c];
@@ -547,19 +548,19 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
 // x bf16 rows of x_stride; w 8-bit codes [n, k] (rows of k bytes, k a multiple of 16) with one f32 scale per row (per
 // output channel, nn::fp8's rule): e4m3 (h3_linear_fp8w_rows) or INT8 (h3_linear_int8w_rows); bias (or null) and y
 // bf16, y rows of y_stride. The sum is f32 over exact products (the bf16 x times the code's value), in lane-strided
-// order then a warp butterfly, scaled once. One warp per H3_LINEAR_W8_COLS (2) output columns and up to
+// order then a warp butterfly, scaled once. One warp per 2 output columns (the _c1 kernels: 1) and up to
 // H3_LINEAR_W8_ROWS (32) rows, 4 at a time; lane l holds the 16 codes at (l + 32 j) * 16 of each column, so
-// k <= 32 * 16 * H3_LINEAR_W8_CHUNKS (3072). Grid: (ceil(n / 16), ceil(m / 32)), 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
-    h3_linear_fp8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
-                        const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
-                        bf16* __restrict__ y, int y_stride, int m, int n) {
-    linear_w8_rows<nn::decode16_e4m3>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
-}
+// k <= 32 * 16 * H3_LINEAR_W8_CHUNKS (3072). Grid: (ceil(n / 16), ceil(m / 32)) (_c1: ceil(n / 8)), 256 threads.
+#define H3_LINEAR_W8_KERNEL(NAME, COLS, BOUNDS, DECODE)                                                          \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                                             \
+        NAME(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,                               \
+             const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias, bf16* __restrict__ y,          \
+             int y_stride, int m, int n) {                                                                          \
+        linear_w8_rows<COLS, DECODE>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);                          \
+    }
 
-extern "C" __global__ void __launch_bounds__(256)
-    h3_linear_int8w_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
-                         const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
-                         bf16* __restrict__ y, int y_stride, int m, int n) {
-    linear_w8_rows<nn::decode16_int8>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);
-}
+H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows, 2, (256), nn::decode16_e4m3)
+H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows, 2, (256), nn::decode16_int8)
+// One column a warp (16 columns a CTA become 8): the grid doubles; TF_LINEAR_W8_COLS=1 selects them.
+H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows_c1, 1, (256, 2), nn::decode16_e4m3)
+H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows_c1, 1, (256, 2), nn::decode16_int8)

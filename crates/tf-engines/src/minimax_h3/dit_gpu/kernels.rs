@@ -30,6 +30,8 @@ const H3_KERNELS: &[&str] = &[
     "h3_linear_f32_rows_xb_yf",
     "h3_linear_fp8w_rows",
     "h3_linear_int8w_rows",
+    "h3_linear_fp8w_rows_c1",
+    "h3_linear_int8w_rows_c1",
 ];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
@@ -570,8 +572,40 @@ pub struct LinearW8<'v, 'a> {
 /// the weights cross HBM once per this many rows.
 const LINEAR_W8_ROWS: usize = 32;
 
-/// Output columns of one CTA of the weight-only linear layer: 8 warps of `H3_LINEAR_W8_COLS` (2) columns.
-const LINEAR_W8_CTA_COLS: usize = 16;
+/// Output columns a warp of the weight-only linear layer takes (its CTAs are 8 warps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearW8Columns {
+    /// Two columns a warp (the default): each `x` row read serves both; 232 registers, one CTA an SM.
+    Two,
+    /// One column a warp (the `_c1` kernels): half the weight registers, two CTAs an SM, twice the CTAs. A column's
+    /// sum is the same as with [`LinearW8Columns::Two`], so the outputs are bit-equal.
+    One,
+}
+
+/// The environment variable that picks [`LinearW8Columns`]: `2` (the default) or `1`.
+pub const LINEAR_W8_COLS_ENV: &str = "TF_LINEAR_W8_COLS";
+
+impl LinearW8Columns {
+    /// From [`LINEAR_W8_COLS_ENV`]; unset or empty is [`LinearW8Columns::Two`].
+    pub fn from_env() -> Result<LinearW8Columns, tf_cuda::Error> {
+        match std::env::var(LINEAR_W8_COLS_ENV).as_deref() {
+            Err(_) | Ok("") | Ok("2") => Ok(LinearW8Columns::Two),
+            Ok("1") => Ok(LinearW8Columns::One),
+            Ok(other) => Err(invalid(
+                "linear_w8",
+                format!("{LINEAR_W8_COLS_ENV}={other}: expected 1 or 2 (output columns a warp)"),
+            )),
+        }
+    }
+
+    /// Output columns of one CTA: 8 warps of this many columns.
+    fn cta_columns(self) -> usize {
+        match self {
+            LinearW8Columns::Two => 16,
+            LinearW8Columns::One => 8,
+        }
+    }
+}
 
 /// The widest `k` the weight-only linear layer holds in registers: 32 lanes x 16 codes x `H3_LINEAR_W8_CHUNKS` (6).
 pub const LINEAR_W8_MAX_K: usize = 32 * 16 * 6;
@@ -580,6 +614,14 @@ pub const LINEAR_W8_MAX_K: usize = 32 * 16 * 6;
 /// warp per two output columns and up to 32 rows, 4 at a time, every weight chunk of the warp's columns loaded
 /// once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
 pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
+    plan_linear_w8_columns(op, LinearW8Columns::from_env()?)
+}
+
+/// [`plan_linear_w8`] with the columns a warp given instead of read from [`LINEAR_W8_COLS_ENV`].
+pub fn plan_linear_w8_columns<'a>(
+    op: &LinearW8<'a, '_>,
+    columns: LinearW8Columns,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "linear_w8";
     if op.m == 0 || op.n == 0 || op.k == 0 || !op.k.is_multiple_of(16) || op.k > LINEAR_W8_MAX_K {
         return Err(invalid(
@@ -619,7 +661,7 @@ pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::
         check_operand(OP, "bias", Operand::of(bias), op.n * 2, 2)?;
     }
     let grid = (
-        to_u32(OP, "column groups", op.n.div_ceil(LINEAR_W8_CTA_COLS))?,
+        to_u32(OP, "column groups", op.n.div_ceil(columns.cta_columns()))?,
         to_u32(OP, "row groups", op.m.div_ceil(LINEAR_W8_ROWS))?,
     );
     let mut args = Args::new();
@@ -633,9 +675,11 @@ pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::
         .push(to_i32(OP, "y stride", op.y_stride)?)
         .push(to_i32(OP, "m", op.m)?)
         .push(to_i32(OP, "n", op.n)?);
-    let kernel = match op.codes {
-        RowCodes::E4m3 => "h3_linear_fp8w_rows",
-        RowCodes::Int8 => "h3_linear_int8w_rows",
+    let kernel = match (op.codes, columns) {
+        (RowCodes::E4m3, LinearW8Columns::Two) => "h3_linear_fp8w_rows",
+        (RowCodes::Int8, LinearW8Columns::Two) => "h3_linear_int8w_rows",
+        (RowCodes::E4m3, LinearW8Columns::One) => "h3_linear_fp8w_rows_c1",
+        (RowCodes::Int8, LinearW8Columns::One) => "h3_linear_int8w_rows_c1",
     };
     Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
 }
@@ -846,6 +890,16 @@ mod tests {
         assert_eq!(
             plan_linear_w8(&fp8).unwrap().kernel(),
             "h3_linear_fp8w_rows"
+        );
+        // One column a warp: the _c1 kernels over twice the column groups, the same row groups.
+        let one = plan_linear_w8_columns(&op, LinearW8Columns::One).unwrap();
+        assert_eq!(one.kernel(), "h3_linear_int8w_rows_c1");
+        assert_eq!((one.config().grid.x, one.config().grid.y), (3, 4));
+        assert_eq!(
+            plan_linear_w8_columns(&fp8, LinearW8Columns::One)
+                .unwrap()
+                .kernel(),
+            "h3_linear_fp8w_rows_c1"
         );
         // k not a multiple of 16, weights shorter than n x k, no rows: refused.
         assert!(plan_linear_w8(&LinearW8 {
