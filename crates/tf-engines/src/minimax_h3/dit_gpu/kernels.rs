@@ -610,9 +610,9 @@ impl LinearW8Columns {
 /// The widest `k` the weight-only linear layer holds in registers: 32 lanes x 16 codes x `H3_LINEAR_W8_CHUNKS` (6).
 pub const LINEAR_W8_MAX_K: usize = 32 * 16 * 6;
 
-/// Builds the weight-only 8-bit linear layer (kernel h3_linear_fp8w_rows or h3_linear_int8w_rows by `codes`): one
-/// warp per two output columns and up to 32 rows, 4 at a time, every weight chunk of the warp's columns loaded
-/// once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
+/// Builds the weight-only 8-bit linear layer (kernel h3_linear_fp8w_rows or h3_linear_int8w_rows by `codes`, their
+/// `_c1` forms under `TF_LINEAR_W8_COLS=1`): one warp per two output columns (or one) and up to 32 rows, 4 at a
+/// time, every weight chunk of the warp's columns loaded once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
 pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
     plan_linear_w8_columns(op, LinearW8Columns::from_env()?)
 }
