@@ -124,6 +124,28 @@ fn splits_measured_steps_into_gemm_and_other_joules() {
             report["rest_factor_needed"].as_f64().unwrap(),
             (goal_j - sum) / (step_j - sum)
         ));
+        // The rest's phases at the rest's mean draw add up to the rest; the flat bound puts every phase at the step's.
+        let rest_estimates: f64 = report["rest_phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["joules_estimate"].as_f64().unwrap())
+            .sum();
+        assert!(
+            close(rest_estimates, step_j - sum),
+            "{step}: {rest_estimates}"
+        );
+        let watts = report["mean_watts"].as_f64().unwrap();
+        let flat_gemm = report["gemm_phase_ms"].as_f64().unwrap() * watts / 1000.0;
+        let flat_rest = report["rest_phase_ms"].as_f64().unwrap() * watts / 1000.0;
+        assert!(close(
+            report["flat_gemm_joules"].as_f64().unwrap(),
+            flat_gemm
+        ));
+        assert!(close(
+            report["flat_rest_factor_needed"].as_f64().unwrap(),
+            (goal_j - flat_gemm) / flat_rest
+        ));
         assert!(text.contains("everything else may spend"), "{text}");
     }
     let _ = std::fs::remove_dir_all(&out_dir);
