@@ -482,12 +482,35 @@ pub struct EnergyMark {
 
 impl EnergyMark {
     /// Joules the board spent since the mark, and the seconds since it.
-    pub fn spent(&self) -> Result<(f64, f64), PowerError> {
+    pub fn spent(&self) -> Result<EnergySpent, PowerError> {
         let now = self.meter.energy_millijoules()?;
-        Ok((
-            now.saturating_sub(self.millijoules) as f64 / 1000.0,
-            self.at.elapsed().as_secs_f64(),
-        ))
+        Ok(EnergySpent {
+            joules: now.saturating_sub(self.millijoules) as f64 / 1000.0,
+            seconds: self.at.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// What the board spent between an [`EnergyMark`] and [`EnergyMark::spent`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EnergySpent {
+    pub joules: f64,
+    pub seconds: f64,
+}
+
+impl EnergySpent {
+    /// Mean draw over the span, in watts (0 for an empty span).
+    pub fn mean_watts(&self) -> f64 {
+        mean_watts(self.joules, self.seconds)
+    }
+}
+
+/// Joules over seconds, 0 where no time passed.
+fn mean_watts(joules: f64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        joules / seconds
+    } else {
+        0.0
     }
 }
 
@@ -611,11 +634,7 @@ impl EnergyReport {
 
     /// Mean draw over the window (0 for an empty window).
     pub fn mean_watts(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.joules / self.seconds
-        } else {
-            0.0
-        }
+        mean_watts(self.joules, self.seconds)
     }
 
     /// Mean draw as a share of the limit (0 where the limit reads 0).

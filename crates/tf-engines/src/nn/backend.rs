@@ -18,6 +18,12 @@ impl Backend {
         }
     }
 
+    /// Starts opening NVML on a thread of its own (beside a model's load) for the GPU backend: the board's energy
+    /// over requests and jobs (`tf_cuda::power`); `None` on the host.
+    pub fn open_power_library(self) -> Option<tf_cuda::power::OpeningLibrary> {
+        matches!(self, Backend::Gpu).then(tf_cuda::power::PowerLibrary::open_in_background)
+    }
+
     /// `"host"` or `"gpu"`.
     pub fn name(self) -> &'static str {
         match self {

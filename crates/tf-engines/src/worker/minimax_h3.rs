@@ -93,7 +93,7 @@ impl WorkerEngine for MiniMaxH3Engine {
             .clone()
             .unwrap_or_else(|| LoadOptions::new(backend));
         options.backend = backend;
-        let nvml = super::open_power_library(backend);
+        let nvml = backend.open_power_library();
         let loaded = H3Pipeline::load(&self.model, &options);
         if let Some(barrier) = self.load_barrier.as_mut() {
             let verdict = barrier(loaded.is_ok());

@@ -84,15 +84,15 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// engines' kept workspaces), so that a long run shows whether memory stays put from request to request.
 fn log_job_done(id: &impl std::fmt::Debug, ms: u64, energy: JobEnergy) {
     let held = tf_cuda::usage();
-    let energy =
-        energy
-            .and_then(|mark| mark.spent().ok())
-            .map_or(String::new(), |(joules, seconds)| {
-                format!(
-                    "; board energy {joules:.1} J ({:.0} W mean)",
-                    if seconds > 0.0 { joules / seconds } else { 0.0 }
-                )
-            });
+    let energy = energy
+        .and_then(|mark| mark.spent().ok())
+        .map_or(String::new(), |spent| {
+            format!(
+                "; board energy {:.1} J ({:.0} W mean)",
+                spent.joules,
+                spent.mean_watts()
+            )
+        });
     log!(
         "tf worker: job {id:?} done in {ms} ms{energy}; device memory held: {:.2} GiB in {} allocations",
         held.device as f64 / GIB,
@@ -100,17 +100,8 @@ fn log_job_done(id: &impl std::fmt::Debug, ms: u64, energy: JobEnergy) {
     );
 }
 
-/// Starts opening NVML on a thread of its own beside an engine's load (only for the GPU backend), for
-/// [`open_power_meter`].
-pub(crate) fn open_power_library(
-    backend: crate::nn::backend::Backend,
-) -> Option<tf_cuda::power::OpeningLibrary> {
-    matches!(backend, crate::nn::backend::Backend::Gpu)
-        .then(tf_cuda::power::PowerLibrary::open_in_background)
-}
-
-/// The meter of the board under `ctx` for [`WorkerEngine::power_meter`] (none for a host engine); logs why when NVML
-/// cannot be used, once a load.
+/// The meter of the board under `ctx` for [`WorkerEngine::power_meter`] (none for a host engine), from NVML opened
+/// beside the load (`Backend::open_power_library`); logs why when NVML cannot be used, once a load.
 pub(crate) fn open_power_meter(
     opening: Option<tf_cuda::power::OpeningLibrary>,
     ctx: Option<&tf_cuda::Context>,

@@ -106,7 +106,7 @@ impl WorkerEngine for QwenImageEngine {
             device_budget: self.device_budget,
             ..LoadOptions::new(backend)
         };
-        let nvml = super::open_power_library(backend);
+        let nvml = backend.open_power_library();
         let pipeline = Pipeline::load(&self.model, &options).map_err(|e| classify(&e, false))?;
         let report = pipeline.load_report();
         log!(

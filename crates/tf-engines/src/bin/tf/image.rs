@@ -292,7 +292,7 @@ fn image(args: &Args) -> Result<(), ImageError> {
         }
     }
     tf_cuda::usage::reset_peaks();
-    let nvml = super::energy::open(backend);
+    let nvml = backend.open_power_library();
     let mut pipeline = Pipeline::load(&args.model, &options)?;
     pipeline.keep_step_latents(args.dump_steps.is_some());
     let load = pipeline.load_report();

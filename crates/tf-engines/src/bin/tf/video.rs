@@ -306,7 +306,7 @@ fn minimax_h3(args: &Args, reporter: &Reporter) -> Result<Made, VideoError> {
     tf_cuda::usage::reset_peaks();
     // Every rank reports its load at the barrier, failed or not, so no rank waits out a failed one; a rank's own
     // load error comes first.
-    let nvml = super::energy::open(backend);
+    let nvml = backend.open_power_library();
     let loaded = H3Pipeline::load(model, &options);
     let barrier = super::ranks::ready(loaded.is_ok());
     let mut pipeline = loaded?;

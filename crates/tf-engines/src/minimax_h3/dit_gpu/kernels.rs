@@ -586,16 +586,21 @@ pub enum LinearW8Columns {
 pub const LINEAR_W8_COLS_ENV: &str = "TF_LINEAR_W8_COLS";
 
 impl LinearW8Columns {
-    /// From [`LINEAR_W8_COLS_ENV`]; unset or empty is [`LinearW8Columns::Two`].
+    /// From [`LINEAR_W8_COLS_ENV`], read once a process (every launch the planner packs asks); unset or empty is
+    /// [`LinearW8Columns::Two`].
     pub fn from_env() -> Result<LinearW8Columns, tf_cuda::Error> {
-        match std::env::var(LINEAR_W8_COLS_ENV).as_deref() {
-            Err(_) | Ok("") | Ok("2") => Ok(LinearW8Columns::Two),
-            Ok("1") => Ok(LinearW8Columns::One),
-            Ok(other) => Err(invalid(
-                "linear_w8",
-                format!("{LINEAR_W8_COLS_ENV}={other}: expected 1 or 2 (output columns a warp)"),
-            )),
-        }
+        static ASKED: std::sync::OnceLock<Result<LinearW8Columns, String>> =
+            std::sync::OnceLock::new();
+        ASKED
+            .get_or_init(|| match std::env::var(LINEAR_W8_COLS_ENV).as_deref() {
+                Err(_) | Ok("") | Ok("2") => Ok(LinearW8Columns::Two),
+                Ok("1") => Ok(LinearW8Columns::One),
+                Ok(other) => Err(format!(
+                    "{LINEAR_W8_COLS_ENV}={other}: expected 1 or 2 (output columns a warp)"
+                )),
+            })
+            .clone()
+            .map_err(|message| invalid("linear_w8", message))
     }
 
     /// Output columns of one CTA: 8 warps of this many columns.
