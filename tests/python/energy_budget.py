@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Splits a DiT step's measured joules into its GEMMs and everything else, against the joules its goal allows.
 
-Usage: energy_budget.py --step STEP.json --gemms GEMM_ENERGY.json [--energy-key KEY] [--json OUT.json]
+Usage: energy_budget.py --step STEP.json --gemms GEMM_ENERGY.json [--energy-key KEY] [--sm-count N]
+                        [--compute-capability M.m] [--json OUT.json]
 
 STEP.json is `tf bench h3-dit --json` or `tf bench qwen-dit --json` (its phases and its energy line: the graph step
 for MiniMax H3, the cached step for Qwen-Image). GEMM_ENERGY.json is `tf bench int8-gemm --energy --json` (INT8) or
@@ -12,7 +13,13 @@ for a bf16 step (cuBLASLt is the bf16 default) and `ours_energy` for an 8-bit st
 At a power cap a step's time is its joules over the limit, so a goal in milliseconds is a budget in joules: the goal
 times the limit. The GEMMs' share of it is what their block calls spend at their own sustained rate; the rest
 (attention, the norms and elementwise passes) may spend what is left. Prints both, and the factor by which the rest
-would have to shrink with the GEMMs as they are. Exit 0 on a report, 2 on bad input.
+would have to shrink with the GEMMs as they are.
+
+For a bf16 step it also gives the clock bound: the step's MMA work (every phase's FLOPs) at the tensor cores' dense
+rate at the SM clock the power cap held during the measurement (the median NVML sampled). No step at that clock can
+be faster than that; what a goal leaves above it is all the time the passes and every MMA's shortfall from the full
+rate may take. The SM count and compute capability come from the step JSON's `device` (benches from this build on)
+or from --sm-count and --compute-capability. Exit 0 on a report, 2 on bad input.
 """
 
 import argparse
@@ -36,6 +43,11 @@ PHASE_SHAPES = {
         "down GEMM": "qwen_step_mlp_out",
     },
 }
+
+
+# Dense tensor-core FLOPs a clock cycle an SM, by compute capability and operand type: sm_90's bf16 rate is the
+# 989.4 TFLOP/s of an H100 SXM (132 SMs at 1830 MHz) over its SMs and clock.
+DENSE_FLOPS_PER_CLOCK_PER_SM = {(9, 0): {"bf16": 4096}}
 
 
 class BadInput(Exception):
@@ -96,7 +108,53 @@ def gemm_joules(gemms, path, key):
     return out
 
 
-def budget(step, step_path, gemms, gemms_path, key=None):
+def clock_bound(step, step_path, phases, energy, sm_count=None, capability=None):
+    """The step's MMA FLOPs at the dense rate at the measured median SM clock, or why it is not computed."""
+    precision = str(step.get("precision", "bf16"))
+    if precision != "bf16":
+        return {"skipped": f"computed for bf16 steps only (this step is {precision}: its MMAs run at several rates)"}
+    device = step.get("device") if isinstance(step.get("device"), dict) else {}
+    if sm_count is None and "sm_count" in device:
+        sm_count = int(number(device["sm_count"], f"{step_path}: device.sm_count"))
+    if capability is None and isinstance(device.get("compute_capability"), list):
+        cc = device["compute_capability"]
+        if len(cc) != 2:
+            raise BadInput(f"{step_path}: device.compute_capability: expected [major, minor], found {cc!r}")
+        capability = (int(number(cc[0], f"{step_path}: compute capability")),
+                      int(number(cc[1], f"{step_path}: compute capability")))
+    if sm_count is None or capability is None:
+        return {"skipped": f"{step_path} names no device (SM count, compute capability): pass --sm-count and "
+                           "--compute-capability"}
+    if sm_count <= 0:
+        raise BadInput(f"SM count {sm_count}: expected a positive count")
+    rates = DENSE_FLOPS_PER_CLOCK_PER_SM.get(capability)
+    if rates is None:
+        return {"skipped": f"no dense tensor rate known here for compute capability {capability[0]}.{capability[1]}"}
+    clock = energy.get("sm_clock_median_mhz")
+    if clock is None:
+        return {"skipped": f"{step_path}: the energy line has no SM clock"}
+    clock = number(clock, f"{step_path}: sm_clock_median_mhz")
+    if clock <= 0:
+        raise BadInput(f"{step_path}: sm_clock_median_mhz {clock}: expected a positive clock")
+    flops_per_ms = sm_count * rates["bf16"] * clock * 1e6 / 1000.0
+    mma = []
+    for phase in phases:
+        flops = number(phase.get("flops", 0.0), f"{step_path}: phase {phase.get('phase')!r} flops")
+        if flops <= 0:
+            continue
+        ms = number(phase.get("ms"), f"{step_path}: phase {phase.get('phase')!r} ms")
+        floor = flops / flops_per_ms
+        mma.append({"phase": phase.get("phase"), "step_ms": ms, "full_rate_ms": floor,
+                    "share_of_full_rate": floor / ms if ms > 0 else None})
+    if not mma:
+        raise BadInput(f"{step_path}: no phase carries FLOPs")
+    bound_ms = sum(p["full_rate_ms"] for p in mma)
+    return {"sm_count": sm_count, "compute_capability": list(capability), "sm_clock_median_mhz": clock,
+            "dense_tflops_at_clock": flops_per_ms / 1e9, "mma_flops": sum(p["full_rate_ms"] for p in mma) * flops_per_ms,
+            "bound_ms": bound_ms, "mma_phases": sorted(mma, key=lambda p: -p["step_ms"])}
+
+
+def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capability=None):
     model, phases, energy = step_parts(step, step_path)
     precision = str(step.get("precision", "bf16"))
     if key is None:
@@ -144,6 +202,7 @@ def budget(step, step_path, gemms, gemms_path, key=None):
         "gemms": groups, "gemm_joules": gemm_j, "gemm_phase_ms": gemm_ms,
         "rest_joules": rest_j, "rest_phase_ms": rest_ms, "phases_ms": phase_ms_total,
         "rest_mean_watts": rest_watts, "rest_phases": rest_phases,
+        "clock_bound": clock_bound(step, step_path, phases, energy, sm_count, capability),
     }
     # The other bound: every phase at the step's mean draw (the GEMMs in the step run a little faster than sustained
     # alone, the power limit averaging over the lighter phases between them).
@@ -158,6 +217,10 @@ def budget(step, step_path, gemms, gemms_path, key=None):
         report["rest_allowed_joules"] = allowed - gemm_j
         report["rest_factor_needed"] = (allowed - gemm_j) / rest_j if rest_j > 0 else None
         report["flat_rest_factor_needed"] = (allowed - flat_gemm_j) / flat_rest_j if flat_rest_j > 0 else None
+        bound = report["clock_bound"]
+        if "bound_ms" in bound:
+            bound["goal_room_ms"] = report["goal_ms"] - bound["bound_ms"]
+            bound["room_now_ms"] = step_ms - bound["bound_ms"]
     return report
 
 
@@ -187,7 +250,34 @@ def describe(r):
         if flat is not None:
             lines.append(f"  with every phase at the step's mean draw instead: GEMMs {r['flat_gemm_joules']:.2f} J, the "
                          f"rest {r['flat_rest_joules']:.2f} J, which may spend {flat:.3f}x of that")
+    bound = r["clock_bound"]
+    if "bound_ms" not in bound:
+        lines.append(f"  clock bound: not computed: {bound['skipped']}")
+        return "\n".join(lines)
+    lines.append(f"  clock bound: {bound['mma_flops'] / 1e12:.1f} TFLOP of MMAs at {bound['sm_count']} SMs' dense bf16 rate at "
+                 f"the median {bound['sm_clock_median_mhz']:.0f} MHz ({bound['dense_tflops_at_clock']:.0f} TFLOP/s) take "
+                 f"{bound['bound_ms']:.2f} ms")
+    for p in bound["mma_phases"][:6]:
+        share = p["share_of_full_rate"]
+        lines.append(f"    {p['phase']:<30} {p['step_ms']:8.2f} ms in the step, {p['full_rate_ms']:8.2f} ms at the full rate"
+                     + (f" ({share:.1%})" if share is not None else ""))
+    if "goal_room_ms" in bound:
+        room = bound["goal_room_ms"]
+        if room <= 0:
+            lines.append(f"  goal {r['goal_ms']:.0f} ms: below the clock bound; no step at this clock meets it")
+        else:
+            lines.append(f"  goal {r['goal_ms']:.0f} ms: leaves {room:.2f} ms above the bound for every pass and every "
+                         f"MMA's shortfall from the full rate, which take {bound['room_now_ms']:.2f} ms now "
+                         f"({room / bound['room_now_ms']:.3f}x of that)")
     return "\n".join(lines)
+
+
+def capability_arg(text):
+    try:
+        major, minor = text.split(".")
+        return int(major), int(minor)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MAJOR.MINOR, like 9.0") from exc
 
 
 def main(argv):
@@ -195,10 +285,14 @@ def main(argv):
     parser.add_argument("--step", required=True, help="tf bench h3-dit / qwen-dit --json output (with --phases)")
     parser.add_argument("--gemms", required=True, help="tf bench int8-gemm [--bf16] --energy --json output")
     parser.add_argument("--energy-key", help="ours_energy, cublaslt_energy or fp8_energy (default: the step's own)")
+    parser.add_argument("--sm-count", type=int, help="SMs of the board (when the step JSON names no device)")
+    parser.add_argument("--compute-capability", type=capability_arg,
+                        help="MAJOR.MINOR of the board (when the step JSON names no device)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     try:
-        report = budget(load(args.step), args.step, load(args.gemms), args.gemms, args.energy_key)
+        report = budget(load(args.step), args.step, load(args.gemms), args.gemms, args.energy_key, args.sm_count,
+                        args.compute_capability)
     except BadInput as exc:
         print(f"energy_budget: {exc}", file=sys.stderr)
         return 2

@@ -196,3 +196,118 @@ fn bad_input_exits_2_and_names_the_cause() {
         assert!(!err.contains("Traceback"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn clock_bound_is_the_step_mma_flops_at_the_dense_rate_of_the_measured_clock() {
+    let Some(python) = python() else {
+        println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
+        return;
+    };
+    let out_dir = std::env::temp_dir().join(format!("tf-energy-bound-{}", std::process::id()));
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let dir = repo_root().join("docs/gpu-runs/2026-12-07");
+    // (step, where its phases are); both calls' JSON predate the device field, so the board is named on the line.
+    for (step, phases_at) in [
+        ("h3-dit-bench-768x448-run111.json", "/phases/phases"),
+        ("qwen21-bench-run112.json", "/phases/cached/phases"),
+    ] {
+        let json = out_dir.join(format!("{step}.bound.json"));
+        let out = budget(
+            python,
+            &[
+                "--step",
+                step,
+                "--gemms",
+                "gemm-energy-bf16-run112.json",
+                "--sm-count",
+                "132",
+                "--compute-capability",
+                "9.0",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{step}: {text}");
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let input: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(step)).unwrap()).unwrap();
+        let energy = input
+            .get("energy_graph_step")
+            .or_else(|| input.get("energy_cached_step"))
+            .unwrap();
+        let clock_mhz = energy["sm_clock_median_mhz"].as_f64().unwrap();
+        let flops: f64 = input
+            .pointer(phases_at)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["flops"].as_f64().unwrap())
+            .sum();
+        // sm_90 dense bf16: 4096 FLOPs a clock an SM.
+        let expected_ms = flops / (132.0 * 4096.0 * clock_mhz * 1e6) * 1e3;
+        let bound = &report["clock_bound"];
+        let bound_ms = bound["bound_ms"].as_f64().unwrap();
+        assert!(
+            close(bound_ms, expected_ms),
+            "{step}: {bound_ms} against {expected_ms}"
+        );
+        let goal_ms = report["goal_ms"].as_f64().unwrap();
+        assert!(close(
+            bound["goal_room_ms"].as_f64().unwrap(),
+            goal_ms - expected_ms
+        ));
+        assert!(close(
+            bound["room_now_ms"].as_f64().unwrap(),
+            report["step_ms"].as_f64().unwrap() - expected_ms
+        ));
+        // A bound below the measured step: no phase ran faster than the tensor cores' full rate.
+        assert!(bound_ms < report["step_ms"].as_f64().unwrap(), "{step}");
+        for phase in bound["mma_phases"].as_array().unwrap() {
+            let share = phase["share_of_full_rate"].as_f64().unwrap();
+            assert!(share > 0.0 && share <= 1.0, "{step}: {phase}");
+        }
+        assert!(text.contains("clock bound:"), "{text}");
+    }
+    // An 8-bit step, and a bf16 step whose JSON names no board: said why, not computed.
+    for (step, gemms, why) in [
+        (
+            "h3-fp8-bench-run111.json",
+            "gemm-energy-int8-run112.json",
+            "bf16 steps only",
+        ),
+        (
+            "qwen21-bench-run112.json",
+            "gemm-energy-bf16-run112.json",
+            "--sm-count",
+        ),
+    ] {
+        let out = budget(python, &["--step", step, "--gemms", gemms]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{step}: {text}");
+        assert!(
+            text.contains("clock bound: not computed") && text.contains(why),
+            "{step}: {text}"
+        );
+    }
+    let bad = budget(
+        python,
+        &[
+            "--step",
+            "qwen21-bench-run112.json",
+            "--gemms",
+            "gemm-energy-bf16-run112.json",
+            "--compute-capability",
+            "nine",
+        ],
+    );
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("MAJOR.MINOR") && !err.contains("Traceback"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&out_dir);
+}

@@ -397,6 +397,18 @@ fn report_energy(
     }))
 }
 
+/// The board a bench ran on, for the scripts that read its JSON (`energy_budget.py` sizes the tensor cores' rate at
+/// the measured clock from the SM count and compute capability).
+#[cfg(feature = "bench")]
+fn device_json(info: &tf_cuda::DeviceInfo) -> serde_json::Value {
+    serde_json::json!({
+        "name": info.name,
+        "compute_capability": [info.compute_capability.0, info.compute_capability.1],
+        "sm_count": info.sm_count,
+        "total_memory_bytes": info.total_memory,
+    })
+}
+
 /// Beside our joules a step (`ours`: [`report_energy`]'s record), the reference's from the same run (`case[key]`, the
 /// reference scripts' board_energy.py figures) for each (label, key) of `rows` it holds, with the ratio. Prints nothing
 /// where either side was not measured.

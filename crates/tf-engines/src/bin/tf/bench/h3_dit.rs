@@ -205,7 +205,8 @@ fn gib(bytes: f64) -> f64 {
 pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
     let device = GpuDevice::open()?;
     let ctx = device.context();
-    println!("device: {:?}", ctx.device_info()?);
+    let info = ctx.device_info()?;
+    println!("device: {info:?}");
     let before = tf_cuda::usage();
     let load_start = Instant::now();
     let (mut dit, weights) = match (&args.model, args.random_weights) {
@@ -398,6 +399,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
     if let Some(path) = &args.json {
         let json = serde_json::json!({
             "case": name,
+            "device": super::device_json(&info),
             "width": width,
             "height": height,
             "frames": frames,

@@ -298,6 +298,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
     if let Some(path) = &args.json {
         let json = serde_json::json!({
             "case": name,
+            "device": super::device_json(&info),
             "precision": args.precision.to_string(),
             "text_rows": args.text_rows,
             "seq_len": seq,
