@@ -15,8 +15,9 @@ times the limit. The GEMMs' share of it is what their block calls spend at their
 (attention, the norms and elementwise passes) may spend what is left. Prints both, and the factor by which the rest
 would have to shrink with the GEMMs as they are.
 
-For a bf16 step it also gives the clock bound: the step's MMA work (every phase's FLOPs) at the tensor cores' dense
-rate at the SM clock the power cap held during the measurement (the median NVML sampled). No step at that clock can
+It also gives the clock bound: the step's MMA work (every phase's FLOPs) at the tensor cores' dense rate (bf16, or
+8-bit for the block GEMM groups an `fp8:...,ends=0` precision names) at the SM clock the power cap held during the
+measurement (the median NVML sampled). No step at that clock can
 be faster than that; what a goal leaves above it is all the time the passes and every MMA's shortfall from the full
 rate may take. The SM count and compute capability come from the step JSON's `device` (benches from this build on)
 or from --sm-count and --compute-capability. Exit 0 on a report, 2 on bad input.
@@ -46,8 +47,8 @@ PHASE_SHAPES = {
 
 
 # Dense tensor-core FLOPs a clock cycle an SM, by compute capability and operand type: sm_90's bf16 rate is the
-# 989.4 TFLOP/s of an H100 SXM (132 SMs at 1830 MHz) over its SMs and clock.
-DENSE_FLOPS_PER_CLOCK_PER_SM = {(9, 0): {"bf16": 4096}}
+# 989.4 TFLOP/s of an H100 SXM (132 SMs at 1830 MHz) over its SMs and clock; e4m3 and INT8 run at twice that.
+DENSE_FLOPS_PER_CLOCK_PER_SM = {(9, 0): {"bf16": 4096, "8bit": 8192}}
 
 
 class BadInput(Exception):
@@ -108,11 +109,48 @@ def gemm_joules(gemms, path, key):
     return out
 
 
+# The GEMM group each block GEMM phase belongs to, for reading which run in 8 bits from the precision spec.
+PHASE_GROUPS = {
+    "qkv GEMM": "qkv", "qkv GEMM + QK norm + RoPE": "qkv", "qkv GEMM+qk-norm+rope": "qkv",
+    "out GEMM": "out", "fc1 GEMM": "mlp_in", "gate_up GEMM": "mlp_in", "fc2 GEMM": "mlp_out", "down GEMM": "mlp_out",
+}
+
+
+def mma_operands(precision):
+    """phase name -> "8bit" for the phases whose every MMA runs on 8-bit operands, from a resolved precision
+    (`bf16`, or `fp8:GROUPS,ends=N[,...]`), or a reason the phases' operand types cannot be told apart."""
+    if precision == "bf16":
+        return {}, None
+    if not precision.startswith("fp8:"):
+        return None, f"precision {precision!r} does not name its groups (a bench from this build writes the resolved one)"
+    groups, ends, attention = set(), None, "bf16"
+    for item in precision[len("fp8:"):].split(","):
+        key, _, value = item.partition("=")
+        if key == "ends":
+            ends = value
+        elif key == "attn":
+            attention = value
+        elif key in ("gemm", "accum"):
+            continue
+        else:
+            groups.add(key)
+    if "all" in groups:
+        groups |= {"qkv", "out", "mlp_in", "mlp_out"}
+    if {"mlp_value", "mlp_gate"} <= groups:
+        groups.add("mlp_in")
+    if ends != "0":
+        return None, f"{precision}: blocks kept in bf16 at the ends share their phases with the 8-bit blocks"
+    if attention != "bf16":
+        return None, f"{precision}: the attention's 8-bit MMAs are not separated in its phase"
+    return {phase: "8bit" for phase, group in PHASE_GROUPS.items() if group in groups}, None
+
+
 def clock_bound(step, step_path, phases, energy, sm_count=None, capability=None):
     """The step's MMA FLOPs at the dense rate at the measured median SM clock, or why it is not computed."""
-    precision = str(step.get("precision", "bf16"))
-    if precision != "bf16":
-        return {"skipped": f"computed for bf16 steps only (this step is {precision}: its MMAs run at several rates)"}
+    precision = str(step.get("precision_resolved", step.get("precision", "bf16")))
+    eight_bit, why = mma_operands(precision)
+    if eight_bit is None:
+        return {"skipped": why}
     device = step.get("device") if isinstance(step.get("device"), dict) else {}
     if sm_count is None and "sm_count" in device:
         sm_count = int(number(device["sm_count"], f"{step_path}: device.sm_count"))
@@ -136,22 +174,24 @@ def clock_bound(step, step_path, phases, energy, sm_count=None, capability=None)
     clock = number(clock, f"{step_path}: sm_clock_median_mhz")
     if clock <= 0:
         raise BadInput(f"{step_path}: sm_clock_median_mhz {clock}: expected a positive clock")
-    flops_per_ms = sm_count * rates["bf16"] * clock * 1e6 / 1000.0
+    cycles_per_ms = sm_count * clock * 1e6 / 1000.0
     mma = []
     for phase in phases:
-        flops = number(phase.get("flops", 0.0), f"{step_path}: phase {phase.get('phase')!r} flops")
+        name = phase.get("phase")
+        flops = number(phase.get("flops", 0.0), f"{step_path}: phase {name!r} flops")
         if flops <= 0:
             continue
-        ms = number(phase.get("ms"), f"{step_path}: phase {phase.get('phase')!r} ms")
-        floor = flops / flops_per_ms
-        mma.append({"phase": phase.get("phase"), "step_ms": ms, "full_rate_ms": floor,
+        ms = number(phase.get("ms"), f"{step_path}: phase {name!r} ms")
+        operands = eight_bit.get(name, "bf16")
+        floor = flops / (rates[operands] * cycles_per_ms)
+        mma.append({"phase": name, "operands": operands, "flops": flops, "step_ms": ms, "full_rate_ms": floor,
                     "share_of_full_rate": floor / ms if ms > 0 else None})
     if not mma:
         raise BadInput(f"{step_path}: no phase carries FLOPs")
-    bound_ms = sum(p["full_rate_ms"] for p in mma)
     return {"sm_count": sm_count, "compute_capability": list(capability), "sm_clock_median_mhz": clock,
-            "dense_tflops_at_clock": flops_per_ms / 1e9, "mma_flops": sum(p["full_rate_ms"] for p in mma) * flops_per_ms,
-            "bound_ms": bound_ms, "mma_phases": sorted(mma, key=lambda p: -p["step_ms"])}
+            "dense_tflops_at_clock": {k: v * cycles_per_ms / 1e9 for k, v in rates.items()},
+            "mma_flops": sum(p["flops"] for p in mma), "bound_ms": sum(p["full_rate_ms"] for p in mma),
+            "mma_phases": sorted(mma, key=lambda p: -p["step_ms"])}
 
 
 def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capability=None):
@@ -254,12 +294,13 @@ def describe(r):
     if "bound_ms" not in bound:
         lines.append(f"  clock bound: not computed: {bound['skipped']}")
         return "\n".join(lines)
-    lines.append(f"  clock bound: {bound['mma_flops'] / 1e12:.1f} TFLOP of MMAs at {bound['sm_count']} SMs' dense bf16 rate at "
-                 f"the median {bound['sm_clock_median_mhz']:.0f} MHz ({bound['dense_tflops_at_clock']:.0f} TFLOP/s) take "
-                 f"{bound['bound_ms']:.2f} ms")
+    rates = ", ".join(f"{v:.0f} TFLOP/s {k}" for k, v in bound["dense_tflops_at_clock"].items())
+    lines.append(f"  clock bound: {bound['mma_flops'] / 1e12:.1f} TFLOP of MMAs at {bound['sm_count']} SMs' dense rates at "
+                 f"the median {bound['sm_clock_median_mhz']:.0f} MHz ({rates}) take {bound['bound_ms']:.2f} ms")
     for p in bound["mma_phases"][:6]:
         share = p["share_of_full_rate"]
-        lines.append(f"    {p['phase']:<30} {p['step_ms']:8.2f} ms in the step, {p['full_rate_ms']:8.2f} ms at the full rate"
+        lines.append(f"    {p['phase']:<30} {p['step_ms']:8.2f} ms in the step, {p['full_rate_ms']:8.2f} ms at the full "
+                     f"{p['operands']} rate"
                      + (f" ({share:.1%})" if share is not None else ""))
     if "goal_room_ms" in bound:
         room = bound["goal_room_ms"]

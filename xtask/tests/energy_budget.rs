@@ -198,7 +198,7 @@ fn bad_input_exits_2_and_names_the_cause() {
 }
 
 #[test]
-fn clock_bound_is_the_step_mma_flops_at_the_dense_rate_of_the_measured_clock() {
+fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() {
     let Some(python) = python() else {
         println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
         return;
@@ -206,11 +206,35 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rate_of_the_measured_clock() {
     let out_dir = std::env::temp_dir().join(format!("tf-energy-bound-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).unwrap();
     let dir = repo_root().join("docs/gpu-runs/2026-12-07");
-    // (step, where its phases are); both calls' JSON predate the device field, so the board is named on the line.
-    for (step, phases_at) in [
-        ("h3-dit-bench-768x448-run111.json", "/phases/phases"),
-        ("qwen21-bench-run112.json", "/phases/cached/phases"),
-    ] {
+    const H3_8BIT: &[&str] = &[
+        "qkv GEMM + QK norm + RoPE",
+        "out GEMM",
+        "fc1 GEMM",
+        "fc2 GEMM",
+    ];
+    // (step, GEMM energy, where its phases are, the phases on 8-bit operands); the calls' JSON predates the device
+    // field, so the board is named on the line.
+    let cases: [(&str, &str, &str, &[&str]); 3] = [
+        (
+            "h3-dit-bench-768x448-run111.json",
+            "gemm-energy-bf16-run112.json",
+            "/phases/phases",
+            &[],
+        ),
+        (
+            "h3-fp8-bench-run111.json",
+            "gemm-energy-int8-run112.json",
+            "/phases/phases",
+            H3_8BIT,
+        ),
+        (
+            "qwen21-bench-run112.json",
+            "gemm-energy-bf16-run112.json",
+            "/phases/cached/phases",
+            &[],
+        ),
+    ];
+    for (step, gemms, phases_at, eight_bit) in cases {
         let json = out_dir.join(format!("{step}.bound.json"));
         let out = budget(
             python,
@@ -218,7 +242,7 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rate_of_the_measured_clock() {
                 "--step",
                 step,
                 "--gemms",
-                "gemm-energy-bf16-run112.json",
+                gemms,
                 "--sm-count",
                 "132",
                 "--compute-capability",
@@ -237,17 +261,23 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rate_of_the_measured_clock() {
             .get("energy_graph_step")
             .or_else(|| input.get("energy_cached_step"))
             .unwrap();
-        let clock_mhz = energy["sm_clock_median_mhz"].as_f64().unwrap();
-        let flops: f64 = input
+        let cycles_per_ms = 132.0 * energy["sm_clock_median_mhz"].as_f64().unwrap() * 1e3;
+        // sm_90 dense: 4096 bf16 FLOPs a clock an SM, 8192 on 8-bit operands.
+        let expected_ms: f64 = input
             .pointer(phases_at)
             .unwrap()
             .as_array()
             .unwrap()
             .iter()
-            .map(|p| p["flops"].as_f64().unwrap())
+            .map(|p| {
+                let rate = if eight_bit.contains(&p["phase"].as_str().unwrap()) {
+                    8192.0
+                } else {
+                    4096.0
+                };
+                p["flops"].as_f64().unwrap() / (rate * cycles_per_ms)
+            })
             .sum();
-        // sm_90 dense bf16: 4096 FLOPs a clock an SM.
-        let expected_ms = flops / (132.0 * 4096.0 * clock_mhz * 1e6) * 1e3;
         let bound = &report["clock_bound"];
         let bound_ms = bound["bound_ms"].as_f64().unwrap();
         assert!(
@@ -265,26 +295,52 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rate_of_the_measured_clock() {
         ));
         // A bound below the measured step: no phase ran faster than the tensor cores' full rate.
         assert!(bound_ms < report["step_ms"].as_f64().unwrap(), "{step}");
-        for phase in bound["mma_phases"].as_array().unwrap() {
+        let phases = bound["mma_phases"].as_array().unwrap();
+        for phase in phases {
             let share = phase["share_of_full_rate"].as_f64().unwrap();
             assert!(share > 0.0 && share <= 1.0, "{step}: {phase}");
         }
+        let eight_bit_phases = phases.iter().filter(|p| p["operands"] == "8bit").count();
+        assert_eq!(eight_bit_phases, eight_bit.len(), "{step}: {phases:?}");
         assert!(text.contains("clock bound:"), "{text}");
     }
-    // An 8-bit step, and a bf16 step whose JSON names no board: said why, not computed.
-    for (step, gemms, why) in [
+    // Where the operands of a phase's MMAs differ between its calls (bf16 ends), where the JSON names no board, and
+    // where the precision is the unresolved alias: said why, not computed.
+    let ends = out_dir.join("h3-fp8-ends1.json");
+    let mut step: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("h3-fp8-bench-run111.json")).unwrap(),
+    )
+    .unwrap();
+    step["precision"] = "fp8:all,ends=1,gemm=int8".into();
+    std::fs::write(&ends, step.to_string()).unwrap();
+    step["precision"] = "fp8".into();
+    let alias = out_dir.join("h3-fp8-alias.json");
+    std::fs::write(&alias, step.to_string()).unwrap();
+    for (step, gemms, why, device) in [
         (
-            "h3-fp8-bench-run111.json",
+            ends.to_str().unwrap(),
             "gemm-energy-int8-run112.json",
-            "bf16 steps only",
+            "blocks kept in bf16",
+            true,
+        ),
+        (
+            alias.to_str().unwrap(),
+            "gemm-energy-int8-run112.json",
+            "does not name its groups",
+            true,
         ),
         (
             "qwen21-bench-run112.json",
             "gemm-energy-bf16-run112.json",
             "--sm-count",
+            false,
         ),
     ] {
-        let out = budget(python, &["--step", step, "--gemms", gemms]);
+        let mut args = vec!["--step", step, "--gemms", gemms];
+        if device {
+            args.extend(["--sm-count", "132", "--compute-capability", "9.0"]);
+        }
+        let out = budget(python, &args);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{step}: {text}");
         assert!(

@@ -300,6 +300,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
             "case": name,
             "device": super::device_json(&info),
             "precision": args.precision.to_string(),
+            "precision_resolved": dit.precision().to_string(),
             "text_rows": args.text_rows,
             "seq_len": seq,
             "full_eager_ms": full.eager_ms,
