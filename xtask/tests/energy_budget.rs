@@ -33,6 +33,17 @@ fn budget(python: &str, args: &[&str]) -> Output {
         .expect("run energy_budget.py")
 }
 
+/// A fresh scratch folder for one test's reports.
+fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tf-energy-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-6 * b.abs().max(1.0)
 }
@@ -43,8 +54,7 @@ fn splits_measured_steps_into_gemm_and_other_joules() {
         println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
         return;
     };
-    let out_dir = std::env::temp_dir().join(format!("tf-energy-budget-{}", std::process::id()));
-    std::fs::create_dir_all(&out_dir).unwrap();
+    let out_dir = scratch_dir("budget");
     // (step, GEMM energy, the engine whose joules a call stand for the step's GEMMs)
     let cases = [
         (
@@ -82,8 +92,7 @@ fn splits_measured_steps_into_gemm_and_other_joules() {
             "{step}: {text}{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let report: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let report: serde_json::Value = read_json(&json);
         assert_eq!(
             report["gemm_energy_key"], key,
             "{step}: the step's own GEMM engine"
@@ -91,8 +100,7 @@ fn splits_measured_steps_into_gemm_and_other_joules() {
 
         // The sum, recomputed from the inputs: each block GEMM phase's calls times its shape's joules a call.
         let dir = repo_root().join("docs/gpu-runs/2026-12-07");
-        let g: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join(gemms)).unwrap()).unwrap();
+        let g: serde_json::Value = read_json(&dir.join(gemms));
         let per_call = |shape: &str| -> f64 {
             g["results"]
                 .as_array()
@@ -203,8 +211,7 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() 
         println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
         return;
     };
-    let out_dir = std::env::temp_dir().join(format!("tf-energy-bound-{}", std::process::id()));
-    std::fs::create_dir_all(&out_dir).unwrap();
+    let out_dir = scratch_dir("bound");
     let dir = repo_root().join("docs/gpu-runs/2026-12-07");
     const H3_8BIT: &[&str] = &[
         "qkv GEMM + QK norm + RoPE",
@@ -253,10 +260,8 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() 
         );
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{step}: {text}");
-        let report: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-        let input: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join(step)).unwrap()).unwrap();
+        let report: serde_json::Value = read_json(&json);
+        let input: serde_json::Value = read_json(&dir.join(step));
         let energy = input
             .get("energy_graph_step")
             .or_else(|| input.get("energy_cached_step"))
@@ -307,10 +312,7 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() 
     // Where the operands of a phase's MMAs differ between its calls (bf16 ends), where the JSON names no board, and
     // where the precision is the unresolved alias: said why, not computed.
     let ends = out_dir.join("h3-fp8-ends1.json");
-    let mut step: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("h3-fp8-bench-run111.json")).unwrap(),
-    )
-    .unwrap();
+    let mut step = read_json(&dir.join("h3-fp8-bench-run111.json"));
     step["precision"] = "fp8:all,ends=1,gemm=int8".into();
     std::fs::write(&ends, step.to_string()).unwrap();
     step["precision"] = "fp8".into();
