@@ -44,6 +44,33 @@ fn read_json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// Runs the script on `step` and `gemms` (with `extra` arguments), expects a report, and returns its text and JSON.
+fn report(
+    python: &str,
+    step: &str,
+    gemms: &str,
+    extra: &[&str],
+    json: &Path,
+) -> (String, serde_json::Value) {
+    let mut args = vec![
+        "--step",
+        step,
+        "--gemms",
+        gemms,
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let out = budget(python, &args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{step}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (text, read_json(json))
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-6 * b.abs().max(1.0)
 }
@@ -75,24 +102,7 @@ fn splits_measured_steps_into_gemm_and_other_joules() {
     ];
     for (step, gemms, key) in cases {
         let json = out_dir.join(format!("{step}.budget.json"));
-        let out = budget(
-            python,
-            &[
-                "--step",
-                step,
-                "--gemms",
-                gemms,
-                "--json",
-                json.to_str().unwrap(),
-            ],
-        );
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{step}: {text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report: serde_json::Value = read_json(&json);
+        let (text, report) = report(python, step, gemms, &[], &json);
         assert_eq!(
             report["gemm_energy_key"], key,
             "{step}: the step's own GEMM engine"
@@ -243,25 +253,9 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() 
     ];
     for (step, gemms, phases_at, eight_bit) in cases {
         let json = out_dir.join(format!("{step}.bound.json"));
-        let out = budget(
-            python,
-            &[
-                "--step",
-                step,
-                "--gemms",
-                gemms,
-                "--sm-count",
-                "132",
-                "--compute-capability",
-                "9.0",
-                "--json",
-                json.to_str().unwrap(),
-            ],
-        );
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{step}: {text}");
-        let report: serde_json::Value = read_json(&json);
-        let input: serde_json::Value = read_json(&dir.join(step));
+        let board = ["--sm-count", "132", "--compute-capability", "9.0"];
+        let (text, report) = report(python, step, gemms, &board, &json);
+        let input = read_json(&dir.join(step));
         let energy = input
             .get("energy_graph_step")
             .or_else(|| input.get("energy_cached_step"))
