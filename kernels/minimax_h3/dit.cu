@@ -469,21 +469,14 @@ namespace {
 #define H3_LINEAR_W8_ROWS 32
 #define H3_LINEAR_W8_CHUNKS 6
 
-// The body of the weight-only linear layers below; DECODE turns 16 codes into their values. One warp per COLS output
-// columns (2: each x row read serves two columns, 232 registers, one CTA an SM; 1: half the weight registers, two
-// CTAs an SM, so one CTA's loads overlap another's sums and stores); lane l holds the codes at (l + 32 j) * 16 of
-// each. A column's sum is the same in both: its lanes' partial sums in k order, then the warp butterfly.
-template <int COLS, void (*DECODE)(const uint4&, float (&)[16])>
-__device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
-                                               const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
-                                               bf16* __restrict__ y, int y_stride, int m, int n) {
-    const int lane = threadIdx.x & 31;
-    const int c0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * COLS;
-    if (c0 >= n) return;
-    uint4 raw[COLS][H3_LINEAR_W8_CHUNKS];
+// The 16-byte code chunks lane `lane` holds of the COLS columns from c0 (a missing last column repeats its
+// neighbour, never stored): the chunks at (lane + 32 j) * 16 of each column.
+template <int COLS>
+__device__ __forceinline__ void load_w8_codes(uint4 (&raw)[COLS][H3_LINEAR_W8_CHUNKS], const uint8_t* __restrict__ w,
+                                              int c0, int k, int n, int lane) {
 #pragma unroll
     for (int col = 0; col < COLS; ++col) {
-        const int c = min(c0 + col, n - 1);  // a missing last column repeats its neighbour, never stored
+        const int c = min(c0 + col, n - 1);
         const uint8_t* w_row = w + static_cast<int64_t>(c) * k;
 #pragma unroll
         for (int j = 0; j < H3_LINEAR_W8_CHUNKS; ++j) {
@@ -491,6 +484,16 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
             raw[col][j] = k0 < k ? *reinterpret_cast<const uint4*>(w_row + k0) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
+}
+
+// The outputs of the COLS columns from c0 over this CTA's rows, from the codes a warp holds: each column's sum is
+// its lanes' partial sums in k order, then the warp butterfly, scaled once.
+template <int COLS, void (*DECODE)(const uint4&, float (&)[16])>
+__device__ __forceinline__ void linear_w8_columns(const uint4 (&raw)[COLS][H3_LINEAR_W8_CHUNKS],
+                                                  const bf16* __restrict__ x, int x_stride,
+                                                  const float* __restrict__ w_scale, int k,
+                                                  const bf16* __restrict__ bias, bf16* __restrict__ y, int y_stride,
+                                                  int m, int n, int c0, int lane) {
     const int r_end = min(m, (blockIdx.y + 1) * H3_LINEAR_W8_ROWS);
     for (int r0 = blockIdx.y * H3_LINEAR_W8_ROWS; r0 < r_end; r0 += 4) {
         float acc[COLS][4] = {};
@@ -541,6 +544,40 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
     }
 }
 
+// The body of the weight-only linear layers below; DECODE turns 16 codes into their values. One warp per COLS output
+// columns (2: each x row read serves two columns, 232 registers, one CTA an SM; 1: half the weight registers, two
+// CTAs an SM, so one CTA's loads overlap another's sums and stores), for TURNS column groups in turn: with more
+// than one, a warp loads the next group's codes before it sums the current one, so its loads stay in flight
+// through its sums. A CTA covers 8 COLS TURNS columns, turn t the 8 COLS from blockIdx.x * 8 COLS TURNS + t * 8 COLS.
+// A column's sum is the same in every form.
+template <int COLS, int TURNS, void (*DECODE)(const uint4&, float (&)[16])>
+__device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
+                                               const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias,
+                                               bf16* __restrict__ y, int y_stride, int m, int n) {
+    const int lane = threadIdx.x & 31;
+    const int c0 = (blockIdx.x * 8 * TURNS + (threadIdx.x >> 5)) * COLS;
+    if (c0 >= n) return;
+    if constexpr (TURNS == 1) {
+        uint4 raw[COLS][H3_LINEAR_W8_CHUNKS];
+        load_w8_codes<COLS>(raw, w, c0, k, n, lane);
+        linear_w8_columns<COLS, DECODE>(raw, x, x_stride, w_scale, k, bias, y, y_stride, m, n, c0, lane);
+    } else {
+        // Turn t: the warp's column group 8 COLS columns after turn t - 1's; the codes of turn t + 1 load into the
+        // other buffer before turn t's sums.
+        uint4 raw[2][COLS][H3_LINEAR_W8_CHUNKS];
+        load_w8_codes<COLS>(raw[0], w, c0, k, n, lane);
+#pragma unroll
+        for (int turn = 0; turn < TURNS; ++turn) {
+            const int c = c0 + turn * 8 * COLS;
+            if (c >= n) return;
+            if (turn + 1 < TURNS && c + 8 * COLS < n) {
+                load_w8_codes<COLS>(raw[(turn + 1) & 1], w, c + 8 * COLS, k, n, lane);
+            }
+            linear_w8_columns<COLS, DECODE>(raw[turn & 1], x, x_stride, w_scale, k, bias, y, y_stride, m, n, c, lane);
+        }
+    }
+}
+
 }  // namespace
 
 // Weight-only 8-bit linear layers for a few rows (the adaLN projections over the timestep rows):
@@ -548,19 +585,25 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
 // x bf16 rows of x_stride; w 8-bit codes [n, k] (rows of k bytes, k a multiple of 16) with one f32 scale per row (per
 // output channel, nn::fp8's rule): e4m3 (h3_linear_fp8w_rows) or INT8 (h3_linear_int8w_rows); bias (or null) and y
 // bf16, y rows of y_stride. The sum is f32 over exact products (the bf16 x times the code's value), in lane-strided
-// order then a warp butterfly, scaled once. One warp per 2 output columns (the _c1 kernels: 1) and up to
+// order then a warp butterfly, scaled once. One warp per 2 output columns (the _c1 kernels: 1; the _c1t4 kernels:
+// 1, for 4 column groups in turn, the next group's codes loaded while the current one is summed) and up to
 // H3_LINEAR_W8_ROWS (32) rows, 4 at a time; lane l holds the 16 codes at (l + 32 j) * 16 of each column, so
-// k <= 32 * 16 * H3_LINEAR_W8_CHUNKS (3072). Grid: (ceil(n / 16), ceil(m / 32)) (_c1: ceil(n / 8)), 256 threads.
-#define H3_LINEAR_W8_KERNEL(NAME, COLS, BOUNDS, DECODE)                                                          \
+// k <= 32 * 16 * H3_LINEAR_W8_CHUNKS (3072). Grid: (ceil(n / 16), ceil(m / 32)) (_c1: ceil(n / 8); _c1t4:
+// ceil(n / 32)), 256 threads.
+#define H3_LINEAR_W8_KERNEL(NAME, COLS, TURNS, BOUNDS, DECODE)                                                   \
     extern "C" __global__ void __launch_bounds__ BOUNDS                                                             \
         NAME(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,                               \
              const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias, bf16* __restrict__ y,          \
              int y_stride, int m, int n) {                                                                          \
-        linear_w8_rows<COLS, DECODE>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);                          \
+        linear_w8_rows<COLS, TURNS, DECODE>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);                   \
     }
 
-H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows, 2, (256), nn::decode16_e4m3)
-H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows, 2, (256), nn::decode16_int8)
+H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows, 2, 1, (256), nn::decode16_e4m3)
+H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows, 2, 1, (256), nn::decode16_int8)
 // One column a warp (16 columns a CTA become 8): the grid doubles; TF_LINEAR_W8_COLS=1 selects them.
-H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows_c1, 1, (256, 2), nn::decode16_e4m3)
-H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows_c1, 1, (256, 2), nn::decode16_int8)
+H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows_c1, 1, 1, (256, 2), nn::decode16_e4m3)
+H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows_c1, 1, 1, (256, 2), nn::decode16_int8)
+// One column a warp for 4 column groups in turn, the next group's codes in flight while the current one is summed
+// (twice the _c1 kernels' code registers); TF_LINEAR_W8_COLS=1t4 selects them.
+H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows_c1t4, 1, 4, (256, 1), nn::decode16_e4m3)
+H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows_c1t4, 1, 4, (256, 1), nn::decode16_int8)

@@ -1519,9 +1519,15 @@ fn linear_w8_matches_the_host_product_of_its_dequantized_weights() {
         let wd = device(&ctx, &w_codes);
         let sd = device(&ctx, &f32_bytes(&scales));
         let bd = device(&ctx, &bf16_bytes(&bias));
-        // Both kernels of the layer: two columns a warp (the default) and one (TF_LINEAR_W8_COLS=1).
+        // Every form of the layer: two columns a warp (the default), one (TF_LINEAR_W8_COLS=1), and one for four
+        // column groups in turn (1t4).
+        let forms = [
+            LinearW8Columns::Two,
+            LinearW8Columns::One,
+            LinearW8Columns::OneFourInTurn,
+        ];
         let mut outputs = Vec::new();
-        for columns in [LinearW8Columns::Two, LinearW8Columns::One] {
+        for columns in forms {
             let mut yd = device(&ctx, &bf16_bytes(&vec![7.0f32; m * y_stride]));
             {
                 let (xv, wv, sv, bv, yv) =
@@ -1546,18 +1552,20 @@ fn linear_w8_matches_the_host_product_of_its_dequantized_weights() {
             }
             outputs.push(read_bf16(&yd));
         }
-        // A column's sum is the same in both: bit-equal outputs.
-        let differ = outputs[0]
-            .iter()
-            .zip(&outputs[1])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        println!(
-            "linear_w8 {} [{m}x{n}x{k}]: one column a warp against two: {differ} of {} values differ",
-            codes.name(),
-            outputs[0].len()
-        );
-        assert_eq!(differ, 0, "{} {m}x{n}x{k}", codes.name());
+        // A column's sum is the same in every form: bit-equal outputs.
+        for (form, output) in forms.iter().zip(&outputs).skip(1) {
+            let differ = outputs[0]
+                .iter()
+                .zip(output)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            println!(
+                "linear_w8 {} [{m}x{n}x{k}]: {form:?} against two columns a warp: {differ} of {} values differ",
+                codes.name(),
+                outputs[0].len()
+            );
+            assert_eq!(differ, 0, "{} {m}x{n}x{k} {form:?}", codes.name());
+        }
         let got = outputs.swap_remove(0);
         let deq = codes.dequantize_rows(&w_codes, &scales, k);
         let mut want = vec![0f32; m * n];

@@ -32,6 +32,8 @@ const H3_KERNELS: &[&str] = &[
     "h3_linear_int8w_rows",
     "h3_linear_fp8w_rows_c1",
     "h3_linear_int8w_rows_c1",
+    "h3_linear_fp8w_rows_c1t4",
+    "h3_linear_int8w_rows_c1t4",
 ];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
@@ -580,9 +582,13 @@ pub enum LinearW8Columns {
     /// One column a warp (the `_c1` kernels): half the weight registers, two CTAs an SM, twice the CTAs. A column's
     /// sum is the same as with [`LinearW8Columns::Two`], so the outputs are bit-equal.
     One,
+    /// One column a warp for four column groups in turn (the `_c1t4` kernels): a warp loads the next group's codes
+    /// before it sums the current one, so its loads stay in flight through its sums; a quarter of
+    /// [`LinearW8Columns::One`]'s CTAs. The same sums, bit-equal outputs.
+    OneFourInTurn,
 }
 
-/// The environment variable that picks [`LinearW8Columns`]: `2` (the default) or `1`.
+/// The environment variable that picks [`LinearW8Columns`]: `2` (the default), `1` or `1t4`.
 pub const LINEAR_W8_COLS_ENV: &str = "TF_LINEAR_W8_COLS";
 
 impl LinearW8Columns {
@@ -595,19 +601,22 @@ impl LinearW8Columns {
             .get_or_init(|| match std::env::var(LINEAR_W8_COLS_ENV).as_deref() {
                 Err(_) | Ok("") | Ok("2") => Ok(LinearW8Columns::Two),
                 Ok("1") => Ok(LinearW8Columns::One),
+                Ok("1t4") => Ok(LinearW8Columns::OneFourInTurn),
                 Ok(other) => Err(format!(
-                    "{LINEAR_W8_COLS_ENV}={other}: expected 1 or 2 (output columns a warp)"
+                    "{LINEAR_W8_COLS_ENV}={other}: expected 2 or 1 (output columns a warp), or 1t4 (one \
+                     column a warp, four column groups in turn)"
                 )),
             })
             .clone()
             .map_err(|message| invalid("linear_w8", message))
     }
 
-    /// Output columns of one CTA: 8 warps of this many columns.
+    /// Output columns of one CTA: 8 warps of this many columns, for this many turns.
     fn cta_columns(self) -> usize {
         match self {
             LinearW8Columns::Two => 16,
             LinearW8Columns::One => 8,
+            LinearW8Columns::OneFourInTurn => 32,
         }
     }
 }
@@ -616,7 +625,7 @@ impl LinearW8Columns {
 pub const LINEAR_W8_MAX_K: usize = 32 * 16 * 6;
 
 /// Builds the weight-only 8-bit linear layer (kernel h3_linear_fp8w_rows or h3_linear_int8w_rows by `codes`, their
-/// `_c1` forms under `TF_LINEAR_W8_COLS=1`): one warp per two output columns (or one) and up to 32 rows, 4 at a
+/// `_c1` forms under `TF_LINEAR_W8_COLS=1`, `_c1t4` under `1t4`): one warp per two output columns (or one) and up to 32 rows, 4 at a
 /// time, every weight chunk of the warp's columns loaded once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
 pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
     plan_linear_w8_columns(op, LinearW8Columns::from_env()?)
@@ -685,6 +694,8 @@ pub fn plan_linear_w8_columns<'a>(
         (RowCodes::Int8, LinearW8Columns::Two) => "h3_linear_int8w_rows",
         (RowCodes::E4m3, LinearW8Columns::One) => "h3_linear_fp8w_rows_c1",
         (RowCodes::Int8, LinearW8Columns::One) => "h3_linear_int8w_rows_c1",
+        (RowCodes::E4m3, LinearW8Columns::OneFourInTurn) => "h3_linear_fp8w_rows_c1t4",
+        (RowCodes::Int8, LinearW8Columns::OneFourInTurn) => "h3_linear_int8w_rows_c1t4",
     };
     Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
 }
@@ -905,6 +916,16 @@ mod tests {
                 .unwrap()
                 .kernel(),
             "h3_linear_fp8w_rows_c1"
+        );
+        // Four column groups a warp in turn: 32 columns a CTA, so the 24 columns take one.
+        let turns = plan_linear_w8_columns(&op, LinearW8Columns::OneFourInTurn).unwrap();
+        assert_eq!(turns.kernel(), "h3_linear_int8w_rows_c1t4");
+        assert_eq!((turns.config().grid.x, turns.config().grid.y), (1, 4));
+        assert_eq!(
+            plan_linear_w8_columns(&fp8, LinearW8Columns::OneFourInTurn)
+                .unwrap()
+                .kernel(),
+            "h3_linear_fp8w_rows_c1t4"
         );
         // k not a multiple of 16, weights shorter than n x k, no rows: refused.
         assert!(plan_linear_w8(&LinearW8 {
