@@ -625,8 +625,9 @@ impl LinearW8Columns {
 pub const LINEAR_W8_MAX_K: usize = 32 * 16 * 6;
 
 /// Builds the weight-only 8-bit linear layer (kernel h3_linear_fp8w_rows or h3_linear_int8w_rows by `codes`, their
-/// `_c1` forms under `TF_LINEAR_W8_COLS=1`, `_c1t4` under `1t4`): one warp per two output columns (or one) and up to 32 rows, 4 at a
-/// time, every weight chunk of the warp's columns loaded once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
+/// `_c1` forms under `TF_LINEAR_W8_COLS=1`, `_c1t4` under `1t4`): one warp per two output columns (or one, or one
+/// for four column groups in turn) and up to 32 rows, 4 at a time, every weight chunk of the warp's columns loaded
+/// once into registers. `k` a multiple of 16 (16-byte rows of codes), at most [`LINEAR_W8_MAX_K`].
 pub fn plan_linear_w8<'a>(op: &LinearW8<'a, '_>) -> Result<Launch<'a>, tf_cuda::Error> {
     plan_linear_w8_columns(op, LinearW8Columns::from_env()?)
 }
