@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Splits a DiT step's measured joules into its GEMMs and everything else, against the joules its goal allows.
 
-Usage: energy_budget.py --step STEP.json --gemms GEMM_ENERGY.json [--energy-key KEY] [--sm-count N]
+Usage: energy_budget.py --step STEP.json [--gemms GEMM_ENERGY.json] [--energy-key KEY] [--sm-count N]
                         [--compute-capability M.m] [--json OUT.json]
 
 STEP.json is `tf bench h3-dit --json` or `tf bench qwen-dit --json` (its phases and its energy line: the graph step
@@ -20,7 +20,8 @@ It also gives the clock bound: the step's MMA work (every phase's FLOPs) at the 
 measurement (the median NVML sampled). No step at that clock can
 be faster than that; what a goal leaves above it is all the time the passes and every MMA's shortfall from the full
 rate may take. The SM count and compute capability come from the step JSON's `device` (benches from this build on)
-or from --sm-count and --compute-capability. Exit 0 on a report, 2 on bad input.
+or from --sm-count and --compute-capability. Without --gemms it gives the clock bound alone. Exit 0 on a report, 2
+on bad input.
 """
 
 import argparse
@@ -194,7 +195,34 @@ def clock_bound(step, step_path, phases, energy, sm_count=None, capability=None)
             "mma_phases": sorted(mma, key=lambda p: -p["step_ms"])}
 
 
+def bound_only(step, step_path, sm_count=None, capability=None):
+    """The clock bound of a step without GEMM energy: the step's time, joules and draw, and the bound."""
+    model, phases, energy = step_parts(step, step_path)
+    report = {
+        "model": model, "precision": str(step.get("precision", "bf16")),
+        "step_ms": number(energy.get("replay_ms"), f"{step_path}: replay_ms"),
+        "step_joules": number(energy.get("joules_per_step"), f"{step_path}: joules_per_step"),
+        "mean_watts": number(energy.get("mean_watts"), f"{step_path}: mean_watts"),
+        "limit_watts": number(energy.get("limit_watts"), f"{step_path}: limit_watts"),
+        "clock_bound": clock_bound(step, step_path, phases, energy, sm_count, capability),
+    }
+    goal = energy.get("goal") if isinstance(energy.get("goal"), dict) else None
+    if goal is not None:
+        report["goal_ms"] = number(goal.get("goal_ms"), f"{step_path}: goal.goal_ms")
+    add_goal_room(report)
+    return report
+
+
+def add_goal_room(report):
+    bound = report["clock_bound"]
+    if "bound_ms" in bound and "goal_ms" in report:
+        bound["goal_room_ms"] = report["goal_ms"] - bound["bound_ms"]
+        bound["room_now_ms"] = report["step_ms"] - bound["bound_ms"]
+
+
 def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capability=None):
+    if gemms is None:
+        return bound_only(step, step_path, sm_count, capability)
     model, phases, energy = step_parts(step, step_path)
     precision = str(step.get("precision", "bf16"))
     if key is None:
@@ -257,16 +285,16 @@ def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capabili
         report["rest_allowed_joules"] = allowed - gemm_j
         report["rest_factor_needed"] = (allowed - gemm_j) / rest_j if rest_j > 0 else None
         report["flat_rest_factor_needed"] = (allowed - flat_gemm_j) / flat_rest_j if flat_rest_j > 0 else None
-        bound = report["clock_bound"]
-        if "bound_ms" in bound:
-            bound["goal_room_ms"] = report["goal_ms"] - bound["bound_ms"]
-            bound["room_now_ms"] = step_ms - bound["bound_ms"]
+    add_goal_room(report)
     return report
 
 
 def describe(r):
-    lines = [f"{r['model']} {r['precision']} step: {r['step_ms']:.2f} ms, {r['step_joules']:.2f} J "
-             f"({r['mean_watts']:.0f} W mean of a {r['limit_watts']:.0f} W limit); GEMM energy from {r['gemm_energy_key']}"]
+    head = (f"{r['model']} {r['precision']} step: {r['step_ms']:.2f} ms, {r['step_joules']:.2f} J "
+            f"({r['mean_watts']:.0f} W mean of a {r['limit_watts']:.0f} W limit)")
+    if "gemms" not in r:
+        return "\n".join([head + "; no GEMM energy given (--gemms): the clock bound alone"] + describe_bound(r))
+    lines = [head + f"; GEMM energy from {r['gemm_energy_key']}"]
     for g in r["gemms"]:
         lines.append(f"  {g['phase']:<28} {g['calls']:>3} calls: {g['joules']:8.2f} J at their sustained rate "
                      f"({g['sustained_ms']:.2f} ms sustained, {g['step_ms']:.2f} ms in the step)")
@@ -290,10 +318,15 @@ def describe(r):
         if flat is not None:
             lines.append(f"  with every phase at the step's mean draw instead: GEMMs {r['flat_gemm_joules']:.2f} J, the "
                          f"rest {r['flat_rest_joules']:.2f} J, which may spend {flat:.3f}x of that")
+    return "\n".join(lines + describe_bound(r))
+
+
+def describe_bound(r):
+    lines = []
     bound = r["clock_bound"]
     if "bound_ms" not in bound:
         lines.append(f"  clock bound: not computed: {bound['skipped']}")
-        return "\n".join(lines)
+        return lines
     rates = ", ".join(f"{v:.0f} TFLOP/s {k}" for k, v in bound["dense_tflops_at_clock"].items())
     lines.append(f"  clock bound: {bound['mma_flops'] / 1e12:.1f} TFLOP of MMAs at {bound['sm_count']} SMs' dense rates at "
                  f"the median {bound['sm_clock_median_mhz']:.0f} MHz ({rates}) take {bound['bound_ms']:.2f} ms")
@@ -310,7 +343,7 @@ def describe(r):
             lines.append(f"  goal {r['goal_ms']:.0f} ms: leaves {room:.2f} ms above the bound for every pass and every "
                          f"MMA's shortfall from the full rate, which take {bound['room_now_ms']:.2f} ms now "
                          f"({room / bound['room_now_ms']:.3f}x of that)")
-    return "\n".join(lines)
+    return lines
 
 
 def capability_arg(text):
@@ -324,7 +357,8 @@ def capability_arg(text):
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--step", required=True, help="tf bench h3-dit / qwen-dit --json output (with --phases)")
-    parser.add_argument("--gemms", required=True, help="tf bench int8-gemm [--bf16] --energy --json output")
+    parser.add_argument("--gemms", help="tf bench int8-gemm [--bf16] --energy --json output (without it: the clock "
+                                            "bound alone)")
     parser.add_argument("--energy-key", help="ours_energy, cublaslt_energy or fp8_energy (default: the step's own)")
     parser.add_argument("--sm-count", type=int, help="SMs of the board (when the step JSON names no device)")
     parser.add_argument("--compute-capability", type=capability_arg,
@@ -332,7 +366,8 @@ def main(argv):
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     try:
-        report = budget(load(args.step), args.step, load(args.gemms), args.gemms, args.energy_key, args.sm_count,
+        gemms = load(args.gemms) if args.gemms else None
+        report = budget(load(args.step), args.step, gemms, args.gemms, args.energy_key, args.sm_count,
                         args.compute_capability)
     except BadInput as exc:
         print(f"energy_budget: {exc}", file=sys.stderr)

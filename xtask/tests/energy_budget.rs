@@ -303,6 +303,36 @@ fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() 
         assert_eq!(eight_bit_phases, eight_bit.len(), "{step}: {phases:?}");
         assert!(text.contains("clock bound:"), "{text}");
     }
+    // Without GEMM energy: the bound alone, the same as beside the split.
+    let alone = out_dir.join("alone.json");
+    let out = budget(
+        python,
+        &[
+            "--step",
+            "h3-fp8-bench-run111.json",
+            "--sm-count",
+            "132",
+            "--compute-capability",
+            "9.0",
+            "--json",
+            alone.to_str().unwrap(),
+        ],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("the clock bound alone"), "{text}");
+    let alone = read_json(&alone);
+    let split = read_json(&out_dir.join("h3-fp8-bench-run111.json.bound.json"));
+    assert!(alone.get("gemms").is_none());
+    for key in ["bound_ms", "goal_room_ms", "room_now_ms"] {
+        assert!(
+            close(
+                alone["clock_bound"][key].as_f64().unwrap(),
+                split["clock_bound"][key].as_f64().unwrap()
+            ),
+            "{key}"
+        );
+    }
     // Where the operands of a phase's MMAs differ between its calls (bf16 ends), where the JSON names no board, and
     // where the precision is the unresolved alias: said why, not computed.
     let ends = out_dir.join("h3-fp8-ends1.json");
