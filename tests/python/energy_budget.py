@@ -17,9 +17,8 @@ would have to shrink with the GEMMs as they are.
 
 It also gives the clock bound: the step's MMA work (every phase's FLOPs) at the tensor cores' dense rate (bf16, or
 8-bit for the block GEMM groups an `fp8:...,ends=0` precision names) at the SM clock the power cap held during the
-measurement (the median NVML sampled). No step at that clock can
-be faster than that; what a goal leaves above it is all the time the passes and every MMA's shortfall from the full
-rate may take. The SM count and compute capability come from the step JSON's `device` (benches from this build on)
+measurement (the median NVML sampled). No step at that clock can be faster than that; what a goal leaves above it
+is all the time the passes and every MMA's shortfall from the full rate may take. The SM count and compute capability come from the step JSON's `device` (benches from this build on)
 or from --sm-count and --compute-capability. Without --gemms it gives the clock bound alone. Exit 0 on a report, 2
 on bad input.
 """
@@ -28,25 +27,24 @@ import argparse
 import json
 import sys
 
-# Block GEMM phases (as the benches name them) and the `tf bench int8-gemm` shape that measures each.
-PHASE_SHAPES = {
+# Block GEMM phases (as the benches name them): the GEMM group each belongs to (which an `fp8:...` precision names)
+# and the `tf bench int8-gemm` shape that measures it.
+BLOCK_GEMM_PHASES = {
     "h3": {
-        "qkv GEMM": "h3_qkv",
-        "qkv GEMM + QK norm + RoPE": "h3_qkv",
-        "out GEMM": "h3_out",
-        "fc1 GEMM": "h3_fc1",
-        "fc2 GEMM": "h3_fc2",
+        "qkv GEMM": ("qkv", "h3_qkv"),
+        "qkv GEMM + QK norm + RoPE": ("qkv", "h3_qkv"),
+        "out GEMM": ("out", "h3_out"),
+        "fc1 GEMM": ("mlp_in", "h3_fc1"),
+        "fc2 GEMM": ("mlp_out", "h3_fc2"),
     },
     "qwen": {
-        "qkv GEMM": "qwen_step_qkv",
-        "qkv GEMM+qk-norm+rope": "qwen_step_qkv",
-        "out GEMM": "qwen_step_out",
-        "gate_up GEMM": "qwen_step_mlp_in",
-        "down GEMM": "qwen_step_mlp_out",
+        "qkv GEMM": ("qkv", "qwen_step_qkv"),
+        "qkv GEMM+qk-norm+rope": ("qkv", "qwen_step_qkv"),
+        "out GEMM": ("out", "qwen_step_out"),
+        "gate_up GEMM": ("mlp_in", "qwen_step_mlp_in"),
+        "down GEMM": ("mlp_out", "qwen_step_mlp_out"),
     },
 }
-
-
 # Dense tensor-core FLOPs a clock cycle an SM, by compute capability and operand type: sm_90's bf16 rate is the
 # 989.4 TFLOP/s of an H100 SXM (132 SMs at 1830 MHz) over its SMs and clock; e4m3 and INT8 run at twice that.
 DENSE_FLOPS_PER_CLOCK_PER_SM = {(9, 0): {"bf16": 4096, "8bit": 8192}}
@@ -110,15 +108,8 @@ def gemm_joules(gemms, path, key):
     return out
 
 
-# The GEMM group each block GEMM phase belongs to, for reading which run in 8 bits from the precision spec.
-PHASE_GROUPS = {
-    "qkv GEMM": "qkv", "qkv GEMM + QK norm + RoPE": "qkv", "qkv GEMM+qk-norm+rope": "qkv",
-    "out GEMM": "out", "fc1 GEMM": "mlp_in", "gate_up GEMM": "mlp_in", "fc2 GEMM": "mlp_out", "down GEMM": "mlp_out",
-}
-
-
-def mma_operands(precision):
-    """phase name -> "8bit" for the phases whose every MMA runs on 8-bit operands, from a resolved precision
+def mma_operands(model, precision):
+    """phase name -> "8bit" for `model`'s phases whose every MMA runs on 8-bit operands, from a resolved precision
     (`bf16`, or `fp8:GROUPS,ends=N[,...]`), or a reason the phases' operand types cannot be told apart."""
     if precision == "bf16":
         return {}, None
@@ -143,13 +134,13 @@ def mma_operands(precision):
         return None, f"{precision}: blocks kept in bf16 at the ends share their phases with the 8-bit blocks"
     if attention != "bf16":
         return None, f"{precision}: the attention's 8-bit MMAs are not separated in its phase"
-    return {phase: "8bit" for phase, group in PHASE_GROUPS.items() if group in groups}, None
+    return {phase: "8bit" for phase, (group, _) in BLOCK_GEMM_PHASES[model].items() if group in groups}, None
 
 
-def clock_bound(step, step_path, phases, energy, sm_count=None, capability=None):
+def clock_bound(step, step_path, model, phases, energy, sm_count=None, capability=None):
     """The step's MMA FLOPs at the dense rate at the measured median SM clock, or why it is not computed."""
     precision = str(step.get("precision_resolved", step.get("precision", "bf16")))
-    eight_bit, why = mma_operands(precision)
+    eight_bit, why = mma_operands(model, precision)
     if eight_bit is None:
         return {"skipped": why}
     device = step.get("device") if isinstance(step.get("device"), dict) else {}
@@ -195,8 +186,9 @@ def clock_bound(step, step_path, phases, energy, sm_count=None, capability=None)
             "mma_phases": sorted(mma, key=lambda p: -p["step_ms"])}
 
 
-def bound_only(step, step_path, sm_count=None, capability=None):
-    """The clock bound of a step without GEMM energy: the step's time, joules and draw, and the bound."""
+def step_report(step, step_path, sm_count=None, capability=None):
+    """What every report holds: the step's time, joules and draw, its goal's time, and its clock bound with the room
+    the goal leaves above it; with the step's model, phases and energy line."""
     model, phases, energy = step_parts(step, step_path)
     report = {
         "model": model, "precision": str(step.get("precision", "bf16")),
@@ -204,35 +196,28 @@ def bound_only(step, step_path, sm_count=None, capability=None):
         "step_joules": number(energy.get("joules_per_step"), f"{step_path}: joules_per_step"),
         "mean_watts": number(energy.get("mean_watts"), f"{step_path}: mean_watts"),
         "limit_watts": number(energy.get("limit_watts"), f"{step_path}: limit_watts"),
-        "clock_bound": clock_bound(step, step_path, phases, energy, sm_count, capability),
+        "clock_bound": clock_bound(step, step_path, model, phases, energy, sm_count, capability),
     }
     goal = energy.get("goal") if isinstance(energy.get("goal"), dict) else None
     if goal is not None:
         report["goal_ms"] = number(goal.get("goal_ms"), f"{step_path}: goal.goal_ms")
-    add_goal_room(report)
-    return report
-
-
-def add_goal_room(report):
     bound = report["clock_bound"]
     if "bound_ms" in bound and "goal_ms" in report:
         bound["goal_room_ms"] = report["goal_ms"] - bound["bound_ms"]
         bound["room_now_ms"] = report["step_ms"] - bound["bound_ms"]
+    return report, phases, goal
 
 
 def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capability=None):
+    """The step's report, and with GEMM energy (`gemms`) its joules split into the block GEMMs and the rest."""
+    report, phases, goal = step_report(step, step_path, sm_count, capability)
     if gemms is None:
-        return bound_only(step, step_path, sm_count, capability)
-    model, phases, energy = step_parts(step, step_path)
-    precision = str(step.get("precision", "bf16"))
+        return report
+    model, precision = report["model"], report["precision"]
     if key is None:
         key = "cublaslt_energy" if precision == "bf16" else "ours_energy"
     per_call = gemm_joules(gemms, gemms_path, key)
-    joules = number(energy.get("joules_per_step"), f"{step_path}: joules_per_step")
-    watts = number(energy.get("mean_watts"), f"{step_path}: mean_watts")
-    limit = number(energy.get("limit_watts"), f"{step_path}: limit_watts")
-    step_ms = number(energy.get("replay_ms"), f"{step_path}: replay_ms")
-    goal = energy.get("goal") if isinstance(energy.get("goal"), dict) else None
+    joules, watts = report["step_joules"], report["mean_watts"]
 
     groups, missing, others = [], [], []
     phase_ms_total = 0.0
@@ -241,10 +226,11 @@ def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capabili
         ms = number(phase.get("ms"), f"{step_path}: phase {name!r} ms")
         calls = int(number(phase.get("calls"), f"{step_path}: phase {name!r} calls"))
         phase_ms_total += ms
-        shape = PHASE_SHAPES[model].get(name)
-        if shape is None:
+        group_shape = BLOCK_GEMM_PHASES[model].get(name)
+        if group_shape is None:
             others.append((name, ms))
             continue
+        shape = group_shape[1]
         if shape not in per_call:
             missing.append(shape)
             continue
@@ -254,7 +240,7 @@ def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capabili
     if missing:
         raise BadInput(f"{gemms_path}: no {key} for {', '.join(sorted(set(missing)))}")
     if not groups:
-        raise BadInput(f"{step_path}: none of the block GEMM phases {sorted(PHASE_SHAPES[model])} is there")
+        raise BadInput(f"{step_path}: none of the block GEMM phases {sorted(BLOCK_GEMM_PHASES[model])} is there")
 
     gemm_j = sum(g["joules"] for g in groups)
     gemm_ms = sum(g["step_ms"] for g in groups)
@@ -264,14 +250,12 @@ def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capabili
     rest_watts = rest_j / rest_ms * 1000.0 if rest_ms > 0 else 0.0
     rest_phases = sorted(({"phase": name, "step_ms": ms, "joules_estimate": ms * rest_watts / 1000.0}
                           for name, ms in others), key=lambda p: -p["step_ms"])
-    report = {
-        "model": model, "precision": precision, "gemm_energy_key": key,
-        "step_ms": step_ms, "step_joules": joules, "mean_watts": watts, "limit_watts": limit,
+    report.update({
+        "gemm_energy_key": key,
         "gemms": groups, "gemm_joules": gemm_j, "gemm_phase_ms": gemm_ms,
         "rest_joules": rest_j, "rest_phase_ms": rest_ms, "phases_ms": phase_ms_total,
         "rest_mean_watts": rest_watts, "rest_phases": rest_phases,
-        "clock_bound": clock_bound(step, step_path, phases, energy, sm_count, capability),
-    }
+    })
     # The other bound: every phase at the step's mean draw (the GEMMs in the step run a little faster than sustained
     # alone, the power limit averaging over the lighter phases between them).
     flat_gemm_j = gemm_ms * watts / 1000.0
@@ -280,12 +264,10 @@ def budget(step, step_path, gemms, gemms_path, key=None, sm_count=None, capabili
     report["flat_rest_joules"] = flat_rest_j
     if goal is not None:
         allowed = number(goal.get("joules_allowed"), f"{step_path}: goal.joules_allowed")
-        report["goal_ms"] = number(goal.get("goal_ms"), f"{step_path}: goal.goal_ms")
         report["goal_joules"] = allowed
         report["rest_allowed_joules"] = allowed - gemm_j
         report["rest_factor_needed"] = (allowed - gemm_j) / rest_j if rest_j > 0 else None
         report["flat_rest_factor_needed"] = (allowed - flat_gemm_j) / flat_rest_j if flat_rest_j > 0 else None
-    add_goal_room(report)
     return report
 
 
