@@ -465,7 +465,7 @@ namespace {
 // Rows of x one CTA takes, 4 at a time, and the weight chunks a lane holds in registers: a lane loads its 16-byte
 // chunks of its warp's columns once, all before the first use (k <= 32 * 16 * H3_LINEAR_W8_CHUNKS), and
 // reuses them for every row, so the weights cross HBM once per H3_LINEAR_W8_ROWS rows (a request's whole timestep
-// schedule is ~100 rows) and each x row read from L1 serves two columns.
+// schedule is ~100 rows) and each x row read from L1 serves the warp's columns.
 #define H3_LINEAR_W8_ROWS 32
 #define H3_LINEAR_W8_CHUNKS 6
 

@@ -908,26 +908,33 @@ mod tests {
             plan_linear_w8(&fp8).unwrap().kernel(),
             "h3_linear_fp8w_rows"
         );
-        // One column a warp: the _c1 kernels over twice the column groups, the same row groups.
-        let one = plan_linear_w8_columns(&op, LinearW8Columns::One).unwrap();
-        assert_eq!(one.kernel(), "h3_linear_int8w_rows_c1");
-        assert_eq!((one.config().grid.x, one.config().grid.y), (3, 4));
-        assert_eq!(
-            plan_linear_w8_columns(&fp8, LinearW8Columns::One)
-                .unwrap()
-                .kernel(),
-            "h3_linear_fp8w_rows_c1"
-        );
-        // Four column groups a warp in turn: 32 columns a CTA, so the 24 columns take one.
-        let turns = plan_linear_w8_columns(&op, LinearW8Columns::OneFourInTurn).unwrap();
-        assert_eq!(turns.kernel(), "h3_linear_int8w_rows_c1t4");
-        assert_eq!((turns.config().grid.x, turns.config().grid.y), (1, 4));
-        assert_eq!(
-            plan_linear_w8_columns(&fp8, LinearW8Columns::OneFourInTurn)
-                .unwrap()
-                .kernel(),
-            "h3_linear_fp8w_rows_c1t4"
-        );
+        // The other forms, by the columns a CTA covers (the same row groups): one column a warp, the _c1 kernels
+        // over twice the column groups; four column groups a warp in turn, 32 columns a CTA, so the 24 take one.
+        for (columns, int8, e4m3, column_groups) in [
+            (
+                LinearW8Columns::One,
+                "h3_linear_int8w_rows_c1",
+                "h3_linear_fp8w_rows_c1",
+                3,
+            ),
+            (
+                LinearW8Columns::OneFourInTurn,
+                "h3_linear_int8w_rows_c1t4",
+                "h3_linear_fp8w_rows_c1t4",
+                1,
+            ),
+        ] {
+            let launch = plan_linear_w8_columns(&op, columns).unwrap();
+            assert_eq!(launch.kernel(), int8);
+            assert_eq!(
+                (launch.config().grid.x, launch.config().grid.y),
+                (column_groups, 4)
+            );
+            assert_eq!(
+                plan_linear_w8_columns(&fp8, columns).unwrap().kernel(),
+                e4m3
+            );
+        }
         // k not a multiple of 16, weights shorter than n x k, no rows: refused.
         assert!(plan_linear_w8(&LinearW8 {
             k: 24,
