@@ -87,6 +87,9 @@ def step_parts(step, path):
         raise BadInput(f"{path}: the step's energy was not measured ({why})")
     if not isinstance(phases, list) or not phases:
         raise BadInput(f"{path}: no phases: run the bench with --phases")
+    for i, phase in enumerate(phases):
+        if not isinstance(phase, dict):
+            raise BadInput(f"{path}: phase {i}: expected an object with phase, calls, ms and flops, found {phase!r}")
     return model, phases, energy
 
 

@@ -206,6 +206,31 @@ fn bad_input_exits_2_and_names_the_cause() {
             "no energy line",
         ),
     ];
+    // A phase that is not an object, with and without GEMM energy.
+    let bad_phase =
+        std::env::temp_dir().join(format!("tf-energy-bad-phase-{}.json", std::process::id()));
+    let mut step =
+        read_json(&repo_root().join("docs/gpu-runs/2026-12-07/h3-fp8-bench-run111.json"));
+    step["phases"]["phases"][3] = 7.into();
+    std::fs::write(&bad_phase, step.to_string()).unwrap();
+    let bad_phase = bad_phase.to_str().unwrap();
+    let with_gemms = [
+        "--step",
+        bad_phase,
+        "--gemms",
+        "gemm-energy-int8-run112.json",
+    ];
+    let alone = [
+        "--step",
+        bad_phase,
+        "--sm-count",
+        "132",
+        "--compute-capability",
+        "9.0",
+    ];
+    let cases = cases
+        .into_iter()
+        .chain([(&with_gemms[..], "phase 3"), (&alone[..], "phase 3")]);
     for (args, cause) in cases {
         let out = budget(python, args);
         let err = String::from_utf8_lossy(&out.stderr);
