@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/async_copy.cuh"
 #include "common/codes8.cuh"
 #include "common/common.cuh"
 
@@ -486,10 +487,29 @@ __device__ __forceinline__ void load_w8_codes(uint4 (&raw)[COLS][H3_LINEAR_W8_CH
     }
 }
 
+// Where linear_w8_columns reads a warp's codes: codes(col, j) is lane `lane`'s chunk j of column col, the 16 codes at
+// (lane + 32 j) * 16 (asked only for chunks inside k). RegisterCodes: the chunks load_w8_codes put in registers.
+template <int COLS>
+struct RegisterCodes {
+    const uint4 (&raw)[COLS][H3_LINEAR_W8_CHUNKS];
+    __device__ __forceinline__ uint4 operator()(int col, int j) const { return raw[col][j]; }
+};
+
+// SharedCodes: the rows of a ring stage in shared memory (column `first + col` of the stage's `cols`, a missing
+// last column repeating its neighbour as load_w8_codes does), read where they are used.
+struct SharedCodes {
+    const uint8_t* stage;
+    int k, first, cols, lane;
+    __device__ __forceinline__ uint4 operator()(int col, int j) const {
+        const int c = min(first + col, cols - 1);
+        return *reinterpret_cast<const uint4*>(stage + c * k + (lane + 32 * j) * 16);
+    }
+};
+
 // The outputs of the COLS columns from c0 over this CTA's rows, from the codes a warp holds: each column's sum is
 // its lanes' partial sums in k order, then the warp butterfly, scaled once.
-template <int COLS, void (*DECODE)(const uint4&, float (&)[16])>
-__device__ __forceinline__ void linear_w8_columns(const uint4 (&raw)[COLS][H3_LINEAR_W8_CHUNKS],
+template <int COLS, void (*DECODE)(const uint4&, float (&)[16]), typename Codes>
+__device__ __forceinline__ void linear_w8_columns(const Codes& codes,
                                                   const bf16* __restrict__ x, int x_stride,
                                                   const float* __restrict__ w_scale, int k,
                                                   const bf16* __restrict__ bias, bf16* __restrict__ y, int y_stride,
@@ -503,7 +523,7 @@ __device__ __forceinline__ void linear_w8_columns(const uint4 (&raw)[COLS][H3_LI
             if (k0 >= k) break;
             float wv[COLS][16];
 #pragma unroll
-            for (int col = 0; col < COLS; ++col) DECODE(raw[col][j], wv[col]);
+            for (int col = 0; col < COLS; ++col) DECODE(codes(col, j), wv[col]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r = r0 + i;
@@ -560,7 +580,8 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
     if constexpr (TURNS == 1) {
         uint4 raw[COLS][H3_LINEAR_W8_CHUNKS];
         load_w8_codes<COLS>(raw, w, c0, k, n, lane);
-        linear_w8_columns<COLS, DECODE>(raw, x, x_stride, w_scale, k, bias, y, y_stride, m, n, c0, lane);
+        linear_w8_columns<COLS, DECODE>(RegisterCodes<COLS>{raw}, x, x_stride, w_scale, k, bias, y, y_stride, m, n, c0,
+                                        lane);
     } else {
         // Turn t: the warp's column group 8 COLS columns after turn t - 1's; the codes of turn t + 1 load into the
         // other buffer before turn t's sums.
@@ -573,9 +594,72 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
             if (turn + 1 < TURNS && c + 8 * COLS < n) {
                 load_w8_codes<COLS>(raw[(turn + 1) & 1], w, c + 8 * COLS, k, n, lane);
             }
-            linear_w8_columns<COLS, DECODE>(raw[turn & 1], x, x_stride, w_scale, k, bias, y, y_stride, m, n, c, lane);
+            linear_w8_columns<COLS, DECODE>(RegisterCodes<COLS>{raw[turn & 1]}, x, x_stride, w_scale, k, bias, y, y_stride,
+                                            m, n, c, lane);
         }
     }
+}
+
+// The ring form (sm_90): persistent CTAs, each over the column groups blockIdx.x, blockIdx.x + gridDim.x, ... of 16
+// columns. Thread 0 streams each group's codes (16 rows of k bytes, contiguous in w) into a ring of
+// H3_LINEAR_W8_STAGES shared-memory stages with one bulk copy, counted on the stage's mbarrier, so the copies of the
+// next stages stay in flight while the warps sum the current one (the register forms hold at most the codes of
+// the group being summed). Each warp sums its two columns exactly as the two-columns form does, reading the codes
+// from the stage where that form reads its registers: the same codes, the same order, bit-equal outputs. Then the
+// CTA synchronizes (the stage is free again) and thread 0 refills it with the group H3_LINEAR_W8_STAGES later.
+#define H3_LINEAR_W8_STAGES 4
+#define H3_LINEAR_W8_STAGE_BYTES (16 * 32 * 16 * H3_LINEAR_W8_CHUNKS)
+
+// Thread 0 of a ring-form CTA: the codes of its group `i` (column group blockIdx.x + i * gridDim.x of 16, if the
+// layer has it) into stage i % H3_LINEAR_W8_STAGES with one bulk copy, counted on the stage's mbarrier.
+__device__ __forceinline__ void fill_w8_stage(uint32_t ring_base, uint32_t full_base, const uint8_t* __restrict__ w,
+                                              int k, int n, int i) {
+    const int g = blockIdx.x + i * gridDim.x;
+    if (g >= (n + 15) / 16) return;
+    const uint32_t bytes = static_cast<uint32_t>(min(16, n - g * 16)) * static_cast<uint32_t>(k);
+    const int s = i % H3_LINEAR_W8_STAGES;
+    mbar_expect_bytes(full_base + 8u * s, bytes);
+    bulk_copy(ring_base + s * H3_LINEAR_W8_STAGE_BYTES, w + static_cast<int64_t>(g) * 16 * k, bytes,
+              full_base + 8u * s);
+}
+
+template <void (*DECODE)(const uint4&, float (&)[16])>
+__device__ __forceinline__ void linear_w8_rows_ring(const bf16* __restrict__ x, int x_stride,
+                                                    const uint8_t* __restrict__ w,
+                                                    const float* __restrict__ w_scale, int k,
+                                                    const bf16* __restrict__ bias, bf16* __restrict__ y,
+                                                    int y_stride, int m, int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) uint8_t ring[];
+    __shared__ __align__(8) uint64_t full[H3_LINEAR_W8_STAGES];
+    const int lane = threadIdx.x & 31;
+    const int local = (threadIdx.x >> 5) * 2;  // the warp's first column within a group
+    const int groups = (n + 15) / 16;
+    const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+    const uint32_t full_base = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < H3_LINEAR_W8_STAGES; ++s) mbar_init(full_base + 8u * s, 1);
+        mbar_fence_init();
+        for (int i = 0; i < H3_LINEAR_W8_STAGES; ++i) fill_w8_stage(ring_base, full_base, w, k, n, i);
+    }
+    __syncthreads();
+    for (int i = 0;; ++i) {
+        const int g = blockIdx.x + i * gridDim.x;
+        if (g >= groups) break;
+        const int cols = min(16, n - g * 16);
+        const int s = i % H3_LINEAR_W8_STAGES;
+        mbar_wait(full_base + 8u * s, (i / H3_LINEAR_W8_STAGES) & 1);
+        if (local < cols) {
+            const SharedCodes codes{ring + s * H3_LINEAR_W8_STAGE_BYTES, k, local, cols, lane};
+            linear_w8_columns<2, DECODE>(codes, x, x_stride, w_scale, k, bias, y, y_stride, m, n, g * 16 + local,
+                                         lane);
+        }
+        __syncthreads();  // every warp has read the stage: refill it
+        if (threadIdx.x == 0) fill_w8_stage(ring_base, full_base, w, k, n, i + H3_LINEAR_W8_STAGES);
+    }
+#else
+    __trap();
+#endif
 }
 
 }  // namespace
@@ -607,3 +691,15 @@ H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows_c1, 1, 1, (256, 2), nn::decode16_int8)
 // (twice the _c1 kernels' code registers); TF_LINEAR_W8_COLS=1t4 selects them.
 H3_LINEAR_W8_KERNEL(h3_linear_fp8w_rows_c1t4, 1, 4, (256, 1), nn::decode16_e4m3)
 H3_LINEAR_W8_KERNEL(h3_linear_int8w_rows_c1t4, 1, 4, (256, 1), nn::decode16_int8)
+// The ring form (sm_90): persistent CTAs, H3_LINEAR_W8_STAGES stages of H3_LINEAR_W8_STAGE_BYTES dynamic shared
+// memory; grid (CTAs, ceil(m / 32)), 256 threads; TF_LINEAR_W8_COLS=ring selects them.
+#define H3_LINEAR_W8_RING_KERNEL(NAME, DECODE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                            \
+        NAME(const bf16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,                               \
+             const float* __restrict__ w_scale, int k, const bf16* __restrict__ bias, bf16* __restrict__ y,          \
+             int y_stride, int m, int n) {                                                                          \
+        linear_w8_rows_ring<DECODE>(x, x_stride, w, w_scale, k, bias, y, y_stride, m, n);                           \
+    }
+
+H3_LINEAR_W8_RING_KERNEL(h3_linear_fp8w_rows_ring, nn::decode16_e4m3)
+H3_LINEAR_W8_RING_KERNEL(h3_linear_int8w_rows_ring, nn::decode16_int8)

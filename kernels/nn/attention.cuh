@@ -24,6 +24,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "common/async_copy.cuh"
+
 namespace {
 
 using bf16 = __nv_bfloat16;
@@ -528,33 +530,8 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// --- mbarriers (shared-memory 64-bit barriers counting arrivals, with a phase bit) and named barriers ---
+// --- named barriers (the mbarriers are in common/async_copy.cuh) ---
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued so far has landed (the arrival is part of the count).
-__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase of `bar` with parity `parity` has completed. A wait that lasts billions of cycles can only
-// be a broken pipeline: trap (the launch fails with an error) instead of hanging the GPU.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    const long long start = clock64();
-    for (;;) {
-        uint32_t done;
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-        if (done) return;
-        if (clock64() - start > (1ll << 34)) __trap();
-    }
-}
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -819,13 +796,6 @@ __device__ __forceinline__ void attention_sm90(const Sm90Operands& op, int batch
     }
     cp_async_wait<0>();
     rows.store(op, smem_q, q0, warp_row0, lane);
-}
-
-// Arrives on `bar` and adds `bytes` to the transaction count its phase waits for.
-__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
-                 "r"(bytes)
-                 : "memory");
 }
 
 // One TMA copy of a 128-row x 64-column box at (col, row, batch) into dst (128-byte swizzle), counted on bar.

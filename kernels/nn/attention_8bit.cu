@@ -300,14 +300,6 @@ __device__ __forceinline__ void fence_fp8_fragment(uint32_t (&p)[4][4]) {
     }
 }
 
-// One bulk copy of `bytes` contiguous bytes from global to shared memory, counted on `bar`.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}
-
 // 1.5 * 2^23 and its bits.
 constexpr float kIntBias = 12582912.0f;
 constexpr int32_t kIntBiasBits = 0x4B400000;

@@ -237,7 +237,7 @@ struct G8Ring {
                 mbar_init(full(s), 1);
                 mbar_init(empty(s), kG8ConsumerWarps);
             }
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+            mbar_fence_init();
         }
         __syncthreads();
     }

@@ -1499,9 +1499,12 @@ fn linear_w8_matches_the_host_product_of_its_dequantized_weights() {
     let mut rng = SplitMix64::new(31);
     // The tiny fixtures' adaLN (18 x 32 rows of 16), the release's (k 2688) over 1, 6 and 97 timestep rows (a
     // request's schedule: 4 row groups of 32, the last partial), outputs written into rows wider than n; in e4m3 and
-    // in INT8.
+    // in INT8. The two widest give the ring form's persistent CTAs many groups each (its stages refilled and their
+    // phases turned over; 1057 and 1189 groups of 16 on about 132 SMs), the last group partial.
     for (m, n, k, y_stride, codes) in [
-        (3usize, 576usize, 16usize, 584usize, RowCodes::E4m3),
+        (2usize, 16904usize, 2688usize, 16904usize, RowCodes::E4m3),
+        (3, 19016, 64, 19024, RowCodes::Int8),
+        (3, 576, 16, 584, RowCodes::E4m3),
         (1, 1024, 2688, 1024, RowCodes::E4m3),
         (6, 968, 2688, 976, RowCodes::E4m3),
         (97, 264, 2688, 272, RowCodes::E4m3),
@@ -1519,15 +1522,20 @@ fn linear_w8_matches_the_host_product_of_its_dequantized_weights() {
         let wd = device(&ctx, &w_codes);
         let sd = device(&ctx, &f32_bytes(&scales));
         let bd = device(&ctx, &bf16_bytes(&bias));
-        // Every form of the layer: two columns a warp (the default), one (TF_LINEAR_W8_COLS=1), and one for four
-        // column groups in turn (1t4).
-        let forms = [
+        // Every form of the layer: two columns a warp (the default), one (TF_LINEAR_W8_COLS=1), one for four
+        // column groups in turn (1t4), and the codes streamed through a shared-memory ring (ring; sm_90 and newer).
+        let mut forms = vec![
             LinearW8Columns::Two,
             LinearW8Columns::One,
             LinearW8Columns::OneFourInTurn,
         ];
+        if kernels.has_ring() {
+            forms.push(LinearW8Columns::Ring);
+        } else {
+            println!("linear_w8 ring form: SKIPPED (its kernels need sm_90 or newer and 192 KiB of shared memory)");
+        }
         let mut outputs = Vec::new();
-        for columns in forms {
+        for &columns in &forms {
             let mut yd = device(&ctx, &bf16_bytes(&vec![7.0f32; m * y_stride]));
             {
                 let (xv, wv, sv, bv, yv) =
@@ -1544,6 +1552,7 @@ fn linear_w8_matches_the_host_product_of_its_dequantized_weights() {
                     bias: Some(&bv),
                     y: &yv,
                     y_stride,
+                    sm_count: kernels.sm_count(),
                 };
                 kernels
                     .run(&stream, plan_linear_w8_columns(&op, columns))

@@ -34,7 +34,12 @@ const H3_KERNELS: &[&str] = &[
     "h3_linear_int8w_rows_c1",
     "h3_linear_fp8w_rows_c1t4",
     "h3_linear_int8w_rows_c1t4",
+    "h3_linear_fp8w_rows_ring",
+    "h3_linear_int8w_rows_ring",
 ];
+
+/// The ring form's kernels: loaded only where they can run (sm_90 or newer, its shared memory opted in).
+const RING_KERNELS: [&str; 2] = ["h3_linear_fp8w_rows_ring", "h3_linear_int8w_rows_ring"];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
 pub const FEW_ROWS: usize = 8;
@@ -568,6 +573,9 @@ pub struct LinearW8<'v, 'a> {
     /// bf16 rows of `y_stride`.
     pub y: &'v DeviceViewMut<'a>,
     pub y_stride: usize,
+    /// The SMs [`LinearW8Columns::Ring`]'s persistent CTAs spread over ([`H3Kernels::sm_count`]); the other forms
+    /// ignore it.
+    pub sm_count: usize,
 }
 
 /// Rows of `x` one CTA of the weight-only linear layer takes (`H3_LINEAR_W8_ROWS` in `kernels/minimax_h3/dit.cu`):
@@ -586,9 +594,21 @@ pub enum LinearW8Columns {
     /// before it sums the current one, so its loads stay in flight through its sums; a quarter of
     /// [`LinearW8Columns::One`]'s CTAs. The same sums, bit-equal outputs.
     OneFourInTurn,
+    /// Two columns a warp, the codes streamed through shared memory (the `_ring` kernels, sm_90 and newer): one
+    /// persistent CTA an SM over column groups of 16, each group's codes one bulk copy into a ring of
+    /// [`LINEAR_W8_RING_STAGES`] stages, so the next groups' copies are in flight while the warps sum the current
+    /// one. The warps read the codes from the stage where [`LinearW8Columns::Two`] reads its registers: the same
+    /// sums, bit-equal outputs.
+    Ring,
 }
 
-/// The environment variable that picks [`LinearW8Columns`]: `2` (the default), `1` or `1t4`.
+/// Stages of [`LinearW8Columns::Ring`]'s ring (`H3_LINEAR_W8_STAGES` in `kernels/minimax_h3/dit.cu`).
+pub const LINEAR_W8_RING_STAGES: usize = 4;
+
+/// Dynamic shared memory of a [`LinearW8Columns::Ring`] CTA: its stages of 16 columns of [`LINEAR_W8_MAX_K`] codes.
+pub const LINEAR_W8_RING_SHARED: u32 = (LINEAR_W8_RING_STAGES * 16 * LINEAR_W8_MAX_K) as u32;
+
+/// The environment variable that picks [`LinearW8Columns`]: `2` (the default), `1`, `1t4` or `ring`.
 pub const LINEAR_W8_COLS_ENV: &str = "TF_LINEAR_W8_COLS";
 
 impl LinearW8Columns {
@@ -602,9 +622,10 @@ impl LinearW8Columns {
                 Err(_) | Ok("") | Ok("2") => Ok(LinearW8Columns::Two),
                 Ok("1") => Ok(LinearW8Columns::One),
                 Ok("1t4") => Ok(LinearW8Columns::OneFourInTurn),
+                Ok("ring") => Ok(LinearW8Columns::Ring),
                 Ok(other) => Err(format!(
-                    "{LINEAR_W8_COLS_ENV}={other}: expected 2 or 1 (output columns a warp), or 1t4 (one \
-                     column a warp, four column groups in turn)"
+                    "{LINEAR_W8_COLS_ENV}={other}: expected 2 or 1 (output columns a warp), 1t4 (one column \
+                     a warp, four column groups in turn) or ring (the codes streamed through shared memory)"
                 )),
             })
             .clone()
@@ -614,7 +635,7 @@ impl LinearW8Columns {
     /// Output columns of one CTA: 8 warps of this many columns, for this many turns.
     fn cta_columns(self) -> usize {
         match self {
-            LinearW8Columns::Two => 16,
+            LinearW8Columns::Two | LinearW8Columns::Ring => 16,
             LinearW8Columns::One => 8,
             LinearW8Columns::OneFourInTurn => 32,
         }
@@ -675,8 +696,14 @@ pub fn plan_linear_w8_columns<'a>(
     if let Some(bias) = op.bias {
         check_operand(OP, "bias", Operand::of(bias), op.n * 2, 2)?;
     }
+    let column_groups = op.n.div_ceil(columns.cta_columns());
+    let (ctas, shared) = match columns {
+        // One persistent CTA an SM (its shared memory allows no second), never more than the groups.
+        LinearW8Columns::Ring => (column_groups.min(op.sm_count.max(1)), LINEAR_W8_RING_SHARED),
+        _ => (column_groups, 0),
+    };
     let grid = (
-        to_u32(OP, "column groups", op.n.div_ceil(columns.cta_columns()))?,
+        to_u32(OP, "column groups", ctas)?,
         to_u32(OP, "row groups", op.m.div_ceil(LINEAR_W8_ROWS))?,
     );
     let mut args = Args::new();
@@ -697,8 +724,14 @@ pub fn plan_linear_w8_columns<'a>(
         (RowCodes::Int8, LinearW8Columns::One) => "h3_linear_int8w_rows_c1",
         (RowCodes::E4m3, LinearW8Columns::OneFourInTurn) => "h3_linear_fp8w_rows_c1t4",
         (RowCodes::Int8, LinearW8Columns::OneFourInTurn) => "h3_linear_int8w_rows_c1t4",
+        (RowCodes::E4m3, LinearW8Columns::Ring) => RING_KERNELS[0],
+        (RowCodes::Int8, LinearW8Columns::Ring) => RING_KERNELS[1],
     };
-    Ok(Launch::new(kernel, LaunchConfig::new(grid, 256), args))
+    Ok(Launch::new(
+        kernel,
+        LaunchConfig::new(grid, 256).with_shared(shared),
+        args,
+    ))
 }
 
 /// The H3 DiT's kernels of one context: the `minimax_h3_dit` set beside the shared [`NnKernels`] (reachable
@@ -706,6 +739,7 @@ pub fn plan_linear_w8_columns<'a>(
 pub struct H3Kernels {
     nn: NnKernels,
     h3: LoadedSet,
+    sm_count: usize,
 }
 
 impl std::fmt::Debug for H3Kernels {
@@ -713,6 +747,7 @@ impl std::fmt::Debug for H3Kernels {
         f.debug_struct("H3Kernels")
             .field("nn", &self.nn)
             .field("h3", &self.h3)
+            .field("sm_count", &self.sm_count)
             .finish()
     }
 }
@@ -725,12 +760,39 @@ impl std::ops::Deref for H3Kernels {
 }
 
 impl H3Kernels {
-    /// Loads the shared sets and the `minimax_h3_dit` set into `ctx`.
+    /// Loads the shared sets and the `minimax_h3_dit` set into `ctx`. The ring form's kernels are kept only on
+    /// sm_90 and newer where their shared memory is granted ([`H3Kernels::has_ring`]).
     pub fn load(ctx: &Context) -> Result<H3Kernels, LoadKernelsError> {
+        let info = ctx.device_info().ok();
+        let sm90 = info
+            .as_ref()
+            .is_some_and(|i| i.compute_capability >= (9, 0));
+        let sm_count = info.map_or(1, |i| usize::try_from(i.sm_count).unwrap_or(1).max(1));
+        let mut h3 = LoadedSet::empty();
+        h3.add(ctx, H3_SET, H3_KERNELS, |name, function| {
+            if RING_KERNELS.contains(&name) {
+                return Ok(sm90
+                    && function
+                        .set_max_dynamic_shared(LINEAR_W8_RING_SHARED)
+                        .is_ok());
+            }
+            Ok(true)
+        })?;
         Ok(H3Kernels {
             nn: NnKernels::load(ctx)?,
-            h3: LoadedSet::load(ctx, H3_SET, H3_KERNELS)?,
+            h3,
+            sm_count,
         })
+    }
+
+    /// The SMs of the device the kernels were loaded for ([`LinearW8::sm_count`]).
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// True when [`LinearW8Columns::Ring`]'s kernels run on this device (sm_90 or newer, its shared memory granted).
+    pub fn has_ring(&self) -> bool {
+        RING_KERNELS.iter().all(|k| self.h3.has(k))
     }
 
     /// Submits the launch a `plan_*` function of this module or of [`crate::nn::gpu`] built, or passes its error
@@ -741,7 +803,8 @@ impl H3Kernels {
         plan: Result<Launch<'_>, tf_cuda::Error>,
     ) -> Result<(), tf_cuda::Error> {
         let launch = plan?;
-        if self.h3.has(launch.kernel()) {
+        // A ring kernel left out at load goes to its own set, whose error says why.
+        if self.h3.has(launch.kernel()) || RING_KERNELS.contains(&launch.kernel()) {
             self.h3.submit(stream, &launch)
         } else {
             self.nn.submit(stream, &launch)
@@ -894,6 +957,7 @@ mod tests {
             bias: None,
             y: &yv,
             y_stride: n,
+            sm_count: 132,
         };
         let launch = plan_linear_w8(&op).unwrap();
         assert_eq!(launch.kernel(), "h3_linear_int8w_rows");
@@ -923,6 +987,13 @@ mod tests {
                 "h3_linear_fp8w_rows_c1t4",
                 1,
             ),
+            // The ring: 16 columns a group, persistent CTAs, never more than the groups.
+            (
+                LinearW8Columns::Ring,
+                "h3_linear_int8w_rows_ring",
+                "h3_linear_fp8w_rows_ring",
+                2,
+            ),
         ] {
             let launch = plan_linear_w8_columns(&op, columns).unwrap();
             assert_eq!(launch.kernel(), int8);
@@ -934,6 +1005,34 @@ mod tests {
                 plan_linear_w8_columns(&fp8, columns).unwrap().kernel(),
                 e4m3
             );
+            let shared = if columns == LinearW8Columns::Ring {
+                LINEAR_W8_RING_SHARED
+            } else {
+                0
+            };
+            assert_eq!(launch.config().shared_bytes, shared);
+        }
+        // The release's adaLN width (18 x 5376 columns, 6048 groups of 16): the ring's CTAs stop at the SM count.
+        let wide_n = 18 * 5376;
+        let wide_w = buffer(&ctx, wide_n * k);
+        let wide_s = buffer(&ctx, wide_n * 4);
+        let mut wide_y = buffer(&ctx, wide_n * BF16);
+        let (wwv, wsv, wyv) = (wide_w.view(), wide_s.view(), wide_y.view_mut());
+        let wide = LinearW8 {
+            m: 1,
+            n: wide_n,
+            w: &wwv,
+            w_scale: &wsv,
+            y: &wyv,
+            y_stride: wide_n,
+            ..op
+        };
+        for (columns, ctas) in [(LinearW8Columns::Two, 6048), (LinearW8Columns::Ring, 132)] {
+            let grid = plan_linear_w8_columns(&wide, columns)
+                .unwrap()
+                .config()
+                .grid;
+            assert_eq!((grid.x, grid.y), (ctas, 1), "{columns:?}");
         }
         // k not a multiple of 16, weights shorter than n x k, no rows: refused.
         assert!(plan_linear_w8(&LinearW8 {

@@ -368,6 +368,7 @@ impl Engine {
                     bias: Some(&bias),
                     y: &y,
                     y_stride: n,
+                    sm_count: self.kernels.sm_count(),
                 }),
             )
             .map_err(launch)?;
