@@ -267,17 +267,68 @@ struct G8Ring {
 #if defined(NN_HAS_WGMMA)
 namespace {
 
+// --- The TMA-store epilogue (kernels *_tma) ---
+//
+// Instead of each thread storing its values to y, a consumer warpgroup writes its 64 rows of 128 output columns (a
+// half of a plain tile, all of a SwiGLU tile) into its own 16 KiB staging area after the ring, as two 64 x 64 boxes
+// in the 128-byte swizzle (row r's 16-byte chunk c at chunk c ^ (r % 8): each warp's 4-byte writes hit 32 banks),
+// and one thread hands both boxes to the TMA unit (cp.async.bulk.tensor, the y map's bounds clip rows past M and
+// columns past N). The consumers go on to the next tile's MMAs while the copy engine writes y. Before the area is
+// written again, that thread waits until the previous copies have read it. The values are the plain epilogue's,
+// only the way they reach y differs, so the outputs are bit-equal.
+constexpr int kG8StageCols = 128;                          // output columns a staging area holds
+constexpr int kG8StagingBytes = 64 * kG8StageCols * 2;      // a consumer warpgroup's area: 16 KiB
+
+struct G8Staging {
+    uint32_t base;  // this warpgroup's area (1024-byte aligned)
+    int consumer;   // 0 or 1: its named barrier is 1 + consumer
+    // Waits until the area may be written: the warpgroup's elected thread waits for its earlier copies to have read
+    // it, then the warpgroup meets.
+    __device__ __forceinline__ void begin() const {
+        if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        named_barrier_sync(1 + consumer, 128);
+    }
+    // One packed bf16 pair at warpgroup row `row` (0..63), column `col` (even, 0..127) of the area.
+    __device__ __forceinline__ void put(int row, int col, uint32_t pair) const {
+        const uint32_t at = base + (col >> 6) * (64 * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4) +
+                            (col & 7) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pair) : "memory");
+    }
+    // Hands the area to the TMA unit: its two boxes at y's (col0, row0) and (col0 + 64, row0).
+    __device__ __forceinline__ void store(const TmaMap* tm_y, int col0, int row0) const {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_barrier_sync(1 + consumer, 128);
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                asm volatile(
+                    "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                        reinterpret_cast<uint64_t>(tm_y)),
+                    "r"(col0 + 64 * b), "r"(row0), "r"(0), "r"(base + b * (64 * 128))
+                    : "memory");
+            }
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+    // At the kernel's end: the elected thread waits for every copy to finish before the CTA's shared memory goes.
+    __device__ __forceinline__ void drain() const {
+        if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+};
+
 // The SwiGLU tile's epilogue. acc holds, as in the plain epilogue, rows row0 and row0 + 8 and in block j the columns
 // 8 j + 2 (lane % 4) and + 1: blocks 0..15 are gate rows, 16..31 the value rows of the same hidden columns. Each
 // product is rounded to bf16 as the plain GEMM stores it (g8_product), then silu(gate) * value in f32 is rounded to
 // bf16: bf16 rows of n (the hidden width, a multiple of 128; y's row stride a multiple of 8) at columns origin.y ..
 // + 127, 16 bytes a lane after the quad transpose. silu is the one the separate SwiGLU after that GEMM runs: the
 // INT8 path's quantizing SwiGLU (nn::silu_fast), nn_act's x / (1 + exp(-x)) after a bf16 GEMM.
+// With a staging area (the _tma kernels) the pairs go to it unshuffled, and it is handed to the TMA unit.
 template <typename Acc>
 __device__ __forceinline__ void swiglu_epilogue(const Acc (&acc)[128], const float* __restrict__ x_scale,
                                                 const float* __restrict__ w_scale, bf16* __restrict__ y,
                                                 int64_t y_row_stride, int m, int n, int2 origin, int2 bases,
-                                                int lane) {
+                                                int lane, const G8Staging* staging = nullptr,
+                                                const TmaMap* tm_y = nullptr, int2 stage_origin = int2{}) {
     const int row_a = origin.x;
     const int row_b = row_a + 8;
     const float scale_a = g8_row_scale<Acc>(x_scale, row_a, m);
@@ -299,6 +350,24 @@ __device__ __forceinline__ void swiglu_epilogue(const Acc (&acc)[128], const flo
         const __nv_bfloat162 h = __floats2bfloat162_rn(silu(ga) * va, silu(gb) * vb);
         return *reinterpret_cast<const uint32_t*>(&h);
     };
+    if (staging != nullptr) {
+        // stage_origin: this thread's first row within its warpgroup's 64, and the tile's first hidden column.
+        staging->begin();
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int col = c0 + 8 * j;
+            const float2 wg = g8_col_scales<Acc>(w_scale, bases.x + col);
+            const float2 wv = g8_col_scales<Acc>(w_scale, bases.y + col);
+            staging->put(stage_origin.x, 8 * j + 2 * q,
+                         h_pair(acc[4 * j], acc[4 * j + 1], acc[4 * (j + 16)], acc[4 * (j + 16) + 1], scale_a, wg,
+                                wv));
+            staging->put(stage_origin.x + 8, 8 * j + 2 * q,
+                         h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3],
+                                scale_b, wg, wv));
+        }
+        staging->store(tm_y, origin.y, stage_origin.y);
+        return;
+    }
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
         uint32_t va[4], vb[4];
@@ -524,13 +593,17 @@ __device__ __forceinline__ void qkv_norm_rope_half_epilogue(Acc (&acc)[128], flo
 // only for INT8. With kSwiglu a tile's 256 columns of w are 128 gate rows from gate_base and the 128
 // value rows at the same offset from value_base (two TMA boxes of 128 rows), and the tile stores the 128 columns
 // silu(gate) * value: n is then the hidden width (the output's columns), a multiple of 128.
-// kQkv: 0 the plain epilogue, kG8QkvInterleaved or kG8QkvHalf the q|k|v epilogues.
-template <bool kBf16, bool kSwiglu = false, int kQkv = 0>
+// kQkv: 0 the plain epilogue, kG8QkvInterleaved or kG8QkvHalf the q|k|v epilogues. kTma: the plain or SwiGLU
+// epilogue through the staging areas and the TMA unit (G8Staging, y through tm_y; kG8Stages * 48 + 32 + 1 KiB of
+// dynamic shared memory).
+template <bool kBf16, bool kSwiglu = false, int kQkv = 0, bool kTma = false>
 __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_w, const float* __restrict__ x_scale,
                                            const float* __restrict__ w_scale, bf16* __restrict__ y,
                                            int64_t y_row_stride, int m, int n, int k, int band,
-                                           int gate_base = 0, int value_base = 0, const G8Qkv* qkv = nullptr) {
+                                           int gate_base = 0, int value_base = 0, const G8Qkv* qkv = nullptr,
+                                           const TmaMap* tm_y = nullptr) {
     static_assert(kQkv == 0 || !kSwiglu, "a tile runs one epilogue");
+    static_assert(kQkv == 0 || !kTma, "the q|k|v epilogues store directly");
     // Output columns a tile stores.
     constexpr int kTileCols = kSwiglu ? kG8Cols / 2 : kG8Cols;
     using Ops = G8Operands<kBf16>;
@@ -577,6 +650,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
+    const G8Staging staging{ring.smem + kG8Stages * kG8StageBytes + consumer * kG8StagingBytes, consumer};
     Acc acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = Acc(0);
@@ -616,7 +690,8 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
         if constexpr (kSwiglu) {
             swiglu_epilogue(acc, x_scale, w_scale, y, y_row_stride, m, n,
                             make_int2(m0 + consumer * 64 + warp * 16 + lane / 4, n0),
-                            make_int2(gate_base, value_base), lane);
+                            make_int2(gate_base, value_base), lane, kTma ? &staging : nullptr, tm_y,
+                            make_int2(warp * 16 + lane / 4, m0 + consumer * 64));
             continue;
         }
         // Epilogue: thread (warp w, lane l) holds rows 16 w + l / 4 and + 8 of its warpgroup's 64, and in each
@@ -666,6 +741,25 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
                 return col < n_tile ? *reinterpret_cast<const float2*>(w_scale + (col - n0_tile + n0)) : make_float2(0.0f, 0.0f);
             }
         };
+        if constexpr (kTma) {
+            // Each 128-column half of the tile through the staging area (a half wholly past N is skipped).
+            const int wrow = warp * 16 + lane / 4;
+#pragma unroll
+            for (int h = 0; h < kG8Cols / kG8StageCols; ++h) {
+                if (n0 + kG8StageCols * h >= n) break;
+                staging.begin();
+#pragma unroll
+                for (int jj = 0; jj < kG8StageCols / 8; ++jj) {
+                    const int j = (kG8StageCols / 8) * h + jj;
+                    const float2 ws = w_scales(col0 + 8 * j);
+                    staging.put(wrow, 8 * jj + 2 * (lane % 4), scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws));
+                    staging.put(wrow + 8, 8 * jj + 2 * (lane % 4),
+                                scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws));
+                }
+                staging.store(tm_y, n0 + kG8StageCols * h, m0 + consumer * 64);
+            }
+            continue;
+        }
         if (((n_tile | static_cast<int>(y_row_stride)) & 7) == 0) {
             // Whole 16-byte blocks: the quad's four lanes transpose their pairs of four blocks (two xor-shuffle
             // rounds), so lane q holds all 8 columns of block 4 g + q and a warp stores 64 contiguous bytes a row
@@ -713,6 +807,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             }
         }
     }
+    if constexpr (kTma) staging.drain();
 }
 
 }  // namespace
@@ -746,16 +841,51 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16(const __grid_c
 #endif
 }
 
+// The two kernels above with the TMA-store epilogue (G8Staging): tm_y is y as a bf16 map {N, M, 1} with y's row
+// stride (a multiple of 8), boxes of 64 columns x 64 rows in the 128-byte swizzle; the rest as above, with kG8Stages
+// * 48 + 32 + 1 KiB of dynamic shared memory. Outputs bit-equal to the kernels above.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_scaled_bf16_tma(
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const __grid_constant__ TmaMap tm_y,
+    const float* __restrict__ x_scale, const float* __restrict__ w_scale, bf16* __restrict__ y, int64_t y_row_stride,
+    int m, int n, int k, int band) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<false, false, 0, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, n, k, band, 0, 0, nullptr,
+                                      &tm_y);
+#else
+    __trap();
+#endif
+}
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_tma(const __grid_constant__ TmaMap tm_x,
+                                                                      const __grid_constant__ TmaMap tm_w,
+                                                                      const __grid_constant__ TmaMap tm_y,
+                                                                      bf16* __restrict__ y, int64_t y_row_stride,
+                                                                      int m, int n, int k, int band) {
+#if defined(NN_HAS_WGMMA)
+    gemm_tiles<true, false, 0, true>(tm_x, tm_w, nullptr, nullptr, y, y_row_stride, m, n, k, band, 0, 0, nullptr,
+                                     &tm_y);
+#else
+    __trap();
+#endif
+}
+
 // The SwiGLU kernels' parameters, and their body for operands B (true: bf16).
 #define G8_SWIGLU_PARAMS                                                                                            \
     const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const float *__restrict__ x_scale, \
         const float *__restrict__ w_scale, bf16 *__restrict__ y, int64_t y_row_stride, int m, int hidden, int k,  \
         int gate_base, int value_base, int band
+#define G8_SWIGLU_TMA_PARAMS                                                                                        \
+    const __grid_constant__ TmaMap tm_x, const __grid_constant__ TmaMap tm_w, const __grid_constant__ TmaMap tm_y, \
+        const float *__restrict__ x_scale, const float *__restrict__ w_scale, bf16 *__restrict__ y,                 \
+        int64_t y_row_stride, int m, int hidden, int k, int gate_base, int value_base, int band
 #if defined(NN_HAS_WGMMA)
 #define G8_SWIGLU_BODY(B) \
     gemm_tiles<B, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base, value_base)
+#define G8_SWIGLU_TMA_BODY(B)                                                                                    \
+    gemm_tiles<B, true, 0, true>(tm_x, tm_w, x_scale, w_scale, y, y_row_stride, m, hidden, k, band, gate_base, \
+                                 value_base, nullptr, &tm_y)
 #else
 #define G8_SWIGLU_BODY(B) __trap()
+#define G8_SWIGLU_TMA_BODY(B) __trap()
 #endif
 
 // The INT8 GEMM of a SwiGLU's two halves with silu(gate) * value in its epilogue: y[m, c] = bf16(silu(g) * v) with
@@ -772,6 +902,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16(G8
 // not read (null). Same grid, threads and shared memory.
 extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_swiglu(G8_SWIGLU_PARAMS) {
     G8_SWIGLU_BODY(true);
+}
+
+// The two SwiGLU kernels with the TMA-store epilogue (G8Staging): tm_y is y as a bf16 map {hidden, M, 1} with y's
+// row stride, boxes of 64 columns x 64 rows in the 128-byte swizzle; shared memory as nn_gemm_int8_scaled_bf16_tma.
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_int8_swiglu_bf16_tma(G8_SWIGLU_TMA_PARAMS) {
+    G8_SWIGLU_TMA_BODY(false);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) nn_gemm_bf16_swiglu_tma(G8_SWIGLU_TMA_PARAMS) {
+    G8_SWIGLU_TMA_BODY(true);
 }
 
 // The q|k|v kernels' parameters, and their body for operands B (true: bf16) and epilogue form F (kG8QkvInterleaved

@@ -26,6 +26,11 @@
 //! place) are held to the plain bf16 GEMM and the pass each replaces (`nn_swiglu_value_gate`, `h3_qk_norm_rope`):
 //! the SwiGLU bit for bit (the same products, silu and rounding), the q|k|v as the INT8 form is held.
 //!
+//! The TMA-store forms of the plain and SwiGLU kernels (`GemmStore::Tma`, kernels `*_tma`) are held bit for bit to
+//! the direct-store kernels on the same operands (the same values, stored through shared memory and the TMA unit),
+//! the elements past N of a strided output left as they were, at shapes with partial row tiles, a tile's second
+//! half wholly past N, more tiles than SMs, and a stride the TMA form cannot take (which runs the direct form).
+//!
 //! The implicit-GEMM 3x3 convolution (`nn::gpu::conv`, kernels nn_conv3x3_bf16_*) is held bit for bit to the host's
 //! padded convolution plus bias (plus the output it adds to), on exact operands as the bf16 GEMM: maps wider than a
 //! tile (a row's last tile hanging over its end) and narrower (whole rows a tile), channel counts that leave a
@@ -41,7 +46,8 @@ use tf_engines::minimax_h3::dit_gpu::kernels::{plan_qk_norm_rope, H3Kernels, QkN
 use tf_engines::nn::gpu::conv::{plan_conv3x3_spans, Conv3x3Shape, ConvOutput, ConvTile};
 use tf_engines::nn::gpu::gemm_int8::HALF96_ROTATED;
 use tf_engines::nn::gpu::gemm_int8::{
-    int8_gemm_host, EpilogueOperands, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest,
+    int8_gemm_host, plan_bf16_gemm_stored, plan_int8_gemm_stored, plan_int8_swiglu_gemm_stored,
+    EpilogueOperands, GemmStore, Int8GemmKernels, Int8GemmOperands, Int8GemmShape, QkvDest,
     QkvNormRope, QkvRope,
 };
 use tf_engines::nn::gpu::plan_swiglu_ordered;
@@ -363,6 +369,161 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
             one_step * 100 <= m * hidden,
             "INT8 SwiGLU GEMM {m}x{hidden}x{k}: {one_step} values one step off (over 1%)"
         );
+    }
+}
+
+/// Runs `plan` for each store form into a fresh output of `rows` x `stride` sentinels and returns both outputs (direct,
+/// TMA) and the TMA form's kernel name.
+fn both_stores(
+    g: &Gpu,
+    (rows, stride): (usize, usize),
+    plan: &dyn Fn(&mut tf_cuda::DeviceViewMut<'_>, GemmStore) -> Result<String, tf_cuda::Error>,
+) -> (Vec<u16>, Vec<u16>, String) {
+    let mut outputs = Vec::new();
+    let mut tma_kernel = String::new();
+    for store in [GemmStore::Direct, GemmStore::Tma] {
+        let mut y = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; rows * stride]).expect("y");
+        let kernel = plan(&mut y.view_mut(), store).unwrap_or_else(|e| panic!("{store:?}: {e}"));
+        g.stream.synchronize().expect("synchronize");
+        outputs.push(y.to_vec().expect("y back"));
+        if store == GemmStore::Tma {
+            tma_kernel = kernel;
+        }
+    }
+    let tma = outputs.pop().expect("two outputs");
+    let direct = outputs.pop().expect("two outputs");
+    (direct, tma, tma_kernel)
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run on the GPU machine with --include-ignored"]
+fn tma_store_gemms_match_the_direct_store_bit_for_bit() {
+    let Some(g) = gpu("tma_store_gemms_match_the_direct_store_bit_for_bit") else {
+        return;
+    };
+    let sms = g.kernels.sm_count();
+    // (M, N, K, y stride): one tile; partial row tiles with a tile whose second half lies past N (N = 328); a
+    // strided output; a narrow N below one half; more tiles than SMs; H3's width of K; a stride that is not a
+    // multiple of 8 (the direct form runs).
+    for (i, &(m, n, k, stride)) in [
+        (128usize, 256usize, 128usize, 256usize),
+        (70, 328, 400, 336),
+        (130, 512, 256, 520),
+        (9, 26, 48, 32),
+        (2000, 4096, 384, 4096),
+        (33, 768, 5376, 768),
+        (40, 512, 256, 514),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let shape = Int8GemmShape { m, n, k };
+        let mut rng = Rng::new(8900 + i as u64);
+        let (x, w) = (codes(&mut rng, m * k), codes(&mut rng, n * k));
+        let (xs, ws) = (scales(&mut rng, m), scales(&mut rng, n));
+        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
+        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let (direct, tma, kernel) = both_stores(&g, (m, stride), &|y, store| {
+            let launch = plan_int8_gemm_stored(&g.ctx, sms, shape, &inputs, y, stride, store)?;
+            g.kernels.submit(&g.stream, &launch)?;
+            Ok(launch.kernel().to_string())
+        });
+        let want = int8_gemm_host(shape, &x, &xs, &w, &ws);
+        assert_equals_host(
+            "int8 (direct store)",
+            (m, n, k, stride),
+            &direct,
+            &want,
+            0x7fc1,
+        );
+        assert_equals_host("int8 (TMA store)", (m, n, k, stride), &tma, &want, 0x7fc1);
+        let expected = if stride % 8 == 0 {
+            "nn_gemm_int8_scaled_bf16_tma"
+        } else {
+            "nn_gemm_int8_scaled_bf16"
+        };
+        assert_eq!(
+            kernel, expected,
+            "the TMA form's kernel at y stride {stride}"
+        );
+
+        // The bf16 pipeline on exact operands, both forms equal to each other and to the host.
+        let (xf, wf) = (eighths(&mut rng, m * k), eighths(&mut rng, n * k));
+        let xb = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&xf)).expect("x");
+        let wb = DeviceBuffer::from_slice(&g.ctx, &bf16_bits(&wf)).expect("w");
+        let (xbv, wbv) = (xb.view(), wb.view());
+        let (direct, tma, _) = both_stores(&g, (m, stride), &|y, store| {
+            let launch =
+                plan_bf16_gemm_stored(&g.ctx, sms, shape, (&xbv, &wbv), y, (stride, store))?;
+            g.kernels.submit(&g.stream, &launch)?;
+            Ok(launch.kernel().to_string())
+        });
+        let differ = direct.iter().zip(&tma).filter(|(a, b)| a != b).count();
+        println!("bf16 gemm {m}x{n}x{k} (y stride {stride}): {differ} of {} elements differ between the stores", m * stride);
+        assert_eq!(
+            differ, 0,
+            "bf16 GEMM {m}x{n}x{k}: the TMA store differs from the direct one"
+        );
+    }
+    // The SwiGLU GEMMs, (M, hidden, K): one tile; partial row tiles and K past a slice; more tiles than SMs. INT8
+    // against its direct form bit for bit (the same approximate silu), and the bf16 form likewise.
+    for (i, &(m, hidden, k)) in [
+        (128usize, 128usize, 128usize),
+        (70, 256, 400),
+        (2000, 1536, 384),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(8950 + i as u64);
+        let both = 2 * hidden;
+        let (x, w) = (codes(&mut rng, m * k), codes(&mut rng, both * k));
+        let (xs, ws) = (scales(&mut rng, m), scales(&mut rng, both));
+        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
+        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
+        let inputs = Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        };
+        let xb = bf16_random(&g, &mut rng, m * k);
+        let wb = bf16_random(&g, &mut rng, both * k);
+        let (xbv, wbv) = (xb.view(), wb.view());
+        for (kind, operands) in [
+            ("int8", EpilogueOperands::Int8(&inputs)),
+            ("bf16", EpilogueOperands::Bf16 { x: &xbv, w: &wbv }),
+        ] {
+            let (direct, tma, kernel) = both_stores(&g, (m, hidden), &|y, store| {
+                let launch = plan_int8_swiglu_gemm_stored(
+                    &g.ctx,
+                    sms,
+                    (m, hidden, k),
+                    SwigluOrder::GateValue,
+                    operands,
+                    y,
+                    (hidden, store),
+                )?;
+                g.kernels.submit(&g.stream, &launch)?;
+                Ok(launch.kernel().to_string())
+            });
+            let differ = direct.iter().zip(&tma).filter(|(a, b)| a != b).count();
+            println!(
+                "{kind} swiglu gemm {m}x{hidden}x{k} ({kernel}): {differ} of {} values differ between the stores",
+                m * hidden
+            );
+            assert!(kernel.ends_with("_tma"), "{kernel}");
+            assert_eq!(
+                differ, 0,
+                "{kind} SwiGLU GEMM {m}x{hidden}x{k}: the TMA store differs"
+            );
+        }
     }
 }
 

@@ -7,8 +7,10 @@
 
 use tf_cuda::DeviceBuffer;
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_int8_gemm, plan_int8_qkv_gemm, plan_int8_swiglu_gemm, EpilogueOperands, Int8GemmOperands,
-    Int8GemmShape, QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS, SHARED_BYTES,
+    plan_bf16_gemm_stored, plan_int8_gemm, plan_int8_gemm_stored, plan_int8_qkv_gemm,
+    plan_int8_swiglu_gemm, plan_int8_swiglu_gemm_stored, EpilogueOperands, GemmStore,
+    Int8GemmOperands, Int8GemmShape, QkvDest, QkvNormRope, QkvRope, GEMM_INT8_KERNELS,
+    SHARED_BYTES, SHARED_BYTES_TMA, STORE_ENV,
 };
 use tf_engines::nn::gpu::rope::QkvOutputs;
 use tf_engines::nn::gpu::{Matrix, SwigluOrder};
@@ -83,6 +85,116 @@ fn the_launcher_names_each_refusal() {
             "the tile order's band: the one M tile"
         );
     }
+}
+
+/// The number of tensor maps a launch opens with (128-byte arguments).
+fn leading_maps(launch: &tf_engines::nn::gpu::Launch<'_>) -> usize {
+    launch
+        .args()
+        .sizes()
+        .iter()
+        .take_while(|&&size| size == 128)
+        .count()
+}
+
+#[test]
+fn the_tma_store_forms_pack_an_output_map_and_their_shared_memory() {
+    let _serial = test_lock();
+    let ctx = test_context();
+    let (m, k) = (64usize, 384usize);
+    let x_dev = DeviceBuffer::alloc(&ctx, 2 * m * k).expect("x");
+    let w_dev = DeviceBuffer::alloc(&ctx, 2 * 256 * k).expect("w");
+    let s_dev = DeviceBuffer::alloc(&ctx, 4 * 256).expect("scales");
+    // Room for rows of 264 elements (a multiple of 8) and of 258 (not).
+    let mut y_dev = DeviceBuffer::alloc(&ctx, 2 * m * 264).expect("y");
+    let (xv, wv, sv) = (x_dev.view(), w_dev.view(), s_dev.view());
+    let inputs = Int8GemmOperands {
+        x: &xv,
+        x_scale: &sv,
+        w: &wv,
+        w_scale: &sv,
+    };
+    let shape = Int8GemmShape { m, n: 256, k };
+    // (store, y stride): the kernel, its shared memory and its tensor maps (x, w, and y's for the TMA form).
+    for (store, stride, kernel, shared, maps) in [
+        (
+            GemmStore::Direct,
+            264,
+            "nn_gemm_int8_scaled_bf16",
+            SHARED_BYTES,
+            2,
+        ),
+        (
+            GemmStore::Tma,
+            264,
+            "nn_gemm_int8_scaled_bf16_tma",
+            SHARED_BYTES_TMA,
+            3,
+        ),
+        // A row stride the TMA unit cannot write (not 16 bytes): the direct form.
+        (
+            GemmStore::Tma,
+            258,
+            "nn_gemm_int8_scaled_bf16",
+            SHARED_BYTES,
+            2,
+        ),
+    ] {
+        let mut yv = y_dev.view_mut();
+        let launch = plan_int8_gemm_stored(&ctx, 132, shape, &inputs, &mut yv, stride, store)
+            .expect("valid call");
+        assert_eq!(launch.kernel(), kernel, "{store:?}, stride {stride}");
+        assert_eq!(launch.config().shared_bytes, shared);
+        assert_eq!(leading_maps(&launch), maps, "{store:?}, stride {stride}");
+        assert_eq!(last_int(&launch), 1, "the band still ends the arguments");
+    }
+    // The bf16 GEMM and both SwiGLU GEMMs (hidden 128 over the 256 weight rows).
+    let mut yv = y_dev.view_mut();
+    let launch = plan_bf16_gemm_stored(
+        &ctx,
+        132,
+        Int8GemmShape { m, n: 256, k: 192 },
+        (&xv, &wv),
+        &mut yv,
+        (264, GemmStore::Tma),
+    )
+    .expect("valid bf16 call");
+    assert_eq!(
+        (launch.kernel(), leading_maps(&launch)),
+        ("nn_gemm_bf16_tma", 3)
+    );
+    assert_eq!(launch.config().shared_bytes, SHARED_BYTES_TMA);
+    for (operands, kernel) in [
+        (
+            EpilogueOperands::Int8(&inputs),
+            "nn_gemm_int8_swiglu_bf16_tma",
+        ),
+        (
+            EpilogueOperands::Bf16 { x: &xv, w: &wv },
+            "nn_gemm_bf16_swiglu_tma",
+        ),
+    ] {
+        let mut yv = y_dev.view_mut();
+        let launch = plan_int8_swiglu_gemm_stored(
+            &ctx,
+            132,
+            (m, 128, 192),
+            SwigluOrder::GateValue,
+            operands,
+            &mut yv,
+            (128, GemmStore::Tma),
+        )
+        .expect("valid SwiGLU call");
+        assert_eq!((launch.kernel(), leading_maps(&launch)), (kernel, 3));
+        assert_eq!(launch.config().shared_bytes, SHARED_BYTES_TMA);
+        assert_eq!(last_int(&launch), 1);
+    }
+    // The variable's values.
+    assert_eq!(GemmStore::parse(""), Ok(GemmStore::Direct));
+    assert_eq!(GemmStore::parse("direct"), Ok(GemmStore::Direct));
+    assert_eq!(GemmStore::parse("tma"), Ok(GemmStore::Tma));
+    let err = GemmStore::parse("TMA").expect_err("case matters");
+    assert!(err.contains(STORE_ENV) && err.contains("direct"), "{err}");
 }
 
 #[test]

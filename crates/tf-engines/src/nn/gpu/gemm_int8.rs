@@ -26,7 +26,7 @@ use std::fmt;
 
 use tf_cuda::cublaslt::DeviceSpan;
 use tf_cuda::launch::{Args, LaunchConfig};
-use tf_cuda::tensor_map::{encode_bf16_tiles, encode_int8_tiles, Tiles};
+use tf_cuda::tensor_map::{encode_bf16_tiles, encode_int8_tiles, TensorMap, Tiles};
 use tf_cuda::{Context, DeviceView, DeviceViewMut, Stream};
 
 use super::act::SwigluOrder;
@@ -57,6 +57,18 @@ pub const GEMM_INT8_KERNELS: &[&str] = &[
     "nn_gemm_bf16_swiglu",
     "nn_gemm_bf16_qkv",
     "nn_gemm_bf16_qkv_half",
+    "nn_gemm_int8_scaled_bf16_tma",
+    "nn_gemm_bf16_tma",
+    "nn_gemm_int8_swiglu_bf16_tma",
+    "nn_gemm_bf16_swiglu_tma",
+];
+
+/// The TMA-store forms ([`GemmStore::Tma`]) of the INT8 GEMM, the bf16 GEMM, and the INT8 and bf16 SwiGLU GEMMs.
+const TMA_STORE_KERNELS: [&str; 4] = [
+    GEMM_INT8_KERNELS[12],
+    GEMM_INT8_KERNELS[13],
+    GEMM_INT8_KERNELS[14],
+    GEMM_INT8_KERNELS[15],
 ];
 
 /// The bf16 forms of the epilogue kernels ([`EpilogueOperands::Bf16`]): SwiGLU, q|k|v with interleaved RoPE,
@@ -84,6 +96,74 @@ const THREADS: u32 = 384;
 pub const SHARED_BYTES: u32 = (STAGES * (TILE_ROWS + TILE_COLS) * K_SLICE + 1024) as u32;
 // 227 KiB is the most one block may opt in to on sm_90.
 const _: () = assert!(SHARED_BYTES <= 227 * 1024);
+/// Dynamic shared memory of the [`GemmStore::Tma`] kernels: [`SHARED_BYTES`] and a staging area of 64 rows x 128
+/// bf16 columns for each of the two consumer warpgroups.
+pub const SHARED_BYTES_TMA: u32 = SHARED_BYTES + (2 * 64 * 128 * 2) as u32;
+// With the kernels' 64 bytes of barriers, still within the 227 KiB.
+const _: () = assert!(SHARED_BYTES_TMA + 64 <= 227 * 1024);
+
+/// The environment variable that picks how the plain and SwiGLU GEMMs of this set store their tiles
+/// ([`GemmStore`]): `direct` (the default) or `tma`.
+pub const STORE_ENV: &str = "TF_GEMM_STORE";
+
+/// How a GEMM of this set stores its output tiles. The values stored are the same either way (bit-equal outputs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmStore {
+    /// Each consumer thread stores its 16-byte blocks of `y` itself, after a shuffle within each quad of lanes.
+    #[default]
+    Direct,
+    /// Each consumer warpgroup writes its 64 rows of 128 columns into a staging area of shared memory in the
+    /// 128-byte swizzle and one thread hands it to the TMA unit (`y` through a tensor map), so the warpgroups go
+    /// on to the next tile's MMAs while the copy engine writes `y`. Needs `y`'s row stride a multiple of 8 (else the
+    /// direct form runs). The plain and SwiGLU GEMMs only; the q|k|v GEMMs store directly.
+    Tma,
+}
+
+impl GemmStore {
+    /// Parses a [`STORE_ENV`] value (empty: the default).
+    pub fn parse(value: &str) -> Result<GemmStore, String> {
+        match value {
+            "" | "direct" => Ok(GemmStore::Direct),
+            "tma" => Ok(GemmStore::Tma),
+            other => Err(format!(
+                "{STORE_ENV}={other:?} is not a store form: use `direct` or `tma`"
+            )),
+        }
+    }
+
+    /// [`STORE_ENV`]'s form, read once a process (every launch a planner packs asks), as a planner's error for `op`.
+    fn from_env_for(op: &'static str) -> Result<GemmStore, tf_cuda::Error> {
+        static ASKED: std::sync::OnceLock<Result<GemmStore, String>> = std::sync::OnceLock::new();
+        ASKED
+            .get_or_init(|| GemmStore::parse(&std::env::var(STORE_ENV).unwrap_or_default()))
+            .clone()
+            .map_err(|message| invalid(op, message))
+    }
+
+    /// The form a GEMM writing rows of `y_row_stride` elements takes: TMA needs 16-byte row strides.
+    fn for_stride(self, y_row_stride: usize) -> GemmStore {
+        if y_row_stride.is_multiple_of(8) {
+            self
+        } else {
+            GemmStore::Direct
+        }
+    }
+}
+
+/// The map a [`GemmStore::Tma`] kernel writes `y` through: bf16 rows of `y_row_stride` elements (a multiple of 8), `cols`
+/// of them stored in each of `m` rows, boxes of 64 columns by 64 rows (a consumer warpgroup's half tile is two).
+fn output_tiles(y_addr: u64, m: usize, cols: usize, y_row_stride: usize) -> Tiles {
+    Tiles {
+        base: y_addr,
+        cols: cols as u64,
+        rows: m as u64,
+        batch: 1,
+        row_stride_bytes: (y_row_stride * 2) as u64,
+        batch_stride_bytes: 0,
+        box_cols: 64,
+        box_rows: 64,
+    }
+}
 
 /// The environment variable that picks the INT8 GEMM the INT8 gate half of an e4m3 mode (`mlp_gate=int8`) runs:
 /// `cublaslt` (the default: cuBLASLt's INT8 GEMM into int32 products, which the SwiGLU dequantizes) or `ours`
@@ -426,6 +506,7 @@ impl EpilogueOperands<'_, '_> {
         args: &mut Args,
         shape: Int8GemmShape,
         (w_rows, w_box_rows): (usize, usize),
+        tm_y: Option<TensorMap>,
     ) -> Result<(), tf_cuda::Error> {
         let e = self.elem_bytes();
         let (x, w) = self.views();
@@ -442,6 +523,9 @@ impl EpilogueOperands<'_, '_> {
             ),
         };
         args.push(tm_x.words()).push(tm_w.words());
+        if let Some(tm_y) = tm_y {
+            args.push(tm_y.words());
+        }
         match self {
             EpilogueOperands::Int8(inputs) => args
                 .push_addr(inputs.x_scale.addr())
@@ -471,6 +555,20 @@ pub fn plan_int8_gemm<'a>(
     y: &'a mut DeviceViewMut<'_>,
     y_row_stride: usize,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    let store = GemmStore::from_env_for("INT8 GEMM")?;
+    plan_int8_gemm_stored(ctx, sm_count, shape, inputs, y, y_row_stride, store)
+}
+
+/// [`plan_int8_gemm`] with the store form given instead of read from [`STORE_ENV`].
+pub fn plan_int8_gemm_stored<'a>(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Int8GemmShape,
+    inputs: &Int8GemmOperands<'_, 'a>,
+    y: &'a mut DeviceViewMut<'_>,
+    y_row_stride: usize,
+    store: GemmStore,
+) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "INT8 GEMM";
     shape.check()?;
     let Int8GemmShape { m, n, k } = shape;
@@ -485,16 +583,23 @@ pub fn plan_int8_gemm<'a>(
     check_y(OP, shape, Operand::of_mut(y), y_row_stride)?;
     let tm_x = encode_int8_tiles(ctx, &operand_tiles(inputs.x.addr(), shape, 1, m, TILE_ROWS))?;
     let tm_w = encode_int8_tiles(ctx, &operand_tiles(inputs.w.addr(), shape, 1, n, TILE_COLS))?;
+    let store = store.for_stride(y_row_stride);
     let mut args = Args::new();
-    args.push(tm_x.words())
-        .push(tm_w.words())
-        .push_addr(inputs.x_scale.addr())
+    args.push(tm_x.words()).push(tm_w.words());
+    if store == GemmStore::Tma {
+        args.push(encode_bf16_tiles(ctx, &output_tiles(y.addr(), m, n, y_row_stride))?.words());
+    }
+    args.push_addr(inputs.x_scale.addr())
         .push_addr(inputs.w_scale.addr());
     push_output(&mut args, OP, shape, y.addr(), y_row_stride)?;
     args.push(shape.band_arg(OP, 1, sm_count)?);
+    let (kernel, shared) = match store {
+        GemmStore::Direct => (GEMM_INT8_KERNELS[0], SHARED_BYTES),
+        GemmStore::Tma => (TMA_STORE_KERNELS[0], SHARED_BYTES_TMA),
+    };
     Ok(Launch::new(
-        GEMM_INT8_KERNELS[0],
-        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
+        kernel,
+        LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(shared),
         args,
     ))
 }
@@ -516,6 +621,28 @@ pub fn plan_int8_swiglu_gemm<'a>(
     inputs: EpilogueOperands<'_, 'a>,
     y: &'a mut DeviceViewMut<'_>,
     y_row_stride: usize,
+) -> Result<Launch<'a>, tf_cuda::Error> {
+    let store = GemmStore::from_env_for("SwiGLU GEMM")?;
+    plan_int8_swiglu_gemm_stored(
+        ctx,
+        sm_count,
+        (m, hidden, k),
+        order,
+        inputs,
+        y,
+        (y_row_stride, store),
+    )
+}
+
+/// [`plan_int8_swiglu_gemm`] with the store form given instead of read from [`STORE_ENV`].
+pub fn plan_int8_swiglu_gemm_stored<'a>(
+    ctx: &Context,
+    sm_count: usize,
+    (m, hidden, k): (usize, usize, usize),
+    order: SwigluOrder,
+    inputs: EpilogueOperands<'_, 'a>,
+    y: &'a mut DeviceViewMut<'_>,
+    (y_row_stride, store): (usize, GemmStore),
 ) -> Result<Launch<'a>, tf_cuda::Error> {
     const OP: &str = "SwiGLU GEMM";
     if hidden == 0 || !hidden.is_multiple_of(SWIGLU_TILE_COLS) {
@@ -546,15 +673,27 @@ pub fn plan_int8_swiglu_gemm<'a>(
         SwigluOrder::GateValue => (0, hidden),
         SwigluOrder::ValueGate => (hidden, 0),
     };
+    let tm_y = match store {
+        GemmStore::Direct => None,
+        GemmStore::Tma => Some(encode_bf16_tiles(
+            ctx,
+            &output_tiles(y.addr(), m, hidden, y_row_stride),
+        )?),
+    };
     let mut args = Args::new();
-    inputs.push_maps_and_scales(ctx, &mut args, both, (both.n, SWIGLU_TILE_COLS))?;
+    inputs.push_maps_and_scales(ctx, &mut args, both, (both.n, SWIGLU_TILE_COLS), tm_y)?;
     push_output(&mut args, OP, out, y.addr(), y_row_stride)?;
     args.push(to_i32(OP, "gate base", gate_base)?)
         .push(to_i32(OP, "value base", value_base)?)
         .push(out.band_arg(OP, inputs.elem_bytes(), sm_count)?);
+    let (kernel, shared) = match (store, &inputs) {
+        (GemmStore::Direct, _) => (inputs.kernel(GEMM_INT8_KERNELS[2], 0), SHARED_BYTES),
+        (GemmStore::Tma, EpilogueOperands::Int8(_)) => (TMA_STORE_KERNELS[2], SHARED_BYTES_TMA),
+        (GemmStore::Tma, EpilogueOperands::Bf16 { .. }) => (TMA_STORE_KERNELS[3], SHARED_BYTES_TMA),
+    };
     Ok(Launch::new(
-        inputs.kernel(GEMM_INT8_KERNELS[2], 0),
-        LaunchConfig::new(both.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES),
+        kernel,
+        LaunchConfig::new(both.grid(sm_count)?, THREADS).with_shared(shared),
         args,
     ))
 }
@@ -727,7 +866,7 @@ pub fn plan_int8_qkv_gemm<'a>(
         }
     };
     let mut args = Args::new();
-    inputs.push_maps_and_scales(ctx, &mut args, shape, (shape.n, TILE_COLS))?;
+    inputs.push_maps_and_scales(ctx, &mut args, shape, (shape.n, TILE_COLS), None)?;
     args.push(qkv_words(
         [
             addrs[0],
@@ -803,9 +942,22 @@ pub fn plan_bf16_gemm<'a>(
     y: &'a mut DeviceViewMut<'_>,
     y_row_stride: usize,
 ) -> Result<Launch<'a>, tf_cuda::Error> {
+    let store = GemmStore::from_env_for("bf16 GEMM")?;
+    plan_bf16_gemm_stored(ctx, sm_count, shape, (x, w), y, (y_row_stride, store))
+}
+
+/// [`plan_bf16_gemm`] with the store form given instead of read from [`STORE_ENV`].
+pub fn plan_bf16_gemm_stored<'a>(
+    ctx: &Context,
+    sm_count: usize,
+    shape: Int8GemmShape,
+    (x, w): (&'a DeviceView<'_>, &'a DeviceView<'_>),
+    y: &'a mut DeviceViewMut<'_>,
+    (y_row_stride, store): (usize, GemmStore),
+) -> Result<Launch<'a>, tf_cuda::Error> {
     let operands = (Operand::of(x), Operand::of(w), Operand::of_mut(y));
-    let (config, args) = pack_bf16(ctx, sm_count, shape, operands, y_row_stride)?;
-    Ok(Launch::new(GEMM_INT8_KERNELS[1], config, args))
+    let (kernel, config, args) = pack_bf16(ctx, sm_count, shape, operands, (y_row_stride, store))?;
+    Ok(Launch::new(kernel, config, args))
 }
 
 /// [`plan_bf16_gemm`] over raw device spans (a step's operands at offsets of buffers it also borrows elsewhere):
@@ -818,7 +970,8 @@ pub fn plan_bf16_gemm_spans(
     y: DeviceSpan,
     y_row_stride: usize,
 ) -> Result<Launch<'static>, tf_cuda::Error> {
-    let (config, args) = pack_bf16(
+    let store = GemmStore::from_env_for("bf16 GEMM")?;
+    let (kernel, config, args) = pack_bf16(
         ctx,
         sm_count,
         shape,
@@ -827,19 +980,20 @@ pub fn plan_bf16_gemm_spans(
             Operand::of_span(w),
             Operand::of_span(y),
         ),
-        y_row_stride,
+        (y_row_stride, store),
     )?;
-    Ok(Launch::from_spans(GEMM_INT8_KERNELS[1], config, args))
+    Ok(Launch::from_spans(kernel, config, args))
 }
 
-/// Checks a bf16 GEMM's shape and operands (x, w, y) and packs its launch.
+/// Checks a bf16 GEMM's shape and operands (x, w, y) and packs its launch: the kernel of `store`, its
+/// configuration and arguments.
 fn pack_bf16(
     ctx: &Context,
     sm_count: usize,
     shape: Int8GemmShape,
     (x, w, y): (Operand, Operand, Operand),
-    y_row_stride: usize,
-) -> Result<(LaunchConfig, Args), tf_cuda::Error> {
+    (y_row_stride, store): (usize, GemmStore),
+) -> Result<(&'static str, LaunchConfig, Args), tf_cuda::Error> {
     const OP: &str = "bf16 GEMM";
     shape.check_bf16()?;
     let Int8GemmShape { m, n, k } = shape;
@@ -848,12 +1002,20 @@ fn pack_bf16(
     check_y(OP, shape, y, y_row_stride)?;
     let tm_x = encode_bf16_tiles(ctx, &operand_tiles(x.addr, shape, 2, m, TILE_ROWS))?;
     let tm_w = encode_bf16_tiles(ctx, &operand_tiles(w.addr, shape, 2, n, TILE_COLS))?;
+    let store = store.for_stride(y_row_stride);
     let mut args = Args::new();
     args.push(tm_x.words()).push(tm_w.words());
+    if store == GemmStore::Tma {
+        args.push(encode_bf16_tiles(ctx, &output_tiles(y.addr, m, n, y_row_stride))?.words());
+    }
     push_output(&mut args, OP, shape, y.addr, y_row_stride)?;
     args.push(shape.band_arg(OP, 2, sm_count)?);
-    let config = LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(SHARED_BYTES);
-    Ok((config, args))
+    let (kernel, shared) = match store {
+        GemmStore::Direct => (GEMM_INT8_KERNELS[1], SHARED_BYTES),
+        GemmStore::Tma => (TMA_STORE_KERNELS[1], SHARED_BYTES_TMA),
+    };
+    let config = LaunchConfig::new(shape.grid(sm_count)?, THREADS).with_shared(shared);
+    Ok((kernel, config, args))
 }
 
 /// The map of a dense operand of `rows` rows of K elements of `elem_bytes`, in boxes of one 128-byte slice of K
@@ -948,10 +1110,14 @@ impl Int8GemmKernels {
         let sm_count = require_sm90(ctx, GEMM_INT8_SET, "the INT8 GEMM")?;
         let mut set = LoadedSet::empty();
         set.add(ctx, GEMM_INT8_SET, GEMM_INT8_KERNELS, |name, function| {
-            let shared = ConvTile::ALL
-                .into_iter()
-                .find(|t| t.kernel() == name)
-                .map_or(SHARED_BYTES, ConvTile::shared_bytes);
+            let shared = if TMA_STORE_KERNELS.contains(&name) {
+                SHARED_BYTES_TMA
+            } else {
+                ConvTile::ALL
+                    .into_iter()
+                    .find(|t| t.kernel() == name)
+                    .map_or(SHARED_BYTES, ConvTile::shared_bytes)
+            };
             function.set_max_dynamic_shared(shared)?;
             Ok(true)
         })?;

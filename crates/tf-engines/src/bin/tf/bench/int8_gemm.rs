@@ -18,7 +18,8 @@ use tf_cuda::{Context, DeviceBuffer, Driver, Event, Stream};
 use tf_engines::nn::fp8::RowCodes;
 use tf_engines::nn::gpu::gemm::{Fp8Linear, GemmRunner, Linear, TIMED};
 use tf_engines::nn::gpu::gemm_int8::{
-    plan_bf16_gemm, plan_int8_gemm, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
+    plan_bf16_gemm, plan_int8_gemm, GemmStore, Int8GemmKernels, Int8GemmOperands, Int8GemmShape,
+    STORE_ENV,
 };
 use tf_engines::nn::gpu::quant::{plan_quantize_rows, plan_swiglu_codes, Fp8Rows, QuantKernels};
 use tf_engines::nn::gpu::{Matrix, SwigluOrder};
@@ -258,6 +259,9 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     // The DiTs' own cuBLASLt handle: timed selection and the process's plan cache.
     let gemms = GemmRunner::new(&ctx, TIMED)?;
     let wanted = wanted_shapes(args)?;
+    // How our GEMMs store their tiles (TF_GEMM_STORE; the q|k|v GEMMs always store directly).
+    let store = GemmStore::parse(&std::env::var(STORE_ENV).unwrap_or_default())?;
+    println!("our GEMMs' tile stores: {store:?} ({STORE_ENV})");
     if args.bf16 {
         return run_bf16(args, (&ctx, &stream), &kernels, &gemms, wanted);
     }
