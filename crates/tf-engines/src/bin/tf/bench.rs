@@ -397,6 +397,50 @@ fn report_energy(
     }))
 }
 
+/// The kernel choices set through the environment in this process (variable and value, only those set), so a
+/// bench's figures say which forms ran: the benches' JSON `kernel_env` ([`print_kernel_env`] prints them).
+#[cfg(feature = "bench")]
+fn kernel_env() -> serde_json::Value {
+    use tf_engines::minimax_h3::dit_gpu::kernels::LINEAR_W8_COLS_ENV;
+    use tf_engines::nn::gpu::gemm::{SELECTION_ENV, TIMING_DATA_ENV};
+    use tf_engines::nn::gpu::gemm_int8::{
+        BACKEND_ENV, BAND_ENV, BF16_BACKEND_ENV, QKV_ENV, STORE_ENV, SWIGLU_ENV,
+    };
+    let names = [
+        STORE_ENV,
+        BAND_ENV,
+        BACKEND_ENV,
+        BF16_BACKEND_ENV,
+        QKV_ENV,
+        SWIGLU_ENV,
+        LINEAR_W8_COLS_ENV,
+        SELECTION_ENV,
+        TIMING_DATA_ENV,
+    ];
+    let set: serde_json::Map<String, serde_json::Value> = names
+        .iter()
+        .filter_map(|&name| {
+            let value = std::env::var(name).ok()?;
+            Some((name.to_string(), serde_json::Value::String(value)))
+        })
+        .collect();
+    serde_json::Value::Object(set)
+}
+
+/// Prints [`kernel_env`]'s variables, when any is set.
+#[cfg(feature = "bench")]
+fn print_kernel_env() {
+    if let serde_json::Value::Object(set) = kernel_env() {
+        if !set.is_empty() {
+            let shown: Vec<String> = set
+                .iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect();
+            println!("kernel choices from the environment: {}", shown.join(" "));
+        }
+    }
+}
+
 /// The board a bench ran on, for the scripts that read its JSON (`energy_budget.py` sizes the tensor cores' rate at
 /// the measured clock from the SM count and compute capability).
 #[cfg(feature = "bench")]

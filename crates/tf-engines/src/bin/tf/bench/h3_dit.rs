@@ -207,6 +207,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
     let ctx = device.context();
     let info = ctx.device_info()?;
     println!("device: {info:?}");
+    super::print_kernel_env();
     let before = tf_cuda::usage();
     let load_start = Instant::now();
     let (mut dit, weights) = match (&args.model, args.random_weights) {
@@ -400,6 +401,7 @@ pub fn run(args: &H3DitArgs) -> Result<(), BoxError> {
         let json = serde_json::json!({
             "case": name,
             "device": super::device_json(&info),
+            "kernel_env": super::kernel_env(),
             "width": width,
             "height": height,
             "frames": frames,

@@ -203,6 +203,13 @@ fn wanted_shapes(args: &Int8GemmArgs) -> Result<Vec<Shape>, BoxError> {
         .collect())
 }
 
+/// How our plain and SwiGLU GEMMs store their tiles in this process ([`STORE_ENV`]).
+fn tile_store() -> Result<GemmStore, BoxError> {
+    Ok(GemmStore::parse(
+        &std::env::var(STORE_ENV).unwrap_or_default(),
+    )?)
+}
+
 /// Writes `rows` with the run's settings as JSON to `--json`, when given.
 pub(super) fn write_json(
     args: &Int8GemmArgs,
@@ -212,6 +219,7 @@ pub(super) fn write_json(
     if let Some(path) = &args.json {
         let report = serde_json::json!({
             "cublaslt_version": gemms.lt().library().version(),
+            "gemm_store": format!("{:?}", tile_store()?),
             "iters": args.iters,
             "rounds": args.rounds,
             "operands": if args.bf16 {
@@ -259,9 +267,10 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     // The DiTs' own cuBLASLt handle: timed selection and the process's plan cache.
     let gemms = GemmRunner::new(&ctx, TIMED)?;
     let wanted = wanted_shapes(args)?;
-    // How our GEMMs store their tiles (TF_GEMM_STORE; the q|k|v GEMMs always store directly).
-    let store = GemmStore::parse(&std::env::var(STORE_ENV).unwrap_or_default())?;
-    println!("our GEMMs' tile stores: {store:?} ({STORE_ENV})");
+    println!(
+        "our GEMMs' tile stores: {:?} ({STORE_ENV}; the q|k|v GEMMs always store directly)",
+        tile_store()?
+    );
     if args.bf16 {
         return run_bf16(args, (&ctx, &stream), &kernels, &gemms, wanted);
     }

@@ -133,6 +133,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         dit.set_gemm_selection(AlgoSelection::Heuristic)?;
     }
     println!("GEMM algorithm selection: {:?}", args.gemm_selection);
+    super::print_kernel_env();
     println!(
         "precision: {} ({})",
         args.precision,
@@ -299,6 +300,7 @@ pub fn run(args: &QwenDitArgs) -> Result<(), BoxError> {
         let json = serde_json::json!({
             "case": name,
             "device": super::device_json(&info),
+            "kernel_env": super::kernel_env(),
             "precision": args.precision.to_string(),
             "precision_resolved": dit.precision().to_string(),
             "text_rows": args.text_rows,
