@@ -136,18 +136,54 @@ fn assert_equals_host(
     assert_eq!(wrong, 0, "{kind} GEMM {m}x{n}x{k} differs from the host");
 }
 
-/// The INT8 GEMM's operands on the device: x and w codes, then their scales.
-fn upload_operands(
-    g: &Gpu,
-    (x, w): (&[i8], &[i8]),
-    (xs, ws): (&[f32], &[f32]),
-) -> [DeviceBuffer; 4] {
-    [
-        DeviceBuffer::from_slice(&g.ctx, x).expect("x"),
-        DeviceBuffer::from_slice(&g.ctx, w).expect("w"),
-        DeviceBuffer::from_slice(&g.ctx, xs).expect("x scales"),
-        DeviceBuffer::from_slice(&g.ctx, ws).expect("w scales"),
-    ]
+/// Random operands of an INT8 GEMM `[m, k] . [n, k]^T` (codes, then their scales, drawn in that order) on the host
+/// and on the device.
+struct Int8Case {
+    shape: Int8GemmShape,
+    x: Vec<i8>,
+    w: Vec<i8>,
+    xs: Vec<f32>,
+    ws: Vec<f32>,
+    dev: [DeviceBuffer; 4],
+}
+
+impl Int8Case {
+    fn random(g: &Gpu, rng: &mut Rng, shape: Int8GemmShape) -> Int8Case {
+        let Int8GemmShape { m, n, k } = shape;
+        let (x, w) = (codes(rng, m * k), codes(rng, n * k));
+        let (xs, ws) = (scales(rng, m), scales(rng, n));
+        let dev = [
+            DeviceBuffer::from_slice(&g.ctx, &x).expect("x"),
+            DeviceBuffer::from_slice(&g.ctx, &w).expect("w"),
+            DeviceBuffer::from_slice(&g.ctx, &xs).expect("x scales"),
+            DeviceBuffer::from_slice(&g.ctx, &ws).expect("w scales"),
+        ];
+        Int8Case {
+            shape,
+            x,
+            w,
+            xs,
+            ws,
+            dev,
+        }
+    }
+
+    /// The host's product, as the kernel computes it.
+    fn host(&self) -> Vec<f32> {
+        int8_gemm_host(self.shape, &self.x, &self.xs, &self.w, &self.ws)
+    }
+
+    /// Runs `f` on the device operands.
+    fn with_inputs<R>(&self, f: impl FnOnce(&Int8GemmOperands<'_, '_>) -> R) -> R {
+        let [x, w, xs, ws] = &self.dev;
+        let (xv, wv, xsv, wsv) = (x.view(), w.view(), xs.view(), ws.view());
+        f(&Int8GemmOperands {
+            x: &xv,
+            x_scale: &xsv,
+            w: &wv,
+            w_scale: &wsv,
+        })
+    }
 }
 
 fn codes(rng: &mut Rng, n: usize) -> Vec<i8> {
@@ -190,27 +226,18 @@ fn int8_gemm_matches_the_host_bit_for_bit() {
     .enumerate()
     {
         let mut rng = Rng::new(8100 + i as u64);
-        let x = codes(&mut rng, m * k);
-        let w = codes(&mut rng, n * k);
-        let xs = scales(&mut rng, m);
-        let ws = scales(&mut rng, n);
         let shape = Int8GemmShape { m, n, k };
-        let want = int8_gemm_host(shape, &x, &xs, &w, &ws);
-        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
+        let case = Int8Case::random(&g, &mut rng, shape);
+        let want = case.host();
         // A sentinel in every element, so a store that lands outside the rows and columns shows up.
         let sentinel = 0x7fc1u16;
         let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![sentinel; m * stride]).expect("y");
-        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
         let mut yv = y_dev.view_mut();
-        g.kernels
-            .gemm(&g.ctx, &g.stream, shape, &inputs, &mut yv, stride)
-            .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k}: {e}"));
+        case.with_inputs(|inputs| {
+            g.kernels
+                .gemm(&g.ctx, &g.stream, shape, inputs, &mut yv, stride)
+        })
+        .unwrap_or_else(|e| panic!("INT8 GEMM {m}x{n}x{k}: {e}"));
         g.stream.synchronize().expect("synchronize");
         let got: Vec<u16> = y_dev.to_vec().expect("y back");
         assert_equals_host("int8", (m, n, k, stride), &got, &want, sentinel);
@@ -301,12 +328,9 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
     {
         let mut rng = Rng::new(8300 + i as u64);
         let both = 2 * hidden;
-        let x = codes(&mut rng, m * k);
-        let w = codes(&mut rng, both * k);
-        let xs = scales(&mut rng, m);
-        let ws = scales(&mut rng, both);
+        let case = Int8Case::random(&g, &mut rng, Int8GemmShape { m, n: both, k });
         // The plain GEMM's bf16 products of both halves, then silu(gate) * value in f32, rounded to bf16.
-        let products = int8_gemm_host(Int8GemmShape { m, n: both, k }, &x, &xs, &w, &ws);
+        let products = case.host();
         let (gate_base, value_base) = match order {
             SwigluOrder::GateValue => (0, hidden),
             SwigluOrder::ValueGate => (hidden, 0),
@@ -320,27 +344,20 @@ fn int8_swiglu_gemm_matches_the_host_within_one_bf16_step() {
                 want[r * hidden + c] = half::bf16::from_f32(h).to_bits();
             }
         }
-        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
         let mut y_dev = DeviceBuffer::from_slice(&g.ctx, &vec![0x7fc1u16; m * hidden]).expect("y");
-        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
         let mut yv = y_dev.view_mut();
-        g.kernels
-            .gemm_swiglu(
+        case.with_inputs(|inputs| {
+            g.kernels.gemm_swiglu(
                 &g.ctx,
                 &g.stream,
                 (m, hidden, k),
                 order,
-                &inputs,
+                inputs,
                 &mut yv,
                 hidden,
             )
-            .unwrap_or_else(|e| panic!("INT8 SwiGLU GEMM {m}x{hidden}x{k}: {e}"));
+        })
+        .unwrap_or_else(|e| panic!("INT8 SwiGLU GEMM {m}x{hidden}x{k}: {e}"));
         g.stream.synchronize().expect("synchronize");
         let got: Vec<u16> = y_dev.to_vec().expect("y back");
         // The kernel's silu divides approximately (2 ulp of f32), so a value next to a rounding boundary may land
@@ -419,22 +436,15 @@ fn tma_store_gemms_match_the_direct_store_bit_for_bit() {
     {
         let shape = Int8GemmShape { m, n, k };
         let mut rng = Rng::new(8900 + i as u64);
-        let (x, w) = (codes(&mut rng, m * k), codes(&mut rng, n * k));
-        let (xs, ws) = (scales(&mut rng, m), scales(&mut rng, n));
-        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
-        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
+        let case = Int8Case::random(&g, &mut rng, shape);
         let (direct, tma, kernel) = both_stores(&g, (m, stride), &|y, store| {
-            let launch = plan_int8_gemm_stored(&g.ctx, sms, shape, &inputs, y, stride, store)?;
-            g.kernels.submit(&g.stream, &launch)?;
-            Ok(launch.kernel().to_string())
+            case.with_inputs(|inputs| {
+                let launch = plan_int8_gemm_stored(&g.ctx, sms, shape, inputs, y, stride, store)?;
+                g.kernels.submit(&g.stream, &launch)?;
+                Ok(launch.kernel().to_string())
+            })
         });
-        let want = int8_gemm_host(shape, &x, &xs, &w, &ws);
+        let want = case.host();
         assert_equals_host(
             "int8 (direct store)",
             (m, n, k, stride),
@@ -483,35 +493,29 @@ fn tma_store_gemms_match_the_direct_store_bit_for_bit() {
     {
         let mut rng = Rng::new(8950 + i as u64);
         let both = 2 * hidden;
-        let (x, w) = (codes(&mut rng, m * k), codes(&mut rng, both * k));
-        let (xs, ws) = (scales(&mut rng, m), scales(&mut rng, both));
-        let [x_dev, w_dev, xs_dev, ws_dev] = upload_operands(&g, (&x, &w), (&xs, &ws));
-        let (xv, wv, xsv, wsv) = (x_dev.view(), w_dev.view(), xs_dev.view(), ws_dev.view());
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
+        let case = Int8Case::random(&g, &mut rng, Int8GemmShape { m, n: both, k });
         let xb = bf16_random(&g, &mut rng, m * k);
         let wb = bf16_random(&g, &mut rng, both * k);
         let (xbv, wbv) = (xb.view(), wb.view());
-        for (kind, operands) in [
-            ("int8", EpilogueOperands::Int8(&inputs)),
-            ("bf16", EpilogueOperands::Bf16 { x: &xbv, w: &wbv }),
-        ] {
+        for kind in ["int8", "bf16"] {
             let (direct, tma, kernel) = both_stores(&g, (m, hidden), &|y, store| {
-                let launch = plan_int8_swiglu_gemm_stored(
-                    &g.ctx,
-                    sms,
-                    (m, hidden, k),
-                    SwigluOrder::GateValue,
-                    operands,
-                    y,
-                    (hidden, store),
-                )?;
-                g.kernels.submit(&g.stream, &launch)?;
-                Ok(launch.kernel().to_string())
+                case.with_inputs(|inputs| {
+                    let operands = match kind {
+                        "int8" => EpilogueOperands::Int8(inputs),
+                        _ => EpilogueOperands::Bf16 { x: &xbv, w: &wbv },
+                    };
+                    let launch = plan_int8_swiglu_gemm_stored(
+                        &g.ctx,
+                        sms,
+                        (m, hidden, k),
+                        SwigluOrder::GateValue,
+                        operands,
+                        y,
+                        (hidden, store),
+                    )?;
+                    g.kernels.submit(&g.stream, &launch)?;
+                    Ok(launch.kernel().to_string())
+                })
             });
             let differ = direct.iter().zip(&tma).filter(|(a, b)| a != b).count();
             println!(
@@ -530,12 +534,8 @@ fn tma_store_gemms_match_the_direct_store_bit_for_bit() {
 /// A fused q|k|v GEMM's random operands on the device: INT8 codes and scales for `heads` heads of 128 (N = 3 x 128
 /// heads), norm weights in 0.5..1.5 and RoPE tables of `table_cols` columns a row (f32, or bf16 with `bf16_tables`).
 struct QkvOperands {
-    shape: Int8GemmShape,
+    gemm: Int8Case,
     heads: usize,
-    x: DeviceBuffer,
-    w: DeviceBuffer,
-    x_scale: DeviceBuffer,
-    w_scale: DeviceBuffer,
     q_weight: DeviceBuffer,
     k_weight: DeviceBuffer,
     cos: DeviceBuffer,
@@ -551,12 +551,12 @@ impl QkvOperands {
         bf16_tables: bool,
     ) -> QkvOperands {
         let mut rng = Rng::new(seed);
-        let n = 3 * heads * 128;
-        let x = codes(&mut rng, m * k);
-        let w = codes(&mut rng, n * k);
-        let xs = scales(&mut rng, m);
-        let ws = scales(&mut rng, n);
-        let [x, w, x_scale, w_scale] = upload_operands(g, (&x, &w), (&xs, &ws));
+        let shape = Int8GemmShape {
+            m,
+            n: 3 * heads * 128,
+            k,
+        };
+        let gemm = Int8Case::random(g, &mut rng, shape);
         let bf16_of = |v: f32| half::bf16::from_f32(v).to_bits();
         let up16 = |v: &[u16]| DeviceBuffer::from_slice(&g.ctx, v).expect("upload");
         let mut norm_weight = || -> DeviceBuffer {
@@ -579,12 +579,8 @@ impl QkvOperands {
         };
         let (cos, sin) = (table(f32::cos), table(f32::sin));
         QkvOperands {
-            shape: Int8GemmShape { m, n, k },
+            gemm,
             heads,
-            x,
-            w,
-            x_scale,
-            w_scale,
             q_weight,
             k_weight,
             cos,
@@ -599,24 +595,12 @@ impl QkvOperands {
         table_cols: usize,
         f: impl FnOnce(&Int8GemmOperands<'_, '_>, &QkvNormRope<'_, '_>) -> R,
     ) -> R {
-        let (xv, wv, xsv, wsv) = (
-            self.x.view(),
-            self.w.view(),
-            self.x_scale.view(),
-            self.w_scale.view(),
-        );
         let (qwv, kwv, cv, sv) = (
             self.q_weight.view(),
             self.k_weight.view(),
             self.cos.view(),
             self.sin.view(),
         );
-        let inputs = Int8GemmOperands {
-            x: &xv,
-            x_scale: &xsv,
-            w: &wv,
-            w_scale: &wsv,
-        };
         let norm = QkvNormRope {
             heads: self.heads,
             q_weight: &qwv,
@@ -627,17 +611,17 @@ impl QkvOperands {
             rope_sin: &sv,
             rope_stride: table_cols,
         };
-        f(&inputs, &norm)
+        self.gemm.with_inputs(|inputs| f(inputs, &norm))
     }
 
     /// The plain INT8 GEMM's q|k|v rows (dense, N columns).
     fn plain_gemm(&self, g: &Gpu) -> DeviceBuffer {
-        let Int8GemmShape { m, n, .. } = self.shape;
+        let Int8GemmShape { m, n, .. } = self.gemm.shape;
         let mut y = DeviceBuffer::from_slice(&g.ctx, &vec![0u16; m * n]).expect("q|k|v rows");
         self.with(QkvRope::Interleaved, 64, |inputs, _| {
             let mut yv = y.view_mut();
             g.kernels
-                .gemm(&g.ctx, &g.stream, self.shape, inputs, &mut yv, n)
+                .gemm(&g.ctx, &g.stream, self.gemm.shape, inputs, &mut yv, n)
                 .expect("plain INT8 GEMM");
         });
         y
@@ -683,7 +667,7 @@ fn int8_qkv_gemm_matches_the_gemm_and_the_qk_norm_apart() {
     .enumerate()
     {
         let ops = QkvOperands::random(&g, 8400 + i as u64, (m, heads, k), 64, false);
-        let n = ops.shape.n;
+        let n = ops.gemm.shape.n;
         let sentinel = 0x7fc1u16;
         // Apart: the plain GEMM into q|k|v rows, then the QK norm + RoPE pass into q, k and v.
         let qkv_dev = ops.plain_gemm(&g);
@@ -810,7 +794,7 @@ fn int8_qkv_gemm_in_place_matches_the_gemm_and_minimax_h3s_qk_norm_apart() {
     .enumerate()
     {
         let ops = QkvOperands::random(&g, 8500 + i as u64, (m, heads, k), table_cols, true);
-        let n = ops.shape.n;
+        let n = ops.gemm.shape.n;
         // Apart: the plain GEMM into q|k|v rows, then H3's QK norm + RoPE in place.
         let mut apart = ops.plain_gemm(&g);
         ops.with(QkvRope::Half96, table_cols, |_, norm| {
@@ -961,7 +945,7 @@ fn bf16_epilogue_gemms_match_the_bf16_gemm_and_the_passes_apart() {
     {
         // The norm weights and tables of the INT8 test's operands; bf16 x and w of their own.
         let ops = QkvOperands::random(&g, 8800 + i as u64, (m, heads, k), table_cols, true);
-        let n = ops.shape.n;
+        let n = ops.gemm.shape.n;
         let mut rng = Rng::new(8900 + i as u64);
         let (x, w) = (
             bf16_random(&g, &mut rng, m * k),

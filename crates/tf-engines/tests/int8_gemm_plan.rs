@@ -5,7 +5,7 @@
 // A failed check in a test is meant to stop it: tests may unwrap, expect and panic.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use tf_cuda::DeviceBuffer;
+use tf_cuda::{DeviceBuffer, DeviceView};
 use tf_engines::nn::gpu::gemm_int8::{
     plan_bf16_gemm_stored, plan_int8_gemm, plan_int8_gemm_stored, plan_int8_qkv_gemm,
     plan_int8_swiglu_gemm, plan_int8_swiglu_gemm_stored, EpilogueOperands, GemmStore,
@@ -19,6 +19,20 @@ use tf_testdriver::test_lock;
 #[path = "common/test_driver.rs"]
 mod test_driver;
 use test_driver::context as test_context;
+
+/// The INT8 GEMM's operands over `x` and `w`, one buffer of scales serving both sides (planning reads only sizes).
+fn operands<'v, 'a>(
+    x: &'v DeviceView<'a>,
+    w: &'v DeviceView<'a>,
+    scales: &'v DeviceView<'a>,
+) -> Int8GemmOperands<'v, 'a> {
+    Int8GemmOperands {
+        x,
+        x_scale: scales,
+        w,
+        w_scale: scales,
+    }
+}
 
 /// A launch's last argument, a 4-byte int: every GEMM kernel of the set ends with its tile order's band.
 fn last_int(launch: &tf_engines::nn::gpu::Launch<'_>) -> i32 {
@@ -36,12 +50,7 @@ fn the_launcher_names_each_refusal() {
     let s_dev = DeviceBuffer::alloc(&ctx, 4 * 256).expect("scales");
     let mut y_dev = DeviceBuffer::alloc(&ctx, 2 * 64 * 256).expect("y");
     let (xv, wv, sv) = (x_dev.view(), w_dev.view(), s_dev.view());
-    let inputs = Int8GemmOperands {
-        x: &xv,
-        x_scale: &sv,
-        w: &wv,
-        w_scale: &sv,
-    };
+    let inputs = operands(&xv, &wv, &sv);
     let ok = Int8GemmShape {
         m: 64,
         n: 256,
@@ -108,12 +117,7 @@ fn the_tma_store_forms_pack_an_output_map_and_their_shared_memory() {
     // Room for rows of 264 elements (a multiple of 8) and of 258 (not).
     let mut y_dev = DeviceBuffer::alloc(&ctx, 2 * m * 264).expect("y");
     let (xv, wv, sv) = (x_dev.view(), w_dev.view(), s_dev.view());
-    let inputs = Int8GemmOperands {
-        x: &xv,
-        x_scale: &sv,
-        w: &wv,
-        w_scale: &sv,
-    };
+    let inputs = operands(&xv, &wv, &sv);
     let shape = Int8GemmShape { m, n: 256, k };
     // (store, y stride): the kernel, its shared memory and its tensor maps (x, w, and y's for the TMA form).
     for (store, stride, kernel, shared, maps) in [
@@ -207,12 +211,7 @@ fn the_swiglu_launcher_names_each_refusal_and_packs_both_halves() {
     let s_dev = DeviceBuffer::alloc(&ctx, 4 * 256).expect("scales");
     let mut y_dev = DeviceBuffer::alloc(&ctx, 2 * 64 * 128).expect("y");
     let (xv, wv, sv) = (x_dev.view(), w_dev.view(), s_dev.view());
-    let inputs = Int8GemmOperands {
-        x: &xv,
-        x_scale: &sv,
-        w: &wv,
-        w_scale: &sv,
-    };
+    let inputs = operands(&xv, &wv, &sv);
     for ((m, hidden, k), stride, needle) in [
         (
             (64, 96, 384),
@@ -295,12 +294,7 @@ fn the_qkv_launcher_names_each_refusal_and_packs_its_epilogue() {
         table_dev.view(),
         short_table.view(),
     );
-    let inputs = Int8GemmOperands {
-        x: &xv,
-        x_scale: &sv,
-        w: &wv,
-        w_scale: &sv,
-    };
+    let inputs = operands(&xv, &wv, &sv);
     let norm = QkvNormRope {
         heads: 2,
         q_weight: &nwv,
