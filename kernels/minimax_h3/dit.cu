@@ -603,8 +603,8 @@ __device__ __forceinline__ void linear_w8_rows(const bf16* __restrict__ x, int x
 // The ring form (sm_90): persistent CTAs, each over the column groups blockIdx.x, blockIdx.x + gridDim.x, ... of 16
 // columns. Thread 0 streams each group's codes (16 rows of k bytes, contiguous in w) into a ring of
 // H3_LINEAR_W8_STAGES shared-memory stages with one bulk copy, counted on the stage's mbarrier, so the copies of the
-// next stages stay in flight while the warps sum the current one (the register forms hold at most the codes of
-// the group being summed). Each warp sums its two columns exactly as the two-columns form does, reading the codes
+// next stages stay in flight while the warps sum the current one (a register form holds the codes of the group
+// being summed and, in 1t4, of the next). Each warp sums its two columns exactly as the two-columns form does, reading the codes
 // from the stage where that form reads its registers: the same codes, the same order, bit-equal outputs. Then the
 // CTA synchronizes (the stage is free again) and thread 0 refills it with the group H3_LINEAR_W8_STAGES later.
 #define H3_LINEAR_W8_STAGES 4

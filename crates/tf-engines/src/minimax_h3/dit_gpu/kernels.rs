@@ -39,7 +39,7 @@ const H3_KERNELS: &[&str] = &[
 ];
 
 /// The ring form's kernels: loaded only where they can run (sm_90 or newer, its shared memory opted in).
-const RING_KERNELS: [&str; 2] = ["h3_linear_fp8w_rows_ring", "h3_linear_int8w_rows_ring"];
+const RING_KERNELS: [&str; 2] = [H3_KERNELS[15], H3_KERNELS[16]];
 
 /// Rows at most for which [`plan_linear_f32`] picks the few-rows kernel (one warp per output column).
 pub const FEW_ROWS: usize = 8;

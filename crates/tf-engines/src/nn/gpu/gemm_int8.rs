@@ -8,7 +8,9 @@
 //! [`plan_int8_gemm`] checks every operand and packs one launch; [`Int8GemmKernels`] loads the set and submits it.
 //! Both DiTs' default 8-bit modes (`gemm=int8`) run every block GEMM group on it: on an H100 it takes 0.88-0.97 of
 //! cuBLASLt's row-wise FP8 GEMM's time at every DiT shape (docs/RESULTS.md). The set also holds the same pipeline over
-//! bf16 operands ([`plan_bf16_gemm`], `TF_BF16_GEMM=ours`), which is not faster than cuBLASLt inside a step.
+//! bf16 operands ([`plan_bf16_gemm`], `TF_BF16_GEMM=ours`), which is not faster than cuBLASLt inside a step. The
+//! plain and SwiGLU kernels have a second form that stores its tiles through shared memory and the TMA unit
+//! ([`GemmStore`], `TF_GEMM_STORE=tma`; the same outputs).
 //!
 //! ```no_run
 //! # fn demo(ctx: &tf_cuda::Context, stream: &tf_cuda::Stream, x: &tf_cuda::DeviceView<'_>,
@@ -546,7 +548,7 @@ impl EpilogueOperands<'_, '_> {
 }
 
 /// Checks `shape` and every operand and packs the launch for a GPU of `sm_count` SMs (its tensor maps encoded
-/// through `ctx`'s driver).
+/// through `ctx`'s driver), in the store form [`STORE_ENV`] names.
 pub fn plan_int8_gemm<'a>(
     ctx: &Context,
     sm_count: usize,
