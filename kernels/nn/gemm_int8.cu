@@ -269,46 +269,47 @@ namespace {
 
 // --- The TMA-store epilogue (kernels *_tma) ---
 //
-// Instead of each thread storing its values to y, a consumer warpgroup writes its 64 rows of 128 output columns (a
-// half of a plain tile, all of a SwiGLU tile) into its own 16 KiB staging area after the ring, as two 64 x 64 boxes
-// in the 128-byte swizzle (row r's 16-byte chunk c at chunk c ^ (r % 8): each warp's 4-byte writes hit 32 banks),
-// and one thread hands both boxes to the TMA unit (cp.async.bulk.tensor, the y map's bounds clip rows past M and
-// columns past N). The consumers go on to the next tile's MMAs while the copy engine writes y. Before the area is
-// written again, that thread waits until the previous copies have read it. The values are the plain epilogue's,
-// only the way they reach y differs, so the outputs are bit-equal.
-constexpr int kG8StageCols = 128;                          // output columns a staging area holds
-constexpr int kG8StagingBytes = 64 * kG8StageCols * 2;      // a consumer warpgroup's area: 16 KiB
+// Instead of each thread storing its values to y, a consumer warpgroup writes its 64 rows in boxes of 64 columns
+// into its own 16 KiB staging area after the ring, two boxes used in turn, each 64 x 128 bytes in the 128-byte
+// swizzle (row r's 16-byte chunk c at chunk c ^ (r % 8): each warp's 4-byte writes hit 32 banks), and one thread
+// hands each box to the TMA unit (cp.async.bulk.tensor, the y map's bounds clip rows past M and columns past N).
+// Before a box is written again, that thread waits until the copy that last read it has done so, while the copy of
+// the other box may still run, so the next box's arithmetic overlaps the previous box's copy; the consumers go on to
+// the next tile's MMAs while the copy engine writes y. The values are the plain epilogue's, only the way they reach y
+// differs, so the outputs are bit-equal.
+constexpr int kG8BoxCols = 64;                           // output columns a staging box holds
+constexpr int kG8BoxBytes = 64 * kG8BoxCols * 2;         // 8 KiB
+constexpr int kG8StagingBytes = 2 * kG8BoxBytes;         // a consumer warpgroup's area: 16 KiB
 
 struct G8Staging {
     uint32_t base;  // this warpgroup's area (1024-byte aligned)
     int consumer;   // 0 or 1: its named barrier is 1 + consumer
-    // Waits until the area may be written: the warpgroup's elected thread waits for its earlier copies to have read
-    // it, then the warpgroup meets.
+    int boxes = 0;  // boxes this warpgroup has stored (the same in all its threads): the next is box boxes % 2
+    __device__ __forceinline__ uint32_t box() const { return base + (boxes & 1) * kG8BoxBytes; }
+    // Waits until the next box may be written (the elected thread: every copy but the latest has read its box),
+    // then the warpgroup meets.
     __device__ __forceinline__ void begin() const {
-        if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
         named_barrier_sync(1 + consumer, 128);
     }
-    // One packed bf16 pair at warpgroup row `row` (0..63), column `col` (even, 0..127) of the area.
+    // One packed bf16 pair at warpgroup row `row` (0..63), column `col` (even, 0..63) of the next box.
     __device__ __forceinline__ void put(int row, int col, uint32_t pair) const {
-        const uint32_t at = base + (col >> 6) * (64 * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4) +
-                            (col & 7) * 2;
+        const uint32_t at = box() + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4) + (col & 7) * 2;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pair) : "memory");
     }
-    // Hands the area to the TMA unit: its two boxes at y's (col0, row0) and (col0 + 64, row0).
-    __device__ __forceinline__ void store(const TmaMap* tm_y, int col0, int row0) const {
+    // Hands the box to the TMA unit, at y's (col0, row0).
+    __device__ __forceinline__ void store(const TmaMap* tm_y, int col0, int row0) {
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         named_barrier_sync(1 + consumer, 128);
         if (threadIdx.x % 128 == 0) {
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                asm volatile(
-                    "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                        reinterpret_cast<uint64_t>(tm_y)),
-                    "r"(col0 + 64 * b), "r"(row0), "r"(0), "r"(base + b * (64 * 128))
-                    : "memory");
-            }
+            asm volatile(
+                "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                    reinterpret_cast<uint64_t>(tm_y)),
+                "r"(col0), "r"(row0), "r"(0), "r"(box())
+                : "memory");
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
+        ++boxes;
     }
     // At the kernel's end: the elected thread waits for every copy to finish before the CTA's shared memory goes.
     __device__ __forceinline__ void drain() const {
@@ -322,12 +323,12 @@ struct G8Staging {
 // bf16: bf16 rows of n (the hidden width, a multiple of 128; y's row stride a multiple of 8) at columns origin.y ..
 // + 127, 16 bytes a lane after the quad transpose. silu is the one the separate SwiGLU after that GEMM runs: the
 // INT8 path's quantizing SwiGLU (nn::silu_fast), nn_act's x / (1 + exp(-x)) after a bf16 GEMM.
-// With a staging area (the _tma kernels) the pairs go to it unshuffled, and it is handed to the TMA unit.
+// With a staging area (the _tma kernels) the pairs go to its boxes unshuffled, each handed to the TMA unit.
 template <typename Acc>
 __device__ __forceinline__ void swiglu_epilogue(const Acc (&acc)[128], const float* __restrict__ x_scale,
                                                 const float* __restrict__ w_scale, bf16* __restrict__ y,
                                                 int64_t y_row_stride, int m, int n, int2 origin, int2 bases,
-                                                int lane, const G8Staging* staging = nullptr,
+                                                int lane, G8Staging* staging = nullptr,
                                                 const TmaMap* tm_y = nullptr, int2 stage_origin = int2{}) {
     const int row_a = origin.x;
     const int row_b = row_a + 8;
@@ -351,21 +352,27 @@ __device__ __forceinline__ void swiglu_epilogue(const Acc (&acc)[128], const flo
         return *reinterpret_cast<const uint32_t*>(&h);
     };
     if (staging != nullptr) {
-        // stage_origin: this thread's first row within its warpgroup's 64, and the tile's first hidden column.
-        staging->begin();
+        // stage_origin: this thread's first row within its warpgroup's 64, and the warpgroup's first row of y. Two
+        // boxes of 64 hidden columns: a tile's two boxes need no wait between them (the box the second one reuses
+        // was the previous tile's), so each pair goes to the box as it is made.
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int col = c0 + 8 * j;
-            const float2 wg = g8_col_scales<Acc>(w_scale, bases.x + col);
-            const float2 wv = g8_col_scales<Acc>(w_scale, bases.y + col);
-            staging->put(stage_origin.x, 8 * j + 2 * q,
-                         h_pair(acc[4 * j], acc[4 * j + 1], acc[4 * (j + 16)], acc[4 * (j + 16) + 1], scale_a, wg,
-                                wv));
-            staging->put(stage_origin.x + 8, 8 * j + 2 * q,
-                         h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3],
-                                scale_b, wg, wv));
+        for (int b = 0; b < 2; ++b) {
+            staging->begin();
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                const int j = 8 * b + jj;
+                const int col = c0 + 8 * j;
+                const float2 wg = g8_col_scales<Acc>(w_scale, bases.x + col);
+                const float2 wv = g8_col_scales<Acc>(w_scale, bases.y + col);
+                staging->put(stage_origin.x, 8 * jj + 2 * q,
+                             h_pair(acc[4 * j], acc[4 * j + 1], acc[4 * (j + 16)], acc[4 * (j + 16) + 1], scale_a,
+                                    wg, wv));
+                staging->put(stage_origin.x + 8, 8 * jj + 2 * q,
+                             h_pair(acc[4 * j + 2], acc[4 * j + 3], acc[4 * (j + 16) + 2], acc[4 * (j + 16) + 3],
+                                    scale_b, wg, wv));
+            }
+            staging->store(tm_y, origin.y + kG8BoxCols * b, stage_origin.y);
         }
-        staging->store(tm_y, origin.y, stage_origin.y);
         return;
     }
 #pragma unroll
@@ -650,7 +657,7 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
     const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    const G8Staging staging{ring.smem + kG8Stages * kG8StageBytes + consumer * kG8StagingBytes, consumer};
+    G8Staging staging{ring.smem + kG8Stages * kG8StageBytes + consumer * kG8StagingBytes, consumer};
     Acc acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = Acc(0);
@@ -742,21 +749,27 @@ __device__ __forceinline__ void gemm_tiles(const TmaMap& tm_x, const TmaMap& tm_
             }
         };
         if constexpr (kTma) {
-            // Each 128-column half of the tile through the staging area (a half wholly past N is skipped).
+            // The tile's 64-column boxes through the staging area (a box wholly past N is skipped), each box's
+            // pairs made before the wait for its staging box.
             const int wrow = warp * 16 + lane / 4;
 #pragma unroll
-            for (int h = 0; h < kG8Cols / kG8StageCols; ++h) {
-                if (n0 + kG8StageCols * h >= n) break;
+            for (int b = 0; b < kG8Cols / kG8BoxCols; ++b) {
+                if (n0 + kG8BoxCols * b >= n) break;
+                uint32_t pa[kG8BoxCols / 8], pb[kG8BoxCols / 8];
+#pragma unroll
+                for (int jj = 0; jj < kG8BoxCols / 8; ++jj) {
+                    const int j = (kG8BoxCols / 8) * b + jj;
+                    const float2 ws = w_scales(col0 + 8 * j);
+                    pa[jj] = scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws);
+                    pb[jj] = scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws);
+                }
                 staging.begin();
 #pragma unroll
-                for (int jj = 0; jj < kG8StageCols / 8; ++jj) {
-                    const int j = (kG8StageCols / 8) * h + jj;
-                    const float2 ws = w_scales(col0 + 8 * j);
-                    staging.put(wrow, 8 * jj + 2 * (lane % 4), scaled(acc[4 * j], acc[4 * j + 1], scale_a, ws));
-                    staging.put(wrow + 8, 8 * jj + 2 * (lane % 4),
-                                scaled(acc[4 * j + 2], acc[4 * j + 3], scale_b, ws));
+                for (int jj = 0; jj < kG8BoxCols / 8; ++jj) {
+                    staging.put(wrow, 8 * jj + 2 * (lane % 4), pa[jj]);
+                    staging.put(wrow + 8, 8 * jj + 2 * (lane % 4), pb[jj]);
                 }
-                staging.store(tm_y, n0 + kG8StageCols * h, m0 + consumer * 64);
+                staging.store(tm_y, n0 + kG8BoxCols * b, m0 + consumer * 64);
             }
             continue;
         }

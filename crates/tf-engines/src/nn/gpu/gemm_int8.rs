@@ -98,8 +98,8 @@ const THREADS: u32 = 384;
 pub const SHARED_BYTES: u32 = (STAGES * (TILE_ROWS + TILE_COLS) * K_SLICE + 1024) as u32;
 // 227 KiB is the most one block may opt in to on sm_90.
 const _: () = assert!(SHARED_BYTES <= 227 * 1024);
-/// Dynamic shared memory of the [`GemmStore::Tma`] kernels: [`SHARED_BYTES`] and a staging area of 64 rows x 128
-/// bf16 columns for each of the two consumer warpgroups.
+/// Dynamic shared memory of the [`GemmStore::Tma`] kernels: [`SHARED_BYTES`] and a staging area of two boxes of 64
+/// rows x 64 bf16 columns for each of the two consumer warpgroups.
 pub const SHARED_BYTES_TMA: u32 = SHARED_BYTES + (2 * 64 * 128 * 2) as u32;
 // With the kernels' 64 bytes of barriers, still within the 227 KiB.
 const _: () = assert!(SHARED_BYTES_TMA + 64 <= 227 * 1024);
@@ -114,9 +114,9 @@ pub enum GemmStore {
     /// Each consumer thread stores its 16-byte blocks of `y` itself, after a shuffle within each quad of lanes.
     #[default]
     Direct,
-    /// Each consumer warpgroup writes its 64 rows of 128 columns into a staging area of shared memory in the
-    /// 128-byte swizzle and one thread hands it to the TMA unit (`y` through a tensor map), so the warpgroups go
-    /// on to the next tile's MMAs while the copy engine writes `y`. Needs `y`'s row stride a multiple of 8 (else the
+    /// Each consumer warpgroup writes its 64 rows in boxes of 64 columns into two staging boxes of shared memory
+    /// (used in turn, 128-byte swizzle) and one thread hands each box to the TMA unit (`y` through a tensor map),
+    /// so the warpgroups go on to the next box and the next tile's MMAs while the copy engine writes `y`. Needs `y`'s row stride a multiple of 8 (else the
     /// direct form runs). The plain and SwiGLU GEMMs only; the q|k|v GEMMs store directly.
     Tma,
 }
@@ -153,7 +153,7 @@ impl GemmStore {
 }
 
 /// The map a [`GemmStore::Tma`] kernel writes `y` through: bf16 rows of `y_row_stride` elements (a multiple of 8), `cols`
-/// of them stored in each of `m` rows, boxes of 64 columns by 64 rows (a consumer warpgroup's half tile is two).
+/// of them stored in each of `m` rows, boxes of 64 columns by 64 rows (one staging box).
 fn output_tiles(y_addr: u64, m: usize, cols: usize, y_row_stride: usize) -> Tiles {
     Tiles {
         base: y_addr,
