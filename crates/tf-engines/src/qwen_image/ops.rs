@@ -194,7 +194,7 @@ impl DitKernels {
 
     /// Submits a launch built by a `plan_*` function of this module or of [`crate::nn::gpu`].
     pub fn submit(&self, stream: &Stream, launch: &Launch<'_>) -> Result<(), tf_cuda::Error> {
-        if self.dit.has(launch.kernel) {
+        if self.dit.owns(launch.kernel) {
             self.dit.submit(stream, launch)
         } else {
             self.nn.submit(stream, launch)

@@ -398,15 +398,15 @@ fn report_energy(
 }
 
 /// The kernel choices set through the environment in this process (variable and value, only those set), so a
-/// bench's figures say which forms ran: the benches' JSON `kernel_env` ([`print_kernel_env`] prints them).
+/// bench's figures say which forms ran: printed by [`print_kernel_env`], written as `kernel_env` by [`kernel_env`].
 #[cfg(feature = "bench")]
-fn kernel_env() -> serde_json::Value {
+fn kernel_env_vars() -> Vec<(&'static str, String)> {
     use tf_engines::minimax_h3::dit_gpu::kernels::LINEAR_W8_COLS_ENV;
     use tf_engines::nn::gpu::gemm::{SELECTION_ENV, TIMING_DATA_ENV};
     use tf_engines::nn::gpu::gemm_int8::{
         BACKEND_ENV, BAND_ENV, BF16_BACKEND_ENV, QKV_ENV, STORE_ENV, SWIGLU_ENV,
     };
-    let names = [
+    [
         STORE_ENV,
         BAND_ENV,
         BACKEND_ENV,
@@ -416,28 +416,29 @@ fn kernel_env() -> serde_json::Value {
         LINEAR_W8_COLS_ENV,
         SELECTION_ENV,
         TIMING_DATA_ENV,
-    ];
-    let set: serde_json::Map<String, serde_json::Value> = names
-        .iter()
-        .filter_map(|&name| {
-            let value = std::env::var(name).ok()?;
-            Some((name.to_string(), serde_json::Value::String(value)))
-        })
-        .collect();
-    serde_json::Value::Object(set)
+    ]
+    .into_iter()
+    .filter_map(|name| Some((name, std::env::var(name).ok()?)))
+    .collect()
 }
 
-/// Prints [`kernel_env`]'s variables, when any is set.
+/// [`kernel_env_vars`] as a JSON object.
+#[cfg(feature = "bench")]
+fn kernel_env() -> serde_json::Value {
+    kernel_env_vars()
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), serde_json::Value::String(value)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// Prints [`kernel_env_vars`], when any is set.
 #[cfg(feature = "bench")]
 fn print_kernel_env() {
-    if let serde_json::Value::Object(set) = kernel_env() {
-        if !set.is_empty() {
-            let shown: Vec<String> = set
-                .iter()
-                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
-                .collect();
-            println!("kernel choices from the environment: {}", shown.join(" "));
-        }
+    let set = kernel_env_vars();
+    if !set.is_empty() {
+        let shown: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("kernel choices from the environment: {}", shown.join(" "));
     }
 }
 

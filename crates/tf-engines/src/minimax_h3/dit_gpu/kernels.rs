@@ -803,8 +803,7 @@ impl H3Kernels {
         plan: Result<Launch<'_>, tf_cuda::Error>,
     ) -> Result<(), tf_cuda::Error> {
         let launch = plan?;
-        // A ring kernel left out at load goes to its own set, whose error says why.
-        if self.h3.has(launch.kernel()) || RING_KERNELS.contains(&launch.kernel()) {
+        if self.h3.owns(launch.kernel()) {
             self.h3.submit(stream, &launch)
         } else {
             self.nn.submit(stream, &launch)

@@ -133,11 +133,17 @@ impl GemmStore {
         }
     }
 
-    /// [`STORE_ENV`]'s form, read once a process (every launch a planner packs asks), as a planner's error for `op`.
+    /// The form [`STORE_ENV`] asks for (the default when it is unset).
+    pub fn from_env() -> Result<GemmStore, String> {
+        GemmStore::parse(&std::env::var(STORE_ENV).unwrap_or_default())
+    }
+
+    /// [`GemmStore::from_env`], read once a process (every launch a planner packs asks), as a planner's error for
+    /// `op`.
     fn from_env_for(op: &'static str) -> Result<GemmStore, tf_cuda::Error> {
         static ASKED: std::sync::OnceLock<Result<GemmStore, String>> = std::sync::OnceLock::new();
         ASKED
-            .get_or_init(|| GemmStore::parse(&std::env::var(STORE_ENV).unwrap_or_default()))
+            .get_or_init(GemmStore::from_env)
             .clone()
             .map_err(|message| invalid(op, message))
     }

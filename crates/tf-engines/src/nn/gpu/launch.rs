@@ -364,11 +364,13 @@ pub(crate) fn require_sm90(
 }
 
 /// Loaded kernels of one or more kernel sets: their modules (which own the code the functions point into) and the
-/// kernels looked up, so a launch names its kernel by symbol.
+/// kernels looked up, so a launch names its kernel by symbol; and the kernels `keep` left out, which still belong
+/// to these sets ([`LoadedSet::owns`]).
 pub(crate) struct LoadedSet {
     sets: Vec<&'static str>,
     modules: Vec<Module>,
     functions: HashMap<&'static str, Function>,
+    left_out: Vec<&'static str>,
 }
 
 impl std::fmt::Debug for LoadedSet {
@@ -377,6 +379,7 @@ impl std::fmt::Debug for LoadedSet {
             .field("sets", &self.sets)
             .field("modules", &self.modules.len())
             .field("kernels", &self.functions.len())
+            .field("left_out", &self.left_out)
             .finish()
     }
 }
@@ -388,6 +391,7 @@ impl LoadedSet {
             sets: Vec::new(),
             modules: Vec::new(),
             functions: HashMap::new(),
+            left_out: Vec::new(),
         }
     }
 
@@ -423,6 +427,8 @@ impl LoadedSet {
             let function = module.function(name).map_err(cuda)?;
             if keep(name, &function).map_err(cuda)? {
                 found.push((name, function));
+            } else {
+                self.left_out.push(name);
             }
         }
         self.functions.extend(found);
@@ -434,6 +440,12 @@ impl LoadedSet {
     /// True when `kernel` is loaded.
     pub(crate) fn has(&self, kernel: &str) -> bool {
         self.functions.contains_key(kernel)
+    }
+
+    /// True when `kernel` is one of these sets' kernels, loaded or left out: a component holding several
+    /// `LoadedSet`s submits a launch to the one that owns it, whose error then names the sets and why.
+    pub(crate) fn owns(&self, kernel: &str) -> bool {
+        self.has(kernel) || self.left_out.contains(&kernel)
     }
 
     fn function(&self, launch: &Launch<'_>) -> Result<&Function, tf_cuda::Error> {

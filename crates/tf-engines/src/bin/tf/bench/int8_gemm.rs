@@ -203,13 +203,6 @@ fn wanted_shapes(args: &Int8GemmArgs) -> Result<Vec<Shape>, BoxError> {
         .collect())
 }
 
-/// How our plain and SwiGLU GEMMs store their tiles in this process ([`STORE_ENV`]).
-fn tile_store() -> Result<GemmStore, BoxError> {
-    Ok(GemmStore::parse(
-        &std::env::var(STORE_ENV).unwrap_or_default(),
-    )?)
-}
-
 /// Writes `rows` with the run's settings as JSON to `--json`, when given.
 pub(super) fn write_json(
     args: &Int8GemmArgs,
@@ -219,7 +212,7 @@ pub(super) fn write_json(
     if let Some(path) = &args.json {
         let report = serde_json::json!({
             "cublaslt_version": gemms.lt().library().version(),
-            "gemm_store": format!("{:?}", tile_store()?),
+            "gemm_store": format!("{:?}", GemmStore::from_env()?),
             "iters": args.iters,
             "rounds": args.rounds,
             "operands": if args.bf16 {
@@ -269,7 +262,7 @@ pub fn run(args: &Int8GemmArgs) -> Result<(), BoxError> {
     let wanted = wanted_shapes(args)?;
     println!(
         "our GEMMs' tile stores: {:?} ({STORE_ENV}; the q|k|v GEMMs always store directly)",
-        tile_store()?
+        GemmStore::from_env()?
     );
     if args.bf16 {
         return run_bf16(args, (&ctx, &stream), &kernels, &gemms, wanted);
