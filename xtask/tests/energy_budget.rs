@@ -15,11 +15,15 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// `python3` when it runs here; else prints that the calling test is skipped (visibly: the script needs it).
 fn python() -> Option<&'static str> {
     let found = Command::new("python3")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
+    if !found {
+        println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
+    }
     found.then_some("python3")
 }
 
@@ -78,7 +82,6 @@ fn close(a: f64, b: f64) -> bool {
 #[test]
 fn splits_measured_steps_into_gemm_and_other_joules() {
     let Some(python) = python() else {
-        println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
         return;
     };
     let out_dir = scratch_dir("budget");
@@ -172,7 +175,6 @@ fn splits_measured_steps_into_gemm_and_other_joules() {
 #[test]
 fn bad_input_exits_2_and_names_the_cause() {
     let Some(python) = python() else {
-        println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
         return;
     };
     let cases: [(&[&str], &str); 3] = [
@@ -243,7 +245,6 @@ fn bad_input_exits_2_and_names_the_cause() {
 #[test]
 fn clock_bound_is_the_step_mma_flops_at_the_dense_rates_of_the_measured_clock() {
     let Some(python) = python() else {
-        println!("SKIPPED: no python3 on PATH to run tests/python/energy_budget.py");
         return;
     };
     let out_dir = scratch_dir("bound");
